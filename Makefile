@@ -1,0 +1,76 @@
+# Sluice: `make run` brings the suite up and streams a demo; `make test` runs every test.
+SHELL := /bin/bash
+.DEFAULT_GOAL := help
+
+PYTHON ?= python3
+UV_VERSION := 0.13.9
+# uv from PATH, else a private copy in .tools (installed on first use).
+UV := $(or $(shell command -v uv 2>/dev/null),$(CURDIR)/.tools/bin/uv)
+BUF := node_modules/.bin/buf
+
+# Every Python project with its own environment.
+SERVICES := services/gateway services/inference-adapter services/triton-local
+LIBS := libs/sluice-protos libs/sluice-common libs/sluice-stack
+PROJECTS := $(LIBS) $(SERVICES) tests bench
+UNIT_TESTED := libs/sluice-common $(SERVICES)
+
+.PHONY: help setup uv node protos protos-check proto-lint run test test-unit test-e2e bench-path clean
+
+help:
+	@echo "make run        start the whole suite locally and stream a demo completion (Ctrl-C stops it)"
+	@echo "make test       proto checks, each service's unit tests, then end-to-end tests on the real stack"
+	@echo "make bench-path time to first token and tokens/s through each hop"
+	@echo "make setup      create every environment from the lock files (run and test do this)"
+
+$(CURDIR)/.tools/bin/uv:
+	$(PYTHON) -m venv .tools
+	.tools/bin/pip install --quiet "uv==$(UV_VERSION)"
+
+uv: $(UV)
+
+node_modules/.bin/buf: package.json package-lock.json
+	npm ci --silent --no-audit --no-fund
+	@touch $@
+
+node: $(BUF)
+
+# Locked installs: a lock file that no longer matches its pyproject fails here.
+setup: uv
+	@for project in $(PROJECTS); do \
+	  echo "== $$project"; \
+	  (cd $$project && $(UV) sync --locked --quiet) || exit 1; \
+	done
+
+protos: setup
+	tools/gen_protos.sh
+
+# Fails when the committed generated code differs from what the protos generate.
+protos-check: setup
+	@tmp=$$(mktemp -d) && tools/gen_protos.sh $$tmp && \
+	  diff -r -x __pycache__ $$tmp/sluice libs/sluice-protos/src/sluice && rm -rf $$tmp && \
+	  echo "generated code is up to date" || { echo "generated code is stale: run 'make protos' and commit"; exit 1; }
+
+proto-lint: node
+	$(BUF) lint
+	$(BUF) format -d --exit-code
+
+run: setup protos-check
+	libs/sluice-stack/.venv/bin/python -m sluice_stack
+
+test-unit: setup
+	@for project in $(UNIT_TESTED); do \
+	  echo "== unit tests: $$project"; \
+	  (cd $$project && .venv/bin/python -m pytest -q) || exit 1; \
+	done
+
+test-e2e: setup
+	cd tests && .venv/bin/python -m pytest -q
+
+test: proto-lint protos-check test-unit test-e2e
+
+bench-path: setup
+	bench/.venv/bin/python bench/bench_path.py
+
+clean:
+	rm -rf .run .tools node_modules
+	find . -name .venv -type d -prune -exec rm -rf {} +

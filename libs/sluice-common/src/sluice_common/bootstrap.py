@@ -1,0 +1,24 @@
+"""The `__main__` of every service: config from the environment, logging, run, clean exit."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+from sluice_common.config import ConfigError, ServerConfig, load_config
+from sluice_common.log import configure_logging
+
+C = TypeVar("C", bound=ServerConfig)
+
+
+def run_service(service: str, config_cls: type[C], prefix: str, main: Callable[[C], Awaitable[None]]) -> None:
+    """Loads config (exit 2 with a clear message when it is wrong), sets up logging, runs `main`."""
+    try:
+        config = load_config(config_cls, prefix)
+    except ConfigError as exc:
+        print(f"{service}: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+    configure_logging(service, config.log_level, config.log_json)
+    asyncio.run(main(config))

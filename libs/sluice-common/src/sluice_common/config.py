@@ -1,0 +1,101 @@
+"""Configuration read once from the environment into a frozen dataclass.
+
+Each service declares a frozen dataclass; `load_config` fills every field from
+`<PREFIX><FIELD_NAME_UPPER>` and reports every bad or missing value at once, so an
+operator fixes a deployment in one pass instead of one crash per variable.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import typing
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+
+
+class ConfigError(ValueError):
+    """One or more environment variables are missing or malformed."""
+
+
+def _parse(raw: str, kind: Any) -> Any:
+    if kind is str:
+        return raw
+    if kind is int:
+        return int(raw)
+    if kind is float:
+        return float(raw)
+    if kind is bool:
+        lowered = raw.strip().lower()
+        if lowered in _TRUE:
+            return True
+        if lowered in _FALSE:
+            return False
+        raise ValueError("expected one of true/false/1/0/yes/no/on/off")
+    if kind is Path:
+        return Path(raw)
+    origin = typing.get_origin(kind)
+    if origin is tuple:
+        (item_kind, _ellipsis) = typing.get_args(kind)
+        return tuple(_parse(item.strip(), item_kind) for item in raw.split(",") if item.strip())
+    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+        inner = [arg for arg in typing.get_args(kind) if arg is not type(None)]
+        return None if raw == "" else _parse(raw, inner[0])
+    raise TypeError(f"unsupported config field type {kind!r}")
+
+
+def _describe(kind: Any) -> str:
+    return {int: "an integer", float: "a number", bool: "a boolean"}.get(kind, f"a {getattr(kind, '__name__', kind)}")
+
+
+def env_name(prefix: str, field_name: str) -> str:
+    return f"{prefix}{field_name.upper()}"
+
+
+def load_config(cls: type[T], prefix: str, environ: Mapping[str, str] | None = None) -> T:
+    """Builds `cls` from the environment; raises ConfigError naming every bad variable."""
+    environ = os.environ if environ is None else environ
+    hints = typing.get_type_hints(cls)
+    values: dict[str, Any] = {}
+    problems: list[str] = []
+    for field in dataclasses.fields(cls):  # type: ignore[arg-type]
+        name = env_name(prefix, field.name)
+        raw = environ.get(name)
+        if raw is None:
+            if field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING:
+                problems.append(f"{name} is required but not set")
+            continue
+        try:
+            values[field.name] = _parse(raw, hints[field.name])
+        except ValueError as exc:
+            problems.append(f"{name}={raw!r} is not {_describe(hints[field.name])} ({exc})")
+    if problems:
+        raise ConfigError("invalid configuration: " + "; ".join(problems))
+    try:
+        return cls(**values)
+    except ValueError as exc:  # __post_init__ checks of ranges and combinations
+        raise ConfigError(f"invalid configuration: {exc}") from exc
+
+
+def require(condition: bool, message: str) -> None:
+    """For __post_init__ range checks; the message names the variable and the allowed range."""
+    if not condition:
+        raise ValueError(message)
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerConfig:
+    """Settings every gRPC service has; each service's config subclasses it."""
+
+    host: str = "127.0.0.1"
+    port: int = 0
+    metrics_port: int = 0
+    log_level: str = "INFO"
+    log_json: bool | None = None
+    shutdown_grace_s: float = 5.0

@@ -1,0 +1,65 @@
+"""Errors that domain code raises; the server interceptor turns each into its gRPC status.
+
+This module does not import grpc on purpose: domain modules raise these and stay
+free of transport concerns. `code` is a gRPC status code name.
+"""
+
+from __future__ import annotations
+
+
+class SluiceError(Exception):
+    code = "INTERNAL"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class InvalidArgument(SluiceError):
+    """A request field is wrong; `field_name` is its path, such as "sampling.max_tokens"."""
+
+    code = "INVALID_ARGUMENT"
+
+    def __init__(self, field_name: str, reason: str) -> None:
+        super().__init__(f"{field_name}: {reason}")
+        self.field_name = field_name
+        self.reason = reason
+
+
+class Unauthenticated(SluiceError):
+    code = "UNAUTHENTICATED"
+
+
+class PermissionDenied(SluiceError):
+    code = "PERMISSION_DENIED"
+
+
+class NotFound(SluiceError):
+    code = "NOT_FOUND"
+
+
+class ResourceExhausted(SluiceError):
+    """Capacity is short; the client may retry after `retry_after_s` seconds."""
+
+    code = "RESOURCE_EXHAUSTED"
+
+    def __init__(self, message: str, retry_after_s: float = 1.0, quota_subject: str = "") -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+        self.quota_subject = quota_subject
+
+
+class Unavailable(SluiceError):
+    code = "UNAVAILABLE"
+
+
+class DeadlineExceeded(SluiceError):
+    code = "DEADLINE_EXCEEDED"
+
+
+class Cancelled(SluiceError):
+    code = "CANCELLED"
+
+
+class Unimplemented(SluiceError):
+    code = "UNIMPLEMENTED"

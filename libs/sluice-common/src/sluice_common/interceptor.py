@@ -1,0 +1,161 @@
+"""The one server interceptor: request id, error mapping, a summary log line and RPC metrics.
+
+Domain code raises `SluiceError` subclasses; here each becomes its gRPC status with
+the rich details a client can act on (google.rpc.BadRequest for a bad field,
+RetryInfo and QuotaFailure for exhausted capacity). Anything else is logged with
+its traceback and answered INTERNAL without leaking internals to the client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import grpc
+import structlog
+from google.protobuf import any_pb2, duration_pb2
+from google.rpc import code_pb2, error_details_pb2, status_pb2
+from grpc_status import rpc_status
+from prometheus_client import Counter, Histogram
+
+from sluice_common.errors import InvalidArgument, ResourceExhausted, SluiceError
+from sluice_common.request_context import bind_request_id, new_request_id, request_id_from_metadata
+
+log = structlog.stdlib.get_logger("sluice.rpc")
+
+RPC_REQUESTS = Counter("sluice_rpc_requests_total", "RPCs handled, by method and status code.", ["method", "code"])
+RPC_DURATION = Histogram(
+    "sluice_rpc_duration_seconds",
+    "Time from an RPC's start to its end (the whole stream for streaming RPCs).",
+    ["method"],
+    buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120),
+)
+
+# Health and reflection calls are frequent and uninteresting: counted, logged at debug.
+_QUIET_PREFIXES = ("/grpc.health.v1.", "/grpc.reflection.")
+
+
+def status_for(error: SluiceError) -> grpc.Status:
+    """The grpc.Status (with google.rpc details) that a SluiceError maps to."""
+    code = getattr(code_pb2, error.code, code_pb2.INTERNAL)
+    status = status_pb2.Status(code=code, message=error.message)
+    if isinstance(error, InvalidArgument):
+        violation = error_details_pb2.BadRequest.FieldViolation(field=error.field_name, description=error.reason)
+        _pack(status, error_details_pb2.BadRequest(field_violations=[violation]))
+    if isinstance(error, ResourceExhausted):
+        _pack(status, error_details_pb2.RetryInfo(retry_delay=_duration(error.retry_after_s)))
+        if error.quota_subject:
+            quota = error_details_pb2.QuotaFailure.Violation(subject=error.quota_subject, description=error.message)
+            _pack(status, error_details_pb2.QuotaFailure(violations=[quota]))
+    return rpc_status.to_status(status)
+
+
+def _pack(status: status_pb2.Status, detail: Any) -> None:
+    packed = any_pb2.Any()
+    packed.Pack(detail)
+    status.details.append(packed)
+
+
+def _duration(seconds: float) -> duration_pb2.Duration:
+    duration = duration_pb2.Duration()
+    duration.FromNanoseconds(int(max(seconds, 0.0) * 1e9))
+    return duration
+
+
+class _CallRecord:
+    """Bookkeeping for one RPC: request id, outcome and the summary line."""
+
+    def __init__(self, method: str, context: grpc.aio.ServicerContext) -> None:
+        self.method = method
+        self.context = context
+        self.code = "OK"
+        self.started = time.perf_counter()
+        structlog.contextvars.clear_contextvars()
+        self.request_id = request_id_from_metadata(context.invocation_metadata()) or new_request_id()
+        bind_request_id(self.request_id)
+        structlog.contextvars.bind_contextvars(rpc=method)
+
+    async def fail(self, error: BaseException) -> None:
+        if isinstance(error, SluiceError):
+            self.code = error.code
+            status = status_for(error)
+            await self.context.abort(status.code, status.details, status.trailing_metadata)
+        if isinstance(error, asyncio.CancelledError):
+            # grpc cancels the handler both when the client goes away and when its deadline passes.
+            remaining = self.context.time_remaining()
+            self.code = "DEADLINE_EXCEEDED" if remaining is not None and remaining <= 0 else "CANCELLED"
+            raise error
+        if isinstance(error, grpc.aio.AioRpcError):
+            # A downstream service's status passes through unchanged, rich details included.
+            self.code = error.code().name
+            details = tuple((k, v) for k, v in error.trailing_metadata() or () if k == "grpc-status-details-bin")
+            await self.context.abort(error.code(), error.details() or "", details)
+        if isinstance(error, grpc.aio.AbortError):
+            code = self.context.code()
+            self.code = code.name if isinstance(code, grpc.StatusCode) else "UNKNOWN"
+            raise error
+        self.code = "INTERNAL"
+        log.exception("rpc_failed")
+        await self.context.abort(grpc.StatusCode.INTERNAL, f"internal error (request_id={self.request_id})")
+
+    def finish(self) -> None:
+        elapsed = time.perf_counter() - self.started
+        RPC_REQUESTS.labels(self.method, self.code).inc()
+        RPC_DURATION.labels(self.method).observe(elapsed)
+        quiet = self.method.startswith(_QUIET_PREFIXES) and self.code == "OK"
+        emit = log.debug if quiet else log.info
+        emit("rpc", code=self.code, duration_ms=round(elapsed * 1000, 2), peer=self.context.peer())
+
+
+def _wrap_unary(method: str, behavior: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
+    async def handle(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        record = _CallRecord(method, context)
+        try:
+            return await behavior(request, context)
+        except BaseException as error:  # noqa: BLE001 - mapped, then re-raised as a status
+            await record.fail(error)
+        finally:
+            record.finish()
+
+    return handle
+
+
+def _wrap_stream(method: str, behavior: Callable[..., AsyncIterator[Any]]) -> Callable[..., AsyncIterator[Any]]:
+    async def handle(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        record = _CallRecord(method, context)
+        try:
+            async for response in behavior(request, context):
+                yield response
+        except BaseException as error:  # noqa: BLE001 - mapped, then re-raised as a status
+            if isinstance(error, GeneratorExit):
+                record.code = "CANCELLED"
+                raise
+            await record.fail(error)
+        finally:
+            record.finish()
+
+    return handle
+
+
+class SluiceServerInterceptor(grpc.aio.ServerInterceptor):
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return None
+        method = handler_call_details.method
+        common = {
+            "request_deserializer": handler.request_deserializer,
+            "response_serializer": handler.response_serializer,
+        }
+        if handler.unary_unary:
+            return grpc.unary_unary_rpc_method_handler(_wrap_unary(method, handler.unary_unary), **common)
+        if handler.unary_stream:
+            return grpc.unary_stream_rpc_method_handler(_wrap_stream(method, handler.unary_stream), **common)
+        # Client-streaming RPCs are not part of Sluice's API; pass them through untouched.
+        return handler

@@ -1,0 +1,70 @@
+"""structlog set up once per process.
+
+Every record, ours and the stdlib ones from grpc, aio-pika or tritonclient, goes
+through one ProcessorFormatter: JSON lines when stderr is not a terminal (what log
+shippers want), coloured key=value on a terminal. `merge_contextvars` runs first so
+that the request id bound per call appears on every line logged during that call.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import structlog
+
+_configured = False
+
+
+def configure_logging(service: str, level: str = "INFO", json: bool | None = None) -> None:
+    global _configured
+    if _configured:
+        return
+    _configured = True
+    render_json = (not sys.stderr.isatty()) if json is None else json
+    shared: list[structlog.types.Processor] = [
+        structlog.contextvars.merge_contextvars,
+        structlog.stdlib.add_log_level,
+        structlog.stdlib.add_logger_name,
+        structlog.processors.TimeStamper(fmt="iso", utc=True),
+        structlog.processors.StackInfoRenderer(),
+    ]
+    structlog.configure(
+        processors=[*shared, structlog.stdlib.ProcessorFormatter.wrap_for_formatter],
+        logger_factory=structlog.stdlib.LoggerFactory(),
+        wrapper_class=structlog.stdlib.BoundLogger,
+        cache_logger_on_first_use=True,
+    )
+    renderer: structlog.types.Processor = (
+        structlog.processors.JSONRenderer() if render_json else structlog.dev.ConsoleRenderer(colors=True)
+    )
+    formatter = structlog.stdlib.ProcessorFormatter(
+        foreign_pre_chain=shared,
+        processors=[
+            _add_service(service),
+            structlog.stdlib.ProcessorFormatter.remove_processors_meta,
+            structlog.processors.format_exc_info if render_json else _identity,
+            renderer,
+        ],
+    )
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(formatter)
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+
+
+def _add_service(service: str) -> structlog.types.Processor:
+    def add(_logger: object, _name: str, event: dict) -> dict:
+        event.setdefault("service", service)
+        return event
+
+    return add
+
+
+def _identity(_logger: object, _name: str, event: dict) -> dict:
+    return event
+
+
+def get_logger(name: str) -> structlog.stdlib.BoundLogger:
+    return structlog.stdlib.get_logger(name)

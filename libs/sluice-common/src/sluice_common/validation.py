@@ -1,0 +1,55 @@
+"""Checks of a generation request that the gateway and the adapter share.
+
+Raises InvalidArgument naming the field and the reason, so that a client can fix its
+request without reading server logs.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from sluice.common.v1 import types_pb2
+
+from sluice_common.errors import InvalidArgument
+
+ROLES = ("system", "user", "assistant")
+MAX_STOP_SEQUENCES = 4
+MAX_STOP_LENGTH = 64
+
+
+def validate_generation(
+    messages: Sequence[types_pb2.ChatMessage],
+    prompt: str,
+    sampling: types_pb2.SamplingParams,
+    model: types_pb2.ModelInfo,
+) -> None:
+    _validate_input(messages, prompt)
+    if sampling.max_tokens <= 0:
+        raise InvalidArgument("sampling.max_tokens", f"must be > 0, got {sampling.max_tokens}")
+    if sampling.max_tokens > model.max_output_tokens:
+        raise InvalidArgument(
+            "sampling.max_tokens",
+            f"{sampling.max_tokens} is above the limit of {model.name} ({model.max_output_tokens})",
+        )
+    if sampling.HasField("temperature") and not (0.0 <= sampling.temperature <= 2.0 and math.isfinite(sampling.temperature)):
+        raise InvalidArgument("sampling.temperature", f"must be in [0, 2], got {sampling.temperature}")
+    if sampling.HasField("top_p") and not (0.0 < sampling.top_p <= 1.0):
+        raise InvalidArgument("sampling.top_p", f"must be in (0, 1], got {sampling.top_p}")
+    if len(sampling.stop) > MAX_STOP_SEQUENCES:
+        raise InvalidArgument("sampling.stop", f"at most {MAX_STOP_SEQUENCES} stop sequences, got {len(sampling.stop)}")
+    for index, stop in enumerate(sampling.stop):
+        if not stop or len(stop) > MAX_STOP_LENGTH:
+            raise InvalidArgument(f"sampling.stop[{index}]", f"must be 1 to {MAX_STOP_LENGTH} characters long")
+
+
+def _validate_input(messages: Sequence[types_pb2.ChatMessage], prompt: str) -> None:
+    if messages and prompt:
+        raise InvalidArgument("prompt", "give either messages or prompt, not both")
+    if not messages and not prompt:
+        raise InvalidArgument("messages", "no messages and no prompt: give a chat or a raw prompt")
+    for index, message in enumerate(messages):
+        if message.role not in ROLES:
+            raise InvalidArgument(f"messages[{index}].role", f"must be one of {', '.join(ROLES)}, got {message.role!r}")
+        if not message.content:
+            raise InvalidArgument(f"messages[{index}].content", "must not be empty")

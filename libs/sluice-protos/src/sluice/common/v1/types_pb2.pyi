@@ -1,0 +1,112 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class PriorityClass(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PRIORITY_CLASS_UNSPECIFIED: _ClassVar[PriorityClass]
+    PRIORITY_CLASS_INTERACTIVE: _ClassVar[PriorityClass]
+    PRIORITY_CLASS_BULK: _ClassVar[PriorityClass]
+
+class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    FINISH_REASON_UNSPECIFIED: _ClassVar[FinishReason]
+    FINISH_REASON_STOP: _ClassVar[FinishReason]
+    FINISH_REASON_LENGTH: _ClassVar[FinishReason]
+    FINISH_REASON_CANCELLED: _ClassVar[FinishReason]
+    FINISH_REASON_ERROR: _ClassVar[FinishReason]
+
+class ResponseFormat(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    RESPONSE_FORMAT_UNSPECIFIED: _ClassVar[ResponseFormat]
+    RESPONSE_FORMAT_TEXT: _ClassVar[ResponseFormat]
+    RESPONSE_FORMAT_JSON_OBJECT: _ClassVar[ResponseFormat]
+
+class ModelKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    MODEL_KIND_UNSPECIFIED: _ClassVar[ModelKind]
+    MODEL_KIND_GENERATION: _ClassVar[ModelKind]
+    MODEL_KIND_EMBEDDING: _ClassVar[ModelKind]
+PRIORITY_CLASS_UNSPECIFIED: PriorityClass
+PRIORITY_CLASS_INTERACTIVE: PriorityClass
+PRIORITY_CLASS_BULK: PriorityClass
+FINISH_REASON_UNSPECIFIED: FinishReason
+FINISH_REASON_STOP: FinishReason
+FINISH_REASON_LENGTH: FinishReason
+FINISH_REASON_CANCELLED: FinishReason
+FINISH_REASON_ERROR: FinishReason
+RESPONSE_FORMAT_UNSPECIFIED: ResponseFormat
+RESPONSE_FORMAT_TEXT: ResponseFormat
+RESPONSE_FORMAT_JSON_OBJECT: ResponseFormat
+MODEL_KIND_UNSPECIFIED: ModelKind
+MODEL_KIND_GENERATION: ModelKind
+MODEL_KIND_EMBEDDING: ModelKind
+
+class ChatMessage(_message.Message):
+    __slots__ = ("role", "content")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    content: str
+    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
+
+class SamplingParams(_message.Message):
+    __slots__ = ("max_tokens", "temperature", "top_p", "seed", "stop")
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    max_tokens: int
+    temperature: float
+    top_p: float
+    seed: int
+    stop: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class Usage(_message.Message):
+    __slots__ = ("prompt_tokens", "completion_tokens", "total_tokens")
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., total_tokens: _Optional[int] = ...) -> None: ...
+
+class Timings(_message.Message):
+    __slots__ = ("queue_time_ms", "time_to_first_token_ms", "mean_inter_token_ms", "total_time_ms")
+    QUEUE_TIME_MS_FIELD_NUMBER: _ClassVar[int]
+    TIME_TO_FIRST_TOKEN_MS_FIELD_NUMBER: _ClassVar[int]
+    MEAN_INTER_TOKEN_MS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_TIME_MS_FIELD_NUMBER: _ClassVar[int]
+    queue_time_ms: float
+    time_to_first_token_ms: float
+    mean_inter_token_ms: float
+    total_time_ms: float
+    def __init__(self, queue_time_ms: _Optional[float] = ..., time_to_first_token_ms: _Optional[float] = ..., mean_inter_token_ms: _Optional[float] = ..., total_time_ms: _Optional[float] = ...) -> None: ...
+
+class Embedding(_message.Message):
+    __slots__ = ("values",)
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    values: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, values: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class ModelInfo(_message.Message):
+    __slots__ = ("name", "kind", "context_length", "max_output_tokens", "embedding_dimensions")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    MAX_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    EMBEDDING_DIMENSIONS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    kind: ModelKind
+    context_length: int
+    max_output_tokens: int
+    embedding_dimensions: int
+    def __init__(self, name: _Optional[str] = ..., kind: _Optional[_Union[ModelKind, str]] = ..., context_length: _Optional[int] = ..., max_output_tokens: _Optional[int] = ..., embedding_dimensions: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,146 @@
+import datetime
+
+from google.protobuf import timestamp_pb2 as _timestamp_pb2
+from sluice.common.v1 import types_pb2 as _types_pb2
+from sluice.evallog.v1 import events_pb2 as _events_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Score(_message.Message):
+    __slots__ = ("name", "value", "passed", "detail")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    PASSED_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    value: float
+    passed: bool
+    detail: str
+    def __init__(self, name: _Optional[str] = ..., value: _Optional[float] = ..., passed: _Optional[bool] = ..., detail: _Optional[str] = ...) -> None: ...
+
+class Record(_message.Message):
+    __slots__ = ("event", "scores", "stored_at")
+    EVENT_FIELD_NUMBER: _ClassVar[int]
+    SCORES_FIELD_NUMBER: _ClassVar[int]
+    STORED_AT_FIELD_NUMBER: _ClassVar[int]
+    event: _events_pb2.CompletionEvent
+    scores: _containers.RepeatedCompositeFieldContainer[Score]
+    stored_at: _timestamp_pb2.Timestamp
+    def __init__(self, event: _Optional[_Union[_events_pb2.CompletionEvent, _Mapping]] = ..., scores: _Optional[_Iterable[_Union[Score, _Mapping]]] = ..., stored_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+
+class GetRecordRequest(_message.Message):
+    __slots__ = ("event_id",)
+    EVENT_ID_FIELD_NUMBER: _ClassVar[int]
+    event_id: str
+    def __init__(self, event_id: _Optional[str] = ...) -> None: ...
+
+class GetRecordResponse(_message.Message):
+    __slots__ = ("record",)
+    RECORD_FIELD_NUMBER: _ClassVar[int]
+    record: Record
+    def __init__(self, record: _Optional[_Union[Record, _Mapping]] = ...) -> None: ...
+
+class ScoreThreshold(_message.Message):
+    __slots__ = ("name", "min_value", "max_value")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    MIN_VALUE_FIELD_NUMBER: _ClassVar[int]
+    MAX_VALUE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    min_value: float
+    max_value: float
+    def __init__(self, name: _Optional[str] = ..., min_value: _Optional[float] = ..., max_value: _Optional[float] = ...) -> None: ...
+
+class QueryRecordsRequest(_message.Message):
+    __slots__ = ("tenant", "model", "start_time", "end_time", "finish_reason", "score_thresholds", "page_size", "page_token")
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    START_TIME_FIELD_NUMBER: _ClassVar[int]
+    END_TIME_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    SCORE_THRESHOLDS_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    tenant: str
+    model: str
+    start_time: _timestamp_pb2.Timestamp
+    end_time: _timestamp_pb2.Timestamp
+    finish_reason: _types_pb2.FinishReason
+    score_thresholds: _containers.RepeatedCompositeFieldContainer[ScoreThreshold]
+    page_size: int
+    page_token: str
+    def __init__(self, tenant: _Optional[str] = ..., model: _Optional[str] = ..., start_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., end_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., finish_reason: _Optional[_Union[_types_pb2.FinishReason, str]] = ..., score_thresholds: _Optional[_Iterable[_Union[ScoreThreshold, _Mapping]]] = ..., page_size: _Optional[int] = ..., page_token: _Optional[str] = ...) -> None: ...
+
+class QueryRecordsResponse(_message.Message):
+    __slots__ = ("records", "next_page_token")
+    RECORDS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    records: _containers.RepeatedCompositeFieldContainer[Record]
+    next_page_token: str
+    def __init__(self, records: _Optional[_Iterable[_Union[Record, _Mapping]]] = ..., next_page_token: _Optional[str] = ...) -> None: ...
+
+class SummarizeRequest(_message.Message):
+    __slots__ = ("tenant", "model", "start_time", "end_time")
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    START_TIME_FIELD_NUMBER: _ClassVar[int]
+    END_TIME_FIELD_NUMBER: _ClassVar[int]
+    tenant: str
+    model: str
+    start_time: _timestamp_pb2.Timestamp
+    end_time: _timestamp_pb2.Timestamp
+    def __init__(self, tenant: _Optional[str] = ..., model: _Optional[str] = ..., start_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., end_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+
+class LatencySummary(_message.Message):
+    __slots__ = ("p50_ms", "p95_ms", "p99_ms")
+    P50_MS_FIELD_NUMBER: _ClassVar[int]
+    P95_MS_FIELD_NUMBER: _ClassVar[int]
+    P99_MS_FIELD_NUMBER: _ClassVar[int]
+    p50_ms: float
+    p95_ms: float
+    p99_ms: float
+    def __init__(self, p50_ms: _Optional[float] = ..., p95_ms: _Optional[float] = ..., p99_ms: _Optional[float] = ...) -> None: ...
+
+class ScoreSummary(_message.Message):
+    __slots__ = ("name", "count", "mean", "pass_rate")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    MEAN_FIELD_NUMBER: _ClassVar[int]
+    PASS_RATE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    count: int
+    mean: float
+    pass_rate: float
+    def __init__(self, name: _Optional[str] = ..., count: _Optional[int] = ..., mean: _Optional[float] = ..., pass_rate: _Optional[float] = ...) -> None: ...
+
+class Summary(_message.Message):
+    __slots__ = ("tenant", "model", "count", "error_rate", "latency", "time_to_first_token", "prompt_tokens", "completion_tokens", "scores")
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    ERROR_RATE_FIELD_NUMBER: _ClassVar[int]
+    LATENCY_FIELD_NUMBER: _ClassVar[int]
+    TIME_TO_FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SCORES_FIELD_NUMBER: _ClassVar[int]
+    tenant: str
+    model: str
+    count: int
+    error_rate: float
+    latency: LatencySummary
+    time_to_first_token: LatencySummary
+    prompt_tokens: int
+    completion_tokens: int
+    scores: _containers.RepeatedCompositeFieldContainer[ScoreSummary]
+    def __init__(self, tenant: _Optional[str] = ..., model: _Optional[str] = ..., count: _Optional[int] = ..., error_rate: _Optional[float] = ..., latency: _Optional[_Union[LatencySummary, _Mapping]] = ..., time_to_first_token: _Optional[_Union[LatencySummary, _Mapping]] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., scores: _Optional[_Iterable[_Union[ScoreSummary, _Mapping]]] = ...) -> None: ...
+
+class SummarizeResponse(_message.Message):
+    __slots__ = ("summaries",)
+    SUMMARIES_FIELD_NUMBER: _ClassVar[int]
+    summaries: _containers.RepeatedCompositeFieldContainer[Summary]
+    def __init__(self, summaries: _Optional[_Iterable[_Union[Summary, _Mapping]]] = ...) -> None: ...

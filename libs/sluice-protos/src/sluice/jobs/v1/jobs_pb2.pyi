@@ -1,0 +1,133 @@
+import datetime
+
+from google.protobuf import timestamp_pb2 as _timestamp_pb2
+from sluice.common.v1 import types_pb2 as _types_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class JobState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    JOB_STATE_UNSPECIFIED: _ClassVar[JobState]
+    JOB_STATE_VALIDATING: _ClassVar[JobState]
+    JOB_STATE_IN_PROGRESS: _ClassVar[JobState]
+    JOB_STATE_FINALIZING: _ClassVar[JobState]
+    JOB_STATE_COMPLETED: _ClassVar[JobState]
+    JOB_STATE_FAILED: _ClassVar[JobState]
+    JOB_STATE_EXPIRED: _ClassVar[JobState]
+    JOB_STATE_CANCELLING: _ClassVar[JobState]
+    JOB_STATE_CANCELLED: _ClassVar[JobState]
+JOB_STATE_UNSPECIFIED: JobState
+JOB_STATE_VALIDATING: JobState
+JOB_STATE_IN_PROGRESS: JobState
+JOB_STATE_FINALIZING: JobState
+JOB_STATE_COMPLETED: JobState
+JOB_STATE_FAILED: JobState
+JOB_STATE_EXPIRED: JobState
+JOB_STATE_CANCELLING: JobState
+JOB_STATE_CANCELLED: JobState
+
+class GenerateRow(_message.Message):
+    __slots__ = ("model", "messages", "prompt", "sampling", "response_format")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_FORMAT_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    messages: _containers.RepeatedCompositeFieldContainer[_types_pb2.ChatMessage]
+    prompt: str
+    sampling: _types_pb2.SamplingParams
+    response_format: _types_pb2.ResponseFormat
+    def __init__(self, model: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[_types_pb2.ChatMessage, _Mapping]]] = ..., prompt: _Optional[str] = ..., sampling: _Optional[_Union[_types_pb2.SamplingParams, _Mapping]] = ..., response_format: _Optional[_Union[_types_pb2.ResponseFormat, str]] = ...) -> None: ...
+
+class EmbedRow(_message.Message):
+    __slots__ = ("model", "inputs")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    INPUTS_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    inputs: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, model: _Optional[str] = ..., inputs: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class JobRow(_message.Message):
+    __slots__ = ("custom_id", "generate", "embed")
+    CUSTOM_ID_FIELD_NUMBER: _ClassVar[int]
+    GENERATE_FIELD_NUMBER: _ClassVar[int]
+    EMBED_FIELD_NUMBER: _ClassVar[int]
+    custom_id: str
+    generate: GenerateRow
+    embed: EmbedRow
+    def __init__(self, custom_id: _Optional[str] = ..., generate: _Optional[_Union[GenerateRow, _Mapping]] = ..., embed: _Optional[_Union[EmbedRow, _Mapping]] = ...) -> None: ...
+
+class JobRequest(_message.Message):
+    __slots__ = ("job_id", "api_key", "rows", "reply_to")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    API_KEY_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    REPLY_TO_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    api_key: str
+    rows: _containers.RepeatedCompositeFieldContainer[JobRow]
+    reply_to: str
+    def __init__(self, job_id: _Optional[str] = ..., api_key: _Optional[str] = ..., rows: _Optional[_Iterable[_Union[JobRow, _Mapping]]] = ..., reply_to: _Optional[str] = ...) -> None: ...
+
+class Job(_message.Message):
+    __slots__ = ("job_id", "tenant", "state", "total_rows", "completed_rows", "failed_rows", "created_at", "updated_at", "error")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_ROWS_FIELD_NUMBER: _ClassVar[int]
+    COMPLETED_ROWS_FIELD_NUMBER: _ClassVar[int]
+    FAILED_ROWS_FIELD_NUMBER: _ClassVar[int]
+    CREATED_AT_FIELD_NUMBER: _ClassVar[int]
+    UPDATED_AT_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    tenant: str
+    state: JobState
+    total_rows: int
+    completed_rows: int
+    failed_rows: int
+    created_at: _timestamp_pb2.Timestamp
+    updated_at: _timestamp_pb2.Timestamp
+    error: str
+    def __init__(self, job_id: _Optional[str] = ..., tenant: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., total_rows: _Optional[int] = ..., completed_rows: _Optional[int] = ..., failed_rows: _Optional[int] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., updated_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., error: _Optional[str] = ...) -> None: ...
+
+class RowError(_message.Message):
+    __slots__ = ("code", "message")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    code: str
+    message: str
+    def __init__(self, code: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
+
+class RowResult(_message.Message):
+    __slots__ = ("job_id", "custom_id", "output", "embeddings", "finish_reason", "usage", "error")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    CUSTOM_ID_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    USAGE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    custom_id: str
+    output: str
+    embeddings: _containers.RepeatedCompositeFieldContainer[_types_pb2.Embedding]
+    finish_reason: _types_pb2.FinishReason
+    usage: _types_pb2.Usage
+    error: RowError
+    def __init__(self, job_id: _Optional[str] = ..., custom_id: _Optional[str] = ..., output: _Optional[str] = ..., embeddings: _Optional[_Iterable[_Union[_types_pb2.Embedding, _Mapping]]] = ..., finish_reason: _Optional[_Union[_types_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_types_pb2.Usage, _Mapping]] = ..., error: _Optional[_Union[RowError, _Mapping]] = ...) -> None: ...
+
+class JobRejection(_message.Message):
+    __slots__ = ("job_id", "reason")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    reason: str
+    def __init__(self, job_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...

@@ -1,0 +1,64 @@
+"""The models the gateway can route to, as the adapter lists them, refreshed in the background."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+import structlog
+from sluice.common.v1 import types_pb2
+from sluice.inference.v1 import inference_pb2, inference_pb2_grpc
+
+from sluice_common.errors import InvalidArgument
+
+log = structlog.stdlib.get_logger("sluice.gateway.models")
+
+
+class ModelCatalog:
+    def __init__(self, adapter: inference_pb2_grpc.InferenceServiceStub) -> None:
+        self._adapter = adapter
+        self._models: dict[str, types_pb2.ModelInfo] = {}
+        self._task: asyncio.Task[None] | None = None
+
+    @property
+    def models(self) -> list[types_pb2.ModelInfo]:
+        return list(self._models.values())
+
+    def get(self, name: str) -> types_pb2.ModelInfo:
+        model = self._models.get(name)
+        if model is None:
+            known = ", ".join(sorted(self._models)) or "none yet"
+            raise InvalidArgument("model", f"unknown model {name!r}; available: {known}")
+        return model
+
+    async def refresh(self) -> None:
+        response = await self._adapter.ListModels(inference_pb2.ListModelsRequest(), timeout=5.0)
+        self._models = {model.name: model for model in response.models}
+
+    async def wait_first_load(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                await self.refresh()
+                return
+            except grpc.aio.AioRpcError as exc:
+                if time.monotonic() > deadline:
+                    raise SystemExit(f"the adapter did not list its models within {timeout_s:.0f}s: {exc.details()}")
+                await asyncio.sleep(0.5)
+
+    def start_refreshing(self, every_s: float) -> None:
+        self._task = asyncio.create_task(self._refresh_forever(every_s), name="model-catalog-refresh")
+
+    async def _refresh_forever(self, every_s: float) -> None:
+        while True:
+            await asyncio.sleep(every_s)
+            try:
+                await self.refresh()
+            except grpc.aio.AioRpcError as exc:
+                log.warning("model_refresh_failed", code=exc.code().name, details=exc.details())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)

@@ -1,0 +1,61 @@
+"""Tenants and their API keys, read from a TOML file. Only SHA-256 hashes of keys are stored.
+
+    [[tenants]]
+    name = "acme"
+    api_key_sha256 = "<sha256 hex of the key>"   # `sluice hash-key <key>` prints it
+    text_logging = true                          # false: completions are logged without text
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+
+from sluice_common.errors import Unauthenticated
+
+_BEARER = "bearer "
+
+
+@dataclass(frozen=True)
+class Tenant:
+    name: str
+    text_logging: bool = True
+
+
+def hash_api_key(api_key: str) -> str:
+    return hashlib.sha256(api_key.encode()).hexdigest()
+
+
+class TenantDirectory:
+    def __init__(self, tenants_by_key_hash: dict[str, Tenant]) -> None:
+        self._by_hash = tenants_by_key_hash
+
+    @classmethod
+    def from_file(cls, path: Path) -> TenantDirectory:
+        with path.open("rb") as handle:
+            document = tomllib.load(handle)
+        by_hash: dict[str, Tenant] = {}
+        for index, entry in enumerate(document.get("tenants", [])):
+            name, key_hash = entry.get("name"), str(entry.get("api_key_sha256", "")).lower()
+            if not name or len(key_hash) != 64:
+                raise ValueError(f"{path}: tenants[{index}] needs a name and a 64-hex-digit api_key_sha256")
+            by_hash[key_hash] = Tenant(name=name, text_logging=bool(entry.get("text_logging", True)))
+        if not by_hash:
+            raise ValueError(f"{path}: no [[tenants]] entries")
+        return cls(by_hash)
+
+    def authenticate(self, authorization: str | None) -> Tenant:
+        """The tenant whose key is in an `authorization: Bearer <key>` value."""
+        if not authorization:
+            raise Unauthenticated("missing `authorization: Bearer <api key>` metadata")
+        if not authorization.lower().startswith(_BEARER) or not authorization[len(_BEARER) :].strip():
+            raise Unauthenticated("the authorization metadata must be `Bearer <api key>`")
+        presented = hash_api_key(authorization[len(_BEARER) :].strip())
+        for key_hash, tenant in self._by_hash.items():
+            # Compare every entry in constant time so timing does not reveal a near match.
+            if hmac.compare_digest(key_hash, presented):
+                return tenant
+        raise Unauthenticated("invalid API key")

@@ -1,0 +1,36 @@
+"""inference-adapter settings, from SLUICE_ADAPTER_* environment variables."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from sluice_common.config import ServerConfig, require
+
+ENV_PREFIX = "SLUICE_ADAPTER_"
+
+
+@dataclass(frozen=True)
+class AdapterConfig(ServerConfig):
+    port: int = 50061
+    metrics_port: int = 9102
+    # Triton's gRPC endpoint (KServe v2).
+    triton_url: str = "127.0.0.1:8001"
+    # The name clients use, and the Triton model that serves it over the step protocol.
+    model_name: str = "smollm2-135m-instruct"
+    triton_step_model: str = "smollm2_step"
+    # Must match the model server's context (triton-local: SLUICE_TRITON_LOCAL_MAX_CONTEXT).
+    context_length: int = 2048
+    max_output_tokens: int = 1024
+    max_batch_size: int = 8
+    max_waiting: int = 256
+    step_timeout_s: float = 60.0
+    # How long startup waits for Triton to report the model ready.
+    backend_wait_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        require(self.max_batch_size >= 1, f"{ENV_PREFIX}MAX_BATCH_SIZE must be >= 1, got {self.max_batch_size}")
+        require(self.max_waiting >= 1, f"{ENV_PREFIX}MAX_WAITING must be >= 1, got {self.max_waiting}")
+        require(
+            0 < self.max_output_tokens < self.context_length,
+            f"{ENV_PREFIX}MAX_OUTPUT_TOKENS must be in 1..CONTEXT_LENGTH-1, got {self.max_output_tokens}",
+        )

@@ -1,0 +1,317 @@
+"""The generation scheduler: one task owns the running batch (as in TGI's router).
+
+Callers `submit` a request and iterate its handle's events; they never touch the
+batch. Each iteration the loop sends the backend one step: release rows for
+sequences that were cancelled or ran past their deadline, prefill rows for waiting
+sequences that fit the batch, and one decode row for every running sequence. A
+sequence therefore joins or leaves at step granularity and a short request never
+waits for a long one to end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import random
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+import structlog
+
+from sluice_common.errors import ResourceExhausted
+from sluice_inference_adapter import metrics
+from sluice_inference_adapter.step_rows import (
+    FINISH_ERROR,
+    FINISH_INVALID,
+    Action,
+    PromptSpec,
+    SamplingSpec,
+    StepBackend,
+    StepOutcome,
+    StepRow,
+)
+
+log = structlog.stdlib.get_logger("sluice.scheduler")
+
+
+class Priority(enum.IntEnum):
+    INTERACTIVE = 0
+    BULK = 1
+
+
+class Finish(enum.Enum):
+    STOP = "stop"
+    LENGTH = "length"
+    CANCELLED = "cancelled"
+    DEADLINE = "deadline"
+    INVALID = "invalid"
+    ERROR = "error"
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    request_id: str
+    tenant: str
+    prompt: PromptSpec
+    sampling: SamplingSpec
+    priority: Priority = Priority.INTERACTIVE
+    # time.monotonic() value after which the sequence is abandoned; None for no deadline.
+    deadline: float | None = None
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    text: str
+    token_count: int
+
+
+@dataclass(frozen=True)
+class Timings:
+    queue_s: float
+    time_to_first_token_s: float
+    mean_inter_token_s: float
+    total_s: float
+
+
+@dataclass(frozen=True)
+class FinishEvent:
+    finish: Finish
+    prompt_tokens: int
+    completion_tokens: int
+    timings: Timings
+    error: str = ""
+
+
+Event = TokenEvent | FinishEvent
+
+
+@dataclass(frozen=True)
+class SchedulerLimits:
+    max_batch_size: int = 8
+    max_waiting: int = 256
+    # Advertised in RetryInfo when the waiting queue is full.
+    retry_after_s: float = 1.0
+
+
+@dataclass(eq=False)
+class Sequence:
+    """A request's life inside the scheduler; its events are read through `SequenceHandle`."""
+
+    seq_id: int
+    request: GenerationRequest
+    submitted_at: float
+    events: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
+    cancelled: bool = False
+    prefilled_at: float | None = None
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    done: bool = False
+
+
+class SequenceHandle:
+    def __init__(self, sequence: Sequence, wake: Callable[[], None]) -> None:
+        self._sequence = sequence
+        self._wake = wake
+
+    @property
+    def seq_id(self) -> int:
+        return self._sequence.seq_id
+
+    def cancel(self) -> None:
+        """Idempotent; the slot is released at the next step."""
+        if not self._sequence.done and not self._sequence.cancelled:
+            self._sequence.cancelled = True
+            self._wake()
+
+    async def events(self) -> AsyncIterator[Event]:
+        while True:
+            event = await self._sequence.events.get()
+            yield event
+            if isinstance(event, FinishEvent):
+                return
+
+
+class Scheduler:
+    def __init__(self, backend: StepBackend, limits: SchedulerLimits, clock: Callable[[], float] = time.monotonic):
+        self._backend = backend
+        self._limits = limits
+        self._clock = clock
+        self._waiting: dict[Priority, deque[Sequence]] = {p: deque() for p in Priority}
+        self._running: dict[int, Sequence] = {}
+        self._wakeup = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    # -- caller side ---------------------------------------------------------------
+
+    def submit(self, request: GenerationRequest) -> SequenceHandle:
+        if self.waiting_count >= self._limits.max_waiting:
+            metrics.REJECTIONS.labels(reason="queue_full").inc()
+            raise ResourceExhausted(
+                f"the generation queue is full ({self._limits.max_waiting} waiting); retry later",
+                retry_after_s=self._limits.retry_after_s,
+                quota_subject="adapter.waiting_queue",
+            )
+        sequence = Sequence(seq_id=random.getrandbits(62) + 1, request=request, submitted_at=self._clock())
+        self._waiting[request.priority].append(sequence)
+        metrics.WAITING.labels(priority=request.priority.name.lower()).inc()
+        self._wakeup.set()
+        return SequenceHandle(sequence, self._wakeup.set)
+
+    @property
+    def waiting_count(self) -> int:
+        return sum(len(queue) for queue in self._waiting.values())
+
+    @property
+    def running_count(self) -> int:
+        return len(self._running)
+
+    # -- lifecycle -----------------------------------------------------------------
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="generation-scheduler")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        for sequence in [*self._running.values(), *(s for q in self._waiting.values() for s in q)]:
+            self._finish(sequence, Finish.ERROR, error="the adapter is shutting down")
+
+    # -- the loop ------------------------------------------------------------------
+
+    async def _run(self) -> None:
+        while True:
+            if not self._running and not self.waiting_count:
+                self._wakeup.clear()
+                await self._wakeup.wait()
+            rows, stepped = self._plan_step()
+            if not rows:
+                continue
+            try:
+                outcomes = await self._backend.step(rows)
+            except Exception as exc:  # noqa: BLE001 - the backend failed: fail this step's sequences
+                log.warning("step_failed", error=str(exc), rows=len(rows))
+                for sequence in stepped:
+                    self._running.pop(sequence.seq_id, None)
+                    self._finish(sequence, Finish.ERROR, error=f"the model backend failed: {exc}")
+                continue
+            self._apply(rows, stepped, outcomes)
+
+    def _plan_step(self) -> tuple[list[StepRow], list[Sequence]]:
+        """Rows for this step, and the sequences whose rows produce tokens (in row order)."""
+        now = self._clock()
+        rows: list[StepRow] = []
+        for sequence in list(self._running.values()):
+            reason = self._abandon_reason(sequence, now)
+            if reason is not None:
+                del self._running[sequence.seq_id]
+                rows.append(StepRow(Action.RELEASE, sequence.seq_id))
+                self._finish(sequence, reason)
+        self._drop_abandoned_waiting(now)
+        stepped: list[Sequence] = []
+        decode_rows = [StepRow(Action.DECODE, s.seq_id) for s in self._running.values()]
+        stepped.extend(self._running.values())
+        prefill_rows: list[StepRow] = []
+        while len(self._running) + len(prefill_rows) < self._limits.max_batch_size:
+            sequence = self._pop_waiting()
+            if sequence is None:
+                break
+            sequence.prefilled_at = now
+            metrics.QUEUE_SECONDS.observe(now - sequence.submitted_at)
+            prefill_rows.append(StepRow(Action.PREFILL, sequence.seq_id, sequence.request.prompt.to_json(sequence.request.sampling)))
+            stepped.append(sequence)
+        for sequence in stepped[len(decode_rows):]:
+            self._running[sequence.seq_id] = sequence
+        if stepped:
+            metrics.BATCH_SIZE.observe(len(stepped))
+        metrics.SLOTS_IN_USE.set(len(self._running))
+        return rows + decode_rows + prefill_rows, stepped
+
+    def _abandon_reason(self, sequence: Sequence, now: float) -> Finish | None:
+        if sequence.cancelled:
+            return Finish.CANCELLED
+        deadline = sequence.request.deadline
+        if deadline is not None and now >= deadline:
+            return Finish.DEADLINE
+        return None
+
+    def _drop_abandoned_waiting(self, now: float) -> None:
+        for priority, queue in self._waiting.items():
+            keep: deque[Sequence] = deque()
+            for sequence in queue:
+                reason = self._abandon_reason(sequence, now)
+                if reason is None:
+                    keep.append(sequence)
+                else:
+                    metrics.WAITING.labels(priority=priority.name.lower()).dec()
+                    self._finish(sequence, reason)
+            self._waiting[priority] = keep
+
+    def _pop_waiting(self) -> Sequence | None:
+        for priority in Priority:  # interactive first
+            queue = self._waiting[priority]
+            if queue:
+                metrics.WAITING.labels(priority=priority.name.lower()).dec()
+                return queue.popleft()
+        return None
+
+    def _apply(self, rows: list[StepRow], stepped: list[Sequence], outcomes: list[StepOutcome]) -> None:
+        producing = [o for row, o in zip(rows, outcomes) if row.action is not Action.RELEASE]
+        now = self._clock()
+        for sequence, outcome in zip(stepped, producing):
+            sequence.prompt_tokens = outcome.prompt_tokens or sequence.prompt_tokens
+            sequence.completion_tokens = outcome.completion_tokens
+            if outcome.token_id >= 0 and not sequence.cancelled:
+                self._record_token(sequence, now)
+                if outcome.text:
+                    sequence.events.put_nowait(TokenEvent(outcome.text, 1))
+            if outcome.finish:
+                self._running.pop(sequence.seq_id, None)
+                self._finish(sequence, _finish_of(outcome.finish), error=outcome.error)
+        metrics.SLOTS_IN_USE.set(len(self._running))
+
+    def _record_token(self, sequence: Sequence, now: float) -> None:
+        if sequence.first_token_at is None:
+            sequence.first_token_at = now
+            metrics.TIME_TO_FIRST_TOKEN.observe(now - sequence.submitted_at)
+        elif sequence.last_token_at is not None:
+            metrics.INTER_TOKEN.observe(now - sequence.last_token_at)
+        sequence.last_token_at = now
+
+    def _finish(self, sequence: Sequence, finish: Finish, error: str = "") -> None:
+        if sequence.done:
+            return
+        sequence.done = True
+        if finish in (Finish.CANCELLED, Finish.DEADLINE):
+            metrics.CANCELLATIONS.labels(reason=finish.value).inc()
+        sequence.events.put_nowait(
+            FinishEvent(finish, sequence.prompt_tokens, sequence.completion_tokens, self._timings(sequence), error)
+        )
+
+    def _timings(self, sequence: Sequence) -> Timings:
+        now = self._clock()
+        start = sequence.submitted_at
+        first = sequence.first_token_at
+        last = sequence.last_token_at
+        gaps = sequence.completion_tokens - 1
+        return Timings(
+            queue_s=((sequence.prefilled_at or now) - start),
+            time_to_first_token_s=(first - start) if first is not None else 0.0,
+            mean_inter_token_s=((last - first) / gaps) if first is not None and last is not None and gaps > 0 else 0.0,
+            total_s=now - start,
+        )
+
+
+def _finish_of(value: str) -> Finish:
+    if value == FINISH_INVALID:
+        return Finish.INVALID
+    if value == FINISH_ERROR:
+        return Finish.ERROR
+    try:
+        return Finish(value)
+    except ValueError:
+        return Finish.ERROR

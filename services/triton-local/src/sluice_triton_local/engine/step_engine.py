@@ -1,0 +1,269 @@
+"""Iteration-level (continuous) batching engine: the public API, no I/O.
+
+A caller (the scheduler) decides each iteration which sequences join
+(PrefillRow), advance (DecodeRow) or leave (ReleaseRow); `step` runs all
+token-producing rows through one batched forward pass and samples one token
+for each.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .gguf_weights import load_weights
+from .model import BatchItem, LlamaModel
+from .sampling import make_rng, sample_token
+from .stops import StopFilter
+from .tokenizer import GGUFTokenizer, IncrementalDetokenizer
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class PrefillRow:
+    seq_id: int
+    prompt: str  # already templated text
+    params: SamplingParams = SamplingParams()
+
+
+@dataclass(frozen=True)
+class DecodeRow:
+    seq_id: int
+
+
+@dataclass(frozen=True)
+class ReleaseRow:
+    seq_id: int
+
+
+Row = PrefillRow | DecodeRow | ReleaseRow
+
+
+@dataclass(frozen=True)
+class RowResult:
+    seq_id: int
+    token_id: int  # -1 when no token (release row, error)
+    text: str  # text delta produced by this step
+    finish_reason: str  # "" while running; "stop", "length" or "error"
+    prompt_tokens: int
+    completion_tokens: int
+    error: str = ""
+
+
+@dataclass
+class _Seq:
+    seq_id: int
+    slot: int
+    params: SamplingParams
+    prompt_tokens: int
+    rng: np.random.Generator
+    detok: IncrementalDetokenizer
+    stopper: StopFilter
+    pos: int = 0  # positions already in the KV cache
+    last_token: int = -1  # sampled but not yet fed back
+    completion_tokens: int = 0
+
+
+@dataclass
+class _Pending:
+    """A token-producing row waiting for this step's forward pass."""
+
+    row_index: int
+    seq: _Seq
+    item: BatchItem
+    cancelled: bool = field(default=False)
+
+
+class StepEngine:
+    def __init__(
+        self,
+        gguf_path: str,
+        max_slots: int = 8,
+        max_context: int | None = None,
+        *,
+        low_memory: bool = False,
+    ) -> None:
+        """low_memory keeps one copy of each weight matrix (~0.6 GB instead of
+        ~1.1 GB for SmolLM2-135M) at the cost of slower small-batch decode."""
+        if max_slots < 1:
+            raise ValueError("max_slots must be >= 1")
+        weights, reader = load_weights(gguf_path, dual_layout=not low_memory)
+        self.config = weights.config
+        self.tokenizer = GGUFTokenizer(reader)
+        ctx = self.config.context_length if max_context is None else min(max_context, self.config.context_length)
+        if ctx < 2:
+            raise ValueError("max_context must be >= 2")
+        self._ctx = ctx
+        self.max_slots = max_slots
+        self._model = LlamaModel(weights, max_slots, ctx)
+        self._free_slots = list(range(max_slots - 1, -1, -1))  # pop() hands out slot 0 first
+        self._seqs: dict[int, _Seq] = {}
+        self.tokens_generated_total = 0
+
+    @property
+    def context_length(self) -> int:
+        return self._ctx
+
+    @property
+    def active_slots(self) -> int:
+        return len(self._seqs)
+
+    def count_tokens(self, text: str) -> int:
+        return len(self.tokenizer.encode(text))
+
+    def apply_chat_template(self, messages: list[tuple[str, str]]) -> str:
+        return self.tokenizer.apply_chat_template(messages)
+
+    def step(self, rows: list[Row]) -> list[RowResult]:
+        """One iteration. Rows are applied in order (a release frees its slot
+        for a later prefill in the same call); one result per row, same order.
+        Never raises for bad rows: they get finish_reason "error"."""
+        results: list[RowResult | None] = [None] * len(rows)
+        pending: list[_Pending] = []
+        for i, row in enumerate(rows):
+            if isinstance(row, ReleaseRow):
+                results[i] = self._release(row.seq_id, pending)
+            elif isinstance(row, PrefillRow):
+                p = self._admit(i, row)
+                if isinstance(p, RowResult):
+                    results[i] = p
+                else:
+                    pending.append(p)
+            elif isinstance(row, DecodeRow):
+                p = self._queue_decode(i, row.seq_id, pending)
+                if isinstance(p, RowResult):
+                    results[i] = p
+                else:
+                    pending.append(p)
+            else:
+                results[i] = _error(getattr(row, "seq_id", -1), f"unknown row type {type(row).__name__}")
+
+        for p in pending:
+            if p.cancelled:
+                results[p.row_index] = _error(p.seq.seq_id, "sequence was released in the same step", p.seq)
+        live = [p for p in pending if not p.cancelled]
+        if live:
+            try:
+                logits = self._model.forward([p.item for p in live])
+            except Exception as exc:  # keep the engine usable; fail only this step's rows
+                for p in live:
+                    self._free(p.seq)
+                    results[p.row_index] = _error(p.seq.seq_id, f"forward pass failed: {exc!r}", p.seq)
+            else:
+                for p, row_logits in zip(live, logits):
+                    p.seq.pos = p.item.start_pos + len(p.item.token_ids)
+                    results[p.row_index] = self._emit(p.seq, row_logits)
+        return results  # type: ignore[return-value]
+
+    # -- row handling -------------------------------------------------------
+
+    def _admit(self, index: int, row: PrefillRow) -> _Pending | RowResult:
+        problem = _check_params(row.params)
+        if problem:
+            return _error(row.seq_id, problem)
+        if row.seq_id in self._seqs:
+            return _error(row.seq_id, f"seq_id {row.seq_id} is already running")
+        ids = self.tokenizer.encode(row.prompt)
+        n = len(ids)
+        if n == 0:
+            return _error(row.seq_id, "prompt is empty (0 tokens)")
+        if n + row.params.max_tokens > self._ctx:
+            return _error(
+                row.seq_id,
+                f"prompt is {n} tokens and max_tokens is {row.params.max_tokens}; the context holds "
+                f"{self._ctx} tokens including max_tokens: shorten the prompt or lower max_tokens",
+                prompt_tokens=n,
+            )
+        if not self._free_slots:
+            return _error(row.seq_id, f"no free slot (max_slots={self.max_slots})", prompt_tokens=n)
+        seq = _Seq(
+            seq_id=row.seq_id,
+            slot=self._free_slots.pop(),
+            params=row.params,
+            prompt_tokens=n,
+            rng=make_rng(row.params.seed),
+            detok=self.tokenizer.detokenizer(),
+            stopper=StopFilter(row.params.stop),
+        )
+        self._seqs[row.seq_id] = seq
+        return _Pending(index, seq, BatchItem(seq.slot, ids, 0))
+
+    def _queue_decode(self, index: int, seq_id: int, pending: list[_Pending]) -> _Pending | RowResult:
+        seq = self._seqs.get(seq_id)
+        if seq is None:
+            return _error(seq_id, f"seq_id {seq_id} is not running (never started, finished or released)")
+        if any(p.seq is seq and not p.cancelled for p in pending):
+            return _error(seq_id, f"seq_id {seq_id} already advances in this step", seq)
+        return _Pending(index, seq, BatchItem(seq.slot, [seq.last_token], seq.pos))
+
+    def _release(self, seq_id: int, pending: list[_Pending]) -> RowResult:
+        seq = self._seqs.get(seq_id)
+        if seq is None:
+            return RowResult(seq_id, -1, "", "", 0, 0)
+        for p in pending:
+            if p.seq is seq:
+                p.cancelled = True
+        self._free(seq)
+        return RowResult(seq_id, -1, "", "", seq.prompt_tokens, seq.completion_tokens)
+
+    def _free(self, seq: _Seq) -> None:
+        if self._seqs.pop(seq.seq_id, None) is not None:
+            self._model.cache.release(seq.slot)
+            self._free_slots.append(seq.slot)
+
+    def _emit(self, seq: _Seq, logits: np.ndarray) -> RowResult:
+        prm = seq.params
+        tok = sample_token(logits, prm.temperature, prm.top_p, seq.rng)
+        self.tokens_generated_total += 1
+        seq.completion_tokens += 1
+        seq.last_token = tok
+
+        finish = ""
+        if tok in self.tokenizer.stop_ids:
+            # EOS text is never shown; release held-back bytes/text as-is.
+            text = seq.stopper.feed(seq.detok.flush())[0] + seq.stopper.flush()
+            finish = "stop"
+        else:
+            text, hit = seq.stopper.feed(seq.detok.push(tok))
+            if hit:
+                finish = "stop"
+            elif seq.completion_tokens >= prm.max_tokens or seq.pos >= self._ctx:
+                # pos >= ctx: no cache position left to feed this token back.
+                tail, hit = seq.stopper.feed(seq.detok.flush())
+                text += tail if hit else tail + seq.stopper.flush()
+                finish = "stop" if hit else "length"
+        if finish:
+            self._free(seq)
+        return RowResult(seq.seq_id, tok, text, finish, seq.prompt_tokens, seq.completion_tokens)
+
+
+def _check_params(p: SamplingParams) -> str:
+    if p.max_tokens < 1:
+        return f"max_tokens must be >= 1 (got {p.max_tokens})"
+    if not math.isfinite(p.temperature) or p.temperature < 0:
+        return f"temperature must be a finite number >= 0 (got {p.temperature})"
+    if not (0.0 < p.top_p <= 1.0):
+        return f"top_p must be in (0, 1] (got {p.top_p})"
+    return ""
+
+
+def _error(seq_id: int, message: str, seq: _Seq | None = None, prompt_tokens: int = 0) -> RowResult:
+    return RowResult(
+        seq_id=seq_id,
+        token_id=-1,
+        text="",
+        finish_reason="error",
+        prompt_tokens=seq.prompt_tokens if seq else prompt_tokens,
+        completion_tokens=seq.completion_tokens if seq else 0,
+        error=message,
+    )

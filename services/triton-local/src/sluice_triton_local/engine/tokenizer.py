@@ -1,0 +1,141 @@
+"""Byte-level BPE tokenizer rebuilt from GGUF metadata, plus ChatML templating.
+
+The GGUF file carries the whole vocabulary, merges and token types, so no
+tokenizer.json (and no network) is needed.
+"""
+
+from __future__ import annotations
+
+import codecs
+from collections.abc import Sequence
+from functools import lru_cache
+
+import gguf
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+from .gguf_weights import field_value
+
+# GGUF token types (llama.cpp's llama_token_type).
+_TYPE_CONTROL = 3
+_TYPE_USER_DEFINED = 4
+
+DEFAULT_SYSTEM_PROMPT = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
+
+
+@lru_cache(maxsize=1)
+def _byte_decoder() -> dict[str, int]:
+    """Inverse of GPT-2's bytes_to_unicode: printable char -> raw byte."""
+    printable = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("¡"), ord("¬") + 1))
+        + list(range(ord("®"), ord("ÿ") + 1))
+    )
+    chars = printable[:]
+    n = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(printable, chars)}
+
+
+class GGUFTokenizer:
+    def __init__(self, reader: gguf.GGUFReader) -> None:
+        model = field_value(reader, "tokenizer.ggml.model")
+        if model != "gpt2":
+            raise ValueError(f"unsupported tokenizer model {model!r}; only byte-level BPE ('gpt2') is implemented")
+        tokens: list[str] = field_value(reader, "tokenizer.ggml.tokens")
+        merges: list[str] = field_value(reader, "tokenizer.ggml.merges")
+        types = field_value(reader, "tokenizer.ggml.token_type") or [1] * len(tokens)
+        self.chat_template: str = field_value(reader, "tokenizer.chat_template", "") or ""
+
+        vocab = {tok: i for i, tok in enumerate(tokens)}
+        bpe = models.BPE(vocab=vocab, merges=[tuple(m.split(" ", 1)) for m in merges], fuse_unk=False)
+        tk = Tokenizer(bpe)
+        # Matches SmolLM2's tokenizer.json: digits split one by one, then GPT-2 byte level.
+        tk.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Digits(individual_digits=True),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+            ]
+        )
+        tk.decoder = decoders.ByteLevel()
+        self._special_ids = {i for i, t in enumerate(types) if t == _TYPE_CONTROL}
+        # Control and user-defined tokens must match as whole units in raw text
+        # (e.g. "<|im_start|>"), not be split by BPE.
+        tk.add_special_tokens(
+            [AddedToken(tokens[i], special=True, normalized=False) for i in sorted(self._special_ids)]
+        )
+        user = [tokens[i] for i, t in enumerate(types) if t == _TYPE_USER_DEFINED]
+        if user:
+            tk.add_tokens([AddedToken(t, special=False, normalized=False) for t in user])
+        self._tk = tk
+        self.vocab = vocab
+        self.vocab_size = len(tokens)
+
+        # Raw bytes per id for streaming detokenization. Control tokens render
+        # as "" (like skip_special_tokens): they are never user-visible text.
+        bd = _byte_decoder()
+        self._token_bytes: list[bytes] = []
+        for i, tok in enumerate(tokens):
+            if i in self._special_ids:
+                self._token_bytes.append(b"")
+            elif types[i] == _TYPE_USER_DEFINED or any(c not in bd for c in tok):
+                self._token_bytes.append(tok.encode("utf-8"))
+            else:
+                self._token_bytes.append(bytes(bd[c] for c in tok))
+
+        self.bos_id = _opt_int(field_value(reader, "tokenizer.ggml.bos_token_id"))
+        self.eos_id = _opt_int(field_value(reader, "tokenizer.ggml.eos_token_id"))
+        stop = {vocab[t] for t in ("<|im_end|>", "<|endoftext|>") if t in vocab}
+        if self.eos_id is not None:
+            stop.add(self.eos_id)
+        self.stop_ids: frozenset[int] = frozenset(stop)
+
+    def encode(self, text: str) -> list[int]:
+        return self._tk.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self._tk.decode(list(ids), skip_special_tokens=True)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        return self._token_bytes[token_id]
+
+    def detokenizer(self) -> "IncrementalDetokenizer":
+        return IncrementalDetokenizer(self)
+
+    def apply_chat_template(self, messages: Sequence[tuple[str, str]]) -> str:
+        """ChatML exactly as SmolLM2's tokenizer.chat_template, with generation prompt."""
+        parts: list[str] = []
+        if not messages or messages[0][0] != "system":
+            parts.append(f"<|im_start|>system\n{DEFAULT_SYSTEM_PROMPT}<|im_end|>\n")
+        for role, content in messages:
+            parts.append(f"<|im_start|>{role}\n{content}<|im_end|>\n")
+        parts.append("<|im_start|>assistant\n")
+        return "".join(parts)
+
+
+class IncrementalDetokenizer:
+    """Turns a token stream into text deltas without ever splitting a UTF-8 char.
+
+    Byte-level BPE tokens are byte strings; a multi-byte character may span
+    tokens. Python's incremental UTF-8 decoder holds back an incomplete
+    trailing sequence until the next bytes arrive, so each delta is O(1) and
+    the concatenation of deltas equals decoding all bytes at once.
+    """
+
+    def __init__(self, tokenizer: GGUFTokenizer) -> None:
+        self._tok = tokenizer
+        self._dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def push(self, token_id: int) -> str:
+        return self._dec.decode(self._tok.token_bytes(token_id))
+
+    def flush(self) -> str:
+        """Emit whatever is held back (as U+FFFD if it never became a valid char)."""
+        return self._dec.decode(b"", final=True)
+
+
+def _opt_int(value: object) -> int | None:
+    return None if value is None else int(value)  # type: ignore[arg-type]

@@ -1,0 +1,16 @@
+"""Prometheus metrics of the model process (Triton's own metrics are on its metrics port)."""
+
+from prometheus_client import Counter, Gauge, Histogram
+
+TOKENS_GENERATED = Counter("sluice_triton_local_tokens_generated_total", "Tokens sampled by the step model.")
+ACTIVE_SLOTS = Gauge("sluice_triton_local_active_slots", "KV-cache slots held by running sequences.")
+STEP_ROWS = Histogram(
+    "sluice_triton_local_step_rows",
+    "Rows (sequences) per step request.",
+    buckets=(1, 2, 4, 8, 16, 32, 64),
+)
+STEP_SECONDS = Histogram(
+    "sluice_triton_local_step_seconds",
+    "Time the engine spent on one step request.",
+    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5),
+)

@@ -1,0 +1,98 @@
+"""Starts the real Triton server bundled in nvidia-pytriton and binds the step model to it."""
+
+from __future__ import annotations
+
+import os
+import sysconfig
+import threading
+import time
+from typing import Any
+
+import numpy as np
+import structlog
+
+from sluice_triton_local import metrics
+from sluice_triton_local.config import TritonLocalConfig
+from sluice_triton_local.engine.step_engine import DecodeRow, PrefillRow, ReleaseRow, SamplingParams, StepEngine
+from sluice_triton_local.step_protocol import INPUTS, OUTPUTS, run_step
+
+log = structlog.stdlib.get_logger("sluice.triton_local")
+
+WARMUP_QUESTION = "What is the capital of France?"
+
+
+def fix_python_backend_library_path() -> None:
+    """Triton's Python backend stub links a system libpython3.11; point it at this interpreter's.
+
+    Without this, models fail to load with
+    "'_thread.RLock' object has no attribute '_recursion_count'".
+    """
+    libdir = sysconfig.get_config_var("LIBDIR")
+    current = os.environ.get("LD_LIBRARY_PATH", "")
+    if libdir and libdir not in current.split(":"):
+        os.environ["LD_LIBRARY_PATH"] = f"{libdir}:{current}" if current else libdir
+
+
+def warm_up(engine: StepEngine) -> str:
+    """One greedy generation so that the first real request does not pay for cold caches."""
+    prompt = engine.apply_chat_template([("user", WARMUP_QUESTION)])
+    results = engine.step([PrefillRow(0, prompt, SamplingParams(max_tokens=8))])
+    text = results[0].text
+    while not results[0].finish_reason:
+        results = engine.step([DecodeRow(0)])
+        text += results[0].text
+    engine.step([ReleaseRow(0)])
+    return text
+
+
+class StepModel:
+    """The inference callable PyTriton calls; one engine step per Triton request."""
+
+    def __init__(self, engine: StepEngine) -> None:
+        self._engine = engine
+        # PyTriton may call from several threads; the engine's KV slots are not thread-safe.
+        self._lock = threading.Lock()
+
+    def __call__(self, requests: list[dict[str, np.ndarray]]) -> list[dict[str, np.ndarray]]:
+        responses = []
+        for request in requests:
+            with self._lock:
+                started = time.perf_counter()
+                before = self._engine.tokens_generated_total
+                response = run_step(self._engine, request)
+                metrics.TOKENS_GENERATED.inc(self._engine.tokens_generated_total - before)
+                metrics.ACTIVE_SLOTS.set(self._engine.active_slots)
+                metrics.STEP_ROWS.observe(len(request["ACTION"]))
+                metrics.STEP_SECONDS.observe(time.perf_counter() - started)
+            responses.append(response)
+        return responses
+
+
+def triton_config(config: TritonLocalConfig) -> Any:
+    from pytriton.triton import TritonConfig
+
+    return TritonConfig(
+        grpc_address=config.host,
+        http_address=config.host,
+        metrics_address=config.host,
+        grpc_port=config.grpc_port,
+        http_port=config.http_port,
+        metrics_port=config.triton_metrics_port,
+        log_verbose=0,
+        log_file=config.triton_log_file or None,
+        exit_timeout_secs=5,
+    )
+
+
+def bind_step_model(triton: Any, name: str, engine: StepEngine) -> None:
+    from pytriton.model_config import ModelConfig, Tensor
+
+    triton.bind(
+        model_name=name,
+        infer_func=StepModel(engine),
+        inputs=[Tensor(name=n, dtype=t, shape=(-1,)) for n, t in INPUTS],
+        outputs=[Tensor(name=n, dtype=t, shape=(-1,)) for n, t in OUTPUTS],
+        # The adapter does the batching: every request already is a whole batch of rows.
+        config=ModelConfig(batching=False, max_batch_size=0),
+        strict=True,
+    )

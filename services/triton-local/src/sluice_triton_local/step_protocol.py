@@ -1,0 +1,117 @@
+"""The step protocol: how one Triton request drives one engine step.
+
+One Triton request carries one row per sequence, all tensors of shape [rows]:
+
+  inputs   ACTION  INT32   1 prefill, 2 decode, 3 release, 4 count tokens
+           SEQ_ID  INT64   the adapter's id for the sequence (its KV slot key)
+           REQUEST BYTES   JSON for prefill and count rows, empty otherwise:
+                           {"messages": [[role, content], ...]} or {"prompt": "..."},
+                           plus "max_tokens", "temperature", "top_p", "seed", "stop"
+  outputs  TOKEN_ID          INT32  sampled token, -1 when none
+           TEXT              BYTES  UTF-8 text delta
+           FINISH            BYTES  "" while running, else "stop", "length", "error", or
+                                    "invalid" when the row's input was rejected (a client error)
+           PROMPT_TOKENS     INT32
+           COMPLETION_TOKENS INT32
+           ERROR             BYTES  why a row failed, for a person to read
+
+This module knows numpy and the engine, not Triton, so it is tested directly.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import numpy as np
+
+from sluice_triton_local.engine.step_engine import (
+    DecodeRow,
+    PrefillRow,
+    ReleaseRow,
+    RowResult,
+    SamplingParams,
+    StepEngine,
+)
+
+PREFILL, DECODE, RELEASE, COUNT = 1, 2, 3, 4
+
+INPUTS: tuple[tuple[str, type], ...] = (("ACTION", np.int32), ("SEQ_ID", np.int64), ("REQUEST", bytes))
+OUTPUTS: tuple[tuple[str, type], ...] = (
+    ("TOKEN_ID", np.int32),
+    ("TEXT", bytes),
+    ("FINISH", bytes),
+    ("PROMPT_TOKENS", np.int32),
+    ("COMPLETION_TOKENS", np.int32),
+    ("ERROR", bytes),
+)
+
+
+def _prompt_text(engine: StepEngine, request: dict[str, Any]) -> str:
+    if request.get("messages"):
+        return engine.apply_chat_template([(str(role), str(content)) for role, content in request["messages"]])
+    return str(request.get("prompt", ""))
+
+
+def _sampling(request: dict[str, Any]) -> SamplingParams:
+    seed = request.get("seed")
+    return SamplingParams(
+        max_tokens=int(request.get("max_tokens", 256)),
+        temperature=float(request.get("temperature", 0.0)),
+        top_p=float(request.get("top_p", 1.0)),
+        seed=None if seed is None else int(seed),
+        stop=tuple(str(s) for s in request.get("stop", ())),
+    )
+
+
+def _invalid(seq_id: int, message: str) -> RowResult:
+    return RowResult(seq_id, -1, "", "invalid", 0, 0, message)
+
+
+def _parse_row(engine: StepEngine, action: int, seq_id: int, raw: bytes) -> PrefillRow | DecodeRow | ReleaseRow | RowResult:
+    """An engine row, or the RowResult answering it when it needs no engine step."""
+    if action == DECODE:
+        return DecodeRow(seq_id)
+    if action == RELEASE:
+        return ReleaseRow(seq_id)
+    if action not in (PREFILL, COUNT):
+        return _invalid(seq_id, f"unknown ACTION {action}; expected 1 prefill, 2 decode, 3 release or 4 count")
+    try:
+        request = json.loads(raw or b"{}")
+        prompt = _prompt_text(engine, request)
+        prompt_tokens = engine.count_tokens(prompt)
+        if action == COUNT:
+            return RowResult(seq_id, -1, "", "", prompt_tokens, 0)
+        sampling = _sampling(request)
+        if prompt_tokens + sampling.max_tokens > engine.context_length:
+            return RowResult(
+                seq_id, -1, "", "invalid", prompt_tokens, 0,
+                f"the prompt is {prompt_tokens} tokens and max_tokens is {sampling.max_tokens}; together they"
+                f" exceed the model's context of {engine.context_length} tokens",
+            )
+        return PrefillRow(seq_id, prompt, sampling)
+    except (ValueError, TypeError, KeyError) as exc:
+        return _invalid(seq_id, f"malformed REQUEST JSON: {exc}")
+
+
+def run_step(engine: StepEngine, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Runs one engine step for a whole Triton request; one output row per input row."""
+    actions = inputs["ACTION"].reshape(-1)
+    seq_ids = inputs["SEQ_ID"].reshape(-1)
+    requests = inputs["REQUEST"].reshape(-1)
+    parsed = [_parse_row(engine, int(a), int(s), bytes(r)) for a, s, r in zip(actions, seq_ids, requests)]
+    engine_rows = [row for row in parsed if not isinstance(row, RowResult)]
+    stepped = iter(engine.step(engine_rows)) if engine_rows else iter(())
+    results = [row if isinstance(row, RowResult) else next(stepped) for row in parsed]
+    return encode_results(results)
+
+
+def encode_results(results: list[RowResult]) -> dict[str, np.ndarray]:
+    return {
+        "TOKEN_ID": np.array([r.token_id for r in results], dtype=np.int32),
+        "TEXT": np.array([r.text.encode() for r in results], dtype=np.object_),
+        "FINISH": np.array([r.finish_reason.encode() for r in results], dtype=np.object_),
+        "PROMPT_TOKENS": np.array([r.prompt_tokens for r in results], dtype=np.int32),
+        "COMPLETION_TOKENS": np.array([r.completion_tokens for r in results], dtype=np.int32),
+        "ERROR": np.array([r.error.encode() for r in results], dtype=np.object_),
+    }

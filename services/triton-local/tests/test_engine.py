@@ -1,0 +1,259 @@
+"""StepEngine against the real SmolLM2-135M GGUF model (no mocks)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from sluice_triton_local.engine import DecodeRow, PrefillRow, ReleaseRow, RowResult, SamplingParams, StepEngine
+from sluice_triton_local.engine.bench import default_gguf_path
+from sluice_triton_local.engine.stops import StopFilter
+
+CHAT = [("user", "What is the capital of France?")]
+PROMPTS = [
+    [("user", "What is the capital of France?")],
+    [("user", "Name three colors.")],
+    [("system", "You are terse."), ("user", "Write a haiku about the sea.")],
+]
+
+
+@pytest.fixture(scope="module")
+def engine() -> StepEngine:
+    return StepEngine(default_gguf_path(), max_slots=8)
+
+
+def run_alone(engine: StepEngine, seq_id: int, prompt: str, params: SamplingParams) -> list[RowResult]:
+    out = engine.step([PrefillRow(seq_id, prompt, params)])
+    while not out[-1].finish_reason:
+        out += engine.step([DecodeRow(seq_id)])
+    return out
+
+
+def run_staggered(engine: StepEngine, jobs: list[tuple[int, str, SamplingParams]]) -> dict[int, list[RowResult]]:
+    """Job k joins at step k while the earlier ones are mid-decode."""
+    results: dict[int, list[RowResult]] = {sid: [] for sid, _, _ in jobs}
+    live: list[int] = []
+    step = 0
+    while step < len(jobs) or live:
+        rows: list[PrefillRow | DecodeRow] = [DecodeRow(s) for s in live]
+        if step < len(jobs):
+            sid, prompt, params = jobs[step]
+            rows.append(PrefillRow(sid, prompt, params))
+        for r in engine.step(rows):
+            results[r.seq_id].append(r)
+        live = [sid for sid, rs in results.items() if rs and not rs[-1].finish_reason]
+        step += 1
+    return results
+
+
+def ids(results: list[RowResult]) -> list[int]:
+    return [r.token_id for r in results]
+
+
+def text(results: list[RowResult]) -> str:
+    return "".join(r.text for r in results)
+
+
+# -- tokenizer ------------------------------------------------------------
+
+
+def test_tokenizer_roundtrip_and_specials(engine: StepEngine) -> None:
+    tok = engine.tokenizer
+    for s in ["Hello, world!", "  leading spaces\nand 12345 digits", "héllo wörld 日本 🙂", "def f(x):\n\treturn x"]:
+        assert tok.decode(tok.encode(s)) == s
+    # Digits are split one per token (SmolLM2's Digits pre-tokenizer).
+    assert len(tok.encode("12345")) == 5
+    im_start, im_end = tok.vocab["<|im_start|>"], tok.vocab["<|im_end|>"]
+    prompt = engine.apply_chat_template(CHAT)
+    assert prompt.startswith("<|im_start|>system\nYou are a helpful AI assistant named SmolLM")
+    assert prompt.endswith("<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n")
+    encoded = tok.encode(prompt)
+    assert encoded[0] == im_start
+    assert encoded.count(im_start) == 3 and encoded.count(im_end) == 2
+    assert engine.count_tokens(prompt) == len(encoded)
+    # An explicit system message replaces the default one.
+    assert engine.apply_chat_template([("system", "S"), ("user", "U")]).count("<|im_start|>system") == 1
+    assert im_end in tok.stop_ids and tok.vocab["<|endoftext|>"] in tok.stop_ids
+
+
+def test_incremental_detokenization_multibyte(engine: StepEngine) -> None:
+    tok = engine.tokenizer
+    for s in ["héllo wörld 日本", "🙂🙃 naïve café — 東京タワー", "plain ascii"]:
+        token_ids = tok.encode(s)
+        detok = tok.detokenizer()
+        deltas = [detok.push(t) for t in token_ids] + [detok.flush()]
+        assert all("\ufffd" not in d for d in deltas)
+        assert "".join(deltas) == s
+    # At least one multi-byte char spans tokens, so something was held back.
+    token_ids = tok.encode("日本")
+    detok = tok.detokenizer()
+    assert any(detok.push(t) == "" for t in token_ids)
+
+
+def test_stop_filter_holds_back_prefixes() -> None:
+    f = StopFilter(["</end>", "STOP"])
+    assert f.feed("hello <") == ("hello ", False)  # "<" might start "</end>"
+    assert f.feed("/e") == ("", False)
+    assert f.feed("xtra") == ("</extra", False)  # no longer a prefix: flushed
+    assert f.feed(" ST") == (" ", False)
+    assert f.feed("OP and more") == ("", True)
+    g = StopFilter(["abc"])
+    assert g.feed("xab") == ("x", False)
+    assert g.flush() == "ab"  # finished for another reason: held text is real output
+
+
+# -- generation -----------------------------------------------------------
+
+
+def test_greedy_capital_of_france(engine: StepEngine) -> None:
+    out = run_alone(engine, 1, engine.apply_chat_template(CHAT), SamplingParams(max_tokens=20))
+    answer = text(out)
+    assert "Paris" in answer, answer
+    assert out[-1].finish_reason in ("stop", "length")
+    assert out[0].prompt_tokens == engine.count_tokens(engine.apply_chat_template(CHAT))
+    assert out[-1].completion_tokens == len(out)
+    assert "<|im_end|>" not in answer
+    assert engine.active_slots == 0
+
+
+def test_batching_matches_sequential(engine: StepEngine) -> None:
+    params = SamplingParams(max_tokens=16)
+    prompts = [engine.apply_chat_template(p) for p in PROMPTS]
+    alone = [ids(run_alone(engine, 100 + i, p, params)) for i, p in enumerate(prompts)]
+    batched = run_staggered(engine, [(200 + i, p, params) for i, p in enumerate(prompts)])
+    assert [ids(batched[200 + i]) for i in range(3)] == alone
+    assert engine.active_slots == 0
+
+
+def test_seeded_sampling_reproducible(engine: StepEngine) -> None:
+    prompt = engine.apply_chat_template([("user", "Tell me a short story about a cat.")])
+    p1 = SamplingParams(max_tokens=24, temperature=1.0, top_p=0.95, seed=1234)
+    a = ids(run_alone(engine, 300, prompt, p1))
+    b = ids(run_alone(engine, 301, prompt, p1))
+    assert a == b
+    # Same seed while sharing the batch with other sampled sequences.
+    other = engine.apply_chat_template(PROMPTS[1])
+    batched = run_staggered(
+        engine,
+        [
+            (302, other, SamplingParams(max_tokens=24, temperature=1.0, seed=7)),
+            (303, prompt, p1),
+            (304, other, SamplingParams(max_tokens=24, temperature=0.8, top_p=0.9, seed=8)),
+        ],
+    )
+    assert ids(batched[303]) == a
+    c = ids(run_alone(engine, 305, prompt, SamplingParams(max_tokens=24, temperature=1.0, top_p=0.95, seed=99)))
+    assert c != a
+
+
+def test_max_tokens_gives_length(engine: StepEngine) -> None:
+    prompt = engine.apply_chat_template([("user", "Write a long essay about the history of Rome.")])
+    out = run_alone(engine, 400, prompt, SamplingParams(max_tokens=7))
+    assert out[-1].finish_reason == "length"
+    assert out[-1].completion_tokens == 7 and len(out) == 7
+    assert all(r.finish_reason == "" for r in out[:-1])
+    # Finished: the slot is gone and further decodes are errors, never raises.
+    assert engine.active_slots == 0
+    after = engine.step([DecodeRow(400)])[0]
+    assert after.finish_reason == "error" and after.token_id == -1 and after.error
+
+
+def test_stop_sequence_trimmed(engine: StepEngine) -> None:
+    prompt = engine.apply_chat_template(CHAT)
+    full = text(run_alone(engine, 500, prompt, SamplingParams(max_tokens=20)))
+    assert "Paris" in full
+    out = run_alone(engine, 501, prompt, SamplingParams(max_tokens=20, stop=("Paris",)))
+    assert out[-1].finish_reason == "stop"
+    assert text(out) == full[: full.index("Paris")]
+    assert engine.active_slots == 0
+
+
+def test_generation_stops_counting_after_finish(engine: StepEngine) -> None:
+    prompt = engine.apply_chat_template(CHAT)
+    before = engine.tokens_generated_total
+    out = run_alone(engine, 600, prompt, SamplingParams(max_tokens=3))
+    assert engine.tokens_generated_total == before + len(out) == before + 3
+    engine.step([DecodeRow(600), DecodeRow(600)])
+    assert engine.tokens_generated_total == before + 3
+
+
+def test_release_frees_slot(engine: StepEngine) -> None:
+    prompt = engine.apply_chat_template(CHAT)
+    base = engine.active_slots
+    engine.step([PrefillRow(700, prompt, SamplingParams(max_tokens=50)), PrefillRow(701, prompt, SamplingParams())])
+    assert engine.active_slots == base + 2
+    # Mixed step: one decodes while the other is released.
+    res = engine.step([DecodeRow(700), ReleaseRow(701)])
+    assert res[0].finish_reason == "" and res[0].token_id >= 0
+    assert res[1].token_id == -1 and res[1].finish_reason == ""
+    assert engine.active_slots == base + 1
+    engine.step([ReleaseRow(700), ReleaseRow(700), ReleaseRow(12345)])  # idempotent, unknown ok
+    assert engine.active_slots == base
+
+
+def test_unknown_and_duplicate_rows(engine: StepEngine) -> None:
+    r = engine.step([DecodeRow(987654)])[0]
+    assert r.finish_reason == "error" and "987654" in r.error
+    prompt = engine.apply_chat_template(CHAT)
+    res = engine.step([PrefillRow(800, prompt, SamplingParams()), PrefillRow(800, prompt, SamplingParams())])
+    assert res[0].finish_reason == "" and res[1].finish_reason == "error"
+    bad = engine.step([PrefillRow(801, prompt, SamplingParams(top_p=0.0))])[0]
+    assert bad.finish_reason == "error" and "top_p" in bad.error
+    engine.step([ReleaseRow(800)])
+    assert engine.active_slots == 0
+
+
+def test_overlong_prompt_is_rejected(engine: StepEngine) -> None:
+    prompt = "word " * (engine.context_length + 10)
+    r = engine.step([PrefillRow(900, prompt, SamplingParams(max_tokens=16))])[0]
+    assert r.finish_reason == "error" and r.token_id == -1
+    assert "context holds" in r.error and str(engine.context_length) in r.error
+    assert r.prompt_tokens > engine.context_length
+    assert engine.active_slots == 0
+
+
+def test_no_free_slot(engine: StepEngine) -> None:
+    prompt = "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    rows = [PrefillRow(1000 + i, prompt, SamplingParams(max_tokens=5)) for i in range(engine.max_slots + 1)]
+    res = engine.step(rows)
+    assert all(r.finish_reason in ("", "stop") for r in res[:-1])
+    assert res[-1].finish_reason == "error" and f"max_slots={engine.max_slots}" in res[-1].error
+    engine.step([ReleaseRow(r.seq_id) for r in rows])
+    assert engine.active_slots == 0
+
+
+def test_long_prompt_prefill_chunks_attention(engine: StepEngine) -> None:
+    # > one attention query block (256) and > one KV growth chunk.
+    story = "The quick brown fox jumps over the lazy dog. " * 60
+    prompt = engine.apply_chat_template([("user", story + "\nWhat animal jumps?")])
+    out = run_alone(engine, 1100, prompt, SamplingParams(max_tokens=12))
+    assert out[0].prompt_tokens > 512
+    assert "fox" in text(out).lower(), text(out)
+
+
+# -- performance (printed, not asserted) ---------------------------------
+
+
+def test_decode_throughput_single_thread() -> None:
+    # BLAS threads are fixed at numpy import, so measure in a fresh process.
+    env = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    env["PYTHONPATH"] = src + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run(
+        [sys.executable, "-m", "sluice_triton_local.engine.bench", "1", "8"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=True,
+    )
+    stats = json.loads(proc.stdout.strip().splitlines()[-1])
+    print(
+        f"\n[engine perf, 1 BLAS thread] load {stats['load_s']} s; greedy decode "
+        f"{stats['batch1_tok_s']} tok/s at batch 1, {stats['batch8_tok_s']} tok/s at batch 8"
+    )

@@ -1,0 +1,51 @@
+"""The real stack, started once per test session: triton-local, inference-adapter, gateway."""
+
+from __future__ import annotations
+
+import os
+import re
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from sluice.gateway.v1 import gateway_pb2_grpc
+
+from sluice_stack import Stack, StackPorts
+
+DEMO_KEY = "sk-sluice-demo"
+MODEL = "smollm2-135m-instruct"
+
+
+@pytest.fixture(scope="session")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    run_dir = Path(os.environ.get("SLUICE_TEST_RUN_DIR", tmp_path_factory.mktemp("stack")))
+    stack = Stack(run_dir=run_dir, ports=StackPorts.ephemeral())
+    stack.start(timeout_s=300)
+    yield stack
+    stack.stop()
+
+
+@pytest.fixture(scope="session")
+def gateway_channel(stack: Stack) -> Iterator[grpc.Channel]:
+    with grpc.insecure_channel(stack.gateway_address) as channel:
+        yield channel
+
+
+@pytest.fixture(scope="session")
+def gateway(gateway_channel: grpc.Channel) -> gateway_pb2_grpc.GatewayServiceStub:
+    return gateway_pb2_grpc.GatewayServiceStub(gateway_channel)
+
+
+def auth(key: str = DEMO_KEY) -> tuple[tuple[str, str], ...]:
+    return (("authorization", f"Bearer {key}"),)
+
+
+def scrape(url: str, name: str, labels: str = "") -> float:
+    """One sample of a Prometheus metric, 0 when absent."""
+    with urllib.request.urlopen(url, timeout=5) as reply:
+        text = reply.read().decode()
+    pattern = re.compile(rf"^{re.escape(name)}{re.escape(labels) if labels else ''}\s+([0-9.eE+-]+)$", re.M)
+    match = pattern.search(text)
+    return float(match.group(1)) if match else 0.0
