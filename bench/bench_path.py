@@ -1,0 +1,139 @@
+"""make bench-path: one stream at a time, through each hop, side by side in one run.
+
+For the same greedy request it measures time to first token (TTFT) and decode tokens/s
+  triton   the step protocol driven directly over tritonclient (no Sluice service),
+  adapter  sluice.inference.v1.InferenceService/Generate,
+  gateway  sluice.gateway.v1.GatewayService/Generate (auth + validation + adapter),
+interleaving the three in every round so that noise on this shared machine hits all alike.
+Ends with `BENCH <name> <value> <unit>` lines. Target: gateway + adapter add <= 5 ms to TTFT p50.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+import grpc
+import numpy as np
+import tritonclient.grpc as triton
+from sluice.common.v1 import types_pb2
+from sluice.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+from sluice.inference.v1 import inference_pb2, inference_pb2_grpc
+
+from sluice_stack import Stack, StackPorts
+
+MODEL = "smollm2-135m-instruct"
+STEP_MODEL = "smollm2_step"
+QUESTION = "What is the capital of France?"
+AUTH = (("authorization", "Bearer sk-sluice-demo"),)
+
+Sample = tuple[float, float]  # (ttft seconds, decode tokens per second)
+
+
+def measure(chunks: Iterable[str]) -> Sample:
+    started = time.perf_counter()
+    arrivals = [time.perf_counter() - started for text in chunks if text]
+    decode_s = arrivals[-1] - arrivals[0]
+    return arrivals[0], (len(arrivals) - 1) / decode_s if decode_s > 0 else 0.0
+
+
+def triton_chunks(client: triton.InferenceServerClient, max_tokens: int) -> Iterable[str]:
+    seq_id = random.getrandbits(62) + 1
+    body = json.dumps({"messages": [["user", QUESTION]], "max_tokens": max_tokens}).encode()
+    action, request = 1, body
+    while True:
+        inputs = [triton.InferInput("ACTION", [1], "INT32"), triton.InferInput("SEQ_ID", [1], "INT64"), triton.InferInput("REQUEST", [1], "BYTES")]
+        inputs[0].set_data_from_numpy(np.array([action], dtype=np.int32))
+        inputs[1].set_data_from_numpy(np.array([seq_id], dtype=np.int64))
+        inputs[2].set_data_from_numpy(np.array([request], dtype=np.object_))
+        result = client.infer(STEP_MODEL, inputs)
+        yield bytes(result.as_numpy("TEXT")[0]).decode()
+        if bytes(result.as_numpy("FINISH")[0]):
+            return
+        action, request = 2, b""
+
+
+def adapter_chunks(stub: inference_pb2_grpc.InferenceServiceStub, max_tokens: int) -> Iterable[str]:
+    request = inference_pb2.GenerateRequest(
+        model=MODEL, tenant="bench", messages=[types_pb2.ChatMessage(role="user", content=QUESTION)],
+        sampling=types_pb2.SamplingParams(max_tokens=max_tokens),
+    )
+    return (r.text for r in stub.Generate(request, timeout=120))
+
+
+def gateway_chunks(stub: gateway_pb2_grpc.GatewayServiceStub, max_tokens: int) -> Iterable[str]:
+    request = gateway_pb2.GenerateRequest(
+        model=MODEL, messages=[types_pb2.ChatMessage(role="user", content=QUESTION)],
+        sampling=types_pb2.SamplingParams(max_tokens=max_tokens),
+    )
+    return (r.text for r in stub.Generate(request, metadata=AUTH, timeout=120))
+
+
+def p50(values: list[float]) -> float:
+    return statistics.median(values)
+
+
+def _paired_p50(mine: list[Sample], base: list[Sample]) -> float:
+    return p50([(m[0] - b[0]) * 1000 for m, b in zip(mine, base)])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rounds", type=int, default=20)
+    parser.add_argument("--max-tokens", type=int, default=32)
+    args = parser.parse_args()
+
+    with tempfile.TemporaryDirectory() as run_dir:
+        stack = Stack(run_dir=Path(run_dir), ports=StackPorts.ephemeral())
+        print("starting the stack ...", flush=True)
+        stack.start()
+        try:
+            client = triton.InferenceServerClient(stack.triton_grpc_address)
+            adapter = inference_pb2_grpc.InferenceServiceStub(grpc.insecure_channel(stack.adapter_address))
+            gateway = gateway_pb2_grpc.GatewayServiceStub(grpc.insecure_channel(stack.gateway_address))
+            paths: dict[str, Callable[[], Iterable[str]]] = {
+                "triton": lambda: triton_chunks(client, args.max_tokens),
+                "adapter": lambda: adapter_chunks(adapter, args.max_tokens),
+                "gateway": lambda: gateway_chunks(gateway, args.max_tokens),
+            }
+            for path in paths.values():  # warm every channel and code path once
+                measure(path())
+            samples: dict[str, list[Sample]] = {name: [] for name in paths}
+            for round_index in range(args.rounds):
+                order = list(paths)
+                random.Random(round_index).shuffle(order)
+                for name in order:
+                    samples[name].append(measure(paths[name]()))
+        finally:
+            stack.stop()
+
+    ttft = {name: p50([s[0] for s in values]) * 1000 for name, values in samples.items()}
+    # Paired per round: each round ran every path back to back, so a difference cancels slow drift.
+    paired = {
+        "adapter": _paired_p50(samples["adapter"], samples["triton"]),
+        "gateway": _paired_p50(samples["gateway"], samples["adapter"]),
+        "gateway_plus_adapter": _paired_p50(samples["gateway"], samples["triton"]),
+    }
+    tps = {name: p50([s[1] for s in values]) for name, values in samples.items()}
+    print(f"\n{args.rounds} rounds, {args.max_tokens} tokens each, one stream at a time\n")
+    print(f"{'path':<10}{'TTFT p50 ms':>14}{'TTFT p90 ms':>14}{'decode tok/s p50':>18}")
+    for name, values in samples.items():
+        p90 = float(np.percentile([s[0] for s in values], 90)) * 1000
+        print(f"{name:<10}{ttft[name]:>14.2f}{p90:>14.2f}{tps[name]:>18.1f}")
+    print()
+    for name in paths:
+        print(f"BENCH path_{name}_ttft_p50 {ttft[name]:.2f} ms")
+        print(f"BENCH path_{name}_tokens_per_s_p50 {tps[name]:.1f} tok/s")
+    print(f"BENCH hop_adapter_ttft_overhead_p50 {paired['adapter']:.2f} ms")
+    print(f"BENCH hop_gateway_ttft_overhead_p50 {paired['gateway']:.2f} ms")
+    print(f"BENCH gateway_plus_adapter_ttft_overhead_p50 {paired['gateway_plus_adapter']:.2f} ms")
+
+
+if __name__ == "__main__":
+    main()

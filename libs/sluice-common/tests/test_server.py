@@ -1,0 +1,133 @@
+"""The server bootstrap and its interceptor, over real gRPC on a local port."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import sys
+
+import grpc
+import pytest
+from google.rpc import error_details_pb2
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_status import rpc_status
+
+from sluice_common.errors import InvalidArgument, ResourceExhausted
+from sluice_common.log import configure_logging
+from sluice_common.request_context import current_request_id
+from sluice_common.server import create_server
+
+SERVICE = "test.Echo"
+
+
+def _handlers(seen_request_ids: list[str]) -> grpc.GenericRpcHandler:
+    async def unary(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        seen_request_ids.append(current_request_id())
+        if request == b"invalid":
+            raise InvalidArgument("sampling.max_tokens", "must be > 0, got 0")
+        if request == b"busy":
+            raise ResourceExhausted("queue full", retry_after_s=2.5, quota_subject="adapter.waiting_queue")
+        if request == b"crash":
+            raise RuntimeError("secret internals")
+        return request
+
+    async def stream(request: bytes, context: grpc.aio.ServicerContext):
+        for index in range(3):
+            yield b"%d" % index
+        raise InvalidArgument("prompt", "too long")
+
+    identity = lambda b: b  # noqa: E731 - raw bytes on the wire
+    return grpc.method_handlers_generic_handler(
+        SERVICE,
+        {
+            "Unary": grpc.unary_unary_rpc_method_handler(unary, identity, identity),
+            "Stream": grpc.unary_stream_rpc_method_handler(stream, identity, identity),
+        },
+    )
+
+
+@pytest.fixture
+async def server():
+    seen: list[str] = []
+
+    def register(srv: grpc.aio.Server) -> list[str]:
+        srv.add_generic_rpc_handlers((_handlers(seen),))
+        return [SERVICE]
+
+    running = await create_server("127.0.0.1", 0, -1, register)
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{running.port}")
+    yield running, channel, seen
+    await channel.close()
+    await running.shutdown(0)
+
+
+async def test_invalid_argument_carries_field_violation(server) -> None:
+    _, channel, _ = server
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await channel.unary_unary(f"/{SERVICE}/Unary")(b"invalid")
+    error = caught.value
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    status = rpc_status.from_call(error)
+    bad_request = error_details_pb2.BadRequest()
+    status.details[0].Unpack(bad_request)
+    assert bad_request.field_violations[0].field == "sampling.max_tokens"
+
+
+async def test_resource_exhausted_carries_retry_info_and_quota_failure(server) -> None:
+    _, channel, _ = server
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await channel.unary_unary(f"/{SERVICE}/Unary")(b"busy")
+    status = rpc_status.from_call(caught.value)
+    retry, quota = error_details_pb2.RetryInfo(), error_details_pb2.QuotaFailure()
+    assert status.details[0].Unpack(retry) and status.details[1].Unpack(quota)
+    assert retry.retry_delay.ToMilliseconds() == 2500
+    assert quota.violations[0].subject == "adapter.waiting_queue"
+
+
+async def test_unexpected_error_is_internal_without_internals(server) -> None:
+    _, channel, _ = server
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await channel.unary_unary(f"/{SERVICE}/Unary")(b"crash")
+    assert caught.value.code() == grpc.StatusCode.INTERNAL
+    assert "secret" not in caught.value.details() and "request_id=" in caught.value.details()
+
+
+async def test_stream_error_after_messages(server) -> None:
+    _, channel, _ = server
+    call = channel.unary_stream(f"/{SERVICE}/Stream")(b"")
+    received = []
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        async for message in call:
+            received.append(message)
+    assert received == [b"0", b"1", b"2"]
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+async def test_request_id_from_metadata_or_generated(server) -> None:
+    _, channel, seen = server
+    await channel.unary_unary(f"/{SERVICE}/Unary")(b"ok", metadata=(("x-request-id", "rid-1"),))
+    await channel.unary_unary(f"/{SERVICE}/Unary")(b"ok")
+    assert seen[0] == "rid-1"
+    assert len(seen[1]) == 32 and seen[1] != "rid-1"
+
+
+async def test_health_serving_then_not_serving_on_shutdown(server) -> None:
+    running, channel, _ = server
+    stub = health_pb2_grpc.HealthStub(channel)
+    reply = await stub.Check(health_pb2.HealthCheckRequest(service=SERVICE))
+    assert reply.status == health_pb2.HealthCheckResponse.SERVING
+    await running.health.enter_graceful_shutdown()
+    reply = await stub.Check(health_pb2.HealthCheckRequest(service=SERVICE))
+    assert reply.status == health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+async def test_summary_line_is_json_with_request_id(server, capsys) -> None:
+    configure_logging("test", "INFO", json=True)
+    logging.getLogger().handlers[0].stream = sys.stderr  # capsys swapped stderr after setup
+    _, channel, _ = server
+    await channel.unary_unary(f"/{SERVICE}/Unary")(b"ok", metadata=(("x-request-id", "rid-json"),))
+    await asyncio.sleep(0)
+    lines = [json.loads(line) for line in capsys.readouterr().err.splitlines() if line.startswith("{")]
+    summary = next(line for line in lines if line.get("event") == "rpc" and line.get("request_id") == "rid-json")
+    assert summary["code"] == "OK" and summary["rpc"] == f"/{SERVICE}/Unary" and summary["service"] == "test"

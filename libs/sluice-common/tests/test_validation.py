@@ -1,0 +1,43 @@
+from __future__ import annotations
+
+import pytest
+from sluice.common.v1 import types_pb2
+
+from sluice_common.errors import InvalidArgument
+from sluice_common.validation import validate_generation
+
+MODEL = types_pb2.ModelInfo(name="m", context_length=2048, max_output_tokens=1024)
+HELLO = [types_pb2.ChatMessage(role="user", content="hello")]
+
+
+def check(messages=HELLO, prompt="", **sampling) -> None:
+    sampling.setdefault("max_tokens", 16)
+    validate_generation(messages, prompt, types_pb2.SamplingParams(**sampling), MODEL)
+
+
+def test_a_valid_request_passes() -> None:
+    check(temperature=0.7, top_p=0.9, stop=["\n"])
+    check(messages=[], prompt="raw text")
+    check(max_tokens=1024)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        (dict(messages=[]), "messages"),
+        (dict(prompt="x"), "prompt"),
+        (dict(max_tokens=0), "sampling.max_tokens"),
+        (dict(max_tokens=1025), "sampling.max_tokens"),
+        (dict(temperature=-0.1), "sampling.temperature"),
+        (dict(top_p=0.0), "sampling.top_p"),
+        (dict(stop=["a", "b", "c", "d", "e"]), "sampling.stop"),
+        (dict(stop=[""]), "sampling.stop[0]"),
+        (dict(messages=[types_pb2.ChatMessage(role="tool", content="x")]), "messages[0].role"),
+        (dict(messages=[types_pb2.ChatMessage(role="user", content="")]), "messages[0].content"),
+    ],
+)
+def test_each_problem_names_its_field(kwargs, field) -> None:
+    with pytest.raises(InvalidArgument) as caught:
+        check(**kwargs)
+    assert caught.value.field_name == field
+    assert caught.value.reason

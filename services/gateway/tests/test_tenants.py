@@ -1,0 +1,50 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from sluice_common.errors import Unauthenticated
+from sluice_gateway.tenants import TenantDirectory, hash_api_key
+
+REPO_TENANTS = Path(__file__).resolve().parents[3] / "config" / "tenants.toml"
+
+
+def write(tmp_path: Path, body: str) -> Path:
+    path = tmp_path / "tenants.toml"
+    path.write_text(body)
+    return path
+
+
+def test_keys_are_stored_hashed_and_authenticate(tmp_path: Path) -> None:
+    path = write(tmp_path, f'[[tenants]]\nname = "acme"\napi_key_sha256 = "{hash_api_key("k-1")}"\ntext_logging = false\n')
+    assert "k-1" not in path.read_text()
+    tenant = TenantDirectory.from_file(path).authenticate("Bearer k-1")
+    assert tenant.name == "acme" and tenant.text_logging is False
+
+
+def test_bearer_scheme_is_case_insensitive_and_key_trimmed(tmp_path: Path) -> None:
+    path = write(tmp_path, f'[[tenants]]\nname = "acme"\napi_key_sha256 = "{hash_api_key("k-1")}"\n')
+    assert TenantDirectory.from_file(path).authenticate("bearer  k-1 ").name == "acme"
+
+
+@pytest.mark.parametrize(
+    ("header", "message"),
+    [(None, "missing"), ("", "missing"), ("Basic abc", "must be `Bearer"), ("Bearer ", "must be `Bearer"), ("Bearer nope", "invalid API key")],
+)
+def test_bad_credentials(header, message, tmp_path: Path) -> None:
+    path = write(tmp_path, f'[[tenants]]\nname = "acme"\napi_key_sha256 = "{hash_api_key("k-1")}"\n')
+    with pytest.raises(Unauthenticated, match=message):
+        TenantDirectory.from_file(path).authenticate(header)
+
+
+@pytest.mark.parametrize("body", ['[[tenants]]\nname = "x"\napi_key_sha256 = "short"\n', "", '[[tenants]]\napi_key_sha256 = "' + "a" * 64 + '"\n'])
+def test_malformed_files_are_rejected_with_a_reason(body: str, tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="tenants"):
+        TenantDirectory.from_file(write(tmp_path, body))
+
+
+def test_the_shipped_demo_file_loads() -> None:
+    directory = TenantDirectory.from_file(REPO_TENANTS)
+    assert directory.authenticate("Bearer sk-sluice-demo").name == "demo"
+    assert directory.authenticate("Bearer sk-sluice-private").text_logging is False

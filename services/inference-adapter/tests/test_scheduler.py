@@ -1,0 +1,166 @@
+"""The scheduler's decisions, step by step.
+
+`RecordingStepModel` stands in for Triton's step model so that each test can see
+exactly which rows every step carried; it follows the step protocol's semantics
+(prefill returns the first token, decode the next, a sequence ends at max_tokens).
+The real Triton path is covered end to end in tests/e2e.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import pytest
+
+from sluice_common.errors import ResourceExhausted
+from sluice_inference_adapter.scheduler import (
+    Finish,
+    FinishEvent,
+    GenerationRequest,
+    Priority,
+    Scheduler,
+    SchedulerLimits,
+    TokenEvent,
+)
+from sluice_inference_adapter.step_rows import Action, PromptSpec, SamplingSpec, StepOutcome, StepRow
+
+
+class RecordingStepModel:
+    def __init__(self, step_delay_s: float = 0.001) -> None:
+        self.steps: list[list[StepRow]] = []
+        self.max_tokens: dict[int, int] = {}
+        self.generated: dict[int, int] = {}
+        self.delay = step_delay_s
+
+    async def step(self, rows: list[StepRow]) -> list[StepOutcome]:
+        self.steps.append(rows)
+        await asyncio.sleep(self.delay)
+        return [self._answer(row) for row in rows]
+
+    def _answer(self, row: StepRow) -> StepOutcome:
+        if row.action is Action.RELEASE:
+            self.max_tokens.pop(row.seq_id, None)
+            return StepOutcome(-1, "", "", 0, 0)
+        if row.action is Action.PREFILL:
+            self.max_tokens[row.seq_id] = json.loads(row.request)["max_tokens"]
+            self.generated[row.seq_id] = 0
+        self.generated[row.seq_id] += 1
+        count = self.generated[row.seq_id]
+        finish = "length" if count >= self.max_tokens[row.seq_id] else ""
+        return StepOutcome(count, f"t{count} ", finish, 3, count)
+
+    def rows_of(self, seq_id: int) -> list[tuple[int, Action]]:
+        return [(index, row.action) for index, rows in enumerate(self.steps) for row in rows if row.seq_id == seq_id]
+
+
+def request(max_tokens: int = 3, priority: Priority = Priority.INTERACTIVE, deadline: float | None = None) -> GenerationRequest:
+    return GenerationRequest("rid", "tenant", PromptSpec(prompt="p"), SamplingSpec(max_tokens=max_tokens), priority, deadline)
+
+
+async def collect(handle) -> tuple[str, FinishEvent]:
+    text = ""
+    async for event in handle.events():
+        if isinstance(event, TokenEvent):
+            text += event.text
+        else:
+            return text, event
+    raise AssertionError("no finish event")
+
+
+@pytest.fixture
+async def model_and_scheduler():
+    model = RecordingStepModel()
+    scheduler = Scheduler(model, SchedulerLimits(max_batch_size=4, max_waiting=3))
+    scheduler.start()
+    yield model, scheduler
+    await scheduler.stop()
+
+
+async def test_streams_tokens_then_finishes_with_usage_and_timings(model_and_scheduler) -> None:
+    model, scheduler = model_and_scheduler
+    text, finish = await collect(scheduler.submit(request(max_tokens=3)))
+    assert text == "t1 t2 t3 "
+    assert finish.finish is Finish.LENGTH and finish.completion_tokens == 3 and finish.prompt_tokens == 3
+    assert 0 < finish.timings.time_to_first_token_s <= finish.timings.total_s
+    assert scheduler.running_count == 0
+
+
+async def test_a_new_sequence_joins_the_running_batch_at_the_next_step(model_and_scheduler) -> None:
+    model, scheduler = model_and_scheduler
+    long = scheduler.submit(request(max_tokens=30))
+    long_task = asyncio.create_task(collect(long))
+    while len(model.steps) < 3:
+        await asyncio.sleep(0.001)
+    short = scheduler.submit(request(max_tokens=2))
+    short_text, _ = await collect(short)
+    assert short_text == "t1 t2 "
+    short_rows = model.rows_of(short.seq_id)
+    # The short one was prefilled while the long one kept decoding, and it finished first.
+    assert short_rows[0][1] is Action.PREFILL
+    assert (short_rows[0][0], Action.DECODE) in model.rows_of(long.seq_id)
+    assert not long_task.done()
+    await long_task
+
+
+async def test_cancel_sends_a_release_row_at_the_next_step(model_and_scheduler) -> None:
+    model, scheduler = model_and_scheduler
+    handle = scheduler.submit(request(max_tokens=1000))
+    events = handle.events()
+    await anext(events)
+    handle.cancel()
+    finish = None
+    async for event in events:
+        finish = event
+    assert finish.finish is Finish.CANCELLED
+    rows = model.rows_of(handle.seq_id)
+    assert rows[-1][1] is Action.RELEASE
+    assert len(rows) < 10
+    assert scheduler.running_count == 0
+
+
+async def test_deadline_ends_a_running_sequence_and_releases_it(model_and_scheduler) -> None:
+    model, scheduler = model_and_scheduler
+    handle = scheduler.submit(request(max_tokens=100000, deadline=time.monotonic() + 0.05))
+    _, finish = await collect(handle)
+    assert finish.finish is Finish.DEADLINE
+    assert model.rows_of(handle.seq_id)[-1][1] is Action.RELEASE
+
+
+async def test_full_queue_rejects_with_retry_after() -> None:
+    model = RecordingStepModel()
+    scheduler = Scheduler(model, SchedulerLimits(max_batch_size=1, max_waiting=2, retry_after_s=0.5))
+    # Not started: nothing leaves the queue.
+    scheduler.submit(request())
+    scheduler.submit(request())
+    with pytest.raises(ResourceExhausted) as caught:
+        scheduler.submit(request())
+    assert caught.value.retry_after_s == 0.5 and "queue is full" in caught.value.message
+
+
+async def test_interactive_is_admitted_before_bulk() -> None:
+    model = RecordingStepModel()
+    scheduler = Scheduler(model, SchedulerLimits(max_batch_size=1, max_waiting=10))
+    bulk = scheduler.submit(request(max_tokens=1, priority=Priority.BULK))
+    interactive = scheduler.submit(request(max_tokens=1, priority=Priority.INTERACTIVE))
+    scheduler.start()
+    try:
+        await asyncio.gather(collect(bulk), collect(interactive))
+    finally:
+        await scheduler.stop()
+    assert model.rows_of(interactive.seq_id)[0][0] < model.rows_of(bulk.seq_id)[0][0]
+
+
+async def test_backend_failure_fails_the_step_sequences_with_error() -> None:
+    class Broken(RecordingStepModel):
+        async def step(self, rows):
+            raise ConnectionError("triton went away")
+
+    scheduler = Scheduler(Broken(), SchedulerLimits())
+    scheduler.start()
+    try:
+        _, finish = await collect(scheduler.submit(request()))
+    finally:
+        await scheduler.stop()
+    assert finish.finish is Finish.ERROR and "triton went away" in finish.error
