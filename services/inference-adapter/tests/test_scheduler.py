@@ -59,6 +59,10 @@ def request(max_tokens: int = 3, priority: Priority = Priority.INTERACTIVE, dead
     return GenerationRequest("rid", "tenant", PromptSpec(prompt="p"), SamplingSpec(max_tokens=max_tokens), priority, deadline)
 
 
+def tenant_request(tenant: str) -> GenerationRequest:
+    return GenerationRequest("rid", tenant, PromptSpec(prompt="p"), SamplingSpec(max_tokens=1))
+
+
 async def collect(handle) -> tuple[str, FinishEvent]:
     text = ""
     async for event in handle.events():
@@ -164,3 +168,75 @@ async def test_backend_failure_fails_the_step_sequences_with_error() -> None:
     finally:
         await scheduler.stop()
     assert finish.finish is Finish.ERROR and "triton went away" in finish.error
+
+
+async def test_tenants_take_turns_within_a_class() -> None:
+    model = RecordingStepModel()
+    scheduler = Scheduler(model, SchedulerLimits(max_batch_size=1, max_waiting=100))
+    flood = [scheduler.submit(tenant_request("noisy")) for _ in range(20)]
+    single = scheduler.submit(tenant_request("quiet"))
+    scheduler.start()
+    try:
+        await collect(single)
+        single_step = model.rows_of(single.seq_id)[0][0]
+        admitted_before_single = sum(1 for h in flood if model.rows_of(h.seq_id) and model.rows_of(h.seq_id)[0][0] < single_step)
+        await asyncio.gather(*(collect(h) for h in flood))
+    finally:
+        await scheduler.stop()
+    # Round robin: the quiet tenant waits for one of the noisy tenant's requests, not twenty.
+    assert admitted_before_single == 1
+
+
+async def test_kv_token_budget_limits_the_batch() -> None:
+    model = RecordingStepModel()
+    # Each request reserves its estimated prompt plus 100 tokens; the budget fits two of them.
+    scheduler = Scheduler(model, SchedulerLimits(max_batch_size=8, max_batch_tokens=2 * (100 + 33)))
+    handles = [scheduler.submit(request(max_tokens=100)) for _ in range(3)]
+    scheduler.start()
+    try:
+        while not model.steps:
+            await asyncio.sleep(0.001)
+        await asyncio.sleep(0.02)
+        assert scheduler.running_count == 2 and scheduler.waiting_count == 1
+        await asyncio.gather(*(collect(h) for h in handles))
+    finally:
+        await scheduler.stop()
+
+
+async def test_prefills_wait_to_go_together_but_not_longer_than_max_waiting_steps() -> None:
+    model = RecordingStepModel()
+    limits = SchedulerLimits(max_batch_size=8, min_prefill_rows=3, max_waiting_steps=4)
+    scheduler = Scheduler(model, limits)
+    running = scheduler.submit(request(max_tokens=50))
+    scheduler.start()
+    try:
+        while len(model.steps) < 2:
+            await asyncio.sleep(0.001)
+        late = scheduler.submit(request(max_tokens=1))
+        submitted_at_step = len(model.steps)
+        await collect(late)
+        joined_at_step = model.rows_of(late.seq_id)[0][0]
+        # Alone it waits for company, at most max_waiting_steps steps (plus the one in flight).
+        assert 4 <= joined_at_step - submitted_at_step <= 6
+        running.cancel()
+    finally:
+        await scheduler.stop()
+
+
+async def test_backend_failure_fails_waiting_sequences_too_and_marks_them_retryable() -> None:
+    class Broken(RecordingStepModel):
+        async def step(self, rows):
+            await asyncio.sleep(0.01)
+            raise ConnectionError("triton went away")
+
+    health: list[bool] = []
+    scheduler = Scheduler(Broken(), SchedulerLimits(max_batch_size=1), on_step=health.append)
+    first, second = scheduler.submit(request()), scheduler.submit(request())
+    scheduler.start()
+    try:
+        results = await asyncio.gather(collect(first), collect(second))
+    finally:
+        await scheduler.stop()
+    assert all(finish.finish is Finish.ERROR for _, finish in results)
+    assert first.backend_failed and second.backend_failed
+    assert health[0] is False

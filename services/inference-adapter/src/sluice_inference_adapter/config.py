@@ -13,8 +13,8 @@ ENV_PREFIX = "SLUICE_ADAPTER_"
 class AdapterConfig(ServerConfig):
     port: int = 50061
     metrics_port: int = 9102
-    # Triton's gRPC endpoint (KServe v2).
-    triton_url: str = "127.0.0.1:8001"
+    # Triton gRPC endpoints (KServe v2), comma-separated: replicas serving the same model.
+    triton_urls: tuple[str, ...] = ("127.0.0.1:8001",)
     # The name clients use, and the Triton model that serves it over the step protocol.
     model_name: str = "smollm2-135m-instruct"
     triton_step_model: str = "smollm2_step"
@@ -22,13 +22,22 @@ class AdapterConfig(ServerConfig):
     context_length: int = 2048
     max_output_tokens: int = 1024
     max_batch_size: int = 8
+    # KV budget of a replica's batch: prompt + max_tokens summed over running sequences.
+    max_batch_tokens: int = 16384
     max_waiting: int = 256
+    # While a batch runs, prefills wait for MIN_PREFILL_ROWS companions, at most MAX_WAITING_STEPS steps.
+    min_prefill_rows: int = 1
+    max_waiting_steps: int = 8
+    # A replica is unhealthy after this many consecutive failed steps or probes.
+    replica_failure_threshold: int = 2
+    probe_interval_s: float = 2.0
     step_timeout_s: float = 60.0
     # How long startup waits for Triton to report the model ready.
     backend_wait_s: float = 300.0
 
     def __post_init__(self) -> None:
         require(self.max_batch_size >= 1, f"{ENV_PREFIX}MAX_BATCH_SIZE must be >= 1, got {self.max_batch_size}")
+        require(len(self.triton_urls) >= 1, f"{ENV_PREFIX}TRITON_URLS needs at least one host:port")
         require(self.max_waiting >= 1, f"{ENV_PREFIX}MAX_WAITING must be >= 1, got {self.max_waiting}")
         require(
             0 < self.max_output_tokens < self.context_length,

@@ -20,3 +20,11 @@ INTER_TOKEN = Histogram(
 REJECTIONS = Counter("sluice_adapter_rejections_total", "Requests refused before scheduling.", ["reason"])
 CANCELLATIONS = Counter("sluice_adapter_cancellations_total", "Sequences stopped before they finished.", ["reason"])
 BACKEND_READY = Gauge("sluice_adapter_backend_ready", "1 when the Triton endpoint and model answer ready.", ["endpoint"])
+BATCH_TOKENS = Histogram(
+    "sluice_adapter_batch_tokens",
+    "KV tokens reserved (prompt + max_tokens) by the running batch, per step.",
+    buckets=(64, 256, 1024, 2048, 4096, 8192, 16384, 32768, 65536),
+)
+REPLICA_HEALTHY = Gauge("sluice_adapter_replica_healthy", "1 when a Triton replica is admitted for routing.", ["replica"])
+REPLICA_LOAD = Gauge("sluice_adapter_replica_load", "Waiting plus running sequences per replica.", ["replica"])
+RETRIES = Counter("sluice_adapter_retries_total", "Requests moved to another replica before their first token.")

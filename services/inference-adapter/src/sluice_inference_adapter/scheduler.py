@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import math
 import random
 import time
-from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
@@ -32,13 +32,9 @@ from sluice_inference_adapter.step_rows import (
     StepOutcome,
     StepRow,
 )
+from sluice_inference_adapter.waiting_queue import FairWaitingQueue, Priority
 
 log = structlog.stdlib.get_logger("sluice.scheduler")
-
-
-class Priority(enum.IntEnum):
-    INTERACTIVE = 0
-    BULK = 1
 
 
 class Finish(enum.Enum):
@@ -90,7 +86,14 @@ Event = TokenEvent | FinishEvent
 @dataclass(frozen=True)
 class SchedulerLimits:
     max_batch_size: int = 8
+    # The KV budget: prompt + max_tokens summed over running sequences.
+    max_batch_tokens: int = 16384
     max_waiting: int = 256
+    # A prefill stalls every running sequence for its duration, so while a batch runs, new
+    # prefills wait until `min_prefill_rows` of them can go together, but never more than
+    # `max_waiting_steps` steps. min_prefill_rows=1 admits at the very next step.
+    min_prefill_rows: int = 1
+    max_waiting_steps: int = 8
     # Advertised in RetryInfo when the waiting queue is full.
     retry_after_s: float = 1.0
 
@@ -109,7 +112,30 @@ class Sequence:
     last_token_at: float | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    waited_steps: int = 0
     done: bool = False
+    # Set when the sequence failed because its backend did: a caller may retry it elsewhere.
+    backend_failed: bool = False
+
+    @property
+    def tenant(self) -> str:
+        return self.request.tenant
+
+    @property
+    def priority(self) -> Priority:
+        return self.request.priority
+
+    @property
+    def reserved_tokens(self) -> int:
+        """KV tokens this sequence may come to hold; the prompt is estimated until prefill counts it."""
+        prompt = self.prompt_tokens or estimate_prompt_tokens(self.request.prompt)
+        return prompt + self.request.sampling.max_tokens
+
+
+def estimate_prompt_tokens(prompt: PromptSpec) -> int:
+    """A cautious guess (about 3 bytes per token plus template overhead) until the model counts."""
+    text_bytes = len(prompt.prompt.encode()) + sum(len(c.encode()) + 8 for _, c in prompt.messages)
+    return math.ceil(text_bytes / 3) + 32
 
 
 class SequenceHandle:
@@ -120,6 +146,10 @@ class SequenceHandle:
     @property
     def seq_id(self) -> int:
         return self._sequence.seq_id
+
+    @property
+    def backend_failed(self) -> bool:
+        return self._sequence.backend_failed
 
     def cancel(self) -> None:
         """Idempotent; the slot is released at the next step."""
@@ -136,11 +166,19 @@ class SequenceHandle:
 
 
 class Scheduler:
-    def __init__(self, backend: StepBackend, limits: SchedulerLimits, clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        backend: StepBackend,
+        limits: SchedulerLimits,
+        clock: Callable[[], float] = time.monotonic,
+        on_step: Callable[[bool], None] | None = None,
+    ):
         self._backend = backend
         self._limits = limits
         self._clock = clock
-        self._waiting: dict[Priority, deque[Sequence]] = {p: deque() for p in Priority}
+        # Told whether each step reached the backend, for replica health.
+        self._on_step = on_step
+        self._waiting: FairWaitingQueue[Sequence] = FairWaitingQueue()
         self._running: dict[int, Sequence] = {}
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -156,18 +194,27 @@ class Scheduler:
                 quota_subject="adapter.waiting_queue",
             )
         sequence = Sequence(seq_id=random.getrandbits(62) + 1, request=request, submitted_at=self._clock())
-        self._waiting[request.priority].append(sequence)
+        self._waiting.push(sequence)
         metrics.WAITING.labels(priority=request.priority.name.lower()).inc()
         self._wakeup.set()
         return SequenceHandle(sequence, self._wakeup.set)
 
     @property
     def waiting_count(self) -> int:
-        return sum(len(queue) for queue in self._waiting.values())
+        return len(self._waiting)
 
     @property
     def running_count(self) -> int:
         return len(self._running)
+
+    @property
+    def load(self) -> int:
+        """What least-loaded routing compares: waiting plus running sequences."""
+        return len(self._waiting) + len(self._running)
+
+    @property
+    def batch_tokens(self) -> int:
+        return sum(s.reserved_tokens for s in self._running.values())
 
     # -- lifecycle -----------------------------------------------------------------
 
@@ -178,8 +225,7 @@ class Scheduler:
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
-        for sequence in [*self._running.values(), *(s for q in self._waiting.values() for s in q)]:
-            self._finish(sequence, Finish.ERROR, error="the adapter is shutting down")
+        self._fail_everything("the adapter is shutting down")
 
     # -- the loop ------------------------------------------------------------------
 
@@ -193,13 +239,28 @@ class Scheduler:
                 continue
             try:
                 outcomes = await self._backend.step(rows)
-            except Exception as exc:  # noqa: BLE001 - the backend failed: fail this step's sequences
+            except Exception as exc:  # noqa: BLE001 - the backend failed: its KV state is gone
                 log.warning("step_failed", error=str(exc), rows=len(rows))
-                for sequence in stepped:
-                    self._running.pop(sequence.seq_id, None)
-                    self._finish(sequence, Finish.ERROR, error=f"the model backend failed: {exc}")
+                self._report_step(ok=False)
+                self._fail_everything(f"the model backend failed: {exc}", backend_failed=True)
                 continue
+            self._report_step(ok=True)
             self._apply(rows, stepped, outcomes)
+
+    def _report_step(self, ok: bool) -> None:
+        if self._on_step is not None:
+            self._on_step(ok)
+
+    def _fail_everything(self, error: str, backend_failed: bool = False) -> None:
+        """Ends every sequence, running and waiting; those without tokens may be retried elsewhere."""
+        sequences = [*self._running.values(), *self._waiting.remove_if(lambda _: True)]
+        self._running.clear()
+        for sequence in sequences:
+            sequence.backend_failed = backend_failed
+            self._finish(sequence, Finish.ERROR, error=error)
+        for priority in Priority:
+            metrics.WAITING.labels(priority=priority.name.lower()).set(self._waiting.count(priority))
+        metrics.SLOTS_IN_USE.set(0)
 
     def _plan_step(self) -> tuple[list[StepRow], list[Sequence]]:
         """Rows for this step, and the sequences whose rows produce tokens (in row order)."""
@@ -212,24 +273,51 @@ class Scheduler:
                 rows.append(StepRow(Action.RELEASE, sequence.seq_id))
                 self._finish(sequence, reason)
         self._drop_abandoned_waiting(now)
-        stepped: list[Sequence] = []
-        decode_rows = [StepRow(Action.DECODE, s.seq_id) for s in self._running.values()]
-        stepped.extend(self._running.values())
-        prefill_rows: list[StepRow] = []
-        while len(self._running) + len(prefill_rows) < self._limits.max_batch_size:
-            sequence = self._pop_waiting()
-            if sequence is None:
-                break
-            sequence.prefilled_at = now
-            metrics.QUEUE_SECONDS.observe(now - sequence.submitted_at)
-            prefill_rows.append(StepRow(Action.PREFILL, sequence.seq_id, sequence.request.prompt.to_json(sequence.request.sampling)))
-            stepped.append(sequence)
-        for sequence in stepped[len(decode_rows):]:
-            self._running[sequence.seq_id] = sequence
+        stepped: list[Sequence] = list(self._running.values())
+        decode_rows = [StepRow(Action.DECODE, s.seq_id) for s in stepped]
+        admitted = self._admit(now)
+        prefill_rows = [
+            StepRow(Action.PREFILL, s.seq_id, s.request.prompt.to_json(s.request.sampling)) for s in admitted
+        ]
+        stepped.extend(admitted)
         if stepped:
             metrics.BATCH_SIZE.observe(len(stepped))
+            metrics.BATCH_TOKENS.observe(self.batch_tokens)
         metrics.SLOTS_IN_USE.set(len(self._running))
         return rows + decode_rows + prefill_rows, stepped
+
+    def _admit(self, now: float) -> list[Sequence]:
+        """Waiting sequences whose prefill joins this step."""
+        admitted = self._take_within_budgets(now) if not self._running or self._prefill_due() else []
+        for sequence in self._waiting:
+            sequence.waited_steps += 1
+        return admitted
+
+    def _take_within_budgets(self, now: float) -> list[Sequence]:
+        admitted: list[Sequence] = []
+        tokens = self.batch_tokens
+        while len(self._running) < self._limits.max_batch_size:
+            head = self._waiting.peek()
+            if head is None:
+                break
+            # An oversized request still runs when it would be alone, or it would starve.
+            if self._running and tokens + head.reserved_tokens > self._limits.max_batch_tokens:
+                break
+            self._waiting.pop()
+            metrics.WAITING.labels(priority=head.priority.name.lower()).dec()
+            head.prefilled_at = now
+            metrics.QUEUE_SECONDS.observe(now - head.submitted_at)
+            tokens += head.reserved_tokens
+            self._running[head.seq_id] = head
+            admitted.append(head)
+        return admitted
+
+    def _prefill_due(self) -> bool:
+        if not len(self._waiting):
+            return False
+        if len(self._waiting) >= self._limits.min_prefill_rows:
+            return True
+        return max(s.waited_steps for s in self._waiting) >= self._limits.max_waiting_steps
 
     def _abandon_reason(self, sequence: Sequence, now: float) -> Finish | None:
         if sequence.cancelled:
@@ -240,24 +328,9 @@ class Scheduler:
         return None
 
     def _drop_abandoned_waiting(self, now: float) -> None:
-        for priority, queue in self._waiting.items():
-            keep: deque[Sequence] = deque()
-            for sequence in queue:
-                reason = self._abandon_reason(sequence, now)
-                if reason is None:
-                    keep.append(sequence)
-                else:
-                    metrics.WAITING.labels(priority=priority.name.lower()).dec()
-                    self._finish(sequence, reason)
-            self._waiting[priority] = keep
-
-    def _pop_waiting(self) -> Sequence | None:
-        for priority in Priority:  # interactive first
-            queue = self._waiting[priority]
-            if queue:
-                metrics.WAITING.labels(priority=priority.name.lower()).dec()
-                return queue.popleft()
-        return None
+        for sequence in self._waiting.remove_if(lambda s: self._abandon_reason(s, now) is not None):
+            metrics.WAITING.labels(priority=sequence.priority.name.lower()).dec()
+            self._finish(sequence, self._abandon_reason(sequence, now) or Finish.CANCELLED)
 
     def _apply(self, rows: list[StepRow], stepped: list[Sequence], outcomes: list[StepOutcome]) -> None:
         producing = [o for row, o in zip(rows, outcomes) if row.action is not Action.RELEASE]

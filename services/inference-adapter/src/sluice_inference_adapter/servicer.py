@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 
 import grpc
 from sluice.common.v1 import types_pb2
@@ -12,14 +13,10 @@ from sluice.inference.v1 import inference_pb2, inference_pb2_grpc
 from sluice_common.errors import Cancelled, DeadlineExceeded, InvalidArgument, NotFound, Unavailable, Unimplemented
 from sluice_common.request_context import current_request_id
 from sluice_common.validation import validate_generation
-from sluice_inference_adapter.scheduler import (
-    Finish,
-    FinishEvent,
-    GenerationRequest,
-    Priority,
-    Scheduler,
-)
-from sluice_inference_adapter.step_rows import Action, PromptSpec, SamplingSpec, StepBackend, StepRow
+from sluice_inference_adapter.replica_pool import ReplicaPool
+from sluice_inference_adapter.scheduler import Finish, FinishEvent, GenerationRequest
+from sluice_inference_adapter.step_rows import Action, PromptSpec, SamplingSpec, StepRow
+from sluice_inference_adapter.waiting_queue import Priority
 
 _FINISH_REASONS = {
     Finish.STOP: types_pb2.FINISH_REASON_STOP,
@@ -28,9 +25,8 @@ _FINISH_REASONS = {
 
 
 class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
-    def __init__(self, scheduler: Scheduler, backend: StepBackend, model: types_pb2.ModelInfo) -> None:
-        self._scheduler = scheduler
-        self._backend = backend
+    def __init__(self, pool: ReplicaPool, model: types_pb2.ModelInfo) -> None:
+        self._pool = pool
         self._model = model
 
     def _model_info(self, name: str) -> types_pb2.ModelInfo:
@@ -42,15 +38,18 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[inference_pb2.GenerateResponse]:
         validate_generation(request.messages, request.prompt, request.sampling, self._model_info(request.model))
-        handle = self._scheduler.submit(_generation_request(request, context.time_remaining()))
-        try:
-            async for event in handle.events():
+        streamed = False
+        async with aclosing(self._pool.generate(_generation_request(request, context.time_remaining()))) as events:
+            async for event in events:
                 if isinstance(event, FinishEvent):
+                    if event.finish is Finish.ERROR and streamed:
+                        # Tokens already reached the client: say so, then fail the call.
+                        yield inference_pb2.GenerateResponse(finish_reason=types_pb2.FINISH_REASON_ERROR, usage=_usage(event))
+                        raise Unavailable(f"the model backend failed mid-stream: {event.error}")
                     yield _final_response(event, input_field="messages" if request.messages else "prompt")
                     return
+                streamed = True
                 yield inference_pb2.GenerateResponse(text=event.text, token_count=event.token_count)
-        finally:
-            handle.cancel()
 
     async def ListModels(
         self, request: inference_pb2.ListModelsRequest, context: grpc.aio.ServicerContext
@@ -62,7 +61,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
     ) -> inference_pb2.CountTokensResponse:
         model = self._model_info(request.model)
         prompt = _prompt_spec(request.messages, request.prompt)
-        (outcome,) = await self._backend.step([StepRow(Action.COUNT, 0, prompt.to_json())])
+        replica = self._pool.pick(exclude=set())
+        (outcome,) = await replica.backend.step([StepRow(Action.COUNT, 0, prompt.to_json())])
         if outcome.error:
             raise InvalidArgument("messages" if request.messages else "prompt", outcome.error)
         return inference_pb2.CountTokensResponse(prompt_tokens=outcome.prompt_tokens, context_length=model.context_length)
@@ -103,11 +103,6 @@ def _final_response(event: FinishEvent, input_field: str) -> inference_pb2.Gener
         raise Unavailable(event.error or "the model backend failed")
     if event.finish is Finish.CANCELLED:
         raise Cancelled("the request was cancelled")
-    usage = types_pb2.Usage(
-        prompt_tokens=event.prompt_tokens,
-        completion_tokens=event.completion_tokens,
-        total_tokens=event.prompt_tokens + event.completion_tokens,
-    )
     t = event.timings
     timings = types_pb2.Timings(
         queue_time_ms=t.queue_s * 1000,
@@ -115,4 +110,12 @@ def _final_response(event: FinishEvent, input_field: str) -> inference_pb2.Gener
         mean_inter_token_ms=t.mean_inter_token_s * 1000,
         total_time_ms=t.total_s * 1000,
     )
-    return inference_pb2.GenerateResponse(finish_reason=_FINISH_REASONS[event.finish], usage=usage, timings=timings)
+    return inference_pb2.GenerateResponse(finish_reason=_FINISH_REASONS[event.finish], usage=_usage(event), timings=timings)
+
+
+def _usage(event: FinishEvent) -> types_pb2.Usage:
+    return types_pb2.Usage(
+        prompt_tokens=event.prompt_tokens,
+        completion_tokens=event.completion_tokens,
+        total_tokens=event.prompt_tokens + event.completion_tokens,
+    )

@@ -14,7 +14,10 @@ from tritonclient.utils import InferenceServerException
 
 from sluice_common.errors import Unavailable
 from sluice_inference_adapter import metrics
-from sluice_inference_adapter.step_rows import StepOutcome, StepRow
+from sluice_inference_adapter.step_rows import Action, PromptSpec, SamplingSpec, StepOutcome, StepRow
+
+_PROBE_SEQ_ID = 1  # the probe's sequence finishes within its one step, so one id serves every probe
+_PROBE_REQUEST = PromptSpec(prompt="ping").to_json(SamplingSpec(max_tokens=1))
 
 _OUTPUTS = ("TOKEN_ID", "TEXT", "FINISH", "PROMPT_TOKENS", "COMPLETION_TOKENS", "ERROR")
 
@@ -64,6 +67,16 @@ class TritonStepBackend:
             ready = False
         metrics.BACKEND_READY.labels(endpoint=self.url).set(1 if ready else 0)
         return bool(ready)
+
+    async def probe(self) -> bool:
+        """Ready checks, then one real token: a model that loads but cannot generate is not healthy."""
+        if not await self.is_ready():
+            return False
+        try:
+            (outcome,) = await self.step([StepRow(Action.PREFILL, _PROBE_SEQ_ID, _PROBE_REQUEST)])
+        except Unavailable:
+            return False
+        return outcome.token_id >= 0 and not outcome.error
 
     async def close(self) -> None:
         await self._client.close()
