@@ -9,7 +9,7 @@ import subprocess
 import time
 import urllib.request
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import grpc
@@ -35,10 +35,21 @@ class StackPorts:
     triton_grpc: int = 8001
     triton_metrics: int = 8002
     triton_local_metrics: int = 9105
+    evallog: int = 50081
+    evallog_metrics: int = 9104
 
     @classmethod
     def ephemeral(cls) -> StackPorts:
-        return cls(*(free_port() for _ in range(8)))
+        return cls(*(free_port() for _ in fields(cls)))
+
+
+@dataclass(frozen=True)
+class TritonPorts:
+    http: int
+    grpc: int
+    triton_metrics: int
+    # The model process's own metrics (tokens generated, slots in use).
+    model_metrics: int
 
 
 class StartupError(RuntimeError):
@@ -53,10 +64,12 @@ class ServiceProcess:
     log_path: Path
     ready: Callable[[], bool]
     process: subprocess.Popen[bytes] | None = None
+    # The services/ folder whose environment runs it, when it differs from the name (replicas).
+    project: str = ""
 
     @property
     def python(self) -> Path:
-        return REPO_ROOT / "services" / self.name / ".venv" / "bin" / "python"
+        return REPO_ROOT / "services" / (self.project or self.name) / ".venv" / "bin" / "python"
 
     def start(self) -> None:
         if not self.python.exists():
@@ -87,6 +100,12 @@ class ServiceProcess:
         except OSError:
             return "(no log)"
 
+    def kill(self) -> None:
+        """SIGKILL the whole process group: a crash, as failure tests need it."""
+        if self.process is not None and self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+
     def stop(self, timeout_s: float = 15.0) -> None:
         if self.process is None or self.process.poll() is not None:
             return
@@ -98,10 +117,13 @@ class ServiceProcess:
             self.process.wait()
 
 
-def grpc_serving(address: str) -> Callable[[], bool]:
+def grpc_serving(address: str, credentials: grpc.ChannelCredentials | None = None) -> Callable[[], bool]:
+    """Health SERVING on `address`; over TLS with `credentials` (for services started with TLS on)."""
+
     def check() -> bool:
         try:
-            with grpc.insecure_channel(address) as channel:
+            channel = grpc.insecure_channel(address) if credentials is None else grpc.secure_channel(address, credentials)
+            with channel:
                 reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=1)
             return reply.status == health_pb2.HealthCheckResponse.SERVING
         except grpc.RpcError:
@@ -123,17 +145,37 @@ def http_ok(url: str) -> Callable[[], bool]:
 
 @dataclass
 class Stack:
-    """triton-local, inference-adapter and gateway, started in that order."""
+    """triton-local, inference-adapter, evaluation-logging and gateway, started in that order."""
 
     run_dir: Path
     ports: StackPorts = field(default_factory=StackPorts)
     tenants_file: Path = REPO_ROOT / "config" / "tenants.toml"
     extra_env: dict[str, dict[str, str]] = field(default_factory=dict)
+    # Readiness checks of gRPC services go over TLS with these (when extra_env turns TLS on).
+    grpc_credentials: grpc.ChannelCredentials | None = None
+    # More triton-local processes behind the same adapter, named triton-local-2, -3, ...
+    extra_triton_replicas: int = 0
+    # RabbitMQ for CompletionEvents (gateway -> evaluation-logging); exchange and queue names start
+    # with amqp_prefix, so a test session with its own prefix never meets another run's messages.
+    amqp_url: str = field(default_factory=lambda: os.environ.get("SLUICE_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/"))
+    amqp_prefix: str = "sluice"
     services: list[ServiceProcess] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        p = self.ports
+        self.triton_ports: dict[str, TritonPorts] = {
+            "triton-local": TritonPorts(p.triton_http, p.triton_grpc, p.triton_metrics, p.triton_local_metrics)
+        }
+        for index in range(self.extra_triton_replicas):
+            self.triton_ports[f"triton-local-{index + 2}"] = TritonPorts(*(free_port() for _ in range(4)))
 
     @property
     def gateway_address(self) -> str:
         return f"{LOCALHOST}:{self.ports.gateway}"
+
+    @property
+    def evallog_address(self) -> str:
+        return f"{LOCALHOST}:{self.ports.evallog}"
 
     @property
     def adapter_address(self) -> str:
@@ -143,39 +185,56 @@ class Stack:
     def triton_grpc_address(self) -> str:
         return f"{LOCALHOST}:{self.ports.triton_grpc}"
 
+    def triton_address(self, replica: str) -> str:
+        return f"{LOCALHOST}:{self.triton_ports[replica].grpc}"
+
     def metrics_url(self, service: str) -> str:
-        port = {
+        ports = {
             "gateway": self.ports.gateway_metrics,
             "inference-adapter": self.ports.adapter_metrics,
-            "triton-local": self.ports.triton_local_metrics,
-        }[service]
-        return f"http://{LOCALHOST}:{port}/metrics"
+            "evaluation-logging": self.ports.evallog_metrics,
+            **{name: t.model_metrics for name, t in self.triton_ports.items()},
+        }
+        return f"http://{LOCALHOST}:{ports[service]}/metrics"
+
+    def _triton_spec(self, name: str, ports: TritonPorts) -> tuple[str, str, dict[str, str], Callable[[], bool]]:
+        env = {
+            "SLUICE_TRITON_LOCAL_HTTP_PORT": str(ports.http),
+            "SLUICE_TRITON_LOCAL_GRPC_PORT": str(ports.grpc),
+            "SLUICE_TRITON_LOCAL_TRITON_METRICS_PORT": str(ports.triton_metrics),
+            "SLUICE_TRITON_LOCAL_METRICS_PORT": str(ports.model_metrics),
+            "SLUICE_TRITON_LOCAL_TRITON_LOG_FILE": str(self.run_dir / f"{name}.tritonserver.log"),
+        }
+        return name, "sluice_triton_local", env, http_ok(f"http://{LOCALHOST}:{ports.http}/v2/models/smollm2_step/ready")
 
     def _plan(self) -> list[ServiceProcess]:
         p = self.ports
         common = {"PYTHONUNBUFFERED": "1"}
         specs = [
-            (
-                "triton-local",
-                "sluice_triton_local",
-                {
-                    "SLUICE_TRITON_LOCAL_HTTP_PORT": str(p.triton_http),
-                    "SLUICE_TRITON_LOCAL_GRPC_PORT": str(p.triton_grpc),
-                    "SLUICE_TRITON_LOCAL_TRITON_METRICS_PORT": str(p.triton_metrics),
-                    "SLUICE_TRITON_LOCAL_METRICS_PORT": str(p.triton_local_metrics),
-                    "SLUICE_TRITON_LOCAL_TRITON_LOG_FILE": str(self.run_dir / "tritonserver.log"),
-                },
-                http_ok(f"http://{LOCALHOST}:{p.triton_http}/v2/models/smollm2_step/ready"),
-            ),
+            *(self._triton_spec(name, ports) for name, ports in self.triton_ports.items()),
             (
                 "inference-adapter",
                 "sluice_inference_adapter",
                 {
                     "SLUICE_ADAPTER_PORT": str(p.adapter),
                     "SLUICE_ADAPTER_METRICS_PORT": str(p.adapter_metrics),
-                    "SLUICE_ADAPTER_TRITON_URL": self.triton_grpc_address,
+                    "SLUICE_ADAPTER_TRITON_URLS": ",".join(self.triton_address(n) for n in self.triton_ports),
                 },
-                grpc_serving(self.adapter_address),
+                grpc_serving(self.adapter_address, self.grpc_credentials),
+            ),
+            (
+                "evaluation-logging",
+                "sluice_evaluation_logging",
+                {
+                    "SLUICE_EVALLOG_PORT": str(p.evallog),
+                    "SLUICE_EVALLOG_METRICS_PORT": str(p.evallog_metrics),
+                    "SLUICE_EVALLOG_TENANTS_FILE": str(self.tenants_file),
+                    "SLUICE_EVALLOG_AMQP_URL": self.amqp_url,
+                    "SLUICE_EVALLOG_AMQP_PREFIX": self.amqp_prefix,
+                    "SLUICE_EVALLOG_SQLITE_PATH": str(self.run_dir / "evallog.sqlite3"),
+                    "SLUICE_EVALLOG_ADAPTER_URL": self.adapter_address,
+                },
+                grpc_serving(self.evallog_address),
             ),
             (
                 "gateway",
@@ -185,12 +244,22 @@ class Stack:
                     "SLUICE_GATEWAY_METRICS_PORT": str(p.gateway_metrics),
                     "SLUICE_GATEWAY_ADAPTER_URL": self.adapter_address,
                     "SLUICE_GATEWAY_TENANTS_FILE": str(self.tenants_file),
+                    "SLUICE_GATEWAY_AMQP_URL": self.amqp_url,
+                    "SLUICE_GATEWAY_AMQP_PREFIX": self.amqp_prefix,
+                    "SLUICE_GATEWAY_EVENTS_SPILL_FILE": str(self.run_dir / "gateway-events.spill"),
                 },
-                grpc_serving(self.gateway_address),
+                grpc_serving(self.gateway_address, self.grpc_credentials),
             ),
         ]
         return [
-            ServiceProcess(name, module, {**common, **env, **self.extra_env.get(name, {})}, self.run_dir / f"{name}.log", ready)
+            ServiceProcess(
+                name,
+                module,
+                {**common, **env, **self.extra_env.get(name, {})},
+                self.run_dir / f"{name}.log",
+                ready,
+                project="triton-local" if name.startswith("triton-local") else "",
+            )
             for name, module, env, ready in specs
         ]
 
