@@ -12,59 +12,115 @@ from sluice.inference.v1 import inference_pb2, inference_pb2_grpc
 from sluice_common.bootstrap import run_service
 from sluice_common.server import create_server, serve_until_signal
 from sluice_inference_adapter.config import ENV_PREFIX, AdapterConfig
-from sluice_inference_adapter.replica_pool import ReplicaPool
-from sluice_inference_adapter.scheduler import SchedulerLimits
+from sluice_inference_adapter.embed_batcher import EmbedBatcher
+from sluice_inference_adapter.passthrough import PassthroughLimits, PassthroughScheduler
+from sluice_inference_adapter.replica_pool import PooledEmbedBackend, ReplicaPool, SchedulerFactory
+from sluice_inference_adapter.scheduler import Scheduler, SchedulerLimits
 from sluice_inference_adapter.servicer import InferenceServicer
-from sluice_inference_adapter.triton_backend import TritonStepBackend
+from sluice_inference_adapter.triton_backend import (
+    Protocol,
+    TritonEmbedBackend,
+    TritonGenerateBackend,
+    TritonStepBackend,
+    detect_protocol,
+)
 
 log = structlog.stdlib.get_logger("sluice.adapter")
 
 SERVICE_NAME = inference_pb2.DESCRIPTOR.services_by_name["InferenceService"].full_name
 
-
-async def wait_for_a_ready_replica(backends: list[TritonStepBackend], timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not any(await asyncio.gather(*(b.is_ready() for b in backends))):
-        if time.monotonic() > deadline:
-            urls = ", ".join(b.url for b in backends)
-            raise SystemExit(f"no Triton replica ({urls}) reported {backends[0].model} ready within {timeout_s:.0f}s")
-        await asyncio.sleep(0.5)
+Backend = TritonStepBackend | TritonGenerateBackend
 
 
-def scheduler_limits(config: AdapterConfig) -> SchedulerLimits:
-    return SchedulerLimits(
-        max_batch_size=config.max_batch_size,
-        max_batch_tokens=config.max_batch_tokens,
-        max_waiting=config.max_waiting,
-        min_prefill_rows=config.min_prefill_rows,
-        max_waiting_steps=config.max_waiting_steps,
+async def wait_for_a_ready_replica(config: AdapterConfig) -> str:
+    """The URL of the first replica whose Triton has the model ready."""
+    probes = [TritonStepBackend(url, config.triton_model) for url in config.triton_urls]
+    deadline = time.monotonic() + config.backend_wait_s
+    try:
+        while True:
+            ready = await asyncio.gather(*(p.is_ready() for p in probes))
+            if any(ready):
+                return probes[ready.index(True)].url
+            if time.monotonic() > deadline:
+                raise SystemExit(
+                    f"no Triton replica ({', '.join(config.triton_urls)}) reported {config.triton_model}"
+                    f" ready within {config.backend_wait_s:.0f}s"
+                )
+            await asyncio.sleep(0.5)
+    finally:
+        await asyncio.gather(*(p.close() for p in probes))
+
+
+def build_backends(config: AdapterConfig, protocol: Protocol) -> tuple[list[Backend], SchedulerFactory]:
+    if protocol == "step":
+        limits = SchedulerLimits(
+            max_batch_size=config.max_batch_size,
+            max_batch_tokens=config.max_batch_tokens,
+            max_waiting=config.max_waiting,
+            min_prefill_rows=config.min_prefill_rows,
+            max_waiting_steps=config.max_waiting_steps,
+        )
+        steps = [TritonStepBackend(url, config.triton_model, config.step_timeout_s) for url in config.triton_urls]
+        return list(steps), lambda backend, on_step: Scheduler(backend, limits, on_step=on_step)  # type: ignore[arg-type]
+    passthrough = PassthroughLimits(max_in_flight=config.max_in_flight, max_waiting=config.max_waiting)
+    streams = [TritonGenerateBackend(url, config.triton_model) for url in config.triton_urls]
+    return list(streams), lambda backend, on_step: PassthroughScheduler(backend, passthrough, on_step=on_step)  # type: ignore[arg-type]
+
+
+def build_embedder(config: AdapterConfig, pool: ReplicaPool) -> EmbedBatcher | None:
+    if not config.triton_embedding_model:
+        return None
+    by_url = {url: TritonEmbedBackend(url, config.triton_embedding_model) for url in config.triton_urls}
+    embedder = EmbedBatcher(
+        PooledEmbedBackend(pool, by_url),  # type: ignore[arg-type]
+        max_batch=config.embed_max_batch,
+        max_delay_s=config.embed_max_delay_s,
+        max_waiting=config.embed_max_waiting,
+        dim=config.embedding_dimensions,
     )
+    embedder.start()
+    return embedder
 
 
 async def serve(config: AdapterConfig) -> None:
-    backends = [TritonStepBackend(url, config.triton_step_model, config.step_timeout_s) for url in config.triton_urls]
-    pool = ReplicaPool(backends, scheduler_limits(config), config.replica_failure_threshold, config.probe_interval_s)
     model = types_pb2.ModelInfo(
         name=config.model_name,
         kind=types_pb2.MODEL_KIND_GENERATION,
         context_length=config.context_length,
         max_output_tokens=config.max_output_tokens,
     )
-    servicer = InferenceServicer(pool, model)
+    embedding_model = (
+        types_pb2.ModelInfo(
+            name=config.embedding_model_name,
+            kind=types_pb2.MODEL_KIND_EMBEDDING,
+            embedding_dimensions=config.embedding_dimensions,
+        )
+        if config.triton_embedding_model
+        else None
+    )
+    servicer = InferenceServicer(model, embedding_model)
 
     def register(server):  # type: ignore[no-untyped-def]
         inference_pb2_grpc.add_InferenceServiceServicer_to_server(servicer, server)
         return [SERVICE_NAME]
 
     # Health answers NOT_SERVING until a Triton replica has the model ready.
-    running = await create_server(config.host, config.port, config.metrics_port, register, serving=False)
-    await wait_for_a_ready_replica(backends, config.backend_wait_s)
+    running = await create_server(
+        config.host, config.port, config.metrics_port, register, serving=False, tls=config.server_tls(ENV_PREFIX)
+    )
+    protocol = await detect_protocol(await wait_for_a_ready_replica(config), config.triton_model)
+    backends, make_scheduler = build_backends(config, protocol)
+    pool = ReplicaPool(backends, make_scheduler, config.replica_failure_threshold, config.probe_interval_s)
     await pool.probe_once()
     pool.start()
+    embedder = build_embedder(config, pool)
+    servicer.attach(pool, embedder)
     await running.set_serving(True)
-    log.info("ready", replicas=list(config.triton_urls), model=config.model_name)
+    log.info("ready", replicas=list(config.triton_urls), model=config.model_name, protocol=protocol)
 
     async def on_stop() -> None:
+        if embedder is not None:
+            await embedder.stop()
         await pool.stop()
         await asyncio.gather(*(b.close() for b in backends))
 

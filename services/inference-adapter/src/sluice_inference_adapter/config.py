@@ -15,13 +15,25 @@ class AdapterConfig(ServerConfig):
     metrics_port: int = 9102
     # Triton gRPC endpoints (KServe v2), comma-separated: replicas serving the same model.
     triton_urls: tuple[str, ...] = ("127.0.0.1:8001",)
-    # The name clients use, and the Triton model that serves it over the step protocol.
+    # The name clients use, and the Triton model that serves it: a step-protocol model (the
+    # adapter batches) or a vLLM/TensorRT-LLM-style generate model (the engine batches),
+    # told apart by the model's inputs.
     model_name: str = "smollm2-135m-instruct"
-    triton_step_model: str = "smollm2_step"
+    triton_model: str = "smollm2_step"
+    # The embedding model clients name, and the Triton model serving it (empty: no embeddings).
+    embedding_model_name: str = "all-minilm-l6-v2"
+    triton_embedding_model: str = "minilm_embed"
+    embedding_dimensions: int = 384
+    # Micro-batching: a batch leaves at EMBED_MAX_BATCH texts or EMBED_MAX_DELAY_S after the oldest.
+    embed_max_batch: int = 32
+    embed_max_delay_s: float = 0.005
+    embed_max_waiting: int = 4096
     # Must match the model server's context (triton-local: SLUICE_TRITON_LOCAL_MAX_CONTEXT).
     context_length: int = 2048
     max_output_tokens: int = 1024
     max_batch_size: int = 8
+    # Generate models: streams held open per replica, so the engine's batch is full, not overfull.
+    max_in_flight: int = 8
     # KV budget of a replica's batch: prompt + max_tokens summed over running sequences.
     max_batch_tokens: int = 16384
     max_waiting: int = 256

@@ -28,3 +28,14 @@ BATCH_TOKENS = Histogram(
 REPLICA_HEALTHY = Gauge("sluice_adapter_replica_healthy", "1 when a Triton replica is admitted for routing.", ["replica"])
 REPLICA_LOAD = Gauge("sluice_adapter_replica_load", "Waiting plus running sequences per replica.", ["replica"])
 RETRIES = Counter("sluice_adapter_retries_total", "Requests moved to another replica before their first token.")
+_EMBED_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
+EMBED_WAITING = Gauge("sluice_adapter_embed_waiting_texts", "Texts waiting for an embedding batch.")
+EMBED_BATCH_TEXTS = Histogram(
+    "sluice_adapter_embed_batch_texts", "Texts per embedding batch sent to the backend.", buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256)
+)
+EMBED_QUEUE_SECONDS = Histogram(
+    "sluice_adapter_embed_queue_seconds", "Time from a text's arrival to its batch being sent.", buckets=_EMBED_LATENCY_BUCKETS
+)
+EMBED_BATCH_SECONDS = Histogram(
+    "sluice_adapter_embed_batch_seconds", "Round trip of one embedding batch to the backend.", buckets=_EMBED_LATENCY_BUCKETS
+)

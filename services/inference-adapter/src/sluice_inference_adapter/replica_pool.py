@@ -13,45 +13,60 @@ from __future__ import annotations
 import asyncio
 import functools
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import numpy as np
 import structlog
 
 from sluice_common.errors import Unavailable
 from sluice_inference_adapter import metrics
+from sluice_inference_adapter.embed_batcher import EmbedBackend
 from sluice_inference_adapter.scheduler import (
     Event,
     Finish,
     FinishEvent,
     GenerationRequest,
-    Scheduler,
-    SchedulerLimits,
+    SequenceHandle,
     TokenEvent,
 )
-from sluice_inference_adapter.step_rows import StepOutcome, StepRow
 
 log = structlog.stdlib.get_logger("sluice.replicas")
 
 
 class ReplicaBackend(Protocol):
-    """One Triton endpoint: the step protocol plus a health probe."""
+    """One Triton endpoint, whatever protocol it speaks, with a health probe."""
 
     @property
     def url(self) -> str: ...
-
-    async def step(self, rows: list[StepRow]) -> list[StepOutcome]: ...
 
     async def probe(self) -> bool:
         """Ready checks plus a one-token generation; True when the replica can serve."""
         ...
 
 
+class BatchOwner(Protocol):
+    """What owns a replica's work: the step scheduler, or the passthrough scheduler."""
+
+    @property
+    def load(self) -> int: ...
+
+    def submit(self, request: GenerationRequest) -> SequenceHandle: ...
+
+    def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+
+# Builds a replica's BatchOwner; the callback reports whether each step or stream reached the backend.
+SchedulerFactory = Callable[[ReplicaBackend, Callable[[bool], None]], BatchOwner]
+
+
 @dataclass(eq=False)
 class Replica:
     backend: ReplicaBackend
-    scheduler: Scheduler = field(init=False)
+    scheduler: BatchOwner = field(init=False)
     healthy: bool = True
     consecutive_failures: int = 0
     last_success: float = field(default_factory=time.monotonic)
@@ -66,7 +81,7 @@ class ReplicaPool:
     def __init__(
         self,
         backends: list[ReplicaBackend],
-        limits: SchedulerLimits,
+        make_scheduler: SchedulerFactory,
         failure_threshold: int = 2,
         probe_interval_s: float = 2.0,
     ) -> None:
@@ -75,7 +90,7 @@ class ReplicaPool:
         self.replicas = [Replica(backend) for backend in backends]
         for replica in self.replicas:
             # Each replica has its own batch (its own KV slots); its steps report its health.
-            replica.scheduler = Scheduler(replica.backend, limits, on_step=functools.partial(self.record, replica))
+            replica.scheduler = make_scheduler(replica.backend, functools.partial(self.record, replica))
         self._failure_threshold = failure_threshold
         self._probe_interval_s = probe_interval_s
         self._probe_task: asyncio.Task[None] | None = None
@@ -158,3 +173,14 @@ class ReplicaPool:
             tried.add(replica.name)
             metrics.RETRIES.inc()
             log.warning("retrying_on_another_replica", failed=replica.name)
+
+
+class PooledEmbedBackend:
+    """Sends each embedding micro-batch to the least-loaded healthy replica."""
+
+    def __init__(self, pool: ReplicaPool, by_url: dict[str, EmbedBackend]) -> None:
+        self._pool = pool
+        self._by_url = by_url
+
+    async def embed(self, texts: list[str]) -> np.ndarray:
+        return await self._by_url[self._pool.pick(exclude=set()).name].embed(texts)

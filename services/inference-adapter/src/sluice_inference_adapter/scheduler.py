@@ -131,6 +131,44 @@ class Sequence:
         prompt = self.prompt_tokens or estimate_prompt_tokens(self.request.prompt)
         return prompt + self.request.sampling.max_tokens
 
+    def emit_text(self, text: str, now: float) -> None:
+        """One generated token (its text may be empty while bytes are held back)."""
+        if self.first_token_at is None:
+            self.first_token_at = now
+            metrics.TIME_TO_FIRST_TOKEN.observe(now - self.submitted_at)
+        elif self.last_token_at is not None:
+            metrics.INTER_TOKEN.observe(now - self.last_token_at)
+        self.last_token_at = now
+        if text:
+            self.events.put_nowait(TokenEvent(text, 1))
+
+    def finish(self, finish: Finish, now: float, error: str = "") -> None:
+        """Ends the stream once; later calls are ignored."""
+        if self.done:
+            return
+        self.done = True
+        if finish in (Finish.CANCELLED, Finish.DEADLINE):
+            metrics.CANCELLATIONS.labels(reason=finish.value).inc()
+        self.events.put_nowait(FinishEvent(finish, self.prompt_tokens, self.completion_tokens, self._timings(now), error))
+
+    def _timings(self, now: float) -> Timings:
+        start, first, last = self.submitted_at, self.first_token_at, self.last_token_at
+        gaps = self.completion_tokens - 1
+        return Timings(
+            queue_s=(self.prefilled_at or now) - start,
+            time_to_first_token_s=(first - start) if first is not None else 0.0,
+            mean_inter_token_s=((last - first) / gaps) if first is not None and last is not None and gaps > 0 else 0.0,
+            total_s=now - start,
+        )
+
+    def abandon_reason(self, now: float) -> Finish | None:
+        """Why the scheduler should drop this sequence now, if it should."""
+        if self.cancelled:
+            return Finish.CANCELLED
+        if self.request.deadline is not None and now >= self.request.deadline:
+            return Finish.DEADLINE
+        return None
+
 
 def estimate_prompt_tokens(prompt: PromptSpec) -> int:
     """A cautious guess (about 3 bytes per token plus template overhead) until the model counts."""
@@ -257,7 +295,7 @@ class Scheduler:
         self._running.clear()
         for sequence in sequences:
             sequence.backend_failed = backend_failed
-            self._finish(sequence, Finish.ERROR, error=error)
+            sequence.finish(Finish.ERROR, self._clock(), error=error)
         for priority in Priority:
             metrics.WAITING.labels(priority=priority.name.lower()).set(self._waiting.count(priority))
         metrics.SLOTS_IN_USE.set(0)
@@ -267,11 +305,11 @@ class Scheduler:
         now = self._clock()
         rows: list[StepRow] = []
         for sequence in list(self._running.values()):
-            reason = self._abandon_reason(sequence, now)
+            reason = sequence.abandon_reason(now)
             if reason is not None:
                 del self._running[sequence.seq_id]
                 rows.append(StepRow(Action.RELEASE, sequence.seq_id))
-                self._finish(sequence, reason)
+                sequence.finish(reason, now)
         self._drop_abandoned_waiting(now)
         stepped: list[Sequence] = list(self._running.values())
         decode_rows = [StepRow(Action.DECODE, s.seq_id) for s in stepped]
@@ -319,18 +357,10 @@ class Scheduler:
             return True
         return max(s.waited_steps for s in self._waiting) >= self._limits.max_waiting_steps
 
-    def _abandon_reason(self, sequence: Sequence, now: float) -> Finish | None:
-        if sequence.cancelled:
-            return Finish.CANCELLED
-        deadline = sequence.request.deadline
-        if deadline is not None and now >= deadline:
-            return Finish.DEADLINE
-        return None
-
     def _drop_abandoned_waiting(self, now: float) -> None:
-        for sequence in self._waiting.remove_if(lambda s: self._abandon_reason(s, now) is not None):
+        for sequence in self._waiting.remove_if(lambda s: s.abandon_reason(now) is not None):
             metrics.WAITING.labels(priority=sequence.priority.name.lower()).dec()
-            self._finish(sequence, self._abandon_reason(sequence, now) or Finish.CANCELLED)
+            sequence.finish(sequence.abandon_reason(now) or Finish.CANCELLED, now)
 
     def _apply(self, rows: list[StepRow], stepped: list[Sequence], outcomes: list[StepOutcome]) -> None:
         producing = [o for row, o in zip(rows, outcomes) if row.action is not Action.RELEASE]
@@ -339,44 +369,11 @@ class Scheduler:
             sequence.prompt_tokens = outcome.prompt_tokens or sequence.prompt_tokens
             sequence.completion_tokens = outcome.completion_tokens
             if outcome.token_id >= 0 and not sequence.cancelled:
-                self._record_token(sequence, now)
-                if outcome.text:
-                    sequence.events.put_nowait(TokenEvent(outcome.text, 1))
+                sequence.emit_text(outcome.text, now)
             if outcome.finish:
                 self._running.pop(sequence.seq_id, None)
-                self._finish(sequence, _finish_of(outcome.finish), error=outcome.error)
+                sequence.finish(_finish_of(outcome.finish), now, error=outcome.error)
         metrics.SLOTS_IN_USE.set(len(self._running))
-
-    def _record_token(self, sequence: Sequence, now: float) -> None:
-        if sequence.first_token_at is None:
-            sequence.first_token_at = now
-            metrics.TIME_TO_FIRST_TOKEN.observe(now - sequence.submitted_at)
-        elif sequence.last_token_at is not None:
-            metrics.INTER_TOKEN.observe(now - sequence.last_token_at)
-        sequence.last_token_at = now
-
-    def _finish(self, sequence: Sequence, finish: Finish, error: str = "") -> None:
-        if sequence.done:
-            return
-        sequence.done = True
-        if finish in (Finish.CANCELLED, Finish.DEADLINE):
-            metrics.CANCELLATIONS.labels(reason=finish.value).inc()
-        sequence.events.put_nowait(
-            FinishEvent(finish, sequence.prompt_tokens, sequence.completion_tokens, self._timings(sequence), error)
-        )
-
-    def _timings(self, sequence: Sequence) -> Timings:
-        now = self._clock()
-        start = sequence.submitted_at
-        first = sequence.first_token_at
-        last = sequence.last_token_at
-        gaps = sequence.completion_tokens - 1
-        return Timings(
-            queue_s=((sequence.prefilled_at or now) - start),
-            time_to_first_token_s=(first - start) if first is not None else 0.0,
-            mean_inter_token_s=((last - first) / gaps) if first is not None and last is not None and gaps > 0 else 0.0,
-            total_s=now - start,
-        )
 
 
 def _finish_of(value: str) -> Finish:

@@ -13,9 +13,10 @@ from sluice.inference.v1 import inference_pb2, inference_pb2_grpc
 from sluice_common.errors import Cancelled, DeadlineExceeded, InvalidArgument, NotFound, Unavailable, Unimplemented
 from sluice_common.request_context import current_request_id
 from sluice_common.validation import validate_generation
+from sluice_inference_adapter.embed_batcher import EmbedBatcher
 from sluice_inference_adapter.replica_pool import ReplicaPool
 from sluice_inference_adapter.scheduler import Finish, FinishEvent, GenerationRequest
-from sluice_inference_adapter.step_rows import Action, PromptSpec, SamplingSpec, StepRow
+from sluice_inference_adapter.step_rows import Action, PromptSpec, SamplingSpec, StepBackend, StepRow
 from sluice_inference_adapter.waiting_queue import Priority
 
 _FINISH_REASONS = {
@@ -25,9 +26,22 @@ _FINISH_REASONS = {
 
 
 class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
-    def __init__(self, pool: ReplicaPool, model: types_pb2.ModelInfo) -> None:
-        self._pool = pool
+    def __init__(self, model: types_pb2.ModelInfo, embedding_model: types_pb2.ModelInfo | None) -> None:
         self._model = model
+        self._embedding_model = embedding_model
+        self._ready_pool: ReplicaPool | None = None
+        self._embedder: EmbedBatcher | None = None
+
+    def attach(self, pool: ReplicaPool, embedder: EmbedBatcher | None) -> None:
+        """Called once Triton is ready; until then calls answer UNAVAILABLE."""
+        self._ready_pool = pool
+        self._embedder = embedder
+
+    @property
+    def _pool(self) -> ReplicaPool:
+        if self._ready_pool is None:
+            raise Unavailable("the adapter is starting: Triton is not ready yet")
+        return self._ready_pool
 
     def _model_info(self, name: str) -> types_pb2.ModelInfo:
         if name != self._model.name:
@@ -54,21 +68,33 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
     async def ListModels(
         self, request: inference_pb2.ListModelsRequest, context: grpc.aio.ServicerContext
     ) -> inference_pb2.ListModelsResponse:
-        return inference_pb2.ListModelsResponse(models=[self._model])
+        models = [self._model] + ([self._embedding_model] if self._embedding_model else [])
+        return inference_pb2.ListModelsResponse(models=models)
 
     async def CountTokens(
         self, request: inference_pb2.CountTokensRequest, context: grpc.aio.ServicerContext
     ) -> inference_pb2.CountTokensResponse:
         model = self._model_info(request.model)
         prompt = _prompt_spec(request.messages, request.prompt)
-        replica = self._pool.pick(exclude=set())
-        (outcome,) = await replica.backend.step([StepRow(Action.COUNT, 0, prompt.to_json())])
+        backend = self._pool.pick(exclude=set()).backend
+        if not isinstance(backend, StepBackend):
+            raise Unimplemented("CountTokens needs a step-protocol model; this one batches by itself")
+        (outcome,) = await backend.step([StepRow(Action.COUNT, 0, prompt.to_json())])
         if outcome.error:
             raise InvalidArgument("messages" if request.messages else "prompt", outcome.error)
         return inference_pb2.CountTokensResponse(prompt_tokens=outcome.prompt_tokens, context_length=model.context_length)
 
     async def Embed(self, request: inference_pb2.EmbedRequest, context: grpc.aio.ServicerContext) -> inference_pb2.EmbedResponse:
-        raise Unimplemented("Embed is not served yet (issue #3)")
+        if self._embedding_model is None:
+            raise Unimplemented("this adapter serves no embedding model (SLUICE_ADAPTER_TRITON_EMBEDDING_MODEL is empty)")
+        if request.model != self._embedding_model.name:
+            raise InvalidArgument("model", f"unknown embedding model {request.model!r}; available: {self._embedding_model.name}")
+        if not request.inputs:
+            raise InvalidArgument("inputs", "no texts to embed")
+        if self._embedder is None:
+            raise Unavailable("the adapter is starting: Triton is not ready yet")
+        vectors = await self._embedder.embed(list(request.inputs))
+        return inference_pb2.EmbedResponse(embeddings=[types_pb2.Embedding(values=row.tolist()) for row in vectors])
 
 
 def _prompt_spec(messages: object, prompt: str) -> PromptSpec:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import enum
 import json
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 
 class Action(enum.IntEnum):
@@ -74,6 +74,7 @@ class StepOutcome:
     error: str = ""
 
 
+@runtime_checkable
 class StepBackend(Protocol):
     """One Triton request per call: rows in, one outcome per row out (same order)."""
 

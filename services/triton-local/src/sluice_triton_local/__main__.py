@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import threading
@@ -14,12 +15,6 @@ from sluice_common.config import ConfigError, load_config
 from sluice_common.log import configure_logging
 from sluice_triton_local.config import ENV_PREFIX, TritonLocalConfig
 from sluice_triton_local.model_files import smollm2_gguf
-from sluice_triton_local.server import (
-    bind_step_model,
-    fix_python_backend_library_path,
-    triton_config,
-    warm_up,
-)
 
 log = structlog.stdlib.get_logger("sluice.triton_local")
 
@@ -31,16 +26,28 @@ def main() -> None:
         print(f"triton-local: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
     configure_logging("triton-local", config.log_level, config.log_json)
-    fix_python_backend_library_path()
-    # Imported late: the engine pulls numpy, whose BLAS reads its thread settings at import.
+    # One BLAS thread is faster for these small matrices on a few cores (measured), and BLAS
+    # reads this when numpy is first imported: hence the imports below, not at the top.
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
     from pytriton.triton import Triton
 
+    from sluice_triton_local.embeddings import MiniLMEncoder
+    from sluice_triton_local.embeddings.triton_binding import bind_embedding_model
     from sluice_triton_local.engine.step_engine import StepEngine
+    from sluice_triton_local.generate_model import SelfBatchingGenerator, bind_generate_model
+    from sluice_triton_local.server import bind_step_model, fix_python_backend_library_path, triton_config, warm_up
+    from sluice_triton_local.shared_engine import SharedEngine
+
+    fix_python_backend_library_path()
 
     started = time.perf_counter()
     gguf_path = config.gguf_path or str(smollm2_gguf())
-    engine = StepEngine(gguf_path, max_slots=config.max_slots, max_context=config.max_context)
-    answer = warm_up(engine)
+    step_engine = StepEngine(gguf_path, max_slots=config.max_slots, max_context=config.max_context)
+    answer = warm_up(step_engine)
+    engine = SharedEngine(step_engine)
+    encoder = MiniLMEncoder()
+    encoder.encode(["warm-up"])
     log.info("model_loaded", gguf=gguf_path, seconds=round(time.perf_counter() - started, 1), warmup_answer=answer)
     start_http_server(config.metrics_port, addr=config.host)
 
@@ -49,11 +56,13 @@ def main() -> None:
         signal.signal(sig, lambda *_: stop.set())
     with Triton(config=triton_config(config)) as triton:
         bind_step_model(triton, config.step_model_name, engine)
+        bind_generate_model(triton, config.generate_model_name, SelfBatchingGenerator(engine, config.max_slots))
+        bind_embedding_model(triton, config.embedding_model_name, encoder)
         triton.run()
         log.info(
             "ready",
             grpc=f"{config.host}:{config.grpc_port}",
-            model=config.step_model_name,
+            models=[config.step_model_name, config.generate_model_name, config.embedding_model_name],
             metrics_port=config.metrics_port,
             seconds=round(time.perf_counter() - started, 1),
         )

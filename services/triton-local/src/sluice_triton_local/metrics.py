@@ -14,3 +14,14 @@ STEP_SECONDS = Histogram(
     "Time the engine spent on one step request.",
     buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5),
 )
+EMBED_TEXTS = Counter("sluice_triton_local_embed_texts_total", "Texts embedded by the embedding model.")
+EMBED_BATCH = Histogram(
+    "sluice_triton_local_embed_batch_texts",
+    "Texts per embedding request.",
+    buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256),
+)
+EMBED_SECONDS = Histogram(
+    "sluice_triton_local_embed_seconds",
+    "Time the encoder spent on one embedding request.",
+    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5),
+)

@@ -4,16 +4,14 @@ from __future__ import annotations
 
 import os
 import sysconfig
-import threading
-import time
 from typing import Any
 
 import numpy as np
 import structlog
 
-from sluice_triton_local import metrics
 from sluice_triton_local.config import TritonLocalConfig
 from sluice_triton_local.engine.step_engine import DecodeRow, PrefillRow, ReleaseRow, SamplingParams, StepEngine
+from sluice_triton_local.shared_engine import SharedEngine
 from sluice_triton_local.step_protocol import INPUTS, OUTPUTS, run_step
 
 log = structlog.stdlib.get_logger("sluice.triton_local")
@@ -48,24 +46,11 @@ def warm_up(engine: StepEngine) -> str:
 class StepModel:
     """The inference callable PyTriton calls; one engine step per Triton request."""
 
-    def __init__(self, engine: StepEngine) -> None:
+    def __init__(self, engine: SharedEngine) -> None:
         self._engine = engine
-        # PyTriton may call from several threads; the engine's KV slots are not thread-safe.
-        self._lock = threading.Lock()
 
-    def __call__(self, requests: list[dict[str, np.ndarray]]) -> list[dict[str, np.ndarray]]:
-        responses = []
-        for request in requests:
-            with self._lock:
-                started = time.perf_counter()
-                before = self._engine.tokens_generated_total
-                response = run_step(self._engine, request)
-                metrics.TOKENS_GENERATED.inc(self._engine.tokens_generated_total - before)
-                metrics.ACTIVE_SLOTS.set(self._engine.active_slots)
-                metrics.STEP_ROWS.observe(len(request["ACTION"]))
-                metrics.STEP_SECONDS.observe(time.perf_counter() - started)
-            responses.append(response)
-        return responses
+    def __call__(self, requests: list[Any]) -> list[dict[str, np.ndarray]]:
+        return [run_step(self._engine, request.data) for request in requests]
 
 
 def triton_config(config: TritonLocalConfig) -> Any:
@@ -84,7 +69,7 @@ def triton_config(config: TritonLocalConfig) -> Any:
     )
 
 
-def bind_step_model(triton: Any, name: str, engine: StepEngine) -> None:
+def bind_step_model(triton: Any, name: str, engine: SharedEngine) -> None:
     from pytriton.model_config import ModelConfig, Tensor
 
     triton.bind(

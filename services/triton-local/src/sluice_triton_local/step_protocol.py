@@ -31,8 +31,8 @@ from sluice_triton_local.engine.step_engine import (
     ReleaseRow,
     RowResult,
     SamplingParams,
-    StepEngine,
 )
+from sluice_triton_local.shared_engine import SharedEngine
 
 PREFILL, DECODE, RELEASE, COUNT = 1, 2, 3, 4
 
@@ -47,7 +47,7 @@ OUTPUTS: tuple[tuple[str, type], ...] = (
 )
 
 
-def _prompt_text(engine: StepEngine, request: dict[str, Any]) -> str:
+def _prompt_text(engine: SharedEngine, request: dict[str, Any]) -> str:
     if request.get("messages"):
         return engine.apply_chat_template([(str(role), str(content)) for role, content in request["messages"]])
     return str(request.get("prompt", ""))
@@ -68,7 +68,7 @@ def _invalid(seq_id: int, message: str) -> RowResult:
     return RowResult(seq_id, -1, "", "invalid", 0, 0, message)
 
 
-def _parse_row(engine: StepEngine, action: int, seq_id: int, raw: bytes) -> PrefillRow | DecodeRow | ReleaseRow | RowResult:
+def _parse_row(engine: SharedEngine, action: int, seq_id: int, raw: bytes) -> PrefillRow | DecodeRow | ReleaseRow | RowResult:
     """An engine row, or the RowResult answering it when it needs no engine step."""
     if action == DECODE:
         return DecodeRow(seq_id)
@@ -94,7 +94,7 @@ def _parse_row(engine: StepEngine, action: int, seq_id: int, raw: bytes) -> Pref
         return _invalid(seq_id, f"malformed REQUEST JSON: {exc}")
 
 
-def run_step(engine: StepEngine, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+def run_step(engine: SharedEngine, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """Runs one engine step for a whole Triton request; one output row per input row."""
     actions = inputs["ACTION"].reshape(-1)
     seq_ids = inputs["SEQ_ID"].reshape(-1)

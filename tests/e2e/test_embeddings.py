@@ -1,0 +1,55 @@
+"""Embeddings through gateway and adapter into triton-local's all-MiniLM-L6-v2, micro-batched."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import numpy as np
+import pytest
+from sluice.gateway.v1 import gateway_pb2
+
+from conftest import auth, scrape
+
+EMBEDDING_MODEL = "all-minilm-l6-v2"
+
+
+def embed(gateway, texts: list[str]) -> np.ndarray:
+    reply = gateway.Embed(gateway_pb2.EmbedRequest(model=EMBEDDING_MODEL, inputs=texts), metadata=auth(), timeout=60)
+    assert reply.model == EMBEDDING_MODEL and reply.request_id
+    return np.array([list(e.values) for e in reply.embeddings], dtype=np.float32)
+
+
+def test_vectors_are_normalized_384d_and_mean_something(gateway) -> None:
+    vectors = embed(gateway, ["A man is eating food.", "A man is eating a piece of bread.", "The girl is carrying a baby."])
+    assert vectors.shape == (3, 384)
+    assert np.allclose(np.linalg.norm(vectors, axis=1), 1.0, atol=1e-4)
+    assert vectors[0] @ vectors[1] > vectors[0] @ vectors[2] + 0.2
+
+
+def test_concurrent_requests_share_batches_and_keep_their_order(gateway, stack) -> None:
+    metrics = stack.metrics_url("inference-adapter")
+    batches_before = scrape(metrics, "sluice_adapter_embed_batch_texts_count")
+    texts_before = scrape(metrics, "sluice_adapter_embed_batch_texts_sum")
+    alone = {i: embed(gateway, [f"sentence number {i}"])[0] for i in range(16)}
+    with ThreadPoolExecutor(16) as pool:
+        together = list(pool.map(lambda i: embed(gateway, [f"sentence number {i}"])[0], range(16)))
+    # Same vector whether batched with others or sent alone.
+    for i, vector in enumerate(together):
+        assert np.allclose(vector, alone[i], atol=1e-5)
+    batches = scrape(metrics, "sluice_adapter_embed_batch_texts_count") - batches_before
+    texts = scrape(metrics, "sluice_adapter_embed_batch_texts_sum") - texts_before
+    assert texts == 32
+    # The 16 sequential calls took 16 batches; the 16 concurrent ones shared fewer.
+    assert batches < 32
+
+
+@pytest.mark.parametrize(
+    ("request_kwargs", "field"),
+    [(dict(model=EMBEDDING_MODEL, inputs=[]), "inputs"), (dict(model="smollm2-135m-instruct", inputs=["x"]), "model")],
+)
+def test_embedding_validation(gateway, request_kwargs, field) -> None:
+    with pytest.raises(grpc.RpcError) as caught:
+        gateway.Embed(gateway_pb2.EmbedRequest(**request_kwargs), metadata=auth(), timeout=10)
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert caught.value.details().startswith(field)
