@@ -1,0 +1,79 @@
+"""Every service's configuration variables, read from its config.py without importing it.
+
+`load_config(cls, prefix)` reads `<ENV_PREFIX><FIELD_NAME_UPPER>` for each dataclass field,
+including the fields inherited from sluice-common's ServerConfig; this module applies the same
+naming to the source (ast), so no service environment is needed to know the variables.
+"""
+
+from __future__ import annotations
+
+import ast
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+COMMON_CONFIG = ROOT / "libs" / "sluice-common" / "src" / "sluice_common" / "config.py"
+
+# service folder -> its package (python -m <package>)
+SERVICES = {
+    "gateway": "sluice_gateway",
+    "inference-adapter": "sluice_inference_adapter",
+    "rate-limit": "sluice_rate_limit",
+    "evaluation-logging": "sluice_evaluation_logging",
+    "triton-local": "sluice_triton_local",
+}
+
+
+@dataclass(frozen=True)
+class Field:
+    name: str
+    default: str | None  # source text of the default, None when required
+
+
+def _dataclass_fields(cls: ast.ClassDef) -> list[Field]:
+    return [
+        Field(node.target.id, None if node.value is None else ast.unparse(node.value))
+        for node in cls.body
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+    ]
+
+
+def _classes(path: Path) -> dict[str, ast.ClassDef]:
+    tree = ast.parse(path.read_text())
+    return {node.name: node for node in tree.body if isinstance(node, ast.ClassDef)}
+
+
+def server_config_fields() -> list[Field]:
+    return _dataclass_fields(_classes(COMMON_CONFIG)["ServerConfig"])
+
+
+def config_path(service: str) -> Path:
+    return ROOT / "services" / service / "src" / SERVICES[service] / "config.py"
+
+
+def service_variables(service: str) -> dict[str, str | None]:
+    """{VARIABLE: default source or None} for one service, in declaration order (inherited first)."""
+    path = config_path(service)
+    tree = ast.parse(path.read_text())
+    prefix = next(
+        node.value.value
+        for node in tree.body
+        if isinstance(node, ast.Assign)
+        and any(isinstance(t, ast.Name) and t.id == "ENV_PREFIX" for t in node.targets)
+        and isinstance(node.value, ast.Constant)
+    )
+    (cls,) = [
+        node
+        for node in tree.body
+        if isinstance(node, ast.ClassDef)
+        and any(isinstance(d, ast.Call) and ast.unparse(d.func) == "dataclass" or ast.unparse(d) == "dataclass" for d in node.decorator_list)
+    ]
+    fields: dict[str, str | None] = {}
+    if any(ast.unparse(base) == "ServerConfig" for base in cls.bases):
+        fields.update({f.name: f.default for f in server_config_fields()})
+    fields.update({f.name: f.default for f in _dataclass_fields(cls)})
+    return {f"{prefix}{name.upper()}": default for name, default in fields.items()}
+
+
+def services_with_config() -> list[str]:
+    return [service for service in SERVICES if config_path(service).is_file()]

@@ -1,0 +1,279 @@
+"""deploy/ checked without a Docker engine or a cluster: Dockerfiles (hadolint and the rules of
+issue 7), Kubernetes overlays rendered by `kubectl kustomize` and validated against the bundled
+Kubernetes schemas, the compose file, and every configuration variable set in the manifests."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import kubernetes_validate
+import pytest
+import yaml
+
+import config_vars
+
+ROOT = config_vars.ROOT
+DEPLOY = ROOT / "deploy"
+BIN = Path(sys.executable).parent
+KUBERNETES_VERSION = "1.33.0"
+GRPC_SERVICES = {  # name -> gRPC port
+    "gateway": 50051,
+    "inference-adapter": 50061,
+    "rate-limit": 50071,
+    "evaluation-logging": 50081,
+}
+DOCKERFILES = sorted((DEPLOY / "docker").glob("*.Dockerfile")) + [DEPLOY / "triton" / "Dockerfile"]
+OVERLAYS = ("dev", "gpu")
+
+
+# ---- Dockerfiles ---------------------------------------------------------------------------
+
+
+def test_hadolint_passes_on_every_dockerfile() -> None:
+    result = subprocess.run([str(BIN / "hadolint"), *map(str, DOCKERFILES)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("service", [*GRPC_SERVICES, "triton-local"])
+def test_service_image_follows_the_rules(service: str) -> None:
+    text = (DEPLOY / "docker" / f"{service}.Dockerfile").read_text()
+    stages = re.split(r"^FROM ", text, flags=re.M)[1:]
+    assert len(stages) >= 3, "uv, builder and final stages"
+    builder, final = stages[-2], stages[-1]
+    assert f"COPY services/{service}/ services/{service}/" in builder and "COPY libs/ libs/" in builder
+    assert "uv sync --locked --no-dev --no-editable" in builder
+    assert not re.search(r"\b(gcc|g\+\+|build-essential|clang|uv)\b", final.replace("/app/.venv", "")), "no compilers, no uv"
+    assert re.search(r"^USER 10001", final, re.M)
+    assert "HEALTHCHECK" in final
+    package = config_vars.SERVICES[service]
+    assert f'ENTRYPOINT ["python", "-m", "{package}"]' in final
+    if service in GRPC_SERVICES:
+        assert "sluice_common.healthcheck" in final, "health through grpc.health.v1"
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
+def test_every_copied_path_exists(dockerfile: Path) -> None:
+    for line in re.findall(r"^COPY (?!--from)(.+?)(?:\s+\S+)$", dockerfile.read_text().replace("\\\n", " "), re.M):
+        for source in line.split():
+            assert (ROOT / source).exists(), f"{dockerfile.name}: COPY {source} does not exist"
+
+
+def test_dockerignore_keeps_virtualenvs_out() -> None:
+    ignored = (ROOT / ".dockerignore").read_text().split()
+    assert "**/.venv" in ignored and "node_modules" in ignored
+
+
+# ---- Kubernetes ------------------------------------------------------------------------------
+
+
+def render(overlay: str) -> list[dict]:
+    result = subprocess.run(
+        [str(BIN / "kubectl"), "kustomize", str(DEPLOY / "k8s" / "overlays" / overlay)], capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stderr
+    return [doc for doc in yaml.safe_load_all(result.stdout) if doc]
+
+
+@pytest.fixture(scope="module", params=OVERLAYS)
+def overlay(request: pytest.FixtureRequest) -> tuple[str, list[dict]]:
+    return request.param, render(request.param)
+
+
+def find(docs: list[dict], kind: str, name: str | None = None) -> list[dict]:
+    return [d for d in docs if d["kind"] == kind and (name is None or d["metadata"]["name"] == name)]
+
+
+def test_every_object_is_valid_against_the_kubernetes_schema(overlay) -> None:
+    _, docs = overlay
+    for doc in docs:
+        try:
+            kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
+        except kubernetes_validate.ValidationError as exc:
+            pytest.fail(f"{doc['kind']}/{doc['metadata']['name']}: {exc.message} at {'/'.join(map(str, exc.path))}")
+
+
+@pytest.mark.parametrize("service", GRPC_SERVICES)
+def test_deployment_has_grpc_probes_resources_and_a_pdb(overlay, service: str) -> None:
+    _, docs = overlay
+    (deployment,) = find(docs, "Deployment", service)
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
+        assert container[probe]["grpc"]["port"] == GRPC_SERVICES[service], probe
+    assert {"cpu", "memory"} <= set(container["resources"]["requests"]) and {"cpu", "memory"} <= set(container["resources"]["limits"])
+    assert deployment["spec"]["template"]["spec"]["securityContext"]["runAsNonRoot"] is True
+    (pdb,) = find(docs, "PodDisruptionBudget", service)
+    assert pdb["spec"]["selector"]["matchLabels"] == deployment["spec"]["selector"]["matchLabels"]
+
+
+def test_gateway_and_adapter_autoscale(overlay) -> None:
+    _, docs = overlay
+    targets = {h["spec"]["scaleTargetRef"]["name"] for h in find(docs, "HorizontalPodAutoscaler")}
+    assert {"gateway", "inference-adapter"} <= targets
+
+
+def test_tenants_in_a_secret_and_limits_in_a_configmap(overlay) -> None:
+    _, docs = overlay
+    (tenants,) = [s for s in find(docs, "Secret") if s["metadata"]["name"].startswith("sluice-tenants")]
+    assert "tenants.toml" in tenants["data"]
+    (limits,) = [c for c in find(docs, "ConfigMap") if c["metadata"]["name"].startswith("sluice-limits")]
+    assert "limits.toml" in limits["data"]
+    mounted = {
+        v.get("secret", {}).get("secretName") or v.get("configMap", {}).get("name")
+        for d in find(docs, "Deployment")
+        for v in d["spec"]["template"]["spec"].get("volumes", [])
+    }
+    assert tenants["metadata"]["name"] in mounted and limits["metadata"]["name"] in mounted
+
+
+def test_backing_services_are_referenced_not_written(overlay) -> None:
+    _, docs = overlay
+    names = {d["metadata"]["name"] for d in docs if d["kind"] in ("Deployment", "StatefulSet")}
+    assert not names & {"rabbitmq", "redis", "postgres", "postgresql"}
+    secrets = {
+        env["valueFrom"]["secretKeyRef"]["name"]
+        for d in find(docs, "Deployment")
+        for c in d["spec"]["template"]["spec"]["containers"]
+        for env in c.get("env", [])
+        if "valueFrom" in env
+    }
+    assert secrets == {"sluice-rabbitmq-default-user", "sluice-redis", "sluice-pg-app"}
+
+
+def test_triton_per_overlay() -> None:
+    dev, gpu = render("dev"), render("gpu")
+    (local,) = find(dev, "Deployment", "triton-local")
+    assert "nvidia.com/gpu" not in str(local)
+    (triton,) = find(gpu, "Deployment", "triton")
+    (container,) = triton["spec"]["template"]["spec"]["containers"]
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
+    for docs in (dev, gpu):
+        assert find(docs, "Service", "triton"), "the adapter dials triton:8001 in both overlays"
+
+
+def variables_set(docs: list[dict], service: str) -> set[str]:
+    """Environment variable names the service's container gets: env and envFrom ConfigMaps/Secrets."""
+    configmaps = {c["metadata"]["name"]: c.get("data", {}) for c in find(docs, "ConfigMap")}
+    (deployment,) = find(docs, "Deployment", service)
+    names: set[str] = set()
+    for container in deployment["spec"]["template"]["spec"]["containers"]:
+        names |= {env["name"] for env in container.get("env", [])}
+        for source in container.get("envFrom", []):
+            if "configMapRef" in source:
+                names |= set(configmaps[source["configMapRef"]["name"]])
+    return names
+
+
+@pytest.mark.parametrize("service", [*GRPC_SERVICES, "triton-local"])
+def test_every_config_variable_is_set_in_the_manifests(overlay, service: str) -> None:
+    name, docs = overlay
+    if not config_vars.config_path(service).is_file():
+        pytest.skip(f"{service} has no config.py yet")
+    if service == "triton-local" and name != "dev":
+        pytest.skip("triton-local runs in the dev overlay only")
+    expected = set(config_vars.service_variables(service))
+    present = variables_set(docs, service)
+    assert not expected - present, f"{name}: {service} misses {sorted(expected - present)}"
+    prefix = os.path.commonprefix(sorted(expected))
+    unknown = {v for v in present if v.startswith(prefix) and v not in expected}
+    assert not unknown, f"{name}: {service} sets variables its config does not read: {sorted(unknown)}"
+
+
+def readme_variables() -> set[str]:
+    """Variables named in the configuration table(s) of README.md (table rows only)."""
+    readme = ROOT / "README.md"
+    if not readme.is_file():
+        return set()
+    rows = [line for line in readme.read_text().splitlines() if line.lstrip().startswith("|")]
+    return set(re.findall(r"\bSLUICE_[A-Z0-9_]+[A-Z0-9]\b", "\n".join(rows)))
+
+
+def test_every_variable_in_the_readme_table_is_set_in_the_manifests() -> None:
+    documented = readme_variables()
+    if not documented:
+        pytest.skip("README.md has no configuration table yet")
+    known = {v for s in config_vars.services_with_config() for v in config_vars.service_variables(s)}
+    # Client-side variables (the `sluice` CLI) are not service settings.
+    documented &= known | {v for v in documented if not v.startswith(("SLUICE_URL", "SLUICE_API_KEY"))}
+    for overlay_name in OVERLAYS:
+        docs = render(overlay_name)
+        present = set().union(*(variables_set(docs, s) for s in GRPC_SERVICES))
+        if overlay_name == "dev":
+            present |= variables_set(docs, "triton-local")
+        service_vars = {v for v in documented if v in known and not (v.startswith("SLUICE_TRITON_LOCAL_") and overlay_name == "gpu")}
+        assert not service_vars - present, f"{overlay_name}: README documents {sorted(service_vars - present)} but the manifests do not set them"
+
+
+# ---- compose -------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict:
+    return yaml.safe_load((DEPLOY / "compose.yaml").read_text())
+
+
+def test_compose_has_every_service_and_the_backing_services(compose) -> None:
+    services = compose["services"]
+    assert {*GRPC_SERVICES, "triton", "triton-local", "rabbitmq", "redis", "postgres"} <= set(services)
+    for name, spec in services.items():
+        if "build" in spec:
+            assert spec["build"]["context"] == "..", f"{name}: images build from the repository root"
+            assert (ROOT / spec["build"]["dockerfile"]).is_file(), name
+    devices = services["triton"]["deploy"]["resources"]["reservations"]["devices"]
+    assert devices[0]["capabilities"] == ["gpu"] and devices[0]["driver"] == "nvidia"
+    assert "nvcr.io/nvidia/tritonserver" in (DEPLOY / "triton" / "Dockerfile").read_text()
+
+
+@pytest.mark.parametrize("service", [*GRPC_SERVICES, "triton-local"])
+def test_compose_sets_known_variables_and_binds_every_interface(compose, service: str) -> None:
+    if not config_vars.config_path(service).is_file():
+        pytest.skip(f"{service} has no config.py yet")
+    environment = compose["services"][service].get("environment", {})
+    known = config_vars.service_variables(service)
+    assert not set(environment) - set(known), f"unknown variables {sorted(set(environment) - set(known))}"
+    (host,) = [v for v in known if v.endswith("_HOST")]
+    assert environment.get(host) == "0.0.0.0"
+    for variable in known:
+        if variable.endswith(("_TENANTS_FILE", "_LIMITS_FILE")):  # required by __post_init__
+            assert variable in environment, variable
+
+
+def test_compose_services_reach_each_other_by_name(compose) -> None:
+    env = {k: str(v) for spec in compose["services"].values() for k, v in spec.get("environment", {}).items()}
+    assert env["SLUICE_GATEWAY_ADAPTER_URL"] == "inference-adapter:50061"
+    assert "triton:8001" in env["SLUICE_ADAPTER_TRITON_URLS"]
+    assert "@rabbitmq:5672" in env["SLUICE_EVALLOG_AMQP_URL"] and "@postgres:5432" in env["SLUICE_EVALLOG_DATABASE_URL"]
+
+
+# ---- the GPU model repository ----------------------------------------------------------------
+
+
+def test_step_model_config_matches_the_step_protocol() -> None:
+    config = (DEPLOY / "triton" / "models" / "smollm2_step" / "config.pbtxt").read_text()
+    protocol = (ROOT / "services" / "triton-local" / "src" / "sluice_triton_local" / "step_protocol.py").read_text()
+    kinds = {"np.int32": "TYPE_INT32", "np.int64": "TYPE_INT64", "bytes": "TYPE_STRING"}
+    for name, kind in re.findall(r'\("([A-Z_]+)", (np\.int32|np\.int64|bytes)\)', protocol):
+        assert re.search(rf'name: "{name}", data_type: {kinds[kind]}', config), name
+    assert 'backend: "python"' in config and "max_batch_size: 0" in config
+
+
+def test_vllm_model_is_decoupled_and_loads_local_weights() -> None:
+    folder = DEPLOY / "triton" / "models" / "smollm2_vllm"
+    assert 'backend: "vllm"' in (folder / "config.pbtxt").read_text()
+    assert "decoupled: true" in (folder / "config.pbtxt").read_text()
+    engine = yaml.safe_load((folder / "1" / "model.json").read_text())
+    assert engine["model"].startswith("/"), "a local path: nothing downloads weights at run time"
+
+
+def test_step_model_runs_the_engine_outside_triton() -> None:
+    """The Python-backend model.py, driven with a stand-in for triton_python_backend_utils."""
+    python = ROOT / "services" / "triton-local" / ".venv" / "bin" / "python"
+    if not python.exists():
+        pytest.skip("services/triton-local/.venv is missing (make setup)")
+    result = subprocess.run([str(python), str(Path(__file__).parent / "step_model_harness.py")], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    answer = yaml.safe_load(result.stdout.strip().splitlines()[-1])
+    assert "Paris" in answer["text"] and answer["finish"] in ("stop", "length")
