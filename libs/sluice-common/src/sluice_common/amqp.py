@@ -1,0 +1,465 @@
+"""RabbitMQ helpers every Sluice service shares: topology, and a publisher that loses nothing.
+
+Topology (all durable; names derive from one prefix so that test runs never collide):
+
+    <prefix>.events               topic exchange the gateway publishes CompletionEvents to
+    <prefix>.events.dead          direct exchange for messages no consumer could handle
+    <prefix>.evallog.completions  evaluation-logging's queue, bound to <prefix>.events with "completion.#",
+                                  dead-lettering to <prefix>.events.dead
+    <prefix>.evallog.completions.dead  the dead-letter queue (reason in the x-sluice-dead-reason header)
+
+Both the publisher and the consumer declare the whole topology, so that events published before
+evaluation-logging first starts are queued rather than dropped as unroutable.
+
+`ConfirmingPublisher` is the one way Sluice publishes: `submit()` never blocks nor awaits the
+broker; a background task publishes with pipelined publisher confirms (up to `max_in_flight`
+unconfirmed at once), keeps a bounded in-memory outbox, republishes anything not confirmed after
+a reconnect (a broker restart loses nothing; delivery is at least once, consumers dedupe by
+message id), spills to a local file when the outbox is full, reads the file back when there is
+room, and counts what it had to drop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import collections
+import contextlib
+import json
+import os
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aio_pika
+import aiormq
+import structlog
+from prometheus_client import Counter, Gauge
+
+from sluice_common.request_context import REQUEST_ID_KEY
+
+log = structlog.stdlib.get_logger("sluice.amqp")
+
+PROTOBUF = "application/x-protobuf"
+DEAD_REASON_HEADER = "x-sluice-dead-reason"
+DEFAULT_AMQP_URL = "amqp://guest:guest@127.0.0.1:5672/"
+
+
+@dataclass(frozen=True)
+class EventTopology:
+    prefix: str = "sluice"
+
+    @property
+    def events_exchange(self) -> str:
+        return f"{self.prefix}.events"
+
+    @property
+    def dead_exchange(self) -> str:
+        return f"{self.prefix}.events.dead"
+
+    @property
+    def completions_queue(self) -> str:
+        return f"{self.prefix}.evallog.completions"
+
+    @property
+    def completions_dead_queue(self) -> str:
+        return f"{self.prefix}.evallog.completions.dead"
+
+    completion_routing_key: str = "completion.v1"
+    completion_binding: str = "completion.#"
+
+    async def declare(self, channel: aio_pika.abc.AbstractChannel) -> None:
+        events = await channel.declare_exchange(self.events_exchange, aio_pika.ExchangeType.TOPIC, durable=True)
+        dead = await channel.declare_exchange(self.dead_exchange, aio_pika.ExchangeType.DIRECT, durable=True)
+        queue = await channel.declare_queue(
+            self.completions_queue,
+            durable=True,
+            arguments={"x-dead-letter-exchange": self.dead_exchange, "x-dead-letter-routing-key": self.completions_queue},
+        )
+        await queue.bind(events, self.completion_binding)
+        dead_queue = await channel.declare_queue(self.completions_dead_queue, durable=True)
+        await dead_queue.bind(dead, self.completions_queue)
+
+    async def delete(self, channel: aio_pika.abc.AbstractChannel) -> None:
+        """Removes everything `declare` made (for test teardown)."""
+        for queue in (self.completions_queue, self.completions_dead_queue):
+            with contextlib.suppress(Exception):
+                await channel.queue_delete(queue)
+        for exchange in (self.events_exchange, self.dead_exchange):
+            with contextlib.suppress(Exception):
+                await channel.exchange_delete(exchange)
+
+
+@dataclass
+class OutgoingMessage:
+    """One message to publish; `message_id` is what consumers deduplicate on."""
+
+    body: bytes
+    routing_key: str
+    message_id: str
+    request_id: str = ""
+    type: str = ""
+    content_type: str = PROTOBUF
+    headers: dict[str, str] = field(default_factory=dict)
+
+    def to_aio_pika(self) -> aio_pika.Message:
+        headers: dict[str, str] = dict(self.headers)
+        if self.request_id:
+            headers[REQUEST_ID_KEY] = self.request_id
+        return aio_pika.Message(
+            self.body,
+            content_type=self.content_type,
+            delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
+            message_id=self.message_id,
+            type=self.type or None,
+            headers=headers,
+            timestamp=time.time(),
+        )
+
+    def to_json_line(self) -> str:
+        record = {
+            "b": base64.b64encode(self.body).decode(),
+            "k": self.routing_key,
+            "id": self.message_id,
+            "rid": self.request_id,
+            "t": self.type,
+            "ct": self.content_type,
+            "h": self.headers,
+        }
+        return json.dumps(record, separators=(",", ":")) + "\n"
+
+    @classmethod
+    def from_json_line(cls, line: str) -> OutgoingMessage:
+        record = json.loads(line)
+        return cls(
+            body=base64.b64decode(record["b"]),
+            routing_key=record["k"],
+            message_id=record["id"],
+            request_id=record.get("rid", ""),
+            type=record.get("t", ""),
+            content_type=record.get("ct", PROTOBUF),
+            headers=record.get("h", {}),
+        )
+
+
+class PublisherMetrics:
+    """Counters of one publisher, named `<prefix>_published_total` and so on."""
+
+    _registered: dict[str, PublisherMetrics] = {}
+
+    def __init__(self, prefix: str, what: str) -> None:
+        self.published = Counter(f"{prefix}_published_total", f"{what} confirmed by the broker.")
+        self.retried = Counter(f"{prefix}_retried_total", f"{what} published again after a failure or reconnect.")
+        self.spilled = Counter(f"{prefix}_spilled_total", f"{what} written to the spill file because the outbox was full.")
+        self.dropped = Counter(f"{prefix}_dropped_total", f"{what} lost: outbox full and no spill file room (target: 0).")
+        self.outbox = Gauge(f"{prefix}_outbox", f"{what} waiting in memory, unconfirmed ones included.")
+        self.connected = Gauge(f"{prefix}_connected", "1 while the publisher holds a broker connection.")
+
+    @classmethod
+    def get(cls, prefix: str, what: str = "Messages") -> PublisherMetrics:
+        if prefix not in cls._registered:
+            cls._registered[prefix] = cls(prefix, what)
+        return cls._registered[prefix]
+
+
+Declare = Callable[[aio_pika.abc.AbstractChannel], Awaitable[None]]
+
+
+class ConfirmingPublisher:
+    def __init__(
+        self,
+        url: str,
+        exchange: str,
+        declare: Declare,
+        metrics: PublisherMetrics,
+        *,
+        outbox_max: int = 10_000,
+        max_in_flight: int = 256,
+        spill_path: Path | None = None,
+        spill_max_bytes: int = 256 * 1024 * 1024,
+        confirm_timeout_s: float = 15.0,
+        reconnect_max_s: float = 5.0,
+    ) -> None:
+        self._url = url
+        self._exchange_name = exchange
+        self._declare = declare
+        self._metrics = metrics
+        self._outbox_max = outbox_max
+        self._max_in_flight = max_in_flight
+        self._spill_path = spill_path
+        self._spill_max_bytes = spill_max_bytes
+        self._confirm_timeout_s = confirm_timeout_s
+        self._reconnect_max_s = reconnect_max_s
+        self._outbox: collections.deque[OutgoingMessage] = collections.deque()
+        self._in_flight: dict[int, OutgoingMessage] = {}
+        self._wakeup = asyncio.Event()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._task: asyncio.Task[None] | None = None
+        self._closing = False
+
+    # ---- the caller's side: never blocks
+
+    def submit(self, message: OutgoingMessage) -> None:
+        if len(self._outbox) >= self._outbox_max:
+            self._spill([message])
+        else:
+            self._outbox.append(message)
+        self._changed()
+
+    @property
+    def pending(self) -> int:
+        """Messages not yet confirmed and still in memory."""
+        return len(self._outbox) + len(self._in_flight)
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.create_task(self._run(), name=f"publisher:{self._exchange_name}")
+
+    async def wait_idle(self, timeout_s: float) -> bool:
+        """True once everything in memory is confirmed (the spill file may still hold messages)."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout_s)
+            return True
+        except TimeoutError:
+            return False
+
+    async def stop(self, timeout_s: float = 5.0) -> None:
+        """Publishes what it can within `timeout_s`, spills the rest so that the next start sends it."""
+        if self._task is None:
+            return
+        await self.wait_idle(timeout_s)
+        self._closing = True
+        self._task.cancel()
+        await asyncio.gather(self._task, return_exceptions=True)
+        self._task = None
+        leftovers = list(self._in_flight.values()) + list(self._outbox)
+        self._in_flight.clear()
+        self._outbox.clear()
+        if leftovers:
+            log.warning("publisher_unsent_at_stop", count=len(leftovers), spill=str(self._spill_path))
+            self._spill(leftovers)
+        self._changed()
+
+    # ---- the background side
+
+    def _changed(self) -> None:
+        self._metrics.outbox.set(self.pending)
+        if self.pending:
+            self._idle.clear()
+        else:
+            self._idle.set()
+        self._wakeup.set()
+
+    def _spill(self, messages: list[OutgoingMessage]) -> None:
+        if self._spill_path is None:
+            self._metrics.dropped.inc(len(messages))
+            log.error("publisher_dropped", count=len(messages), reason="outbox full and no spill file")
+            return
+        try:
+            size = self._spill_path.stat().st_size if self._spill_path.exists() else 0
+            data = "".join(message.to_json_line() for message in messages)
+            if size + len(data) > self._spill_max_bytes:
+                raise OSError(f"spill file would exceed {self._spill_max_bytes} bytes")
+            self._spill_path.parent.mkdir(parents=True, exist_ok=True)
+            with self._spill_path.open("a", encoding="utf-8") as handle:
+                handle.write(data)
+                handle.flush()
+                os.fsync(handle.fileno())
+            self._metrics.spilled.inc(len(messages))
+        except OSError as exc:
+            self._metrics.dropped.inc(len(messages))
+            log.error("publisher_dropped", count=len(messages), reason=str(exc))
+
+    def _unspill(self) -> None:
+        """Moves spilled messages back into the outbox while it has room; the rest stay on disk."""
+        path = self._spill_path
+        if path is None or not path.exists() or len(self._outbox) >= self._outbox_max // 2:
+            return
+        loading = path.with_name(path.name + ".loading")
+        if not loading.exists():
+            os.replace(path, loading)
+        keep: list[str] = []
+        loaded = 0
+        with loading.open(encoding="utf-8") as handle:
+            for line in handle:
+                if not line.strip():
+                    continue
+                if len(self._outbox) < self._outbox_max:
+                    try:
+                        self._outbox.append(OutgoingMessage.from_json_line(line))
+                        loaded += 1
+                    except (ValueError, KeyError):
+                        self._metrics.dropped.inc()
+                        log.error("publisher_dropped", count=1, reason="unreadable spill line")
+                else:
+                    keep.append(line)
+        if keep:
+            with path.open("a", encoding="utf-8") as handle:
+                handle.writelines(keep)
+                handle.flush()
+                os.fsync(handle.fileno())
+        loading.unlink()
+        if loaded:
+            log.info("publisher_unspilled", count=loaded, left_on_disk=len(keep))
+        self._changed()
+
+    async def _run(self) -> None:
+        backoff = 0.1
+        while not self._closing:
+            try:
+                await self._session()
+                backoff = 0.1
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - any broker failure: reconnect and republish
+                log.warning("publisher_disconnected", error=f"{type(exc).__name__}: {exc}", pending=self.pending)
+            finally:
+                self._metrics.connected.set(0)
+                self._requeue_in_flight()
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, self._reconnect_max_s)
+
+    def _requeue_in_flight(self) -> None:
+        if self._in_flight:
+            self._metrics.retried.inc(len(self._in_flight))
+            self._outbox.extendleft(reversed(list(self._in_flight.values())))
+            self._in_flight.clear()
+            self._changed()
+
+    async def _session(self) -> None:
+        connection = await aio_pika.connect(self._url, timeout=5)
+        try:
+            channel = await connection.channel(publisher_confirms=True)
+            await self._declare(channel)
+            exchange = await channel.get_exchange(self._exchange_name, ensure=False)
+            self._metrics.connected.set(1)
+            log.info("publisher_connected", exchange=self._exchange_name, pending=self.pending)
+            failed: asyncio.Future[BaseException] = asyncio.get_running_loop().create_future()
+            tasks: set[asyncio.Task[None]] = set()
+            sequence = 0
+            try:
+                while True:
+                    if failed.done():
+                        raise failed.result()
+                    if connection.is_closed or channel.is_closed:
+                        raise ConnectionError("the broker connection closed")
+                    if not self._outbox:
+                        self._unspill()
+                    if not self._outbox or len(self._in_flight) >= self._max_in_flight:
+                        self._wakeup.clear()
+                        with contextlib.suppress(TimeoutError):
+                            await asyncio.wait_for(self._wakeup.wait(), 0.5)
+                        continue
+                    while self._outbox and len(self._in_flight) < self._max_in_flight:
+                        message = self._outbox.popleft()
+                        sequence += 1
+                        self._in_flight[sequence] = message
+                        task = asyncio.create_task(self._publish_one(exchange, sequence, message, failed))
+                        tasks.add(task)
+                        task.add_done_callback(tasks.discard)
+            finally:
+                for task in list(tasks):
+                    task.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+        finally:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(connection.close(), 2)
+
+    async def _publish_one(
+        self,
+        exchange: aio_pika.abc.AbstractExchange,
+        sequence: int,
+        message: OutgoingMessage,
+        failed: asyncio.Future[BaseException],
+    ) -> None:
+        try:
+            confirmation = await exchange.publish(
+                message.to_aio_pika(), message.routing_key, timeout=self._confirm_timeout_s
+            )
+            if not isinstance(confirmation, aiormq.spec.Basic.Ack):
+                raise ConnectionError(f"the broker did not confirm the message: {confirmation!r}")
+        except asyncio.CancelledError:
+            raise  # the session is ending; _requeue_in_flight puts the message back
+        except Exception as exc:  # noqa: BLE001 - the session reconnects and everything unconfirmed is resent
+            if not failed.done():
+                failed.set_result(exc)
+            self._wakeup.set()
+            return
+        if self._in_flight.pop(sequence, None) is not None:
+            self._metrics.published.inc()
+            self._changed()
+
+
+# ---- consumers' helpers: dead-lettering with a reason, and replaying a dead-letter queue
+
+
+async def dead_letter(
+    exchange: aio_pika.abc.AbstractExchange,
+    routing_key: str,
+    message: aio_pika.abc.AbstractIncomingMessage,
+    reason: str,
+) -> None:
+    """Publishes `message` (body and properties kept) to the dead-letter exchange with its reason.
+
+    The caller's channel must have publisher confirms on: this returns once the broker has the
+    copy, so the caller can then ack the original without ever losing it.
+    """
+    headers = dict(message.headers or {})
+    headers[DEAD_REASON_HEADER] = reason[:1000]
+    headers["x-sluice-dead-at"] = time.time()
+    headers["x-sluice-original-routing-key"] = message.routing_key or ""
+    headers["x-sluice-original-exchange"] = message.exchange or ""
+    copy = aio_pika.Message(
+        message.body,
+        content_type=message.content_type,
+        delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
+        message_id=message.message_id,
+        type=message.type,
+        headers=headers,
+        timestamp=message.timestamp,
+    )
+    await exchange.publish(copy, routing_key)
+
+
+async def replay_dead_letters(
+    url: str,
+    dead_queue: str,
+    exchange: str,
+    routing_key: str | None = None,
+    limit: int | None = None,
+) -> int:
+    """Moves messages from `dead_queue` back to `exchange` (each confirmed before its ack).
+
+    The routing key is the message's original one unless `routing_key` is given. Stops when the
+    queue is empty or after `limit` messages; returns how many were replayed.
+    """
+    replayed = 0
+    connection = await aio_pika.connect(url, timeout=10)
+    async with connection:
+        channel = await connection.channel(publisher_confirms=True)
+        target = await channel.get_exchange(exchange, ensure=True)
+        queue = await channel.get_queue(dead_queue, ensure=True)
+        while limit is None or replayed < limit:
+            message = await queue.get(no_ack=False, fail=False, timeout=10)
+            if message is None:
+                break
+            headers = dict(message.headers or {})
+            key = routing_key or str(headers.get("x-sluice-original-routing-key") or message.routing_key or "")
+            for name in (DEAD_REASON_HEADER, "x-sluice-dead-at", "x-sluice-original-routing-key", "x-sluice-original-exchange", "x-death"):
+                headers.pop(name, None)
+            headers["x-sluice-replayed"] = int(headers.get("x-sluice-replayed", 0) or 0) + 1
+            copy = aio_pika.Message(
+                message.body,
+                content_type=message.content_type,
+                delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
+                message_id=message.message_id,
+                type=message.type,
+                headers=headers,
+                timestamp=message.timestamp,
+            )
+            await target.publish(copy, key)
+            await message.ack()
+            replayed += 1
+    return replayed

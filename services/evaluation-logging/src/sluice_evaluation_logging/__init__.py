@@ -1,0 +1,1 @@
+"""Sluice's evaluation-logging service."""

@@ -1,0 +1,83 @@
+"""`python -m sluice_evaluation_logging`: consume CompletionEvents, evaluate, store, answer queries."""
+
+from __future__ import annotations
+
+import structlog
+from sluice.evallog.v1 import evallog_pb2, evallog_pb2_grpc
+
+from sluice_common.amqp import EventTopology
+from sluice_common.bootstrap import run_service
+from sluice_common.server import create_server, serve_until_signal
+from sluice_evaluation_logging.auth import TenantKeys
+from sluice_evaluation_logging.config import ENV_PREFIX, EvalLogConfig
+from sluice_evaluation_logging.consumer import CompletionConsumer, ConsumerSettings
+from sluice_evaluation_logging.embeddings import AdapterEmbedder
+from sluice_evaluation_logging.evaluators.base import EvalContext, EvalSettings
+from sluice_evaluation_logging.queries import EvalLogQueries
+from sluice_evaluation_logging.servicer import EvalLogServicer
+from sluice_evaluation_logging.store import open_store
+
+log = structlog.stdlib.get_logger("sluice.evallog")
+
+SERVICE_NAME = evallog_pb2.DESCRIPTOR.services_by_name["EvalLogService"].full_name
+
+
+def eval_settings(config: EvalLogConfig) -> EvalSettings:
+    return EvalSettings(
+        latency_slo_ms=config.latency_slo_ms,
+        ttft_slo_ms=config.ttft_slo_ms,
+        repetition_ngram=config.repetition_ngram,
+        repetition_max_ratio=config.repetition_max_ratio,
+        similarity_sample_rate=config.similarity_sample_rate,
+        similarity_min=config.similarity_min,
+    )
+
+
+async def serve(config: EvalLogConfig) -> None:
+    try:
+        tenants = TenantKeys.from_file(config.tenants_file)
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"evaluation-logging: cannot load {ENV_PREFIX}TENANTS_FILE: {exc}") from None
+    store = open_store(config.database_url, config.sqlite_path, config.pg_schema)
+    try:
+        await store.open()
+    except Exception as exc:  # noqa: BLE001 - refuse to start without a store, with the reason
+        where = "PostgreSQL (DATABASE_URL)" if config.database_url else f"SQLite at {config.sqlite_path}"
+        raise SystemExit(f"evaluation-logging: cannot open the store, {where}: {exc}") from None
+    embedder = AdapterEmbedder(config.adapter_url, config.embedding_model, config.embed_timeout_s)
+    consumer = CompletionConsumer(
+        ConsumerSettings(
+            url=config.amqp_url,
+            topology=EventTopology(config.amqp_prefix),
+            prefetch=config.prefetch,
+            batch_max=config.batch_max,
+            batch_delay_s=config.batch_delay_s,
+        ),
+        store,
+        EvalContext(eval_settings(config), embedder),
+    )
+    servicer = EvalLogServicer(tenants, EvalLogQueries(store))
+
+    def register(server):  # type: ignore[no-untyped-def]
+        evallog_pb2_grpc.add_EvalLogServiceServicer_to_server(servicer, server)
+        return [SERVICE_NAME]
+
+    running = await create_server(config.host, config.port, config.metrics_port, register, serving=False)
+    consumer.start()
+    await running.set_serving(True)
+    log.info("ready", store="postgresql" if config.database_url else str(config.sqlite_path), prefix=config.amqp_prefix)
+
+    async def on_stop() -> None:
+        await consumer.stop()
+        await embedder.close()
+        await store.close()
+
+    await serve_until_signal(running, config.shutdown_grace_s, on_stop)
+
+
+def main() -> None:
+    run_service("evaluation-logging", EvalLogConfig, ENV_PREFIX, serve)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,63 @@
+"""evaluation-logging settings, from SLUICE_EVALLOG_* environment variables."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from sluice_common.amqp import DEFAULT_AMQP_URL
+from sluice_common.config import ServerConfig, require
+
+ENV_PREFIX = "SLUICE_EVALLOG_"
+
+
+@dataclass(frozen=True)
+class EvalLogConfig(ServerConfig):
+    port: int = 50081
+    metrics_port: int = 9104
+    # TOML file of tenants and their hashed API keys: the same file the gateway reads.
+    tenants_file: Path = Path("")
+    amqp_url: str = DEFAULT_AMQP_URL
+    # Exchange and queue names start with this (see sluice_common.amqp.EventTopology).
+    amqp_prefix: str = "sluice"
+    # Unacked messages the broker may hand this consumer at once.
+    prefetch: int = 512
+    # A batch is stored (one transaction) and acked (one multiple-ack) when it has this many
+    # events or its first event has waited batch_delay_s.
+    batch_max: int = 256
+    batch_delay_s: float = 0.05
+    # PostgreSQL DSN (postgresql://user@host:port/db); empty means SQLite at sqlite_path.
+    database_url: str = ""
+    pg_schema: str = "evallog"
+    sqlite_path: Path = Path("evallog.sqlite3")
+    # Evaluator settings.
+    latency_slo_ms: float = 30_000.0
+    ttft_slo_ms: float = 2_000.0
+    repetition_ngram: int = 4
+    repetition_max_ratio: float = 0.5
+    # The adapter's Embed serves the prompt-to-answer similarity evaluator.
+    adapter_url: str = "127.0.0.1:50061"
+    embedding_model: str = "all-minilm-l6-v2"
+    similarity_sample_rate: float = 0.1
+    similarity_min: float = 0.2
+    embed_timeout_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        require(str(self.tenants_file) not in ("", "."), f"{ENV_PREFIX}TENANTS_FILE is required: the TOML file of tenants")
+        require(self.tenants_file.is_file(), f"{ENV_PREFIX}TENANTS_FILE={self.tenants_file} does not exist")
+        require(self.prefetch >= 1, f"{ENV_PREFIX}PREFETCH must be >= 1, got {self.prefetch}")
+        require(
+            1 <= self.batch_max <= self.prefetch,
+            f"{ENV_PREFIX}BATCH_MAX must be in 1..PREFETCH ({self.prefetch}), got {self.batch_max}",
+        )
+        require(0 <= self.batch_delay_s <= 10, f"{ENV_PREFIX}BATCH_DELAY_S must be in [0, 10], got {self.batch_delay_s}")
+        require(
+            0.0 <= self.similarity_sample_rate <= 1.0,
+            f"{ENV_PREFIX}SIMILARITY_SAMPLE_RATE must be in [0, 1], got {self.similarity_sample_rate}",
+        )
+        require(self.repetition_ngram >= 1, f"{ENV_PREFIX}REPETITION_NGRAM must be >= 1, got {self.repetition_ngram}")
+        require(
+            self.database_url == "" or self.database_url.startswith(("postgres://", "postgresql://")),
+            f"{ENV_PREFIX}DATABASE_URL must be empty (SQLite) or a postgresql:// DSN",
+        )
+        require(self.pg_schema.isidentifier(), f"{ENV_PREFIX}PG_SCHEMA must be a plain identifier, got {self.pg_schema!r}")

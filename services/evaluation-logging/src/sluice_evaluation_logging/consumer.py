@@ -1,0 +1,173 @@
+"""Consumes CompletionEvents: decode, evaluate, store a batch in one transaction, then ack it.
+
+Delivery is at least once and storage is idempotent by event id, so the only rule is: ack
+after the batch is durably stored. A batch closes at `batch_max` events or `batch_delay_s`
+after its first event. A message that can never become a record is published to the
+dead-letter exchange with its reason (confirmed) and then acked; consumption goes on.
+On any broker failure the session is rebuilt; what was unacked is redelivered.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import aio_pika
+import structlog
+from aio_pika.abc import AbstractIncomingMessage
+from prometheus_client import Counter, Histogram
+
+from sluice_common.amqp import EventTopology, dead_letter
+from sluice_common.request_context import REQUEST_ID_KEY
+from sluice_evaluation_logging.evaluators import evaluate_all
+from sluice_evaluation_logging.evaluators.base import EvalContext
+from sluice_evaluation_logging.records import PoisonMessage, decode_event, otel_attributes, to_row
+from sluice_evaluation_logging.store import RecordRow, Store
+
+log = structlog.stdlib.get_logger("sluice.evallog.consumer")
+
+EVENTS = Counter("sluice_evallog_events_total", "Events consumed, by outcome.", ["outcome"])
+BATCH_SIZE = Histogram("sluice_evallog_batch_size", "Events per stored batch.", buckets=(1, 4, 16, 64, 128, 256, 512, 1024))
+BATCH_SECONDS = Histogram(
+    "sluice_evallog_batch_seconds", "Evaluate + store + ack of one batch.", buckets=(0.001, 0.005, 0.02, 0.05, 0.1, 0.5, 1, 5)
+)
+
+
+@dataclass(frozen=True)
+class ConsumerSettings:
+    url: str
+    topology: EventTopology
+    prefetch: int = 512
+    batch_max: int = 256
+    batch_delay_s: float = 0.05
+
+
+class CompletionConsumer:
+    def __init__(self, settings: ConsumerSettings, store: Store, context: EvalContext) -> None:
+        self._settings = settings
+        self._store = store
+        self._context = context
+        self._task: asyncio.Task[None] | None = None
+        self._stopping = asyncio.Event()
+        self.connected = asyncio.Event()
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="completion-consumer")
+
+    async def stop(self) -> None:
+        """Stops taking messages; the batch in progress is finished (stored and acked) first."""
+        self._stopping.set()
+        if self._task is not None:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(self._task), 10)
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    async def _run(self) -> None:
+        backoff = 0.2
+        while not self._stopping.is_set():
+            try:
+                await self._session()
+                backoff = 0.2
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - reconnect; unacked messages are redelivered
+                log.warning("consumer_disconnected", error=f"{type(exc).__name__}: {exc}")
+            self.connected.clear()
+            if not self._stopping.is_set():
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 5.0)
+
+    async def _session(self) -> None:
+        s = self._settings
+        connection = await aio_pika.connect(s.url, timeout=5)
+        try:
+            channel = await connection.channel(publisher_confirms=True)
+            await channel.set_qos(prefetch_count=s.prefetch)
+            await s.topology.declare(channel)
+            queue = await channel.get_queue(s.topology.completions_queue, ensure=False)
+            dead = await channel.get_exchange(s.topology.dead_exchange, ensure=False)
+            inbox: asyncio.Queue[AbstractIncomingMessage] = asyncio.Queue()
+
+            async def on_message(message: AbstractIncomingMessage) -> None:
+                inbox.put_nowait(message)
+
+            tag = await queue.consume(on_message, no_ack=False)
+            self.connected.set()
+            log.info("consuming", queue=s.topology.completions_queue, prefetch=s.prefetch, batch_max=s.batch_max)
+            while not self._stopping.is_set():
+                if connection.is_closed or channel.is_closed:
+                    raise ConnectionError("the broker connection closed")
+                try:
+                    first = await asyncio.wait_for(inbox.get(), 0.5)
+                except TimeoutError:
+                    continue
+                batch = [first]
+                deadline = time.monotonic() + s.batch_delay_s
+                while len(batch) < s.batch_max:
+                    while not inbox.empty() and len(batch) < s.batch_max:
+                        batch.append(inbox.get_nowait())
+                    remaining = deadline - time.monotonic()
+                    if len(batch) >= s.batch_max or remaining <= 0:
+                        break
+                    try:
+                        batch.append(await asyncio.wait_for(inbox.get(), remaining))
+                    except TimeoutError:
+                        break
+                await self._handle(batch, dead)
+            with contextlib.suppress(Exception):
+                await queue.cancel(tag)
+        finally:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(connection.close(), 2)
+
+    async def _handle(self, batch: Sequence[AbstractIncomingMessage], dead: aio_pika.abc.AbstractExchange) -> None:
+        started = time.perf_counter()
+        rows: list[RecordRow] = []
+        for message in batch:
+            try:
+                event = decode_event(message.body, message.content_type)
+            except PoisonMessage as exc:
+                await dead_letter(dead, self._settings.topology.completions_queue, message, str(exc))
+                EVENTS.labels("dead_lettered").inc()
+                log.warning(
+                    "event_dead_lettered",
+                    reason=str(exc),
+                    message_id=message.message_id,
+                    request_id=(message.headers or {}).get(REQUEST_ID_KEY, ""),
+                )
+                continue
+            scores = await evaluate_all(event, self._context)
+            rows.append(to_row(event, scores))
+            log.info(
+                "event",
+                request_id=event.request_id,
+                redelivered=message.redelivered,
+                scores={score.name: round(score.value, 4) for score in scores},
+                **otel_attributes(event),
+            )
+        inserted = await self._store_until_done(rows)
+        # One multiple-ack covers the whole batch (deliveries on a channel are acked in order).
+        await batch[-1].ack(multiple=True)
+        EVENTS.labels("stored").inc(inserted)
+        EVENTS.labels("duplicate").inc(len(rows) - inserted)
+        BATCH_SIZE.observe(len(batch))
+        BATCH_SECONDS.observe(time.perf_counter() - started)
+
+    async def _store_until_done(self, rows: list[RecordRow]) -> int:
+        """Retries while the database is down: the batch stays unacked with us meanwhile."""
+        if not rows:
+            return 0
+        backoff = 0.2
+        while True:
+            try:
+                return await self._store.insert_batch(rows)
+            except Exception as exc:  # noqa: BLE001 - a database outage must not lose or ack events
+                if self._stopping.is_set():
+                    raise
+                log.error("store_failed", error=f"{type(exc).__name__}: {exc}", batch=len(rows))
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 5.0)

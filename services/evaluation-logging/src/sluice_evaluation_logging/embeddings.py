@@ -1,0 +1,42 @@
+"""The similarity evaluator's Embedder: the adapter's InferenceService.Embed over gRPC."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import grpc
+from sluice.common.v1 import types_pb2
+from sluice.inference.v1 import inference_pb2, inference_pb2_grpc
+
+from sluice_common.channels import open_channel
+from sluice_evaluation_logging.evaluators.base import EmbeddingsUnavailable
+
+# The adapter answers these while it does not serve embeddings (or cannot right now).
+_UNAVAILABLE = (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.UNAVAILABLE)
+
+
+class AdapterEmbedder:
+    def __init__(self, adapter_url: str, model: str, timeout_s: float) -> None:
+        self._channel = open_channel(adapter_url)
+        self._stub = inference_pb2_grpc.InferenceServiceStub(self._channel)
+        self._model = model
+        self._timeout_s = timeout_s
+
+    async def embed(self, texts: Sequence[str]) -> list[list[float]]:
+        request = inference_pb2.EmbedRequest(
+            request_id="evallog-similarity", tenant="sluice-evallog", model=self._model,
+            inputs=list(texts),
+            priority_class=types_pb2.PRIORITY_CLASS_BULK,  # background work: never ahead of users
+        )
+        try:
+            response = await self._stub.Embed(request, timeout=self._timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() in _UNAVAILABLE:
+                raise EmbeddingsUnavailable(exc.code().name) from None
+            raise
+        if len(response.embeddings) != len(texts):
+            raise ValueError(f"Embed returned {len(response.embeddings)} vectors for {len(texts)} inputs")
+        return [list(embedding.values) for embedding in response.embeddings]
+
+    async def close(self) -> None:
+        await self._channel.close()

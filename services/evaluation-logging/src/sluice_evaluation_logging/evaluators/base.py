@@ -1,0 +1,66 @@
+"""What every evaluator shares: its input (a CompletionEvent), its settings, its result."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from sluice.common.v1 import types_pb2
+from sluice.evallog.v1 import events_pb2
+
+CompletionEvent = events_pb2.CompletionEvent
+
+FINISHED = (types_pb2.FINISH_REASON_STOP, types_pb2.FINISH_REASON_LENGTH)
+
+
+@dataclass(frozen=True)
+class ScoreResult:
+    name: str
+    value: float
+    passed: bool
+    detail: str = ""
+    skipped: bool = False
+
+
+@dataclass(frozen=True)
+class EvalSettings:
+    latency_slo_ms: float = 30_000.0
+    ttft_slo_ms: float = 2_000.0
+    repetition_ngram: int = 4
+    repetition_max_ratio: float = 0.5
+    similarity_sample_rate: float = 0.1
+    similarity_min: float = 0.2
+
+
+class EmbeddingsUnavailable(Exception):
+    """The embedding backend does not serve embeddings (UNIMPLEMENTED) or cannot now (UNAVAILABLE)."""
+
+
+class Embedder(Protocol):
+    async def embed(self, texts: Sequence[str]) -> list[list[float]]: ...
+
+
+@dataclass(frozen=True)
+class EvalContext:
+    settings: EvalSettings
+    embedder: Embedder | None = None
+
+
+def finished(event: CompletionEvent) -> bool:
+    """The generation ran to its end (stop or length), as opposed to cancelled or failed."""
+    return event.finish_reason in FINISHED and not event.error_code
+
+
+def has_text(event: CompletionEvent) -> bool:
+    return event.text_logged
+
+
+def prompt_text(event: CompletionEvent) -> str:
+    if event.prompt:
+        return event.prompt
+    return "\n".join(message.content for message in event.messages if message.role == "user")
+
+
+def skipped(name: str, detail: str) -> ScoreResult:
+    return ScoreResult(name=name, value=0.0, passed=False, detail=detail, skipped=True)

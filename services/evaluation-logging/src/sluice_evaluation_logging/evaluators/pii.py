@@ -1,0 +1,51 @@
+"""PII patterns in the output: emails, phone numbers, payment card numbers (Luhn-checked). Value = findings."""
+
+from __future__ import annotations
+
+import re
+
+from sluice_evaluation_logging.evaluators.base import CompletionEvent, EvalContext, ScoreResult, has_text
+
+NAME = "pii"
+
+EMAIL = re.compile(r"\b[A-Za-z0-9._%+-]+@[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)*\.[A-Za-z]{2,}\b")
+# International (+CC ...) or 10-digit national numbers with the usual separators.
+PHONE = re.compile(r"(?<![\w+])(?:\+\d{1,3}[\s.-]?)?(?:\(\d{2,4}\)|\d{2,4})(?:[\s.-]?\d{2,4}){2,4}(?!\w)")
+CARD = re.compile(r"(?<!\d)(?:\d[ -]?){12,18}\d(?!\d)")
+
+
+def luhn_valid(digits: str) -> bool:
+    total = 0
+    for index, char in enumerate(reversed(digits)):
+        value = int(char)
+        if index % 2 == 1:
+            value *= 2
+            if value > 9:
+                value -= 9
+        total += value
+    return total % 10 == 0
+
+
+def find_pii(text: str) -> dict[str, int]:
+    found = {"email": len(EMAIL.findall(text)), "phone": 0, "card": 0}
+    card_spans: list[tuple[int, int]] = []
+    for match in CARD.finditer(text):
+        digits = re.sub(r"\D", "", match.group())
+        if 13 <= len(digits) <= 19 and luhn_valid(digits):
+            found["card"] += 1
+            card_spans.append(match.span())
+    for match in PHONE.finditer(text):
+        digits = re.sub(r"\D", "", match.group())
+        inside_card = any(start <= match.start() < end for start, end in card_spans)
+        if 10 <= len(digits) <= 15 and not inside_card:
+            found["phone"] += 1
+    return {kind: count for kind, count in found.items() if count}
+
+
+def evaluate(event: CompletionEvent, ctx: EvalContext) -> ScoreResult | None:
+    if not has_text(event) or not event.output:
+        return None
+    found = find_pii(event.output)
+    count = sum(found.values())
+    detail = ", ".join(f"{kind}: {n}" for kind, n in sorted(found.items()))
+    return ScoreResult(NAME, float(count), count == 0, detail)

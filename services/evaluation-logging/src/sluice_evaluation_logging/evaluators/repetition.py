@@ -1,0 +1,33 @@
+"""Repeated word n-grams: value = share of the output's n-grams that repeat an earlier one (0 = none)."""
+
+from __future__ import annotations
+
+import re
+
+from sluice_evaluation_logging.evaluators.base import CompletionEvent, EvalContext, ScoreResult, has_text
+
+NAME = "repetition"
+_WORD = re.compile(r"\w+|[^\w\s]", re.UNICODE)
+
+
+def repeated_ngram_ratio(text: str, n: int) -> tuple[float, str]:
+    words = _WORD.findall(text.lower())
+    total = len(words) - n + 1
+    if total <= 1:
+        return 0.0, ""
+    seen: dict[tuple[str, ...], int] = {}
+    repeats = 0
+    for i in range(total):
+        gram = tuple(words[i : i + n])
+        if gram in seen:
+            repeats += 1
+        seen[gram] = seen.get(gram, 0) + 1
+    top, count = max(seen.items(), key=lambda item: item[1])
+    return repeats / total, (f"most repeated: {' '.join(top)!r} x{count}" if count > 1 else "")
+
+
+def evaluate(event: CompletionEvent, ctx: EvalContext) -> ScoreResult | None:
+    if not has_text(event) or not event.output.strip():
+        return None
+    ratio, detail = repeated_ngram_ratio(event.output, ctx.settings.repetition_ngram)
+    return ScoreResult(NAME, ratio, ratio <= ctx.settings.repetition_max_ratio, detail)

@@ -1,0 +1,69 @@
+"""The query side, without transport: tenant scoping, filters, paging limits."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from sluice_common.errors import InvalidArgument, NotFound, PermissionDenied
+from sluice_evaluation_logging.records import GroupSummary, summarize
+from sluice_evaluation_logging.store import RecordFilter, RecordRow, Store, Threshold
+
+DEFAULT_PAGE_SIZE = 50
+MAX_PAGE_SIZE = 1000
+
+
+@dataclass(frozen=True)
+class QueryArgs:
+    tenant: str = ""
+    model: str = ""
+    start: float | None = None
+    end: float | None = None
+    finish_reason: int = 0
+    thresholds: tuple[Threshold, ...] = ()
+
+
+def scoped_tenant(caller: str, asked: str) -> str:
+    """A tenant's key sees only that tenant's records."""
+    if asked and asked != caller:
+        raise PermissionDenied(f"this API key belongs to tenant {caller!r} and cannot read tenant {asked!r}")
+    return caller
+
+
+def _filter(caller: str, args: QueryArgs) -> RecordFilter:
+    if args.start is not None and args.end is not None and args.end <= args.start:
+        raise InvalidArgument("end_time", "must be after start_time")
+    for index, threshold in enumerate(args.thresholds):
+        if not threshold.name:
+            raise InvalidArgument(f"score_thresholds[{index}].name", "must name a score, such as 'repetition'")
+    return RecordFilter(
+        tenant=scoped_tenant(caller, args.tenant),
+        model=args.model,
+        start=args.start,
+        end=args.end,
+        finish_reason=args.finish_reason,
+        thresholds=args.thresholds,
+    )
+
+
+class EvalLogQueries:
+    def __init__(self, store: Store) -> None:
+        self._store = store
+
+    async def get_record(self, caller: str, event_id: str) -> RecordRow:
+        if not event_id:
+            raise InvalidArgument("event_id", "must not be empty")
+        row = await self._store.get(event_id)
+        # Another tenant's record answers exactly like a missing one: its existence is not revealed.
+        if row is None or row.tenant != caller:
+            raise NotFound(f"no record with event id {event_id!r}")
+        return row
+
+    async def query_records(
+        self, caller: str, args: QueryArgs, page_size: int, page_token: str
+    ) -> tuple[list[RecordRow], str]:
+        if page_size < 0 or page_size > MAX_PAGE_SIZE:
+            raise InvalidArgument("page_size", f"must be in 0..{MAX_PAGE_SIZE} (0 means {DEFAULT_PAGE_SIZE})")
+        return await self._store.query(_filter(caller, args), page_size or DEFAULT_PAGE_SIZE, page_token)
+
+    async def summarize(self, caller: str, args: QueryArgs) -> list[GroupSummary]:
+        return summarize(await self._store.summary_data(_filter(caller, args)))

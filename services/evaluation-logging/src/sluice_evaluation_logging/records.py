@@ -1,0 +1,171 @@
+"""From a CompletionEvent to a stored record, and from stored rows to summaries.
+
+`otel_attributes` names an event's fields as the OpenTelemetry GenAI semantic conventions do
+(gen_ai.request.model, gen_ai.usage.input_tokens, ...); the log lines and `sluice logs --json`
+use it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from sluice.common.v1 import types_pb2
+from sluice.evallog.v1 import events_pb2
+
+from sluice_evaluation_logging.evaluators.base import ScoreResult
+from sluice_evaluation_logging.store import RecordRow, StoredScore, SummaryData
+
+
+class PoisonMessage(ValueError):
+    """A message that can never become a record; it goes to the dead-letter queue with this reason."""
+
+
+def decode_event(body: bytes, content_type: str | None) -> events_pb2.CompletionEvent:
+    from google.protobuf import json_format
+    from google.protobuf.message import DecodeError
+
+    event = events_pb2.CompletionEvent()
+    kind = (content_type or "application/x-protobuf").split(";")[0].strip().lower()
+    try:
+        if kind == "application/x-protobuf":
+            event.ParseFromString(body)
+        elif kind == "application/json":
+            json_format.Parse(body.decode("utf-8"), event)
+        else:
+            raise PoisonMessage(f"unsupported content type {content_type!r}")
+    except (DecodeError, json_format.ParseError, UnicodeDecodeError) as exc:
+        raise PoisonMessage(f"not a sluice.evallog.v1.CompletionEvent ({kind}): {exc}") from None
+    if not event.event_id:
+        raise PoisonMessage("CompletionEvent without event_id")
+    if not event.tenant:
+        raise PoisonMessage("CompletionEvent without tenant")
+    if len(event.event_id) > 200:
+        raise PoisonMessage("event_id longer than 200 characters")
+    return event
+
+
+def _epoch(timestamp: Any) -> float:
+    return timestamp.seconds + timestamp.nanos / 1e9
+
+
+def to_row(event: events_pb2.CompletionEvent, scores: Iterable[ScoreResult]) -> RecordRow:
+    finished_at = _epoch(event.finished_at) if event.HasField("finished_at") else 0.0
+    return RecordRow(
+        event_id=event.event_id,
+        tenant=event.tenant,
+        model=event.model,
+        priority_class=event.priority_class,
+        request_id=event.request_id,
+        finish_reason=event.finish_reason,
+        error_code=event.error_code,
+        input_tokens=event.usage.prompt_tokens,
+        output_tokens=event.usage.completion_tokens,
+        latency_ms=event.timings.total_time_ms,
+        ttft_ms=event.timings.time_to_first_token_ms,
+        started_at=_epoch(event.started_at) if event.HasField("started_at") else finished_at,
+        finished_at=finished_at,
+        text_logged=event.text_logged,
+        event=event.SerializeToString(),
+        scores=tuple(StoredScore(s.name, s.value, s.passed, s.detail, s.skipped) for s in scores),
+    )
+
+
+def otel_attributes(event: events_pb2.CompletionEvent) -> dict[str, Any]:
+    attributes: dict[str, Any] = {
+        "gen_ai.operation.name": "chat" if event.messages or not event.prompt else "text_completion",
+        "gen_ai.request.model": event.model,
+        "gen_ai.response.id": event.request_id,
+        "gen_ai.response.finish_reasons": [types_pb2.FinishReason.Name(event.finish_reason).removeprefix("FINISH_REASON_").lower()],
+        "gen_ai.usage.input_tokens": event.usage.prompt_tokens,
+        "gen_ai.usage.output_tokens": event.usage.completion_tokens,
+        "gen_ai.request.max_tokens": event.sampling.max_tokens,
+        "gen_ai.server.time_to_first_token": event.timings.time_to_first_token_ms / 1000,
+        "gen_ai.server.request.duration": event.timings.total_time_ms / 1000,
+        "sluice.tenant": event.tenant,
+        "sluice.event_id": event.event_id,
+    }
+    if event.error_code:
+        attributes["error.type"] = event.error_code
+    return attributes
+
+
+# ---- summaries
+
+
+def percentile(sorted_values: Sequence[float], q: float) -> float:
+    """Linear-interpolated percentile of already sorted values (q in [0, 100])."""
+    if not sorted_values:
+        return 0.0
+    rank = (len(sorted_values) - 1) * q / 100
+    low, high = math.floor(rank), math.ceil(rank)
+    return sorted_values[low] + (sorted_values[high] - sorted_values[low]) * (rank - low)
+
+
+@dataclass
+class ScoreStats:
+    name: str
+    count: int = 0
+    total: float = 0.0
+    passed: int = 0
+    skipped: int = 0
+    low: float = math.inf
+    high: float = -math.inf
+
+
+@dataclass
+class GroupSummary:
+    tenant: str
+    model: str
+    count: int = 0
+    errors: int = 0
+    cancelled: int = 0
+    latencies: list[float] = field(default_factory=list)
+    ttfts: list[float] = field(default_factory=list)
+    input_tokens: int = 0
+    output_tokens: int = 0
+    scores: dict[str, ScoreStats] = field(default_factory=dict)
+
+    @property
+    def error_rate(self) -> float:
+        return self.errors / self.count if self.count else 0.0
+
+    def latency(self, q: float) -> float:
+        return percentile(self.latencies, q)
+
+    def ttft(self, q: float) -> float:
+        return percentile(self.ttfts, q)
+
+
+def summarize(data: SummaryData) -> list[GroupSummary]:
+    groups: dict[tuple[str, str], GroupSummary] = {}
+    for tenant, model, finish, error_code, latency, ttft, tokens_in, tokens_out in data.records:
+        group = groups.setdefault((tenant, model), GroupSummary(tenant, model))
+        group.count += 1
+        if error_code or finish == types_pb2.FINISH_REASON_ERROR:
+            group.errors += 1
+        elif finish == types_pb2.FINISH_REASON_CANCELLED:
+            group.cancelled += 1
+        else:
+            group.latencies.append(float(latency))
+            if ttft:
+                group.ttfts.append(float(ttft))
+        group.input_tokens += int(tokens_in)
+        group.output_tokens += int(tokens_out)
+    for tenant, model, name, value, passed, skip in data.scores:
+        group = groups.setdefault((tenant, model), GroupSummary(tenant, model))
+        stats = group.scores.setdefault(name, ScoreStats(name))
+        if skip:
+            stats.skipped += 1
+            continue
+        stats.count += 1
+        stats.total += float(value)
+        stats.passed += 1 if passed else 0
+        stats.low = min(stats.low, float(value))
+        stats.high = max(stats.high, float(value))
+    for group in groups.values():
+        group.latencies.sort()
+        group.ttfts.sort()
+    return sorted(groups.values(), key=lambda g: (g.tenant, g.model))

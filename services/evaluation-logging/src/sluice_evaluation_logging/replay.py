@@ -1,0 +1,59 @@
+"""`sluice-evallog-replay` (python -m sluice_evaluation_logging.replay): move dead-lettered events back.
+
+Each message is republished to the events exchange with its original routing key (confirmed)
+before it is acked off the dead-letter queue, so a crash mid-replay duplicates at worst, and
+evaluation-logging stores each event id once. Reads SLUICE_EVALLOG_AMQP_URL and
+SLUICE_EVALLOG_AMQP_PREFIX like the service.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+
+import aio_pika
+
+from sluice_common.amqp import DEAD_REASON_HEADER, DEFAULT_AMQP_URL, EventTopology, replay_dead_letters
+
+
+async def _peek(url: str, queue_name: str, limit: int) -> list[str]:
+    """Reasons of the first `limit` dead letters, left in the queue."""
+    lines: list[str] = []
+    connection = await aio_pika.connect(url, timeout=10)
+    async with connection:
+        channel = await connection.channel()
+        queue = await channel.get_queue(queue_name, ensure=True)
+        held = []
+        for _ in range(limit):
+            message = await queue.get(no_ack=False, fail=False, timeout=10)
+            if message is None:
+                break
+            held.append(message)
+            reason = (message.headers or {}).get(DEAD_REASON_HEADER, "(no reason: dead-lettered by the broker)")
+            lines.append(f"{message.message_id or '-'}\t{reason}")
+        for message in held:
+            await message.nack(requeue=True)
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="sluice-evallog-replay", description=__doc__.splitlines()[0])
+    parser.add_argument("--amqp-url", default=os.environ.get("SLUICE_EVALLOG_AMQP_URL", DEFAULT_AMQP_URL))
+    parser.add_argument("--prefix", default=os.environ.get("SLUICE_EVALLOG_AMQP_PREFIX", "sluice"))
+    parser.add_argument("--limit", type=int, default=None, help="replay at most this many")
+    parser.add_argument("--list", action="store_true", help="only show the dead letters and their reasons")
+    args = parser.parse_args()
+    topology = EventTopology(args.prefix)
+    if args.list:
+        for line in asyncio.run(_peek(args.amqp_url, topology.completions_dead_queue, args.limit or 100)):
+            print(line)
+        return
+    count = asyncio.run(
+        replay_dead_letters(args.amqp_url, topology.completions_dead_queue, topology.events_exchange, limit=args.limit)
+    )
+    print(f"replayed {count} message(s) from {topology.completions_dead_queue} to {topology.events_exchange}")
+
+
+if __name__ == "__main__":
+    main()

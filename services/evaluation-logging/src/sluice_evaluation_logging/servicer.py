@@ -1,0 +1,109 @@
+"""sluice.evallog.v1.EvalLogService: thin; queries.py does the work."""
+
+from __future__ import annotations
+
+import grpc
+from google.protobuf import timestamp_pb2
+from sluice.evallog.v1 import evallog_pb2, evallog_pb2_grpc, events_pb2
+
+from sluice_evaluation_logging.auth import TenantKeys
+from sluice_evaluation_logging.queries import EvalLogQueries, QueryArgs
+from sluice_evaluation_logging.records import GroupSummary
+from sluice_evaluation_logging.store import RecordRow, Threshold
+
+
+def _authorization(context: grpc.aio.ServicerContext) -> str | None:
+    for key, value in context.invocation_metadata() or ():
+        if key == "authorization":
+            return str(value)
+    return None
+
+
+def _seconds(timestamp: timestamp_pb2.Timestamp, present: bool) -> float | None:
+    return timestamp.seconds + timestamp.nanos / 1e9 if present else None
+
+
+def _record(row: RecordRow) -> evallog_pb2.Record:
+    event = events_pb2.CompletionEvent()
+    event.ParseFromString(row.event)
+    stored_at = timestamp_pb2.Timestamp()
+    stored_at.FromNanoseconds(int(row.stored_at * 1e9))
+    scores = [
+        evallog_pb2.Score(name=s.name, value=s.value, passed=s.passed, detail=s.detail, skipped=s.skipped) for s in row.scores
+    ]
+    return evallog_pb2.Record(event=event, scores=scores, stored_at=stored_at)
+
+
+def _summary(group: GroupSummary) -> evallog_pb2.Summary:
+    return evallog_pb2.Summary(
+        tenant=group.tenant,
+        model=group.model,
+        count=group.count,
+        error_rate=group.error_rate,
+        cancelled_count=group.cancelled,
+        latency=evallog_pb2.LatencySummary(p50_ms=group.latency(50), p95_ms=group.latency(95), p99_ms=group.latency(99)),
+        time_to_first_token=evallog_pb2.LatencySummary(p50_ms=group.ttft(50), p95_ms=group.ttft(95), p99_ms=group.ttft(99)),
+        prompt_tokens=group.input_tokens,
+        completion_tokens=group.output_tokens,
+        scores=[
+            evallog_pb2.ScoreSummary(
+                name=stats.name,
+                count=stats.count,
+                mean=stats.total / stats.count if stats.count else 0.0,
+                pass_rate=stats.passed / stats.count if stats.count else 0.0,
+                skipped_count=stats.skipped,
+                min=stats.low if stats.count else 0.0,
+                max=stats.high if stats.count else 0.0,
+            )
+            for stats in sorted(group.scores.values(), key=lambda s: s.name)
+        ],
+    )
+
+
+class EvalLogServicer(evallog_pb2_grpc.EvalLogServiceServicer):
+    def __init__(self, tenants: TenantKeys, queries: EvalLogQueries) -> None:
+        self._tenants = tenants
+        self._queries = queries
+
+    def _caller(self, context: grpc.aio.ServicerContext) -> str:
+        return self._tenants.authenticate(_authorization(context))
+
+    async def GetRecord(
+        self, request: evallog_pb2.GetRecordRequest, context: grpc.aio.ServicerContext
+    ) -> evallog_pb2.GetRecordResponse:
+        row = await self._queries.get_record(self._caller(context), request.event_id)
+        return evallog_pb2.GetRecordResponse(record=_record(row))
+
+    async def QueryRecords(
+        self, request: evallog_pb2.QueryRecordsRequest, context: grpc.aio.ServicerContext
+    ) -> evallog_pb2.QueryRecordsResponse:
+        args = QueryArgs(
+            tenant=request.tenant,
+            model=request.model,
+            start=_seconds(request.start_time, request.HasField("start_time")),
+            end=_seconds(request.end_time, request.HasField("end_time")),
+            finish_reason=request.finish_reason,
+            thresholds=tuple(
+                Threshold(
+                    name=t.name,
+                    min_value=t.min_value,
+                    max_value=t.max_value if t.max_value != 0 else None,
+                    passed=t.passed if t.HasField("passed") else None,
+                )
+                for t in request.score_thresholds
+            ),
+        )
+        rows, token = await self._queries.query_records(self._caller(context), args, request.page_size, request.page_token)
+        return evallog_pb2.QueryRecordsResponse(records=[_record(row) for row in rows], next_page_token=token)
+
+    async def Summarize(
+        self, request: evallog_pb2.SummarizeRequest, context: grpc.aio.ServicerContext
+    ) -> evallog_pb2.SummarizeResponse:
+        args = QueryArgs(
+            tenant=request.tenant,
+            model=request.model,
+            start=_seconds(request.start_time, request.HasField("start_time")),
+            end=_seconds(request.end_time, request.HasField("end_time")),
+        )
+        groups = await self._queries.summarize(self._caller(context), args)
+        return evallog_pb2.SummarizeResponse(summaries=[_summary(group) for group in groups])

@@ -1,0 +1,518 @@
+"""Where records and scores live: SQLite (default, WAL) or PostgreSQL, with schema migrations.
+
+Records and scores are separate tables linked by event id. Inserts are idempotent by event id
+(`ON CONFLICT DO NOTHING`), so a redelivered event is stored once. Both backends run the same
+SQL, written with `?` placeholders (PostgreSQL gets them renumbered to `$n`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import sqlite3
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import asyncpg
+
+from sluice_common.errors import InvalidArgument
+
+
+@dataclass(frozen=True)
+class StoredScore:
+    name: str
+    value: float
+    passed: bool
+    detail: str = ""
+    skipped: bool = False
+
+
+@dataclass(frozen=True)
+class RecordRow:
+    event_id: str
+    tenant: str
+    model: str
+    priority_class: int
+    request_id: str
+    finish_reason: int
+    error_code: str
+    input_tokens: int
+    output_tokens: int
+    latency_ms: float
+    ttft_ms: float
+    started_at: float
+    finished_at: float
+    text_logged: bool
+    event: bytes
+    scores: tuple[StoredScore, ...] = ()
+    stored_at: float = 0.0
+
+
+@dataclass(frozen=True)
+class Threshold:
+    name: str
+    min_value: float | None = None
+    max_value: float | None = None
+    passed: bool | None = None
+
+
+@dataclass(frozen=True)
+class RecordFilter:
+    tenant: str
+    model: str = ""
+    start: float | None = None
+    end: float | None = None
+    finish_reason: int = 0
+    thresholds: tuple[Threshold, ...] = ()
+
+
+@dataclass
+class SummaryData:
+    """Raw rows for summaries: (tenant, model, finish_reason, error_code, latency, ttft, in, out)
+    and (tenant, model, score name, value, passed, skipped)."""
+
+    records: list[tuple[Any, ...]] = field(default_factory=list)
+    scores: list[tuple[Any, ...]] = field(default_factory=list)
+
+
+class Store(Protocol):
+    async def open(self) -> None: ...
+    async def close(self) -> None: ...
+    async def schema_version(self) -> int: ...
+    async def insert_batch(self, rows: Sequence[RecordRow]) -> int: ...
+    async def get(self, event_id: str) -> RecordRow | None: ...
+    async def query(self, where: RecordFilter, page_size: int, page_token: str) -> tuple[list[RecordRow], str]: ...
+    async def summary_data(self, where: RecordFilter) -> SummaryData: ...
+    async def count(self) -> int: ...
+
+
+# ---- schema
+
+# (version, description, statements); {blob} is the binary column type of the backend.
+MIGRATIONS: tuple[tuple[int, str, tuple[str, ...]], ...] = (
+    (
+        1,
+        "records and scores",
+        (
+            """CREATE TABLE records (
+                event_id TEXT PRIMARY KEY,
+                tenant TEXT NOT NULL,
+                model TEXT NOT NULL,
+                priority_class INTEGER NOT NULL,
+                request_id TEXT NOT NULL,
+                finish_reason INTEGER NOT NULL,
+                error_code TEXT NOT NULL,
+                input_tokens INTEGER NOT NULL,
+                output_tokens INTEGER NOT NULL,
+                latency_ms DOUBLE PRECISION NOT NULL,
+                ttft_ms DOUBLE PRECISION NOT NULL,
+                started_at DOUBLE PRECISION NOT NULL,
+                finished_at DOUBLE PRECISION NOT NULL,
+                stored_at DOUBLE PRECISION NOT NULL,
+                text_logged BOOLEAN NOT NULL,
+                event {blob} NOT NULL
+            )""",
+            "CREATE INDEX records_tenant_time ON records (tenant, finished_at, event_id)",
+            "CREATE INDEX records_tenant_model_time ON records (tenant, model, finished_at)",
+            """CREATE TABLE scores (
+                event_id TEXT NOT NULL REFERENCES records (event_id) ON DELETE CASCADE,
+                name TEXT NOT NULL,
+                value DOUBLE PRECISION NOT NULL,
+                passed BOOLEAN NOT NULL,
+                skipped BOOLEAN NOT NULL,
+                detail TEXT NOT NULL,
+                PRIMARY KEY (event_id, name)
+            )""",
+            "CREATE INDEX scores_name_value ON scores (name, value)",
+        ),
+    ),
+)
+
+LATEST_VERSION = MIGRATIONS[-1][0]
+
+_MIGRATIONS_TABLE = """CREATE TABLE IF NOT EXISTS schema_migrations (
+    version INTEGER PRIMARY KEY, description TEXT NOT NULL, applied_at DOUBLE PRECISION NOT NULL)"""
+
+_RECORD_COLUMNS = (
+    "event_id, tenant, model, priority_class, request_id, finish_reason, error_code, input_tokens, output_tokens,"
+    " latency_ms, ttft_ms, started_at, finished_at, stored_at, text_logged, event"
+)
+_INSERT_RECORD = f"INSERT INTO records ({_RECORD_COLUMNS}) VALUES ({', '.join('?' * 16)}) ON CONFLICT (event_id) DO NOTHING"
+_INSERT_SCORE = (
+    "INSERT INTO scores (event_id, name, value, passed, skipped, detail) VALUES (?, ?, ?, ?, ?, ?)"
+    " ON CONFLICT (event_id, name) DO NOTHING"
+)
+
+
+def _record_params(row: RecordRow, stored_at: float) -> tuple[Any, ...]:
+    return (
+        row.event_id,
+        row.tenant,
+        row.model,
+        row.priority_class,
+        row.request_id,
+        row.finish_reason,
+        row.error_code,
+        row.input_tokens,
+        row.output_tokens,
+        row.latency_ms,
+        row.ttft_ms,
+        row.started_at,
+        row.finished_at,
+        stored_at,
+        row.text_logged,
+        row.event,
+    )
+
+
+def _row_from(values: Sequence[Any], scores: tuple[StoredScore, ...] = ()) -> RecordRow:
+    (eid, tenant, model, pclass, rid, finish, err, tin, tout, lat, ttft, started, finished, stored, logged, event) = values
+    return RecordRow(
+        event_id=eid,
+        tenant=tenant,
+        model=model,
+        priority_class=int(pclass),
+        request_id=rid,
+        finish_reason=int(finish),
+        error_code=err,
+        input_tokens=int(tin),
+        output_tokens=int(tout),
+        latency_ms=float(lat),
+        ttft_ms=float(ttft),
+        started_at=float(started),
+        finished_at=float(finished),
+        stored_at=float(stored),
+        text_logged=bool(logged),
+        event=bytes(event),
+        scores=scores,
+    )
+
+
+def _where(where: RecordFilter, alias: str = "records") -> tuple[str, list[Any]]:
+    clauses = [f"{alias}.tenant = ?"]
+    params: list[Any] = [where.tenant]
+    if where.model:
+        clauses.append(f"{alias}.model = ?")
+        params.append(where.model)
+    if where.start is not None:
+        clauses.append(f"{alias}.finished_at >= ?")
+        params.append(where.start)
+    if where.end is not None:
+        clauses.append(f"{alias}.finished_at < ?")
+        params.append(where.end)
+    if where.finish_reason:
+        clauses.append(f"{alias}.finish_reason = ?")
+        params.append(where.finish_reason)
+    for threshold in where.thresholds:
+        parts = ["s.event_id = " + f"{alias}.event_id", "s.name = ?", "s.skipped = ?"]
+        params.extend([threshold.name, False])
+        if threshold.min_value is not None:
+            parts.append("s.value >= ?")
+            params.append(threshold.min_value)
+        if threshold.max_value is not None:
+            parts.append("s.value <= ?")
+            params.append(threshold.max_value)
+        if threshold.passed is not None:
+            parts.append("s.passed = ?")
+            params.append(threshold.passed)
+        clauses.append(f"EXISTS (SELECT 1 FROM scores s WHERE {' AND '.join(parts)})")
+    return " AND ".join(clauses), params
+
+
+def encode_page_token(finished_at: float, event_id: str) -> str:
+    return base64.urlsafe_b64encode(f"{finished_at!r}|{event_id}".encode()).decode()
+
+
+def decode_page_token(token: str) -> tuple[float, str]:
+    try:
+        finished_at, event_id = base64.urlsafe_b64decode(token.encode()).decode().split("|", 1)
+        return float(finished_at), event_id
+    except (ValueError, UnicodeDecodeError):
+        raise InvalidArgument("page_token", "not a token from a previous response") from None
+
+
+def _page_sql(where: RecordFilter, page_size: int, page_token: str) -> tuple[str, list[Any]]:
+    clause, params = _where(where)
+    if page_token:
+        finished_at, event_id = decode_page_token(page_token)
+        clause += " AND (records.finished_at < ? OR (records.finished_at = ? AND records.event_id < ?))"
+        params.extend([finished_at, finished_at, event_id])
+    sql = (
+        f"SELECT {_RECORD_COLUMNS} FROM records WHERE {clause}"
+        " ORDER BY records.finished_at DESC, records.event_id DESC LIMIT ?"
+    )
+    return sql, [*params, page_size + 1]
+
+
+def _scores_sql(count: int) -> str:
+    return (
+        "SELECT event_id, name, value, passed, detail, skipped FROM scores"
+        f" WHERE event_id IN ({', '.join('?' * count)}) ORDER BY name"
+    )
+
+
+def _summary_sql(where: RecordFilter) -> tuple[str, str, list[Any]]:
+    clause, params = _where(where)
+    records = (
+        "SELECT tenant, model, finish_reason, error_code, latency_ms, ttft_ms, input_tokens, output_tokens"
+        f" FROM records WHERE {clause}"
+    )
+    scores = (
+        "SELECT records.tenant, records.model, s2.name, s2.value, s2.passed, s2.skipped"
+        f" FROM scores s2 JOIN records ON records.event_id = s2.event_id WHERE {clause}"
+    )
+    return records, scores, params
+
+
+def _attach_scores(rows: list[RecordRow], score_rows: Sequence[Sequence[Any]]) -> list[RecordRow]:
+    by_event: dict[str, list[StoredScore]] = {}
+    for eid, name, value, passed, detail, skip in score_rows:
+        by_event.setdefault(eid, []).append(StoredScore(name, float(value), bool(passed), detail, bool(skip)))
+    return [
+        RecordRow(**{**row.__dict__, "scores": tuple(by_event.get(row.event_id, ()))}) for row in rows
+    ]
+
+
+def _next_token(rows: list[RecordRow], page_size: int) -> tuple[list[RecordRow], str]:
+    if len(rows) <= page_size:
+        return rows, ""
+    page = rows[:page_size]
+    return page, encode_page_token(page[-1].finished_at, page[-1].event_id)
+
+
+# ---- SQLite
+
+
+class SqliteStore:
+    """One connection on one thread (sqlite3 is blocking): every call runs there, in order."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sqlite")
+        self._db: sqlite3.Connection | None = None
+
+    async def _run(self, fn: Any, *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    async def open(self) -> None:
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sqlite")
+        await self._run(self._open)
+
+    def _open(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False, timeout=30)
+        db.execute("PRAGMA journal_mode=WAL")
+        db.execute("PRAGMA synchronous=FULL")
+        db.execute("PRAGMA foreign_keys=ON")
+        db.execute("BEGIN IMMEDIATE")
+        try:
+            db.execute(_MIGRATIONS_TABLE)
+            applied = {v for (v,) in db.execute("SELECT version FROM schema_migrations")}
+            for version, description, statements in MIGRATIONS:
+                if version in applied:
+                    continue
+                for statement in statements:
+                    db.execute(statement.format(blob="BLOB"))
+                db.execute(
+                    "INSERT INTO schema_migrations (version, description, applied_at) VALUES (?, ?, ?)",
+                    (version, description, time.time()),
+                )
+            db.execute("COMMIT")
+        except BaseException:
+            db.execute("ROLLBACK")
+            db.close()
+            raise
+        self._db = db
+
+    async def close(self) -> None:
+        if self._db is not None:
+            await self._run(self._db.close)
+            self._db = None
+        self._executor.shutdown(wait=True)
+
+    async def schema_version(self) -> int:
+        return await self._run(lambda: self._db.execute("SELECT MAX(version) FROM schema_migrations").fetchone()[0])
+
+    async def insert_batch(self, rows: Sequence[RecordRow]) -> int:
+        return await self._run(self._insert_batch, list(rows))
+
+    def _insert_batch(self, rows: list[RecordRow]) -> int:
+        db = self._db
+        assert db is not None
+        stored_at = time.time()
+        inserted = 0
+        db.execute("BEGIN IMMEDIATE")
+        try:
+            for row in rows:
+                if db.execute(_INSERT_RECORD, _record_params(row, stored_at)).rowcount:
+                    inserted += 1
+                    db.executemany(
+                        _INSERT_SCORE,
+                        [(row.event_id, s.name, s.value, s.passed, s.skipped, s.detail) for s in row.scores],
+                    )
+            db.execute("COMMIT")
+        except BaseException:
+            db.execute("ROLLBACK")
+            raise
+        return inserted
+
+    async def get(self, event_id: str) -> RecordRow | None:
+        def work() -> RecordRow | None:
+            found = self._db.execute(f"SELECT {_RECORD_COLUMNS} FROM records WHERE event_id = ?", (event_id,)).fetchone()
+            if found is None:
+                return None
+            return _attach_scores([_row_from(found)], self._db.execute(_scores_sql(1), (event_id,)).fetchall())[0]
+
+        return await self._run(work)
+
+    async def query(self, where: RecordFilter, page_size: int, page_token: str) -> tuple[list[RecordRow], str]:
+        sql, params = _page_sql(where, page_size, page_token)
+
+        def work() -> list[RecordRow]:
+            rows = [_row_from(values) for values in self._db.execute(sql, params).fetchall()]
+            if not rows:
+                return rows
+            ids = [row.event_id for row in rows]
+            return _attach_scores(rows, self._db.execute(_scores_sql(len(ids)), ids).fetchall())
+
+        return _next_token(await self._run(work), page_size)
+
+    async def summary_data(self, where: RecordFilter) -> SummaryData:
+        records_sql, scores_sql, params = _summary_sql(where)
+
+        def work() -> SummaryData:
+            return SummaryData(
+                self._db.execute(records_sql, params).fetchall(), self._db.execute(scores_sql, params).fetchall()
+            )
+
+        return await self._run(work)
+
+    async def count(self) -> int:
+        return await self._run(lambda: self._db.execute("SELECT COUNT(*) FROM records").fetchone()[0])
+
+
+# ---- PostgreSQL
+
+
+def _dollar(sql: str) -> str:
+    """`?` placeholders to asyncpg's `$1, $2, ...`."""
+    parts = sql.split("?")
+    return "".join(part + (f"${i + 1}" if i < len(parts) - 1 else "") for i, part in enumerate(parts))
+
+
+class PostgresStore:
+    def __init__(self, dsn: str, schema: str = "evallog", pool_size: int = 4) -> None:
+        if not schema.isidentifier():
+            raise ValueError(f"schema must be a plain identifier, got {schema!r}")
+        self.dsn = dsn
+        self.schema = schema
+        self._pool_size = pool_size
+        self._pool: asyncpg.Pool | None = None
+
+    @property
+    def pool(self) -> asyncpg.Pool:
+        assert self._pool is not None, "open() first"
+        return self._pool
+
+    async def open(self) -> None:
+        bootstrap = await asyncpg.connect(self.dsn)
+        try:
+            async with bootstrap.transaction():
+                # Two replicas starting at once: one migrates, the other waits and finds it done.
+                await bootstrap.execute("SELECT pg_advisory_xact_lock(hashtext($1))", f"sluice-evallog:{self.schema}")
+                await bootstrap.execute(f'CREATE SCHEMA IF NOT EXISTS "{self.schema}"')
+                await bootstrap.execute(f'SET LOCAL search_path TO "{self.schema}"')
+                await bootstrap.execute(_MIGRATIONS_TABLE)
+                applied = {r["version"] for r in await bootstrap.fetch("SELECT version FROM schema_migrations")}
+                for version, description, statements in MIGRATIONS:
+                    if version in applied:
+                        continue
+                    for statement in statements:
+                        await bootstrap.execute(statement.format(blob="BYTEA"))
+                    await bootstrap.execute(
+                        "INSERT INTO schema_migrations (version, description, applied_at) VALUES ($1, $2, $3)",
+                        version,
+                        description,
+                        time.time(),
+                    )
+        finally:
+            await bootstrap.close()
+        self._pool = await asyncpg.create_pool(
+            self.dsn, min_size=1, max_size=self._pool_size, server_settings={"search_path": self.schema}
+        )
+
+    async def close(self) -> None:
+        if self._pool is not None:
+            await self._pool.close()
+            self._pool = None
+
+    async def schema_version(self) -> int:
+        return int(await self.pool.fetchval("SELECT MAX(version) FROM schema_migrations"))
+
+    async def insert_batch(self, rows: Sequence[RecordRow]) -> int:
+        if not rows:
+            return 0
+        stored_at = time.time()
+        columns = list(zip(*(_record_params(row, stored_at) for row in rows), strict=True))
+        types = ("text", "text", "text", "int4", "text", "int4", "text", "int4", "int4",
+                 "float8", "float8", "float8", "float8", "float8", "bool", "bytea")  # fmt: skip
+        unnest = ", ".join(f"${i + 1}::{kind}[]" for i, kind in enumerate(types))
+        async with self.pool.acquire() as connection, connection.transaction():
+            inserted = await connection.fetch(
+                f"INSERT INTO records ({_RECORD_COLUMNS}) SELECT * FROM unnest({unnest})"
+                " ON CONFLICT (event_id) DO NOTHING RETURNING event_id",
+                *[list(column) for column in columns],
+            )
+            fresh = {record["event_id"] for record in inserted}
+            scores = [
+                (row.event_id, s.name, s.value, s.passed, s.skipped, s.detail)
+                for row in rows
+                if row.event_id in fresh
+                for s in row.scores
+            ]
+            if scores:
+                await connection.execute(
+                    "INSERT INTO scores (event_id, name, value, passed, skipped, detail)"
+                    " SELECT * FROM unnest($1::text[], $2::text[], $3::float8[], $4::bool[], $5::bool[], $6::text[])"
+                    " ON CONFLICT (event_id, name) DO NOTHING",
+                    *[list(column) for column in zip(*scores, strict=True)],
+                )
+        return len(fresh)
+
+    async def get(self, event_id: str) -> RecordRow | None:
+        async with self.pool.acquire() as connection:
+            found = await connection.fetchrow(f"SELECT {_RECORD_COLUMNS} FROM records WHERE event_id = $1", event_id)
+            if found is None:
+                return None
+            scores = await connection.fetch(_dollar(_scores_sql(1)), event_id)
+        return _attach_scores([_row_from(tuple(found))], [tuple(s) for s in scores])[0]
+
+    async def query(self, where: RecordFilter, page_size: int, page_token: str) -> tuple[list[RecordRow], str]:
+        sql, params = _page_sql(where, page_size, page_token)
+        async with self.pool.acquire() as connection:
+            rows = [_row_from(tuple(values)) for values in await connection.fetch(_dollar(sql), *params)]
+            if rows:
+                ids = [row.event_id for row in rows]
+                scores = await connection.fetch(_dollar(_scores_sql(len(ids))), *ids)
+                rows = _attach_scores(rows, [tuple(s) for s in scores])
+        return _next_token(rows, page_size)
+
+    async def summary_data(self, where: RecordFilter) -> SummaryData:
+        records_sql, scores_sql, params = _summary_sql(where)
+        async with self.pool.acquire() as connection:
+            records = await connection.fetch(_dollar(records_sql), *params)
+            scores = await connection.fetch(_dollar(scores_sql), *params)
+        return SummaryData([tuple(r) for r in records], [tuple(s) for s in scores])
+
+    async def count(self) -> int:
+        return int(await self.pool.fetchval("SELECT COUNT(*) FROM records"))
+
+
+def open_store(database_url: str, sqlite_path: Path, pg_schema: str = "evallog") -> Store:
+    if database_url:
+        return PostgresStore(database_url, pg_schema)
+    return SqliteStore(sqlite_path)

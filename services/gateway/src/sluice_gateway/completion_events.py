@@ -1,0 +1,200 @@
+"""CompletionEvents: accumulated while a stream runs, published only after it has closed.
+
+`CompletionEvents.track()` starts a `CompletionTracker` for one Generate call and registers a
+gRPC done-callback on the call's context. The servicer feeds it each adapter chunk. The event is
+built and handed to the background publisher from that callback, i.e. after the client's stream
+has finished, been cancelled or failed: logging never delays a token or the stream's end, and the
+publisher is never awaited on the request path (sluice_common.amqp.ConfirmingPublisher: pipelined
+confirms, bounded outbox, retry until confirmed, spill file, drop counter).
+
+A tenant with `text_logging = false` gets only metadata published: no prompt, messages or output
+ever leave the gateway (and the output is not even accumulated).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import grpc
+import structlog
+from google.protobuf import timestamp_pb2
+from sluice.common.v1 import types_pb2
+from sluice.evallog.v1 import events_pb2
+from sluice.gateway.v1 import gateway_pb2
+
+from sluice_common.amqp import ConfirmingPublisher, EventTopology, OutgoingMessage, PublisherMetrics
+from sluice_gateway.tenants import Tenant
+
+log = structlog.stdlib.get_logger("sluice.gateway.events")
+
+EVENT_TYPE = events_pb2.CompletionEvent.DESCRIPTOR.full_name
+
+
+def _timestamp(epoch_s: float) -> timestamp_pb2.Timestamp:
+    stamp = timestamp_pb2.Timestamp()
+    stamp.FromNanoseconds(int(epoch_s * 1e9))
+    return stamp
+
+
+class CompletionTracker:
+    """What one Generate call produced, gathered while it streams."""
+
+    __slots__ = (
+        "_events", "_tenant", "_request", "_request_id", "_parts", "_started_wall", "_started",
+        "_first_token", "_last_token", "_chunks", "_final", "job_id", "custom_id",
+    )  # fmt: skip
+
+    def __init__(self, events: CompletionEvents, tenant: Tenant, request: gateway_pb2.GenerateRequest, request_id: str) -> None:
+        self._events = events
+        self._tenant = tenant
+        self._request = request
+        self._request_id = request_id
+        self._parts: list[str] = []
+        self._started_wall = time.time()
+        self._started = time.perf_counter()
+        self._first_token: float | None = None
+        self._last_token: float | None = None
+        self._chunks = 0
+        self._final: Any = None
+        self.job_id = ""
+        self.custom_id = ""
+
+    def add(self, chunk: Any) -> None:
+        """One adapter response (text delta; usage, timings and finish reason on the last)."""
+        if chunk.text:
+            now = time.perf_counter()
+            if self._first_token is None:
+                self._first_token = now
+            self._last_token = now
+            self._chunks += 1
+            if self._tenant.text_logging:
+                self._parts.append(chunk.text)
+        if chunk.finish_reason:
+            self._final = chunk
+
+    def on_done(self, context: grpc.aio.ServicerContext) -> None:
+        """gRPC's done-callback: the client's stream is over. Must not raise or block."""
+        try:
+            self._events.submit(self.build(context))
+        except Exception:  # noqa: BLE001 - never let logging break the server
+            log.exception("completion_event_failed", request_id=self._request_id)
+
+    def build(self, context: grpc.aio.ServicerContext | None) -> events_pb2.CompletionEvent:
+        request, final = self._request, self._final
+        finished_wall = time.time()
+        event = events_pb2.CompletionEvent(
+            event_id=uuid.uuid4().hex,
+            request_id=self._request_id,
+            client_request_id=request.client_request_id,
+            tenant=self._tenant.name,
+            model=request.model,
+            priority_class=request.priority_class or types_pb2.PRIORITY_CLASS_INTERACTIVE,
+            text_logged=self._tenant.text_logging,
+            sampling=request.sampling,
+            response_format=request.response_format,
+            started_at=_timestamp(self._started_wall),
+            finished_at=_timestamp(finished_wall),
+            job_id=self.job_id,
+            custom_id=self.custom_id,
+        )
+        if self._tenant.text_logging:
+            event.messages.extend(request.messages)
+            event.prompt = request.prompt
+            event.output = "".join(self._parts)
+        if final is not None:
+            event.finish_reason = final.finish_reason
+            event.usage.CopyFrom(final.usage)
+            event.timings.CopyFrom(final.timings)
+        else:
+            code = context.code() if context is not None else None
+            cancelled = context is not None and context.cancelled()
+            if cancelled or code in (grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED):
+                event.finish_reason = types_pb2.FINISH_REASON_CANCELLED
+                if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+                    event.error_code = code.name
+            else:
+                event.finish_reason = types_pb2.FINISH_REASON_ERROR
+                event.error_code = code.name if isinstance(code, grpc.StatusCode) else "UNKNOWN"
+            # Without the adapter's final message, the gateway's own clock is the best account.
+            event.usage.completion_tokens = self._chunks
+            end = self._last_token or time.perf_counter()
+            event.timings.total_time_ms = (end - self._started) * 1000
+            if self._first_token is not None:
+                event.timings.time_to_first_token_ms = (self._first_token - self._started) * 1000
+                if self._chunks > 1 and self._last_token is not None:
+                    event.timings.mean_inter_token_ms = (self._last_token - self._first_token) * 1000 / (self._chunks - 1)
+        return event
+
+
+class CompletionEvents:
+    """The gateway's completion-event publisher; `None`-safe no-op when AMQP is not configured."""
+
+    def __init__(self, publisher: ConfirmingPublisher | None, topology: EventTopology) -> None:
+        self._publisher = publisher
+        self._topology = topology
+
+    @classmethod
+    def create(
+        cls,
+        amqp_url: str,
+        prefix: str,
+        outbox_max: int,
+        max_in_flight: int,
+        spill_file: Path | None,
+    ) -> CompletionEvents:
+        topology = EventTopology(prefix)
+        if not amqp_url:
+            return cls(None, topology)
+        publisher = ConfirmingPublisher(
+            amqp_url,
+            topology.events_exchange,
+            topology.declare,
+            PublisherMetrics.get("sluice_gateway_completion_events", "CompletionEvents"),
+            outbox_max=outbox_max,
+            max_in_flight=max_in_flight,
+            spill_path=spill_file,
+        )
+        return cls(publisher, topology)
+
+    @property
+    def enabled(self) -> bool:
+        return self._publisher is not None
+
+    @property
+    def publisher(self) -> ConfirmingPublisher | None:
+        return self._publisher
+
+    def start(self) -> None:
+        if self._publisher is not None:
+            self._publisher.start()
+
+    async def stop(self, timeout_s: float) -> None:
+        if self._publisher is not None:
+            await self._publisher.stop(timeout_s)
+
+    def track(
+        self, tenant: Tenant, request: gateway_pb2.GenerateRequest, request_id: str, context: grpc.aio.ServicerContext
+    ) -> CompletionTracker | None:
+        """A tracker whose event is published when the call ends; None when logging is off."""
+        if self._publisher is None:
+            return None
+        tracker = CompletionTracker(self, tenant, request, request_id)
+        context.add_done_callback(tracker.on_done)
+        return tracker
+
+    def submit(self, event: events_pb2.CompletionEvent) -> None:
+        if self._publisher is None:
+            return
+        self._publisher.submit(
+            OutgoingMessage(
+                body=event.SerializeToString(),
+                routing_key=self._topology.completion_routing_key,
+                message_id=event.event_id,
+                request_id=event.request_id,
+                type=EVENT_TYPE,
+                headers={"x-sluice-tenant": event.tenant},
+            )
+        )
