@@ -9,17 +9,19 @@ UV := $(or $(shell command -v uv 2>/dev/null),$(CURDIR)/.tools/bin/uv)
 BUF := node_modules/.bin/buf
 
 # Every Python project with its own environment.
-SERVICES := services/gateway services/inference-adapter services/triton-local
+SERVICES := services/gateway services/inference-adapter services/triton-local services/evaluation-logging services/rate-limit
 LIBS := libs/sluice-protos libs/sluice-common libs/sluice-stack
-PROJECTS := $(LIBS) $(SERVICES) tests bench
+PROJECTS := $(LIBS) $(SERVICES) tests bench deploy/tests
 UNIT_TESTED := libs/sluice-common $(SERVICES)
 
-.PHONY: help setup uv node protos protos-check proto-lint run test test-unit test-e2e bench-path clean
+.PHONY: help setup uv node protos protos-check proto-lint run test test-unit test-e2e test-deploy bench-path bench-evallog bench-ratelimit clean
 
 help:
 	@echo "make run        start the whole suite locally and stream a demo completion (Ctrl-C stops it)"
 	@echo "make test       proto checks, each service's unit tests, then end-to-end tests on the real stack"
 	@echo "make bench-path time to first token and tokens/s through each hop"
+	@echo "make bench-evallog stream-close latency with logging on vs off; events stored/s vs raw consume"
+	@echo "make bench-ratelimit Acquire+Commit decisions/s and latency (memory, Redis) vs a raw grpc.aio echo"
 	@echo "make setup      create every environment from the lock files (run and test do this)"
 
 $(CURDIR)/.tools/bin/uv:
@@ -66,10 +68,21 @@ test-unit: setup
 test-e2e: setup
 	cd tests && .venv/bin/python -m pytest -q
 
-test: proto-lint protos-check test-unit test-e2e
+# deploy/ without Docker or a cluster: hadolint, kustomize renders validated against Kubernetes
+# schemas, the compose file, every config variable set in the manifests (deploy/tests, own env).
+test-deploy: setup
+	cd deploy/tests && .venv/bin/python -m pytest -q
+
+test: proto-lint protos-check test-deploy test-unit test-e2e
 
 bench-path: setup
 	bench/.venv/bin/python bench/bench_path.py
+
+bench-ratelimit: setup
+	bench/.venv/bin/python bench/bench_ratelimit.py
+
+bench-evallog: setup
+	bench/.venv/bin/python bench/bench_evallog.py
 
 clean:
 	rm -rf .run .tools node_modules

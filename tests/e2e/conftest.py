@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 import urllib.request
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,10 +22,30 @@ MODEL = "smollm2-135m-instruct"
 @pytest.fixture(scope="session")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     run_dir = Path(os.environ.get("SLUICE_TEST_RUN_DIR", tmp_path_factory.mktemp("stack")))
-    stack = Stack(run_dir=run_dir, ports=StackPorts.ephemeral())
+    # Its own exchange and queue names, so that parallel runs never consume each other's events.
+    stack = Stack(run_dir=run_dir, ports=StackPorts.ephemeral(), amqp_prefix=f"sluice-e2e-{uuid.uuid4().hex[:8]}")
     stack.start(timeout_s=300)
     yield stack
     stack.stop()
+    delete_amqp_topology(stack.amqp_url, stack.amqp_prefix)
+
+
+def delete_amqp_topology(url: str, prefix: str) -> None:
+    """Removes the session's exchanges and queues from the shared broker."""
+    import asyncio
+
+    import aio_pika
+    from sluice_common.amqp import EventTopology
+
+    async def delete() -> None:
+        connection = await aio_pika.connect(url, timeout=5)
+        async with connection:
+            await EventTopology(prefix).delete(await connection.channel())
+
+    try:
+        asyncio.run(delete())
+    except Exception:  # noqa: BLE001 - best effort: a leftover prefix only costs broker memory
+        pass
 
 
 @pytest.fixture(scope="session")

@@ -81,9 +81,12 @@ def test_request_id_follows_the_request(gateway, stack) -> None:
 
 def test_list_models(gateway) -> None:
     response = gateway.ListModels(gateway_pb2.ListModelsRequest(), metadata=auth(), timeout=10)
-    (model,) = response.models
-    assert model.name == MODEL and model.kind == types_pb2.MODEL_KIND_GENERATION
-    assert model.context_length == 2048 and 0 < model.max_output_tokens < model.context_length
+    models = {m.name: m for m in response.models}
+    assert set(models) == {MODEL, "all-minilm-l6-v2"}
+    generation, embedding = models[MODEL], models["all-minilm-l6-v2"]
+    assert generation.kind == types_pb2.MODEL_KIND_GENERATION
+    assert generation.context_length == 2048 and 0 < generation.max_output_tokens < generation.context_length
+    assert embedding.kind == types_pb2.MODEL_KIND_EMBEDDING and embedding.embedding_dimensions == 384
 
 
 def test_unimplemented_rpcs_say_so(gateway) -> None:

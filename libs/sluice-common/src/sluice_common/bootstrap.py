@@ -17,6 +17,7 @@ def run_service(service: str, config_cls: type[C], prefix: str, main: Callable[[
     """Loads config (exit 2 with a clear message when it is wrong), sets up logging, runs `main`."""
     try:
         config = load_config(config_cls, prefix)
+        config.server_tls(prefix)  # TLS files that do not fit stop the start here, with the rest
     except ConfigError as exc:
         print(f"{service}: {exc}", file=sys.stderr)
         raise SystemExit(2) from None

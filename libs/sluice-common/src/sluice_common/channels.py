@@ -4,13 +4,41 @@ from __future__ import annotations
 
 import grpc
 
+from sluice_common.config import ClientTLS
+
 _OPTIONS = (
     ("grpc.keepalive_time_ms", 30_000),
     ("grpc.keepalive_timeout_ms", 10_000),
     ("grpc.http2.max_pings_without_data", 0),
     ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+    # Calls spread over every address the name resolves to (a Kubernetes headless Service: every
+    # pod), instead of pinning all of them to the first one.
+    ("grpc.lb_policy_name", "round_robin"),
 )
 
 
-def open_channel(target: str) -> grpc.aio.Channel:
-    return grpc.aio.insecure_channel(target, options=_OPTIONS)
+def _read(path: str) -> bytes | None:
+    if not path:
+        return None
+    with open(path, "rb") as file:
+        return file.read()
+
+
+def channel_credentials(tls: ClientTLS) -> grpc.ChannelCredentials:
+    """TLS credentials from PEM files: the CA that signs the server (system roots when empty) and,
+    for mutual TLS, this service's certificate and key."""
+    return grpc.ssl_channel_credentials(
+        root_certificates=_read(tls.ca_file),
+        private_key=_read(tls.key_file),
+        certificate_chain=_read(tls.cert_file),
+    )
+
+
+def open_channel(target: str, tls: ClientTLS | None = None) -> grpc.aio.Channel:
+    """A plaintext channel, or a TLS one (mutual when `tls` carries a certificate and key)."""
+    if tls is None:
+        return grpc.aio.insecure_channel(target, options=_OPTIONS)
+    options = _OPTIONS
+    if tls.server_name:
+        options = (*options, ("grpc.ssl_target_name_override", tls.server_name))
+    return grpc.aio.secure_channel(target, channel_credentials(tls), options=options)

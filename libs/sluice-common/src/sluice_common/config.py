@@ -99,3 +99,71 @@ class ServerConfig:
     log_level: str = "INFO"
     log_json: bool | None = None
     shutdown_grace_s: float = 5.0
+    # TLS, off by default. Cert and key (PEM files) turn TLS on for this server's clients; a client
+    # CA on top makes it mutual: a client must present a certificate signed by that CA.
+    # The files are re-read when they change (certificate rotation without a restart).
+    tls_cert_file: str = ""
+    tls_key_file: str = ""
+    tls_client_ca_file: str = ""
+
+    def server_tls(self, prefix: str = "") -> ServerTLS | None:
+        """The TLS settings of this server, None when TLS is off; ConfigError when they do not fit."""
+        return ServerTLS.from_settings(
+            self.tls_cert_file, self.tls_key_file, self.tls_client_ca_file, f"{prefix}TLS_"
+        )
+
+
+def _check_files(settings: Mapping[str, str]) -> list[str]:
+    return [f"{name}={path} is not a readable file" for name, path in settings.items() if path and not os.access(path, os.R_OK)]
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerTLS:
+    """PEM files for a TLS server; with `client_ca_file` the server requires client certificates."""
+
+    cert_file: str
+    key_file: str
+    client_ca_file: str = ""
+
+    @classmethod
+    def from_settings(cls, cert_file: str, key_file: str, client_ca_file: str, env_prefix: str = "") -> ServerTLS | None:
+        names = {f"{env_prefix}CERT_FILE": cert_file, f"{env_prefix}KEY_FILE": key_file}
+        if not (cert_file or key_file or client_ca_file):
+            return None
+        problems = [f"{name} must be set with the others" for name, value in names.items() if not value]
+        problems += _check_files({**names, f"{env_prefix}CLIENT_CA_FILE": client_ca_file})
+        if problems:
+            raise ConfigError("invalid TLS configuration: " + "; ".join(problems))
+        return cls(cert_file, key_file, client_ca_file)
+
+
+@dataclasses.dataclass(frozen=True)
+class ClientTLS:
+    """PEM files for a TLS channel to another service.
+
+    `ca_file` verifies the server (empty: the system's roots); `cert_file` and `key_file` are this
+    service's identity for mutual TLS; `server_name` overrides the name checked against the server's
+    certificate (when the address is not a name the certificate carries).
+    """
+
+    ca_file: str = ""
+    cert_file: str = ""
+    key_file: str = ""
+    server_name: str = ""
+
+    @classmethod
+    def from_settings(
+        cls, ca_file: str, cert_file: str, key_file: str, server_name: str = "", env_prefix: str = "", enabled: bool = False
+    ) -> ClientTLS | None:
+        """None (plaintext) unless `enabled` or any file is set; ConfigError when they do not fit."""
+        if not (enabled or ca_file or cert_file or key_file):
+            return None
+        problems = []
+        if bool(cert_file) != bool(key_file):
+            problems.append(f"{env_prefix}CERT_FILE and {env_prefix}KEY_FILE go together")
+        problems += _check_files(
+            {f"{env_prefix}CA_FILE": ca_file, f"{env_prefix}CERT_FILE": cert_file, f"{env_prefix}KEY_FILE": key_file}
+        )
+        if problems:
+            raise ConfigError("invalid TLS configuration: " + "; ".join(problems))
+        return cls(ca_file, cert_file, key_file, server_name)

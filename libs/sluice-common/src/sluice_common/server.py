@@ -8,6 +8,7 @@ drain it) before `stop(grace)` lets in-flight calls finish.
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
@@ -19,6 +20,7 @@ from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
+from sluice_common.config import ServerTLS
 from sluice_common.interceptor import SluiceServerInterceptor
 
 log = structlog.stdlib.get_logger("sluice.server")
@@ -51,8 +53,12 @@ async def create_server(
     metrics_port: int,
     register: Callable[[grpc.aio.Server], Iterable[str]],
     serving: bool = True,
+    tls: ServerTLS | None = None,
 ) -> RunningServer:
-    """Builds and starts the server. `register` adds the servicers and returns their full names."""
+    """Builds and starts the server. `register` adds the servicers and returns their full names.
+
+    With `tls` the port speaks TLS only (mutual TLS when `tls.client_ca_file` is set).
+    """
     server = grpc.aio.server(
         interceptors=[SluiceServerInterceptor()],
         options=[("grpc.so_reuseport", 0)],
@@ -64,15 +70,65 @@ async def create_server(
         (*service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
         server,
     )
-    bound_port = server.add_insecure_port(f"{host}:{port}")
+    address = f"{host}:{port}"
+    bound_port = server.add_insecure_port(address) if tls is None else server.add_secure_port(address, server_credentials(tls))
     if bound_port == 0:
         raise OSError(f"could not bind the gRPC port {host}:{port}")
     bound_metrics_port = _start_metrics(host, metrics_port)
     await server.start()
     running = RunningServer(server, bound_port, bound_metrics_port, health, service_names)
     await running.set_serving(serving)
-    log.info("server_started", port=bound_port, metrics_port=bound_metrics_port, services=list(service_names))
+    log.info(
+        "server_started",
+        port=bound_port,
+        metrics_port=bound_metrics_port,
+        services=list(service_names),
+        tls="off" if tls is None else ("mutual" if tls.client_ca_file else "server"),
+    )
     return running
+
+
+def _read(path: str) -> bytes:
+    with open(path, "rb") as file:
+        return file.read()
+
+
+def server_credentials(tls: ServerTLS) -> grpc.ServerCredentials:
+    """Credentials from PEM files, re-read on the next handshake after any of them changes.
+
+    So a renewed certificate (cert-manager, a mounted Secret) is served without a restart; a
+    half-written file (key and cert out of step) keeps the previous pair until both parse.
+    """
+    paths = [p for p in (tls.cert_file, tls.key_file, tls.client_ca_file) if p]
+
+    def stamp() -> tuple[float, ...]:
+        return tuple(os.stat(p).st_mtime_ns for p in paths)
+
+    def load() -> grpc.ServerCertificateConfiguration:
+        return grpc.ssl_server_certificate_configuration(
+            [(_read(tls.key_file), _read(tls.cert_file))],
+            root_certificates=_read(tls.client_ca_file) if tls.client_ca_file else None,
+        )
+
+    state = {"stamp": stamp()}
+    initial = load()
+
+    def fetch() -> grpc.ServerCertificateConfiguration | None:
+        try:
+            current = stamp()
+            if current == state["stamp"]:
+                return None
+            config = load()
+        except (OSError, ValueError) as exc:
+            log.warning("tls_reload_failed", error=str(exc))
+            return None
+        state["stamp"] = current
+        log.info("tls_reloaded", cert_file=tls.cert_file)
+        return config
+
+    return grpc.dynamic_ssl_server_credentials(
+        initial, fetch, require_client_authentication=bool(tls.client_ca_file)
+    )
 
 
 def _start_metrics(host: str, port: int) -> int:

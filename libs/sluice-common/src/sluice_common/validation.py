@@ -16,6 +16,8 @@ from sluice_common.errors import InvalidArgument
 ROLES = ("system", "user", "assistant")
 MAX_STOP_SEQUENCES = 4
 MAX_STOP_LENGTH = 64
+MAX_EMBED_INPUTS = 256
+MAX_EMBED_INPUT_CHARS = 16384
 
 
 def validate_generation(
@@ -53,3 +55,13 @@ def _validate_input(messages: Sequence[types_pb2.ChatMessage], prompt: str) -> N
             raise InvalidArgument(f"messages[{index}].role", f"must be one of {', '.join(ROLES)}, got {message.role!r}")
         if not message.content:
             raise InvalidArgument(f"messages[{index}].content", "must not be empty")
+
+
+def validate_embedding(inputs: Sequence[str]) -> None:
+    if not inputs:
+        raise InvalidArgument("inputs", "no texts to embed")
+    if len(inputs) > MAX_EMBED_INPUTS:
+        raise InvalidArgument("inputs", f"at most {MAX_EMBED_INPUTS} texts per request, got {len(inputs)}")
+    for index, text in enumerate(inputs):
+        if len(text) > MAX_EMBED_INPUT_CHARS:
+            raise InvalidArgument(f"inputs[{index}]", f"longer than {MAX_EMBED_INPUT_CHARS} characters")

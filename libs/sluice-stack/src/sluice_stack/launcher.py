@@ -37,6 +37,8 @@ class StackPorts:
     triton_local_metrics: int = 9105
     evallog: int = 50081
     evallog_metrics: int = 9104
+    ratelimit: int = 50071
+    ratelimit_metrics: int = 9103
 
     @classmethod
     def ephemeral(cls) -> StackPorts:
@@ -145,11 +147,12 @@ def http_ok(url: str) -> Callable[[], bool]:
 
 @dataclass
 class Stack:
-    """triton-local, inference-adapter, evaluation-logging and gateway, started in that order."""
+    """triton-local, inference-adapter, evaluation-logging, rate-limit and gateway, started in that order."""
 
     run_dir: Path
     ports: StackPorts = field(default_factory=StackPorts)
     tenants_file: Path = REPO_ROOT / "config" / "tenants.toml"
+    limits_file: Path = REPO_ROOT / "config" / "limits.toml"
     extra_env: dict[str, dict[str, str]] = field(default_factory=dict)
     # Readiness checks of gRPC services go over TLS with these (when extra_env turns TLS on).
     grpc_credentials: grpc.ChannelCredentials | None = None
@@ -174,6 +177,10 @@ class Stack:
         return f"{LOCALHOST}:{self.ports.gateway}"
 
     @property
+    def ratelimit_address(self) -> str:
+        return f"{LOCALHOST}:{self.ports.ratelimit}"
+
+    @property
     def evallog_address(self) -> str:
         return f"{LOCALHOST}:{self.ports.evallog}"
 
@@ -193,6 +200,7 @@ class Stack:
             "gateway": self.ports.gateway_metrics,
             "inference-adapter": self.ports.adapter_metrics,
             "evaluation-logging": self.ports.evallog_metrics,
+            "rate-limit": self.ports.ratelimit_metrics,
             **{name: t.model_metrics for name, t in self.triton_ports.items()},
         }
         return f"http://{LOCALHOST}:{ports[service]}/metrics"
@@ -237,6 +245,16 @@ class Stack:
                 grpc_serving(self.evallog_address),
             ),
             (
+                "rate-limit",
+                "sluice_rate_limit",
+                {
+                    "SLUICE_RATELIMIT_PORT": str(p.ratelimit),
+                    "SLUICE_RATELIMIT_METRICS_PORT": str(p.ratelimit_metrics),
+                    "SLUICE_RATELIMIT_LIMITS_FILE": str(self.limits_file),
+                },
+                grpc_serving(self.ratelimit_address),
+            ),
+            (
                 "gateway",
                 "sluice_gateway",
                 {
@@ -244,6 +262,7 @@ class Stack:
                     "SLUICE_GATEWAY_METRICS_PORT": str(p.gateway_metrics),
                     "SLUICE_GATEWAY_ADAPTER_URL": self.adapter_address,
                     "SLUICE_GATEWAY_TENANTS_FILE": str(self.tenants_file),
+                    "SLUICE_GATEWAY_RATELIMIT_URL": self.ratelimit_address,
                     "SLUICE_GATEWAY_AMQP_URL": self.amqp_url,
                     "SLUICE_GATEWAY_AMQP_PREFIX": self.amqp_prefix,
                     "SLUICE_GATEWAY_EVENTS_SPILL_FILE": str(self.run_dir / "gateway-events.spill"),

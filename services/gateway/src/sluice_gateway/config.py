@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from sluice_common.config import ServerConfig, require
+from sluice_common.config import ClientTLS, ServerConfig, require
 
 ENV_PREFIX = "SLUICE_GATEWAY_"
 
@@ -21,7 +21,50 @@ class GatewayConfig(ServerConfig):
     models_refresh_s: float = 30.0
     # How long startup waits for the adapter to list its models.
     adapter_wait_s: float = 300.0
+    # CompletionEvents to RabbitMQ after each stream (evaluation-logging consumes them); empty: off.
+    amqp_url: str = "amqp://guest:guest@127.0.0.1:5672/"
+    # Exchange and queue names start with this (see sluice_common.amqp.EventTopology).
+    amqp_prefix: str = "sluice"
+    # Unconfirmed events held in memory; past it they go to events_spill_file (read back later).
+    events_outbox_size: int = 10_000
+    events_max_in_flight: int = 256
+    # Empty: <temp dir>/sluice-gateway-<port>-events.spill.
+    events_spill_file: str = ""
+    # TLS to the adapter, off by default: on when ADAPTER_TLS is true or any file is set. The CA
+    # verifies the adapter (empty: system roots); cert and key are the gateway's identity for mutual
+    # TLS; the server name overrides the name checked against the adapter's certificate.
+    adapter_tls: bool = False
+    adapter_tls_ca_file: str = ""
+    adapter_tls_cert_file: str = ""
+    adapter_tls_key_file: str = ""
+    adapter_tls_server_name: str = ""
+    # The rate-limit service asked for a lease before each Generate; empty: no rate limiting.
+    ratelimit_url: str = "127.0.0.1:50071"
+    # When it cannot be reached within RATELIMIT_TIMEOUT_S (and the request's deadline):
+    # "closed" answers UNAVAILABLE, "open" admits without a lease.
+    ratelimit_policy: str = "closed"
+    ratelimit_timeout_s: float = 0.5
+
+    def adapter_channel_tls(self) -> ClientTLS | None:
+        return ClientTLS.from_settings(
+            self.adapter_tls_ca_file,
+            self.adapter_tls_cert_file,
+            self.adapter_tls_key_file,
+            self.adapter_tls_server_name,
+            env_prefix=f"{ENV_PREFIX}ADAPTER_TLS_",
+            enabled=self.adapter_tls,
+        )
 
     def __post_init__(self) -> None:
+        self.adapter_channel_tls()
         require(str(self.tenants_file) not in ("", "."), f"{ENV_PREFIX}TENANTS_FILE is required: the TOML file of tenants")
         require(self.tenants_file.is_file(), f"{ENV_PREFIX}TENANTS_FILE={self.tenants_file} does not exist")
+        require(
+            self.ratelimit_policy in ("closed", "open"),
+            f"{ENV_PREFIX}RATELIMIT_POLICY must be closed or open, got {self.ratelimit_policy!r}",
+        )
+        require(self.ratelimit_timeout_s > 0, f"{ENV_PREFIX}RATELIMIT_TIMEOUT_S must be > 0, got {self.ratelimit_timeout_s}")
+        require(self.events_outbox_size >= 1, f"{ENV_PREFIX}EVENTS_OUTBOX_SIZE must be >= 1, got {self.events_outbox_size}")
+        require(
+            self.events_max_in_flight >= 1, f"{ENV_PREFIX}EVENTS_MAX_IN_FLIGHT must be >= 1, got {self.events_max_in_flight}"
+        )

@@ -25,11 +25,13 @@ class ModelCatalog:
     def models(self) -> list[types_pb2.ModelInfo]:
         return list(self._models.values())
 
-    def get(self, name: str) -> types_pb2.ModelInfo:
+    def get(self, name: str, kind: int = types_pb2.MODEL_KIND_GENERATION) -> types_pb2.ModelInfo:
+        """The named model of that kind (generation or embedding), or INVALID_ARGUMENT naming the choices."""
         model = self._models.get(name)
-        if model is None:
-            known = ", ".join(sorted(self._models)) or "none yet"
-            raise InvalidArgument("model", f"unknown model {name!r}; available: {known}")
+        if model is None or model.kind != kind:
+            known = ", ".join(sorted(n for n, m in self._models.items() if m.kind == kind)) or "none yet"
+            what = types_pb2.ModelKind.Name(kind).removeprefix("MODEL_KIND_").lower()
+            raise InvalidArgument("model", f"unknown {what} model {name!r}; available: {known}")
         return model
 
     async def refresh(self) -> None:

@@ -6,12 +6,15 @@ from collections.abc import AsyncIterator
 
 import grpc
 import structlog
+from sluice.common.v1 import types_pb2
 from sluice.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from sluice.inference.v1 import inference_pb2, inference_pb2_grpc
 
 from sluice_common.errors import Unimplemented
 from sluice_common.request_context import REQUEST_ID_KEY, current_request_id, outgoing_metadata
-from sluice_common.validation import validate_generation
+from sluice_common.validation import validate_embedding, validate_generation
+from sluice_gateway.admission import Admission
+from sluice_gateway.completion_events import CompletionEvents
 from sluice_gateway.model_catalog import ModelCatalog
 from sluice_gateway.tenants import Tenant, TenantDirectory
 
@@ -29,10 +32,14 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         tenants: TenantDirectory,
         models: ModelCatalog,
         adapter: inference_pb2_grpc.InferenceServiceStub,
+        completion_events: CompletionEvents | None = None,
+        admission: Admission | None = None,
     ) -> None:
         self._tenants = tenants
         self._models = models
         self._adapter = adapter
+        self._completion_events = completion_events
+        self._admission = admission or Admission(None)
 
     def _tenant(self, context: grpc.aio.ServicerContext) -> Tenant:
         return self._tenants.authenticate(_authorization(context))
@@ -53,11 +60,18 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             sampling=request.sampling,
             priority_class=request.priority_class,
         )
+        # Published from a done-callback, only after the client's stream has closed (issue 5).
+        tracker = self._completion_events.track(tenant, request, request_id, context) if self._completion_events else None
         # The client's deadline bounds the adapter's work; cancelling this call stops it there.
+        # A lease from rate-limit (or RESOURCE_EXHAUSTED / UNAVAILABLE); settled in `finally`.
+        ticket = await self._admission.admit(tenant.name, request, context.time_remaining())
         call = self._adapter.Generate(downstream, timeout=context.time_remaining(), metadata=outgoing_metadata())
-        await context.send_initial_metadata(((REQUEST_ID_KEY, request_id),))
         try:
+            await context.send_initial_metadata(((REQUEST_ID_KEY, request_id), *ticket.metadata))
             async for chunk in call:
+                ticket.observe(chunk)
+                if tracker is not None:
+                    tracker.add(chunk)
                 yield gateway_pb2.GenerateResponse(
                     request_id=request_id,
                     text=chunk.text,
@@ -68,6 +82,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
                 )
         finally:
             call.cancel()
+            ticket.settle()
 
     async def ListModels(
         self, request: gateway_pb2.ListModelsRequest, context: grpc.aio.ServicerContext
@@ -76,8 +91,22 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         return gateway_pb2.ListModelsResponse(models=self._models.models)
 
     async def Embed(self, request: gateway_pb2.EmbedRequest, context: grpc.aio.ServicerContext) -> gateway_pb2.EmbedResponse:
-        self._tenant(context)
-        raise Unimplemented("Embed is not served yet (issue #3)")
+        tenant = self._tenant(context)
+        structlog.contextvars.bind_contextvars(tenant=tenant.name, model=request.model)
+        self._models.get(request.model, types_pb2.MODEL_KIND_EMBEDDING)
+        validate_embedding(request.inputs)
+        request_id = current_request_id()
+        downstream = inference_pb2.EmbedRequest(
+            request_id=request_id,
+            tenant=tenant.name,
+            model=request.model,
+            inputs=request.inputs,
+            priority_class=request.priority_class,
+        )
+        reply = await self._adapter.Embed(downstream, timeout=context.time_remaining(), metadata=outgoing_metadata())
+        return gateway_pb2.EmbedResponse(
+            request_id=request_id, model=request.model, embeddings=reply.embeddings, usage=reply.usage
+        )
 
     async def SubmitJob(self, request, context):  # type: ignore[no-untyped-def]
         self._tenant(context)

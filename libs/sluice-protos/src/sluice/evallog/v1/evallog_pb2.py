@@ -27,7 +27,7 @@ from sluice.common.v1 import types_pb2 as sluice_dot_common_dot_v1_dot_types__pb
 from sluice.evallog.v1 import events_pb2 as sluice_dot_evallog_dot_v1_dot_events__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fsluice/evallog/v1/evallog.proto\x12\x11sluice.evallog.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x1csluice/common/v1/types.proto\x1a\x1esluice/evallog/v1/events.proto\"D\n\x05Score\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01\x12\x0e\n\x06passed\x18\x03 \x01(\x08\x12\x0e\n\x06\x64\x65tail\x18\x04 \x01(\t\"\x94\x01\n\x06Record\x12\x31\n\x05\x65vent\x18\x01 \x01(\x0b\x32\".sluice.evallog.v1.CompletionEvent\x12(\n\x06scores\x18\x02 \x03(\x0b\x32\x18.sluice.evallog.v1.Score\x12-\n\tstored_at\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"$\n\x10GetRecordRequest\x12\x10\n\x08\x65vent_id\x18\x01 \x01(\t\">\n\x11GetRecordResponse\x12)\n\x06record\x18\x01 \x01(\x0b\x32\x19.sluice.evallog.v1.Record\"D\n\x0eScoreThreshold\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x11\n\tmin_value\x18\x02 \x01(\x01\x12\x11\n\tmax_value\x18\x03 \x01(\x01\"\xad\x02\n\x13QueryRecordsRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12.\n\nstart_time\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12,\n\x08\x65nd_time\x18\x04 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x35\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1e.sluice.common.v1.FinishReason\x12;\n\x10score_thresholds\x18\x06 \x03(\x0b\x32!.sluice.evallog.v1.ScoreThreshold\x12\x11\n\tpage_size\x18\x07 \x01(\x05\x12\x12\n\npage_token\x18\x08 \x01(\t\"[\n\x14QueryRecordsResponse\x12*\n\x07records\x18\x01 \x03(\x0b\x32\x19.sluice.evallog.v1.Record\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"\x8f\x01\n\x10SummarizeRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12.\n\nstart_time\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12,\n\x08\x65nd_time\x18\x04 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"@\n\x0eLatencySummary\x12\x0e\n\x06p50_ms\x18\x01 \x01(\x01\x12\x0e\n\x06p95_ms\x18\x02 \x01(\x01\x12\x0e\n\x06p99_ms\x18\x03 \x01(\x01\"L\n\x0cScoreSummary\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x63ount\x18\x02 \x01(\x03\x12\x0c\n\x04mean\x18\x03 \x01(\x01\x12\x11\n\tpass_rate\x18\x04 \x01(\x01\"\xa2\x02\n\x07Summary\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\r\n\x05\x63ount\x18\x03 \x01(\x03\x12\x12\n\nerror_rate\x18\x04 \x01(\x01\x12\x32\n\x07latency\x18\x05 \x01(\x0b\x32!.sluice.evallog.v1.LatencySummary\x12>\n\x13time_to_first_token\x18\x06 \x01(\x0b\x32!.sluice.evallog.v1.LatencySummary\x12\x15\n\rprompt_tokens\x18\x07 \x01(\x03\x12\x19\n\x11\x63ompletion_tokens\x18\x08 \x01(\x03\x12/\n\x06scores\x18\t \x03(\x0b\x32\x1f.sluice.evallog.v1.ScoreSummary\"B\n\x11SummarizeResponse\x12-\n\tsummaries\x18\x01 \x03(\x0b\x32\x1a.sluice.evallog.v1.Summary2\xa1\x02\n\x0e\x45valLogService\x12V\n\tGetRecord\x12#.sluice.evallog.v1.GetRecordRequest\x1a$.sluice.evallog.v1.GetRecordResponse\x12_\n\x0cQueryRecords\x12&.sluice.evallog.v1.QueryRecordsRequest\x1a\'.sluice.evallog.v1.QueryRecordsResponse\x12V\n\tSummarize\x12#.sluice.evallog.v1.SummarizeRequest\x1a$.sluice.evallog.v1.SummarizeResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fsluice/evallog/v1/evallog.proto\x12\x11sluice.evallog.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x1csluice/common/v1/types.proto\x1a\x1esluice/evallog/v1/events.proto\"U\n\x05Score\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01\x12\x0e\n\x06passed\x18\x03 \x01(\x08\x12\x0e\n\x06\x64\x65tail\x18\x04 \x01(\t\x12\x0f\n\x07skipped\x18\x05 \x01(\x08\"\x94\x01\n\x06Record\x12\x31\n\x05\x65vent\x18\x01 \x01(\x0b\x32\".sluice.evallog.v1.CompletionEvent\x12(\n\x06scores\x18\x02 \x03(\x0b\x32\x18.sluice.evallog.v1.Score\x12-\n\tstored_at\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"$\n\x10GetRecordRequest\x12\x10\n\x08\x65vent_id\x18\x01 \x01(\t\">\n\x11GetRecordResponse\x12)\n\x06record\x18\x01 \x01(\x0b\x32\x19.sluice.evallog.v1.Record\"d\n\x0eScoreThreshold\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x11\n\tmin_value\x18\x02 \x01(\x01\x12\x11\n\tmax_value\x18\x03 \x01(\x01\x12\x13\n\x06passed\x18\x04 \x01(\x08H\x00\x88\x01\x01\x42\t\n\x07_passed\"\xad\x02\n\x13QueryRecordsRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12.\n\nstart_time\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12,\n\x08\x65nd_time\x18\x04 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x35\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1e.sluice.common.v1.FinishReason\x12;\n\x10score_thresholds\x18\x06 \x03(\x0b\x32!.sluice.evallog.v1.ScoreThreshold\x12\x11\n\tpage_size\x18\x07 \x01(\x05\x12\x12\n\npage_token\x18\x08 \x01(\t\"[\n\x14QueryRecordsResponse\x12*\n\x07records\x18\x01 \x03(\x0b\x32\x19.sluice.evallog.v1.Record\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"\x8f\x01\n\x10SummarizeRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12.\n\nstart_time\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12,\n\x08\x65nd_time\x18\x04 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"@\n\x0eLatencySummary\x12\x0e\n\x06p50_ms\x18\x01 \x01(\x01\x12\x0e\n\x06p95_ms\x18\x02 \x01(\x01\x12\x0e\n\x06p99_ms\x18\x03 \x01(\x01\"}\n\x0cScoreSummary\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x63ount\x18\x02 \x01(\x03\x12\x0c\n\x04mean\x18\x03 \x01(\x01\x12\x11\n\tpass_rate\x18\x04 \x01(\x01\x12\x15\n\rskipped_count\x18\x05 \x01(\x03\x12\x0b\n\x03min\x18\x06 \x01(\x01\x12\x0b\n\x03max\x18\x07 \x01(\x01\"\xbb\x02\n\x07Summary\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\r\n\x05\x63ount\x18\x03 \x01(\x03\x12\x12\n\nerror_rate\x18\x04 \x01(\x01\x12\x32\n\x07latency\x18\x05 \x01(\x0b\x32!.sluice.evallog.v1.LatencySummary\x12>\n\x13time_to_first_token\x18\x06 \x01(\x0b\x32!.sluice.evallog.v1.LatencySummary\x12\x15\n\rprompt_tokens\x18\x07 \x01(\x03\x12\x19\n\x11\x63ompletion_tokens\x18\x08 \x01(\x03\x12/\n\x06scores\x18\t \x03(\x0b\x32\x1f.sluice.evallog.v1.ScoreSummary\x12\x17\n\x0f\x63\x61ncelled_count\x18\n \x01(\x03\"B\n\x11SummarizeResponse\x12-\n\tsummaries\x18\x01 \x03(\x0b\x32\x1a.sluice.evallog.v1.Summary2\xa1\x02\n\x0e\x45valLogService\x12V\n\tGetRecord\x12#.sluice.evallog.v1.GetRecordRequest\x1a$.sluice.evallog.v1.GetRecordResponse\x12_\n\x0cQueryRecords\x12&.sluice.evallog.v1.QueryRecordsRequest\x1a\'.sluice.evallog.v1.QueryRecordsResponse\x12V\n\tSummarize\x12#.sluice.evallog.v1.SummarizeRequest\x1a$.sluice.evallog.v1.SummarizeResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,29 +35,29 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'sluice.evallog.v1.evallog_p
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SCORE']._serialized_start=149
-  _globals['_SCORE']._serialized_end=217
-  _globals['_RECORD']._serialized_start=220
-  _globals['_RECORD']._serialized_end=368
-  _globals['_GETRECORDREQUEST']._serialized_start=370
-  _globals['_GETRECORDREQUEST']._serialized_end=406
-  _globals['_GETRECORDRESPONSE']._serialized_start=408
-  _globals['_GETRECORDRESPONSE']._serialized_end=470
-  _globals['_SCORETHRESHOLD']._serialized_start=472
-  _globals['_SCORETHRESHOLD']._serialized_end=540
-  _globals['_QUERYRECORDSREQUEST']._serialized_start=543
-  _globals['_QUERYRECORDSREQUEST']._serialized_end=844
-  _globals['_QUERYRECORDSRESPONSE']._serialized_start=846
-  _globals['_QUERYRECORDSRESPONSE']._serialized_end=937
-  _globals['_SUMMARIZEREQUEST']._serialized_start=940
-  _globals['_SUMMARIZEREQUEST']._serialized_end=1083
-  _globals['_LATENCYSUMMARY']._serialized_start=1085
-  _globals['_LATENCYSUMMARY']._serialized_end=1149
-  _globals['_SCORESUMMARY']._serialized_start=1151
-  _globals['_SCORESUMMARY']._serialized_end=1227
-  _globals['_SUMMARY']._serialized_start=1230
-  _globals['_SUMMARY']._serialized_end=1520
-  _globals['_SUMMARIZERESPONSE']._serialized_start=1522
-  _globals['_SUMMARIZERESPONSE']._serialized_end=1588
-  _globals['_EVALLOGSERVICE']._serialized_start=1591
-  _globals['_EVALLOGSERVICE']._serialized_end=1880
+  _globals['_SCORE']._serialized_end=234
+  _globals['_RECORD']._serialized_start=237
+  _globals['_RECORD']._serialized_end=385
+  _globals['_GETRECORDREQUEST']._serialized_start=387
+  _globals['_GETRECORDREQUEST']._serialized_end=423
+  _globals['_GETRECORDRESPONSE']._serialized_start=425
+  _globals['_GETRECORDRESPONSE']._serialized_end=487
+  _globals['_SCORETHRESHOLD']._serialized_start=489
+  _globals['_SCORETHRESHOLD']._serialized_end=589
+  _globals['_QUERYRECORDSREQUEST']._serialized_start=592
+  _globals['_QUERYRECORDSREQUEST']._serialized_end=893
+  _globals['_QUERYRECORDSRESPONSE']._serialized_start=895
+  _globals['_QUERYRECORDSRESPONSE']._serialized_end=986
+  _globals['_SUMMARIZEREQUEST']._serialized_start=989
+  _globals['_SUMMARIZEREQUEST']._serialized_end=1132
+  _globals['_LATENCYSUMMARY']._serialized_start=1134
+  _globals['_LATENCYSUMMARY']._serialized_end=1198
+  _globals['_SCORESUMMARY']._serialized_start=1200
+  _globals['_SCORESUMMARY']._serialized_end=1325
+  _globals['_SUMMARY']._serialized_start=1328
+  _globals['_SUMMARY']._serialized_end=1643
+  _globals['_SUMMARIZERESPONSE']._serialized_start=1645
+  _globals['_SUMMARIZERESPONSE']._serialized_end=1711
+  _globals['_EVALLOGSERVICE']._serialized_start=1714
+  _globals['_EVALLOGSERVICE']._serialized_end=2003
 # @@protoc_insertion_point(module_scope)

@@ -12,16 +12,18 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class Score(_message.Message):
-    __slots__ = ("name", "value", "passed", "detail")
+    __slots__ = ("name", "value", "passed", "detail", "skipped")
     NAME_FIELD_NUMBER: _ClassVar[int]
     VALUE_FIELD_NUMBER: _ClassVar[int]
     PASSED_FIELD_NUMBER: _ClassVar[int]
     DETAIL_FIELD_NUMBER: _ClassVar[int]
+    SKIPPED_FIELD_NUMBER: _ClassVar[int]
     name: str
     value: float
     passed: bool
     detail: str
-    def __init__(self, name: _Optional[str] = ..., value: _Optional[float] = ..., passed: _Optional[bool] = ..., detail: _Optional[str] = ...) -> None: ...
+    skipped: bool
+    def __init__(self, name: _Optional[str] = ..., value: _Optional[float] = ..., passed: _Optional[bool] = ..., detail: _Optional[str] = ..., skipped: _Optional[bool] = ...) -> None: ...
 
 class Record(_message.Message):
     __slots__ = ("event", "scores", "stored_at")
@@ -46,14 +48,16 @@ class GetRecordResponse(_message.Message):
     def __init__(self, record: _Optional[_Union[Record, _Mapping]] = ...) -> None: ...
 
 class ScoreThreshold(_message.Message):
-    __slots__ = ("name", "min_value", "max_value")
+    __slots__ = ("name", "min_value", "max_value", "passed")
     NAME_FIELD_NUMBER: _ClassVar[int]
     MIN_VALUE_FIELD_NUMBER: _ClassVar[int]
     MAX_VALUE_FIELD_NUMBER: _ClassVar[int]
+    PASSED_FIELD_NUMBER: _ClassVar[int]
     name: str
     min_value: float
     max_value: float
-    def __init__(self, name: _Optional[str] = ..., min_value: _Optional[float] = ..., max_value: _Optional[float] = ...) -> None: ...
+    passed: bool
+    def __init__(self, name: _Optional[str] = ..., min_value: _Optional[float] = ..., max_value: _Optional[float] = ..., passed: _Optional[bool] = ...) -> None: ...
 
 class QueryRecordsRequest(_message.Message):
     __slots__ = ("tenant", "model", "start_time", "end_time", "finish_reason", "score_thresholds", "page_size", "page_token")
@@ -106,19 +110,25 @@ class LatencySummary(_message.Message):
     def __init__(self, p50_ms: _Optional[float] = ..., p95_ms: _Optional[float] = ..., p99_ms: _Optional[float] = ...) -> None: ...
 
 class ScoreSummary(_message.Message):
-    __slots__ = ("name", "count", "mean", "pass_rate")
+    __slots__ = ("name", "count", "mean", "pass_rate", "skipped_count", "min", "max")
     NAME_FIELD_NUMBER: _ClassVar[int]
     COUNT_FIELD_NUMBER: _ClassVar[int]
     MEAN_FIELD_NUMBER: _ClassVar[int]
     PASS_RATE_FIELD_NUMBER: _ClassVar[int]
+    SKIPPED_COUNT_FIELD_NUMBER: _ClassVar[int]
+    MIN_FIELD_NUMBER: _ClassVar[int]
+    MAX_FIELD_NUMBER: _ClassVar[int]
     name: str
     count: int
     mean: float
     pass_rate: float
-    def __init__(self, name: _Optional[str] = ..., count: _Optional[int] = ..., mean: _Optional[float] = ..., pass_rate: _Optional[float] = ...) -> None: ...
+    skipped_count: int
+    min: float
+    max: float
+    def __init__(self, name: _Optional[str] = ..., count: _Optional[int] = ..., mean: _Optional[float] = ..., pass_rate: _Optional[float] = ..., skipped_count: _Optional[int] = ..., min: _Optional[float] = ..., max: _Optional[float] = ...) -> None: ...
 
 class Summary(_message.Message):
-    __slots__ = ("tenant", "model", "count", "error_rate", "latency", "time_to_first_token", "prompt_tokens", "completion_tokens", "scores")
+    __slots__ = ("tenant", "model", "count", "error_rate", "latency", "time_to_first_token", "prompt_tokens", "completion_tokens", "scores", "cancelled_count")
     TENANT_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     COUNT_FIELD_NUMBER: _ClassVar[int]
@@ -128,6 +138,7 @@ class Summary(_message.Message):
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SCORES_FIELD_NUMBER: _ClassVar[int]
+    CANCELLED_COUNT_FIELD_NUMBER: _ClassVar[int]
     tenant: str
     model: str
     count: int
@@ -137,7 +148,8 @@ class Summary(_message.Message):
     prompt_tokens: int
     completion_tokens: int
     scores: _containers.RepeatedCompositeFieldContainer[ScoreSummary]
-    def __init__(self, tenant: _Optional[str] = ..., model: _Optional[str] = ..., count: _Optional[int] = ..., error_rate: _Optional[float] = ..., latency: _Optional[_Union[LatencySummary, _Mapping]] = ..., time_to_first_token: _Optional[_Union[LatencySummary, _Mapping]] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., scores: _Optional[_Iterable[_Union[ScoreSummary, _Mapping]]] = ...) -> None: ...
+    cancelled_count: int
+    def __init__(self, tenant: _Optional[str] = ..., model: _Optional[str] = ..., count: _Optional[int] = ..., error_rate: _Optional[float] = ..., latency: _Optional[_Union[LatencySummary, _Mapping]] = ..., time_to_first_token: _Optional[_Union[LatencySummary, _Mapping]] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., scores: _Optional[_Iterable[_Union[ScoreSummary, _Mapping]]] = ..., cancelled_count: _Optional[int] = ...) -> None: ...
 
 class SummarizeResponse(_message.Message):
     __slots__ = ("summaries",)

@@ -40,23 +40,25 @@ class BudgetStatus(_message.Message):
     def __init__(self, budget: _Optional[_Union[Budget, str]] = ..., limit: _Optional[int] = ..., remaining: _Optional[int] = ..., reset_after: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
 
 class AcquireRequest(_message.Message):
-    __slots__ = ("tenant", "model", "priority_class", "requests", "reserved_tokens", "request_id")
+    __slots__ = ("tenant", "model", "priority_class", "requests", "reserved_tokens", "request_id", "lease_ttl")
     TENANT_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_CLASS_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_FIELD_NUMBER: _ClassVar[int]
     RESERVED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_TTL_FIELD_NUMBER: _ClassVar[int]
     tenant: str
     model: str
     priority_class: _types_pb2.PriorityClass
     requests: int
     reserved_tokens: int
     request_id: str
-    def __init__(self, tenant: _Optional[str] = ..., model: _Optional[str] = ..., priority_class: _Optional[_Union[_types_pb2.PriorityClass, str]] = ..., requests: _Optional[int] = ..., reserved_tokens: _Optional[int] = ..., request_id: _Optional[str] = ...) -> None: ...
+    lease_ttl: _duration_pb2.Duration
+    def __init__(self, tenant: _Optional[str] = ..., model: _Optional[str] = ..., priority_class: _Optional[_Union[_types_pb2.PriorityClass, str]] = ..., requests: _Optional[int] = ..., reserved_tokens: _Optional[int] = ..., request_id: _Optional[str] = ..., lease_ttl: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
 
 class AcquireResponse(_message.Message):
-    __slots__ = ("allowed", "lease_id", "lease_expires_at", "budgets", "denied_by", "retry_after", "shadow")
+    __slots__ = ("allowed", "lease_id", "lease_expires_at", "budgets", "denied_by", "retry_after", "shadow", "degraded")
     ALLOWED_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_EXPIRES_AT_FIELD_NUMBER: _ClassVar[int]
@@ -64,6 +66,7 @@ class AcquireResponse(_message.Message):
     DENIED_BY_FIELD_NUMBER: _ClassVar[int]
     RETRY_AFTER_FIELD_NUMBER: _ClassVar[int]
     SHADOW_FIELD_NUMBER: _ClassVar[int]
+    DEGRADED_FIELD_NUMBER: _ClassVar[int]
     allowed: bool
     lease_id: str
     lease_expires_at: _timestamp_pb2.Timestamp
@@ -71,7 +74,8 @@ class AcquireResponse(_message.Message):
     denied_by: Budget
     retry_after: _duration_pb2.Duration
     shadow: bool
-    def __init__(self, allowed: _Optional[bool] = ..., lease_id: _Optional[str] = ..., lease_expires_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., budgets: _Optional[_Iterable[_Union[BudgetStatus, _Mapping]]] = ..., denied_by: _Optional[_Union[Budget, str]] = ..., retry_after: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., shadow: _Optional[bool] = ...) -> None: ...
+    degraded: bool
+    def __init__(self, allowed: _Optional[bool] = ..., lease_id: _Optional[str] = ..., lease_expires_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., budgets: _Optional[_Iterable[_Union[BudgetStatus, _Mapping]]] = ..., denied_by: _Optional[_Union[Budget, str]] = ..., retry_after: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., shadow: _Optional[bool] = ..., degraded: _Optional[bool] = ...) -> None: ...
 
 class CommitRequest(_message.Message):
     __slots__ = ("lease_id", "used_tokens")
@@ -114,7 +118,11 @@ class TenantUsage(_message.Message):
     def __init__(self, tenant: _Optional[str] = ..., model: _Optional[str] = ..., budgets: _Optional[_Iterable[_Union[BudgetStatus, _Mapping]]] = ...) -> None: ...
 
 class GetUsageResponse(_message.Message):
-    __slots__ = ("usage",)
+    __slots__ = ("usage", "limits_version", "limits_error")
     USAGE_FIELD_NUMBER: _ClassVar[int]
+    LIMITS_VERSION_FIELD_NUMBER: _ClassVar[int]
+    LIMITS_ERROR_FIELD_NUMBER: _ClassVar[int]
     usage: _containers.RepeatedCompositeFieldContainer[TenantUsage]
-    def __init__(self, usage: _Optional[_Iterable[_Union[TenantUsage, _Mapping]]] = ...) -> None: ...
+    limits_version: str
+    limits_error: str
+    def __init__(self, usage: _Optional[_Iterable[_Union[TenantUsage, _Mapping]]] = ..., limits_version: _Optional[str] = ..., limits_error: _Optional[str] = ...) -> None: ...

@@ -1,0 +1,192 @@
+"""Admission: a lease from the rate-limit service before dispatch, real usage committed after.
+
+    ticket = await admission.admit(tenant, request, context.time_remaining())   # may raise
+    ... stream, calling ticket.observe(chunk) for each adapter chunk ...
+    ticket.settle()                                                              # in `finally`
+
+Reservation: prompt tokens + max_tokens. The prompt is NOT tokenized here (the adapter's CountTokens
+costs a Triton round trip on every request): it is estimated as UTF-8 bytes / 3 plus 4 tokens per
+chat message (ChatML framing) plus 3, which over-reserves for English (~4 bytes per token). Commit
+sends the real prompt + completion tokens from the final usage, so the difference is refunded at
+once; a stream that ends without usage (cancelled, failed) commits the estimate plus the tokens
+the chunks carried.
+
+Failures: Acquire is bounded by SLUICE_GATEWAY_RATELIMIT_TIMEOUT_S and by the request's deadline,
+so a call never hangs on an unreachable rate-limit. Then the policy applies: "closed" (default)
+answers UNAVAILABLE; "open" admits without a lease. A denial answers RESOURCE_EXHAUSTED with
+google.rpc.RetryInfo and QuotaFailure; a denial by a fail-closed budget whose Redis is unreachable
+(degraded) answers UNAVAILABLE. Commit runs in a background task after the stream closed, so it
+never delays the client; if it fails, the lease frees its capacity when it expires.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+import grpc
+import structlog
+from google.protobuf import duration_pb2
+from prometheus_client import Counter
+from sluice.common.v1 import types_pb2
+from sluice.gateway.v1 import gateway_pb2
+from sluice.inference.v1 import inference_pb2
+from sluice.ratelimit.v1 import ratelimit_pb2, ratelimit_pb2_grpc
+
+from sluice_common.errors import ResourceExhausted, Unavailable
+from sluice_common.request_context import current_request_id, outgoing_metadata
+
+log = structlog.stdlib.get_logger("sluice.gateway.admission")
+
+DECISIONS = Counter(
+    "sluice_gateway_ratelimit_decisions_total",
+    "Admission outcomes: allowed, shadow, denied, degraded (fail-closed budget without Redis), "
+    "unreachable_closed, unreachable_open.",
+    ["result"],
+)
+COMMITS = Counter("sluice_gateway_ratelimit_settles_total", "Leases settled after a stream, by outcome.", ["result"])
+
+BYTES_PER_TOKEN = 3
+TOKENS_PER_MESSAGE = 4
+TOKENS_PER_CHAT = 3
+# Beyond the request's own deadline, how long the lease outlives it (commit travel time).
+LEASE_MARGIN_S = 30.0
+COMMIT_TIMEOUT_S = 5.0
+
+_B = ratelimit_pb2
+_REQUEST_BUDGETS = (_B.BUDGET_REQUESTS_PER_MINUTE, _B.BUDGET_REQUESTS_IN_FLIGHT)
+_TOKEN_BUDGETS = (_B.BUDGET_TOKENS_PER_MINUTE, _B.BUDGET_TOKENS_IN_FLIGHT)
+
+
+def estimate_prompt_tokens(request: gateway_pb2.GenerateRequest) -> int:
+    if request.messages:
+        text_bytes = sum(len(m.content.encode()) + len(m.role) for m in request.messages)
+        return -(-text_bytes // BYTES_PER_TOKEN) + TOKENS_PER_MESSAGE * len(request.messages) + TOKENS_PER_CHAT
+    return -(-len(request.prompt.encode()) // BYTES_PER_TOKEN) + 1
+
+
+def format_reset(seconds: float) -> str:
+    """OpenAI's format of x-ratelimit-reset-*: "20ms", "1s", "6m0s"."""
+    if seconds < 1.0:
+        return f"{max(0, round(seconds * 1000))}ms"
+    minutes, rest = divmod(seconds, 60.0)
+    text = f"{rest:.3f}".rstrip("0").rstrip(".") + "s"
+    return f"{int(minutes)}m{text}" if minutes else text
+
+
+def ratelimit_headers(budgets: list[ratelimit_pb2.BudgetStatus]) -> tuple[tuple[str, str], ...]:
+    by_budget = {b.budget: b for b in budgets}
+    headers: list[tuple[str, str]] = []
+    for suffix, candidates in (("requests", _REQUEST_BUDGETS), ("tokens", _TOKEN_BUDGETS)):
+        status = next((by_budget[c] for c in candidates if c in by_budget), None)
+        if status is None:
+            continue
+        headers += [
+            (f"x-ratelimit-limit-{suffix}", str(status.limit)),
+            (f"x-ratelimit-remaining-{suffix}", str(status.remaining)),
+            (f"x-ratelimit-reset-{suffix}", format_reset(status.reset_after.ToNanoseconds() / 1e9)),
+        ]
+    return tuple(headers)
+
+
+def _seconds(duration: duration_pb2.Duration) -> float:
+    return duration.ToNanoseconds() / 1e9
+
+
+@dataclass
+class Ticket:
+    """One admitted request: its lease, the headers to send, and what the stream really used."""
+
+    admission: Admission | None = None
+    lease_id: str = ""
+    metadata: tuple[tuple[str, str], ...] = ()
+    estimated_prompt_tokens: int = 0
+    completion_tokens: int = 0
+    used_tokens: int | None = None
+    _settled: bool = field(default=False, repr=False)
+
+    def observe(self, chunk: inference_pb2.GenerateResponse) -> None:
+        self.completion_tokens += chunk.token_count
+        if chunk.HasField("usage"):
+            self.used_tokens = chunk.usage.prompt_tokens + chunk.usage.completion_tokens
+
+    def settle(self) -> None:
+        """Commits the real usage in the background; safe to call more than once and when cancelled."""
+        if self._settled or not self.lease_id or self.admission is None:
+            return
+        self._settled = True
+        used = self.used_tokens if self.used_tokens is not None else self.estimated_prompt_tokens + self.completion_tokens
+        self.admission.commit_later(self.lease_id, used)
+
+
+class Admission:
+    def __init__(
+        self, stub: ratelimit_pb2_grpc.RateLimitServiceStub | None, policy: str = "closed", timeout_s: float = 0.5
+    ) -> None:
+        self._stub = stub
+        self._policy = policy
+        self._timeout_s = timeout_s
+        self._pending: set[asyncio.Task[None]] = set()
+
+    async def admit(self, tenant: str, request: gateway_pb2.GenerateRequest, time_remaining: float | None) -> Ticket:
+        if self._stub is None:
+            return Ticket()
+        prompt = estimate_prompt_tokens(request)
+        timeout = self._timeout_s if time_remaining is None else max(0.0, min(self._timeout_s, time_remaining))
+        acquire = ratelimit_pb2.AcquireRequest(
+            tenant=tenant,
+            model=request.model,
+            priority_class=request.priority_class or types_pb2.PRIORITY_CLASS_INTERACTIVE,
+            requests=1,
+            reserved_tokens=prompt + request.sampling.max_tokens,
+            request_id=current_request_id(),
+        )
+        if time_remaining is not None:
+            acquire.lease_ttl.FromNanoseconds(int((time_remaining + LEASE_MARGIN_S) * 1e9))
+        try:
+            reply = await self._stub.Acquire(acquire, timeout=timeout, metadata=outgoing_metadata())
+        except grpc.aio.AioRpcError as exc:
+            return self._unreachable(exc)
+        if not reply.allowed:
+            budget = ratelimit_pb2.Budget.Name(reply.denied_by).removeprefix("BUDGET_").lower()
+            retry_after = _seconds(reply.retry_after)
+            if reply.degraded:
+                DECISIONS.labels("degraded").inc()
+                raise Unavailable(f"rate limits cannot be checked now ({budget} is fail-closed); retry after {retry_after:.1f}s")
+            DECISIONS.labels("denied").inc()
+            raise ResourceExhausted(
+                f"rate limit exceeded: {budget} of tenant {tenant} on {request.model}; retry after {retry_after:.2f}s",
+                retry_after_s=retry_after,
+                quota_subject=f"tenant:{tenant}/model:{request.model}/{budget}",
+            )
+        DECISIONS.labels("shadow" if reply.shadow else "allowed").inc()
+        return Ticket(self, reply.lease_id, ratelimit_headers(list(reply.budgets)), prompt)
+
+    def _unreachable(self, exc: grpc.aio.AioRpcError) -> Ticket:
+        log.warning("ratelimit_unreachable", code=exc.code().name, details=exc.details(), policy=self._policy)
+        if self._policy == "open":
+            DECISIONS.labels("unreachable_open").inc()
+            return Ticket()
+        DECISIONS.labels("unreachable_closed").inc()
+        raise Unavailable(f"the rate-limit service is unreachable ({exc.code().name}); retry later")
+
+    def commit_later(self, lease_id: str, used_tokens: int) -> None:
+        task = asyncio.get_running_loop().create_task(self._commit(lease_id, used_tokens, outgoing_metadata()))
+        self._pending.add(task)
+        task.add_done_callback(self._pending.discard)
+
+    async def _commit(self, lease_id: str, used_tokens: int, metadata: tuple[tuple[str, str], ...]) -> None:
+        assert self._stub is not None
+        try:
+            await self._stub.Commit(
+                ratelimit_pb2.CommitRequest(lease_id=lease_id, used_tokens=used_tokens), timeout=COMMIT_TIMEOUT_S, metadata=metadata
+            )
+            COMMITS.labels("ok").inc()
+        except grpc.aio.AioRpcError as exc:
+            COMMITS.labels(exc.code().name).inc()
+            log.warning("ratelimit_commit_failed", lease_id=lease_id, code=exc.code().name, details=exc.details())
+
+    async def drain(self, timeout_s: float = 5.0) -> None:
+        """Waits for the commits still in flight (at shutdown)."""
+        if self._pending:
+            await asyncio.wait(set(self._pending), timeout=timeout_s)

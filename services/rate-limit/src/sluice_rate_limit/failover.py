@@ -1,0 +1,99 @@
+"""Redis with a failure policy: a timeout on every call, a circuit breaker, fail-open or -closed per budget.
+
+While Redis answers, every decision is made in Redis and nowhere else (never from local state
+while the truth is in Redis). When a call fails or times out (or the breaker is open):
+- if any budget of the request is fail-closed, the request is refused (degraded=True) with the
+  time until the breaker probes again as retry_after;
+- otherwise it is decided by a local in-memory limiter with each limit divided by the number of
+  replicas (so the replicas together stay near the global limit), counted in
+  sluice_ratelimit_fallback_decisions_total. Its leases start with "local-" and settle locally.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import replace
+
+import structlog
+from redis.exceptions import RedisError
+
+from sluice_rate_limit import metrics
+from sluice_rate_limit.breaker import CircuitBreaker
+from sluice_rate_limit.budgets import BackendUnavailable, BudgetState, Check, Decision, Policy
+from sluice_rate_limit.memory_backend import MemoryBackend
+from sluice_rate_limit.redis_backend import RedisBackend
+
+log = structlog.stdlib.get_logger("sluice.ratelimit.failover")
+
+LOCAL_PREFIX = "local-"
+_FAILURES = (RedisError, OSError, asyncio.TimeoutError)
+
+
+class FailoverBackend:
+    name = "redis"
+
+    def __init__(
+        self, primary: RedisBackend, breaker: CircuitBreaker, replicas: int, timeout_s: float, fallback: MemoryBackend | None = None
+    ) -> None:
+        self.primary = primary
+        self.breaker = breaker
+        self.replicas = replicas
+        self.timeout_s = timeout_s
+        self.fallback = fallback or MemoryBackend(primary.window_s, lease_prefix=LOCAL_PREFIX)
+
+    async def _call(self, op: str, coro):  # type: ignore[no-untyped-def]
+        if not self.breaker.allow():
+            coro.close()
+            raise BackendUnavailable("circuit open")
+        started = time.perf_counter()
+        try:
+            result = await asyncio.wait_for(coro, self.timeout_s)
+        except _FAILURES as exc:
+            metrics.BACKEND_ERRORS.labels("redis", op).inc()
+            was_open = self.breaker.state != "closed"
+            self.breaker.failure()
+            metrics.CIRCUIT_OPEN.set(1 if self.breaker.state == "open" else 0)
+            if not was_open and self.breaker.state == "open":
+                log.error("redis_circuit_open", error=repr(exc), open_s=self.breaker.open_s)
+            raise BackendUnavailable(f"redis: {exc!r}") from exc
+        finally:
+            metrics.BACKEND_SECONDS.labels("redis", op).observe(time.perf_counter() - started)
+        if self.breaker.state != "closed":
+            log.info("redis_circuit_closed")
+        self.breaker.success()
+        metrics.CIRCUIT_OPEN.set(0)
+        return result
+
+    async def acquire(self, checks: list[Check], interactive: bool, ttl_s: float, shadow: bool, tag: str = "") -> Decision:
+        try:
+            return await self._call("acquire", self.primary.acquire(checks, interactive, ttl_s, shadow, tag))
+        except BackendUnavailable as exc:
+            reason = str(exc)
+        closed = [c for c in checks if c.policy is Policy.CLOSED]
+        if closed:
+            metrics.FALLBACKS.labels("refused").inc()
+            return Decision(
+                allowed=False,
+                denied_by=closed[0].budget,
+                denied_name=closed[0].name,
+                retry_after_s=max(self.breaker.retry_after(), 0.1),
+                degraded=True,
+                reason=f"{closed[0].name} is fail-closed and its backend is unreachable ({reason})",
+            )
+        scaled = [replace(c, limit=max(1, c.limit // self.replicas), floor=c.floor // self.replicas) for c in checks]
+        decision = await self.fallback.acquire(scaled, interactive, ttl_s, shadow, tag)
+        decision.degraded = True
+        metrics.FALLBACKS.labels("allowed" if decision.allowed else "denied").inc()
+        return decision
+
+    async def settle(self, lease_id: str, used_tokens: int | None) -> list[BudgetState]:
+        if lease_id.startswith(LOCAL_PREFIX):
+            return await self.fallback.settle(lease_id, used_tokens)
+        return await self._call("settle", self.primary.settle(lease_id, used_tokens))
+
+    async def peek(self, checks: list[Check], tag: str = "") -> list[BudgetState]:
+        return await self._call("peek", self.primary.peek(checks, tag))
+
+    async def close(self) -> None:
+        await self.primary.close()

@@ -1,0 +1,155 @@
+"""The admission service's domain logic: builds the checks of a request, decides, settles leases.
+
+No grpc here: the servicer translates messages, this module raises SluiceErrors.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from typing import Protocol
+
+import structlog
+
+from sluice_common.errors import InvalidArgument, NotFound, Unavailable
+from sluice_rate_limit import metrics
+from sluice_rate_limit.budgets import BackendUnavailable, BudgetState, Check, Decision, LeaseNotFound
+from sluice_rate_limit.limits import Limits, LimitsFile
+
+log = structlog.stdlib.get_logger("sluice.ratelimit")
+
+NEAR_LIMIT_SHARE = 0.10
+
+
+class Backend(Protocol):
+    name: str
+
+    async def acquire(self, checks: list[Check], interactive: bool, ttl_s: float, shadow: bool, tag: str = "") -> Decision: ...
+    async def settle(self, lease_id: str, used_tokens: int | None) -> list[BudgetState]: ...
+    async def peek(self, checks: list[Check], tag: str = "") -> list[BudgetState]: ...
+    async def close(self) -> None: ...
+
+
+class RateLimiter:
+    def __init__(self, limits: LimitsFile | Callable[[], Limits], backend: Backend, max_lease_ttl_s: float = 600.0) -> None:
+        self._limits_file = limits if isinstance(limits, LimitsFile) else None
+        self._limits = (lambda: limits.current) if isinstance(limits, LimitsFile) else limits
+        self.backend = backend
+        self.max_lease_ttl_s = max_lease_ttl_s
+        self._seen: set[tuple[str, str]] = set()
+        self._reloader: asyncio.Task[None] | None = None
+
+    @property
+    def limits(self) -> Limits:
+        return self._limits()
+
+    async def acquire(
+        self, tenant: str, model: str, interactive: bool, requests: int, tokens: int, lease_ttl_s: float | None = None
+    ) -> Decision:
+        if not tenant:
+            raise InvalidArgument("tenant", "must not be empty")
+        if not model:
+            raise InvalidArgument("model", "must not be empty")
+        if requests < 0:
+            raise InvalidArgument("requests", f"must be >= 0, got {requests}")
+        if tokens < 0:
+            raise InvalidArgument("reserved_tokens", f"must be >= 0, got {tokens}")
+        requests = requests or 1
+        ttl = self.max_lease_ttl_s if not lease_ttl_s or lease_ttl_s <= 0 else min(lease_ttl_s, self.max_lease_ttl_s)
+        checks, shadow = self.limits.checks(tenant, model, interactive, requests, tokens)
+        self._seen.add((tenant, model))
+        if not checks:
+            metrics.DECISIONS.labels("allowed", "").inc()
+            return Decision(allowed=True)
+        started = time.perf_counter()
+        decision = await self.backend.acquire(checks, interactive, ttl, shadow, model)
+        if self.backend.name == "memory":
+            metrics.BACKEND_SECONDS.labels("memory", "acquire").observe(time.perf_counter() - started)
+        if decision.allowed:
+            metrics.DECISIONS.labels("allowed", "").inc()
+            for state in decision.states:
+                if state.remaining < state.limit * NEAR_LIMIT_SHARE:
+                    metrics.NEAR_LIMIT.labels(state.name).inc()
+            return decision
+        if decision.degraded:
+            metrics.DECISIONS.labels("unavailable", decision.denied_name).inc()
+            if not shadow:
+                return decision
+        if shadow:
+            metrics.DECISIONS.labels("shadow_denied", decision.denied_name).inc()
+            metrics.SHADOW_DENIALS.labels(decision.denied_name).inc()
+            log.info("shadow_denied", tenant=tenant, model=model, budget=decision.denied_name, retry_after_s=decision.retry_after_s)
+            # Admitted without charging anything: the counters follow what enforcement would admit.
+            decision.allowed = True
+            decision.shadow = True
+            return decision
+        metrics.DECISIONS.labels("denied", decision.denied_name).inc()
+        return decision
+
+    async def commit(self, lease_id: str, used_tokens: int) -> list[BudgetState]:
+        if used_tokens < 0:
+            raise InvalidArgument("used_tokens", f"must be >= 0, got {used_tokens}")
+        return await self._settle(lease_id, used_tokens, "commit")
+
+    async def release(self, lease_id: str) -> None:
+        await self._settle(lease_id, None, "release")
+
+    async def _settle(self, lease_id: str, used_tokens: int | None, how: str) -> list[BudgetState]:
+        if not lease_id:
+            raise InvalidArgument("lease_id", "must not be empty")
+        started = time.perf_counter()
+        try:
+            states = await self.backend.settle(lease_id, used_tokens)
+        except LeaseNotFound:
+            metrics.LEASES_SETTLED.labels("unknown").inc()
+            raise NotFound(f"lease {lease_id} is unknown: already settled, or expired") from None
+        except BackendUnavailable as exc:
+            raise Unavailable(f"cannot settle lease {lease_id}: {exc}; it frees its capacity at expiry") from None
+        if self.backend.name == "memory":
+            metrics.BACKEND_SECONDS.labels("memory", how).observe(time.perf_counter() - started)
+        metrics.LEASES_SETTLED.labels(how).inc()
+        return states
+
+    async def usage(self, tenant: str = "") -> list[tuple[str, str, list[BudgetState]]]:
+        limits = self.limits
+        pairs = sorted({*self._seen, *limits.known_pairs()})
+        rows = []
+        for name, model in pairs:
+            if tenant and name != tenant:
+                continue
+            checks, _shadow = limits.checks(name, model, True, 0, 0)
+            if not checks:
+                continue
+            try:
+                states = await self.backend.peek(checks, model)
+            except BackendUnavailable as exc:
+                raise Unavailable(f"usage unknown: {exc}") from None
+            rows.append((name, model, states))
+        return rows
+
+    @property
+    def limits_error(self) -> str:
+        return self._limits_file.error if self._limits_file is not None else ""
+
+    def start_reloading(self, every_s: float) -> None:
+        if self._limits_file is not None:
+            self._reloader = asyncio.create_task(self._reload_forever(every_s), name="limits-reload")
+
+    async def _reload_forever(self, every_s: float) -> None:
+        assert self._limits_file is not None
+        while True:
+            await asyncio.sleep(every_s)
+            result = self._limits_file.maybe_reload()
+            if result is not None:
+                metrics.RELOADS.labels("applied" if result else "rejected").inc()
+
+    async def stop(self) -> None:
+        if self._reloader is not None:
+            self._reloader.cancel()
+            await asyncio.gather(self._reloader, return_exceptions=True)
+        await self.backend.close()
+
+
+def on_expired(count: int) -> None:
+    metrics.LEASES_EXPIRED.inc(count)

@@ -1,0 +1,390 @@
+"""The Redis backend: several rate-limit replicas enforce one global limit.
+
+Each decision is ONE round trip: an atomic Lua script (EVALSHA) that sweeps expired leases,
+reads every budget of the request, and either charges all of them and records the lease, or
+charges none. Time comes from Redis (`TIME`), not from the replica, so replicas with skewed
+clocks still agree on the window.
+
+Keys are hash-tagged by model: `<prefix>:{<model>}:...`. Every key one decision touches (the
+tenant's budgets for that model, the model's global capacity, the lease table) then lives in one
+Redis Cluster slot, which is what lets one script check them all atomically; a cluster spreads
+models across shards. Layout under `<prefix>:{<model>}`:
+
+    :w:<budget key>   sorted set, one sliding window's log: entry (lease id|i or |b) by time (ms)
+    :a:<budget key>   hash, that window's amounts: entry -> tokens or requests, "_t" total, "_i" interactive
+    :g                hash, every in-flight gauge of the model: "<budget key>" and "<budget key>:i"
+    :l                hash, lease id -> JSON of what it charged (to refund and free it)
+    :x                sorted set, lease id by expiry time (ms)
+
+The script implements the same rule as sliding_window.py; the unit tests run one suite against
+both backends.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable
+
+import redis.asyncio as aioredis
+
+from sluice_rate_limit.budgets import BUDGET_NAMES, Budget, BudgetState, Check, Decision, Kind, LeaseNotFound
+from sluice_rate_limit.memory_backend import GAUGE_RETRY_S
+
+_COMMON = r"""
+local leases, expiry, gauges = KEYS[1], KEYS[2], KEYS[3]
+local window = tonumber(ARGV[1])
+local clock = redis.call('TIME')
+local now = tonumber(clock[1]) * 1000 + tonumber(clock[2]) / 1000
+
+local function sub(field, amount)
+  local left = redis.call('HINCRBY', gauges, field, -amount)
+  if left < 0 then redis.call('HSET', gauges, field, 0) end
+end
+
+local function free_gauges(lease)
+  for _, e in ipairs(lease.e) do
+    if e.k == 'g' then
+      sub(e.f, e.c)
+      if lease.i == 1 then sub(e.f .. ':i', e.c) end
+    end
+  end
+end
+
+local function sweep()
+  local ids = redis.call('ZRANGEBYSCORE', expiry, '-inf', now, 'LIMIT', 0, 64)
+  for _, id in ipairs(ids) do
+    local raw = redis.call('HGET', leases, id)
+    if raw then
+      free_gauges(cjson.decode(raw))
+      redis.call('HDEL', leases, id)
+    end
+    redis.call('ZREM', expiry, id)
+  end
+  return #ids
+end
+
+-- drops the entries admitted window ms ago or earlier from the log z and the totals in hash a
+local function trim(z, a)
+  while true do
+    local old = redis.call('ZRANGEBYSCORE', z, '-inf', now - window, 'LIMIT', 0, 500)
+    if #old == 0 then return end
+    local amounts = redis.call('HMGET', a, unpack(old))
+    local total, inter = 0, 0
+    for j, id in ipairs(old) do
+      local v = tonumber(amounts[j] or 0)
+      total = total + v
+      if string.sub(id, -2) == '|i' then inter = inter + v end
+    end
+    redis.call('HDEL', a, unpack(old))
+    redis.call('ZREM', z, unpack(old))
+    if total ~= 0 then redis.call('HINCRBY', a, '_t', -total) end
+    if inter ~= 0 then redis.call('HINCRBY', a, '_i', -inter) end
+    if #old < 500 then return end
+  end
+end
+
+local function window_read(z, a)
+  trim(z, a)
+  local v = redis.call('HMGET', a, '_t', '_i')
+  return tonumber(v[1] or 0), tonumber(v[2] or 0)
+end
+
+local function window_add(z, a, member, amount, interactive)
+  redis.call('ZADD', z, now, member)
+  redis.call('HINCRBY', a, member, amount)
+  redis.call('HINCRBY', a, '_t', amount)
+  if interactive == 1 then redis.call('HINCRBY', a, '_i', amount) end
+  local ttl = math.ceil(window) + 1000
+  redis.call('PEXPIRE', z, ttl)
+  redis.call('PEXPIRE', a, ttl)
+end
+
+-- ms until at least `must` has left the window, walking the log oldest first
+local function retry_walk(z, a, must)
+  local offset, freed = 0, 0
+  while true do
+    local page = redis.call('ZRANGE', z, offset, offset + 63, 'WITHSCORES')
+    if #page == 0 then return window end
+    local members = {}
+    for j = 1, #page, 2 do members[#members + 1] = page[j] end
+    local amounts = redis.call('HMGET', a, unpack(members))
+    for j = 1, #members do
+      freed = freed + tonumber(amounts[j] or 0)
+      if freed >= must then return math.max(0, tonumber(page[2 * j]) + window - now) end
+    end
+    offset = offset + 64
+  end
+end
+
+local function reset_of(z)
+  local last = redis.call('ZRANGE', z, -1, -1, 'WITHSCORES')
+  if #last == 0 then return 0 end
+  return math.max(0, tonumber(last[2]) + window - now)
+end
+
+local function state(kind, z, a)
+  if kind == 'w' then
+    local total = window_read(z, a)
+    return total, reset_of(z)
+  end
+  return tonumber(redis.call('HGET', gauges, z) or '0'), 0
+end
+
+-- GCRA pace of a window (see sliding_window.py); its theoretical arrival time is field _p of a
+local function paced(limit, burst) return burst > 0 and burst < limit end
+
+local function pace_wait(a, limit, burst, cost, floor, interactive)
+  if not paced(limit, burst) then return 0 end
+  local interval = window / limit
+  local debt = math.max(tonumber(redis.call('HGET', a, '_p') or '0'), now) - now
+  local tolerance = math.max(0, (burst - cost) * interval)
+  if interactive == 1 then tolerance = tolerance + floor * interval end
+  local wait = debt - tolerance
+  if wait <= 0.000001 then return 0 end
+  return wait
+end
+
+local function pace(a, limit, burst, amount)
+  if not paced(limit, burst) then return end
+  local tat = tonumber(redis.call('HGET', a, '_p') or '0')
+  if amount > 0 then tat = math.max(tat, now) end
+  redis.call('HSET', a, '_p', tostring(tat + amount * window / limit))
+end
+
+local function member(lease_id, interactive)
+  if interactive == 1 then return lease_id .. '|i' end
+  return lease_id .. '|b'
+end
+"""
+
+# ARGV: window_ms, interactive, ttl_ms, lease_id, gauge_retry_ms, count, then per check kind,
+# log key (windows) or gauge field, totals key (windows), limit, cost, floor, refundable, budget, burst.
+# Returns allowed, denied index, retry ms, expiry ms, expired leases, then per check used, reset ms.
+ACQUIRE = _COMMON + r"""
+local interactive, ttl, lease_id = tonumber(ARGV[2]), tonumber(ARGV[3]), ARGV[4]
+local gauge_retry, count = tonumber(ARGV[5]), tonumber(ARGV[6])
+local expired = sweep()
+local checks, denied, retry = {}, 0, 0
+for j = 1, count do
+  local b = 7 + (j - 1) * 9
+  local c = {k = ARGV[b], f = ARGV[b + 1], a = ARGV[b + 2], l = tonumber(ARGV[b + 3]), c = tonumber(ARGV[b + 4]),
+             fl = tonumber(ARGV[b + 5]), r = tonumber(ARGV[b + 6]), b = tonumber(ARGV[b + 7]), bu = tonumber(ARGV[b + 8])}
+  local used, iused, pw = 0, 0, 0
+  if c.k == 'w' then
+    used, iused = window_read(c.f, c.a)
+    pw = pace_wait(c.a, c.l, c.bu, c.c, c.fl, interactive)
+  else
+    used = tonumber(redis.call('HGET', gauges, c.f) or '0')
+    iused = tonumber(redis.call('HGET', gauges, c.f .. ':i') or '0')
+  end
+  c.used = used
+  local reserve = 0
+  if interactive == 0 then reserve = math.max(0, c.fl - iused) end
+  if pw > 0 or used + c.c + reserve > c.l then
+    local wait = gauge_retry
+    if c.k == 'w' then
+      local must = used + c.c + reserve - c.l
+      wait = pw
+      if must > 0 then wait = math.max(pw, retry_walk(c.f, c.a, must)) end
+    end
+    if denied == 0 or wait > retry then denied, retry = j, wait end
+  end
+  checks[j] = c
+end
+local out = {0, denied, math.ceil(retry), 0, expired}
+if denied == 0 then
+  local entries = {}
+  for j, c in ipairs(checks) do
+    if c.k == 'w' then
+      window_add(c.f, c.a, member(lease_id, interactive), c.c, interactive)
+      pace(c.a, c.l, c.bu, c.c)
+    else
+      redis.call('HINCRBY', gauges, c.f, c.c)
+      if interactive == 1 then redis.call('HINCRBY', gauges, c.f .. ':i', c.c) end
+    end
+    c.used = c.used + c.c
+    entries[j] = {k = c.k, f = c.f, a = c.a, c = c.c, r = c.r, l = c.l, b = c.b, bu = c.bu}
+  end
+  local expires = now + ttl
+  redis.call('HSET', leases, lease_id, cjson.encode({i = interactive, e = entries}))
+  redis.call('ZADD', expiry, expires, lease_id)
+  out[1] = 1
+  out[4] = math.floor(expires)
+end
+for _, c in ipairs(checks) do
+  out[#out + 1] = c.used
+  if c.k == 'w' then out[#out + 1] = math.ceil(reset_of(c.f)) else out[#out + 1] = 0 end
+end
+return out
+"""
+
+# ARGV: window_ms, lease_id, used tokens (-1: release, refund everything). Returns found, then per
+# entry of the lease budget, limit, used, reset ms: any replica can settle any lease.
+SETTLE = _COMMON + r"""
+local lease_id, used = ARGV[2], tonumber(ARGV[3])
+sweep()
+local raw = redis.call('HGET', leases, lease_id)
+if not raw then return {0} end
+redis.call('HDEL', leases, lease_id)
+redis.call('ZREM', expiry, lease_id)
+local lease = cjson.decode(raw)
+free_gauges(lease)
+local mine = member(lease_id, lease.i)
+for _, e in ipairs(lease.e) do
+  if e.k == 'w' and e.r == 1 then
+    trim(e.f, e.a)
+    local delta = e.c - math.max(used, 0)
+    if delta > 0 then
+      local give = math.min(delta, tonumber(redis.call('HGET', e.a, mine) or '0'))
+      if give > 0 then
+        redis.call('HINCRBY', e.a, mine, -give)
+        redis.call('HINCRBY', e.a, '_t', -give)
+        if lease.i == 1 then redis.call('HINCRBY', e.a, '_i', -give) end
+      end
+      pace(e.a, e.l, e.bu or 0, -delta)
+    elseif delta < 0 then
+      window_add(e.f, e.a, member(lease_id .. '+', lease.i), -delta, lease.i)
+      pace(e.a, e.l, e.bu or 0, -delta)
+    end
+  end
+end
+local out = {1}
+for _, e in ipairs(lease.e) do
+  local u, r = state(e.k, e.f, e.a)
+  out[#out + 1] = e.b
+  out[#out + 1] = e.l
+  out[#out + 1] = u
+  out[#out + 1] = math.ceil(r)
+end
+return out
+"""
+
+# ARGV: window_ms, then triples kind, log key or gauge field, totals key. Returns per check used, reset ms.
+PEEK = _COMMON + r"""
+sweep()
+local out = {}
+for a = 2, #ARGV, 3 do
+  local u, r = state(ARGV[a], ARGV[a + 1], ARGV[a + 2])
+  out[#out + 1] = u
+  out[#out + 1] = math.ceil(r)
+end
+return out
+"""
+
+
+def _tag(model: str) -> str:
+    return model.replace("{", "(").replace("}", ")") or "_"
+
+
+class RedisBackend:
+    name = "redis"
+
+    def __init__(
+        self,
+        url: str,
+        prefix: str,
+        window_s: float,
+        timeout_s: float = 0.1,
+        on_expired: Callable[[int], None] | None = None,
+    ) -> None:
+        self._on_expired = on_expired
+        self.window_s = window_s
+        self._window_ms = window_s * 1000.0
+        self._prefix = prefix
+        self.client = aioredis.Redis.from_url(
+            url,
+            socket_timeout=timeout_s,
+            socket_connect_timeout=timeout_s,
+            retry_on_timeout=False,
+            health_check_interval=0,
+        )
+        self._acquire = self.client.register_script(ACQUIRE)
+        self._settle = self.client.register_script(SETTLE)
+        self._peek = self.client.register_script(PEEK)
+
+    def _base(self, tag: str) -> str:
+        return f"{self._prefix}:{{{_tag(tag)}}}"
+
+    def _keys(self, base: str) -> list[str]:
+        return [f"{base}:l", f"{base}:x", f"{base}:g"]
+
+    def _fields(self, base: str, check: Check) -> tuple[str, str]:
+        if check.kind is Kind.WINDOW:
+            return f"{base}:w:{check.key}", f"{base}:a:{check.key}"
+        return check.key, ""
+
+    async def acquire(self, checks: list[Check], interactive: bool, ttl_s: float, shadow: bool, tag: str = "") -> Decision:
+        base = self._base(tag)
+        lease_id = f"{uuid.uuid4().hex}.{tag}"
+        args: list[object] = [
+            self._window_ms,
+            int(interactive),
+            int(ttl_s * 1000),
+            lease_id,
+            int(GAUGE_RETRY_S * 1000),
+            len(checks),
+        ]
+        window_keys = []
+        for check in checks:
+            log_key, totals_key = self._fields(base, check)
+            if check.kind is Kind.WINDOW:
+                window_keys += [log_key, totals_key]
+            args += [
+                check.kind.value,
+                log_key,
+                totals_key,
+                check.limit,
+                check.cost,
+                check.floor,
+                int(check.refundable),
+                int(check.budget),
+                check.burst,
+            ]
+        reply = await self._acquire(keys=[*self._keys(base), *window_keys], args=args)
+        allowed, denied_index, retry_ms, expires_ms, expired = (int(v) for v in reply[:5])
+        if expired and self._on_expired is not None:
+            self._on_expired(expired)
+        states = [
+            BudgetState(c.budget, c.limit, max(0, c.limit - int(reply[5 + 2 * i])), int(reply[6 + 2 * i]) / 1000.0, c.name)
+            for i, c in enumerate(checks)
+        ]
+        if not allowed:
+            denied = checks[denied_index - 1]
+            return Decision(
+                allowed=False,
+                states=states,
+                denied_by=denied.budget,
+                denied_name=denied.name,
+                retry_after_s=retry_ms / 1000.0,
+                shadow=shadow,
+            )
+        return Decision(allowed=True, lease_id=lease_id, lease_expires_at=expires_ms / 1000.0, states=states)
+
+    async def settle(self, lease_id: str, used_tokens: int | None) -> list[BudgetState]:
+        _hex, _, tag = lease_id.partition(".")
+        args: list[object] = [self._window_ms, lease_id, -1 if used_tokens is None else used_tokens]
+        reply = await self._settle(keys=self._keys(self._base(tag)), args=args)
+        if not int(reply[0]):
+            raise LeaseNotFound(lease_id)
+        states = []
+        for i in range(1, len(reply), 4):
+            budget, limit, used, reset_ms = (int(v) for v in reply[i : i + 4])
+            states.append(BudgetState(Budget(budget), limit, max(0, limit - used), reset_ms / 1000.0, BUDGET_NAMES[Budget(budget)]))
+        return states
+
+    async def peek(self, checks: list[Check], tag: str = "") -> list[BudgetState]:
+        base = self._base(tag)
+        args: list[object] = [self._window_ms]
+        for check in checks:
+            args += [check.kind.value, *self._fields(base, check)]
+        reply = await self._peek(keys=self._keys(base), args=args)
+        return [
+            BudgetState(c.budget, c.limit, max(0, c.limit - int(reply[2 * i])), int(reply[1 + 2 * i]) / 1000.0, c.name)
+            for i, c in enumerate(checks)
+        ]
+
+    def owns(self, lease_id: str) -> bool:
+        return not lease_id.startswith("local-")
+
+    async def close(self) -> None:
+        await self.client.aclose()

@@ -1,0 +1,139 @@
+"""One suite for both backends: the in-memory one and the Lua scripts on the real Redis."""
+
+from __future__ import annotations
+
+import pytest
+
+from sluice_rate_limit.budgets import Budget, Check, Kind, LeaseNotFound
+
+
+def tpm(limit: int, cost: int, floor: int = 0, key: str = "t:a:tpm") -> Check:
+    return Check(Budget.TOKENS_PER_MINUTE, Kind.WINDOW, key, limit, cost, floor, refundable=True, name="tokens_per_minute")
+
+
+def rpm(limit: int, floor: int = 0) -> Check:
+    return Check(Budget.REQUESTS_PER_MINUTE, Kind.WINDOW, "t:a:rpm", limit, 1, floor, name="requests_per_minute")
+
+
+def rif(limit: int, floor: int = 0) -> Check:
+    return Check(Budget.REQUESTS_IN_FLIGHT, Kind.GAUGE, "t:a:rif", limit, 1, floor, name="requests_in_flight")
+
+
+def tif(limit: int, cost: int) -> Check:
+    return Check(Budget.TOKENS_IN_FLIGHT, Kind.GAUGE, "t:a:tif", limit, cost, name="tokens_in_flight")
+
+
+async def test_admits_up_to_the_limit_then_names_the_budget_and_when_to_retry(harness) -> None:
+    backend = harness.backend
+    for _ in range(3):
+        decision = await backend.acquire([rpm(5), tpm(1000, 300)], True, 30, False, "m")
+        assert decision.allowed and decision.lease_id
+    assert decision.states[1].remaining == 100
+    denied = await backend.acquire([rpm(5), tpm(1000, 300)], True, 30, False, "m")
+    assert not denied.allowed
+    assert denied.denied_by == Budget.TOKENS_PER_MINUTE
+    assert 0 < denied.retry_after_s <= 2.2
+    # nothing was charged by the denial: all or nothing
+    assert (await backend.peek([rpm(5)], "m"))[0].remaining == 2
+
+
+async def test_refund_at_commit_is_usable_at_once(harness) -> None:
+    backend = harness.backend
+    first = await backend.acquire([tpm(1000, 800)], True, 30, False, "m")
+    assert not (await backend.acquire([tpm(1000, 500)], True, 30, False, "m")).allowed
+    states = await backend.settle(first.lease_id, 100)  # used 100 of 800: 700 back
+    assert states[0].remaining == 900
+    assert (await backend.acquire([tpm(1000, 500)], True, 30, False, "m")).allowed
+
+
+async def test_release_refunds_the_whole_reservation_and_using_more_charges_more(harness) -> None:
+    backend = harness.backend
+    lease = await backend.acquire([tpm(1000, 400)], True, 30, False, "m")
+    await backend.settle(lease.lease_id, None)
+    assert (await backend.peek([tpm(1000, 0)], "m"))[0].remaining == 1000
+    lease = await backend.acquire([tpm(1000, 100)], True, 30, False, "m")
+    await backend.settle(lease.lease_id, 250)  # the estimate was low: the truth is charged
+    assert (await backend.peek([tpm(1000, 0)], "m"))[0].remaining == 750
+
+
+async def test_in_flight_is_freed_by_commit_and_a_settled_lease_is_gone(harness) -> None:
+    backend = harness.backend
+    lease = await backend.acquire([rif(1), tif(100, 60)], True, 30, False, "m")
+    denied = await backend.acquire([rif(1), tif(100, 60)], True, 30, False, "m")
+    assert not denied.allowed
+    assert denied.denied_by in (Budget.REQUESTS_IN_FLIGHT, Budget.TOKENS_IN_FLIGHT)
+    await backend.settle(lease.lease_id, 10)
+    with pytest.raises(LeaseNotFound):
+        await backend.settle(lease.lease_id, 10)
+    assert (await backend.acquire([rif(1), tif(100, 60)], True, 30, False, "m")).allowed
+
+
+async def test_an_expired_lease_frees_its_capacity(harness) -> None:
+    backend = harness.backend
+    lease = await backend.acquire([rif(1)], True, 0.3, False, "m")
+    assert not (await backend.acquire([rif(1)], True, 0.3, False, "m")).allowed
+    await harness.advance(0.4)
+    assert (await backend.acquire([rif(1)], True, 30, False, "m")).allowed
+    with pytest.raises(LeaseNotFound):
+        await backend.settle(lease.lease_id, 0)
+
+
+async def test_window_capacity_comes_back_after_the_window(harness) -> None:
+    backend = harness.backend
+    assert (await backend.acquire([rpm(1)], True, 30, False, "m")).allowed
+    denied = await backend.acquire([rpm(1)], True, 30, False, "m")
+    assert not denied.allowed and denied.retry_after_s <= 2.11
+    await harness.advance(denied.retry_after_s + 0.05)
+    assert (await backend.acquire([rpm(1)], True, 30, False, "m")).allowed
+
+
+async def test_bulk_never_pushes_interactive_below_its_floor(harness) -> None:
+    backend = harness.backend
+    bulk = 0
+    while (await backend.acquire([tpm(1000, 100, floor=300)], False, 30, False, "m")).allowed:
+        bulk += 1
+    assert bulk == 7  # 1000 - floor 300
+    for _ in range(3):
+        assert (await backend.acquire([tpm(1000, 100, floor=300)], True, 30, False, "m")).allowed
+    assert not (await backend.acquire([tpm(1000, 100, floor=300)], True, 30, False, "m")).allowed
+
+
+async def test_models_are_separate(harness) -> None:
+    backend = harness.backend
+    assert (await backend.acquire([rpm(1)], True, 30, False, "m1")).allowed
+    assert (await backend.acquire([rpm(1)], True, 30, False, "m2")).allowed
+    assert not (await backend.acquire([rpm(1)], True, 30, False, "m1")).allowed
+
+
+def paced_tpm(limit: int, cost: int, burst: int, floor: int = 0) -> Check:
+    return Check(Budget.TOKENS_PER_MINUTE, Kind.WINDOW, "t:a:tpm", limit, cost, floor, refundable=True, burst=burst, name="tokens_per_minute")
+
+
+async def test_pacing_lets_the_burst_through_then_the_rate(harness) -> None:
+    backend = harness.backend
+    # 1000 tokens per 2 s = 1 token per 2 ms; a burst of 100 tokens at once
+    admitted = 0
+    while (await backend.acquire([paced_tpm(1000, 25, burst=100)], False, 30, False, "m")).allowed:
+        admitted += 25
+    assert admitted == 100
+    denied = await backend.acquire([paced_tpm(1000, 25, burst=100)], False, 30, False, "m")
+    assert not denied.allowed and 0 < denied.retry_after_s <= 0.06
+    await harness.advance(denied.retry_after_s + 0.01)
+    assert (await backend.acquire([paced_tpm(1000, 25, burst=100)], False, 30, False, "m")).allowed
+
+
+async def test_a_request_bigger_than_the_burst_goes_through_when_nothing_is_owed(harness) -> None:
+    backend = harness.backend
+    lease = await backend.acquire([paced_tpm(1000, 400, burst=50)], True, 30, False, "m")
+    assert lease.allowed
+    assert not (await backend.acquire([paced_tpm(1000, 10, burst=50)], False, 30, False, "m")).allowed
+    await backend.settle(lease.lease_id, 0)  # the refund pays the pace back too
+    assert (await backend.acquire([paced_tpm(1000, 10, burst=50)], False, 30, False, "m")).allowed
+
+
+async def test_interactive_may_go_into_debt_by_its_floor(harness) -> None:
+    backend = harness.backend
+    while (await backend.acquire([paced_tpm(1000, 20, burst=100, floor=300)], False, 30, False, "m")).allowed:
+        pass  # bulk keeps the pace saturated
+    for _ in range(10):
+        assert (await backend.acquire([paced_tpm(1000, 20, burst=100, floor=300)], True, 30, False, "m")).allowed

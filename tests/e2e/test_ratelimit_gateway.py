@@ -1,0 +1,176 @@
+"""The gateway's admission through rate-limit, on the real stack.
+
+The session's stack runs with config/limits.toml; these tests also start a rate-limit with tight
+limits of their own and gateways in front of the stack's adapter that use it (or a dead address).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from google.rpc import error_details_pb2
+from grpc_status import rpc_status
+from sluice.common.v1 import types_pb2
+from sluice.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+from sluice.ratelimit.v1 import ratelimit_pb2, ratelimit_pb2_grpc
+
+from conftest import MODEL, auth
+from ratelimit_support import start_ratelimit
+from sluice_stack import ServiceProcess, Stack, free_port
+from sluice_stack.launcher import grpc_serving
+
+PRIVATE_KEY = "sk-sluice-private"
+LIMITS = """
+[tenants.demo]
+requests_per_minute = 100
+tokens_per_minute = 100000
+requests_in_flight = 4
+burst = 1.0
+
+[tenants.private]
+requests_per_minute = 1
+burst = 1.0
+"""
+
+
+def start_gateway(stack: Stack, run_dir: Path, name: str, ratelimit_url: str, **env: str) -> tuple[ServiceProcess, str]:
+    port = free_port()
+    address = f"127.0.0.1:{port}"
+    settings = {
+        "PYTHONUNBUFFERED": "1",
+        "SLUICE_GATEWAY_PORT": str(port),
+        "SLUICE_GATEWAY_METRICS_PORT": str(free_port()),
+        "SLUICE_GATEWAY_ADAPTER_URL": stack.adapter_address,
+        "SLUICE_GATEWAY_TENANTS_FILE": str(stack.tenants_file),
+        "SLUICE_GATEWAY_AMQP_URL": stack.amqp_url,
+        "SLUICE_GATEWAY_AMQP_PREFIX": stack.amqp_prefix,
+        "SLUICE_GATEWAY_EVENTS_SPILL_FILE": str(run_dir / f"{name}-events.spill"),
+        "SLUICE_GATEWAY_RATELIMIT_URL": ratelimit_url,
+        **{f"SLUICE_GATEWAY_{key.upper()}": value for key, value in env.items()},
+    }
+    process = ServiceProcess(name, "sluice_gateway", settings, run_dir / f"{name}.log", grpc_serving(address), project="gateway")
+    process.start()
+    try:
+        process.wait_ready(120)
+    except BaseException:
+        process.stop()
+        raise
+    return process, address
+
+
+@pytest.fixture(scope="module")
+def limited(stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]]:
+    """(gateway address, rate-limit address) with the tight LIMITS."""
+    run_dir = tmp_path_factory.mktemp("ratelimit-gateway")
+    limits = run_dir / "limits.toml"
+    limits.write_text(LIMITS)
+    limiter, limiter_address = start_ratelimit(run_dir, "rate-limit-gw", limits)
+    try:
+        gateway, gateway_address = start_gateway(stack, run_dir, "gateway-rl", limiter_address)
+        try:
+            yield gateway_address, limiter_address
+        finally:
+            gateway.stop()
+    finally:
+        limiter.stop()
+
+
+def request(max_tokens: int = 4, content: str = "Say hello.") -> gateway_pb2.GenerateRequest:
+    return gateway_pb2.GenerateRequest(
+        model=MODEL,
+        messages=[types_pb2.ChatMessage(role="user", content=content)],
+        sampling=types_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0),
+    )
+
+
+def usage(limiter_address: str, tenant: str) -> dict[int, ratelimit_pb2.BudgetStatus]:
+    with grpc.insecure_channel(limiter_address) as channel:
+        reply = ratelimit_pb2_grpc.RateLimitServiceStub(channel).GetUsage(ratelimit_pb2.GetUsageRequest(tenant=tenant), timeout=5)
+    return {b.budget: b for row in reply.usage if row.model == MODEL for b in row.budgets}
+
+
+def wait_for(condition, timeout_s: float = 10.0) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.1)
+
+
+def test_the_stack_gateway_sends_openai_ratelimit_headers(gateway) -> None:
+    call = gateway.Generate(request(), metadata=auth(), timeout=60)
+    headers = dict(call.initial_metadata())
+    list(call)
+    for suffix in ("requests", "tokens"):
+        assert int(headers[f"x-ratelimit-limit-{suffix}"]) > 0
+        assert 0 <= int(headers[f"x-ratelimit-remaining-{suffix}"]) < int(headers[f"x-ratelimit-limit-{suffix}"])
+        assert headers[f"x-ratelimit-reset-{suffix}"].endswith("s")
+
+
+def test_real_usage_is_committed_after_the_stream(limited) -> None:
+    gateway_address, limiter_address = limited
+    with grpc.insecure_channel(gateway_address) as channel:
+        call = gateway_pb2_grpc.GatewayServiceStub(channel).Generate(request(max_tokens=6), metadata=auth(), timeout=60)
+        headers = dict(call.initial_metadata())
+        final = [r for r in call if r.finish_reason][-1]
+    assert headers["x-ratelimit-limit-tokens"] == "100000"
+    reserved = 100000 - int(headers["x-ratelimit-remaining-tokens"])
+    used = final.usage.prompt_tokens + final.usage.completion_tokens
+    assert reserved > used  # the estimate over-reserves ...
+    # ... and the commit refunds the difference and frees the in-flight slot
+    wait_for(lambda: usage(limiter_address, "demo")[ratelimit_pb2.BUDGET_REQUESTS_IN_FLIGHT].remaining == 4)
+    spent = 100000 - usage(limiter_address, "demo")[ratelimit_pb2.BUDGET_TOKENS_PER_MINUTE].remaining
+    assert spent % 1 == 0 and used <= spent <= used * 2  # this test's tokens (+ none from others on "demo")
+
+
+def test_a_cancelled_stream_is_committed_at_once(limited) -> None:
+    gateway_address, limiter_address = limited
+    with grpc.insecure_channel(gateway_address) as channel:
+        call = gateway_pb2_grpc.GatewayServiceStub(channel).Generate(request(max_tokens=200), metadata=auth(), timeout=60)
+        next(iter(call))
+        assert usage(limiter_address, "demo")[ratelimit_pb2.BUDGET_REQUESTS_IN_FLIGHT].remaining == 3
+        call.cancel()
+    # settled by the gateway, not by the lease's expiry (deadline + 30 s away)
+    wait_for(lambda: usage(limiter_address, "demo")[ratelimit_pb2.BUDGET_REQUESTS_IN_FLIGHT].remaining == 4, 5.0)
+
+
+def test_a_denial_is_resource_exhausted_with_retry_info_and_quota_failure(limited) -> None:
+    gateway_address, _ = limited
+    with grpc.insecure_channel(gateway_address) as channel:
+        stub = gateway_pb2_grpc.GatewayServiceStub(channel)
+        list(stub.Generate(request(), metadata=auth(PRIVATE_KEY), timeout=60))
+        with pytest.raises(grpc.RpcError) as caught:
+            list(stub.Generate(request(), metadata=auth(PRIVATE_KEY), timeout=60))
+    error = caught.value
+    assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "requests_per_minute" in error.details()
+    details = {d.TypeName(): d for d in rpc_status.from_call(error).details}
+    retry = error_details_pb2.RetryInfo()
+    details["google.rpc.RetryInfo"].Unpack(retry)
+    assert 0 < retry.retry_delay.ToNanoseconds() / 1e9 <= 60
+    quota = error_details_pb2.QuotaFailure()
+    details["google.rpc.QuotaFailure"].Unpack(quota)
+    assert quota.violations[0].subject == f"tenant:private/model:{MODEL}/requests_per_minute"
+
+
+def test_an_unreachable_rate_limit_fails_closed_within_the_deadline(stack: Stack, tmp_path: Path) -> None:
+    dead = f"127.0.0.1:{free_port()}"
+    gateway, address = start_gateway(stack, tmp_path, "gateway-rl-dead", dead, ratelimit_timeout_s="0.3")
+    try:
+        with grpc.insecure_channel(address) as channel:
+            stub = gateway_pb2_grpc.GatewayServiceStub(channel)
+            for timeout in (30.0, 0.2):
+                started = time.perf_counter()
+                with pytest.raises(grpc.RpcError) as caught:
+                    list(stub.Generate(request(), metadata=auth(), timeout=timeout))
+                elapsed = time.perf_counter() - started
+                assert caught.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+                assert elapsed < min(timeout, 0.3) + 0.7, elapsed
+                if timeout > 1:
+                    assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+                    assert "rate-limit" in caught.value.details()
+    finally:
+        gateway.stop()
