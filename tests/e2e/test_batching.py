@@ -1,0 +1,197 @@
+"""Continuous batching in the adapter, against the real Triton and model (issue 3's acceptance)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+
+import grpc
+import pytest
+from google.rpc import error_details_pb2
+from grpc_status import rpc_status
+from sluice.common.v1 import types_pb2
+from sluice.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+
+from conftest import MODEL, auth, scrape
+from sluice_stack import Stack, StackPorts
+
+PROMPTS = [
+    "What is the capital of France?",
+    "Name three colors.",
+    "Write one sentence about the moon.",
+    "What is two plus two?",
+]
+
+SLOTS = "sluice_adapter_kv_slots_in_use"
+
+
+def chat(question: str, max_tokens: int, priority: int = types_pb2.PRIORITY_CLASS_INTERACTIVE) -> gateway_pb2.GenerateRequest:
+    return gateway_pb2.GenerateRequest(
+        model=MODEL,
+        messages=[types_pb2.ChatMessage(role="user", content=question)],
+        sampling=types_pb2.SamplingParams(max_tokens=max_tokens),
+        priority_class=priority,
+    )
+
+
+def text_of(stub, request, key: str = "sk-sluice-demo") -> str:
+    return "".join(r.text for r in stub.Generate(request, metadata=auth(key), timeout=180))
+
+
+def in_threads(jobs: list) -> None:
+    threads = [threading.Thread(target=job) for job in jobs]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=300)
+
+
+def test_greedy_outputs_under_batching_match_the_same_requests_alone(gateway) -> None:
+    alone = [text_of(gateway, chat(p, 16)) for p in PROMPTS]
+    batched: dict[int, str] = {}
+
+    def run(index: int) -> None:
+        time.sleep(0.15 * index)  # staggered: later ones join a batch that is already decoding
+        batched[index] = text_of(gateway, chat(PROMPTS[index], 16))
+
+    in_threads([lambda i=i: run(i) for i in range(len(PROMPTS))])
+    assert [batched[i] for i in range(len(PROMPTS))] == alone
+
+
+def test_a_short_request_finishes_before_long_ones_that_started_first(gateway) -> None:
+    finished: dict[str, float] = {}
+    started = threading.Event()
+
+    def long(name: str) -> None:
+        for response in gateway.Generate(chat("Write a long story about a dragon.", 60), metadata=auth(), timeout=180):
+            if response.text:
+                started.set()
+        finished[name] = time.monotonic()
+
+    def short() -> None:
+        started.wait(60)
+        text_of(gateway, chat("Say hi.", 3))
+        finished["short"] = time.monotonic()
+
+    in_threads([lambda: long("long1"), lambda: long("long2"), short])
+    assert finished["short"] < min(finished["long1"], finished["long2"])
+
+
+def test_a_cancelled_stream_frees_its_slot_within_one_step(gateway, stack) -> None:
+    metrics = stack.metrics_url("inference-adapter")
+    tokens = {"steady": 0}
+    steady_started = threading.Event()
+    stop = threading.Event()
+
+    def steady() -> None:
+        for response in gateway.Generate(chat("Write a long poem about the sea.", 80), metadata=auth(), timeout=180):
+            tokens["steady"] += bool(response.text)
+            steady_started.set()
+            if stop.is_set():
+                break
+
+    thread = threading.Thread(target=steady)
+    thread.start()
+    steady_started.wait(60)
+    call = gateway.Generate(chat("Write a long essay about mountains.", 80), metadata=auth(), timeout=180)
+    for index, _ in enumerate(call):
+        if index == 2:
+            break
+    assert scrape(metrics, SLOTS) == 2
+    at_cancel = tokens["steady"]
+    call.cancel()
+    while scrape(metrics, SLOTS) != 1:
+        time.sleep(0.005)
+    # The steady stream advanced at most one step (plus the one in flight) before the slot was freed.
+    assert tokens["steady"] - at_cancel <= 2
+    stop.set()
+    thread.join(timeout=120)
+
+
+# -- a deliberately tiny adapter: one sequence per batch, six waiting places --------------
+
+
+@pytest.fixture(scope="module")
+def overloaded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[gateway_pb2_grpc.GatewayServiceStub]:
+    stack = Stack(
+        run_dir=tmp_path_factory.mktemp("overload"),
+        ports=StackPorts.ephemeral(),
+        extra_env={"inference-adapter": {"SLUICE_ADAPTER_MAX_BATCH_SIZE": "1", "SLUICE_ADAPTER_MAX_WAITING": "6"}},
+    )
+    stack.start()
+    with grpc.insecure_channel(stack.gateway_address) as channel:
+        yield gateway_pb2_grpc.GatewayServiceStub(channel)
+    stack.stop()
+
+
+def occupy(stub, seconds_of_tokens: int = 40) -> tuple[threading.Thread, threading.Event]:
+    """A long stream that holds the only slot; returns once it is producing tokens."""
+    streaming = threading.Event()
+
+    def run() -> None:
+        for response in stub.Generate(chat("Write a long story about a river.", seconds_of_tokens), metadata=auth(), timeout=300):
+            if response.text:
+                streaming.set()
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    assert streaming.wait(60)
+    return thread, streaming
+
+
+def test_the_queue_bound_rejects_with_retry_info(overloaded) -> None:
+    blocker, _ = occupy(overloaded)
+    outcomes: list[grpc.RpcError | str] = []
+
+    def queued() -> None:
+        try:
+            outcomes.append(text_of(overloaded, chat("Say hi.", 2)))
+        except grpc.RpcError as error:
+            outcomes.append(error)
+
+    waiting = [threading.Thread(target=queued) for _ in range(6)]
+    for thread in waiting:
+        thread.start()
+    time.sleep(1.0)  # all six are in the waiting queue now
+    with pytest.raises(grpc.RpcError) as caught:
+        text_of(overloaded, chat("One too many.", 2))
+    error = caught.value
+    assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    status = rpc_status.from_call(error)
+    retry = error_details_pb2.RetryInfo()
+    assert any(detail.Unpack(retry) for detail in status.details)
+    assert retry.retry_delay.ToNanoseconds() > 0
+    for thread in [blocker, *waiting]:
+        thread.join(timeout=300)
+    assert all(isinstance(o, str) for o in outcomes), "the six queued requests must all be served"
+
+
+def test_interactive_before_bulk_and_tenants_take_turns(overloaded) -> None:
+    blocker, _ = occupy(overloaded, seconds_of_tokens=30)
+    admitted: list[str] = []
+    lock = threading.Lock()
+
+    def run(name: str, request: gateway_pb2.GenerateRequest, key: str) -> None:
+        for response in overloaded.Generate(request, metadata=auth(key), timeout=300):
+            if response.text:
+                with lock:
+                    if name not in admitted:
+                        admitted.append(name)
+
+    plan = [(f"bulk{i}", chat("Say hi.", 2, types_pb2.PRIORITY_CLASS_BULK), "sk-sluice-demo") for i in range(2)]
+    plan += [(f"noisy{i}", chat("Say hi.", 2), "sk-sluice-demo") for i in range(3)]
+    plan += [("quiet", chat("Say hi.", 2), "sk-sluice-private")]
+    threads = []
+    for name, request, key in plan:  # queued in this order behind the blocker
+        thread = threading.Thread(target=run, args=(name, request, key))
+        thread.start()
+        threads.append(thread)
+        time.sleep(0.1)
+    for thread in [blocker, *threads]:
+        thread.join(timeout=300)
+    # Every interactive request before any bulk one, although the bulk ones queued first.
+    assert all(admitted.index(f"bulk{i}") > admitted.index("quiet") for i in range(2))
+    assert max(admitted.index(f"noisy{i}") for i in range(3)) < min(admitted.index(f"bulk{i}") for i in range(2))
+    # The quiet tenant's one request waits for one of the noisy tenant's three, not all of them.
+    assert admitted.index("quiet") <= 1
