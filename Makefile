@@ -78,6 +78,9 @@ test: proto-lint protos-check test-deploy test-unit test-e2e
 bench-path: setup
 	bench/.venv/bin/python bench/bench_path.py
 
+bench-adapter: setup
+	bench/.venv/bin/python bench/bench_adapter.py
+
 bench-ratelimit: setup
 	bench/.venv/bin/python bench/bench_ratelimit.py
 

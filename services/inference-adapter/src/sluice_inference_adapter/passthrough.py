@@ -10,7 +10,6 @@ engine turns into freeing the sequence.
 from __future__ import annotations
 
 import asyncio
-import random
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
@@ -19,10 +18,9 @@ from typing import Protocol
 
 import structlog
 
-from sluice_common.errors import ResourceExhausted
 from sluice_inference_adapter import metrics
 from sluice_inference_adapter.chat_template import chatml
-from sluice_inference_adapter.scheduler import Finish, GenerationRequest, Sequence, SequenceHandle
+from sluice_inference_adapter.scheduler import Finish, GenerationRequest, Sequence, SequenceHandle, enqueue
 from sluice_inference_adapter.step_rows import SamplingSpec
 from sluice_inference_adapter.waiting_queue import FairWaitingQueue
 
@@ -62,15 +60,7 @@ class PassthroughScheduler:
         self._task: asyncio.Task[None] | None = None
 
     def submit(self, request: GenerationRequest) -> SequenceHandle:
-        if len(self._waiting) >= self._limits.max_waiting:
-            metrics.REJECTIONS.labels(reason="queue_full").inc()
-            raise ResourceExhausted(
-                f"the generation queue is full ({self._limits.max_waiting} waiting); retry later",
-                retry_after_s=self._limits.retry_after_s,
-                quota_subject="adapter.waiting_queue",
-            )
-        sequence = Sequence(seq_id=random.getrandbits(62) + 1, request=request, submitted_at=self._clock())
-        self._waiting.push(sequence)
+        sequence = enqueue(self._waiting, request, self._limits.max_waiting, self._limits.retry_after_s, self._clock())
         self._wakeup.set()
         return SequenceHandle(sequence, self._wakeup.set)
 

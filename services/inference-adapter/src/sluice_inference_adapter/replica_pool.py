@@ -69,7 +69,8 @@ class Replica:
     scheduler: BatchOwner = field(init=False)
     healthy: bool = True
     consecutive_failures: int = 0
-    last_success: float = field(default_factory=time.monotonic)
+    # -inf: a new replica is probed at once; it has not proved itself yet.
+    last_success: float = float("-inf")
 
 
     @property

@@ -176,6 +176,23 @@ def estimate_prompt_tokens(prompt: PromptSpec) -> int:
     return math.ceil(text_bytes / 3) + 32
 
 
+def enqueue(
+    waiting: FairWaitingQueue[Sequence], request: GenerationRequest, max_waiting: int, retry_after_s: float, now: float
+) -> Sequence:
+    """A new sequence in the waiting queue, or RESOURCE_EXHAUSTED with RetryInfo when it is full."""
+    if len(waiting) >= max_waiting:
+        metrics.REJECTIONS.labels(reason="queue_full").inc()
+        raise ResourceExhausted(
+            f"the generation queue is full ({max_waiting} waiting); retry later",
+            retry_after_s=retry_after_s,
+            quota_subject="adapter.waiting_queue",
+        )
+    # Random ids: several adapters may share one Triton, and ids must not collide there.
+    sequence = Sequence(seq_id=random.getrandbits(62) + 1, request=request, submitted_at=now)
+    waiting.push(sequence)
+    return sequence
+
+
 class SequenceHandle:
     def __init__(self, sequence: Sequence, wake: Callable[[], None]) -> None:
         self._sequence = sequence
@@ -224,16 +241,7 @@ class Scheduler:
     # -- caller side ---------------------------------------------------------------
 
     def submit(self, request: GenerationRequest) -> SequenceHandle:
-        if self.waiting_count >= self._limits.max_waiting:
-            metrics.REJECTIONS.labels(reason="queue_full").inc()
-            raise ResourceExhausted(
-                f"the generation queue is full ({self._limits.max_waiting} waiting); retry later",
-                retry_after_s=self._limits.retry_after_s,
-                quota_subject="adapter.waiting_queue",
-            )
-        sequence = Sequence(seq_id=random.getrandbits(62) + 1, request=request, submitted_at=self._clock())
-        self._waiting.push(sequence)
-        metrics.WAITING.labels(priority=request.priority.name.lower()).inc()
+        sequence = enqueue(self._waiting, request, self._limits.max_waiting, self._limits.retry_after_s, self._clock())
         self._wakeup.set()
         return SequenceHandle(sequence, self._wakeup.set)
 
@@ -296,8 +304,6 @@ class Scheduler:
         for sequence in sequences:
             sequence.backend_failed = backend_failed
             sequence.finish(Finish.ERROR, self._clock(), error=error)
-        for priority in Priority:
-            metrics.WAITING.labels(priority=priority.name.lower()).set(self._waiting.count(priority))
         metrics.SLOTS_IN_USE.set(0)
 
     def _plan_step(self) -> tuple[list[StepRow], list[Sequence]]:
@@ -342,7 +348,6 @@ class Scheduler:
             if self._running and tokens + head.reserved_tokens > self._limits.max_batch_tokens:
                 break
             self._waiting.pop()
-            metrics.WAITING.labels(priority=head.priority.name.lower()).dec()
             head.prefilled_at = now
             metrics.QUEUE_SECONDS.observe(now - head.submitted_at)
             tokens += head.reserved_tokens
@@ -359,7 +364,6 @@ class Scheduler:
 
     def _drop_abandoned_waiting(self, now: float) -> None:
         for sequence in self._waiting.remove_if(lambda s: s.abandon_reason(now) is not None):
-            metrics.WAITING.labels(priority=sequence.priority.name.lower()).dec()
             sequence.finish(sequence.abandon_reason(now) or Finish.CANCELLED, now)
 
     def _apply(self, rows: list[StepRow], stepped: list[Sequence], outcomes: list[StepOutcome]) -> None:

@@ -11,6 +11,8 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator
 from typing import Generic, Protocol, TypeVar
 
+from sluice_inference_adapter import metrics
+
 
 class Priority(enum.IntEnum):
     INTERACTIVE = 0
@@ -43,6 +45,11 @@ class FairWaitingQueue(Generic[T]):
     def push(self, item: T) -> None:
         self._classes[item.priority].setdefault(item.tenant, deque()).append(item)
         self._count += 1
+        self._report()
+
+    def _report(self) -> None:
+        for priority in Priority:
+            metrics.WAITING.labels(priority=priority.name.lower()).set(self.count(priority))
 
     def peek(self) -> T | None:
         for tenants in self._classes.values():
@@ -61,6 +68,7 @@ class FairWaitingQueue(Generic[T]):
             if queue:
                 tenants[tenant] = queue  # re-inserted at the end: the next tenant goes first
             self._count -= 1
+            self._report()
             return item
         return None
 
@@ -77,6 +85,7 @@ class FairWaitingQueue(Generic[T]):
                 else:
                     del tenants[tenant]
         self._count -= len(removed)
+        self._report()
         return removed
 
     def __iter__(self) -> Iterator[T]:

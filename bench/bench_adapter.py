@@ -1,0 +1,232 @@
+"""make bench-adapter: continuous batching in the adapter, measured side by side in one run.
+
+Against one stack (triton-local with 32 KV slots, adapter with max batch 32), straight to the
+adapter's gRPC API (the gateway and its rate limits are not what is measured here):
+
+  (a) output tokens/s of 16 and 32 concurrent streams, continuous batching vs the same
+      streams served one at a time                                       target >= 4x
+  (b) decode tokens/s through adapter + Triton vs the engine's batched step loop run
+      in-process (a subprocess in triton-local's environment) at the same batch size
+                                                                          target >= 0.85
+  (c) mixed output lengths (16..256 tokens): continuous vs static batching (a batch runs
+      until its longest member ends), throughput and p50 latency of the short ones
+                                                                          target >= 1.5x
+  (d) 256 texts embedded batched vs one request per text                  target >= 5x
+
+Ends with `BENCH <name> <value> <unit>` lines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+from sluice.common.v1 import types_pb2
+from sluice.inference.v1 import inference_pb2, inference_pb2_grpc
+
+from sluice_stack import REPO_ROOT, Stack, StackPorts
+
+MODEL = "smollm2-135m-instruct"
+EMBEDDING_MODEL = "all-minilm-l6-v2"
+# A raw prompt that keeps the model counting, so every stream runs to its max_tokens.
+COUNTING = "Numbers in order: 1, 2, 3, 4, 5, 6, 7, 8, 9, 10,"
+STORY = "Write a long story about a dragon and a knight."
+
+
+@dataclass
+class Stream:
+    submitted: float
+    arrivals: list[float]
+
+    @property
+    def finished(self) -> float:
+        return self.arrivals[-1] if self.arrivals else self.submitted
+
+
+async def stream(stub: inference_pb2_grpc.InferenceServiceStub, max_tokens: int, raw: bool = True) -> Stream:
+    request = inference_pb2.GenerateRequest(
+        model=MODEL,
+        tenant="bench",
+        sampling=types_pb2.SamplingParams(max_tokens=max_tokens),
+    )
+    if raw:
+        request.prompt = COUNTING
+    else:
+        request.messages.append(types_pb2.ChatMessage(role="user", content=STORY))
+    result = Stream(time.perf_counter(), [])
+    async for response in stub.Generate(request, timeout=900):
+        if response.token_count:
+            result.arrivals.extend([time.perf_counter()] * response.token_count)
+    return result
+
+
+def tokens_per_s(streams: list[Stream], started: float) -> float:
+    tokens = sum(len(s.arrivals) for s in streams)
+    return tokens / (max(s.finished for s in streams) - started)
+
+
+async def concurrent(stub, n: int, max_tokens: int) -> float:
+    started = time.perf_counter()
+    streams = await asyncio.gather(*(stream(stub, max_tokens) for _ in range(n)))
+    return tokens_per_s(list(streams), started)
+
+
+async def one_at_a_time(stub, n: int, max_tokens: int) -> float:
+    started = time.perf_counter()
+    streams = [await stream(stub, max_tokens) for _ in range(n)]
+    return tokens_per_s(streams, started)
+
+
+async def steady_decode_rate(stub, batch: int, max_tokens: int) -> float:
+    """Tokens/s while all `batch` streams are decoding (after the last prefill, before the first end)."""
+    streams = await asyncio.gather(*(stream(stub, max_tokens, raw=False) for _ in range(batch)))
+    start = max(s.arrivals[0] for s in streams)
+    end = min(s.arrivals[-1] for s in streams)
+    counted = sum(1 for s in streams for t in s.arrivals if start < t <= end)
+    return counted / (end - start) if end > start else 0.0
+
+
+def in_process_decode_rate(batch: int) -> float:
+    """The engine's own batched step loop in triton-local's environment, 1 BLAS thread."""
+    python = REPO_ROOT / "services" / "triton-local" / ".venv" / "bin" / "python"
+    env = {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}
+    out = subprocess.run(
+        [str(python), "-m", "sluice_triton_local.engine.bench", str(batch)],
+        capture_output=True, text=True, check=True, env=env, cwd=REPO_ROOT,
+    ).stdout
+    measured = json.loads(out.strip().splitlines()[-1])
+    return float(measured[f"batch{batch}_tok_s"])
+
+
+async def mixed_lengths(stub, lengths: list[int], batch: int, static: bool) -> tuple[float, float]:
+    """(tokens/s, p50 latency in s of the requests of at most 64 tokens), all submitted at t=0."""
+    started = time.perf_counter()
+    if static:
+        streams: list[Stream] = []
+        for offset in range(0, len(lengths), batch):
+            group = lengths[offset : offset + batch]
+            streams += await asyncio.gather(*(stream(stub, n) for n in group))
+        for s in streams:
+            s.submitted = started
+    else:
+        # At most `batch` in flight: a new request starts as soon as one ends, joining the
+        # adapter's running batch at its next step.
+        slots = asyncio.Semaphore(batch)
+
+        async def bounded(n: int) -> Stream:
+            async with slots:
+                result = await stream(stub, n)
+            result.submitted = started
+            return result
+
+        streams = list(await asyncio.gather(*(bounded(n) for n in lengths)))
+    short = [s.finished - started for s, n in zip(streams, lengths) if n <= 64]
+    return tokens_per_s(streams, started), statistics.median(short)
+
+
+async def embed(stub, texts: list[str]) -> None:
+    await stub.Embed(inference_pb2.EmbedRequest(model=EMBEDDING_MODEL, tenant="bench", inputs=texts), timeout=300)
+
+
+async def embeddings(stub, n: int) -> dict[str, float]:
+    texts = [f"Sentence number {i} is about rivers, mountains and the sea." for i in range(n)]
+    timings: dict[str, float] = {}
+    started = time.perf_counter()
+    for text in texts:
+        await embed(stub, [text])
+    timings["one_per_request"] = n / (time.perf_counter() - started)
+    started = time.perf_counter()
+    await asyncio.gather(*(embed(stub, [text]) for text in texts))
+    timings["concurrent_micro_batched"] = n / (time.perf_counter() - started)
+    started = time.perf_counter()
+    await embed(stub, texts)
+    timings["one_request"] = n / (time.perf_counter() - started)
+    return timings
+
+
+async def run(stack: Stack, args: argparse.Namespace) -> list[str]:
+    lines: list[str] = []
+    async with grpc.aio.insecure_channel(stack.adapter_address) as channel:
+        stub = inference_pb2_grpc.InferenceServiceStub(channel)
+        await concurrent(stub, 2, 4)  # warm-up
+
+        for n in (16, 32):
+            batched = await concurrent(stub, n, args.tokens)
+            alone = await one_at_a_time(stub, n, args.tokens)
+            print(f"(a) {n} streams x {args.tokens} tokens: batched {batched:.1f} tok/s, one at a time {alone:.1f} tok/s", flush=True)
+            lines += [
+                f"BENCH a_streams{n}_continuous_tokens_per_s {batched:.1f} tok/s",
+                f"BENCH a_streams{n}_one_at_a_time_tokens_per_s {alone:.1f} tok/s",
+                f"BENCH a_streams{n}_speedup {batched / alone:.2f} x (target >= 4)",
+            ]
+
+        for batch in (8, 16):
+            through = await steady_decode_rate(stub, batch, 33)
+            local = in_process_decode_rate(batch)
+            print(f"(b) batch {batch}: adapter+Triton {through:.1f} tok/s, in-process {local:.1f} tok/s", flush=True)
+            lines += [
+                f"BENCH b_batch{batch}_adapter_triton_decode_tokens_per_s {through:.1f} tok/s",
+                f"BENCH b_batch{batch}_in_process_decode_tokens_per_s {local:.1f} tok/s",
+                f"BENCH b_batch{batch}_ratio {through / local:.2f} x (target >= 0.85)",
+            ]
+
+        lengths = [16, 256, 32, 128, 16, 64, 256, 32, 16, 128, 64, 16, 32, 256, 16, 64][: args.mixed]
+        lengths = [max(4, n // args.shrink) for n in lengths]
+        cont_tps, cont_p50 = await mixed_lengths(stub, lengths, args.mixed_batch, static=False)
+        stat_tps, stat_p50 = await mixed_lengths(stub, lengths, args.mixed_batch, static=True)
+        print(f"(c) mixed lengths {lengths}: continuous {cont_tps:.1f} tok/s p50(short) {cont_p50:.1f}s;"
+              f" static {stat_tps:.1f} tok/s p50(short) {stat_p50:.1f}s", flush=True)
+        lines += [
+            f"BENCH c_continuous_tokens_per_s {cont_tps:.1f} tok/s",
+            f"BENCH c_static_tokens_per_s {stat_tps:.1f} tok/s",
+            f"BENCH c_throughput_ratio {cont_tps / stat_tps:.2f} x (target >= 1.5)",
+            f"BENCH c_short_p50_latency_continuous {cont_p50 * 1000:.0f} ms",
+            f"BENCH c_short_p50_latency_static {stat_p50 * 1000:.0f} ms",
+        ]
+
+        rates = await embeddings(stub, 256)
+        print(f"(d) embeddings texts/s: {rates}", flush=True)
+        lines += [f"BENCH d_embed_{name}_texts_per_s {value:.1f} texts/s" for name, value in rates.items()]
+        lines += [
+            f"BENCH d_embed_one_request_speedup {rates['one_request'] / rates['one_per_request']:.2f} x (target >= 5)",
+            f"BENCH d_embed_concurrent_speedup {rates['concurrent_micro_batched'] / rates['one_per_request']:.2f} x (target >= 5)",
+        ]
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--tokens", type=int, default=24, help="max_tokens of each stream in (a)")
+    parser.add_argument("--mixed", type=int, default=16, help="requests in (c)")
+    parser.add_argument("--mixed-batch", type=int, default=8, help="batch size in (c)")
+    parser.add_argument("--shrink", type=int, default=1, help="divide (c)'s lengths by this, for a quick run")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as run_dir:
+        stack = Stack(
+            run_dir=Path(run_dir),
+            ports=StackPorts.ephemeral(),
+            extra_env={
+                "triton-local": {"SLUICE_TRITON_LOCAL_MAX_SLOTS": "32"},
+                "inference-adapter": {"SLUICE_ADAPTER_MAX_BATCH_SIZE": "32", "SLUICE_ADAPTER_MAX_BATCH_TOKENS": "65536"},
+            },
+        )
+        print("starting the stack ...", flush=True)
+        stack.start()
+        try:
+            lines = asyncio.run(run(stack, args))
+        finally:
+            stack.stop()
+    print()
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,114 @@
+"""Routing, health and retry across replicas, with step models that stand in for Triton replicas.
+
+`ReplicaModel` follows the step protocol like the one in test_scheduler.py and can be
+switched to fail, as a crashed Triton does; the real two-replica path is tested in
+tests/e2e/test_replicas.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from contextlib import aclosing
+
+import pytest
+
+from sluice_common.errors import Unavailable
+from sluice_inference_adapter.replica_pool import ReplicaPool
+from sluice_inference_adapter.scheduler import Finish, FinishEvent, GenerationRequest, Scheduler, SchedulerLimits, TokenEvent
+from sluice_inference_adapter.step_rows import Action, PromptSpec, SamplingSpec, StepOutcome, StepRow
+
+
+class ReplicaModel:
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.failing = False
+        self.prefills = 0
+        self.generated: dict[int, int] = {}
+        self.probes_ok = True
+
+    async def step(self, rows: list[StepRow]) -> list[StepOutcome]:
+        await asyncio.sleep(0.002)
+        if self.failing:
+            raise ConnectionError(f"{self.url} is down")
+        outcomes = []
+        for row in rows:
+            if row.action is Action.RELEASE:
+                outcomes.append(StepOutcome(-1, "", "", 0, 0))
+                continue
+            if row.action is Action.PREFILL:
+                self.prefills += 1
+                self.generated[row.seq_id] = 0
+            self.generated[row.seq_id] += 1
+            count = self.generated[row.seq_id]
+            outcomes.append(StepOutcome(count, "x", "length" if count >= 3 else "", 2, count))
+        return outcomes
+
+    async def probe(self) -> bool:
+        return self.probes_ok and not self.failing
+
+
+def make_pool(*models: ReplicaModel, threshold: int = 2) -> ReplicaPool:
+    limits = SchedulerLimits(max_batch_size=4)
+    return ReplicaPool(list(models), lambda backend, on_step: Scheduler(backend, limits, on_step=on_step), threshold, 0.05)
+
+
+def request() -> GenerationRequest:
+    return GenerationRequest("rid", "t", PromptSpec(prompt="p"), SamplingSpec(max_tokens=3))
+
+
+async def run(pool: ReplicaPool) -> tuple[int, FinishEvent]:
+    tokens = 0
+    async with aclosing(pool.generate(request())) as events:
+        async for event in events:
+            if isinstance(event, TokenEvent):
+                tokens += 1
+            else:
+                return tokens, event
+    raise AssertionError("no finish")
+
+
+async def test_least_loaded_replica_gets_the_request() -> None:
+    a, b = ReplicaModel("a"), ReplicaModel("b")
+    pool = make_pool(a, b)
+    busy = [pool.replicas[0].scheduler.submit(request()) for _ in range(3)]  # queued on a, not started
+    assert pool.pick(exclude=set()).name == "b"
+    for handle in busy:
+        handle.cancel()
+
+
+async def test_a_failed_replica_is_skipped_and_the_request_retried_elsewhere() -> None:
+    a, b = ReplicaModel("a"), ReplicaModel("b")
+    a.failing = True
+    pool = make_pool(a, b)
+    pool.start()
+    try:
+        results = await asyncio.gather(*(run(pool) for _ in range(6)))
+    finally:
+        await pool.stop()
+    assert all(finish.finish is Finish.LENGTH and tokens == 3 for tokens, finish in results)
+    assert b.prefills == 6
+
+
+async def test_unhealthy_after_consecutive_failures_and_readmitted_after_a_good_probe() -> None:
+    a, b = ReplicaModel("a"), ReplicaModel("b")
+    pool = make_pool(a, b, threshold=2)
+    replica_a = pool.replicas[0]
+    a.failing = True
+    await pool.probe_once()
+    assert replica_a.healthy  # one failure is not enough
+    await asyncio.sleep(0.06)
+    await pool.probe_once()
+    assert not replica_a.healthy
+    assert pool.pick(exclude=set()).name == "b"
+    a.failing = False
+    await pool.probe_once()
+    assert replica_a.healthy
+
+
+async def test_no_healthy_replica_is_unavailable() -> None:
+    a = ReplicaModel("a")
+    pool = make_pool(a, threshold=1)
+    a.failing = True
+    await pool.probe_once()
+    with pytest.raises(Unavailable, match="no healthy Triton replica"):
+        pool.pick(exclude=set())
