@@ -14,7 +14,7 @@ LIBS := libs/sluice-protos libs/sluice-common libs/sluice-stack
 PROJECTS := $(LIBS) $(SERVICES) tests bench deploy/tests
 UNIT_TESTED := libs/sluice-common $(SERVICES)
 
-.PHONY: help setup uv node protos protos-check proto-lint run test test-unit test-e2e test-deploy bench-path bench-evallog bench-ratelimit clean
+.PHONY: help setup uv node protos protos-check proto-lint run test test-unit test-e2e test-deploy bench-path bench-evallog bench-ratelimit bench-jobs clean
 
 help:
 	@echo "make run        start the whole suite locally and stream a demo completion (Ctrl-C stops it)"
@@ -22,6 +22,7 @@ help:
 	@echo "make bench-path time to first token and tokens/s through each hop"
 	@echo "make bench-evallog stream-close latency with logging on vs off; events stored/s vs raw consume"
 	@echo "make bench-ratelimit Acquire+Commit decisions/s and latency (memory, Redis) vs a raw grpc.aio echo"
+	@echo "make bench-jobs a 2,000-row bulk job: rows/min vs the rate limit, and how the adaptive bound moved"
 	@echo "make setup      create every environment from the lock files (run and test do this)"
 
 $(CURDIR)/.tools/bin/uv:
@@ -83,6 +84,9 @@ bench-adapter: setup
 
 bench-ratelimit: setup
 	bench/.venv/bin/python bench/bench_ratelimit.py
+
+bench-jobs: setup
+	bench/.venv/bin/python bench/bench_jobs.py
 
 bench-evallog: setup
 	bench/.venv/bin/python bench/bench_evallog.py

@@ -107,29 +107,31 @@ def in_process_decode_rate(batch: int) -> float:
 
 
 async def mixed_lengths(stub, lengths: list[int], batch: int, static: bool) -> tuple[float, float]:
-    """(tokens/s, p50 latency in s of the requests of at most 64 tokens), all submitted at t=0."""
+    """(useful tokens/s, p50 latency in s of the requests of at most 64 tokens), all submitted at t=0.
+
+    Static batching as a static batcher does it: every member of a batch is computed for as many
+    steps as the longest one (padding), and all results come back when the batch ends.
+    """
     started = time.perf_counter()
+    finished_at: list[float] = []
     if static:
-        streams: list[Stream] = []
         for offset in range(0, len(lengths), batch):
             group = lengths[offset : offset + batch]
-            streams += await asyncio.gather(*(stream(stub, n) for n in group))
-        for s in streams:
-            s.submitted = started
+            await asyncio.gather(*(stream(stub, max(group)) for _ in group))
+            finished_at += [time.perf_counter()] * len(group)
     else:
         # At most `batch` in flight: a new request starts as soon as one ends, joining the
         # adapter's running batch at its next step.
         slots = asyncio.Semaphore(batch)
 
-        async def bounded(n: int) -> Stream:
+        async def bounded(n: int) -> float:
             async with slots:
-                result = await stream(stub, n)
-            result.submitted = started
-            return result
+                return (await stream(stub, n)).finished
 
-        streams = list(await asyncio.gather(*(bounded(n) for n in lengths)))
-    short = [s.finished - started for s, n in zip(streams, lengths) if n <= 64]
-    return tokens_per_s(streams, started), statistics.median(short)
+        finished_at = list(await asyncio.gather(*(bounded(n) for n in lengths)))
+    elapsed = max(finished_at) - started
+    short = [end - started for end, n in zip(finished_at, lengths) if n <= 64]
+    return sum(lengths) / elapsed, statistics.median(short)
 
 
 async def embed(stub, texts: list[str]) -> None:
@@ -152,53 +154,72 @@ async def embeddings(stub, n: int) -> dict[str, float]:
     return timings
 
 
+async def part_a(stub, args: argparse.Namespace) -> list[str]:
+    lines = []
+    for n in (16, 32):
+        batched = await concurrent(stub, n, args.tokens)
+        alone = await one_at_a_time(stub, n, args.tokens)
+        print(f"(a) {n} streams x {args.tokens} tokens: batched {batched:.1f} tok/s, one at a time {alone:.1f} tok/s", flush=True)
+        lines += [
+            f"BENCH a_streams{n}_continuous_tokens_per_s {batched:.1f} tok/s",
+            f"BENCH a_streams{n}_one_at_a_time_tokens_per_s {alone:.1f} tok/s",
+            f"BENCH a_streams{n}_speedup {batched / alone:.2f} x (target >= 4)",
+        ]
+    return lines
+
+
+async def part_b(stub, args: argparse.Namespace) -> list[str]:
+    lines = []
+    for batch in (8, 16):
+        through = await steady_decode_rate(stub, batch, 33)
+        local = in_process_decode_rate(batch)
+        print(f"(b) batch {batch}: adapter+Triton {through:.1f} tok/s, in-process {local:.1f} tok/s", flush=True)
+        lines += [
+            f"BENCH b_batch{batch}_adapter_triton_decode_tokens_per_s {through:.1f} tok/s",
+            f"BENCH b_batch{batch}_in_process_decode_tokens_per_s {local:.1f} tok/s",
+            f"BENCH b_batch{batch}_ratio {through / local:.2f} x (target >= 0.85)",
+        ]
+    return lines
+
+
+async def part_c(stub, args: argparse.Namespace) -> list[str]:
+    lengths = [16, 256, 32, 128, 16, 64, 256, 32, 16, 128, 64, 16, 32, 256, 16, 64][: args.mixed]
+    lengths = [max(4, n // args.shrink) for n in lengths]
+    cont_tps, cont_p50 = await mixed_lengths(stub, lengths, args.mixed_batch, static=False)
+    stat_tps, stat_p50 = await mixed_lengths(stub, lengths, args.mixed_batch, static=True)
+    print(
+        f"(c) mixed lengths {lengths}: continuous {cont_tps:.1f} tok/s p50(short) {cont_p50:.1f}s;"
+        f" static {stat_tps:.1f} tok/s p50(short) {stat_p50:.1f}s",
+        flush=True,
+    )
+    return [
+        f"BENCH c_continuous_tokens_per_s {cont_tps:.1f} tok/s",
+        f"BENCH c_static_tokens_per_s {stat_tps:.1f} tok/s",
+        f"BENCH c_throughput_ratio {cont_tps / stat_tps:.2f} x (target >= 1.5)",
+        f"BENCH c_short_p50_latency_continuous {cont_p50 * 1000:.0f} ms",
+        f"BENCH c_short_p50_latency_static {stat_p50 * 1000:.0f} ms",
+    ]
+
+
+async def part_d(stub, args: argparse.Namespace) -> list[str]:
+    rates = await embeddings(stub, 256)
+    print(f"(d) embeddings texts/s: {rates}", flush=True)
+    return [f"BENCH d_embed_{name}_texts_per_s {value:.1f} texts/s" for name, value in rates.items()] + [
+        f"BENCH d_embed_one_request_speedup {rates['one_request'] / rates['one_per_request']:.2f} x (target >= 5)",
+        f"BENCH d_embed_concurrent_speedup {rates['concurrent_micro_batched'] / rates['one_per_request']:.2f} x (target >= 5)",
+    ]
+
+
+PARTS = {"a": part_a, "b": part_b, "c": part_c, "d": part_d}
+
+
 async def run(stack: Stack, args: argparse.Namespace) -> list[str]:
     lines: list[str] = []
     async with grpc.aio.insecure_channel(stack.adapter_address) as channel:
         stub = inference_pb2_grpc.InferenceServiceStub(channel)
         await concurrent(stub, 2, 4)  # warm-up
-
-        for n in (16, 32):
-            batched = await concurrent(stub, n, args.tokens)
-            alone = await one_at_a_time(stub, n, args.tokens)
-            print(f"(a) {n} streams x {args.tokens} tokens: batched {batched:.1f} tok/s, one at a time {alone:.1f} tok/s", flush=True)
-            lines += [
-                f"BENCH a_streams{n}_continuous_tokens_per_s {batched:.1f} tok/s",
-                f"BENCH a_streams{n}_one_at_a_time_tokens_per_s {alone:.1f} tok/s",
-                f"BENCH a_streams{n}_speedup {batched / alone:.2f} x (target >= 4)",
-            ]
-
-        for batch in (8, 16):
-            through = await steady_decode_rate(stub, batch, 33)
-            local = in_process_decode_rate(batch)
-            print(f"(b) batch {batch}: adapter+Triton {through:.1f} tok/s, in-process {local:.1f} tok/s", flush=True)
-            lines += [
-                f"BENCH b_batch{batch}_adapter_triton_decode_tokens_per_s {through:.1f} tok/s",
-                f"BENCH b_batch{batch}_in_process_decode_tokens_per_s {local:.1f} tok/s",
-                f"BENCH b_batch{batch}_ratio {through / local:.2f} x (target >= 0.85)",
-            ]
-
-        lengths = [16, 256, 32, 128, 16, 64, 256, 32, 16, 128, 64, 16, 32, 256, 16, 64][: args.mixed]
-        lengths = [max(4, n // args.shrink) for n in lengths]
-        cont_tps, cont_p50 = await mixed_lengths(stub, lengths, args.mixed_batch, static=False)
-        stat_tps, stat_p50 = await mixed_lengths(stub, lengths, args.mixed_batch, static=True)
-        print(f"(c) mixed lengths {lengths}: continuous {cont_tps:.1f} tok/s p50(short) {cont_p50:.1f}s;"
-              f" static {stat_tps:.1f} tok/s p50(short) {stat_p50:.1f}s", flush=True)
-        lines += [
-            f"BENCH c_continuous_tokens_per_s {cont_tps:.1f} tok/s",
-            f"BENCH c_static_tokens_per_s {stat_tps:.1f} tok/s",
-            f"BENCH c_throughput_ratio {cont_tps / stat_tps:.2f} x (target >= 1.5)",
-            f"BENCH c_short_p50_latency_continuous {cont_p50 * 1000:.0f} ms",
-            f"BENCH c_short_p50_latency_static {stat_p50 * 1000:.0f} ms",
-        ]
-
-        rates = await embeddings(stub, 256)
-        print(f"(d) embeddings texts/s: {rates}", flush=True)
-        lines += [f"BENCH d_embed_{name}_texts_per_s {value:.1f} texts/s" for name, value in rates.items()]
-        lines += [
-            f"BENCH d_embed_one_request_speedup {rates['one_request'] / rates['one_per_request']:.2f} x (target >= 5)",
-            f"BENCH d_embed_concurrent_speedup {rates['concurrent_micro_batched'] / rates['one_per_request']:.2f} x (target >= 5)",
-        ]
+        for name in args.only:
+            lines += await PARTS[name](stub, args)
     return lines
 
 
@@ -208,6 +229,7 @@ def main() -> None:
     parser.add_argument("--mixed", type=int, default=16, help="requests in (c)")
     parser.add_argument("--mixed-batch", type=int, default=8, help="batch size in (c)")
     parser.add_argument("--shrink", type=int, default=1, help="divide (c)'s lengths by this, for a quick run")
+    parser.add_argument("--only", default="abcd", help="which parts to run, e.g. 'c'")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as run_dir:
         stack = Stack(

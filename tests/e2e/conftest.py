@@ -35,12 +35,13 @@ def delete_amqp_topology(url: str, prefix: str) -> None:
     import asyncio
 
     import aio_pika
-    from sluice_common.amqp import EventTopology
+    from sluice_common.amqp import EventTopology, JobTopology
 
     async def delete() -> None:
         connection = await aio_pika.connect(url, timeout=5)
         async with connection:
             await EventTopology(prefix).delete(await connection.channel())
+            await JobTopology(prefix).delete(await connection.channel())
 
     try:
         asyncio.run(delete())

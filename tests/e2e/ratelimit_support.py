@@ -59,6 +59,9 @@ class Load:
 
     offered_tokens: int = 0
     calls: int = 0
+    # Acquire answers made without Redis, and commits that failed (the lease then expires)
+    degraded: int = 0
+    commit_errors: int = 0
     admitted: list[tuple[float, int]] = field(default_factory=list)
     # client-side time of every call
     call_times: list[float] = field(default_factory=list)
@@ -98,10 +101,14 @@ async def hammer(
         load.calls += 1
         load.call_times.append(time.time())
         reply = await stub.Acquire(acquire_request(tenant, model, tokens, bulk), timeout=5)
+        load.degraded += reply.degraded
         if reply.allowed:
             # the server's admission time: expiry minus the lease's time to live
             load.admitted.append((reply.lease_expires_at.ToNanoseconds() / 1e9 - LEASE_TTL_S, tokens))
-            await stub.Commit(ratelimit_pb2.CommitRequest(lease_id=reply.lease_id, used_tokens=tokens), timeout=5)
+            try:
+                await stub.Commit(ratelimit_pb2.CommitRequest(lease_id=reply.lease_id, used_tokens=tokens), timeout=5)
+            except grpc.aio.AioRpcError:
+                load.commit_errors += 1
 
     async def worker(index: int) -> None:
         stub = stubs[index % len(stubs)]

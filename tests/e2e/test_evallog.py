@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import re
 import sqlite3
 import subprocess
 import threading
@@ -19,6 +21,7 @@ from sluice.evallog.v1 import evallog_pb2, evallog_pb2_grpc, events_pb2
 from sluice.gateway.v1 import gateway_pb2
 
 from conftest import DEMO_KEY, MODEL, auth
+from sluice_stack import REPO_ROOT
 from sluice_common.amqp import DEAD_REASON_HEADER, EventTopology
 
 PRIVATE_KEY = "sk-sluice-private"
@@ -148,6 +151,44 @@ def test_events_are_published_after_the_stream_closed_and_stored_with_scores(sta
     summary = evallog.Summarize(evallog_pb2.SummarizeRequest(model=MODEL), metadata=auth())
     (group,) = summary.summaries
     assert group.tenant == "demo" and group.count >= 3 and group.latency.p50_ms > 0
+
+
+def test_cli_logs_lists_recent_completions_and_a_summary_table(stack, gateway, evallog) -> None:  # type: ignore[no-untyped-def]
+    """`sluice logs` against the stack: the private tenant's completions (no other test writes many of
+    them), listed by request id, then a summary row for the model with the tenant's exact count."""
+    env = {**os.environ, "SLUICE_EVALLOG_URL": stack.evallog_address, "SLUICE_API_KEY": DEMO_KEY}
+    sluice = [str(REPO_ROOT / "bin" / "sluice")]
+    request_ids = {generate(gateway, key=PRIVATE_KEY)[0] for _ in range(3)}
+    records_by_request(evallog, PRIVATE_KEY, request_ids)
+    (expected,) = evallog.Summarize(evallog_pb2.SummarizeRequest(model=MODEL), metadata=auth(PRIVATE_KEY)).summaries
+    logs = subprocess.run(
+        [*sluice, "logs", "--tenant-key", PRIVATE_KEY, "--since", "1h", "-n", "50"],
+        env=env, capture_output=True, text=True, timeout=60,
+    )
+    assert logs.returncode == 0, logs.stdout + logs.stderr
+    for request_id in request_ids:
+        assert request_id in logs.stdout
+    row = re.search(rf"^{re.escape(MODEL)}\s+private\s+(\d+)\s", logs.stdout, re.M)
+    assert row is not None, logs.stdout
+    assert int(row.group(1)) == expected.count >= 3
+    assert "LATENCY p50/p95/p99 ms" in logs.stdout and "SCORE" in logs.stdout
+    # The demo key (the environment's default) never sees the private tenant's completions.
+    demo = subprocess.run([*sluice, "logs", "--since", "0"], env=env, capture_output=True, text=True, timeout=60)
+    assert demo.returncode == 0, demo.stderr
+    assert not request_ids & set(demo.stdout.split()) and " private " not in demo.stdout
+    refused = subprocess.run([*sluice, "logs", "--tenant", "private"], env=env, capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 1 and "PERMISSION_DENIED" in refused.stderr
+
+    # --follow prints a completion that finishes while it runs.
+    follow = subprocess.Popen(
+        [*sluice, "logs", "--tenant-key", PRIVATE_KEY, "-n", "1", "--follow", "--interval", "0.3", "--follow-for", "8"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    time.sleep(1.0)
+    later = generate(gateway, key=PRIVATE_KEY)[0]
+    out, err = follow.communicate(timeout=60)
+    assert follow.returncode == 0, out + err
+    assert later in out
 
 
 def test_text_logging_off_and_tenant_isolation(gateway, evallog) -> None:  # type: ignore[no-untyped-def]

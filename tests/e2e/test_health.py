@@ -35,6 +35,8 @@ def test_cli_generate_and_health(stack) -> None:
         **os.environ,
         "SLUICE_GATEWAY_URL": stack.gateway_address,
         "SLUICE_ADAPTER_URL": stack.adapter_address,
+        "SLUICE_RATELIMIT_URL": stack.ratelimit_address,
+        "SLUICE_EVALLOG_URL": stack.evallog_address,
         "SLUICE_TRITON_HTTP_URL": f"127.0.0.1:{stack.ports.triton_http}",
         "SLUICE_API_KEY": "sk-sluice-demo",
     }
@@ -48,4 +50,10 @@ def test_cli_generate_and_health(stack) -> None:
     assert "FINISH_REASON_" in generated.stderr
     health = subprocess.run([sluice, "health"], env=env, capture_output=True, text=True, timeout=60)
     assert health.returncode == 0, health.stdout + health.stderr
-    assert health.stdout.count("SERVING") == 3
+    # Every service is listed, each at the stack's address, and every one is SERVING.
+    services = ("gateway", "inference-adapter", "rate-limit", "evaluation-logging", "triton")
+    lines = {line.split()[0]: line.split() for line in health.stdout.splitlines() if line.strip()}
+    assert set(lines) == set(services), health.stdout
+    assert lines["rate-limit"][1] == stack.ratelimit_address and lines["evaluation-logging"][1] == stack.evallog_address
+    assert all(lines[name][-1] == "SERVING" for name in services), health.stdout
+    assert health.stdout.count("SERVING") == len(services)

@@ -21,7 +21,7 @@ from sluice.ratelimit.v1 import ratelimit_pb2, ratelimit_pb2_grpc
 from ratelimit_support import acquire_request, hammer, max_any_window, start_ratelimit, window_extremes
 from sluice_stack import free_port
 
-WINDOW_S = 5.0
+WINDOW_S = 10.0
 SHARED_REDIS = "redis://127.0.0.1:6379/0"
 
 
@@ -30,12 +30,17 @@ def test_two_replicas_on_redis_hold_one_global_limit(tmp_path: Path) -> None:
     limits = tmp_path / "limits.toml"
     limits.write_text(f"[tenants.global]\ntokens_per_minute = {limit}\n")
     prefix = f"sluice-e2e-rl-{uuid.uuid4().hex[:8]}"
-    settings = dict(backend="redis", redis_url=SHARED_REDIS, redis_prefix=prefix, replicas="2", window_s=str(WINDOW_S))
+    # On this shared 2-core machine a starved event loop now and then sees a Redis call pass the
+    # 100 ms timeout; a breaker that opens after 3 of them would make this a test of the outage
+    # policy (the next test's subject) instead of the global limit.
+    settings = dict(
+        backend="redis", redis_url=SHARED_REDIS, redis_prefix=prefix, replicas="2", window_s=str(WINDOW_S), breaker_failures="50"
+    )
     first, address_1 = start_ratelimit(tmp_path, "rate-limit-a", limits, **settings)
     try:
         second, address_2 = start_ratelimit(tmp_path, "rate-limit-b", limits, **settings)
         try:
-            load = asyncio.run(hammer([address_1, address_2], "global", "m", 3.2 * WINDOW_S, rate=12 * limit / WINDOW_S / 110))
+            load = asyncio.run(hammer([address_1, address_2], "global", "m", 2.3 * WINDOW_S, rate=12 * limit / WINDOW_S / 110))
         finally:
             second.stop()
     finally:
@@ -46,7 +51,7 @@ def test_two_replicas_on_redis_hold_one_global_limit(tmp_path: Path) -> None:
             client.delete(*keys)
     assert max_any_window(load.admitted, WINDOW_S) <= limit
     low, high = window_extremes(load.admitted, WINDOW_S, load.admitted[0][0], load.ended - 0.05)
-    print(f"two replicas: admitted per {WINDOW_S:.0f}s window {low}..{high} of {limit}")
+    print(f"two replicas: admitted per {WINDOW_S:.0f}s window {low}..{high} of {limit}; degraded answers {load.degraded}")
     assert 0.97 * limit <= low <= high <= limit
 
 

@@ -91,6 +91,74 @@ class EventTopology:
                 await channel.exchange_delete(exchange)
 
 
+@dataclass(frozen=True)
+class JobTopology:
+    """Bulk jobs (issue 6); all durable, quorum queues so that the broker counts deliveries:
+
+        <prefix>.jobs            direct exchange: producers publish JobRequests with routing key "job";
+                                 the job worker publishes one RowTask per row with routing key "row"
+        <prefix>.jobs.requests   job messages (key "job"), consumed by the job workers
+        <prefix>.jobs.rows       row messages (key "row"), consumed by the job workers
+        <prefix>.jobs.dead       direct exchange and queue: rows and jobs past the delivery limit
+                                 (reason in the x-sluice-dead-reason header)
+
+    `delivery_limit` is the broker's safety net (x-delivery-limit) for a message that crashes its
+    consumer every time; the worker itself dead-letters a row at its own, lower, limit.
+    """
+
+    prefix: str = "sluice"
+    delivery_limit: int = 20
+    job_routing_key: str = "job"
+    row_routing_key: str = "row"
+
+    @property
+    def exchange(self) -> str:
+        return f"{self.prefix}.jobs"
+
+    @property
+    def requests_queue(self) -> str:
+        return f"{self.prefix}.jobs.requests"
+
+    @property
+    def rows_queue(self) -> str:
+        return f"{self.prefix}.jobs.rows"
+
+    @property
+    def dead_exchange(self) -> str:
+        return f"{self.prefix}.jobs.dead"
+
+    @property
+    def dead_queue(self) -> str:
+        return f"{self.prefix}.jobs.dead"
+
+    async def declare(self, channel: aio_pika.abc.AbstractChannel) -> None:
+        jobs = await channel.declare_exchange(self.exchange, aio_pika.ExchangeType.DIRECT, durable=True)
+        dead = await channel.declare_exchange(self.dead_exchange, aio_pika.ExchangeType.DIRECT, durable=True)
+        for name, key in ((self.requests_queue, self.job_routing_key), (self.rows_queue, self.row_routing_key)):
+            queue = await channel.declare_queue(
+                name,
+                durable=True,
+                arguments={
+                    "x-queue-type": "quorum",
+                    "x-delivery-limit": self.delivery_limit,
+                    "x-dead-letter-exchange": self.dead_exchange,
+                },
+            )
+            await queue.bind(jobs, key)
+        dead_queue = await channel.declare_queue(self.dead_queue, durable=True, arguments={"x-queue-type": "quorum"})
+        for key in (self.job_routing_key, self.row_routing_key):
+            await dead_queue.bind(dead, key)
+
+    async def delete(self, channel: aio_pika.abc.AbstractChannel) -> None:
+        """Removes everything `declare` made (for test teardown)."""
+        for queue in (self.requests_queue, self.rows_queue, self.dead_queue):
+            with contextlib.suppress(Exception):
+                await channel.queue_delete(queue)
+        for exchange in (self.exchange, self.dead_exchange):
+            with contextlib.suppress(Exception):
+                await channel.exchange_delete(exchange)
+
+
 @dataclass
 class OutgoingMessage:
     """One message to publish; `message_id` is what consumers deduplicate on."""

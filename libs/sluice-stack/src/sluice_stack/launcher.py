@@ -39,6 +39,8 @@ class StackPorts:
     evallog_metrics: int = 9104
     ratelimit: int = 50071
     ratelimit_metrics: int = 9103
+    job_worker: int = 50052
+    job_worker_metrics: int = 9106
 
     @classmethod
     def ephemeral(cls) -> StackPorts:
@@ -201,6 +203,7 @@ class Stack:
             "inference-adapter": self.ports.adapter_metrics,
             "evaluation-logging": self.ports.evallog_metrics,
             "rate-limit": self.ports.ratelimit_metrics,
+            "job-worker": self.ports.job_worker_metrics,
             **{name: t.model_metrics for name, t in self.triton_ports.items()},
         }
         return f"http://{LOCALHOST}:{ports[service]}/metrics"
@@ -266,9 +269,11 @@ class Stack:
                     "SLUICE_GATEWAY_AMQP_URL": self.amqp_url,
                     "SLUICE_GATEWAY_AMQP_PREFIX": self.amqp_prefix,
                     "SLUICE_GATEWAY_EVENTS_SPILL_FILE": str(self.run_dir / "gateway-events.spill"),
+                    "SLUICE_GATEWAY_JOBS_SQLITE_PATH": str(self.run_dir / "jobs.sqlite3"),
                 },
                 grpc_serving(self.gateway_address, self.grpc_credentials),
             ),
+            self.job_worker_spec(),
         ]
         return [
             ServiceProcess(
@@ -277,10 +282,41 @@ class Stack:
                 {**common, **env, **self.extra_env.get(name, {})},
                 self.run_dir / f"{name}.log",
                 ready,
-                project="triton-local" if name.startswith("triton-local") else "",
+                project="triton-local" if name.startswith("triton-local") else ("gateway" if name.startswith("job-worker") else ""),
             )
             for name, module, env, ready in specs
         ]
+
+    def job_worker_spec(
+        self, name: str = "job-worker", port: int | None = None, metrics_port: int | None = None
+    ) -> tuple[str, str, dict[str, str], Callable[[], bool]]:
+        """The gateway's job-worker role (bulk jobs); more workers: `add_job_worker`."""
+        port = self.ports.job_worker if port is None else port
+        metrics_port = self.ports.job_worker_metrics if metrics_port is None else metrics_port
+        env = {
+            "SLUICE_GATEWAY_WORKER_PORT": str(port),
+            "SLUICE_GATEWAY_WORKER_METRICS_PORT": str(metrics_port),
+            "SLUICE_GATEWAY_ADAPTER_URL": self.adapter_address,
+            "SLUICE_GATEWAY_TENANTS_FILE": str(self.tenants_file),
+            "SLUICE_GATEWAY_RATELIMIT_URL": self.ratelimit_address,
+            "SLUICE_GATEWAY_AMQP_URL": self.amqp_url,
+            "SLUICE_GATEWAY_AMQP_PREFIX": self.amqp_prefix,
+            "SLUICE_GATEWAY_EVENTS_SPILL_FILE": str(self.run_dir / f"{name}-events.spill"),
+            "SLUICE_GATEWAY_JOBS_SQLITE_PATH": str(self.run_dir / "jobs.sqlite3"),
+        }
+        return name, "sluice_gateway.worker", env, grpc_serving(f"{LOCALHOST}:{port}")
+
+    def add_job_worker(self, name: str, timeout_s: float = 120.0) -> ServiceProcess:
+        """Starts one more job worker (for failover tests); stopped with the stack."""
+        _, module, env, ready = self.job_worker_spec(name, free_port(), free_port())
+        service = ServiceProcess(
+            name, module, {"PYTHONUNBUFFERED": "1", **env, **self.extra_env.get("job-worker", {})},
+            self.run_dir / f"{name}.log", ready, project="gateway",
+        )  # fmt: skip
+        self.services.append(service)
+        service.start()
+        service.wait_ready(timeout_s)
+        return service
 
     def start(self, timeout_s: float = 300.0, on_ready: Callable[[ServiceProcess], None] | None = None) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -19,15 +20,18 @@ import aio_pika
 import structlog
 from aio_pika.abc import AbstractIncomingMessage
 from prometheus_client import Counter, Histogram
+from sluice.evallog.v1 import events_pb2
 
 from sluice_common.amqp import EventTopology, dead_letter
 from sluice_common.request_context import REQUEST_ID_KEY
-from sluice_evaluation_logging.evaluators import evaluate_all
+from sluice_evaluation_logging.evaluators import evaluate_batch
 from sluice_evaluation_logging.evaluators.base import EvalContext
-from sluice_evaluation_logging.records import PoisonMessage, decode_event, otel_attributes, to_row
+from sluice_evaluation_logging.records import PoisonMessage, decode_event, otel_attributes, stored_bytes, to_row
 from sluice_evaluation_logging.store import RecordRow, Store
 
 log = structlog.stdlib.get_logger("sluice.evallog.consumer")
+# The stdlib logger under `log` (structlog renders through it): asked whether DEBUG is on.
+_stdlib_log = logging.getLogger("sluice.evallog.consumer")
 
 EVENTS = Counter("sluice_evallog_events_total", "Events consumed, by outcome.", ["outcome"])
 BATCH_SIZE = Histogram("sluice_evallog_batch_size", "Events per stored batch.", buckets=(1, 4, 16, 64, 128, 256, 512, 1024))
@@ -52,6 +56,8 @@ class CompletionConsumer:
         self._context = context
         self._task: asyncio.Task[None] | None = None
         self._stopping = asyncio.Event()
+        # The previous batch's store-then-ack, running while the next batch is decoded and evaluated.
+        self._committing: asyncio.Task[None] | None = None
         self.connected = asyncio.Event()
 
     def start(self) -> None:
@@ -118,44 +124,86 @@ class CompletionConsumer:
                     except TimeoutError:
                         break
                 await self._handle(batch, dead)
+            await self._settle_commit()  # the last batch is stored and acked before we let go
             with contextlib.suppress(Exception):
                 await queue.cancel(tag)
         finally:
+            # A commit still running (the session failed) finishes or fails on its own; nothing it
+            # did not ack is lost: the broker redelivers it and the store dedupes by event id.
+            with contextlib.suppress(Exception):
+                await self._settle_commit()
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(connection.close(), 2)
 
+    async def _settle_commit(self) -> None:
+        """Waits for the batch being stored and acked; raises what it raised (the session then reconnects)."""
+        committing, self._committing = self._committing, None
+        if committing is not None:
+            await committing
+
     async def _handle(self, batch: Sequence[AbstractIncomingMessage], dead: aio_pika.abc.AbstractExchange) -> None:
+        """Decodes and evaluates one batch, then hands it to a commit task (store, then ack).
+
+        The commit of batch N runs (the SQLite work on its own thread) while batch N+1 is decoded
+        and evaluated here; batch N+1's commit starts only after batch N is stored and acked, so a
+        multiple-ack never covers a message whose record is not durably stored.
+        """
         started = time.perf_counter()
-        rows: list[RecordRow] = []
+        decoded: list[tuple[AbstractIncomingMessage, events_pb2.CompletionEvent]] = []
+        dead_lettered = 0
         for message in batch:
             try:
-                event = decode_event(message.body, message.content_type)
+                decoded.append((message, decode_event(message.body, message.content_type)))
             except PoisonMessage as exc:
                 await dead_letter(dead, self._settings.topology.completions_queue, message, str(exc))
-                EVENTS.labels("dead_lettered").inc()
+                dead_lettered += 1
                 log.warning(
                     "event_dead_lettered",
                     reason=str(exc),
                     message_id=message.message_id,
                     request_id=(message.headers or {}).get(REQUEST_ID_KEY, ""),
                 )
-                continue
-            scores = await evaluate_all(event, self._context)
-            rows.append(to_row(event, scores))
-            log.info(
-                "event",
-                request_id=event.request_id,
-                redelivered=message.redelivered,
-                scores={score.name: round(score.value, 4) for score in scores},
-                **otel_attributes(event),
-            )
+        all_scores = await evaluate_batch([event for _, event in decoded], self._context)
+        rows = [
+            to_row(event, scores, stored_bytes(message.body, message.content_type))
+            for (message, event), scores in zip(decoded, all_scores, strict=True)
+        ]
+        # One line per batch at INFO (in _commit); the per-event line (GenAI attributes, scores)
+        # only at DEBUG, where building it is worth its cost: at one line per event it was most of
+        # the consumer's CPU.
+        if _stdlib_log.isEnabledFor(logging.DEBUG):
+            for (message, event), scores in zip(decoded, all_scores, strict=True):
+                log.debug(
+                    "event",
+                    request_id=event.request_id,
+                    redelivered=message.redelivered,
+                    scores={score.name: round(score.value, 4) for score in scores},
+                    **otel_attributes(event),
+                )
+        await self._settle_commit()
+        self._committing = asyncio.create_task(self._commit(batch, rows, dead_lettered, started), name="evallog-commit")
+
+    async def _commit(
+        self, batch: Sequence[AbstractIncomingMessage], rows: list[RecordRow], dead_lettered: int, started: float
+    ) -> None:
         inserted = await self._store_until_done(rows)
         # One multiple-ack covers the whole batch (deliveries on a channel are acked in order).
         await batch[-1].ack(multiple=True)
+        elapsed = time.perf_counter() - started
         EVENTS.labels("stored").inc(inserted)
         EVENTS.labels("duplicate").inc(len(rows) - inserted)
+        EVENTS.labels("dead_lettered").inc(dead_lettered)
         BATCH_SIZE.observe(len(batch))
-        BATCH_SECONDS.observe(time.perf_counter() - started)
+        BATCH_SECONDS.observe(elapsed)
+        log.info(
+            "batch_stored",
+            messages=len(batch),
+            stored=inserted,
+            duplicates=len(rows) - inserted,
+            dead_lettered=dead_lettered,
+            redelivered=sum(1 for message in batch if message.redelivered),
+            seconds=round(elapsed, 4),
+        )
 
     async def _store_until_done(self, rows: list[RecordRow]) -> int:
         """Retries while the database is down: the batch stays unacked with us meanwhile."""

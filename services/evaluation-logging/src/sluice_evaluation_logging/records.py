@@ -51,7 +51,14 @@ def _epoch(timestamp: Any) -> float:
     return timestamp.seconds + timestamp.nanos / 1e9
 
 
-def to_row(event: events_pb2.CompletionEvent, scores: Iterable[ScoreResult]) -> RecordRow:
+def stored_bytes(body: bytes, content_type: str | None) -> bytes | None:
+    """The message body itself when it already is the serialized CompletionEvent (protobuf), so
+    that it is not serialized a second time; None for JSON (to_row serializes the parsed event)."""
+    kind = (content_type or "application/x-protobuf").split(";")[0].strip().lower()
+    return bytes(body) if kind == "application/x-protobuf" else None
+
+
+def to_row(event: events_pb2.CompletionEvent, scores: Iterable[ScoreResult], serialized: bytes | None = None) -> RecordRow:
     finished_at = _epoch(event.finished_at) if event.HasField("finished_at") else 0.0
     return RecordRow(
         event_id=event.event_id,
@@ -68,7 +75,7 @@ def to_row(event: events_pb2.CompletionEvent, scores: Iterable[ScoreResult]) -> 
         started_at=_epoch(event.started_at) if event.HasField("started_at") else finished_at,
         finished_at=finished_at,
         text_logged=event.text_logged,
-        event=event.SerializeToString(),
+        event=serialized if serialized is not None else event.SerializeToString(),
         scores=tuple(StoredScore(s.name, s.value, s.passed, s.detail, s.skipped) for s in scores),
     )
 

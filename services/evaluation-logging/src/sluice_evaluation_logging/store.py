@@ -20,6 +20,7 @@ from typing import Any, Protocol
 import asyncpg
 
 from sluice_common.errors import InvalidArgument
+from sluice_common.sqlstore import dollar, migrate_postgres, migrate_sqlite
 
 
 @dataclass(frozen=True)
@@ -133,9 +134,6 @@ MIGRATIONS: tuple[tuple[int, str, tuple[str, ...]], ...] = (
 )
 
 LATEST_VERSION = MIGRATIONS[-1][0]
-
-_MIGRATIONS_TABLE = """CREATE TABLE IF NOT EXISTS schema_migrations (
-    version INTEGER PRIMARY KEY, description TEXT NOT NULL, applied_at DOUBLE PRECISION NOT NULL)"""
 
 _RECORD_COLUMNS = (
     "event_id, tenant, model, priority_class, request_id, finish_reason, error_code, input_tokens, output_tokens,"
@@ -308,22 +306,9 @@ class SqliteStore:
         db.execute("PRAGMA journal_mode=WAL")
         db.execute("PRAGMA synchronous=FULL")
         db.execute("PRAGMA foreign_keys=ON")
-        db.execute("BEGIN IMMEDIATE")
         try:
-            db.execute(_MIGRATIONS_TABLE)
-            applied = {v for (v,) in db.execute("SELECT version FROM schema_migrations")}
-            for version, description, statements in MIGRATIONS:
-                if version in applied:
-                    continue
-                for statement in statements:
-                    db.execute(statement.format(blob="BLOB"))
-                db.execute(
-                    "INSERT INTO schema_migrations (version, description, applied_at) VALUES (?, ?, ?)",
-                    (version, description, time.time()),
-                )
-            db.execute("COMMIT")
+            migrate_sqlite(db, MIGRATIONS)
         except BaseException:
-            db.execute("ROLLBACK")
             db.close()
             raise
         self._db = db
@@ -398,10 +383,7 @@ class SqliteStore:
 # ---- PostgreSQL
 
 
-def _dollar(sql: str) -> str:
-    """`?` placeholders to asyncpg's `$1, $2, ...`."""
-    parts = sql.split("?")
-    return "".join(part + (f"${i + 1}" if i < len(parts) - 1 else "") for i, part in enumerate(parts))
+_dollar = dollar
 
 
 class PostgresStore:
@@ -421,24 +403,8 @@ class PostgresStore:
     async def open(self) -> None:
         bootstrap = await asyncpg.connect(self.dsn)
         try:
-            async with bootstrap.transaction():
-                # Two replicas starting at once: one migrates, the other waits and finds it done.
-                await bootstrap.execute("SELECT pg_advisory_xact_lock(hashtext($1))", f"sluice-evallog:{self.schema}")
-                await bootstrap.execute(f'CREATE SCHEMA IF NOT EXISTS "{self.schema}"')
-                await bootstrap.execute(f'SET LOCAL search_path TO "{self.schema}"')
-                await bootstrap.execute(_MIGRATIONS_TABLE)
-                applied = {r["version"] for r in await bootstrap.fetch("SELECT version FROM schema_migrations")}
-                for version, description, statements in MIGRATIONS:
-                    if version in applied:
-                        continue
-                    for statement in statements:
-                        await bootstrap.execute(statement.format(blob="BYTEA"))
-                    await bootstrap.execute(
-                        "INSERT INTO schema_migrations (version, description, applied_at) VALUES ($1, $2, $3)",
-                        version,
-                        description,
-                        time.time(),
-                    )
+            # Two replicas starting at once: one migrates, the other waits and finds it done.
+            await migrate_postgres(bootstrap, self.schema, MIGRATIONS, f"sluice-evallog:{self.schema}")
         finally:
             await bootstrap.close()
         self._pool = await asyncpg.create_pool(

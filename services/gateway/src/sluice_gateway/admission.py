@@ -6,7 +6,8 @@
 
 Reservation: prompt tokens + max_tokens. The prompt is NOT tokenized here (the adapter's CountTokens
 costs a Triton round trip on every request): it is estimated as UTF-8 bytes / 3 plus 4 tokens per
-chat message (ChatML framing) plus 3, which over-reserves for English (~4 bytes per token). Commit
+chat message (ChatML framing) plus 32 for what a chat template adds (SmolLM2's inserts a default
+system prompt of ~20 tokens), which over-reserves for English (~4 bytes per token). Commit
 sends the real prompt + completion tokens from the final usage, so the difference is refunded at
 once; a stream that ends without usage (cancelled, failed) commits the estimate plus the tokens
 the chunks carried.
@@ -48,7 +49,8 @@ COMMITS = Counter("sluice_gateway_ratelimit_settles_total", "Leases settled afte
 
 BYTES_PER_TOKEN = 3
 TOKENS_PER_MESSAGE = 4
-TOKENS_PER_CHAT = 3
+# The assistant header, plus a default system prompt that a chat template may add.
+TOKENS_PER_CHAT = 32
 # Beyond the request's own deadline, how long the lease outlives it (commit travel time).
 LEASE_MARGIN_S = 30.0
 COMMIT_TIMEOUT_S = 5.0

@@ -3,14 +3,18 @@
     sluice generate "What is the capital of France?"     tokens print as they stream
     sluice models                                         what the gateway serves
     sluice health                                         every service's health
+    sluice logs [--follow]                                recent completions and a summary table
     sluice hash-key <api key>                             the hash to put in a tenants file
 
-The gateway address and API key come from --gateway/--api-key or SLUICE_GATEWAY_URL/SLUICE_API_KEY.
+The gateway address and API key come from --gateway/--api-key or SLUICE_GATEWAY_URL/SLUICE_API_KEY;
+`sluice logs` asks evaluation-logging (--evallog or SLUICE_EVALLOG_URL) with the same key (or
+--tenant-key) and sees only that key's tenant.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -18,16 +22,22 @@ import urllib.request
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from google.protobuf import json_format, timestamp_pb2
 from sluice.common.v1 import types_pb2
+from sluice.evallog.v1 import evallog_pb2, evallog_pb2_grpc
 from sluice.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 
+from sluice_gateway.cli_jobs import add_jobs_parser
 from sluice_gateway.tenants import hash_api_key
 
 DEFAULT_GATEWAY = "127.0.0.1:50051"
-# name -> (env var with its address, default address)
+DEFAULT_EVALLOG = "127.0.0.1:50081"
+# name -> (env var with its address, default address); the defaults are each service's config.py port.
 GRPC_SERVICES = {
     "gateway": ("SLUICE_GATEWAY_URL", DEFAULT_GATEWAY),
     "inference-adapter": ("SLUICE_ADAPTER_URL", "127.0.0.1:50061"),
+    "rate-limit": ("SLUICE_RATELIMIT_URL", "127.0.0.1:50071"),
+    "evaluation-logging": ("SLUICE_EVALLOG_URL", DEFAULT_EVALLOG),
 }
 TRITON_HTTP = ("SLUICE_TRITON_HTTP_URL", "127.0.0.1:8000")
 
@@ -120,6 +130,176 @@ def cmd_health(args: argparse.Namespace) -> int:
     return 0 if healthy else 1
 
 
+# ---- sluice logs: recent completions and a summary table, from evaluation-logging
+
+
+def _duration_s(text: str) -> float:
+    """`90`, `90s`, `15m`, `2h`, `7d` -> seconds; 0 means no limit."""
+    units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+    text = text.strip().lower()
+    try:
+        if text and text[-1] in units:
+            value = float(text[:-1]) * units[text[-1]]
+        else:
+            value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a duration: {text!r} (like 90s, 15m, 2h, 7d; 0 for all)") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"a duration must not be negative: {text!r}")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {text!r}")
+    return value
+
+
+def _stamp(epoch_s: float) -> timestamp_pb2.Timestamp:
+    stamp = timestamp_pb2.Timestamp()
+    stamp.FromNanoseconds(int(epoch_s * 1e9))
+    return stamp
+
+
+def _epoch(stamp: timestamp_pb2.Timestamp) -> float:
+    return stamp.seconds + stamp.nanos / 1e9
+
+
+def _finish_name(value: int) -> str:
+    return types_pb2.FinishReason.Name(value).removeprefix("FINISH_REASON_").lower()
+
+
+def record_line(record: evallog_pb2.Record) -> str:
+    """One completion: when, model, outcome, latency, TTFT, tokens, failed scores, request id."""
+    event = record.event
+    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(_epoch(event.finished_at)))
+    outcome = _finish_name(event.finish_reason) + (f"/{event.error_code}" if event.error_code else "")
+    failed = [s.name for s in record.scores if not s.passed and not s.skipped]
+    return (
+        f"{when}  {event.model:<24} {outcome:<10} {event.timings.total_time_ms:>8.0f} ms"
+        f"  ttft {event.timings.time_to_first_token_ms:>6.0f} ms"
+        f"  {event.usage.prompt_tokens:>5}+{event.usage.completion_tokens:<5} tok"
+        f"  {('failed: ' + ','.join(failed)) if failed else 'ok':<24}  {event.request_id}"
+    )
+
+
+def _pct(value: float) -> str:
+    return f"{value * 100:.1f}%"
+
+
+def summary_table(summaries: list[evallog_pb2.Summary]) -> str:
+    """Per model and tenant: count, error rate, latency and TTFT percentiles, tokens; then score pass rates."""
+    if not summaries:
+        return "no completions in this window"
+    head = (
+        f"{'MODEL':<24} {'TENANT':<12} {'COUNT':>6} {'ERRORS':>7} {'CANCEL':>6}"
+        f" {'LATENCY p50/p95/p99 ms':>24} {'TTFT p50/p95/p99 ms':>22} {'TOKENS IN':>10} {'TOKENS OUT':>10}"
+    )
+    lines = [head]
+    for s in summaries:
+        lat = f"{s.latency.p50_ms:.0f}/{s.latency.p95_ms:.0f}/{s.latency.p99_ms:.0f}"
+        ttft = f"{s.time_to_first_token.p50_ms:.0f}/{s.time_to_first_token.p95_ms:.0f}/{s.time_to_first_token.p99_ms:.0f}"
+        lines.append(
+            f"{s.model:<24} {s.tenant:<12} {s.count:>6} {_pct(s.error_rate):>7} {s.cancelled_count:>6}"
+            f" {lat:>24} {ttft:>22} {s.prompt_tokens:>10} {s.completion_tokens:>10}"
+        )
+    scores = [(s, score) for s in summaries for score in s.scores]
+    if scores:
+        lines += ["", f"{'MODEL':<24} {'TENANT':<12} {'SCORE':<16} {'COUNT':>6} {'PASS':>7} {'MEAN':>10} {'MIN':>10} {'MAX':>10} {'SKIPPED':>8}"]
+        for s, score in scores:
+            lines.append(
+                f"{s.model:<24} {s.tenant:<12} {score.name:<16} {score.count:>6} {_pct(score.pass_rate):>7}"
+                f" {score.mean:>10.3f} {score.min:>10.3f} {score.max:>10.3f} {score.skipped_count:>8}"
+            )
+    return "\n".join(lines)
+
+
+def _record_json(record: evallog_pb2.Record) -> str:
+    return json.dumps(json_format.MessageToDict(record, preserving_proto_field_name=True), sort_keys=True)
+
+
+class _LogsClient:
+    def __init__(self, args: argparse.Namespace) -> None:
+        key = args.tenant_key or args.api_key
+        if not key:
+            raise SystemExit("sluice: no API key: pass --tenant-key/--api-key or set SLUICE_API_KEY")
+        self.metadata = (("authorization", f"Bearer {key}"),)
+        self.channel = grpc.insecure_channel(args.evallog)
+        self.stub = evallog_pb2_grpc.EvalLogServiceStub(self.channel)
+        self.model = args.model or ""
+        self.tenant = args.tenant or ""
+
+    def records(self, start: float | None, limit: int) -> list[evallog_pb2.Record]:
+        """Up to `limit` records finished at or after `start`, newest first (pages through QueryRecords)."""
+        found: list[evallog_pb2.Record] = []
+        token = ""
+        while len(found) < limit:
+            request = evallog_pb2.QueryRecordsRequest(
+                tenant=self.tenant, model=self.model, page_size=min(1000, limit - len(found)), page_token=token
+            )
+            if start is not None:
+                request.start_time.CopyFrom(_stamp(start))
+            page = self.stub.QueryRecords(request, metadata=self.metadata, timeout=10)
+            found.extend(page.records)
+            token = page.next_page_token
+            if not token:
+                break
+        return found
+
+    def summaries(self, start: float | None) -> list[evallog_pb2.Summary]:
+        request = evallog_pb2.SummarizeRequest(tenant=self.tenant, model=self.model)
+        if start is not None:
+            request.start_time.CopyFrom(_stamp(start))
+        return list(self.stub.Summarize(request, metadata=self.metadata, timeout=30).summaries)
+
+
+def cmd_logs(args: argparse.Namespace) -> int:
+    client = _LogsClient(args)
+    started = time.time()
+    window_start = started - args.since if args.since > 0 else None
+    show = _record_json if args.json else record_line
+    try:
+        # QueryRecords answers newest first; printed oldest to newest so that --follow appends below.
+        recent = client.records(window_start, args.limit)
+        for record in reversed(recent):
+            print(show(record), flush=True)
+        if args.follow:
+            _follow(client, args, {r.event.event_id: _epoch(r.event.finished_at) for r in recent}, show)
+        print()
+        print(summary_table(client.summaries(window_start)))
+    except grpc.RpcError as error:
+        return _fail(error)
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        client.channel.close()
+    return 0
+
+
+def _follow(client: _LogsClient, args: argparse.Namespace, seen: dict[str, float], show) -> None:  # type: ignore[no-untyped-def]
+    """Polls for records not yet printed until Ctrl-C (or --follow-for seconds). Records can be stored
+    a while after they finished (batching, a broker outage), so each poll looks back `lookback` seconds
+    and skips the event ids it already printed."""
+    lookback = max(60.0, 4 * args.interval)
+    until = time.monotonic() + args.follow_for if args.follow_for > 0 else None
+    try:
+        while until is None or time.monotonic() < until:
+            time.sleep(args.interval)
+            since = time.time() - lookback
+            fresh = [r for r in client.records(since, 10_000) if r.event.event_id not in seen]
+            for record in sorted(fresh, key=lambda r: (_epoch(r.event.finished_at), r.event.event_id)):
+                seen[record.event.event_id] = _epoch(record.event.finished_at)
+                print(show(record), flush=True)
+            for event_id in [e for e, at in seen.items() if at < since - lookback]:
+                del seen[event_id]
+    except KeyboardInterrupt:
+        pass  # the summary table still prints
+
+
 def cmd_hash_key(args: argparse.Namespace) -> int:
     print(hash_api_key(args.api_key_to_hash))
     return 0
@@ -144,6 +324,21 @@ def build_parser() -> argparse.ArgumentParser:
 
     commands.add_parser("models", help="list the models").set_defaults(func=cmd_models)
     commands.add_parser("health", help="show every service's health").set_defaults(func=cmd_health)
+    logs = commands.add_parser("logs", help="recent completions and a summary table (from evaluation-logging)")
+    logs.add_argument("--evallog", default=os.environ.get("SLUICE_EVALLOG_URL", DEFAULT_EVALLOG),
+                      help="evaluation-logging's gRPC address (SLUICE_EVALLOG_URL)")
+    logs.add_argument("--tenant-key", default="", help="API key of the tenant to read (default: --api-key / SLUICE_API_KEY)")
+    logs.add_argument("--tenant", default="", help="tenant name (default: the key's own; another tenant is refused)")
+    logs.add_argument("--model", default="", help="only this model")
+    logs.add_argument("-n", "--limit", type=_positive_int, default=20, help="how many recent completions to list (default 20)")
+    logs.add_argument("--since", type=_duration_s, default=3600.0,
+                      help="window for the list and the summary, like 90s, 15m, 2h, 7d; 0 for all (default 1h)")
+    logs.add_argument("-f", "--follow", action="store_true", help="keep printing new completions until Ctrl-C")
+    logs.add_argument("--interval", type=float, default=1.0, help="--follow polling interval in seconds (default 1)")
+    logs.add_argument("--follow-for", type=float, default=0.0, help=argparse.SUPPRESS)  # tests: stop following after N s
+    logs.add_argument("--json", action="store_true", help="one JSON object per completion instead of a line")
+    logs.set_defaults(func=cmd_logs)
+    add_jobs_parser(commands)
     hash_key = commands.add_parser("hash-key", help="print the SHA-256 of an API key for a tenants file")
     hash_key.add_argument("api_key_to_hash")
     hash_key.set_defaults(func=cmd_hash_key)

@@ -78,11 +78,13 @@ class CompletionTracker:
     def on_done(self, context: grpc.aio.ServicerContext) -> None:
         """gRPC's done-callback: the client's stream is over. Must not raise or block."""
         try:
-            self._events.submit(self.build(context))
+            self._events.submit(self.build(context.code(), context.cancelled()))
         except Exception:  # noqa: BLE001 - never let logging break the server
             log.exception("completion_event_failed", request_id=self._request_id)
 
-    def build(self, context: grpc.aio.ServicerContext | None) -> events_pb2.CompletionEvent:
+    def build(self, code: grpc.StatusCode | None = None, cancelled: bool = False) -> events_pb2.CompletionEvent:
+        """The event for the call as it ended: `code` is the status the call closed with (None or OK
+        when it finished) and `cancelled` whether the client cancelled it. Plain domain logic: no I/O."""
         request, final = self._request, self._final
         finished_wall = time.time()
         event = events_pb2.CompletionEvent(
@@ -109,8 +111,6 @@ class CompletionTracker:
             event.usage.CopyFrom(final.usage)
             event.timings.CopyFrom(final.timings)
         else:
-            code = context.code() if context is not None else None
-            cancelled = context is not None and context.cancelled()
             if cancelled or code in (grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED):
                 event.finish_reason = types_pb2.FINISH_REASON_CANCELLED
                 if code == grpc.StatusCode.DEADLINE_EXCEEDED:

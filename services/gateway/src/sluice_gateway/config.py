@@ -44,6 +44,25 @@ class GatewayConfig(ServerConfig):
     # "closed" answers UNAVAILABLE, "open" admits without a lease.
     ratelimit_policy: str = "closed"
     ratelimit_timeout_s: float = 0.5
+    # Bulk jobs (issue 6). Their state: SQLite at JOBS_SQLITE_PATH (shared by the gateway and the job
+    # workers of one host), or PostgreSQL (schema "jobs") when JOBS_POSTGRES_DSN is set.
+    jobs_sqlite_path: Path = Path("sluice-jobs.sqlite3")
+    jobs_postgres_dsn: str = ""
+    jobs_max_rows: int = 100_000
+    # The job-worker role (`python -m sluice_gateway.worker`): its health/metrics ports, rows unacked
+    # at once (prefetch), the adaptive concurrency's start and ceiling, one row's deadline, transient
+    # errors retried in-process (capped exponential backoff with jitter) before the row goes back to
+    # the broker, and deliveries after which a row is dead-lettered.
+    worker_port: int = 50052
+    worker_metrics_port: int = 9106
+    worker_prefetch: int = 128
+    worker_concurrency_initial: int = 4
+    worker_concurrency_max: int = 64
+    worker_row_timeout_s: float = 120.0
+    worker_row_attempts: int = 4
+    worker_retry_base_s: float = 0.25
+    worker_retry_cap_s: float = 10.0
+    worker_delivery_limit: int = 5
 
     def adapter_channel_tls(self) -> ClientTLS | None:
         return ClientTLS.from_settings(
@@ -65,6 +84,19 @@ class GatewayConfig(ServerConfig):
         )
         require(self.ratelimit_timeout_s > 0, f"{ENV_PREFIX}RATELIMIT_TIMEOUT_S must be > 0, got {self.ratelimit_timeout_s}")
         require(self.events_outbox_size >= 1, f"{ENV_PREFIX}EVENTS_OUTBOX_SIZE must be >= 1, got {self.events_outbox_size}")
+        require(self.jobs_max_rows >= 1, f"{ENV_PREFIX}JOBS_MAX_ROWS must be >= 1, got {self.jobs_max_rows}")
+        require(self.worker_prefetch >= 1, f"{ENV_PREFIX}WORKER_PREFETCH must be >= 1, got {self.worker_prefetch}")
+        require(
+            1 <= self.worker_concurrency_initial <= self.worker_concurrency_max,
+            f"{ENV_PREFIX}WORKER_CONCURRENCY_INITIAL must be in [1, WORKER_CONCURRENCY_MAX], got {self.worker_concurrency_initial}",
+        )
+        require(self.worker_row_timeout_s > 0, f"{ENV_PREFIX}WORKER_ROW_TIMEOUT_S must be > 0, got {self.worker_row_timeout_s}")
+        require(self.worker_row_attempts >= 1, f"{ENV_PREFIX}WORKER_ROW_ATTEMPTS must be >= 1, got {self.worker_row_attempts}")
+        require(
+            0 < self.worker_retry_base_s <= self.worker_retry_cap_s,
+            f"{ENV_PREFIX}WORKER_RETRY_BASE_S must be > 0 and <= WORKER_RETRY_CAP_S, got {self.worker_retry_base_s}",
+        )
+        require(self.worker_delivery_limit >= 1, f"{ENV_PREFIX}WORKER_DELIVERY_LIMIT must be >= 1, got {self.worker_delivery_limit}")
         require(
             self.events_max_in_flight >= 1, f"{ENV_PREFIX}EVENTS_MAX_IN_FLIGHT must be >= 1, got {self.events_max_in_flight}"
         )

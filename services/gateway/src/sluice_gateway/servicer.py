@@ -6,15 +6,16 @@ from collections.abc import AsyncIterator
 
 import grpc
 import structlog
-from sluice.common.v1 import types_pb2
 from sluice.gateway.v1 import gateway_pb2, gateway_pb2_grpc
-from sluice.inference.v1 import inference_pb2, inference_pb2_grpc
+from sluice.inference.v1 import inference_pb2_grpc
+from sluice.jobs.v1 import jobs_pb2
 
 from sluice_common.errors import Unimplemented
-from sluice_common.request_context import REQUEST_ID_KEY, current_request_id, outgoing_metadata
-from sluice_common.validation import validate_embedding, validate_generation
+from sluice_common.request_context import REQUEST_ID_KEY, current_request_id
 from sluice_gateway.admission import Admission
 from sluice_gateway.completion_events import CompletionEvents
+from sluice_gateway.inference_path import InferencePath
+from sluice_gateway.jobs_api import JobsApi
 from sluice_gateway.model_catalog import ModelCatalog
 from sluice_gateway.tenants import Tenant, TenantDirectory
 
@@ -34,12 +35,15 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         adapter: inference_pb2_grpc.InferenceServiceStub,
         completion_events: CompletionEvents | None = None,
         admission: Admission | None = None,
+        jobs: JobsApi | None = None,
     ) -> None:
         self._tenants = tenants
         self._models = models
         self._adapter = adapter
         self._completion_events = completion_events
         self._admission = admission or Admission(None)
+        self._path = InferencePath(adapter, models, self._admission)
+        self._jobs_api = jobs
 
     def _tenant(self, context: grpc.aio.ServicerContext) -> Tenant:
         return self._tenants.authenticate(_authorization(context))
@@ -49,27 +53,13 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
     ) -> AsyncIterator[gateway_pb2.GenerateResponse]:
         tenant = self._tenant(context)
         structlog.contextvars.bind_contextvars(tenant=tenant.name, model=request.model)
-        validate_generation(request.messages, request.prompt, request.sampling, self._models.get(request.model))
         request_id = current_request_id()
-        downstream = inference_pb2.GenerateRequest(
-            request_id=request_id,
-            tenant=tenant.name,
-            model=request.model,
-            messages=request.messages,
-            prompt=request.prompt,
-            sampling=request.sampling,
-            priority_class=request.priority_class,
-        )
         # Published from a done-callback, only after the client's stream has closed (issue 5).
         tracker = self._completion_events.track(tenant, request, request_id, context) if self._completion_events else None
-        # The client's deadline bounds the adapter's work; cancelling this call stops it there.
-        # A lease from rate-limit (or RESOURCE_EXHAUSTED / UNAVAILABLE); settled in `finally`.
-        ticket = await self._admission.admit(tenant.name, request, context.time_remaining())
-        call = self._adapter.Generate(downstream, timeout=context.time_remaining(), metadata=outgoing_metadata())
-        try:
-            await context.send_initial_metadata(((REQUEST_ID_KEY, request_id), *ticket.metadata))
-            async for chunk in call:
-                ticket.observe(chunk)
+        # Validation, admission and the adapter call are shared with the job worker (inference_path).
+        async with self._path.generate(tenant.name, request, request_id, context.time_remaining()) as stream:
+            await context.send_initial_metadata(((REQUEST_ID_KEY, request_id), *stream.ticket.metadata))
+            async for chunk in stream:
                 if tracker is not None:
                     tracker.add(chunk)
                 yield gateway_pb2.GenerateResponse(
@@ -80,9 +70,6 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
                     timings=chunk.timings if chunk.HasField("timings") else None,
                     model=request.model,
                 )
-        finally:
-            call.cancel()
-            ticket.settle()
 
     async def ListModels(
         self, request: gateway_pb2.ListModelsRequest, context: grpc.aio.ServicerContext
@@ -93,38 +80,40 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
     async def Embed(self, request: gateway_pb2.EmbedRequest, context: grpc.aio.ServicerContext) -> gateway_pb2.EmbedResponse:
         tenant = self._tenant(context)
         structlog.contextvars.bind_contextvars(tenant=tenant.name, model=request.model)
-        self._models.get(request.model, types_pb2.MODEL_KIND_EMBEDDING)
-        validate_embedding(request.inputs)
-        request_id = current_request_id()
-        downstream = inference_pb2.EmbedRequest(
-            request_id=request_id,
-            tenant=tenant.name,
-            model=request.model,
-            inputs=request.inputs,
-            priority_class=request.priority_class,
+        return await self._path.embed(tenant.name, request, current_request_id(), context.time_remaining())
+
+    def _jobs(self) -> JobsApi:
+        if self._jobs_api is None:
+            raise Unimplemented("bulk jobs are not configured on this gateway")
+        return self._jobs_api
+
+    async def SubmitJob(
+        self, request: gateway_pb2.SubmitJobRequest, context: grpc.aio.ServicerContext
+    ) -> gateway_pb2.SubmitJobResponse:
+        tenant = self._tenant(context)
+        api_key = (_authorization(context) or "")[len("bearer ") :].strip()
+        job = jobs_pb2.JobRequest()
+        job.CopyFrom(request.job)
+        return gateway_pb2.SubmitJobResponse(job=await self._jobs().submit(tenant, api_key, job))
+
+    async def GetJob(self, request: gateway_pb2.GetJobRequest, context: grpc.aio.ServicerContext) -> gateway_pb2.GetJobResponse:
+        return gateway_pb2.GetJobResponse(job=await self._jobs().get(self._tenant(context), request.job_id))
+
+    async def WatchJob(
+        self, request: gateway_pb2.WatchJobRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[gateway_pb2.WatchJobResponse]:
+        async for job in self._jobs().watch(self._tenant(context), request.job_id):
+            yield gateway_pb2.WatchJobResponse(job=job)
+
+    async def CancelJob(
+        self, request: gateway_pb2.CancelJobRequest, context: grpc.aio.ServicerContext
+    ) -> gateway_pb2.CancelJobResponse:
+        return gateway_pb2.CancelJobResponse(job=await self._jobs().cancel(self._tenant(context), request.job_id))
+
+    async def ListJobResults(
+        self, request: gateway_pb2.ListJobResultsRequest, context: grpc.aio.ServicerContext
+    ) -> gateway_pb2.ListJobResultsResponse:
+        results, token = await self._jobs().list_results(
+            self._tenant(context), request.job_id, request.page_size, request.page_token
         )
-        reply = await self._adapter.Embed(downstream, timeout=context.time_remaining(), metadata=outgoing_metadata())
-        return gateway_pb2.EmbedResponse(
-            request_id=request_id, model=request.model, embeddings=reply.embeddings, usage=reply.usage
-        )
-
-    async def SubmitJob(self, request, context):  # type: ignore[no-untyped-def]
-        self._tenant(context)
-        raise Unimplemented("bulk jobs are not served yet (issue #6)")
-
-    async def GetJob(self, request, context):  # type: ignore[no-untyped-def]
-        self._tenant(context)
-        raise Unimplemented("bulk jobs are not served yet (issue #6)")
-
-    async def WatchJob(self, request, context):  # type: ignore[no-untyped-def]
-        self._tenant(context)
-        raise Unimplemented("bulk jobs are not served yet (issue #6)")
-        yield  # pragma: no cover - makes this a server-streaming handler
-
-    async def CancelJob(self, request, context):  # type: ignore[no-untyped-def]
-        self._tenant(context)
-        raise Unimplemented("bulk jobs are not served yet (issue #6)")
-
-    async def ListJobResults(self, request, context):  # type: ignore[no-untyped-def]
-        self._tenant(context)
-        raise Unimplemented("bulk jobs are not served yet (issue #6)")
+        return gateway_pb2.ListJobResultsResponse(results=results, next_page_token=token)

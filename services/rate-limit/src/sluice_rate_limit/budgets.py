@@ -43,7 +43,7 @@ class Policy(enum.Enum):
     CLOSED = "closed"  # refuse
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Check:
     budget: Budget
     kind: Kind
@@ -65,7 +65,7 @@ class Check:
     name: str = ""
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class BudgetState:
     budget: Budget
     limit: int

@@ -15,7 +15,7 @@
     requests_in_flight = 8
     tokens_in_flight = 16384
     interactive_floor = 0.25         # share of each budget that bulk traffic leaves to interactive
-    burst = 0.05                     # share of a per-minute budget admitted at once, then paced
+    burst = 0.02                     # share of a per-minute budget admitted at once, then paced
                                      # at limit / window (1.0: no pacing)
 
     [tenants.acme]                   # fields not given come from [defaults]
@@ -72,7 +72,7 @@ class BudgetLimits:
     interactive_floor: float = 0.0
     # Share of a per-minute budget admitted at once before admissions are paced at limit / window
     # (sliding_window.py); 1.0 turns pacing off.
-    burst: float = 0.05
+    burst: float = 0.02
     shadow: bool = False
 
 
@@ -93,18 +93,30 @@ class Limits:
     policy: dict[str, Policy] = field(default_factory=lambda: dict(DEFAULT_POLICY))
     shadow: bool = False
     version: str = ""
+    # (tenant, model) -> (checks with cost 0 and whether each is token-based, shadow): built once
+    _plans: dict[tuple[str, str], tuple[list[tuple[Check, bool]], bool]] = field(default_factory=dict, compare=False, repr=False)
 
     def tenant(self, name: str) -> TenantLimits:
         return self.tenants.get(name, self.defaults)
 
     def checks(self, tenant: str, model: str, interactive: bool, requests: int, tokens: int) -> tuple[list[Check], bool]:
         """The checks of one request, and whether it is decided in shadow mode."""
-        mine = self.tenant(tenant).for_model(model)
-        checks = _budget_checks(mine, f"t:{tenant}", requests, tokens, None, self.policy)
-        capacity = self.models.get(model)
-        if capacity is not None:
-            checks += _budget_checks(capacity, "m", requests, tokens, Budget.MODEL_CAPACITY, self.policy)
-        return checks, self.shadow or mine.shadow
+        plan = self._plans.get((tenant, model))
+        if plan is None:
+            mine = self.tenant(tenant).for_model(model)
+            templates = _budget_checks(mine, f"t:{tenant}", None, self.policy)
+            capacity = self.models.get(model)
+            if capacity is not None:
+                templates += _budget_checks(capacity, "m", Budget.MODEL_CAPACITY, self.policy)
+            if len(self._plans) > 100_000:
+                self._plans.clear()
+            plan = self._plans[(tenant, model)] = (templates, self.shadow or mine.shadow)
+        templates, shadow = plan
+        checks = []
+        for t, tokens_based in templates:
+            cost = tokens if tokens_based else requests
+            checks.append(Check(t.budget, t.kind, t.key, t.limit, cost, t.floor, t.burst, t.refundable, t.policy, t.name))
+        return checks, shadow
 
     def known_pairs(self) -> list[tuple[str, str]]:
         pairs = []
@@ -122,29 +134,28 @@ _KIND = {
 }
 
 
-def _budget_checks(
-    limits: BudgetLimits, scope: str, requests: int, tokens: int, budget: Budget | None, policy: dict[str, Policy]
-) -> list[Check]:
+def _budget_checks(limits: BudgetLimits, scope: str, budget: Budget | None, policy: dict[str, Policy]) -> list[tuple[Check, bool]]:
     checks = []
     for name in BUDGET_FIELDS:
         limit = getattr(limits, name)
         if limit <= 0:
             continue
         own_budget, kind, short, tokens_based = _KIND[name]
-        checks.append(
+        checks.append((
             Check(
                 budget=budget or own_budget,
                 kind=kind,
                 key=f"{scope}:{short}",
                 limit=limit,
-                cost=tokens if tokens_based else requests,
+                cost=0,
                 floor=int(limit * limits.interactive_floor),
                 burst=max(1, int(limit * limits.burst)) if kind is Kind.WINDOW and limits.burst < 1.0 else 0,
                 refundable=tokens_based and kind is Kind.WINDOW,
                 policy=policy["model_capacity" if budget else name],
                 name=f"model_capacity.{name}" if budget else name,
-            )
-        )
+            ),
+            tokens_based,
+        ))
     return checks
 
 

@@ -10,7 +10,7 @@ import heapq
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from sluice_rate_limit.budgets import BudgetState, Check, Decision, Kind, LeaseNotFound
 from sluice_rate_limit.sliding_window import Entry, SlidingWindow, admits
@@ -19,12 +19,20 @@ from sluice_rate_limit.sliding_window import Entry, SlidingWindow, admits
 GAUGE_RETRY_S = 1.0
 
 
+class _Gauge:
+    __slots__ = ("total", "interactive")
+
+    def __init__(self) -> None:
+        self.total = 0
+        self.interactive = 0
+
+
 @dataclass
 class _Lease:
     interactive: bool
     expires_at: float
-    # (check, its window entry; None for gauges)
-    entries: list[tuple[Check, Entry | None]] = field(default_factory=list)
+    # (check, its window or gauge, its window entry: None for gauges)
+    entries: list[tuple[Check, SlidingWindow | _Gauge, Entry | None]] = field(default_factory=list)
 
 
 class MemoryBackend:
@@ -41,20 +49,17 @@ class MemoryBackend:
         self._clock = clock
         self._on_expired = on_expired
         self._prefix = lease_prefix
-        self._windows: dict[str, SlidingWindow] = {}
-        # key -> [total, interactive]
-        self._gauges: dict[str, list[int]] = {}
+        # (tag, key) -> window or gauge
+        self._stores: dict[tuple[str, str], SlidingWindow | _Gauge] = {}
         self._leases: dict[str, _Lease] = {}
         self._expiries: list[tuple[float, str]] = []
 
-    def _window(self, key: str) -> SlidingWindow:
-        window = self._windows.get(key)
-        if window is None:
-            window = self._windows[key] = SlidingWindow(self.window_s)
-        return window
-
-    def _gauge(self, key: str) -> list[int]:
-        return self._gauges.setdefault(key, [0, 0])
+    def _store(self, tag: str, check: Check) -> SlidingWindow | _Gauge:
+        store = self._stores.get((tag, check.key))
+        if store is None:
+            store = SlidingWindow(self.window_s) if check.kind is Kind.WINDOW else _Gauge()
+            self._stores[(tag, check.key)] = store
+        return store
 
     def _sweep(self, now: float) -> None:
         expired = 0
@@ -68,44 +73,44 @@ class MemoryBackend:
         if expired and self._on_expired is not None:
             self._on_expired(expired)
 
-    def _free_gauges(self, lease: _Lease) -> None:
-        for check, _entry in lease.entries:
-            if check.kind is Kind.GAUGE:
-                gauge = self._gauge(check.key)
-                gauge[0] = max(0, gauge[0] - check.cost)
+    @staticmethod
+    def _free_gauges(lease: _Lease) -> None:
+        for check, store, _entry in lease.entries:
+            if isinstance(store, _Gauge):
+                store.total = max(0, store.total - check.cost)
                 if lease.interactive:
-                    gauge[1] = max(0, gauge[1] - check.cost)
+                    store.interactive = max(0, store.interactive - check.cost)
 
-    def _usage(self, check: Check, now: float) -> tuple[int, int]:
-        if check.kind is Kind.WINDOW:
-            return self._window(check.key).usage(now)
-        total, interactive = self._gauge(check.key)
-        return total, interactive
+    @staticmethod
+    def _usage(store: SlidingWindow | _Gauge, now: float) -> tuple[int, int]:
+        if isinstance(store, SlidingWindow):
+            return store.usage(now)
+        return store.total, store.interactive
 
-    def _state(self, check: Check, now: float) -> BudgetState:
-        used, _ = self._usage(check, now)
-        reset = self._window(check.key).reset_after(now) if check.kind is Kind.WINDOW else 0.0
+    def _state(self, check: Check, store: SlidingWindow | _Gauge, now: float) -> BudgetState:
+        used, _ = self._usage(store, now)
+        reset = store.reset_after(now) if isinstance(store, SlidingWindow) else 0.0
         return BudgetState(check.budget, check.limit, max(0, check.limit - used), reset, check.name)
 
     async def acquire(
         self, checks: list[Check], interactive: bool, ttl_s: float, shadow: bool, tag: str = ""
     ) -> Decision:
-        checks = [replace(c, key=f"{tag}|{c.key}") for c in checks]
         now = self._clock()
         self._sweep(now)
+        stores = [self._store(tag, check) for check in checks]
         denied: Check | None = None
         retry = 0.0
-        for check in checks:
-            used, interactive_used = self._usage(check, now)
+        for check, store in zip(checks, stores):
+            used, interactive_used = self._usage(store, now)
             pace = 0.0
-            if check.kind is Kind.WINDOW:
-                pace = self._window(check.key).pace_wait(now, check.cost, check.limit, check.burst, check.floor, interactive)
+            if isinstance(store, SlidingWindow):
+                pace = store.pace_wait(now, check.cost, check.limit, check.burst, check.floor, interactive)
             if pace <= 0.0 and admits(used, interactive_used, check.cost, check.limit, check.floor, interactive):
                 continue
-            if check.kind is Kind.WINDOW:
+            if isinstance(store, SlidingWindow):
                 reserve = 0 if interactive else max(0, check.floor - interactive_used)
                 must_free = used + check.cost + reserve - check.limit
-                wait = max(pace, self._window(check.key).retry_after(now, must_free) if must_free > 0 else 0.0)
+                wait = max(pace, store.retry_after(now, must_free) if must_free > 0 else 0.0)
             else:
                 wait = GAUGE_RETRY_S
             if denied is None or wait > retry:
@@ -113,26 +118,24 @@ class MemoryBackend:
         if denied is not None:
             return Decision(
                 allowed=False,
-                states=[self._state(c, now) for c in checks],
+                states=[self._state(c, s, now) for c, s in zip(checks, stores)],
                 denied_by=denied.budget,
                 denied_name=denied.name,
                 retry_after_s=retry,
                 shadow=shadow,
             )
         lease = _Lease(interactive=interactive, expires_at=now + ttl_s)
-        for check in checks:
+        for check, store in zip(checks, stores):
             entry = None
-            if check.kind is Kind.WINDOW:
-                window = self._window(check.key)
-                entry = window.add(now, check.cost, interactive)
+            if isinstance(store, SlidingWindow):
+                entry = store.add(now, check.cost, interactive)
                 if 0 < check.burst < check.limit:
-                    window.pace(now, check.cost, check.limit)
+                    store.pace(now, check.cost, check.limit)
             else:
-                gauge = self._gauge(check.key)
-                gauge[0] += check.cost
+                store.total += check.cost
                 if interactive:
-                    gauge[1] += check.cost
-            lease.entries.append((check, entry))
+                    store.interactive += check.cost
+            lease.entries.append((check, store, entry))
         lease_id = self._prefix + uuid.uuid4().hex
         self._leases[lease_id] = lease
         heapq.heappush(self._expiries, (lease.expires_at, lease_id))
@@ -140,7 +143,7 @@ class MemoryBackend:
             allowed=True,
             lease_id=lease_id,
             lease_expires_at=lease.expires_at,
-            states=[self._state(c, now) for c in checks],
+            states=[self._state(c, s, now) for c, s in zip(checks, stores)],
         )
 
     async def settle(self, lease_id: str, used_tokens: int | None) -> list[BudgetState]:
@@ -151,24 +154,21 @@ class MemoryBackend:
         if lease is None:
             raise LeaseNotFound(lease_id)
         self._free_gauges(lease)
-        for check, entry in lease.entries:
-            if check.kind is Kind.WINDOW and check.refundable and entry is not None:
+        for check, store, entry in lease.entries:
+            if isinstance(store, SlidingWindow) and check.refundable and entry is not None:
                 delta = check.cost - (used_tokens or 0)
-                window = self._window(check.key)
-                paced = 0 < check.burst < check.limit
                 if delta > 0:
-                    window.refund(now, entry, delta)
+                    store.refund(now, entry, delta)
                 elif delta < 0:  # used more than reserved: charge the truth
-                    window.add(now, -delta, lease.interactive)
-                if paced and delta:
-                    window.pace(now, -delta, check.limit)
-        return [self._state(check, now) for check, _ in lease.entries]
+                    store.add(now, -delta, lease.interactive)
+                if delta and 0 < check.burst < check.limit:
+                    store.pace(now, -delta, check.limit)
+        return [self._state(check, store, now) for check, store, _ in lease.entries]
 
     async def peek(self, checks: list[Check], tag: str = "") -> list[BudgetState]:
-        checks = [replace(c, key=f"{tag}|{c.key}") for c in checks]
         now = self._clock()
         self._sweep(now)
-        return [self._state(c, now) for c in checks]
+        return [self._state(c, self._store(tag, c), now) for c in checks]
 
     def owns(self, lease_id: str) -> bool:
         return lease_id.startswith(self._prefix) if self._prefix else True

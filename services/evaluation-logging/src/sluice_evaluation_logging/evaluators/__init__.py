@@ -5,8 +5,11 @@ listing it here.
 
 from __future__ import annotations
 
+import asyncio
 import inspect
+from collections.abc import Awaitable, Sequence
 from types import ModuleType
+from typing import Any
 
 from sluice_evaluation_logging.evaluators import (
     empty_output,
@@ -34,16 +37,42 @@ EVALUATORS: tuple[ModuleType, ...] = (
 )
 
 
-async def evaluate_all(event: CompletionEvent, ctx: EvalContext) -> list[ScoreResult]:
-    """Every applicable evaluator's score; one that raises is recorded as skipped with the error."""
-    scores: list[ScoreResult] = []
-    for evaluator in EVALUATORS:
-        try:
-            result = evaluator.evaluate(event, ctx)
+def _failed(evaluator: ModuleType, exc: Exception) -> ScoreResult:
+    return skipped(evaluator.NAME, f"skipped: evaluator failed: {type(exc).__name__}: {exc}")
+
+
+async def _settle(evaluator: ModuleType, pending: Awaitable[Any]) -> ScoreResult | None:
+    try:
+        return await pending  # type: ignore[no-any-return]
+    except Exception as exc:  # noqa: BLE001 - one broken evaluator must not lose the record
+        return _failed(evaluator, exc)
+
+
+async def evaluate_batch(events: Sequence[CompletionEvent], ctx: EvalContext) -> list[list[ScoreResult]]:
+    """Every applicable evaluator's scores for each event, in EVALUATORS order; one that raises is
+    recorded as skipped with the error. The synchronous evaluators run in place; the asynchronous
+    ones (similarity: an Embed call to the adapter) of the whole batch are awaited together, so a
+    batch waits for one round of embeddings rather than one round trip per sampled event."""
+    results: list[list[Any]] = []
+    pending: list[tuple[list[Any], int, Awaitable[ScoreResult | None]]] = []
+    for event in events:
+        scores: list[Any] = []
+        for evaluator in EVALUATORS:
+            try:
+                result = evaluator.evaluate(event, ctx)
+            except Exception as exc:  # noqa: BLE001 - one broken evaluator must not lose the record
+                result = _failed(evaluator, exc)
             if inspect.isawaitable(result):
-                result = await result
-        except Exception as exc:  # noqa: BLE001 - one broken evaluator must not lose the record
-            result = skipped(evaluator.NAME, f"skipped: evaluator failed: {type(exc).__name__}: {exc}")
-        if result is not None:
+                pending.append((scores, len(scores), _settle(evaluator, result)))
             scores.append(result)
-    return scores
+        results.append(scores)
+    if pending:
+        settled = await asyncio.gather(*(awaitable for _, _, awaitable in pending))
+        for (scores, index, _), result in zip(pending, settled, strict=True):
+            scores[index] = result
+    return [[score for score in scores if score is not None] for scores in results]
+
+
+async def evaluate_all(event: CompletionEvent, ctx: EvalContext) -> list[ScoreResult]:
+    """Every applicable evaluator's score for one event (see evaluate_batch)."""
+    return (await evaluate_batch([event], ctx))[0]

@@ -26,8 +26,14 @@ def luhn_valid(digits: str) -> bool:
     return total % 10 == 0
 
 
+_DIGIT = re.compile(r"\d")
+
+
 def find_pii(text: str) -> dict[str, int]:
-    found = {"email": len(EMAIL.findall(text)), "phone": 0, "card": 0}
+    # Fast paths, same answers: an email needs an "@", a phone number or card number needs digits.
+    found = {"email": len(EMAIL.findall(text)) if "@" in text else 0, "phone": 0, "card": 0}
+    if _DIGIT.search(text) is None:
+        return {kind: count for kind, count in found.items() if count}
     card_spans: list[tuple[int, int]] = []
     for match in CARD.finditer(text):
         digits = re.sub(r"\D", "", match.group())

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+from collections.abc import Awaitable
 
 from sluice_evaluation_logging.evaluators.base import (
     CompletionEvent,
@@ -38,13 +39,20 @@ def cosine(a: list[float], b: list[float]) -> float:
     return dot / norm if norm else 0.0
 
 
-async def evaluate(event: CompletionEvent, ctx: EvalContext) -> ScoreResult | None:
+def evaluate(event: CompletionEvent, ctx: EvalContext) -> ScoreResult | Awaitable[ScoreResult] | None:
+    """None when it does not apply or the event is not sampled (decided here, synchronously, so the
+    events that are not sampled cost no coroutine); otherwise the awaitable embedding comparison."""
     if not has_text(event) or not finished(event) or not event.output.strip():
         return None
     if not sampled(event.event_id, ctx.settings.similarity_sample_rate):
         return None
     if ctx.embedder is None:
         return skipped(NAME, "skipped: embeddings unavailable")
+    return _compare(event, ctx)
+
+
+async def _compare(event: CompletionEvent, ctx: EvalContext) -> ScoreResult:
+    assert ctx.embedder is not None
     try:
         vectors = await ctx.embedder.embed([prompt_text(event), event.output])
     except EmbeddingsUnavailable as exc:

@@ -131,3 +131,19 @@ class JobRejection(_message.Message):
     job_id: str
     reason: str
     def __init__(self, job_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class RowTask(_message.Message):
+    __slots__ = ("job_id", "tenant", "row", "reply_to", "text_logging", "reply_content_type")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    ROW_FIELD_NUMBER: _ClassVar[int]
+    REPLY_TO_FIELD_NUMBER: _ClassVar[int]
+    TEXT_LOGGING_FIELD_NUMBER: _ClassVar[int]
+    REPLY_CONTENT_TYPE_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    tenant: str
+    row: JobRow
+    reply_to: str
+    text_logging: bool
+    reply_content_type: str
+    def __init__(self, job_id: _Optional[str] = ..., tenant: _Optional[str] = ..., row: _Optional[_Union[JobRow, _Mapping]] = ..., reply_to: _Optional[str] = ..., text_logging: _Optional[bool] = ..., reply_content_type: _Optional[str] = ...) -> None: ...

@@ -1,0 +1,67 @@
+"""What the gateway and its job-worker role both hold: tenants, the adapter, admission, events."""
+
+from __future__ import annotations
+
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from sluice.inference.v1 import inference_pb2_grpc
+from sluice.ratelimit.v1 import ratelimit_pb2_grpc
+
+from sluice_common.channels import open_channel
+from sluice_gateway.admission import Admission
+from sluice_gateway.completion_events import CompletionEvents
+from sluice_gateway.config import ENV_PREFIX, GatewayConfig
+from sluice_gateway.inference_path import InferencePath
+from sluice_gateway.model_catalog import ModelCatalog
+from sluice_gateway.tenants import TenantDirectory
+
+
+@dataclass
+class GatewayCore:
+    tenants: TenantDirectory
+    channel: Any
+    adapter: inference_pb2_grpc.InferenceServiceStub
+    models: ModelCatalog
+    completion_events: CompletionEvents
+    admission: Admission
+    ratelimit_channel: Any
+
+    @property
+    def path(self) -> InferencePath:
+        return InferencePath(self.adapter, self.models, self.admission)
+
+    @classmethod
+    def build(cls, config: GatewayConfig, spill_port: int) -> GatewayCore:
+        try:
+            tenants = TenantDirectory.from_file(config.tenants_file)
+        except (OSError, ValueError) as exc:
+            raise SystemExit(f"gateway: cannot load {ENV_PREFIX}TENANTS_FILE: {exc}") from None
+        channel = open_channel(config.adapter_url, config.adapter_channel_tls())
+        adapter = inference_pb2_grpc.InferenceServiceStub(channel)
+        spill_file = Path(config.events_spill_file or Path(tempfile.gettempdir()) / f"sluice-gateway-{spill_port}-events.spill")
+        completion_events = CompletionEvents.create(
+            config.amqp_url, config.amqp_prefix, config.events_outbox_size, config.events_max_in_flight, spill_file
+        )
+        ratelimit_channel = open_channel(config.ratelimit_url) if config.ratelimit_url else None
+        admission = Admission(
+            ratelimit_pb2_grpc.RateLimitServiceStub(ratelimit_channel) if ratelimit_channel else None,
+            config.ratelimit_policy,
+            config.ratelimit_timeout_s,
+        )
+        return cls(tenants, channel, adapter, ModelCatalog(adapter), completion_events, admission, ratelimit_channel)
+
+    async def start(self, config: GatewayConfig) -> None:
+        await self.models.wait_first_load(config.adapter_wait_s)
+        self.models.start_refreshing(config.models_refresh_s)
+        self.completion_events.start()
+
+    async def close(self, config: GatewayConfig) -> None:
+        await self.completion_events.stop(config.shutdown_grace_s)
+        await self.admission.drain()
+        if self.ratelimit_channel is not None:
+            await self.ratelimit_channel.close()
+        await self.models.stop()
+        await self.channel.close()

@@ -1,0 +1,91 @@
+"""The one path every Generate and Embed takes, interactive or bulk: validate, admit, call the adapter.
+
+The gRPC servicer (interactive streams) and the job worker (bulk rows) both go through here, so a
+bulk row gets exactly the validation, rate-limit admission and adapter call an interactive request
+gets; only its priority class differs.
+
+    async with path.generate(tenant, request, request_id, time_remaining) as stream:
+        stream.ticket.metadata          # x-ratelimit-* headers of the lease
+        async for chunk in stream:      # sluice.inference.v1.GenerateResponse
+            ...
+    # the adapter call is cancelled and the lease settled on the way out, whatever happened
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from sluice.common.v1 import types_pb2
+from sluice.gateway.v1 import gateway_pb2
+from sluice.inference.v1 import inference_pb2, inference_pb2_grpc
+
+from sluice_common.request_context import outgoing_metadata
+from sluice_common.validation import validate_embedding, validate_generation
+from sluice_gateway.admission import Admission, Ticket
+from sluice_gateway.model_catalog import ModelCatalog
+
+
+@dataclass
+class GenerateStream:
+    """An admitted adapter stream; iterating it records each chunk's usage on the ticket."""
+
+    ticket: Ticket
+    call: Any
+
+    async def __aiter__(self) -> AsyncIterator[inference_pb2.GenerateResponse]:
+        async for chunk in self.call:
+            self.ticket.observe(chunk)
+            yield chunk
+
+
+class InferencePath:
+    def __init__(self, adapter: inference_pb2_grpc.InferenceServiceStub, models: ModelCatalog, admission: Admission) -> None:
+        self.adapter = adapter
+        self.models = models
+        self.admission = admission
+
+    def validate_generate(self, request: gateway_pb2.GenerateRequest) -> None:
+        validate_generation(request.messages, request.prompt, request.sampling, self.models.get(request.model))
+
+    @contextlib.asynccontextmanager
+    async def generate(
+        self, tenant: str, request: gateway_pb2.GenerateRequest, request_id: str, time_remaining: float | None
+    ) -> AsyncIterator[GenerateStream]:
+        """Validates, takes a lease (or raises RESOURCE_EXHAUSTED / UNAVAILABLE), opens the adapter stream."""
+        self.validate_generate(request)
+        downstream = inference_pb2.GenerateRequest(
+            request_id=request_id,
+            tenant=tenant,
+            model=request.model,
+            messages=request.messages,
+            prompt=request.prompt,
+            sampling=request.sampling,
+            priority_class=request.priority_class,
+        )
+        # A lease from rate-limit (or RESOURCE_EXHAUSTED / UNAVAILABLE); settled in `finally`.
+        ticket = await self.admission.admit(tenant, request, time_remaining)
+        # The caller's deadline bounds the adapter's work; cancelling this call stops it there.
+        call = self.adapter.Generate(downstream, timeout=time_remaining, metadata=outgoing_metadata())
+        try:
+            yield GenerateStream(ticket, call)
+        finally:
+            call.cancel()
+            ticket.settle()
+
+    async def embed(
+        self, tenant: str, request: gateway_pb2.EmbedRequest, request_id: str, time_remaining: float | None
+    ) -> gateway_pb2.EmbedResponse:
+        self.models.get(request.model, types_pb2.MODEL_KIND_EMBEDDING)
+        validate_embedding(request.inputs)
+        downstream = inference_pb2.EmbedRequest(
+            request_id=request_id,
+            tenant=tenant,
+            model=request.model,
+            inputs=request.inputs,
+            priority_class=request.priority_class,
+        )
+        reply = await self.adapter.Embed(downstream, timeout=time_remaining, metadata=outgoing_metadata())
+        return gateway_pb2.EmbedResponse(request_id=request_id, model=request.model, embeddings=reply.embeddings, usage=reply.usage)

@@ -1,0 +1,242 @@
+"""Bulk jobs, the plain part: the producer contract, validation, running one row, retry policy.
+
+No AMQP and no gRPC server here (the worker and the servicer are the transports); unit-tested
+directly. A producer publishes a JobRequest to the exchange `<prefix>.jobs` with routing key `job`,
+as protobuf (`application/x-protobuf`) or as its JSON mapping (`application/json`, field names
+either as in the .proto or lowerCamelCase). Results go to `reply_to` in the same content type.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from google.protobuf import json_format
+from google.protobuf.message import DecodeError
+from sluice.common.v1 import types_pb2
+from sluice.gateway.v1 import gateway_pb2
+from sluice.jobs.v1 import jobs_pb2
+
+from sluice_common.amqp import PROTOBUF
+from sluice_common.errors import Unauthenticated
+from sluice_gateway.inference_path import InferencePath
+from sluice_gateway.tenants import Tenant, TenantDirectory
+
+JSON = "application/json"
+MAX_ID_LENGTH = 256
+
+# RESOURCE_EXHAUSTED: the shared allowance says "later"; wait as told and try again, without limit.
+PACED = frozenset({"RESOURCE_EXHAUSTED"})
+# Transient: back off exponentially (capped, with jitter) a few times in-process, then give the
+# message back to the broker, which counts deliveries; past the limit the row is dead-lettered.
+TRANSIENT = frozenset({"UNAVAILABLE", "DEADLINE_EXCEEDED", "ABORTED", "INTERNAL", "UNKNOWN", "CANCELLED"})
+
+
+class JobRejected(Exception):
+    """A job message that cannot be accepted at all; told to its reply_to as a JobRejection."""
+
+    def __init__(self, reason: str, job_id: str = "", reply_to: str = "", tenant: str = "") -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.job_id = job_id
+        self.reply_to = reply_to
+        self.tenant = tenant
+
+
+class PoisonRow(Exception):
+    """A row that can never run: dead-lettered at once, reported failed, the job goes on."""
+
+
+def code_of(exc: BaseException) -> str:
+    """The gRPC status name of a SluiceError or a grpc.aio.AioRpcError (no grpc import here)."""
+    code = getattr(exc, "code", None)
+    if callable(code):
+        code = code()
+    name = getattr(code, "name", code)
+    return name if isinstance(name, str) and name else "INTERNAL"
+
+
+def message_of(exc: BaseException) -> str:
+    details = getattr(exc, "details", None)
+    if callable(details):
+        return str(details() or "")
+    return str(getattr(exc, "message", "") or exc)
+
+
+def backoff_s(attempt: int, base_s: float = 0.25, cap_s: float = 10.0, rng: random.Random | None = None) -> float:
+    """Full-jitter exponential backoff: uniform in [0, min(cap, base * 2^attempt)]."""
+    return (rng or random).uniform(0.0, min(cap_s, base_s * (2**attempt)))
+
+
+def paced_delay_s(retry_after_s: float, rng: random.Random | None = None) -> float:
+    """RESOURCE_EXHAUSTED's RetryInfo plus up to 25% jitter, so that workers do not retry in step."""
+    return max(0.01, retry_after_s) * (1.0 + 0.25 * (rng or random).random())
+
+
+# ---- the producer contract
+
+
+def _salvage(body: bytes) -> tuple[str, str]:
+    """job_id and reply_to from a JSON body that did not parse as a JobRequest (for the rejection)."""
+    try:
+        document = json.loads(body)
+    except (ValueError, UnicodeDecodeError):
+        return "", ""
+    if not isinstance(document, dict):
+        return "", ""
+    job_id = document.get("job_id", document.get("jobId", ""))
+    reply_to = document.get("reply_to", document.get("replyTo", ""))
+    return (job_id if isinstance(job_id, str) else ""), (reply_to if isinstance(reply_to, str) else "")
+
+
+def parse_job(body: bytes, content_type: str, reply_to_property: str = "") -> jobs_pb2.JobRequest:
+    """A JobRequest from an AMQP body (JSON or protobuf); JobRejected with a reason otherwise.
+    The message's reply_to property is used when the body names none."""
+    job = jobs_pb2.JobRequest()
+    kind = (content_type or "").split(";")[0].strip().lower()
+    try:
+        if kind == JSON or (not kind and body[:1] in (b"{", b" ", b"\n")):
+            json_format.Parse(body.decode("utf-8"), job)
+        elif kind in (PROTOBUF, "application/protobuf", "application/octet-stream", ""):
+            job.ParseFromString(body)
+        else:
+            raise JobRejected(f"unsupported content type {content_type!r}: use {JSON} or {PROTOBUF}", reply_to=reply_to_property)
+    except (json_format.ParseError, DecodeError, UnicodeDecodeError, ValueError) as exc:
+        job_id, reply_to = _salvage(body)
+        raise JobRejected(f"the body is not a JobRequest: {exc}", job_id, reply_to or reply_to_property) from None
+    if not job.reply_to:
+        job.reply_to = reply_to_property
+    return job
+
+
+def validate_job(job: jobs_pb2.JobRequest, tenants: TenantDirectory, max_rows: int) -> Tenant:
+    """The job's tenant, or JobRejected: no id, bad key, no rows, too many, custom ids missing or repeated."""
+
+    def reject(reason: str, tenant: str = "") -> JobRejected:
+        return JobRejected(reason, job.job_id, job.reply_to, tenant)
+
+    if not job.job_id or len(job.job_id) > MAX_ID_LENGTH:
+        raise reject(f"job_id is required (1 to {MAX_ID_LENGTH} characters)")
+    try:
+        tenant = tenants.authenticate(f"Bearer {job.api_key}")
+    except Unauthenticated as exc:
+        raise reject(f"api_key: {exc.message}") from None
+    if not job.rows:
+        raise reject("rows: a job needs at least one row", tenant.name)
+    if len(job.rows) > max_rows:
+        raise reject(f"rows: {len(job.rows)} rows, at most {max_rows} per job", tenant.name)
+    seen: set[str] = set()
+    for index, row in enumerate(job.rows):
+        if not row.custom_id or len(row.custom_id) > MAX_ID_LENGTH:
+            raise reject(f"rows[{index}].custom_id is required (1 to {MAX_ID_LENGTH} characters)", tenant.name)
+        if row.custom_id in seen:
+            raise reject(f"rows[{index}].custom_id {row.custom_id!r} is repeated: custom ids are unique in a job", tenant.name)
+        seen.add(row.custom_id)
+    return tenant
+
+
+def row_tasks(job: jobs_pb2.JobRequest, tenant: Tenant, content_type: str, only: set[str] | None = None) -> list[jobs_pb2.RowTask]:
+    reply_type = JSON if (content_type or "").split(";")[0].strip().lower() == JSON else PROTOBUF
+    return [
+        jobs_pb2.RowTask(
+            job_id=job.job_id, tenant=tenant.name, row=row, reply_to=job.reply_to, text_logging=tenant.text_logging,
+            reply_content_type=reply_type,
+        )  # fmt: skip
+        for row in job.rows
+        if only is None or row.custom_id in only
+    ]
+
+
+def encode_reply(message: jobs_pb2.RowResult | jobs_pb2.JobRejection, content_type: str) -> bytes:
+    if content_type == JSON:
+        return json_format.MessageToJson(message, preserving_proto_field_name=True, indent=None).encode()
+    return message.SerializeToString()
+
+
+def failed_result(task: jobs_pb2.RowTask, code: str, message: str) -> jobs_pb2.RowResult:
+    return jobs_pb2.RowResult(
+        job_id=task.job_id, custom_id=task.row.custom_id, error=jobs_pb2.RowError(code=code, message=message[:2000])
+    )
+
+
+# ---- running one row through the interactive path, in the bulk class
+
+
+@dataclass
+class RowRun:
+    result: jobs_pb2.RowResult
+    latency_s: float
+    # requests per second the lease's budget allows (x-ratelimit-limit-requests / 60), when told.
+    allowed_rate_per_s: float | None = None
+
+
+def generate_request(row: jobs_pb2.GenerateRow) -> gateway_pb2.GenerateRequest:
+    return gateway_pb2.GenerateRequest(
+        model=row.model,
+        messages=row.messages,
+        prompt=row.prompt,
+        sampling=row.sampling,
+        response_format=row.response_format,
+        priority_class=types_pb2.PRIORITY_CLASS_BULK,
+    )
+
+
+async def run_row(
+    path: InferencePath,
+    task: jobs_pb2.RowTask,
+    request_id: str,
+    timeout_s: float,
+    track: Callable[[gateway_pb2.GenerateRequest], Callable[[Any], None] | None] | None = None,
+) -> RowRun:
+    """One attempt. Raises PoisonRow, SluiceError (validation, admission) or the adapter's RpcError.
+    `track(request)` may return a per-chunk observer (the CompletionEvent tracker)."""
+    row = task.row
+    body = row.WhichOneof("body")
+    started = time.perf_counter()
+    if body == "generate":
+        request = generate_request(row.generate)
+        parts: list[str] = []
+        rate = None
+        final = None
+        async with path.generate(task.tenant, request, request_id, timeout_s) as stream:
+            rate = _allowed_rate(stream.ticket.metadata)
+            observe = track(request) if track is not None else None
+            async for chunk in stream:
+                if observe is not None:
+                    observe(chunk)
+                parts.append(chunk.text)
+                if chunk.finish_reason:
+                    final = chunk
+        result = jobs_pb2.RowResult(job_id=task.job_id, custom_id=row.custom_id, output="".join(parts))
+        if final is not None:
+            result.finish_reason = final.finish_reason
+            result.usage.CopyFrom(final.usage)
+        return RowRun(result, time.perf_counter() - started, rate)
+    if body == "embed":
+        request_embed = gateway_pb2.EmbedRequest(
+            model=row.embed.model, inputs=row.embed.inputs, priority_class=types_pb2.PRIORITY_CLASS_BULK
+        )
+        reply = await path.embed(task.tenant, request_embed, request_id, timeout_s)
+        result = jobs_pb2.RowResult(job_id=task.job_id, custom_id=row.custom_id, embeddings=reply.embeddings, usage=reply.usage)
+        return RowRun(result, time.perf_counter() - started)
+    raise PoisonRow("the row has neither a generate nor an embed body")
+
+
+def _allowed_rate(metadata: tuple[tuple[str, str], ...]) -> float | None:
+    for key, value in metadata:
+        if key == "x-ratelimit-limit-requests":
+            try:
+                return float(value) / 60.0
+            except ValueError:
+                return None
+    return None
+
+
+def retry_after_of(exc: BaseException) -> float:
+    return float(getattr(exc, "retry_after_s", 1.0) or 1.0)
+
+

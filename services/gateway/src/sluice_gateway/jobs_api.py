@@ -1,0 +1,136 @@
+"""The job RPCs' logic (SubmitJob, GetJob, WatchJob, CancelJob, ListJobResults), without gRPC.
+
+SubmitJob is the gRPC twin of publishing to `<prefix>.jobs`: it validates the job the way the
+worker will, records it as validating, and hands the JobRequest to the same exchange through the
+confirming publisher (retried until the broker confirms it). A job is visible only to its tenant.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import tempfile
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+
+from sluice.jobs.v1 import jobs_pb2
+
+from sluice_common.amqp import ConfirmingPublisher, JobTopology, OutgoingMessage, PublisherMetrics
+from sluice_common.errors import InvalidArgument, NotFound, PermissionDenied, Unavailable
+from sluice_gateway.config import GatewayConfig
+from sluice_gateway.job_store import JobRecord, JobStore
+from sluice_gateway.jobs import JobRejected, validate_job
+from sluice_gateway.tenants import Tenant, TenantDirectory
+
+MAX_PAGE_SIZE = 1000
+DEFAULT_PAGE_SIZE = 100
+
+
+class JobsApi:
+    def __init__(
+        self,
+        store: JobStore,
+        tenants: TenantDirectory,
+        publish: Callable[[jobs_pb2.JobRequest], None],
+        max_rows: int,
+        watch_poll_s: float = 0.2,
+    ) -> None:
+        self._store = store
+        self._tenants = tenants
+        self._publish = publish
+        self._max_rows = max_rows
+        self._watch_poll_s = watch_poll_s
+
+    async def submit(self, tenant: Tenant, api_key: str, job: jobs_pb2.JobRequest) -> jobs_pb2.Job:
+        if not job.api_key:
+            job.api_key = api_key
+        try:
+            owner = validate_job(job, self._tenants, self._max_rows)
+        except JobRejected as exc:
+            raise InvalidArgument("job", exc.reason) from None
+        if owner.name != tenant.name:
+            raise PermissionDenied("job.api_key belongs to another tenant than the authorization metadata")
+        record = await self._store.record_submitted(job.job_id, tenant.name, len(job.rows), job.reply_to)
+        if record.tenant != tenant.name:
+            raise InvalidArgument("job.job_id", "already used by another tenant")
+        if record.state == "validating":
+            self._publish(job)
+        return record.to_proto()
+
+    async def _owned(self, tenant: Tenant, job_id: str) -> JobRecord:
+        if not job_id:
+            raise InvalidArgument("job_id", "required")
+        record = await self._store.get_job(job_id)
+        if record is None or record.tenant != tenant.name:
+            raise NotFound(f"no job {job_id!r}")
+        return record
+
+    async def get(self, tenant: Tenant, job_id: str) -> jobs_pb2.Job:
+        return (await self._owned(tenant, job_id)).to_proto()
+
+    async def watch(self, tenant: Tenant, job_id: str) -> AsyncIterator[jobs_pb2.Job]:
+        """The job now, then each time its state or counts change, until it is terminal."""
+        last: tuple | None = None  # type: ignore[type-arg]
+        while True:
+            record = await self._owned(tenant, job_id)
+            key = (record.state, record.total_rows, record.completed_rows, record.failed_rows)
+            if key != last:
+                last = key
+                yield record.to_proto()
+            if record.terminal:
+                return
+            await asyncio.sleep(self._watch_poll_s)
+
+    async def cancel(self, tenant: Tenant, job_id: str) -> jobs_pb2.Job:
+        await self._owned(tenant, job_id)
+        record = await self._store.cancel(job_id)
+        assert record is not None
+        return record.to_proto()
+
+    async def list_results(self, tenant: Tenant, job_id: str, page_size: int, page_token: str) -> tuple[list[jobs_pb2.RowResult], str]:
+        await self._owned(tenant, job_id)
+        if page_size < 0:
+            raise InvalidArgument("page_size", "must be >= 0")
+        return await self._store.list_results(job_id, min(page_size or DEFAULT_PAGE_SIZE, MAX_PAGE_SIZE), page_token)
+
+
+class JobRequestPublisher:
+    """SubmitJob's way to the exchange `<prefix>.jobs`: the confirming publisher (retried until
+    confirmed, spilled to a file past its outbox), never awaited on the request path."""
+
+    def __init__(self, publisher: ConfirmingPublisher | None, topology: JobTopology) -> None:
+        self._publisher = publisher
+        self._topology = topology
+
+    def submit_job(self, job: jobs_pb2.JobRequest) -> None:
+        if self._publisher is None:
+            raise Unavailable("bulk jobs need RabbitMQ: SLUICE_GATEWAY_AMQP_URL is empty")
+        self._publisher.submit(
+            OutgoingMessage(
+                body=job.SerializeToString(),
+                routing_key=self._topology.job_routing_key,
+                message_id=job.job_id,
+                type=jobs_pb2.JobRequest.DESCRIPTOR.full_name,
+            )
+        )
+
+    def start(self) -> None:
+        if self._publisher is not None:
+            self._publisher.start()
+
+    async def stop(self, timeout_s: float) -> None:
+        if self._publisher is not None:
+            await self._publisher.stop(timeout_s)
+
+
+def job_request_publisher(config: GatewayConfig) -> JobRequestPublisher:
+    topology = JobTopology(config.amqp_prefix)
+    if not config.amqp_url:
+        return JobRequestPublisher(None, topology)
+    publisher = ConfirmingPublisher(
+        config.amqp_url,
+        topology.exchange,
+        topology.declare,
+        PublisherMetrics.get("sluice_gateway_job_requests", "JobRequests"),
+        spill_path=Path(tempfile.gettempdir()) / f"sluice-gateway-{config.port}-jobs.spill",
+    )
+    return JobRequestPublisher(publisher, topology)

@@ -1,0 +1,391 @@
+"""`python -m sluice_gateway.worker`: the gateway's job-worker role (bulk jobs from RabbitMQ).
+
+Two consumers on one robust connection (queues and exchange: sluice_common.amqp.JobTopology):
+
+- `<prefix>.jobs.requests`: a JobRequest (JSON or protobuf). Malformed: a JobRejection to its
+  reply_to, acked. Accepted: the job and its rows are recorded, one RowTask per row is published
+  to `<prefix>.jobs.rows` (pipelined confirms), and only then is the job message acked. A worker
+  killed mid-split gets the job redelivered to someone, who republishes the rows not yet finished.
+- `<prefix>.jobs.rows`: each row takes a slot of the adaptive concurrency bound, is claimed in the
+  store (a copy of a row that is done, running elsewhere, or of a cancelled job is acked without
+  running), runs through the interactive path in the bulk class (inference_path), its result is
+  stored (once, by (job id, custom id)), told to reply_to (confirmed), and only then acked.
+  RESOURCE_EXHAUSTED: wait as told, retry. Transient errors: capped exponential backoff with
+  jitter, then back to the broker; past WORKER_DELIVERY_LIMIT deliveries (the quorum queue's
+  x-delivery-count) the row is dead-lettered to `<prefix>.jobs.dead` and reported failed.
+
+Health (gRPC) on WORKER_PORT and Prometheus metrics on WORKER_METRICS_PORT.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from typing import Any
+
+import aio_pika
+import structlog
+from google.protobuf.message import DecodeError
+from prometheus_client import Counter, Gauge
+from sluice.jobs.v1 import jobs_pb2
+
+from sluice_common.amqp import PROTOBUF, JobTopology, dead_letter
+from sluice_common.bootstrap import run_service
+from sluice_common.errors import InvalidArgument
+from sluice_common.request_context import bind_request_id, current_request_id, new_request_id
+from sluice_common.server import create_server, serve_until_signal
+from sluice_gateway import job_store as states
+from sluice_gateway.completion_events import CompletionTracker
+from sluice_gateway.concurrency import FAILED, OK, THROTTLED, AdaptiveConcurrency
+from sluice_gateway.config import ENV_PREFIX, GatewayConfig
+from sluice_gateway.core import GatewayCore
+from sluice_gateway.job_store import JobStore
+from sluice_gateway.jobs import (
+    JSON,
+    PACED,
+    TRANSIENT,
+    JobRejected,
+    PoisonRow,
+    backoff_s,
+    code_of,
+    encode_reply,
+    failed_result,
+    message_of,
+    paced_delay_s,
+    parse_job,
+    retry_after_of,
+    row_tasks,
+    run_row,
+    validate_job,
+)
+from sluice_gateway.tenants import Tenant
+
+log = structlog.stdlib.get_logger("sluice.gateway.worker")
+
+ROWS = Counter("sluice_jobs_rows_total", "Rows finished by this worker, by outcome.", ["outcome"])
+JOBS = Counter("sluice_jobs_accepted_total", "Job messages handled, by outcome (accepted, rejected).", ["outcome"])
+LIMIT = Gauge("sluice_jobs_concurrency_limit", "The adaptive bound on rows in flight.")
+IN_FLIGHT = Gauge("sluice_jobs_rows_in_flight", "Rows running now.")
+RETRIES = Counter("sluice_jobs_row_retries_total", "Row attempts retried, by status code.", ["code"])
+ROW_TYPE = jobs_pb2.RowTask.DESCRIPTOR.full_name
+RESULT_TYPE = jobs_pb2.RowResult.DESCRIPTOR.full_name
+REJECTION_TYPE = jobs_pb2.JobRejection.DESCRIPTOR.full_name
+SPLIT_CHUNK = 1000
+GIVE_BACK = object()
+
+
+class JobWorker:
+    def __init__(self, config: GatewayConfig, core: GatewayCore, store: JobStore) -> None:
+        self.config = config
+        self.core = core
+        self.store = store
+        self.topology = JobTopology(config.amqp_prefix)
+        self.worker_id = f"worker-{uuid.uuid4().hex[:12]}"
+        self.concurrency = AdaptiveConcurrency(
+            initial=config.worker_concurrency_initial, maximum=config.worker_concurrency_max
+        )
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._connection: Any = None
+        self._rows_channel: Any = None
+        self._exchange: Any = None
+        self._dead: Any = None
+
+    # ---- lifecycle
+
+    async def start(self) -> None:
+        self._connection = await aio_pika.connect_robust(self.config.amqp_url, timeout=10)
+        jobs_channel = await self._connection.channel(publisher_confirms=True)
+        await self.topology.declare(jobs_channel)
+        await jobs_channel.set_qos(prefetch_count=2)
+        self._rows_channel = await self._connection.channel(publisher_confirms=True)
+        await self._rows_channel.set_qos(prefetch_count=self.config.worker_prefetch)
+        self._exchange = await jobs_channel.get_exchange(self.topology.exchange)
+        self._dead = await self._rows_channel.get_exchange(self.topology.dead_exchange)
+        requests = await jobs_channel.get_queue(self.topology.requests_queue)
+        rows = await self._rows_channel.get_queue(self.topology.rows_queue)
+        await requests.consume(self._spawn(self._on_job))
+        await rows.consume(self._spawn(self._on_row))
+        LIMIT.set(self.concurrency.limit)
+        log.info("job_worker_started", worker=self.worker_id, prefix=self.config.amqp_prefix)
+
+    def _spawn(self, handler: Any) -> Any:
+        async def consume(message: aio_pika.abc.AbstractIncomingMessage) -> None:
+            task = asyncio.create_task(handler(message))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+        return consume
+
+    async def stop(self, grace_s: float) -> None:
+        """Rows still running after `grace_s` are abandoned unacked: the broker redelivers them."""
+        if self._tasks:
+            await asyncio.wait(set(self._tasks), timeout=grace_s)
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._connection is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._connection.close(), 5)
+
+    # ---- jobs
+
+    async def _on_job(self, message: aio_pika.abc.AbstractIncomingMessage) -> None:
+        bind_request_id(str((message.headers or {}).get("x-request-id") or new_request_id()))
+        try:
+            await self._job(message)
+        except Exception:  # noqa: BLE001 - unexpected: the broker redelivers (and dead-letters at its limit)
+            log.exception("job_message_failed")
+            with contextlib.suppress(Exception):
+                await message.nack(requeue=True)
+
+    async def _job(self, message: aio_pika.abc.AbstractIncomingMessage) -> None:
+        content_type = message.content_type or ""
+        try:
+            job = parse_job(message.body, content_type, message.reply_to or "")
+            tenant = validate_job(job, self.core.tenants, self.config.jobs_max_rows)
+            record, open_rows = await self.store.accept(job.job_id, tenant.name, job.reply_to, [r.custom_id for r in job.rows])
+        except (JobRejected, InvalidArgument) as exc:
+            rejection = exc if isinstance(exc, JobRejected) else JobRejected(exc.message, job.job_id, job.reply_to)
+            await self._reject(rejection, content_type)
+            await message.ack()
+            return
+        if open_rows:
+            tasks = row_tasks(job, tenant, content_type, open_rows)
+            for start in range(0, len(tasks), SPLIT_CHUNK):
+                await asyncio.gather(*(self._publish_row(task) for task in tasks[start : start + SPLIT_CHUNK]))
+        await self.store.mark_split(job.job_id)
+        await message.ack()
+        JOBS.labels("accepted").inc()
+        log.info("job_accepted", job_id=job.job_id, tenant=tenant.name, rows=len(job.rows), published=len(open_rows), state=record.state)
+
+    async def _publish_row(self, task: jobs_pb2.RowTask) -> None:
+        await self._exchange.publish(
+            aio_pika.Message(
+                task.SerializeToString(),
+                content_type=PROTOBUF,
+                delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
+                message_id=f"{task.job_id}/{task.row.custom_id}",
+                type=ROW_TYPE,
+                headers={"x-sluice-job-id": task.job_id, "x-sluice-custom-id": task.row.custom_id},
+            ),
+            self.topology.row_routing_key,
+        )
+
+    async def _reject(self, rejection: JobRejected, content_type: str) -> None:
+        JOBS.labels("rejected").inc()
+        log.warning("job_rejected", job_id=rejection.job_id, reason=rejection.reason, reply_to=rejection.reply_to)
+        if rejection.job_id and rejection.tenant:
+            await self.store.record_failed(rejection.job_id, rejection.tenant, rejection.reply_to, rejection.reason)
+        if rejection.reply_to:
+            body = jobs_pb2.JobRejection(job_id=rejection.job_id, reason=rejection.reason)
+            await self._reply(rejection.reply_to, body, _reply_type(content_type), f"{rejection.job_id}/rejected", REJECTION_TYPE)
+
+    async def _reply(self, reply_to: str, body: Any, content_type: str, message_id: str, kind: str) -> None:
+        await self._rows_channel.default_exchange.publish(
+            aio_pika.Message(
+                encode_reply(body, content_type),
+                content_type=content_type,
+                delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
+                message_id=message_id,
+                correlation_id=getattr(body, "job_id", "") or None,
+                type=kind,
+            ),
+            reply_to,
+        )
+
+    # ---- rows
+
+    async def _on_row(self, message: aio_pika.abc.AbstractIncomingMessage) -> None:
+        bind_request_id(new_request_id())
+        try:
+            await self._row(message)
+        except asyncio.CancelledError:
+            raise  # stopping: unacked, so the broker redelivers it
+        except Exception:  # noqa: BLE001 - unexpected: give it back; the delivery limit stops a loop
+            log.exception("row_failed_unexpectedly")
+            with contextlib.suppress(Exception):
+                await message.nack(requeue=True)
+
+    async def _row(self, message: aio_pika.abc.AbstractIncomingMessage) -> None:
+        try:
+            task = jobs_pb2.RowTask.FromString(message.body)
+        except DecodeError:
+            task = jobs_pb2.RowTask()
+        if not task.job_id or not task.row.custom_id:
+            await dead_letter(self._dead, self.topology.row_routing_key, message, "undecodable row message")
+            await message.ack()
+            ROWS.labels("dead_lettered").inc()
+            return
+        structlog.contextvars.bind_contextvars(job_id=task.job_id, custom_id=task.row.custom_id)
+        deliveries = int((message.headers or {}).get("x-delivery-count", 0) or 0) + 1
+        await self.concurrency.acquire()
+        IN_FLIGHT.set(self.concurrency.in_flight)
+        holding = True
+        try:
+            claim = await self.store.claim_row(task.job_id, task.row.custom_id, self.worker_id, bool(message.redelivered))
+            if claim == states.DONE and message.redelivered:
+                # Stored before a crash, maybe not told: tell again (consumers dedupe by message id).
+                result = await self.store.row_result(task.job_id, task.row.custom_id)
+                if result is not None:
+                    await self._tell(task, result)
+            if claim != states.CLAIMED:
+                await message.ack()
+                return
+            if deliveries > self.config.worker_delivery_limit:
+                reason = f"dead-lettered after {deliveries - 1} deliveries"
+                await self._dead_letter(task, message, reason)
+                return
+            holding = False  # _attempts owns the slot from here
+            outcome = await self._attempts(task)
+        finally:
+            if holding:
+                await self.concurrency.release(0.0, "skipped")
+                IN_FLIGHT.set(self.concurrency.in_flight)
+        if outcome is GIVE_BACK:
+            await self.store.release_row(task.job_id, task.row.custom_id)
+            await message.nack(requeue=True)
+            ROWS.labels("given_back").inc()
+        elif isinstance(outcome, PoisonRow):
+            await self._dead_letter(task, message, str(outcome))
+        elif outcome is None:  # the job was cancelled while the row waited
+            await self.store.release_row(task.job_id, task.row.custom_id)
+            await message.ack()
+            ROWS.labels("cancelled").inc()
+        else:
+            await self._finish(task, outcome, message)
+
+    async def _attempts(self, task: jobs_pb2.RowTask) -> Any:
+        """A RowResult, GIVE_BACK, a PoisonRow, or None when the job got cancelled meanwhile.
+        Called holding a concurrency slot; returns having released it."""
+        attempt = 0
+        first = True
+        while True:
+            if not first:
+                await self.concurrency.acquire()
+                job = await self.store.get_job(task.job_id)
+                if job is None or job.state != states.IN_PROGRESS:
+                    await self._release(0.0, "skipped")
+                    return None
+            first = False
+            started = time.perf_counter()
+            IN_FLIGHT.set(self.concurrency.in_flight)
+            try:
+                run = await run_row(
+                    self.core.path, task, _request_id(), self.config.worker_row_timeout_s, self._tracker(task)
+                )
+            except PoisonRow as exc:
+                await self._release(time.perf_counter() - started, FAILED)
+                return exc
+            except Exception as exc:  # noqa: BLE001 - classified below
+                latency = time.perf_counter() - started
+                code = code_of(exc)
+                if code in PACED:
+                    await self._release(latency, THROTTLED)
+                    RETRIES.labels(code).inc()
+                    await asyncio.sleep(paced_delay_s(retry_after_of(exc)))
+                    continue
+                await self._release(latency, FAILED)
+                if code in TRANSIENT:
+                    attempt += 1
+                    RETRIES.labels(code).inc()
+                    if attempt >= self.config.worker_row_attempts:
+                        log.warning("row_given_back", code=code, attempts=attempt, error=message_of(exc))
+                        return GIVE_BACK
+                    await asyncio.sleep(backoff_s(attempt, self.config.worker_retry_base_s, self.config.worker_retry_cap_s))
+                    continue
+                return failed_result(task, code, message_of(exc))
+            await self._release(run.latency_s, OK, run.allowed_rate_per_s)
+            return run.result
+
+    async def _release(self, latency_s: float, outcome: str, rate: float | None = None) -> None:
+        before = self.concurrency.limit
+        await self.concurrency.release(latency_s, outcome, rate)
+        IN_FLIGHT.set(self.concurrency.in_flight)
+        LIMIT.set(self.concurrency.limit)
+        if int(before) != int(self.concurrency.limit):
+            log.info("concurrency_changed", limit=round(self.concurrency.limit, 2), reason=self.concurrency.history[-1][2])
+
+    def _tracker(self, task: jobs_pb2.RowTask) -> Any:
+        events = self.core.completion_events
+        if not events.enabled:
+            return None
+
+        def track(request: Any) -> Any:
+            tracker = CompletionTracker(events, Tenant(task.tenant, task.text_logging), request, _request_id())
+            tracker.job_id = task.job_id
+            tracker.custom_id = task.row.custom_id
+            return _Observer(events, tracker)
+
+        return track
+
+    async def _dead_letter(self, task: jobs_pb2.RowTask, message: aio_pika.abc.AbstractIncomingMessage, reason: str) -> None:
+        log.warning("row_dead_lettered", reason=reason)
+        await dead_letter(self._dead, self.topology.row_routing_key, message, reason)
+        result = failed_result(task, "ABORTED", f"{reason}; dead-lettered to {self.topology.dead_queue}")
+        ROWS.labels("dead_lettered").inc()
+        await self._finish(task, result, message, count=False)
+
+    async def _finish(
+        self, task: jobs_pb2.RowTask, result: jobs_pb2.RowResult, message: aio_pika.abc.AbstractIncomingMessage, count: bool = True
+    ) -> None:
+        stored = await self.store.finish_row(result)
+        if stored:
+            await self._tell(task, result)
+            if count:
+                ROWS.labels("failed" if result.HasField("error") else "completed").inc()
+        await message.ack()
+
+    async def _tell(self, task: jobs_pb2.RowTask, result: jobs_pb2.RowResult) -> None:
+        if task.reply_to:
+            content_type = task.reply_content_type or PROTOBUF
+            await self._reply(task.reply_to, result, content_type, f"{task.job_id}/{task.row.custom_id}", RESULT_TYPE)
+
+
+class _Observer:
+    """Feeds a CompletionTracker while a bulk row streams; publishes its event when the row ends."""
+
+    def __init__(self, events: Any, tracker: CompletionTracker) -> None:
+        self._events = events
+        self._tracker = tracker
+
+    def __call__(self, chunk: Any) -> None:
+        self._tracker.add(chunk)
+        if chunk.finish_reason:
+            self._events.submit(self._tracker.build(None))
+
+
+def _request_id() -> str:
+    return current_request_id() or new_request_id()
+
+
+def _reply_type(content_type: str) -> str:
+    return JSON if (content_type or "").split(";")[0].strip().lower() == JSON else PROTOBUF
+
+
+async def serve(config: GatewayConfig) -> None:
+    core = GatewayCore.build(config, config.worker_port)
+    store = JobStore.create(config.jobs_postgres_dsn, config.jobs_sqlite_path)
+    await store.open()
+    running = await create_server(config.host, config.worker_port, config.worker_metrics_port, lambda server: [], serving=False)
+    await core.start(config)
+    worker = JobWorker(config, core, store)
+    await worker.start()
+    await running.set_serving(True)
+    log.info("ready", role="job-worker", store=store.db.backend)
+
+    async def on_stop() -> None:
+        await worker.stop(config.shutdown_grace_s)
+        await core.close(config)
+        await store.close()
+
+    await serve_until_signal(running, config.shutdown_grace_s, on_stop)
+
+
+def main() -> None:
+    run_service("gateway-worker", GatewayConfig, ENV_PREFIX, serve)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,202 @@
+"""The completion-event tracker's domain logic: which event a finished, cancelled or failed stream
+becomes, and what a tenant without text logging publishes. The broker path is covered end to end."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import grpc
+from sluice.common.v1 import types_pb2
+from sluice.evallog.v1 import events_pb2
+from sluice.gateway.v1 import gateway_pb2
+from sluice.inference.v1 import inference_pb2
+
+from sluice_common.amqp import EventTopology, OutgoingMessage
+from sluice_gateway.completion_events import EVENT_TYPE, CompletionEvents, CompletionTracker
+from sluice_gateway.tenants import Tenant
+
+LOGGED = Tenant("acme", text_logging=True)
+PRIVATE = Tenant("hush", text_logging=False)
+
+
+def request(**extra: Any) -> gateway_pb2.GenerateRequest:
+    return gateway_pb2.GenerateRequest(
+        model="smollm2-135m-instruct",
+        messages=[types_pb2.ChatMessage(role="user", content="What is the capital of France?")],
+        sampling=types_pb2.SamplingParams(max_tokens=16, stop=["\n\n"]),
+        client_request_id="client-7",
+        **extra,
+    )
+
+
+def chunk(text: str = "", **final: Any) -> inference_pb2.GenerateResponse:
+    return inference_pb2.GenerateResponse(text=text, token_count=1 if text else 0, **final)
+
+
+def final_chunk(text: str = "") -> inference_pb2.GenerateResponse:
+    return chunk(
+        text,
+        finish_reason=types_pb2.FINISH_REASON_STOP,
+        usage=types_pb2.Usage(prompt_tokens=12, completion_tokens=3, total_tokens=15),
+        timings=types_pb2.Timings(queue_time_ms=1.5, time_to_first_token_ms=40, mean_inter_token_ms=9, total_time_ms=70),
+    )
+
+
+class FakePublisher:
+    def __init__(self) -> None:
+        self.submitted: list[OutgoingMessage] = []
+
+    def submit(self, message: OutgoingMessage) -> None:
+        self.submitted.append(message)
+
+
+class FakeContext:
+    """What the tracker reads from a grpc.aio ServicerContext once the call is over."""
+
+    def __init__(self, code: grpc.StatusCode | None = None, cancelled: bool = False) -> None:
+        self._code, self._cancelled = code, cancelled
+        self.callbacks: list[Any] = []
+
+    def add_done_callback(self, callback: Any) -> None:
+        self.callbacks.append(callback)
+
+    def code(self) -> grpc.StatusCode | None:
+        return self._code
+
+    def cancelled(self) -> bool:
+        return self._cancelled
+
+    def close(self) -> None:
+        for callback in self.callbacks:
+            callback(self)
+
+
+def tracker(tenant: Tenant = LOGGED, **extra: Any) -> CompletionTracker:
+    return CompletionTracker(CompletionEvents(None, EventTopology("t")), tenant, request(**extra), "req-1")
+
+
+def test_a_finished_stream_carries_text_usage_timings_and_ids() -> None:
+    t = tracker(response_format=types_pb2.RESPONSE_FORMAT_JSON_OBJECT)
+    for piece in ("The", " capital", " is"):
+        t.add(chunk(piece))
+    t.add(final_chunk(" Paris."))
+    t.job_id, t.custom_id = "job-1", "row-9"
+    event = t.build()
+    assert event.event_id and len(event.event_id) == 32
+    assert (event.request_id, event.client_request_id, event.tenant) == ("req-1", "client-7", "acme")
+    assert event.model == "smollm2-135m-instruct"
+    assert event.priority_class == types_pb2.PRIORITY_CLASS_INTERACTIVE
+    assert event.text_logged
+    assert event.output == "The capital is Paris."
+    assert [m.content for m in event.messages] == ["What is the capital of France?"]
+    assert event.sampling.max_tokens == 16 and list(event.sampling.stop) == ["\n\n"]
+    assert event.response_format == types_pb2.RESPONSE_FORMAT_JSON_OBJECT
+    assert event.finish_reason == types_pb2.FINISH_REASON_STOP
+    assert not event.error_code
+    # The adapter's own account, from its final message.
+    assert (event.usage.prompt_tokens, event.usage.completion_tokens) == (12, 3)
+    assert (event.timings.queue_time_ms, event.timings.time_to_first_token_ms, event.timings.total_time_ms) == (1.5, 40, 70)
+    assert (event.job_id, event.custom_id) == ("job-1", "row-9")
+    assert event.started_at.ToNanoseconds() <= event.finished_at.ToNanoseconds()
+    assert tracker().build().event_id != event.event_id
+
+
+def test_a_cancelled_stream_is_cancelled_with_the_gateways_own_timings() -> None:
+    t = tracker()
+    t.add(chunk("The"))
+    t.add(chunk(" capital"))
+    event = t.build(grpc.StatusCode.CANCELLED, cancelled=True)
+    assert event.finish_reason == types_pb2.FINISH_REASON_CANCELLED
+    assert not event.error_code
+    assert event.output == "The capital"
+    # No final message from the adapter: tokens counted and timed at the gateway.
+    assert event.usage.completion_tokens == 2
+    assert event.timings.time_to_first_token_ms > 0
+    assert event.timings.total_time_ms >= event.timings.time_to_first_token_ms
+    assert event.timings.mean_inter_token_ms >= 0
+
+
+def test_a_deadline_is_a_cancellation_with_its_code() -> None:
+    event = tracker().build(grpc.StatusCode.DEADLINE_EXCEEDED)
+    assert event.finish_reason == types_pb2.FINISH_REASON_CANCELLED
+    assert event.error_code == "DEADLINE_EXCEEDED"
+    assert event.usage.completion_tokens == 0
+    assert event.timings.time_to_first_token_ms == 0
+
+
+def test_a_failed_stream_is_an_error_with_its_status_code() -> None:
+    t = tracker()
+    t.add(chunk("The"))
+    event = t.build(grpc.StatusCode.UNAVAILABLE)
+    assert event.finish_reason == types_pb2.FINISH_REASON_ERROR
+    assert event.error_code == "UNAVAILABLE"
+    assert event.usage.completion_tokens == 1
+    assert event.output == "The"
+    # A call that ended without any status at all (and no final message) is still an error.
+    unknown = tracker().build(None)
+    assert unknown.finish_reason == types_pb2.FINISH_REASON_ERROR and unknown.error_code == "UNKNOWN"
+
+
+def test_text_is_left_out_for_a_tenant_without_text_logging() -> None:
+    t = tracker(PRIVATE, prompt="a raw prompt with a secret")
+    t.add(chunk("secret"))
+    t.add(final_chunk(" answer"))
+    event = t.build()
+    assert event.tenant == "hush" and not event.text_logged
+    assert event.output == "" and event.prompt == "" and len(event.messages) == 0
+    assert b"secret" not in event.SerializeToString()
+    # Metadata still goes: usage, timings, finish reason, sampling.
+    assert event.finish_reason == types_pb2.FINISH_REASON_STOP
+    assert event.usage.completion_tokens == 3 and event.timings.total_time_ms == 70
+    assert event.sampling.max_tokens == 16
+    # The output is not even accumulated.
+    assert t._parts == []  # noqa: SLF001
+
+
+def test_the_event_is_submitted_only_when_the_call_is_done() -> None:
+    publisher = FakePublisher()
+    events = CompletionEvents(publisher, EventTopology("t"))  # type: ignore[arg-type]
+    context = FakeContext()
+    t = events.track(LOGGED, request(), "req-1", context)  # type: ignore[arg-type]
+    assert t is not None and len(context.callbacks) == 1
+    t.add(chunk("Paris"))
+    t.add(final_chunk("."))
+    assert publisher.submitted == []
+    context.close()
+    (message,) = publisher.submitted
+    assert message.routing_key == EventTopology("t").completion_routing_key
+    assert message.type == EVENT_TYPE and message.request_id == "req-1"
+    assert message.headers == {"x-sluice-tenant": "acme"}
+    event = events_pb2.CompletionEvent.FromString(message.body)
+    assert event.output == "Paris." and message.message_id == event.event_id
+
+
+def test_a_cancelled_call_is_reported_from_the_done_callback() -> None:
+    publisher = FakePublisher()
+    events = CompletionEvents(publisher, EventTopology("t"))  # type: ignore[arg-type]
+    context = FakeContext(grpc.StatusCode.CANCELLED, cancelled=True)
+    t = events.track(PRIVATE, request(), "req-2", context)  # type: ignore[arg-type]
+    assert t is not None
+    t.add(chunk("half"))
+    context.close()
+    event = events_pb2.CompletionEvent.FromString(publisher.submitted[0].body)
+    assert event.finish_reason == types_pb2.FINISH_REASON_CANCELLED and not event.text_logged and not event.output
+
+
+def test_the_done_callback_never_raises() -> None:
+    class Broken(FakePublisher):
+        def submit(self, message: OutgoingMessage) -> None:
+            raise RuntimeError("outbox exploded")
+
+    context = FakeContext()
+    events = CompletionEvents(Broken(), EventTopology("t"))  # type: ignore[arg-type]
+    assert events.track(LOGGED, request(), "req-3", context) is not None  # type: ignore[arg-type]
+    context.close()  # logged, not raised
+
+
+def test_no_tracker_when_logging_is_off() -> None:
+    context = FakeContext()
+    events = CompletionEvents(None, EventTopology("t"))
+    assert not events.enabled
+    assert events.track(LOGGED, request(), "req-4", context) is None  # type: ignore[arg-type]
+    assert context.callbacks == []
