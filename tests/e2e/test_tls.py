@@ -160,17 +160,19 @@ def tls_stack(pki, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         "TLS_KEY_FILE": pki[f"{who}_key"],
         "TLS_CLIENT_CA_FILE": pki["ca"],
     }
+    # The gateway and its job-worker role dial the adapter with the gateway's client identity.
+    adapter_client = {
+        "SLUICE_GATEWAY_ADAPTER_TLS_CA_FILE": pki["ca"],
+        "SLUICE_GATEWAY_ADAPTER_TLS_CERT_FILE": pki["gateway_cert"],
+        "SLUICE_GATEWAY_ADAPTER_TLS_KEY_FILE": pki["gateway_key"],
+    }
     stack = Stack(
         run_dir=run_dir,
         ports=StackPorts.ephemeral(),
         extra_env={
             "inference-adapter": {f"SLUICE_ADAPTER_{k}": v for k, v in mutual("adapter").items()},
-            "gateway": {
-                **{f"SLUICE_GATEWAY_{k}": v for k, v in mutual("gateway").items()},
-                "SLUICE_GATEWAY_ADAPTER_TLS_CA_FILE": pki["ca"],
-                "SLUICE_GATEWAY_ADAPTER_TLS_CERT_FILE": pki["gateway_cert"],
-                "SLUICE_GATEWAY_ADAPTER_TLS_KEY_FILE": pki["gateway_key"],
-            },
+            "gateway": {**{f"SLUICE_GATEWAY_{k}": v for k, v in mutual("gateway").items()}, **adapter_client},
+            "job-worker": adapter_client,
         },
         grpc_credentials=_credentials(pki, "client"),
     )
