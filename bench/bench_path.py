@@ -30,7 +30,9 @@ from sluice_stack import Stack, StackPorts
 
 MODEL = "smollm2-135m-instruct"
 STEP_MODEL = "smollm2_step"
-QUESTION = "What is the capital of France?"
+# A short raw prompt: prefill time varies by tens of ms on a shared CPU, so a long prompt would
+# drown the few milliseconds each hop adds. The same text goes through every path.
+PROMPT = "<|im_start|>user\nHi!<|im_end|>\n<|im_start|>assistant\n"
 AUTH = (("authorization", "Bearer sk-sluice-demo"),)
 
 Sample = tuple[float, float]  # (ttft seconds, decode tokens per second)
@@ -45,7 +47,7 @@ def measure(chunks: Iterable[str]) -> Sample:
 
 def triton_chunks(client: triton.InferenceServerClient, max_tokens: int) -> Iterable[str]:
     seq_id = random.getrandbits(62) + 1
-    body = json.dumps({"messages": [["user", QUESTION]], "max_tokens": max_tokens}).encode()
+    body = json.dumps({"prompt": PROMPT, "max_tokens": max_tokens}).encode()
     action, request = 1, body
     while True:
         inputs = [triton.InferInput("ACTION", [1], "INT32"), triton.InferInput("SEQ_ID", [1], "INT64"), triton.InferInput("REQUEST", [1], "BYTES")]
@@ -61,16 +63,14 @@ def triton_chunks(client: triton.InferenceServerClient, max_tokens: int) -> Iter
 
 def adapter_chunks(stub: inference_pb2_grpc.InferenceServiceStub, max_tokens: int) -> Iterable[str]:
     request = inference_pb2.GenerateRequest(
-        model=MODEL, tenant="bench", messages=[types_pb2.ChatMessage(role="user", content=QUESTION)],
-        sampling=types_pb2.SamplingParams(max_tokens=max_tokens),
+        model=MODEL, tenant="bench", prompt=PROMPT, sampling=types_pb2.SamplingParams(max_tokens=max_tokens)
     )
     return (r.text for r in stub.Generate(request, timeout=120))
 
 
 def gateway_chunks(stub: gateway_pb2_grpc.GatewayServiceStub, max_tokens: int) -> Iterable[str]:
     request = gateway_pb2.GenerateRequest(
-        model=MODEL, messages=[types_pb2.ChatMessage(role="user", content=QUESTION)],
-        sampling=types_pb2.SamplingParams(max_tokens=max_tokens),
+        model=MODEL, prompt=PROMPT, sampling=types_pb2.SamplingParams(max_tokens=max_tokens)
     )
     return (r.text for r in stub.Generate(request, metadata=AUTH, timeout=120))
 
@@ -85,8 +85,8 @@ def _paired_p50(mine: list[Sample], base: list[Sample]) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--rounds", type=int, default=20)
-    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--rounds", type=int, default=40)
+    parser.add_argument("--max-tokens", type=int, default=16)
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory() as run_dir:

@@ -240,3 +240,30 @@ async def test_backend_failure_fails_waiting_sequences_too_and_marks_them_retrya
     assert all(finish.finish is Finish.ERROR for _, finish in results)
     assert first.backend_failed and second.backend_failed
     assert health[0] is False
+
+
+async def test_bulk_prefills_go_one_per_step_never_beside_an_interactive_one_and_leave_a_slot() -> None:
+    model = RecordingStepModel()
+    limits = SchedulerLimits(max_batch_size=4, max_waiting=20, max_bulk_prefill_rows=1, interactive_reserved_slots=1)
+    scheduler = Scheduler(model, limits)
+    bulk = [scheduler.submit(request(max_tokens=50, priority=Priority.BULK)) for _ in range(5)]
+    interactive = scheduler.submit(request(max_tokens=2))
+    scheduler.start()
+    try:
+        await collect(interactive)
+        while scheduler.running_count < 3:
+            await asyncio.sleep(0.001)
+        await asyncio.sleep(0.02)
+        # Bulk never takes the reserved slot.
+        assert scheduler.running_count == 3 and scheduler.waiting_count == 2
+        for h in bulk:
+            h.cancel()
+    finally:
+        await scheduler.stop()
+    bulk_ids = {h.seq_id for h in bulk}
+    for rows in model.steps:
+        prefills = [r for r in rows if r.action is Action.PREFILL]
+        assert sum(r.seq_id in bulk_ids for r in prefills) <= 1
+        if any(r.seq_id == interactive.seq_id for r in prefills):
+            assert not any(r.seq_id in bulk_ids for r in prefills)
+    assert model.rows_of(interactive.seq_id)[0][0] == 0

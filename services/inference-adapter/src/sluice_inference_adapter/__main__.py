@@ -59,6 +59,8 @@ def build_backends(config: AdapterConfig, protocol: Protocol) -> tuple[list[Back
             max_waiting=config.max_waiting,
             min_prefill_rows=config.min_prefill_rows,
             max_waiting_steps=config.max_waiting_steps,
+            max_bulk_prefill_rows=config.max_bulk_prefill_rows,
+            interactive_reserved_slots=config.interactive_reserved_slots,
         )
         steps = [TritonStepBackend(url, config.triton_model, config.step_timeout_s) for url in config.triton_urls]
         return list(steps), lambda backend, on_step: Scheduler(backend, limits, on_step=on_step)  # type: ignore[arg-type]

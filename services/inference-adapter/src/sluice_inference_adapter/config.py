@@ -40,6 +40,10 @@ class AdapterConfig(ServerConfig):
     # While a batch runs, prefills wait for MIN_PREFILL_ROWS companions, at most MAX_WAITING_STEPS steps.
     min_prefill_rows: int = 1
     max_waiting_steps: int = 8
+    # Bulk beside interactive (scheduler.SchedulerLimits): bulk prefills per step (0: no cap), and
+    # batch slots bulk sequences leave to interactive ones.
+    max_bulk_prefill_rows: int = 1
+    interactive_reserved_slots: int = 1
     # A replica is unhealthy after this many consecutive failed steps or probes.
     replica_failure_threshold: int = 2
     probe_interval_s: float = 2.0
@@ -48,6 +52,11 @@ class AdapterConfig(ServerConfig):
     backend_wait_s: float = 300.0
 
     def __post_init__(self) -> None:
+        require(self.max_bulk_prefill_rows >= 0, f"{ENV_PREFIX}MAX_BULK_PREFILL_ROWS must be >= 0, got {self.max_bulk_prefill_rows}")
+        require(
+            0 <= self.interactive_reserved_slots < self.max_batch_size,
+            f"{ENV_PREFIX}INTERACTIVE_RESERVED_SLOTS must be in [0, MAX_BATCH_SIZE), got {self.interactive_reserved_slots}",
+        )
         require(self.max_batch_size >= 1, f"{ENV_PREFIX}MAX_BATCH_SIZE must be >= 1, got {self.max_batch_size}")
         require(len(self.triton_urls) >= 1, f"{ENV_PREFIX}TRITON_URLS needs at least one host:port")
         require(self.max_waiting >= 1, f"{ENV_PREFIX}MAX_WAITING must be >= 1, got {self.max_waiting}")

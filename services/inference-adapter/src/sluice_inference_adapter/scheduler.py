@@ -94,6 +94,13 @@ class SchedulerLimits:
     # `max_waiting_steps` steps. min_prefill_rows=1 admits at the very next step.
     min_prefill_rows: int = 1
     max_waiting_steps: int = 8
+    # Bulk beside interactive. On a compute-bound backend a step costs about its prefill tokens,
+    # and an interactive request's first token waits for the step in progress and then its own:
+    # bulk prefills join a step at most `max_bulk_prefill_rows` at a time (0: no cap) and never a
+    # step that an interactive prefill joins, and bulk sequences leave
+    # `interactive_reserved_slots` of the batch free for interactive ones.
+    max_bulk_prefill_rows: int = 0
+    interactive_reserved_slots: int = 0
     # Advertised in RetryInfo when the waiting queue is full.
     retry_after_s: float = 1.0
 
@@ -340,12 +347,23 @@ class Scheduler:
     def _take_within_budgets(self, now: float) -> list[Sequence]:
         admitted: list[Sequence] = []
         tokens = self.batch_tokens
-        while len(self._running) < self._limits.max_batch_size:
+        limits = self._limits
+        bulk_running = sum(1 for s in self._running.values() if s.priority is Priority.BULK)
+        bulk_admitted = 0
+        interactive_admitted = False
+        while len(self._running) < limits.max_batch_size:
             head = self._waiting.peek()
             if head is None:
                 break
+            # Interactive sequences come first, so a bulk head means only bulk ones wait.
+            if head.priority is Priority.BULK and (
+                interactive_admitted
+                or (limits.max_bulk_prefill_rows and bulk_admitted >= limits.max_bulk_prefill_rows)
+                or bulk_running + bulk_admitted >= max(1, limits.max_batch_size - limits.interactive_reserved_slots)
+            ):
+                break
             # An oversized request still runs when it would be alone, or it would starve.
-            if self._running and tokens + head.reserved_tokens > self._limits.max_batch_tokens:
+            if self._running and tokens + head.reserved_tokens > limits.max_batch_tokens:
                 break
             self._waiting.pop()
             head.prefilled_at = now
@@ -353,6 +371,10 @@ class Scheduler:
             tokens += head.reserved_tokens
             self._running[head.seq_id] = head
             admitted.append(head)
+            if head.priority is Priority.BULK:
+                bulk_admitted += 1
+            else:
+                interactive_admitted = True
         return admitted
 
     def _prefill_due(self) -> bool:

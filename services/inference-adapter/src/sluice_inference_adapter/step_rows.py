@@ -56,10 +56,8 @@ class StepRow:
     request: bytes = b""
 
 
-# The step model's FINISH values; "invalid" means the row's input was rejected (a client error).
-FINISH_RUNNING = ""
-FINISH_STOP = "stop"
-FINISH_LENGTH = "length"
+# The step model's FINISH values besides "" (running), "stop" and "length" (Finish's values):
+# "invalid" means the row's input was rejected (a client error).
 FINISH_ERROR = "error"
 FINISH_INVALID = "invalid"
 
