@@ -75,7 +75,10 @@ def main() -> int:
         say(f"{service.name} ready (log: {service.log_path})")
 
     try:
-        say("starting triton-local (loads SmolLM2 and warms it up; ~20-60 s), inference-adapter, gateway ...")
+        say(
+            "starting triton-local (loads SmolLM2 and MiniLM and warms them up; ~20-60 s), inference-adapter,"
+            " evaluation-logging, rate-limit, gateway and its job worker ..."
+        )
         stack.start(on_ready=announce)
         stream_demo(stack.gateway_address)
         say(usage_text(stack))
