@@ -14,7 +14,7 @@ LIBS := libs/sluice-protos libs/sluice-common libs/sluice-stack
 PROJECTS := $(LIBS) $(SERVICES) tests bench deploy/tests
 UNIT_TESTED := libs/sluice-common $(SERVICES)
 
-.PHONY: help setup uv node protos protos-check proto-lint run test test-unit test-e2e test-deploy bench-path bench-evallog bench-ratelimit bench-jobs clean
+.PHONY: help setup uv node protos protos-check proto-lint run test test-unit test-e2e test-deploy bench-path bench-adapter bench-evallog bench-ratelimit bench-jobs bench-jobs-interactive clean
 
 help:
 	@echo "make run        start the whole suite locally and stream a demo completion (Ctrl-C stops it)"
@@ -81,6 +81,9 @@ bench-path: setup
 
 bench-adapter: setup
 	bench/.venv/bin/python bench/bench_adapter.py
+
+bench-jobs-interactive: setup
+	bench/.venv/bin/python bench/bench_jobs_interactive.py
 
 bench-ratelimit: setup
 	bench/.venv/bin/python bench/bench_ratelimit.py

@@ -1,10 +1,16 @@
 """`make bench-jobs`: a bulk job's rows completed per minute against the limit-implied maximum.
 
-Starts the real stack with a requests-per-minute limit set below the backend's capacity
-(BENCH_JOBS_RPM, interactive_floor 0 so bulk may use all of it), publishes one job of BENCH_JOBS_ROWS
-generation rows (max_tokens 1) to `<prefix>.jobs` as a plain aio-pika producer would (JSON), and
-reads the results from its reply queue. While it runs, the job worker's adaptive bound
-(sluice_jobs_concurrency_limit) is sampled every second.
+One run, side by side:
+1. Starts the real stack and measures the backend's capacity for exactly the job's rows (generate,
+   max_tokens 1) through the gateway: BENCH_JOBS_PROBE_CONCURRENCY requests at once in the bulk
+   class for BENCH_JOBS_PROBE_S seconds (after a warm-up), from the tenant `private`, which has no
+   per-minute budget here.
+2. Sets the job tenant's (`demo`) requests-per-minute limit to BENCH_JOBS_LIMIT_SHARE (0.7) of that
+   capacity (the limits file is reloaded live), so that the premise "rate limit below the
+   backend's capacity" holds on whatever machine runs it. BENCH_JOBS_RPM fixes it instead.
+3. Publishes one job of BENCH_JOBS_ROWS rows to `<prefix>.jobs` as a plain aio-pika producer would
+   (JSON), and reads the results from its reply queue. While it runs, the job worker's adaptive
+   bound (sluice_jobs_concurrency_limit) is sampled every second.
 
 The ratio counts from the first result to the last (the sliding window starts empty, so the very
 first seconds may burst); target >= 0.95. Ends with `BENCH <name> <value> <unit>` lines.
@@ -23,20 +29,67 @@ import uuid
 from pathlib import Path
 
 import aio_pika
+import grpc
+from sluice.common.v1 import types_pb2
+from sluice.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 
 from sluice_stack import Stack, StackPorts
 
 ROWS = int(os.environ.get("BENCH_JOBS_ROWS", "2000"))
-RPM = int(os.environ.get("BENCH_JOBS_RPM", "600"))
+FIXED_RPM = int(os.environ.get("BENCH_JOBS_RPM", "0"))
+LIMIT_SHARE = float(os.environ.get("BENCH_JOBS_LIMIT_SHARE", "0.7"))
+PROBE_S = float(os.environ.get("BENCH_JOBS_PROBE_S", "20"))
+PROBE_CONCURRENCY = int(os.environ.get("BENCH_JOBS_PROBE_CONCURRENCY", "16"))
 MODEL = "smollm2-135m-instruct"
-LIMITS = f"""
+JOB_KEY, PROBE_KEY = "sk-sluice-demo", "sk-sluice-private"
+
+
+def limits_toml(rpm: int) -> str:
+    """`demo` (the job) gets `rpm`; `private` (the capacity probe) has no per-minute budget."""
+    return f"""
 [defaults]
-requests_per_minute = {RPM}
-tokens_per_minute = 100000000
+requests_per_minute = 0
+tokens_per_minute = 0
+requests_in_flight = 256
+tokens_in_flight = 10000000
+interactive_floor = 0.0
+
+[tenants.demo]
+requests_per_minute = {rpm}
+
+[models."{MODEL}"]
 requests_in_flight = 256
 tokens_in_flight = 10000000
 interactive_floor = 0.0
 """
+
+
+def row_request(i: int) -> gateway_pb2.GenerateRequest:
+    return gateway_pb2.GenerateRequest(
+        model=MODEL,
+        prompt=f"Number {i}:",
+        sampling=types_pb2.SamplingParams(max_tokens=1, temperature=0),
+        priority_class=types_pb2.PRIORITY_CLASS_BULK,
+    )
+
+
+async def probe_capacity(stack: Stack) -> float:
+    """Rows per second the backend sustains for the job's rows, with nothing limiting the rate."""
+    done: list[float] = []
+    async with grpc.aio.insecure_channel(stack.gateway_address) as channel:
+        stub = gateway_pb2_grpc.GatewayServiceStub(channel)
+        stop_at = time.monotonic() + 3.0 + PROBE_S
+        counter = iter(range(10**9))
+
+        async def client() -> None:
+            while time.monotonic() < stop_at:
+                async for _ in stub.Generate(row_request(-next(counter)), metadata=(("authorization", f"Bearer {PROBE_KEY}"),), timeout=120):
+                    pass
+                done.append(time.monotonic())
+
+        await asyncio.gather(*(client() for _ in range(PROBE_CONCURRENCY)))
+    measured = [t for t in done if t >= stop_at - PROBE_S]  # the first 3 s warm up
+    return len(measured) / PROBE_S
 
 
 def gauge(url: str, name: str) -> float:
@@ -48,7 +101,12 @@ def gauge(url: str, name: str) -> float:
         return float("nan")
 
 
-async def run(stack: Stack) -> None:
+async def run(stack: Stack, limits: Path) -> None:
+    capacity = await probe_capacity(stack)
+    rpm = FIXED_RPM or int(capacity * 60 * LIMIT_SHARE)
+    limits.write_text(limits_toml(rpm))
+    print(f"backend capacity {capacity:.2f} rows/s = {capacity * 60:.0f} rows/min; job limit set to {rpm} rows/min")
+    await asyncio.sleep(3.0)  # the rate-limit service re-reads the file every second
     job_id = f"bench-{uuid.uuid4().hex[:8]}"
     rows = [
         {
@@ -64,7 +122,7 @@ async def run(stack: Stack) -> None:
         reply_to = f"{stack.amqp_prefix}.bench-replies"
         replies = await channel.declare_queue(reply_to, durable=True)
         exchange = await channel.get_exchange(f"{stack.amqp_prefix}.jobs")
-        body = json.dumps({"job_id": job_id, "api_key": "sk-sluice-demo", "reply_to": reply_to, "rows": rows}).encode()
+        body = json.dumps({"job_id": job_id, "api_key": JOB_KEY, "reply_to": reply_to, "rows": rows}).encode()
         started = time.monotonic()
         await exchange.publish(
             aio_pika.Message(body, content_type="application/json", delivery_mode=aio_pika.DeliveryMode.PERSISTENT), "job"
@@ -97,11 +155,12 @@ async def run(stack: Stack) -> None:
     for t, bound, in_flight in bounds[::step]:
         print(f"  t={t:6.1f}s  bound={bound:6.2f}  in_flight={in_flight:4.0f}")
     print()
+    print(f"BENCH jobs_backend_capacity_rows_per_min {capacity * 60:.1f} rows/min")
     print(f"BENCH jobs_rows {len(times)} rows")
     print(f"BENCH jobs_row_errors {errors} rows")
     print(f"BENCH jobs_rows_per_min {per_min:.1f} rows/min")
-    print(f"BENCH jobs_limit_rows_per_min {RPM} rows/min")
-    print(f"BENCH jobs_rate_vs_limit {per_min / RPM:.3f} ratio")
+    print(f"BENCH jobs_limit_rows_per_min {rpm} rows/min")
+    print(f"BENCH jobs_rate_vs_limit {per_min / rpm:.3f} ratio")
     print(f"BENCH jobs_wall {times[-1]:.1f} s")
     finite = [b for _, b, _ in bounds if b == b]
     if finite:
@@ -113,12 +172,12 @@ async def run(stack: Stack) -> None:
 def main() -> None:
     run_dir = Path(tempfile.mkdtemp(prefix="sluice-bench-jobs-"))
     limits = run_dir / "limits.toml"
-    limits.write_text(LIMITS)
+    limits.write_text(limits_toml(1))
     stack = Stack(run_dir=run_dir, ports=StackPorts.ephemeral(), limits_file=limits, amqp_prefix=f"sluice-bench-{uuid.uuid4().hex[:8]}")
-    print(f"starting the stack in {run_dir} (rows={ROWS}, limit={RPM} requests/min)")
+    print(f"starting the stack in {run_dir} (rows={ROWS})")
     stack.start(timeout_s=300)
     try:
-        asyncio.run(run(stack))
+        asyncio.run(run(stack, limits))
     finally:
         stack.stop()
 

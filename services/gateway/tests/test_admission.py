@@ -78,3 +78,23 @@ async def test_unreachable_rate_limit_fails_open_when_configured_and_respects_a_
     assert ticket.lease_id == "" and ticket.metadata == ()
     ticket.settle()  # nothing to commit
     await channel.close()
+
+
+class _FakeStub:
+    def __init__(self, budgets: list[ratelimit_pb2.BudgetStatus]) -> None:
+        self.budgets = budgets
+
+    async def Acquire(self, request, timeout=None, metadata=None):  # noqa: N802 - the stub's name
+        return ratelimit_pb2.AcquireResponse(allowed=True, lease_id="l1", budgets=self.budgets)
+
+
+async def test_the_workers_rate_comes_from_the_per_minute_budget_never_the_in_flight_limit() -> None:
+    status = ratelimit_pb2.BudgetStatus
+    in_flight = status(budget=ratelimit_pb2.BUDGET_REQUESTS_IN_FLIGHT, limit=32, remaining=31)
+    # No per-minute budget: x-ratelimit-limit-requests holds the in-flight limit, which is no rate.
+    ticket = await Admission(_FakeStub([in_flight]), "closed").admit("t", request(), time_remaining=10.0)  # type: ignore[arg-type]
+    assert dict(ticket.metadata)["x-ratelimit-limit-requests"] == "32"
+    assert ticket.requests_per_minute is None
+    per_minute = status(budget=ratelimit_pb2.BUDGET_REQUESTS_PER_MINUTE, limit=600, remaining=599)
+    ticket = await Admission(_FakeStub([in_flight, per_minute]), "closed").admit("t", request(), time_remaining=10.0)  # type: ignore[arg-type]
+    assert ticket.requests_per_minute == 600

@@ -105,6 +105,9 @@ class Ticket:
     estimated_prompt_tokens: int = 0
     completion_tokens: int = 0
     used_tokens: int | None = None
+    # The requests-per-minute budget's limit, when the lease has one (x-ratelimit-limit-requests
+    # holds the in-flight limit when the tenant has no per-minute budget): the job worker's rate.
+    requests_per_minute: float | None = None
     _settled: bool = field(default=False, repr=False)
 
     def observe(self, chunk: inference_pb2.GenerateResponse) -> None:
@@ -162,7 +165,8 @@ class Admission:
                 quota_subject=f"tenant:{tenant}/model:{request.model}/{budget}",
             )
         DECISIONS.labels("shadow" if reply.shadow else "allowed").inc()
-        return Ticket(self, reply.lease_id, ratelimit_headers(list(reply.budgets)), prompt)
+        per_minute = next((b.limit for b in reply.budgets if b.budget == _B.BUDGET_REQUESTS_PER_MINUTE and b.limit > 0), None)
+        return Ticket(self, reply.lease_id, ratelimit_headers(list(reply.budgets)), prompt, requests_per_minute=per_minute)
 
     def _unreachable(self, exc: grpc.aio.AioRpcError) -> Ticket:
         log.warning("ratelimit_unreachable", code=exc.code().name, details=exc.details(), policy=self._policy)

@@ -6,14 +6,18 @@ allowance goes unused while rows wait on the model; too many and rows only colle
 RESOURCE_EXHAUSTED and queue in the adapter, raising everybody's latency.
 
 - Start (Little's law): once the first row has completed and its lease told the allowed rate
-  (x-ratelimit-limit-requests per minute), limit = rate x observed latency x headroom: the number
-  of rows that must be in flight for completions to keep pace with the allowance.
-- Additive increase: each completed row adds 1/limit (about +1 per round trip) while latency is
-  within `latency_tolerance` x the best latency seen recently.
-- Multiplicative decrease: on RESOURCE_EXHAUSTED, and when latency grows past the tolerance
-  (the backend is queueing, more rows in flight only add waiting). Neither takes the limit below
-  the Little's-law target (with the best recent latency): the goal is rows completed per minute,
-  and that needs rate x latency rows in flight even if some of them are told to wait.
+  (the requests-per-minute budget), limit = rate x observed latency x headroom: the number of rows
+  that must be in flight for completions to keep pace with the allowance.
+- Additive increase: each completed row adds 1/limit (about +1 per round trip), except while the
+  latency window is slow and in the window after a decrease for RESOURCE_EXHAUSTED.
+- Multiplicative decrease, on RESOURCE_EXHAUSTED (at most once per `window` completions, so a
+  burst of denials for rows that were already in flight counts once), and on latency only when
+  the p90 of `window` consecutive completions exceeds `latency_tolerance` x the lowest window p90
+  seen recently for `sustain` windows in a row: one slow row, or one noisy second on a shared
+  box, never moves the bound down.
+- Neither takes the limit below the Little's-law bound (allowed rate x the median latency of the
+  latest window x headroom): the goal is rows completed per minute, and that needs rate x latency
+  rows in flight even if some of them are told to wait.
 
 Plain asyncio, no gRPC: unit-tested directly (tests/test_concurrency.py).
 """
@@ -36,10 +40,11 @@ class AdaptiveConcurrency:
     headroom: float = 1.2
     decrease: float = 0.9
     latency_tolerance: float = 2.0
-    # Weight of a new sample in the latency average.
-    smoothing: float = 0.2
-    # The "best latency" forgets samples older than this (load changes, so does the floor).
-    min_window_s: float = 30.0
+    # Completions per latency window, and how many windows in a row must be slow to decrease.
+    window: int = 16
+    sustain: int = 3
+    # The "best window p90" forgets windows older than this (load changes, so does the floor).
+    min_window_s: float = 60.0
     limit: float = field(init=False)
     in_flight: int = field(init=False, default=0)
     latency_s: float | None = field(init=False, default=None)
@@ -47,7 +52,10 @@ class AdaptiveConcurrency:
     started_from_littles_law: bool = field(init=False, default=False)
     # (monotonic time, limit, reason) at each change, for metrics and the benchmark.
     history: list[tuple[float, float, str]] = field(init=False, default_factory=list)
+    _samples: list[float] = field(init=False, default_factory=list)
     _best: list[tuple[float, float]] = field(init=False, default_factory=list)
+    _slow_windows: int = field(init=False, default=0)
+    _since_throttle_decrease: int = field(init=False, default=1 << 30)
     _changed: asyncio.Condition | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
@@ -81,12 +89,11 @@ class AdaptiveConcurrency:
     # ---- the policy (synchronous, for tests)
 
     def littles_law_target(self) -> float | None:
-        """allowed rate x latency x headroom; the latency is the best seen recently (the no-load
-        latency), so that queueing never feeds back into a higher target."""
+        """allowed rate x latency x headroom; the latency is the median of the latest window (the
+        first sample until a window is full), robust to the outliers of a noisy box."""
         if self.allowed_rate_per_s is None or self.latency_s is None:
             return None
-        latency = min((v for _, v in self._best), default=self.latency_s)
-        return max(self.minimum, min(self.maximum, self.allowed_rate_per_s * latency * self.headroom))
+        return max(self.minimum, min(self.maximum, self.allowed_rate_per_s * self.latency_s * self.headroom))
 
     def _set(self, value: float, reason: str) -> None:
         value = max(self.minimum, min(self.maximum, value))
@@ -94,33 +101,55 @@ class AdaptiveConcurrency:
             self.history.append((time.monotonic(), value, reason))
         self.limit = value
 
-    def _best_latency(self, now: float, sample: float) -> float:
+    def _decrease(self, reason: str) -> None:
+        floor = self.littles_law_target() or self.minimum
+        if self.limit > floor:
+            self._set(max(floor, self.limit * self.decrease), reason)
+
+    def _close_window(self, now: float) -> bool:
+        """Ends a window of completions; True when latency has been in a sustained rise."""
+        ordered = sorted(self._samples)
+        self._samples.clear()
+        self.latency_s = ordered[len(ordered) // 2]
+        p90 = ordered[min(len(ordered) - 1, math.ceil(0.9 * len(ordered)) - 1)]
         self._best = [(t, v) for t, v in self._best if now - t < self.min_window_s]
-        self._best.append((now, sample))
-        return min(v for _, v in self._best)
+        best = min((v for _, v in self._best), default=p90)
+        self._best.append((now, p90))
+        self._slow_windows = self._slow_windows + 1 if p90 > self.latency_tolerance * best else 0
+        if self._slow_windows >= self.sustain:
+            self._slow_windows = 0
+            return True
+        return False
 
     def observe(self, latency_s: float, outcome: str, allowed_rate_per_s: float | None = None) -> None:
         now = time.monotonic()
         if allowed_rate_per_s:
             self.allowed_rate_per_s = allowed_rate_per_s
         if outcome == THROTTLED:
-            target = self.littles_law_target() or self.minimum
-            self._set(max(target, self.limit * self.decrease), "throttled")
+            # Rows already in flight when the allowance ran out are denied together: one decrease
+            # per window of completions, not one per denial.
+            if self._since_throttle_decrease >= self.window:
+                self._since_throttle_decrease = 0
+                self._decrease("throttled")
             return
         if outcome != OK:
             return
-        self.latency_s = latency_s if self.latency_s is None else (1 - self.smoothing) * self.latency_s + self.smoothing * latency_s
-        best = self._best_latency(now, latency_s)
+        self._since_throttle_decrease += 1
+        if self.latency_s is None:
+            self.latency_s = latency_s
+        self._samples.append(latency_s)
+        rising = len(self._samples) >= self.window and self._close_window(now)
         if not self.started_from_littles_law:
             target = self.littles_law_target()
             if target is not None:
                 self.started_from_littles_law = True
                 self._set(target, "littles_law")
                 return
-        if self.latency_s > self.latency_tolerance * best:
-            # Queueing: fewer rows in flight, but never fewer than the allowance needs.
-            floor = self.littles_law_target() or self.minimum
-            if self.limit > floor:
-                self._set(max(floor, self.limit * self.decrease), "latency")
-        else:
+        if rising:
+            self._decrease("latency")
+        elif self._slow_windows == 0 and self._since_throttle_decrease > self.window:
+            # No increase in the window after a throttling decrease, nor while latency rises.
             self._set(self.limit + 1.0 / self.limit, "increase")
+        floor = self.littles_law_target()
+        if floor is not None and self.limit < floor:
+            self._set(floor, "littles_law")

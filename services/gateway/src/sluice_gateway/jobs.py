@@ -170,7 +170,7 @@ def failed_result(task: jobs_pb2.RowTask, code: str, message: str) -> jobs_pb2.R
 class RowRun:
     result: jobs_pb2.RowResult
     latency_s: float
-    # requests per second the lease's budget allows (x-ratelimit-limit-requests / 60), when told.
+    # requests per second the lease's requests-per-minute budget allows (/ 60), when it has one.
     allowed_rate_per_s: float | None = None
 
 
@@ -203,7 +203,7 @@ async def run_row(
         rate = None
         final = None
         async with path.generate(task.tenant, request, request_id, timeout_s) as stream:
-            rate = _allowed_rate(stream.ticket.metadata)
+            rate = _allowed_rate(stream.ticket.requests_per_minute)
             observe = track(request) if track is not None else None
             async for chunk in stream:
                 if observe is not None:
@@ -226,14 +226,10 @@ async def run_row(
     raise PoisonRow("the row has neither a generate nor an embed body")
 
 
-def _allowed_rate(metadata: tuple[tuple[str, str], ...]) -> float | None:
-    for key, value in metadata:
-        if key == "x-ratelimit-limit-requests":
-            try:
-                return float(value) / 60.0
-            except ValueError:
-                return None
-    return None
+def _allowed_rate(requests_per_minute: float | None) -> float | None:
+    """Rows per second the requests-per-minute budget allows; None without one (not the
+    x-ratelimit-limit-requests header, which then holds the in-flight limit)."""
+    return requests_per_minute / 60.0 if requests_per_minute else None
 
 
 def retry_after_of(exc: BaseException) -> float:

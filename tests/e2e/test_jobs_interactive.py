@@ -1,0 +1,80 @@
+"""A bulk job and interactive streams at once: both are served, the job keeps progressing.
+
+How much the job slows interactive time to first token is a speed figure, measured side by
+side in `make bench-jobs-interactive`, not asserted here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+import uuid
+
+import aio_pika
+from sluice.common.v1 import types_pb2
+from sluice.gateway.v1 import gateway_pb2
+from sluice.jobs.v1 import jobs_pb2
+
+from conftest import DEMO_KEY, MODEL, auth
+from sluice_stack import Stack
+
+
+def publish_job(stack: Stack, job_id: str, rows: int) -> None:
+    body = {
+        "job_id": job_id,
+        "api_key": DEMO_KEY,
+        "rows": [
+            {"custom_id": f"r{i}", "generate": {"model": MODEL, "prompt": f"Count: {i},", "sampling": {"max_tokens": 4}}}
+            for i in range(rows)
+        ],
+    }
+
+    async def go() -> None:
+        connection = await aio_pika.connect(stack.amqp_url)
+        async with connection:
+            channel = await connection.channel(publisher_confirms=True)
+            exchange = await channel.get_exchange(f"{stack.amqp_prefix}.jobs")
+            message = aio_pika.Message(json.dumps(body).encode(), content_type="application/json", delivery_mode=aio_pika.DeliveryMode.PERSISTENT)
+            await exchange.publish(message, "job")
+
+    asyncio.run(go())
+
+
+def completed(gateway, job_id: str) -> int:
+    try:
+        return gateway.GetJob(gateway_pb2.GetJobRequest(job_id=job_id), metadata=auth(), timeout=10).job.completed_rows
+    except Exception:  # noqa: BLE001 - not recorded yet
+        return -1
+
+
+def test_interactive_streams_are_served_while_a_job_keeps_progressing(stack: Stack, gateway) -> None:
+    job_id = f"beside-{uuid.uuid4().hex[:6]}"
+    publish_job(stack, job_id, rows=300)
+    deadline = time.monotonic() + 120
+    while completed(gateway, job_id) < 4:
+        assert time.monotonic() < deadline, "the job never started"
+        time.sleep(0.2)
+    before = completed(gateway, job_id)
+    answers: list[str] = []
+
+    def interactive(i: int) -> None:
+        request = gateway_pb2.GenerateRequest(
+            model=MODEL,
+            messages=[types_pb2.ChatMessage(role="user", content=f"Name a colour ({i}).")],
+            sampling=types_pb2.SamplingParams(max_tokens=4),
+        )
+        answers.append("".join(r.text for r in gateway.Generate(request, metadata=auth(), timeout=120)))
+
+    threads = [threading.Thread(target=interactive, args=(i,)) for i in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=180)
+    after = completed(gateway, job_id)
+    gateway.CancelJob(gateway_pb2.CancelJobRequest(job_id=job_id), metadata=auth(), timeout=10)
+    assert len(answers) == 6 and all(answers)
+    assert after > before, "the job stalled while interactive streams ran"
+    job = gateway.GetJob(gateway_pb2.GetJobRequest(job_id=job_id), metadata=auth(), timeout=10).job
+    assert job.state in (jobs_pb2.JOB_STATE_CANCELLING, jobs_pb2.JOB_STATE_CANCELLED)
