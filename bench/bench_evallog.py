@@ -5,6 +5,8 @@
     requests interleaved in the same run. Target: on p99 <= off p99 + 1 ms.
 (b) Events stored per second by evaluation-logging (evaluated, SQLite, acked) vs a raw aio-pika
     consume with batched acks of the same messages, same broker, same run. Target: >= 0.5x.
+    Similarity (the adapter's embedding model) is scored off that path from durable pending
+    markers; after (b) the bench also reports how fast that backlog drains (no target).
 """
 
 from __future__ import annotations
@@ -133,6 +135,11 @@ def stored(db_path: Path) -> int:
         return int(db.execute("SELECT COUNT(*) FROM records").fetchone()[0])
 
 
+def pending_similarity(db_path: Path) -> int:
+    with sqlite3.connect(f"file:{db_path}?mode=ro", uri=True, timeout=30) as db:
+        return int(db.execute("SELECT COUNT(*) FROM pending_scores WHERE name = 'similarity'").fetchone()[0])
+
+
 def main() -> int:
     run_dir = Path(tempfile.mkdtemp(prefix="sluice-bench-evallog-"))
     prefix = f"sluice-bench-{uuid.uuid4().hex[:8]}"
@@ -187,6 +194,13 @@ def main() -> int:
         bench("evallog_raw_consume_rate", raw, "events/s")
         bench("evallog_store_rate", rate, "events/s")
         bench("evallog_store_vs_raw", rate / raw, "x")
+        backlog, drain_started = pending_similarity(db_path), time.perf_counter()
+        drain_deadline = time.monotonic() + 120
+        while pending_similarity(db_path) and time.monotonic() < drain_deadline:
+            time.sleep(0.1)
+        left = pending_similarity(db_path)
+        print(f"(b) similarity backlog after the burst: {backlog} events, {left} left after draining", flush=True)
+        bench("evallog_similarity_drain_rate", (backlog - left) / (time.perf_counter() - drain_started), "events/s")
         return 0
     finally:
         off.stop()

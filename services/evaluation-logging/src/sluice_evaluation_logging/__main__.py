@@ -15,6 +15,7 @@ from sluice_evaluation_logging.embeddings import AdapterEmbedder
 from sluice_evaluation_logging.evaluators.base import EvalContext, EvalSettings
 from sluice_evaluation_logging.queries import EvalLogQueries
 from sluice_evaluation_logging.servicer import EvalLogServicer
+from sluice_evaluation_logging.similarity_worker import SimilarityWorker, WorkerSettings
 from sluice_evaluation_logging.store import open_store
 
 log = structlog.stdlib.get_logger("sluice.evallog")
@@ -45,6 +46,7 @@ async def serve(config: EvalLogConfig) -> None:
         where = "PostgreSQL (DATABASE_URL)" if config.database_url else f"SQLite at {config.sqlite_path}"
         raise SystemExit(f"evaluation-logging: cannot open the store, {where}: {exc}") from None
     embedder = AdapterEmbedder(config.adapter_url, config.embedding_model, config.embed_timeout_s)
+    settings = eval_settings(config)
     consumer = CompletionConsumer(
         ConsumerSettings(
             url=config.amqp_url,
@@ -54,7 +56,21 @@ async def serve(config: EvalLogConfig) -> None:
             batch_delay_s=config.batch_delay_s,
         ),
         store,
-        EvalContext(eval_settings(config), embedder),
+        EvalContext(settings, embedder, defer_model_calls=True),
+        on_pending=lambda: worker.nudge(),
+    )
+    # Similarity off the consume path: records carry a pending marker, this task scores them,
+    # giving way while the consumer has a backlog.
+    worker = SimilarityWorker(
+        store,
+        embedder,
+        settings,
+        WorkerSettings(
+            batch_max=config.similarity_batch_max,
+            claim_lease_s=config.similarity_lease_s,
+            max_pause_s=config.similarity_max_pause_s,
+        ),
+        busy=consumer.busy,
     )
     servicer = EvalLogServicer(tenants, EvalLogQueries(store))
 
@@ -64,11 +80,13 @@ async def serve(config: EvalLogConfig) -> None:
 
     running = await create_server(config.host, config.port, config.metrics_port, register, serving=False)
     consumer.start()
+    worker.start()
     await running.set_serving(True)
     log.info("ready", store="postgresql" if config.database_url else str(config.sqlite_path), prefix=config.amqp_prefix)
 
     async def on_stop() -> None:
         await consumer.stop()
+        await worker.stop()
         await embedder.close()
         await store.close()
 

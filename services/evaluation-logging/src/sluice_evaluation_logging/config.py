@@ -41,6 +41,12 @@ class EvalLogConfig(ServerConfig):
     similarity_sample_rate: float = 0.1
     similarity_min: float = 0.2
     embed_timeout_s: float = 10.0
+    # Similarity is computed off the consume path: events per Embed call (two texts each), and how
+    # long a claim on pending markers lasts before another replica (or the next process) may take them.
+    similarity_batch_max: int = 64
+    similarity_lease_s: float = 60.0
+    # While the consumer has a backlog, the similarity task waits up to this long before each batch.
+    similarity_max_pause_s: float = 2.0
 
     def __post_init__(self) -> None:
         require(str(self.tenants_file) not in ("", "."), f"{ENV_PREFIX}TENANTS_FILE is required: the TOML file of tenants")
@@ -54,6 +60,19 @@ class EvalLogConfig(ServerConfig):
         require(
             0.0 <= self.similarity_sample_rate <= 1.0,
             f"{ENV_PREFIX}SIMILARITY_SAMPLE_RATE must be in [0, 1], got {self.similarity_sample_rate}",
+        )
+        require(
+            1 <= self.similarity_batch_max <= 1024,
+            f"{ENV_PREFIX}SIMILARITY_BATCH_MAX must be in 1..1024, got {self.similarity_batch_max}",
+        )
+        require(
+            self.similarity_lease_s > self.embed_timeout_s,
+            f"{ENV_PREFIX}SIMILARITY_LEASE_S must be longer than EMBED_TIMEOUT_S ({self.embed_timeout_s}),"
+            f" got {self.similarity_lease_s}",
+        )
+        require(
+            0 <= self.similarity_max_pause_s <= 60,
+            f"{ENV_PREFIX}SIMILARITY_MAX_PAUSE_S must be in [0, 60], got {self.similarity_max_pause_s}",
         )
         require(self.repetition_ngram >= 1, f"{ENV_PREFIX}REPETITION_NGRAM must be >= 1, got {self.repetition_ngram}")
         require(

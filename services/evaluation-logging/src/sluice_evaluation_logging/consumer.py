@@ -1,7 +1,9 @@
 """Consumes CompletionEvents: decode, evaluate, store a batch in one transaction, then ack it.
 
 Delivery is at least once and storage is idempotent by event id, so the only rule is: ack
-after the batch is durably stored. A batch closes at `batch_max` events or `batch_delay_s`
+after the batch is durably stored. Nothing here waits on a model: an evaluator that needs one
+(similarity) answers Deferred, the record is stored with a durable pending marker, and
+similarity_worker.py computes the score later (`on_pending` tells it there is work). A batch closes at `batch_max` events or `batch_delay_s`
 after its first event. A message that can never become a record is published to the
 dead-letter exchange with its reason (confirmed) and then acked; consumption goes on.
 On any broker failure the session is rebuilt; what was unacked is redelivered.
@@ -10,10 +12,12 @@ On any broker failure the session is rebuilt; what was unacked is redelivered.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import time
 from collections.abc import Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import aio_pika
@@ -25,7 +29,7 @@ from sluice.evallog.v1 import events_pb2
 from sluice_common.amqp import EventTopology, dead_letter
 from sluice_common.request_context import REQUEST_ID_KEY
 from sluice_evaluation_logging.evaluators import evaluate_batch
-from sluice_evaluation_logging.evaluators.base import EvalContext
+from sluice_evaluation_logging.evaluators.base import EvalContext, ScoreResult
 from sluice_evaluation_logging.records import PoisonMessage, decode_event, otel_attributes, stored_bytes, to_row
 from sluice_evaluation_logging.store import RecordRow, Store
 
@@ -50,15 +54,25 @@ class ConsumerSettings:
 
 
 class CompletionConsumer:
-    def __init__(self, settings: ConsumerSettings, store: Store, context: EvalContext) -> None:
+    def __init__(
+        self, settings: ConsumerSettings, store: Store, context: EvalContext, on_pending: Callable[[], None] | None = None
+    ) -> None:
         self._settings = settings
         self._store = store
         self._context = context
+        self._on_pending = on_pending
+        # When a batch last closed with more waiting (full, or the inbox not empty): see `busy`.
+        self._backlog_at = -1e9
         self._task: asyncio.Task[None] | None = None
         self._stopping = asyncio.Event()
         # The previous batch's store-then-ack, running while the next batch is decoded and evaluated.
         self._committing: asyncio.Task[None] | None = None
         self.connected = asyncio.Event()
+
+    def busy(self, within_s: float = 0.25) -> bool:
+        """The consumer had a backlog within the last `within_s`: background work (similarity)
+        should not take the CPU from storing and acking now."""
+        return time.monotonic() - self._backlog_at < within_s
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="completion-consumer")
@@ -96,10 +110,16 @@ class CompletionConsumer:
             await s.topology.declare(channel)
             queue = await channel.get_queue(s.topology.completions_queue, ensure=False)
             dead = await channel.get_exchange(s.topology.dead_exchange, ensure=False)
-            inbox: asyncio.Queue[AbstractIncomingMessage] = asyncio.Queue()
+            # Deliveries wait here; `arrived` wakes the batcher for a first message, `full` when a
+            # batch's worth is waiting: one wakeup (and one timer) per batch, not per message.
+            inbox: collections.deque[AbstractIncomingMessage] = collections.deque()
+            arrived, full = asyncio.Event(), asyncio.Event()
 
             async def on_message(message: AbstractIncomingMessage) -> None:
-                inbox.put_nowait(message)
+                inbox.append(message)
+                arrived.set()
+                if len(inbox) >= s.batch_max:
+                    full.set()
 
             tag = await queue.consume(on_message, no_ack=False)
             self.connected.set()
@@ -107,22 +127,19 @@ class CompletionConsumer:
             while not self._stopping.is_set():
                 if connection.is_closed or channel.is_closed:
                     raise ConnectionError("the broker connection closed")
-                try:
-                    first = await asyncio.wait_for(inbox.get(), 0.5)
-                except TimeoutError:
+                if not inbox:
+                    arrived.clear()
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(arrived.wait(), 0.5)
                     continue
-                batch = [first]
-                deadline = time.monotonic() + s.batch_delay_s
-                while len(batch) < s.batch_max:
-                    while not inbox.empty() and len(batch) < s.batch_max:
-                        batch.append(inbox.get_nowait())
-                    remaining = deadline - time.monotonic()
-                    if len(batch) >= s.batch_max or remaining <= 0:
-                        break
-                    try:
-                        batch.append(await asyncio.wait_for(inbox.get(), remaining))
-                    except TimeoutError:
-                        break
+                # A batch closes at batch_max events or batch_delay_s after its first event.
+                if len(inbox) < s.batch_max and s.batch_delay_s > 0:
+                    full.clear()
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(full.wait(), s.batch_delay_s)
+                batch = [inbox.popleft() for _ in range(min(s.batch_max, len(inbox)))]
+                if inbox or len(batch) >= s.batch_max:
+                    self._backlog_at = time.monotonic()
                 await self._handle(batch, dead)
             await self._settle_commit()  # the last batch is stored and acked before we let go
             with contextlib.suppress(Exception):
@@ -177,7 +194,7 @@ class CompletionConsumer:
                     "event",
                     request_id=event.request_id,
                     redelivered=message.redelivered,
-                    scores={score.name: round(score.value, 4) for score in scores},
+                    scores={s.name: round(s.value, 4) if isinstance(s, ScoreResult) else "pending" for s in scores},
                     **otel_attributes(event),
                 )
         await self._settle_commit()
@@ -189,6 +206,8 @@ class CompletionConsumer:
         inserted = await self._store_until_done(rows)
         # One multiple-ack covers the whole batch (deliveries on a channel are acked in order).
         await batch[-1].ack(multiple=True)
+        if self._on_pending is not None and inserted and any(row.pending for row in rows):
+            self._on_pending()
         elapsed = time.perf_counter() - started
         EVENTS.labels("stored").inc(inserted)
         EVENTS.labels("duplicate").inc(len(rows) - inserted)

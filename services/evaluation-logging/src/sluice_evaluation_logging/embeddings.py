@@ -11,8 +11,10 @@ from sluice.inference.v1 import inference_pb2, inference_pb2_grpc
 from sluice_common.channels import open_channel
 from sluice_evaluation_logging.evaluators.base import EmbeddingsUnavailable
 
-# The adapter answers these while it does not serve embeddings (or cannot right now).
-_UNAVAILABLE = (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.UNAVAILABLE)
+# The adapter does not serve embeddings: waiting would not help.
+_NOT_SERVED = (grpc.StatusCode.UNIMPLEMENTED,)
+# The adapter (or its backend) cannot answer now: try again later.
+_NOT_NOW = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED)
 
 
 class AdapterEmbedder:
@@ -31,8 +33,10 @@ class AdapterEmbedder:
         try:
             response = await self._stub.Embed(request, timeout=self._timeout_s)
         except grpc.aio.AioRpcError as exc:
-            if exc.code() in _UNAVAILABLE:
-                raise EmbeddingsUnavailable(exc.code().name) from None
+            if exc.code() in _NOT_SERVED:
+                raise EmbeddingsUnavailable(exc.code().name, retryable=False) from None
+            if exc.code() in _NOT_NOW:
+                raise EmbeddingsUnavailable(exc.code().name, retryable=True) from None
             raise
         if len(response.embeddings) != len(texts):
             raise ValueError(f"Embed returned {len(response.embeddings)} vectors for {len(texts)} inputs")

@@ -12,10 +12,12 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from google.protobuf import json_format
+from google.protobuf.message import DecodeError
 from sluice.common.v1 import types_pb2
 from sluice.evallog.v1 import events_pb2
 
-from sluice_evaluation_logging.evaluators.base import ScoreResult
+from sluice_evaluation_logging.evaluators.base import Deferred, ScoreResult
 from sluice_evaluation_logging.store import RecordRow, StoredScore, SummaryData
 
 
@@ -24,9 +26,6 @@ class PoisonMessage(ValueError):
 
 
 def decode_event(body: bytes, content_type: str | None) -> events_pb2.CompletionEvent:
-    from google.protobuf import json_format
-    from google.protobuf.message import DecodeError
-
     event = events_pb2.CompletionEvent()
     kind = (content_type or "application/x-protobuf").split(";")[0].strip().lower()
     try:
@@ -58,7 +57,18 @@ def stored_bytes(body: bytes, content_type: str | None) -> bytes | None:
     return bytes(body) if kind == "application/x-protobuf" else None
 
 
-def to_row(event: events_pb2.CompletionEvent, scores: Iterable[ScoreResult], serialized: bytes | None = None) -> RecordRow:
+def to_row(
+    event: events_pb2.CompletionEvent, scores: Iterable[ScoreResult | Deferred], serialized: bytes | None = None
+) -> RecordRow:
+    """The record to store; a Deferred evaluator result becomes a pending marker, stored with it.
+    A ScoreResult is stored as it is (the store reads the same five fields a StoredScore has)."""
+    stored: list[StoredScore | ScoreResult] = []
+    pending: list[str] = []
+    for s in scores:
+        if type(s) is Deferred:
+            pending.append(s.name)
+        else:
+            stored.append(s)
     finished_at = _epoch(event.finished_at) if event.HasField("finished_at") else 0.0
     return RecordRow(
         event_id=event.event_id,
@@ -76,7 +86,8 @@ def to_row(event: events_pb2.CompletionEvent, scores: Iterable[ScoreResult], ser
         finished_at=finished_at,
         text_logged=event.text_logged,
         event=serialized if serialized is not None else event.SerializeToString(),
-        scores=tuple(StoredScore(s.name, s.value, s.passed, s.detail, s.skipped) for s in scores),
+        scores=tuple(stored),
+        pending=tuple(pending),
     )
 
 

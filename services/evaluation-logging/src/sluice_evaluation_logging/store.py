@@ -3,12 +3,19 @@
 Records and scores are separate tables linked by event id. Inserts are idempotent by event id
 (`ON CONFLICT DO NOTHING`), so a redelivered event is stored once. Both backends run the same
 SQL, written with `?` placeholders (PostgreSQL gets them renumbered to `$n`).
+
+A score computed later (similarity: it waits on the adapter's embedding model) has a row in
+`pending_scores` written in the same transaction as its record, so a crash between storing and
+scoring loses nothing; similarity_worker.py claims due rows in batches (a lease: `not_before`
+moves into the future and another replica skips them), then writes the scores and deletes the
+rows in one transaction. Until then the score is absent from every query.
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import functools
 import sqlite3
 import time
 from collections.abc import Sequence
@@ -49,8 +56,20 @@ class RecordRow:
     finished_at: float
     text_logged: bool
     event: bytes
+    # StoredScore, or anything with its five fields (the evaluators' ScoreResult is stored as is).
     scores: tuple[StoredScore, ...] = ()
     stored_at: float = 0.0
+    # Names of the scores to compute later (a pending marker each, stored with the record).
+    pending: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class PendingItem:
+    """A claimed pending score: the record's serialized event, and how often it was claimed."""
+
+    event_id: str
+    event: bytes
+    attempts: int
 
 
 @dataclass(frozen=True)
@@ -89,6 +108,10 @@ class Store(Protocol):
     async def query(self, where: RecordFilter, page_size: int, page_token: str) -> tuple[list[RecordRow], str]: ...
     async def summary_data(self, where: RecordFilter) -> SummaryData: ...
     async def count(self) -> int: ...
+    async def claim_pending(self, name: str, limit: int, lease_s: float) -> list[PendingItem]: ...
+    async def release_pending(self, name: str, event_ids: Sequence[str], delay_s: float, count_attempt: bool) -> None: ...
+    async def complete_pending(self, name: str, scores: Sequence[tuple[str, StoredScore]]) -> int: ...
+    async def pending_count(self, name: str = "") -> int: ...
 
 
 # ---- schema
@@ -131,6 +154,25 @@ MIGRATIONS: tuple[tuple[int, str, tuple[str, ...]], ...] = (
             "CREATE INDEX scores_name_value ON scores (name, value)",
         ),
     ),
+    (
+        2,
+        "pending scores (computed off the consume path)",
+        (
+            """CREATE TABLE pending_scores (
+                event_id TEXT NOT NULL REFERENCES records (event_id) ON DELETE CASCADE,
+                name TEXT NOT NULL,
+                queued_at DOUBLE PRECISION NOT NULL,
+                not_before DOUBLE PRECISION NOT NULL,
+                attempts INTEGER NOT NULL,
+                PRIMARY KEY (event_id, name)
+            )""",
+            "CREATE INDEX pending_scores_due ON pending_scores (name, not_before)",
+            # No query reads scores by (name, value): thresholds are correlated by event id and use
+            # the primary key. This index cost an update per score row (8-9 per event) on the
+            # consume path and bought nothing.
+            "DROP INDEX scores_name_value",
+        ),
+    ),
 )
 
 LATEST_VERSION = MIGRATIONS[-1][0]
@@ -139,11 +181,30 @@ _RECORD_COLUMNS = (
     "event_id, tenant, model, priority_class, request_id, finish_reason, error_code, input_tokens, output_tokens,"
     " latency_ms, ttft_ms, started_at, finished_at, stored_at, text_logged, event"
 )
-_INSERT_RECORD = f"INSERT INTO records ({_RECORD_COLUMNS}) VALUES ({', '.join('?' * 16)}) ON CONFLICT (event_id) DO NOTHING"
-_INSERT_SCORE = (
-    "INSERT INTO scores (event_id, name, value, passed, skipped, detail) VALUES (?, ?, ?, ?, ?, ?)"
-    " ON CONFLICT (event_id, name) DO NOTHING"
-)
+# SQLite batches: multi-row INSERTs of at most this many rows (SQLite binds at most 32766
+# parameters per statement). Every sqlite3 step releases and retakes the GIL, which the event loop
+# holds most of the time: one step per chunk instead of one per row is what keeps the store's
+# thread from queueing behind the loop (and the loop from waiting for the store).
+_SQLITE_CHUNK = 256
+_RECORD_VALUES = "(" + ", ".join("?" * 16) + ")"
+_SCORE_VALUES = "(?, ?, ?, ?, ?, ?)"
+_PENDING_VALUES = "(?, ?, ?, ?, 0)"
+
+
+@functools.lru_cache(maxsize=256)
+def _multi_insert_sql(head: str, values: str, count: int, conflict: str) -> str:
+    return f"{head} VALUES {', '.join([values] * count)} ON CONFLICT ({conflict}) DO NOTHING"
+
+
+def _insert_chunks(db: sqlite3.Connection, head: str, values: str, conflict: str, rows: Sequence[Sequence[Any]]) -> None:
+    for start in range(0, len(rows), _SQLITE_CHUNK):
+        chunk = rows[start : start + _SQLITE_CHUNK]
+        db.execute(_multi_insert_sql(head, values, len(chunk), conflict), [value for row in chunk for value in row])
+
+
+_SCORE_HEAD = "INSERT INTO scores (event_id, name, value, passed, skipped, detail)"
+_INSERT_SCORE = f"{_SCORE_HEAD} VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (event_id, name) DO NOTHING"
+_PENDING_HEAD = "INSERT INTO pending_scores (event_id, name, queued_at, not_before, attempts)"
 
 
 def _record_params(row: RecordRow, stored_at: float) -> tuple[Any, ...]:
@@ -329,16 +390,30 @@ class SqliteStore:
         db = self._db
         assert db is not None
         stored_at = time.time()
-        inserted = 0
         db.execute("BEGIN IMMEDIATE")
         try:
+            # Under the write lock, the ids already stored (redeliveries; usually none) are final.
+            seen: set[str] = set()
+            ids = list({row.event_id for row in rows})
+            for start in range(0, len(ids), _SQLITE_CHUNK):
+                chunk = ids[start : start + _SQLITE_CHUNK]
+                found = db.execute(f"SELECT event_id FROM records WHERE event_id IN ({', '.join('?' * len(chunk))})", chunk)
+                seen.update(eid for (eid,) in found.fetchall())
+            records: list[tuple[Any, ...]] = []
+            scores: list[tuple[Any, ...]] = []
+            pending: list[tuple[Any, ...]] = []
             for row in rows:
-                if db.execute(_INSERT_RECORD, _record_params(row, stored_at)).rowcount:
-                    inserted += 1
-                    db.executemany(
-                        _INSERT_SCORE,
-                        [(row.event_id, s.name, s.value, s.passed, s.skipped, s.detail) for s in row.scores],
-                    )
+                eid = row.event_id
+                if eid in seen:
+                    continue
+                seen.add(eid)  # the same event twice in one batch: stored once
+                records.append(_record_params(row, stored_at))
+                scores.extend((eid, s.name, s.value, s.passed, s.skipped, s.detail) for s in row.scores)
+                pending.extend((eid, name, stored_at, stored_at) for name in row.pending)
+            _insert_chunks(db, f"INSERT INTO records ({_RECORD_COLUMNS})", _RECORD_VALUES, "event_id", records)
+            _insert_chunks(db, _SCORE_HEAD, _SCORE_VALUES, "event_id, name", scores)
+            _insert_chunks(db, _PENDING_HEAD, _PENDING_VALUES, "event_id, name", pending)
+            inserted = len(records)
             db.execute("COMMIT")
         except BaseException:
             db.execute("ROLLBACK")
@@ -378,6 +453,69 @@ class SqliteStore:
 
     async def count(self) -> int:
         return await self._run(lambda: self._db.execute("SELECT COUNT(*) FROM records").fetchone()[0])
+
+    async def claim_pending(self, name: str, limit: int, lease_s: float) -> list[PendingItem]:
+        def work() -> list[PendingItem]:
+            db = self._db
+            now = time.time()
+            db.execute("BEGIN IMMEDIATE")
+            try:
+                due = db.execute(
+                    "SELECT p.event_id, p.attempts, r.event FROM pending_scores p"
+                    " JOIN records r ON r.event_id = p.event_id"
+                    " WHERE p.name = ? AND p.not_before <= ? ORDER BY p.not_before LIMIT ?",
+                    (name, now, limit),
+                ).fetchall()
+                db.executemany(
+                    "UPDATE pending_scores SET not_before = ?, attempts = attempts + 1 WHERE event_id = ? AND name = ?",
+                    [(now + lease_s, eid, name) for eid, _, _ in due],
+                )
+                db.execute("COMMIT")
+            except BaseException:
+                db.execute("ROLLBACK")
+                raise
+            return [PendingItem(eid, bytes(event), int(attempts) + 1) for eid, attempts, event in due]
+
+        return await self._run(work)
+
+    async def release_pending(self, name: str, event_ids: Sequence[str], delay_s: float, count_attempt: bool) -> None:
+        not_before = time.time() + delay_s
+        undo = 0 if count_attempt else 1
+        sql = "UPDATE pending_scores SET not_before = ?, attempts = attempts - ? WHERE event_id = ? AND name = ?"
+
+        def work() -> None:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                self._db.executemany(sql, [(not_before, undo, eid, name) for eid in event_ids])
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+
+        await self._run(work)
+
+    async def complete_pending(self, name: str, scores: Sequence[tuple[str, StoredScore]]) -> int:
+        def work() -> int:
+            db = self._db
+            db.execute("BEGIN IMMEDIATE")
+            try:
+                cleared = 0
+                for eid, s in scores:
+                    # Only while the marker is there: a score is written once, whoever computed it.
+                    if db.execute("DELETE FROM pending_scores WHERE event_id = ? AND name = ?", (eid, name)).rowcount:
+                        cleared += 1
+                        db.execute(_INSERT_SCORE, (eid, s.name, s.value, s.passed, s.skipped, s.detail))
+                db.execute("COMMIT")
+            except BaseException:
+                db.execute("ROLLBACK")
+                raise
+            return cleared
+
+        return await self._run(work)
+
+    async def pending_count(self, name: str = "") -> int:
+        sql = "SELECT COUNT(*) FROM pending_scores" + (" WHERE name = ?" if name else "")
+        return await self._run(lambda: self._db.execute(sql, (name,) if name else ()).fetchone()[0])
 
 
 # ---- PostgreSQL
@@ -447,6 +585,15 @@ class PostgresStore:
                     " ON CONFLICT (event_id, name) DO NOTHING",
                     *[list(column) for column in zip(*scores, strict=True)],
                 )
+            pending = [(row.event_id, name) for row in rows if row.event_id in fresh for name in row.pending]
+            if pending:
+                ids, names = zip(*pending, strict=True)
+                await connection.execute(
+                    "INSERT INTO pending_scores (event_id, name, queued_at, not_before, attempts)"
+                    " SELECT e, n, $3, $3, 0 FROM unnest($1::text[], $2::text[]) AS t (e, n)"
+                    " ON CONFLICT (event_id, name) DO NOTHING",
+                    list(ids), list(names), stored_at,
+                )
         return len(fresh)
 
     async def get(self, event_id: str) -> RecordRow | None:
@@ -476,6 +623,50 @@ class PostgresStore:
 
     async def count(self) -> int:
         return int(await self.pool.fetchval("SELECT COUNT(*) FROM records"))
+
+    async def claim_pending(self, name: str, limit: int, lease_s: float) -> list[PendingItem]:
+        now = time.time()
+        # SKIP LOCKED: two replicas claiming at once take different rows instead of waiting.
+        claimed = await self.pool.fetch(
+            "WITH due AS (SELECT event_id FROM pending_scores WHERE name = $1 AND not_before <= $2"
+            " ORDER BY not_before LIMIT $3 FOR UPDATE SKIP LOCKED)"
+            " UPDATE pending_scores p SET not_before = $4, attempts = p.attempts + 1"
+            " FROM due, records r WHERE p.name = $1 AND p.event_id = due.event_id AND r.event_id = p.event_id"
+            " RETURNING p.event_id, p.attempts, r.event",
+            name, now, limit, now + lease_s,
+        )
+        return [PendingItem(c["event_id"], bytes(c["event"]), int(c["attempts"])) for c in claimed]
+
+    async def release_pending(self, name: str, event_ids: Sequence[str], delay_s: float, count_attempt: bool) -> None:
+        await self.pool.execute(
+            "UPDATE pending_scores SET not_before = $1, attempts = attempts - $2 WHERE name = $3 AND event_id = ANY($4::text[])",
+            time.time() + delay_s, 0 if count_attempt else 1, name, list(event_ids),
+        )
+
+    async def complete_pending(self, name: str, scores: Sequence[tuple[str, StoredScore]]) -> int:
+        if not scores:
+            return 0
+        async with self.pool.acquire() as connection, connection.transaction():
+            cleared = await connection.fetch(
+                "DELETE FROM pending_scores WHERE name = $1 AND event_id = ANY($2::text[]) RETURNING event_id",
+                name, [eid for eid, _ in scores],
+            )
+            # Only where the marker was still there: a score is written once, whoever computed it.
+            fresh = {c["event_id"] for c in cleared}
+            rows = [(eid, s.name, s.value, s.passed, s.skipped, s.detail) for eid, s in scores if eid in fresh]
+            if rows:
+                await connection.execute(
+                    "INSERT INTO scores (event_id, name, value, passed, skipped, detail)"
+                    " SELECT * FROM unnest($1::text[], $2::text[], $3::float8[], $4::bool[], $5::bool[], $6::text[])"
+                    " ON CONFLICT (event_id, name) DO NOTHING",
+                    *[list(column) for column in zip(*rows, strict=True)],
+                )
+        return len(fresh)
+
+    async def pending_count(self, name: str = "") -> int:
+        if name:
+            return int(await self.pool.fetchval("SELECT COUNT(*) FROM pending_scores WHERE name = $1", name))
+        return int(await self.pool.fetchval("SELECT COUNT(*) FROM pending_scores"))
 
 
 def open_store(database_url: str, sqlite_path: Path, pg_schema: str = "evallog") -> Store:

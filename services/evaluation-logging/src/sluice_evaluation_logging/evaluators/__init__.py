@@ -22,7 +22,7 @@ from sluice_evaluation_logging.evaluators import (
     truncation,
     ttft_slo,
 )
-from sluice_evaluation_logging.evaluators.base import CompletionEvent, EvalContext, ScoreResult, skipped
+from sluice_evaluation_logging.evaluators.base import CompletionEvent, Deferred, EvalContext, ScoreResult, skipped
 
 EVALUATORS: tuple[ModuleType, ...] = (
     latency_slo,
@@ -37,6 +37,10 @@ EVALUATORS: tuple[ModuleType, ...] = (
 )
 
 
+# What a synchronous evaluator returns; anything else is checked for being awaitable.
+_SETTLED = (ScoreResult, Deferred, type(None))
+
+
 def _failed(evaluator: ModuleType, exc: Exception) -> ScoreResult:
     return skipped(evaluator.NAME, f"skipped: evaluator failed: {type(exc).__name__}: {exc}")
 
@@ -48,11 +52,12 @@ async def _settle(evaluator: ModuleType, pending: Awaitable[Any]) -> ScoreResult
         return _failed(evaluator, exc)
 
 
-async def evaluate_batch(events: Sequence[CompletionEvent], ctx: EvalContext) -> list[list[ScoreResult]]:
+async def evaluate_batch(events: Sequence[CompletionEvent], ctx: EvalContext) -> list[list[ScoreResult | Deferred]]:
     """Every applicable evaluator's scores for each event, in EVALUATORS order; one that raises is
     recorded as skipped with the error. The synchronous evaluators run in place; the asynchronous
     ones (similarity: an Embed call to the adapter) of the whole batch are awaited together, so a
-    batch waits for one round of embeddings rather than one round trip per sampled event."""
+    batch waits for one round of embeddings rather than one round trip per sampled event. With
+    `ctx.defer_model_calls` (the consumer) similarity answers Deferred instead and nothing waits."""
     results: list[list[Any]] = []
     pending: list[tuple[list[Any], int, Awaitable[ScoreResult | None]]] = []
     for event in events:
@@ -62,7 +67,7 @@ async def evaluate_batch(events: Sequence[CompletionEvent], ctx: EvalContext) ->
                 result = evaluator.evaluate(event, ctx)
             except Exception as exc:  # noqa: BLE001 - one broken evaluator must not lose the record
                 result = _failed(evaluator, exc)
-            if inspect.isawaitable(result):
+            if type(result) not in _SETTLED and inspect.isawaitable(result):
                 pending.append((scores, len(scores), _settle(evaluator, result)))
             scores.append(result)
         results.append(scores)

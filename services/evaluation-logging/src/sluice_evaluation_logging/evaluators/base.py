@@ -34,7 +34,14 @@ class EvalSettings:
 
 
 class EmbeddingsUnavailable(Exception):
-    """The embedding backend does not serve embeddings (UNIMPLEMENTED) or cannot now (UNAVAILABLE)."""
+    """The embedding backend does not serve embeddings (UNIMPLEMENTED) or cannot now (UNAVAILABLE).
+
+    `retryable`: the backend may answer later (UNAVAILABLE, a deadline, a full queue); False when it
+    does not serve embeddings at all (UNIMPLEMENTED), so waiting would not help."""
+
+    def __init__(self, reason: str = "", retryable: bool = False) -> None:
+        super().__init__(reason)
+        self.retryable = retryable
 
 
 class Embedder(Protocol):
@@ -42,9 +49,20 @@ class Embedder(Protocol):
 
 
 @dataclass(frozen=True)
+class Deferred:
+    """An evaluator's answer when its score is computed later, off the consume path: the store
+    keeps a durable pending marker for (event, name) with the record, and a background task
+    (similarity_worker.py) writes the score and clears the marker."""
+
+    name: str
+
+
+@dataclass(frozen=True)
 class EvalContext:
     settings: EvalSettings
     embedder: Embedder | None = None
+    # The consumer sets this: an evaluator that would wait on a model answers Deferred instead.
+    defer_model_calls: bool = False
 
 
 def finished(event: CompletionEvent) -> bool:

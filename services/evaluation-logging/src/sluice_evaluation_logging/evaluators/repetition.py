@@ -22,6 +22,8 @@ def repeated_ngram_ratio(text: str, n: int) -> tuple[float, str]:
         if gram in seen:
             repeats += 1
         seen[gram] = seen.get(gram, 0) + 1
+    if not repeats:  # every n-gram once: no need to look for the most repeated one
+        return 0.0, ""
     top, count = max(seen.items(), key=lambda item: item[1])
     return repeats / total, (f"most repeated: {' '.join(top)!r} x{count}" if count > 1 else "")
 

@@ -2,18 +2,24 @@
 
 Sampling is decided by the event id, so a redelivered event gets the same decision. When the
 adapter does not serve embeddings the score is recorded as skipped: no similarity is made up.
+
+On the consume path (`ctx.defer_model_calls`) a sampled event answers `Deferred`: the store keeps
+a durable pending marker with the record, and similarity_worker.py computes the score later in
+large batches (`texts` and `score` below), so storing and acking never wait on the model.
 """
 
 from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Sequence
 
 from sluice_evaluation_logging.evaluators.base import (
     CompletionEvent,
+    Deferred,
     EmbeddingsUnavailable,
     EvalContext,
+    EvalSettings,
     ScoreResult,
     finished,
     has_text,
@@ -22,6 +28,7 @@ from sluice_evaluation_logging.evaluators.base import (
 )
 
 NAME = "similarity"
+UNAVAILABLE_DETAIL = "skipped: embeddings unavailable"
 
 
 def sampled(event_id: str, rate: float) -> bool:
@@ -33,29 +40,49 @@ def sampled(event_id: str, rate: float) -> bool:
     return bucket < rate
 
 
-def cosine(a: list[float], b: list[float]) -> float:
+def cosine(a: Sequence[float], b: Sequence[float]) -> float:
     dot = sum(x * y for x, y in zip(a, b, strict=True))
     norm = math.sqrt(sum(x * x for x in a)) * math.sqrt(sum(y * y for y in b))
     return dot / norm if norm else 0.0
 
 
-def evaluate(event: CompletionEvent, ctx: EvalContext) -> ScoreResult | Awaitable[ScoreResult] | None:
+def applies(event: CompletionEvent) -> bool:
+    return has_text(event) and finished(event) and bool(event.output.strip())
+
+
+def texts(event: CompletionEvent) -> tuple[str, str]:
+    """What is embedded for one event: its prompt and its output."""
+    return prompt_text(event), event.output
+
+
+def score(prompt_vector: Sequence[float], output_vector: Sequence[float], settings: EvalSettings) -> ScoreResult:
+    value = cosine(prompt_vector, output_vector)
+    return ScoreResult(NAME, value, value >= settings.similarity_min, f"cosine vs min {settings.similarity_min}")
+
+
+def unavailable(exc: EmbeddingsUnavailable | None = None) -> ScoreResult:
+    return skipped(NAME, f"{UNAVAILABLE_DETAIL} ({exc})" if exc is not None and str(exc) else UNAVAILABLE_DETAIL)
+
+
+def evaluate(event: CompletionEvent, ctx: EvalContext) -> ScoreResult | Deferred | Awaitable[ScoreResult] | None:
     """None when it does not apply or the event is not sampled (decided here, synchronously, so the
-    events that are not sampled cost no coroutine); otherwise the awaitable embedding comparison."""
-    if not has_text(event) or not finished(event) or not event.output.strip():
+    events that are not sampled cost nothing more); Deferred on the consume path; otherwise the
+    awaitable embedding comparison."""
+    if not applies(event):
         return None
     if not sampled(event.event_id, ctx.settings.similarity_sample_rate):
         return None
     if ctx.embedder is None:
-        return skipped(NAME, "skipped: embeddings unavailable")
+        return unavailable()
+    if ctx.defer_model_calls:
+        return Deferred(NAME)
     return _compare(event, ctx)
 
 
 async def _compare(event: CompletionEvent, ctx: EvalContext) -> ScoreResult:
     assert ctx.embedder is not None
     try:
-        vectors = await ctx.embedder.embed([prompt_text(event), event.output])
+        vectors = await ctx.embedder.embed(list(texts(event)))
     except EmbeddingsUnavailable as exc:
-        return skipped(NAME, f"skipped: embeddings unavailable ({exc})" if str(exc) else "skipped: embeddings unavailable")
-    value = cosine(vectors[0], vectors[1])
-    return ScoreResult(NAME, value, value >= ctx.settings.similarity_min, f"cosine vs min {ctx.settings.similarity_min}")
+        return unavailable(exc)
+    return score(vectors[0], vectors[1], ctx.settings)

@@ -1,0 +1,199 @@
+"""The similarity evaluator's second half, off the consume path.
+
+The consumer stores a sampled event's record with a durable pending marker (`pending_scores`,
+same transaction) and acks; this task, in the same process, takes due markers in large batches,
+embeds the prompt and output of every event of a batch in ONE Embed call to the adapter, and
+writes the scores and deletes the markers in one transaction. A marker outlives a crash: the
+next process (or another replica, once the claim's lease has run out) picks it up.
+
+- Claims are leases (`claim_lease_s`): a replica that dies mid-batch leaves its markers to be
+  claimed again after the lease; PostgreSQL replicas claim with SKIP LOCKED, never the same rows.
+- Embed answers UNIMPLEMENTED (the adapter serves no embeddings): every score of the batch is
+  recorded as "skipped: embeddings unavailable (UNIMPLEMENTED)", as the inline evaluator did.
+- UNAVAILABLE, a deadline, a full queue: the markers are released and the task backs off
+  (doubling up to `max_backoff_s`); they stay durable meanwhile, and such tries do not count.
+- Anything else (a bad answer, a bug): released and retried; after `max_attempts` claims the
+  score is recorded as skipped with the error, so one poison record cannot block the rest.
+- Background priority: while the consumer has a backlog (`busy`), the worker waits before each
+  batch, at most `max_pause_s`, so storing and acking get the CPU (the embedding model runs on
+  the same machine in the default setup) and similarity still progresses under sustained load.
+- Idempotent: a score is written only while its marker exists, and the consumer writes a
+  marker only with a freshly inserted record, so a redelivered event gets neither twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import structlog
+from google.protobuf.message import DecodeError
+from prometheus_client import Counter, Histogram
+from sluice.evallog.v1 import events_pb2
+
+from sluice_evaluation_logging.evaluators import similarity
+from sluice_evaluation_logging.evaluators.base import Embedder, EmbeddingsUnavailable, EvalSettings, ScoreResult, skipped
+from sluice_evaluation_logging.store import PendingItem, Store, StoredScore
+
+log = structlog.stdlib.get_logger("sluice.evallog.similarity")
+
+SCORED = Counter("sluice_evallog_deferred_scores_total", "Deferred scores written, by outcome.", ["name", "outcome"])
+RETRIES = Counter("sluice_evallog_deferred_retries_total", "Deferred batches released to retry, by reason.", ["name", "reason"])
+BATCH_SECONDS = Histogram(
+    "sluice_evallog_deferred_batch_seconds", "Claim + Embed + store of one deferred batch.",
+    buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+)
+
+
+@dataclass(frozen=True)
+class WorkerSettings:
+    # Events per Embed call (each contributes two texts: its prompt and its output).
+    batch_max: int = 64
+    # How often to look for markers when not nudged (other replicas' markers, released ones).
+    poll_s: float = 1.0
+    # A claim is this long; a replica that dies holding it leaves the markers to others after it.
+    claim_lease_s: float = 60.0
+    min_backoff_s: float = 0.5
+    max_backoff_s: float = 30.0
+    max_attempts: int = 5
+    # While the consumer is busy, wait at most this long before each batch.
+    max_pause_s: float = 2.0
+
+
+def _texts(item: PendingItem) -> tuple[str, str] | None:
+    event = events_pb2.CompletionEvent()
+    try:
+        event.ParseFromString(item.event)
+    except DecodeError:
+        return None
+    return similarity.texts(event)
+
+
+class SimilarityWorker:
+    name = similarity.NAME
+
+    def __init__(
+        self,
+        store: Store,
+        embedder: Embedder,
+        settings: EvalSettings,
+        worker: WorkerSettings = WorkerSettings(),
+        busy: Callable[[], bool] | None = None,
+    ) -> None:
+        self._store = store
+        self._busy = busy
+        self._embedder = embedder
+        self._settings = settings
+        self._worker = worker
+        self._wake = asyncio.Event()
+        self._stopping = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._backoff = worker.min_backoff_s
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="similarity-worker")
+
+    def nudge(self) -> None:
+        """New markers were committed (the consumer calls this): look now rather than at the next poll."""
+        self._wake.set()
+
+    async def stop(self) -> None:
+        """Stops after the batch in progress (its markers stay durable if it cannot finish)."""
+        self._stopping.set()
+        self._wake.set()
+        if self._task is not None:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(self._task), 10)
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    async def _run(self) -> None:
+        # Markers left by a previous process are due at once: the first pass takes them.
+        while not self._stopping.is_set():
+            self._wake.clear()
+            await self._yield_to_consumer()
+            try:
+                done = await self.run_once()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - the store is down: markers wait, we retry
+                log.error("deferred_batch_failed", error=f"{type(exc).__name__}: {exc}")
+                await self._sleep(self._next_backoff())
+                continue
+            if done == 0 and not self._stopping.is_set():
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), self._worker.poll_s)
+
+    async def _yield_to_consumer(self) -> None:
+        if self._busy is None:
+            return
+        deadline = time.monotonic() + self._worker.max_pause_s
+        while self._busy() and time.monotonic() < deadline and not self._stopping.is_set():
+            await asyncio.sleep(0.05)
+
+    def _next_backoff(self) -> float:
+        delay, self._backoff = self._backoff, min(self._backoff * 2, self._worker.max_backoff_s)
+        return delay
+
+    async def _sleep(self, seconds: float) -> None:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._stopping.wait(), seconds)
+
+    async def run_once(self) -> int:
+        """Claims one batch and settles it; returns how many markers it cleared (0: none due, or retrying)."""
+        w = self._worker
+        items = await self._store.claim_pending(self.name, w.batch_max, w.claim_lease_s)
+        if not items:
+            return 0
+        started = asyncio.get_running_loop().time()
+        scores: list[tuple[str, StoredScore]] = []
+        embeddable: list[tuple[PendingItem, tuple[str, str]]] = []
+        for item in items:
+            pair = _texts(item)
+            if pair is None:
+                scores.append((item.event_id, _stored(skipped(self.name, "skipped: the stored event does not parse"))))
+            else:
+                embeddable.append((item, pair))
+        if embeddable:
+            try:
+                vectors = await self._embedder.embed([text for _, pair in embeddable for text in pair])
+            except EmbeddingsUnavailable as exc:
+                if exc.retryable:
+                    return await self._retry(items, str(exc) or "unavailable", count_attempt=False)
+                outcome = similarity.unavailable(exc)
+                scores.extend((item.event_id, _stored(outcome)) for item, _ in embeddable)
+            except Exception as exc:  # noqa: BLE001 - bounded retries, then recorded as skipped
+                reason = f"{type(exc).__name__}: {exc}"
+                if min(item.attempts for item, _ in embeddable) < w.max_attempts:
+                    return await self._retry(items, reason, count_attempt=True)
+                failed = skipped(self.name, f"skipped: evaluator failed: {reason}")
+                scores.extend((item.event_id, _stored(failed)) for item, _ in embeddable)
+            else:
+                for index, (item, _) in enumerate(embeddable):
+                    result = similarity.score(vectors[2 * index], vectors[2 * index + 1], self._settings)
+                    scores.append((item.event_id, _stored(result)))
+        cleared = await self._store.complete_pending(self.name, scores)
+        self._backoff = w.min_backoff_s
+        skipped_count = sum(1 for _, s in scores if s.skipped)
+        SCORED.labels(self.name, "scored").inc(len(scores) - skipped_count)
+        SCORED.labels(self.name, "skipped").inc(skipped_count)
+        elapsed = asyncio.get_running_loop().time() - started
+        BATCH_SECONDS.observe(elapsed)
+        log.info("deferred_scores_stored", score=self.name, claimed=len(items), stored=cleared, skipped=skipped_count,
+                 seconds=round(elapsed, 4))
+        return max(cleared, 1)  # something was settled: look again at once
+
+    async def _retry(self, items: Sequence[PendingItem], reason: str, count_attempt: bool) -> int:
+        delay = self._next_backoff()
+        RETRIES.labels(self.name, reason.split(":")[0]).inc()
+        log.warning("deferred_scores_retry", score=self.name, markers=len(items), reason=reason, retry_in_s=delay)
+        await self._store.release_pending(self.name, [item.event_id for item in items], delay, count_attempt)
+        await self._sleep(delay)
+        return 0
+
+
+def _stored(result: ScoreResult) -> StoredScore:
+    return StoredScore(result.name, result.value, result.passed, result.detail, result.skipped)

@@ -1,0 +1,313 @@
+"""Similarity off the consume path: pending markers stored with the record, scored later in batches.
+
+The embeddings come from `StandInAdapter`, a real grpc.aio server in this process implementing
+sluice.inference.v1.InferenceService.Embed (a stand-in for the inference-adapter, as other unit
+tests here use stand-ins for their neighbours): it embeds deterministically (a character
+histogram, so the expected cosine is computable here), counts calls and texts, and can be told to
+answer UNIMPLEMENTED or UNAVAILABLE. The real adapter and model are exercised in tests/e2e.
+Every store test runs on SQLite and on the running PostgreSQL (the `store` fixture).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import uuid
+
+import aio_pika
+import grpc
+import pytest
+from sluice.common.v1 import types_pb2
+from sluice.inference.v1 import inference_pb2, inference_pb2_grpc
+
+from conftest import AMQP_URL, make_event
+from sluice_common.amqp import ConfirmingPublisher, EventTopology, OutgoingMessage, PublisherMetrics
+from sluice_evaluation_logging.consumer import CompletionConsumer, ConsumerSettings
+from sluice_evaluation_logging.embeddings import AdapterEmbedder
+from sluice_evaluation_logging.evaluators import evaluate_batch
+from sluice_evaluation_logging.evaluators.base import EvalContext, EvalSettings, prompt_text
+from sluice_evaluation_logging.queries import EvalLogQueries, QueryArgs
+from sluice_evaluation_logging.records import to_row
+from sluice_evaluation_logging.similarity_worker import SimilarityWorker, WorkerSettings
+from sluice_evaluation_logging.store import PostgresStore, RecordFilter, SqliteStore, Store, StoredScore
+
+SETTINGS = EvalSettings(similarity_sample_rate=1.0, similarity_min=0.2)
+DIMS = 32
+
+
+def histogram(text: str) -> list[float]:
+    vector = [0.0] * DIMS
+    for char in text.lower():
+        vector[ord(char) % DIMS] += 1.0
+    return vector
+
+
+def expected_cosine(prompt: str, output: str) -> float:
+    a, b = histogram(prompt), histogram(output)
+    dot = sum(x * y for x, y in zip(a, b, strict=True))
+    return dot / (math.sqrt(sum(x * x for x in a)) * math.sqrt(sum(y * y for y in b)))
+
+
+class StandInAdapter(inference_pb2_grpc.InferenceServiceServicer):
+    """InferenceService.Embed over real gRPC, deterministic; `mode` is "ok", "unimplemented" or "unavailable"."""
+
+    def __init__(self) -> None:
+        self.mode = "ok"
+        self.calls: list[int] = []  # texts per Embed call
+        self.server: grpc.aio.Server | None = None
+        self.address = ""
+
+    async def Embed(self, request, context):  # type: ignore[no-untyped-def]
+        self.calls.append(len(request.inputs))
+        if self.mode == "unimplemented":
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "this adapter serves no embedding model")
+        if self.mode == "unavailable":
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the embedding backend is down")
+        assert request.priority_class == types_pb2.PRIORITY_CLASS_BULK
+        return inference_pb2.EmbedResponse(
+            embeddings=[types_pb2.Embedding(values=histogram(text)) for text in request.inputs]
+        )
+
+    async def start(self) -> None:
+        self.server = grpc.aio.server()
+        inference_pb2_grpc.add_InferenceServiceServicer_to_server(self, self.server)
+        port = self.server.add_insecure_port("127.0.0.1:0")
+        await self.server.start()
+        self.address = f"127.0.0.1:{port}"
+
+
+@pytest.fixture
+async def adapter():  # type: ignore[no-untyped-def]
+    standin = StandInAdapter()
+    await standin.start()
+    embedder = AdapterEmbedder(standin.address, "all-minilm-l6-v2", timeout_s=5)
+    standin.embedder = embedder  # type: ignore[attr-defined]
+    yield standin
+    await embedder.close()
+    assert standin.server is not None
+    await standin.server.stop(0)
+
+
+def worker_for(store: Store, adapter: StandInAdapter, **settings: float) -> SimilarityWorker:
+    defaults = {"batch_max": 64, "poll_s": 0.05, "claim_lease_s": 30.0, "min_backoff_s": 0.05, "max_backoff_s": 0.2}
+    return SimilarityWorker(store, adapter.embedder, SETTINGS, WorkerSettings(**{**defaults, **settings}))  # type: ignore[attr-defined, arg-type]
+
+
+async def consume_path_rows(events, adapter: StandInAdapter):  # type: ignore[no-untyped-def]
+    """What the consumer stores: every evaluator runs, similarity answers Deferred (no Embed call)."""
+    ctx = EvalContext(SETTINGS, adapter.embedder, defer_model_calls=True)  # type: ignore[attr-defined]
+    return [to_row(event, scores) for event, scores in zip(events, await evaluate_batch(events, ctx), strict=True)]
+
+
+async def reopened(store: Store) -> Store:
+    """The same database from a new process's point of view: a fresh store object."""
+    if isinstance(store, SqliteStore):
+        fresh: Store = SqliteStore(store.path)
+    else:
+        assert isinstance(store, PostgresStore)
+        fresh = PostgresStore(store.dsn, store.schema)
+    await fresh.open()
+    return fresh
+
+
+def similarity_of(record):  # type: ignore[no-untyped-def]
+    found = [s for s in record.scores if s.name == "similarity"]
+    assert len(found) <= 1
+    return found[0] if found else None
+
+
+async def wait_for(predicate, timeout_s: float = 20.0) -> None:  # type: ignore[no-untyped-def]
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not await predicate():
+        assert asyncio.get_running_loop().time() < deadline, "timed out"
+        await asyncio.sleep(0.05)
+
+
+async def test_the_marker_is_stored_with_the_record_and_the_score_is_absent_until_computed(store, adapter) -> None:  # type: ignore[no-untyped-def]
+    events = [make_event() for _ in range(3)]
+    cancelled = make_event(finish_reason=types_pb2.FINISH_REASON_CANCELLED)  # similarity does not apply
+    assert await store.insert_batch(await consume_path_rows([*events, cancelled], adapter)) == 4
+    assert adapter.calls == []  # storing waited on no model
+    assert await store.pending_count("similarity") == 3
+    record = await store.get(events[0].event_id)
+    assert record is not None and similarity_of(record) is None
+    assert {"latency_slo", "ttft_slo", "truncation", "empty_output", "repetition", "pii"} <= {s.name for s in record.scores}
+    (summary,) = await EvalLogQueries(store).summarize("demo", QueryArgs())
+    assert "similarity" not in summary.scores and summary.count == 4
+
+
+async def test_the_worker_embeds_a_batch_in_one_call_writes_scores_and_clears_markers(store, adapter) -> None:  # type: ignore[no-untyped-def]
+    events = [make_event(output=f"Paris, answer number {i}.") for i in range(10)]
+    await store.insert_batch(await consume_path_rows(events, adapter))
+    worker = worker_for(store, adapter, batch_max=8)
+    assert await worker.run_once() == 8
+    assert await worker.run_once() == 2
+    assert await worker.run_once() == 0
+    assert adapter.calls == [16, 4]  # one Embed per batch: prompt and output of each event
+    assert await store.pending_count() == 0
+    for event in events:
+        record = await store.get(event.event_id)
+        score = similarity_of(record)
+        assert score is not None and not score.skipped
+        assert score.value == pytest.approx(expected_cosine(prompt_text(event), event.output), rel=1e-5)
+        assert score.passed == (score.value >= SETTINGS.similarity_min)
+    (summary,) = await EvalLogQueries(store).summarize("demo", QueryArgs())
+    assert summary.scores["similarity"].count == 10 and summary.scores["similarity"].skipped == 0
+    page, _ = await EvalLogQueries(store).query_records("demo", QueryArgs(), 50, "")
+    assert all(similarity_of(r) is not None for r in page)
+
+
+async def test_a_restarted_process_picks_up_markers_left_behind(store, adapter) -> None:  # type: ignore[no-untyped-def]
+    events = [make_event() for _ in range(5)]
+    await store.insert_batch(await consume_path_rows(events, adapter))
+    # A process that claimed two markers and died before storing their scores.
+    crashed = await store.claim_pending("similarity", 2, lease_s=0.5)
+    assert len(crashed) == 2
+    await store.close()
+
+    store2 = await reopened(store)
+    try:
+        worker = worker_for(store2, adapter)
+        worker.start()  # no nudge: it looks for leftovers on its own at start
+
+        async def unclaimed_done() -> bool:
+            return await store2.pending_count() == 2
+
+        await wait_for(unclaimed_done, 5)
+        # The dead process's claim runs out, then its markers are taken too.
+
+        async def all_done() -> bool:
+            return await store2.pending_count() == 0
+
+        await wait_for(all_done, 10)
+        await worker.stop()
+        for event in events:
+            score = similarity_of(await store2.get(event.event_id))
+            assert score is not None and not score.skipped
+    finally:
+        await store2.close()
+        await store.open()  # the fixture closes (and for PostgreSQL drops) it
+
+
+async def test_a_redelivered_event_gets_no_second_marker_or_score(store, adapter) -> None:  # type: ignore[no-untyped-def]
+    event = make_event()
+    rows = await consume_path_rows([event], adapter)
+    assert await store.insert_batch(rows) == 1
+    assert await store.insert_batch(await consume_path_rows([event, event], adapter)) == 0  # redelivered while pending
+    assert await store.pending_count() == 1
+    worker = worker_for(store, adapter)
+    assert await worker.run_once() == 1
+    assert await store.insert_batch(await consume_path_rows([event], adapter)) == 0  # redelivered after scoring
+    assert await store.pending_count() == 0 and await worker.run_once() == 0
+    assert adapter.calls == [2]
+    # A score computed twice (two replicas, one past its lease) is written once.
+    assert await store.complete_pending("similarity", [(event.event_id, StoredScore("similarity", 0.0, False))]) == 0
+    record = await store.get(event.event_id)
+    assert [s.name for s in record.scores].count("similarity") == 1 and similarity_of(record).value > 0
+
+
+async def test_unimplemented_embed_is_recorded_as_skipped(store, adapter) -> None:  # type: ignore[no-untyped-def]
+    adapter.mode = "unimplemented"
+    events = [make_event() for _ in range(3)]
+    await store.insert_batch(await consume_path_rows(events, adapter))
+    assert await worker_for(store, adapter).run_once() == 3
+    assert await store.pending_count() == 0
+    for event in events:
+        score = similarity_of(await store.get(event.event_id))
+        assert score.skipped and score.detail.startswith("skipped: embeddings unavailable")
+        assert "UNIMPLEMENTED" in score.detail
+    (summary,) = await EvalLogQueries(store).summarize("demo", QueryArgs())
+    assert summary.scores["similarity"].skipped == 3 and summary.scores["similarity"].count == 0
+
+
+async def test_unavailable_embed_backs_off_and_keeps_the_markers(store, adapter) -> None:  # type: ignore[no-untyped-def]
+    adapter.mode = "unavailable"
+    events = [make_event() for _ in range(4)]
+    await store.insert_batch(await consume_path_rows(events, adapter))
+    worker = worker_for(store, adapter, min_backoff_s=0.1, max_backoff_s=0.4)
+    worker.start()
+    try:
+        async def tried_a_few_times() -> bool:
+            return len(adapter.calls) >= 3
+
+        await wait_for(tried_a_few_times, 10)
+        assert await store.pending_count() == 4
+        assert similarity_of(await store.get(events[0].event_id)) is None  # nothing made up meanwhile
+        adapter.mode = "ok"
+
+        async def all_done() -> bool:
+            return await store.pending_count() == 0
+
+        await wait_for(all_done, 10)
+    finally:
+        await worker.stop()
+    for event in events:
+        score = similarity_of(await store.get(event.event_id))
+        assert score is not None and not score.skipped
+    # Retries while unavailable did not count against the attempts that give up on a broken batch.
+    assert len(adapter.calls) < 20
+
+
+async def test_consumer_and_worker_over_rabbitmq_store_each_event_and_score_once(tmp_path, adapter) -> None:  # type: ignore[no-untyped-def]
+    topology = EventTopology(f"sluice-unit-{uuid.uuid4().hex[:8]}")
+    publisher = ConfirmingPublisher(
+        AMQP_URL, topology.events_exchange, topology.declare, PublisherMetrics.get("test_unit_similarity_publisher"),
+        spill_path=tmp_path / "spill",
+    )
+    events = [make_event() for _ in range(120)]
+    for event in [*events, events[0], events[1]]:  # two redeliveries
+        publisher.submit(OutgoingMessage(event.SerializeToString(), "completion.v1", event.event_id, event.request_id))
+    store = SqliteStore(tmp_path / "evallog.sqlite3")
+    await store.open()
+    worker = worker_for(store, adapter, poll_s=5.0)  # a long poll: only the consumer's nudge is fast
+    consumer = CompletionConsumer(
+        ConsumerSettings(AMQP_URL, topology, prefetch=64, batch_max=32, batch_delay_s=0.02),
+        store,
+        EvalContext(SETTINGS, adapter.embedder, defer_model_calls=True),  # type: ignore[attr-defined]
+        on_pending=worker.nudge,
+    )
+    publisher.start()
+    consumer.start()
+    worker.start()
+    try:
+        async def all_scored() -> bool:
+            return await store.count() == 120 and await store.pending_count() == 0
+
+        await wait_for(all_scored, 30)
+        page, _ = await store.query(RecordFilter(tenant="demo"), 1000, "")
+        assert len(page) == 120 and all(similarity_of(r) is not None and not similarity_of(r).skipped for r in page)
+        assert sum(adapter.calls) == 240 and len(adapter.calls) < 120  # batched, one text pair per event
+    finally:
+        await consumer.stop()
+        await worker.stop()
+        await publisher.stop(2)
+        await store.close()
+        connection = await aio_pika.connect(AMQP_URL)
+        async with connection:
+            await topology.delete(await connection.channel())
+
+
+async def test_the_worker_gives_way_to_a_busy_consumer_but_still_progresses(store, adapter) -> None:  # type: ignore[no-untyped-def]
+    events = [make_event() for _ in range(3)]
+    await store.insert_batch(await consume_path_rows(events, adapter))
+    busy = True
+    worker = SimilarityWorker(
+        store, adapter.embedder, SETTINGS,  # type: ignore[attr-defined]
+        WorkerSettings(batch_max=2, poll_s=0.05, max_pause_s=0.4), busy=lambda: busy,
+    )
+    started = asyncio.get_running_loop().time()
+    worker.start()
+    try:
+        async def first_batch() -> bool:
+            return await store.pending_count() < 3
+
+        await wait_for(first_batch, 5)
+        assert asyncio.get_running_loop().time() - started >= 0.35  # it waited for the consumer first
+        busy = False
+
+        async def all_done() -> bool:
+            return await store.pending_count() == 0
+
+        await wait_for(all_done, 5)
+    finally:
+        await worker.stop()
