@@ -207,6 +207,12 @@ class PostgresDb:
             await self._pool.close()
             self._pool = None
 
+    @property
+    def pool(self) -> Any:
+        """The asyncpg pool, for stores that write asyncpg SQL themselves."""
+        assert self._pool is not None, "open() first"
+        return self._pool
+
     @contextlib.asynccontextmanager
     async def transaction(self) -> AsyncIterator[Tx]:
         assert self._pool is not None, "open() first"

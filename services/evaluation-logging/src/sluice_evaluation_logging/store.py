@@ -27,7 +27,7 @@ from typing import Any, Protocol
 import asyncpg
 
 from sluice_common.errors import InvalidArgument
-from sluice_common.sqlstore import dollar, migrate_postgres, migrate_sqlite
+from sluice_common.sqlstore import PostgresDb, dollar, migrate_sqlite
 
 
 @dataclass(frozen=True)
@@ -526,33 +526,27 @@ _dollar = dollar
 
 class PostgresStore:
     def __init__(self, dsn: str, schema: str = "evallog", pool_size: int = 4) -> None:
-        if not schema.isidentifier():
-            raise ValueError(f"schema must be a plain identifier, got {schema!r}")
-        self.dsn = dsn
-        self.schema = schema
-        self._pool_size = pool_size
-        self._pool: asyncpg.Pool | None = None
+        # Connection, migrations (under an advisory lock, so two replicas starting at once
+        # migrate once) and the pool come from sluice-common; the SQL below is this store's.
+        self._db = PostgresDb(dsn, schema, MIGRATIONS, pool_size)
+
+    @property
+    def dsn(self) -> str:
+        return self._db.dsn
+
+    @property
+    def schema(self) -> str:
+        return self._db.schema
 
     @property
     def pool(self) -> asyncpg.Pool:
-        assert self._pool is not None, "open() first"
-        return self._pool
+        return self._db.pool
 
     async def open(self) -> None:
-        bootstrap = await asyncpg.connect(self.dsn)
-        try:
-            # Two replicas starting at once: one migrates, the other waits and finds it done.
-            await migrate_postgres(bootstrap, self.schema, MIGRATIONS, f"sluice-evallog:{self.schema}")
-        finally:
-            await bootstrap.close()
-        self._pool = await asyncpg.create_pool(
-            self.dsn, min_size=1, max_size=self._pool_size, server_settings={"search_path": self.schema}
-        )
+        await self._db.open()
 
     async def close(self) -> None:
-        if self._pool is not None:
-            await self._pool.close()
-            self._pool = None
+        await self._db.close()
 
     async def schema_version(self) -> int:
         return int(await self.pool.fetchval("SELECT MAX(version) FROM schema_migrations"))
