@@ -30,7 +30,7 @@ SERVING = health_pb2.HealthCheckResponse.SERVING
 
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    """Our CA with certificates for the adapter, the gateway and a client; and a stranger CA's client."""
+    """Our CA with certificates for every service and a client; and a stranger CA's client."""
     folder = tmp_path_factory.mktemp("pki")
     ca, stranger = trustme.CA(), trustme.CA()
     files: dict[str, str] = {}
@@ -47,6 +47,8 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     # Services are dialled as 127.0.0.1 here, as <service>.<namespace>.svc in Kubernetes.
     issue("adapter", ca, "127.0.0.1", "localhost", "inference-adapter.sluice.svc")
     issue("gateway", ca, "127.0.0.1", "localhost", "gateway.sluice.svc")
+    issue("ratelimit", ca, "127.0.0.1", "localhost", "rate-limit.sluice.svc")
+    issue("evallog", ca, "127.0.0.1", "localhost", "evaluation-logging.sluice.svc")
     issue("client", ca, "client.example")
     issue("rogue", stranger, "client.example")
     return files
@@ -160,17 +162,24 @@ def tls_stack(pki, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         "TLS_KEY_FILE": pki[f"{who}_key"],
         "TLS_CLIENT_CA_FILE": pki["ca"],
     }
-    # The gateway and its job-worker role dial the adapter with the gateway's client identity.
-    adapter_client = {
-        "SLUICE_GATEWAY_ADAPTER_TLS_CA_FILE": pki["ca"],
-        "SLUICE_GATEWAY_ADAPTER_TLS_CERT_FILE": pki["gateway_cert"],
-        "SLUICE_GATEWAY_ADAPTER_TLS_KEY_FILE": pki["gateway_key"],
+    # Every hop is mutual TLS. The gateway and its job-worker role dial the adapter and
+    # rate-limit with the gateway's identity; evaluation-logging dials the adapter with its own.
+    dial = lambda prefix, peer, who: {  # noqa: E731
+        f"{prefix}{peer}_TLS_CA_FILE": pki["ca"],
+        f"{prefix}{peer}_TLS_CERT_FILE": pki[f"{who}_cert"],
+        f"{prefix}{peer}_TLS_KEY_FILE": pki[f"{who}_key"],
     }
+    adapter_client = {**dial("SLUICE_GATEWAY_", "ADAPTER", "gateway"), **dial("SLUICE_GATEWAY_", "RATELIMIT", "gateway")}
     stack = Stack(
         run_dir=run_dir,
         ports=StackPorts.ephemeral(),
         extra_env={
             "inference-adapter": {f"SLUICE_ADAPTER_{k}": v for k, v in mutual("adapter").items()},
+            "rate-limit": {f"SLUICE_RATELIMIT_{k}": v for k, v in mutual("ratelimit").items()},
+            "evaluation-logging": {
+                **{f"SLUICE_EVALLOG_{k}": v for k, v in mutual("evallog").items()},
+                **dial("SLUICE_EVALLOG_", "ADAPTER", "evallog"),
+            },
             "gateway": {**{f"SLUICE_GATEWAY_{k}": v for k, v in mutual("gateway").items()}, **adapter_client},
             "job-worker": adapter_client,
         },
@@ -209,10 +218,13 @@ def test_client_without_a_valid_certificate_is_refused(tls_stack, pki, client) -
     assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
 
 
-def test_adapter_accepts_only_clients_with_a_certificate(tls_stack, pki) -> None:
-    """The gateway got through (it served above) with its certificate; nothing gets in without one."""
+@pytest.mark.parametrize("service", ["adapter", "ratelimit", "evallog"])
+def test_internal_services_accept_only_clients_with_a_certificate(tls_stack, pki, service) -> None:
+    """The gateway got through to the adapter and rate-limit (it served above) with its certificate;
+    nothing gets into any internal service without one."""
+    address = getattr(tls_stack, f"{service}_address")
     for credentials, expected in ((_credentials(pki, "gateway"), True), (_credentials(pki, None), False)):
-        with grpc.secure_channel(tls_stack.adapter_address, credentials) as channel:
+        with grpc.secure_channel(address, credentials) as channel:
             try:
                 reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
                 served = reply.status == SERVING

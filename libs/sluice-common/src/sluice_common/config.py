@@ -167,3 +167,17 @@ class ClientTLS:
         if problems:
             raise ConfigError("invalid TLS configuration: " + "; ".join(problems))
         return cls(ca_file, cert_file, key_file, server_name)
+
+    @classmethod
+    def for_peer(cls, config: object, peer: str, env_prefix: str) -> ClientTLS | None:
+        """The channel TLS a config declares for one peer with the fields `<peer>_tls`,
+        `<peer>_tls_ca_file`, `<peer>_tls_cert_file`, `<peer>_tls_key_file`, `<peer>_tls_server_name`."""
+        field = lambda name: getattr(config, f"{peer}_tls{name}")  # noqa: E731
+        return cls.from_settings(
+            field("_ca_file"),
+            field("_cert_file"),
+            field("_key_file"),
+            field("_server_name"),
+            env_prefix=f"{env_prefix}{peer.upper()}_TLS_",
+            enabled=field(""),
+        )

@@ -245,7 +245,7 @@ class Stack:
                     "SLUICE_EVALLOG_SQLITE_PATH": str(self.run_dir / "evallog.sqlite3"),
                     "SLUICE_EVALLOG_ADAPTER_URL": self.adapter_address,
                 },
-                grpc_serving(self.evallog_address),
+                grpc_serving(self.evallog_address, self.grpc_credentials),
             ),
             (
                 "rate-limit",
@@ -255,7 +255,7 @@ class Stack:
                     "SLUICE_RATELIMIT_METRICS_PORT": str(p.ratelimit_metrics),
                     "SLUICE_RATELIMIT_LIMITS_FILE": str(self.limits_file),
                 },
-                grpc_serving(self.ratelimit_address),
+                grpc_serving(self.ratelimit_address, self.grpc_credentials),
             ),
             (
                 "gateway",

@@ -45,7 +45,7 @@ async def serve(config: EvalLogConfig) -> None:
     except Exception as exc:  # noqa: BLE001 - refuse to start without a store, with the reason
         where = "PostgreSQL (DATABASE_URL)" if config.database_url else f"SQLite at {config.sqlite_path}"
         raise SystemExit(f"evaluation-logging: cannot open the store, {where}: {exc}") from None
-    embedder = AdapterEmbedder(config.adapter_url, config.embedding_model, config.embed_timeout_s)
+    embedder = AdapterEmbedder(config.adapter_url, config.embedding_model, config.embed_timeout_s, config.adapter_channel_tls())
     settings = eval_settings(config)
     consumer = CompletionConsumer(
         ConsumerSettings(
@@ -78,7 +78,9 @@ async def serve(config: EvalLogConfig) -> None:
         evallog_pb2_grpc.add_EvalLogServiceServicer_to_server(servicer, server)
         return [SERVICE_NAME]
 
-    running = await create_server(config.host, config.port, config.metrics_port, register, serving=False)
+    running = await create_server(
+        config.host, config.port, config.metrics_port, register, serving=False, tls=config.server_tls(ENV_PREFIX)
+    )
     consumer.start()
     worker.start()
     await running.set_serving(True)

@@ -9,6 +9,7 @@ from sluice.common.v1 import types_pb2
 from sluice.inference.v1 import inference_pb2, inference_pb2_grpc
 
 from sluice_common.channels import open_channel
+from sluice_common.config import ClientTLS
 from sluice_evaluation_logging.evaluators.base import EmbeddingsUnavailable
 
 # The adapter does not serve embeddings: waiting would not help.
@@ -18,8 +19,8 @@ _NOT_NOW = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc
 
 
 class AdapterEmbedder:
-    def __init__(self, adapter_url: str, model: str, timeout_s: float) -> None:
-        self._channel = open_channel(adapter_url)
+    def __init__(self, adapter_url: str, model: str, timeout_s: float, tls: ClientTLS | None = None) -> None:
+        self._channel = open_channel(adapter_url, tls)
         self._stub = inference_pb2_grpc.InferenceServiceStub(self._channel)
         self._model = model
         self._timeout_s = timeout_s

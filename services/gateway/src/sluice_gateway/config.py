@@ -44,6 +44,12 @@ class GatewayConfig(ServerConfig):
     # "closed" answers UNAVAILABLE, "open" admits without a lease.
     ratelimit_policy: str = "closed"
     ratelimit_timeout_s: float = 0.5
+    # TLS to rate-limit, as for the adapter above.
+    ratelimit_tls: bool = False
+    ratelimit_tls_ca_file: str = ""
+    ratelimit_tls_cert_file: str = ""
+    ratelimit_tls_key_file: str = ""
+    ratelimit_tls_server_name: str = ""
     # Bulk jobs (issue 6). Their state: SQLite at JOBS_SQLITE_PATH (shared by the gateway and the job
     # workers of one host), or PostgreSQL (schema "jobs") when JOBS_POSTGRES_DSN is set.
     jobs_sqlite_path: Path = Path("sluice-jobs.sqlite3")
@@ -65,17 +71,14 @@ class GatewayConfig(ServerConfig):
     worker_delivery_limit: int = 5
 
     def adapter_channel_tls(self) -> ClientTLS | None:
-        return ClientTLS.from_settings(
-            self.adapter_tls_ca_file,
-            self.adapter_tls_cert_file,
-            self.adapter_tls_key_file,
-            self.adapter_tls_server_name,
-            env_prefix=f"{ENV_PREFIX}ADAPTER_TLS_",
-            enabled=self.adapter_tls,
-        )
+        return ClientTLS.for_peer(self, "adapter", ENV_PREFIX)
+
+    def ratelimit_channel_tls(self) -> ClientTLS | None:
+        return ClientTLS.for_peer(self, "ratelimit", ENV_PREFIX)
 
     def __post_init__(self) -> None:
         self.adapter_channel_tls()
+        self.ratelimit_channel_tls()
         require(str(self.tenants_file) not in ("", "."), f"{ENV_PREFIX}TENANTS_FILE is required: the TOML file of tenants")
         require(self.tenants_file.is_file(), f"{ENV_PREFIX}TENANTS_FILE={self.tenants_file} does not exist")
         require(

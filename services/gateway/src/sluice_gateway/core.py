@@ -45,7 +45,7 @@ class GatewayCore:
         completion_events = CompletionEvents.create(
             config.amqp_url, config.amqp_prefix, config.events_outbox_size, config.events_max_in_flight, spill_file
         )
-        ratelimit_channel = open_channel(config.ratelimit_url) if config.ratelimit_url else None
+        ratelimit_channel = open_channel(config.ratelimit_url, config.ratelimit_channel_tls()) if config.ratelimit_url else None
         admission = Admission(
             ratelimit_pb2_grpc.RateLimitServiceStub(ratelimit_channel) if ratelimit_channel else None,
             config.ratelimit_policy,

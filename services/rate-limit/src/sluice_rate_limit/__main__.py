@@ -43,7 +43,7 @@ async def serve(config: RateLimitConfig) -> None:
         ratelimit_pb2_grpc.add_RateLimitServiceServicer_to_server(servicer, server)
         return [SERVICE_NAME]
 
-    running = await create_server(config.host, config.port, config.metrics_port, register)
+    running = await create_server(config.host, config.port, config.metrics_port, register, tls=config.server_tls(ENV_PREFIX))
     limiter.start_reloading(config.reload_interval_s)
     log.info(
         "ready",
