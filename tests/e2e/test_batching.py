@@ -117,7 +117,13 @@ def overloaded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[gateway_pb2
     stack = Stack(
         run_dir=tmp_path_factory.mktemp("overload"),
         ports=StackPorts.ephemeral(),
-        extra_env={"inference-adapter": {"SLUICE_ADAPTER_MAX_BATCH_SIZE": "1", "SLUICE_ADAPTER_MAX_WAITING": "6"}},
+        extra_env={
+            "inference-adapter": {
+                "SLUICE_ADAPTER_MAX_BATCH_SIZE": "1",
+                "SLUICE_ADAPTER_MAX_WAITING": "6",
+                "SLUICE_ADAPTER_INTERACTIVE_RESERVED_SLOTS": "0",
+            }
+        },
     )
     stack.start()
     with grpc.insecure_channel(stack.gateway_address) as channel:

@@ -55,6 +55,10 @@ def run_stream(stub, index: int, outcomes: dict[int, tuple[int, str]]) -> None:
 def test_killed_replica_loses_no_request_without_tokens_and_is_readmitted(two_replicas: Stack) -> None:
     stack = two_replicas
     stub = gateway_pb2_grpc.GatewayServiceStub(grpc.insecure_channel(stack.gateway_address))
+    deadline = time.monotonic() + 30
+    while not (healthy(stack, "triton-local") == 1 and healthy(stack, SECOND) == 1):
+        assert time.monotonic() < deadline, "both replicas should be admitted before the load starts"
+        time.sleep(0.2)
     outcomes: dict[int, tuple[int, str]] = {}
     threads = [threading.Thread(target=run_stream, args=(stub, i, outcomes)) for i in range(12)]
     for thread in threads:

@@ -216,7 +216,8 @@ class Stack:
             "SLUICE_TRITON_LOCAL_METRICS_PORT": str(ports.model_metrics),
             "SLUICE_TRITON_LOCAL_TRITON_LOG_FILE": str(self.run_dir / f"{name}.tritonserver.log"),
         }
-        return name, "sluice_triton_local", env, http_ok(f"http://{LOCALHOST}:{ports.http}/v2/models/smollm2_step/ready")
+        # Server readiness: every model loaded (the step model alone is ready before the others).
+        return name, "sluice_triton_local", env, http_ok(f"http://{LOCALHOST}:{ports.http}/v2/health/ready")
 
     def _plan(self) -> list[ServiceProcess]:
         p = self.ports

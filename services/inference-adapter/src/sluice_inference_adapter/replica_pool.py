@@ -120,6 +120,9 @@ class ReplicaPool:
         due = [r for r in self.replicas if not r.healthy or now - r.last_success >= self._probe_interval_s]
         results = await asyncio.gather(*(r.backend.probe() for r in due), return_exceptions=True)
         for replica, result in zip(due, results):
+            if result is not True:
+                reason = str(result) if isinstance(result, BaseException) else "not ready or no token"
+                log.warning("probe_failed", replica=replica.name, reason=reason)
             self.record(replica, result is True)
 
     async def _probe_forever(self) -> None:
