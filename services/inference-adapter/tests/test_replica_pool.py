@@ -112,3 +112,16 @@ async def test_no_healthy_replica_is_unavailable() -> None:
     await pool.probe_once()
     with pytest.raises(Unavailable, match="no healthy Triton replica"):
         pool.pick(exclude=set())
+
+
+async def test_a_replica_is_proven_only_after_it_answered() -> None:
+    a = ReplicaModel("a")
+    pool = make_pool(a)
+    assert pool.any_healthy and not pool.any_proven  # healthy until shown otherwise, not yet proven
+    await pool.probe_once()
+    assert pool.any_proven
+    a.failing = True
+    for _ in range(2):
+        await asyncio.sleep(0.06)
+        await pool.probe_once()
+    assert not pool.any_healthy and not pool.any_proven

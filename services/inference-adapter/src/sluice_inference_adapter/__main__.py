@@ -10,7 +10,7 @@ from sluice.common.v1 import types_pb2
 from sluice.inference.v1 import inference_pb2, inference_pb2_grpc
 
 from sluice_common.bootstrap import run_service
-from sluice_common.server import create_server, serve_until_signal
+from sluice_common.server import RunningServer, create_server, serve_until_signal
 from sluice_inference_adapter.config import ENV_PREFIX, AdapterConfig
 from sluice_inference_adapter.embed_batcher import EmbedBatcher
 from sluice_inference_adapter.passthrough import PassthroughLimits, PassthroughScheduler
@@ -69,6 +69,28 @@ def build_backends(config: AdapterConfig, protocol: Protocol) -> tuple[list[Back
     return list(streams), lambda backend, on_step: PassthroughScheduler(backend, passthrough, on_step=on_step)  # type: ignore[arg-type]
 
 
+async def wait_for_a_healthy_replica(pool: ReplicaPool, timeout_s: float) -> None:
+    """Probes until one replica answers a real token: ready checks alone can pass before that."""
+    deadline = time.monotonic() + timeout_s
+    await pool.probe_once()
+    while not pool.any_proven:
+        if time.monotonic() > deadline:
+            raise SystemExit(f"no Triton replica generated a token within {timeout_s:.0f}s")
+        await asyncio.sleep(0.5)
+        await pool.probe_once()
+
+
+async def report_health(pool: ReplicaPool, running: RunningServer) -> None:
+    """gRPC health follows the replicas: NOT_SERVING while none can take a request."""
+    serving = True
+    while True:
+        await asyncio.sleep(0.5)
+        if pool.any_healthy != serving:
+            serving = pool.any_healthy
+            await running.set_serving(serving)
+            log.warning("health_changed", serving=serving)
+
+
 def build_embedder(config: AdapterConfig, pool: ReplicaPool) -> EmbedBatcher | None:
     if not config.triton_embedding_model:
         return None
@@ -113,14 +135,16 @@ async def serve(config: AdapterConfig) -> None:
     protocol = await detect_protocol(await wait_for_a_ready_replica(config), config.triton_model)
     backends, make_scheduler = build_backends(config, protocol)
     pool = ReplicaPool(backends, make_scheduler, config.replica_failure_threshold, config.probe_interval_s)
-    await pool.probe_once()
+    await wait_for_a_healthy_replica(pool, config.backend_wait_s)
     pool.start()
     embedder = build_embedder(config, pool)
     servicer.attach(pool, embedder)
     await running.set_serving(True)
     log.info("ready", replicas=list(config.triton_urls), model=config.model_name, protocol=protocol)
+    health_task = asyncio.create_task(report_health(pool, running), name="health-from-replicas")
 
     async def on_stop() -> None:
+        health_task.cancel()
         if embedder is not None:
             await embedder.stop()
         await pool.stop()

@@ -130,6 +130,15 @@ class ReplicaPool:
             await asyncio.sleep(self._probe_interval_s)
             await self.probe_once()
 
+    @property
+    def any_healthy(self) -> bool:
+        return any(r.healthy for r in self.replicas)
+
+    @property
+    def any_proven(self) -> bool:
+        """Some healthy replica has answered a step or a probe since the adapter started."""
+        return any(r.healthy and r.last_success > float("-inf") for r in self.replicas)
+
     # -- lifecycle -------------------------------------------------------------------
 
     def start(self) -> None:
