@@ -20,9 +20,8 @@ import structlog
 
 from sluice_inference_adapter import metrics
 from sluice_inference_adapter.chat_template import chatml
-from sluice_inference_adapter.scheduler import Finish, GenerationRequest, Sequence, SequenceHandle, enqueue
+from sluice_inference_adapter.scheduler import Finish, ReplicaWork, Sequence
 from sluice_inference_adapter.step_rows import SamplingSpec
-from sluice_inference_adapter.waiting_queue import FairWaitingQueue
 
 log = structlog.stdlib.get_logger("sluice.passthrough")
 
@@ -42,7 +41,7 @@ class PassthroughLimits:
     retry_after_s: float = 1.0
 
 
-class PassthroughScheduler:
+class PassthroughScheduler(ReplicaWork):
     def __init__(
         self,
         backend: GenerateBackend,
@@ -50,31 +49,14 @@ class PassthroughScheduler:
         clock: Callable[[], float] = time.monotonic,
         on_step: Callable[[bool], None] | None = None,
     ) -> None:
+        super().__init__(limits.max_waiting, limits.retry_after_s, clock, on_step)
         self._backend = backend
         self._limits = limits
-        self._clock = clock
-        self._on_step = on_step
-        self._waiting: FairWaitingQueue[Sequence] = FairWaitingQueue()
         self._in_flight: dict[Sequence, asyncio.Task[None]] = {}
-        self._wakeup = asyncio.Event()
-        self._task: asyncio.Task[None] | None = None
-
-    def submit(self, request: GenerationRequest) -> SequenceHandle:
-        sequence = enqueue(self._waiting, request, self._limits.max_waiting, self._limits.retry_after_s, self._clock())
-        self._wakeup.set()
-        return SequenceHandle(sequence, self._wakeup.set)
-
-    @property
-    def waiting_count(self) -> int:
-        return len(self._waiting)
 
     @property
     def running_count(self) -> int:
         return len(self._in_flight)
-
-    @property
-    def load(self) -> int:
-        return len(self._waiting) + len(self._in_flight)
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="passthrough-scheduler")
@@ -115,7 +97,7 @@ class PassthroughScheduler:
                     async for text in chunks:
                         sequence.completion_tokens += 1
                         sequence.emit_text(text, self._clock())
-            self._report(ok=True)
+            self._report_step(ok=True)
             full = sequence.completion_tokens >= request.sampling.max_tokens
             sequence.finish(Finish.LENGTH if full else Finish.STOP, self._clock())
         except asyncio.CancelledError:
@@ -124,13 +106,9 @@ class PassthroughScheduler:
             sequence.finish(Finish.DEADLINE, self._clock())
         except Exception as exc:  # noqa: BLE001 - the replica failed this stream
             log.warning("stream_failed", error=str(exc))
-            self._report(ok=False)
+            self._report_step(ok=False)
             sequence.backend_failed = True
             sequence.finish(Finish.ERROR, self._clock(), error=f"the model backend failed: {exc}")
         finally:
             self._in_flight.pop(sequence, None)
             self._wakeup.set()
-
-    def _report(self, ok: bool) -> None:
-        if self._on_step is not None:
-            self._on_step(ok)

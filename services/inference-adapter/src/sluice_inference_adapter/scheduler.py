@@ -183,23 +183,6 @@ def estimate_prompt_tokens(prompt: PromptSpec) -> int:
     return math.ceil(text_bytes / 3) + 32
 
 
-def enqueue(
-    waiting: FairWaitingQueue[Sequence], request: GenerationRequest, max_waiting: int, retry_after_s: float, now: float
-) -> Sequence:
-    """A new sequence in the waiting queue, or RESOURCE_EXHAUSTED with RetryInfo when it is full."""
-    if len(waiting) >= max_waiting:
-        metrics.REJECTIONS.labels(reason="queue_full").inc()
-        raise ResourceExhausted(
-            f"the generation queue is full ({max_waiting} waiting); retry later",
-            retry_after_s=retry_after_s,
-            quota_subject="adapter.waiting_queue",
-        )
-    # Random ids: several adapters may share one Triton, and ids must not collide there.
-    sequence = Sequence(seq_id=random.getrandbits(62) + 1, request=request, submitted_at=now)
-    waiting.push(sequence)
-    return sequence
-
-
 class SequenceHandle:
     def __init__(self, sequence: Sequence, wake: Callable[[], None]) -> None:
         self._sequence = sequence
@@ -227,28 +210,38 @@ class SequenceHandle:
                 return
 
 
-class Scheduler:
+class ReplicaWork:
+    """What both ways of feeding a replica share: the bounded fair waiting queue in front of it,
+    the wake-up of the task that owns the replica's work, and its health reports."""
+
     def __init__(
         self,
-        backend: StepBackend,
-        limits: SchedulerLimits,
-        clock: Callable[[], float] = time.monotonic,
-        on_step: Callable[[bool], None] | None = None,
-    ):
-        self._backend = backend
-        self._limits = limits
+        max_waiting: int,
+        retry_after_s: float,
+        clock: Callable[[], float],
+        on_step: Callable[[bool], None] | None,
+    ) -> None:
+        self._max_waiting = max_waiting
+        self._retry_after_s = retry_after_s
         self._clock = clock
-        # Told whether each step reached the backend, for replica health.
+        # Told whether each step (or stream) reached the backend, for replica health.
         self._on_step = on_step
         self._waiting: FairWaitingQueue[Sequence] = FairWaitingQueue()
-        self._running: dict[int, Sequence] = {}
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
 
-    # -- caller side ---------------------------------------------------------------
-
     def submit(self, request: GenerationRequest) -> SequenceHandle:
-        sequence = enqueue(self._waiting, request, self._limits.max_waiting, self._limits.retry_after_s, self._clock())
+        """Queues the request, or RESOURCE_EXHAUSTED with RetryInfo when the queue is full."""
+        if len(self._waiting) >= self._max_waiting:
+            metrics.REJECTIONS.labels(reason="queue_full").inc()
+            raise ResourceExhausted(
+                f"the generation queue is full ({self._max_waiting} waiting); retry later",
+                retry_after_s=self._retry_after_s,
+                quota_subject="adapter.waiting_queue",
+            )
+        # Random ids: several adapters may share one Triton, and ids must not collide there.
+        sequence = Sequence(seq_id=random.getrandbits(62) + 1, request=request, submitted_at=self._clock())
+        self._waiting.push(sequence)
         self._wakeup.set()
         return SequenceHandle(sequence, self._wakeup.set)
 
@@ -258,12 +251,34 @@ class Scheduler:
 
     @property
     def running_count(self) -> int:
-        return len(self._running)
+        raise NotImplementedError
 
     @property
     def load(self) -> int:
         """What least-loaded routing compares: waiting plus running sequences."""
-        return len(self._waiting) + len(self._running)
+        return len(self._waiting) + self.running_count
+
+    def _report_step(self, ok: bool) -> None:
+        if self._on_step is not None:
+            self._on_step(ok)
+
+
+class Scheduler(ReplicaWork):
+    def __init__(
+        self,
+        backend: StepBackend,
+        limits: SchedulerLimits,
+        clock: Callable[[], float] = time.monotonic,
+        on_step: Callable[[bool], None] | None = None,
+    ):
+        super().__init__(limits.max_waiting, limits.retry_after_s, clock, on_step)
+        self._backend = backend
+        self._limits = limits
+        self._running: dict[int, Sequence] = {}
+
+    @property
+    def running_count(self) -> int:
+        return len(self._running)
 
     @property
     def batch_tokens(self) -> int:
@@ -299,10 +314,6 @@ class Scheduler:
                 continue
             self._report_step(ok=True)
             self._apply(rows, stepped, outcomes)
-
-    def _report_step(self, ok: bool) -> None:
-        if self._on_step is not None:
-            self._on_step(ok)
 
     def _fail_everything(self, error: str, backend_failed: bool = False) -> None:
         """Ends every sequence, running and waiting; those without tokens may be retried elsewhere."""
