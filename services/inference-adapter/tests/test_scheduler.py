@@ -32,6 +32,8 @@ class RecordingStepModel:
         self.steps: list[list[StepRow]] = []
         self.max_tokens: dict[int, int] = {}
         self.generated: dict[int, int] = {}
+        # Chunked prefill: (prompt tokens not yet cached, chunk); a raw prompt's characters are its tokens.
+        self.uncached: dict[int, tuple[int, int]] = {}
         self.delay = step_delay_s
 
     async def step(self, rows: list[StepRow]) -> list[StepOutcome]:
@@ -44,8 +46,16 @@ class RecordingStepModel:
             self.max_tokens.pop(row.seq_id, None)
             return StepOutcome(-1, "", "", 0, 0)
         if row.action is Action.PREFILL:
-            self.max_tokens[row.seq_id] = json.loads(row.request)["max_tokens"]
+            body = json.loads(row.request)
+            self.max_tokens[row.seq_id] = body["max_tokens"]
             self.generated[row.seq_id] = 0
+            prompt_tokens = len(body.get("prompt", "")) or 1
+            self.uncached[row.seq_id] = (prompt_tokens, body.get("prefill_chunk", 0) or prompt_tokens)
+        uncached, chunk = self.uncached.get(row.seq_id, (0, 1))
+        if uncached:
+            self.uncached[row.seq_id] = (max(0, uncached - chunk), chunk)
+            if uncached > chunk:
+                return StepOutcome(-1, "", "", 3, 0)
         self.generated[row.seq_id] += 1
         count = self.generated[row.seq_id]
         finish = "length" if count >= self.max_tokens[row.seq_id] else ""
@@ -55,8 +65,10 @@ class RecordingStepModel:
         return [(index, row.action) for index, rows in enumerate(self.steps) for row in rows if row.seq_id == seq_id]
 
 
-def request(max_tokens: int = 3, priority: Priority = Priority.INTERACTIVE, deadline: float | None = None) -> GenerationRequest:
-    return GenerationRequest("rid", "tenant", PromptSpec(prompt="p"), SamplingSpec(max_tokens=max_tokens), priority, deadline)
+def request(
+    max_tokens: int = 3, priority: Priority = Priority.INTERACTIVE, deadline: float | None = None, prompt: str = "p"
+) -> GenerationRequest:
+    return GenerationRequest("rid", "tenant", PromptSpec(prompt=prompt), SamplingSpec(max_tokens=max_tokens), priority, deadline)
 
 
 def tenant_request(tenant: str) -> GenerationRequest:
@@ -267,3 +279,65 @@ async def test_bulk_prefills_go_one_per_step_never_beside_an_interactive_one_and
         if any(r.seq_id == interactive.seq_id for r in prefills):
             assert not any(r.seq_id in bulk_ids for r in prefills)
     assert model.rows_of(interactive.seq_id)[0][0] == 0
+
+
+async def test_bulk_prompts_are_cached_in_chunks_one_bulk_sequence_at_a_time() -> None:
+    model = RecordingStepModel()
+    limits = SchedulerLimits(max_batch_size=4, max_waiting=20, max_bulk_prefill_rows=1, bulk_prefill_chunk=4)
+    scheduler = Scheduler(model, limits)
+    first, second = (scheduler.submit(request(max_tokens=2, priority=Priority.BULK, prompt="x" * 10)) for _ in range(2))
+    scheduler.start()
+    try:
+        texts = [await collect(first), await collect(second)]
+    finally:
+        await scheduler.stop()
+    # 10 prompt tokens in chunks of 4: a prefill row and two decode rows cache it, the last of them
+    # answers the first token, one more decode row the second; the text is whole.
+    assert texts[0][0] == "t1 t2 " and texts[0][1].finish is Finish.LENGTH
+    assert [action for _, action in model.rows_of(first.seq_id)] == [Action.PREFILL] + [Action.DECODE] * 3
+    prefill = next(row for rows in model.steps for row in rows if row.seq_id == first.seq_id)
+    assert json.loads(prefill.request)["prefill_chunk"] == 4
+    # The second bulk sequence starts caching only once the first has its first token.
+    assert model.rows_of(second.seq_id)[0][0] == 3
+
+
+class ArrivalEveryStep(RecordingStepModel):
+    """An interactive request arrives during each of six steps once a bulk sequence runs, so each
+    of the next six steps admits an interactive prefill."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.arrivals: list = []
+        self.scheduler: Scheduler | None = None
+        self.bulk_id = 0
+
+    async def step(self, rows: list[StepRow]) -> list[StepOutcome]:
+        if self.scheduler is not None and len(self.arrivals) < 6 and self.rows_of(self.bulk_id):
+            self.arrivals.append(self.scheduler.submit(request(max_tokens=1, prompt="a long interactive prompt")))
+        return await super().step(rows)
+
+
+async def test_an_interactive_prefill_step_carries_no_bulk_rows_but_bulk_never_sits_out_twice() -> None:
+    model = ArrivalEveryStep()
+    scheduler = model.scheduler = Scheduler(model, SchedulerLimits(max_batch_size=8, max_waiting=20, bulk_prefill_chunk=4))
+    bulk = scheduler.submit(request(max_tokens=30, priority=Priority.BULK))
+    model.bulk_id = bulk.seq_id
+    arrivals = model.arrivals
+    scheduler.start()
+    try:
+        while len(arrivals) < 6:
+            await asyncio.sleep(0.001)
+        for handle in arrivals:
+            await collect(handle)
+        bulk.cancel()
+        await collect(bulk)
+    finally:
+        await scheduler.stop()
+    interactive_ids = {h.seq_id for h in arrivals}
+    prefill_steps = [i for i, rows in enumerate(model.steps) if any(r.seq_id in interactive_ids for r in rows)]
+    bulk_steps = {index for index, _ in model.rows_of(bulk.seq_id)}
+    assert len(prefill_steps) == 6 and prefill_steps == list(range(prefill_steps[0], prefill_steps[0] + 6))
+    # Six interactive prefills in a row: bulk sits out every other one of those steps, never two running.
+    assert [i in bulk_steps for i in prefill_steps] == [False, True] * 3
+    # An interactive prompt is never chunked.
+    assert all("prefill_chunk" not in json.loads(model.steps[i][-1].request) for i in prefill_steps)

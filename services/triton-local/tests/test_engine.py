@@ -236,6 +236,74 @@ def test_long_prompt_prefill_chunks_attention(engine: StepEngine) -> None:
     assert "fox" in text(out).lower(), text(out)
 
 
+def test_chunked_prefill_matches_whole_prefill(engine: StepEngine) -> None:
+    prompt = engine.apply_chat_template(PROMPTS[2])
+    n = engine.count_tokens(prompt)
+    params = SamplingParams(max_tokens=12)
+    whole = run_alone(engine, 1200, prompt, params)
+    # A running neighbour keeps decoding while the chunked sequence caches its prompt.
+    engine.step([PrefillRow(1201, prompt, SamplingParams(max_tokens=200))])
+    first = engine.step([DecodeRow(1201), PrefillRow(1202, prompt, params, chunk=8)])
+    chunked = [first[1]]
+    while not chunked[-1].finish_reason:
+        step = engine.step([DecodeRow(1201), DecodeRow(1202)])
+        assert step[0].token_id >= 0 and step[0].finish_reason == ""
+        chunked.append(step[1])
+    waiting = [r for r in chunked if r.token_id == -1]
+    # ceil(n / 8) steps cache the prompt; the last of them already samples the first token.
+    assert len(waiting) == -(-n // 8) - 1
+    assert all(r.finish_reason == "" and r.text == "" and r.completion_tokens == 0 for r in waiting)
+    assert all(r.prompt_tokens == n for r in chunked)
+    assert ids(chunked[len(waiting) :]) == ids(whole)
+    engine.step([ReleaseRow(1201)])
+    assert engine.active_slots == 0
+
+
+def test_chunked_prefill_released_midway_frees_its_slot(engine: StepEngine) -> None:
+    prompt = engine.apply_chat_template(CHAT)
+    first = engine.step([PrefillRow(1300, prompt, SamplingParams(max_tokens=4), chunk=4)])[0]
+    assert first.token_id == -1 and first.finish_reason == ""
+    engine.step([ReleaseRow(1300)])
+    assert engine.active_slots == 0
+    bad = engine.step([PrefillRow(1301, prompt, SamplingParams(), chunk=-1)])[0]
+    assert bad.finish_reason == "error" and "chunk" in bad.error
+    assert engine.active_slots == 0
+
+
+def test_step_protocol_passes_the_prefill_chunk(engine: StepEngine) -> None:
+    import numpy as np
+
+    from sluice_triton_local.step_protocol import DECODE, PREFILL, RELEASE, run_step
+
+    class Shared:  # the step protocol's view of SharedEngine, over this module's engine
+        context_length = engine.context_length
+        count_tokens = staticmethod(engine.count_tokens)
+        apply_chat_template = staticmethod(engine.apply_chat_template)
+        step = staticmethod(engine.step)
+
+    def call(action: int, seq_id: int, request: dict[str, object] | None = None) -> dict[str, np.ndarray]:
+        raw = json.dumps(request).encode() if request is not None else b""
+        inputs = {
+            "ACTION": np.array([action], dtype=np.int32),
+            "SEQ_ID": np.array([seq_id], dtype=np.int64),
+            "REQUEST": np.array([raw], dtype=np.object_),
+        }
+        return run_step(Shared(), inputs)  # type: ignore[arg-type]
+
+    request = {"messages": [list(m) for m in CHAT], "max_tokens": 3, "prefill_chunk": 16}
+    out = call(PREFILL, 1400, request)
+    assert out["TOKEN_ID"][0] == -1 and out["FINISH"][0] == b""
+    tokenless = 1
+    while call(DECODE, 1400)["TOKEN_ID"][0] == -1:
+        tokenless += 1
+    # The step that caches the last chunk answers the first token.
+    assert tokenless == -(-int(out["PROMPT_TOKENS"][0]) // 16) - 1
+    call(RELEASE, 1400)
+    invalid = call(PREFILL, 1401, {**request, "prefill_chunk": -2})
+    assert invalid["FINISH"][0] == b"invalid" and b"prefill_chunk" in invalid["ERROR"][0]
+    assert engine.active_slots == 0
+
+
 # -- performance (printed, not asserted) ---------------------------------
 
 

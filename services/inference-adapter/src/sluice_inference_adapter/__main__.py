@@ -60,6 +60,7 @@ def build_backends(config: AdapterConfig, protocol: Protocol) -> tuple[list[Back
             min_prefill_rows=config.min_prefill_rows,
             max_waiting_steps=config.max_waiting_steps,
             max_bulk_prefill_rows=config.max_bulk_prefill_rows,
+            bulk_prefill_chunk=config.bulk_prefill_chunk,
             interactive_reserved_slots=config.interactive_reserved_slots,
         )
         steps = [TritonStepBackend(url, config.triton_model, config.step_timeout_s) for url in config.triton_urls]

@@ -40,9 +40,13 @@ class AdapterConfig(ServerConfig):
     # While a batch runs, prefills wait for MIN_PREFILL_ROWS companions, at most MAX_WAITING_STEPS steps.
     min_prefill_rows: int = 1
     max_waiting_steps: int = 8
-    # Bulk beside interactive (scheduler.SchedulerLimits): bulk prefills per step (0: no cap), and
-    # batch slots bulk sequences leave to interactive ones.
+    # Bulk beside interactive (scheduler.SchedulerLimits): bulk sequences caching their prompts
+    # at once (0: no cap), prompt tokens a bulk sequence caches per step (0: its whole prompt),
+    # and batch slots bulk sequences leave to interactive ones. The chunk bounds how long a step
+    # in progress delays an interactive first token: 16 tokens on this CPU engine (~40 ms), a few
+    # hundred on a GPU.
     max_bulk_prefill_rows: int = 1
+    bulk_prefill_chunk: int = 16
     interactive_reserved_slots: int = 1
     # A replica is unhealthy after this many consecutive failed steps or probes.
     replica_failure_threshold: int = 2
@@ -53,6 +57,7 @@ class AdapterConfig(ServerConfig):
 
     def __post_init__(self) -> None:
         require(self.max_bulk_prefill_rows >= 0, f"{ENV_PREFIX}MAX_BULK_PREFILL_ROWS must be >= 0, got {self.max_bulk_prefill_rows}")
+        require(self.bulk_prefill_chunk >= 0, f"{ENV_PREFIX}BULK_PREFILL_CHUNK must be >= 0 (0: whole prompts), got {self.bulk_prefill_chunk}")
         require(
             0 <= self.interactive_reserved_slots < self.max_batch_size,
             f"{ENV_PREFIX}INTERACTIVE_RESERVED_SLOTS must be in [0, MAX_BATCH_SIZE), got {self.interactive_reserved_slots}",

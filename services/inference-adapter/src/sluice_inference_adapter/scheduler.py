@@ -94,12 +94,17 @@ class SchedulerLimits:
     # `max_waiting_steps` steps. min_prefill_rows=1 admits at the very next step.
     min_prefill_rows: int = 1
     max_waiting_steps: int = 8
-    # Bulk beside interactive. On a compute-bound backend a step costs about its prefill tokens,
-    # and an interactive request's first token waits for the step in progress and then its own:
-    # bulk prefills join a step at most `max_bulk_prefill_rows` at a time (0: no cap) and never a
-    # step that an interactive prefill joins, and bulk sequences leave
-    # `interactive_reserved_slots` of the batch free for interactive ones.
+    # Bulk beside interactive. On a compute-bound backend a step costs about the tokens it
+    # carries, and an interactive request's first token waits for the step in progress and then
+    # for its own prefill step. So:
+    # - bulk prompts are cached `bulk_prefill_chunk` tokens per step (0: whole), and at most
+    #   `max_bulk_prefill_rows` bulk sequences cache their prompts at once (0: no cap), which
+    #   bounds what any step in progress costs;
+    # - a step that an interactive prefill joins carries no bulk prefill, and no bulk row at all
+    #   unless bulk sat out the step before (so bulk always advances at least every other step);
+    # - bulk sequences leave `interactive_reserved_slots` of the batch free for interactive ones.
     max_bulk_prefill_rows: int = 0
+    bulk_prefill_chunk: int = 0
     interactive_reserved_slots: int = 0
     # Advertised in RetryInfo when the waiting queue is full.
     retry_after_s: float = 1.0
@@ -131,6 +136,11 @@ class Sequence:
     @property
     def priority(self) -> Priority:
         return self.request.priority
+
+    @property
+    def prefilling(self) -> bool:
+        """Running, its prompt not yet all cached (no token yet)."""
+        return self.prefilled_at is not None and self.first_token_at is None
 
     @property
     def reserved_tokens(self) -> int:
@@ -275,6 +285,7 @@ class Scheduler(ReplicaWork):
         self._backend = backend
         self._limits = limits
         self._running: dict[int, Sequence] = {}
+        self._bulk_sat_out = False
 
     @property
     def running_count(self) -> int:
@@ -336,17 +347,25 @@ class Scheduler(ReplicaWork):
                 sequence.finish(reason, now)
         self._drop_abandoned_waiting(now)
         stepped: list[Sequence] = list(self._running.values())
-        decode_rows = [StepRow(Action.DECODE, s.seq_id) for s in stepped]
         admitted = self._admit(now)
-        prefill_rows = [
-            StepRow(Action.PREFILL, s.seq_id, s.request.prompt.to_json(s.request.sampling)) for s in admitted
-        ]
+        if any(s.priority is Priority.INTERACTIVE for s in admitted) and not self._bulk_sat_out:
+            # An interactive first token waits for this step: bulk sequences sit it out.
+            stepped = [s for s in stepped if s.priority is Priority.INTERACTIVE]
+            self._bulk_sat_out = True
+        else:
+            self._bulk_sat_out = False
+        decode_rows = [StepRow(Action.DECODE, s.seq_id) for s in stepped]
+        prefill_rows = [StepRow(Action.PREFILL, s.seq_id, self._prefill_request(s)) for s in admitted]
         stepped.extend(admitted)
         if stepped:
             metrics.BATCH_SIZE.observe(len(stepped))
             metrics.BATCH_TOKENS.observe(self.batch_tokens)
         metrics.SLOTS_IN_USE.set(len(self._running))
         return rows + decode_rows + prefill_rows, stepped
+
+    def _prefill_request(self, sequence: Sequence) -> bytes:
+        chunk = self._limits.bulk_prefill_chunk if sequence.priority is Priority.BULK else 0
+        return sequence.request.prompt.to_json(sequence.request.sampling, prefill_chunk=chunk)
 
     def _admit(self, now: float) -> list[Sequence]:
         """Waiting sequences whose prefill joins this step."""
@@ -359,8 +378,10 @@ class Scheduler(ReplicaWork):
         admitted: list[Sequence] = []
         tokens = self.batch_tokens
         limits = self._limits
-        bulk_running = sum(1 for s in self._running.values() if s.priority is Priority.BULK)
-        bulk_admitted = 0
+        bulk = [s for s in self._running.values() if s.priority is Priority.BULK]
+        bulk_slots = max(1, limits.max_batch_size - limits.interactive_reserved_slots)
+        # Bulk sequences still caching their prompts count against the prefill cap like new ones.
+        bulk_prefilling = sum(1 for s in bulk if s.prefilling)
         interactive_admitted = False
         while len(self._running) < limits.max_batch_size:
             head = self._waiting.peek()
@@ -369,8 +390,8 @@ class Scheduler(ReplicaWork):
             # Interactive sequences come first, so a bulk head means only bulk ones wait.
             if head.priority is Priority.BULK and (
                 interactive_admitted
-                or (limits.max_bulk_prefill_rows and bulk_admitted >= limits.max_bulk_prefill_rows)
-                or bulk_running + bulk_admitted >= max(1, limits.max_batch_size - limits.interactive_reserved_slots)
+                or (limits.max_bulk_prefill_rows and bulk_prefilling >= limits.max_bulk_prefill_rows)
+                or len(bulk) >= bulk_slots
             ):
                 break
             # An oversized request still runs when it would be alone, or it would starve.
@@ -383,7 +404,8 @@ class Scheduler(ReplicaWork):
             self._running[head.seq_id] = head
             admitted.append(head)
             if head.priority is Priority.BULK:
-                bulk_admitted += 1
+                bulk.append(head)
+                bulk_prefilling += 1
             else:
                 interactive_admitted = True
         return admitted

@@ -35,8 +35,10 @@ class PromptSpec:
     messages: tuple[tuple[str, str], ...] = ()
     prompt: str = ""
 
-    def to_json(self, sampling: SamplingSpec | None = None) -> bytes:
+    def to_json(self, sampling: SamplingSpec | None = None, prefill_chunk: int = 0) -> bytes:
         body: dict[str, object] = {"messages": [list(m) for m in self.messages]} if self.messages else {"prompt": self.prompt}
+        if prefill_chunk:
+            body["prefill_chunk"] = prefill_chunk
         if sampling is not None:
             body.update(
                 max_tokens=sampling.max_tokens,

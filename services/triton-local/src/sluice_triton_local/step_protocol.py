@@ -6,7 +6,11 @@ One Triton request carries one row per sequence, all tensors of shape [rows]:
            SEQ_ID  INT64   the adapter's id for the sequence (its KV slot key)
            REQUEST BYTES   JSON for prefill and count rows, empty otherwise:
                            {"messages": [[role, content], ...]} or {"prompt": "..."},
-                           plus "max_tokens", "temperature", "top_p", "seed", "stop"
+                           plus "max_tokens", "temperature", "top_p", "seed", "stop",
+                           and "prefill_chunk": prompt tokens to cache per step (0 or
+                           absent: the whole prompt in this step). A DECODE row of a
+                           sequence whose prompt is not yet all cached caches its next
+                           chunk and answers TOKEN_ID -1 with FINISH "".
   outputs  TOKEN_ID          INT32  sampled token, -1 when none
            TEXT              BYTES  UTF-8 text delta
            FINISH            BYTES  "" while running, else "stop", "length", "error", or
@@ -89,7 +93,10 @@ def _parse_row(engine: SharedEngine, action: int, seq_id: int, raw: bytes) -> Pr
                 f"the prompt is {prompt_tokens} tokens and max_tokens is {sampling.max_tokens}; together they"
                 f" exceed the model's context of {engine.context_length} tokens",
             )
-        return PrefillRow(seq_id, prompt, sampling)
+        chunk = int(request.get("prefill_chunk", 0))
+        if chunk < 0:
+            return _invalid(seq_id, f"prefill_chunk must be >= 0, got {chunk}")
+        return PrefillRow(seq_id, prompt, sampling, chunk=chunk)
     except (ValueError, TypeError, KeyError) as exc:
         return _invalid(seq_id, f"malformed REQUEST JSON: {exc}")
 

@@ -4,6 +4,14 @@ A caller (the scheduler) decides each iteration which sequences join
 (PrefillRow), advance (DecodeRow) or leave (ReleaseRow); `step` runs all
 token-producing rows through one batched forward pass and samples one token
 for each.
+
+Chunked prefill: a PrefillRow with `chunk` > 0 caches at most that many prompt
+tokens in its step, and each later DecodeRow of the sequence caches the next
+chunk, answering no token (token_id -1, finish "") until the whole prompt is
+in; the step that caches the last chunk samples the first token. A step's cost
+grows with the tokens it carries, so a long prompt cut into chunks stalls the
+other sequences of the batch (and whoever waits for the step to end) for one
+chunk at a time instead of for the whole prompt.
 """
 
 from __future__ import annotations
@@ -34,6 +42,7 @@ class PrefillRow:
     seq_id: int
     prompt: str  # already templated text
     params: SamplingParams = SamplingParams()
+    chunk: int = 0  # prompt tokens cached per step; 0: the whole prompt in this step
 
 
 @dataclass(frozen=True)
@@ -70,6 +79,8 @@ class _Seq:
     detok: IncrementalDetokenizer
     stopper: StopFilter
     pos: int = 0  # positions already in the KV cache
+    chunk: int = 0
+    uncached_prompt: list[int] = field(default_factory=list)  # prompt tokens still to prefill
     last_token: int = -1  # sampled but not yet fed back
     completion_tokens: int = 0
 
@@ -162,7 +173,7 @@ class StepEngine:
             else:
                 for p, row_logits in zip(live, logits):
                     p.seq.pos = p.item.start_pos + len(p.item.token_ids)
-                    results[p.row_index] = self._emit(p.seq, row_logits)
+                    results[p.row_index] = self._emit(p.seq, row_logits) if not p.seq.uncached_prompt else _prefilling(p.seq)
         return results  # type: ignore[return-value]
 
     # -- row handling -------------------------------------------------------
@@ -186,6 +197,8 @@ class StepEngine:
             )
         if not self._free_slots:
             return _error(row.seq_id, f"no free slot (max_slots={self.max_slots})", prompt_tokens=n)
+        if row.chunk < 0:
+            return _error(row.seq_id, f"chunk must be >= 0 (got {row.chunk})")
         seq = _Seq(
             seq_id=row.seq_id,
             slot=self._free_slots.pop(),
@@ -194,9 +207,11 @@ class StepEngine:
             rng=make_rng(row.params.seed),
             detok=self.tokenizer.detokenizer(),
             stopper=StopFilter(row.params.stop),
+            chunk=row.chunk,
+            uncached_prompt=ids,
         )
         self._seqs[row.seq_id] = seq
-        return _Pending(index, seq, BatchItem(seq.slot, ids, 0))
+        return _Pending(index, seq, BatchItem(seq.slot, _next_chunk(seq), 0))
 
     def _queue_decode(self, index: int, seq_id: int, pending: list[_Pending]) -> _Pending | RowResult:
         seq = self._seqs.get(seq_id)
@@ -204,7 +219,8 @@ class StepEngine:
             return _error(seq_id, f"seq_id {seq_id} is not running (never started, finished or released)")
         if any(p.seq is seq and not p.cancelled for p in pending):
             return _error(seq_id, f"seq_id {seq_id} already advances in this step", seq)
-        return _Pending(index, seq, BatchItem(seq.slot, [seq.last_token], seq.pos))
+        tokens = _next_chunk(seq) if seq.uncached_prompt else [seq.last_token]
+        return _Pending(index, seq, BatchItem(seq.slot, tokens, seq.pos))
 
     def _release(self, seq_id: int, pending: list[_Pending]) -> RowResult:
         seq = self._seqs.get(seq_id)
@@ -245,6 +261,18 @@ class StepEngine:
         if finish:
             self._free(seq)
         return RowResult(seq.seq_id, tok, text, finish, seq.prompt_tokens, seq.completion_tokens)
+
+
+def _next_chunk(seq: _Seq) -> list[int]:
+    """Takes the prompt tokens this step caches off the sequence's uncached prompt."""
+    size = seq.chunk or len(seq.uncached_prompt)
+    tokens, seq.uncached_prompt = seq.uncached_prompt[:size], seq.uncached_prompt[size:]
+    return tokens
+
+
+def _prefilling(seq: _Seq) -> RowResult:
+    """A step that cached part of the prompt: no token yet."""
+    return RowResult(seq.seq_id, -1, "", "", seq.prompt_tokens, 0)
 
 
 def _check_params(p: SamplingParams) -> str:
