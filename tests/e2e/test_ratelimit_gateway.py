@@ -24,6 +24,7 @@ from sluice_stack import ServiceProcess, Stack, free_port
 from sluice_stack.launcher import grpc_serving
 
 PRIVATE_KEY = "sk-sluice-private"
+EMBEDDING_MODEL = "all-minilm-l6-v2"
 LIMITS = """
 [tenants.demo]
 requests_per_minute = 100
@@ -87,10 +88,10 @@ def request(max_tokens: int = 4, content: str = "Say hello.") -> gateway_pb2.Gen
     )
 
 
-def usage(limiter_address: str, tenant: str) -> dict[int, ratelimit_pb2.BudgetStatus]:
+def usage(limiter_address: str, tenant: str, model: str = MODEL) -> dict[int, ratelimit_pb2.BudgetStatus]:
     with grpc.insecure_channel(limiter_address) as channel:
         reply = ratelimit_pb2_grpc.RateLimitServiceStub(channel).GetUsage(ratelimit_pb2.GetUsageRequest(tenant=tenant), timeout=5)
-    return {b.budget: b for row in reply.usage if row.model == MODEL for b in row.budgets}
+    return {b.budget: b for row in reply.usage if row.model == model for b in row.budgets}
 
 
 def wait_for(condition, timeout_s: float = 10.0) -> None:  # type: ignore[no-untyped-def]
@@ -154,6 +155,46 @@ def test_a_denial_is_resource_exhausted_with_retry_info_and_quota_failure(limite
     quota = error_details_pb2.QuotaFailure()
     details["google.rpc.QuotaFailure"].Unpack(quota)
     assert quota.violations[0].subject == f"tenant:private/model:{MODEL}/requests_per_minute"
+
+
+def embed_request(*inputs: str) -> gateway_pb2.EmbedRequest:
+    return gateway_pb2.EmbedRequest(model=EMBEDDING_MODEL, inputs=list(inputs))
+
+
+def test_embed_is_admitted_and_commits_its_tokens(limited) -> None:
+    gateway_address, limiter_address = limited
+    with grpc.insecure_channel(gateway_address) as channel:
+        reply, call = gateway_pb2_grpc.GatewayServiceStub(channel).Embed.with_call(
+            embed_request("A man is eating food.", "The girl is carrying a baby."), metadata=auth(), timeout=60
+        )
+    headers = dict(call.initial_metadata())
+    assert len(reply.embeddings) == 2
+    assert headers["x-ratelimit-limit-tokens"] == "100000"
+    reserved = 100000 - int(headers["x-ratelimit-remaining-tokens"])
+    assert reserved > 0  # the inputs' estimate; max_tokens is 0 for embeddings
+    # Committed after the call: the in-flight slot is free again and the tokens stay charged
+    # (the reply's usage when the adapter counts, else the estimate).
+    wait_for(lambda: usage(limiter_address, "demo", EMBEDDING_MODEL)[ratelimit_pb2.BUDGET_REQUESTS_IN_FLIGHT].remaining == 4)
+    spent = 100000 - usage(limiter_address, "demo", EMBEDDING_MODEL)[ratelimit_pb2.BUDGET_TOKENS_PER_MINUTE].remaining
+    assert spent == (reply.usage.total_tokens or reserved)
+
+
+def test_embed_past_the_requests_per_minute_is_resource_exhausted_with_retry_info(limited) -> None:
+    gateway_address, _ = limited
+    with grpc.insecure_channel(gateway_address) as channel:
+        stub = gateway_pb2_grpc.GatewayServiceStub(channel)
+        stub.Embed(embed_request("one"), metadata=auth(PRIVATE_KEY), timeout=60)  # the tenant's 1 per minute
+        with pytest.raises(grpc.RpcError) as caught:
+            stub.Embed(embed_request("two"), metadata=auth(PRIVATE_KEY), timeout=60)
+    error = caught.value
+    assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    details = {d.TypeName(): d for d in rpc_status.from_call(error).details}
+    retry = error_details_pb2.RetryInfo()
+    details["google.rpc.RetryInfo"].Unpack(retry)
+    assert 0 < retry.retry_delay.ToNanoseconds() / 1e9 <= 60
+    quota = error_details_pb2.QuotaFailure()
+    details["google.rpc.QuotaFailure"].Unpack(quota)
+    assert quota.violations[0].subject == f"tenant:private/model:{EMBEDDING_MODEL}/requests_per_minute"
 
 
 def test_an_unreachable_rate_limit_fails_closed_within_the_deadline(stack: Stack, tmp_path: Path) -> None:

@@ -13,7 +13,17 @@ from sluice.gateway.v1 import gateway_pb2
 from sluice.ratelimit.v1 import ratelimit_pb2, ratelimit_pb2_grpc
 
 from sluice_common.errors import Unavailable
-from sluice_gateway.admission import Admission, estimate_prompt_tokens, format_reset, ratelimit_headers
+from sluice_common.errors import ResourceExhausted
+from sluice_gateway.admission import (
+    Admission,
+    Reservation,
+    embedding_reservation,
+    estimate_embedding_tokens,
+    estimate_prompt_tokens,
+    format_reset,
+    generation_reservation,
+    ratelimit_headers,
+)
 
 
 def request(content: str = "Hello there", max_tokens: int = 16) -> gateway_pb2.GenerateRequest:
@@ -28,6 +38,24 @@ def test_prompt_estimate_over_reserves_plain_english() -> None:
     text = "The quick brown fox jumps over the lazy dog. " * 20  # ~200 real tokens
     assert estimate_prompt_tokens(request(text)) >= 300
     assert estimate_prompt_tokens(gateway_pb2.GenerateRequest(prompt="abcdef")) == 3
+
+
+def test_embedding_estimate_counts_every_input_and_over_reserves_plain_english() -> None:
+    text = "The quick brown fox jumps over the lazy dog. " * 20  # ~200 real tokens (~45 bytes per 10)
+    assert estimate_embedding_tokens(gateway_pb2.EmbedRequest(inputs=[text])) >= 300
+    # ceil(bytes / 3) + 2 per input ([CLS], [SEP]); multi-byte text counts its UTF-8 bytes
+    assert estimate_embedding_tokens(gateway_pb2.EmbedRequest(inputs=["abcdef", "a", "é"])) == (2 + 2) + (1 + 2) + (1 + 2)
+
+
+def test_reservations_carry_model_priority_and_tokens() -> None:
+    generate = generation_reservation(request("Hello there", max_tokens=16))
+    prompt = estimate_prompt_tokens(request("Hello there"))
+    assert generate == Reservation("m", types_pb2.PRIORITY_CLASS_INTERACTIVE, prompt, prompt + 16)
+    embed = embedding_reservation(
+        gateway_pb2.EmbedRequest(model="e", inputs=["abcdef"], priority_class=types_pb2.PRIORITY_CLASS_BULK)
+    )
+    # Embeddings generate nothing: the reservation is the input estimate alone.
+    assert embed == Reservation("e", types_pb2.PRIORITY_CLASS_BULK, 4, 4)
 
 
 def test_reset_uses_openai_format() -> None:
@@ -65,7 +93,7 @@ async def test_unreachable_rate_limit_fails_closed_within_the_timeout() -> None:
     channel, stub = _dead_stub()
     started = time.perf_counter()
     with pytest.raises(Unavailable):
-        await Admission(stub, "closed", timeout_s=0.3).admit("t", request(), time_remaining=10.0)
+        await Admission(stub, "closed", timeout_s=0.3).admit("t", generation_reservation(request()), time_remaining=10.0)
     assert time.perf_counter() - started < 1.0
     await channel.close()
 
@@ -73,7 +101,7 @@ async def test_unreachable_rate_limit_fails_closed_within_the_timeout() -> None:
 async def test_unreachable_rate_limit_fails_open_when_configured_and_respects_a_short_deadline() -> None:
     channel, stub = _dead_stub()
     started = time.perf_counter()
-    ticket = await Admission(stub, "open", timeout_s=5.0).admit("t", request(), time_remaining=0.2)
+    ticket = await Admission(stub, "open", timeout_s=5.0).admit("t", generation_reservation(request()), time_remaining=0.2)
     assert time.perf_counter() - started < 1.0
     assert ticket.lease_id == "" and ticket.metadata == ()
     ticket.settle()  # nothing to commit
@@ -81,20 +109,68 @@ async def test_unreachable_rate_limit_fails_open_when_configured_and_respects_a_
 
 
 class _FakeStub:
-    def __init__(self, budgets: list[ratelimit_pb2.BudgetStatus]) -> None:
+    def __init__(self, budgets: list[ratelimit_pb2.BudgetStatus], allowed: bool = True) -> None:
         self.budgets = budgets
+        self.allowed = allowed
+        self.acquired: list[ratelimit_pb2.AcquireRequest] = []
+        self.committed: list[ratelimit_pb2.CommitRequest] = []
 
     async def Acquire(self, request, timeout=None, metadata=None):  # noqa: N802 - the stub's name
+        self.acquired.append(request)
+        if not self.allowed:
+            return ratelimit_pb2.AcquireResponse(
+                allowed=False, denied_by=ratelimit_pb2.BUDGET_REQUESTS_PER_MINUTE, retry_after=duration_pb2.Duration(seconds=7)
+            )
         return ratelimit_pb2.AcquireResponse(allowed=True, lease_id="l1", budgets=self.budgets)
+
+    async def Commit(self, request, timeout=None, metadata=None):  # noqa: N802 - the stub's name
+        self.committed.append(request)
+        return ratelimit_pb2.CommitResponse()
 
 
 async def test_the_workers_rate_comes_from_the_per_minute_budget_never_the_in_flight_limit() -> None:
     status = ratelimit_pb2.BudgetStatus
     in_flight = status(budget=ratelimit_pb2.BUDGET_REQUESTS_IN_FLIGHT, limit=32, remaining=31)
     # No per-minute budget: x-ratelimit-limit-requests holds the in-flight limit, which is no rate.
-    ticket = await Admission(_FakeStub([in_flight]), "closed").admit("t", request(), time_remaining=10.0)  # type: ignore[arg-type]
+    ticket = await Admission(_FakeStub([in_flight]), "closed").admit("t", generation_reservation(request()), time_remaining=10.0)  # type: ignore[arg-type]
     assert dict(ticket.metadata)["x-ratelimit-limit-requests"] == "32"
     assert ticket.requests_per_minute is None
     per_minute = status(budget=ratelimit_pb2.BUDGET_REQUESTS_PER_MINUTE, limit=600, remaining=599)
-    ticket = await Admission(_FakeStub([in_flight, per_minute]), "closed").admit("t", request(), time_remaining=10.0)  # type: ignore[arg-type]
+    ticket = await Admission(_FakeStub([in_flight, per_minute]), "closed").admit("t", generation_reservation(request()), time_remaining=10.0)  # type: ignore[arg-type]
     assert ticket.requests_per_minute == 600
+
+
+async def test_an_embedding_lease_reserves_its_estimate_and_commits_the_real_usage() -> None:
+    stub = _FakeStub([])
+    admission = Admission(stub, "closed")  # type: ignore[arg-type]
+    embed = gateway_pb2.EmbedRequest(model="e", inputs=["abcdef"] * 3, priority_class=types_pb2.PRIORITY_CLASS_BULK)
+    ticket = await admission.admit("t", embedding_reservation(embed), time_remaining=10.0)
+    acquired = stub.acquired[-1]
+    assert (acquired.model, acquired.priority_class, acquired.requests, acquired.reserved_tokens) == (
+        "e", types_pb2.PRIORITY_CLASS_BULK, 1, 12
+    )
+    assert acquired.lease_ttl.ToNanoseconds() > 0  # the caller's deadline bounds the lease
+    ticket.record(types_pb2.Usage(prompt_tokens=9, total_tokens=9))
+    ticket.settle()
+    ticket.settle()  # once only
+    await admission.drain()
+    assert [(c.lease_id, c.used_tokens) for c in stub.committed] == [("l1", 9)]
+
+
+async def test_a_call_without_usage_commits_its_input_estimate() -> None:
+    stub = _FakeStub([])
+    admission = Admission(stub, "closed")  # type: ignore[arg-type]
+    ticket = await admission.admit("t", embedding_reservation(gateway_pb2.EmbedRequest(model="e", inputs=["abcdef"])), None)
+    ticket.record(types_pb2.Usage())  # an adapter that does not count: no refund of work that was done
+    ticket.settle()
+    await admission.drain()
+    assert [c.used_tokens for c in stub.committed] == [4]
+
+
+async def test_a_denial_names_the_reservations_model_and_tells_when_to_retry() -> None:
+    admission = Admission(_FakeStub([], allowed=False), "closed")  # type: ignore[arg-type]
+    with pytest.raises(ResourceExhausted) as caught:
+        await admission.admit("t", embedding_reservation(gateway_pb2.EmbedRequest(model="e", inputs=["x"])), 10.0)
+    assert caught.value.retry_after_s == 7.0
+    assert "tenant t on e" in str(caught.value)
+    assert caught.value.quota_subject == "tenant:t/model:e/requests_per_minute"

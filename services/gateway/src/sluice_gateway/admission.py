@@ -1,22 +1,25 @@
 """Admission: a lease from the rate-limit service before dispatch, real usage committed after.
 
-    ticket = await admission.admit(tenant, request, context.time_remaining())   # may raise
-    ... stream, calling ticket.observe(chunk) for each adapter chunk ...
-    ticket.settle()                                                              # in `finally`
+    reservation = generation_reservation(request)        # or embedding_reservation(request)
+    ticket = await admission.admit(tenant, reservation, context.time_remaining())   # may raise
+    ... stream, calling ticket.observe(chunk) for each adapter chunk (Embed: ticket.record(usage)) ...
+    ticket.settle()                                                                  # in `finally`
 
-Reservation: prompt tokens + max_tokens. The prompt is NOT tokenized here (the adapter's CountTokens
-costs a Triton round trip on every request): it is estimated as UTF-8 bytes / 3 plus 4 tokens per
-chat message (ChatML framing) plus 32 for what a chat template adds (SmolLM2's inserts a default
-system prompt of ~20 tokens), which over-reserves for English (~4 bytes per token). Commit
-sends the real prompt + completion tokens from the final usage, so the difference is refunded at
-once; a stream that ends without usage (cancelled, failed) commits the estimate plus the tokens
+Every call costs one request. Tokens reserved: the estimated input + max_tokens (0 for Embed). The
+input is NOT tokenized here (the adapter's CountTokens costs a Triton round trip on every request):
+it is estimated as UTF-8 bytes / 3, which over-reserves for English (~4 bytes per token), plus
+framing: for a chat, 4 tokens per message (ChatML) and 32 for what a chat template adds
+(SmolLM2's inserts a default system prompt of ~20 tokens); for Embed, 2 per input ([CLS] and
+[SEP]). Commit sends the real usage (Generate: the final chunk's prompt + completion tokens;
+Embed: the reply's usage), so the difference is refunded at once; a call that ends without usage
+(cancelled, failed, or an adapter that reports none) commits the input estimate plus the tokens
 the chunks carried.
 
 Failures: Acquire is bounded by SLUICE_GATEWAY_RATELIMIT_TIMEOUT_S and by the request's deadline,
 so a call never hangs on an unreachable rate-limit. Then the policy applies: "closed" (default)
 answers UNAVAILABLE; "open" admits without a lease. A denial answers RESOURCE_EXHAUSTED with
 google.rpc.RetryInfo and QuotaFailure; a denial by a fail-closed budget whose Redis is unreachable
-(degraded) answers UNAVAILABLE. Commit runs in a background task after the stream closed, so it
+(degraded) answers UNAVAILABLE. Commit runs in a background task after the call ended, so it
 never delays the client; if it fails, the lease frees its capacity when it expires.
 """
 
@@ -51,6 +54,8 @@ BYTES_PER_TOKEN = 3
 TOKENS_PER_MESSAGE = 4
 # The assistant header, plus a default system prompt that a chat template may add.
 TOKENS_PER_CHAT = 32
+# What an embedding tokenizer adds to each input ([CLS] and [SEP] for BERT-style models).
+TOKENS_PER_EMBED_INPUT = 2
 # Beyond the request's own deadline, how long the lease outlives it (commit travel time).
 LEASE_MARGIN_S = 30.0
 COMMIT_TIMEOUT_S = 5.0
@@ -60,11 +65,45 @@ _REQUEST_BUDGETS = (_B.BUDGET_REQUESTS_PER_MINUTE, _B.BUDGET_REQUESTS_IN_FLIGHT)
 _TOKEN_BUDGETS = (_B.BUDGET_TOKENS_PER_MINUTE, _B.BUDGET_TOKENS_IN_FLIGHT)
 
 
+def _text_tokens(text_bytes: int) -> int:
+    return -(-text_bytes // BYTES_PER_TOKEN)
+
+
 def estimate_prompt_tokens(request: gateway_pb2.GenerateRequest) -> int:
     if request.messages:
         text_bytes = sum(len(m.content.encode()) + len(m.role) for m in request.messages)
-        return -(-text_bytes // BYTES_PER_TOKEN) + TOKENS_PER_MESSAGE * len(request.messages) + TOKENS_PER_CHAT
-    return -(-len(request.prompt.encode()) // BYTES_PER_TOKEN) + 1
+        return _text_tokens(text_bytes) + TOKENS_PER_MESSAGE * len(request.messages) + TOKENS_PER_CHAT
+    return _text_tokens(len(request.prompt.encode())) + 1
+
+
+def estimate_embedding_tokens(request: gateway_pb2.EmbedRequest) -> int:
+    return sum(_text_tokens(len(text.encode())) + TOKENS_PER_EMBED_INPUT for text in request.inputs)
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """What one call asks of the rate-limit service: one request and `reserved_tokens`."""
+
+    model: str
+    priority_class: int
+    # Committed when the call ends without real usage.
+    estimated_input_tokens: int
+    # The estimated input plus the most the call may generate.
+    reserved_tokens: int
+
+
+def _priority(priority_class: int) -> int:
+    return priority_class or types_pb2.PRIORITY_CLASS_INTERACTIVE
+
+
+def generation_reservation(request: gateway_pb2.GenerateRequest) -> Reservation:
+    prompt = estimate_prompt_tokens(request)
+    return Reservation(request.model, _priority(request.priority_class), prompt, prompt + request.sampling.max_tokens)
+
+
+def embedding_reservation(request: gateway_pb2.EmbedRequest) -> Reservation:
+    inputs = estimate_embedding_tokens(request)
+    return Reservation(request.model, _priority(request.priority_class), inputs, inputs)
 
 
 def format_reset(seconds: float) -> str:
@@ -97,11 +136,12 @@ def _seconds(duration: duration_pb2.Duration) -> float:
 
 @dataclass
 class Ticket:
-    """One admitted request: its lease, the headers to send, and what the stream really used."""
+    """One admitted call: its lease, the headers to send, and what the call really used."""
 
     admission: Admission | None = None
     lease_id: str = ""
     metadata: tuple[tuple[str, str], ...] = ()
+    # The estimated input (prompt, or Embed's inputs): committed, plus the chunks' tokens, without usage.
     estimated_prompt_tokens: int = 0
     completion_tokens: int = 0
     used_tokens: int | None = None
@@ -113,7 +153,15 @@ class Ticket:
     def observe(self, chunk: inference_pb2.GenerateResponse) -> None:
         self.completion_tokens += chunk.token_count
         if chunk.HasField("usage"):
-            self.used_tokens = chunk.usage.prompt_tokens + chunk.usage.completion_tokens
+            self.record(chunk.usage)
+
+    def record(self, usage: types_pb2.Usage) -> None:
+        """The real usage of the call, committed by `settle`. An empty one (an adapter that does
+        not count) is ignored: every call uses at least one token, and committing 0 would refund
+        the whole reservation of work that was done."""
+        used = usage.total_tokens or usage.prompt_tokens + usage.completion_tokens
+        if used > 0:
+            self.used_tokens = used
 
     def settle(self) -> None:
         """Commits the real usage in the background; safe to call more than once and when cancelled."""
@@ -133,17 +181,18 @@ class Admission:
         self._timeout_s = timeout_s
         self._pending: set[asyncio.Task[None]] = set()
 
-    async def admit(self, tenant: str, request: gateway_pb2.GenerateRequest, time_remaining: float | None) -> Ticket:
+    async def admit(self, tenant: str, reservation: Reservation, time_remaining: float | None) -> Ticket:
+        """A lease for one call (Generate or Embed), or RESOURCE_EXHAUSTED / UNAVAILABLE."""
         if self._stub is None:
             return Ticket()
-        prompt = estimate_prompt_tokens(request)
+        model = reservation.model
         timeout = self._timeout_s if time_remaining is None else max(0.0, min(self._timeout_s, time_remaining))
         acquire = ratelimit_pb2.AcquireRequest(
             tenant=tenant,
-            model=request.model,
-            priority_class=request.priority_class or types_pb2.PRIORITY_CLASS_INTERACTIVE,
+            model=model,
+            priority_class=reservation.priority_class,
             requests=1,
-            reserved_tokens=prompt + request.sampling.max_tokens,
+            reserved_tokens=reservation.reserved_tokens,
             request_id=current_request_id(),
         )
         if time_remaining is not None:
@@ -160,13 +209,14 @@ class Admission:
                 raise Unavailable(f"rate limits cannot be checked now ({budget} is fail-closed); retry after {retry_after:.1f}s")
             DECISIONS.labels("denied").inc()
             raise ResourceExhausted(
-                f"rate limit exceeded: {budget} of tenant {tenant} on {request.model}; retry after {retry_after:.2f}s",
+                f"rate limit exceeded: {budget} of tenant {tenant} on {model}; retry after {retry_after:.2f}s",
                 retry_after_s=retry_after,
-                quota_subject=f"tenant:{tenant}/model:{request.model}/{budget}",
+                quota_subject=f"tenant:{tenant}/model:{model}/{budget}",
             )
         DECISIONS.labels("shadow" if reply.shadow else "allowed").inc()
         per_minute = next((b.limit for b in reply.budgets if b.budget == _B.BUDGET_REQUESTS_PER_MINUTE and b.limit > 0), None)
-        return Ticket(self, reply.lease_id, ratelimit_headers(list(reply.budgets)), prompt, requests_per_minute=per_minute)
+        headers = ratelimit_headers(list(reply.budgets))
+        return Ticket(self, reply.lease_id, headers, reservation.estimated_input_tokens, requests_per_minute=per_minute)
 
     def _unreachable(self, exc: grpc.aio.AioRpcError) -> Ticket:
         log.warning("ratelimit_unreachable", code=exc.code().name, details=exc.details(), policy=self._policy)

@@ -9,7 +9,20 @@ RESOURCE_EXHAUSTED and queue in the adapter, raising everybody's latency.
   (the requests-per-minute budget), limit = rate x observed latency x headroom: the number of rows
   that must be in flight for completions to keep pace with the allowance.
 - Additive increase: each completed row adds 1/limit (about +1 per round trip), except while the
-  latency window is slow and in the window after a decrease for RESOURCE_EXHAUSTED.
+  latency window is slow, in the window after a decrease for RESOURCE_EXHAUSTED, and while the
+  bound is not in use. A success says something about the bound only when the bound was what held
+  rows back; rows that wait out RESOURCE_EXHAUSTED give their slot back while they sleep, so
+  completions keep succeeding at flat latency with few slots taken, and without this rule the
+  bound climbed to its maximum and meant nothing. The "application-limited" rule of Netflix
+  concurrency-limits' AIMDLimit (`inflight * 2 >= limit`) and of TCP's congestion window
+  validation (RFC 7661: pipeACK >= cwnd / 2): increase only when, at the completion, at least
+  `in_use_share` (1/2) of the bound is in flight, counting the completing row. Why a half and
+  not "full": demand on the gate comes in bursts (rows that slept out a denial wake together, a
+  new job's rows arrive at once), so the bound should keep some room above the rows of the moment
+  instead of being pinned to them, and a fractional limit must be able to grow past its integer
+  bound; a bound less than half used, though, could be halved without holding back a single row.
+  So an unused bound settles at about twice the rows in flight, and only a bound that the gate
+  actually enforces climbs towards `maximum`.
 - Multiplicative decrease, on RESOURCE_EXHAUSTED (at most once per `window` completions, so a
   burst of denials for rows that were already in flight counts once), and on latency only when
   the p90 of `window` consecutive completions exceeds `latency_tolerance` x the lowest window p90
@@ -45,6 +58,8 @@ class AdaptiveConcurrency:
     sustain: int = 3
     # The "best window p90" forgets windows older than this (load changes, so does the floor).
     min_window_s: float = 60.0
+    # Additive increase only when at least this share of the bound is in flight at a completion.
+    in_use_share: float = 0.5
     limit: float = field(init=False)
     in_flight: int = field(init=False, default=0)
     latency_s: float | None = field(init=False, default=None)
@@ -80,6 +95,7 @@ class AdaptiveConcurrency:
             self.in_flight += 1
 
     async def release(self, latency_s: float, outcome: str, allowed_rate_per_s: float | None = None) -> None:
+        # Observed before the slot is freed: in_flight still counts the completing row.
         self.observe(latency_s, outcome, allowed_rate_per_s)
         condition = self._condition()
         async with condition:
@@ -121,7 +137,16 @@ class AdaptiveConcurrency:
             return True
         return False
 
-    def observe(self, latency_s: float, outcome: str, allowed_rate_per_s: float | None = None) -> None:
+    def in_use(self, in_flight: int) -> bool:
+        """Whether the bound was in use at a completion with `in_flight` rows (the completing one
+        included): only then does a success argue for a larger bound."""
+        return in_flight >= self.in_use_share * self.limit
+
+    def observe(
+        self, latency_s: float, outcome: str, allowed_rate_per_s: float | None = None, in_flight: int | None = None
+    ) -> None:
+        """One completion. `in_flight`: rows in flight at it, the completing one included
+        (default: the gate's count, which `release` reads before freeing the slot)."""
         now = time.monotonic()
         if allowed_rate_per_s:
             self.allowed_rate_per_s = allowed_rate_per_s
@@ -134,6 +159,7 @@ class AdaptiveConcurrency:
             return
         if outcome != OK:
             return
+        busy = self.in_flight if in_flight is None else in_flight
         self._since_throttle_decrease += 1
         if self.latency_s is None:
             self.latency_s = latency_s
@@ -147,8 +173,9 @@ class AdaptiveConcurrency:
                 return
         if rising:
             self._decrease("latency")
-        elif self._slow_windows == 0 and self._since_throttle_decrease > self.window:
-            # No increase in the window after a throttling decrease, nor while latency rises.
+        elif self._slow_windows == 0 and self._since_throttle_decrease > self.window and self.in_use(busy):
+            # No increase in the window after a throttling decrease, nor while latency rises, nor
+            # while the bound is not what limits the rows (application-limited).
             self._set(self.limit + 1.0 / self.limit, "increase")
         floor = self.littles_law_target()
         if floor is not None and self.limit < floor:

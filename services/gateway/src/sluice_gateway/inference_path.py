@@ -9,6 +9,11 @@ gets; only its priority class differs.
         async for chunk in stream:      # sluice.inference.v1.GenerateResponse
             ...
     # the adapter call is cancelled and the lease settled on the way out, whatever happened
+
+    reply, ticket = await path.embed_with_ticket(tenant, request, request_id, time_remaining)
+
+Embed takes a lease exactly as Generate does (one request, the inputs' estimated tokens) and
+commits the reply's usage, or the estimate when the adapter call failed.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from sluice.inference.v1 import inference_pb2, inference_pb2_grpc
 
 from sluice_common.request_context import outgoing_metadata
 from sluice_common.validation import validate_embedding, validate_generation
-from sluice_gateway.admission import Admission, Ticket
+from sluice_gateway.admission import Admission, Ticket, embedding_reservation, generation_reservation
 from sluice_gateway.model_catalog import ModelCatalog
 
 
@@ -66,7 +71,7 @@ class InferencePath:
             priority_class=request.priority_class,
         )
         # A lease from rate-limit (or RESOURCE_EXHAUSTED / UNAVAILABLE); settled in `finally`.
-        ticket = await self.admission.admit(tenant, request, time_remaining)
+        ticket = await self.admission.admit(tenant, generation_reservation(request), time_remaining)
         # The caller's deadline bounds the adapter's work; cancelling this call stops it there.
         call = self.adapter.Generate(downstream, timeout=time_remaining, metadata=outgoing_metadata())
         try:
@@ -75,9 +80,11 @@ class InferencePath:
             call.cancel()
             ticket.settle()
 
-    async def embed(
+    async def embed_with_ticket(
         self, tenant: str, request: gateway_pb2.EmbedRequest, request_id: str, time_remaining: float | None
-    ) -> gateway_pb2.EmbedResponse:
+    ) -> tuple[gateway_pb2.EmbedResponse, Ticket]:
+        """Validates, takes a lease (or raises RESOURCE_EXHAUSTED / UNAVAILABLE), calls the adapter;
+        the ticket carries the lease's x-ratelimit-* headers and requests-per-minute limit."""
         self.models.get(request.model, types_pb2.MODEL_KIND_EMBEDDING)
         validate_embedding(request.inputs)
         downstream = inference_pb2.EmbedRequest(
@@ -87,5 +94,13 @@ class InferencePath:
             inputs=request.inputs,
             priority_class=request.priority_class,
         )
-        reply = await self.adapter.Embed(downstream, timeout=time_remaining, metadata=outgoing_metadata())
-        return gateway_pb2.EmbedResponse(request_id=request_id, model=request.model, embeddings=reply.embeddings, usage=reply.usage)
+        ticket = await self.admission.admit(tenant, embedding_reservation(request), time_remaining)
+        try:
+            reply = await self.adapter.Embed(downstream, timeout=time_remaining, metadata=outgoing_metadata())
+            if reply.HasField("usage"):
+                ticket.record(reply.usage)
+        finally:
+            # The real usage refunds the rest of the reservation; a failed call commits the estimate.
+            ticket.settle()
+        response = gateway_pb2.EmbedResponse(request_id=request_id, model=request.model, embeddings=reply.embeddings, usage=reply.usage)
+        return response, ticket

@@ -220,9 +220,9 @@ async def run_row(
         request_embed = gateway_pb2.EmbedRequest(
             model=row.embed.model, inputs=row.embed.inputs, priority_class=types_pb2.PRIORITY_CLASS_BULK
         )
-        reply = await path.embed(task.tenant, request_embed, request_id, timeout_s)
+        reply, ticket = await path.embed_with_ticket(task.tenant, request_embed, request_id, timeout_s)
         result = jobs_pb2.RowResult(job_id=task.job_id, custom_id=row.custom_id, embeddings=reply.embeddings, usage=reply.usage)
-        return RowRun(result, time.perf_counter() - started)
+        return RowRun(result, time.perf_counter() - started, _allowed_rate(ticket.requests_per_minute))
     raise PoisonRow("the row has neither a generate nor an embed body")
 
 

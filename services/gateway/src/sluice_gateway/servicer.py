@@ -80,7 +80,10 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
     async def Embed(self, request: gateway_pb2.EmbedRequest, context: grpc.aio.ServicerContext) -> gateway_pb2.EmbedResponse:
         tenant = self._tenant(context)
         structlog.contextvars.bind_contextvars(tenant=tenant.name, model=request.model)
-        return await self._path.embed(tenant.name, request, current_request_id(), context.time_remaining())
+        request_id = current_request_id()
+        reply, ticket = await self._path.embed_with_ticket(tenant.name, request, request_id, context.time_remaining())
+        await context.send_initial_metadata(((REQUEST_ID_KEY, request_id), *ticket.metadata))
+        return reply
 
     def _jobs(self) -> JobsApi:
         if self._jobs_api is None:

@@ -1,0 +1,93 @@
+"""Embed through the shared inference path: a lease first, the reply's usage committed after."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+from sluice.common.v1 import types_pb2
+from sluice.gateway.v1 import gateway_pb2
+from sluice.inference.v1 import inference_pb2
+from sluice.ratelimit.v1 import ratelimit_pb2
+
+from sluice_common.errors import ResourceExhausted
+from sluice_gateway.admission import Admission
+from sluice_gateway.inference_path import InferencePath
+from sluice_gateway.model_catalog import ModelCatalog
+
+EMBEDDING = types_pb2.ModelInfo(name="e", kind=types_pb2.MODEL_KIND_EMBEDDING)
+HEADERS = [ratelimit_pb2.BudgetStatus(budget=ratelimit_pb2.BUDGET_REQUESTS_PER_MINUTE, limit=60, remaining=59)]
+
+
+class _Adapter:
+    def __init__(self, usage: types_pb2.Usage | None = None, fail: bool = False) -> None:
+        self.usage = usage
+        self.fail = fail
+        self.calls = 0
+
+    async def ListModels(self, request, timeout=None):  # noqa: N802 - the stub's name
+        return inference_pb2.ListModelsResponse(models=[EMBEDDING])
+
+    async def Embed(self, request, timeout=None, metadata=None):  # noqa: N802
+        self.calls += 1
+        if self.fail:
+            raise RuntimeError("the adapter failed")
+        return inference_pb2.EmbedResponse(embeddings=[types_pb2.Embedding(values=[1.0])], usage=self.usage)
+
+
+class _RateLimit:
+    def __init__(self, allowed: bool = True) -> None:
+        self.allowed = allowed
+        self.acquired: list[ratelimit_pb2.AcquireRequest] = []
+        self.committed: list[int] = []
+
+    async def Acquire(self, request, timeout=None, metadata=None):  # noqa: N802
+        self.acquired.append(request)
+        if not self.allowed:
+            return ratelimit_pb2.AcquireResponse(allowed=False, denied_by=ratelimit_pb2.BUDGET_REQUESTS_PER_MINUTE)
+        return ratelimit_pb2.AcquireResponse(allowed=True, lease_id="l1", budgets=HEADERS)
+
+    async def Commit(self, request, timeout=None, metadata=None):  # noqa: N802
+        self.committed.append(request.used_tokens)
+        return ratelimit_pb2.CommitResponse()
+
+
+async def _path(adapter: _Adapter, ratelimit: _RateLimit) -> tuple[InferencePath, Admission]:
+    catalog = ModelCatalog(adapter)  # type: ignore[arg-type]
+    await catalog.refresh()
+    admission = Admission(ratelimit, "closed")  # type: ignore[arg-type]
+    return InferencePath(adapter, catalog, admission), admission  # type: ignore[arg-type]
+
+
+def _request() -> gateway_pb2.EmbedRequest:
+    return gateway_pb2.EmbedRequest(model="e", inputs=["abcdef", "abc"])  # estimate (2 + 2) + (1 + 2) = 7
+
+
+async def test_embed_takes_a_lease_and_commits_the_replys_usage() -> None:
+    adapter, ratelimit = _Adapter(types_pb2.Usage(prompt_tokens=5, total_tokens=5)), _RateLimit()
+    path, admission = await _path(adapter, ratelimit)
+    reply, ticket = await path.embed_with_ticket("t", _request(), "r1", 10.0)
+    await admission.drain()
+    assert reply.usage.total_tokens == 5 and len(reply.embeddings) == 1
+    assert [(a.model, a.requests, a.reserved_tokens) for a in ratelimit.acquired] == [("e", 1, 7)]
+    assert ratelimit.committed == [5]
+    assert dict(ticket.metadata)["x-ratelimit-remaining-requests"] == "59"
+    assert ticket.requests_per_minute == 60
+
+
+async def test_a_denied_embed_never_reaches_the_adapter() -> None:
+    adapter = _Adapter()
+    path, _ = await _path(adapter, _RateLimit(allowed=False))
+    with pytest.raises(ResourceExhausted):
+        await path.embed_with_ticket("t", _request(), "r1", 10.0)
+    assert adapter.calls == 0
+
+
+async def test_a_failed_or_uncounted_embed_commits_the_estimate() -> None:
+    for adapter in (_Adapter(fail=True), _Adapter(usage=None)):
+        ratelimit = _RateLimit()
+        path, admission = await _path(adapter, ratelimit)
+        with contextlib.suppress(RuntimeError):
+            await path.embed_with_ticket("t", _request(), "r1", 10.0)
+        await admission.drain()
+        assert ratelimit.committed == [7]
