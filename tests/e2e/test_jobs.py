@@ -23,6 +23,8 @@ from conftest import DEMO_KEY, MODEL, auth
 from sluice_stack import Stack
 
 EMBEDDING_MODEL = "all-minilm-l6-v2"
+RESULT_TYPE = "sluice.jobs.v1.RowResult"
+SUMMARY_TYPE = "sluice.jobs.v1.Job"
 
 
 def gen_row(custom_id: str, max_tokens: int = 2) -> dict[str, Any]:
@@ -41,9 +43,17 @@ def embed_row(custom_id: str) -> dict[str, Any]:
 
 
 async def publish_and_collect(
-    stack: Stack, job: dict[str, Any] | bytes, expect: int, timeout_s: float = 240.0, content_type: str = "application/json"
+    stack: Stack,
+    job: dict[str, Any] | bytes,
+    expect: int,
+    timeout_s: float = 240.0,
+    content_type: str = "application/json",
+    summary: bool = False,
+    linger_s: float = 0.0,
 ) -> list[dict[str, Any]]:
-    """Publishes like a producer would, then reads `expect` replies from its own reply queue."""
+    """Publishes like a producer would, then reads `expect` replies (results or a rejection) from
+    its own reply queue. The job's summary (type sluice.jobs.v1.Job) is left out, unless `summary`:
+    then it is waited for too and listed. `linger_s`: go on reading that long, to catch repeats."""
     connection = await aio_pika.connect(stack.amqp_url)
     async with connection:
         channel = await connection.channel(publisher_confirms=True)
@@ -60,9 +70,16 @@ async def publish_and_collect(
             routing_key="job",
         )
         received: list[dict[str, Any]] = []
+        summaries: list[dict[str, Any]] = []
         deadline = time.monotonic() + timeout_s
+
+        def waiting() -> bool:
+            return len(received) < expect or (summary and not summaries)
+
         async with replies.iterator() as messages:
-            while len(received) < expect:
+            while True:
+                if not waiting() and deadline > time.monotonic() + linger_s:
+                    deadline = time.monotonic() + linger_s
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     break
@@ -71,17 +88,21 @@ async def publish_and_collect(
                 except TimeoutError:
                     break
                 async with message.process():
-                    received.append({"_id": message.message_id, "_type": message.type, **json.loads(message.body)})
+                    reply = {"_id": message.message_id, "_type": message.type, **json.loads(message.body)}
+                    (summaries if message.type == SUMMARY_TYPE else received).append(reply)
         await replies.delete(if_unused=False, if_empty=False)
-        return received
+        return received + summaries if summary else received
 
 
 def wait_job(gateway: Any, job_id: str, timeout_s: float = 240.0) -> jobs_pb2.Job:
+    """The job once it has ended (an expired one: once every row is stored)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:
             job = gateway.GetJob(gateway_pb2.GetJobRequest(job_id=job_id), metadata=auth(), timeout=10).job
             if job.state in (jobs_pb2.JOB_STATE_COMPLETED, jobs_pb2.JOB_STATE_CANCELLED, jobs_pb2.JOB_STATE_FAILED):
+                return job
+            if job.state == jobs_pb2.JOB_STATE_EXPIRED and job.completed_rows + job.failed_rows >= job.total_rows:
                 return job
         except grpc.RpcError as error:
             if error.code() != grpc.StatusCode.NOT_FOUND:  # type: ignore[attr-defined]
@@ -139,11 +160,17 @@ def test_a_malformed_job_is_rejected_to_its_reply_to(stack: Stack, gateway: Any)
 def test_a_poison_row_is_dead_lettered_and_the_job_completes(stack: Stack, gateway: Any) -> None:
     job_id = f"poison-{uuid.uuid4().hex[:6]}"
     rows = [embed_row(f"ok{i}") for i in range(5)] + [{"custom_id": "poison"}]
-    replies = asyncio.run(publish_and_collect(stack, {"job_id": job_id, "api_key": DEMO_KEY, "rows": rows}, expect=6, timeout_s=60))
-    by_id = {r["custom_id"]: r for r in replies}
+    job = {"job_id": job_id, "api_key": DEMO_KEY, "rows": rows}
+    replies = asyncio.run(publish_and_collect(stack, job, expect=6, timeout_s=60, summary=True))
+    (summary,) = [r for r in replies if r["_type"] == SUMMARY_TYPE]
+    by_id = {r["custom_id"]: r for r in replies if r["_type"] == RESULT_TYPE}
     assert len(by_id) == 6
     assert "dead-lettered" in by_id["poison"]["error"]["message"]
     assert all("error" not in by_id[f"ok{i}"] for i in range(5))
+    # The summary: the Job, once every row is stored, told as completed (finalizing is the moment between).
+    assert summary["_id"] == f"{job_id}/summary"
+    assert (summary["job_id"], summary["state"], summary["total_rows"]) == (job_id, "JOB_STATE_COMPLETED", 6)
+    assert (summary["completed_rows"], summary["failed_rows"]) == (5, 1)
     final = wait_job(gateway, job_id, 30)
     assert (final.state, final.completed_rows, final.failed_rows) == (jobs_pb2.JOB_STATE_COMPLETED, 5, 1)
 
@@ -234,3 +261,33 @@ def test_a_worker_killed_mid_job_loses_no_row_and_reports_none_twice(stack: Stac
     assert set(told) == set(listed)
     # A reply may be told twice only in the instant between its confirm and the row's ack.
     assert sum(told.values()) - len(told) <= 1
+
+
+def test_a_job_past_its_completion_window_expires_and_still_reports_every_row_once(stack: Stack, gateway: Any) -> None:
+    job_id = f"expire-{uuid.uuid4().hex[:6]}"
+    rows = [gen_row(f"g{i}", max_tokens=8) for i in range(40)]  # far more than 2 s of generation here
+    job = {"job_id": job_id, "api_key": DEMO_KEY, "completion_window": "2s", "rows": rows}
+    started = time.monotonic()
+    replies = asyncio.run(publish_and_collect(stack, job, expect=40, timeout_s=120, summary=True, linger_s=1.0))
+    elapsed = time.monotonic() - started
+    results = [r for r in replies if r["_type"] == RESULT_TYPE]
+    summaries = [r for r in replies if r["_type"] == SUMMARY_TYPE]
+    told = Counter(r["custom_id"] for r in results)
+    assert set(told) == {r["custom_id"] for r in rows} and max(told.values()) == 1, "every row told exactly once"
+    assert all(r["_id"] == f"{job_id}/{r['custom_id']}" for r in results)
+    ran = [r for r in results if "error" not in r]
+    expired = [r for r in results if "error" in r]
+    assert ran, "rows claimed within the window run and report their results"
+    assert expired, f"40 generations of 8 tokens all ran within 2 s ({elapsed:.1f}s in all)"
+    assert all(r["error"]["code"] == "EXPIRED" for r in expired), expired[:2]
+    assert "completion window (2s) ended before this row ran" in expired[0]["error"]["message"]
+    assert all(r["output"] for r in ran)
+    (summary,) = summaries
+    assert summary["_id"] == f"{job_id}/summary"
+    assert (summary["state"], summary["total_rows"]) == ("JOB_STATE_EXPIRED", 40)
+    assert (summary.get("completed_rows", 0), summary["failed_rows"]) == (len(ran), len(expired))
+    final = wait_job(gateway, job_id, 30)
+    assert (final.state, final.completed_rows, final.failed_rows) == (jobs_pb2.JOB_STATE_EXPIRED, len(ran), len(expired))
+    assert final.expires_at.ToNanoseconds() - final.created_at.ToNanoseconds() == 2_000_000_000
+    listed = {r.custom_id: r for r in all_results(gateway, job_id)}
+    assert {cid for cid, r in listed.items() if r.error.code == "EXPIRED"} == {r["custom_id"] for r in expired}

@@ -1,7 +1,10 @@
-"""The job store on SQLite and on PostgreSQL: idempotent rows, counts, states, cancellation, pages."""
+"""The job store on SQLite and on PostgreSQL: idempotent rows, counts, states, cancellation, pages,
+completion windows (expired), summaries (finalizing) and the sweep."""
 
 from __future__ import annotations
 
+import asyncio
+import time
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -11,10 +14,13 @@ import pytest
 from sluice.jobs.v1 import jobs_pb2
 
 from sluice_common.errors import InvalidArgument
+from sluice_common.sqlstore import open_sql_db
 from sluice_gateway import job_store as s
 from sluice_gateway.job_store import JobStore
+from sluice_gateway.jobs import expired_result
 
 PG_DSN = "postgresql://postgres@127.0.0.1:5432/test"
+DAY = 86400.0
 
 
 @pytest.fixture(params=["sqlite", "postgres"])
@@ -38,35 +44,41 @@ def result(custom_id: str, error: bool = False) -> jobs_pb2.RowResult:
 
 
 async def test_accept_is_idempotent_and_rows_finish_once(store: JobStore) -> None:
-    job, open_rows = await store.accept("j", "demo", "q", ["a", "b", "c"])
+    job, open_rows = await store.accept("j", "demo", "q", ["a", "b", "c"], DAY)
     assert (job.state, job.total_rows, open_rows) == (s.IN_PROGRESS, 3, {"a", "b", "c"})
     assert await store.claim_row("j", "a", "w1", take_over=False) == s.CLAIMED
     assert await store.claim_row("j", "a", "w2", take_over=False) == s.BUSY
-    assert await store.finish_row(result("a")) is True
-    assert await store.finish_row(result("a")) is False  # a redelivered copy is never recorded twice
+    assert await store.finish_row(result("a")) is not None
+    assert await store.finish_row(result("a")) is None  # a redelivered copy is never recorded twice
     assert await store.claim_row("j", "a", "w2", take_over=True) == s.DONE
     # The job message redelivered before it was acked: only the open rows are published again.
-    _, again = await store.accept("j", "demo", "q", ["a", "b", "c"])
+    _, again = await store.accept("j", "demo", "q", ["a", "b", "c"], DAY)
     assert again == {"b", "c"}
     await store.mark_split("j")
-    assert (await store.accept("j", "demo", "q", ["a", "b", "c"]))[1] == set()
+    assert (await store.accept("j", "demo", "q", ["a", "b", "c"], DAY))[1] == set()
     with pytest.raises(InvalidArgument):
-        await store.accept("j", "other-tenant", "q", ["a"])
+        await store.accept("j", "other-tenant", "q", ["a"], DAY)
     assert await store.finish_row(result("b", error=True))
     assert await store.claim_row("j", "c", "w1", take_over=False) == s.CLAIMED
     await store.release_row("j", "c")
     assert await store.claim_row("j", "c", "w1", take_over=False) == s.CLAIMED
-    assert await store.finish_row(result("c"))
+    last = await store.finish_row(result("c"))
+    assert last is not None and last.ends_job
     job = await store.get_job("j")
     assert job is not None
-    assert (job.state, job.completed_rows, job.failed_rows) == (s.COMPLETED, 2, 1)
+    # Every row stored: finalizing until the summary is told, then completed.
+    assert (job.state, job.completed_rows, job.failed_rows) == (s.FINALIZING, 2, 1)
+    assert job.to_proto().state == jobs_pb2.JOB_STATE_FINALIZING
+    await store.summary_told("j")
+    job = await store.get_job("j")
+    assert job is not None and job.state == s.COMPLETED
     proto = job.to_proto()
     assert proto.state == jobs_pb2.JOB_STATE_COMPLETED and proto.total_rows == 3
 
 
 async def test_results_page_in_row_order(store: JobStore) -> None:
     ids = [f"r{i}" for i in range(7)]
-    await store.accept("j", "demo", "", ids)
+    await store.accept("j", "demo", "", ids, DAY)
     for custom_id in reversed(ids):
         await store.claim_row("j", custom_id, "w", False)
         await store.finish_row(result(custom_id))
@@ -82,7 +94,7 @@ async def test_results_page_in_row_order(store: JobStore) -> None:
 
 
 async def test_cancel_stops_new_rows_and_settles_when_running_rows_end(store: JobStore) -> None:
-    await store.accept("j", "demo", "", ["a", "b", "c"])
+    await store.accept("j", "demo", "", ["a", "b", "c"], DAY)
     assert await store.claim_row("j", "a", "w", False) == s.CLAIMED
     job = await store.cancel("j")
     assert job is not None and job.state == s.CANCELLING
@@ -93,10 +105,165 @@ async def test_cancel_stops_new_rows_and_settles_when_running_rows_end(store: Jo
 
 
 async def test_submitted_then_failed_or_accepted(store: JobStore) -> None:
-    job = await store.record_submitted("v", "demo", 2, "q")
+    job = await store.record_submitted("v", "demo", 2, "q", DAY)
     assert job.state == s.VALIDATING
-    job, rows = await store.accept("v", "demo", "q", ["a", "b"])
+    job, rows = await store.accept("v", "demo", "q", ["a", "b"], DAY)
     assert job.state == s.IN_PROGRESS and rows == {"a", "b"}
     await store.record_failed("f", "demo", "q", "bad")
     failed = await store.get_job("f")
     assert failed is not None and failed.state == s.FAILED and failed.error == "bad"
+
+
+# ---- completion windows (expired), summaries (finalizing), the sweep
+
+
+def task(custom_id: str, job_id: str = "j") -> jobs_pb2.RowTask:
+    return jobs_pb2.RowTask(job_id=job_id, row=jobs_pb2.JobRow(custom_id=custom_id))
+
+
+async def test_a_row_claimed_after_the_window_is_stored_once_as_expired(store: JobStore) -> None:
+    await store.accept("j", "demo", "q", ["a", "b", "c"], 0.3, "application/json")
+    assert await store.claim_row("j", "a", "w1", take_over=False) == s.CLAIMED  # running when the window ends
+    await asyncio.sleep(0.35)
+    # Two workers hold copies of b's message: neither runs it, and only one result is stored.
+    assert await store.claim_row("j", "b", "w1", take_over=False) == s.OVERDUE
+    assert await store.claim_row("j", "b", "w2", take_over=False) == s.OVERDUE
+    job = await store.get_job("j")
+    assert job is not None and job.state == s.EXPIRED and not job.settled
+    assert job.window_s == pytest.approx(0.3)
+    expired = expired_result(task("b"), job.window_s)
+    first, second = await store.finish_row(expired), await store.finish_row(expired)
+    assert first is not None and not first.ends_job and second is None
+    # a was running: it finishes and is stored as usual, even though the job has expired.
+    assert await store.claim_row("j", "a", "w2", take_over=False) == s.BUSY
+    finished_a = await store.finish_row(result("a"))
+    assert finished_a is not None and not finished_a.ends_job
+    assert await store.claim_row("j", "c", "w1", take_over=True) == s.OVERDUE
+    last = await store.finish_row(expired_result(task("c"), job.window_s))
+    assert last is not None and last.ends_job  # the last row stored: the summary is due
+    assert (last.job.state, last.job.completed_rows, last.job.failed_rows, last.job.total_rows) == (s.EXPIRED, 1, 2, 3)
+    assert last.job.settled
+    stored = await store.row_result("j", "b")
+    assert stored is not None and stored.error.code == "EXPIRED" and "(0.3s)" in stored.error.message
+    summary = last.job.summary()
+    assert (summary.state, summary.completed_rows, summary.failed_rows) == (jobs_pb2.JOB_STATE_EXPIRED, 1, 2)
+    assert summary.expires_at.ToNanoseconds() > summary.created_at.ToNanoseconds()
+    assert last.job.reply_content_type == "application/json"
+    # Left untold (a worker died), the sweep finds it; once told, never again.
+    assert [j.job_id for j in await store.summaries_due(0.0)] == ["j"]
+    await store.summary_told("j")
+    assert await store.summaries_due(0.0) == []
+    job = await store.get_job("j")
+    assert job is not None and job.state == s.EXPIRED and job.summary_sent
+
+
+async def test_the_sweep_expires_overdue_jobs_only(store: JobStore) -> None:
+    await store.accept("short", "demo", "", ["a"], 60.0)
+    await store.accept("long", "demo", "", ["a"], DAY)
+    await store.accept("done", "demo", "", ["a"], 60.0)
+    await store.finish_row(jobs_pb2.RowResult(job_id="done", custom_id="a", output="x"))
+    later = time.time() + 120
+    assert await store.expire_overdue(later) == 1
+    assert await store.expire_overdue(later) == 0  # conditional on in_progress: never twice
+    states = {job_id: (await store.get_job(job_id)).state for job_id in ("short", "long", "done")}  # type: ignore[union-attr]
+    assert states == {"short": s.EXPIRED, "long": s.IN_PROGRESS, "done": s.FINALIZING}
+    # An expired job is not settled until its rows are stored, so the sweep tells nothing yet.
+    assert [j.job_id for j in await store.summaries_due(0.0, later)] == ["done"]
+
+
+async def test_the_sweep_finishes_a_finalizing_job_its_worker_left(store: JobStore) -> None:
+    await store.accept("j", "demo", "q", ["a", "b"], DAY)
+    first = await store.finish_row(result("a"))
+    last = await store.finish_row(result("b", error=True))
+    assert first is not None and not first.ends_job
+    assert last is not None and last.ends_job and last.job.state == s.FINALIZING
+    assert last.job.summary().state == jobs_pb2.JOB_STATE_COMPLETED  # told as the outcome
+    # The worker died before telling it: not due while fresh (its worker may be telling it now) ...
+    assert await store.summaries_due(5.0) == []
+    # ... due once it has been finalizing longer than the grace.
+    (due,) = await store.summaries_due(5.0, time.time() + 6)
+    assert (due.job_id, due.state, due.completed_rows, due.failed_rows) == ("j", s.FINALIZING, 1, 1)
+    told = await store.summary_told("j")
+    assert told is not None and told.state == s.COMPLETED and told.summary_sent
+    again = await store.summary_told("j")  # a second sweeper: no change
+    assert again is not None and again.state == s.COMPLETED and again.updated_at == told.updated_at
+    assert await store.summaries_due(0.0, time.time() + 6) == []
+
+
+async def test_a_cancelled_job_gets_its_summary_from_the_sweep(store: JobStore) -> None:
+    await store.accept("j", "demo", "q", ["a", "b"], DAY)
+    job = await store.cancel("j")
+    assert job is not None and job.state == s.CANCELLED
+    (due,) = await store.summaries_due(0.0, time.time() + 1)
+    assert due.summary().state == jobs_pb2.JOB_STATE_CANCELLED
+    await store.summary_told("j")
+    assert await store.summaries_due(0.0, time.time() + 1) == []
+
+
+async def test_concurrent_finishes_count_once_and_end_the_job_once(store: JobStore) -> None:
+    ids = [f"r{i}" for i in range(12)]
+    await store.accept("j", "demo", "q", ids, DAY)
+    # Every row finished twice at once (two workers with copies), all rows at once.
+    outcomes = await asyncio.gather(*(store.finish_row(result(cid)) for cid in ids + ids))
+    stored = [o for o in outcomes if o is not None]
+    assert len(stored) == len(ids)
+    assert sum(o.ends_job for o in stored) == 1
+    job = await store.get_job("j")
+    assert job is not None and (job.state, job.completed_rows, job.failed_rows) == (s.FINALIZING, 12, 0)
+
+
+async def test_concurrent_last_rows_of_an_expired_job_end_it_once(store: JobStore) -> None:
+    ids = [f"r{i}" for i in range(8)]
+    await store.accept("j", "demo", "q", ids, 60.0)
+    assert await store.expire_overdue(time.time() + 120) == 1
+    outcomes = await asyncio.gather(*(store.finish_row(expired_result(task(cid), 60.0)) for cid in ids + ids))
+    stored = [o for o in outcomes if o is not None]
+    assert len(stored) == len(ids) and sum(o.ends_job for o in stored) == 1
+    job = await store.get_job("j")
+    assert job is not None and (job.state, job.failed_rows) == (s.EXPIRED, 8)
+
+
+async def test_an_expired_job_split_by_a_worker_that_died_still_publishes_its_rows(store: JobStore) -> None:
+    await store.accept("x", "demo", "q", ["a", "b"], 60.0)  # not marked split: the worker died
+    await store.expire_overdue(time.time() + 120)
+    _, open_rows = await store.accept("x", "demo", "q", ["a", "b"], 60.0)
+    assert open_rows == {"a", "b"}  # so that each is still reported (as EXPIRED)
+    await store.accept("c", "demo", "q", ["a"], DAY)
+    await store.cancel("c")
+    assert (await store.accept("c", "demo", "q", ["a"], DAY))[1] == set()  # cancelled rows never run
+
+
+async def test_the_window_counts_from_submit_job(store: JobStore) -> None:
+    submitted = await store.record_submitted("v", "demo", 1, "q", 3600.0)
+    assert submitted.expires_at == pytest.approx(submitted.created_at + 3600.0)
+    job, _ = await store.accept("v", "demo", "q", ["a"], 3600.0, "application/x-protobuf")
+    assert job.expires_at == pytest.approx(submitted.created_at + 3600.0)
+    assert job.to_proto().expires_at.ToSeconds() == int(submitted.created_at + 3600.0)
+
+
+async def test_migration_2_keeps_old_jobs_and_tells_no_old_summary(tmp_path: Path) -> None:
+    for backend in ("sqlite", "postgres"):
+        schema = f"jobs_test_{uuid.uuid4().hex[:8]}"
+        dsn = PG_DSN if backend == "postgres" else ""
+        old = JobStore(open_sql_db(dsn, tmp_path / f"{backend}.sqlite3", schema, s.MIGRATIONS[:1]))
+        await old.open()
+        async with old.db.transaction() as tx:
+            for job_id, state in (("old-done", s.COMPLETED), ("old-cancelled", s.CANCELLED), ("old-running", s.IN_PROGRESS)):
+                await tx.execute(
+                    "INSERT INTO jobs (job_id, tenant, state, total_rows, reply_to, created_at, updated_at) VALUES (?, 'demo', ?, 1, 'q', 1.0, 1.0)",
+                    job_id, state,
+                )  # fmt: skip
+        await old.close()
+        new = JobStore.create(dsn, tmp_path / f"{backend}.sqlite3", schema)
+        await new.open()
+        try:
+            running = await new.get_job("old-running")
+            assert running is not None and running.expires_at is None and not running.summary_sent
+            assert await new.expire_overdue(time.time() + 10 * DAY) == 0  # no window: never expires
+            assert await new.summaries_due(0.0) == []  # jobs that ended before summaries are not told one
+        finally:
+            await new.close()
+            if backend == "postgres":
+                connection = await asyncpg.connect(PG_DSN)
+                await connection.execute(f'DROP SCHEMA "{schema}" CASCADE')
+                await connection.close()

@@ -10,14 +10,20 @@ import pytest
 from sluice.jobs.v1 import jobs_pb2
 
 from sluice_common.errors import ResourceExhausted, Unavailable
+from sluice_gateway.cli_jobs import progress_line, settled
+from sluice_gateway.config import GatewayConfig
 from sluice_gateway.jobs import (
+    EXPIRED_CODE,
     JSON,
     PACED,
     TRANSIENT,
     JobRejected,
     backoff_s,
     code_of,
+    completion_window_s,
     encode_reply,
+    expired_result,
+    format_duration,
     paced_delay_s,
     parse_job,
     row_tasks,
@@ -25,7 +31,8 @@ from sluice_gateway.jobs import (
 )
 from sluice_gateway.tenants import TenantDirectory
 
-TENANTS = TenantDirectory.from_file(Path(__file__).resolve().parents[3] / "config" / "tenants.toml")
+TENANTS_FILE = Path(__file__).resolve().parents[3] / "config" / "tenants.toml"
+TENANTS = TenantDirectory.from_file(TENANTS_FILE)
 KEY = "sk-sluice-demo"
 
 
@@ -125,3 +132,66 @@ def test_error_classes_and_backoff() -> None:
     assert all(0 <= d <= 4.0 for d in delays)
     assert max(delays[6:]) > 0.5  # grows, then is capped
     assert 1.0 <= paced_delay_s(1.0, rng) <= 1.25
+
+
+# ---- completion windows
+
+
+def test_the_completion_window_is_a_json_duration_or_the_default() -> None:
+    job = parse_job(job_json(completion_window="3600s"), JSON)
+    validate_job(job, TENANTS, 100)
+    assert completion_window_s(job, 86400.0) == 3600.0
+    assert completion_window_s(parse_job(job_json(completion_window="0.5s"), JSON), 86400.0) == 0.5
+    assert completion_window_s(parse_job(job_json(), JSON), 86400.0) == 86400.0
+    # protobuf producers: the same field
+    assert completion_window_s(jobs_pb2.JobRequest.FromString(job.SerializeToString()), 1.0) == 3600.0
+
+
+@pytest.mark.parametrize("window", ["0s", "-5s", "604801s"])
+def test_a_completion_window_out_of_range_is_rejected(window: str) -> None:
+    with pytest.raises(JobRejected, match="completion_window") as caught:
+        validate_job(parse_job(job_json(completion_window=window), JSON), TENANTS, 100)
+    assert caught.value.tenant == "demo"  # recorded as a failed job of the tenant
+    validate_job(parse_job(job_json(completion_window="604800s"), JSON), TENANTS, 100)  # the longest allowed
+
+
+def test_a_completion_window_that_is_not_a_duration_is_rejected() -> None:
+    with pytest.raises(JobRejected, match="not a JobRequest"):
+        parse_job(job_json(completion_window="1h"), JSON)
+
+
+def test_an_expired_row_says_what_happened_and_what_to_do() -> None:
+    task = jobs_pb2.RowTask(job_id="j", row=jobs_pb2.JobRow(custom_id="a"))
+    result = expired_result(task, 3600.0)
+    assert (result.job_id, result.custom_id, result.error.code, result.output) == ("j", "a", EXPIRED_CODE, "")
+    assert "completion window (1h) ended before this row ran" in result.error.message
+    assert "completion_window" in result.error.message
+    assert "()" not in expired_result(task, None).error.message
+    assert [format_duration(x) for x in (1.0, 0.25, 90, 5400, 86400, 90061)] == ["1s", "0.25s", "1m30s", "1h30m", "1d", "1d1h1m1s"]
+
+
+def test_the_summary_is_told_as_json_or_protobuf() -> None:
+    job = jobs_pb2.Job(job_id="j", state=jobs_pb2.JOB_STATE_EXPIRED, total_rows=3, completed_rows=1, failed_rows=2)
+    assert json.loads(encode_reply(job, JSON)) == {
+        "job_id": "j", "state": "JOB_STATE_EXPIRED", "total_rows": 3, "completed_rows": 1, "failed_rows": 2
+    }  # fmt: skip
+    assert jobs_pb2.Job.FromString(encode_reply(job, "application/x-protobuf")) == job
+
+
+def test_the_default_window_is_checked_at_start() -> None:
+    assert GatewayConfig(tenants_file=TENANTS_FILE).jobs_completion_window_s == 86400.0
+    for bad in (0.0, -1.0, 604801.0):
+        with pytest.raises(ValueError, match="JOBS_COMPLETION_WINDOW_S"):
+            GatewayConfig(tenants_file=TENANTS_FILE, jobs_completion_window_s=bad)
+
+
+def test_the_cli_ends_on_expired_once_every_row_is_stored() -> None:
+    expired = jobs_pb2.Job(state=jobs_pb2.JOB_STATE_EXPIRED, total_rows=4, completed_rows=1, failed_rows=1)
+    assert not settled(expired)  # two rows still to be stored as EXPIRED
+    expired.failed_rows = 3
+    assert settled(expired)
+    line = progress_line(expired, width=4)
+    assert line.startswith("[####] 4/4 100.0%  expired") and "EXPIRED" in line
+    assert not settled(jobs_pb2.Job(state=jobs_pb2.JOB_STATE_FINALIZING, total_rows=1, completed_rows=1))
+    assert settled(jobs_pb2.Job(state=jobs_pb2.JOB_STATE_COMPLETED, total_rows=1, completed_rows=1))
+    assert "finalizing " in progress_line(jobs_pb2.Job(state=jobs_pb2.JOB_STATE_FINALIZING, total_rows=1, completed_rows=1))

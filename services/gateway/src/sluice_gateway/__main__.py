@@ -23,7 +23,7 @@ async def serve(config: GatewayConfig) -> None:
     job_store = JobStore.create(config.jobs_postgres_dsn, config.jobs_sqlite_path)
     await job_store.open()
     job_publisher = job_request_publisher(config)
-    jobs = JobsApi(job_store, core.tenants, job_publisher.submit_job, config.jobs_max_rows)
+    jobs = JobsApi(job_store, core.tenants, job_publisher.submit_job, config.jobs_max_rows, config.jobs_completion_window_s)
     servicer = GatewayServicer(
         core.tenants, core.models, core.adapter, completion_events=core.completion_events, admission=core.admission, jobs=jobs
     )

@@ -39,11 +39,21 @@ def _state(job: jobs_pb2.Job) -> str:
     return jobs_pb2.JobState.Name(job.state).removeprefix("JOB_STATE_").lower()
 
 
+def settled(job: jobs_pb2.Job) -> bool:
+    """Ended, with every row's result stored: an expired job stores its last rows (as EXPIRED)
+    just after it turned expired."""
+    return job.state in TERMINAL and (job.state != jobs_pb2.JOB_STATE_EXPIRED or job.completed_rows + job.failed_rows >= job.total_rows)
+
+
 def progress_line(job: jobs_pb2.Job, width: int = 30) -> str:
     done = job.completed_rows + job.failed_rows
     share = done / job.total_rows if job.total_rows else 0.0
     bar = "#" * int(share * width) + "-" * (width - int(share * width))
-    return f"[{bar}] {done}/{job.total_rows} {share:6.1%}  {_state(job)}  ({job.failed_rows} failed)"
+    # The state padded to the longest (finalizing, in_progress), so that "\r" overwrites it whole.
+    line = f"[{bar}] {done}/{job.total_rows} {share:6.1%}  {_state(job):<11}  ({job.failed_rows} failed)"
+    if job.state == jobs_pb2.JOB_STATE_EXPIRED:
+        line += "; the completion window ended: rows not run by then failed with code EXPIRED"
+    return line
 
 
 def read_rows(path: Path) -> list[jobs_pb2.JobRow]:
@@ -97,6 +107,8 @@ def cmd_submit(args: argparse.Namespace) -> int:
         for update in _stub(args).WatchJob(gateway_pb2.WatchJobRequest(job_id=job.job_id), metadata=_metadata(args)):
             last = update.job
             print("\r" + progress_line(last), end="", file=sys.stderr, flush=True)
+            if settled(last):
+                break
         print(file=sys.stderr)
         results = _all_results(args, job.job_id)
     except grpc.RpcError as error:

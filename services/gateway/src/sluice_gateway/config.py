@@ -8,6 +8,9 @@ from pathlib import Path
 from sluice_common.config import ClientTLS, ServerConfig, require
 
 ENV_PREFIX = "SLUICE_GATEWAY_"
+# The longest completion window a job may ask for (and the default may be): a week. A job's state
+# and its results stay in the store until it ends, so a bound keeps forgotten jobs from lingering.
+MAX_COMPLETION_WINDOW_S = 7 * 24 * 3600.0
 
 
 @dataclass(frozen=True)
@@ -55,6 +58,9 @@ class GatewayConfig(ServerConfig):
     jobs_sqlite_path: Path = Path("sluice-jobs.sqlite3")
     jobs_postgres_dsn: str = ""
     jobs_max_rows: int = 100_000
+    # A job's completion window when its JobRequest sets none (OpenAI's is 24 h): rows not started
+    # when it ends are reported failed with code EXPIRED.
+    jobs_completion_window_s: float = 86400.0
     # The job-worker role (`python -m sluice_gateway.worker`): its health/metrics ports, rows unacked
     # at once (prefetch), the adaptive concurrency's start and ceiling, one row's deadline, transient
     # errors retried in-process (capped exponential backoff with jitter) before the row goes back to
@@ -88,6 +94,10 @@ class GatewayConfig(ServerConfig):
         require(self.ratelimit_timeout_s > 0, f"{ENV_PREFIX}RATELIMIT_TIMEOUT_S must be > 0, got {self.ratelimit_timeout_s}")
         require(self.events_outbox_size >= 1, f"{ENV_PREFIX}EVENTS_OUTBOX_SIZE must be >= 1, got {self.events_outbox_size}")
         require(self.jobs_max_rows >= 1, f"{ENV_PREFIX}JOBS_MAX_ROWS must be >= 1, got {self.jobs_max_rows}")
+        require(
+            0 < self.jobs_completion_window_s <= MAX_COMPLETION_WINDOW_S,
+            f"{ENV_PREFIX}JOBS_COMPLETION_WINDOW_S must be > 0 and <= {MAX_COMPLETION_WINDOW_S:.0f}, got {self.jobs_completion_window_s}",
+        )
         require(self.worker_prefetch >= 1, f"{ENV_PREFIX}WORKER_PREFETCH must be >= 1, got {self.worker_prefetch}")
         require(
             1 <= self.worker_concurrency_initial <= self.worker_concurrency_max,

@@ -2,16 +2,29 @@
 
 SQLite by default (WAL; the gateway and its job workers on one host share the file), PostgreSQL
 when SLUICE_GATEWAY_JOBS_POSTGRES_DSN is set (several workers on several hosts). Every change is
-one transaction, and every row transition is conditional on the state it leaves, so two workers
-holding copies of one row message can never both record it:
+one transaction, and every transition, of a row or of a job, is conditional on the state it
+leaves, so two workers holding copies of one row message (or sweeping at once) can never both
+record it:
 
     pending --claim--> running --finish--> done        (result stored, counters +1, once)
        |                  \\--release--> pending       (retry later through the broker)
-       \\-- job cancelled --> cancelled
+       |-- job cancelled --> cancelled
+       \\-- claimed once the job's window is over --finish--> done (failed, code EXPIRED)
 
-A job: validating (SubmitJob seen, worker not yet) -> in_progress (split into row messages) ->
-completed once every row is done; cancelling -> cancelled once no row is running; failed when
-the job message could not be accepted.
+A job (states as in the OpenAI Batch API):
+
+    validating --accept--> in_progress --last row stored--> finalizing --summary told--> completed
+        |     \\               |    \\--completion window over--> expired
+        |      \\--cancel------+--cancel--> cancelling --no row running--> cancelled
+        \\--job message malformed--> failed
+
+validating: SubmitJob seen, worker not yet. in_progress: split into row messages. finalizing:
+every row is stored; the worker that stored the last one tells the job's summary (a Job message)
+to reply_to, then marks it completed; the sweep (summaries_due) finishes one a dead worker left.
+expired: the completion window (expires_at) ended first; rows still pending are stored as failed
+(code EXPIRED) when their message is claimed, rows running then finish normally, so every row is
+still reported once; the summary is told once the last one is stored. A cancelled job's summary
+is told by the sweep. summary_sent records that an expired or cancelled job's summary was told.
 """
 
 from __future__ import annotations
@@ -29,6 +42,8 @@ S = jobs_pb2
 VALIDATING, IN_PROGRESS, COMPLETED, FAILED = "validating", "in_progress", "completed", "failed"
 CANCELLING, CANCELLED, FINALIZING, EXPIRED = "cancelling", "cancelled", "finalizing", "expired"
 TERMINAL = (COMPLETED, FAILED, CANCELLED, EXPIRED)
+# Where a row's message is acked without running: the job is over or on its way to cancelled.
+STOPPED = (CANCELLING, CANCELLED, FAILED)
 STATE_ENUM = {
     VALIDATING: S.JOB_STATE_VALIDATING,
     IN_PROGRESS: S.JOB_STATE_IN_PROGRESS,
@@ -75,6 +90,21 @@ MIGRATIONS = (
             "CREATE INDEX jobs_tenant ON jobs (tenant, created_at)",
         ),
     ),
+    (
+        2,
+        "completion windows (expired) and job summaries (finalizing)",
+        (
+            # NULL: a job recorded before windows existed; it never expires.
+            "ALTER TABLE jobs ADD COLUMN expires_at DOUBLE PRECISION",
+            # How the job message came (JSON or protobuf): the summary is told the same way.
+            "ALTER TABLE jobs ADD COLUMN reply_content_type TEXT NOT NULL DEFAULT ''",
+            "ALTER TABLE jobs ADD COLUMN summary_sent BOOLEAN NOT NULL DEFAULT FALSE",
+            # Jobs that ended before summaries existed are not told one now.
+            "UPDATE jobs SET summary_sent = TRUE WHERE state IN ('completed', 'failed', 'cancelled')",
+            # The worker's sweep looks jobs up by state every few seconds.
+            "CREATE INDEX jobs_state ON jobs (state, updated_at)",
+        ),
+    ),
 )
 
 
@@ -91,10 +121,26 @@ class JobRecord:
     error: str
     created_at: float
     updated_at: float
+    expires_at: float | None = None
+    reply_content_type: str = ""
+    summary_sent: bool = False
 
     @property
     def terminal(self) -> bool:
         return self.state in TERMINAL
+
+    @property
+    def settled(self) -> bool:
+        """Terminal and no row will be stored any more (an expired job stores its last rows late)."""
+        return self.terminal and (self.state != EXPIRED or self.completed_rows + self.failed_rows >= self.total_rows)
+
+    @property
+    def window_s(self) -> float | None:
+        """The completion window the job was given."""
+        return None if self.expires_at is None else self.expires_at - self.created_at
+
+    def overdue(self, now: float) -> bool:
+        return self.state == IN_PROGRESS and self.expires_at is not None and self.expires_at <= now
 
     def to_proto(self) -> jobs_pb2.Job:
         job = jobs_pb2.Job(
@@ -108,22 +154,43 @@ class JobRecord:
         )
         job.created_at.FromNanoseconds(int(self.created_at * 1e9))
         job.updated_at.FromNanoseconds(int(self.updated_at * 1e9))
+        if self.expires_at is not None:
+            job.expires_at.FromNanoseconds(int(self.expires_at * 1e9))
+        return job
+
+    def summary(self) -> jobs_pb2.Job:
+        """What reply_to is told when the job ends. Finalizing is told as completed: it only lasts
+        until this summary is confirmed, and consumers want the outcome."""
+        job = self.to_proto()
+        if self.state == FINALIZING:
+            job.state = S.JOB_STATE_COMPLETED
         return job
 
 
-_JOB_COLUMNS = (
+_INSERT_COLUMNS = (
     "job_id, tenant, state, total_rows, completed_rows, failed_rows, reply_to, split_done, error, created_at, updated_at"
 )
+_JOB_COLUMNS = f"{_INSERT_COLUMNS}, expires_at, reply_content_type, summary_sent"
 
-# What claim_row found.
-CLAIMED, DONE, BUSY, SKIPPED, MISSING = "claimed", "done", "busy", "skipped", "missing"
+# What claim_row found. OVERDUE: the job's completion window is over; store the row as EXPIRED.
+CLAIMED, DONE, BUSY, SKIPPED, MISSING, OVERDUE = "claimed", "done", "busy", "skipped", "missing", "overdue"
 
 
 def _job(values: tuple) -> JobRecord:  # type: ignore[type-arg]
-    (job_id, tenant, state, total, completed, failed, reply_to, split_done, error, created, updated) = values
+    (job_id, tenant, state, total, completed, failed, reply_to, split_done, error, created, updated, expires, content_type, told) = values
     return JobRecord(
-        job_id, tenant, state, int(total), int(completed), int(failed), reply_to, bool(split_done), error, float(created), float(updated)
-    )
+        job_id, tenant, state, int(total), int(completed), int(failed), reply_to, bool(split_done), error, float(created), float(updated),
+        None if expires is None else float(expires), content_type, bool(told),
+    )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Finished:
+    """finish_row stored the row. ends_job: it was the job's last, so its summary is due now (the
+    job is finalizing, or expired with every row stored); exactly one row's call sees it."""
+
+    job: JobRecord
+    ends_job: bool
 
 
 def encode_page_token(seq: int) -> str:
@@ -162,13 +229,15 @@ class JobStore:
         async with self.db.transaction() as tx:
             return await self._get(tx, job_id)
 
-    async def record_submitted(self, job_id: str, tenant: str, total_rows: int, reply_to: str) -> JobRecord:
-        """SubmitJob's record (validating) before the worker has seen the job; idempotent."""
+    async def record_submitted(self, job_id: str, tenant: str, total_rows: int, reply_to: str, window_s: float) -> JobRecord:
+        """SubmitJob's record (validating) before the worker has seen the job; idempotent. The
+        completion window counts from here."""
         now = time.time()
         async with self.db.transaction() as tx:
             await tx.execute(
-                f"INSERT INTO jobs ({_JOB_COLUMNS}) VALUES (?, ?, ?, ?, 0, 0, ?, FALSE, '', ?, ?) ON CONFLICT (job_id) DO NOTHING",
-                job_id, tenant, VALIDATING, total_rows, reply_to, now, now,
+                f"INSERT INTO jobs ({_INSERT_COLUMNS}, expires_at) VALUES (?, ?, ?, ?, 0, 0, ?, FALSE, '', ?, ?, ?)"
+                " ON CONFLICT (job_id) DO NOTHING",
+                job_id, tenant, VALIDATING, total_rows, reply_to, now, now, now + window_s,
             )  # fmt: skip
             job = await self._get(tx, job_id)
         assert job is not None
@@ -179,7 +248,7 @@ class JobStore:
         now = time.time()
         async with self.db.transaction() as tx:
             await tx.execute(
-                f"INSERT INTO jobs ({_JOB_COLUMNS}) VALUES (?, ?, ?, 0, 0, 0, ?, TRUE, ?, ?, ?) ON CONFLICT (job_id) DO NOTHING",
+                f"INSERT INTO jobs ({_INSERT_COLUMNS}) VALUES (?, ?, ?, 0, 0, 0, ?, TRUE, ?, ?, ?) ON CONFLICT (job_id) DO NOTHING",
                 job_id, tenant, FAILED, reply_to, error, now, now,
             )  # fmt: skip
             await tx.execute(
@@ -187,10 +256,14 @@ class JobStore:
                 FAILED, error, now, job_id, tenant, VALIDATING,
             )  # fmt: skip
 
-    async def accept(self, job_id: str, tenant: str, reply_to: str, custom_ids: list[str]) -> tuple[JobRecord, set[str]]:
+    async def accept(
+        self, job_id: str, tenant: str, reply_to: str, custom_ids: list[str], window_s: float, reply_content_type: str = ""
+    ) -> tuple[JobRecord, set[str]]:
         """Records the job and its rows (idempotent); returns the job and the custom ids whose row
         messages must (still) be published: all of them the first time, those not yet finished
-        when a crash interrupted an earlier split. A job id of another tenant raises."""
+        when a crash interrupted an earlier split (an expired job's too: each is still reported,
+        as EXPIRED). The completion window counts from the job's first record. A job id of
+        another tenant raises."""
         now = time.time()
         async with self.db.transaction() as tx:
             job = await self._get(tx, job_id)
@@ -198,15 +271,17 @@ class JobStore:
                 raise InvalidArgument("job_id", "already used by another tenant")
             if job is None:
                 await tx.execute(
-                    f"INSERT INTO jobs ({_JOB_COLUMNS}) VALUES (?, ?, ?, ?, 0, 0, ?, FALSE, '', ?, ?)",
-                    job_id, tenant, IN_PROGRESS, len(custom_ids), reply_to, now, now,
+                    f"INSERT INTO jobs ({_INSERT_COLUMNS}, expires_at, reply_content_type)"
+                    " VALUES (?, ?, ?, ?, 0, 0, ?, FALSE, '', ?, ?, ?, ?)",
+                    job_id, tenant, IN_PROGRESS, len(custom_ids), reply_to, now, now, now + window_s, reply_content_type,
                 )  # fmt: skip
             elif job.state == VALIDATING:
                 await tx.execute(
-                    "UPDATE jobs SET state = ?, total_rows = ?, updated_at = ? WHERE job_id = ?",
-                    IN_PROGRESS, len(custom_ids), now, job_id,
+                    "UPDATE jobs SET state = ?, total_rows = ?, updated_at = ?, expires_at = created_at + ?, reply_content_type = ?"
+                    " WHERE job_id = ? AND state = ?",
+                    IN_PROGRESS, len(custom_ids), now, window_s, reply_content_type, job_id, VALIDATING,
                 )  # fmt: skip
-            elif job.split_done or job.terminal:
+            elif job.split_done or (job.terminal and job.state != EXPIRED):
                 return job, set()
             existing = {cid for (cid,) in await tx.fetchall("SELECT custom_id FROM job_rows WHERE job_id = ?", job_id)}
             for seq, custom_id in enumerate(custom_ids):
@@ -259,12 +334,15 @@ class JobStore:
                 return DONE
             if state == "cancelled":
                 return SKIPPED
-            if job.state in (CANCELLING, CANCELLED, FAILED, EXPIRED):
+            if job.state in STOPPED:
                 await tx.execute("UPDATE job_rows SET state = 'cancelled' WHERE job_id = ? AND custom_id = ?", job_id, custom_id)
                 await self._settle_cancel(tx, job_id, now)
                 return SKIPPED
             if state == "running" and not take_over:
-                return BUSY
+                return BUSY  # running elsewhere: it finishes there, even past the window
+            if job.state == EXPIRED or job.overdue(now):
+                await self._expire(tx, now, job_id)
+                return OVERDUE  # not run: the caller stores it (finish_row, once) as EXPIRED
             await tx.execute(
                 "UPDATE job_rows SET state = 'running', claimed_by = ?, attempts = attempts + 1 WHERE job_id = ? AND custom_id = ?",
                 worker, job_id, custom_id,
@@ -280,8 +358,8 @@ class JobStore:
                 await tx.execute("UPDATE job_rows SET state = 'cancelled' WHERE job_id = ? AND custom_id = ?", job_id, custom_id)
                 await self._settle_cancel(tx, job_id, time.time())
 
-    async def finish_row(self, result: jobs_pb2.RowResult) -> bool:
-        """Stores a row's result once; True when this call stored it (False: it already was)."""
+    async def finish_row(self, result: jobs_pb2.RowResult) -> Finished | None:
+        """Stores a row's result once; None when it already was (a copy of a finished row)."""
         now = time.time()
         failed = result.HasField("error")
         async with self.db.transaction() as tx:
@@ -291,15 +369,61 @@ class JobStore:
                 failed, result.SerializeToString(), now, result.job_id, result.custom_id,
             )  # fmt: skip
             if not changed:
-                return False
+                return None
+            # This UPDATE locks the job's row until commit (PostgreSQL), so the counts read below
+            # are exact: one call, and only one, sees them reach total_rows.
             column = "failed_rows" if failed else "completed_rows"
             await tx.execute(f"UPDATE jobs SET {column} = {column} + 1, updated_at = ? WHERE job_id = ?", now, result.job_id)
-            await tx.execute(
+            finalizing = await tx.execute(
                 "UPDATE jobs SET state = ? WHERE job_id = ? AND state = ? AND completed_rows + failed_rows >= total_rows",
-                COMPLETED, result.job_id, IN_PROGRESS,
+                FINALIZING, result.job_id, IN_PROGRESS,
             )  # fmt: skip
             await self._settle_cancel(tx, result.job_id, now)
-            return True
+            job = await self._get(tx, result.job_id)
+        assert job is not None
+        return Finished(job, bool(finalizing) or (job.state == EXPIRED and job.settled))
+
+    # ---- completion windows and summaries (the worker's sweep calls these every few seconds)
+
+    async def _expire(self, tx: Tx, now: float, job_id: str | None = None) -> int:
+        """in_progress -> expired once the window is over: one job, or every overdue one."""
+        sql = "UPDATE jobs SET state = ?, updated_at = ? WHERE state = ? AND expires_at <= ?"
+        if job_id is None:
+            return await tx.execute(sql, EXPIRED, now, IN_PROGRESS, now)
+        return await tx.execute(sql + " AND job_id = ?", EXPIRED, now, IN_PROGRESS, now, job_id)
+
+    async def expire_overdue(self, now: float | None = None) -> int:
+        """Flips overdue in_progress jobs to expired (so GetJob says so while no row flows)."""
+        async with self.db.transaction() as tx:
+            return await self._expire(tx, time.time() if now is None else now)
+
+    async def summaries_due(self, grace_s: float, now: float | None = None, limit: int = 100) -> list[JobRecord]:
+        """Jobs whose summary is still to be told, untouched for grace_s (so as not to race the
+        worker telling it right now): finalizing ones (their worker died before telling it),
+        cancelled ones, and expired ones with every row stored."""
+        before = (time.time() if now is None else now) - grace_s
+        async with self.db.transaction() as tx:
+            rows = await tx.fetchall(
+                f"SELECT {_JOB_COLUMNS} FROM jobs WHERE updated_at <= ? AND (state = ?"
+                " OR (state IN (?, ?) AND NOT summary_sent AND (state = ? OR completed_rows + failed_rows >= total_rows)))"
+                " ORDER BY updated_at LIMIT ?",
+                before, FINALIZING, EXPIRED, CANCELLED, CANCELLED, limit,
+            )  # fmt: skip
+        return [_job(row) for row in rows]
+
+    async def summary_told(self, job_id: str) -> JobRecord | None:
+        """After the summary was confirmed: finalizing -> completed; expired or cancelled: marked
+        told. Conditional, so a second teller changes nothing."""
+        now = time.time()
+        async with self.db.transaction() as tx:
+            await tx.execute(
+                "UPDATE jobs SET state = ?, summary_sent = TRUE, updated_at = ? WHERE job_id = ? AND state = ?",
+                COMPLETED, now, job_id, FINALIZING,
+            )  # fmt: skip
+            await tx.execute(
+                "UPDATE jobs SET summary_sent = TRUE WHERE job_id = ? AND state IN (?, ?) AND NOT summary_sent", job_id, EXPIRED, CANCELLED
+            )
+            return await self._get(tx, job_id)
 
     async def row_result(self, job_id: str, custom_id: str) -> jobs_pb2.RowResult | None:
         async with self.db.transaction() as tx:

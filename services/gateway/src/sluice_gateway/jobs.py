@@ -23,11 +23,14 @@ from sluice.jobs.v1 import jobs_pb2
 
 from sluice_common.amqp import PROTOBUF
 from sluice_common.errors import Unauthenticated
+from sluice_gateway.config import MAX_COMPLETION_WINDOW_S
 from sluice_gateway.inference_path import InferencePath
 from sluice_gateway.tenants import Tenant, TenantDirectory
 
 JSON = "application/json"
 MAX_ID_LENGTH = 256
+# The error code of a row whose job's completion window ended before the row ran.
+EXPIRED_CODE = "EXPIRED"
 
 # RESOURCE_EXHAUSTED: the shared allowance says "later"; wait as told and try again, without limit.
 PACED = frozenset({"RESOURCE_EXHAUSTED"})
@@ -113,8 +116,28 @@ def parse_job(body: bytes, content_type: str, reply_to_property: str = "") -> jo
     return job
 
 
+def format_duration(seconds: float) -> str:
+    """For messages people read: 3600 -> "1h", 5400 -> "1h30m", 1.5 -> "1.5s", 86400 -> "1d"."""
+    if seconds < 60:
+        return f"{round(seconds, 3):g}s"
+    days, rest = divmod(round(seconds), 86400)
+    hours, rest = divmod(rest, 3600)
+    minutes, secs = divmod(rest, 60)
+    parts = ((days, "d"), (hours, "h"), (minutes, "m"), (secs, "s"))
+    return "".join(f"{value}{unit}" for value, unit in parts if value)
+
+
+def completion_window_s(job: jobs_pb2.JobRequest, default_s: float) -> float:
+    """The job's own completion window, or the gateway's default when it sets none."""
+    if not job.HasField("completion_window"):
+        return default_s
+    # Not ToTimedelta(): that overflows on absurd values, which validate_job must reject instead.
+    return job.completion_window.seconds + job.completion_window.nanos / 1e9
+
+
 def validate_job(job: jobs_pb2.JobRequest, tenants: TenantDirectory, max_rows: int) -> Tenant:
-    """The job's tenant, or JobRejected: no id, bad key, no rows, too many, custom ids missing or repeated."""
+    """The job's tenant, or JobRejected: no id, bad key, no rows, too many, custom ids missing or
+    repeated, a completion window not in (0, 7 days]."""
 
     def reject(reason: str, tenant: str = "") -> JobRejected:
         return JobRejected(reason, job.job_id, job.reply_to, tenant)
@@ -136,6 +159,13 @@ def validate_job(job: jobs_pb2.JobRequest, tenants: TenantDirectory, max_rows: i
         if row.custom_id in seen:
             raise reject(f"rows[{index}].custom_id {row.custom_id!r} is repeated: custom ids are unique in a job", tenant.name)
         seen.add(row.custom_id)
+    window = completion_window_s(job, default_s=MAX_COMPLETION_WINDOW_S)
+    if not 0 < window <= MAX_COMPLETION_WINDOW_S:
+        raise reject(
+            f"completion_window: {window:g}s; it must be more than 0s and at most {MAX_COMPLETION_WINDOW_S:.0f}s"
+            f" ({format_duration(MAX_COMPLETION_WINDOW_S)}), e.g. \"86400s\"",
+            tenant.name,
+        )
     return tenant
 
 
@@ -151,7 +181,7 @@ def row_tasks(job: jobs_pb2.JobRequest, tenant: Tenant, content_type: str, only:
     ]
 
 
-def encode_reply(message: jobs_pb2.RowResult | jobs_pb2.JobRejection, content_type: str) -> bytes:
+def encode_reply(message: jobs_pb2.RowResult | jobs_pb2.JobRejection | jobs_pb2.Job, content_type: str) -> bytes:
     if content_type == JSON:
         return json_format.MessageToJson(message, preserving_proto_field_name=True, indent=None).encode()
     return message.SerializeToString()
@@ -160,6 +190,17 @@ def encode_reply(message: jobs_pb2.RowResult | jobs_pb2.JobRejection, content_ty
 def failed_result(task: jobs_pb2.RowTask, code: str, message: str) -> jobs_pb2.RowResult:
     return jobs_pb2.RowResult(
         job_id=task.job_id, custom_id=task.row.custom_id, error=jobs_pb2.RowError(code=code, message=message[:2000])
+    )
+
+
+def expired_result(task: jobs_pb2.RowTask, window_s: float | None) -> jobs_pb2.RowResult:
+    """A row that never ran because its job's completion window ended first."""
+    window = f" ({format_duration(window_s)})" if window_s else ""
+    return failed_result(
+        task,
+        EXPIRED_CODE,
+        f"the job's completion window{window} ended before this row ran; submit the row again in a new job,"
+        " or give the job a longer completion_window",
     )
 
 

@@ -18,7 +18,7 @@ from sluice_common.amqp import ConfirmingPublisher, JobTopology, OutgoingMessage
 from sluice_common.errors import InvalidArgument, NotFound, PermissionDenied, Unavailable
 from sluice_gateway.config import GatewayConfig
 from sluice_gateway.job_store import JobRecord, JobStore
-from sluice_gateway.jobs import JobRejected, validate_job
+from sluice_gateway.jobs import JobRejected, completion_window_s, validate_job
 from sluice_gateway.tenants import Tenant, TenantDirectory
 
 MAX_PAGE_SIZE = 1000
@@ -32,12 +32,14 @@ class JobsApi:
         tenants: TenantDirectory,
         publish: Callable[[jobs_pb2.JobRequest], None],
         max_rows: int,
+        completion_window_s: float,
         watch_poll_s: float = 0.2,
     ) -> None:
         self._store = store
         self._tenants = tenants
         self._publish = publish
         self._max_rows = max_rows
+        self._completion_window_s = completion_window_s
         self._watch_poll_s = watch_poll_s
 
     async def submit(self, tenant: Tenant, api_key: str, job: jobs_pb2.JobRequest) -> jobs_pb2.Job:
@@ -49,7 +51,8 @@ class JobsApi:
             raise InvalidArgument("job", exc.reason) from None
         if owner.name != tenant.name:
             raise PermissionDenied("job.api_key belongs to another tenant than the authorization metadata")
-        record = await self._store.record_submitted(job.job_id, tenant.name, len(job.rows), job.reply_to)
+        window_s = completion_window_s(job, self._completion_window_s)
+        record = await self._store.record_submitted(job.job_id, tenant.name, len(job.rows), job.reply_to, window_s)
         if record.tenant != tenant.name:
             raise InvalidArgument("job.job_id", "already used by another tenant")
         if record.state == "validating":
@@ -68,7 +71,9 @@ class JobsApi:
         return (await self._owned(tenant, job_id)).to_proto()
 
     async def watch(self, tenant: Tenant, job_id: str) -> AsyncIterator[jobs_pb2.Job]:
-        """The job now, then each time its state or counts change, until it is terminal."""
+        """The job now, then each time its state or counts change, until it is settled: terminal,
+        and for an expired job every row stored (its last rows are stored as EXPIRED after it
+        turned expired), so that ListJobResults then lists them all."""
         last: tuple | None = None  # type: ignore[type-arg]
         while True:
             record = await self._owned(tenant, job_id)
@@ -76,7 +81,7 @@ class JobsApi:
             if key != last:
                 last = key
                 yield record.to_proto()
-            if record.terminal:
+            if record.settled:
                 return
             await asyncio.sleep(self._watch_poll_s)
 

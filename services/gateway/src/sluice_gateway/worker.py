@@ -13,6 +13,13 @@ Two consumers on one robust connection (queues and exchange: sluice_common.amqp.
   RESOURCE_EXHAUSTED: wait as told, retry. Transient errors: capped exponential backoff with
   jitter, then back to the broker; past WORKER_DELIVERY_LIMIT deliveries (the quorum queue's
   x-delivery-count) the row is dead-lettered to `<prefix>.jobs.dead` and reported failed.
+  A row claimed after its job's completion window ended is not run: it is stored and told as a
+  failed result with code EXPIRED (once, like any result), so every row is still reported.
+- When a job's last row is stored (it is then finalizing), the worker that stored it tells the
+  job's summary (a Job message, id `<job_id>/summary`) to reply_to, then marks it completed.
+- A sweep every SWEEP_INTERVAL_S: overdue in_progress jobs -> expired, and the summaries still
+  due (a finalizing job whose worker died, a cancelled job, an expired one whose rows are all
+  stored) are told; a repeat carries the same message id, for consumers to drop.
 
 Health (gRPC) on WORKER_PORT and Prometheus metrics on WORKER_METRICS_PORT.
 """
@@ -41,8 +48,9 @@ from sluice_gateway.completion_events import CompletionTracker
 from sluice_gateway.concurrency import FAILED, OK, THROTTLED, AdaptiveConcurrency
 from sluice_gateway.config import ENV_PREFIX, GatewayConfig
 from sluice_gateway.core import GatewayCore
-from sluice_gateway.job_store import JobStore
+from sluice_gateway.job_store import JobRecord, JobStore
 from sluice_gateway.jobs import (
+    EXPIRED_CODE,
     JSON,
     PACED,
     TRANSIENT,
@@ -50,7 +58,9 @@ from sluice_gateway.jobs import (
     PoisonRow,
     backoff_s,
     code_of,
+    completion_window_s,
     encode_reply,
+    expired_result,
     failed_result,
     message_of,
     paced_delay_s,
@@ -72,8 +82,13 @@ RETRIES = Counter("sluice_jobs_row_retries_total", "Row attempts retried, by sta
 ROW_TYPE = jobs_pb2.RowTask.DESCRIPTOR.full_name
 RESULT_TYPE = jobs_pb2.RowResult.DESCRIPTOR.full_name
 REJECTION_TYPE = jobs_pb2.JobRejection.DESCRIPTOR.full_name
+SUMMARY_TYPE = jobs_pb2.Job.DESCRIPTOR.full_name
 SPLIT_CHUNK = 1000
 GIVE_BACK = object()
+# The sweep: how often, and how long a summary may stay due before the sweep tells it (longer than
+# a worker takes between storing a job's last row and telling its summary, so as not to race it).
+SWEEP_INTERVAL_S = 2.0
+SUMMARY_GRACE_S = 5.0
 
 
 class JobWorker:
@@ -91,6 +106,7 @@ class JobWorker:
         self._rows_channel: Any = None
         self._exchange: Any = None
         self._dead: Any = None
+        self._sweeper: asyncio.Task[None] | None = None
 
     # ---- lifecycle
 
@@ -107,6 +123,7 @@ class JobWorker:
         rows = await self._rows_channel.get_queue(self.topology.rows_queue)
         await requests.consume(self._spawn(self._on_job))
         await rows.consume(self._spawn(self._on_row))
+        self._sweeper = asyncio.create_task(self._sweep_forever())
         LIMIT.set(self.concurrency.limit)
         log.info("job_worker_started", worker=self.worker_id, prefix=self.config.amqp_prefix)
 
@@ -120,6 +137,9 @@ class JobWorker:
 
     async def stop(self, grace_s: float) -> None:
         """Rows still running after `grace_s` are abandoned unacked: the broker redelivers them."""
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            await asyncio.gather(self._sweeper, return_exceptions=True)
         if self._tasks:
             await asyncio.wait(set(self._tasks), timeout=grace_s)
         for task in list(self._tasks):
@@ -145,7 +165,9 @@ class JobWorker:
         try:
             job = parse_job(message.body, content_type, message.reply_to or "")
             tenant = validate_job(job, self.core.tenants, self.config.jobs_max_rows)
-            record, open_rows = await self.store.accept(job.job_id, tenant.name, job.reply_to, [r.custom_id for r in job.rows])
+            window_s = completion_window_s(job, self.config.jobs_completion_window_s)
+            custom_ids = [r.custom_id for r in job.rows]
+            record, open_rows = await self.store.accept(job.job_id, tenant.name, job.reply_to, custom_ids, window_s, _reply_type(content_type))
         except (JobRejected, InvalidArgument) as exc:
             rejection = exc if isinstance(exc, JobRejected) else JobRejected(exc.message, job.job_id, job.reply_to)
             await self._reject(rejection, content_type)
@@ -230,6 +252,9 @@ class JobWorker:
                 result = await self.store.row_result(task.job_id, task.row.custom_id)
                 if result is not None:
                     await self._tell(task, result)
+            if claim == states.OVERDUE:
+                await self._finish(task, await self._expired(task), message)
+                return
             if claim != states.CLAIMED:
                 await message.ack()
                 return
@@ -249,7 +274,7 @@ class JobWorker:
             ROWS.labels("given_back").inc()
         elif isinstance(outcome, PoisonRow):
             await self._dead_letter(task, message, str(outcome))
-        elif outcome is None:  # the job was cancelled while the row waited
+        elif outcome is None:  # the job was cancelled while the row waited to retry
             await self.store.release_row(task.job_id, task.row.custom_id)
             await message.ack()
             ROWS.labels("cancelled").inc()
@@ -267,7 +292,8 @@ class JobWorker:
                 job = await self.store.get_job(task.job_id)
                 if job is None or job.state != states.IN_PROGRESS:
                     await self._release(0.0, "skipped")
-                    return None
+                    # Waiting to retry is not running: past the window the row is reported EXPIRED.
+                    return expired_result(task, job.window_s) if job is not None and job.state == states.EXPIRED else None
             first = False
             started = time.perf_counter()
             IN_FLIGHT.set(self.concurrency.in_flight)
@@ -327,20 +353,57 @@ class JobWorker:
         ROWS.labels("dead_lettered").inc()
         await self._finish(task, result, message, count=False)
 
+    async def _expired(self, task: jobs_pb2.RowTask) -> jobs_pb2.RowResult:
+        job = await self.store.get_job(task.job_id)
+        return expired_result(task, job.window_s if job is not None else None)
+
     async def _finish(
         self, task: jobs_pb2.RowTask, result: jobs_pb2.RowResult, message: aio_pika.abc.AbstractIncomingMessage, count: bool = True
     ) -> None:
-        stored = await self.store.finish_row(result)
-        if stored:
+        finished = await self.store.finish_row(result)
+        if finished is not None:
             await self._tell(task, result)
             if count:
-                ROWS.labels("failed" if result.HasField("error") else "completed").inc()
+                ROWS.labels(_outcome(result)).inc()
+            if finished.ends_job:
+                try:
+                    await self._summarize(finished.job)
+                except Exception:  # noqa: BLE001 - the row is stored and told; the sweep tells the summary later
+                    log.exception("job_summary_failed", job_id=task.job_id)
         await message.ack()
 
     async def _tell(self, task: jobs_pb2.RowTask, result: jobs_pb2.RowResult) -> None:
         if task.reply_to:
             content_type = task.reply_content_type or PROTOBUF
             await self._reply(task.reply_to, result, content_type, f"{task.job_id}/{task.row.custom_id}", RESULT_TYPE)
+
+    # ---- the end of a job: its summary, and the sweep
+
+    async def _summarize(self, job: JobRecord) -> None:
+        """Tells the job's summary (confirmed), and only then marks it told (finalizing ->
+        completed). A crash in between leaves it due: the sweep tells it again, same message id."""
+        if job.reply_to:
+            await self._reply(job.reply_to, job.summary(), job.reply_content_type or PROTOBUF, f"{job.job_id}/summary", SUMMARY_TYPE)
+        ended = await self.store.summary_told(job.job_id)
+        log.info(
+            "job_ended", job_id=job.job_id, state=ended.state if ended else job.state,
+            completed=job.completed_rows, failed=job.failed_rows, total=job.total_rows,
+        )  # fmt: skip
+
+    async def _sweep(self) -> None:
+        expired = await self.store.expire_overdue()
+        if expired:
+            log.info("jobs_expired", jobs=expired)
+        for job in await self.store.summaries_due(SUMMARY_GRACE_S):
+            await self._summarize(job)
+
+    async def _sweep_forever(self) -> None:
+        while True:
+            await asyncio.sleep(SWEEP_INTERVAL_S)
+            try:
+                await self._sweep()
+            except Exception:  # noqa: BLE001 - a store or broker hiccup: the next sweep tries again
+                log.exception("job_sweep_failed")
 
 
 class _Observer:
@@ -358,6 +421,13 @@ class _Observer:
 
 def _request_id() -> str:
     return current_request_id() or new_request_id()
+
+
+def _outcome(result: jobs_pb2.RowResult) -> str:
+    """The rows counter's label."""
+    if not result.HasField("error"):
+        return "completed"
+    return "expired" if result.error.code == EXPIRED_CODE else "failed"
 
 
 def _reply_type(content_type: str) -> str:

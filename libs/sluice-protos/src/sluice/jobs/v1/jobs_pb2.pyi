@@ -1,5 +1,6 @@
 import datetime
 
+from google.protobuf import duration_pb2 as _duration_pb2
 from google.protobuf import timestamp_pb2 as _timestamp_pb2
 from sluice.common.v1 import types_pb2 as _types_pb2
 from google.protobuf.internal import containers as _containers
@@ -65,19 +66,21 @@ class JobRow(_message.Message):
     def __init__(self, custom_id: _Optional[str] = ..., generate: _Optional[_Union[GenerateRow, _Mapping]] = ..., embed: _Optional[_Union[EmbedRow, _Mapping]] = ...) -> None: ...
 
 class JobRequest(_message.Message):
-    __slots__ = ("job_id", "api_key", "rows", "reply_to")
+    __slots__ = ("job_id", "api_key", "rows", "reply_to", "completion_window")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     API_KEY_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
     REPLY_TO_FIELD_NUMBER: _ClassVar[int]
+    COMPLETION_WINDOW_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     api_key: str
     rows: _containers.RepeatedCompositeFieldContainer[JobRow]
     reply_to: str
-    def __init__(self, job_id: _Optional[str] = ..., api_key: _Optional[str] = ..., rows: _Optional[_Iterable[_Union[JobRow, _Mapping]]] = ..., reply_to: _Optional[str] = ...) -> None: ...
+    completion_window: _duration_pb2.Duration
+    def __init__(self, job_id: _Optional[str] = ..., api_key: _Optional[str] = ..., rows: _Optional[_Iterable[_Union[JobRow, _Mapping]]] = ..., reply_to: _Optional[str] = ..., completion_window: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
 
 class Job(_message.Message):
-    __slots__ = ("job_id", "tenant", "state", "total_rows", "completed_rows", "failed_rows", "created_at", "updated_at", "error")
+    __slots__ = ("job_id", "tenant", "state", "total_rows", "completed_rows", "failed_rows", "created_at", "updated_at", "error", "expires_at")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -87,6 +90,7 @@ class Job(_message.Message):
     CREATED_AT_FIELD_NUMBER: _ClassVar[int]
     UPDATED_AT_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_AT_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     tenant: str
     state: JobState
@@ -96,7 +100,8 @@ class Job(_message.Message):
     created_at: _timestamp_pb2.Timestamp
     updated_at: _timestamp_pb2.Timestamp
     error: str
-    def __init__(self, job_id: _Optional[str] = ..., tenant: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., total_rows: _Optional[int] = ..., completed_rows: _Optional[int] = ..., failed_rows: _Optional[int] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., updated_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., error: _Optional[str] = ...) -> None: ...
+    expires_at: _timestamp_pb2.Timestamp
+    def __init__(self, job_id: _Optional[str] = ..., tenant: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., total_rows: _Optional[int] = ..., completed_rows: _Optional[int] = ..., failed_rows: _Optional[int] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., updated_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., error: _Optional[str] = ..., expires_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
 
 class RowError(_message.Message):
     __slots__ = ("code", "message")
