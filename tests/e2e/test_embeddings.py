@@ -44,6 +44,22 @@ def test_concurrent_requests_share_batches_and_keep_their_order(gateway, stack) 
     assert batches < 32
 
 
+def test_usage_counts_the_tokens_the_model_processed(gateway) -> None:
+    short, long = "A man is eating food.", "The girl is carrying a baby on her back through the crowded market."
+
+    def usage(texts: list[str]):
+        reply = gateway.Embed(gateway_pb2.EmbedRequest(model=EMBEDDING_MODEL, inputs=texts), metadata=auth(), timeout=60)
+        assert reply.HasField("usage") and len(reply.embeddings) == len(texts)
+        return reply.usage
+
+    alone_short, alone_long, both = usage([short]), usage([long]), usage([short, long])
+    # WordPiece: [CLS] a man is eating food . [SEP]
+    assert alone_short.prompt_tokens == 8
+    assert alone_long.prompt_tokens > alone_short.prompt_tokens
+    assert both.prompt_tokens == alone_short.prompt_tokens + alone_long.prompt_tokens
+    assert both.total_tokens == both.prompt_tokens and both.completion_tokens == 0
+
+
 @pytest.mark.parametrize(
     ("request_kwargs", "field"),
     [(dict(model=EMBEDDING_MODEL, inputs=[]), "inputs"), (dict(model="smollm2-135m-instruct", inputs=["x"]), "model")],

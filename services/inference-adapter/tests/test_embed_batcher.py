@@ -1,8 +1,8 @@
 """The embedding micro-batcher's decisions: what goes into which batch, and when.
 
 `RecordingEmbedBackend` stands in for Triton's embedding model so that each test can see
-exactly which texts every batch carried and when it was sent. Its vectors are deterministic
-functions of the text (so order mix-ups show), and it can be told to fail a batch that
+exactly which texts every batch carried and when it was sent. Its vectors and token counts
+are deterministic functions of the text (so order mix-ups show), and it can be told to fail a batch that
 contains a given text. The real Triton path (all-MiniLM-L6-v2 in triton-local) is covered
 end to end in tests/e2e.
 """
@@ -15,9 +15,12 @@ import zlib
 
 import numpy as np
 import pytest
+from sluice.common.v1 import types_pb2
+from sluice.inference.v1 import inference_pb2
 
 from sluice_common.errors import InvalidArgument, ResourceExhausted, Unavailable
-from sluice_inference_adapter.embed_batcher import EmbedBatcher
+from sluice_inference_adapter.embed_batcher import EmbedBatcher, Embeddings
+from sluice_inference_adapter.servicer import InferenceServicer
 
 DIM = 8
 
@@ -28,16 +31,21 @@ def vector_of(text: str) -> np.ndarray:
     return v / np.linalg.norm(v)
 
 
+def tokens_of(text: str) -> int:
+    return len(text.split()) + 2  # words plus [CLS] and [SEP], like a real tokenizer roughly
+
+
 class RecordingEmbedBackend:
-    def __init__(self, delay_s: float = 0.005, fail_on: str | None = None) -> None:
+    def __init__(self, delay_s: float = 0.005, fail_on: str | None = None, counts: bool = True) -> None:
         self.batches: list[list[str]] = []
         self.sent_at: list[float] = []
         self.delay = delay_s
         self.fail_on = fail_on
+        self.counts = counts  # False: a model without a TOKENS output
         self.active = 0
         self.max_active = 0
 
-    async def embed(self, texts: list[str]) -> np.ndarray:
+    async def embed(self, texts: list[str]) -> Embeddings:
         self.batches.append(list(texts))
         self.sent_at.append(time.monotonic())
         self.active += 1
@@ -46,13 +54,16 @@ class RecordingEmbedBackend:
             await asyncio.sleep(self.delay)
             if self.fail_on is not None and self.fail_on in texts:
                 raise RuntimeError(f"model crashed on {self.fail_on!r}")
-            return np.stack([vector_of(t) for t in texts])
+            tokens = np.array([tokens_of(t) for t in texts]) if self.counts else None
+            return Embeddings(np.stack([vector_of(t) for t in texts]), tokens)
         finally:
             self.active -= 1
 
 
-def expected(texts: list[str]) -> np.ndarray:
-    return np.stack([vector_of(t) for t in texts])
+def assert_embedded(result: Embeddings, texts: list[str]) -> None:
+    """The caller got each of its texts' vector and token count, in its order."""
+    np.testing.assert_array_equal(result.vectors, np.stack([vector_of(t) for t in texts]))
+    assert result.tokens is not None and result.tokens.tolist() == [tokens_of(t) for t in texts]
 
 
 @pytest.fixture
@@ -79,7 +90,7 @@ async def test_concurrent_callers_coalesce_into_one_batch(make) -> None:
     assert len(backend.batches) == 1
     assert backend.batches[0] == [t for texts in callers for t in texts]
     for texts, result in zip(callers, results):
-        np.testing.assert_array_equal(result, expected(texts))
+        assert_embedded(result, texts)
 
 
 async def test_max_batch_splits_and_a_full_batch_goes_without_waiting(make) -> None:
@@ -90,7 +101,7 @@ async def test_max_batch_splits_and_a_full_batch_goes_without_waiting(make) -> N
     result = await asyncio.wait_for(batcher.embed(texts), timeout=2.0)
     assert time.monotonic() - started < 1.0
     assert backend.batches == [texts[:4], texts[4:]]
-    np.testing.assert_array_equal(result, expected(texts))
+    assert_embedded(result, texts)
 
 
 async def test_a_callers_texts_may_be_split_across_batches_shared_with_others(make) -> None:
@@ -100,8 +111,8 @@ async def test_a_callers_texts_may_be_split_across_batches_shared_with_others(ma
     b = [f"b{i}" for i in range(3)]
     ra, rb = await asyncio.gather(batcher.embed(a), batcher.embed(b))
     assert backend.batches == [["a0", "a1", "a2", "b0"], ["b1", "b2"]]
-    np.testing.assert_array_equal(ra, expected(a))
-    np.testing.assert_array_equal(rb, expected(b))
+    assert_embedded(ra, a)
+    assert_embedded(rb, b)
 
 
 async def test_max_delay_bounds_the_wait_of_a_lone_text(make) -> None:
@@ -131,20 +142,20 @@ async def test_zero_delay_sends_at_once(make) -> None:
     batcher = make(backend, max_batch=32, max_delay_s=0.0)
     result = await asyncio.wait_for(batcher.embed(["x", "y"]), timeout=1.0)
     assert backend.batches == [["x", "y"]]
-    np.testing.assert_array_equal(result, expected(["x", "y"]))
+    assert_embedded(result, ["x", "y"])
 
 
 async def test_order_is_preserved_for_many_callers_and_batches(make) -> None:
     backend = RecordingEmbedBackend(delay_s=0.001)
     batcher = make(backend, max_batch=7, max_delay_s=0.005)
 
-    async def caller(c: int) -> tuple[list[str], np.ndarray]:
+    async def caller(c: int) -> tuple[list[str], Embeddings]:
         await asyncio.sleep(0.001 * (c % 5))
         texts = [f"caller {c} text {i}" for i in range(1 + c % 6)]
         return texts, await batcher.embed(texts)
 
     for texts, result in await asyncio.gather(*(caller(c) for c in range(40))):
-        np.testing.assert_array_equal(result, expected(texts))
+        assert_embedded(result, texts)
     assert max(len(b) for b in backend.batches) <= 7
     assert sum(len(b) for b in backend.batches) == sum(1 + c % 6 for c in range(40))
 
@@ -178,22 +189,48 @@ async def test_a_backend_failure_fails_exactly_the_callers_in_that_batch(make) -
     results = await asyncio.gather(a, p, b, return_exceptions=True)
     assert isinstance(results[0], Unavailable) and "model crashed" in results[0].message
     assert isinstance(results[1], Unavailable)
-    np.testing.assert_array_equal(results[2], expected(["b0", "b1"]))
+    assert_embedded(results[2], ["b0", "b1"])
     assert backend.batches[0] == ["a0", "a1", "poison"]
     # The failed caller's unsent text was dropped, not embedded for nobody.
     assert "p1" not in [t for batch in backend.batches for t in batch]
     # The batcher keeps serving.
-    np.testing.assert_array_equal(await batcher.embed(["after"]), expected(["after"]))
+    assert_embedded(await batcher.embed(["after"]), ["after"])
 
 
 async def test_a_malformed_backend_answer_fails_the_batch(make) -> None:
     class ShortBackend(RecordingEmbedBackend):
-        async def embed(self, texts: list[str]) -> np.ndarray:
-            return np.zeros((len(texts) - 1, DIM), np.float32)
+        async def embed(self, texts: list[str]) -> Embeddings:
+            return Embeddings(np.zeros((len(texts) - 1, DIM), np.float32), None)
 
-    batcher = make(ShortBackend(), max_batch=4, max_delay_s=0.0)
-    with pytest.raises(Unavailable, match="shape"):
-        await batcher.embed(["a", "b"])
+    class ShortCountsBackend(RecordingEmbedBackend):
+        async def embed(self, texts: list[str]) -> Embeddings:
+            return Embeddings(np.zeros((len(texts), DIM), np.float32), np.ones(len(texts) - 1))
+
+    for backend in (ShortBackend(), ShortCountsBackend()):
+        batcher = make(backend, max_batch=4, max_delay_s=0.0)
+        with pytest.raises(Unavailable, match="shape"):
+            await batcher.embed(["a", "b"])
+
+
+async def test_token_counts_sum_per_caller_across_a_shared_batch(make) -> None:
+    backend = RecordingEmbedBackend(delay_s=0.0)
+    batcher = make(backend, max_batch=4, max_delay_s=0.02)
+    a = ["one", "two words", "now three words"]
+    b = ["a much longer text of eight words here", "short"]
+    ra, rb = await asyncio.gather(batcher.embed(a), batcher.embed(b))
+    # a shares its batch with b's first text; b's second text went in a batch of its own.
+    assert backend.batches == [[*a, b[0]], [b[1]]]
+    assert ra.tokens is not None and rb.tokens is not None
+    assert ra.tokens.tolist() == [3, 4, 5] and int(ra.tokens.sum()) == 12
+    assert rb.tokens.tolist() == [10, 3] and int(rb.tokens.sum()) == 13
+
+
+async def test_a_model_without_token_counts_gives_none(make) -> None:
+    backend = RecordingEmbedBackend(delay_s=0.0, counts=False)
+    batcher = make(backend, max_batch=4, max_delay_s=0.0)
+    result = await batcher.embed(["a", "b"])
+    np.testing.assert_array_equal(result.vectors, np.stack([vector_of("a"), vector_of("b")]))
+    assert result.tokens is None
 
 
 async def test_the_queue_bound_rejects_with_resource_exhausted(make) -> None:
@@ -222,7 +259,7 @@ async def test_cancelled_caller_texts_are_dropped_before_sending(make) -> None:
     stays = asyncio.create_task(batcher.embed(["stays"]))
     await asyncio.sleep(0.01)
     gone.cancel()
-    np.testing.assert_array_equal(await stays, expected(["stays"]))
+    assert_embedded(await stays, ["stays"])
     assert backend.batches == [["stays"]]
     assert batcher.waiting_count == 0
     with pytest.raises(asyncio.CancelledError):
@@ -236,7 +273,7 @@ async def test_a_caller_cancelled_after_sending_does_not_disturb_its_batch(make)
     stays = asyncio.create_task(batcher.embed(["stays"]))
     await asyncio.sleep(0.01)
     gone.cancel()
-    np.testing.assert_array_equal(await stays, expected(["stays"]))
+    assert_embedded(await stays, ["stays"])
     assert backend.batches == [["gone", "stays"]]
 
 
@@ -257,7 +294,8 @@ async def test_cancelling_the_oldest_text_moves_the_deadline(make) -> None:
 async def test_empty_request_and_stop(make) -> None:
     backend = RecordingEmbedBackend(delay_s=0.0)
     batcher = make(backend, max_batch=32, max_delay_s=10.0)
-    assert (await batcher.embed([])).shape == (0, DIM)
+    empty = await batcher.embed([])
+    assert empty.vectors.shape == (0, DIM) and empty.tokens is not None and empty.tokens.shape == (0,)
     with pytest.raises(TypeError):
         await batcher.embed("not a list")
     pending = asyncio.create_task(batcher.embed(["never sent"]))
@@ -268,3 +306,23 @@ async def test_empty_request_and_stop(make) -> None:
     with pytest.raises(Unavailable):
         await batcher.embed(["after stop"])
     assert backend.batches == []
+
+
+async def test_the_servicer_reports_each_requests_own_usage(make) -> None:
+    model = types_pb2.ModelInfo(name="gen", kind=types_pb2.MODEL_KIND_GENERATION)
+    embedding_model = types_pb2.ModelInfo(name="emb", kind=types_pb2.MODEL_KIND_EMBEDDING, embedding_dimensions=DIM)
+    backend = RecordingEmbedBackend(delay_s=0.0)
+    servicer = InferenceServicer(model, embedding_model)
+    servicer.attach(None, make(backend, max_batch=8, max_delay_s=0.02))  # type: ignore[arg-type]  # Embed needs no pool
+    a = inference_pb2.EmbedRequest(model="emb", inputs=["one", "two words"])
+    b = inference_pb2.EmbedRequest(model="emb", inputs=["three words here"])
+    ra, rb = await asyncio.gather(servicer.Embed(a, None), servicer.Embed(b, None))  # type: ignore[arg-type]
+    assert backend.batches == [["one", "two words", "three words here"]]
+    assert (ra.usage.prompt_tokens, ra.usage.total_tokens, ra.usage.completion_tokens) == (7, 7, 0)
+    assert (rb.usage.prompt_tokens, rb.usage.total_tokens) == (5, 5)
+    assert len(ra.embeddings) == 2 and len(rb.embeddings) == 1
+
+    # A model without token counts: no usage at all, rather than a zero that looks real.
+    servicer.attach(None, make(RecordingEmbedBackend(delay_s=0.0, counts=False), max_delay_s=0.0))  # type: ignore[arg-type]
+    reply = await servicer.Embed(a, None)  # type: ignore[arg-type]
+    assert not reply.HasField("usage") and len(reply.embeddings) == 2

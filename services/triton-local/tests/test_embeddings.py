@@ -93,6 +93,20 @@ def test_semantic_sanity(encoder: MiniLMEncoder) -> None:
     assert horse @ white_horse > horse @ bread
 
 
+def test_token_counts_are_what_the_model_processed(encoder: MiniLMEncoder) -> None:
+    overlong = "word " * 1000
+    texts = ["A man is eating food.", "", overlong, "Ünïcödé tëxt, 中文, and an emoji 🙂."]
+    vectors, counts = encoder.encode_with_counts(texts)
+    assert counts.dtype == np.int32
+    assert counts.tolist() == [len(ids) for ids in encoder.tokenize(texts)]
+    assert counts[1] == 2  # [CLS] [SEP]
+    assert counts[2] == encoder.max_seq_length  # truncated, not 1002
+    assert counts[0] > 2
+    np.testing.assert_allclose(vectors, encoder.encode(texts), atol=1e-6)
+    empty_vectors, empty_counts = encoder.encode_with_counts([])
+    assert empty_vectors.shape == (0, EMBEDDING_DIM) and empty_counts.shape == (0,)
+
+
 def test_empty_inputs(encoder: MiniLMEncoder) -> None:
     assert encoder.encode([]).shape == (0, EMBEDDING_DIM)
     vectors = encoder.encode(["", "A man is eating food.", ""])
@@ -149,7 +163,7 @@ def test_served_by_real_triton(encoder: MiniLMEncoder, tmp_path: Path) -> None:
         log_file=tmp_path / "triton.log",
         exit_timeout_secs=5,
     )
-    texts = ["A man is eating food.", "", "Ünïcödé 中文 🙂", "The girl is carrying a baby."]
+    texts = ["A man is eating food.", "", "Ünïcödé 中文 🙂", "The girl is carrying a baby.", "word " * 1000]
     with Triton(config=config) as triton:
         bind_embedding_model(triton, "minilm", encoder)
         triton.run()
@@ -162,3 +176,8 @@ def test_served_by_real_triton(encoder: MiniLMEncoder, tmp_path: Path) -> None:
     assert served.dtype == np.float32
     np.testing.assert_allclose(served, encoder.encode(texts), atol=1e-5)
     np.testing.assert_allclose(single["EMBEDDING"][0], served[0], atol=1e-5)
+    tokens = result["TOKENS"]
+    assert tokens.dtype == np.int32
+    assert tokens.tolist() == [len(ids) for ids in encoder.tokenize(texts)]
+    assert tokens[-1] == encoder.max_seq_length
+    assert single["TOKENS"].tolist() == [tokens[0]]

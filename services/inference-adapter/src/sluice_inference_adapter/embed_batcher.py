@@ -14,6 +14,9 @@ Failure and cancellation are per batch and per caller:
   at the backend are computed and their vectors discarded;
 - a full queue rejects at once with ResourceExhausted (RESOURCE_EXHAUSTED plus RetryInfo).
 
+Token counts travel with the vectors: each caller gets the count of each of its texts, or
+None when a batch carrying one of its texts came from a model that does not report them.
+
 No transport import here: the backend (Triton, through tritonclient) is behind `EmbedBackend`.
 """
 
@@ -35,10 +38,19 @@ log = structlog.stdlib.get_logger("sluice.embed_batcher")
 
 DEFAULT_EMBEDDING_DIM = 384
 
-class EmbedBackend(Protocol):
-    """One backend request per call: texts in, float32 [len(texts), dim] out (same order)."""
 
-    async def embed(self, texts: list[str]) -> np.ndarray: ...
+@dataclass(frozen=True, eq=False)
+class Embeddings:
+    """Vectors for some texts, in their order, and the tokens each text was encoded to."""
+
+    vectors: np.ndarray  # float32 [n, dim]
+    tokens: np.ndarray | None  # int64 [n]; None when the model does not report token counts
+
+
+class EmbedBackend(Protocol):
+    """One backend request per call: texts in, their `Embeddings` out (same order)."""
+
+    async def embed(self, texts: list[str]) -> Embeddings: ...
 
 
 @dataclass(eq=False)
@@ -46,9 +58,12 @@ class _Job:
     """One caller's request inside the batcher."""
 
     texts: Sequence[str]
-    future: asyncio.Future[np.ndarray]
+    future: asyncio.Future[Embeddings]
     remaining: int
+    tokens: np.ndarray  # int64 [len(texts)], filled in as batches come back
     vectors: np.ndarray | None = None
+    # False once any of its texts came back without a count: a partial sum would under-report.
+    counted: bool = True
     # Set once the caller has its answer (vectors, an error, or it went away).
     closed: bool = False
 
@@ -100,8 +115,8 @@ class EmbedBatcher:
 
     # -- caller side ---------------------------------------------------------------
 
-    async def embed(self, texts: Sequence[str]) -> np.ndarray:
-        """Vectors for `texts`, float32 [len(texts), dim], in order.
+    async def embed(self, texts: Sequence[str]) -> Embeddings:
+        """Vectors for `texts`, float32 [len(texts), dim], in order, with their token counts.
 
         Raises ResourceExhausted when the waiting queue cannot take `texts`, InvalidArgument
         when `texts` alone exceeds the queue, and the backend's SluiceError (or Unavailable
@@ -112,7 +127,7 @@ class EmbedBatcher:
         if self._stopped:
             raise Unavailable("the embedding batcher is shut down")
         if not texts:
-            return np.zeros((0, self._dim), dtype=np.float32)
+            return Embeddings(np.zeros((0, self._dim), dtype=np.float32), np.zeros(0, dtype=np.int64))
         if len(texts) > self._max_waiting:
             raise InvalidArgument("texts", f"at most {self._max_waiting} texts per request, got {len(texts)}")
         if len(self._waiting) + len(texts) > self._max_waiting:
@@ -123,7 +138,7 @@ class EmbedBatcher:
                 quota_subject="adapter.embed_queue",
             )
         loop = asyncio.get_running_loop()
-        job = _Job(texts=texts, future=loop.create_future(), remaining=len(texts))
+        job = _Job(texts=texts, future=loop.create_future(), remaining=len(texts), tokens=np.zeros(len(texts), np.int64))
         now = loop.time()
         self._waiting.extend(_Item(job, i, now) for i in range(len(texts)))
         metrics.EMBED_WAITING.set(len(self._waiting))
@@ -222,10 +237,16 @@ class EmbedBatcher:
         metrics.EMBED_BATCH_TEXTS.observe(len(texts))
         started = loop.time()
         try:
-            vectors = np.asarray(await self._backend.embed(texts), dtype=np.float32)
+            answer = await self._backend.embed(texts)
+            vectors = np.asarray(answer.vectors, dtype=np.float32)
             if vectors.ndim != 2 or vectors.shape[0] != len(texts):
                 raise Unavailable(
                     f"the embedding backend answered shape {vectors.shape} for {len(texts)} texts"
+                )
+            tokens = None if answer.tokens is None else np.asarray(answer.tokens, dtype=np.int64)
+            if tokens is not None and tokens.shape != (len(texts),):
+                raise Unavailable(
+                    f"the embedding backend answered token counts of shape {tokens.shape} for {len(texts)} texts"
                 )
         except asyncio.CancelledError:
             self._fail_batch(batch, Unavailable("the adapter is shutting down"))
@@ -238,18 +259,22 @@ class EmbedBatcher:
         finally:
             metrics.EMBED_BATCH_SECONDS.observe(loop.time() - started)
             slots.release()
-        for item, vector in zip(batch.items, vectors):
+        for row, item in enumerate(batch.items):
             job = item.job
             if job.closed:
                 continue
             if job.vectors is None:
                 job.vectors = np.empty((len(job.texts), vectors.shape[1]), dtype=np.float32)
-            job.vectors[item.index] = vector
+            job.vectors[item.index] = vectors[row]
+            if tokens is None:
+                job.counted = False
+            else:
+                job.tokens[item.index] = tokens[row]
             job.remaining -= 1
             if job.remaining == 0:
                 job.closed = True
                 if not job.future.done():
-                    job.future.set_result(job.vectors)
+                    job.future.set_result(Embeddings(job.vectors, job.tokens if job.counted else None))
 
     # -- helpers -------------------------------------------------------------------
 

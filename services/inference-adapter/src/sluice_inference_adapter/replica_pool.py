@@ -17,12 +17,11 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-import numpy as np
 import structlog
 
 from sluice_common.errors import Unavailable
 from sluice_inference_adapter import metrics
-from sluice_inference_adapter.embed_batcher import EmbedBackend
+from sluice_inference_adapter.embed_batcher import EmbedBackend, Embeddings
 from sluice_inference_adapter.scheduler import (
     Event,
     Finish,
@@ -195,5 +194,5 @@ class PooledEmbedBackend:
         self._pool = pool
         self._by_url = by_url
 
-    async def embed(self, texts: list[str]) -> np.ndarray:
+    async def embed(self, texts: list[str]) -> Embeddings:
         return await self._by_url[self._pool.pick(exclude=set()).name].embed(texts)

@@ -93,8 +93,13 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
             raise InvalidArgument("inputs", "no texts to embed")
         if self._embedder is None:
             raise Unavailable("the adapter is starting: Triton is not ready yet")
-        vectors = await self._embedder.embed(list(request.inputs))
-        return inference_pb2.EmbedResponse(embeddings=[types_pb2.Embedding(values=row.tolist()) for row in vectors])
+        result = await self._embedder.embed(list(request.inputs))
+        embeddings = [types_pb2.Embedding(values=row.tolist()) for row in result.vectors]
+        if result.tokens is None:  # the model reports no token counts: no usage rather than a wrong one
+            return inference_pb2.EmbedResponse(embeddings=embeddings)
+        prompt_tokens = int(result.tokens.sum())
+        usage = types_pb2.Usage(prompt_tokens=prompt_tokens, total_tokens=prompt_tokens)
+        return inference_pb2.EmbedResponse(embeddings=embeddings, usage=usage)
 
 
 def _prompt_spec(messages: object, prompt: str) -> PromptSpec:

@@ -20,6 +20,7 @@ from tritonclient.utils import InferenceServerException
 
 from sluice_common.errors import Unavailable
 from sluice_inference_adapter import metrics
+from sluice_inference_adapter.embed_batcher import Embeddings
 from sluice_inference_adapter.step_rows import Action, PromptSpec, SamplingSpec, StepOutcome, StepRow
 
 Protocol = Literal["step", "generate"]
@@ -174,12 +175,27 @@ class TritonGenerateBackend(_TritonEndpoint):
 
 
 class TritonEmbedBackend(_TritonEndpoint):
-    """A tensor model: TEXT [n] BYTES in, EMBEDDING [n, d] FP32 out; one request per micro-batch."""
+    """A tensor model: TEXT [n] BYTES in, EMBEDDING [n, d] FP32 out, and optionally TOKENS [n]
+    INT32 (tokens per text, reported as usage); one request per micro-batch."""
 
-    async def embed(self, texts: list[str]) -> np.ndarray:
+    def __init__(self, url: str, model: str) -> None:
+        super().__init__(url, model)
+        # Read from the model's metadata on the first call: an operator's model may lack TOKENS.
+        self._outputs: list[str] | None = None
+
+    async def _output_names(self) -> list[str]:
+        if self._outputs is None:
+            metadata = await self._client.get_model_metadata(self.model, as_json=True)
+            names = {tensor["name"] for tensor in metadata.get("outputs", [])}
+            self._outputs = ["EMBEDDING", *(["TOKENS"] if "TOKENS" in names else [])]
+        return self._outputs
+
+    async def embed(self, texts: list[str]) -> Embeddings:
         inputs = [_tensor("TEXT", np.array([t.encode() for t in texts], dtype=np.object_), "BYTES")]
         try:
-            result = await self._client.infer(self.model, inputs, outputs=[InferRequestedOutput("EMBEDDING")])
+            names = await self._output_names()
+            result = await self._client.infer(self.model, inputs, outputs=[InferRequestedOutput(n) for n in names])
         except InferenceServerException as exc:
             raise Unavailable(f"Triton at {self.url} failed to embed with {self.model}: {exc.message()}") from exc
-        return np.asarray(result.as_numpy("EMBEDDING"), dtype=np.float32)
+        tokens = result.as_numpy("TOKENS") if "TOKENS" in names else None
+        return Embeddings(np.asarray(result.as_numpy("EMBEDDING"), dtype=np.float32), tokens)

@@ -9,7 +9,8 @@ one sentence-transformers runs for this model (see the wheel's modules.json):
   128 padding are replaced) -> 6 post-LayerNorm BERT layers (hidden 384, 12 heads, exact-erf
   GELU, LayerNorm eps 1e-12) -> mean pooling over the attention mask -> L2 normalisation.
 
-Output: float32 [n, 384], each row of unit length.
+Output: float32 [n, 384], each row of unit length; `encode_with_counts` adds int32 [n], the
+tokens per text that the model processed ([CLS] and [SEP] included, after truncation).
 """
 
 from __future__ import annotations
@@ -247,12 +248,18 @@ class MiniLMEncoder:
 
     def encode(self, texts: Sequence[str]) -> np.ndarray:
         """Normalised embeddings, float32 [len(texts), 384], in the order of `texts`."""
+        return self.encode_with_counts(texts)[0]
+
+    def encode_with_counts(self, texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+        """`encode(texts)` plus int32 [len(texts)]: the tokens each text ran through the model
+        ([CLS] and [SEP] included, after truncation), from the same tokenization pass."""
         if isinstance(texts, str):
             raise TypeError("encode takes a list of texts, not one string")
         out = np.zeros((len(texts), self.dim), dtype=_F32)
         if not texts:
-            return out
+            return out, np.zeros(0, dtype=np.int32)
         encodings = self._tokenizer.encode_batch(list(texts), add_special_tokens=True)
+        counts = np.array([len(enc.ids) for enc in encodings], dtype=np.int32)
         order = sorted(range(len(encodings)), key=lambda i: len(encodings[i].ids))
         for start in range(0, len(order), self.forward_batch):
             chunk = order[start : start + self.forward_batch]
@@ -267,7 +274,7 @@ class MiniLMEncoder:
                 type_ids[row, :n] = enc.type_ids
                 mask[row, :n] = 1.0
             out[chunk] = self._pool(self.forward(ids, type_ids, mask), mask)
-        return out
+        return out, counts
 
     # -- the network ---------------------------------------------------------------
 

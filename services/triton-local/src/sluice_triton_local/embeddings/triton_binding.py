@@ -4,6 +4,9 @@ The model's interface, one Triton request per adapter micro-batch:
 
   input   TEXT       BYTES  [n]       UTF-8 texts (invalid bytes are replaced, not rejected)
   output  EMBEDDING  FP32   [n, 384]  L2-normalised sentence embeddings, in input order
+  output  TOKENS     INT32  [n]       tokens each text was encoded to, as the model processed it
+                                      ([CLS] and [SEP] included, after truncation to the model's
+                                      max length): the adapter reports their sum as usage
 
 Triton does no batching of its own here (`batching=False`): the adapter's micro-batcher already
 sends each request as a whole batch.
@@ -22,9 +25,13 @@ from sluice_triton_local.metrics import EMBED_BATCH, EMBED_SECONDS, EMBED_TEXTS
 
 INPUT_NAME = "TEXT"
 OUTPUT_NAME = "EMBEDDING"
+TOKENS_NAME = "TOKENS"
+
 
 class Encoder(Protocol):
-    def encode(self, texts: list[str]) -> np.ndarray: ...
+    def encode_with_counts(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        """float32 [n, dim] vectors and int [n] token counts, from one tokenization pass."""
+        ...
 
 
 def decode_texts(values: np.ndarray) -> list[str]:
@@ -54,11 +61,19 @@ class EmbeddingModel:
             texts = decode_texts(request[INPUT_NAME])
             with self._lock:
                 started = time.perf_counter()
-                vectors = self._encoder.encode(texts) if texts else np.zeros((0, self._dim), np.float32)
+                if texts:
+                    vectors, counts = self._encoder.encode_with_counts(texts)
+                else:
+                    vectors, counts = np.zeros((0, self._dim), np.float32), np.zeros(0, np.int32)
                 EMBED_SECONDS.observe(time.perf_counter() - started)
             EMBED_TEXTS.inc(len(texts))
             EMBED_BATCH.observe(len(texts))
-            responses.append({OUTPUT_NAME: np.ascontiguousarray(vectors, dtype=np.float32).reshape(len(texts), self._dim)})
+            responses.append(
+                {
+                    OUTPUT_NAME: np.ascontiguousarray(vectors, dtype=np.float32).reshape(len(texts), self._dim),
+                    TOKENS_NAME: np.ascontiguousarray(counts, dtype=np.int32).reshape(len(texts)),
+                }
+            )
         return responses
 
 
@@ -70,7 +85,10 @@ def bind_embedding_model(triton: Any, name: str, encoder: Encoder) -> None:
         model_name=name,
         infer_func=EmbeddingModel(encoder, dim),
         inputs=[Tensor(name=INPUT_NAME, dtype=bytes, shape=(-1,))],
-        outputs=[Tensor(name=OUTPUT_NAME, dtype=np.float32, shape=(-1, dim))],
+        outputs=[
+            Tensor(name=OUTPUT_NAME, dtype=np.float32, shape=(-1, dim)),
+            Tensor(name=TOKENS_NAME, dtype=np.int32, shape=(-1,)),
+        ],
         # The adapter does the batching: every request already is a whole micro-batch.
         config=ModelConfig(batching=False, max_batch_size=0),
         strict=True,
