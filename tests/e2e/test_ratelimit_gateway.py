@@ -50,6 +50,7 @@ def start_gateway(stack: Stack, run_dir: Path, name: str, ratelimit_url: str, **
         "SLUICE_GATEWAY_AMQP_URL": stack.amqp_url,
         "SLUICE_GATEWAY_AMQP_PREFIX": stack.amqp_prefix,
         "SLUICE_GATEWAY_EVENTS_SPILL_FILE": str(run_dir / f"{name}-events.spill"),
+        "SLUICE_GATEWAY_JOBS_SQLITE_PATH": str(run_dir / f"{name}-jobs.sqlite3"),
         "SLUICE_GATEWAY_RATELIMIT_URL": ratelimit_url,
         **{f"SLUICE_GATEWAY_{key.upper()}": value for key, value in env.items()},
     }
