@@ -131,3 +131,33 @@ async def test_summary_line_is_json_with_request_id(server, capsys) -> None:
     lines = [json.loads(line) for line in capsys.readouterr().err.splitlines() if line.startswith("{")]
     summary = next(line for line in lines if line.get("event") == "rpc" and line.get("request_id") == "rid-json")
     assert summary["code"] == "OK" and summary["rpc"] == f"/{SERVICE}/Unary" and summary["service"] == "test"
+
+
+async def test_quiet_methods_log_their_successes_at_debug_only(capsys) -> None:
+    configure_logging("test", "INFO", json=True)
+    logging.getLogger().handlers[0].stream = sys.stderr
+
+    def register(srv: grpc.aio.Server) -> list[str]:
+        srv.add_generic_rpc_handlers((_handlers([]),))
+        return [SERVICE]
+
+    running = await create_server("127.0.0.1", 0, -1, register, quiet_methods=[f"/{SERVICE}/Unary"])
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{running.port}") as channel:
+            unary = channel.unary_unary(f"/{SERVICE}/Unary")
+            for _ in range(2):  # the second call takes the cached wrapped handler
+                await unary(b"ok", metadata=(("x-request-id", "rid-quiet"),))
+            with pytest.raises(grpc.aio.AioRpcError):
+                await unary(b"invalid", metadata=(("x-request-id", "rid-quiet-error"),))
+            stream = channel.unary_stream(f"/{SERVICE}/Stream")
+            with pytest.raises(grpc.aio.AioRpcError):
+                async for _ in stream(b"", metadata=(("x-request-id", "rid-loud"),)):
+                    pass
+        await asyncio.sleep(0)
+    finally:
+        await running.shutdown(0)
+    lines = [json.loads(line) for line in capsys.readouterr().err.splitlines() if line.startswith("{")]
+    logged = {line.get("request_id") for line in lines if line.get("event") == "rpc"}
+    # A quiet method's success is not logged at INFO, its failure is; other methods are as before.
+    assert "rid-quiet" not in logged
+    assert {"rid-quiet-error", "rid-loud"} <= logged

@@ -9,8 +9,9 @@ its traceback and answered INTERNAL without leaking internals to the client.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import Any
 
 import grpc
@@ -24,6 +25,8 @@ from sluice_common.errors import InvalidArgument, ResourceExhausted, SluiceError
 from sluice_common.request_context import bind_request_id, new_request_id, request_id_from_metadata
 
 log = structlog.stdlib.get_logger("sluice.rpc")
+# The stdlib logger under `log`, asked whether debug lines would be written at all.
+_level = logging.getLogger("sluice.rpc")
 
 RPC_REQUESTS = Counter("sluice_rpc_requests_total", "RPCs handled, by method and status code.", ["method", "code"])
 RPC_DURATION = Histogram(
@@ -33,7 +36,9 @@ RPC_DURATION = Histogram(
     buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120),
 )
 
-# Health and reflection calls are frequent and uninteresting: counted, logged at debug.
+# Health and reflection calls are frequent and uninteresting: when they succeed they are counted
+# and logged at debug. A service adds its own high-rate internal methods (rate-limit's Acquire
+# and Commit, thousands a second, each already in the caller's log line) through `quiet_methods`.
 _QUIET_PREFIXES = ("/grpc.health.v1.", "/grpc.reflection.")
 
 
@@ -67,8 +72,9 @@ def _duration(seconds: float) -> duration_pb2.Duration:
 class _CallRecord:
     """Bookkeeping for one RPC: request id, outcome and the summary line."""
 
-    def __init__(self, method: str, context: grpc.aio.ServicerContext) -> None:
+    def __init__(self, method: str, context: grpc.aio.ServicerContext, quiet: bool) -> None:
         self.method = method
+        self.quiet = quiet
         self.context = context
         self.code = "OK"
         self.started = time.perf_counter()
@@ -104,14 +110,17 @@ class _CallRecord:
         elapsed = time.perf_counter() - self.started
         RPC_REQUESTS.labels(self.method, self.code).inc()
         RPC_DURATION.labels(self.method).observe(elapsed)
-        quiet = self.method.startswith(_QUIET_PREFIXES) and self.code == "OK"
-        emit = log.debug if quiet else log.info
-        emit("rpc", code=self.code, duration_ms=round(elapsed * 1000, 2), peer=self.context.peer())
+        if self.quiet and self.code == "OK":
+            # structlog renders an event before the stdlib level drops it: skip the call instead.
+            if _level.isEnabledFor(logging.DEBUG):
+                log.debug("rpc", code=self.code, duration_ms=round(elapsed * 1000, 2), peer=self.context.peer())
+            return
+        log.info("rpc", code=self.code, duration_ms=round(elapsed * 1000, 2), peer=self.context.peer())
 
 
-def _wrap_unary(method: str, behavior: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
+def _wrap_unary(method: str, behavior: Callable[..., Awaitable[Any]], quiet: bool) -> Callable[..., Awaitable[Any]]:
     async def handle(request: Any, context: grpc.aio.ServicerContext) -> Any:
-        record = _CallRecord(method, context)
+        record = _CallRecord(method, context, quiet)
         try:
             return await behavior(request, context)
         except BaseException as error:  # noqa: BLE001 - mapped, then re-raised as a status
@@ -122,9 +131,9 @@ def _wrap_unary(method: str, behavior: Callable[..., Awaitable[Any]]) -> Callabl
     return handle
 
 
-def _wrap_stream(method: str, behavior: Callable[..., AsyncIterator[Any]]) -> Callable[..., AsyncIterator[Any]]:
+def _wrap_stream(method: str, behavior: Callable[..., AsyncIterator[Any]], quiet: bool) -> Callable[..., AsyncIterator[Any]]:
     async def handle(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-        record = _CallRecord(method, context)
+        record = _CallRecord(method, context, quiet)
         try:
             async for response in behavior(request, context):
                 yield response
@@ -140,6 +149,11 @@ def _wrap_stream(method: str, behavior: Callable[..., AsyncIterator[Any]]) -> Ca
 
 
 class SluiceServerInterceptor(grpc.aio.ServerInterceptor):
+    def __init__(self, quiet_methods: Iterable[str] = ()) -> None:
+        self._quiet_methods = frozenset(quiet_methods)
+        # A method's wrapped handler, built on its first call: the servicer's handlers never change.
+        self._wrapped: dict[tuple[str, int], grpc.RpcMethodHandler] = {}
+
     async def intercept_service(
         self,
         continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
@@ -148,14 +162,21 @@ class SluiceServerInterceptor(grpc.aio.ServerInterceptor):
         handler = await continuation(handler_call_details)
         if handler is None:
             return None
-        method = handler_call_details.method
+        key = (handler_call_details.method, id(handler))
+        wrapped = self._wrapped.get(key)
+        if wrapped is None:
+            wrapped = self._wrapped[key] = self._wrap(handler_call_details.method, handler)
+        return wrapped
+
+    def _wrap(self, method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+        quiet = method in self._quiet_methods or method.startswith(_QUIET_PREFIXES)
         common = {
             "request_deserializer": handler.request_deserializer,
             "response_serializer": handler.response_serializer,
         }
         if handler.unary_unary:
-            return grpc.unary_unary_rpc_method_handler(_wrap_unary(method, handler.unary_unary), **common)
+            return grpc.unary_unary_rpc_method_handler(_wrap_unary(method, handler.unary_unary, quiet), **common)
         if handler.unary_stream:
-            return grpc.unary_stream_rpc_method_handler(_wrap_stream(method, handler.unary_stream), **common)
+            return grpc.unary_stream_rpc_method_handler(_wrap_stream(method, handler.unary_stream, quiet), **common)
         # Client-streaming RPCs are not part of Sluice's API; pass them through untouched.
         return handler

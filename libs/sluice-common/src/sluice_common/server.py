@@ -54,13 +54,16 @@ async def create_server(
     register: Callable[[grpc.aio.Server], Iterable[str]],
     serving: bool = True,
     tls: ServerTLS | None = None,
+    quiet_methods: Iterable[str] = (),
 ) -> RunningServer:
     """Builds and starts the server. `register` adds the servicers and returns their full names.
 
     With `tls` the port speaks TLS only (mutual TLS when `tls.client_ca_file` is set).
+    `quiet_methods` (full names, "/package.Service/Method"): high-rate methods whose successful
+    calls are counted in the metrics but logged at debug only.
     """
     server = grpc.aio.server(
-        interceptors=[SluiceServerInterceptor()],
+        interceptors=[SluiceServerInterceptor(quiet_methods)],
         options=[("grpc.so_reuseport", 0)],
     )
     service_names = tuple(register(server))

@@ -43,7 +43,13 @@ async def serve(config: RateLimitConfig) -> None:
         ratelimit_pb2_grpc.add_RateLimitServiceServicer_to_server(servicer, server)
         return [SERVICE_NAME]
 
-    running = await create_server(config.host, config.port, config.metrics_port, register, tls=config.server_tls(ENV_PREFIX))
+    # Acquire and Commit run for every request of every service: their successful calls are
+    # counted (sluice_rpc_*, sluice_ratelimit_decisions_total) and logged at debug; denials and
+    # errors are logged.
+    quiet = [f"/{SERVICE_NAME}/Acquire", f"/{SERVICE_NAME}/Commit"]
+    running = await create_server(
+        config.host, config.port, config.metrics_port, register, tls=config.server_tls(ENV_PREFIX), quiet_methods=quiet
+    )
     limiter.start_reloading(config.reload_interval_s)
     log.info(
         "ready",

@@ -75,6 +75,7 @@ class RateLimiter:
         if decision.degraded:
             metrics.DECISIONS.labels("unavailable", decision.denied_name).inc()
             if not shadow:
+                log.warning("degraded_denied", tenant=tenant, model=model, budget=decision.denied_name)
                 return decision
         if shadow:
             metrics.DECISIONS.labels("shadow_denied", decision.denied_name).inc()
@@ -85,6 +86,9 @@ class RateLimiter:
             decision.shadow = True
             return decision
         metrics.DECISIONS.labels("denied", decision.denied_name).inc()
+        # Allowed decisions are only counted (the server logs OK Acquire calls at debug): a
+        # denial is what an operator looks for, so it gets its own line.
+        log.info("denied", tenant=tenant, model=model, budget=decision.denied_name, retry_after_s=round(decision.retry_after_s, 3))
         return decision
 
     async def commit(self, lease_id: str, used_tokens: int) -> list[BudgetState]:
