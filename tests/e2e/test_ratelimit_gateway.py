@@ -146,16 +146,20 @@ def test_a_denial_is_resource_exhausted_with_retry_info_and_quota_failure(limite
         list(stub.Generate(request(), metadata=auth(PRIVATE_KEY), timeout=60))
         with pytest.raises(grpc.RpcError) as caught:
             list(stub.Generate(request(), metadata=auth(PRIVATE_KEY), timeout=60))
-    error = caught.value
+    assert "requests_per_minute" in caught.value.details()
+    assert_denied_by_requests_per_minute(caught.value, MODEL)
+
+
+def assert_denied_by_requests_per_minute(error: grpc.RpcError, model: str) -> None:
+    """RESOURCE_EXHAUSTED with RetryInfo (a delay within the window) and QuotaFailure naming the budget."""
     assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-    assert "requests_per_minute" in error.details()
     details = {d.TypeName(): d for d in rpc_status.from_call(error).details}
     retry = error_details_pb2.RetryInfo()
     details["google.rpc.RetryInfo"].Unpack(retry)
     assert 0 < retry.retry_delay.ToNanoseconds() / 1e9 <= 60
     quota = error_details_pb2.QuotaFailure()
     details["google.rpc.QuotaFailure"].Unpack(quota)
-    assert quota.violations[0].subject == f"tenant:private/model:{MODEL}/requests_per_minute"
+    assert quota.violations[0].subject == f"tenant:private/model:{model}/requests_per_minute"
 
 
 def embed_request(*inputs: str) -> gateway_pb2.EmbedRequest:
@@ -187,15 +191,7 @@ def test_embed_past_the_requests_per_minute_is_resource_exhausted_with_retry_inf
         stub.Embed(embed_request("one"), metadata=auth(PRIVATE_KEY), timeout=60)  # the tenant's 1 per minute
         with pytest.raises(grpc.RpcError) as caught:
             stub.Embed(embed_request("two"), metadata=auth(PRIVATE_KEY), timeout=60)
-    error = caught.value
-    assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-    details = {d.TypeName(): d for d in rpc_status.from_call(error).details}
-    retry = error_details_pb2.RetryInfo()
-    details["google.rpc.RetryInfo"].Unpack(retry)
-    assert 0 < retry.retry_delay.ToNanoseconds() / 1e9 <= 60
-    quota = error_details_pb2.QuotaFailure()
-    details["google.rpc.QuotaFailure"].Unpack(quota)
-    assert quota.violations[0].subject == f"tenant:private/model:{EMBEDDING_MODEL}/requests_per_minute"
+    assert_denied_by_requests_per_minute(caught.value, EMBEDDING_MODEL)
 
 
 def test_an_unreachable_rate_limit_fails_closed_within_the_deadline(stack: Stack, tmp_path: Path) -> None:
