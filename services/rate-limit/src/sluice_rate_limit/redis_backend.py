@@ -3,7 +3,8 @@
 Each decision is ONE round trip: an atomic Lua script (EVALSHA) that sweeps expired leases,
 reads every budget of the request, and either charges all of them and records the lease, or
 charges none. Time comes from Redis (`TIME`), not from the replica, so replicas with skewed
-clocks still agree on the window.
+clocks still agree on the window. The decisions of one event-loop turn share that round trip
+(script_pipeline.py).
 
 Keys are hash-tagged by model: `<prefix>:{<model>}:...`. Every key one decision touches (the
 tenant's budgets for that model, the model's global capacity, the lease table) then lives in one
@@ -29,6 +30,7 @@ import redis.asyncio as aioredis
 
 from sluice_rate_limit.budgets import BUDGET_NAMES, Budget, BudgetState, Check, Decision, Kind, LeaseNotFound
 from sluice_rate_limit.memory_backend import GAUGE_RETRY_S
+from sluice_rate_limit.script_pipeline import ScriptPipeline
 
 _COMMON = r"""
 local leases, expiry, gauges = KEYS[1], KEYS[2], KEYS[3]
@@ -301,6 +303,7 @@ class RedisBackend:
         self._acquire = self.client.register_script(ACQUIRE)
         self._settle = self.client.register_script(SETTLE)
         self._peek = self.client.register_script(PEEK)
+        self._scripts = ScriptPipeline(self.client)
 
     def _base(self, tag: str) -> str:
         return f"{self._prefix}:{{{_tag(tag)}}}"
@@ -340,7 +343,7 @@ class RedisBackend:
                 int(check.budget),
                 check.burst,
             ]
-        reply = await self._acquire(keys=[*self._keys(base), *window_keys], args=args)
+        reply = await self._scripts.call(self._acquire, [*self._keys(base), *window_keys], args)
         allowed, denied_index, retry_ms, expires_ms, expired = (int(v) for v in reply[:5])
         if expired and self._on_expired is not None:
             self._on_expired(expired)
@@ -363,7 +366,7 @@ class RedisBackend:
     async def settle(self, lease_id: str, used_tokens: int | None) -> list[BudgetState]:
         _hex, _, tag = lease_id.partition(".")
         args: list[object] = [self._window_ms, lease_id, -1 if used_tokens is None else used_tokens]
-        reply = await self._settle(keys=self._keys(self._base(tag)), args=args)
+        reply = await self._scripts.call(self._settle, self._keys(self._base(tag)), args)
         if not int(reply[0]):
             raise LeaseNotFound(lease_id)
         states = []
