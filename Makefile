@@ -23,6 +23,8 @@ help:
 	@echo "make bench-evallog stream-close latency with logging on vs off; events stored/s vs raw consume"
 	@echo "make bench-ratelimit Acquire+Commit decisions/s and latency (memory, Redis) vs a raw grpc.aio echo"
 	@echo "make bench-jobs a 2,000-row bulk job: rows/min vs the rate limit, and how the adaptive bound moved"
+	@echo "make bench-jobs-interactive interactive p99 time to first token with a bulk job beside it vs without"
+	@echo "make bench-adapter continuous batching vs one request at a time, mixed lengths, embeddings batching"
 	@echo "make setup      create every environment from the lock files (run and test do this)"
 
 $(CURDIR)/.tools/bin/uv:
