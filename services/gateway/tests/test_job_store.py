@@ -212,6 +212,36 @@ async def test_concurrent_finishes_count_once_and_end_the_job_once(store: JobSto
     assert job is not None and (job.state, job.completed_rows, job.failed_rows) == (s.FINALIZING, 12, 0)
 
 
+async def test_concurrent_claims_of_one_row_claim_it_once(store: JobStore) -> None:
+    ids = [f"r{i}" for i in range(30)]
+    await store.accept("j", "demo", "q", ids, DAY)
+    # Two workers holding copies of every row claim them all at once (PostgreSQL: two connections
+    # that may both read "pending" before either writes).
+    outcomes = await asyncio.gather(*(store.claim_row("j", cid, worker, False) for cid in ids for worker in ("w1", "w2")))
+    per_row = [outcomes[i : i + 2] for i in range(0, len(outcomes), 2)]
+    assert all(sorted(pair) == [s.BUSY, s.CLAIMED] for pair in per_row), per_row
+
+
+async def test_a_stopped_job_does_not_cancel_a_row_running_elsewhere(store: JobStore) -> None:
+    await store.accept("j", "demo", "", ["a", "b"], DAY)
+    assert await store.claim_row("j", "a", "w1", False) == s.CLAIMED
+    await store.cancel("j")
+    # A second copy of "a" arrives at another worker: acked without running, "a" still finishes.
+    assert await store.claim_row("j", "a", "w2", False) == s.SKIPPED
+    assert await store.finish_row(result("a")) is not None
+    job = await store.get_job("j")
+    assert job is not None and (job.state, job.completed_rows) == (s.CANCELLED, 1)
+
+
+async def test_cancelling_an_expired_job_keeps_its_rows_owed_their_expired_result(store: JobStore) -> None:
+    await store.accept("j", "demo", "q", ["a", "b"], 60.0)
+    assert await store.expire_overdue(time.time() + 120) == 1
+    job = await store.cancel("j")
+    assert job is not None and job.state == s.EXPIRED
+    assert await store.row_states("j") == {"pending": 2}
+    assert await store.claim_row("j", "a", "w", False) == s.OVERDUE
+
+
 async def test_concurrent_last_rows_of_an_expired_job_end_it_once(store: JobStore) -> None:
     ids = [f"r{i}" for i in range(8)]
     await store.accept("j", "demo", "q", ids, 60.0)

@@ -103,6 +103,10 @@ def test_unparsable_bodies_are_rejected_with_what_can_be_salvaged(body: bytes, r
         ({"rows": []}, "at least one row"),
         ({"rows": [{"custom_id": "a"}, {"custom_id": "a"}]}, "repeated"),
         ({"rows": [{"custom_id": ""}]}, "custom_id is required"),
+        # AMQP message ids hold 255 bytes: "<job_id>/summary" and "<job_id>/<custom_id>" must fit.
+        ({"job_id": "j" * 248}, "the job's summary carries"),
+        ({"job_id": "é" * 124}, "the job's summary carries"),
+        ({"job_id": "j" * 200, "rows": [{"custom_id": "c" * 60}]}, "job_id and custom_id together"),
     ],
 )
 def test_malformed_jobs_are_rejected_with_a_reason(overrides: dict[str, object], reason: str) -> None:

@@ -12,7 +12,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from conftest import REDIS_URL
 from redis.exceptions import ResponseError
 
-from sluice_rate_limit.script_pipeline import ScriptPipeline
+from sluice_rate_limit.script_pipeline import MAX_PIPELINE, ScriptPipeline
 
 # A comment unique to each run: Redis has never seen the script, so its first EVALSHA is NOSCRIPT.
 ECHO = "-- {tag}\nif ARGV[1] == 'bad' then return redis.error_reply('bad argument') end\nreturn {{KEYS[1], ARGV[1]}}"
@@ -41,11 +41,21 @@ async def test_calls_of_one_loop_turn_share_a_pipeline_and_get_their_own_replies
     scripts = ScriptPipeline(client)
     replies = await asyncio.gather(*(scripts.call(script, [f"k{i}"], [f"v{i}"]) for i in range(20)))
     assert [[key.decode(), value.decode()] for key, value in replies] == [[f"k{i}", f"v{i}"] for i in range(20)]
-    # 20 calls, one pipeline (whose NOSCRIPT replies were loaded and run directly).
-    assert CountingRedis.pipelines == 1
+    # 20 calls, one pipeline; Redis did not know the script, so it was loaded and the 20 sent again.
+    assert CountingRedis.pipelines == 2
     again = await asyncio.gather(*(scripts.call(script, ["k"], [str(i)]) for i in range(5)))
     assert [value.decode() for _, value in again] == [str(i) for i in range(5)]
-    assert CountingRedis.pipelines == 2
+    assert CountingRedis.pipelines == 3
+
+
+async def test_a_pipeline_holds_at_most_max_pipeline_calls(client) -> None:
+    script = client.register_script(ECHO.format(tag=uuid.uuid4().hex))
+    scripts = ScriptPipeline(client)
+    await scripts.call(script, ["k"], ["load"])
+    count = 2 * MAX_PIPELINE + 5
+    replies = await asyncio.gather(*(scripts.call(script, ["k"], [str(i)]) for i in range(count)))
+    assert [value.decode() for _, value in replies] == [str(i) for i in range(count)]
+    assert CountingRedis.pipelines == 3
 
 
 async def test_a_call_alone_goes_straight_out(client) -> None:
@@ -54,10 +64,12 @@ async def test_a_call_alone_goes_straight_out(client) -> None:
     assert (key, value) == (b"k", b"v") and CountingRedis.pipelines == 0
 
 
-async def test_one_failing_script_fails_only_its_own_call(client) -> None:
+@pytest.mark.parametrize("known", [True, False], ids=["loaded", "noscript"])
+async def test_one_failing_script_fails_only_its_own_call(client, known: bool) -> None:
     script = client.register_script(ECHO.format(tag=uuid.uuid4().hex))
     scripts = ScriptPipeline(client)
-    await scripts.call(script, ["k"], ["load"])
+    if known:
+        await scripts.call(script, ["k"], ["load"])
     results = await asyncio.gather(
         scripts.call(script, ["k"], ["a"]), scripts.call(script, ["k"], ["bad"]), scripts.call(script, ["k"], ["b"]),
         return_exceptions=True,

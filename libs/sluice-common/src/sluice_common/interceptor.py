@@ -151,8 +151,9 @@ def _wrap_stream(method: str, behavior: Callable[..., AsyncIterator[Any]], quiet
 class SluiceServerInterceptor(grpc.aio.ServerInterceptor):
     def __init__(self, quiet_methods: Iterable[str] = ()) -> None:
         self._quiet_methods = frozenset(quiet_methods)
-        # A method's wrapped handler, built on its first call: the servicer's handlers never change.
-        self._wrapped: dict[tuple[str, int], grpc.RpcMethodHandler] = {}
+        # A method's handler and its wrapped form, built on its first call (a servicer's handlers
+        # never change; a different handler for the method is wrapped anew).
+        self._wrapped: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
 
     async def intercept_service(
         self,
@@ -162,11 +163,11 @@ class SluiceServerInterceptor(grpc.aio.ServerInterceptor):
         handler = await continuation(handler_call_details)
         if handler is None:
             return None
-        key = (handler_call_details.method, id(handler))
-        wrapped = self._wrapped.get(key)
-        if wrapped is None:
-            wrapped = self._wrapped[key] = self._wrap(handler_call_details.method, handler)
-        return wrapped
+        method = handler_call_details.method
+        cached = self._wrapped.get(method)
+        if cached is None or cached[0] is not handler:
+            cached = self._wrapped[method] = (handler, self._wrap(method, handler))
+        return cached[1]
 
     def _wrap(self, method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
         quiet = method in self._quiet_methods or method.startswith(_QUIET_PREFIXES)

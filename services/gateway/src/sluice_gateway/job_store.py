@@ -172,6 +172,9 @@ _INSERT_COLUMNS = (
 )
 _JOB_COLUMNS = f"{_INSERT_COLUMNS}, expires_at, reply_content_type, summary_sent"
 
+# A row a claim may change: pending, or running when the claim takes it over (one bound parameter).
+_TAKEABLE = "(state = 'pending' OR (state = 'running' AND ?))"
+
 # What claim_row found. OVERDUE: the job's completion window is over; store the row as EXPIRED.
 CLAIMED, DONE, BUSY, SKIPPED, MISSING, OVERDUE = "claimed", "done", "busy", "skipped", "missing", "overdue"
 
@@ -307,7 +310,13 @@ class JobStore:
             await tx.execute(
                 "UPDATE jobs SET state = ?, updated_at = ? WHERE job_id = ? AND state IN (?, ?)", CANCELLING, now, job_id, VALIDATING, IN_PROGRESS
             )
-            await tx.execute("UPDATE job_rows SET state = 'cancelled' WHERE job_id = ? AND state = 'pending'", job_id)
+            # Only a job that is now cancelling gives up its pending rows: an expired job's pending
+            # rows are still owed their EXPIRED result, a completed job has none.
+            await tx.execute(
+                "UPDATE job_rows SET state = 'cancelled' WHERE job_id = ? AND state = 'pending'"
+                " AND EXISTS (SELECT 1 FROM jobs WHERE job_id = ? AND state = ?)",
+                job_id, job_id, CANCELLING,
+            )  # fmt: skip
             await self._settle_cancel(tx, job_id, now)
             return await self._get(tx, job_id)
 
@@ -334,20 +343,30 @@ class JobStore:
                 return DONE
             if state == "cancelled":
                 return SKIPPED
+            # Every write below is conditional on the row's state, re-checked by the UPDATE itself:
+            # under PostgreSQL's READ COMMITTED two workers may both have read "pending" above.
+            # A running row is taken over only by a redelivery (its worker is presumed gone).
             if job.state in STOPPED:
-                await tx.execute("UPDATE job_rows SET state = 'cancelled' WHERE job_id = ? AND custom_id = ?", job_id, custom_id)
+                await tx.execute(
+                    f"UPDATE job_rows SET state = 'cancelled' WHERE job_id = ? AND custom_id = ? AND {_TAKEABLE}",
+                    job_id, custom_id, take_over,
+                )  # fmt: skip
                 await self._settle_cancel(tx, job_id, now)
-                return SKIPPED
+                return SKIPPED  # a row running elsewhere finishes there and is stored
             if state == "running" and not take_over:
                 return BUSY  # running elsewhere: it finishes there, even past the window
             if job.state == EXPIRED or job.overdue(now):
                 await self._expire(tx, now, job_id)
                 return OVERDUE  # not run: the caller stores it (finish_row, once) as EXPIRED
-            await tx.execute(
-                "UPDATE job_rows SET state = 'running', claimed_by = ?, attempts = attempts + 1 WHERE job_id = ? AND custom_id = ?",
-                worker, job_id, custom_id,
+            claimed = await tx.execute(
+                "UPDATE job_rows SET state = 'running', claimed_by = ?, attempts = attempts + 1"
+                f" WHERE job_id = ? AND custom_id = ? AND {_TAKEABLE}",
+                worker, job_id, custom_id, take_over,
             )  # fmt: skip
-            return CLAIMED
+            if claimed:
+                return CLAIMED
+            now_state = await tx.fetchone("SELECT state FROM job_rows WHERE job_id = ? AND custom_id = ?", job_id, custom_id)
+            return {"done": DONE, "cancelled": SKIPPED}.get(now_state[0] if now_state else "", BUSY)
 
     async def release_row(self, job_id: str, custom_id: str) -> None:
         """Back to pending (its message goes back to the broker for a later try)."""

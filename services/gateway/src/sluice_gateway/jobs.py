@@ -29,6 +29,10 @@ from sluice_gateway.tenants import Tenant, TenantDirectory
 
 JSON = "application/json"
 MAX_ID_LENGTH = 256
+# AMQP's message-id (a shortstr) holds 255 bytes; replies carry "<job_id>/<custom_id>" and
+# "<job_id>/summary", so those must fit.
+MAX_MESSAGE_ID_BYTES = 255
+SUMMARY_SUFFIX = "/summary"
 # The error code of a row whose job's completion window ended before the row ran.
 EXPIRED_CODE = "EXPIRED"
 
@@ -144,6 +148,11 @@ def validate_job(job: jobs_pb2.JobRequest, tenants: TenantDirectory, max_rows: i
 
     if not job.job_id or len(job.job_id) > MAX_ID_LENGTH:
         raise reject(f"job_id is required (1 to {MAX_ID_LENGTH} characters)")
+    if len((job.job_id + SUMMARY_SUFFIX).encode()) > MAX_MESSAGE_ID_BYTES:
+        raise reject(
+            f"job_id is over {MAX_MESSAGE_ID_BYTES - len(SUMMARY_SUFFIX)} bytes (UTF-8); the job's summary carries"
+            f" \"<job_id>{SUMMARY_SUFFIX}\" as its AMQP message id"
+        )
     try:
         tenant = tenants.authenticate(f"Bearer {job.api_key}")
     except Unauthenticated as exc:
@@ -158,6 +167,12 @@ def validate_job(job: jobs_pb2.JobRequest, tenants: TenantDirectory, max_rows: i
             raise reject(f"rows[{index}].custom_id is required (1 to {MAX_ID_LENGTH} characters)", tenant.name)
         if row.custom_id in seen:
             raise reject(f"rows[{index}].custom_id {row.custom_id!r} is repeated: custom ids are unique in a job", tenant.name)
+        if len(f"{job.job_id}/{row.custom_id}".encode()) > MAX_MESSAGE_ID_BYTES:
+            raise reject(
+                f"rows[{index}].custom_id: job_id and custom_id together are over {MAX_MESSAGE_ID_BYTES - 1} bytes"
+                " (UTF-8); results carry \"<job_id>/<custom_id>\" as their AMQP message id",
+                tenant.name,
+            )
         seen.add(row.custom_id)
     window = completion_window_s(job, default_s=MAX_COMPLETION_WINDOW_S)
     if not 0 < window <= MAX_COMPLETION_WINDOW_S:

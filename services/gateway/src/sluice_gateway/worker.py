@@ -53,6 +53,7 @@ from sluice_gateway.jobs import (
     EXPIRED_CODE,
     JSON,
     PACED,
+    SUMMARY_SUFFIX,
     TRANSIENT,
     JobRejected,
     PoisonRow,
@@ -290,10 +291,11 @@ class JobWorker:
             if not first:
                 await self.concurrency.acquire()
                 job = await self.store.get_job(task.job_id)
-                if job is None or job.state != states.IN_PROGRESS:
+                if job is None or job.state != states.IN_PROGRESS or job.overdue(time.time()):
                     await self._release(0.0, "skipped")
                     # Waiting to retry is not running: past the window the row is reported EXPIRED.
-                    return expired_result(task, job.window_s) if job is not None and job.state == states.EXPIRED else None
+                    past_window = job is not None and (job.state == states.EXPIRED or job.overdue(time.time()))
+                    return expired_result(task, job.window_s) if past_window else None
             first = False
             started = time.perf_counter()
             IN_FLIGHT.set(self.concurrency.in_flight)
@@ -367,7 +369,7 @@ class JobWorker:
                 ROWS.labels(_outcome(result)).inc()
             if finished.ends_job:
                 try:
-                    await self._summarize(finished.job)
+                    await self._summarize(finished.job, task.reply_content_type)
                 except Exception:  # noqa: BLE001 - the row is stored and told; the sweep tells the summary later
                     log.exception("job_summary_failed", job_id=task.job_id)
         await message.ack()
@@ -379,11 +381,13 @@ class JobWorker:
 
     # ---- the end of a job: its summary, and the sweep
 
-    async def _summarize(self, job: JobRecord) -> None:
+    async def _summarize(self, job: JobRecord, row_content_type: str = "") -> None:
         """Tells the job's summary (confirmed), and only then marks it told (finalizing ->
         completed). A crash in between leaves it due: the sweep tells it again, same message id."""
         if job.reply_to:
-            await self._reply(job.reply_to, job.summary(), job.reply_content_type or PROTOBUF, f"{job.job_id}/summary", SUMMARY_TYPE)
+            # A job accepted before its content type was stored: its rows' content type says it.
+            content_type = job.reply_content_type or row_content_type or PROTOBUF
+            await self._reply(job.reply_to, job.summary(), content_type, f"{job.job_id}{SUMMARY_SUFFIX}", SUMMARY_TYPE)
         ended = await self.store.summary_told(job.job_id)
         log.info(
             "job_ended", job_id=job.job_id, state=ended.state if ended else job.state,
@@ -395,7 +399,10 @@ class JobWorker:
         if expired:
             log.info("jobs_expired", jobs=expired)
         for job in await self.store.summaries_due(SUMMARY_GRACE_S):
-            await self._summarize(job)
+            try:
+                await self._summarize(job)
+            except Exception:  # noqa: BLE001 - one job's failure must not hold back the others' summaries
+                log.exception("job_summary_failed", job_id=job.job_id)
 
     async def _sweep_forever(self) -> None:
         while True:

@@ -100,8 +100,9 @@ class SchedulerLimits:
     # - bulk prompts are cached `bulk_prefill_chunk` tokens per step (0: whole), and at most
     #   `max_bulk_prefill_rows` bulk sequences cache their prompts at once (0: no cap), which
     #   bounds what any step in progress costs;
-    # - a step that an interactive prefill joins carries no bulk prefill, and no bulk row at all
-    #   unless bulk sat out the step before (so bulk always advances at least every other step);
+    # - a step that an interactive prefill joins starts no bulk prefill, and carries no bulk row
+    #   at all (no decode, no prompt chunk) unless bulk sat out the step before (so bulk always
+    #   advances at least every other step);
     # - bulk sequences leave `interactive_reserved_slots` of the batch free for interactive ones.
     max_bulk_prefill_rows: int = 0
     bulk_prefill_chunk: int = 0

@@ -75,7 +75,6 @@ class RateLimiter:
         if decision.degraded:
             metrics.DECISIONS.labels("unavailable", decision.denied_name).inc()
             if not shadow:
-                log.warning("degraded_denied", tenant=tenant, model=model, budget=decision.denied_name)
                 return decision
         if shadow:
             metrics.DECISIONS.labels("shadow_denied", decision.denied_name).inc()

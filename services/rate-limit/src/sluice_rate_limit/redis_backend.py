@@ -390,4 +390,5 @@ class RedisBackend:
         return not lease_id.startswith("local-")
 
     async def close(self) -> None:
+        await self._scripts.close()
         await self.client.aclose()

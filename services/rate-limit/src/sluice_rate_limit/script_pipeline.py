@@ -7,8 +7,9 @@ pays that once: one write and one read for all of them. Each script still runs a
 own (a pipeline without MULTI), so nothing about a decision changes, only how it travels.
 
 A call alone in its turn goes straight out, as before. A failed pipeline (timeout, connection
-lost) fails every call in it, each with the same exception; an error of one script (a Lua
-error, NOSCRIPT after a Redis restart) fails only that call.
+lost) fails every call in it, each with the same exception; an error of one script (a Lua error)
+fails only that call. Scripts Redis has forgotten (NOSCRIPT after a restart) are loaded once and
+their calls sent again. A pipeline holds at most MAX_PIPELINE calls.
 """
 
 from __future__ import annotations
@@ -21,6 +22,9 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis.commands.core import AsyncScript
 from redis.exceptions import NoScriptError
+
+
+MAX_PIPELINE = 64
 
 
 @dataclass
@@ -37,6 +41,10 @@ class ScriptPipeline:
         self._pending: list[_Call] = []
         self._sending: set[asyncio.Task[None]] = set()
 
+    async def close(self) -> None:
+        """Waits for the pipelines in flight (before the client closes)."""
+        await asyncio.gather(*self._sending, return_exceptions=True)
+
     async def call(self, script: AsyncScript, keys: Sequence[Any], args: Sequence[Any]) -> Any:
         loop = asyncio.get_running_loop()
         if not self._pending:
@@ -46,10 +54,13 @@ class ScriptPipeline:
         return await call.result
 
     def _flush(self) -> None:
-        batch, self._pending = self._pending, []
-        task = asyncio.get_running_loop().create_task(self._send(batch))
-        self._sending.add(task)
-        task.add_done_callback(self._sending.discard)
+        pending, self._pending = self._pending, []
+        # Bounded pipelines: every caller of a pipeline waits for its last reply, so a huge one
+        # would hold them all past their timeout together.
+        for start in range(0, len(pending), MAX_PIPELINE):
+            task = asyncio.get_running_loop().create_task(self._send(pending[start : start + MAX_PIPELINE]))
+            self._sending.add(task)
+            task.add_done_callback(self._sending.discard)
 
     async def _send(self, batch: list[_Call]) -> None:
         batch = [call for call in batch if not call.result.done()]  # callers that gave up
@@ -76,13 +87,20 @@ class ScriptPipeline:
                 call.result.set_result(result)
 
     async def _pipelined(self, batch: list[_Call]) -> list[Any]:
+        results = await self._execute(batch)
+        unknown = [i for i, result in enumerate(results) if isinstance(result, NoScriptError)]
+        if unknown:
+            # Redis forgot the scripts (a restart, SCRIPT FLUSH): load each once, send those again.
+            for script in {id(batch[i].script): batch[i].script for i in unknown}.values():
+                script.sha = await self._client.script_load(script.script)
+            for i, result in zip(unknown, await self._execute([batch[i] for i in unknown])):
+                results[i] = result
+        return results
+
+    async def _execute(self, calls: list[_Call]) -> list[Any]:
+        """One pipeline; a script's own error comes back in its place, not raised."""
         pipe = self._client.pipeline(transaction=False)
-        for call in batch:
+        for call in calls:
             # EVALSHA itself, not script(client=pipe): that would ask SCRIPT EXISTS on every send.
             pipe.evalsha(call.script.sha, len(call.keys), *call.keys, *call.args)
-        results = await pipe.execute(raise_on_error=False)
-        # Redis forgot the scripts (a restart, SCRIPT FLUSH): a direct call loads and runs them.
-        return [
-            await call.script(keys=call.keys, args=call.args) if isinstance(result, NoScriptError) else result
-            for call, result in zip(batch, results)
-        ]
+        return list(await pipe.execute(raise_on_error=False))
