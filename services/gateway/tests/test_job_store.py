@@ -242,6 +242,19 @@ async def test_cancelling_an_expired_job_keeps_its_rows_owed_their_expired_resul
     assert await store.claim_row("j", "a", "w", False) == s.OVERDUE
 
 
+async def test_a_job_whose_last_row_is_stored_past_its_window_ends_expired(store: JobStore) -> None:
+    await store.accept("j", "demo", "q", ["a", "b"], 0.2)
+    # Both rows claimed within the window; neither a claim nor the sweep has seen it end.
+    assert await store.claim_row("j", "a", "w", False) == s.CLAIMED
+    assert await store.claim_row("j", "b", "w", False) == s.CLAIMED
+    await store.finish_row(result("a"))
+    await asyncio.sleep(0.3)
+    finished = await store.finish_row(expired_result(task("b"), 0.2))
+    assert finished is not None and finished.ends_job
+    assert (finished.job.state, finished.job.completed_rows, finished.job.failed_rows) == (s.EXPIRED, 1, 1)
+    assert finished.job.summary().state == jobs_pb2.JOB_STATE_EXPIRED
+
+
 async def test_concurrent_last_rows_of_an_expired_job_end_it_once(store: JobStore) -> None:
     ids = [f"r{i}" for i in range(8)]
     await store.accept("j", "demo", "q", ids, 60.0)

@@ -393,6 +393,9 @@ class JobStore:
             # are exact: one call, and only one, sees them reach total_rows.
             column = "failed_rows" if failed else "completed_rows"
             await tx.execute(f"UPDATE jobs SET {column} = {column} + 1, updated_at = ? WHERE job_id = ?", now, result.job_id)
+            # Past its window the job is expired, even when no claim or sweep has said so yet (its
+            # last rows were claimed in time, or waited to retry): it must not end "completed".
+            await self._expire(tx, now, result.job_id)
             finalizing = await tx.execute(
                 "UPDATE jobs SET state = ? WHERE job_id = ? AND state = ? AND completed_rows + failed_rows >= total_rows",
                 FINALIZING, result.job_id, IN_PROGRESS,
