@@ -118,16 +118,20 @@ class SqliteDb:
     def __init__(self, path: Path, migrations: Migrations) -> None:
         self.path = path
         self._migrations = migrations
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sqlite")
+        self._executor: ThreadPoolExecutor | None = None
         self._db: sqlite3.Connection | None = None
         self._lock = asyncio.Lock()
 
     async def run(self, fn: Any) -> Any:
+        """fn(connection), on the connection's thread."""
         assert self._db is not None, "open() first"
         db = self._db
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, db)
 
     async def open(self) -> None:
+        """Opens (again, after close()) and migrates."""
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sqlite")
+
         def work() -> sqlite3.Connection:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False, timeout=30)
@@ -147,7 +151,9 @@ class SqliteDb:
         if self._db is not None:
             await self.run(lambda c: c.close())
             self._db = None
-        self._executor.shutdown(wait=True)
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None
 
     @contextlib.asynccontextmanager
     async def transaction(self) -> AsyncIterator[Tx]:

@@ -13,13 +13,12 @@ rows in one transaction. Until then the score is absent from every query.
 
 from __future__ import annotations
 
-import asyncio
 import base64
+import contextlib
 import functools
 import sqlite3
 import time
-from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -27,7 +26,7 @@ from typing import Any, Protocol
 import asyncpg
 
 from sluice_common.errors import InvalidArgument
-from sluice_common.sqlstore import PostgresDb, dollar, migrate_sqlite
+from sluice_common.sqlstore import PostgresDb, SqliteDb, dollar
 
 
 @dataclass(frozen=True)
@@ -347,119 +346,60 @@ def _next_token(rows: list[RecordRow], page_size: int) -> tuple[list[RecordRow],
 
 
 class SqliteStore:
-    """One connection on one thread (sqlite3 is blocking): every call runs there, in order."""
+    """sluice-common's SqliteDb (one connection on one thread, WAL, migrations); each call below is
+    one synchronous piece of work on that thread, a whole batch in one transaction."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sqlite")
-        self._db: sqlite3.Connection | None = None
-
-    async def _run(self, fn: Any, *args: Any) -> Any:
-        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+        self._sqlite = SqliteDb(path, MIGRATIONS)
 
     async def open(self) -> None:
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sqlite")
-        await self._run(self._open)
-
-    def _open(self) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False, timeout=30)
-        db.execute("PRAGMA journal_mode=WAL")
-        db.execute("PRAGMA synchronous=FULL")
-        db.execute("PRAGMA foreign_keys=ON")
-        try:
-            migrate_sqlite(db, MIGRATIONS)
-        except BaseException:
-            db.close()
-            raise
-        self._db = db
+        await self._sqlite.open()
 
     async def close(self) -> None:
-        if self._db is not None:
-            await self._run(self._db.close)
-            self._db = None
-        self._executor.shutdown(wait=True)
+        await self._sqlite.close()
 
     async def schema_version(self) -> int:
-        return await self._run(lambda: self._db.execute("SELECT MAX(version) FROM schema_migrations").fetchone()[0])
+        return await self._sqlite.run(lambda db: db.execute("SELECT MAX(version) FROM schema_migrations").fetchone()[0])
 
     async def insert_batch(self, rows: Sequence[RecordRow]) -> int:
-        return await self._run(self._insert_batch, list(rows))
-
-    def _insert_batch(self, rows: list[RecordRow]) -> int:
-        db = self._db
-        assert db is not None
-        stored_at = time.time()
-        db.execute("BEGIN IMMEDIATE")
-        try:
-            # Under the write lock, the ids already stored (redeliveries; usually none) are final.
-            seen: set[str] = set()
-            ids = list({row.event_id for row in rows})
-            for start in range(0, len(ids), _SQLITE_CHUNK):
-                chunk = ids[start : start + _SQLITE_CHUNK]
-                found = db.execute(f"SELECT event_id FROM records WHERE event_id IN ({', '.join('?' * len(chunk))})", chunk)
-                seen.update(eid for (eid,) in found.fetchall())
-            records: list[tuple[Any, ...]] = []
-            scores: list[tuple[Any, ...]] = []
-            pending: list[tuple[Any, ...]] = []
-            for row in rows:
-                eid = row.event_id
-                if eid in seen:
-                    continue
-                seen.add(eid)  # the same event twice in one batch: stored once
-                records.append(_record_params(row, stored_at))
-                scores.extend((eid, s.name, s.value, s.passed, s.skipped, s.detail) for s in row.scores)
-                pending.extend((eid, name, stored_at, stored_at) for name in row.pending)
-            _insert_chunks(db, f"INSERT INTO records ({_RECORD_COLUMNS})", _RECORD_VALUES, "event_id", records)
-            _insert_chunks(db, _SCORE_HEAD, _SCORE_VALUES, "event_id, name", scores)
-            _insert_chunks(db, _PENDING_HEAD, _PENDING_VALUES, "event_id, name", pending)
-            inserted = len(records)
-            db.execute("COMMIT")
-        except BaseException:
-            db.execute("ROLLBACK")
-            raise
-        return inserted
+        batch = list(rows)
+        return await self._sqlite.run(lambda db: _insert_batch(db, batch))
 
     async def get(self, event_id: str) -> RecordRow | None:
-        def work() -> RecordRow | None:
-            found = self._db.execute(f"SELECT {_RECORD_COLUMNS} FROM records WHERE event_id = ?", (event_id,)).fetchone()
+        def work(db: sqlite3.Connection) -> RecordRow | None:
+            found = db.execute(f"SELECT {_RECORD_COLUMNS} FROM records WHERE event_id = ?", (event_id,)).fetchone()
             if found is None:
                 return None
-            return _attach_scores([_row_from(found)], self._db.execute(_scores_sql(1), (event_id,)).fetchall())[0]
+            return _attach_scores([_row_from(found)], db.execute(_scores_sql(1), (event_id,)).fetchall())[0]
 
-        return await self._run(work)
+        return await self._sqlite.run(work)
 
     async def query(self, where: RecordFilter, page_size: int, page_token: str) -> tuple[list[RecordRow], str]:
         sql, params = _page_sql(where, page_size, page_token)
 
-        def work() -> list[RecordRow]:
-            rows = [_row_from(values) for values in self._db.execute(sql, params).fetchall()]
+        def work(db: sqlite3.Connection) -> list[RecordRow]:
+            rows = [_row_from(values) for values in db.execute(sql, params).fetchall()]
             if not rows:
                 return rows
             ids = [row.event_id for row in rows]
-            return _attach_scores(rows, self._db.execute(_scores_sql(len(ids)), ids).fetchall())
+            return _attach_scores(rows, db.execute(_scores_sql(len(ids)), ids).fetchall())
 
-        return _next_token(await self._run(work), page_size)
+        return _next_token(await self._sqlite.run(work), page_size)
 
     async def summary_data(self, where: RecordFilter) -> SummaryData:
         records_sql, scores_sql, params = _summary_sql(where)
-
-        def work() -> SummaryData:
-            return SummaryData(
-                self._db.execute(records_sql, params).fetchall(), self._db.execute(scores_sql, params).fetchall()
-            )
-
-        return await self._run(work)
+        return await self._sqlite.run(
+            lambda db: SummaryData(db.execute(records_sql, params).fetchall(), db.execute(scores_sql, params).fetchall())
+        )
 
     async def count(self) -> int:
-        return await self._run(lambda: self._db.execute("SELECT COUNT(*) FROM records").fetchone()[0])
+        return await self._sqlite.run(lambda db: db.execute("SELECT COUNT(*) FROM records").fetchone()[0])
 
     async def claim_pending(self, name: str, limit: int, lease_s: float) -> list[PendingItem]:
-        def work() -> list[PendingItem]:
-            db = self._db
+        def work(db: sqlite3.Connection) -> list[PendingItem]:
             now = time.time()
-            db.execute("BEGIN IMMEDIATE")
-            try:
+            with _write_transaction(db):
                 due = db.execute(
                     "SELECT p.event_id, p.attempts, r.event FROM pending_scores p"
                     " JOIN records r ON r.event_id = p.event_id"
@@ -470,58 +410,80 @@ class SqliteStore:
                     "UPDATE pending_scores SET not_before = ?, attempts = attempts + 1 WHERE event_id = ? AND name = ?",
                     [(now + lease_s, eid, name) for eid, _, _ in due],
                 )
-                db.execute("COMMIT")
-            except BaseException:
-                db.execute("ROLLBACK")
-                raise
             return [PendingItem(eid, bytes(event), int(attempts) + 1) for eid, attempts, event in due]
 
-        return await self._run(work)
+        return await self._sqlite.run(work)
 
     async def release_pending(self, name: str, event_ids: Sequence[str], delay_s: float, count_attempt: bool) -> None:
         not_before = time.time() + delay_s
         undo = 0 if count_attempt else 1
         sql = "UPDATE pending_scores SET not_before = ?, attempts = attempts - ? WHERE event_id = ? AND name = ?"
 
-        def work() -> None:
-            self._db.execute("BEGIN IMMEDIATE")
-            try:
-                self._db.executemany(sql, [(not_before, undo, eid, name) for eid in event_ids])
-                self._db.execute("COMMIT")
-            except BaseException:
-                self._db.execute("ROLLBACK")
-                raise
+        def work(db: sqlite3.Connection) -> None:
+            with _write_transaction(db):
+                db.executemany(sql, [(not_before, undo, eid, name) for eid in event_ids])
 
-        await self._run(work)
+        await self._sqlite.run(work)
 
     async def complete_pending(self, name: str, scores: Sequence[tuple[str, StoredScore]]) -> int:
-        def work() -> int:
-            db = self._db
-            db.execute("BEGIN IMMEDIATE")
-            try:
-                cleared = 0
+        def work(db: sqlite3.Connection) -> int:
+            cleared = 0
+            with _write_transaction(db):
                 for eid, s in scores:
                     # Only while the marker is there: a score is written once, whoever computed it.
                     if db.execute("DELETE FROM pending_scores WHERE event_id = ? AND name = ?", (eid, name)).rowcount:
                         cleared += 1
                         db.execute(_INSERT_SCORE, (eid, s.name, s.value, s.passed, s.skipped, s.detail))
-                db.execute("COMMIT")
-            except BaseException:
-                db.execute("ROLLBACK")
-                raise
             return cleared
 
-        return await self._run(work)
+        return await self._sqlite.run(work)
 
     async def pending_count(self, name: str = "") -> int:
         sql = "SELECT COUNT(*) FROM pending_scores" + (" WHERE name = ?" if name else "")
-        return await self._run(lambda: self._db.execute(sql, (name,) if name else ()).fetchone()[0])
+        return await self._sqlite.run(lambda db: db.execute(sql, (name,) if name else ()).fetchone()[0])
+
+
+@contextlib.contextmanager
+def _write_transaction(db: sqlite3.Connection) -> Iterator[None]:
+    """BEGIN IMMEDIATE (the write lock at once, so a batch never fails half way on a busy file),
+    COMMIT, or ROLLBACK on any error."""
+    db.execute("BEGIN IMMEDIATE")
+    try:
+        yield
+    except BaseException:
+        db.execute("ROLLBACK")
+        raise
+    db.execute("COMMIT")
+
+
+def _insert_batch(db: sqlite3.Connection, rows: list[RecordRow]) -> int:
+    stored_at = time.time()
+    with _write_transaction(db):
+        # Under the write lock, the ids already stored (redeliveries; usually none) are final.
+        seen: set[str] = set()
+        ids = list({row.event_id for row in rows})
+        for start in range(0, len(ids), _SQLITE_CHUNK):
+            chunk = ids[start : start + _SQLITE_CHUNK]
+            found = db.execute(f"SELECT event_id FROM records WHERE event_id IN ({', '.join('?' * len(chunk))})", chunk)
+            seen.update(eid for (eid,) in found.fetchall())
+        records: list[tuple[Any, ...]] = []
+        scores: list[tuple[Any, ...]] = []
+        pending: list[tuple[Any, ...]] = []
+        for row in rows:
+            eid = row.event_id
+            if eid in seen:
+                continue
+            seen.add(eid)  # the same event twice in one batch: stored once
+            records.append(_record_params(row, stored_at))
+            scores.extend((eid, s.name, s.value, s.passed, s.skipped, s.detail) for s in row.scores)
+            pending.extend((eid, name, stored_at, stored_at) for name in row.pending)
+        _insert_chunks(db, f"INSERT INTO records ({_RECORD_COLUMNS})", _RECORD_VALUES, "event_id", records)
+        _insert_chunks(db, _SCORE_HEAD, _SCORE_VALUES, "event_id, name", scores)
+        _insert_chunks(db, _PENDING_HEAD, _PENDING_VALUES, "event_id, name", pending)
+    return len(records)
 
 
 # ---- PostgreSQL
-
-
-_dollar = dollar
 
 
 class PostgresStore:
@@ -595,24 +557,24 @@ class PostgresStore:
             found = await connection.fetchrow(f"SELECT {_RECORD_COLUMNS} FROM records WHERE event_id = $1", event_id)
             if found is None:
                 return None
-            scores = await connection.fetch(_dollar(_scores_sql(1)), event_id)
+            scores = await connection.fetch(dollar(_scores_sql(1)), event_id)
         return _attach_scores([_row_from(tuple(found))], [tuple(s) for s in scores])[0]
 
     async def query(self, where: RecordFilter, page_size: int, page_token: str) -> tuple[list[RecordRow], str]:
         sql, params = _page_sql(where, page_size, page_token)
         async with self.pool.acquire() as connection:
-            rows = [_row_from(tuple(values)) for values in await connection.fetch(_dollar(sql), *params)]
+            rows = [_row_from(tuple(values)) for values in await connection.fetch(dollar(sql), *params)]
             if rows:
                 ids = [row.event_id for row in rows]
-                scores = await connection.fetch(_dollar(_scores_sql(len(ids))), *ids)
+                scores = await connection.fetch(dollar(_scores_sql(len(ids))), *ids)
                 rows = _attach_scores(rows, [tuple(s) for s in scores])
         return _next_token(rows, page_size)
 
     async def summary_data(self, where: RecordFilter) -> SummaryData:
         records_sql, scores_sql, params = _summary_sql(where)
         async with self.pool.acquire() as connection:
-            records = await connection.fetch(_dollar(records_sql), *params)
-            scores = await connection.fetch(_dollar(scores_sql), *params)
+            records = await connection.fetch(dollar(records_sql), *params)
+            scores = await connection.fetch(dollar(scores_sql), *params)
         return SummaryData([tuple(r) for r in records], [tuple(s) for s in scores])
 
     async def count(self) -> int:
