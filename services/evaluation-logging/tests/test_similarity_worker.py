@@ -25,11 +25,11 @@ from sluice_common.amqp import ConfirmingPublisher, EventTopology, OutgoingMessa
 from sluice_evaluation_logging.consumer import CompletionConsumer, ConsumerSettings
 from sluice_evaluation_logging.embeddings import AdapterEmbedder
 from sluice_evaluation_logging.evaluators import evaluate_batch
-from sluice_evaluation_logging.evaluators.base import EvalContext, EvalSettings, prompt_text
+from sluice_evaluation_logging.evaluators.base import EvalContext, EvalSettings, ScoreResult, prompt_text
 from sluice_evaluation_logging.queries import EvalLogQueries, QueryArgs
 from sluice_evaluation_logging.records import to_row
 from sluice_evaluation_logging.similarity_worker import SimilarityWorker, WorkerSettings
-from sluice_evaluation_logging.store import PostgresStore, RecordFilter, SqliteStore, Store, StoredScore
+from sluice_evaluation_logging.store import PostgresStore, RecordFilter, SqliteStore, Store
 
 SETTINGS = EvalSettings(similarity_sample_rate=1.0, similarity_min=0.2)
 DIMS = 32
@@ -201,7 +201,7 @@ async def test_a_redelivered_event_gets_no_second_marker_or_score(store, adapter
     assert await store.pending_count() == 0 and await worker.run_once() == 0
     assert adapter.calls == [2]
     # A score computed twice (two replicas, one past its lease) is written once.
-    assert await store.complete_pending("similarity", [(event.event_id, StoredScore("similarity", 0.0, False))]) == 0
+    assert await store.complete_pending("similarity", [(event.event_id, ScoreResult("similarity", 0.0, False))]) == 0
     record = await store.get(event.event_id)
     assert [s.name for s in record.scores].count("similarity") == 1 and similarity_of(record).value > 0
 

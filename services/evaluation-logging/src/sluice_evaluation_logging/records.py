@@ -18,7 +18,7 @@ from sluice.common.v1 import types_pb2
 from sluice.evallog.v1 import events_pb2
 
 from sluice_evaluation_logging.evaluators.base import Deferred, ScoreResult
-from sluice_evaluation_logging.store import RecordRow, StoredScore, SummaryData
+from sluice_evaluation_logging.store import RecordRow, SummaryData
 
 
 class PoisonMessage(ValueError):
@@ -60,9 +60,8 @@ def stored_bytes(body: bytes, content_type: str | None) -> bytes | None:
 def to_row(
     event: events_pb2.CompletionEvent, scores: Iterable[ScoreResult | Deferred], serialized: bytes | None = None
 ) -> RecordRow:
-    """The record to store; a Deferred evaluator result becomes a pending marker, stored with it.
-    A ScoreResult is stored as it is (the store reads the same five fields a StoredScore has)."""
-    stored: list[StoredScore | ScoreResult] = []
+    """The record to store; a Deferred evaluator result becomes a pending marker, stored with it."""
+    stored: list[ScoreResult] = []
     pending: list[str] = []
     for s in scores:
         if type(s) is Deferred:

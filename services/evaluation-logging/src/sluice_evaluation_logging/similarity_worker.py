@@ -36,7 +36,7 @@ from sluice.evallog.v1 import events_pb2
 
 from sluice_evaluation_logging.evaluators import similarity
 from sluice_evaluation_logging.evaluators.base import Embedder, EmbeddingsUnavailable, EvalSettings, ScoreResult, skipped
-from sluice_evaluation_logging.store import PendingItem, Store, StoredScore
+from sluice_evaluation_logging.store import PendingItem, Store
 
 log = structlog.stdlib.get_logger("sluice.evallog.similarity")
 
@@ -149,12 +149,12 @@ class SimilarityWorker:
         if not items:
             return 0
         started = asyncio.get_running_loop().time()
-        scores: list[tuple[str, StoredScore]] = []
+        scores: list[tuple[str, ScoreResult]] = []
         embeddable: list[tuple[PendingItem, tuple[str, str]]] = []
         for item in items:
             pair = _texts(item)
             if pair is None:
-                scores.append((item.event_id, _stored(skipped(self.name, "skipped: the stored event does not parse"))))
+                scores.append((item.event_id, skipped(self.name, "skipped: the stored event does not parse")))
             else:
                 embeddable.append((item, pair))
         if embeddable:
@@ -164,17 +164,17 @@ class SimilarityWorker:
                 if exc.retryable:
                     return await self._retry(items, str(exc) or "unavailable", count_attempt=False)
                 outcome = similarity.unavailable(exc)
-                scores.extend((item.event_id, _stored(outcome)) for item, _ in embeddable)
+                scores.extend((item.event_id, outcome) for item, _ in embeddable)
             except Exception as exc:  # noqa: BLE001 - bounded retries, then recorded as skipped
                 reason = f"{type(exc).__name__}: {exc}"
                 if min(item.attempts for item, _ in embeddable) < w.max_attempts:
                     return await self._retry(items, reason, count_attempt=True)
                 failed = skipped(self.name, f"skipped: evaluator failed: {reason}")
-                scores.extend((item.event_id, _stored(failed)) for item, _ in embeddable)
+                scores.extend((item.event_id, failed) for item, _ in embeddable)
             else:
                 for index, (item, _) in enumerate(embeddable):
                     result = similarity.score(vectors[2 * index], vectors[2 * index + 1], self._settings)
-                    scores.append((item.event_id, _stored(result)))
+                    scores.append((item.event_id, result))
         cleared = await self._store.complete_pending(self.name, scores)
         self._backoff = w.min_backoff_s
         skipped_count = sum(1 for _, s in scores if s.skipped)
@@ -193,7 +193,3 @@ class SimilarityWorker:
         await self._store.release_pending(self.name, [item.event_id for item in items], delay, count_attempt)
         await self._sleep(delay)
         return 0
-
-
-def _stored(result: ScoreResult) -> StoredScore:
-    return StoredScore(result.name, result.value, result.passed, result.detail, result.skipped)

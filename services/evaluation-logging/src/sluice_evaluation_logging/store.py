@@ -27,15 +27,7 @@ import asyncpg
 
 from sluice_common.errors import InvalidArgument
 from sluice_common.sqlstore import PostgresDb, SqliteDb, dollar
-
-
-@dataclass(frozen=True)
-class StoredScore:
-    name: str
-    value: float
-    passed: bool
-    detail: str = ""
-    skipped: bool = False
+from sluice_evaluation_logging.evaluators.base import ScoreResult
 
 
 @dataclass(frozen=True)
@@ -55,8 +47,7 @@ class RecordRow:
     finished_at: float
     text_logged: bool
     event: bytes
-    # StoredScore, or anything with its five fields (the evaluators' ScoreResult is stored as is).
-    scores: tuple[StoredScore, ...] = ()
+    scores: tuple[ScoreResult, ...] = ()
     stored_at: float = 0.0
     # Names of the scores to compute later (a pending marker each, stored with the record).
     pending: tuple[str, ...] = ()
@@ -109,7 +100,7 @@ class Store(Protocol):
     async def count(self) -> int: ...
     async def claim_pending(self, name: str, limit: int, lease_s: float) -> list[PendingItem]: ...
     async def release_pending(self, name: str, event_ids: Sequence[str], delay_s: float, count_attempt: bool) -> None: ...
-    async def complete_pending(self, name: str, scores: Sequence[tuple[str, StoredScore]]) -> int: ...
+    async def complete_pending(self, name: str, scores: Sequence[tuple[str, ScoreResult]]) -> int: ...
     async def pending_count(self, name: str = "") -> int: ...
 
 
@@ -227,7 +218,7 @@ def _record_params(row: RecordRow, stored_at: float) -> tuple[Any, ...]:
     )
 
 
-def _row_from(values: Sequence[Any], scores: tuple[StoredScore, ...] = ()) -> RecordRow:
+def _row_from(values: Sequence[Any], scores: tuple[ScoreResult, ...] = ()) -> RecordRow:
     (eid, tenant, model, pclass, rid, finish, err, tin, tout, lat, ttft, started, finished, stored, logged, event) = values
     return RecordRow(
         event_id=eid,
@@ -327,9 +318,9 @@ def _summary_sql(where: RecordFilter) -> tuple[str, str, list[Any]]:
 
 
 def _attach_scores(rows: list[RecordRow], score_rows: Sequence[Sequence[Any]]) -> list[RecordRow]:
-    by_event: dict[str, list[StoredScore]] = {}
+    by_event: dict[str, list[ScoreResult]] = {}
     for eid, name, value, passed, detail, skip in score_rows:
-        by_event.setdefault(eid, []).append(StoredScore(name, float(value), bool(passed), detail, bool(skip)))
+        by_event.setdefault(eid, []).append(ScoreResult(name, float(value), bool(passed), detail, bool(skip)))
     return [
         RecordRow(**{**row.__dict__, "scores": tuple(by_event.get(row.event_id, ()))}) for row in rows
     ]
@@ -425,7 +416,7 @@ class SqliteStore:
 
         await self._sqlite.run(work)
 
-    async def complete_pending(self, name: str, scores: Sequence[tuple[str, StoredScore]]) -> int:
+    async def complete_pending(self, name: str, scores: Sequence[tuple[str, ScoreResult]]) -> int:
         def work(db: sqlite3.Connection) -> int:
             cleared = 0
             with _write_transaction(db):
@@ -599,7 +590,7 @@ class PostgresStore:
             time.time() + delay_s, 0 if count_attempt else 1, name, list(event_ids),
         )
 
-    async def complete_pending(self, name: str, scores: Sequence[tuple[str, StoredScore]]) -> int:
+    async def complete_pending(self, name: str, scores: Sequence[tuple[str, ScoreResult]]) -> int:
         if not scores:
             return 0
         async with self.pool.acquire() as connection, connection.transaction():
