@@ -83,12 +83,7 @@ class EventTopology:
 
     async def delete(self, channel: aio_pika.abc.AbstractChannel) -> None:
         """Removes everything `declare` made (for test teardown)."""
-        for queue in (self.completions_queue, self.completions_dead_queue):
-            with contextlib.suppress(Exception):
-                await channel.queue_delete(queue)
-        for exchange in (self.events_exchange, self.dead_exchange):
-            with contextlib.suppress(Exception):
-                await channel.exchange_delete(exchange)
+        await _delete(channel, (self.completions_queue, self.completions_dead_queue), (self.events_exchange, self.dead_exchange))
 
 
 @dataclass(frozen=True)
@@ -151,12 +146,17 @@ class JobTopology:
 
     async def delete(self, channel: aio_pika.abc.AbstractChannel) -> None:
         """Removes everything `declare` made (for test teardown)."""
-        for queue in (self.requests_queue, self.rows_queue, self.dead_queue):
-            with contextlib.suppress(Exception):
-                await channel.queue_delete(queue)
-        for exchange in (self.exchange, self.dead_exchange):
-            with contextlib.suppress(Exception):
-                await channel.exchange_delete(exchange)
+        await _delete(channel, (self.requests_queue, self.rows_queue, self.dead_queue), (self.exchange, self.dead_exchange))
+
+
+async def _delete(channel: aio_pika.abc.AbstractChannel, queues: tuple[str, ...], exchanges: tuple[str, ...]) -> None:
+    """Best effort: what is already gone (or was never declared) is skipped."""
+    for queue in queues:
+        with contextlib.suppress(Exception):
+            await channel.queue_delete(queue)
+    for exchange in exchanges:
+        with contextlib.suppress(Exception):
+            await channel.exchange_delete(exchange)
 
 
 @dataclass
