@@ -11,7 +11,8 @@ from pathlib import Path
 
 import grpc
 import pytest
-from sluice.gateway.v1 import gateway_pb2_grpc
+from sluice.common.v1 import types_pb2
+from sluice.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 
 from sluice_stack import Stack, StackPorts
 
@@ -58,6 +59,16 @@ def gateway_channel(stack: Stack) -> Iterator[grpc.Channel]:
 @pytest.fixture(scope="session")
 def gateway(gateway_channel: grpc.Channel) -> gateway_pb2_grpc.GatewayServiceStub:
     return gateway_pb2_grpc.GatewayServiceStub(gateway_channel)
+
+
+def chat(question: str, max_tokens: int, priority: int = types_pb2.PRIORITY_CLASS_INTERACTIVE) -> gateway_pb2.GenerateRequest:
+    """A one-message chat request."""
+    return gateway_pb2.GenerateRequest(
+        model=MODEL,
+        messages=[types_pb2.ChatMessage(role="user", content=question)],
+        sampling=types_pb2.SamplingParams(max_tokens=max_tokens),
+        priority_class=priority,
+    )
 
 
 def auth(key: str = DEMO_KEY) -> tuple[tuple[str, str], ...]:

@@ -13,7 +13,7 @@ from grpc_status import rpc_status
 from sluice.common.v1 import types_pb2
 from sluice.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 
-from conftest import MODEL, auth, scrape
+from conftest import auth, chat, scrape
 from sluice_stack import Stack, StackPorts
 
 PROMPTS = [
@@ -24,15 +24,6 @@ PROMPTS = [
 ]
 
 SLOTS = "sluice_adapter_kv_slots_in_use"
-
-
-def chat(question: str, max_tokens: int, priority: int = types_pb2.PRIORITY_CLASS_INTERACTIVE) -> gateway_pb2.GenerateRequest:
-    return gateway_pb2.GenerateRequest(
-        model=MODEL,
-        messages=[types_pb2.ChatMessage(role="user", content=question)],
-        sampling=types_pb2.SamplingParams(max_tokens=max_tokens),
-        priority_class=priority,
-    )
 
 
 def text_of(stub, request, key: str = "sk-sluice-demo") -> str:

@@ -15,7 +15,7 @@ import pytest
 from sluice.common.v1 import types_pb2
 from sluice.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 
-from conftest import MODEL, auth, scrape
+from conftest import auth, chat, scrape
 from sluice_stack import Stack, StackPorts
 
 IN_FLIGHT = 2
@@ -41,15 +41,6 @@ def passthrough(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
 @pytest.fixture(scope="module")
 def stub(passthrough: Stack) -> gateway_pb2_grpc.GatewayServiceStub:
     return gateway_pb2_grpc.GatewayServiceStub(grpc.insecure_channel(passthrough.gateway_address))
-
-
-def chat(question: str, max_tokens: int, priority: int = types_pb2.PRIORITY_CLASS_INTERACTIVE) -> gateway_pb2.GenerateRequest:
-    return gateway_pb2.GenerateRequest(
-        model=MODEL,
-        messages=[types_pb2.ChatMessage(role="user", content=question)],
-        sampling=types_pb2.SamplingParams(max_tokens=max_tokens),
-        priority_class=priority,
-    )
 
 
 def test_adapter_detected_the_generate_interface(passthrough: Stack) -> None:

@@ -10,8 +10,10 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 
+from conftest import collect
+
 from sluice_inference_adapter.passthrough import PassthroughLimits, PassthroughScheduler
-from sluice_inference_adapter.scheduler import Finish, FinishEvent, GenerationRequest, TokenEvent
+from sluice_inference_adapter.scheduler import Finish, GenerationRequest
 from sluice_inference_adapter.step_rows import PromptSpec, SamplingSpec
 from sluice_inference_adapter.waiting_queue import Priority
 
@@ -40,16 +42,6 @@ class CountingEngine:
 
 def request(max_tokens: int, prompt: str = "p", priority: Priority = Priority.INTERACTIVE) -> GenerationRequest:
     return GenerationRequest("rid", "t", PromptSpec(prompt=prompt), SamplingSpec(max_tokens=max_tokens), priority)
-
-
-async def collect(handle) -> tuple[str, FinishEvent]:
-    text = ""
-    async for event in handle.events():
-        if isinstance(event, TokenEvent):
-            text += event.text
-        else:
-            return text, event
-    raise AssertionError("no finish")
 
 
 async def test_streams_to_the_end_with_length_and_usage() -> None:

@@ -13,17 +13,10 @@ import json
 import time
 
 import pytest
+from conftest import collect
 
 from sluice_common.errors import ResourceExhausted
-from sluice_inference_adapter.scheduler import (
-    Finish,
-    FinishEvent,
-    GenerationRequest,
-    Priority,
-    Scheduler,
-    SchedulerLimits,
-    TokenEvent,
-)
+from sluice_inference_adapter.scheduler import Finish, GenerationRequest, Priority, Scheduler, SchedulerLimits
 from sluice_inference_adapter.step_rows import Action, PromptSpec, SamplingSpec, StepOutcome, StepRow
 
 
@@ -73,16 +66,6 @@ def request(
 
 def tenant_request(tenant: str) -> GenerationRequest:
     return GenerationRequest("rid", tenant, PromptSpec(prompt="p"), SamplingSpec(max_tokens=1))
-
-
-async def collect(handle) -> tuple[str, FinishEvent]:
-    text = ""
-    async for event in handle.events():
-        if isinstance(event, TokenEvent):
-            text += event.text
-        else:
-            return text, event
-    raise AssertionError("no finish event")
 
 
 @pytest.fixture

@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import socket
-import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import run_bench
 
 from sluice_triton_local.embeddings import EMBEDDING_DIM, MiniLMEncoder, minilm_model_dir
 from sluice_triton_local.embeddings.minilm import erf, gelu_inplace
@@ -117,18 +116,7 @@ def test_empty_inputs(encoder: MiniLMEncoder) -> None:
 
 def test_sentences_per_second_single_thread() -> None:
     """Printed, not asserted: the machine is shared. Reference: ~226 sentences/s with torch."""
-    env = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
-    src = str(Path(__file__).resolve().parents[1] / "src")
-    env["PYTHONPATH"] = src + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run(
-        [sys.executable, "-m", "sluice_triton_local.embeddings.bench", "128", "1", "32"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=True,
-    )
-    stats = json.loads(proc.stdout.strip().splitlines()[-1])
+    stats = run_bench("sluice_triton_local.embeddings.bench", "128", "1", "32")
     print(f"\nMiniLM numpy, 1 BLAS thread: {stats['batch_1']} sentences/s at batch 1, {stats['batch_32']} at batch 32")
     assert stats["batch_1"] > 0 and stats["batch_32"] > 0
 

@@ -3,12 +3,9 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+from conftest import run_bench
 
 from sluice_triton_local.engine import DecodeRow, PrefillRow, ReleaseRow, RowResult, SamplingParams, StepEngine
 from sluice_triton_local.engine.bench import default_gguf_path
@@ -308,19 +305,7 @@ def test_step_protocol_passes_the_prefill_chunk(engine: StepEngine) -> None:
 
 
 def test_decode_throughput_single_thread() -> None:
-    # BLAS threads are fixed at numpy import, so measure in a fresh process.
-    env = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
-    src = str(Path(__file__).resolve().parents[1] / "src")
-    env["PYTHONPATH"] = src + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run(
-        [sys.executable, "-m", "sluice_triton_local.engine.bench", "1", "8"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=True,
-    )
-    stats = json.loads(proc.stdout.strip().splitlines()[-1])
+    stats = run_bench("sluice_triton_local.engine.bench", "1", "8")
     print(
         f"\n[engine perf, 1 BLAS thread] load {stats['load_s']} s; greedy decode "
         f"{stats['batch1_tok_s']} tok/s at batch 1, {stats['batch8_tok_s']} tok/s at batch 8"
