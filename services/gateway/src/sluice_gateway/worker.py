@@ -291,10 +291,11 @@ class JobWorker:
             if not first:
                 await self.concurrency.acquire()
                 job = await self.store.get_job(task.job_id)
-                if job is None or job.state != states.IN_PROGRESS or job.overdue(time.time()):
+                overdue = job is not None and job.overdue(time.time())
+                if job is None or job.state != states.IN_PROGRESS or overdue:
                     await self._release(0.0, "skipped")
                     # Waiting to retry is not running: past the window the row is reported EXPIRED.
-                    past_window = job is not None and (job.state == states.EXPIRED or job.overdue(time.time()))
+                    past_window = job is not None and (job.state == states.EXPIRED or overdue)
                     return expired_result(task, job.window_s) if past_window else None
             first = False
             started = time.perf_counter()
