@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import os
 import re
+import time
 import urllib.request
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import grpc
@@ -82,3 +83,11 @@ def scrape(url: str, name: str, labels: str = "") -> float:
     pattern = re.compile(rf"^{re.escape(name)}{re.escape(labels) if labels else ''}\s+([0-9.eE+-]+)$", re.M)
     match = pattern.search(text)
     return float(match.group(1)) if match else 0.0
+
+
+def wait_for(condition: Callable[[], bool], what: str = "the condition", timeout_s: float = 10.0, poll_s: float = 0.05) -> None:
+    """Polls `condition` until it holds; fails naming `what` after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out after {timeout_s} s waiting for {what}"
+        time.sleep(poll_s)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import sqlite3
@@ -11,6 +12,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
+from datetime import datetime
 
 import aio_pika
 import grpc
@@ -84,27 +86,29 @@ class Tap:
         self._thread.join(5)
 
 
-def generate(gateway, key: str = DEMO_KEY, max_tokens: int = 6, content: str = "Name a colour.") -> tuple[str, float, float]:  # type: ignore[no-untyped-def]
-    """Streams one completion; returns (request id, time of the final message, time the stream ended)."""
+def generate(gateway, key: str = DEMO_KEY, max_tokens: int = 6, content: str = "Name a colour.") -> tuple[str, float]:  # type: ignore[no-untyped-def]
+    """Streams one completion; returns (request id, time of the final message)."""
     request = gateway_pb2.GenerateRequest(
         model=MODEL,
         messages=[types_pb2.ChatMessage(role="user", content=content)],
         sampling=types_pb2.SamplingParams(max_tokens=max_tokens),
     )
     request_id, final_at = "", 0.0
-    ended: list[float] = []
-    call = gateway.Generate(request, metadata=auth(key), timeout=120)
-    # Stamped by gRPC's own thread the moment the client runtime sees the stream end, not when this
-    # thread next gets the GIL (the tap's consumer thread in this process competes for it).
-    call.add_done_callback(lambda _: ended.append(time.time()))
-    for response in call:
+    for response in gateway.Generate(request, metadata=auth(key), timeout=120):
         request_id = response.request_id
         if response.finish_reason:
             final_at = time.time()
-    deadline = time.monotonic() + 5
-    while not ended and time.monotonic() < deadline:  # the callback runs on gRPC's thread
-        time.sleep(0.001)
-    return request_id, final_at, ended[0]
+    return request_id, final_at
+
+
+def generate_returned_at(gateway_log: str, request_id: str) -> float:
+    """When the gateway's Generate handler for `request_id` returned: its "rpc" summary line."""
+    for line in gateway_log.splitlines():
+        if request_id in line and '"rpc"' in line:
+            entry = json.loads(line)
+            if entry["event"] == "rpc" and entry["request_id"] == request_id and entry["rpc"].endswith("/Generate"):
+                return datetime.fromisoformat(entry["timestamp"]).timestamp()
+    raise AssertionError(f"no rpc line for {request_id} in the gateway's log")
 
 
 def records_by_request(evallog, key: str, request_ids: set[str], timeout_s: float = 60.0) -> dict[str, list]:  # type: ignore[no-untyped-def]
@@ -137,15 +141,21 @@ def test_events_are_published_after_the_stream_closed_and_stored_with_scores(sta
             time.sleep(0.05)
     finally:
         tap.close()
-    for request_id, final_at, ended_at in streams:
-        assert request_id in tap.arrivals
-        # The event reached the broker only after the client had seen its stream end.
-        assert tap.arrivals[request_id] >= ended_at
-        assert tap.arrivals[request_id] >= final_at
+    assert {s[0] for s in streams} <= set(tap.arrivals)
     records = records_by_request(evallog, DEMO_KEY, {s[0] for s in streams})
-    for request_id, final_at, _ in streams:
+    gateway_log = stack.service("gateway").log_path.read_text()
+    for request_id, final_at in streams:
         (record,) = records[request_id]
         event = record.event
+        # The causal chain inside the gateway, one clock, no thread of this process in between:
+        # the handler returned after its last message was written (the "rpc" summary line), then the
+        # call closed, then the done-callback stamped finished_at and built the event, which only
+        # then reached the broker. An event published with the final token would be stamped before
+        # that line. (The client's own end-of-stream stamp cannot order this: its gRPC thread may run
+        # a millisecond after the broker delivered to the tap.)
+        handler_returned = generate_returned_at(gateway_log, request_id)
+        finished_at = event.finished_at.ToNanoseconds() / 1e9
+        assert handler_returned <= finished_at <= tap.arrivals[request_id]
         assert event.tenant == "demo" and event.model == MODEL and event.text_logged
         assert event.messages[0].content == "Name a colour." and event.output
         assert event.finish_reason in (types_pb2.FINISH_REASON_STOP, types_pb2.FINISH_REASON_LENGTH)
@@ -201,7 +211,7 @@ def test_cli_logs_lists_recent_completions_and_a_summary_table(stack, gateway, e
 
 
 def test_text_logging_off_and_tenant_isolation(gateway, evallog) -> None:  # type: ignore[no-untyped-def]
-    request_id, _, _ = generate(gateway, key=PRIVATE_KEY, content="my secret is 4111 1111 1111 1111")
+    request_id, _ = generate(gateway, key=PRIVATE_KEY, content="my secret is 4111 1111 1111 1111")
     (record,) = records_by_request(evallog, PRIVATE_KEY, {request_id})[request_id]
     assert not record.event.text_logged
     assert record.event.output == "" and record.event.prompt == "" and not record.event.messages
@@ -262,7 +272,7 @@ def test_garbage_goes_to_the_dead_letter_queue_with_its_reason_and_replays(stack
     headers = amqp(stack, peek)
     assert headers is not None and headers[DEAD_REASON_HEADER]
     # Consumption goes on.
-    request_id, _, _ = generate(gateway)
+    request_id, _ = generate(gateway)
     assert records_by_request(evallog, DEMO_KEY, {request_id})[request_id]
     # The replay command moves it back; it is still garbage, so it lands there again.
     python = stack.service("evaluation-logging").python
@@ -344,7 +354,7 @@ def rabbitmqctl(*args: str) -> None:
 
 
 def test_rabbitmq_restart_mid_traffic_stores_every_event_exactly_once(stack, gateway, evallog) -> None:  # type: ignore[no-untyped-def]
-    streams: list[tuple[str, float, float]] = []
+    streams: list[tuple[str, float]] = []
     errors: list[BaseException] = []
 
     def traffic() -> None:

@@ -6,8 +6,10 @@ triton-local serves `smollm2_generate` with the vLLM backend's interface (decoup
 
 from __future__ import annotations
 
+import re
 import threading
 import time
+import urllib.request
 from collections.abc import Iterator
 
 import grpc
@@ -15,7 +17,7 @@ import pytest
 from sluice.common.v1 import types_pb2
 from sluice.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 
-from conftest import auth, chat, scrape
+from conftest import auth, chat, scrape, wait_for
 from sluice_stack import Stack, StackPorts
 
 IN_FLIGHT = 2
@@ -80,18 +82,16 @@ def test_cancel_closes_the_triton_stream(stub, passthrough: Stack) -> None:
 
 
 def test_in_flight_bound_and_priority_order(stub, passthrough: Stack) -> None:
-    metrics = passthrough.metrics_url("triton-local")
-    deadline = time.monotonic() + 30
-    while scrape(metrics, "sluice_triton_local_active_slots") != 0:  # earlier tests' sequences
-        assert time.monotonic() < deadline
-        time.sleep(0.2)
+    triton = passthrough.metrics_url("triton-local")
+    adapter = passthrough.metrics_url("inference-adapter")
+    wait_for(lambda: scrape(triton, "sluice_triton_local_active_slots") == 0, "earlier tests' sequences to end", timeout_s=30)
     first_token_at: dict[str, float] = {}
     peak = {"slots": 0.0}
     stop_sampling = threading.Event()
 
     def sample() -> None:
         while not stop_sampling.is_set():
-            peak["slots"] = max(peak["slots"], scrape(metrics, "sluice_triton_local_active_slots"))
+            peak["slots"] = max(peak["slots"], scrape(triton, "sluice_triton_local_active_slots"))
             time.sleep(0.05)
 
     def run(name: str, request: gateway_pb2.GenerateRequest) -> None:
@@ -99,23 +99,32 @@ def test_in_flight_bound_and_priority_order(stub, passthrough: Stack) -> None:
             if response.text and name not in first_token_at:
                 first_token_at[name] = time.monotonic()
 
-    sampler = threading.Thread(target=sample)
-    sampler.start()
-    threads = [threading.Thread(target=run, args=(f"long{i}", chat("Tell me a long story.", 40))) for i in range(IN_FLIGHT)]
-    for thread in threads:
-        thread.start()
-    time.sleep(1.0)  # the engine is now full: both in-flight places are taken
-    later = [(f"bulk{i}", chat("Say hi.", 3, types_pb2.PRIORITY_CLASS_BULK)) for i in range(3)]
-    later.append(("interactive", chat("Say hi.", 3)))
-    for name, request in later:
+    def start(name: str, request: gateway_pb2.GenerateRequest) -> threading.Thread:
         thread = threading.Thread(target=run, args=(name, request))
         thread.start()
-        threads.append(thread)
-        time.sleep(0.05)
+        return thread
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    threads = [start(f"long{i}", chat("Tell me a long story about a dragon.", 96)) for i in range(IN_FLIGHT)]
+    wait_for(lambda: len(first_token_at) == IN_FLIGHT, "both long streams to take the engine's places", timeout_s=60)
+    threads += [start(f"bulk{i}", chat("Say hi.", 3, types_pb2.PRIORITY_CLASS_BULK)) for i in range(3)]
+    wait_for(lambda: waiting(adapter) == {"interactive": 0, "bulk": 3}, "the bulk requests to queue", timeout_s=30, poll_s=0.02)
+    threads.append(start("interactive", chat("Say hi.", 3)))
+    # One scrape showing all four waiting at once: from here the adapter's choice, not arrival order,
+    # decides who goes next. If a long stream ended first this never shows: make them longer.
+    wait_for(lambda: waiting(adapter) == {"interactive": 1, "bulk": 3}, "all four later requests waiting together", timeout_s=30, poll_s=0.02)
     for thread in threads:
         thread.join(timeout=180)
     stop_sampling.set()
     sampler.join()
     assert peak["slots"] <= IN_FLIGHT
-    # Submitted last, the interactive request still got its place before every bulk one.
     assert all(first_token_at["interactive"] < first_token_at[f"bulk{i}"] for i in range(3))
+
+
+def waiting(adapter_metrics: str) -> dict[str, int]:
+    """The adapter's waiting requests per priority class, both from one scrape."""
+    with urllib.request.urlopen(adapter_metrics, timeout=5) as reply:
+        text = reply.read().decode()
+    found = dict(re.findall(r'^sluice_adapter_waiting_requests\{priority="(\w+)"\} ([0-9.]+)$', text, re.M))
+    return {priority: int(float(found.get(priority, 0))) for priority in ("interactive", "bulk")}

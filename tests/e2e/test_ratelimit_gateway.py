@@ -18,7 +18,7 @@ from sluice.common.v1 import types_pb2
 from sluice.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from sluice.ratelimit.v1 import ratelimit_pb2, ratelimit_pb2_grpc
 
-from conftest import MODEL, auth
+from conftest import MODEL, auth, wait_for
 from ratelimit_support import start_ratelimit
 from sluice_stack import ServiceProcess, Stack, free_port
 from sluice_stack.launcher import grpc_serving
@@ -95,13 +95,6 @@ def usage(limiter_address: str, tenant: str, model: str = MODEL) -> dict[int, ra
     return {b.budget: b for row in reply.usage if row.model == model for b in row.budgets}
 
 
-def wait_for(condition, timeout_s: float = 10.0) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.1)
-
-
 def test_the_stack_gateway_sends_openai_ratelimit_headers(gateway) -> None:
     call = gateway.Generate(request(), metadata=auth(), timeout=60)
     headers = dict(call.initial_metadata())
@@ -136,7 +129,7 @@ def test_a_cancelled_stream_is_committed_at_once(limited) -> None:
         assert usage(limiter_address, "demo")[ratelimit_pb2.BUDGET_REQUESTS_IN_FLIGHT].remaining == 3
         call.cancel()
     # settled by the gateway, not by the lease's expiry (deadline + 30 s away)
-    wait_for(lambda: usage(limiter_address, "demo")[ratelimit_pb2.BUDGET_REQUESTS_IN_FLIGHT].remaining == 4, 5.0)
+    wait_for(lambda: usage(limiter_address, "demo")[ratelimit_pb2.BUDGET_REQUESTS_IN_FLIGHT].remaining == 4, timeout_s=5.0)
 
 
 def test_a_denial_is_resource_exhausted_with_retry_info_and_quota_failure(limited) -> None:
