@@ -85,6 +85,14 @@ def scrape(url: str, name: str, labels: str = "") -> float:
     return float(match.group(1)) if match else 0.0
 
 
+def waiting_requests(adapter_metrics_url: str) -> dict[str, int]:
+    """The adapter's waiting requests per priority class, both from one scrape (one instant)."""
+    with urllib.request.urlopen(adapter_metrics_url, timeout=5) as reply:
+        text = reply.read().decode()
+    found = dict(re.findall(r'^sluice_adapter_waiting_requests\{priority="(\w+)"\} ([0-9.]+)$', text, re.M))
+    return {priority: int(float(found.get(priority, 0))) for priority in ("interactive", "bulk")}
+
+
 def wait_for(condition: Callable[[], bool], what: str = "the condition", timeout_s: float = 10.0, poll_s: float = 0.05) -> None:
     """Polls `condition` until it holds; fails naming `what` after `timeout_s`."""
     deadline = time.monotonic() + timeout_s

@@ -13,7 +13,7 @@ from grpc_status import rpc_status
 from sluice.common.v1 import types_pb2
 from sluice.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 
-from conftest import auth, chat, scrape
+from conftest import auth, chat, scrape, wait_for, waiting_requests
 from sluice_stack import Stack, StackPorts
 
 PROMPTS = [
@@ -104,7 +104,7 @@ def test_a_cancelled_stream_frees_its_slot_within_one_step(gateway, stack) -> No
 
 
 @pytest.fixture(scope="module")
-def overloaded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[gateway_pb2_grpc.GatewayServiceStub]:
+def overloaded_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     stack = Stack(
         run_dir=tmp_path_factory.mktemp("overload"),
         ports=StackPorts.ephemeral(),
@@ -117,9 +117,14 @@ def overloaded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[gateway_pb2
         },
     )
     stack.start()
-    with grpc.insecure_channel(stack.gateway_address) as channel:
-        yield gateway_pb2_grpc.GatewayServiceStub(channel)
+    yield stack
     stack.stop()
+
+
+@pytest.fixture(scope="module")
+def overloaded(overloaded_stack: Stack) -> Iterator[gateway_pb2_grpc.GatewayServiceStub]:
+    with grpc.insecure_channel(overloaded_stack.gateway_address) as channel:
+        yield gateway_pb2_grpc.GatewayServiceStub(channel)
 
 
 def occupy(stub, seconds_of_tokens: int = 40) -> tuple[threading.Thread, threading.Event]:
@@ -137,7 +142,7 @@ def occupy(stub, seconds_of_tokens: int = 40) -> tuple[threading.Thread, threadi
     return thread, streaming
 
 
-def test_the_queue_bound_rejects_with_retry_info(overloaded) -> None:
+def test_the_queue_bound_rejects_with_retry_info(overloaded, overloaded_stack: Stack) -> None:
     blocker, _ = occupy(overloaded)
     outcomes: list[grpc.RpcError | str] = []
 
@@ -150,7 +155,8 @@ def test_the_queue_bound_rejects_with_retry_info(overloaded) -> None:
     waiting = [threading.Thread(target=queued) for _ in range(6)]
     for thread in waiting:
         thread.start()
-    time.sleep(1.0)  # all six are in the waiting queue now
+    adapter = overloaded_stack.metrics_url("inference-adapter")
+    wait_for(lambda: waiting_requests(adapter) == {"interactive": 6, "bulk": 0}, "six requests waiting", timeout_s=30)
     with pytest.raises(grpc.RpcError) as caught:
         text_of(overloaded, chat("One too many.", 2))
     error = caught.value
@@ -164,8 +170,8 @@ def test_the_queue_bound_rejects_with_retry_info(overloaded) -> None:
     assert all(isinstance(o, str) for o in outcomes), "the six queued requests must all be served"
 
 
-def test_interactive_before_bulk_and_tenants_take_turns(overloaded) -> None:
-    blocker, _ = occupy(overloaded, seconds_of_tokens=30)
+def test_interactive_before_bulk_and_tenants_take_turns(overloaded, overloaded_stack: Stack) -> None:
+    blocker, _ = occupy(overloaded, seconds_of_tokens=60)
     admitted: list[str] = []
     lock = threading.Lock()
 
@@ -185,6 +191,10 @@ def test_interactive_before_bulk_and_tenants_take_turns(overloaded) -> None:
         thread.start()
         threads.append(thread)
         time.sleep(0.1)
+    # One scrape showing all six waiting at once: from here the adapter's choice, not arrival order,
+    # decides who goes next. If the blocker ended first this never shows: make it longer.
+    adapter = overloaded_stack.metrics_url("inference-adapter")
+    wait_for(lambda: waiting_requests(adapter) == {"interactive": 4, "bulk": 2}, "all six waiting together", timeout_s=30, poll_s=0.02)
     for thread in [blocker, *threads]:
         thread.join(timeout=300)
     # Every interactive request before any bulk one, although the bulk ones queued first.

@@ -6,10 +6,8 @@ triton-local serves `smollm2_generate` with the vLLM backend's interface (decoup
 
 from __future__ import annotations
 
-import re
 import threading
 import time
-import urllib.request
 from collections.abc import Iterator
 
 import grpc
@@ -17,7 +15,7 @@ import pytest
 from sluice.common.v1 import types_pb2
 from sluice.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 
-from conftest import auth, chat, scrape, wait_for
+from conftest import auth, chat, scrape, wait_for, waiting_requests
 from sluice_stack import Stack, StackPorts
 
 IN_FLIGHT = 2
@@ -109,11 +107,11 @@ def test_in_flight_bound_and_priority_order(stub, passthrough: Stack) -> None:
     threads = [start(f"long{i}", chat("Tell me a long story about a dragon.", 96)) for i in range(IN_FLIGHT)]
     wait_for(lambda: len(first_token_at) == IN_FLIGHT, "both long streams to take the engine's places", timeout_s=60)
     threads += [start(f"bulk{i}", chat("Say hi.", 3, types_pb2.PRIORITY_CLASS_BULK)) for i in range(3)]
-    wait_for(lambda: waiting(adapter) == {"interactive": 0, "bulk": 3}, "the bulk requests to queue", timeout_s=30, poll_s=0.02)
+    wait_for(lambda: waiting_requests(adapter) == {"interactive": 0, "bulk": 3}, "the bulk requests to queue", timeout_s=30, poll_s=0.02)
     threads.append(start("interactive", chat("Say hi.", 3)))
     # One scrape showing all four waiting at once: from here the adapter's choice, not arrival order,
     # decides who goes next. If a long stream ended first this never shows: make them longer.
-    wait_for(lambda: waiting(adapter) == {"interactive": 1, "bulk": 3}, "all four later requests waiting together", timeout_s=30, poll_s=0.02)
+    wait_for(lambda: waiting_requests(adapter) == {"interactive": 1, "bulk": 3}, "all four later requests waiting together", timeout_s=30, poll_s=0.02)
     for thread in threads:
         thread.join(timeout=180)
     stop_sampling.set()
@@ -121,10 +119,3 @@ def test_in_flight_bound_and_priority_order(stub, passthrough: Stack) -> None:
     assert peak["slots"] <= IN_FLIGHT
     assert all(first_token_at["interactive"] < first_token_at[f"bulk{i}"] for i in range(3))
 
-
-def waiting(adapter_metrics: str) -> dict[str, int]:
-    """The adapter's waiting requests per priority class, both from one scrape."""
-    with urllib.request.urlopen(adapter_metrics, timeout=5) as reply:
-        text = reply.read().decode()
-    found = dict(re.findall(r'^sluice_adapter_waiting_requests\{priority="(\w+)"\} ([0-9.]+)$', text, re.M))
-    return {priority: int(float(found.get(priority, 0))) for priority in ("interactive", "bulk")}
