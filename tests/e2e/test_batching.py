@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import grpc
 import pytest
@@ -71,31 +71,33 @@ def test_a_short_request_finishes_before_long_ones_that_started_first(gateway) -
 
 def test_a_cancelled_stream_frees_its_slot_within_one_step(gateway, stack) -> None:
     metrics = stack.metrics_url("inference-adapter")
-    tokens = {"steady": 0}
     steady_started = threading.Event()
     stop = threading.Event()
 
     def steady() -> None:
         for response in gateway.Generate(chat("Write a long poem about the sea.", 80), metadata=auth(), timeout=180):
-            tokens["steady"] += bool(response.text)
-            steady_started.set()
+            if response.text:
+                steady_started.set()
             if stop.is_set():
                 break
 
+    def steps_of_two() -> float:
+        """Steps the adapter ran with both sequences in them, counted by the adapter itself."""
+        return scrape(metrics, "sluice_adapter_batch_size_count") - scrape(metrics, "sluice_adapter_batch_size_bucket", '{le="1.0"}')
+
     thread = threading.Thread(target=steady)
     thread.start()
-    steady_started.wait(60)
+    assert steady_started.wait(60)
     call = gateway.Generate(chat("Write a long essay about mountains.", 80), metadata=auth(), timeout=180)
     for index, _ in enumerate(call):
         if index == 2:
             break
     assert scrape(metrics, SLOTS) == 2
-    at_cancel = tokens["steady"]
+    at_cancel = steps_of_two()
     call.cancel()
-    while scrape(metrics, SLOTS) != 1:
-        time.sleep(0.005)
-    # The steady stream advanced at most one step (plus the one in flight) before the slot was freed.
-    assert tokens["steady"] - at_cancel <= 2
+    wait_for(lambda: scrape(metrics, SLOTS) == 1, "the cancelled sequence's slot to be freed", poll_s=0.005)
+    # Both sequences shared at most the step in flight when the cancel arrived and one more.
+    assert steps_of_two() - at_cancel <= 2
     stop.set()
     thread.join(timeout=120)
 
@@ -127,23 +129,36 @@ def overloaded(overloaded_stack: Stack) -> Iterator[gateway_pb2_grpc.GatewayServ
         yield gateway_pb2_grpc.GatewayServiceStub(channel)
 
 
-def occupy(stub, seconds_of_tokens: int = 40) -> tuple[threading.Thread, threading.Event]:
-    """A long stream that holds the only slot; returns once it is producing tokens."""
+def occupy(stub) -> Callable[[], None]:
+    """A long stream that holds the only slot, started and producing tokens; returns its release.
+
+    Far longer than any test needs: the tests release it once what they set up behind it is in place.
+    """
     streaming = threading.Event()
+    call = stub.Generate(chat("Write a long story about a river.", 1000), metadata=auth(), timeout=300)
 
     def run() -> None:
-        for response in stub.Generate(chat("Write a long story about a river.", seconds_of_tokens), metadata=auth(), timeout=300):
-            if response.text:
-                streaming.set()
+        try:
+            for response in call:
+                if response.text:
+                    streaming.set()
+        except grpc.RpcError as error:
+            if error.code() != grpc.StatusCode.CANCELLED:
+                raise
 
     thread = threading.Thread(target=run)
     thread.start()
     assert streaming.wait(60)
-    return thread, streaming
+
+    def release() -> None:
+        call.cancel()
+        thread.join(timeout=60)
+
+    return release
 
 
 def test_the_queue_bound_rejects_with_retry_info(overloaded, overloaded_stack: Stack) -> None:
-    blocker, _ = occupy(overloaded)
+    release_blocker = occupy(overloaded)
     outcomes: list[grpc.RpcError | str] = []
 
     def queued() -> None:
@@ -165,13 +180,14 @@ def test_the_queue_bound_rejects_with_retry_info(overloaded, overloaded_stack: S
     retry = error_details_pb2.RetryInfo()
     assert any(detail.Unpack(retry) for detail in status.details)
     assert retry.retry_delay.ToNanoseconds() > 0
-    for thread in [blocker, *waiting]:
+    release_blocker()
+    for thread in waiting:
         thread.join(timeout=300)
     assert all(isinstance(o, str) for o in outcomes), "the six queued requests must all be served"
 
 
 def test_interactive_before_bulk_and_tenants_take_turns(overloaded, overloaded_stack: Stack) -> None:
-    blocker, _ = occupy(overloaded, seconds_of_tokens=60)
+    release_blocker = occupy(overloaded)
     admitted: list[str] = []
     lock = threading.Lock()
 
@@ -192,10 +208,11 @@ def test_interactive_before_bulk_and_tenants_take_turns(overloaded, overloaded_s
         threads.append(thread)
         time.sleep(0.1)
     # One scrape showing all six waiting at once: from here the adapter's choice, not arrival order,
-    # decides who goes next. If the blocker ended first this never shows: make it longer.
+    # decides who goes next.
     adapter = overloaded_stack.metrics_url("inference-adapter")
-    wait_for(lambda: waiting_requests(adapter) == {"interactive": 4, "bulk": 2}, "all six waiting together", timeout_s=30, poll_s=0.02)
-    for thread in [blocker, *threads]:
+    wait_for(lambda: waiting_requests(adapter) == {"interactive": 4, "bulk": 2}, "all six waiting together", timeout_s=30)
+    release_blocker()
+    for thread in threads:
         thread.join(timeout=300)
     # Every interactive request before any bulk one, although the bulk ones queued first.
     assert all(admitted.index(f"bulk{i}") > admitted.index("quiet") for i in range(2))

@@ -84,6 +84,7 @@ def test_in_flight_bound_and_priority_order(stub, passthrough: Stack) -> None:
     adapter = passthrough.metrics_url("inference-adapter")
     wait_for(lambda: scrape(triton, "sluice_triton_local_active_slots") == 0, "earlier tests' sequences to end", timeout_s=30)
     first_token_at: dict[str, float] = {}
+    finish: dict[str, gateway_pb2.GenerateResponse] = {}
     peak = {"slots": 0.0}
     stop_sampling = threading.Event()
 
@@ -96,6 +97,8 @@ def test_in_flight_bound_and_priority_order(stub, passthrough: Stack) -> None:
         for response in stub.Generate(request, metadata=auth(), timeout=180):
             if response.text and name not in first_token_at:
                 first_token_at[name] = time.monotonic()
+            if response.finish_reason:
+                finish[name] = response
 
     def start(name: str, request: gateway_pb2.GenerateRequest) -> threading.Thread:
         thread = threading.Thread(target=run, args=(name, request))
@@ -104,7 +107,10 @@ def test_in_flight_bound_and_priority_order(stub, passthrough: Stack) -> None:
 
     sampler = threading.Thread(target=sample)
     sampler.start()
-    threads = [start(f"long{i}", chat("Tell me a long story about a dragon.", 96)) for i in range(IN_FLIGHT)]
+    # long0 ends long before long1, so one place frees at a time: the interactive request takes it,
+    # and a bulk one can only follow once the interactive stream has ended.
+    story = "Tell me a long story about a dragon."
+    threads = [start("long0", chat(story, 96)), start("long1", chat(story, 256))]
     wait_for(lambda: len(first_token_at) == IN_FLIGHT, "both long streams to take the engine's places", timeout_s=60)
     threads += [start(f"bulk{i}", chat("Say hi.", 3, types_pb2.PRIORITY_CLASS_BULK)) for i in range(3)]
     wait_for(lambda: waiting_requests(adapter) == {"interactive": 0, "bulk": 3}, "the bulk requests to queue", timeout_s=30, poll_s=0.02)
@@ -117,5 +123,6 @@ def test_in_flight_bound_and_priority_order(stub, passthrough: Stack) -> None:
     stop_sampling.set()
     sampler.join()
     assert peak["slots"] <= IN_FLIGHT
+    assert [finish[f"long{i}"].usage.completion_tokens for i in range(2)] == [96, 256], "a long stream stopped early"
     assert all(first_token_at["interactive"] < first_token_at[f"bulk{i}"] for i in range(3))
 
