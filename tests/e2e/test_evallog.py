@@ -5,7 +5,9 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import queue
 import re
+import signal
 import sqlite3
 import subprocess
 import threading
@@ -198,16 +200,24 @@ def test_cli_logs_lists_recent_completions_and_a_summary_table(stack, gateway, e
     refused = subprocess.run([*sluice, "logs", "--tenant", "private"], env=env, capture_output=True, text=True, timeout=60)
     assert refused.returncode == 1 and "PERMISSION_DENIED" in refused.stderr
 
-    # --follow prints a completion that finishes while it runs.
+    # --follow prints a completion that finishes while it runs, and Ctrl-C ends it with the summary.
     follow = subprocess.Popen(
-        [*sluice, "logs", "--tenant-key", PRIVATE_KEY, "-n", "1", "--follow", "--interval", "0.3", "--follow-for", "8"],
+        [*sluice, "logs", "--tenant-key", PRIVATE_KEY, "-n", "1", "--follow", "--interval", "0.3"],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
-    time.sleep(1.0)
+    lines: queue.Queue[str] = queue.Queue()
+    reader = threading.Thread(target=lambda: [lines.put(line) for line in follow.stdout], daemon=True)  # type: ignore[union-attr]
+    reader.start()
+    printed = [lines.get(timeout=60)]  # the one recent completion: following has begun
     later = generate(gateway, key=PRIVATE_KEY)[0]
-    out, err = follow.communicate(timeout=60)
-    assert follow.returncode == 0, out + err
-    assert later in out
+    deadline = time.monotonic() + 60
+    while later not in printed[-1]:
+        printed.append(lines.get(timeout=max(0.0, deadline - time.monotonic())))
+    follow.send_signal(signal.SIGINT)
+    follow.wait(timeout=60)
+    reader.join(10)
+    assert follow.returncode == 0, follow.stderr.read()  # type: ignore[union-attr]
+    assert "LATENCY p50/p95/p99 ms" in "".join(lines.queue)
 
 
 def test_text_logging_off_and_tenant_isolation(gateway, evallog) -> None:  # type: ignore[no-untyped-def]

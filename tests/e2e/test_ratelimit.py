@@ -7,6 +7,7 @@ These tests start their own rate-limit replicas with their own limits file and a
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,6 +16,7 @@ import grpc
 import pytest
 from sluice.ratelimit.v1 import ratelimit_pb2, ratelimit_pb2_grpc
 
+from conftest import wait_for
 from ratelimit_support import acquire_request, hammer, max_any_window, start_ratelimit, window_extremes
 
 WINDOW_S = 10.0
@@ -79,13 +81,13 @@ def test_a_refund_is_usable_at_once(stub) -> None:
 
 
 def test_an_expired_lease_frees_its_capacity(stub) -> None:
-    held = stub.Acquire(acquire_request("expiry", "m", 10, ttl_s=0.5), timeout=5)
+    held = stub.Acquire(acquire_request("expiry", "m", 10, ttl_s=3), timeout=5)
     assert held.allowed
     denied = stub.Acquire(acquire_request("expiry", "m", 10), timeout=5)
     assert not denied.allowed and denied.denied_by == ratelimit_pb2.BUDGET_REQUESTS_IN_FLIGHT
     assert denied.retry_after.ToNanoseconds() > 0
-    time.sleep(0.7)  # never committed: the lease expires
-    assert stub.Acquire(acquire_request("expiry", "m", 10, ttl_s=1), timeout=5).allowed
+    # Never committed: once its TTL has passed the lease expires and its place is free again.
+    wait_for(lambda: stub.Acquire(acquire_request("expiry", "m", 10, ttl_s=1), timeout=5).allowed, "the lease to expire")
     with pytest.raises(grpc.RpcError) as caught:
         stub.Commit(ratelimit_pb2.CommitRequest(lease_id=held.lease_id, used_tokens=1), timeout=5)
     assert caught.value.code() == grpc.StatusCode.NOT_FOUND
@@ -115,7 +117,7 @@ def test_a_malformed_limits_file_is_rejected_and_the_old_limits_stay(limiter, st
     address, limits = limiter
     before = stub.GetUsage(ratelimit_pb2.GetUsageRequest(), timeout=5)
     assert before.limits_error == ""
-    limits.write_text(LIMITS.replace("tokens_per_minute = 1000", "tokens_per_minute = 'a lot'") + "\n[tenants.expiry\n")
+    replace_file(limits, LIMITS.replace("tokens_per_minute = 1000", "tokens_per_minute = 'a lot'") + "\n[tenants.expiry\n")
     deadline = time.monotonic() + 10
     while (usage := stub.GetUsage(ratelimit_pb2.GetUsageRequest(), timeout=5)).limits_error == "":
         assert time.monotonic() < deadline, "the bad file was not noticed"
@@ -125,10 +127,18 @@ def test_a_malformed_limits_file_is_rejected_and_the_old_limits_stay(limiter, st
     # the old limits are in force: tenant "refund" still has 1000 tokens per window
     assert not stub.Acquire(acquire_request("refund", "m", 1001), timeout=5).allowed
     # a good file is applied
-    limits.write_text(LIMITS.replace("tokens_per_minute = 1000", "tokens_per_minute = 5000"))
+    replace_file(limits, LIMITS.replace("tokens_per_minute = 1000", "tokens_per_minute = 5000"))
     deadline = time.monotonic() + 10
     while (usage := stub.GetUsage(ratelimit_pb2.GetUsageRequest(), timeout=5)).limits_version == before.limits_version:
         assert time.monotonic() < deadline, "the good file was not applied"
         time.sleep(0.1)
     assert usage.limits_error == ""
     assert stub.Acquire(acquire_request("refund", "m", 1001), timeout=5).allowed
+
+
+def replace_file(path: Path, text: str) -> None:
+    """Writes `text` to `path` in one step, as an operator's tooling would: the service, re-reading
+    the file every 0.2 s, must never see it half written (an empty file is valid TOML)."""
+    staged = path.with_suffix(".staged")
+    staged.write_text(text)
+    os.replace(staged, path)

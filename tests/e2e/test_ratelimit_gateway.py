@@ -192,6 +192,7 @@ def test_an_unreachable_rate_limit_fails_closed_within_the_deadline(stack: Stack
     gateway, address = start_gateway(stack, tmp_path, "gateway-rl-dead", dead, ratelimit_timeout_s="0.3")
     try:
         with grpc.insecure_channel(address) as channel:
+            grpc.channel_ready_future(channel).result(timeout=30)  # the timing below is the call's, not the connection's
             stub = gateway_pb2_grpc.GatewayServiceStub(channel)
             for timeout in (30.0, 0.2):
                 started = time.perf_counter()

@@ -12,7 +12,7 @@ import pytest
 from sluice.common.v1 import types_pb2
 from sluice.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 
-from conftest import MODEL, auth, scrape
+from conftest import MODEL, auth, scrape, wait_for
 from sluice_stack import Stack, StackPorts
 
 SECOND = "triton-local-2"
@@ -63,7 +63,8 @@ def test_killed_replica_loses_no_request_without_tokens_and_is_readmitted(two_re
     threads = [threading.Thread(target=run_stream, args=(stub, i, outcomes)) for i in range(12)]
     for thread in threads:
         thread.start()
-    time.sleep(1.0)  # some streams have tokens, others are still queued or prefilling
+    # The kill must hit work in flight: wait until the second replica is running sequences.
+    wait_for(lambda: scrape(stack.metrics_url(SECOND), "sluice_triton_local_active_slots") > 0, "replica 2 to take work", timeout_s=60)
     stack.service(SECOND).kill()
     for thread in threads:
         thread.join(timeout=180)
