@@ -20,7 +20,7 @@ import asyncio
 import contextlib
 import sqlite3
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Protocol
@@ -37,10 +37,23 @@ def dollar(sql: str) -> str:
     return "".join(part + (f"${i + 1}" if i < len(parts) - 1 else "") for i, part in enumerate(parts))
 
 
-def migrate_sqlite(db: sqlite3.Connection, migrations: Migrations) -> None:
-    """Applies the missing migrations in one IMMEDIATE transaction (`db` in autocommit mode)."""
+@contextlib.contextmanager
+def write_transaction(db: sqlite3.Connection) -> Iterator[None]:
+    """A synchronous transaction on `db` (autocommit mode) for work already on its thread:
+    BEGIN IMMEDIATE (the write lock at once, so a batch never fails half way on a busy file),
+    COMMIT, or ROLLBACK on any error."""
     db.execute("BEGIN IMMEDIATE")
     try:
+        yield
+    except BaseException:
+        db.execute("ROLLBACK")
+        raise
+    db.execute("COMMIT")
+
+
+def migrate_sqlite(db: sqlite3.Connection, migrations: Migrations) -> None:
+    """Applies the missing migrations in one IMMEDIATE transaction (`db` in autocommit mode)."""
+    with write_transaction(db):
         db.execute(MIGRATIONS_TABLE)
         applied = {v for (v,) in db.execute("SELECT version FROM schema_migrations")}
         for version, description, statements in migrations:
@@ -52,10 +65,6 @@ def migrate_sqlite(db: sqlite3.Connection, migrations: Migrations) -> None:
                 "INSERT INTO schema_migrations (version, description, applied_at) VALUES (?, ?, ?)",
                 (version, description, time.time()),
             )
-        db.execute("COMMIT")
-    except BaseException:
-        db.execute("ROLLBACK")
-        raise
 
 
 async def migrate_postgres(connection: Any, schema: str, migrations: Migrations, lock_name: str) -> None:

@@ -14,11 +14,10 @@ rows in one transaction. Until then the score is absent from every query.
 from __future__ import annotations
 
 import base64
-import contextlib
 import functools
 import sqlite3
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -26,7 +25,7 @@ from typing import Any, Protocol
 import asyncpg
 
 from sluice_common.errors import InvalidArgument
-from sluice_common.sqlstore import PostgresDb, SqliteDb, dollar
+from sluice_common.sqlstore import PostgresDb, SqliteDb, dollar, write_transaction
 from sluice_evaluation_logging.evaluators.base import ScoreResult
 
 
@@ -390,7 +389,7 @@ class SqliteStore:
     async def claim_pending(self, name: str, limit: int, lease_s: float) -> list[PendingItem]:
         def work(db: sqlite3.Connection) -> list[PendingItem]:
             now = time.time()
-            with _write_transaction(db):
+            with write_transaction(db):
                 due = db.execute(
                     "SELECT p.event_id, p.attempts, r.event FROM pending_scores p"
                     " JOIN records r ON r.event_id = p.event_id"
@@ -411,7 +410,7 @@ class SqliteStore:
         sql = "UPDATE pending_scores SET not_before = ?, attempts = attempts - ? WHERE event_id = ? AND name = ?"
 
         def work(db: sqlite3.Connection) -> None:
-            with _write_transaction(db):
+            with write_transaction(db):
                 db.executemany(sql, [(not_before, undo, eid, name) for eid in event_ids])
 
         await self._sqlite.run(work)
@@ -419,7 +418,7 @@ class SqliteStore:
     async def complete_pending(self, name: str, scores: Sequence[tuple[str, ScoreResult]]) -> int:
         def work(db: sqlite3.Connection) -> int:
             cleared = 0
-            with _write_transaction(db):
+            with write_transaction(db):
                 for eid, s in scores:
                     # Only while the marker is there: a score is written once, whoever computed it.
                     if db.execute("DELETE FROM pending_scores WHERE event_id = ? AND name = ?", (eid, name)).rowcount:
@@ -434,22 +433,9 @@ class SqliteStore:
         return await self._sqlite.run(lambda db: db.execute(sql, (name,) if name else ()).fetchone()[0])
 
 
-@contextlib.contextmanager
-def _write_transaction(db: sqlite3.Connection) -> Iterator[None]:
-    """BEGIN IMMEDIATE (the write lock at once, so a batch never fails half way on a busy file),
-    COMMIT, or ROLLBACK on any error."""
-    db.execute("BEGIN IMMEDIATE")
-    try:
-        yield
-    except BaseException:
-        db.execute("ROLLBACK")
-        raise
-    db.execute("COMMIT")
-
-
 def _insert_batch(db: sqlite3.Connection, rows: list[RecordRow]) -> int:
     stored_at = time.time()
-    with _write_transaction(db):
+    with write_transaction(db):
         # Under the write lock, the ids already stored (redeliveries; usually none) are final.
         seen: set[str] = set()
         ids = list({row.event_id for row in rows})
