@@ -22,7 +22,6 @@ from google.protobuf import json_format
 from sluice.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from sluice.jobs.v1 import jobs_pb2
 
-TERMINAL = (jobs_pb2.JOB_STATE_COMPLETED, jobs_pb2.JOB_STATE_FAILED, jobs_pb2.JOB_STATE_CANCELLED, jobs_pb2.JOB_STATE_EXPIRED)
 
 
 def _stub(args: argparse.Namespace) -> gateway_pb2_grpc.GatewayServiceStub:
@@ -37,12 +36,6 @@ def _metadata(args: argparse.Namespace) -> tuple[tuple[str, str], ...]:
 
 def _state(job: jobs_pb2.Job) -> str:
     return jobs_pb2.JobState.Name(job.state).removeprefix("JOB_STATE_").lower()
-
-
-def settled(job: jobs_pb2.Job) -> bool:
-    """Ended, with every row's result stored: an expired job stores its last rows (as EXPIRED)
-    just after it turned expired."""
-    return job.state in TERMINAL and (job.state != jobs_pb2.JOB_STATE_EXPIRED or job.completed_rows + job.failed_rows >= job.total_rows)
 
 
 def progress_line(job: jobs_pb2.Job, width: int = 30) -> str:
@@ -104,11 +97,11 @@ def cmd_submit(args: argparse.Namespace) -> int:
         submitted = _stub(args).SubmitJob(gateway_pb2.SubmitJobRequest(job=job), metadata=_metadata(args), timeout=30).job
         print(f"job {submitted.job_id}: {submitted.total_rows} rows", file=sys.stderr)
         last = submitted
+        # WatchJob ends once the job is settled (for an expired job: every row stored), so the
+        # results listed next are all there.
         for update in _stub(args).WatchJob(gateway_pb2.WatchJobRequest(job_id=job.job_id), metadata=_metadata(args)):
             last = update.job
             print("\r" + progress_line(last), end="", file=sys.stderr, flush=True)
-            if settled(last):
-                break
         print(file=sys.stderr)
         results = _all_results(args, job.job_id)
     except grpc.RpcError as error:
