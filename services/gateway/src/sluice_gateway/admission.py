@@ -142,7 +142,7 @@ class Ticket:
     lease_id: str = ""
     metadata: tuple[tuple[str, str], ...] = ()
     # The estimated input (prompt, or Embed's inputs): committed, plus the chunks' tokens, without usage.
-    estimated_prompt_tokens: int = 0
+    estimated_input_tokens: int = 0
     completion_tokens: int = 0
     used_tokens: int | None = None
     # The requests-per-minute budget's limit, when the lease has one (x-ratelimit-limit-requests
@@ -168,7 +168,7 @@ class Ticket:
         if self._settled or not self.lease_id or self.admission is None:
             return
         self._settled = True
-        used = self.used_tokens if self.used_tokens is not None else self.estimated_prompt_tokens + self.completion_tokens
+        used = self.used_tokens if self.used_tokens is not None else self.estimated_input_tokens + self.completion_tokens
         self.admission.commit_later(self.lease_id, used)
 
 
