@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import sqlite3
 import time
 import urllib.request
 import uuid
@@ -19,6 +21,7 @@ from sluice_stack import Stack, StackPorts
 
 DEMO_KEY = "sk-sluice-demo"
 MODEL = "smollm2-135m-instruct"
+EMBEDDING_MODEL = "all-minilm-l6-v2"
 
 
 @pytest.fixture(scope="session")
@@ -83,6 +86,17 @@ def scrape(url: str, name: str, labels: str = "") -> float:
     pattern = re.compile(rf"^{re.escape(name)}{re.escape(labels) if labels else ''}\s+([0-9.eE+-]+)$", re.M)
     match = pattern.search(text)
     return float(match.group(1)) if match else 0.0
+
+
+@contextlib.contextmanager
+def read_store(stack: Stack, file_name: str) -> Iterator[sqlite3.Connection]:
+    """A read-only connection to one of the stack's SQLite stores (jobs.sqlite3, evallog.sqlite3),
+    closed afterwards: what a service stored, checked beside what its API says."""
+    db = sqlite3.connect(f"file:{stack.run_dir / file_name}?mode=ro", uri=True, timeout=30)
+    try:
+        yield db
+    finally:
+        db.close()
 
 
 def waiting_requests(adapter_metrics_url: str) -> dict[str, int]:

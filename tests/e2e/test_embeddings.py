@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sqlite3
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -10,9 +9,7 @@ import numpy as np
 import pytest
 from sluice.gateway.v1 import gateway_pb2
 
-from conftest import auth, scrape, wait_for
-
-EMBEDDING_MODEL = "all-minilm-l6-v2"
+from conftest import EMBEDDING_MODEL, auth, read_store, scrape, wait_for
 
 
 def embed(gateway, texts: list[str]) -> np.ndarray:
@@ -56,7 +53,7 @@ def test_concurrent_requests_share_batches_and_keep_their_order(gateway, stack) 
 
 def evallog_backlog(stack) -> tuple[int, int]:  # type: ignore[no-untyped-def]
     """(records stored, deferred scores still to compute) in evaluation-logging's SQLite store."""
-    with sqlite3.connect(f"file:{stack.run_dir / 'evallog.sqlite3'}?mode=ro", uri=True, timeout=10) as db:
+    with read_store(stack, "evallog.sqlite3") as db:
         records = db.execute("SELECT COUNT(*) FROM records").fetchone()[0]
         pending = db.execute("SELECT COUNT(*) FROM pending_scores").fetchone()[0]
     return records, pending

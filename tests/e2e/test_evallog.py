@@ -8,7 +8,6 @@ import os
 import queue
 import re
 import signal
-import sqlite3
 import subprocess
 import threading
 import time
@@ -24,7 +23,7 @@ from sluice.common.v1 import types_pb2
 from sluice.evallog.v1 import evallog_pb2, evallog_pb2_grpc, events_pb2
 from sluice.gateway.v1 import gateway_pb2
 
-from conftest import DEMO_KEY, MODEL, auth
+from conftest import DEMO_KEY, MODEL, auth, read_store
 from sluice_stack import REPO_ROOT
 from sluice_common.amqp import DEAD_REASON_HEADER, EventTopology
 
@@ -317,7 +316,7 @@ def synthetic_event(tenant: str = "demo") -> events_pb2.CompletionEvent:
 
 def stored_counts(stack, event_ids: list[str]) -> tuple[int, int]:  # type: ignore[no-untyped-def]
     """(rows, distinct event ids) among `event_ids` in evaluation-logging's SQLite store."""
-    with sqlite3.connect(f"file:{stack.run_dir / 'evallog.sqlite3'}?mode=ro", uri=True, timeout=30) as db:
+    with read_store(stack, "evallog.sqlite3") as db:
         db.execute("CREATE TEMP TABLE wanted (event_id TEXT PRIMARY KEY)")
         db.executemany("INSERT INTO wanted VALUES (?)", [(e,) for e in event_ids])
         return db.execute(

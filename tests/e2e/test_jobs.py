@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import sqlite3
 import time
 import uuid
 from collections import Counter
@@ -20,10 +19,9 @@ import pytest
 from sluice.gateway.v1 import gateway_pb2
 from sluice.jobs.v1 import jobs_pb2
 
-from conftest import DEMO_KEY, MODEL, auth
+from conftest import DEMO_KEY, EMBEDDING_MODEL, MODEL, auth, read_store
 from sluice_stack import Stack
 
-EMBEDDING_MODEL = "all-minilm-l6-v2"
 RESULT_TYPE = "sluice.jobs.v1.RowResult"
 SUMMARY_TYPE = "sluice.jobs.v1.Job"
 
@@ -275,7 +273,7 @@ def test_a_worker_killed_mid_job_loses_no_row_and_reports_none_twice(stack: Stac
 
 def done_rows(stack: Stack, job_id: str) -> set[str]:
     """The custom ids of the job's rows stored as done, read from the worker's SQLite store."""
-    with sqlite3.connect(f"file:{stack.run_dir / 'jobs.sqlite3'}?mode=ro", uri=True, timeout=10) as db:
+    with read_store(stack, "jobs.sqlite3") as db:
         return {row[0] for row in db.execute("SELECT custom_id FROM job_rows WHERE job_id = ? AND state = 'done'", (job_id,))}
 
 

@@ -18,13 +18,12 @@ from sluice.common.v1 import types_pb2
 from sluice.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from sluice.ratelimit.v1 import ratelimit_pb2, ratelimit_pb2_grpc
 
-from conftest import MODEL, auth, wait_for
+from conftest import EMBEDDING_MODEL, MODEL, auth, wait_for
 from ratelimit_support import start_ratelimit
 from sluice_stack import ServiceProcess, Stack, free_port
 from sluice_stack.launcher import grpc_serving
 
 PRIVATE_KEY = "sk-sluice-private"
-EMBEDDING_MODEL = "all-minilm-l6-v2"
 LIMITS = """
 [tenants.demo]
 requests_per_minute = 100
