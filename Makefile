@@ -8,17 +8,28 @@ UV_VERSION := 0.13.9
 UV := $(or $(shell command -v uv 2>/dev/null),$(CURDIR)/.tools/bin/uv)
 BUF := node_modules/.bin/buf
 
+# How llama-cpp-python (triton-local's engine) compiles: it has no wheel on the registry. Portable
+# x86-64 with AVX2 rather than -march=native: some VMs report CPU features (AMX) that they refuse,
+# and a native build dies there with "Illegal instruction". Only the library, no tools or llava.
+# On a GPU machine: CMAKE_ARGS="-DGGML_CUDA=on" make setup (uv caches the first build it makes:
+# `uv cache clean llama-cpp-python` before building with other flags).
+export CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON \
+  -DGGML_AVX512=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF \
+  -DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF
+
 # Every Python project with its own environment.
 SERVICES := services/gateway services/inference-adapter services/triton-local services/evaluation-logging services/rate-limit
 LIBS := libs/sluice-protos libs/sluice-common libs/sluice-stack
 PROJECTS := $(LIBS) $(SERVICES) tests bench deploy/tests
 UNIT_TESTED := libs/sluice-common $(SERVICES)
 
-.PHONY: help setup uv node protos protos-check proto-lint run test test-unit test-e2e test-deploy bench-path bench-adapter bench-evallog bench-ratelimit bench-jobs bench-jobs-interactive clean
+.PHONY: help setup uv node protos protos-check proto-lint run test test-unit test-e2e test-deploy bench-path bench-adapter bench-evallog bench-ratelimit bench-jobs bench-jobs-interactive bench-engine bench-load clean
 
 help:
 	@echo "make run        start the whole suite locally and stream a demo completion (Ctrl-C stops it)"
 	@echo "make test       proto checks, each service's unit tests, then end-to-end tests on the real stack"
+	@echo "make bench-engine the step engine vs llama.cpp's own batched decode: prefill and decode tok/s"
+	@echo "make bench-load 16, 32 and 64 chat streams through the stack: tok/s, TTFT, vs the engine alone"
 	@echo "make bench-path time to first token and tokens/s through each hop"
 	@echo "make bench-evallog stream-close latency with logging on vs off; events stored/s vs raw consume"
 	@echo "make bench-ratelimit Acquire+Commit decisions/s and latency (memory, Redis) vs a raw grpc.aio echo"
@@ -77,6 +88,12 @@ test-deploy: setup
 	cd deploy/tests && .venv/bin/python -m pytest -q
 
 test: proto-lint protos-check test-deploy test-unit test-e2e
+
+bench-engine: setup
+	bench/.venv/bin/python bench/bench_engine.py
+
+bench-load: setup
+	bench/.venv/bin/python bench/bench_load.py
 
 bench-path: setup
 	bench/.venv/bin/python bench/bench_path.py

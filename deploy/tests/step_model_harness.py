@@ -56,7 +56,7 @@ def main() -> None:
     spec.loader.exec_module(module)
     model = module.TritonPythonModel()
     model.initialize({"model_config": config_as_triton_gives_it()})
-    prefill = json.dumps({"messages": [["user", "What is the capital of France?"]], "max_tokens": 12}).encode()
+    prefill = json.dumps({"messages": [["user", "Which city is the capital of France?"]], "max_tokens": 12}).encode()
     request = lambda action, raw=b"": Request(  # noqa: E731
         ACTION=np.array([action], dtype=np.int32), SEQ_ID=np.array([7], dtype=np.int64), REQUEST=np.array([raw], dtype=np.object_)
     )

@@ -22,7 +22,7 @@ def chat(question: str, max_tokens: int = 24, **sampling: object) -> gateway_pb2
 def test_streams_paris_token_by_token(gateway) -> None:
     started = time.perf_counter()
     arrivals, texts, responses = [], [], []
-    for response in gateway.Generate(chat("What is the capital of France?"), metadata=auth(), timeout=120):
+    for response in gateway.Generate(chat("Which city is the capital of France?"), metadata=auth(), timeout=120):
         responses.append(response)
         if response.text:
             arrivals.append(time.perf_counter() - started)

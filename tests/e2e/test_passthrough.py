@@ -49,7 +49,7 @@ def test_adapter_detected_the_generate_interface(passthrough: Stack) -> None:
 
 
 def test_streams_an_answer_through_the_decoupled_model(stub) -> None:
-    responses = list(stub.Generate(chat("What is the capital of France?", 24), metadata=auth(), timeout=120))
+    responses = list(stub.Generate(chat("Which city is the capital of France?", 24), metadata=auth(), timeout=120))
     chunks = [r.text for r in responses if r.text]
     assert "Paris" in "".join(chunks)
     assert len(chunks) >= 3

@@ -194,7 +194,7 @@ def _generate(address: str, credentials: grpc.ChannelCredentials | None) -> str:
     channel = grpc.insecure_channel(address) if credentials is None else grpc.secure_channel(address, credentials)
     request = gateway_pb2.GenerateRequest(
         model=MODEL,
-        messages=[types_pb2.ChatMessage(role="user", content="What is the capital of France?")],
+        messages=[types_pb2.ChatMessage(role="user", content="Which city is the capital of France?")],
         sampling=types_pb2.SamplingParams(max_tokens=16),
     )
     with channel:

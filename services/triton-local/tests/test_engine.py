@@ -8,20 +8,22 @@ import pytest
 from conftest import run_bench
 
 from sluice_triton_local.engine import DecodeRow, PrefillRow, ReleaseRow, RowResult, SamplingParams, StepEngine
+from sluice_triton_local.config import ENGINES
 from sluice_triton_local.engine.bench import default_gguf_path
 from sluice_triton_local.engine.stops import StopFilter
 
-CHAT = [("user", "What is the capital of France?")]
+CHAT = [("user", "Which city is the capital of France?")]
 PROMPTS = [
-    [("user", "What is the capital of France?")],
+    [("user", "Which city is the capital of France?")],
     [("user", "Name three colors.")],
     [("system", "You are terse."), ("user", "Write a haiku about the sea.")],
 ]
 
 
-@pytest.fixture(scope="module")
-def engine() -> StepEngine:
-    return StepEngine(default_gguf_path(), max_slots=8)
+@pytest.fixture(scope="module", params=ENGINES)
+def engine(request: pytest.FixtureRequest) -> StepEngine:
+    """Every engine test runs on both forward passes: llama.cpp (the default) and numpy."""
+    return StepEngine(default_gguf_path(), max_slots=8, engine=request.param, threads=2)
 
 
 def run_alone(engine: StepEngine, seq_id: int, prompt: str, params: SamplingParams) -> list[RowResult]:
@@ -68,7 +70,7 @@ def test_tokenizer_roundtrip_and_specials(engine: StepEngine) -> None:
     im_start, im_end = tok.vocab["<|im_start|>"], tok.vocab["<|im_end|>"]
     prompt = engine.apply_chat_template(CHAT)
     assert prompt.startswith("<|im_start|>system\nYou are a helpful AI assistant named SmolLM")
-    assert prompt.endswith("<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n")
+    assert prompt.endswith("<|im_start|>user\nWhich city is the capital of France?<|im_end|>\n<|im_start|>assistant\n")
     encoded = tok.encode(prompt)
     assert encoded[0] == im_start
     assert encoded.count(im_start) == 3 and encoded.count(im_end) == 2
@@ -310,3 +312,34 @@ def test_decode_throughput_single_thread() -> None:
         f"\n[engine perf, 1 BLAS thread] load {stats['load_s']} s; greedy decode "
         f"{stats['batch1_tok_s']} tok/s at batch 1, {stats['batch8_tok_s']} tok/s at batch 8"
     )
+
+
+def test_llamacpp_step_larger_than_one_decode_call() -> None:
+    """A step carrying more tokens than llama.cpp takes in one llama_decode is split across calls,
+    an item's tokens too, and every item still gets the logits of its own last token."""
+    import numpy as np
+
+    from sluice_triton_local.engine.llamacpp_model import LlamaCppModel
+    from sluice_triton_local.engine.model import BatchItem
+
+    engine_tokenizer = StepEngine(default_gguf_path(), max_slots=1, max_context=256, threads=1).tokenizer
+    prompts = [engine_tokenizer.encode(engine_tokenizer.apply_chat_template(p)) for p in PROMPTS]
+    prompts[2] = prompts[2] * 3  # longer than one call on its own
+    model = LlamaCppModel(default_gguf_path(), max_slots=3, max_context=512, threads=2, batch_tokens=64)
+    assert sum(map(len, prompts)) > 64 and len(prompts[2]) > 64
+    together = model.forward([BatchItem(slot, ids, 0) for slot, ids in enumerate(prompts)])
+    for slot in range(3):
+        model.release(slot)
+    alone = np.stack([model.forward([BatchItem(slot, ids, 0)])[0] for slot, ids in enumerate(prompts)])
+    assert together.shape == alone.shape == (3, together.shape[1])
+    # llama.cpp's sums round differently when a prompt is cut elsewhere (up to ~1 of ~25 in a
+    # logit), so "the same row" is: the same top token, and far closer to its own row than to
+    # any other prompt's.
+    assert [int(np.argmax(row)) for row in together] == [int(np.argmax(row)) for row in alone]
+    distance = np.abs(together[:, None, :] - alone[None, :, :]).mean(axis=2)
+    assert (distance.argmin(axis=1) == np.arange(3)).all(), distance
+    assert np.diag(distance).max() < 1.0 < np.sort(distance, axis=1)[:, 1].min(), distance
+    # A released slot starts again from position 0 and computes what it did before.
+    model.release(0)
+    np.testing.assert_allclose(model.forward([BatchItem(0, prompts[0], 0)])[0], alone[0], atol=1e-4)
+    model.close()

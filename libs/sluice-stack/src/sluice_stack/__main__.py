@@ -15,7 +15,7 @@ from sluice_stack.launcher import REPO_ROOT, ServiceProcess, Stack, StartupError
 from sluice_stack.rabbitmq import ensure_rabbitmq
 
 DEMO_KEY = "sk-sluice-demo"
-DEMO_QUESTION = "What is the capital of France?"
+DEMO_QUESTION = "Which city is the capital of France?"
 MODEL = "smollm2-135m-instruct"
 
 

@@ -1,6 +1,6 @@
 """The `sluice` command: talk to a running Sluice from a terminal.
 
-    sluice generate "What is the capital of France?"     tokens print as they stream
+    sluice generate "Which city is the capital of France?"     tokens print as they stream
     sluice models                                         what the gateway serves
     sluice health                                         every service's health
     sluice logs [--follow]                                recent completions and a summary table

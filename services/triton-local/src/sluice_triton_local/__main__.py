@@ -43,12 +43,19 @@ def main() -> None:
 
     started = time.perf_counter()
     gguf_path = config.gguf_path or str(smollm2_gguf())
-    step_engine = StepEngine(gguf_path, max_slots=config.max_slots, max_context=config.max_context)
+    step_engine = StepEngine(
+        gguf_path,
+        max_slots=config.max_slots,
+        max_context=config.max_context,
+        engine=config.engine,
+        threads=config.engine_threads(),
+        gpu_layers=config.gpu_layers,
+    )
     answer = warm_up(step_engine)
     engine = SharedEngine(step_engine)
     encoder = MiniLMEncoder()
     encoder.encode(["warm-up"])
-    log.info("model_loaded", gguf=gguf_path, seconds=round(time.perf_counter() - started, 1), warmup_answer=answer)
+    log.info("model_loaded", gguf=gguf_path, engine=config.engine, threads=config.engine_threads(), seconds=round(time.perf_counter() - started, 1), warmup_answer=answer)
     start_http_server(config.metrics_port, addr=config.host)
 
     stop = threading.Event()

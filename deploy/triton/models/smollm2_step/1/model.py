@@ -7,6 +7,7 @@ wheel; this file only adapts Triton's request objects to `run_step`.
 from __future__ import annotations
 
 import json
+import os
 import threading
 
 import triton_python_backend_utils as pb_utils  # provided by Triton's Python backend
@@ -22,14 +23,19 @@ class TritonPythonModel:
         params = {key: value["string_value"] for key, value in config.get("parameters", {}).items()}
         gguf_path = params.get("GGUF_PATH") or str(smollm2_gguf())
         self.engine = StepEngine(
-            gguf_path, max_slots=int(params.get("MAX_SLOTS", "8")), max_context=int(params.get("MAX_CONTEXT", "2048"))
+            gguf_path,
+            max_slots=int(params.get("MAX_SLOTS", "8")),
+            max_context=int(params.get("MAX_CONTEXT", "2048")),
+            engine=params.get("ENGINE", "llamacpp"),
+            threads=int(params.get("THREADS", "0")) or len(os.sched_getaffinity(0)),
+            gpu_layers=int(params.get("GPU_LAYERS", "0")),
         )
         self.lock = threading.Lock()
         self._warm_up()
 
     def _warm_up(self) -> None:
         """One short greedy generation, so that the first real request does not pay for cold caches."""
-        prompt = self.engine.apply_chat_template([("user", "What is the capital of France?")])
+        prompt = self.engine.apply_chat_template([("user", "Which city is the capital of France?")])
         results = self.engine.step([PrefillRow(0, prompt, SamplingParams(max_tokens=4))])
         while not results[0].finish_reason:
             results = self.engine.step([DecodeRow(0)])

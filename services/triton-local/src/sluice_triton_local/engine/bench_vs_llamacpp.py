@@ -1,0 +1,170 @@
+"""The measuring side of `make bench-engine`, run in triton-local's environment:
+
+  python -m sluice_triton_local.engine.bench_vs_llamacpp THREADS ROUNDS BATCH [BATCH ...]
+  python -m sluice_triton_local.engine.bench_vs_llamacpp --numpy THREADS BATCH [BATCH ...]
+
+Two sides, each with a llama.cpp context of its own on the same GGUF and thread count:
+
+  engine    triton-local's StepEngine: our tokenizer, step rows, KV slot bookkeeping, sampling,
+            stop handling and incremental detokenization around llama.cpp's forward pass
+  llamacpp  llama.cpp through its C API alone, as its `batched` example drives it: one
+            llama_decode of every prompt, then one llama_decode per step with one token per
+            sequence, llama.cpp's own greedy sampler, and a context sized for the batch alone
+            (n_seq_max = the batch), with whichever KV layout (unified or per sequence) is faster
+
+For each batch size the two alternate ROUNDS times (engine first, then llama.cpp, then the other
+way round), each side's best kept, so that this shared machine's drift hits both alike. Prefill:
+the batch's prompts in one step, clock around it. Decode: DECODE_STEPS greedy steps after it.
+Both start from the same prompt token ids. `--numpy` measures the engine on its numpy forward
+pass instead (a reference; BLAS threads are fixed when numpy is imported, so a process of its own).
+Prints one JSON line.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from typing import Any
+
+from .bench import default_gguf_path
+from .step_engine import DecodeRow, PrefillRow, ReleaseRow, SamplingParams, StepEngine
+
+DECODE_STEPS = 48
+PROMPT = "Write a long story about a dragon and a knight who become friends after a long war."
+
+Figures = dict[str, Any]  # prefill_tok_s, decode_tok_s, tokens (sequence 0's)
+
+
+def engine_run(engine: StepEngine, batch: int) -> Figures:
+    prompt = engine.apply_chat_template([("user", PROMPT)])
+    params = SamplingParams(max_tokens=DECODE_STEPS + 1, temperature=0.0)
+    seqs = list(range(batch))
+    started = time.perf_counter()
+    first = engine.step([PrefillRow(s, prompt, params) for s in seqs])
+    prefill_s = time.perf_counter() - started
+    tokens = [first[0].token_id]
+    started = time.perf_counter()
+    for _ in range(DECODE_STEPS):
+        tokens.append(engine.step([DecodeRow(s) for s in seqs])[0].token_id)
+    decode_s = time.perf_counter() - started
+    engine.step([ReleaseRow(s) for s in seqs])
+    n_prompt = first[0].prompt_tokens
+    return {"prefill_tok_s": batch * n_prompt / prefill_s, "decode_tok_s": batch * DECODE_STEPS / decode_s, "tokens": tokens}
+
+
+class LlamaCppAlone:
+    def __init__(self, ids: list[int], threads: int) -> None:
+        import llama_cpp as lc
+
+        from .llamacpp_model import init_backend_once
+
+        init_backend_once()
+        self.lc, self.ids, self.threads = lc, ids, threads
+        self.model = lc.llama_model_load_from_file(default_gguf_path().encode(), lc.llama_model_default_params())
+
+    def run(self, batch: int) -> Figures:
+        """The faster KV layout for prefill and decode alike; the tokens of the per-sequence one,
+        the engine's (a unified cache rounds differently after a few dozen tokens)."""
+        unified, per_sequence = (self._context_run(batch, u) for u in (True, False))
+        return {
+            "prefill_tok_s": max(unified["prefill_tok_s"], per_sequence["prefill_tok_s"]),
+            "decode_tok_s": max(unified["decode_tok_s"], per_sequence["decode_tok_s"]),
+            "tokens": per_sequence["tokens"],
+        }
+
+    def _context_run(self, batch: int, unified: bool) -> Figures:
+        lc = self.lc
+        params = lc.llama_context_default_params()
+        params.n_seq_max = batch
+        params.n_ctx = batch * 1024
+        params.n_batch = max(2048, batch * len(self.ids))
+        params.n_ubatch = 512
+        params.n_threads = self.threads
+        params.n_threads_batch = self.threads
+        params.kv_unified = unified
+        params.no_perf = True
+        ctx = lc.llama_init_from_model(self.model, params)
+        sampler = lc.llama_sampler_init_greedy()
+        try:
+            return self._decode(ctx, sampler, batch)
+        finally:
+            lc.llama_sampler_free(sampler)
+            lc.llama_free(ctx)
+
+    def _decode(self, ctx: Any, sampler: Any, batch: int) -> Figures:
+        lc, ids = self.lc, self.ids
+        n_prompt = len(ids)
+        prompts = lc.llama_batch_init(batch * n_prompt, 0, 1)
+        for s in range(batch):
+            for j, token in enumerate(ids):
+                k = s * n_prompt + j
+                prompts.token[k], prompts.pos[k], prompts.n_seq_id[k] = token, j, 1
+                prompts.seq_id[k][0] = s
+                prompts.logits[k] = j == n_prompt - 1
+        prompts.n_tokens = batch * n_prompt
+        started = time.perf_counter()
+        if lc.llama_decode(ctx, prompts) != 0:
+            raise RuntimeError("llama_decode failed on the prompts")
+        last = [lc.llama_sampler_sample(sampler, ctx, s * n_prompt + n_prompt - 1) for s in range(batch)]
+        prefill_s = time.perf_counter() - started
+        lc.llama_batch_free(prompts)
+        tokens = [last[0]]
+        step = lc.llama_batch_init(batch, 0, 1)
+        started = time.perf_counter()
+        for i in range(DECODE_STEPS):
+            for s in range(batch):
+                step.token[s], step.pos[s], step.n_seq_id[s], step.logits[s] = last[s], n_prompt + i, 1, 1
+                step.seq_id[s][0] = s
+            step.n_tokens = batch
+            if lc.llama_decode(ctx, step) != 0:
+                raise RuntimeError("llama_decode failed on a step")
+            last = [lc.llama_sampler_sample(sampler, ctx, s) for s in range(batch)]
+            tokens.append(last[0])
+        decode_s = time.perf_counter() - started
+        lc.llama_batch_free(step)
+        return {"prefill_tok_s": batch * n_prompt / prefill_s, "decode_tok_s": batch * DECODE_STEPS / decode_s, "tokens": tokens}
+
+
+def best(runs: list[Figures]) -> Figures:
+    return {
+        "prefill_tok_s": max(r["prefill_tok_s"] for r in runs),
+        "decode_tok_s": max(r["decode_tok_s"] for r in runs),
+        "tokens": runs[0]["tokens"],
+        "same_tokens_every_run": all(r["tokens"] == runs[0]["tokens"] for r in runs),
+    }
+
+
+def compare(threads: int, rounds: int, batches: list[int]) -> dict[str, Any]:
+    engine = StepEngine(default_gguf_path(), max_slots=max(batches), max_context=1024, engine="llamacpp", threads=threads)
+    ids = engine.tokenizer.encode(engine.apply_chat_template([("user", PROMPT)]))
+    alone = LlamaCppAlone(ids, threads)
+    engine_run(engine, 1), alone.run(1)  # warm both up
+    out: dict[str, Any] = {"prompt_tokens": len(ids), "engine": {}, "llamacpp": {}}
+    for batch in batches:
+        runs: dict[str, list[Figures]] = {"engine": [], "llamacpp": []}
+        for r in range(rounds):
+            order = ("engine", "llamacpp") if r % 2 == 0 else ("llamacpp", "engine")
+            for side in order:
+                runs[side].append(engine_run(engine, batch) if side == "engine" else alone.run(batch))
+        for side, side_runs in runs.items():
+            out[side][str(batch)] = best(side_runs)
+    return out
+
+
+def numpy_reference(threads: int, batches: list[int]) -> dict[str, Any]:
+    engine = StepEngine(default_gguf_path(), max_slots=max(batches), max_context=1024, engine="numpy", threads=threads)
+    engine_run(engine, 1)
+    return {"numpy": {str(b): best([engine_run(engine, b)]) for b in batches}}
+
+
+def main(argv: list[str]) -> None:
+    if argv[0] == "--numpy":
+        result = numpy_reference(int(argv[1]), [int(b) for b in argv[2:]])
+    else:
+        result = compare(int(argv[0]), int(argv[1]), [int(b) for b in argv[2:]])
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

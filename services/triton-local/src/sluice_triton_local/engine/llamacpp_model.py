@@ -1,0 +1,141 @@
+"""The Llama forward pass on llama.cpp, through llama-cpp-python's bindings of its C API.
+
+Same contract as model.LlamaModel: `forward(items)` runs every new token of every item through
+one `llama_decode` (several when a step carries more than `n_batch` tokens) and returns the
+logits of each item's last new token; `release(slot)` forgets the slot's KV cells. A slot is a
+llama.cpp sequence id. The KV cache is not unified: each sequence has a stream of its own, so a
+sequence attends only to its own cells (work proportional to its length, not to the whole
+batch's) and its logits do not depend on who else is in the batch.
+
+Tokenization, sampling and stop handling stay in step_engine.py, shared with the numpy model:
+llama.cpp is only asked for logits. On a GPU build of llama.cpp (`GGML_CUDA=on`) the same code
+runs the model on the GPU when `gpu_layers` is not 0.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import sys
+import threading
+
+import numpy as np
+
+import llama_cpp as lc
+
+from .model import BatchItem
+
+_backend_lock = threading.Lock()
+_backend_initialised = False
+_GGML_LOG_WARN, _GGML_LOG_ERROR = 3, 4
+
+
+@lc.llama_log_callback
+def _log_warnings_only(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
+    """llama.cpp logs every tensor and setting at load: pass on warnings and errors only."""
+    if level in (_GGML_LOG_WARN, _GGML_LOG_ERROR):
+        sys.stderr.write(text.decode("utf-8", "replace"))
+
+
+def init_backend_once() -> None:
+    global _backend_initialised
+    with _backend_lock:
+        if not _backend_initialised:
+            lc.llama_log_set(_log_warnings_only, ctypes.c_void_p(0))
+            lc.llama_backend_init()
+            _backend_initialised = True
+
+
+class LlamaCppModel:
+    def __init__(
+        self,
+        gguf_path: str,
+        max_slots: int,
+        max_context: int,
+        *,
+        threads: int,
+        batch_tokens: int = 2048,
+        gpu_layers: int = 0,
+    ) -> None:
+        init_backend_once()
+        model_params = lc.llama_model_default_params()
+        model_params.n_gpu_layers = gpu_layers
+        self._model = lc.llama_model_load_from_file(gguf_path.encode(), model_params)
+        if not self._model:
+            raise RuntimeError(f"llama.cpp could not load {gguf_path}")
+        params = lc.llama_context_default_params()
+        # Without a unified cache, n_ctx is divided evenly between the n_seq_max streams.
+        params.n_ctx = max_slots * max_context
+        params.n_seq_max = max_slots
+        params.n_batch = batch_tokens
+        params.n_ubatch = min(batch_tokens, 512)
+        params.n_threads = threads
+        params.n_threads_batch = threads
+        params.kv_unified = False
+        params.no_perf = True
+        self._ctx = lc.llama_init_from_model(self._model, params)
+        if not self._ctx:
+            lc.llama_model_free(self._model)
+            raise RuntimeError(f"llama.cpp could not make a context of {max_slots} x {max_context} positions")
+        self._memory = lc.llama_get_memory(self._ctx)
+        self._vocab = lc.llama_vocab_n_tokens(lc.llama_model_get_vocab(self._model))
+        self.max_context = max_context
+        self.batch_tokens = batch_tokens
+        self.threads = threads
+
+    def forward(self, items: list[BatchItem]) -> np.ndarray:
+        """[len(items), vocab] logits of each item's last new token."""
+        if any(not it.token_ids for it in items):
+            raise ValueError("every batch item needs at least one token")
+        for it in items:
+            if it.start_pos + len(it.token_ids) > self.max_context:
+                raise ValueError(
+                    f"sequence needs {it.start_pos + len(it.token_ids)} positions; the context holds {self.max_context}"
+                )
+        tokens = np.fromiter((t for it in items for t in it.token_ids), dtype=np.int32)
+        positions = np.concatenate([np.arange(it.start_pos, it.start_pos + len(it.token_ids), dtype=np.int32) for it in items])
+        seq_ids = np.concatenate([np.full(len(it.token_ids), it.slot, dtype=np.int32) for it in items])
+        wanted = np.cumsum([len(it.token_ids) for it in items]) - 1  # each item's last token
+        want_logits = np.zeros(len(tokens), dtype=np.int8)
+        want_logits[wanted] = 1
+        out = np.empty((len(items), self._vocab), dtype=np.float32)
+        row = 0
+        for start in range(0, len(tokens), self.batch_tokens):
+            end = min(len(tokens), start + self.batch_tokens)
+            self._decode(tokens[start:end], positions[start:end], seq_ids[start:end], want_logits[start:end])
+            for index in np.flatnonzero(want_logits[start:end]):
+                logits = lc.llama_get_logits_ith(self._ctx, int(index))
+                out[row] = np.ctypeslib.as_array(logits, shape=(self._vocab,))
+                row += 1
+        return out
+
+    def release(self, slot: int) -> None:
+        lc.llama_memory_seq_rm(self._memory, slot, -1, -1)
+
+    def close(self) -> None:
+        if self._ctx:
+            lc.llama_free(self._ctx)
+            self._ctx = None
+        if self._model:
+            lc.llama_model_free(self._model)
+            self._model = None
+
+    def _decode(self, tokens: np.ndarray, positions: np.ndarray, seq_ids: np.ndarray, want_logits: np.ndarray) -> None:
+        """One llama_decode over arrays we own: a llama_batch only points at them, so building
+        it costs a few numpy operations instead of a Python loop over every token."""
+        n = len(tokens)
+        n_seq_id = np.ones(n, dtype=np.int32)
+        # seq_id is an array of per-token pointers, each to that token's (one) sequence id.
+        seq_id_ptrs = (seq_ids.ctypes.data + 4 * np.arange(n, dtype=np.uint64)).astype(np.uint64)
+        batch = lc.llama_batch(
+            n_tokens=n,
+            token=tokens.ctypes.data_as(ctypes.POINTER(lc.llama_token)),
+            embd=None,
+            pos=positions.ctypes.data_as(ctypes.POINTER(lc.llama_pos)),
+            n_seq_id=n_seq_id.ctypes.data_as(ctypes.POINTER(ctypes.c_int32)),
+            seq_id=seq_id_ptrs.ctypes.data_as(ctypes.POINTER(ctypes.POINTER(lc.llama_seq_id))),
+            logits=want_logits.ctypes.data_as(ctypes.POINTER(ctypes.c_int8)),
+        )
+        status = lc.llama_decode(self._ctx, batch)
+        if status != 0:
+            # 1: no KV room for the batch; 2: aborted; < 0: error. Nothing of the batch was kept.
+            raise RuntimeError(f"llama_decode failed with status {status} for {n} tokens")
