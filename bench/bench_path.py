@@ -5,6 +5,15 @@ For the same greedy request it measures time to first token (TTFT) and decode to
   adapter  sluice.inference.v1.InferenceService/Generate,
   gateway  sluice.gateway.v1.GatewayService/Generate (auth + validation + adapter),
 interleaving the three in every round so that noise on this shared machine hits all alike.
+
+Where the clocks run (the same on every path):
+  start  immediately before the request is built: `measure` reads the clock, then calls the path,
+         and each path builds its request (the step protocol's inputs, or the GenerateRequest)
+         and creates its call (`client.infer`, or the streaming `stub.Generate`) only after that.
+         The clients and channels are made, and warmed with one request each, before any clock.
+  first  the first chunk that carries text arrives: time to first token (TTFT).
+  stop   the last chunk that carries text arrives: decode tokens/s = (text chunks - 1) over the
+         time from the first text chunk to the last, chunks counted alike on every path.
 Ends with `BENCH <name> <value> <unit>` lines. Target: gateway + adapter add <= 5 ms to TTFT p50.
 """
 
@@ -38,14 +47,19 @@ AUTH = (("authorization", "Bearer sk-sluice-demo"),)
 Sample = tuple[float, float]  # (ttft seconds, decode tokens per second)
 
 
-def measure(chunks: Iterable[str]) -> Sample:
+def measure(path: Callable[[], Iterable[str]]) -> Sample:
+    """Times one request of `path`: the clock starts before the path builds and sends anything."""
     started = time.perf_counter()
-    arrivals = [time.perf_counter() - started for text in chunks if text]
+    arrivals: list[float] = []
+    for text in path():  # every path builds its request and starts its call in here, on the clock
+        if text:
+            arrivals.append(time.perf_counter() - started)
     decode_s = arrivals[-1] - arrivals[0]
     return arrivals[0], (len(arrivals) - 1) / decode_s if decode_s > 0 else 0.0
 
 
 def triton_chunks(client: triton.InferenceServerClient, max_tokens: int) -> Iterable[str]:
+    # A generator: the request is built and sent only when `measure` iterates it.
     seq_id = random.getrandbits(62) + 1
     body = json.dumps({"prompt": PROMPT, "max_tokens": max_tokens}).encode()
     action, request = 1, body
@@ -62,17 +76,21 @@ def triton_chunks(client: triton.InferenceServerClient, max_tokens: int) -> Iter
 
 
 def adapter_chunks(stub: inference_pb2_grpc.InferenceServiceStub, max_tokens: int) -> Iterable[str]:
+    # A generator, like triton_chunks: nothing is built or sent until `measure` iterates it.
     request = inference_pb2.GenerateRequest(
         model=MODEL, tenant="bench", prompt=PROMPT, sampling=types_pb2.SamplingParams(max_tokens=max_tokens)
     )
-    return (r.text for r in stub.Generate(request, timeout=120))
+    for response in stub.Generate(request, timeout=120):
+        yield response.text
 
 
 def gateway_chunks(stub: gateway_pb2_grpc.GatewayServiceStub, max_tokens: int) -> Iterable[str]:
+    # A generator, like triton_chunks: nothing is built or sent until `measure` iterates it.
     request = gateway_pb2.GenerateRequest(
         model=MODEL, prompt=PROMPT, sampling=types_pb2.SamplingParams(max_tokens=max_tokens)
     )
-    return (r.text for r in stub.Generate(request, metadata=AUTH, timeout=120))
+    for response in stub.Generate(request, metadata=AUTH, timeout=120):
+        yield response.text
 
 
 def p50(values: list[float]) -> float:
@@ -103,13 +121,13 @@ def main() -> None:
                 "gateway": lambda: gateway_chunks(gateway, args.max_tokens),
             }
             for path in paths.values():  # warm every channel and code path once
-                measure(path())
+                measure(path)
             samples: dict[str, list[Sample]] = {name: [] for name in paths}
             for round_index in range(args.rounds):
                 order = list(paths)
                 random.Random(round_index).shuffle(order)
                 for name in order:
-                    samples[name].append(measure(paths[name]()))
+                    samples[name].append(measure(paths[name]))
         finally:
             stack.stop()
 
