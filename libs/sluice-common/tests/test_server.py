@@ -37,12 +37,18 @@ def _handlers(seen_request_ids: list[str]) -> grpc.GenericRpcHandler:
             yield b"%d" % index
         raise InvalidArgument("prompt", "too long")
 
+    async def bidi(requests, context: grpc.aio.ServicerContext):
+        async for request in requests:
+            seen_request_ids.append(current_request_id())
+            yield request
+
     identity = lambda b: b  # noqa: E731 - raw bytes on the wire
     return grpc.method_handlers_generic_handler(
         SERVICE,
         {
             "Unary": grpc.unary_unary_rpc_method_handler(unary, identity, identity),
             "Stream": grpc.unary_stream_rpc_method_handler(stream, identity, identity),
+            "Bidi": grpc.stream_stream_rpc_method_handler(bidi, identity, identity),
         },
     )
 
@@ -161,3 +167,29 @@ async def test_quiet_methods_log_their_successes_at_debug_only(capsys) -> None:
     # A quiet method's success is not logged at INFO, its failure is; other methods are as before.
     assert "rid-quiet" not in logged
     assert {"rid-quiet-error", "rid-loud"} <= logged
+
+
+async def test_a_bidirectional_stream_gets_one_summary_line_and_survives_a_cancel(server, capsys) -> None:
+    configure_logging("test", "INFO", json=True)
+    logging.getLogger().handlers[0].stream = sys.stderr
+    _, channel, seen = server
+    bidi = channel.stream_stream(f"/{SERVICE}/Bidi")
+    call = bidi(metadata=(("x-request-id", "rid-bidi"),))
+    for payload in (b"a", b"b"):
+        await call.write(payload)
+        assert await call.read() == payload
+    call.cancel()  # the caller goes away mid-stream: the server must log it, not crash reading its peer
+    await asyncio.sleep(0.1)
+    call = bidi(metadata=(("x-request-id", "rid-bidi-2"),))
+    await call.write(b"c")
+    assert await call.read() == b"c"
+    await call.done_writing()
+    assert await call.code() == grpc.StatusCode.OK
+    await asyncio.sleep(0.05)
+    assert seen == ["rid-bidi", "rid-bidi", "rid-bidi-2"]
+    lines = [json.loads(line) for line in capsys.readouterr().err.splitlines() if line.startswith("{")]
+    summaries = {line["request_id"]: line for line in lines if line.get("event") == "rpc"}
+    # grpc.aio ends a cancelled call's request iterator like a finished one: the handler returns and
+    # its line may say OK; what matters is that the line is there, with the peer read at the start.
+    assert summaries["rid-bidi"]["code"] in ("OK", "CANCELLED") and summaries["rid-bidi"]["peer"].startswith("ipv4:")
+    assert summaries["rid-bidi-2"]["code"] == "OK"

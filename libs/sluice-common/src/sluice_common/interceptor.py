@@ -9,6 +9,7 @@ its traceback and answered INTERNAL without leaking internals to the client.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
@@ -78,6 +79,9 @@ class _CallRecord:
         self.context = context
         self.code = "OK"
         self.started = time.perf_counter()
+        # Read now: once a cancelled stream has ended, grpc.aio's context.peer() reads a freed call
+        # and crashes the process (SIGSEGV in cygrpc, seen at a Decide stream's end).
+        self.peer = context.peer()
         structlog.contextvars.clear_contextvars()
         self.request_id = request_id_from_metadata(context.invocation_metadata()) or new_request_id()
         bind_request_id(self.request_id)
@@ -108,14 +112,34 @@ class _CallRecord:
 
     def finish(self) -> None:
         elapsed = time.perf_counter() - self.started
-        RPC_REQUESTS.labels(self.method, self.code).inc()
-        RPC_DURATION.labels(self.method).observe(elapsed)
+        _count(self.method, self.code)
+        _duration_of(self.method).observe(elapsed)
         if self.quiet and self.code == "OK":
             # structlog renders an event before the stdlib level drops it: skip the call instead.
             if _level.isEnabledFor(logging.DEBUG):
-                log.debug("rpc", code=self.code, duration_ms=round(elapsed * 1000, 2), peer=self.context.peer())
+                log.debug("rpc", code=self.code, duration_ms=round(elapsed * 1000, 2), peer=self.peer)
             return
-        log.info("rpc", code=self.code, duration_ms=round(elapsed * 1000, 2), peer=self.context.peer())
+        log.info("rpc", code=self.code, duration_ms=round(elapsed * 1000, 2), peer=self.peer)
+
+
+# The metrics' children by label values: `labels()` validates and locks on every call, and rate-limit
+# handles thousands of RPCs a second, each of which would pay it twice.
+_counters: dict[tuple[str, str], Any] = {}
+_durations: dict[str, Any] = {}
+
+
+def _count(method: str, code: str) -> None:
+    child = _counters.get((method, code))
+    if child is None:
+        child = _counters[(method, code)] = RPC_REQUESTS.labels(method, code)
+    child.inc()
+
+
+def _duration_of(method: str) -> Any:
+    child = _durations.get(method)
+    if child is None:
+        child = _durations[method] = RPC_DURATION.labels(method)
+    return child
 
 
 def _wrap_unary(method: str, behavior: Callable[..., Awaitable[Any]], quiet: bool) -> Callable[..., Awaitable[Any]]:
@@ -135,8 +159,12 @@ def _wrap_stream(method: str, behavior: Callable[..., AsyncIterator[Any]], quiet
     async def handle(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
         record = _CallRecord(method, context, quiet)
         try:
-            async for response in behavior(request, context):
-                yield response
+            # aclosing: when the call ends while the handler waits at a yield (the client went
+            # away), the handler is closed here, while the call still exists, not later by the
+            # garbage collector (a handler of a client stream still holds grpc's request iterator).
+            async with contextlib.aclosing(behavior(request, context)) as responses:
+                async for response in responses:
+                    yield response
         except BaseException as error:  # noqa: BLE001 - mapped, then re-raised as a status
             if isinstance(error, GeneratorExit):
                 record.code = "CANCELLED"
@@ -179,5 +207,9 @@ class SluiceServerInterceptor(grpc.aio.ServerInterceptor):
             return grpc.unary_unary_rpc_method_handler(_wrap_unary(method, handler.unary_unary, quiet), **common)
         if handler.unary_stream:
             return grpc.unary_stream_rpc_method_handler(_wrap_stream(method, handler.unary_stream, quiet), **common)
+        if handler.stream_stream:
+            # One record (request id, summary line, metrics) for the whole stream: a stream that
+            # multiplexes many requests (rate-limit's Decide) counts and logs those itself.
+            return grpc.stream_stream_rpc_method_handler(_wrap_stream(method, handler.stream_stream, quiet), **common)
         # Client-streaming RPCs are not part of Sluice's API; pass them through untouched.
         return handler
