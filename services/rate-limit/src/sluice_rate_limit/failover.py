@@ -53,7 +53,7 @@ class FailoverBackend:
             async with asyncio.timeout(self.timeout_s):
                 result = await coro
         except _FAILURES as exc:
-            metrics.BACKEND_ERRORS.labels("redis", op).inc()
+            metrics.child(metrics.BACKEND_ERRORS, "redis", op).inc()
             was_open = self.breaker.state != "closed"
             self.breaker.failure()
             metrics.CIRCUIT_OPEN.set(1 if self.breaker.state == "open" else 0)
@@ -61,7 +61,7 @@ class FailoverBackend:
                 log.error("redis_circuit_open", error=repr(exc), open_s=self.breaker.open_s)
             raise BackendUnavailable(f"redis: {exc!r}") from exc
         finally:
-            metrics.BACKEND_SECONDS.labels("redis", op).observe(time.perf_counter() - started)
+            metrics.child(metrics.BACKEND_SECONDS, "redis", op).observe(time.perf_counter() - started)
         if self.breaker.state != "closed":
             log.info("redis_circuit_closed")
         self.breaker.success()
@@ -75,7 +75,7 @@ class FailoverBackend:
             reason = str(exc)
         closed = [c for c in checks if c.policy is Policy.CLOSED]
         if closed:
-            metrics.FALLBACKS.labels("refused").inc()
+            metrics.child(metrics.FALLBACKS, "refused").inc()
             return Decision(
                 allowed=False,
                 denied_by=closed[0].budget,
@@ -87,7 +87,7 @@ class FailoverBackend:
         scaled = [replace(c, limit=max(1, c.limit // self.replicas), floor=c.floor // self.replicas) for c in checks]
         decision = await self.fallback.acquire(scaled, interactive, ttl_s, shadow, tag)
         decision.degraded = True
-        metrics.FALLBACKS.labels("allowed" if decision.allowed else "denied").inc()
+        metrics.child(metrics.FALLBACKS, "allowed" if decision.allowed else "denied").inc()
         return decision
 
     async def settle(self, lease_id: str, used_tokens: int | None) -> list[BudgetState]:

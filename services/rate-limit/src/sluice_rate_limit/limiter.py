@@ -60,31 +60,31 @@ class RateLimiter:
         checks, shadow = self.limits.checks(tenant, model, interactive, requests, tokens)
         self._seen.add((tenant, model))
         if not checks:
-            metrics.DECISIONS.labels("allowed", "").inc()
+            metrics.child(metrics.DECISIONS, "allowed", "").inc()
             return Decision(allowed=True)
         started = time.perf_counter()
         decision = await self.backend.acquire(checks, interactive, ttl, shadow, model)
         if self.backend.name == "memory":
-            metrics.BACKEND_SECONDS.labels("memory", "acquire").observe(time.perf_counter() - started)
+            metrics.child(metrics.BACKEND_SECONDS, "memory", "acquire").observe(time.perf_counter() - started)
         if decision.allowed:
-            metrics.DECISIONS.labels("allowed", "").inc()
+            metrics.child(metrics.DECISIONS, "allowed", "").inc()
             for state in decision.states:
                 if state.remaining < state.limit * NEAR_LIMIT_SHARE:
-                    metrics.NEAR_LIMIT.labels(state.name).inc()
+                    metrics.child(metrics.NEAR_LIMIT, state.name).inc()
             return decision
         if decision.degraded:
-            metrics.DECISIONS.labels("unavailable", decision.denied_name).inc()
+            metrics.child(metrics.DECISIONS, "unavailable", decision.denied_name).inc()
             if not shadow:
                 return decision
         if shadow:
-            metrics.DECISIONS.labels("shadow_denied", decision.denied_name).inc()
-            metrics.SHADOW_DENIALS.labels(decision.denied_name).inc()
+            metrics.child(metrics.DECISIONS, "shadow_denied", decision.denied_name).inc()
+            metrics.child(metrics.SHADOW_DENIALS, decision.denied_name).inc()
             log.info("shadow_denied", tenant=tenant, model=model, budget=decision.denied_name, retry_after_s=decision.retry_after_s)
             # Admitted without charging anything: the counters follow what enforcement would admit.
             decision.allowed = True
             decision.shadow = True
             return decision
-        metrics.DECISIONS.labels("denied", decision.denied_name).inc()
+        metrics.child(metrics.DECISIONS, "denied", decision.denied_name).inc()
         # Allowed decisions are only counted (the server logs OK Acquire calls at debug): a
         # denial is what an operator looks for, so it gets its own line.
         log.info("denied", tenant=tenant, model=model, budget=decision.denied_name, retry_after_s=round(decision.retry_after_s, 3))
@@ -105,13 +105,13 @@ class RateLimiter:
         try:
             states = await self.backend.settle(lease_id, used_tokens)
         except LeaseNotFound:
-            metrics.LEASES_SETTLED.labels("unknown").inc()
+            metrics.child(metrics.LEASES_SETTLED, "unknown").inc()
             raise NotFound(f"lease {lease_id} is unknown: already settled, or expired") from None
         except BackendUnavailable as exc:
             raise Unavailable(f"cannot settle lease {lease_id}: {exc}; it frees its capacity at expiry") from None
         if self.backend.name == "memory":
-            metrics.BACKEND_SECONDS.labels("memory", how).observe(time.perf_counter() - started)
-        metrics.LEASES_SETTLED.labels(how).inc()
+            metrics.child(metrics.BACKEND_SECONDS, "memory", how).observe(time.perf_counter() - started)
+        metrics.child(metrics.LEASES_SETTLED, how).inc()
         return states
 
     async def usage(self, tenant: str = "") -> list[tuple[str, str, list[BudgetState]]]:
@@ -145,7 +145,7 @@ class RateLimiter:
             await asyncio.sleep(every_s)
             result = self._limits_file.maybe_reload()
             if result is not None:
-                metrics.RELOADS.labels("applied" if result else "rejected").inc()
+                metrics.child(metrics.RELOADS, "applied" if result else "rejected").inc()
 
     async def stop(self) -> None:
         if self._reloader is not None:

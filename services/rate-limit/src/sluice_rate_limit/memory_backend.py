@@ -88,8 +88,13 @@ class MemoryBackend:
         return store.total, store.interactive
 
     def _state(self, check: Check, store: SlidingWindow | _Gauge, now: float) -> BudgetState:
-        used, _ = self._usage(store, now)
-        reset = store.reset_after(now) if isinstance(store, SlidingWindow) else 0.0
+        # Runs for every budget of every decision (12 times per Acquire + Commit): one trim, no more.
+        if isinstance(store, SlidingWindow):
+            used, _ = store.usage(now)
+            entries = store.entries
+            reset = max(0.0, entries[-1].at + store.window_s - now) if entries else 0.0
+        else:
+            used, reset = store.total, 0.0
         return BudgetState(check.budget, check.limit, max(0, check.limit - used), reset, check.name)
 
     async def acquire(

@@ -30,3 +30,16 @@ LEASES_EXPIRED = Counter("sluice_ratelimit_leases_expired_total", "Leases never 
 LEASES_SETTLED = Counter("sluice_ratelimit_leases_settled_total", "Leases settled, by how.", ["how"])
 REFUNDED_TOKENS = Counter("sluice_ratelimit_refunded_tokens_total", "Reserved tokens given back at commit.")
 RELOADS = Counter("sluice_ratelimit_limits_reloads_total", "Limits file reloads by result (applied, rejected).", ["result"])
+
+
+_children: dict[tuple[Any, tuple[str, ...]], Any] = {}
+
+
+def child(metric: Any, *labels: str) -> Any:
+    """`metric.labels(*labels)`, kept: labels() validates and locks, and the decision path asks for
+    several children per decision, thousands of times a second. Label values are budget names,
+    backends and outcomes: a bounded set."""
+    found = _children.get((metric, labels))
+    if found is None:
+        found = _children[(metric, labels)] = metric.labels(*labels)
+    return found

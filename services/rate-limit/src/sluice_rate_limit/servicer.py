@@ -18,8 +18,12 @@ def _duration(seconds: float) -> duration_pb2.Duration:
 
 
 def _statuses(states: list[BudgetState]) -> list[ratelimit_pb2.BudgetStatus]:
+    # reset_after is left unset when it is 0 (in-flight budgets): an unset Duration reads as 0, and
+    # building one costs as much as the rest of the status.
     return [
         ratelimit_pb2.BudgetStatus(budget=int(s.budget), limit=s.limit, remaining=s.remaining, reset_after=_duration(s.reset_after_s))
+        if s.reset_after_s > 0
+        else ratelimit_pb2.BudgetStatus(budget=int(s.budget), limit=s.limit, remaining=s.remaining)
         for s in states
     ]
 
