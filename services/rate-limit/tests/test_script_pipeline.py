@@ -100,3 +100,18 @@ async def test_a_caller_that_gives_up_does_not_break_the_others(client) -> None:
     assert await patient == [b"k", b"here"]
     with pytest.raises(asyncio.CancelledError):
         await impatient
+
+
+async def test_calls_that_come_while_a_pipeline_is_out_go_together_in_the_next(client) -> None:
+    script = client.register_script(ECHO.format(tag=uuid.uuid4().hex))
+    scripts = ScriptPipeline(client, max_in_flight=1)
+    await scripts.call(script, ["k"], ["load"])
+    first = asyncio.ensure_future(scripts.call(script, ["k"], ["first"]))
+    later = []
+    for i in range(3):  # each in a loop turn of its own, while the first is out
+        await asyncio.sleep(0)
+        later.append(asyncio.ensure_future(scripts.call(script, ["k"], [str(i)])))
+    assert (await first)[1] == b"first"
+    assert [(await call)[1] for call in later] == [b"0", b"1", b"2"]
+    # The first went alone (no pipeline); the three that waited for it shared one.
+    assert CountingRedis.pipelines == 1
