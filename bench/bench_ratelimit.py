@@ -3,7 +3,8 @@
 One client process drives, in turn and with the same code (grpc.aio, CONCURRENCY callers on one
 channel, closed loop):
   echo     a raw grpc.aio server (no interceptor, no protobuf) that returns the request bytes;
-           one "decision" = two echo calls, the same two round trips as Acquire + Commit
+           one "decision" = two echo calls, the same two round trips as Acquire + Commit, whose
+           client builds, serializes and parses the same messages inside the clock
   memory   rate-limit with the in-memory backend
   redis    rate-limit with the Redis backend (the shared Redis on 6379, a key prefix of its own)
 Each server is its own process, as in production. Every decision checks every budget of
@@ -87,11 +88,12 @@ async def drive(address: str, kind: str) -> tuple[float, list[float]]:
     async with grpc.aio.insecure_channel(address) as channel:
         if kind == "echo":
             call = channel.unary_unary(ECHO_METHOD)
-            payload = acquire_request(0).SerializeToString()
 
+            # The same messages built and parsed inside the clock as on the rate-limit side.
             async def decide(worker: int) -> None:
-                await call(payload, timeout=5)
-                await call(payload, timeout=5)
+                reply = ratelimit_pb2.AcquireRequest.FromString(await call(acquire_request(worker).SerializeToString(), timeout=5))
+                commit = ratelimit_pb2.CommitRequest(lease_id=reply.request_id, used_tokens=200)
+                ratelimit_pb2.CommitRequest.FromString(await call(commit.SerializeToString(), timeout=5))
         else:
             stub = ratelimit_pb2_grpc.RateLimitServiceStub(channel)
 

@@ -1,5 +1,7 @@
 """The rate limiter's Prometheus metrics."""
 
+from typing import Any
+
 from prometheus_client import Counter, Gauge, Histogram
 
 DECISIONS = Counter(
