@@ -30,6 +30,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,6 +44,9 @@ from sluice_stack import REPO_ROOT, Stack, StackPorts
 
 MODEL = "smollm2-135m-instruct"
 AUTH = (("authorization", "Bearer sk-sluice-demo"),)
+# Settings to try instead of the defaults, per service: '{"triton-local": {"SLUICE_TRITON_LOCAL_THREADS": "1"}}'.
+# The engine side runs with triton-local's.
+STACK_ENV: dict[str, dict[str, str]] = json.loads(os.environ.get("BENCH_STACK_ENV", "{}"))
 STREAMS = [int(s) for s in os.environ.get("BENCH_STREAMS", "16,32,64").split(",")]
 MAX_TOKENS = int(os.environ.get("BENCH_MAX_TOKENS", "64"))
 TEMPERATURE = 0.7
@@ -122,7 +126,8 @@ def engine_run(n: int, max_batch: int) -> dict[str, float]:
     script = ENGINE_SIDE.format(
         prompts=json.dumps(prompts(n)), max_tokens=MAX_TOKENS, temperature=TEMPERATURE, max_batch=max_batch
     )
-    proc = subprocess.run([str(python), "-c", script], capture_output=True, text=True, timeout=1800, check=False)
+    env = {**os.environ, **STACK_ENV.get("triton-local", {})}
+    proc = subprocess.run([str(python), "-c", script], env=env, capture_output=True, text=True, timeout=1800, check=False)
     if proc.returncode != 0:
         raise SystemExit(f"engine side failed:\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -134,7 +139,9 @@ import json, time
 from sluice_triton_local.config import TritonLocalConfig
 from sluice_triton_local.engine import DecodeRow, PrefillRow, SamplingParams, StepEngine
 from sluice_triton_local.model_files import smollm2_gguf
-config = TritonLocalConfig()
+from sluice_common.config import load_config
+from sluice_triton_local.config import ENV_PREFIX
+config = load_config(TritonLocalConfig, ENV_PREFIX)
 engine = StepEngine(str(smollm2_gguf()), max_slots={max_batch}, max_context=config.max_context,
                     engine=config.engine, threads=config.engine_threads())
 questions = {prompts}
@@ -154,29 +161,54 @@ print(json.dumps({{"tokens": tokens, "wall_s": time.perf_counter() - started}}))
 """
 
 
+def histogram_totals(url: str, name: str) -> tuple[float, float]:
+    """(sum, count) of a Prometheus histogram, all label sets together."""
+    total = count = 0.0
+    with urllib.request.urlopen(url, timeout=5) as response:
+        for line in response.read().decode().splitlines():
+            if line.startswith(f"{name}_sum"):
+                total += float(line.rsplit(" ", 1)[1])
+            elif line.startswith(f"{name}_count"):
+                count += float(line.rsplit(" ", 1)[1])
+    return total, count
+
+
+def step_times(stack: Stack) -> dict[str, tuple[float, float]]:
+    """Where a step's time goes: the engine's own step, and the adapter's round trip to Triton."""
+    return {
+        "engine": histogram_totals(stack.metrics_url("triton-local"), "sluice_triton_local_step_seconds"),
+        "adapter": histogram_totals(stack.metrics_url("inference-adapter"), "sluice_adapter_step_seconds"),
+    }
+
+
 def percentile(values: list[float], q: int) -> float:
     return statistics.quantiles(values, n=100)[q - 1] if len(values) > 1 else values[0]
 
 
 def adapter_max_batch() -> int:
-    sys.path.insert(0, str(REPO_ROOT / "services" / "inference-adapter" / "src"))
-    from sluice_inference_adapter.config import AdapterConfig  # noqa: PLC0415 - a plain dataclass
-
-    return AdapterConfig().max_batch_size
+    """The adapter's default MAX_BATCH_SIZE, read in its own environment."""
+    python = REPO_ROOT / "services" / "inference-adapter" / ".venv" / "bin" / "python"
+    script = "from sluice_inference_adapter.config import AdapterConfig; print(AdapterConfig().max_batch_size)"
+    return int(subprocess.run([str(python), "-c", script], capture_output=True, text=True, check=True).stdout)
 
 
 def main() -> int:
-    max_batch = int(os.environ.get("BENCH_MAX_BATCH", "0")) or adapter_max_batch()
+    max_batch = int(STACK_ENV.get("inference-adapter", {}).get("SLUICE_ADAPTER_MAX_BATCH_SIZE", "0")) or adapter_max_batch()
     engine_runs = [engine_run(32, max_batch)]
     print(f"engine alone, 32 prompts, batch bound {max_batch}: {engine_runs[0]['tokens'] / engine_runs[0]['wall_s']:.1f} tok/s", flush=True)
     figures: dict[int, tuple[float, float, float, int, int]] = {}
     with tempfile.TemporaryDirectory() as run_dir:
-        stack = Stack(run_dir=Path(run_dir), ports=StackPorts.ephemeral())
+        stack = Stack(run_dir=Path(run_dir), ports=StackPorts.ephemeral(), extra_env=STACK_ENV)
         print("starting the stack as `make run` does ...", flush=True)
         stack.start()
         try:
             for n in STREAMS:
+                before = step_times(stack)
                 ok, wall, failed = asyncio.run(stack_run(stack.gateway_address, n))
+                after = step_times(stack)
+                (engine_s, steps), (round_trip_s, _) = (
+                    (after[k][0] - before[k][0], after[k][1] - before[k][1]) for k in ("engine", "adapter")
+                )
                 tokens = sum(r.completion_tokens for r in ok)
                 ttfts = [r.ttft_s for r in ok]
                 retries = sum(r.retries for r in ok)
@@ -184,6 +216,12 @@ def main() -> int:
                 print(
                     f"{n:>3} streams: {tokens / wall:7.1f} tok/s, TTFT p50 {figures[n][1]:.2f} s p99 {figures[n][2]:.2f} s,"
                     f" {failed} failed, {retries} retries after RESOURCE_EXHAUSTED",
+                    flush=True,
+                )
+                print(
+                    f"     {steps:.0f} steps: engine busy {engine_s / wall:.0%} of the wall time; a step"
+                    f" {engine_s / max(steps, 1) * 1000:.1f} ms in the engine, {round_trip_s / max(steps, 1) * 1000:.1f} ms"
+                    " adapter -> Triton round trip",
                     flush=True,
                 )
         finally:

@@ -31,11 +31,13 @@ class AdapterConfig(ServerConfig):
     # Must match the model server's context (triton-local: SLUICE_TRITON_LOCAL_MAX_CONTEXT).
     context_length: int = 2048
     max_output_tokens: int = 1024
-    max_batch_size: int = 8
+    # Measured with make bench-load (README, "Choosing the batch bounds"); at most the slots the
+    # step model holds (triton-local: SLUICE_TRITON_LOCAL_MAX_SLOTS, 32).
+    max_batch_size: int = 32
     # Generate models: streams held open per replica, so the engine's batch is full, not overfull.
     max_in_flight: int = 8
     # KV budget of a replica's batch: prompt + max_tokens summed over running sequences.
-    max_batch_tokens: int = 16384
+    max_batch_tokens: int = 65536
     max_waiting: int = 256
     # While a batch runs, prefills wait for MIN_PREFILL_ROWS companions, at most MAX_WAITING_STEPS steps.
     min_prefill_rows: int = 1

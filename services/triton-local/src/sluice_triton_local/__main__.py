@@ -51,8 +51,8 @@ def main() -> None:
         threads=config.engine_threads(),
         gpu_layers=config.gpu_layers,
     )
-    answer = warm_up(step_engine)
     engine = SharedEngine(step_engine)
+    answer = warm_up(engine)  # on the engine's own thread, like every later step
     encoder = MiniLMEncoder()
     encoder.encode(["warm-up"])
     log.info("model_loaded", gguf=gguf_path, engine=config.engine, threads=config.engine_threads(), seconds=round(time.perf_counter() - started, 1), warmup_answer=answer)

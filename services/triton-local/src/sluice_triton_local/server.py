@@ -31,7 +31,7 @@ def fix_python_backend_library_path() -> None:
         os.environ["LD_LIBRARY_PATH"] = f"{libdir}:{current}" if current else libdir
 
 
-def warm_up(engine: StepEngine) -> str:
+def warm_up(engine: StepEngine | SharedEngine) -> str:
     """One greedy generation so that the first real request does not pay for cold caches."""
     prompt = engine.apply_chat_template([("user", WARMUP_QUESTION)])
     results = engine.step([PrefillRow(0, prompt, SamplingParams(max_tokens=8))])
