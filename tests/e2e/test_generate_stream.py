@@ -43,7 +43,7 @@ def test_streams_paris_token_by_token(gateway) -> None:
 
 
 def test_max_tokens_ends_with_length(gateway) -> None:
-    responses = list(gateway.Generate(chat("Count from one to one hundred.", max_tokens=5), metadata=auth(), timeout=60))
+    responses = list(gateway.Generate(chat("Write a long essay about the history of Rome.", max_tokens=5), metadata=auth(), timeout=60))
     assert responses[-1].finish_reason == types_pb2.FINISH_REASON_LENGTH
     assert responses[-1].usage.completion_tokens == 5
 
