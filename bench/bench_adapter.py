@@ -238,12 +238,7 @@ def start_no_delay_adapter(stack: Stack) -> tuple[ServiceProcess, str]:
         "inference-adapter-no-embed-delay", "sluice_inference_adapter", env,
         adapter.log_path.with_name("inference-adapter-no-embed-delay.log"), grpc_serving(address), project="inference-adapter",
     )  # fmt: skip
-    process.start()
-    try:
-        process.wait_ready(120)
-    except BaseException:
-        process.stop()
-        raise
+    process.start_ready(120)
     return process, address
 
 

@@ -33,12 +33,7 @@ def start_ratelimit(run_dir: Path, name: str, limits_file: Path, **env: str) -> 
         **{f"SLUICE_RATELIMIT_{key.upper()}": value for key, value in env.items()},
     }
     process = ServiceProcess(name, "sluice_rate_limit", settings, run_dir / f"{name}.log", grpc_serving(address), project="rate-limit")
-    process.start()
-    try:
-        process.wait_ready(60)
-    except BaseException:
-        process.stop()
-        raise
+    process.start_ready(60)
     return process, address
 
 

@@ -54,12 +54,7 @@ def start_gateway(stack: Stack, run_dir: Path, name: str, ratelimit_url: str, **
         **{f"SLUICE_GATEWAY_{key.upper()}": value for key, value in env.items()},
     }
     process = ServiceProcess(name, "sluice_gateway", settings, run_dir / f"{name}.log", grpc_serving(address), project="gateway")
-    process.start()
-    try:
-        process.wait_ready(120)
-    except BaseException:
-        process.stop()
-        raise
+    process.start_ready(120)
     return process, address
 
 

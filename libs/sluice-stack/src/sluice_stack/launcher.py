@@ -98,6 +98,15 @@ class ServiceProcess:
             time.sleep(0.25)
         raise StartupError(f"{self.name} was not ready within {timeout_s:.0f}s:\n{self.log_tail()}")
 
+    def start_ready(self, timeout_s: float) -> None:
+        """start() and wait_ready(); a process that never gets ready is stopped, not left behind."""
+        self.start()
+        try:
+            self.wait_ready(timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+
     def log_tail(self, lines: int = 30) -> str:
         try:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
