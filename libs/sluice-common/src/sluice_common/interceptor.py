@@ -80,7 +80,7 @@ class _CallRecord:
         self.code = "OK"
         self.started = time.perf_counter()
         # Read now: once a cancelled stream has ended, grpc.aio's context.peer() reads a freed call
-        # and crashes the process (SIGSEGV in cygrpc, seen at a Decide stream's end).
+        # and crashes the process (SIGSEGV in cygrpc, seen at a bidirectional stream's end).
         self.peer = context.peer()
         structlog.contextvars.clear_contextvars()
         self.request_id = request_id_from_metadata(context.invocation_metadata()) or new_request_id()
@@ -209,7 +209,7 @@ class SluiceServerInterceptor(grpc.aio.ServerInterceptor):
             return grpc.unary_stream_rpc_method_handler(_wrap_stream(method, handler.unary_stream, quiet), **common)
         if handler.stream_stream:
             # One record (request id, summary line, metrics) for the whole stream: a stream that
-            # multiplexes many requests (rate-limit's Decide) counts and logs those itself.
+            # multiplexes many requests counts and logs those itself.
             return grpc.stream_stream_rpc_method_handler(_wrap_stream(method, handler.stream_stream, quiet), **common)
         # Client-streaming RPCs are not part of Sluice's API; pass them through untouched.
         return handler

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextvars
 import itertools
+import os
 import secrets
 
 import structlog
@@ -22,6 +23,16 @@ _request_id: contextvars.ContextVar[str] = contextvars.ContextVar("sluice_reques
 # a second. Same form as before: 32 hex digits.
 _PROCESS_PART = secrets.token_hex(8)
 _sequence = itertools.count(secrets.randbits(48))
+
+
+def _new_process_part() -> None:
+    """A forked child (a worker pool) would repeat its parent's ids: it draws its own prefix."""
+    global _PROCESS_PART, _sequence
+    _PROCESS_PART = secrets.token_hex(8)
+    _sequence = itertools.count(secrets.randbits(48))
+
+
+os.register_at_fork(after_in_child=_new_process_part)
 
 
 def new_request_id() -> str:
