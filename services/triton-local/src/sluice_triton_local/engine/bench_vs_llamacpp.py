@@ -74,16 +74,10 @@ class LlamaCppAlone:
         }
 
     def _context_run(self, batch: int, unified: bool) -> Figures:
+        from .llamacpp_model import context_params
+
         lc = self.lc
-        params = lc.llama_context_default_params()
-        params.n_seq_max = batch
-        params.n_ctx = batch * 1024
-        params.n_batch = max(2048, batch * len(self.ids))
-        params.n_ubatch = 512
-        params.n_threads = self.threads
-        params.n_threads_batch = self.threads
-        params.kv_unified = unified
-        params.no_perf = True
+        params = context_params(batch, 1024, max(2048, batch * len(self.ids)), self.threads, unified=unified)
         ctx = lc.llama_init_from_model(self.model, params)
         sampler = lc.llama_sampler_init_greedy()
         try:

@@ -12,7 +12,7 @@ from typing import Any
 import gguf
 import numpy as np
 
-from .gguf_fast import dequantize, open_reader
+from .gguf_fast import dequantize
 from .linear import Linear
 
 
@@ -109,13 +109,12 @@ def _unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.swapaxes(1, 2).reshape(out_dim, in_dim)
 
 
-def load_weights(path: str, dual_layout: bool = True) -> tuple[LlamaWeights, gguf.GGUFReader]:
-    """Read and dequantize every tensor; returns the reader for metadata reuse.
+def load_weights(reader: gguf.GGUFReader, dual_layout: bool = True) -> LlamaWeights:
+    """Dequantize every tensor of an opened GGUF file (gguf_fast.open_reader).
 
     dual_layout keeps a second, gemv-friendly copy of every matrix (see
     linear.py): faster at small batch, about twice the weight memory.
     """
-    reader = open_reader(path)
     cfg = read_config(reader)
     tensors = {t.name: t for t in reader.tensors}
 
@@ -160,4 +159,4 @@ def load_weights(path: str, dual_layout: bool = True) -> tuple[LlamaWeights, ggu
         lm_head=lm_head,
         layers=layers,
     )
-    return weights, reader
+    return weights

@@ -45,6 +45,22 @@ def init_backend_once() -> None:
             _backend_initialised = True
 
 
+def context_params(sequences: int, context_per_sequence: int, batch_tokens: int, threads: int, *, unified: bool) -> object:
+    """llama.cpp context parameters: `sequences` sequences of up to `context_per_sequence` positions
+    each, at most `batch_tokens` tokens per llama_decode. Without a unified cache, n_ctx is divided
+    evenly between the n_seq_max streams."""
+    params = lc.llama_context_default_params()
+    params.n_ctx = sequences * context_per_sequence
+    params.n_seq_max = sequences
+    params.n_batch = batch_tokens
+    params.n_ubatch = min(batch_tokens, 512)
+    params.n_threads = threads
+    params.n_threads_batch = threads
+    params.kv_unified = unified
+    params.no_perf = True
+    return params
+
+
 class LlamaCppModel:
     def __init__(
         self,
@@ -62,16 +78,7 @@ class LlamaCppModel:
         self._model = lc.llama_model_load_from_file(gguf_path.encode(), model_params)
         if not self._model:
             raise RuntimeError(f"llama.cpp could not load {gguf_path}")
-        params = lc.llama_context_default_params()
-        # Without a unified cache, n_ctx is divided evenly between the n_seq_max streams.
-        params.n_ctx = max_slots * max_context
-        params.n_seq_max = max_slots
-        params.n_batch = batch_tokens
-        params.n_ubatch = min(batch_tokens, 512)
-        params.n_threads = threads
-        params.n_threads_batch = threads
-        params.kv_unified = False
-        params.no_perf = True
+        params = context_params(max_slots, max_context, batch_tokens, threads, unified=False)
         self._ctx = lc.llama_init_from_model(self._model, params)
         if not self._ctx:
             lc.llama_model_free(self._model)
@@ -80,7 +87,6 @@ class LlamaCppModel:
         self._vocab = lc.llama_vocab_n_tokens(lc.llama_model_get_vocab(self._model))
         self.max_context = max_context
         self.batch_tokens = batch_tokens
-        self.threads = threads
 
     def forward(self, items: list[BatchItem]) -> np.ndarray:
         """[len(items), vocab] logits of each item's last new token."""

@@ -20,6 +20,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import gguf
 import numpy as np
 
 from .gguf_fast import open_reader
@@ -124,7 +125,7 @@ class StepEngine:
         self._ctx = ctx
         self.max_slots = max_slots
         self.engine = engine
-        self._model = _forward_model(engine, gguf_path, max_slots, ctx, threads, gpu_layers, low_memory)
+        self._model = _forward_model(engine, reader, gguf_path, max_slots, ctx, threads, gpu_layers, low_memory)
         self._free_slots = list(range(max_slots - 1, -1, -1))  # pop() hands out slot 0 first
         self._seqs: dict[int, _Seq] = {}
         self.tokens_generated_total = 0
@@ -280,15 +281,21 @@ class ForwardModel(Protocol):
 
 
 def _forward_model(
-    engine: str, gguf_path: str, max_slots: int, ctx: int, threads: int, gpu_layers: int, low_memory: bool
+    engine: str,
+    reader: gguf.GGUFReader,
+    gguf_path: str,
+    max_slots: int,
+    ctx: int,
+    threads: int,
+    gpu_layers: int,
+    low_memory: bool,
 ) -> ForwardModel:
     if engine == "llamacpp":
         from .llamacpp_model import LlamaCppModel  # imports llama.cpp's shared library
 
         return LlamaCppModel(gguf_path, max_slots, ctx, threads=threads, gpu_layers=gpu_layers)
     if engine == "numpy":
-        weights, _ = load_weights(gguf_path, dual_layout=not low_memory)
-        return LlamaModel(weights, max_slots, ctx)
+        return LlamaModel(load_weights(reader, dual_layout=not low_memory), max_slots, ctx)
     raise ValueError(f"engine must be 'llamacpp' or 'numpy' (got {engine!r})")
 
 
