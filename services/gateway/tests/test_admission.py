@@ -174,3 +174,22 @@ async def test_a_denial_names_the_reservations_model_and_tells_when_to_retry() -
     assert caught.value.retry_after_s == 7.0
     assert "tenant t on e" in str(caught.value)
     assert caught.value.quota_subject == "tenant:t/model:e/requests_per_minute"
+
+
+class _TooLargeStub(_FakeStub):
+    async def Acquire(self, request, timeout=None, metadata=None):  # noqa: N802 - the stub's name
+        self.acquired.append(request)
+        tokens = ratelimit_pb2.BudgetStatus(budget=ratelimit_pb2.BUDGET_TOKENS_PER_MINUTE, limit=200000, remaining=200000)
+        return ratelimit_pb2.AcquireResponse(
+            allowed=False, denied_by=ratelimit_pb2.BUDGET_TOKENS_PER_MINUTE, exceeds_limit=True, budgets=[tokens]
+        )
+
+
+async def test_a_request_larger_than_the_whole_allowance_is_refused_without_a_retry_time() -> None:
+    admission = Admission(_TooLargeStub([]), "closed")  # type: ignore[arg-type]
+    with pytest.raises(ResourceExhausted) as caught:
+        await admission.admit("t", generation_reservation(request("x" * 900_000, max_tokens=16)), 10.0)
+    assert caught.value.retry_after_s is None
+    message = str(caught.value)
+    assert "request too large" in message and "tokens_per_minute allowance of 200000" in message
+    assert "no retry can admit it" in message and "retry after" not in message

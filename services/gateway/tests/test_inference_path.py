@@ -91,3 +91,56 @@ async def test_a_failed_or_uncounted_embed_commits_the_estimate() -> None:
             await path.embed_with_ticket("t", _request(), "r1", 10.0)
         await admission.drain()
         assert ratelimit.committed == [7]
+
+
+GENERATION = types_pb2.ModelInfo(name="g", kind=types_pb2.MODEL_KIND_GENERATION, context_length=2048, max_output_tokens=1024)
+
+
+class _CountingAdapter(_Adapter):
+    def __init__(self, prompt_tokens: int | None) -> None:
+        super().__init__()
+        self.prompt_tokens = prompt_tokens
+        self.counted = 0
+
+    async def ListModels(self, request, timeout=None):  # noqa: N802
+        return inference_pb2.ListModelsResponse(models=[GENERATION])
+
+    async def CountTokens(self, request, timeout=None, metadata=None):  # noqa: N802
+        import grpc
+
+        self.counted += 1
+        if self.prompt_tokens is None:
+            raise grpc.aio.AioRpcError(grpc.StatusCode.UNIMPLEMENTED, grpc.aio.Metadata(), grpc.aio.Metadata(), "cannot count")
+        return inference_pb2.CountTokensResponse(prompt_tokens=self.prompt_tokens, context_length=2048)
+
+
+def _generate(content: str, max_tokens: int = 100) -> gateway_pb2.GenerateRequest:
+    return gateway_pb2.GenerateRequest(
+        model="g", messages=[types_pb2.ChatMessage(role="user", content=content)], sampling=types_pb2.SamplingParams(max_tokens=max_tokens)
+    )
+
+
+async def test_a_prompt_beyond_the_context_is_refused_before_any_lease() -> None:
+    from sluice_common.errors import InvalidArgument
+
+    adapter, ratelimit = _CountingAdapter(prompt_tokens=1_000_000), _RateLimit()
+    path, _ = await _path(adapter, ratelimit)
+    with pytest.raises(InvalidArgument) as caught:
+        async with path.generate("t", _generate("1" * 1_000_000), "rid", 10.0):
+            pass
+    assert "the prompt is 1000000 tokens and max_tokens is 100" in str(caught.value) and "context of 2048" in str(caught.value)
+    assert ratelimit.acquired == [] and adapter.counted == 1
+
+
+async def test_a_short_prompt_is_not_counted_and_a_long_one_that_fits_goes_on() -> None:
+    adapter = _CountingAdapter(prompt_tokens=1500)
+    path, _ = await _path(adapter, _RateLimit())
+    await path.check_context(_generate("Hello"), 10.0)
+    assert adapter.counted == 0  # the estimate fits: no round trip
+    await path.check_context(_generate("word " * 1500), 10.0)  # estimated over, counted under
+    assert adapter.counted == 1
+
+
+async def test_a_model_that_cannot_count_leaves_the_decision_to_the_backend() -> None:
+    path, _ = await _path(_CountingAdapter(prompt_tokens=None), _RateLimit())
+    await path.check_context(_generate("1" * 10_000), 10.0)

@@ -196,3 +196,12 @@ def test_the_cli_progress_line_explains_expired_and_pads_the_state() -> None:
     line = progress_line(expired, width=4)
     assert line.startswith("[####] 4/4 100.0%  expired") and "EXPIRED" in line
     assert "finalizing " in progress_line(jobs_pb2.Job(state=jobs_pb2.JOB_STATE_FINALIZING, total_rows=1, completed_rows=1))
+
+
+def test_only_exhaustion_with_a_retry_time_is_waited_out() -> None:
+    from sluice_common.errors import ResourceExhausted
+    from sluice_gateway.jobs import is_paced
+
+    assert is_paced(ResourceExhausted("later", retry_after_s=3.0))
+    assert not is_paced(ResourceExhausted("never: larger than the allowance", retry_after_s=None))
+    assert not is_paced(ValueError("not a status"))

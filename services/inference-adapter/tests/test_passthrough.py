@@ -1,7 +1,8 @@
 """The passthrough scheduler, with a stand-in for a self-batching engine's stream.
 
-`CountingEngine` streams one text chunk per token like Triton's vLLM backend and records
-how many streams are open at once; the real decoupled model is tested in
+`CountingEngine` streams like Triton's vLLM backend with its additional outputs (a text delta,
+the tokens generated since the last response, the prompt's tokens, and the finish reason on the
+last response) and records how many streams are open at once; the real decoupled model is tested in
 tests/e2e/test_passthrough.py.
 """
 
@@ -12,52 +13,146 @@ from collections.abc import AsyncIterator
 
 from conftest import collect
 
-from sluice_inference_adapter.passthrough import PassthroughLimits, PassthroughScheduler
+from sluice_inference_adapter.backend_errors import RequestRejected
+from sluice_inference_adapter.passthrough import GeneratedChunk, PassthroughLimits, PassthroughScheduler
 from sluice_inference_adapter.scheduler import Finish, GenerationRequest
 from sluice_inference_adapter.step_rows import PromptSpec, SamplingSpec
 from sluice_inference_adapter.waiting_queue import Priority
 
 
+PROMPT_TOKENS = 7
+
+
 class CountingEngine:
-    def __init__(self) -> None:
+    """Two tokens per response, like a vLLM engine that streams every other step."""
+
+    def __init__(self, stop_after: int | None = None) -> None:
         self.open = 0
         self.peak = 0
         self.closed_early = 0
         self.started: list[str] = []
+        self._stop_after = stop_after
 
-    async def stream(self, text: str, sampling: SamplingSpec) -> AsyncIterator[str]:
+    async def stream(self, text: str, sampling: SamplingSpec) -> AsyncIterator[GeneratedChunk]:
         self.open += 1
         self.peak = max(self.peak, self.open)
         self.started.append(text)
         finished = False
+        limit = sampling.max_tokens if self._stop_after is None else min(self._stop_after, sampling.max_tokens)
         try:
-            for index in range(sampling.max_tokens):
+            made = 0
+            while made < limit:
                 await asyncio.sleep(0.005)
-                yield f"t{index} "
+                step = min(2, limit - made)
+                made += step
+                reason = None if made < limit else ("length" if made == sampling.max_tokens else "stop")
+                yield GeneratedChunk(f"t{made} ", step, PROMPT_TOKENS, reason)
             finished = True
         finally:
             self.open -= 1
             self.closed_early += not finished
 
 
+def raw(prompt: PromptSpec) -> str:
+    return prompt.prompt
+
+
+def scheduler_for(engine: object, max_in_flight: int = 2, on_step: object = None) -> PassthroughScheduler:
+    return PassthroughScheduler(engine, PassthroughLimits(max_in_flight=max_in_flight), raw, on_step=on_step)  # type: ignore[arg-type]
+
+
 def request(max_tokens: int, prompt: str = "p", priority: Priority = Priority.INTERACTIVE) -> GenerationRequest:
     return GenerationRequest("rid", "t", PromptSpec(prompt=prompt), SamplingSpec(max_tokens=max_tokens), priority)
 
 
-async def test_streams_to_the_end_with_length_and_usage() -> None:
-    engine = CountingEngine()
-    scheduler = PassthroughScheduler(engine, PassthroughLimits(max_in_flight=2))
+async def test_usage_and_finish_reason_are_the_engines() -> None:
+    steps: list[bool] = []
+    scheduler = scheduler_for(CountingEngine(), on_step=steps.append)
     scheduler.start()
     try:
-        text, finish = await collect(scheduler.submit(request(3)))
+        text, length = await collect(scheduler.submit(request(3)))
     finally:
         await scheduler.stop()
-    assert text == "t0 t1 t2 " and finish.finish is Finish.LENGTH and finish.completion_tokens == 3
+    assert text == "t2 t3 " and length.finish is Finish.LENGTH
+    assert (length.prompt_tokens, length.completion_tokens) == (PROMPT_TOKENS, 3)
+    scheduler = scheduler_for(CountingEngine(stop_after=5))
+    scheduler.start()
+    try:
+        _, stop = await collect(scheduler.submit(request(10)))
+    finally:
+        await scheduler.stop()
+    assert stop.finish is Finish.STOP and (stop.prompt_tokens, stop.completion_tokens) == (PROMPT_TOKENS, 5)
+    assert steps == [True]
+
+
+class RejectingEngine:
+    async def stream(self, text: str, sampling: SamplingSpec) -> AsyncIterator[GeneratedChunk]:
+        raise RequestRejected("The decoder prompt (length 3000) is longer than the maximum model length of 2048.")
+        yield  # pragma: no cover - makes this an async generator
+
+
+class FailingEngine:
+    def __init__(self, message: str = "engine crashed", finish_reason: str | None = None) -> None:
+        self._message = message
+        self._finish_reason = finish_reason
+
+    async def stream(self, text: str, sampling: SamplingSpec) -> AsyncIterator[GeneratedChunk]:
+        yield GeneratedChunk("", 0, PROMPT_TOKENS, self._finish_reason)
+        if self._finish_reason is None:
+            raise RuntimeError(self._message)
+
+
+async def test_a_refused_request_is_invalid_and_the_replica_stays_healthy() -> None:
+    steps: list[bool] = []
+    scheduler = scheduler_for(RejectingEngine(), on_step=steps.append)
+    scheduler.start()
+    try:
+        handle = scheduler.submit(request(4))
+        _, finish = await collect(handle)
+    finally:
+        await scheduler.stop()
+    assert finish.finish is Finish.INVALID and "maximum model length of 2048" in finish.error
+    assert steps == [True] and not handle.backend_failed
+
+
+async def test_a_failed_stream_counts_against_the_replica() -> None:
+    steps: list[bool] = []
+    scheduler = scheduler_for(FailingEngine(), on_step=steps.append)
+    scheduler.start()
+    try:
+        handle = scheduler.submit(request(4))
+        _, finish = await collect(handle)
+    finally:
+        await scheduler.stop()
+    assert finish.finish is Finish.ERROR and "engine crashed" in finish.error
+    assert steps == [False] and handle.backend_failed
+
+
+async def test_an_engine_abort_is_a_failure_not_a_finish() -> None:
+    scheduler = scheduler_for(FailingEngine(finish_reason="abort"))
+    scheduler.start()
+    try:
+        _, finish = await collect(scheduler.submit(request(4)))
+    finally:
+        await scheduler.stop()
+    assert finish.finish is Finish.ERROR and "'abort'" in finish.error
+
+
+async def test_the_chat_is_rendered_by_the_given_template() -> None:
+    engine = CountingEngine()
+    scheduler = PassthroughScheduler(engine, PassthroughLimits(), lambda p: f"<{p.messages[0][1]}>")
+    scheduler.start()
+    try:
+        chat = GenerationRequest("rid", "t", PromptSpec(messages=(("user", "hi"),)), SamplingSpec(max_tokens=1), Priority.INTERACTIVE)
+        await collect(scheduler.submit(chat))
+    finally:
+        await scheduler.stop()
+    assert engine.started == ["<hi>"]
 
 
 async def test_never_more_streams_open_than_the_bound() -> None:
     engine = CountingEngine()
-    scheduler = PassthroughScheduler(engine, PassthroughLimits(max_in_flight=2))
+    scheduler = scheduler_for(engine)
     scheduler.start()
     try:
         await asyncio.gather(*(collect(scheduler.submit(request(4))) for _ in range(7)))
@@ -68,7 +163,7 @@ async def test_never_more_streams_open_than_the_bound() -> None:
 
 async def test_cancel_closes_the_stream() -> None:
     engine = CountingEngine()
-    scheduler = PassthroughScheduler(engine, PassthroughLimits(max_in_flight=2))
+    scheduler = scheduler_for(engine)
     scheduler.start()
     try:
         handle = scheduler.submit(request(1000))
@@ -84,7 +179,7 @@ async def test_cancel_closes_the_stream() -> None:
 
 async def test_interactive_takes_the_free_place_before_bulk() -> None:
     engine = CountingEngine()
-    scheduler = PassthroughScheduler(engine, PassthroughLimits(max_in_flight=1))
+    scheduler = scheduler_for(engine, max_in_flight=1)
     handles = [scheduler.submit(request(1, "bulk", Priority.BULK)), scheduler.submit(request(1, "interactive"))]
     scheduler.start()
     try:

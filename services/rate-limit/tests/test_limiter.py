@@ -45,3 +45,26 @@ async def test_lease_ttl_is_capped_and_bad_input_is_rejected() -> None:
     await rl.commit(decision.lease_id, 5)
     rows = await rl.usage("a")
     assert rows[0][0] == "a" and rows[0][2][0].remaining == 5
+
+
+async def test_a_request_larger_than_a_whole_limit_is_refused_as_such() -> None:
+    rl = limiter("[tenants.a]\ntokens_per_minute = 1000\nburst = 1.0\n")
+    too_large = await rl.acquire("a", "m", True, 1, 1001)
+    assert not too_large.allowed and too_large.exceeds_limit and too_large.denied_name == "tokens_per_minute"
+    assert "costs 1001" in too_large.reason and "whole limit is 1000" in too_large.reason
+    # Nothing was charged: a request that fits the limit exactly is still admitted.
+    fits = await rl.acquire("a", "m", True, 1, 1000)
+    assert fits.allowed and not fits.exceeds_limit
+    # Denied for now (the window is spent), not for ever: told when to retry.
+    later = await rl.acquire("a", "m", True, 1, 10)
+    assert not later.allowed and not later.exceeds_limit and later.retry_after_s > 0
+
+
+def test_the_reply_of_a_too_large_request_has_no_retry_after() -> None:
+    from sluice_rate_limit.budgets import Budget, Decision
+    from sluice_rate_limit.servicer import acquire_response
+
+    reply = acquire_response(Decision(allowed=False, denied_by=Budget.TOKENS_PER_MINUTE, exceeds_limit=True))
+    assert reply.exceeds_limit and not reply.HasField("retry_after")
+    paced = acquire_response(Decision(allowed=False, denied_by=Budget.TOKENS_PER_MINUTE, retry_after_s=2.0))
+    assert not paced.exceeds_limit and paced.retry_after.seconds == 2

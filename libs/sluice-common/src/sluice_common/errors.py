@@ -39,11 +39,12 @@ class NotFound(SluiceError):
 
 
 class ResourceExhausted(SluiceError):
-    """Capacity is short; the client may retry after `retry_after_s` seconds."""
+    """Capacity is short; the client may retry after `retry_after_s` seconds. None: the request
+    is larger than the allowance itself, no retry can admit it (no RetryInfo is sent)."""
 
     code = "RESOURCE_EXHAUSTED"
 
-    def __init__(self, message: str, retry_after_s: float = 1.0, quota_subject: str = "") -> None:
+    def __init__(self, message: str, retry_after_s: float | None = 1.0, quota_subject: str = "") -> None:
         super().__init__(message)
         self.retry_after_s = retry_after_s
         self.quota_subject = quota_subject

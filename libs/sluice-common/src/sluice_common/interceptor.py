@@ -51,7 +51,8 @@ def status_for(error: SluiceError) -> grpc.Status:
         violation = error_details_pb2.BadRequest.FieldViolation(field=error.field_name, description=error.reason)
         _pack(status, error_details_pb2.BadRequest(field_violations=[violation]))
     if isinstance(error, ResourceExhausted):
-        _pack(status, error_details_pb2.RetryInfo(retry_delay=_duration(error.retry_after_s)))
+        if error.retry_after_s is not None:
+            _pack(status, error_details_pb2.RetryInfo(retry_delay=_duration(error.retry_after_s)))
         if error.quota_subject:
             quota = error_details_pb2.QuotaFailure.Violation(subject=error.quota_subject, description=error.message)
             _pack(status, error_details_pb2.QuotaFailure(violations=[quota]))

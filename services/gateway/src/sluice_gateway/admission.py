@@ -18,7 +18,8 @@ the chunks carried.
 Failures: Acquire is bounded by SLUICE_GATEWAY_RATELIMIT_TIMEOUT_S and by the request's deadline,
 so a call never hangs on an unreachable rate-limit. Then the policy applies: "closed" (default)
 answers UNAVAILABLE; "open" admits without a lease. A denial answers RESOURCE_EXHAUSTED with
-google.rpc.RetryInfo and QuotaFailure; a denial by a fail-closed budget whose Redis is unreachable
+google.rpc.RetryInfo and QuotaFailure; a request larger than a whole limit (it can never be
+admitted) answers RESOURCE_EXHAUSTED with QuotaFailure and no RetryInfo; a denial by a fail-closed budget whose Redis is unreachable
 (degraded) answers UNAVAILABLE. Commit runs in a background task after the call ended, so it
 never delays the client; if it fails, the lease frees its capacity when it expires.
 """
@@ -44,8 +45,8 @@ log = structlog.stdlib.get_logger("sluice.gateway.admission")
 
 DECISIONS = Counter(
     "sluice_gateway_ratelimit_decisions_total",
-    "Admission outcomes: allowed, shadow, denied, degraded (fail-closed budget without Redis), "
-    "unreachable_closed, unreachable_open.",
+    "Admission outcomes: allowed, shadow, denied, too_large (more than a whole limit), degraded (fail-closed "
+    "budget without Redis), unreachable_closed, unreachable_open.",
     ["result"],
 )
 COMMITS = Counter("sluice_gateway_ratelimit_settles_total", "Leases settled after a stream, by outcome.", ["result"])
@@ -130,6 +131,18 @@ def ratelimit_headers(budgets: list[ratelimit_pb2.BudgetStatus]) -> tuple[tuple[
     return tuple(headers)
 
 
+def _too_large(tenant: str, reservation: Reservation, budget: str, budgets: list[ratelimit_pb2.BudgetStatus]) -> ResourceExhausted:
+    """A request that costs more than the whole allowance: refused as such, without RetryInfo."""
+    limit = next((f" of {b.limit}" for b in budgets if ratelimit_pb2.Budget.Name(b.budget).removeprefix("BUDGET_").lower() == budget), "")
+    cost = f"{reservation.reserved_tokens} tokens (the prompt's estimate plus max_tokens)" if "tokens" in budget else "1 request"
+    return ResourceExhausted(
+        f"request too large: it needs {cost}, more than the whole {budget} allowance{limit} of tenant {tenant} on"
+        f" {reservation.model}; no retry can admit it: shorten the prompt or lower max_tokens",
+        retry_after_s=None,
+        quota_subject=f"tenant:{tenant}/model:{reservation.model}/{budget}",
+    )
+
+
 def _seconds(duration: duration_pb2.Duration) -> float:
     return duration.ToNanoseconds() / 1e9
 
@@ -207,6 +220,9 @@ class Admission:
             if reply.degraded:
                 DECISIONS.labels("degraded").inc()
                 raise Unavailable(f"rate limits cannot be checked now ({budget} is fail-closed); retry after {retry_after:.1f}s")
+            if reply.exceeds_limit:
+                DECISIONS.labels("too_large").inc()
+                raise _too_large(tenant, reservation, budget, list(reply.budgets))
             DECISIONS.labels("denied").inc()
             raise ResourceExhausted(
                 f"rate limit exceeded: {budget} of tenant {tenant} on {model}; retry after {retry_after:.2f}s",

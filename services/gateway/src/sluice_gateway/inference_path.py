@@ -14,6 +14,12 @@ gets; only its priority class differs.
 
 Embed takes a lease exactly as Generate does (one request, the inputs' estimated tokens) and
 commits the reply's usage, or the estimate when the adapter call failed.
+
+A prompt that cannot fit the model's context is refused (INVALID_ARGUMENT) before any lease is
+taken: no wait can admit it, so it must not be answered RESOURCE_EXHAUSTED "retry after" nor be
+retried as a job row. The estimate (bytes / 3) over-counts, so only a request whose estimate does
+not fit is counted exactly, by the adapter's CountTokens; a model that cannot count (Triton's
+vLLM backend) refuses it itself, which the adapter also reports as INVALID_ARGUMENT.
 """
 
 from __future__ import annotations
@@ -23,13 +29,15 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
+import grpc
 from sluice.common.v1 import types_pb2
 from sluice.gateway.v1 import gateway_pb2
 from sluice.inference.v1 import inference_pb2, inference_pb2_grpc
 
+from sluice_common.errors import InvalidArgument
 from sluice_common.request_context import outgoing_metadata
 from sluice_common.validation import validate_embedding, validate_generation
-from sluice_gateway.admission import Admission, Ticket, embedding_reservation, generation_reservation
+from sluice_gateway.admission import Admission, Ticket, embedding_reservation, estimate_prompt_tokens, generation_reservation
 from sluice_gateway.model_catalog import ModelCatalog
 
 
@@ -61,6 +69,7 @@ class InferencePath:
     ) -> AsyncIterator[GenerateStream]:
         """Validates, takes a lease (or raises RESOURCE_EXHAUSTED / UNAVAILABLE), opens the adapter stream."""
         self.validate_generate(request)
+        await self.check_context(request, time_remaining)
         downstream = inference_pb2.GenerateRequest(
             request_id=request_id,
             tenant=tenant,
@@ -79,6 +88,26 @@ class InferencePath:
         finally:
             call.cancel()
             ticket.settle()
+
+    async def check_context(self, request: gateway_pb2.GenerateRequest, time_remaining: float | None) -> None:
+        """INVALID_ARGUMENT when the prompt plus max_tokens cannot fit the model's context."""
+        context_length = self.models.get(request.model).context_length
+        max_tokens = request.sampling.max_tokens
+        if not context_length or estimate_prompt_tokens(request) + max_tokens <= context_length:
+            return
+        count = inference_pb2.CountTokensRequest(model=request.model, messages=request.messages, prompt=request.prompt)
+        try:
+            reply = await self.adapter.CountTokens(count, timeout=time_remaining, metadata=outgoing_metadata())
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                raise InvalidArgument("messages" if request.messages else "prompt", exc.details() or "") from exc
+            return  # the model cannot count (or the adapter failed): the generation call decides
+        if reply.prompt_tokens + max_tokens > reply.context_length:
+            raise InvalidArgument(
+                "messages" if request.messages else "prompt",
+                f"the prompt is {reply.prompt_tokens} tokens and max_tokens is {max_tokens}; together they exceed"
+                f" the model's context of {reply.context_length} tokens",
+            )
 
     async def embed_with_ticket(
         self, tenant: str, request: gateway_pb2.EmbedRequest, request_id: str, time_remaining: float | None

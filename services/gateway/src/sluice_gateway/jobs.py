@@ -288,6 +288,12 @@ def _allowed_rate(requests_per_minute: float | None) -> float | None:
     return requests_per_minute / 60.0 if requests_per_minute else None
 
 
+def is_paced(exc: BaseException) -> bool:
+    """RESOURCE_EXHAUSTED with a time to retry; without one (a request larger than the whole
+    allowance) no wait can admit the row, so it fails instead."""
+    return code_of(exc) in PACED and getattr(exc, "retry_after_s", 1.0) is not None
+
+
 def retry_after_of(exc: BaseException) -> float:
     return float(getattr(exc, "retry_after_s", 1.0) or 1.0)
 

@@ -10,7 +10,8 @@ Two consumers on one robust connection (queues and exchange: sluice_common.amqp.
   store (a copy of a row that is done, running elsewhere, or of a cancelled job is acked without
   running), runs through the interactive path in the bulk class (inference_path), its result is
   stored (once, by (job id, custom id)), told to reply_to (confirmed), and only then acked.
-  RESOURCE_EXHAUSTED: wait as told, retry. Transient errors: capped exponential backoff with
+  RESOURCE_EXHAUSTED: wait as told, retry (a request larger than the whole allowance, which
+  comes without a time to retry, fails the row). Transient errors: capped exponential backoff with
   jitter, then back to the broker; past WORKER_DELIVERY_LIMIT deliveries (the quorum queue's
   x-delivery-count) the row is dead-lettered to `<prefix>.jobs.dead` and reported failed.
   A row claimed after its job's completion window ended is not run: it is stored and told as a
@@ -52,7 +53,6 @@ from sluice_gateway.job_store import JobRecord, JobStore
 from sluice_gateway.jobs import (
     EXPIRED_CODE,
     JSON,
-    PACED,
     SUMMARY_SUFFIX,
     TRANSIENT,
     JobRejected,
@@ -63,6 +63,7 @@ from sluice_gateway.jobs import (
     encode_reply,
     expired_result,
     failed_result,
+    is_paced,
     message_of,
     paced_delay_s,
     parse_job,
@@ -310,7 +311,7 @@ class JobWorker:
             except Exception as exc:  # noqa: BLE001 - classified below
                 latency = time.perf_counter() - started
                 code = code_of(exc)
-                if code in PACED:
+                if is_paced(exc):
                     await self._release(latency, THROTTLED)
                     RETRIES.labels(code).inc()
                     await asyncio.sleep(paced_delay_s(retry_after_of(exc)))

@@ -11,6 +11,7 @@ from sluice.inference.v1 import inference_pb2, inference_pb2_grpc
 
 from sluice_common.bootstrap import run_service
 from sluice_common.server import RunningServer, create_server, serve_until_signal
+from sluice_inference_adapter.chat_template import ChatTemplate, ChatTemplateError, load_chat_template
 from sluice_inference_adapter.config import ENV_PREFIX, AdapterConfig
 from sluice_inference_adapter.embed_batcher import EmbedBatcher
 from sluice_inference_adapter.passthrough import PassthroughLimits, PassthroughScheduler
@@ -66,8 +67,23 @@ def build_backends(config: AdapterConfig, protocol: Protocol) -> tuple[list[Back
         steps = [TritonStepBackend(url, config.triton_model, config.step_timeout_s) for url in config.triton_urls]
         return list(steps), lambda backend, on_step: Scheduler(backend, limits, on_step=on_step)  # type: ignore[arg-type]
     passthrough = PassthroughLimits(max_in_flight=config.max_in_flight, max_waiting=config.max_waiting)
+    template = passthrough_chat_template(config)
     streams = [TritonGenerateBackend(url, config.triton_model) for url in config.triton_urls]
-    return list(streams), lambda backend, on_step: PassthroughScheduler(backend, passthrough, on_step=on_step)  # type: ignore[arg-type]
+    return list(streams), lambda backend, on_step: PassthroughScheduler(backend, passthrough, template.render, on_step=on_step)  # type: ignore[arg-type]
+
+
+def passthrough_chat_template(config: AdapterConfig) -> ChatTemplate:
+    if not config.chat_template:
+        raise SystemExit(
+            f"{config.triton_model} is served by Triton's vLLM backend, which takes raw text: set"
+            f" {ENV_PREFIX}CHAT_TEMPLATE to the model's GGUF file, tokenizer_config.json or a Jinja template"
+        )
+    try:
+        template = load_chat_template(config.chat_template)
+    except ChatTemplateError as exc:
+        raise SystemExit(f"{ENV_PREFIX}CHAT_TEMPLATE: {exc}") from exc
+    log.info("chat_template_loaded", source=template.source)
+    return template
 
 
 async def wait_for_a_healthy_replica(pool: ReplicaPool, timeout_s: float) -> None:

@@ -16,10 +16,14 @@ class AdapterConfig(ServerConfig):
     # Triton gRPC endpoints (KServe v2), comma-separated: replicas serving the same model.
     triton_urls: tuple[str, ...] = ("127.0.0.1:8001",)
     # The name clients use, and the Triton model that serves it: a step-protocol model (the
-    # adapter batches) or a vLLM/TensorRT-LLM-style generate model (the engine batches),
-    # told apart by the model's inputs.
+    # adapter batches) or a model behind Triton's vLLM backend (the engine batches), told apart
+    # by the model's inputs.
     model_name: str = "smollm2-135m-instruct"
     triton_model: str = "smollm2_step"
+    # Where the chat template of a vLLM-backend model comes from (that engine takes raw text):
+    # the model's GGUF file, its tokenizer_config.json, or a Jinja template file. Step-protocol
+    # models apply their own template and need none.
+    chat_template: str = ""
     # The embedding model clients name, and the Triton model serving it (empty: no embeddings).
     embedding_model_name: str = "all-minilm-l6-v2"
     triton_embedding_model: str = "minilm_embed"

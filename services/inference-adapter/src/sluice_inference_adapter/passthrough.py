@@ -1,10 +1,15 @@
-"""Passthrough scheduling for Triton models that batch by themselves (vLLM, TensorRT-LLM).
+"""Passthrough scheduling for Triton models that batch by themselves (Triton's vLLM backend).
 
 Such an engine runs its own continuous batching, so the adapter does not build steps:
 it keeps each replica's engine full but not overfull, holding at most `max_in_flight`
 streams open and choosing who goes next in priority and tenant-fairness order (the same
 waiting queue as the step scheduler). Cancellation closes the Triton stream, which the
 engine turns into freeing the sequence.
+
+Usage and the finish reason are the engine's own (vLLM's num_input_tokens, num_output_tokens
+and finish_reason). A request the engine refuses (a prompt longer than its context, a bad
+sampling value) ends INVALID and counts as an answer from a healthy replica; only a failed
+stream counts against it.
 """
 
 from __future__ import annotations
@@ -19,18 +24,38 @@ from typing import Protocol
 import structlog
 
 from sluice_inference_adapter import metrics
-from sluice_inference_adapter.chat_template import chatml
+from sluice_inference_adapter.backend_errors import RequestRejected
+from sluice_inference_adapter.chat_template import ChatTemplateError
 from sluice_inference_adapter.scheduler import Finish, ReplicaWork, Sequence
-from sluice_inference_adapter.step_rows import SamplingSpec
+from sluice_inference_adapter.step_rows import PromptSpec, SamplingSpec
 
 log = structlog.stdlib.get_logger("sluice.passthrough")
 
 
-class GenerateBackend(Protocol):
-    """A Triton model with the text_input / text_output streaming interface."""
+@dataclass(frozen=True)
+class GeneratedChunk:
+    """One streamed response of the engine."""
 
-    def stream(self, text: str, sampling: SamplingSpec) -> AsyncIterator[str]:
-        """Text deltas until the engine ends the sequence; closing the iterator cancels it."""
+    text: str
+    # Tokens generated since the previous response.
+    output_tokens: int
+    # The prompt's tokens, as the engine counted them (None when this response does not say).
+    input_tokens: int | None
+    # None while the sequence runs; then the engine's reason: "stop", "length" or "abort".
+    finish_reason: str | None
+
+
+# vLLM's other reason, "abort", only reaches us when the engine aborted by itself (we close the
+# stream when the client goes away): a failure of the replica, not a finish.
+_FINISHES = {"stop": Finish.STOP, "length": Finish.LENGTH}
+
+
+class GenerateBackend(Protocol):
+    """A Triton model with the vLLM backend's streaming interface."""
+
+    def stream(self, text: str, sampling: SamplingSpec) -> AsyncIterator[GeneratedChunk]:
+        """Responses until the engine ends the sequence (raises RequestRejected for a request it
+        refuses); closing the iterator cancels it."""
         ...
 
 
@@ -46,12 +71,15 @@ class PassthroughScheduler(ReplicaWork):
         self,
         backend: GenerateBackend,
         limits: PassthroughLimits,
+        render: Callable[[PromptSpec], str],
         clock: Callable[[], float] = time.monotonic,
         on_step: Callable[[bool], None] | None = None,
     ) -> None:
         super().__init__(limits.max_waiting, limits.retry_after_s, clock, on_step)
         self._backend = backend
         self._limits = limits
+        # The model's chat template (chat_template.py): the engine takes raw text.
+        self._render = render
         self._in_flight: dict[Sequence, asyncio.Task[None]] = {}
 
     @property
@@ -93,13 +121,16 @@ class PassthroughScheduler(ReplicaWork):
         request = sequence.request
         try:
             async with asyncio.timeout(None if request.deadline is None else request.deadline - self._clock()):
-                async with aclosing(self._backend.stream(chatml(request.prompt), request.sampling)) as chunks:
-                    async for text in chunks:
-                        sequence.completion_tokens += 1
-                        sequence.emit_text(text, self._clock())
+                finish = await self._relay(sequence)
             self._report_step(ok=True)
-            full = sequence.completion_tokens >= request.sampling.max_tokens
-            sequence.finish(Finish.LENGTH if full else Finish.STOP, self._clock())
+            if finish is None:
+                raise RuntimeError("the stream ended without a finish reason")
+            sequence.finish(finish, self._clock())
+        except RequestRejected as exc:
+            self._report_step(ok=True)  # the replica answered: the request was at fault
+            sequence.finish(Finish.INVALID, self._clock(), error=exc.cause)
+        except ChatTemplateError as exc:  # the template refused the messages; no replica was asked
+            sequence.finish(Finish.INVALID, self._clock(), error=str(exc))
         except asyncio.CancelledError:
             sequence.finish(sequence.abandon_reason(self._clock()) or Finish.CANCELLED, self._clock())
         except TimeoutError:
@@ -112,3 +143,20 @@ class PassthroughScheduler(ReplicaWork):
         finally:
             self._in_flight.pop(sequence, None)
             self._wakeup.set()
+
+    async def _relay(self, sequence: Sequence) -> Finish | None:
+        """Passes the engine's responses on; returns its finish reason."""
+        request = sequence.request
+        finish = None
+        async with aclosing(self._backend.stream(self._render(request.prompt), request.sampling)) as chunks:
+            async for chunk in chunks:
+                if chunk.input_tokens is not None:
+                    sequence.prompt_tokens = chunk.input_tokens
+                if chunk.output_tokens or chunk.text:
+                    sequence.completion_tokens += chunk.output_tokens
+                    sequence.emit_text(chunk.text, self._clock(), tokens=chunk.output_tokens)
+                if chunk.finish_reason is not None:
+                    if chunk.finish_reason not in _FINISHES:
+                        raise RuntimeError(f"the engine ended the sequence with finish_reason {chunk.finish_reason!r}")
+                    finish = _FINISHES[chunk.finish_reason]
+        return finish

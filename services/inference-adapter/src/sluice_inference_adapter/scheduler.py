@@ -149,8 +149,9 @@ class Sequence:
         prompt = self.prompt_tokens or estimate_prompt_tokens(self.request.prompt)
         return prompt + self.request.sampling.max_tokens
 
-    def emit_text(self, text: str, now: float) -> None:
-        """One generated token (its text may be empty while bytes are held back)."""
+    def emit_text(self, text: str, now: float, tokens: int = 1) -> None:
+        """Generated tokens (one per step; a self-batching engine may send several at once), whose
+        text may be empty while bytes are held back."""
         if self.first_token_at is None:
             self.first_token_at = now
             metrics.TIME_TO_FIRST_TOKEN.observe(now - self.submitted_at)
@@ -158,7 +159,7 @@ class Sequence:
             metrics.INTER_TOKEN.observe(now - self.last_token_at)
         self.last_token_at = now
         if text:
-            self.events.put_nowait(TokenEvent(text, 1))
+            self.events.put_nowait(TokenEvent(text, tokens))
 
     def finish(self, finish: Finish, now: float, error: str = "") -> None:
         """Ends the stream once; later calls are ignored."""

@@ -1,8 +1,8 @@
 """Triton over its KServe v2 gRPC API: the only module that imports tritonclient.
 
 One `InferenceServerClient` per endpoint per process, shared by every call. Two kinds of
-model are fed: step-protocol models (the adapter batches) and generate models with the
-vLLM / TensorRT-LLM interface (the engine batches); `detect_protocol` tells them apart.
+model are fed: step-protocol models (the adapter batches) and models behind Triton's vLLM
+backend (the engine batches); `detect_protocol` tells them apart.
 """
 
 from __future__ import annotations
@@ -20,11 +20,18 @@ from tritonclient.utils import InferenceServerException
 
 from sluice_common.errors import Unavailable
 from sluice_inference_adapter import metrics
+from sluice_inference_adapter.backend_errors import RequestRejected, engine_message, is_request_fault
 from sluice_inference_adapter.embed_batcher import Embeddings
+from sluice_inference_adapter.passthrough import GeneratedChunk
 from sluice_inference_adapter.step_rows import Action, PromptSpec, SamplingSpec, StepOutcome, StepRow
 
 Protocol = Literal["step", "generate"]
 
+# The vLLM backend's additional outputs the adapter reports usage and finish reasons from
+# (triton-inference-server/vllm_backend docs/additional_outputs.md).
+_RETURN_FLAGS = ("return_finish_reason", "return_num_input_tokens", "return_num_output_tokens")
+_STEP_INPUTS = {"ACTION", "SEQ_ID", "REQUEST"}
+_VLLM_INPUTS = {"text_input", "sampling_parameters", "stream", "exclude_input_in_output", *_RETURN_FLAGS}
 _STEP_OUTPUTS = ("TOKEN_ID", "TEXT", "FINISH", "PROMPT_TOKENS", "COMPLETION_TOKENS", "ERROR")
 _PROBE_SEQ_ID = 1  # the probe's sequence finishes within its one step, so one id serves every probe
 _PROBE_REQUEST = PromptSpec(prompt="ping").to_json(SamplingSpec(max_tokens=1))
@@ -47,14 +54,29 @@ async def detect_protocol(url: str, model: str) -> Protocol:
         metadata = await client.get_model_metadata(model, as_json=True)
     finally:
         await client.close()
-    inputs = {tensor["name"] for tensor in metadata.get("inputs", [])}
-    if {"ACTION", "SEQ_ID", "REQUEST"} <= inputs:
+    return protocol_of(model, {tensor["name"] for tensor in metadata.get("inputs", [])})
+
+
+def protocol_of(model: str, inputs: set[str]) -> Protocol:
+    if _STEP_INPUTS <= inputs:
         return "step"
-    if "text_input" in inputs:
+    if _VLLM_INPUTS <= inputs:
         return "generate"
+    if "text_input" in inputs and "max_tokens" in inputs:
+        raise SystemExit(
+            f"Triton model {model} has TensorRT-LLM's interface (text_input, max_tokens): not supported. Its"
+            " text outputs report neither token counts nor finish reasons, so usage could only be estimated"
+        )
+    if "text_input" in inputs:
+        raise SystemExit(
+            f"Triton model {model} looks like Triton's vLLM backend but lacks the inputs"
+            f" {sorted(_VLLM_INPUTS - inputs)}: usage and finish reasons need the backend's additional"
+            " outputs (return_finish_reason, return_num_input_tokens, return_num_output_tokens); use a newer"
+            " vllm_backend"
+        )
     raise SystemExit(
-        f"Triton model {model} at {url} has inputs {sorted(inputs)}: neither the step protocol"
-        " (ACTION, SEQ_ID, REQUEST) nor the generate interface (text_input)"
+        f"Triton model {model} has inputs {sorted(inputs)}: neither the step protocol"
+        f" ({', '.join(sorted(_STEP_INPUTS))}) nor Triton's vLLM backend ({', '.join(sorted(_VLLM_INPUTS))})"
     )
 
 
@@ -126,41 +148,37 @@ class TritonStepBackend(_TritonEndpoint):
 
 
 class TritonGenerateBackend(_TritonEndpoint):
-    """A decoupled model with the vLLM / TensorRT-LLM interface, streamed over stream_infer."""
+    """A model behind Triton's vLLM backend (decoupled), streamed over stream_infer.
 
-    async def stream(self, text: str, sampling: SamplingSpec) -> AsyncIterator[str]:
-        parameters: dict[str, object] = {
-            "max_tokens": sampling.max_tokens,
-            "temperature": sampling.temperature,
-            "top_p": sampling.top_p,
-            "stop": list(sampling.stop),
-        }
-        if sampling.seed is not None:
-            parameters["seed"] = sampling.seed
+    Every request asks for the backend's additional outputs (finish_reason, num_input_tokens,
+    num_output_tokens), so usage and finish reasons are what the engine reports, not estimates.
+    """
+
+    async def stream(self, text: str, sampling: SamplingSpec) -> AsyncIterator[GeneratedChunk]:
         inputs = [
             _tensor("text_input", np.array([text.encode()], dtype=np.object_), "BYTES"),
-            _tensor("sampling_parameters", np.array([json.dumps(parameters).encode()], dtype=np.object_), "BYTES"),
-            _tensor("stream", np.array([True]), "BOOL"),
-            _tensor("exclude_input_in_output", np.array([True]), "BOOL"),
+            _tensor("sampling_parameters", np.array([json.dumps(vllm_sampling_parameters(sampling)).encode()], dtype=np.object_), "BYTES"),
+            *(_tensor(name, np.array([True]), "BOOL") for name in ("stream", "exclude_input_in_output", *_RETURN_FLAGS)),
         ]
 
         async def requests() -> AsyncIterator[dict[str, object]]:
-            yield {"model_name": self.model, "inputs": inputs, "enable_empty_final_response": True}
+            # tritonclient's aio stream_infer has no enable_empty_final_response (and "triton_"
+            # parameters are reserved): the backend's finish_reason marks the last response.
+            yield {"model_name": self.model, "inputs": inputs}
 
         responses = self._client.stream_infer(requests())
         try:
             async for result, error in responses:
                 if error is not None:
-                    raise Unavailable(f"Triton at {self.url} failed a stream of {self.model}: {error}")
-                output = result.as_numpy("text_output")
-                if output is not None and output.size:
-                    yield "".join(_text(x) for x in output.reshape(-1))
-                if result.get_response().parameters["triton_final_response"].bool_param:
+                    raise _stream_error(self.url, self.model, error.message())
+                chunk = _generated_chunk(result)
+                yield chunk
+                if chunk.finish_reason is not None or _is_final(result):
                     return
         except InferenceServerException as exc:
-            raise Unavailable(f"Triton at {self.url} failed a stream of {self.model}: {exc.message()}") from exc
+            raise _stream_error(self.url, self.model, exc.message()) from exc
         finally:
-            # Closing the stream is how the engine learns that the client went away.
+            # Closing the stream cancels the request at Triton; the vLLM backend then aborts it.
             responses.cancel()
 
     async def probe(self) -> bool:
@@ -169,9 +187,53 @@ class TritonGenerateBackend(_TritonEndpoint):
             return False
         try:
             async with aclosing(self.stream("ping", SamplingSpec(max_tokens=1))) as chunks:
-                return [chunk async for chunk in chunks] != []
-        except Unavailable:
+                return sum([chunk.output_tokens async for chunk in chunks]) >= 1
+        except (Unavailable, RequestRejected):
             return False
+
+
+def vllm_sampling_parameters(sampling: SamplingSpec) -> dict[str, object]:
+    """vLLM's SamplingParams fields, as the backend's `sampling_parameters` JSON takes them."""
+    parameters: dict[str, object] = {
+        "max_tokens": sampling.max_tokens,
+        "temperature": sampling.temperature,
+        "top_p": sampling.top_p,
+        "stop": list(sampling.stop),
+    }
+    if sampling.seed is not None:
+        parameters["seed"] = sampling.seed
+    return parameters
+
+
+def _stream_error(url: str, model: str, message: str) -> Exception:
+    if is_request_fault(message):
+        return RequestRejected(engine_message(message))
+    return Unavailable(f"Triton at {url} failed a stream of {model}: {message}")
+
+
+def _first(result: object, name: str) -> object | None:
+    values = result.as_numpy(name)  # type: ignore[attr-defined]
+    return None if values is None or values.size == 0 else values.reshape(-1)[0]
+
+
+def _generated_chunk(result: object) -> GeneratedChunk:
+    text = result.as_numpy("text_output")  # type: ignore[attr-defined]
+    finish = _first(result, "finish_reason")
+    finish_reason = None if finish is None else _text(finish)
+    input_tokens = _first(result, "num_input_tokens")
+    output_tokens = result.as_numpy("num_output_tokens")  # type: ignore[attr-defined]
+    return GeneratedChunk(
+        text="" if text is None else "".join(_text(x) for x in text.reshape(-1)),
+        output_tokens=0 if output_tokens is None else int(output_tokens.sum()),
+        input_tokens=None if input_tokens is None else int(input_tokens),  # type: ignore[call-overload]
+        # vLLM sends str(None) while the sequence runs.
+        finish_reason=None if finish_reason in (None, "", "None") else finish_reason,
+    )
+
+
+def _is_final(result: object) -> bool:
+    parameters = result.get_response().parameters  # type: ignore[attr-defined]
+    return "triton_final_response" in parameters and parameters["triton_final_response"].bool_param
 
 
 class TritonEmbedBackend(_TritonEndpoint):

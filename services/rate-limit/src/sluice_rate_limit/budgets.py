@@ -88,6 +88,8 @@ class Decision:
     shadow: bool = False
     degraded: bool = False
     reason: str = ""
+    # Denied because the request alone costs more than the budget's limit: never admissible.
+    exceeds_limit: bool = False
 
 
 class LeaseNotFound(LookupError):

@@ -63,7 +63,7 @@ class RateLimiter:
             metrics.child(metrics.DECISIONS, "allowed", "").inc()
             return Decision(allowed=True)
         started = time.perf_counter()
-        decision = await self.backend.acquire(checks, interactive, ttl, shadow, model)
+        decision = _larger_than_a_limit(checks) or await self.backend.acquire(checks, interactive, ttl, shadow, model)
         if self.backend.name == "memory":
             metrics.child(metrics.BACKEND_SECONDS, "memory", "acquire").observe(time.perf_counter() - started)
         if decision.allowed:
@@ -87,7 +87,10 @@ class RateLimiter:
         metrics.child(metrics.DECISIONS, "denied", decision.denied_name).inc()
         # Allowed decisions are only counted (the server logs OK Acquire calls at debug): a
         # denial is what an operator looks for, so it gets its own line.
-        log.info("denied", tenant=tenant, model=model, budget=decision.denied_name, retry_after_s=round(decision.retry_after_s, 3))
+        log.info(
+            "denied", tenant=tenant, model=model, budget=decision.denied_name, retry_after_s=round(decision.retry_after_s, 3),
+            exceeds_limit=decision.exceeds_limit,
+        )
         return decision
 
     async def commit(self, lease_id: str, used_tokens: int) -> list[BudgetState]:
@@ -152,6 +155,19 @@ class RateLimiter:
             self._reloader.cancel()
             await asyncio.gather(self._reloader, return_exceptions=True)
         await self.backend.close()
+
+
+def _larger_than_a_limit(checks: list[Check]) -> Decision | None:
+    """A denial for a request that costs more than a budget's whole limit: waiting cannot help,
+    so it is refused as such (no retry_after) instead of being told to come back later."""
+    for check in checks:
+        if check.limit > 0 and check.cost > check.limit:
+            reason = f"this request costs {check.cost} against {check.name}, whose whole limit is {check.limit}"
+            state = BudgetState(check.budget, check.limit, check.limit, 0.0, check.name)
+            return Decision(
+                allowed=False, states=[state], denied_by=check.budget, denied_name=check.name, exceeds_limit=True, reason=reason
+            )
+    return None
 
 
 def on_expired(count: int) -> None:

@@ -35,6 +35,7 @@ def acquire_response(decision: Decision) -> ratelimit_pb2.AcquireResponse:
         budgets=_statuses(decision.states),
         shadow=decision.shadow,
         degraded=decision.degraded,
+        exceeds_limit=decision.exceeds_limit,
     )
     if decision.lease_expires_at:
         expires = timestamp_pb2.Timestamp()
@@ -42,7 +43,8 @@ def acquire_response(decision: Decision) -> ratelimit_pb2.AcquireResponse:
         response.lease_expires_at.CopyFrom(expires)
     if decision.denied_by is not None:
         response.denied_by = int(decision.denied_by)
-        response.retry_after.CopyFrom(_duration(decision.retry_after_s))
+        if not decision.exceeds_limit:
+            response.retry_after.CopyFrom(_duration(decision.retry_after_s))
     return response
 
 

@@ -1,21 +1,26 @@
-"""A decoupled "generate" model with the vLLM / TensorRT-LLM backend interface.
+"""A stand-in for a model behind Triton's vLLM backend, on the step engine (no GPU here).
 
-It stands for the Triton models that batch by themselves, so that the adapter's
-passthrough path is tested against a real Triton:
+It declares exactly the interface the upstream backend declares (vllm_backend's
+`auto_complete_config`: its inputs, outputs, types, shapes, max_batch_size 0 and the decoupled
+transaction policy; kept as tests/fixtures/upstream/vllm_backend_interface.json and checked in
+tests), and answers as the backend does:
 
-  inputs   text_input               BYTES [1]  the prompt, already templated
-           max_tokens               INT32 [1]  optional (TensorRT-LLM style)
-           sampling_parameters      BYTES [1]  optional JSON: max_tokens, temperature, top_p, seed, stop (vLLM style)
-           stream                   BOOL  [1]  optional; false sends one response with the whole text
-           exclude_input_in_output  BOOL  [1]  optional; false prefixes the prompt, as vLLM does
-  output   text_output              BYTES [1]  a text delta per response when streaming
+  - `sampling_parameters` JSON with vLLM's SamplingParams names (max_tokens, temperature,
+    top_p, seed, stop); `stream`; `exclude_input_in_output` (streaming with it false is refused,
+    as upstream refuses it);
+  - the additional outputs on every response when asked: finish_reason (str(None) while
+    running, then "stop" or "length"), num_input_tokens, num_output_tokens (tokens since the
+    previous response);
+  - a prompt longer than the model's context is refused with vLLM's own message, wrapped as
+    the backend wraps every error ("Error generating stream: ..."); max_tokens past the context
+    is cut there, ending with "length", as vLLM's scheduler does.
 
 Like vLLM it batches internally: one thread owns the running set and steps every active
 sequence in one engine call; requests join and leave between steps.
 
 A limit of this stand-in: PyTriton 0.7 does not pass Triton's request cancellation to
 Python callables, so a sequence whose client closed the stream runs on to its end here;
-a real vLLM backend stops it (`response_sender.is_cancelled()`). The adapter's side, closing
+the vLLM backend aborts it (`response_sender.is_cancelled()`). The adapter's side, closing
 the stream, is the same for both.
 """
 
@@ -27,7 +32,7 @@ import json
 import queue
 import threading
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -50,7 +55,7 @@ class SelfBatchingGenerator:
     """Continuous batching inside the model server, as an engine like vLLM does it."""
 
     def __init__(self, engine: SharedEngine, max_running: int = 8) -> None:
-        self._engine = engine
+        self.engine = engine
         self._max_running = max_running
         # Negative ids: they can never collide with the adapter's step-protocol ids (positive).
         self._ids = itertools.count(-1, -1)
@@ -82,7 +87,7 @@ class SelfBatchingGenerator:
             if not rows:
                 continue
             jobs = {**self._running}
-            for row, result in zip(rows, self._engine.step(rows)):
+            for row, result in zip(rows, self.engine.step(rows)):
                 job = jobs.get(row.seq_id)
                 if job is None or isinstance(row, ReleaseRow):
                     continue
@@ -113,24 +118,85 @@ def _scalar(inputs: dict[str, np.ndarray], name: str, default: Any) -> Any:
     return default if value is None or value.size == 0 else value.reshape(-1)[0]
 
 
-def parse_request(inputs: dict[str, np.ndarray]) -> tuple[str, SamplingParams, bool, bool]:
+@dataclass(frozen=True)
+class GenerateRequest:
+    prompt: str
+    params: SamplingParams
+    stream: bool
+    prepend_input: bool
+    # The additional outputs asked for (return_finish_reason -> "finish_reason", ...).
+    outputs: frozenset[str]
+
+
+_RETURN_FLAGS = {
+    "return_finish_reason": "finish_reason",
+    "return_num_input_tokens": "num_input_tokens",
+    "return_num_output_tokens": "num_output_tokens",
+}
+
+
+def parse_request(inputs: dict[str, np.ndarray]) -> GenerateRequest:
+    """The backend's reading of a request; raises ValueError with vLLM's words where it refuses one."""
     prompt = bytes(_scalar(inputs, "text_input", b"")).decode()
     sampling = json.loads(bytes(_scalar(inputs, "sampling_parameters", b"{}")) or b"{}")
     seed = sampling.get("seed")
     params = SamplingParams(
-        max_tokens=int(_scalar(inputs, "max_tokens", sampling.get("max_tokens", 16))),
-        temperature=float(sampling.get("temperature", 0.0)),
+        max_tokens=int(sampling.get("max_tokens", 16)),
+        temperature=float(sampling.get("temperature", 1.0)),
         top_p=float(sampling.get("top_p", 1.0)),
         seed=None if seed is None else int(seed),
         stop=tuple(sampling.get("stop", ())),
     )
+    _verify(params)
     stream = bool(_scalar(inputs, "stream", False))
-    exclude_input = bool(_scalar(inputs, "exclude_input_in_output", False))
-    return prompt, params, stream, exclude_input
+    exclude = inputs.get("exclude_input_in_output")
+    prepend_input = not bool(_scalar(inputs, "exclude_input_in_output", False)) if exclude is not None else not stream
+    if prepend_input and stream:
+        raise ValueError("When streaming, `exclude_input_in_output` = False is not allowed.")
+    outputs = frozenset(out for flag, out in _RETURN_FLAGS.items() if bool(_scalar(inputs, flag, False)))
+    return GenerateRequest(prompt, params, stream, prepend_input, outputs)
 
 
-def _response(text: str) -> list[dict[str, np.ndarray]]:
-    return [{"text_output": np.array([text.encode()], dtype=np.object_)}]
+def _verify(params: SamplingParams) -> None:
+    """vLLM's SamplingParams checks, in its words."""
+    if params.max_tokens < 1:
+        raise ValueError(f"max_tokens must be at least 1, got {params.max_tokens}.")
+    if params.temperature < 0.0:
+        raise ValueError(f"temperature must be non-negative, got {params.temperature}.")
+    if not 0.0 < params.top_p <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1], got {params.top_p}.")
+
+
+def fit_to_context(request: GenerateRequest, prompt_tokens: int, context_length: int) -> SamplingParams:
+    """vLLM refuses a prompt longer than the context and stops a sequence at its end."""
+    if prompt_tokens == 0:
+        raise ValueError("The decoder prompt cannot be empty")
+    if prompt_tokens > context_length:
+        raise ValueError(
+            f"The decoder prompt (length {prompt_tokens}) is longer than the maximum model length of"
+            f" {context_length}. Make sure that `max_model_len` is no smaller than the number of text tokens."
+        )
+    return replace(request.params, max_tokens=min(request.params.max_tokens, context_length - prompt_tokens))
+
+
+@dataclass
+class _Progress:
+    """What the responses so far have told the client."""
+
+    prompt_tokens: int
+    reported_tokens: int = 0
+
+
+def _response(text: str, result: RowResult, progress: _Progress, outputs: frozenset[str]) -> dict[str, np.ndarray]:
+    response = {"text_output": np.array([text.encode()], dtype=np.object_)}
+    if "finish_reason" in outputs:
+        response["finish_reason"] = np.array([str(result.finish_reason or None).encode()], dtype=np.object_)
+    if "num_input_tokens" in outputs:
+        response["num_input_tokens"] = np.array([progress.prompt_tokens], dtype=np.uint32)
+    if "num_output_tokens" in outputs:
+        response["num_output_tokens"] = np.array([result.completion_tokens - progress.reported_tokens], dtype=np.uint32)
+    progress.reported_tokens = result.completion_tokens
+    return response
 
 
 class GenerateModel:
@@ -138,31 +204,69 @@ class GenerateModel:
 
     def __init__(self, generator: SelfBatchingGenerator) -> None:
         self._generator = generator
+        self._engine = generator.engine
 
     async def __call__(self, requests: list[Any]) -> AsyncIterator[list[dict[str, np.ndarray]]]:
         # Without dynamic batching Triton hands a decoupled model one request per call.
         (request,) = requests
-        prompt, params, stream, exclude_input = parse_request(request.data)
+        try:
+            parsed = parse_request(request.data)
+            prompt_tokens = self._engine.count_tokens(parsed.prompt)
+            params = fit_to_context(parsed, prompt_tokens, self._engine.context_length)
+        except (ValueError, TypeError) as exc:
+            raise ValueError(f"Error generating stream: {exc}") from None
+        progress = _Progress(prompt_tokens)
+        if params.max_tokens == 0:  # the prompt fills the context: nothing can be generated
+            yield [_response("", RowResult(0, -1, "", "length", prompt_tokens, 0), progress, parsed.outputs)]
+            return
+        async for response in self._generate(parsed, params, progress):
+            yield [response]
+
+    async def _generate(self, request: GenerateRequest, params: SamplingParams, progress: _Progress) -> AsyncIterator[dict[str, np.ndarray]]:
         loop = asyncio.get_running_loop()
         results: asyncio.Queue[RowResult] = asyncio.Queue()
-        seq_id = self._generator.submit(prompt, params, lambda r: loop.call_soon_threadsafe(results.put_nowait, r))
-        text = "" if exclude_input else prompt
+        seq_id = self._generator.submit(request.prompt, params, lambda r: loop.call_soon_threadsafe(results.put_nowait, r))
+        text = request.prompt if request.prepend_input else ""
         try:
             while True:
                 result = await results.get()
-                if result.finish_reason == "error":
-                    raise ValueError(result.error)
+                if result.finish_reason in ("error", "invalid"):
+                    raise ValueError(f"Error generating stream: {result.error}")
                 text += result.text
-                if stream and text:
-                    yield _response(text)
+                if request.stream and (text or result.finish_reason):
+                    yield _response(text, result, progress, request.outputs)
                     text = ""
                 if result.finish_reason:
                     break
-            if not stream:
-                yield _response(text)
+            if not request.stream:
+                yield _response(text, result, progress, request.outputs)
         finally:
             # Reached when PyTriton closes this generator (shutdown, errors).
             self._generator.cancel(seq_id)
+
+
+# The upstream backend's interface (vllm_backend src/model.py, _auto_complete_inputs_and_outputs).
+VLLM_INPUTS: tuple[tuple[str, type, tuple[int, ...]], ...] = (
+    ("text_input", bytes, (1,)),
+    ("image", bytes, (-1,)),
+    ("stream", np.bool_, (1,)),
+    ("sampling_parameters", bytes, (1,)),
+    ("exclude_input_in_output", np.bool_, (1,)),
+    ("return_finish_reason", np.bool_, (1,)),
+    ("return_cumulative_logprob", np.bool_, (1,)),
+    ("return_logprobs", np.bool_, (1,)),
+    ("return_num_input_tokens", np.bool_, (1,)),
+    ("return_num_output_tokens", np.bool_, (1,)),
+    ("embedding_request", bytes, (1,)),
+)
+VLLM_OUTPUTS: tuple[tuple[str, type, tuple[int, ...]], ...] = (
+    ("text_output", bytes, (-1,)),
+    ("finish_reason", bytes, (-1,)),
+    ("cumulative_logprob", np.float32, (-1,)),
+    ("logprobs", bytes, (-1,)),
+    ("num_input_tokens", np.uint32, (1,)),
+    ("num_output_tokens", np.uint32, (-1,)),
+)
 
 
 def bind_generate_model(triton: Any, name: str, generator: SelfBatchingGenerator) -> None:
@@ -171,14 +275,9 @@ def bind_generate_model(triton: Any, name: str, generator: SelfBatchingGenerator
     triton.bind(
         model_name=name,
         infer_func=GenerateModel(generator),
-        inputs=[
-            Tensor(name="text_input", dtype=bytes, shape=(1,)),
-            Tensor(name="max_tokens", dtype=np.int32, shape=(1,), optional=True),
-            Tensor(name="sampling_parameters", dtype=bytes, shape=(1,), optional=True),
-            Tensor(name="stream", dtype=np.bool_, shape=(1,), optional=True),
-            Tensor(name="exclude_input_in_output", dtype=np.bool_, shape=(1,), optional=True),
-        ],
-        outputs=[Tensor(name="text_output", dtype=bytes, shape=(1,))],
+        # Every input but text_input is optional upstream.
+        inputs=[Tensor(name=n, dtype=t, shape=s, optional=n != "text_input") for n, t, s in VLLM_INPUTS],
+        outputs=[Tensor(name=n, dtype=t, shape=s) for n, t, s in VLLM_OUTPUTS],
         config=ModelConfig(batching=False, max_batch_size=0, decoupled=True),
         strict=True,
     )

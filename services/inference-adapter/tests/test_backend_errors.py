@@ -1,0 +1,54 @@
+"""Backend errors told apart: the request's fault or the replica's, against vLLM's own messages."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from sluice_inference_adapter.backend_errors import engine_message, is_request_fault
+from sluice_inference_adapter.triton_backend import protocol_of
+
+MESSAGES = json.loads((Path(__file__).parent / "fixtures" / "vllm_errors.json").read_text())
+# The upstream interface, kept once for the adapter and triton-local's stand-in.
+VLLM_CONFIG = json.loads((Path(__file__).parents[3] / "tests" / "fixtures" / "upstream" / "vllm_backend_interface.json").read_text())
+
+
+@pytest.mark.parametrize("message", MESSAGES["request_faults"])
+def test_request_faults(message: str) -> None:
+    assert is_request_fault(message)
+
+
+@pytest.mark.parametrize("message", MESSAGES["replica_faults"])
+def test_replica_faults(message: str) -> None:
+    assert not is_request_fault(message)
+
+
+def test_the_cause_loses_the_wrappers() -> None:
+    message = "[StatusCode.INTERNAL] Error generating stream: The decoder prompt (length 3) is longer than the maximum model length of 2."
+    assert engine_message(message) == "The decoder prompt (length 3) is longer than the maximum model length of 2."
+
+
+def test_the_upstream_vllm_interface_is_fed_as_generate() -> None:
+    assert protocol_of("m", {tensor["name"] for tensor in VLLM_CONFIG["inputs"]}) == "generate"
+
+
+def test_a_vllm_backend_without_usage_outputs_is_refused_at_start() -> None:
+    with pytest.raises(SystemExit, match="return_num_input_tokens"):
+        protocol_of("m", {"text_input", "stream", "sampling_parameters", "exclude_input_in_output"})
+
+
+def test_tensorrt_llm_is_refused_with_the_reason() -> None:
+    with pytest.raises(SystemExit, match="neither token counts nor finish reasons"):
+        protocol_of("m", {"text_input", "max_tokens", "stream", "end_id"})
+
+
+def test_a_python_traceback_gives_its_last_line() -> None:
+    message = (
+        "[StatusCode.INTERNAL] Traceback (most recent call last):\n  File \"model.py\", line 3, in __call__\n"
+        "    raise ValueError(...)\nValueError: Error generating stream: The decoder prompt (length 9) is longer"
+        " than the maximum model length of 8.\n"
+    )
+    assert is_request_fault(message)
+    assert engine_message(message) == "The decoder prompt (length 9) is longer than the maximum model length of 8."
