@@ -17,6 +17,8 @@ from pathlib import Path
 
 import grpc
 import pytest
+from google.rpc import error_details_pb2
+from grpc_status import rpc_status
 from sluice.common.v1 import types_pb2
 from sluice.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 
@@ -104,6 +106,19 @@ def test_a_prompt_longer_than_the_context_is_invalid_and_the_replica_stays_healt
     assert scrape(adapter, "sluice_adapter_replica_healthy", replica) == 1
     responses = list(stub.Generate(chat("Which city is the capital of France?", 8), metadata=auth(), timeout=120))
     assert responses[-1].usage.completion_tokens >= 1
+
+
+def test_a_request_larger_than_the_whole_allowance_is_refused_as_such(stub) -> None:
+    """The vLLM backend cannot count tokens before generating, so the gateway reserves its estimate
+    (a million digits: over 300,000 tokens), more than the demo tenant's whole allowance: refused
+    as too large, without RetryInfo, since no wait can admit it."""
+    million_digits = chat("7" * 1_000_000, 16)
+    with pytest.raises(grpc.RpcError) as caught:
+        list(stub.Generate(million_digits, metadata=auth(), timeout=60))
+    assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "request too large" in caught.value.details() and "no retry can admit it" in caught.value.details()
+    status = rpc_status.from_call(caught.value)
+    assert [detail.TypeName() for detail in status.details] == [error_details_pb2.QuotaFailure.DESCRIPTOR.full_name]
 
 
 def test_streams_an_answer_through_the_decoupled_model(stub) -> None:
