@@ -15,7 +15,7 @@ from conftest import collect
 
 from sluice_inference_adapter.backend_errors import RequestRejected
 from sluice_inference_adapter.passthrough import GeneratedChunk, PassthroughLimits, PassthroughScheduler
-from sluice_inference_adapter.scheduler import Finish, GenerationRequest
+from sluice_inference_adapter.scheduler import Finish, FinishEvent, GenerationRequest
 from sluice_inference_adapter.step_rows import PromptSpec, SamplingSpec
 from sluice_inference_adapter.waiting_queue import Priority
 
@@ -102,30 +102,29 @@ class FailingEngine:
             raise RuntimeError(self._message)
 
 
-async def test_a_refused_request_is_invalid_and_the_replica_stays_healthy() -> None:
+async def run_one(engine: object) -> tuple[FinishEvent, bool, list[bool]]:
+    """One request's finish, whether it was marked a backend failure, and the health reports."""
     steps: list[bool] = []
-    scheduler = scheduler_for(RejectingEngine(), on_step=steps.append)
+    scheduler = scheduler_for(engine, on_step=steps.append)
     scheduler.start()
     try:
         handle = scheduler.submit(request(4))
         _, finish = await collect(handle)
     finally:
         await scheduler.stop()
+    return finish, handle.backend_failed, steps
+
+
+async def test_a_refused_request_is_invalid_and_the_replica_stays_healthy() -> None:
+    finish, backend_failed, steps = await run_one(RejectingEngine())
     assert finish.finish is Finish.INVALID and "maximum model length of 2048" in finish.error
-    assert steps == [True] and not handle.backend_failed
+    assert steps == [True] and not backend_failed
 
 
 async def test_a_failed_stream_counts_against_the_replica() -> None:
-    steps: list[bool] = []
-    scheduler = scheduler_for(FailingEngine(), on_step=steps.append)
-    scheduler.start()
-    try:
-        handle = scheduler.submit(request(4))
-        _, finish = await collect(handle)
-    finally:
-        await scheduler.stop()
+    finish, backend_failed, steps = await run_one(FailingEngine())
     assert finish.finish is Finish.ERROR and "engine crashed" in finish.error
-    assert steps == [False] and handle.backend_failed
+    assert steps == [False] and backend_failed
 
 
 async def test_an_engine_abort_is_a_failure_not_a_finish() -> None:
