@@ -218,3 +218,23 @@ async def test_a_bidirectional_stream_gets_one_summary_line_and_survives_a_cance
     # its line may say OK; what matters is that the line is there, with the peer read at the start.
     assert summaries["rid-bidi"]["code"] in ("OK", "CANCELLED") and summaries["rid-bidi"]["peer"].startswith("ipv4:")
     assert summaries["rid-bidi-2"]["code"] == "OK"
+
+
+async def test_health_is_serving_only_while_no_source_reports_a_problem(server) -> None:
+    running, channel, _ = server
+    check = channel.unary_unary(
+        "/grpc.health.v1.Health/Check",
+        request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
+        response_deserializer=health_pb2.HealthCheckResponse.FromString,
+    )
+
+    async def status() -> int:
+        return (await check(health_pb2.HealthCheckRequest(service=""))).status
+
+    await running.report("task:scheduler", False)
+    await running.report("replicas", False)
+    assert await status() == health_pb2.HealthCheckResponse.NOT_SERVING
+    await running.report("task:scheduler", True)
+    assert await status() == health_pb2.HealthCheckResponse.NOT_SERVING
+    await running.report("replicas", True)
+    assert await status() == health_pb2.HealthCheckResponse.SERVING

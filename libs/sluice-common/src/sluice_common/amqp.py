@@ -38,6 +38,7 @@ import structlog
 from prometheus_client import Counter, Gauge
 
 from sluice_common.request_context import REQUEST_ID_KEY
+from sluice_common.supervision import Supervisor
 
 log = structlog.stdlib.get_logger("sluice.amqp")
 
@@ -281,9 +282,10 @@ class ConfirmingPublisher:
         """Messages not yet confirmed and still in memory."""
         return len(self._outbox) + len(self._in_flight)
 
-    def start(self) -> None:
+    def start(self, supervisor: Supervisor | None = None) -> None:
+        # Restarted when it dies: its outbox (and spill file) still hold what it owes.
         if self._task is None:
-            self._task = asyncio.create_task(self._run(), name=f"publisher:{self._exchange_name}")
+            self._task = (supervisor or Supervisor()).start(f"publisher:{self._exchange_name}", self._run)
 
     async def wait_idle(self, timeout_s: float) -> bool:
         """True once everything in memory is confirmed (the spill file may still hold messages)."""

@@ -11,7 +11,7 @@ import asyncio
 import os
 import signal
 from collections.abc import Awaitable, Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 import structlog
@@ -22,6 +22,7 @@ from prometheus_client import start_http_server
 
 from sluice_common.config import ServerTLS
 from sluice_common.interceptor import SluiceServerInterceptor
+from sluice_common.supervision import Supervisor
 
 log = structlog.stdlib.get_logger("sluice.server")
 
@@ -36,9 +37,25 @@ class RunningServer:
     metrics_port: int
     health: HealthServicer
     service_names: tuple[str, ...]
+    # Sources that report a problem now (the service itself, its replicas, a dead owner task):
+    # health is SERVING only while there is none.
+    problems: set[str] = field(default_factory=set)
+    # The service's owner tasks start here: a dead one is reported to this server's health.
+    supervisor: Supervisor = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.supervisor = Supervisor(self.report)
 
     async def set_serving(self, serving: bool) -> None:
-        status = SERVING if serving else NOT_SERVING
+        """The service's own say (starting, draining); other sources report through `report`."""
+        await self.report("service", serving)
+
+    async def report(self, source: str, ok: bool) -> None:
+        if ok:
+            self.problems.discard(source)
+        else:
+            self.problems.add(source)
+        status = NOT_SERVING if self.problems else SERVING
         for name in ("", *self.service_names):
             await self.health.set(name, status)
 

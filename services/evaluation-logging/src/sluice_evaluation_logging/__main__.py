@@ -81,8 +81,8 @@ async def serve(config: EvalLogConfig) -> None:
     running = await create_server(
         config.host, config.port, config.metrics_port, register, serving=False, tls=config.server_tls(ENV_PREFIX)
     )
-    consumer.start()
-    worker.start()
+    consumer.start(running.supervisor)
+    worker.start(running.supervisor)
     await running.set_serving(True)
     log.info("ready", store="postgresql" if config.database_url else str(config.sqlite_path), prefix=config.amqp_prefix)
 

@@ -28,6 +28,7 @@ from sluice.evallog.v1 import events_pb2
 
 from sluice_common.amqp import EventTopology, dead_letter
 from sluice_common.request_context import REQUEST_ID_KEY
+from sluice_common.supervision import Supervisor
 from sluice_evaluation_logging.evaluators import evaluate_batch
 from sluice_evaluation_logging.evaluators.base import EvalContext, ScoreResult
 from sluice_evaluation_logging.records import PoisonMessage, decode_event, otel_attributes, stored_bytes, to_row
@@ -74,8 +75,9 @@ class CompletionConsumer:
         should not take the CPU from storing and acking now."""
         return time.monotonic() - self._backlog_at < within_s
 
-    def start(self) -> None:
-        self._task = asyncio.create_task(self._run(), name="completion-consumer")
+    def start(self, supervisor: Supervisor | None = None) -> None:
+        # Restarted when it dies: what it had not acked is redelivered by the broker.
+        self._task = (supervisor or Supervisor()).start("completion-consumer", self._run)
 
     async def stop(self) -> None:
         """Stops taking messages; the batch in progress is finished (stored and acked) first."""

@@ -34,6 +34,7 @@ from google.protobuf.message import DecodeError
 from prometheus_client import Counter, Histogram
 from sluice.evallog.v1 import events_pb2
 
+from sluice_common.supervision import Supervisor
 from sluice_evaluation_logging.evaluators import similarity
 from sluice_evaluation_logging.evaluators.base import Embedder, EmbeddingsUnavailable, EvalSettings, ScoreResult, skipped
 from sluice_evaluation_logging.store import PendingItem, Store
@@ -93,8 +94,9 @@ class SimilarityWorker:
         self._task: asyncio.Task[None] | None = None
         self._backoff = worker.min_backoff_s
 
-    def start(self) -> None:
-        self._task = asyncio.create_task(self._run(), name="similarity-worker")
+    def start(self, supervisor: Supervisor | None = None) -> None:
+        # Restarted when it dies: its work is durable markers in the store.
+        self._task = (supervisor or Supervisor()).start("similarity-worker", self._run)
 
     def nudge(self) -> None:
         """New markers were committed (the consumer calls this): look now rather than at the next poll."""

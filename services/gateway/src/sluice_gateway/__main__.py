@@ -35,8 +35,8 @@ async def serve(config: GatewayConfig) -> None:
     running = await create_server(
         config.host, config.port, config.metrics_port, register, serving=False, tls=config.server_tls(ENV_PREFIX)
     )
-    await core.start(config)
-    job_publisher.start()
+    await core.start(config, running.supervisor)
+    job_publisher.start(running.supervisor)
     await running.set_serving(True)
     log.info("ready", adapter=config.adapter_url, models=[m.name for m in core.models.models])
 

@@ -26,6 +26,7 @@ from sluice.evallog.v1 import events_pb2
 from sluice.gateway.v1 import gateway_pb2
 
 from sluice_common.amqp import ConfirmingPublisher, EventTopology, OutgoingMessage, PublisherMetrics
+from sluice_common.supervision import Supervisor
 from sluice_gateway.tenants import Tenant
 
 log = structlog.stdlib.get_logger("sluice.gateway.events")
@@ -167,9 +168,9 @@ class CompletionEvents:
     def publisher(self) -> ConfirmingPublisher | None:
         return self._publisher
 
-    def start(self) -> None:
+    def start(self, supervisor: Supervisor | None = None) -> None:
         if self._publisher is not None:
-            self._publisher.start()
+            self._publisher.start(supervisor)
 
     async def stop(self, timeout_s: float) -> None:
         if self._publisher is not None:

@@ -11,6 +11,7 @@ from sluice.inference.v1 import inference_pb2_grpc
 from sluice.ratelimit.v1 import ratelimit_pb2_grpc
 
 from sluice_common.channels import open_channel
+from sluice_common.supervision import Supervisor
 from sluice_gateway.admission import Admission
 from sluice_gateway.completion_events import CompletionEvents
 from sluice_gateway.config import ENV_PREFIX, GatewayConfig
@@ -53,10 +54,10 @@ class GatewayCore:
         )
         return cls(tenants, channel, adapter, ModelCatalog(adapter), completion_events, admission, ratelimit_channel)
 
-    async def start(self, config: GatewayConfig) -> None:
+    async def start(self, config: GatewayConfig, supervisor: Supervisor) -> None:
         await self.models.wait_first_load(config.adapter_wait_s)
-        self.models.start_refreshing(config.models_refresh_s)
-        self.completion_events.start()
+        self.models.start_refreshing(config.models_refresh_s, supervisor)
+        self.completion_events.start(supervisor)
 
     async def close(self, config: GatewayConfig) -> None:
         await self.completion_events.stop(config.shutdown_grace_s)

@@ -16,6 +16,7 @@ from sluice.jobs.v1 import jobs_pb2
 
 from sluice_common.amqp import ConfirmingPublisher, JobTopology, OutgoingMessage, PublisherMetrics
 from sluice_common.errors import InvalidArgument, NotFound, PermissionDenied, Unavailable
+from sluice_common.supervision import Supervisor
 from sluice_gateway.config import GatewayConfig
 from sluice_gateway.job_store import JobRecord, JobStore
 from sluice_gateway.jobs import JobRejected, completion_window_s, validate_job
@@ -118,9 +119,9 @@ class JobRequestPublisher:
             )
         )
 
-    def start(self) -> None:
+    def start(self, supervisor: Supervisor | None = None) -> None:
         if self._publisher is not None:
-            self._publisher.start()
+            self._publisher.start(supervisor)
 
     async def stop(self, timeout_s: float) -> None:
         if self._publisher is not None:

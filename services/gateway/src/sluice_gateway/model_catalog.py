@@ -11,6 +11,7 @@ from sluice.common.v1 import types_pb2
 from sluice.inference.v1 import inference_pb2, inference_pb2_grpc
 
 from sluice_common.errors import InvalidArgument
+from sluice_common.supervision import Supervisor
 
 log = structlog.stdlib.get_logger("sluice.gateway.models")
 
@@ -49,8 +50,8 @@ class ModelCatalog:
                     raise SystemExit(f"the adapter did not list its models within {timeout_s:.0f}s: {exc.details()}")
                 await asyncio.sleep(0.5)
 
-    def start_refreshing(self, every_s: float) -> None:
-        self._task = asyncio.create_task(self._refresh_forever(every_s), name="model-catalog-refresh")
+    def start_refreshing(self, every_s: float, supervisor: Supervisor | None = None) -> None:
+        self._task = (supervisor or Supervisor()).start("model-catalog-refresh", lambda: self._refresh_forever(every_s))
 
     async def _refresh_forever(self, every_s: float) -> None:
         while True:

@@ -44,6 +44,7 @@ from sluice_common.bootstrap import run_service
 from sluice_common.errors import InvalidArgument
 from sluice_common.request_context import bind_request_id, current_request_id, new_request_id
 from sluice_common.server import create_server, serve_until_signal
+from sluice_common.supervision import Supervisor
 from sluice_gateway import job_store as states
 from sluice_gateway.completion_events import CompletionTracker
 from sluice_gateway.concurrency import FAILED, OK, THROTTLED, AdaptiveConcurrency
@@ -112,7 +113,7 @@ class JobWorker:
 
     # ---- lifecycle
 
-    async def start(self) -> None:
+    async def start(self, supervisor: Supervisor | None = None) -> None:
         self._connection = await aio_pika.connect_robust(self.config.amqp_url, timeout=10)
         jobs_channel = await self._connection.channel(publisher_confirms=True)
         await self.topology.declare(jobs_channel)
@@ -125,7 +126,7 @@ class JobWorker:
         rows = await self._rows_channel.get_queue(self.topology.rows_queue)
         await requests.consume(self._spawn(self._on_job))
         await rows.consume(self._spawn(self._on_row))
-        self._sweeper = asyncio.create_task(self._sweep_forever())
+        self._sweeper = (supervisor or Supervisor()).start("job-sweeper", self._sweep_forever)
         LIMIT.set(self.concurrency.limit)
         log.info("job_worker_started", worker=self.worker_id, prefix=self.config.amqp_prefix)
 
@@ -448,9 +449,9 @@ async def serve(config: GatewayConfig) -> None:
     store = JobStore.create(config.jobs_postgres_dsn, config.jobs_sqlite_path)
     await store.open()
     running = await create_server(config.host, config.worker_port, config.worker_metrics_port, lambda server: [], serving=False)
-    await core.start(config)
+    await core.start(config, running.supervisor)
     worker = JobWorker(config, core, store)
-    await worker.start()
+    await worker.start(running.supervisor)
     await running.set_serving(True)
     log.info("ready", role="job-worker", store=store.db.backend)
 

@@ -11,6 +11,7 @@ from sluice.inference.v1 import inference_pb2, inference_pb2_grpc
 
 from sluice_common.bootstrap import run_service
 from sluice_common.server import RunningServer, create_server, serve_until_signal
+from sluice_common.supervision import Supervisor
 from sluice_inference_adapter.chat_template import ChatTemplate, ChatTemplateError, load_chat_template
 from sluice_inference_adapter.config import ENV_PREFIX, AdapterConfig
 from sluice_inference_adapter.embed_batcher import EmbedBatcher
@@ -104,11 +105,11 @@ async def report_health(pool: ReplicaPool, running: RunningServer) -> None:
         await asyncio.sleep(0.5)
         if pool.any_healthy != serving:
             serving = pool.any_healthy
-            await running.set_serving(serving)
+            await running.report("replicas", serving)
             log.warning("health_changed", serving=serving)
 
 
-def build_embedder(config: AdapterConfig, pool: ReplicaPool) -> EmbedBatcher | None:
+def build_embedder(config: AdapterConfig, pool: ReplicaPool, supervisor: Supervisor) -> EmbedBatcher | None:
     if not config.triton_embedding_model:
         return None
     by_url = {url: TritonEmbedBackend(url, config.triton_embedding_model) for url in config.triton_urls}
@@ -119,7 +120,7 @@ def build_embedder(config: AdapterConfig, pool: ReplicaPool) -> EmbedBatcher | N
         max_waiting=config.embed_max_waiting,
         dim=config.embedding_dimensions,
     )
-    embedder.start()
+    embedder.start(supervisor)
     return embedder
 
 
@@ -153,12 +154,14 @@ async def serve(config: AdapterConfig) -> None:
     backends, make_scheduler = build_backends(config, protocol)
     pool = ReplicaPool(backends, make_scheduler, config.replica_failure_threshold, config.probe_interval_s)
     await wait_for_a_healthy_replica(pool, config.backend_wait_s)
-    pool.start()
-    embedder = build_embedder(config, pool)
+    # Every owner task is supervised: if one dies, health turns NOT_SERVING and its callers fail.
+    supervisor = Supervisor(running.report)
+    pool.start(supervisor)
+    embedder = build_embedder(config, pool, supervisor)
     servicer.attach(pool, embedder)
     await running.set_serving(True)
     log.info("ready", replicas=list(config.triton_urls), model=config.model_name, protocol=protocol)
-    health_task = asyncio.create_task(report_health(pool, running), name="health-from-replicas")
+    health_task = supervisor.start("health-from-replicas", lambda: report_health(pool, running))
 
     async def on_stop() -> None:
         health_task.cancel()

@@ -32,6 +32,7 @@ import numpy as np
 import structlog
 
 from sluice_common.errors import InvalidArgument, ResourceExhausted, SluiceError, Unavailable
+from sluice_common.supervision import Supervisor
 from sluice_inference_adapter import metrics
 
 log = structlog.stdlib.get_logger("sluice.embed_batcher")
@@ -164,9 +165,19 @@ class EmbedBatcher:
 
     # -- lifecycle -----------------------------------------------------------------
 
-    def start(self) -> None:
+    def start(self, supervisor: Supervisor | None = None) -> None:
         self._stopped = False
-        self._task = asyncio.create_task(self._run(), name="embed-batcher")
+        self._task = (supervisor or Supervisor()).start("embed-batcher", self._run, on_death=self._on_death)
+
+    def _on_death(self, error: BaseException) -> None:
+        """The loop died: texts waiting for a batch would wait for ever."""
+        self._fail_waiting(Unavailable(f"the embedding batcher failed: {error!r}; retry"))
+
+    def _fail_waiting(self, error: SluiceError) -> None:
+        for item in self._waiting:
+            self._fail(item.job, error)
+        self._waiting.clear()
+        metrics.EMBED_WAITING.set(0)
 
     async def stop(self) -> None:
         self._stopped = True
@@ -175,11 +186,7 @@ class EmbedBatcher:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         self._task = None
-        error = Unavailable("the adapter is shutting down")
-        for item in self._waiting:
-            self._fail(item.job, error)
-        self._waiting.clear()
-        metrics.EMBED_WAITING.set(0)
+        self._fail_waiting(Unavailable("the adapter is shutting down"))
 
     # -- the loop ------------------------------------------------------------------
 

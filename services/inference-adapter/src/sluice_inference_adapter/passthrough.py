@@ -86,8 +86,13 @@ class PassthroughScheduler(ReplicaWork):
     def running_count(self) -> int:
         return len(self._in_flight)
 
-    def start(self) -> None:
-        self._task = asyncio.create_task(self._run(), name="passthrough-scheduler")
+    task_name = "passthrough-scheduler"
+
+    def _on_death(self, error: BaseException) -> None:
+        # Streams already open run on in their own tasks; those waiting for one would wait for ever.
+        now = self._clock()
+        for sequence in self._waiting.remove_if(lambda _: True):
+            sequence.finish(Finish.ERROR, now, error=f"the passthrough scheduler failed: {error!r}")
 
     async def stop(self) -> None:
         tasks = [t for t in (self._task, *self._in_flight.values()) if t is not None]

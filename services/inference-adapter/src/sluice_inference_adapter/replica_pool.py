@@ -20,6 +20,7 @@ from typing import Protocol
 import structlog
 
 from sluice_common.errors import Unavailable
+from sluice_common.supervision import Supervisor
 from sluice_inference_adapter import metrics
 from sluice_inference_adapter.embed_batcher import EmbedBackend, Embeddings
 from sluice_inference_adapter.scheduler import (
@@ -53,7 +54,7 @@ class BatchOwner(Protocol):
 
     def submit(self, request: GenerationRequest) -> SequenceHandle: ...
 
-    def start(self) -> None: ...
+    def start(self, supervisor: Supervisor | None = None, replica: str = "") -> None: ...
 
     async def stop(self) -> None: ...
 
@@ -140,10 +141,11 @@ class ReplicaPool:
 
     # -- lifecycle -------------------------------------------------------------------
 
-    def start(self) -> None:
+    def start(self, supervisor: Supervisor | None = None) -> None:
+        supervisor = supervisor or Supervisor()
         for replica in self.replicas:
-            replica.scheduler.start()
-        self._probe_task = asyncio.create_task(self._probe_forever(), name="replica-probes")
+            replica.scheduler.start(supervisor, replica.name)
+        self._probe_task = supervisor.start("replica-probes", self._probe_forever)
 
     async def stop(self) -> None:
         if self._probe_task is not None:

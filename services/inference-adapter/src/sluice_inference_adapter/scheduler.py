@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import structlog
 
 from sluice_common.errors import ResourceExhausted
+from sluice_common.supervision import Supervisor
 from sluice_inference_adapter import metrics
 from sluice_inference_adapter.step_rows import (
     FINISH_ERROR,
@@ -274,6 +275,22 @@ class ReplicaWork:
         if self._on_step is not None:
             self._on_step(ok)
 
+    # -- lifecycle -----------------------------------------------------------------
+
+    task_name = "replica-work"
+
+    def start(self, supervisor: Supervisor | None = None, replica: str = "") -> None:
+        """Runs the owner loop under supervision: if it dies its callers fail at once (on_death)
+        and it starts over with an empty batch."""
+        name = f"{self.task_name}@{replica}" if replica else self.task_name
+        self._task = (supervisor or Supervisor()).start(name, self._run, on_death=self._on_death)
+
+    async def _run(self) -> None:
+        raise NotImplementedError
+
+    def _on_death(self, error: BaseException) -> None:
+        raise NotImplementedError
+
 
 class Scheduler(ReplicaWork):
     def __init__(
@@ -299,8 +316,11 @@ class Scheduler(ReplicaWork):
 
     # -- lifecycle -----------------------------------------------------------------
 
-    def start(self) -> None:
-        self._task = asyncio.create_task(self._run(), name="generation-scheduler")
+    task_name = "generation-scheduler"
+
+    def _on_death(self, error: BaseException) -> None:
+        # Running sequences lose their place: the new loop starts with an empty batch.
+        self._fail_everything(f"the generation scheduler failed: {error!r}")
 
     async def stop(self) -> None:
         if self._task is not None:

@@ -50,7 +50,7 @@ async def serve(config: RateLimitConfig) -> None:
     running = await create_server(
         config.host, config.port, config.metrics_port, register, tls=config.server_tls(ENV_PREFIX), quiet_methods=quiet
     )
-    limiter.start_reloading(config.reload_interval_s)
+    limiter.start_reloading(config.reload_interval_s, running.supervisor)
     log.info(
         "ready",
         backend=config.backend,

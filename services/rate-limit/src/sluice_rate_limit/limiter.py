@@ -13,6 +13,7 @@ from typing import Protocol
 import structlog
 
 from sluice_common.errors import InvalidArgument, NotFound, Unavailable
+from sluice_common.supervision import Supervisor
 from sluice_rate_limit import metrics
 from sluice_rate_limit.budgets import BackendUnavailable, BudgetState, Check, Decision, LeaseNotFound
 from sluice_rate_limit.limits import Limits, LimitsFile
@@ -138,9 +139,9 @@ class RateLimiter:
     def limits_error(self) -> str:
         return self._limits_file.error if self._limits_file is not None else ""
 
-    def start_reloading(self, every_s: float) -> None:
+    def start_reloading(self, every_s: float, supervisor: Supervisor | None = None) -> None:
         if self._limits_file is not None:
-            self._reloader = asyncio.create_task(self._reload_forever(every_s), name="limits-reload")
+            self._reloader = (supervisor or Supervisor()).start("limits-reload", lambda: self._reload_forever(every_s))
 
     async def _reload_forever(self, every_s: float) -> None:
         assert self._limits_file is not None

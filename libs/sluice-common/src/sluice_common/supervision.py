@@ -1,0 +1,87 @@
+"""Owner tasks (a scheduler, a batcher, a consumer, a probe loop), supervised in one place.
+
+Each service has a few long-lived tasks that own some work: callers queue on them and wait. A
+bare `asyncio.create_task` that dies leaves those callers waiting for ever and health saying
+SERVING. Started through a `Supervisor` instead, a task that dies (raises) is
+
+  - logged with its exception (`owner_task_died`) and counted (sluice_owner_task_deaths_total),
+  - reported unhealthy (the service turns NOT_SERVING while any owner task is down),
+  - handed to its `on_death`, which fails the callers waiting on it at once (UNAVAILABLE),
+  - restarted after `restart_delay_s` when `restart` is set (the owner starts over from an empty
+    state its on_death left), after which health comes back.
+
+Cancelling the task returned by `start` (an owner's `stop`) is not a death, nor is a loop that
+returns (an owner that drains and ends on its own stop).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+
+import structlog
+from prometheus_client import Counter
+
+log = structlog.stdlib.get_logger("sluice.supervision")
+
+TASK_DEATHS = Counter("sluice_owner_task_deaths_total", "Owner tasks that died (and were restarted if safe).", ["task"])
+
+# Told (source, ok) when a task goes down or comes back; RunningServer.report fits.
+HealthReport = Callable[[str, bool], Awaitable[None]]
+
+
+class Supervisor:
+    def __init__(self, report: HealthReport | None = None, restart_delay_s: float = 1.0) -> None:
+        self._report = report
+        self._restart_delay_s = restart_delay_s
+        self._down: set[str] = set()
+
+    @property
+    def healthy(self) -> bool:
+        """No supervised task is down now."""
+        return not self._down
+
+    def start(
+        self,
+        name: str,
+        run: Callable[[], Awaitable[None]],
+        on_death: Callable[[BaseException], None] | None = None,
+        restart: bool = True,
+    ) -> asyncio.Task[None]:
+        """Runs `run()` under supervision; cancel the returned task to stop it."""
+        return asyncio.create_task(self._watch(name, run, on_death, restart), name=name)
+
+    async def _watch(
+        self, name: str, run: Callable[[], Awaitable[None]], on_death: Callable[[BaseException], None] | None, restart: bool
+    ) -> None:
+        while True:
+            try:
+                await run()
+                return
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - any death is logged, reported and handled alike
+                await self._died(name, exc, on_death, restart)
+            if not restart:
+                return
+            await asyncio.sleep(self._restart_delay_s)
+            log.info("owner_task_restarted", task=name)
+            await self._set(name, up=True)
+
+    async def _died(self, name: str, error: BaseException, on_death: Callable[[BaseException], None] | None, restart: bool) -> None:
+        log.error("owner_task_died", task=name, error=repr(error), restart=restart, exc_info=error)
+        TASK_DEATHS.labels(task=name).inc()
+        await self._set(name, up=False)
+        if on_death is not None:
+            try:
+                on_death(error)
+            except Exception as exc:  # noqa: BLE001 - failing the waiters must not stop the restart
+                log.error("owner_task_on_death_failed", task=name, error=repr(exc), exc_info=exc)
+
+    async def _set(self, name: str, up: bool) -> None:
+        if up:
+            self._down.discard(name)
+        else:
+            self._down.add(name)
+        if self._report is not None:
+            await self._report(f"task:{name}", up)

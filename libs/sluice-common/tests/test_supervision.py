@@ -1,0 +1,93 @@
+"""Owner tasks under supervision: a death is reported, its waiters failed, the task restarted."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from sluice_common.supervision import TASK_DEATHS, Supervisor
+
+
+class Health:
+    def __init__(self) -> None:
+        self.reports: list[tuple[str, bool]] = []
+
+    async def report(self, source: str, ok: bool) -> None:
+        self.reports.append((source, ok))
+
+
+async def wait_until(condition, timeout_s: float = 2.0) -> None:  # type: ignore[no-untyped-def]
+    async with asyncio.timeout(timeout_s):
+        while not condition():
+            await asyncio.sleep(0.005)
+
+
+async def test_a_task_that_raises_is_reported_its_waiters_failed_and_it_restarts() -> None:
+    health, deaths, runs = Health(), [], []
+
+    async def owner() -> None:
+        runs.append(1)
+        if len(runs) == 1:
+            raise KeyError("a bug in the loop")
+        await asyncio.Event().wait()
+
+    supervisor = Supervisor(health.report, restart_delay_s=0.05)
+    before = TASK_DEATHS.labels(task="scheduler")._value.get()
+    task = supervisor.start("scheduler", owner, on_death=deaths.append)
+    await wait_until(lambda: len(runs) == 2)
+    assert isinstance(deaths[0], KeyError)
+    assert health.reports == [("task:scheduler", False), ("task:scheduler", True)]
+    assert supervisor.healthy and TASK_DEATHS.labels(task="scheduler")._value.get() == before + 1
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    assert health.reports[-1] == ("task:scheduler", True)  # stopping is not dying
+
+
+async def test_health_is_down_while_the_task_waits_to_restart() -> None:
+    health = Health()
+
+    async def owner() -> None:
+        raise RuntimeError("boom")
+
+    supervisor = Supervisor(health.report, restart_delay_s=10.0)
+    task = supervisor.start("batcher", owner)
+    await wait_until(lambda: health.reports == [("task:batcher", False)])
+    assert not supervisor.healthy
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+
+
+async def test_a_loop_that_returns_has_ended_and_one_not_restarted_stays_down() -> None:
+    deaths: list[BaseException] = []
+
+    async def drains_and_ends() -> None:
+        return None
+
+    async def fails() -> None:
+        raise OSError("the broker went away")
+
+    supervisor = Supervisor()
+    await supervisor.start("similarity", drains_and_ends, on_death=deaths.append, restart=False)
+    assert deaths == [] and supervisor.healthy
+    await supervisor.start("consumer", fails, on_death=deaths.append, restart=False)
+    assert isinstance(deaths[0], OSError) and not supervisor.healthy
+
+
+async def test_a_failing_on_death_does_not_stop_the_restart() -> None:
+    runs = []
+
+    async def owner() -> None:
+        runs.append(1)
+        if len(runs) == 1:
+            raise RuntimeError("first run fails")
+        await asyncio.Event().wait()
+
+    def on_death(_: BaseException) -> None:
+        raise ValueError("the waiters could not be failed")
+
+    task = Supervisor(restart_delay_s=0.01).start("probe", owner, on_death=on_death)
+    await wait_until(lambda: len(runs) == 2)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
