@@ -100,11 +100,18 @@ def read_store(stack: Stack, file_name: str) -> Iterator[sqlite3.Connection]:
 
 
 def waiting_requests(adapter_metrics_url: str) -> dict[str, int]:
-    """The adapter's waiting requests per priority class, both from one scrape (one instant)."""
+    """The adapter's waiting requests per priority class over all its replicas, from one scrape."""
     with urllib.request.urlopen(adapter_metrics_url, timeout=5) as reply:
         text = reply.read().decode()
-    found = dict(re.findall(r'^sluice_adapter_waiting_requests\{priority="(\w+)"\} ([0-9.]+)$', text, re.M))
-    return {priority: int(float(found.get(priority, 0))) for priority in ("interactive", "bulk")}
+    found = re.findall(r'^sluice_adapter_waiting_requests\{priority="(\w+)",replica="[^"]*"\} ([0-9.]+)$', text, re.M)
+    return {priority: int(sum(float(v) for p, v in found if p == priority)) for priority in ("interactive", "bulk")}
+
+
+def scrape_total(url: str, name: str) -> float:
+    """A metric summed over all its label sets (a per-replica gauge, for the adapter as a whole)."""
+    with urllib.request.urlopen(url, timeout=5) as reply:
+        text = reply.read().decode()
+    return sum(float(v) for v in re.findall(rf"^{re.escape(name)}(?:\{{[^}}]*\}})?\s+([0-9.eE+-]+)$", text, re.M))
 
 
 def wait_for(condition: Callable[[], bool], what: str = "the condition", timeout_s: float = 10.0, poll_s: float = 0.05) -> None:

@@ -13,7 +13,7 @@ from grpc_status import rpc_status
 from sluice.common.v1 import types_pb2
 from sluice.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 
-from conftest import auth, chat, scrape, wait_for, waiting_requests
+from conftest import auth, chat, scrape, scrape_total, wait_for, waiting_requests
 from sluice_stack import Stack, StackPorts
 
 PROMPTS = [
@@ -92,10 +92,10 @@ def test_a_cancelled_stream_frees_its_slot_within_one_step(gateway, stack) -> No
     for index, _ in enumerate(call):
         if index == 2:
             break
-    assert scrape(metrics, SLOTS) == 2
+    assert scrape_total(metrics, SLOTS) == 2
     at_cancel = steps_of_two()
     call.cancel()
-    wait_for(lambda: scrape(metrics, SLOTS) == 1, "the cancelled sequence's slot to be freed", poll_s=0.005)
+    wait_for(lambda: scrape_total(metrics, SLOTS) == 1, "the cancelled sequence's slot to be freed", poll_s=0.005)
     # Both sequences shared at most the step in flight when the cancel arrived and one more.
     assert steps_of_two() - at_cancel <= 2
     stop.set()

@@ -22,7 +22,7 @@ from grpc_status import rpc_status
 from sluice.common.v1 import types_pb2
 from sluice.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 
-from conftest import auth, chat, scrape, wait_for, waiting_requests
+from conftest import auth, chat, scrape, scrape_total, wait_for, waiting_requests
 from sluice_stack import Stack, StackPorts
 
 IN_FLIGHT = 2
@@ -145,11 +145,11 @@ def test_cancel_closes_the_triton_stream(stub, passthrough: Stack) -> None:
     call = stub.Generate(chat("Write a very long essay about the sea.", 60), metadata=auth(), timeout=120)
     for index, _ in enumerate(call):
         if index == 4:
-            assert scrape(adapter, "sluice_adapter_kv_slots_in_use") == 1
+            assert scrape_total(adapter, "sluice_adapter_kv_slots_in_use") == 1
             break
     call.cancel()
     deadline = time.monotonic() + 5
-    while scrape(adapter, "sluice_adapter_kv_slots_in_use") != 0:
+    while scrape_total(adapter, "sluice_adapter_kv_slots_in_use") != 0:
         assert time.monotonic() < deadline, "the adapter kept the cancelled stream open"
         time.sleep(0.05)
     assert scrape(adapter, "sluice_adapter_cancellations_total", '{reason="cancelled"}') == cancelled_before + 1

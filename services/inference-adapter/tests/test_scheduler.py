@@ -324,3 +324,53 @@ async def test_an_interactive_prefill_step_carries_no_bulk_rows_but_bulk_never_s
     assert [i in bulk_steps for i in prefill_steps] == [False, True] * 3
     # An interactive prompt is never chunked.
     assert all("prefill_chunk" not in json.loads(model.steps[i][-1].request) for i in prefill_steps)
+
+
+class SharedSlotsModel(RecordingStepModel):
+    """A step model with `slots` KV slots, some held by another adapter: a prefill that finds
+    none free answers "busy" and changes nothing, as triton-local's engine does."""
+
+    def __init__(self, slots: int, held_by_others: int = 0) -> None:
+        super().__init__()
+        self.slots = slots
+        self.held_by_others = held_by_others
+        self.peak = 0
+
+    def _answer(self, row: StepRow) -> StepOutcome:
+        held = len(self.max_tokens) + self.held_by_others
+        if row.action is Action.PREFILL and held >= self.slots:
+            return StepOutcome(-1, "", "busy", 3, 0, "no free slot")
+        outcome = super()._answer(row)
+        if outcome.finish:
+            self.max_tokens.pop(row.seq_id, None)
+        self.peak = max(self.peak, len(self.max_tokens) + self.held_by_others)
+        return outcome
+
+
+async def test_a_full_engine_is_backpressure_not_an_error() -> None:
+    model = SharedSlotsModel(slots=2)
+    scheduler = Scheduler(model, SchedulerLimits(max_batch_size=4), replica="triton-a:8001")
+    scheduler.start()
+    try:
+        results = await asyncio.gather(*(collect(scheduler.submit(request(max_tokens=3))) for _ in range(5)))
+    finally:
+        await scheduler.stop()
+    assert [(text, finish.finish) for text, finish in results] == [("t1 t2 t3 ", Finish.LENGTH)] * 5
+    assert model.peak == 2
+
+
+async def test_prefills_wait_while_another_adapter_holds_every_slot() -> None:
+    model = SharedSlotsModel(slots=2, held_by_others=2)
+    scheduler = Scheduler(model, SchedulerLimits(max_batch_size=4, engine_full_retry_s=0.02))
+    scheduler.start()
+    try:
+        handle = scheduler.submit(request(max_tokens=2))
+        await asyncio.sleep(0.2)
+        busy_answers = sum(1 for rows in model.steps for row in rows if row.action is Action.PREFILL)
+        # Retried about every 20 ms, not in a busy loop; nothing reached the caller yet.
+        assert 3 <= busy_answers <= 15 and scheduler.running_count == 0
+        model.held_by_others = 0  # the other adapter's sequences ended
+        text, finish = await asyncio.wait_for(collect(handle), timeout=2)
+    finally:
+        await scheduler.stop()
+    assert (text, finish.finish) == ("t1 t2 ", Finish.LENGTH)

@@ -44,7 +44,7 @@ async def test_a_dead_scheduler_turns_health_not_serving_within_a_second_and_fai
         return (await health.Check(health_pb2.HealthCheckRequest(service=""))).status
 
     scheduler = Scheduler(FaultyOnce(), SchedulerLimits(max_batch_size=4))
-    scheduler.start(Supervisor(running.report, restart_delay_s=1.5), "triton-0:8001")
+    scheduler.start(Supervisor(running.report, restart_delay_s=1.5))
     try:
         assert await status() == health_pb2.HealthCheckResponse.SERVING
         started = time.monotonic()

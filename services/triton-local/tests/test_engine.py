@@ -10,6 +10,7 @@ from conftest import run_bench
 from sluice_triton_local.engine import DecodeRow, PrefillRow, ReleaseRow, RowResult, SamplingParams, StepEngine
 from sluice_triton_local.config import ENGINES
 from sluice_triton_local.engine.bench import default_gguf_path
+from sluice_triton_local.engine.step_engine import LEASE_MIN_STEPS
 from sluice_triton_local.engine.stops import StopFilter
 
 CHAT = [("user", "Which city is the capital of France?")]
@@ -216,14 +217,42 @@ def test_overlong_prompt_is_rejected(engine: StepEngine) -> None:
     assert engine.active_slots == 0
 
 
-def test_no_free_slot(engine: StepEngine) -> None:
+def test_no_free_slot_is_busy_and_changes_nothing(engine: StepEngine) -> None:
     prompt = "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
-    rows = [PrefillRow(1000 + i, prompt, SamplingParams(max_tokens=5)) for i in range(engine.max_slots + 1)]
+    rows = [PrefillRow(1000 + i, prompt, SamplingParams(max_tokens=5), owner="a") for i in range(engine.max_slots + 1)]
     res = engine.step(rows)
     assert all(r.finish_reason in ("", "stop") for r in res[:-1])
-    assert res[-1].finish_reason == "error" and f"max_slots={engine.max_slots}" in res[-1].error
+    assert res[-1].finish_reason == "busy" and f"max_slots={engine.max_slots}" in res[-1].error
+    assert engine.slots_by_owner() == {"a": engine.max_slots}
     engine.step([ReleaseRow(r.seq_id) for r in rows])
     assert engine.active_slots == 0
+    # Once a slot is free, the same prefill succeeds: the busy answer left nothing behind.
+    (retry,) = engine.step([rows[-1]])
+    assert retry.finish_reason in ("", "stop") and retry.token_id >= 0
+    engine.step([ReleaseRow(rows[-1].seq_id)])
+
+
+def test_a_sequence_not_stepped_within_the_lease_is_released(engine: StepEngine) -> None:
+    now = [1000.0]
+    engine._clock = lambda: now[0]  # noqa: SLF001 - the lease's clock, driven by the test
+    engine._slot_lease_s = 5.0  # noqa: SLF001
+    try:
+        prompt = "<|im_start|>user\nWrite a long story about a dragon.<|im_end|>\n<|im_start|>assistant\n"
+        engine.step([PrefillRow(1, prompt, SamplingParams(max_tokens=60), owner="dead"),
+                     PrefillRow(2, prompt, SamplingParams(max_tokens=60), owner="alive")])
+        now[0] += 6.0  # past the lease, but no other step ran: a live adapter's step may just be late
+        (late,) = engine.step([DecodeRow(1)])
+        assert late.token_id >= 0
+        for _ in range(LEASE_MIN_STEPS + 1):  # only sequence 2's adapter keeps stepping it
+            now[0] += 0.5
+            (kept,) = engine.step([DecodeRow(2)])
+            assert kept.token_id >= 0 or kept.finish_reason
+        assert engine.slots_by_owner() == {"alive": 1}
+        (gone,) = engine.step([DecodeRow(1)])
+        assert gone.finish_reason == "error" and "not running" in gone.error
+    finally:
+        engine._slot_lease_s = 0.0  # noqa: SLF001
+        engine.step([ReleaseRow(1), ReleaseRow(2)])
 
 
 def test_long_prompt_prefill_chunks_attention(engine: StepEngine) -> None:

@@ -66,11 +66,11 @@ def build_backends(config: AdapterConfig, protocol: Protocol) -> tuple[list[Back
             interactive_reserved_slots=config.interactive_reserved_slots,
         )
         steps = [TritonStepBackend(url, config.triton_model, config.step_timeout_s) for url in config.triton_urls]
-        return list(steps), lambda backend, on_step: Scheduler(backend, limits, on_step=on_step)  # type: ignore[arg-type]
+        return list(steps), lambda backend, on_step: Scheduler(backend, limits, on_step=on_step, replica=backend.url)  # type: ignore[arg-type]
     passthrough = PassthroughLimits(max_in_flight=config.max_in_flight, max_waiting=config.max_waiting)
     template = passthrough_chat_template(config)
     streams = [TritonGenerateBackend(url, config.triton_model) for url in config.triton_urls]
-    return list(streams), lambda backend, on_step: PassthroughScheduler(backend, passthrough, template.render, on_step=on_step)  # type: ignore[arg-type]
+    return list(streams), lambda backend, on_step: PassthroughScheduler(backend, passthrough, template.render, on_step=on_step, replica=backend.url)  # type: ignore[arg-type]
 
 
 def passthrough_chat_template(config: AdapterConfig) -> ChatTemplate:

@@ -4,8 +4,13 @@ from prometheus_client import Counter, Gauge, Histogram
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 
-WAITING = Gauge("sluice_adapter_waiting_requests", "Requests waiting for a batch slot.", ["priority"])
-SLOTS_IN_USE = Gauge("sluice_adapter_kv_slots_in_use", "Sequences holding a KV-cache slot at Triton.")
+WAITING = Gauge("sluice_adapter_waiting_requests", "Requests waiting for a batch slot, per Triton replica.", ["priority", "replica"])
+SLOTS_IN_USE = Gauge("sluice_adapter_kv_slots_in_use", "Sequences holding a KV-cache slot at a Triton replica.", ["replica"])
+ENGINE_FULL = Counter(
+    "sluice_adapter_engine_full_total",
+    "Prefills a replica's step model answered busy (every slot taken, by this or another adapter): retried later.",
+    ["replica"],
+)
 BATCH_SIZE = Histogram(
     "sluice_adapter_batch_size", "Token-producing rows per step.", buckets=(1, 2, 4, 8, 16, 32, 64, 128)
 )

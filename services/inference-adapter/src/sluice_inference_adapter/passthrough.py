@@ -74,8 +74,9 @@ class PassthroughScheduler(ReplicaWork):
         render: Callable[[PromptSpec], str],
         clock: Callable[[], float] = time.monotonic,
         on_step: Callable[[bool], None] | None = None,
+        replica: str = "",
     ) -> None:
-        super().__init__(limits.max_waiting, limits.retry_after_s, clock, on_step)
+        super().__init__(limits.max_waiting, limits.retry_after_s, clock, on_step, replica)
         self._backend = backend
         self._limits = limits
         # The model's chat template (chat_template.py): the engine takes raw text.
@@ -120,7 +121,7 @@ class PassthroughScheduler(ReplicaWork):
                 sequence.prefilled_at = now
                 metrics.QUEUE_SECONDS.observe(now - sequence.submitted_at)
                 self._in_flight[sequence] = asyncio.create_task(self._stream(sequence))
-            metrics.SLOTS_IN_USE.set(len(self._in_flight))
+            metrics.SLOTS_IN_USE.labels(replica=self._replica).set(len(self._in_flight))
 
     async def _stream(self, sequence: Sequence) -> None:
         request = sequence.request

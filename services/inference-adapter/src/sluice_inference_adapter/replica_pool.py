@@ -54,7 +54,7 @@ class BatchOwner(Protocol):
 
     def submit(self, request: GenerationRequest) -> SequenceHandle: ...
 
-    def start(self, supervisor: Supervisor | None = None, replica: str = "") -> None: ...
+    def start(self, supervisor: Supervisor | None = None) -> None: ...
 
     async def stop(self) -> None: ...
 
@@ -144,7 +144,7 @@ class ReplicaPool:
     def start(self, supervisor: Supervisor | None = None) -> None:
         supervisor = supervisor or Supervisor()
         for replica in self.replicas:
-            replica.scheduler.start(supervisor, replica.name)
+            replica.scheduler.start(supervisor)
         self._probe_task = supervisor.start("replica-probes", self._probe_forever)
 
     async def stop(self) -> None:

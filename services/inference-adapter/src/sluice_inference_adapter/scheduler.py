@@ -13,7 +13,9 @@ from __future__ import annotations
 import asyncio
 import enum
 import math
+import os
 import random
+import socket
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -24,6 +26,7 @@ from sluice_common.errors import ResourceExhausted
 from sluice_common.supervision import Supervisor
 from sluice_inference_adapter import metrics
 from sluice_inference_adapter.step_rows import (
+    FINISH_BUSY,
     FINISH_ERROR,
     FINISH_INVALID,
     Action,
@@ -36,6 +39,9 @@ from sluice_inference_adapter.step_rows import (
 from sluice_inference_adapter.waiting_queue import FairWaitingQueue, Priority
 
 log = structlog.stdlib.get_logger("sluice.scheduler")
+
+# Who drives our sequences at Triton (the step model's per-owner slot metrics).
+ADAPTER_ID = f"{socket.gethostname()}/{os.getpid()}"
 
 
 class Finish(enum.Enum):
@@ -108,6 +114,9 @@ class SchedulerLimits:
     max_bulk_prefill_rows: int = 0
     bulk_prefill_chunk: int = 0
     interactive_reserved_slots: int = 0
+    # After a prefill found the engine full (its slots shared with other adapters), how long
+    # before prefills are tried again, unless one of ours ends first.
+    engine_full_retry_s: float = 0.05
     # Advertised in RetryInfo when the waiting queue is full.
     retry_after_s: float = 1.0
 
@@ -233,13 +242,15 @@ class ReplicaWork:
         retry_after_s: float,
         clock: Callable[[], float],
         on_step: Callable[[bool], None] | None,
+        replica: str = "",
     ) -> None:
+        self._replica = replica
         self._max_waiting = max_waiting
         self._retry_after_s = retry_after_s
         self._clock = clock
         # Told whether each step (or stream) reached the backend, for replica health.
         self._on_step = on_step
-        self._waiting: FairWaitingQueue[Sequence] = FairWaitingQueue()
+        self._waiting: FairWaitingQueue[Sequence] = FairWaitingQueue(replica)
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
 
@@ -279,10 +290,10 @@ class ReplicaWork:
 
     task_name = "replica-work"
 
-    def start(self, supervisor: Supervisor | None = None, replica: str = "") -> None:
+    def start(self, supervisor: Supervisor | None = None) -> None:
         """Runs the owner loop under supervision: if it dies its callers fail at once (on_death)
         and it starts over with an empty batch."""
-        name = f"{self.task_name}@{replica}" if replica else self.task_name
+        name = f"{self.task_name}@{self._replica}" if self._replica else self.task_name
         self._task = (supervisor or Supervisor()).start(name, self._run, on_death=self._on_death)
 
     async def _run(self) -> None:
@@ -299,12 +310,16 @@ class Scheduler(ReplicaWork):
         limits: SchedulerLimits,
         clock: Callable[[], float] = time.monotonic,
         on_step: Callable[[bool], None] | None = None,
+        replica: str = "",
     ):
-        super().__init__(limits.max_waiting, limits.retry_after_s, clock, on_step)
+        super().__init__(limits.max_waiting, limits.retry_after_s, clock, on_step, replica)
         self._backend = backend
         self._limits = limits
         self._running: dict[int, Sequence] = {}
         self._bulk_sat_out = False
+        # Set when a prefill found the engine full (other adapters share it): no new prefill
+        # until one of ours ends or this time passes.
+        self._engine_full_until = 0.0
 
     @property
     def running_count(self) -> int:
@@ -337,6 +352,8 @@ class Scheduler(ReplicaWork):
                 await self._wakeup.wait()
             rows, stepped = self._plan_step()
             if not rows:
+                # Only prefills wait, and the engine is full of other adapters' sequences.
+                await asyncio.sleep(max(0.0, self._engine_full_until - self._clock()))
                 continue
             try:
                 outcomes = await self._backend.step(rows)
@@ -355,7 +372,7 @@ class Scheduler(ReplicaWork):
         for sequence in sequences:
             sequence.backend_failed = backend_failed
             sequence.finish(Finish.ERROR, self._clock(), error=error)
-        metrics.SLOTS_IN_USE.set(0)
+        metrics.SLOTS_IN_USE.labels(replica=self._replica).set(0)
 
     def _plan_step(self) -> tuple[list[StepRow], list[Sequence]]:
         """Rows for this step, and the sequences whose rows produce tokens (in row order)."""
@@ -382,16 +399,17 @@ class Scheduler(ReplicaWork):
         if stepped:
             metrics.BATCH_SIZE.observe(len(stepped))
             metrics.BATCH_TOKENS.observe(self.batch_tokens)
-        metrics.SLOTS_IN_USE.set(len(self._running))
+        metrics.SLOTS_IN_USE.labels(replica=self._replica).set(len(self._running))
         return rows + decode_rows + prefill_rows, stepped
 
     def _prefill_request(self, sequence: Sequence) -> bytes:
         chunk = self._limits.bulk_prefill_chunk if sequence.priority is Priority.BULK else 0
-        return sequence.request.prompt.to_json(sequence.request.sampling, prefill_chunk=chunk)
+        return sequence.request.prompt.to_json(sequence.request.sampling, prefill_chunk=chunk, owner=ADAPTER_ID)
 
     def _admit(self, now: float) -> list[Sequence]:
         """Waiting sequences whose prefill joins this step."""
-        admitted = self._take_within_budgets(now) if not self._running or self._prefill_due() else []
+        engine_full = now < self._engine_full_until
+        admitted = self._take_within_budgets(now) if not engine_full and (not self._running or self._prefill_due()) else []
         for sequence in self._waiting:
             sequence.waited_steps += 1
         return admitted
@@ -447,6 +465,9 @@ class Scheduler(ReplicaWork):
         producing = [o for row, o in zip(rows, outcomes) if row.action is not Action.RELEASE]
         now = self._clock()
         for sequence, outcome in zip(stepped, producing):
+            if outcome.finish == FINISH_BUSY:
+                self._requeue(sequence, now)
+                continue
             sequence.prompt_tokens = outcome.prompt_tokens or sequence.prompt_tokens
             sequence.completion_tokens = outcome.completion_tokens
             if outcome.token_id >= 0 and not sequence.cancelled:
@@ -454,7 +475,16 @@ class Scheduler(ReplicaWork):
             if outcome.finish:
                 self._running.pop(sequence.seq_id, None)
                 sequence.finish(_finish_of(outcome.finish), now, error=outcome.error)
-        metrics.SLOTS_IN_USE.set(len(self._running))
+                self._engine_full_until = 0.0  # a slot is free now: prefills may try again
+        metrics.SLOTS_IN_USE.labels(replica=self._replica).set(len(self._running))
+
+    def _requeue(self, sequence: Sequence, now: float) -> None:
+        """A prefill the engine had no slot for: back to the head of the queue, not an error."""
+        self._running.pop(sequence.seq_id, None)
+        sequence.prefilled_at = None
+        self._waiting.push_front(sequence)
+        self._engine_full_until = now + self._limits.engine_full_retry_s
+        metrics.ENGINE_FULL.labels(replica=self._replica).inc()
 
 
 def _finish_of(value: str) -> Finish:

@@ -35,10 +35,12 @@ class PromptSpec:
     messages: tuple[tuple[str, str], ...] = ()
     prompt: str = ""
 
-    def to_json(self, sampling: SamplingSpec | None = None, prefill_chunk: int = 0) -> bytes:
+    def to_json(self, sampling: SamplingSpec | None = None, prefill_chunk: int = 0, owner: str = "") -> bytes:
         body: dict[str, object] = {"messages": [list(m) for m in self.messages]} if self.messages else {"prompt": self.prompt}
         if prefill_chunk:
             body["prefill_chunk"] = prefill_chunk
+        if owner:
+            body["owner"] = owner
         if sampling is not None:
             body.update(
                 max_tokens=sampling.max_tokens,
@@ -59,9 +61,11 @@ class StepRow:
 
 
 # The step model's FINISH values besides "" (running), "stop" and "length" (Finish's values):
-# "invalid" means the row's input was rejected (a client error).
+# "invalid" means the row's input was rejected (a client error); "busy" that a prefill found
+# every slot taken (adapters share the engine): nothing happened, it is tried again later.
 FINISH_ERROR = "error"
 FINISH_INVALID = "invalid"
+FINISH_BUSY = "busy"
 
 
 @dataclass(frozen=True)

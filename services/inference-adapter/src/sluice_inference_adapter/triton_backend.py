@@ -8,6 +8,7 @@ backend (the engine batches); `detect_protocol` tells them apart.
 from __future__ import annotations
 
 import json
+import random
 import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
@@ -23,7 +24,7 @@ from sluice_inference_adapter import metrics
 from sluice_inference_adapter.backend_errors import RequestRejected, engine_message, is_request_fault
 from sluice_inference_adapter.embed_batcher import Embeddings
 from sluice_inference_adapter.passthrough import GeneratedChunk
-from sluice_inference_adapter.step_rows import Action, PromptSpec, SamplingSpec, StepOutcome, StepRow
+from sluice_inference_adapter.step_rows import FINISH_BUSY, Action, PromptSpec, SamplingSpec, StepOutcome, StepRow
 
 Protocol = Literal["step", "generate"]
 
@@ -33,7 +34,6 @@ _RETURN_FLAGS = ("return_finish_reason", "return_num_input_tokens", "return_num_
 _STEP_INPUTS = {"ACTION", "SEQ_ID", "REQUEST"}
 _VLLM_INPUTS = {"text_input", "sampling_parameters", "stream", "exclude_input_in_output", *_RETURN_FLAGS}
 _STEP_OUTPUTS = ("TOKEN_ID", "TEXT", "FINISH", "PROMPT_TOKENS", "COMPLETION_TOKENS", "ERROR")
-_PROBE_SEQ_ID = 1  # the probe's sequence finishes within its one step, so one id serves every probe
 _PROBE_REQUEST = PromptSpec(prompt="ping").to_json(SamplingSpec(max_tokens=1))
 
 
@@ -141,10 +141,12 @@ class TritonStepBackend(_TritonEndpoint):
         if not await self.is_ready():
             return False
         try:
-            (outcome,) = await self.step([StepRow(Action.PREFILL, _PROBE_SEQ_ID, _PROBE_REQUEST)])
+            # A random id: other adapters probe the same engine, maybe at the same moment.
+            (outcome,) = await self.step([StepRow(Action.PREFILL, random.getrandbits(62) + 1, _PROBE_REQUEST)])
         except Unavailable:
             return False
-        return outcome.token_id >= 0 and not outcome.error
+        # "busy": every slot is taken (shared with other adapters), which a serving engine may be.
+        return (outcome.token_id >= 0 and not outcome.error) or outcome.finish == FINISH_BUSY
 
 
 class TritonGenerateBackend(_TritonEndpoint):

@@ -31,7 +31,8 @@ T = TypeVar("T", bound=Queued)
 
 
 class FairWaitingQueue(Generic[T]):
-    def __init__(self) -> None:
+    def __init__(self, replica: str = "") -> None:
+        self._replica = replica
         # Per class, tenants in round-robin order, each with its own FIFO.
         self._classes: dict[Priority, OrderedDict[str, deque[T]]] = {p: OrderedDict() for p in Priority}
         self._count = 0
@@ -47,9 +48,17 @@ class FairWaitingQueue(Generic[T]):
         self._count += 1
         self._report()
 
+    def push_front(self, item: T) -> None:
+        """Back at the head, its tenant first in its class: an item taken out that could not run."""
+        tenants = self._classes[item.priority]
+        tenants.setdefault(item.tenant, deque()).appendleft(item)
+        tenants.move_to_end(item.tenant, last=False)
+        self._count += 1
+        self._report()
+
     def _report(self) -> None:
         for priority in Priority:
-            metrics.WAITING.labels(priority=priority.name.lower()).set(self.count(priority))
+            metrics.WAITING.labels(priority=priority.name.lower(), replica=self._replica).set(self.count(priority))
 
     def peek(self) -> T | None:
         for tenants in self._classes.values():

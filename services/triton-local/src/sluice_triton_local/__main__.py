@@ -47,6 +47,7 @@ def main() -> None:
         gguf_path,
         max_slots=config.max_slots,
         max_context=config.max_context,
+        slot_lease_s=config.slot_lease_s,
         engine=config.engine,
         threads=config.engine_threads(),
         gpu_layers=config.gpu_layers,

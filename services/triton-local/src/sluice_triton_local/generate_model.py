@@ -41,6 +41,7 @@ from sluice_triton_local.engine.step_engine import DecodeRow, PrefillRow, Releas
 from sluice_triton_local.shared_engine import SharedEngine
 
 OnResult = Callable[[RowResult], None]
+_FULL_RETRY_S = 0.05
 
 
 @dataclass
@@ -65,6 +66,8 @@ class SelfBatchingGenerator:
         self._running: dict[int, _Job] = {}
         self._waiting: list[_Job] = []
         self._wake = threading.Event()
+        # A prefill found the engine full: admit no more until a sequence ends (or a retry time).
+        self._full = False
         threading.Thread(target=self._loop, name="generate-model-batcher", daemon=True).start()
 
     def submit(self, prompt: str, params: SamplingParams, on_result: OnResult) -> int:
@@ -82,6 +85,10 @@ class SelfBatchingGenerator:
         while True:
             if not self._running and not self._waiting and self._incoming.empty():
                 self._wake.wait()
+            elif self._full and not self._running:
+                # Others' sequences fill the shared engine: try again shortly, not in a busy loop.
+                self._wake.wait(_FULL_RETRY_S)
+                self._full = False
             self._wake.clear()
             rows = self._plan()
             if not rows:
@@ -91,9 +98,15 @@ class SelfBatchingGenerator:
                 job = jobs.get(row.seq_id)
                 if job is None or isinstance(row, ReleaseRow):
                     continue
+                if result.finish_reason == "busy":  # the shared engine is full: wait for a slot
+                    del self._running[row.seq_id]
+                    self._waiting.insert(0, job)
+                    self._full = True
+                    continue
                 job.on_result(result)
                 if result.finish_reason:
                     del self._running[row.seq_id]
+                    self._full = False
 
     def _plan(self) -> list[PrefillRow | DecodeRow | ReleaseRow]:
         while not self._incoming.empty():
@@ -106,7 +119,7 @@ class SelfBatchingGenerator:
             rows.append(ReleaseRow(seq_id))
         self._waiting = [job for job in self._waiting if job.seq_id not in cancelled]
         rows.extend(DecodeRow(seq_id) for seq_id in self._running)
-        while self._waiting and len(self._running) < self._max_running:
+        while self._waiting and len(self._running) < self._max_running and not self._full:
             job = self._waiting.pop(0)
             self._running[job.seq_id] = job
             rows.append(PrefillRow(job.seq_id, job.prompt, job.params))

@@ -4,6 +4,12 @@ from prometheus_client import Counter, Gauge, Histogram
 
 TOKENS_GENERATED = Counter("sluice_triton_local_tokens_generated_total", "Tokens sampled by the step model.")
 ACTIVE_SLOTS = Gauge("sluice_triton_local_active_slots", "KV-cache slots held by running sequences.")
+SLOTS_BY_OWNER = Gauge(
+    "sluice_triton_local_slots_by_owner", "KV-cache slots held, per adapter instance that drives them.", ["owner"]
+)
+SLOTS_RECLAIMED = Counter(
+    "sluice_triton_local_slots_reclaimed_total", "Sequences released because nobody stepped them within the slot lease."
+)
 STEP_ROWS = Histogram(
     "sluice_triton_local_step_rows",
     "Rows (sequences) per step request.",

@@ -5,8 +5,13 @@ from __future__ import annotations
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import structlog
+
 from sluice_triton_local import metrics
 from sluice_triton_local.engine.step_engine import Row, RowResult, StepEngine
+
+
+log = structlog.stdlib.get_logger("sluice.triton_local.engine")
 
 
 class SharedEngine:
@@ -21,6 +26,8 @@ class SharedEngine:
     def __init__(self, engine: StepEngine) -> None:
         self._engine = engine
         self._owner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="step-engine")
+        self._owners: set[str] = set()
+        self._reclaimed = 0
 
     @property
     def context_length(self) -> int:
@@ -32,6 +39,19 @@ class SharedEngine:
     def apply_chat_template(self, messages: list[tuple[str, str]]) -> str:
         return self._engine.apply_chat_template(messages)
 
+    def _report_owners(self) -> None:
+        holding = self._engine.slots_by_owner()
+        for owner in self._owners - holding.keys():
+            metrics.SLOTS_BY_OWNER.labels(owner=owner).set(0)
+        for owner, slots in holding.items():
+            metrics.SLOTS_BY_OWNER.labels(owner=owner).set(slots)
+        self._owners |= holding.keys()
+        reclaimed = self._engine.slots_reclaimed_total
+        if reclaimed > self._reclaimed:
+            log.warning("slots_reclaimed", sequences=reclaimed - self._reclaimed, holding=holding)
+        metrics.SLOTS_RECLAIMED.inc(reclaimed - self._reclaimed)
+        self._reclaimed = reclaimed
+
     def step(self, rows: list[Row]) -> list[RowResult]:
         return self._owner.submit(self._step, rows).result()
 
@@ -41,6 +61,7 @@ class SharedEngine:
         results = self._engine.step(rows)
         metrics.TOKENS_GENERATED.inc(self._engine.tokens_generated_total - before)
         metrics.ACTIVE_SLOTS.set(self._engine.active_slots)
+        self._report_owners()
         metrics.STEP_ROWS.observe(len(rows))
         metrics.STEP_SECONDS.observe(time.perf_counter() - started)
         return results

@@ -7,14 +7,17 @@ One Triton request carries one row per sequence, all tensors of shape [rows]:
            REQUEST BYTES   JSON for prefill and count rows, empty otherwise:
                            {"messages": [[role, content], ...]} or {"prompt": "..."},
                            plus "max_tokens", "temperature", "top_p", "seed", "stop",
-                           and "prefill_chunk": prompt tokens to cache per step (0 or
-                           absent: the whole prompt in this step). A DECODE row of a
+                           "prefill_chunk": prompt tokens to cache per step (0 or
+                           absent: the whole prompt in this step), and "owner": who
+                           drives the sequence (slot metrics per adapter). A DECODE row of a
                            sequence whose prompt is not yet all cached caches its next
                            chunk and answers TOKEN_ID -1 with FINISH "".
   outputs  TOKEN_ID          INT32  sampled token, -1 when none
            TEXT              BYTES  UTF-8 text delta
-           FINISH            BYTES  "" while running, else "stop", "length", "error", or
-                                    "invalid" when the row's input was rejected (a client error)
+           FINISH            BYTES  "" while running, else "stop", "length", "error",
+                                    "invalid" when the row's input was rejected (a client error),
+                                    or "busy": a prefill found every slot taken (several adapters
+                                    share the engine); nothing changed, retry it later
            PROMPT_TOKENS     INT32
            COMPLETION_TOKENS INT32
            ERROR             BYTES  why a row failed, for a person to read
@@ -96,7 +99,7 @@ def _parse_row(engine: SharedEngine, action: int, seq_id: int, raw: bytes) -> Pr
         chunk = int(request.get("prefill_chunk", 0))
         if chunk < 0:
             return _invalid(seq_id, f"prefill_chunk must be >= 0, got {chunk}")
-        return PrefillRow(seq_id, prompt, sampling, chunk=chunk)
+        return PrefillRow(seq_id, prompt, sampling, chunk=chunk, owner=str(request.get("owner", "")))
     except (ValueError, TypeError, KeyError) as exc:
         return _invalid(seq_id, f"malformed REQUEST JSON: {exc}")
 

@@ -12,11 +12,22 @@ in; the step that caches the last chunk samples the first token. A step's cost
 grows with the tokens it carries, so a long prompt cut into chunks stalls the
 other sequences of the batch (and whoever waits for the step to end) for one
 chunk at a time instead of for the whole prompt.
+
+Shared slots: several schedulers (adapters) may drive one engine. A prefill that finds every
+slot taken answers finish "busy" and changes nothing: the caller retries it later; it is
+backpressure, not an error. A sequence not stepped (decoded, prefilled or released) for
+`slot_lease_s`, while the engine ran at least LEASE_MIN_STEPS other steps, is released at the
+next step, so the slots of a scheduler that died come back. (Time alone is not enough: a live
+scheduler's step may wait that long behind another scheduler's large prefill.)
+Each sequence records its `owner` (the scheduler that prefilled it) for the per-owner metrics.
 """
 
 from __future__ import annotations
 
 import math
+import time
+from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -29,6 +40,10 @@ from .model import BatchItem, LlamaModel
 from .sampling import make_rng, sample_token
 from .stops import StopFilter
 from .tokenizer import GGUFTokenizer, IncrementalDetokenizer
+
+
+# Engine steps a sequence must have missed, besides the lease time, before it is released.
+LEASE_MIN_STEPS = 16
 
 
 @dataclass(frozen=True)
@@ -46,6 +61,7 @@ class PrefillRow:
     prompt: str  # already templated text
     params: SamplingParams = SamplingParams()
     chunk: int = 0  # prompt tokens cached per step; 0: the whole prompt in this step
+    owner: str = ""  # who drives the sequence (an adapter instance), for per-owner slot metrics
 
 
 @dataclass(frozen=True)
@@ -66,7 +82,7 @@ class RowResult:
     seq_id: int
     token_id: int  # -1 when no token (release row, error)
     text: str  # text delta produced by this step
-    finish_reason: str  # "" while running; "stop", "length" or "error"
+    finish_reason: str  # "" while running; "stop", "length", "error", or "busy" (no free slot: retry later)
     prompt_tokens: int
     completion_tokens: int
     error: str = ""
@@ -86,6 +102,9 @@ class _Seq:
     uncached_prompt: list[int] = field(default_factory=list)  # prompt tokens still to prefill
     last_token: int = -1  # sampled but not yet fed back
     completion_tokens: int = 0
+    owner: str = ""
+    last_stepped_at: float = 0.0
+    last_stepped_step: int = 0
 
 
 @dataclass
@@ -109,11 +128,14 @@ class StepEngine:
         threads: int = 1,
         gpu_layers: int = 0,
         low_memory: bool = False,
+        slot_lease_s: float = 0.0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """engine "llamacpp" runs the forward pass on llama.cpp (threads, gpu_layers apply);
         "numpy" on our own numpy model (BLAS threads are fixed when numpy is imported), where
         low_memory keeps one copy of each weight matrix (~0.6 GB instead of ~1.1 GB for
-        SmolLM2-135M) at the cost of slower small-batch decode."""
+        SmolLM2-135M) at the cost of slower small-batch decode. slot_lease_s > 0: a sequence
+        not stepped for that long is released at the next step (0: never)."""
         if max_slots < 1:
             raise ValueError("max_slots must be >= 1")
         reader = open_reader(gguf_path)
@@ -129,6 +151,10 @@ class StepEngine:
         self._free_slots = list(range(max_slots - 1, -1, -1))  # pop() hands out slot 0 first
         self._seqs: dict[int, _Seq] = {}
         self.tokens_generated_total = 0
+        self._slot_lease_s = slot_lease_s
+        self._clock = clock
+        self._steps = 0
+        self.slots_reclaimed_total = 0
 
     @property
     def context_length(self) -> int:
@@ -137,6 +163,9 @@ class StepEngine:
     @property
     def active_slots(self) -> int:
         return len(self._seqs)
+
+    def slots_by_owner(self) -> dict[str, int]:
+        return dict(Counter(seq.owner for seq in self._seqs.values()))
 
     def count_tokens(self, text: str) -> int:
         return len(self.tokenizer.encode(text))
@@ -148,6 +177,13 @@ class StepEngine:
         """One iteration. Rows are applied in order (a release frees its slot
         for a later prefill in the same call); one result per row, same order.
         Never raises for bad rows: they get finish_reason "error"."""
+        now = self._clock()
+        self._steps += 1
+        self._reclaim_expired(now)
+        touched = {row.seq_id for row in rows}
+        for seq in self._seqs.values():
+            if seq.seq_id in touched:
+                seq.last_stepped_at, seq.last_stepped_step = now, self._steps
         results: list[RowResult | None] = [None] * len(rows)
         pending: list[_Pending] = []
         for i, row in enumerate(rows):
@@ -205,7 +241,7 @@ class StepEngine:
                 prompt_tokens=n,
             )
         if not self._free_slots:
-            return _error(row.seq_id, f"no free slot (max_slots={self.max_slots})", prompt_tokens=n)
+            return RowResult(row.seq_id, -1, "", "busy", n, 0, f"no free slot (max_slots={self.max_slots}); retry the prefill later")
         if row.chunk < 0:
             return _error(row.seq_id, f"chunk must be >= 0 (got {row.chunk})")
         seq = _Seq(
@@ -218,6 +254,9 @@ class StepEngine:
             stopper=StopFilter(row.params.stop),
             chunk=row.chunk,
             uncached_prompt=ids,
+            owner=row.owner,
+            last_stepped_at=self._clock(),
+            last_stepped_step=self._steps,
         )
         self._seqs[row.seq_id] = seq
         return _Pending(index, seq, BatchItem(seq.slot, _next_chunk(seq), 0))
@@ -240,6 +279,18 @@ class StepEngine:
                 p.cancelled = True
         self._free(seq)
         return RowResult(seq_id, -1, "", "", seq.prompt_tokens, seq.completion_tokens)
+
+    def _reclaim_expired(self, now: float) -> None:
+        """Releases sequences nobody stepped within the lease: their scheduler is gone."""
+        if self._slot_lease_s <= 0:
+            return
+        expired = [
+            s for s in self._seqs.values()
+            if now - s.last_stepped_at > self._slot_lease_s and self._steps - s.last_stepped_step > LEASE_MIN_STEPS
+        ]
+        for seq in expired:
+            self._free(seq)
+            self.slots_reclaimed_total += 1
 
     def _free(self, seq: _Seq) -> None:
         if self._seqs.pop(seq.seq_id, None) is not None:
