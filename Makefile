@@ -23,7 +23,7 @@ LIBS := libs/sluice-protos libs/sluice-common libs/sluice-stack
 PROJECTS := $(LIBS) $(SERVICES) tests bench deploy/tests
 UNIT_TESTED := libs/sluice-common $(SERVICES)
 
-.PHONY: help setup uv node protos protos-check proto-lint run test test-unit test-e2e test-deploy bench-path bench-adapter bench-evallog bench-ratelimit bench-jobs bench-jobs-interactive bench-engine bench-load clean
+.PHONY: help setup deploy-requirements uv node protos protos-check proto-lint run test test-unit test-e2e test-deploy bench-path bench-adapter bench-evallog bench-ratelimit bench-jobs bench-jobs-interactive bench-engine bench-load clean
 
 help:
 	@echo "make run        start the whole suite locally and stream a demo completion (Ctrl-C stops it)"
@@ -56,6 +56,13 @@ setup: uv
 	  echo "== $$project"; \
 	  (cd $$project && $(UV) sync --locked --quiet) || exit 1; \
 	done
+	@echo "== deploy/triton (exactly its requirements.txt: the Python backend's env in deploy/tests)"
+	@$(UV) venv --quiet --allow-existing --python 3.11 deploy/triton/.venv
+	@$(UV) pip sync --quiet --python deploy/triton/.venv/bin/python deploy/triton/requirements.txt
+
+# deploy/triton/requirements.txt from requirements.in (after editing it; needs the registry).
+deploy-requirements: uv
+	cd deploy/triton && $(UV) pip compile requirements.in --excludes excludes.txt --universal --python-version 3.11 --quiet -o requirements.txt
 
 protos: setup
 	tools/gen_protos.sh
@@ -83,7 +90,8 @@ test-e2e: setup
 	cd tests && .venv/bin/python -m pytest -q
 
 # deploy/ without Docker or a cluster: hadolint, kustomize renders validated against Kubernetes
-# schemas, the compose file, every config variable set in the manifests (deploy/tests, own env).
+# schemas, the compose file, every config variable set in the manifests, and deploy/triton's model
+# repository loaded by a real tritonserver (deploy/tests, own env).
 test-deploy: setup
 	cd deploy/tests && .venv/bin/python -m pytest -q
 

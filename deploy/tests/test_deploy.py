@@ -150,6 +150,12 @@ def test_triton_per_overlay() -> None:
     (triton,) = find(gpu, "Deployment", "triton")
     (container,) = triton["spec"]["template"]["spec"]["containers"]
     assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
+    # The step model on the GPU (configs/gpu.pbtxt) needs the CUDA build of the image; the
+    # adapter's default embedding model (minilm_embed) is loaded beside it.
+    assert container["args"] == ["--load-model=smollm2_step", "--load-model=minilm_embed", "--model-config-name=gpu"]
+    assert container["image"].startswith("sluice/triton-cuda:")
+    (adapter_config,) = [c for c in find(gpu, "ConfigMap") if c["metadata"]["name"].startswith("inference-adapter-config")]
+    assert adapter_config["data"]["SLUICE_ADAPTER_TRITON_EMBEDDING_MODEL"] == "minilm_embed"
     for docs in (dev, gpu):
         assert find(docs, "Service", "triton"), "the adapter dials triton:8001 in both overlays"
 
@@ -224,6 +230,9 @@ def test_compose_has_every_service_and_the_backing_services(compose) -> None:
     devices = services["triton"]["deploy"]["resources"]["reservations"]["devices"]
     assert devices[0]["capabilities"] == ["gpu"] and devices[0]["driver"] == "nvidia"
     assert "nvcr.io/nvidia/tritonserver" in (DEPLOY / "triton" / "Dockerfile").read_text()
+    # The step model on that GPU: llama.cpp's CUDA build and the KIND_GPU config variant together.
+    assert services["triton"]["build"]["args"] == {"LLAMA_BUILD": "cuda"}
+    assert "--model-config-name=gpu" in services["triton"]["command"] and "--load-model=minilm_embed" in services["triton"]["command"]
 
 
 @pytest.mark.parametrize("service", [*GRPC_SERVICES, "triton-local"])
@@ -248,13 +257,49 @@ def test_compose_services_reach_each_other_by_name(compose) -> None:
 # ---- the GPU model repository ----------------------------------------------------------------
 
 
-def test_step_model_config_matches_the_step_protocol() -> None:
-    config = (DEPLOY / "triton" / "models" / "smollm2_step" / "config.pbtxt").read_text()
+STEP_MODEL = DEPLOY / "triton" / "models" / "smollm2_step"
+
+
+@pytest.mark.parametrize("config", ["config.pbtxt", "configs/gpu.pbtxt"])
+def test_step_model_config_matches_the_step_protocol(config: str) -> None:
+    text = (STEP_MODEL / config).read_text()
     protocol = (ROOT / "services" / "triton-local" / "src" / "sluice_triton_local" / "step_protocol.py").read_text()
     kinds = {"np.int32": "TYPE_INT32", "np.int64": "TYPE_INT64", "bytes": "TYPE_STRING"}
     for name, kind in re.findall(r'\("([A-Z_]+)", (np\.int32|np\.int64|bytes)\)', protocol):
-        assert re.search(rf'name: "{name}", data_type: {kinds[kind]}', config), name
-    assert 'backend: "python"' in config and "max_batch_size: 0" in config
+        assert re.search(rf'name: "{name}", data_type: {kinds[kind]}', text), name
+    assert 'backend: "python"' in text and "max_batch_size: 0" in text
+
+
+def test_step_model_gpu_variant_differs_only_in_its_instance_group() -> None:
+    """configs/gpu.pbtxt (tritonserver --model-config-name=gpu) must not drift from config.pbtxt."""
+
+    def settings(path: Path) -> tuple[list[str], list[str]]:
+        lines = [line for line in path.read_text().splitlines() if line.strip() and not line.lstrip().startswith("#")]
+        return [line for line in lines if not line.startswith("instance_group")], [line for line in lines if line.startswith("instance_group")]
+
+    cpu, cpu_group = settings(STEP_MODEL / "config.pbtxt")
+    gpu, gpu_group = settings(STEP_MODEL / "configs" / "gpu.pbtxt")
+    assert cpu == gpu
+    assert cpu_group == ["instance_group [ { count: 1, kind: KIND_CPU } ]"]
+    assert gpu_group == ["instance_group [ { count: 1, kind: KIND_GPU, gpus: [ 0 ] } ]"], "one instance: one KV cache"
+
+
+def test_image_installs_exactly_the_requirements_list() -> None:
+    """One list for the image and for the real-Triton check's environment (make setup): the
+    Dockerfile installs requirements.txt with --no-deps, and requirements.txt pins requirements.in."""
+    triton = DEPLOY / "triton"
+    dockerfile = (triton / "Dockerfile").read_text()
+    assert "COPY deploy/triton/requirements.txt /tmp/requirements.txt" in dockerfile
+    assert "pip install --no-deps --find-links /tmp/wheels --only-binary llama-cpp-python -r /tmp/requirements.txt" in dockerfile
+    assert not re.search(r"pip install (?!--no-deps --find-links)", dockerfile), "every pip install goes through the list"
+    makefile = (ROOT / "Makefile").read_text()
+    assert "pip sync --quiet --python deploy/triton/.venv/bin/python deploy/triton/requirements.txt" in makefile
+    pinned = dict(re.findall(r"^([a-z0-9-]+)==(\S+)", (triton / "requirements.txt").read_text(), re.M))
+    wanted = re.findall(r"^([a-z0-9-]+)", (triton / "requirements.in").read_text(), re.M)
+    assert wanted and not set(wanted) - set(pinned), f"requirements.txt lacks {set(wanted) - set(pinned)}: make deploy-requirements"
+    assert pinned["numpy"].startswith("1.") and pinned["llama-cpp-python"] == "0.3.36"
+    excluded = set(re.findall(r"^([a-z0-9-]+)$", (triton / "excludes.txt").read_text(), re.M))
+    assert excluded == {"llm", "sentence-transformers"} and not excluded & set(pinned)
 
 
 def test_vllm_model_is_decoupled_and_loads_local_weights() -> None:
@@ -263,13 +308,3 @@ def test_vllm_model_is_decoupled_and_loads_local_weights() -> None:
     assert "decoupled: true" in (folder / "config.pbtxt").read_text()
     engine = yaml.safe_load((folder / "1" / "model.json").read_text())
     assert engine["model"].startswith("/"), "a local path: nothing downloads weights at run time"
-
-
-def test_step_model_runs_the_engine_outside_triton() -> None:
-    """The Python-backend model.py, driven with a stand-in for triton_python_backend_utils."""
-    python = ROOT / "services" / "triton-local" / ".venv" / "bin" / "python"
-    assert python.exists(), "services/triton-local/.venv is missing: run `make setup`"
-    result = subprocess.run([str(python), str(Path(__file__).parent / "step_model_harness.py")], capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    answer = yaml.safe_load(result.stdout.strip().splitlines()[-1])
-    assert "Paris" in answer["text"] and answer["finish"] in ("stop", "length")

@@ -372,3 +372,18 @@ def test_llamacpp_step_larger_than_one_decode_call() -> None:
     model.release(0)
     np.testing.assert_allclose(model.forward([BatchItem(0, prompts[0], 0)])[0], alone[0], atol=1e-4)
     model.close()
+
+
+def test_gpu_layers_on_a_cpu_build_fail_with_the_fix() -> None:
+    """llama.cpp alone would keep every layer on the CPU without a word; the engine refuses instead.
+    This checkout builds llama.cpp for the CPU (the Makefile's CMAKE_ARGS)."""
+    import llama_cpp
+
+    from sluice_triton_local.engine.llamacpp_model import GpuOffloadUnavailable
+
+    if llama_cpp.llama_supports_gpu_offload():
+        pytest.skip("this llama-cpp-python is a GPU build")
+    with pytest.raises(GpuOffloadUnavailable, match="-DGGML_CUDA=on"):
+        StepEngine(default_gguf_path(), max_slots=1, max_context=64, threads=1, gpu_layers=-1, main_gpu=0)
+    # gpu_layers 0 with a device named still runs on the CPU.
+    StepEngine(default_gguf_path(), max_slots=1, max_context=64, threads=1, gpu_layers=0, main_gpu=0)

@@ -36,8 +36,8 @@ def main() -> None:
     from sluice_triton_local.embeddings.triton_binding import bind_embedding_model
     from sluice_triton_local.engine.step_engine import StepEngine
     from sluice_triton_local.generate_model import SelfBatchingGenerator, bind_generate_model
-    from sluice_triton_local.server import bind_step_model, fix_python_backend_library_path, triton_config, warm_up
-    from sluice_triton_local.shared_engine import SharedEngine
+    from sluice_triton_local.server import bind_step_model, fix_python_backend_library_path, triton_config
+    from sluice_triton_local.shared_engine import SharedEngine, warm_up
 
     fix_python_backend_library_path()
 

@@ -10,13 +10,10 @@ import numpy as np
 import structlog
 
 from sluice_triton_local.config import TritonLocalConfig
-from sluice_triton_local.engine.step_engine import DecodeRow, PrefillRow, ReleaseRow, SamplingParams, StepEngine
 from sluice_triton_local.shared_engine import SharedEngine
 from sluice_triton_local.step_protocol import INPUTS, OUTPUTS, run_step
 
 log = structlog.stdlib.get_logger("sluice.triton_local")
-
-WARMUP_QUESTION = "Which city is the capital of France?"
 
 
 def fix_python_backend_library_path() -> None:
@@ -29,18 +26,6 @@ def fix_python_backend_library_path() -> None:
     current = os.environ.get("LD_LIBRARY_PATH", "")
     if libdir and libdir not in current.split(":"):
         os.environ["LD_LIBRARY_PATH"] = f"{libdir}:{current}" if current else libdir
-
-
-def warm_up(engine: StepEngine | SharedEngine) -> str:
-    """One greedy generation so that the first real request does not pay for cold caches."""
-    prompt = engine.apply_chat_template([("user", WARMUP_QUESTION)])
-    results = engine.step([PrefillRow(0, prompt, SamplingParams(max_tokens=8))])
-    text = results[0].text
-    while not results[0].finish_reason:
-        results = engine.step([DecodeRow(0)])
-        text += results[0].text
-    engine.step([ReleaseRow(0)])
-    return text
 
 
 class StepModel:

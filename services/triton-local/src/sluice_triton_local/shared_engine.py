@@ -8,7 +8,9 @@ from concurrent.futures import ThreadPoolExecutor
 import structlog
 
 from sluice_triton_local import metrics
-from sluice_triton_local.engine.step_engine import Row, RowResult, StepEngine
+from sluice_triton_local.engine.step_engine import DecodeRow, PrefillRow, ReleaseRow, Row, RowResult, SamplingParams, StepEngine
+
+WARMUP_QUESTION = "Which city is the capital of France?"
 
 
 log = structlog.stdlib.get_logger("sluice.triton_local.engine")
@@ -65,3 +67,15 @@ class SharedEngine:
         metrics.STEP_ROWS.observe(len(rows))
         metrics.STEP_SECONDS.observe(time.perf_counter() - started)
         return results
+
+
+def warm_up(engine: StepEngine | SharedEngine) -> str:
+    """One greedy generation so that the first real request does not pay for cold caches."""
+    prompt = engine.apply_chat_template([("user", WARMUP_QUESTION)])
+    results = engine.step([PrefillRow(0, prompt, SamplingParams(max_tokens=8))])
+    text = results[0].text
+    while not results[0].finish_reason:
+        results = engine.step([DecodeRow(0)])
+        text += results[0].text
+    engine.step([ReleaseRow(0)])
+    return text

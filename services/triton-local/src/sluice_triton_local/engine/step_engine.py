@@ -127,11 +127,12 @@ class StepEngine:
         engine: str = "llamacpp",
         threads: int = 1,
         gpu_layers: int = 0,
+        main_gpu: int | None = None,
         low_memory: bool = False,
         slot_lease_s: float = 0.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        """engine "llamacpp" runs the forward pass on llama.cpp (threads, gpu_layers apply);
+        """engine "llamacpp" runs the forward pass on llama.cpp (threads, gpu_layers, main_gpu apply);
         "numpy" on our own numpy model (BLAS threads are fixed when numpy is imported), where
         low_memory keeps one copy of each weight matrix (~0.6 GB instead of ~1.1 GB for
         SmolLM2-135M) at the cost of slower small-batch decode. slot_lease_s > 0: a sequence
@@ -147,7 +148,7 @@ class StepEngine:
         self._ctx = ctx
         self.max_slots = max_slots
         self.engine = engine
-        self._model = _forward_model(engine, reader, gguf_path, max_slots, ctx, threads, gpu_layers, low_memory)
+        self._model = _forward_model(engine, reader, gguf_path, max_slots, ctx, threads, gpu_layers, main_gpu, low_memory)
         self._free_slots = list(range(max_slots - 1, -1, -1))  # pop() hands out slot 0 first
         self._seqs: dict[int, _Seq] = {}
         self.tokens_generated_total = 0
@@ -339,12 +340,13 @@ def _forward_model(
     ctx: int,
     threads: int,
     gpu_layers: int,
+    main_gpu: int | None,
     low_memory: bool,
 ) -> ForwardModel:
     if engine == "llamacpp":
         from .llamacpp_model import LlamaCppModel  # imports llama.cpp's shared library
 
-        return LlamaCppModel(gguf_path, max_slots, ctx, threads=threads, gpu_layers=gpu_layers)
+        return LlamaCppModel(gguf_path, max_slots, ctx, threads=threads, gpu_layers=gpu_layers, main_gpu=main_gpu)
     if engine == "numpy":
         return LlamaModel(load_weights(reader, dual_layout=not low_memory), max_slots, ctx)
     raise ValueError(f"engine must be 'llamacpp' or 'numpy' (got {engine!r})")

@@ -1,0 +1,317 @@
+"""deploy/triton/models loaded the way the image loads it: by a real tritonserver and its Python backend.
+
+The server is the one the nvidia-pytriton wheel ships (tritonserver 2.51, in triton-local's env),
+started as the image's ENTRYPOINT starts it: `--model-control-mode=explicit`, loading
+`smollm2_step` and `minilm_embed` from deploy/triton/models. The Python backend's interpreter runs
+in deploy/triton/.venv, which `make setup` syncs from exactly deploy/triton/requirements.txt (the
+list the Dockerfile installs), with the package source on sys.path through a `sluice.pth` as the
+Dockerfile lays it out (the same COPY source). Requests go through tritonclient's gRPC client.
+
+Differences from the image, on purpose or forced: Python 3.11 here (the 25.01 image has 3.12; the
+pins are compiled for both), tritonserver 2.51 (the 25.01 image has 2.54), ports chosen free on
+127.0.0.1. Not loaded here: `smollm2_vllm`, which needs the vLLM backend (only in the
+*-vllm-python-py3 images; the wheel ships the Python backend alone). No GPU here: tritonserver
+refuses a KIND_GPU instance itself, which is checked; the step model's own GPU selection is
+checked by running its `placement` and `initialize` outside the server (see the GPU tests).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+
+import config_vars
+
+ROOT = config_vars.ROOT
+TRITON_DIR = ROOT / "deploy" / "triton"
+MODELS = TRITON_DIR / "models"
+VENV_PYTHON = TRITON_DIR / ".venv" / "bin" / "python"
+TRITON_LOCAL = ROOT / "services" / "triton-local"
+TRITON_LOCAL_PYTHON = TRITON_LOCAL / ".venv" / "bin" / "python"
+# The Dockerfile's COPY of the models' code, and the folder that stands for /opt/sluice here.
+PACKAGE_COPY = "COPY services/triton-local/src/sluice_triton_local/ /opt/sluice/sluice_triton_local/"
+PACKAGE_ROOT = TRITON_LOCAL / "src"
+LOADED = ("smollm2_step", "minilm_embed")
+READY_TIMEOUT_S = 120
+EMBED_TEXTS = ["Which city is the capital of France?", "Triton serves models over gRPC.", "ünïcode ✓"]
+
+
+def _python_info(python: Path) -> dict[str, str]:
+    script = "import json, site, sys, sysconfig; print(json.dumps({'version': f'{sys.version_info[0]}.{sys.version_info[1]}', 'libdir': sysconfig.get_config_var('LIBDIR'), 'site': site.getsitepackages()[0]}))"
+    return json.loads(subprocess.run([str(python), "-c", script], capture_output=True, text=True, check=True).stdout)
+
+
+def _pytriton_dir() -> Path:
+    found = sorted(TRITON_LOCAL.glob(".venv/lib/python3*/site-packages/pytriton/tritonserver"))
+    assert found, "services/triton-local/.venv has no nvidia-pytriton: run `make setup`"
+    return found[0]
+
+
+def _backends(tmp: Path, server_dir: Path, python_version: str) -> Path:
+    """A backend directory as PyTriton makes one: the Python backend plus the stub built for the
+    interpreter's version (the wheel keeps one stub per Python version beside the backend)."""
+    python_backend = tmp / "backends" / "python"
+    python_backend.mkdir(parents=True)
+    for item in (server_dir / "backends" / "python").iterdir():
+        shutil.copy(item, python_backend)
+    stub = server_dir / "python_backend_stubs" / python_version / "triton_python_backend_stub"
+    assert stub.is_file(), f"nvidia-pytriton ships no Python backend stub for Python {python_version}"
+    shutil.copy(stub, python_backend)
+    return tmp / "backends"
+
+
+def _free_ports(count: int) -> list[int]:
+    sockets = [socket.socket() for _ in range(count)]
+    for s in sockets:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in sockets]
+    for s in sockets:
+        s.close()
+    return ports
+
+
+class Server:
+    """One tritonserver process on free ports, its log in a file."""
+
+    def __init__(self, backends: Path, env: dict[str, str], log: Path, *extra: str) -> None:
+        self.http, self.grpc, self.metrics = _free_ports(3)
+        self.log = log
+        command = [
+            str(_pytriton_dir() / "bin" / "tritonserver"),
+            f"--model-repository={MODELS}",
+            "--model-control-mode=explicit",
+            f"--backend-directory={backends}",
+            *(f"--{kind}-address=127.0.0.1" for kind in ("http", "grpc", "metrics")),
+            f"--http-port={self.http}", f"--grpc-port={self.grpc}", f"--metrics-port={self.metrics}",
+            *extra,
+        ]
+        with log.open("w") as out:
+            self.process = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT)
+
+    @property
+    def url(self) -> str:
+        return f"127.0.0.1:{self.grpc}"
+
+    def log_tail(self) -> str:
+        return self.log.read_text(errors="replace")[-4000:]
+
+    def wait_ready(self, timeout: float) -> grpcclient.InferenceServerClient:
+        client = grpcclient.InferenceServerClient(self.url)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                pytest.fail(f"tritonserver exited with {self.process.returncode}:\n{self.log_tail()}")
+            try:
+                if client.is_server_ready():
+                    return client
+            except Exception:  # not listening yet
+                pass
+            time.sleep(0.25)
+        pytest.fail(f"tritonserver not ready after {timeout} s:\n{self.log_tail()}")
+
+    def stop(self) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+
+@pytest.fixture(scope="module")
+def backend_env(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, str]]:
+    """The backend directory and the server's environment, with the Python backend's interpreter
+    in deploy/triton/.venv (requirements.txt) and the package source laid out as in the image."""
+    assert VENV_PYTHON.exists(), "deploy/triton/.venv is missing: run `make setup`"
+    dockerfile = (TRITON_DIR / "Dockerfile").read_text()
+    assert PACKAGE_COPY in dockerfile and "/opt/sluice > " in dockerfile and "sluice.pth" in dockerfile
+    info = _python_info(VENV_PYTHON)
+    # The image's .pth names /opt/sluice, which holds sluice_triton_local/: here, its COPY source.
+    Path(info["site"], "sluice.pth").write_text(f"{PACKAGE_ROOT}\n")
+    server_dir = _pytriton_dir()
+    env = dict(os.environ)
+    for name in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV"):
+        env.pop(name, None)
+    env.update(
+        # The stub embeds Python and finds its prefix from `python3` on PATH: the venv's (as
+        # PyTriton does). It links a system libpython3.11: this interpreter's must win (the
+        # libpython fix of services/triton-local's server.py); the wheel's own libraries after it.
+        PATH=f"{VENV_PYTHON.parent}:{env['PATH']}",
+        LD_LIBRARY_PATH=":".join(filter(None, [info["libdir"], str(server_dir.parent.parent / "nvidia_pytriton.libs"), env.get("LD_LIBRARY_PATH")])),
+        OMP_NUM_THREADS="1",  # as the Dockerfile's ENV
+        OPENBLAS_NUM_THREADS="1",
+    )
+    return _backends(tmp_path_factory.mktemp("triton"), server_dir, info["version"]), env
+
+
+@pytest.fixture(scope="module")
+def triton(backend_env: tuple[Path, dict[str, str]], tmp_path_factory: pytest.TempPathFactory) -> Iterator[grpcclient.InferenceServerClient]:
+    backends, env = backend_env
+    log = tmp_path_factory.mktemp("triton-log") / "tritonserver.log"
+    server = Server(backends, env, log, *(f"--load-model={name}" for name in LOADED))
+    try:
+        client = server.wait_ready(READY_TIMEOUT_S)
+        yield client
+        client.close()
+    finally:
+        server.stop()
+
+
+# ---- the step model ----------------------------------------------------------------------------
+
+
+def _step(client: grpcclient.InferenceServerClient, action: int, request: bytes = b"", seq_id: int = 7) -> dict[str, object]:
+    inputs = []
+    for name, values, datatype in (
+        ("ACTION", np.array([action], dtype=np.int32), "INT32"),
+        ("SEQ_ID", np.array([seq_id], dtype=np.int64), "INT64"),
+        ("REQUEST", np.array([request], dtype=np.object_), "BYTES"),
+    ):
+        tensor = grpcclient.InferInput(name, list(values.shape), datatype)
+        tensor.set_data_from_numpy(values)
+        inputs.append(tensor)
+    result = client.infer("smollm2_step", inputs)
+    row = {name: result.as_numpy(name)[0] for name in ("TOKEN_ID", "TEXT", "FINISH", "PROMPT_TOKENS", "COMPLETION_TOKENS", "ERROR")}
+    return {k: (bytes(v).decode() if isinstance(v, (bytes, np.bytes_)) else int(v)) for k, v in row.items()}
+
+
+def test_loaded_models_are_ready_on_the_cpu(triton: grpcclient.InferenceServerClient) -> None:
+    for name in LOADED:
+        assert triton.is_model_ready(name), name
+        config = triton.get_model_config(name, as_json=True)["config"]
+        assert [group["kind"] for group in config["instance_group"]] == ["KIND_CPU"], name
+
+
+def test_step_model_prefills_and_decodes_to_the_end(triton: grpcclient.InferenceServerClient) -> None:
+    prefill = json.dumps({"messages": [["user", "Which city is the capital of France?"]], "max_tokens": 16}).encode()
+    first = _step(triton, 1, prefill)
+    assert not first["ERROR"], first
+    assert first["TOKEN_ID"] >= 0 and first["TEXT"] and first["PROMPT_TOKENS"] > 0, first
+    text, row = first["TEXT"], first
+    while not row["FINISH"]:
+        row = _step(triton, 2)
+        assert row["TOKEN_ID"] >= 0 and not row["ERROR"], row
+        text += row["TEXT"]
+    assert row["FINISH"] in ("stop", "length") and 0 < row["COMPLETION_TOKENS"] <= 16, row
+    assert "Paris" in text, text
+    assert _step(triton, 3)["FINISH"] == "", "release answers an empty row"
+
+
+def test_step_model_rejects_a_bad_row_as_invalid(triton: grpcclient.InferenceServerClient) -> None:
+    row = _step(triton, 9, seq_id=8)
+    assert row["FINISH"] == "invalid" and "unknown ACTION" in row["ERROR"], row
+
+
+# ---- the embedding model -----------------------------------------------------------------------
+
+
+def _reference_embeddings(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    """triton-local's numpy encoder, run in triton-local's own environment."""
+    script = (
+        "import json, sys; from sluice_triton_local.embeddings import MiniLMEncoder;"
+        " v, c = MiniLMEncoder().encode_with_counts(json.loads(sys.argv[1]));"
+        " print(json.dumps({'vectors': v.tolist(), 'counts': c.tolist()}))"
+    )
+    assert TRITON_LOCAL_PYTHON.exists(), "services/triton-local/.venv is missing: run `make setup`"
+    done = subprocess.run([str(TRITON_LOCAL_PYTHON), "-c", script, json.dumps(texts)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout)
+    return np.array(out["vectors"], dtype=np.float32), np.array(out["counts"], dtype=np.int32)
+
+
+def test_embedding_model_has_the_interface_the_adapter_calls(triton: grpcclient.InferenceServerClient) -> None:
+    """services/inference-adapter's TritonEmbedBackend: TEXT in; EMBEDDING and TOKENS out."""
+    metadata = triton.get_model_metadata("minilm_embed", as_json=True)
+    assert [(t["name"], t["datatype"], t["shape"]) for t in metadata["inputs"]] == [("TEXT", "BYTES", ["-1"])]
+    outputs = {t["name"]: (t["datatype"], t["shape"]) for t in metadata["outputs"]}
+    assert outputs == {"EMBEDDING": ("FP32", ["-1", "384"]), "TOKENS": ("INT32", ["-1"])}
+
+
+def test_embedding_model_equals_triton_local_encoder(triton: grpcclient.InferenceServerClient) -> None:
+    texts = np.array([t.encode() for t in EMBED_TEXTS], dtype=np.object_)
+    tensor = grpcclient.InferInput("TEXT", [len(EMBED_TEXTS)], "BYTES")
+    tensor.set_data_from_numpy(texts)
+    result = triton.infer("minilm_embed", [tensor], outputs=[grpcclient.InferRequestedOutput(n) for n in ("EMBEDDING", "TOKENS")])
+    vectors, tokens = result.as_numpy("EMBEDDING"), result.as_numpy("TOKENS")
+    assert vectors.dtype == np.float32 and vectors.shape == (len(EMBED_TEXTS), 384)
+    np.testing.assert_allclose(np.linalg.norm(vectors, axis=1), 1.0, atol=1e-5)
+    expected_vectors, expected_tokens = _reference_embeddings(EMBED_TEXTS)
+    np.testing.assert_allclose(vectors, expected_vectors, atol=1e-5)
+    assert tokens.dtype == np.int32 and tokens.tolist() == expected_tokens.tolist()
+
+
+# ---- the step model on a GPU -------------------------------------------------------------------
+
+
+def test_gpu_config_variant_is_what_triton_loads_with_model_config_name(backend_env, tmp_path: Path) -> None:
+    """`--model-config-name=gpu` (the gpu overlay, compose) makes Triton read the step model's
+    configs/gpu.pbtxt: a KIND_GPU instance on GPU 0, which this GPU-less server refuses before the
+    model runs (without the variant, the same command loads the KIND_CPU config.pbtxt)."""
+    backends, env = backend_env
+    server = Server(backends, env, tmp_path / "gpu.log", "--load-model=smollm2_step", "--model-config-name=gpu")
+    try:
+        server.process.wait(timeout=60)
+    finally:
+        server.stop()
+    assert server.process.returncode != 0
+    assert "of model smollm2_step specifies invalid or unsupported gpu id 0" in server.log_tail()
+
+
+GPU_SELECTION = r"""
+import json, sys
+sys.path[:0] = [sys.argv[1], sys.argv[2]]  # Triton's triton_python_backend_utils.py; the model's folder
+import llama_cpp
+import model
+
+cpu = model.placement({"model_instance_kind": "CPU", "model_instance_device_id": "0"}, "llamacpp")
+assert cpu == model.Placement(gpu_layers=0, main_gpu=None), cpu
+
+gpu_args = {"model_instance_kind": "GPU", "model_instance_device_id": "1", "model_instance_name": "smollm2_step_0_0",
+            "model_config": open(sys.argv[3]).read()}
+assert not llama_cpp.llama_supports_gpu_offload(), "this check expects the CPU build of llama.cpp"
+try:
+    model.TritonPythonModel().initialize(gpu_args)  # the load Triton would run on a GPU node
+except model.GpuOffloadUnavailable as exc:
+    load_error = str(exc)
+else:
+    raise AssertionError("a KIND_GPU instance loaded on a CPU build of llama.cpp")
+
+try:
+    model.placement(gpu_args, "numpy")
+except ValueError as exc:
+    numpy_error = str(exc)
+
+# The GPU branch itself, with llama.cpp answering as a CUDA build does (no GPU here to run one).
+llama_cpp.llama_supports_gpu_offload = lambda: True
+gpu = model.placement(gpu_args, "llamacpp")
+print(json.dumps({"load_error": load_error, "numpy_error": numpy_error, "gpu": [gpu.gpu_layers, gpu.main_gpu]}))
+"""
+
+
+def test_step_model_on_kind_gpu_fails_to_load_on_a_cpu_build_and_names_the_fix(tmp_path: Path) -> None:
+    """model.py's device selection, in the image's environment with Triton's own
+    triton_python_backend_utils module: the tritonserver here cannot create a KIND_GPU instance."""
+    config = MODELS / "smollm2_step" / "configs" / "gpu.pbtxt"
+    as_json = json.dumps({"name": "smollm2_step", "parameters": {"ENGINE": {"string_value": "llamacpp"}}})
+    config_file = tmp_path / "model_config.json"
+    config_file.write_text(as_json)
+    assert "kind: KIND_GPU" in config.read_text()
+    done = subprocess.run(
+        [str(VENV_PYTHON), "-c", GPU_SELECTION, str(_pytriton_dir() / "backends" / "python"), str(MODELS / "smollm2_step" / "1"), str(config_file)],
+        capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(PACKAGE_ROOT)},
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert "KIND_GPU (device 1)" in out["load_error"] and "--build-arg LLAMA_BUILD=cuda" in out["load_error"], out
+    assert "KIND_CPU" in out["numpy_error"], out
+    assert out["gpu"] == [-1, 1], "KIND_GPU puts every layer on the instance's device"
