@@ -25,24 +25,37 @@ def default_gguf_path() -> str:
 def measure(engine: "StepEngine", batch: int, decode_steps: int = 32) -> float:  # noqa: F821
     """Decode tokens/s over `decode_steps` steps with `batch` sequences live
     (prefill excluded)."""
+    prompt = engine.apply_chat_template([("user", "Write a long story about a dragon and a knight.")])
+    return greedy_decode(engine, [prompt] * batch, decode_steps)[0]
+
+
+def greedy_decode(engine: "StepEngine", prompts: list[str], decode_steps: int) -> tuple[float, list[list[int]]]:  # noqa: F821
+    """Prefills one sequence per (templated) prompt in one step, then runs up to `decode_steps`
+    greedy decode steps over the sequences still live. Returns decode tokens/s (the clock runs
+    around the decode steps alone) and each sequence's token ids, the prefill's token first."""
     from .step_engine import DecodeRow, PrefillRow, ReleaseRow, SamplingParams
 
     params = SamplingParams(max_tokens=decode_steps + 1, temperature=0.0)
-    prompt = engine.apply_chat_template([("user", "Write a long story about a dragon and a knight.")])
-    ids = list(range(10_000, 10_000 + batch))
-    engine.step([PrefillRow(i, prompt, params) for i in ids])
-    live = list(ids)
+    ids = list(range(10_000, 10_000 + len(prompts)))
+    first = engine.step([PrefillRow(i, prompt, params) for i, prompt in zip(ids, prompts)])
+    if failed := [r for r in first if r.finish_reason == "error"]:
+        raise RuntimeError(f"prefill failed: {failed[0].error}")
+    tokens = {r.seq_id: [r.token_id] for r in first}
+    live = [r.seq_id for r in first if not r.finish_reason]
     done = 0
     t0 = time.perf_counter()
     for _ in range(decode_steps):
-        results = engine.step([DecodeRow(i) for i in live])
-        done += sum(1 for r in results if r.token_id >= 0)
-        live = [r.seq_id for r in results if not r.finish_reason]
         if not live:
             break
+        results = engine.step([DecodeRow(i) for i in live])
+        for r in results:
+            if r.token_id >= 0:
+                tokens[r.seq_id].append(r.token_id)
+                done += 1
+        live = [r.seq_id for r in results if not r.finish_reason]
     elapsed = time.perf_counter() - t0
     engine.step([ReleaseRow(i) for i in ids])
-    return done / elapsed
+    return done / max(elapsed, 1e-9), [tokens[i] for i in ids]
 
 
 def main(argv: list[str]) -> None:

@@ -100,6 +100,12 @@ class LlamaCppModel:
             # only holds the scratch buffers; a Triton instance owns one device.
             model_params.split_mode = lc.LLAMA_SPLIT_MODE_NONE
             model_params.main_gpu = main_gpu
+        if gpu_layers == 0:
+            # The CPU alone (an empty, NULL-terminated device list). Left to choose, a GPU build of
+            # llama.cpp still hands the GPU batched matrix products (op offload, from 32 tokens a
+            # step) while the weights stay on the CPU.
+            no_devices = (ctypes.c_void_p * 1)()
+            model_params.devices = ctypes.addressof(no_devices)
         self._model = lc.llama_model_load_from_file(gguf_path.encode(), model_params)
         if not self._model:
             raise RuntimeError(f"llama.cpp could not load {gguf_path}")

@@ -1,0 +1,195 @@
+"""`make bench-gpu`: the step engine on an NVIDIA GPU against the same engine on the CPU.
+
+  python -m sluice_triton_local.engine.bench_gpu
+
+Needs llama-cpp-python built with CUDA (`CMAKE_ARGS="-DGGML_CUDA=on"`, see
+bench/gpu/run_on_device.sh) and a CUDA device that llama.cpp sees; without them it prints one
+line saying which is missing and exits with NO_GPU (3).
+
+Two StepEngines on the same GGUF, each with max(BATCHES) KV slots: one with every layer on the
+GPU (gpu_layers=-1), one on the CPU alone (gpu_layers=0, BENCH_THREADS threads, default all
+cores). For each batch size both run the same greedy chat prompts (row i gets PROMPTS[i]): one
+step prefills the batch, then DECODE_STEPS decode steps, the clock around the decode steps alone;
+best of BENCH_ROUNDS a side. Prints per batch
+
+  BENCH gpu batch=8 decode_tok_s=... cpu_decode_tok_s=... ratio=... greedy_identical=true (8/8 rows)
+
+and, where rows differ, the first token index at which each does: GPU and CPU kernels add in
+other orders, so a near-tie between two tokens can go either way and the rows part from there.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from .bench import default_gguf_path, greedy_decode
+from .step_engine import StepEngine
+
+NO_GPU = 3
+BATCHES = [1, 8, 32, 64]
+DECODE_STEPS = int(os.environ.get("BENCH_STEPS", "64"))
+ROUNDS = int(os.environ.get("BENCH_ROUNDS", "2"))
+THREADS = int(os.environ.get("BENCH_THREADS", str(os.cpu_count() or 1)))
+PROMPT_ROOM = 192  # positions a slot keeps for its templated prompt (the longest of PROMPTS: 44 tokens)
+
+_TOPICS = (
+    "a dragon and a knight", "the printing press", "how bread rises", "a lighthouse keeper's year",
+    "the water cycle", "a journey across the Sahara", "the steam engine", "the life of honeybees",
+    "a city on Mars", "the first computers", "a storm at sea", "how vaccines work",
+    "a chess tournament", "the migration of whales", "an old clockmaker", "how volcanoes form",
+)
+_ASKS = (
+    "Write a long story about {}.", "Explain {} in detail, step by step.",
+    "Write a long essay on {}.", "Describe {} to a curious child, at length.",
+)
+PROMPTS = [ask.format(topic) for ask in _ASKS for topic in _TOPICS]  # 64, one per row
+
+
+@dataclass(frozen=True)
+class Side:
+    decode_tok_s: float
+    tokens: list[list[int]]  # per row, the prefill's token first
+
+
+@dataclass(frozen=True)
+class Comparison:
+    batch: int
+    gpu: Side
+    cpu: Side
+
+    def divergence(self) -> dict[int, int]:
+        """Row -> the first token index where the GPU's and the CPU's greedy tokens differ."""
+        out = {}
+        for row, (g, c) in enumerate(zip(self.gpu.tokens, self.cpu.tokens)):
+            if g != c:
+                out[row] = next((i for i, (a, b) in enumerate(zip(g, c)) if a != b), min(len(g), len(c)))
+        return out
+
+    def line(self) -> str:
+        same = self.batch - len(self.divergence())
+        return (
+            f"BENCH gpu batch={self.batch} decode_tok_s={self.gpu.decode_tok_s:.1f} "
+            f"cpu_decode_tok_s={self.cpu.decode_tok_s:.1f} ratio={self.gpu.decode_tok_s / self.cpu.decode_tok_s:.2f} "
+            f"greedy_identical={str(same == self.batch).lower()} ({same}/{self.batch} rows)"
+        )
+
+
+def run_side(engine: StepEngine, batch: int, steps: int, rounds: int) -> Side:
+    prompts = [engine.apply_chat_template([("user", p)]) for p in PROMPTS[:batch]]
+    runs = [greedy_decode(engine, prompts, steps) for _ in range(rounds)]
+    if any(tokens != runs[0][1] for _, tokens in runs):
+        raise RuntimeError(f"greedy tokens changed between rounds at batch {batch} on one engine")
+    return Side(max(tok_s for tok_s, _ in runs), runs[0][1])
+
+
+def compare(gpu: StepEngine, cpu: StepEngine, batch: int, steps: int = DECODE_STEPS, rounds: int = ROUNDS) -> Comparison:
+    return Comparison(batch, run_side(gpu, batch, steps, rounds), run_side(cpu, batch, steps, rounds))
+
+
+def engines(batches: list[int], steps: int, threads: int, gpu_layers: int = -1) -> tuple[StepEngine, StepEngine]:
+    """(the GPU side, the CPU side), each with a KV slot for every row of the largest batch.
+    gpu_layers=0 puts both on the CPU (what the tests do)."""
+    slots, context = max(batches), PROMPT_ROOM + steps
+    gpu = StepEngine(default_gguf_path(), slots, context, engine="llamacpp", threads=threads, gpu_layers=gpu_layers)
+    cpu = StepEngine(default_gguf_path(), slots, context, engine="llamacpp", threads=threads, gpu_layers=0)
+    return gpu, cpu
+
+
+def kv_cache_line(engine: StepEngine) -> str:
+    c = engine.config
+    per_position = c.n_layers * 2 * c.n_kv_heads * c.head_dim * 2  # K and V, f16
+    total = per_position * engine.max_slots * engine.context_length
+    return (
+        f"KV cache a side: {engine.max_slots} slots x {engine.context_length} positions x "
+        f"{per_position / 1024:.1f} KiB = {total / 2**20:.0f} MiB (f16)"
+    )
+
+
+# -- is there a GPU to run on? ------------------------------------------------
+
+
+def gpu_devices() -> list[str]:
+    """llama.cpp's GPU devices (name, description, memory), from ggml's device registry."""
+    import llama_cpp
+
+    libggml = ctypes.CDLL(str(_lib_dir(llama_cpp) / "libggml.so"))
+    libggml.ggml_backend_dev_count.restype = ctypes.c_size_t
+    libggml.ggml_backend_dev_get.restype = ctypes.c_void_p
+    libggml.ggml_backend_dev_get.argtypes = [ctypes.c_size_t]
+    for name in ("ggml_backend_dev_name", "ggml_backend_dev_description"):
+        getattr(libggml, name).restype = ctypes.c_char_p
+        getattr(libggml, name).argtypes = [ctypes.c_void_p]
+    libggml.ggml_backend_dev_type.argtypes = [ctypes.c_void_p]
+    libggml.ggml_backend_dev_memory.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_size_t), ctypes.POINTER(ctypes.c_size_t)]
+    found = []
+    for i in range(libggml.ggml_backend_dev_count()):
+        dev = libggml.ggml_backend_dev_get(i)
+        if libggml.ggml_backend_dev_type(dev) != 1:  # GGML_BACKEND_DEVICE_TYPE_GPU
+            continue
+        free, total = ctypes.c_size_t(), ctypes.c_size_t()
+        libggml.ggml_backend_dev_memory(dev, ctypes.byref(free), ctypes.byref(total))
+        found.append(
+            f"{libggml.ggml_backend_dev_name(dev).decode()} ({libggml.ggml_backend_dev_description(dev).decode()}, "
+            f"{free.value / 2**30:.0f} of {total.value / 2**30:.0f} GiB free)"
+        )
+    return found
+
+
+def gpu_missing() -> str:
+    """Why this environment cannot run the bench on an NVIDIA GPU; "" when it can."""
+    import llama_cpp
+
+    lib = _lib_dir(llama_cpp)
+    if not any(lib.glob("libggml-cuda*")):
+        return (
+            f"bench-gpu: llama-cpp-python here is a CPU build (no libggml-cuda in {lib}); build it with CUDA: "
+            'uv cache clean llama-cpp-python && rm -rf services/triton-local/.venv && CMAKE_ARGS="-DGGML_CUDA=on" make setup '
+            "(or run bench/gpu/run_on_device.sh)"
+        )
+    if not llama_cpp.llama_supports_gpu_offload() or not any(d.startswith("CUDA") for d in gpu_devices()):
+        return f"bench-gpu: llama-cpp-python is a CUDA build but llama.cpp sees no CUDA device ({_nvidia_smi()})"
+    return ""
+
+
+def _lib_dir(llama_cpp_module: object) -> Path:
+    return Path(llama_cpp_module.__file__).parent / "lib"  # type: ignore[attr-defined]
+
+
+def _nvidia_smi() -> str:
+    if not shutil.which("nvidia-smi"):
+        return "no nvidia-smi: no NVIDIA driver on this machine"
+    proc = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=60, check=False)
+    return "nvidia-smi -L: " + ((proc.stdout or proc.stderr).strip().replace("\n", "; ") or f"exit {proc.returncode}")
+
+
+def main() -> int:
+    missing = gpu_missing()
+    if missing:
+        print(missing, file=sys.stderr)
+        return NO_GPU
+    print("GPU:", "; ".join(gpu_devices()), flush=True)
+    gpu, cpu = engines(BATCHES, DECODE_STEPS, THREADS)
+    print(kv_cache_line(cpu), flush=True)
+    print(
+        f"batches {BATCHES}, {DECODE_STEPS} greedy decode steps after one prefill step, best of {ROUNDS} rounds a side; "
+        f"CPU side {THREADS} threads ...",
+        flush=True,
+    )
+    compare(gpu, cpu, 1, steps=4, rounds=1)  # warm up both (CUDA kernels load on first use)
+    for batch in BATCHES:
+        result = compare(gpu, cpu, batch)
+        print(result.line(), flush=True)
+        if diverged := result.divergence():
+            rows = ", ".join(f"row {row} at token {index}" for row, index in sorted(diverged.items()))
+            print(f"  GPU and CPU greedy tokens part: {rows}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,53 @@
+"""bench-gpu's device-independent parts, on the CPU: its comparison and BENCH line with both
+sides on the CPU, and the line and exit code it gives where there is no GPU."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from sluice_triton_local.engine import bench_gpu
+
+
+def test_comparison_with_both_sides_on_the_cpu_is_identical() -> None:
+    gpu, cpu = bench_gpu.engines([1, 2], steps=6, threads=2, gpu_layers=0)
+    assert bench_gpu.kv_cache_line(cpu).startswith("KV cache a side: 2 slots x 198 positions x 22.5 KiB")
+    for batch in (1, 2):
+        result = bench_gpu.compare(gpu, cpu, batch, steps=6, rounds=1)
+        assert result.divergence() == {}
+        assert [len(row) for row in result.gpu.tokens] == [7] * batch  # the prefill's token and 6 steps
+        assert re.fullmatch(
+            rf"BENCH gpu batch={batch} decode_tok_s=\d+\.\d cpu_decode_tok_s=\d+\.\d ratio=\d+\.\d\d "
+            rf"greedy_identical=true \({batch}/{batch} rows\)",
+            result.line(),
+        ), result.line()
+    assert gpu.active_slots == cpu.active_slots == 0
+
+
+def test_divergence_names_each_row_and_its_first_differing_token() -> None:
+    same, other = bench_gpu.Side(10.0, [[1, 2, 3], [4, 5, 6], [7, 8]]), bench_gpu.Side(5.0, [[1, 2, 3], [4, 9, 6], [7, 8, 0]])
+    result = bench_gpu.Comparison(3, same, other)
+    assert result.divergence() == {1: 1, 2: 2}
+    assert result.line().endswith("ratio=2.00 greedy_identical=false (1/3 rows)")
+
+
+def test_without_a_gpu_it_says_why_and_exits_no_gpu() -> None:
+    import llama_cpp
+
+    if llama_cpp.llama_supports_gpu_offload():
+        pytest.skip("llama.cpp here can offload to a GPU")
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    env = dict(os.environ, PYTHONPATH=src + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run(
+        [sys.executable, "-m", "sluice_triton_local.engine.bench_gpu"], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == bench_gpu.NO_GPU == 3, proc.stderr
+    assert proc.stdout == ""
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("bench-gpu: llama-cpp-python here is a CPU build"), lines
+    assert 'CMAKE_ARGS="-DGGML_CUDA=on"' in lines[0]
