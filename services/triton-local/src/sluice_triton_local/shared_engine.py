@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-import structlog
+import logging
 
 from sluice_triton_local import metrics
 from sluice_triton_local.engine.step_engine import DecodeRow, PrefillRow, ReleaseRow, Row, RowResult, SamplingParams, StepEngine
@@ -13,7 +13,8 @@ from sluice_triton_local.engine.step_engine import DecodeRow, PrefillRow, Releas
 WARMUP_QUESTION = "Which city is the capital of France?"
 
 
-log = structlog.stdlib.get_logger("sluice.triton_local.engine")
+# Standard logging: Triton's image runs this module without structlog (triton-local renders it).
+log = logging.getLogger("sluice.triton_local.engine")
 
 
 class SharedEngine:
@@ -50,7 +51,7 @@ class SharedEngine:
         self._owners |= holding.keys()
         reclaimed = self._engine.slots_reclaimed_total
         if reclaimed > self._reclaimed:
-            log.warning("slots_reclaimed", sequences=reclaimed - self._reclaimed, holding=holding)
+            log.warning("slots_reclaimed: %d sequences nobody stepped within the lease; slots held now: %s", reclaimed - self._reclaimed, holding)
         metrics.SLOTS_RECLAIMED.inc(reclaimed - self._reclaimed)
         self._reclaimed = reclaimed
 

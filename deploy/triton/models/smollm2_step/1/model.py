@@ -66,6 +66,7 @@ class TritonPythonModel:
             params.get("GGUF_PATH") or str(smollm2_gguf()),
             max_slots=int(params.get("MAX_SLOTS", "8")),
             max_context=int(params.get("MAX_CONTEXT", "2048")),
+            slot_lease_s=float(params.get("SLOT_LEASE_S", "30")),
             engine=engine,
             threads=int(params.get("THREADS", "0")) or len(os.sched_getaffinity(0)),
             gpu_layers=where.gpu_layers,
