@@ -387,3 +387,21 @@ def test_gpu_layers_on_a_cpu_build_fail_with_the_fix() -> None:
         StepEngine(default_gguf_path(), max_slots=1, max_context=64, threads=1, gpu_layers=-1, main_gpu=0)
     # gpu_layers 0 with a device named still runs on the CPU.
     StepEngine(default_gguf_path(), max_slots=1, max_context=64, threads=1, gpu_layers=0, main_gpu=0)
+
+
+def test_freed_slots_go_first_to_the_owner_turned_away(engine: StepEngine) -> None:
+    prompt = "<|im_start|>user\nWrite a long story about a dragon.<|im_end|>\n<|im_start|>assistant\n"
+    params = SamplingParams(max_tokens=60)
+    full = [PrefillRow(10 + i, prompt, params, owner="a") for i in range(engine.max_slots)]
+    try:
+        engine.step(full)
+        (refused,) = engine.step([PrefillRow(100, prompt, params, owner="b")])
+        assert refused.finish_reason == "busy"
+        engine.step([ReleaseRow(10)])  # a's sequence ends: a would refill the slot at once...
+        (a_again,) = engine.step([PrefillRow(11_000, prompt, params, owner="a")])
+        assert a_again.finish_reason == "busy"  # ...but b waits for it
+        (b_turn,) = engine.step([PrefillRow(100, prompt, params, owner="b")])
+        assert b_turn.finish_reason == "" and b_turn.token_id >= 0
+        assert engine.slots_by_owner() == {"a": engine.max_slots - 1, "b": 1}
+    finally:
+        engine.step([ReleaseRow(r.seq_id) for r in full] + [ReleaseRow(100)])

@@ -20,6 +20,9 @@ backpressure, not an error. A sequence not stepped (decoded, prefilled or releas
 next step, so the slots of a scheduler that died come back. (Time alone is not enough: a live
 scheduler's step may wait that long behind another scheduler's large prefill.)
 Each sequence records its `owner` (the scheduler that prefilled it) for the per-owner metrics.
+Freed slots go to owners in the order they were turned away: while an owner that was answered
+"busy" keeps asking, another owner's prefill does not take the slot it waits for (otherwise the
+scheduler that frees a slot refills it at once and the other starves).
 """
 
 from __future__ import annotations
@@ -44,6 +47,8 @@ from .tokenizer import GGUFTokenizer, IncrementalDetokenizer
 
 # Engine steps a sequence must have missed, besides the lease time, before it is released.
 LEASE_MIN_STEPS = 16
+# An owner turned away that has not asked again for this long no longer waits for a slot.
+REFUSED_MEMORY_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -156,6 +161,8 @@ class StepEngine:
         self._clock = clock
         self._steps = 0
         self.slots_reclaimed_total = 0
+        # Owners answered "busy", in the order they were first turned away, with the last time.
+        self._refused: dict[str, float] = {}
 
     @property
     def context_length(self) -> int:
@@ -241,8 +248,11 @@ class StepEngine:
                 f"{self._ctx} tokens including max_tokens: shorten the prompt or lower max_tokens",
                 prompt_tokens=n,
             )
-        if not self._free_slots:
+        if not self._slot_free_for(row.owner):
+            if row.owner:
+                self._refused[row.owner] = self._clock()
             return RowResult(row.seq_id, -1, "", "busy", n, 0, f"no free slot (max_slots={self.max_slots}); retry the prefill later")
+        self._refused.pop(row.owner, None)
         if row.chunk < 0:
             return _error(row.seq_id, f"chunk must be >= 0 (got {row.chunk})")
         seq = _Seq(
@@ -280,6 +290,17 @@ class StepEngine:
                 p.cancelled = True
         self._free(seq)
         return RowResult(seq_id, -1, "", "", seq.prompt_tokens, seq.completion_tokens)
+
+    def _slot_free_for(self, owner: str) -> bool:
+        """A free slot this owner may take: owners turned away earlier come first."""
+        now = self._clock()
+        self._refused = {o: at for o, at in self._refused.items() if now - at <= REFUSED_MEMORY_S}
+        ahead = 0
+        for waiting in self._refused:
+            if waiting == owner:
+                break
+            ahead += 1
+        return len(self._free_slots) > ahead
 
     def _reclaim_expired(self, now: float) -> None:
         """Releases sequences nobody stepped within the lease: their scheduler is gone."""
