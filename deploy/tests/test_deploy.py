@@ -151,11 +151,11 @@ def test_triton_per_overlay() -> None:
     (container,) = triton["spec"]["template"]["spec"]["containers"]
     assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
     # The step model on the GPU (configs/gpu.pbtxt) needs the CUDA build of the image; the
-    # adapter's default embedding model (minilm_embed) is loaded beside it.
-    assert container["args"] == ["--load-model=smollm2_step", "--load-model=minilm_embed", "--model-config-name=gpu"]
+    # embeddings on the GPU too (minilm_embed_gpu: the ONNX encoder), named to the adapter.
+    assert container["args"] == ["--load-model=smollm2_step", "--load-model=minilm_embed_gpu", "--model-config-name=gpu"]
     assert container["image"].startswith("sluice/triton-cuda:")
     (adapter_config,) = [c for c in find(gpu, "ConfigMap") if c["metadata"]["name"].startswith("inference-adapter-config")]
-    assert adapter_config["data"]["SLUICE_ADAPTER_TRITON_EMBEDDING_MODEL"] == "minilm_embed"
+    assert adapter_config["data"]["SLUICE_ADAPTER_TRITON_EMBEDDING_MODEL"] == "minilm_embed_gpu"
     for docs in (dev, gpu):
         assert find(docs, "Service", "triton"), "the adapter dials triton:8001 in both overlays"
 
@@ -232,7 +232,8 @@ def test_compose_has_every_service_and_the_backing_services(compose) -> None:
     assert "nvcr.io/nvidia/tritonserver" in (DEPLOY / "triton" / "Dockerfile").read_text()
     # The step model on that GPU: llama.cpp's CUDA build and the KIND_GPU config variant together.
     assert services["triton"]["build"]["args"] == {"LLAMA_BUILD": "cuda"}
-    assert "--model-config-name=gpu" in services["triton"]["command"] and "--load-model=minilm_embed" in services["triton"]["command"]
+    assert "--model-config-name=gpu" in services["triton"]["command"] and "--load-model=minilm_embed_gpu" in services["triton"]["command"]
+    assert services["inference-adapter"]["environment"]["SLUICE_ADAPTER_TRITON_EMBEDDING_MODEL"] == "minilm_embed_gpu"
 
 
 @pytest.mark.parametrize("service", [*GRPC_SERVICES, "triton-local"])
