@@ -328,6 +328,26 @@ class Stack:
         service.wait_ready(timeout_s)
         return service
 
+    def add_adapter(self, name: str, timeout_s: float = 300.0) -> tuple[ServiceProcess, str, str]:
+        """Starts one more inference-adapter on the same Triton replicas (it shares their slots);
+        stopped with the stack. Returns it, its gRPC address and its metrics URL."""
+        port, metrics_port = free_port(), free_port()
+        address = f"{LOCALHOST}:{port}"
+        env = {
+            "PYTHONUNBUFFERED": "1",
+            **self.extra_env.get("inference-adapter", {}),
+            "SLUICE_ADAPTER_PORT": str(port),
+            "SLUICE_ADAPTER_METRICS_PORT": str(metrics_port),
+            "SLUICE_ADAPTER_TRITON_URLS": ",".join(self.triton_address(n) for n in self.triton_ports),
+        }
+        service = ServiceProcess(
+            name, "sluice_inference_adapter", env, self.run_dir / f"{name}.log",
+            grpc_serving(address, self.grpc_credentials), project="inference-adapter",
+        )  # fmt: skip
+        self.services.append(service)
+        service.start_ready(timeout_s)
+        return service, address, f"http://{LOCALHOST}:{metrics_port}/metrics"
+
     def start(self, timeout_s: float = 300.0, on_ready: Callable[[ServiceProcess], None] | None = None) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         try:
