@@ -367,8 +367,8 @@ async def test_prefills_wait_while_another_adapter_holds_every_slot() -> None:
         handle = scheduler.submit(request(max_tokens=2))
         await asyncio.sleep(0.2)
         busy_answers = sum(1 for rows in model.steps for row in rows if row.action is Action.PREFILL)
-        # Retried about every 20 ms, not in a busy loop; nothing reached the caller yet.
-        assert 3 <= busy_answers <= 15 and scheduler.running_count == 0
+        # Retried about every 20 ms, not in a busy loop; the engine admitted nothing of ours yet.
+        assert 3 <= busy_answers <= 15 and model.max_tokens == {}
         model.held_by_others = 0  # the other adapter's sequences ended
         text, finish = await asyncio.wait_for(collect(handle), timeout=2)
     finally:
