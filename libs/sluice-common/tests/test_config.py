@@ -73,3 +73,16 @@ class Required:
 def test_missing_required_variable() -> None:
     with pytest.raises(ConfigError, match="REQ_URL is required but not set"):
         load_config(Required, "REQ_", environ={})
+
+
+def test_shared_shutdown_grace_sets_every_service_and_a_service_variable_overrides_it() -> None:
+    assert load_config(ExampleConfig, "EX_", environ={}).shutdown_grace_s == 60.0
+    shared = {"SLUICE_SHUTDOWN_GRACE_S": "45"}
+    assert load_config(ExampleConfig, "EX_", environ=shared).shutdown_grace_s == 45.0
+    both = {**shared, "EX_SHUTDOWN_GRACE_S": "7"}
+    assert load_config(ExampleConfig, "EX_", environ=both).shutdown_grace_s == 7.0
+
+
+def test_a_bad_shared_value_is_reported_under_its_own_name() -> None:
+    with pytest.raises(ConfigError, match="SLUICE_SHUTDOWN_GRACE_S='soon'"):
+        load_config(ExampleConfig, "EX_", environ={"SLUICE_SHUTDOWN_GRACE_S": "soon"})

@@ -16,7 +16,7 @@ from grpc_status import rpc_status
 from sluice_common.errors import InvalidArgument, ResourceExhausted
 from sluice_common.log import configure_logging
 from sluice_common.request_context import current_request_id
-from sluice_common.server import create_server
+from sluice_common.server import create_server, drain
 
 SERVICE = "test.Echo"
 
@@ -238,3 +238,65 @@ async def test_health_is_serving_only_while_no_source_reports_a_problem(server) 
     assert await status() == health_pb2.HealthCheckResponse.NOT_SERVING
     await running.report("replicas", True)
     assert await status() == health_pb2.HealthCheckResponse.SERVING
+
+
+async def test_drain_turns_not_serving_refuses_new_calls_finishes_accepted_streams_then_flushes() -> None:
+    release = asyncio.Event()
+    order: list[str] = []
+
+    async def slow(request: bytes, context: grpc.aio.ServicerContext):
+        yield b"first"
+        await release.wait()
+        yield b"last"
+        order.append("stream finished")
+
+    identity = lambda b: b  # noqa: E731
+    handlers = grpc.method_handlers_generic_handler(SERVICE, {"Slow": grpc.unary_stream_rpc_method_handler(slow, identity, identity)})
+
+    def register(srv: grpc.aio.Server) -> list[str]:
+        srv.add_generic_rpc_handlers((handlers,))
+        return [SERVICE]
+
+    async def on_stop() -> None:
+        order.append("flushed")
+
+    running = await create_server("127.0.0.1", 0, -1, register)
+    address = f"127.0.0.1:{running.port}"
+    async with grpc.aio.insecure_channel(address) as channel:
+        accepted = channel.unary_stream(f"/{SERVICE}/Slow")(b"")
+        assert await accepted.read() == b"first"
+        draining = asyncio.create_task(drain(running, grace_s=10, on_stop=on_stop, notice_s=0.2))
+        await asyncio.sleep(0.05)
+        health = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest())
+        assert health.status == health_pb2.HealthCheckResponse.NOT_SERVING
+        await asyncio.sleep(0.3)  # past the notice: the port takes no new calls
+        async with grpc.aio.insecure_channel(address) as late:
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await late.unary_stream(f"/{SERVICE}/Slow")(b"").read()
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert not draining.done()
+        release.set()
+        assert await accepted.read() == b"last"
+        assert await accepted.code() == grpc.StatusCode.OK
+        await asyncio.wait_for(draining, 5)
+    assert order == ["stream finished", "flushed"]
+
+
+async def test_drain_cancels_what_outlives_the_grace() -> None:
+    async def endless(request: bytes, context: grpc.aio.ServicerContext):
+        yield b"first"
+        await asyncio.Event().wait()
+
+    identity = lambda b: b  # noqa: E731
+    handlers = grpc.method_handlers_generic_handler(SERVICE, {"Endless": grpc.unary_stream_rpc_method_handler(endless, identity, identity)})
+
+    def register(srv: grpc.aio.Server) -> list[str]:
+        srv.add_generic_rpc_handlers((handlers,))
+        return [SERVICE]
+
+    running = await create_server("127.0.0.1", 0, -1, register)
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{running.port}") as channel:
+        call = channel.unary_stream(f"/{SERVICE}/Endless")(b"")
+        assert await call.read() == b"first"
+        await asyncio.wait_for(drain(running, grace_s=0.3, notice_s=0), 5)
+        assert await call.code() == grpc.StatusCode.UNAVAILABLE

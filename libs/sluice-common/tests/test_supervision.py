@@ -91,3 +91,43 @@ async def test_a_failing_on_death_does_not_stop_the_restart() -> None:
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
+
+
+async def test_an_injected_fault_kills_only_the_named_tasks_like_a_real_death() -> None:
+    health, deaths, runs = Health(), [], {"scheduler@a": 0, "probes": 0}
+
+    def owner(name: str):  # type: ignore[no-untyped-def]
+        async def run() -> None:
+            runs[name] += 1
+            await asyncio.Event().wait()
+
+        return run
+
+    supervisor = Supervisor(health.report, restart_delay_s=0.05, fault_injection=("scheduler",))
+    tasks = [supervisor.start(name, owner(name), on_death=deaths.append) for name in runs]
+    await wait_until(lambda: all(runs.values()))
+    supervisor.inject_faults()
+    await wait_until(lambda: runs["scheduler@a"] == 2)
+    assert [type(d).__name__ for d in deaths] == ["InjectedFault"]
+    assert health.reports == [("task:scheduler@a", False), ("task:scheduler@a", True)]
+    assert runs["probes"] == 1 and supervisor.healthy
+    for task in tasks:  # a stop is still not a death
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    assert len(deaths) == 1
+
+
+async def test_without_fault_injection_nothing_is_injected() -> None:
+    supervisor = Supervisor(restart_delay_s=0.05)
+    started = asyncio.Event()
+
+    async def run() -> None:
+        started.set()
+        await asyncio.Event().wait()
+
+    task = supervisor.start("scheduler", run)
+    await started.wait()
+    supervisor.inject_faults()
+    await asyncio.sleep(0.05)
+    assert not task.done() and supervisor.healthy
+    task.cancel()

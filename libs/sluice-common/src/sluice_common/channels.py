@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import grpc
 
 from sluice_common.config import ClientTLS
@@ -12,8 +14,13 @@ _OPTIONS = (
     ("grpc.http2.max_pings_without_data", 0),
     ("grpc.max_receive_message_length", 64 * 1024 * 1024),
     # Calls spread over every address the name resolves to (a Kubernetes headless Service: every
-    # pod), instead of pinning all of them to the first one.
-    ("grpc.lb_policy_name", "round_robin"),
+    # pod, or "ipv4:host:a,host:b"), instead of pinning all of them to the first one; and only to
+    # the addresses whose health says SERVING: a replica that drains for a rolling restart (or is
+    # still starting) gets no new calls while its accepted ones finish.
+    (
+        "grpc.service_config",
+        json.dumps({"loadBalancingConfig": [{"round_robin": {}}], "healthCheckConfig": {"serviceName": ""}}),
+    ),
 )
 
 

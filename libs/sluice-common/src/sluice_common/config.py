@@ -58,6 +58,11 @@ def env_name(prefix: str, field_name: str) -> str:
     return f"{prefix}{field_name.upper()}"
 
 
+# Settings one variable sets for every service at once (a per-service variable still overrides):
+# the drain grace must agree with the pods' terminationGracePeriodSeconds, so it is set in one place.
+SHARED_SETTINGS = {"shutdown_grace_s": "SLUICE_SHUTDOWN_GRACE_S"}
+
+
 def load_config(cls: type[T], prefix: str, environ: Mapping[str, str] | None = None) -> T:
     """Builds `cls` from the environment; raises ConfigError naming every bad variable."""
     environ = os.environ if environ is None else environ
@@ -66,6 +71,8 @@ def load_config(cls: type[T], prefix: str, environ: Mapping[str, str] | None = N
     problems: list[str] = []
     for field in dataclasses.fields(cls):  # type: ignore[arg-type]
         name = env_name(prefix, field.name)
+        if name not in environ and environ.get(SHARED_SETTINGS.get(field.name, "")) is not None:
+            name = SHARED_SETTINGS[field.name]
         raw = environ.get(name)
         if raw is None:
             if field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING:
@@ -98,7 +105,9 @@ class ServerConfig:
     metrics_port: int = 0
     log_level: str = "INFO"
     log_json: bool | None = None
-    shutdown_grace_s: float = 5.0
+    # On SIGTERM: NOT_SERVING at once, then accepted streams and rows get this long to finish
+    # (a p99 stream fits), then what is owed is flushed. SLUICE_SHUTDOWN_GRACE_S sets every service's.
+    shutdown_grace_s: float = 60.0
     # TLS, off by default. Cert and key (PEM files) turn TLS on for this server's clients; a client
     # CA on top makes it mutual: a client must present a certificate signed by that CA.
     # The files are re-read when they change (certificate rotation without a restart).

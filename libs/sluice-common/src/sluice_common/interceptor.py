@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
@@ -115,7 +116,8 @@ class _CallRecord:
         elapsed = time.perf_counter() - self.started
         _count(self.method, self.code)
         _duration_of(self.method).observe(elapsed)
-        if self.quiet and self.code == "OK":
+        # A health watch ends CANCELLED whenever its client closes: that is its normal end.
+        if self.quiet and self.code in ("OK", "CANCELLED"):
             # structlog renders an event before the stdlib level drops it: skip the call instead.
             if _level.isEnabledFor(logging.DEBUG):
                 log.debug("rpc", code=self.code, duration_ms=round(elapsed * 1000, 2), peer=self.peer)
@@ -177,6 +179,14 @@ def _wrap_stream(method: str, behavior: Callable[..., AsyncIterator[Any]], quiet
     return handle
 
 
+def _wrap_streaming(method: str, behavior: Callable[..., Any], quiet: bool) -> Callable[..., Any]:
+    """A streaming handler is an async generator (it yields), or a coroutine that writes with
+    `context.write` (grpc_health's Watch, which clients' health checking calls): wrap each as it is."""
+    if inspect.isasyncgenfunction(behavior):
+        return _wrap_stream(method, behavior, quiet)
+    return _wrap_unary(method, behavior, quiet)
+
+
 class SluiceServerInterceptor(grpc.aio.ServerInterceptor):
     def __init__(self, quiet_methods: Iterable[str] = ()) -> None:
         self._quiet_methods = frozenset(quiet_methods)
@@ -207,10 +217,10 @@ class SluiceServerInterceptor(grpc.aio.ServerInterceptor):
         if handler.unary_unary:
             return grpc.unary_unary_rpc_method_handler(_wrap_unary(method, handler.unary_unary, quiet), **common)
         if handler.unary_stream:
-            return grpc.unary_stream_rpc_method_handler(_wrap_stream(method, handler.unary_stream, quiet), **common)
+            return grpc.unary_stream_rpc_method_handler(_wrap_streaming(method, handler.unary_stream, quiet), **common)
         if handler.stream_stream:
             # One record (request id, summary line, metrics) for the whole stream: a stream that
             # multiplexes many requests counts and logs those itself.
-            return grpc.stream_stream_rpc_method_handler(_wrap_stream(method, handler.stream_stream, quiet), **common)
+            return grpc.stream_stream_rpc_method_handler(_wrap_streaming(method, handler.stream_stream, quiet), **common)
         # Client-streaming RPCs are not part of Sluice's API; pass them through untouched.
         return handler

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import time
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 
@@ -22,7 +23,7 @@ from prometheus_client import start_http_server
 
 from sluice_common.config import ServerTLS
 from sluice_common.interceptor import SluiceServerInterceptor
-from sluice_common.supervision import Supervisor
+from sluice_common.supervision import Supervisor, fault_injection_from_env
 
 log = structlog.stdlib.get_logger("sluice.server")
 
@@ -44,7 +45,7 @@ class RunningServer:
     supervisor: Supervisor = field(init=False)
 
     def __post_init__(self) -> None:
-        self.supervisor = Supervisor(self.report)
+        self.supervisor = Supervisor(self.report, fault_injection=fault_injection_from_env())
 
     async def set_serving(self, serving: bool) -> None:
         """The service's own say (starting, draining); other sources report through `report`."""
@@ -158,19 +159,51 @@ def _start_metrics(host: str, port: int) -> int:
     return int(http_server.server_port)
 
 
+# Between NOT_SERVING and closing the port: clients that watch health (client-side health
+# checking, the launcher) move new calls to another replica before this one refuses them.
+NOT_SERVING_NOTICE_S = 0.5
+
+
+async def drain(
+    running: RunningServer,
+    grace_s: float,
+    on_stop: Callable[[], Awaitable[None]] | None = None,
+    notice_s: float = NOT_SERVING_NOTICE_S,
+) -> None:
+    """A rolling restart's exit: NOT_SERVING, no new calls, accepted calls finish within
+    `grace_s` (then they are cancelled), then `on_stop` flushes what the service owes."""
+    started = time.monotonic()
+    await running.health.enter_graceful_shutdown()
+    await asyncio.sleep(min(notice_s, grace_s))
+    await running.server.stop(grace_s)
+    log.info("drained", seconds=round(time.monotonic() - started, 3), grace_s=grace_s)
+    if on_stop is not None:
+        await on_stop()
+
+
 async def serve_until_signal(
     running: RunningServer,
     grace_s: float,
     on_stop: Callable[[], Awaitable[None]] | None = None,
 ) -> None:
-    """Blocks until SIGTERM/SIGINT, then drains: NOT_SERVING, stop(grace), then `on_stop`."""
-    stop = asyncio.Event()
+    """Blocks until SIGTERM/SIGINT, then drains (see `drain`); a second signal cuts the grace short.
+
+    With SLUICE_FAULT_INJECTION set, SIGUSR1 fails the owner tasks it names (failure tests)."""
+    signals = asyncio.Queue[int]()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+        loop.add_signal_handler(sig, signals.put_nowait, sig)
+    if running.supervisor.fault_injection:
+        loop.add_signal_handler(signal.SIGUSR1, running.supervisor.inject_faults)
+    await signals.get()
     log.info("shutting_down", grace_s=grace_s)
-    await running.shutdown(grace_s)
-    if on_stop is not None:
-        await on_stop()
+    draining = asyncio.create_task(drain(running, grace_s, on_stop))
+    second = asyncio.create_task(signals.get())
+    await asyncio.wait({draining, second}, return_when=asyncio.FIRST_COMPLETED)
+    if second.done():
+        log.warning("shutting_down_now", reason="a second signal during the drain")
+        await running.server.stop(0)
+    else:
+        second.cancel()
+    await draining
     log.info("stopped")

@@ -12,11 +12,16 @@ SERVING. Started through a `Supervisor` instead, a task that dies (raises) is
 
 Cancelling the task returned by `start` (an owner's `stop`) is not a death, nor is a loop that
 returns (an owner that drains and ends on its own stop).
+
+Failure tests need a real process's owner task to die on cue: with SLUICE_FAULT_INJECTION set to
+task-name prefixes ("step-scheduler,embed-batcher"), `inject_faults` (SIGUSR1, see server.py)
+fails the running tasks it names with `InjectedFault`, which then goes through the path above.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import Awaitable, Callable
 
 import structlog
@@ -30,11 +35,28 @@ TASK_DEATHS = Counter("sluice_owner_task_deaths_total", "Owner tasks that died (
 HealthReport = Callable[[str, bool], Awaitable[None]]
 
 
+FAULT_INJECTION_ENV = "SLUICE_FAULT_INJECTION"
+
+
+class InjectedFault(RuntimeError):
+    """The death a failure test asked for (SIGUSR1 with SLUICE_FAULT_INJECTION set)."""
+
+
+def fault_injection_from_env() -> tuple[str, ...]:
+    return tuple(p.strip() for p in os.environ.get(FAULT_INJECTION_ENV, "").split(",") if p.strip())
+
+
 class Supervisor:
-    def __init__(self, report: HealthReport | None = None, restart_delay_s: float = 1.0) -> None:
+    def __init__(
+        self, report: HealthReport | None = None, restart_delay_s: float = 1.0, fault_injection: tuple[str, ...] = ()
+    ) -> None:
         self._report = report
         self._restart_delay_s = restart_delay_s
         self._down: set[str] = set()
+        # Task-name prefixes `inject_faults` fails; empty (the default) turns injection off.
+        self.fault_injection = fault_injection
+        self._running: dict[asyncio.Future[None], str] = {}
+        self._injected: set[asyncio.Future[None]] = set()
 
     @property
     def healthy(self) -> bool:
@@ -56,7 +78,7 @@ class Supervisor:
     ) -> None:
         while True:
             try:
-                await run()
+                await self._run_once(name, run)
                 return
             except asyncio.CancelledError:
                 raise
@@ -67,6 +89,30 @@ class Supervisor:
             await asyncio.sleep(self._restart_delay_s)
             log.info("owner_task_restarted", task=name)
             await self._set(name, up=True)
+
+    async def _run_once(self, name: str, run: Callable[[], Awaitable[None]]) -> None:
+        if not self.fault_injection:
+            await run()
+            return
+        attempt: asyncio.Future[None] = asyncio.ensure_future(run())
+        self._running[attempt] = name
+        try:
+            await attempt
+        except asyncio.CancelledError:
+            if attempt in self._injected and not asyncio.current_task().cancelling():  # type: ignore[union-attr]
+                raise InjectedFault(f"fault injected into {name}") from None
+            raise
+        finally:
+            self._running.pop(attempt, None)
+            self._injected.discard(attempt)
+
+    def inject_faults(self) -> None:
+        """Fails every running task whose name starts with a SLUICE_FAULT_INJECTION prefix."""
+        for attempt, name in list(self._running.items()):
+            if name.startswith(self.fault_injection):
+                log.warning("fault_injected", task=name)
+                self._injected.add(attempt)
+                attempt.cancel()
 
     async def _died(self, name: str, error: BaseException, on_death: Callable[[BaseException], None] | None, restart: bool) -> None:
         log.error("owner_task_died", task=name, error=repr(error), restart=restart, exc_info=error)
