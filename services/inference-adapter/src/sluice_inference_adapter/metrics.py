@@ -11,11 +11,16 @@ ENGINE_FULL = Counter(
     "Prefills a replica's step model answered busy (every slot taken, by this or another adapter): retried later.",
     ["replica"],
 )
+# Not labelled by replica (yet): tests/e2e/test_batching.py reads its unlabelled _count sample.
 BATCH_SIZE = Histogram(
     "sluice_adapter_batch_size", "Token-producing rows per step.", buckets=(1, 2, 4, 8, 16, 32, 64, 128)
 )
-STEP_SECONDS = Histogram("sluice_adapter_step_seconds", "Round trip of one step request to Triton.", buckets=_LATENCY_BUCKETS)
-QUEUE_SECONDS = Histogram("sluice_adapter_queue_seconds", "Time from arrival to prefill.", buckets=_LATENCY_BUCKETS)
+STEP_SECONDS = Histogram(
+    "sluice_adapter_step_seconds", "Round trip of one step request to a Triton replica.", ["replica"], buckets=_LATENCY_BUCKETS
+)
+QUEUE_SECONDS = Histogram(
+    "sluice_adapter_queue_seconds", "Time from arrival to prefill, in a replica's waiting queue.", ["replica"], buckets=_LATENCY_BUCKETS
+)
 TIME_TO_FIRST_TOKEN = Histogram(
     "sluice_adapter_time_to_first_token_seconds", "Time from arrival to the first token.", buckets=_LATENCY_BUCKETS
 )
@@ -24,10 +29,11 @@ INTER_TOKEN = Histogram(
 )
 REJECTIONS = Counter("sluice_adapter_rejections_total", "Requests refused before scheduling.", ["reason"])
 CANCELLATIONS = Counter("sluice_adapter_cancellations_total", "Sequences stopped before they finished.", ["reason"])
-BACKEND_READY = Gauge("sluice_adapter_backend_ready", "1 when the Triton endpoint and model answer ready.", ["endpoint"])
+BACKEND_READY = Gauge("sluice_adapter_backend_ready", "1 when a Triton replica and its model answer ready.", ["replica"])
 BATCH_TOKENS = Histogram(
     "sluice_adapter_batch_tokens",
-    "KV tokens reserved (prompt + max_tokens) by the running batch, per step.",
+    "KV tokens reserved (prompt + max_tokens) by a replica's running batch, per step.",
+    ["replica"],
     buckets=(64, 256, 1024, 2048, 4096, 8192, 16384, 32768, 65536),
 )
 REPLICA_HEALTHY = Gauge("sluice_adapter_replica_healthy", "1 when a Triton replica is admitted for routing.", ["replica"])
