@@ -1,5 +1,8 @@
 """The adapter's Prometheus metrics: what an operator watches to size batches and replicas."""
 
+from collections.abc import Iterable
+from contextlib import suppress
+
 from prometheus_client import Counter, Gauge, Histogram
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
@@ -39,6 +42,27 @@ BATCH_TOKENS = Histogram(
 REPLICA_HEALTHY = Gauge("sluice_adapter_replica_healthy", "1 when a Triton replica is admitted for routing.", ["replica"])
 REPLICA_LOAD = Gauge("sluice_adapter_replica_load", "Waiting plus running sequences per replica.", ["replica"])
 RETRIES = Counter("sluice_adapter_retries_total", "Requests moved to another replica before their first token.")
+REPLICAS = Gauge(
+    "sluice_adapter_replicas",
+    "Triton replicas by state: serving (routed to), unhealthy (probed until it answers), draining (its sequences finish, no new ones).",
+    ["state"],
+)
+DISCOVERY_FAILURES = Counter(
+    "sluice_adapter_discovery_failures_total",
+    "DNS lookups of a dns:/// replica target that failed (reason=error) or named no address (reason=empty); the replicas were kept.",
+    ["target", "reason"],
+)
+
+
+def forget_replica(replica: str, priorities: Iterable[str]) -> None:
+    """Drops a removed replica's series, so that pod churn does not grow them for ever (a counter
+    that ends is fine for rate())."""
+    for metric in (SLOTS_IN_USE, ENGINE_FULL, STEP_SECONDS, QUEUE_SECONDS, BATCH_TOKENS, BACKEND_READY, REPLICA_HEALTHY, REPLICA_LOAD):
+        with suppress(KeyError):
+            metric.remove(replica)
+    for priority in priorities:
+        with suppress(KeyError):
+            WAITING.remove(priority, replica)
 _EMBED_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
 EMBED_WAITING = Gauge("sluice_adapter_embed_waiting_texts", "Texts waiting for an embedding batch.")
 EMBED_BATCH_TEXTS = Histogram(
