@@ -25,6 +25,7 @@ class ReplicaModel:
         self.prefills = 0
         self.generated: dict[int, int] = {}
         self.probes_ok = True
+        self.closed = False
 
     async def step(self, rows: list[StepRow]) -> list[StepOutcome]:
         await asyncio.sleep(0.002)
@@ -45,6 +46,9 @@ class ReplicaModel:
 
     async def probe(self) -> bool:
         return self.probes_ok and not self.failing
+
+    async def close(self) -> None:
+        self.closed = True
 
 
 def make_pool(*models: ReplicaModel, threshold: int = 2) -> ReplicaPool:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 
 import structlog
 from sluice.common.v1 import types_pb2
@@ -16,7 +17,8 @@ from sluice_inference_adapter.chat_template import ChatTemplate, ChatTemplateErr
 from sluice_inference_adapter.config import ENV_PREFIX, AdapterConfig
 from sluice_inference_adapter.embed_batcher import EmbedBatcher
 from sluice_inference_adapter.passthrough import PassthroughLimits, PassthroughScheduler
-from sluice_inference_adapter.replica_pool import PooledEmbedBackend, ReplicaPool, SchedulerFactory
+from sluice_inference_adapter.replica_discovery import Discovery, parse_target
+from sluice_inference_adapter.replica_pool import BackendFactory, PooledEmbedBackend, ReplicaPool, SchedulerFactory
 from sluice_inference_adapter.scheduler import Scheduler, SchedulerLimits
 from sluice_inference_adapter.servicer import InferenceServicer
 from sluice_inference_adapter.triton_backend import (
@@ -34,26 +36,37 @@ SERVICE_NAME = inference_pb2.DESCRIPTOR.services_by_name["InferenceService"].ful
 Backend = TritonStepBackend | TritonGenerateBackend
 
 
-async def wait_for_a_ready_replica(config: AdapterConfig) -> str:
-    """The URL of the first replica whose Triton has the model ready."""
-    probes = [TritonStepBackend(url, config.triton_model) for url in config.triton_urls]
+async def wait_for_a_ready_replica(config: AdapterConfig, discovery: Discovery) -> tuple[list[str], str]:
+    """The replica addresses (DNS names resolved), and one whose Triton has the model ready.
+
+    Names are resolved again on every round: at startup a headless Service may name no pod yet."""
+    probes: dict[str, TritonStepBackend] = {}
     deadline = time.monotonic() + config.backend_wait_s
     try:
         while True:
-            ready = await asyncio.gather(*(p.is_ready() for p in probes))
+            urls = sorted(await discovery.resolve())
+            for url in urls:
+                probes.setdefault(url, TritonStepBackend(url, config.triton_model))
+            ready = await asyncio.gather(*(probes[url].is_ready() for url in urls))
             if any(ready):
-                return probes[ready.index(True)].url
+                return urls, urls[ready.index(True)]
             if time.monotonic() > deadline:
+                found = f" (resolved: {', '.join(urls)})" if urls != list(config.triton_urls) else ""
                 raise SystemExit(
-                    f"no Triton replica ({', '.join(config.triton_urls)}) reported {config.triton_model}"
+                    f"no Triton replica ({', '.join(config.triton_urls)}){found} reported {config.triton_model}"
                     f" ready within {config.backend_wait_s:.0f}s"
                 )
             await asyncio.sleep(0.5)
     finally:
-        await asyncio.gather(*(p.close() for p in probes))
+        await asyncio.gather(*(p.close() for p in probes.values()))
 
 
-def build_backends(config: AdapterConfig, protocol: Protocol) -> tuple[list[Backend], SchedulerFactory]:
+def build_backends(
+    config: AdapterConfig, protocol: Protocol, urls: list[str]
+) -> tuple[list[Backend], SchedulerFactory, BackendFactory]:
+    """The first replicas' backends, how each replica's work is owned, and how a replica found
+    later gets its backend."""
+    make_backend: Callable[[str], Backend]
     if protocol == "step":
         limits = SchedulerLimits(
             max_batch_size=config.max_batch_size,
@@ -65,12 +78,14 @@ def build_backends(config: AdapterConfig, protocol: Protocol) -> tuple[list[Back
             bulk_prefill_chunk=config.bulk_prefill_chunk,
             interactive_reserved_slots=config.interactive_reserved_slots,
         )
-        steps = [TritonStepBackend(url, config.triton_model, config.step_timeout_s) for url in config.triton_urls]
-        return list(steps), lambda backend, on_step: Scheduler(backend, limits, on_step=on_step, replica=backend.url)  # type: ignore[arg-type]
-    passthrough = PassthroughLimits(max_in_flight=config.max_in_flight, max_waiting=config.max_waiting)
-    template = passthrough_chat_template(config)
-    streams = [TritonGenerateBackend(url, config.triton_model) for url in config.triton_urls]
-    return list(streams), lambda backend, on_step: PassthroughScheduler(backend, passthrough, template.render, on_step=on_step, replica=backend.url)  # type: ignore[arg-type]
+        make_backend = lambda url: TritonStepBackend(url, config.triton_model, config.step_timeout_s)  # noqa: E731
+        make_scheduler = lambda backend, on_step: Scheduler(backend, limits, on_step=on_step, replica=backend.url)  # type: ignore[arg-type]  # noqa: E731
+    else:
+        passthrough = PassthroughLimits(max_in_flight=config.max_in_flight, max_waiting=config.max_waiting)
+        template = passthrough_chat_template(config)
+        make_backend = lambda url: TritonGenerateBackend(url, config.triton_model)  # noqa: E731
+        make_scheduler = lambda backend, on_step: PassthroughScheduler(backend, passthrough, template.render, on_step=on_step, replica=backend.url)  # type: ignore[arg-type]  # noqa: E731
+    return [make_backend(url) for url in urls], make_scheduler, make_backend  # type: ignore[return-value]
 
 
 def passthrough_chat_template(config: AdapterConfig) -> ChatTemplate:
@@ -109,19 +124,19 @@ async def report_health(pool: ReplicaPool, running: RunningServer) -> None:
             log.warning("health_changed", serving=serving)
 
 
-def build_embedder(config: AdapterConfig, pool: ReplicaPool, supervisor: Supervisor) -> EmbedBatcher | None:
+def build_embedder(config: AdapterConfig, pool: ReplicaPool, supervisor: Supervisor) -> tuple[EmbedBatcher, PooledEmbedBackend] | None:
     if not config.triton_embedding_model:
         return None
-    by_url = {url: TritonEmbedBackend(url, config.triton_embedding_model) for url in config.triton_urls}
+    backends = PooledEmbedBackend(pool, lambda url: TritonEmbedBackend(url, config.triton_embedding_model))
     embedder = EmbedBatcher(
-        PooledEmbedBackend(pool, by_url),  # type: ignore[arg-type]
+        backends,
         max_batch=config.embed_max_batch,
         max_delay_s=config.embed_max_delay_s,
         max_waiting=config.embed_max_waiting,
         dim=config.embedding_dimensions,
     )
     embedder.start(supervisor)
-    return embedder
+    return embedder, backends
 
 
 async def serve(config: AdapterConfig) -> None:
@@ -150,25 +165,36 @@ async def serve(config: AdapterConfig) -> None:
     running = await create_server(
         config.host, config.port, config.metrics_port, register, serving=False, tls=config.server_tls(ENV_PREFIX)
     )
-    protocol = await detect_protocol(await wait_for_a_ready_replica(config), config.triton_model)
-    backends, make_scheduler = build_backends(config, protocol)
-    pool = ReplicaPool(backends, make_scheduler, config.replica_failure_threshold, config.probe_interval_s)
+    discovery = Discovery([parse_target(entry) for entry in config.triton_urls])
+    urls, ready_url = await wait_for_a_ready_replica(config, discovery)
+    protocol = await detect_protocol(ready_url, config.triton_model)
+    backends, make_scheduler, make_backend = build_backends(config, protocol, urls)
+    pool = ReplicaPool(backends, make_scheduler, config.replica_failure_threshold, config.probe_interval_s, make_backend)  # type: ignore[arg-type]
     await wait_for_a_healthy_replica(pool, config.backend_wait_s)
     # Every owner task is supervised: if one dies, health turns NOT_SERVING and its callers fail.
     supervisor = Supervisor(running.report)
     pool.start(supervisor)
-    embedder = build_embedder(config, pool, supervisor)
+    embedding = build_embedder(config, pool, supervisor)
+    embedder = embedding[0] if embedding is not None else None
     servicer.attach(pool, embedder)
     await running.set_serving(True)
-    log.info("ready", replicas=list(config.triton_urls), model=config.model_name, protocol=protocol)
+    log.info("ready", replicas=sorted(pool.names), model=config.model_name, protocol=protocol)
     health_task = supervisor.start("health-from-replicas", lambda: report_health(pool, running))
+    # Replicas of dns:/// names come and go with the addresses the names resolve to.
+    discovery_task = (
+        supervisor.start("replica-discovery", lambda: discovery.run(pool, config.triton_resolve_interval_s))
+        if discovery.dynamic
+        else None
+    )
 
     async def on_stop() -> None:
         health_task.cancel()
-        if embedder is not None:
-            await embedder.stop()
+        if discovery_task is not None:
+            discovery_task.cancel()  # no replica joins while the pool stops
+        if embedding is not None:
+            await embedding[0].stop()
+            await embedding[1].close()
         await pool.stop()
-        await asyncio.gather(*(b.close() for b in backends))
 
     await serve_until_signal(running, config.shutdown_grace_s, on_stop)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from sluice_common.config import ServerConfig, require
+from sluice_inference_adapter.replica_discovery import parse_target
 
 ENV_PREFIX = "SLUICE_ADAPTER_"
 
@@ -13,8 +14,12 @@ ENV_PREFIX = "SLUICE_ADAPTER_"
 class AdapterConfig(ServerConfig):
     port: int = 50061
     metrics_port: int = 9102
-    # Triton gRPC endpoints (KServe v2), comma-separated: replicas serving the same model.
+    # Triton gRPC endpoints (KServe v2), comma-separated: replicas serving the same model. Each is
+    # host:port (one replica), or dns:///name:port (one replica per address the name resolves to,
+    # re-resolved: the pods behind a headless Service; replica_discovery.py).
     triton_urls: tuple[str, ...] = ("127.0.0.1:8001",)
+    # How often dns:/// names are resolved again (pods that appear are added, those gone drained).
+    triton_resolve_interval_s: float = 10.0
     # The name clients use, and the Triton model that serves it: a step-protocol model (the
     # adapter batches) or a model behind Triton's vLLM backend (the engine batches), told apart
     # by the model's inputs.
@@ -70,6 +75,12 @@ class AdapterConfig(ServerConfig):
         )
         require(self.max_batch_size >= 1, f"{ENV_PREFIX}MAX_BATCH_SIZE must be >= 1, got {self.max_batch_size}")
         require(len(self.triton_urls) >= 1, f"{ENV_PREFIX}TRITON_URLS needs at least one host:port")
+        for entry in self.triton_urls:
+            try:
+                parse_target(entry)
+            except ValueError as exc:
+                require(False, f"{ENV_PREFIX}TRITON_URLS: {exc}")
+        require(self.triton_resolve_interval_s > 0, f"{ENV_PREFIX}TRITON_RESOLVE_INTERVAL_S must be > 0, got {self.triton_resolve_interval_s}")
         require(self.max_waiting >= 1, f"{ENV_PREFIX}MAX_WAITING must be >= 1, got {self.max_waiting}")
         require(
             0 < self.max_output_tokens < self.context_length,

@@ -1,5 +1,8 @@
 """The adapter's Prometheus metrics: what an operator watches to size batches and replicas."""
 
+from collections.abc import Iterable
+from contextlib import suppress
+
 from prometheus_client import Counter, Gauge, Histogram
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
@@ -11,11 +14,16 @@ ENGINE_FULL = Counter(
     "Prefills a replica's step model answered busy (every slot taken, by this or another adapter): retried later.",
     ["replica"],
 )
+# Not labelled by replica (yet): tests/e2e/test_batching.py reads its unlabelled _count sample.
 BATCH_SIZE = Histogram(
     "sluice_adapter_batch_size", "Token-producing rows per step.", buckets=(1, 2, 4, 8, 16, 32, 64, 128)
 )
-STEP_SECONDS = Histogram("sluice_adapter_step_seconds", "Round trip of one step request to Triton.", buckets=_LATENCY_BUCKETS)
-QUEUE_SECONDS = Histogram("sluice_adapter_queue_seconds", "Time from arrival to prefill.", buckets=_LATENCY_BUCKETS)
+STEP_SECONDS = Histogram(
+    "sluice_adapter_step_seconds", "Round trip of one step request to a Triton replica.", ["replica"], buckets=_LATENCY_BUCKETS
+)
+QUEUE_SECONDS = Histogram(
+    "sluice_adapter_queue_seconds", "Time from arrival to prefill, in a replica's waiting queue.", ["replica"], buckets=_LATENCY_BUCKETS
+)
 TIME_TO_FIRST_TOKEN = Histogram(
     "sluice_adapter_time_to_first_token_seconds", "Time from arrival to the first token.", buckets=_LATENCY_BUCKETS
 )
@@ -24,15 +32,37 @@ INTER_TOKEN = Histogram(
 )
 REJECTIONS = Counter("sluice_adapter_rejections_total", "Requests refused before scheduling.", ["reason"])
 CANCELLATIONS = Counter("sluice_adapter_cancellations_total", "Sequences stopped before they finished.", ["reason"])
-BACKEND_READY = Gauge("sluice_adapter_backend_ready", "1 when the Triton endpoint and model answer ready.", ["endpoint"])
+BACKEND_READY = Gauge("sluice_adapter_backend_ready", "1 when a Triton replica and its model answer ready.", ["replica"])
 BATCH_TOKENS = Histogram(
     "sluice_adapter_batch_tokens",
-    "KV tokens reserved (prompt + max_tokens) by the running batch, per step.",
+    "KV tokens reserved (prompt + max_tokens) by a replica's running batch, per step.",
+    ["replica"],
     buckets=(64, 256, 1024, 2048, 4096, 8192, 16384, 32768, 65536),
 )
 REPLICA_HEALTHY = Gauge("sluice_adapter_replica_healthy", "1 when a Triton replica is admitted for routing.", ["replica"])
 REPLICA_LOAD = Gauge("sluice_adapter_replica_load", "Waiting plus running sequences per replica.", ["replica"])
 RETRIES = Counter("sluice_adapter_retries_total", "Requests moved to another replica before their first token.")
+REPLICAS = Gauge(
+    "sluice_adapter_replicas",
+    "Triton replicas by state: serving (routed to), unhealthy (probed until it answers), draining (its sequences finish, no new ones).",
+    ["state"],
+)
+DISCOVERY_FAILURES = Counter(
+    "sluice_adapter_discovery_failures_total",
+    "DNS lookups of a dns:/// replica target that failed (reason=error) or named no address (reason=empty); the replicas were kept.",
+    ["target", "reason"],
+)
+
+
+def forget_replica(replica: str, priorities: Iterable[str]) -> None:
+    """Drops a removed replica's series, so that pod churn does not grow them for ever (a counter
+    that ends is fine for rate())."""
+    for metric in (SLOTS_IN_USE, ENGINE_FULL, STEP_SECONDS, QUEUE_SECONDS, BATCH_TOKENS, BACKEND_READY, REPLICA_HEALTHY, REPLICA_LOAD):
+        with suppress(KeyError):
+            metric.remove(replica)
+    for priority in priorities:
+        with suppress(KeyError):
+            WAITING.remove(priority, replica)
 _EMBED_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
 EMBED_WAITING = Gauge("sluice_adapter_embed_waiting_texts", "Texts waiting for an embedding batch.")
 EMBED_BATCH_TEXTS = Histogram(

@@ -119,7 +119,7 @@ class PassthroughScheduler(ReplicaWork):
                 if sequence is None:
                     break
                 sequence.prefilled_at = now
-                metrics.QUEUE_SECONDS.observe(now - sequence.submitted_at)
+                metrics.QUEUE_SECONDS.labels(replica=self._replica).observe(now - sequence.submitted_at)
                 self._in_flight[sequence] = asyncio.create_task(self._stream(sequence))
             metrics.SLOTS_IN_USE.labels(replica=self._replica).set(len(self._in_flight))
 

@@ -6,6 +6,11 @@ is marked unhealthy after `failure_threshold` consecutive failures, counting bot
 failed steps and failed probes, and readmitted after one successful probe. A request
 whose replica failed before it produced a token is moved to another replica; one that
 already streamed tokens cannot be resumed elsewhere and ends with an error.
+
+Replicas come and go while the adapter runs (replica_discovery.py: the pods behind a DNS name).
+A new one is probed before it gets work. One that disappears is drained: it gets no new
+sequence, those it holds finish there (a sequence lives in one replica's scheduler from prefill
+to its end: its KV cache is in that replica), then its scheduler stops and its channel closes.
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -31,6 +36,7 @@ from sluice_inference_adapter.scheduler import (
     SequenceHandle,
     TokenEvent,
 )
+from sluice_inference_adapter.waiting_queue import Priority
 
 log = structlog.stdlib.get_logger("sluice.replicas")
 
@@ -43,6 +49,10 @@ class ReplicaBackend(Protocol):
 
     async def probe(self) -> bool:
         """Ready checks plus a one-token generation; True when the replica can serve."""
+        ...
+
+    async def close(self) -> None:
+        """Closes the channel; called once the replica has left the pool."""
         ...
 
 
@@ -61,6 +71,8 @@ class BatchOwner(Protocol):
 
 # Builds a replica's BatchOwner; the callback reports whether each step or stream reached the backend.
 SchedulerFactory = Callable[[ReplicaBackend, Callable[[bool], None]], BatchOwner]
+# Builds the backend of a replica found while the adapter runs, from its address.
+BackendFactory = Callable[[str], ReplicaBackend]
 
 
 @dataclass(eq=False)
@@ -71,7 +83,9 @@ class Replica:
     consecutive_failures: int = 0
     # -inf: a new replica is probed at once; it has not proved itself yet.
     last_success: float = float("-inf")
-
+    # Its address left discovery: no new sequences; removed once it holds none.
+    draining: bool = False
+    removed: bool = False
 
     @property
     def name(self) -> str:
@@ -85,22 +99,115 @@ class ReplicaPool:
         make_scheduler: SchedulerFactory,
         failure_threshold: int = 2,
         probe_interval_s: float = 2.0,
+        make_backend: BackendFactory | None = None,
+        drain_poll_s: float = 0.1,
     ) -> None:
         if not backends:
             raise ValueError("a replica pool needs at least one replica")
-        self.replicas = [Replica(backend) for backend in backends]
-        for replica in self.replicas:
-            # Each replica has its own batch (its own KV slots); its steps report its health.
-            replica.scheduler = make_scheduler(replica.backend, functools.partial(self.record, replica))
+        self._make_scheduler = make_scheduler
+        self._make_backend = make_backend
         self._failure_threshold = failure_threshold
         self._probe_interval_s = probe_interval_s
+        self._drain_poll_s = drain_poll_s
         self._probe_task: asyncio.Task[None] | None = None
+        self._supervisor: Supervisor | None = None
+        # Started on drain, cancelled on undrain; each removes its replica once it holds nothing.
+        self._drains: dict[str, asyncio.Task[None]] = {}
+        # First probes of new replicas (held so they are not garbage-collected mid-flight).
+        self._first_probes: set[asyncio.Task[None]] = set()
+        # Told the name of each replica that left the pool (the embedder closes its own channel).
+        self.on_removed: list[Callable[[str], Awaitable[None]]] = []
+        self.replicas: list[Replica] = []
+        for backend in backends:
+            self._admit(Replica(backend))
+        self._publish_states()
+
+    def _admit(self, replica: Replica) -> None:
+        # Each replica has its own batch (its own KV slots); its steps report its health.
+        replica.scheduler = self._make_scheduler(replica.backend, functools.partial(self.record, replica))
+        self.replicas.append(replica)
+        metrics.REPLICA_HEALTHY.labels(replica=replica.name).set(1 if replica.healthy else 0)
+
+    # -- membership (replica_discovery.PoolControl) ------------------------------------
+
+    @property
+    def names(self) -> set[str]:
+        return {r.name for r in self.replicas}
+
+    def _find(self, name: str) -> Replica:
+        return next(r for r in self.replicas if r.name == name)
+
+    def is_draining(self, name: str) -> bool:
+        return self._find(name).draining
+
+    def add(self, url: str) -> None:
+        """A replica found while running: unhealthy (no work) until its first probe succeeds."""
+        if self._make_backend is None:
+            raise RuntimeError("this pool was built without a backend factory: it cannot add replicas")
+        replica = Replica(self._make_backend(url), healthy=False)
+        self._admit(replica)
+        log.info("replica_added", replica=replica.name)
+        if self._supervisor is not None:
+            replica.scheduler.start(self._supervisor)
+            # Probed now, not at the next round: a new pod should take work as soon as it can.
+            task = asyncio.get_running_loop().create_task(self._probe([replica]), name=f"first-probe@{replica.name}")
+            self._first_probes.add(task)
+            task.add_done_callback(self._first_probes.discard)
+        self._publish_states()
+
+    def drain(self, name: str) -> None:
+        """No new sequences go to the replica; it is removed once its sequences have finished."""
+        replica = self._find(name)
+        if replica.draining:
+            return
+        replica.draining = True
+        log.info("replica_draining", replica=name, load=replica.scheduler.load)
+        self._drains[name] = asyncio.get_running_loop().create_task(self._remove_when_idle(replica), name=f"drain@{name}")
+        self._publish_states()
+
+    def undrain(self, name: str) -> None:
+        """Its address came back before it was removed: it takes new sequences again."""
+        replica = self._find(name)
+        if not replica.draining:
+            return
+        replica.draining = False
+        task = self._drains.pop(name, None)
+        if task is not None:
+            task.cancel()
+        log.info("replica_undrained", replica=name)
+        self._publish_states()
+
+    async def _remove_when_idle(self, replica: Replica) -> None:
+        # Waiting sequences count too: they were routed here, and they are prefilled here.
+        while replica.scheduler.load:
+            await asyncio.sleep(self._drain_poll_s)
+        await self._remove(replica)
+
+    async def _remove(self, replica: Replica) -> None:
+        # Out of the pool first, so no probe or pick sees it while it stops.
+        self.replicas.remove(replica)
+        self._drains.pop(replica.name, None)
+        replica.removed = True
+        await replica.scheduler.stop()
+        await replica.backend.close()
+        for listener in self.on_removed:
+            await listener(replica.name)
+        metrics.forget_replica(replica.name, [p.name.lower() for p in Priority])
+        log.info("replica_removed", replica=replica.name)
+        self._publish_states()
+
+    def _publish_states(self) -> None:
+        counts = {"serving": 0, "unhealthy": 0, "draining": 0}
         for replica in self.replicas:
-            metrics.REPLICA_HEALTHY.labels(replica=replica.name).set(1)
+            counts["draining" if replica.draining else "serving" if replica.healthy else "unhealthy"] += 1
+        for state, count in counts.items():
+            metrics.REPLICAS.labels(state=state).set(count)
 
     # -- health ----------------------------------------------------------------------
 
     def record(self, replica: Replica, ok: bool) -> None:
+        if replica.removed:
+            return  # a last step or probe that ended after removal: no series to bring back
         if ok:
             replica.consecutive_failures = 0
             replica.last_success = time.monotonic()
@@ -113,11 +220,14 @@ class ReplicaPool:
                 replica.healthy = False
                 log.warning("replica_unhealthy", replica=replica.name, failures=replica.consecutive_failures)
         metrics.REPLICA_HEALTHY.labels(replica=replica.name).set(1 if replica.healthy else 0)
+        self._publish_states()
 
     async def probe_once(self) -> None:
         """Probes every replica that has not proved itself by a successful step since the last round."""
         now = time.monotonic()
-        due = [r for r in self.replicas if not r.healthy or now - r.last_success >= self._probe_interval_s]
+        await self._probe([r for r in self.replicas if not r.healthy or now - r.last_success >= self._probe_interval_s])
+
+    async def _probe(self, due: list[Replica]) -> None:
         results = await asyncio.gather(*(r.backend.probe() for r in due), return_exceptions=True)
         for replica, result in zip(due, results):
             if result is not True:
@@ -132,32 +242,37 @@ class ReplicaPool:
 
     @property
     def any_healthy(self) -> bool:
-        return any(r.healthy for r in self.replicas)
+        """Some replica can take a new request (a draining one cannot)."""
+        return any(r.healthy and not r.draining for r in self.replicas)
 
     @property
     def any_proven(self) -> bool:
         """Some healthy replica has answered a step or a probe since the adapter started."""
-        return any(r.healthy and r.last_success > float("-inf") for r in self.replicas)
+        return any(r.healthy and not r.draining and r.last_success > float("-inf") for r in self.replicas)
 
     # -- lifecycle -------------------------------------------------------------------
 
     def start(self, supervisor: Supervisor | None = None) -> None:
-        supervisor = supervisor or Supervisor()
+        self._supervisor = supervisor or Supervisor()
         for replica in self.replicas:
-            replica.scheduler.start(supervisor)
-        self._probe_task = supervisor.start("replica-probes", self._probe_forever)
+            replica.scheduler.start(self._supervisor)
+        self._probe_task = self._supervisor.start("replica-probes", self._probe_forever)
 
     async def stop(self) -> None:
-        if self._probe_task is not None:
-            self._probe_task.cancel()
-            await asyncio.gather(self._probe_task, return_exceptions=True)
+        """Stops every replica's work and closes every channel."""
+        tasks = [t for t in (self._probe_task, *self._drains.values(), *self._first_probes) if t is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._drains.clear()
         for replica in self.replicas:
             await replica.scheduler.stop()
+        await asyncio.gather(*(r.backend.close() for r in self.replicas), return_exceptions=True)
 
     # -- routing ---------------------------------------------------------------------
 
     def pick(self, exclude: set[str]) -> Replica:
-        candidates = [r for r in self.replicas if r.healthy and r.name not in exclude]
+        candidates = [r for r in self.replicas if r.healthy and not r.draining and r.name not in exclude]
         if not candidates:
             tried = f" (tried {', '.join(sorted(exclude))})" if exclude else ""
             raise Unavailable(f"no healthy Triton replica can take this request{tried}; retry shortly")
@@ -189,12 +304,31 @@ class ReplicaPool:
             log.warning("retrying_on_another_replica", failed=replica.name)
 
 
-class PooledEmbedBackend:
-    """Sends each embedding micro-batch to the least-loaded healthy replica."""
+class ClosableEmbedBackend(EmbedBackend, Protocol):
+    async def close(self) -> None: ...
 
-    def __init__(self, pool: ReplicaPool, by_url: dict[str, EmbedBackend]) -> None:
+
+class PooledEmbedBackend:
+    """Sends each embedding micro-batch to the least-loaded healthy replica, through a channel
+    of its own per replica, opened on first use and closed when the replica leaves the pool."""
+
+    def __init__(self, pool: ReplicaPool, make_backend: Callable[[str], ClosableEmbedBackend]) -> None:
         self._pool = pool
-        self._by_url = by_url
+        self._make_backend = make_backend
+        self._by_url: dict[str, ClosableEmbedBackend] = {}
+        pool.on_removed.append(self._forget)
 
     async def embed(self, texts: list[str]) -> Embeddings:
-        return await self._by_url[self._pool.pick(exclude=set()).name].embed(texts)
+        name = self._pool.pick(exclude=set()).name
+        if name not in self._by_url:
+            self._by_url[name] = self._make_backend(name)
+        return await self._by_url[name].embed(texts)
+
+    async def _forget(self, name: str) -> None:
+        backend = self._by_url.pop(name, None)
+        if backend is not None:
+            await backend.close()
+
+    async def close(self) -> None:
+        backends, self._by_url = list(self._by_url.values()), {}
+        await asyncio.gather(*(b.close() for b in backends), return_exceptions=True)

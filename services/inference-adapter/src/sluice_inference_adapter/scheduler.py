@@ -398,7 +398,7 @@ class Scheduler(ReplicaWork):
         stepped.extend(admitted)
         if stepped:
             metrics.BATCH_SIZE.observe(len(stepped))
-            metrics.BATCH_TOKENS.observe(self.batch_tokens)
+            metrics.BATCH_TOKENS.labels(replica=self._replica).observe(self.batch_tokens)
         metrics.SLOTS_IN_USE.labels(replica=self._replica).set(len(self._running))
         return rows + decode_rows + prefill_rows, stepped
 
@@ -439,7 +439,7 @@ class Scheduler(ReplicaWork):
                 break
             self._waiting.pop()
             head.prefilled_at = now
-            metrics.QUEUE_SECONDS.observe(now - head.submitted_at)
+            metrics.QUEUE_SECONDS.labels(replica=self._replica).observe(now - head.submitted_at)
             tokens += head.reserved_tokens
             self._running[head.seq_id] = head
             admitted.append(head)

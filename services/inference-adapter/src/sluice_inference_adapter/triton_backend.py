@@ -95,7 +95,7 @@ class _TritonEndpoint:
             )
         except InferenceServerException:
             ready = False
-        metrics.BACKEND_READY.labels(endpoint=self.url).set(1 if ready else 0)
+        metrics.BACKEND_READY.labels(replica=self.url).set(1 if ready else 0)
         return bool(ready)
 
     async def close(self) -> None:
@@ -122,7 +122,7 @@ class TritonStepBackend(_TritonEndpoint):
         except InferenceServerException as exc:
             raise Unavailable(f"Triton at {self.url} failed a step of {self.model}: {exc.message()}") from exc
         finally:
-            metrics.STEP_SECONDS.observe(time.perf_counter() - started)
+            metrics.STEP_SECONDS.labels(replica=self.url).observe(time.perf_counter() - started)
         columns = {name: result.as_numpy(name) for name in _STEP_OUTPUTS}
         return [
             StepOutcome(
