@@ -13,6 +13,9 @@ _OPTIONS = (
     ("grpc.keepalive_timeout_ms", 10_000),
     ("grpc.http2.max_pings_without_data", 0),
     ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+    # A replica back from a restart is used again within 2 s (the default backoff grows to 120 s).
+    ("grpc.initial_reconnect_backoff_ms", 250),
+    ("grpc.max_reconnect_backoff_ms", 2_000),
     # Calls spread over every address the name resolves to (a Kubernetes headless Service: every
     # pod, or "ipv4:host:a,host:b"), instead of pinning all of them to the first one; and only to
     # the addresses whose health says SERVING: a replica that drains for a rolling restart (or is

@@ -82,7 +82,12 @@ async def create_server(
     """
     server = grpc.aio.server(
         interceptors=[SluiceServerInterceptor(quiet_methods)],
-        options=[("grpc.so_reuseport", 0)],
+        options=[
+            ("grpc.so_reuseport", 0),
+            # Clients ping every 30 s during calls (channels.py); a long stream may carry no data for
+            # longer, and the default 5 min floor answered such pings with GOAWAY "too_many_pings".
+            ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+        ],
     )
     service_names = tuple(register(server))
     health = HealthServicer()

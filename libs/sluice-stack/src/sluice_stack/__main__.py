@@ -11,6 +11,7 @@ import grpc
 from sluice.common.v1 import types_pb2
 from sluice.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 
+from sluice_stack.keeper import ServiceKeeper
 from sluice_stack.launcher import REPO_ROOT, ServiceProcess, Stack, StartupError
 from sluice_stack.rabbitmq import ensure_rabbitmq
 
@@ -82,11 +83,10 @@ def main() -> int:
         stack.start(on_ready=announce)
         stream_demo(stack.gateway_address)
         say(usage_text(stack))
-        while all(s.process is not None and s.process.poll() is None for s in stack.services):
+        keeper = ServiceKeeper(stack.services, say)
+        while True:  # like a cluster: a service that exits is started again, the rest keep serving
+            keeper.poll()
             time.sleep(1)
-        dead = [s.name for s in stack.services if s.process is not None and s.process.poll() is not None]
-        say(f"stopped because {', '.join(dead)} exited; see the logs in {run_dir}")
-        return 1
     except StartupError as exc:
         say(f"startup failed: {exc}")
         return 1

@@ -113,6 +113,11 @@ class ServiceProcess:
         except OSError:
             return "(no log)"
 
+    def terminate(self) -> None:
+        """SIGTERM, without waiting: the service drains (see sluice_common.server.drain) and exits."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+
     def kill(self) -> None:
         """SIGKILL the whole process group: a crash, as failure tests need it."""
         if self.process is not None and self.process.poll() is None:
@@ -328,9 +333,12 @@ class Stack:
         service.wait_ready(timeout_s)
         return service
 
-    def add_adapter(self, name: str, timeout_s: float = 300.0) -> tuple[ServiceProcess, str, str]:
-        """Starts one more inference-adapter on the same Triton replicas (it shares their slots);
-        stopped with the stack. Returns it, its gRPC address and its metrics URL."""
+    def add_adapter(
+        self, name: str, timeout_s: float = 300.0, env: dict[str, str] | None = None
+    ) -> tuple[ServiceProcess, str, str]:
+        """Starts one more inference-adapter on the same Triton replicas (it shares their slots),
+        with `env` on top of the stack's adapter settings; stopped with the stack. Returns it,
+        its gRPC address and its metrics URL."""
         port, metrics_port = free_port(), free_port()
         address = f"{LOCALHOST}:{port}"
         env = {
@@ -339,6 +347,7 @@ class Stack:
             "SLUICE_ADAPTER_PORT": str(port),
             "SLUICE_ADAPTER_METRICS_PORT": str(metrics_port),
             "SLUICE_ADAPTER_TRITON_URLS": ",".join(self.triton_address(n) for n in self.triton_ports),
+            **(env or {}),
         }
         service = ServiceProcess(
             name, "sluice_inference_adapter", env, self.run_dir / f"{name}.log",

@@ -172,7 +172,7 @@ async def serve(config: AdapterConfig) -> None:
     pool = ReplicaPool(backends, make_scheduler, config.replica_failure_threshold, config.probe_interval_s, make_backend)  # type: ignore[arg-type]
     await wait_for_a_healthy_replica(pool, config.backend_wait_s)
     # Every owner task is supervised: if one dies, health turns NOT_SERVING and its callers fail.
-    supervisor = Supervisor(running.report)
+    supervisor = running.supervisor
     pool.start(supervisor)
     embedding = build_embedder(config, pool, supervisor)
     embedder = embedding[0] if embedding is not None else None
