@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import kubernetes_validate
@@ -15,10 +14,10 @@ import pytest
 import yaml
 
 import config_vars
+from manifests import BIN, OVERLAYS, container_environment, find, render, workload
 
 ROOT = config_vars.ROOT
 DEPLOY = ROOT / "deploy"
-BIN = Path(sys.executable).parent
 KUBERNETES_VERSION = "1.33.0"
 GRPC_SERVICES = {  # name -> gRPC port
     "gateway": 50051,
@@ -27,7 +26,6 @@ GRPC_SERVICES = {  # name -> gRPC port
     "evaluation-logging": 50081,
 }
 DOCKERFILES = sorted((DEPLOY / "docker").glob("*.Dockerfile")) + [DEPLOY / "triton" / "Dockerfile"]
-OVERLAYS = ("dev", "gpu")
 
 
 # ---- Dockerfiles ---------------------------------------------------------------------------
@@ -70,21 +68,9 @@ def test_dockerignore_keeps_virtualenvs_out() -> None:
 # ---- Kubernetes ------------------------------------------------------------------------------
 
 
-def render(overlay: str) -> list[dict]:
-    result = subprocess.run(
-        [str(BIN / "kubectl"), "kustomize", str(DEPLOY / "k8s" / "overlays" / overlay)], capture_output=True, text=True
-    )
-    assert result.returncode == 0, result.stderr
-    return [doc for doc in yaml.safe_load_all(result.stdout) if doc]
-
-
 @pytest.fixture(scope="module", params=OVERLAYS)
 def overlay(request: pytest.FixtureRequest) -> tuple[str, list[dict]]:
     return request.param, render(request.param)
-
-
-def find(docs: list[dict], kind: str, name: str | None = None) -> list[dict]:
-    return [d for d in docs if d["kind"] == kind and (name is None or d["metadata"]["name"] == name)]
 
 
 def test_every_object_is_valid_against_the_kubernetes_schema(overlay) -> None:
@@ -161,16 +147,12 @@ def test_triton_per_overlay() -> None:
 
 
 def variables_set(docs: list[dict], service: str) -> set[str]:
-    """Environment variable names the service's container gets: env and envFrom ConfigMaps/Secrets."""
-    configmaps = {c["metadata"]["name"]: c.get("data", {}) for c in find(docs, "ConfigMap")}
-    (deployment,) = find(docs, "Deployment", service)
+    """Variables the service's container gets (env and envFrom ConfigMaps/Secrets), a shared
+    variable (SLUICE_SHUTDOWN_GRACE_S) counting as the service's own variable it sets."""
     names: set[str] = set()
-    for container in deployment["spec"]["template"]["spec"]["containers"]:
-        names |= {env["name"] for env in container.get("env", [])}
-        for source in container.get("envFrom", []):
-            if "configMapRef" in source:
-                names |= set(configmaps[source["configMapRef"]["name"]])
-    return names
+    for container in workload(docs, service)["spec"]["template"]["spec"]["containers"]:
+        names |= set(container_environment(docs, container))
+    return names | {own for own, shared in config_vars.shared_variables(service).items() if shared in names}
 
 
 @pytest.mark.parametrize("service", [*GRPC_SERVICES, "triton-local"])
