@@ -66,3 +66,22 @@ def selects(selector: dict, labels: dict) -> bool:
     """Whether a label selector (matchLabels only, as these manifests use) selects these labels."""
     assert set(selector) <= {"matchLabels"}, f"only matchLabels is understood here: {selector}"
     return selector["matchLabels"].items() <= labels.items()
+
+
+TRITON_SERVICE = "triton"  # the headless Service the adapters resolve (dns:///triton:8001)
+
+
+def triton_service(docs: list[dict]) -> dict:
+    (service,) = find(docs, "Service", TRITON_SERVICE)
+    return service
+
+
+def triton_workloads(docs: list[dict]) -> list[dict]:
+    """The workloads whose pods the Service `triton` selects."""
+    selector = {"matchLabels": triton_service(docs)["spec"]["selector"]}
+    return [w for w in workloads(docs) if selects(selector, w["spec"]["template"]["metadata"]["labels"])]
+
+
+def adapter_config(docs: list[dict]) -> dict[str, str]:
+    """The rendered inference-adapter-config ConfigMap's data."""
+    return next(data for name, data in configmap_data(docs).items() if name.startswith("inference-adapter-config-"))

@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 import config_vars
-from manifests import BIN, OVERLAYS, container_environment, find, render, workload
+from manifests import BIN, OVERLAYS, container_environment, find, render, workload, workloads
 
 ROOT = config_vars.ROOT
 DEPLOY = ROOT / "deploy"
@@ -95,8 +95,9 @@ def test_deployment_has_grpc_probes_resources_and_a_pdb(overlay, service: str) -
     assert pdb["spec"]["selector"]["matchLabels"] == deployment["spec"]["selector"]["matchLabels"]
 
 
-def test_gateway_and_adapter_autoscale(overlay) -> None:
-    _, docs = overlay
+def test_gateway_and_adapter_autoscale_on_gpu() -> None:
+    """The gpu overlay autoscales; dev runs one replica of everything (its HPAs are deleted)."""
+    docs = render("gpu")
     targets = {h["spec"]["scaleTargetRef"]["name"] for h in find(docs, "HorizontalPodAutoscaler")}
     assert {"gateway", "inference-adapter"} <= targets
 
@@ -131,9 +132,9 @@ def test_backing_services_are_referenced_not_written(overlay) -> None:
 
 def test_triton_per_overlay() -> None:
     dev, gpu = render("dev"), render("gpu")
-    (local,) = find(dev, "Deployment", "triton-local")
+    local = workload(dev, "triton-local")
     assert "nvidia.com/gpu" not in str(local)
-    (triton,) = find(gpu, "Deployment", "triton")
+    triton = workload(gpu, "triton")
     (container,) = triton["spec"]["template"]["spec"]["containers"]
     assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
     # The step model on the GPU (configs/gpu.pbtxt) needs the CUDA build of the image; the
@@ -143,7 +144,7 @@ def test_triton_per_overlay() -> None:
     (adapter_config,) = [c for c in find(gpu, "ConfigMap") if c["metadata"]["name"].startswith("inference-adapter-config")]
     assert adapter_config["data"]["SLUICE_ADAPTER_TRITON_EMBEDDING_MODEL"] == "minilm_embed_gpu"
     for docs in (dev, gpu):
-        assert find(docs, "Service", "triton"), "the adapter dials triton:8001 in both overlays"
+        assert find(docs, "Service", "triton"), "the adapters resolve dns:///triton:8001 in both overlays"
 
 
 def variables_set(docs: list[dict], service: str) -> set[str]:
@@ -160,7 +161,7 @@ def test_every_config_variable_is_set_in_the_manifests(overlay, service: str) ->
     name, docs = overlay
     if service == "triton-local" and name != "dev":
         # The gpu overlay runs the official Triton instead: triton-local must not be there.
-        assert not find(docs, "Deployment", "triton-local")
+        assert not [w for w in workloads(docs) if w["metadata"]["name"] == "triton-local"]
         return
     expected = set(config_vars.service_variables(service))
     present = variables_set(docs, service)
@@ -253,18 +254,25 @@ def test_step_model_config_matches_the_step_protocol(config: str) -> None:
     assert 'backend: "python"' in text and "max_batch_size: 0" in text
 
 
-def test_step_model_gpu_variant_differs_only_in_its_instance_group() -> None:
-    """configs/gpu.pbtxt (tritonserver --model-config-name=gpu) must not drift from config.pbtxt."""
+def test_step_model_gpu_variant_differs_only_in_its_instance_group_and_slots() -> None:
+    """configs/gpu.pbtxt (tritonserver --model-config-name=gpu) must not drift from config.pbtxt;
+    only where it runs and how many sequences it holds (a GPU holds the adapters' batch of 32)."""
 
-    def settings(path: Path) -> tuple[list[str], list[str]]:
+    def settings(path: Path) -> tuple[list[str], list[str], list[str]]:
         lines = [line for line in path.read_text().splitlines() if line.strip() and not line.lstrip().startswith("#")]
-        return [line for line in lines if not line.startswith("instance_group")], [line for line in lines if line.startswith("instance_group")]
+        own = ("instance_group", 'parameters: { key: "MAX_SLOTS"')
+        return (
+            [line for line in lines if not line.startswith(own)],
+            [line for line in lines if line.startswith("instance_group")],
+            [line for line in lines if line.startswith(own[1])],
+        )
 
-    cpu, cpu_group = settings(STEP_MODEL / "config.pbtxt")
-    gpu, gpu_group = settings(STEP_MODEL / "configs" / "gpu.pbtxt")
+    cpu, cpu_group, cpu_slots = settings(STEP_MODEL / "config.pbtxt")
+    gpu, gpu_group, gpu_slots = settings(STEP_MODEL / "configs" / "gpu.pbtxt")
     assert cpu == gpu
     assert cpu_group == ["instance_group [ { count: 1, kind: KIND_CPU } ]"]
     assert gpu_group == ["instance_group [ { count: 1, kind: KIND_GPU, gpus: [ 0 ] } ]"], "one instance: one KV cache"
+    assert len(cpu_slots) == len(gpu_slots) == 1
 
 
 def test_image_installs_exactly_the_requirements_list() -> None:

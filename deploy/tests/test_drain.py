@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 import config_vars
-from manifests import OVERLAYS, configmap_data, container_environment, find, render, selects, workloads
+from manifests import OVERLAYS, adapter_config, configmap_data, container_environment, render, triton_workloads, workloads
 
 SHARED_GRACE = config_vars.SHARED_VARIABLES["shutdown_grace_s"]
 SHUTDOWN_CONFIGMAP = "sluice-shutdown"
@@ -85,16 +85,8 @@ def test_termination_grace_covers_prestop_drain_and_flush(docs) -> None:
         assert period >= needed, f"{label(workload, container)}: terminationGracePeriodSeconds {period} < {needed}"
 
 
-def triton_workloads(docs: list[dict]) -> list[dict]:
-    """The workloads behind the Service the adapters dial (`triton`)."""
-    (service,) = find(docs, "Service", "triton")
-    selector = {"matchLabels": service["spec"]["selector"]}
-    return [w for w in workloads(docs) if selects(selector, w["spec"]["template"]["metadata"]["labels"])]
-
-
 def test_triton_pods_finish_their_sequences_before_sigterm(docs) -> None:
-    adapter_config = next(v for k, v in configmap_data(docs).items() if k.startswith("inference-adapter-config-"))
-    resolve_s = float(adapter_config.get("SLUICE_ADAPTER_TRITON_RESOLVE_INTERVAL_S", DEFAULT_TRITON_RESOLVE_INTERVAL_S))
+    resolve_s = float(adapter_config(docs).get("SLUICE_ADAPTER_TRITON_RESOLVE_INTERVAL_S", DEFAULT_TRITON_RESOLVE_INTERVAL_S))
     tritons = triton_workloads(docs)
     assert tritons
     for workload in tritons:
