@@ -1,6 +1,6 @@
 """deploy/ checked without a Docker engine or a cluster: Dockerfiles (hadolint and the rules of
 issue 7), Kubernetes overlays rendered by `kubectl kustomize` and validated against the bundled
-Kubernetes schemas, the compose file, and every configuration variable set in the manifests."""
+Kubernetes schemas, and every configuration variable set in the manifests (compose: test_compose.py)."""
 
 from __future__ import annotations
 
@@ -193,49 +193,6 @@ def test_every_variable_in_the_readme_table_is_set_in_the_manifests() -> None:
             present |= variables_set(docs, "triton-local")
         service_vars = {v for v in documented if v in known and not (v.startswith("SLUICE_TRITON_LOCAL_") and overlay_name == "gpu")}
         assert not service_vars - present, f"{overlay_name}: README documents {sorted(service_vars - present)} but the manifests do not set them"
-
-
-# ---- compose -------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def compose() -> dict:
-    return yaml.safe_load((DEPLOY / "compose.yaml").read_text())
-
-
-def test_compose_has_every_service_and_the_backing_services(compose) -> None:
-    services = compose["services"]
-    assert {*GRPC_SERVICES, "triton", "triton-local", "rabbitmq", "redis", "postgres"} <= set(services)
-    for name, spec in services.items():
-        if "build" in spec:
-            assert spec["build"]["context"] == "..", f"{name}: images build from the repository root"
-            assert (ROOT / spec["build"]["dockerfile"]).is_file(), name
-    devices = services["triton"]["deploy"]["resources"]["reservations"]["devices"]
-    assert devices[0]["capabilities"] == ["gpu"] and devices[0]["driver"] == "nvidia"
-    assert "nvcr.io/nvidia/tritonserver" in (DEPLOY / "triton" / "Dockerfile").read_text()
-    # The step model on that GPU: llama.cpp's CUDA build and the KIND_GPU config variant together.
-    assert services["triton"]["build"]["args"] == {"LLAMA_BUILD": "cuda"}
-    assert "--model-config-name=gpu" in services["triton"]["command"] and "--load-model=minilm_embed_gpu" in services["triton"]["command"]
-    assert services["inference-adapter"]["environment"]["SLUICE_ADAPTER_TRITON_EMBEDDING_MODEL"] == "minilm_embed_gpu"
-
-
-@pytest.mark.parametrize("service", [*GRPC_SERVICES, "triton-local"])
-def test_compose_sets_known_variables_and_binds_every_interface(compose, service: str) -> None:
-    environment = compose["services"][service].get("environment", {})
-    known = config_vars.service_variables(service)
-    assert not set(environment) - set(known), f"unknown variables {sorted(set(environment) - set(known))}"
-    (host,) = [v for v in known if v.endswith("_HOST")]
-    assert environment.get(host) == "0.0.0.0"
-    for variable in known:
-        if variable.endswith(("_TENANTS_FILE", "_LIMITS_FILE")):  # required by __post_init__
-            assert variable in environment, variable
-
-
-def test_compose_services_reach_each_other_by_name(compose) -> None:
-    env = {k: str(v) for spec in compose["services"].values() for k, v in spec.get("environment", {}).items()}
-    assert env["SLUICE_GATEWAY_ADAPTER_URL"] == "inference-adapter:50061"
-    assert "triton:8001" in env["SLUICE_ADAPTER_TRITON_URLS"]
-    assert "@rabbitmq:5672" in env["SLUICE_EVALLOG_AMQP_URL"] and "@postgres:5432" in env["SLUICE_EVALLOG_DATABASE_URL"]
 
 
 # ---- the GPU model repository ----------------------------------------------------------------
