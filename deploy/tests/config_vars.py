@@ -23,6 +23,12 @@ SERVICES = {
     "triton-local": "sluice_triton_local",
 }
 
+# Variables that set one field of every service at once (sluice_common.config.SHARED_SETTINGS):
+# load_config reads the shared name when the service's own <PREFIX><FIELD> is unset, so the own
+# one still overrides. The drain grace must agree with every pod's terminationGracePeriodSeconds,
+# hence one setting for all (the manifests' ConfigMap sluice-shutdown, compose's x-service).
+SHARED_VARIABLES = {"shutdown_grace_s": "SLUICE_SHUTDOWN_GRACE_S"}
+
 
 @dataclass(frozen=True)
 class Field:
@@ -51,8 +57,7 @@ def config_path(service: str) -> Path:
     return ROOT / "services" / service / "src" / SERVICES[service] / "config.py"
 
 
-def service_variables(service: str) -> dict[str, str | None]:
-    """{VARIABLE: default source or None} for one service, in declaration order (inherited first)."""
+def _prefix_and_fields(service: str) -> tuple[str, dict[str, str | None]]:
     path = config_path(service)
     tree = ast.parse(path.read_text())
     prefix = next(
@@ -72,7 +77,19 @@ def service_variables(service: str) -> dict[str, str | None]:
     if any(ast.unparse(base) == "ServerConfig" for base in cls.bases):
         fields.update({f.name: f.default for f in server_config_fields()})
     fields.update({f.name: f.default for f in _dataclass_fields(cls)})
+    return prefix, fields
+
+
+def service_variables(service: str) -> dict[str, str | None]:
+    """{VARIABLE: default source or None} for one service, in declaration order (inherited first)."""
+    prefix, fields = _prefix_and_fields(service)
     return {f"{prefix}{name.upper()}": default for name, default in fields.items()}
+
+
+def shared_variables(service: str) -> dict[str, str]:
+    """{the service's own variable: the shared variable that sets it too} for the fields it has."""
+    prefix, fields = _prefix_and_fields(service)
+    return {f"{prefix}{name.upper()}": shared for name, shared in SHARED_VARIABLES.items() if name in fields}
 
 
 def services_with_config() -> list[str]:

@@ -1,13 +1,12 @@
 """deploy/ checked without a Docker engine or a cluster: Dockerfiles (hadolint and the rules of
 issue 7), Kubernetes overlays rendered by `kubectl kustomize` and validated against the bundled
-Kubernetes schemas, the compose file, and every configuration variable set in the manifests."""
+Kubernetes schemas, and every configuration variable set in the manifests (compose: test_compose.py)."""
 
 from __future__ import annotations
 
 import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import kubernetes_validate
@@ -15,10 +14,10 @@ import pytest
 import yaml
 
 import config_vars
+from manifests import BIN, OVERLAYS, container_environment, find, render, workload, workloads
 
 ROOT = config_vars.ROOT
 DEPLOY = ROOT / "deploy"
-BIN = Path(sys.executable).parent
 KUBERNETES_VERSION = "1.33.0"
 GRPC_SERVICES = {  # name -> gRPC port
     "gateway": 50051,
@@ -27,7 +26,6 @@ GRPC_SERVICES = {  # name -> gRPC port
     "evaluation-logging": 50081,
 }
 DOCKERFILES = sorted((DEPLOY / "docker").glob("*.Dockerfile")) + [DEPLOY / "triton" / "Dockerfile"]
-OVERLAYS = ("dev", "gpu")
 
 
 # ---- Dockerfiles ---------------------------------------------------------------------------
@@ -70,21 +68,9 @@ def test_dockerignore_keeps_virtualenvs_out() -> None:
 # ---- Kubernetes ------------------------------------------------------------------------------
 
 
-def render(overlay: str) -> list[dict]:
-    result = subprocess.run(
-        [str(BIN / "kubectl"), "kustomize", str(DEPLOY / "k8s" / "overlays" / overlay)], capture_output=True, text=True
-    )
-    assert result.returncode == 0, result.stderr
-    return [doc for doc in yaml.safe_load_all(result.stdout) if doc]
-
-
 @pytest.fixture(scope="module", params=OVERLAYS)
 def overlay(request: pytest.FixtureRequest) -> tuple[str, list[dict]]:
     return request.param, render(request.param)
-
-
-def find(docs: list[dict], kind: str, name: str | None = None) -> list[dict]:
-    return [d for d in docs if d["kind"] == kind and (name is None or d["metadata"]["name"] == name)]
 
 
 def test_every_object_is_valid_against_the_kubernetes_schema(overlay) -> None:
@@ -109,8 +95,9 @@ def test_deployment_has_grpc_probes_resources_and_a_pdb(overlay, service: str) -
     assert pdb["spec"]["selector"]["matchLabels"] == deployment["spec"]["selector"]["matchLabels"]
 
 
-def test_gateway_and_adapter_autoscale(overlay) -> None:
-    _, docs = overlay
+def test_gateway_and_adapter_autoscale_on_gpu() -> None:
+    """The gpu overlay autoscales; dev runs one replica of everything (its HPAs are deleted)."""
+    docs = render("gpu")
     targets = {h["spec"]["scaleTargetRef"]["name"] for h in find(docs, "HorizontalPodAutoscaler")}
     assert {"gateway", "inference-adapter"} <= targets
 
@@ -145,9 +132,9 @@ def test_backing_services_are_referenced_not_written(overlay) -> None:
 
 def test_triton_per_overlay() -> None:
     dev, gpu = render("dev"), render("gpu")
-    (local,) = find(dev, "Deployment", "triton-local")
+    local = workload(dev, "triton-local")
     assert "nvidia.com/gpu" not in str(local)
-    (triton,) = find(gpu, "Deployment", "triton")
+    triton = workload(gpu, "triton")
     (container,) = triton["spec"]["template"]["spec"]["containers"]
     assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
     # The step model on the GPU (configs/gpu.pbtxt) needs the CUDA build of the image; the
@@ -157,20 +144,16 @@ def test_triton_per_overlay() -> None:
     (adapter_config,) = [c for c in find(gpu, "ConfigMap") if c["metadata"]["name"].startswith("inference-adapter-config")]
     assert adapter_config["data"]["SLUICE_ADAPTER_TRITON_EMBEDDING_MODEL"] == "minilm_embed_gpu"
     for docs in (dev, gpu):
-        assert find(docs, "Service", "triton"), "the adapter dials triton:8001 in both overlays"
+        assert find(docs, "Service", "triton"), "the adapters resolve dns:///triton:8001 in both overlays"
 
 
 def variables_set(docs: list[dict], service: str) -> set[str]:
-    """Environment variable names the service's container gets: env and envFrom ConfigMaps/Secrets."""
-    configmaps = {c["metadata"]["name"]: c.get("data", {}) for c in find(docs, "ConfigMap")}
-    (deployment,) = find(docs, "Deployment", service)
+    """Variables the service's container gets (env and envFrom ConfigMaps/Secrets), a shared
+    variable (SLUICE_SHUTDOWN_GRACE_S) counting as the service's own variable it sets."""
     names: set[str] = set()
-    for container in deployment["spec"]["template"]["spec"]["containers"]:
-        names |= {env["name"] for env in container.get("env", [])}
-        for source in container.get("envFrom", []):
-            if "configMapRef" in source:
-                names |= set(configmaps[source["configMapRef"]["name"]])
-    return names
+    for container in workload(docs, service)["spec"]["template"]["spec"]["containers"]:
+        names |= set(container_environment(docs, container))
+    return names | {own for own, shared in config_vars.shared_variables(service).items() if shared in names}
 
 
 @pytest.mark.parametrize("service", [*GRPC_SERVICES, "triton-local"])
@@ -178,7 +161,7 @@ def test_every_config_variable_is_set_in_the_manifests(overlay, service: str) ->
     name, docs = overlay
     if service == "triton-local" and name != "dev":
         # The gpu overlay runs the official Triton instead: triton-local must not be there.
-        assert not find(docs, "Deployment", "triton-local")
+        assert not [w for w in workloads(docs) if w["metadata"]["name"] == "triton-local"]
         return
     expected = set(config_vars.service_variables(service))
     present = variables_set(docs, service)
@@ -212,49 +195,6 @@ def test_every_variable_in_the_readme_table_is_set_in_the_manifests() -> None:
         assert not service_vars - present, f"{overlay_name}: README documents {sorted(service_vars - present)} but the manifests do not set them"
 
 
-# ---- compose -------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def compose() -> dict:
-    return yaml.safe_load((DEPLOY / "compose.yaml").read_text())
-
-
-def test_compose_has_every_service_and_the_backing_services(compose) -> None:
-    services = compose["services"]
-    assert {*GRPC_SERVICES, "triton", "triton-local", "rabbitmq", "redis", "postgres"} <= set(services)
-    for name, spec in services.items():
-        if "build" in spec:
-            assert spec["build"]["context"] == "..", f"{name}: images build from the repository root"
-            assert (ROOT / spec["build"]["dockerfile"]).is_file(), name
-    devices = services["triton"]["deploy"]["resources"]["reservations"]["devices"]
-    assert devices[0]["capabilities"] == ["gpu"] and devices[0]["driver"] == "nvidia"
-    assert "nvcr.io/nvidia/tritonserver" in (DEPLOY / "triton" / "Dockerfile").read_text()
-    # The step model on that GPU: llama.cpp's CUDA build and the KIND_GPU config variant together.
-    assert services["triton"]["build"]["args"] == {"LLAMA_BUILD": "cuda"}
-    assert "--model-config-name=gpu" in services["triton"]["command"] and "--load-model=minilm_embed_gpu" in services["triton"]["command"]
-    assert services["inference-adapter"]["environment"]["SLUICE_ADAPTER_TRITON_EMBEDDING_MODEL"] == "minilm_embed_gpu"
-
-
-@pytest.mark.parametrize("service", [*GRPC_SERVICES, "triton-local"])
-def test_compose_sets_known_variables_and_binds_every_interface(compose, service: str) -> None:
-    environment = compose["services"][service].get("environment", {})
-    known = config_vars.service_variables(service)
-    assert not set(environment) - set(known), f"unknown variables {sorted(set(environment) - set(known))}"
-    (host,) = [v for v in known if v.endswith("_HOST")]
-    assert environment.get(host) == "0.0.0.0"
-    for variable in known:
-        if variable.endswith(("_TENANTS_FILE", "_LIMITS_FILE")):  # required by __post_init__
-            assert variable in environment, variable
-
-
-def test_compose_services_reach_each_other_by_name(compose) -> None:
-    env = {k: str(v) for spec in compose["services"].values() for k, v in spec.get("environment", {}).items()}
-    assert env["SLUICE_GATEWAY_ADAPTER_URL"] == "inference-adapter:50061"
-    assert "triton:8001" in env["SLUICE_ADAPTER_TRITON_URLS"]
-    assert "@rabbitmq:5672" in env["SLUICE_EVALLOG_AMQP_URL"] and "@postgres:5432" in env["SLUICE_EVALLOG_DATABASE_URL"]
-
-
 # ---- the GPU model repository ----------------------------------------------------------------
 
 
@@ -271,18 +211,25 @@ def test_step_model_config_matches_the_step_protocol(config: str) -> None:
     assert 'backend: "python"' in text and "max_batch_size: 0" in text
 
 
-def test_step_model_gpu_variant_differs_only_in_its_instance_group() -> None:
-    """configs/gpu.pbtxt (tritonserver --model-config-name=gpu) must not drift from config.pbtxt."""
+def test_step_model_gpu_variant_differs_only_in_its_instance_group_and_slots() -> None:
+    """configs/gpu.pbtxt (tritonserver --model-config-name=gpu) must not drift from config.pbtxt;
+    only where it runs and how many sequences it holds (a GPU holds the adapters' batch of 32)."""
 
-    def settings(path: Path) -> tuple[list[str], list[str]]:
+    def settings(path: Path) -> tuple[list[str], list[str], list[str]]:
         lines = [line for line in path.read_text().splitlines() if line.strip() and not line.lstrip().startswith("#")]
-        return [line for line in lines if not line.startswith("instance_group")], [line for line in lines if line.startswith("instance_group")]
+        own = ("instance_group", 'parameters: { key: "MAX_SLOTS"')
+        return (
+            [line for line in lines if not line.startswith(own)],
+            [line for line in lines if line.startswith("instance_group")],
+            [line for line in lines if line.startswith(own[1])],
+        )
 
-    cpu, cpu_group = settings(STEP_MODEL / "config.pbtxt")
-    gpu, gpu_group = settings(STEP_MODEL / "configs" / "gpu.pbtxt")
+    cpu, cpu_group, cpu_slots = settings(STEP_MODEL / "config.pbtxt")
+    gpu, gpu_group, gpu_slots = settings(STEP_MODEL / "configs" / "gpu.pbtxt")
     assert cpu == gpu
     assert cpu_group == ["instance_group [ { count: 1, kind: KIND_CPU } ]"]
     assert gpu_group == ["instance_group [ { count: 1, kind: KIND_GPU, gpus: [ 0 ] } ]"], "one instance: one KV cache"
+    assert len(cpu_slots) == len(gpu_slots) == 1
 
 
 def test_image_installs_exactly_the_requirements_list() -> None:
