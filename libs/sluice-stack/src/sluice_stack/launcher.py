@@ -174,6 +174,10 @@ class Stack:
     grpc_credentials: grpc.ChannelCredentials | None = None
     # More triton-local processes behind the same adapter, named triton-local-2, -3, ...
     extra_triton_replicas: int = 0
+    # Processes of each of gateway, inference-adapter and evaluation-logging (the second is named
+    # gateway-2, ...): the gateways dial every adapter, clients dial every gateway (`gateway_target`),
+    # as a cluster's several pods per service, for rolling restarts.
+    service_replicas: int = 1
     # RabbitMQ for CompletionEvents (gateway -> evaluation-logging); exchange and queue names start
     # with amqp_prefix, so a test session with its own prefix never meets another run's messages.
     amqp_url: str = field(default_factory=lambda: os.environ.get("SLUICE_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/"))
@@ -187,6 +191,26 @@ class Stack:
         }
         for index in range(self.extra_triton_replicas):
             self.triton_ports[f"triton-local-{index + 2}"] = TritonPorts(*(free_port() for _ in range(4)))
+        # (gRPC port, metrics port) of each replica of the services that have several.
+        self.replica_ports: dict[str, list[tuple[int, int]]] = {
+            "gateway": [(p.gateway, p.gateway_metrics)],
+            "inference-adapter": [(p.adapter, p.adapter_metrics)],
+            "evaluation-logging": [(p.evallog, p.evallog_metrics)],
+        }
+        for ports in self.replica_ports.values():
+            ports.extend((free_port(), free_port()) for _ in range(self.service_replicas - 1))
+
+    def replica_names(self, service: str) -> list[str]:
+        return [service if index == 0 else f"{service}-{index + 1}" for index in range(len(self.replica_ports[service]))]
+
+    def _target(self, service: str) -> str:
+        """A gRPC target naming every replica of `service` (one address when there is one)."""
+        addresses = [f"{LOCALHOST}:{port}" for port, _ in self.replica_ports[service]]
+        return addresses[0] if len(addresses) == 1 else "ipv4:" + ",".join(addresses)
+
+    @property
+    def gateway_target(self) -> str:
+        return self._target("gateway")
 
     @property
     def gateway_address(self) -> str:
@@ -219,6 +243,11 @@ class Stack:
             "rate-limit": self.ports.ratelimit_metrics,
             "job-worker": self.ports.job_worker_metrics,
             **{name: t.model_metrics for name, t in self.triton_ports.items()},
+            **{
+                name: metrics
+                for service, ports in self.replica_ports.items()
+                for name, (_, metrics) in zip(self.replica_names(service), ports, strict=True)
+            },
         }
         return f"http://{LOCALHOST}:{ports[service]}/metrics"
 
@@ -238,30 +267,8 @@ class Stack:
         common = {"PYTHONUNBUFFERED": "1"}
         specs = [
             *(self._triton_spec(name, ports) for name, ports in self.triton_ports.items()),
-            (
-                "inference-adapter",
-                "sluice_inference_adapter",
-                {
-                    "SLUICE_ADAPTER_PORT": str(p.adapter),
-                    "SLUICE_ADAPTER_METRICS_PORT": str(p.adapter_metrics),
-                    "SLUICE_ADAPTER_TRITON_URLS": ",".join(self.triton_address(n) for n in self.triton_ports),
-                },
-                grpc_serving(self.adapter_address, self.grpc_credentials),
-            ),
-            (
-                "evaluation-logging",
-                "sluice_evaluation_logging",
-                {
-                    "SLUICE_EVALLOG_PORT": str(p.evallog),
-                    "SLUICE_EVALLOG_METRICS_PORT": str(p.evallog_metrics),
-                    "SLUICE_EVALLOG_TENANTS_FILE": str(self.tenants_file),
-                    "SLUICE_EVALLOG_AMQP_URL": self.amqp_url,
-                    "SLUICE_EVALLOG_AMQP_PREFIX": self.amqp_prefix,
-                    "SLUICE_EVALLOG_SQLITE_PATH": str(self.run_dir / "evallog.sqlite3"),
-                    "SLUICE_EVALLOG_ADAPTER_URL": self.adapter_address,
-                },
-                grpc_serving(self.evallog_address, self.grpc_credentials),
-            ),
+            *(self._adapter_spec(name, port, metrics) for name, (port, metrics) in self._replicas("inference-adapter")),
+            *(self._evallog_spec(name, port, metrics) for name, (port, metrics) in self._replicas("evaluation-logging")),
             (
                 "rate-limit",
                 "sluice_rate_limit",
@@ -272,22 +279,7 @@ class Stack:
                 },
                 grpc_serving(self.ratelimit_address, self.grpc_credentials),
             ),
-            (
-                "gateway",
-                "sluice_gateway",
-                {
-                    "SLUICE_GATEWAY_PORT": str(p.gateway),
-                    "SLUICE_GATEWAY_METRICS_PORT": str(p.gateway_metrics),
-                    "SLUICE_GATEWAY_ADAPTER_URL": self.adapter_address,
-                    "SLUICE_GATEWAY_TENANTS_FILE": str(self.tenants_file),
-                    "SLUICE_GATEWAY_RATELIMIT_URL": self.ratelimit_address,
-                    "SLUICE_GATEWAY_AMQP_URL": self.amqp_url,
-                    "SLUICE_GATEWAY_AMQP_PREFIX": self.amqp_prefix,
-                    "SLUICE_GATEWAY_EVENTS_SPILL_FILE": str(self.run_dir / "gateway-events.spill"),
-                    "SLUICE_GATEWAY_JOBS_SQLITE_PATH": str(self.run_dir / "jobs.sqlite3"),
-                },
-                grpc_serving(self.gateway_address, self.grpc_credentials),
-            ),
+            *(self._gateway_spec(name, port, metrics) for name, (port, metrics) in self._replicas("gateway")),
             self.job_worker_spec(),
         ]
         return [
@@ -297,10 +289,57 @@ class Stack:
                 {**common, **env, **self.extra_env.get(name, {})},
                 self.run_dir / f"{name}.log",
                 ready,
-                project="triton-local" if name.startswith("triton-local") else ("gateway" if name.startswith("job-worker") else ""),
+                project=self._project_of(name),
             )
             for name, module, env, ready in specs
         ]
+
+    def _replicas(self, service: str) -> list[tuple[str, tuple[int, int]]]:
+        return list(zip(self.replica_names(service), self.replica_ports[service], strict=True))
+
+    def _project_of(self, name: str) -> str:
+        """The services/ folder that runs `name` (a replica, or the gateway's job-worker role)."""
+        if name.startswith("job-worker"):
+            return "gateway"
+        return next((p for p in ("triton-local", *self.replica_ports) if name.startswith(p) and name != p), "")
+
+    def _adapter_spec(self, name: str, port: int, metrics_port: int) -> tuple[str, str, dict[str, str], Callable[[], bool]]:
+        env = {
+            "SLUICE_ADAPTER_PORT": str(port),
+            "SLUICE_ADAPTER_METRICS_PORT": str(metrics_port),
+            "SLUICE_ADAPTER_TRITON_URLS": ",".join(self.triton_address(n) for n in self.triton_ports),
+            **self.extra_env.get("inference-adapter", {}),
+        }
+        return name, "sluice_inference_adapter", env, grpc_serving(f"{LOCALHOST}:{port}", self.grpc_credentials)
+
+    def _evallog_spec(self, name: str, port: int, metrics_port: int) -> tuple[str, str, dict[str, str], Callable[[], bool]]:
+        env = {
+            "SLUICE_EVALLOG_PORT": str(port),
+            "SLUICE_EVALLOG_METRICS_PORT": str(metrics_port),
+            "SLUICE_EVALLOG_TENANTS_FILE": str(self.tenants_file),
+            "SLUICE_EVALLOG_AMQP_URL": self.amqp_url,
+            "SLUICE_EVALLOG_AMQP_PREFIX": self.amqp_prefix,
+            # Replicas share one store, as a cluster's share one PostgreSQL.
+            "SLUICE_EVALLOG_SQLITE_PATH": str(self.run_dir / "evallog.sqlite3"),
+            "SLUICE_EVALLOG_ADAPTER_URL": self._target("inference-adapter"),
+            **self.extra_env.get("evaluation-logging", {}),
+        }
+        return name, "sluice_evaluation_logging", env, grpc_serving(f"{LOCALHOST}:{port}", self.grpc_credentials)
+
+    def _gateway_spec(self, name: str, port: int, metrics_port: int) -> tuple[str, str, dict[str, str], Callable[[], bool]]:
+        env = {
+            "SLUICE_GATEWAY_PORT": str(port),
+            "SLUICE_GATEWAY_METRICS_PORT": str(metrics_port),
+            "SLUICE_GATEWAY_ADAPTER_URL": self._target("inference-adapter"),
+            "SLUICE_GATEWAY_TENANTS_FILE": str(self.tenants_file),
+            "SLUICE_GATEWAY_RATELIMIT_URL": self.ratelimit_address,
+            "SLUICE_GATEWAY_AMQP_URL": self.amqp_url,
+            "SLUICE_GATEWAY_AMQP_PREFIX": self.amqp_prefix,
+            "SLUICE_GATEWAY_EVENTS_SPILL_FILE": str(self.run_dir / f"{name}-events.spill"),
+            "SLUICE_GATEWAY_JOBS_SQLITE_PATH": str(self.run_dir / "jobs.sqlite3"),
+            **self.extra_env.get("gateway", {}),
+        }
+        return name, "sluice_gateway", env, grpc_serving(f"{LOCALHOST}:{port}", self.grpc_credentials)
 
     def job_worker_spec(
         self, name: str = "job-worker", port: int | None = None, metrics_port: int | None = None
@@ -311,7 +350,7 @@ class Stack:
         env = {
             "SLUICE_GATEWAY_WORKER_PORT": str(port),
             "SLUICE_GATEWAY_WORKER_METRICS_PORT": str(metrics_port),
-            "SLUICE_GATEWAY_ADAPTER_URL": self.adapter_address,
+            "SLUICE_GATEWAY_ADAPTER_URL": self._target("inference-adapter"),
             "SLUICE_GATEWAY_TENANTS_FILE": str(self.tenants_file),
             "SLUICE_GATEWAY_RATELIMIT_URL": self.ratelimit_address,
             "SLUICE_GATEWAY_AMQP_URL": self.amqp_url,
