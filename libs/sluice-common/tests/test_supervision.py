@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from sluice_common.supervision import TASK_DEATHS, Supervisor
+from sluice_common.supervision import TASK_DEATHS, Supervisor, stop_tasks
 
 
 class Health:
@@ -131,3 +131,22 @@ async def test_without_fault_injection_nothing_is_injected() -> None:
     await asyncio.sleep(0.05)
     assert not task.done() and supervisor.healthy
     task.cancel()
+
+
+async def test_stop_tasks_ends_a_loop_that_swallowed_a_cancel() -> None:
+    swallowed = []
+
+    async def stubborn() -> None:
+        while True:
+            try:
+                await asyncio.sleep(10)
+            except asyncio.CancelledError:
+                if not swallowed:  # what a cancel lost in a wait_for race looks like to the loop
+                    swallowed.append(1)
+                    continue
+                raise
+
+    task = asyncio.create_task(stubborn())
+    await asyncio.sleep(0)
+    await asyncio.wait_for(stop_tasks(task, None, retry_s=0.05), 2)
+    assert task.cancelled() and swallowed == [1]

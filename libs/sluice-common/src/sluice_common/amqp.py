@@ -38,7 +38,7 @@ import structlog
 from prometheus_client import Counter, Gauge
 
 from sluice_common.request_context import REQUEST_ID_KEY
-from sluice_common.supervision import Supervisor
+from sluice_common.supervision import Supervisor, stop_tasks
 
 log = structlog.stdlib.get_logger("sluice.amqp")
 
@@ -300,9 +300,10 @@ class ConfirmingPublisher:
         if self._task is None:
             return
         await self.wait_idle(timeout_s)
+        # The loops see _closing and end on their own; the cancel is for a session stuck in a call.
         self._closing = True
-        self._task.cancel()
-        await asyncio.gather(self._task, return_exceptions=True)
+        self._wakeup.set()
+        await stop_tasks(self._task)
         self._task = None
         leftovers = list(self._in_flight.values()) + list(self._outbox)
         self._in_flight.clear()
@@ -410,7 +411,7 @@ class ConfirmingPublisher:
             tasks: set[asyncio.Task[None]] = set()
             sequence = 0
             try:
-                while True:
+                while not self._closing:
                     if failed.done():
                         raise failed.result()
                     if connection.is_closed or channel.is_closed:

@@ -183,7 +183,9 @@ async def drain(
     await running.server.stop(grace_s)
     log.info("drained", seconds=round(time.monotonic() - started, 3), grace_s=grace_s)
     if on_stop is not None:
+        flushing = time.monotonic()
         await on_stop()
+        log.info("flushed", seconds=round(time.monotonic() - flushing, 3))
 
 
 async def serve_until_signal(

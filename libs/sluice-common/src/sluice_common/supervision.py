@@ -131,3 +131,14 @@ class Supervisor:
             self._down.add(name)
         if self._report is not None:
             await self._report(f"task:{name}", up)
+
+
+async def stop_tasks(*tasks: asyncio.Future[object] | None, retry_s: float = 1.0) -> None:
+    """Cancels the tasks and waits until each has ended, cancelling again every `retry_s`: on
+    Python 3.11 a cancel that lands as `asyncio.wait_for` times out can be swallowed, and a loop
+    that only a cancel ends would then run on and hang its service's shutdown."""
+    pending = {task for task in tasks if task is not None}
+    while pending := {task for task in pending if not task.done()}:
+        for task in pending:
+            task.cancel()
+        await asyncio.wait(pending, timeout=retry_s)

@@ -28,7 +28,7 @@ from sluice.evallog.v1 import events_pb2
 
 from sluice_common.amqp import EventTopology, dead_letter
 from sluice_common.request_context import REQUEST_ID_KEY
-from sluice_common.supervision import Supervisor
+from sluice_common.supervision import Supervisor, stop_tasks
 from sluice_evaluation_logging.evaluators import evaluate_batch
 from sluice_evaluation_logging.evaluators.base import EvalContext, ScoreResult
 from sluice_evaluation_logging.records import PoisonMessage, decode_event, otel_attributes, stored_bytes, to_row
@@ -85,8 +85,7 @@ class CompletionConsumer:
         if self._task is not None:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(asyncio.shield(self._task), 10)
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+            await stop_tasks(self._task)
 
     async def _run(self) -> None:
         backoff = 0.2

@@ -34,7 +34,7 @@ from google.protobuf.message import DecodeError
 from prometheus_client import Counter, Histogram
 from sluice.evallog.v1 import events_pb2
 
-from sluice_common.supervision import Supervisor
+from sluice_common.supervision import Supervisor, stop_tasks
 from sluice_evaluation_logging.evaluators import similarity
 from sluice_evaluation_logging.evaluators.base import Embedder, EmbeddingsUnavailable, EvalSettings, ScoreResult, skipped
 from sluice_evaluation_logging.store import PendingItem, Store
@@ -109,8 +109,7 @@ class SimilarityWorker:
         if self._task is not None:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(asyncio.shield(self._task), 10)
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+            await stop_tasks(self._task)
 
     async def _run(self) -> None:
         # Markers left by a previous process are due at once: the first pass takes them.

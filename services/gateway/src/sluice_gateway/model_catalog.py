@@ -11,7 +11,7 @@ from sluice.common.v1 import types_pb2
 from sluice.inference.v1 import inference_pb2, inference_pb2_grpc
 
 from sluice_common.errors import InvalidArgument
-from sluice_common.supervision import Supervisor
+from sluice_common.supervision import Supervisor, stop_tasks
 
 log = structlog.stdlib.get_logger("sluice.gateway.models")
 
@@ -63,5 +63,4 @@ class ModelCatalog:
 
     async def stop(self) -> None:
         if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+            await stop_tasks(self._task)

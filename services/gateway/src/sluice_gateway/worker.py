@@ -44,7 +44,7 @@ from sluice_common.bootstrap import run_service
 from sluice_common.errors import InvalidArgument
 from sluice_common.request_context import bind_request_id, current_request_id, new_request_id
 from sluice_common.server import create_server, serve_until_signal
-from sluice_common.supervision import Supervisor
+from sluice_common.supervision import Supervisor, stop_tasks
 from sluice_gateway import job_store as states
 from sluice_gateway.completion_events import CompletionTracker
 from sluice_gateway.concurrency import FAILED, OK, THROTTLED, AdaptiveConcurrency
@@ -141,13 +141,10 @@ class JobWorker:
     async def stop(self, grace_s: float) -> None:
         """Rows still running after `grace_s` are abandoned unacked: the broker redelivers them."""
         if self._sweeper is not None:
-            self._sweeper.cancel()
-            await asyncio.gather(self._sweeper, return_exceptions=True)
+            await stop_tasks(self._sweeper)
         if self._tasks:
             await asyncio.wait(set(self._tasks), timeout=grace_s)
-        for task in list(self._tasks):
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await stop_tasks(*self._tasks)
         if self._connection is not None:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._connection.close(), 5)

@@ -32,7 +32,7 @@ import numpy as np
 import structlog
 
 from sluice_common.errors import InvalidArgument, ResourceExhausted, SluiceError, Unavailable
-from sluice_common.supervision import Supervisor
+from sluice_common.supervision import Supervisor, stop_tasks
 from sluice_inference_adapter import metrics
 
 log = structlog.stdlib.get_logger("sluice.embed_batcher")
@@ -182,9 +182,7 @@ class EmbedBatcher:
     async def stop(self) -> None:
         self._stopped = True
         tasks = [t for t in (self._task, *self._in_flight) if t is not None]
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await stop_tasks(*tasks)
         self._task = None
         self._fail_waiting(Unavailable("the adapter is shutting down"))
 

@@ -23,6 +23,7 @@ from typing import Protocol
 
 import structlog
 
+from sluice_common.supervision import stop_tasks
 from sluice_inference_adapter import metrics
 from sluice_inference_adapter.backend_errors import RequestRejected
 from sluice_inference_adapter.chat_template import ChatTemplateError
@@ -97,9 +98,7 @@ class PassthroughScheduler(ReplicaWork):
 
     async def stop(self) -> None:
         tasks = [t for t in (self._task, *self._in_flight.values()) if t is not None]
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await stop_tasks(*tasks)
         now = self._clock()
         for sequence in [*self._in_flight, *self._waiting.remove_if(lambda _: True)]:
             sequence.finish(Finish.ERROR, now, error="the adapter is shutting down")

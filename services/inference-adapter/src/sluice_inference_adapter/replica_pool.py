@@ -25,7 +25,7 @@ from typing import Protocol
 import structlog
 
 from sluice_common.errors import Unavailable
-from sluice_common.supervision import Supervisor
+from sluice_common.supervision import Supervisor, stop_tasks
 from sluice_inference_adapter import metrics
 from sluice_inference_adapter.embed_batcher import EmbedBackend, Embeddings
 from sluice_inference_adapter.scheduler import (
@@ -261,9 +261,7 @@ class ReplicaPool:
     async def stop(self) -> None:
         """Stops every replica's work and closes every channel."""
         tasks = [t for t in (self._probe_task, *self._drains.values(), *self._first_probes) if t is not None]
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await stop_tasks(*tasks)
         self._drains.clear()
         for replica in self.replicas:
             await replica.scheduler.stop()

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import structlog
 
 from sluice_common.errors import ResourceExhausted
-from sluice_common.supervision import Supervisor
+from sluice_common.supervision import Supervisor, stop_tasks
 from sluice_inference_adapter import metrics
 from sluice_inference_adapter.step_rows import (
     FINISH_BUSY,
@@ -339,8 +339,7 @@ class Scheduler(ReplicaWork):
 
     async def stop(self) -> None:
         if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+            await stop_tasks(self._task)
         self._fail_everything("the adapter is shutting down")
 
     # -- the loop ------------------------------------------------------------------

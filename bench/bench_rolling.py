@@ -1,0 +1,223 @@
+"""`make bench-rolling`: a rolling restart of gateway, inference-adapter and evaluation-logging
+while 32 chat streams run, as a cluster rolls a deploy: two processes of each (the launcher's
+`service_replicas`), restarted one at a time (SIGTERM, wait for its exit, start it, wait until it
+serves), gateways first, then adapters, then evaluation-logging. One triton-local, rate-limit and
+the job worker stay up.
+
+The client is what the README recommends for several gateways: one channel naming every gateway,
+round robin over those whose gRPC health says SERVING (a draining gateway gets no new stream).
+32 workers each send one stream after another (the demo key, greedy, MAX_TOKENS each); a stream
+refused by the rate limiter (RESOURCE_EXHAUSTED) is retried after its RetryInfo, as bench-load's
+client does. Every stream is counted in the phase it was sent in:
+
+  before   BEFORE_S of steady load before the first restart (the baseline, same client, same run)
+  during   from the first SIGTERM until the last restarted process serves again
+
+  rolling_streams_failed  streams sent during the rolling restart that ended in an error, or without a finish reason
+  rolling_events_lost     streams that ended with a finish reason (either phase) whose completion
+                          event is not in the evaluation store LOST_WAIT_S after the load stopped
+  TTFT p50/p99            stream sent -> first token, before vs during
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sqlite3
+import statistics
+import subprocess
+import tempfile
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+from google.rpc import error_details_pb2
+from grpc_status import rpc_status
+from sluice.common.v1 import types_pb2
+from sluice.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+
+from sluice_stack import Stack, StackPorts
+
+MODEL = "smollm2-135m-instruct"
+AUTH = (("authorization", "Bearer sk-sluice-demo"),)
+STREAMS = int(os.environ.get("BENCH_STREAMS", "32"))
+MAX_TOKENS = int(os.environ.get("BENCH_MAX_TOKENS", "48"))
+BEFORE_S = float(os.environ.get("BENCH_BEFORE_S", "40"))
+LOST_WAIT_S = 120.0
+ROLL_ORDER = ("gateway", "inference-adapter", "evaluation-logging")
+# A client of several gateways: round robin over those whose health says SERVING.
+CLIENT_OPTIONS = [
+    ("grpc.service_config", json.dumps({"loadBalancingConfig": [{"round_robin": {}}], "healthCheckConfig": {"serviceName": ""}})),
+    ("grpc.initial_reconnect_backoff_ms", 250),
+    ("grpc.max_reconnect_backoff_ms", 2_000),
+]
+
+
+@dataclass
+class Stream:
+    phase: str
+    ttft_s: float | None = None
+    request_id: str = ""
+    finished: bool = False
+    error: str = ""
+
+
+def retry_after_s(error: grpc.aio.AioRpcError) -> float | None:
+    status = rpc_status.from_call(error)  # type: ignore[arg-type]
+    for detail in status.details if status else []:
+        if detail.Is(error_details_pb2.RetryInfo.DESCRIPTOR):
+            info = error_details_pb2.RetryInfo()
+            detail.Unpack(info)
+            return info.retry_delay.seconds + info.retry_delay.nanos / 1e9
+    return None
+
+
+async def one_stream(stub: gateway_pb2_grpc.GatewayServiceStub, worker: int, phase: str) -> Stream:
+    request = gateway_pb2.GenerateRequest(
+        model=MODEL,
+        messages=[types_pb2.ChatMessage(role="user", content=f"Write a short note to friend number {worker}.")],
+        sampling=types_pb2.SamplingParams(max_tokens=MAX_TOKENS),
+    )
+    stream, sent = Stream(phase), time.perf_counter()
+    while True:
+        try:
+            async for response in stub.Generate(request, metadata=AUTH, timeout=300):
+                stream.request_id = stream.request_id or response.request_id
+                if stream.ttft_s is None and response.text:
+                    stream.ttft_s = time.perf_counter() - sent
+                if response.finish_reason:
+                    stream.finished = response.finish_reason != types_pb2.FINISH_REASON_ERROR
+            if not stream.finished:
+                stream.error = "ended without a finish reason"
+            return stream
+        except grpc.aio.AioRpcError as error:
+            delay = retry_after_s(error) if error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED else None
+            if delay is None or stream.ttft_s is not None:
+                stream.error = f"{error.code().name}: {error.details()}"
+                return stream
+            await asyncio.sleep(delay)
+
+
+class Load:
+    """STREAMS workers sending streams back to back; `phase` is read when each stream is sent."""
+
+    def __init__(self, target: str) -> None:
+        self.target = target
+        self.phase = "before"
+        self.streams: list[Stream] = []
+        self._stop = threading.Event()
+
+    async def _worker(self, stub: gateway_pb2_grpc.GatewayServiceStub, worker: int) -> None:
+        while not self._stop.is_set():
+            self.streams.append(await one_stream(stub, worker, self.phase))
+
+    async def _run(self) -> None:
+        async with grpc.aio.insecure_channel(self.target, options=CLIENT_OPTIONS) as channel:
+            stub = gateway_pb2_grpc.GatewayServiceStub(channel)
+            await asyncio.gather(*(self._worker(stub, worker) for worker in range(STREAMS)))
+
+    def start(self) -> threading.Thread:
+        thread = threading.Thread(target=asyncio.run, args=(self._run(),), daemon=True)
+        thread.start()
+        return thread
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+def roll(stack: Stack) -> list[tuple[str, float]]:
+    """Restarts every replica of each service in ROLL_ORDER, one at a time; (name, seconds) each."""
+    took = []
+    for service in ROLL_ORDER:
+        for name in stack.replica_names(service):
+            process, started = stack.service(name), time.monotonic()
+            process.terminate()
+            assert process.process is not None
+            try:
+                code = process.process.wait(180)
+            except subprocess.TimeoutExpired:
+                raise SystemExit(f"{name} did not exit within 180 s of SIGTERM:\n{process.log_tail(40)}") from None
+            process.start_ready(300)
+            took.append((name, time.monotonic() - started))
+            print(f"  {name}: exited {code} after its drain, serving again after {took[-1][1]:.1f} s", flush=True)
+    return took
+
+
+def stored(stack: Stack, request_ids: set[str]) -> set[str]:
+    db = sqlite3.connect(f"file:{stack.run_dir / 'evallog.sqlite3'}?mode=ro", uri=True, timeout=30)
+    try:
+        found = set()
+        ids = sorted(request_ids)
+        for i in range(0, len(ids), 500):
+            chunk = ids[i : i + 500]
+            marks = ",".join("?" * len(chunk))
+            found |= {row[0] for row in db.execute(f"SELECT request_id FROM records WHERE request_id IN ({marks})", chunk)}
+        return found
+    finally:
+        db.close()
+
+
+def percentile(values: list[float], q: int) -> float:
+    if not values:
+        return float("nan")
+    return statistics.quantiles(values, n=100)[q - 1] if len(values) > 1 else values[0]
+
+
+def main() -> int:
+    # BENCH_RUN_DIR keeps the services' logs (a temporary folder otherwise).
+    with tempfile.TemporaryDirectory() as scratch:
+        run_dir = os.environ.get("BENCH_RUN_DIR") or scratch
+        stack = Stack(
+            run_dir=Path(run_dir), ports=StackPorts.ephemeral(), service_replicas=2,
+            amqp_prefix=f"sluice-bench-rolling-{uuid.uuid4().hex[:8]}",
+        )  # fmt: skip
+        print("starting two processes each of gateway, inference-adapter and evaluation-logging ...", flush=True)
+        stack.start()
+        try:
+            load = Load(stack.gateway_target)
+            thread = load.start()
+            time.sleep(BEFORE_S)
+            load.phase = "during"
+            print(f"rolling restart under {STREAMS} streams:", flush=True)
+            took = roll(stack)
+            load.phase = "after"
+            load.stop()
+            thread.join(600)
+            ended = [s for s in load.streams if s.finished]
+            request_ids = {s.request_id for s in ended}
+            deadline = time.monotonic() + LOST_WAIT_S
+            while (missing := request_ids - stored(stack, request_ids)) and time.monotonic() < deadline:
+                time.sleep(1)
+        finally:
+            stack.stop()
+    report(load.streams, missing, took)
+    return 0
+
+
+def report(streams: list[Stream], missing: set[str], took: list[tuple[str, float]]) -> None:
+    for phase in ("before", "during", "after"):
+        mine = [s for s in streams if s.phase == phase]
+        failed = [s for s in mine if s.error or not s.finished]
+        ttfts = [s.ttft_s for s in mine if s.finished and s.ttft_s is not None]
+        print(f"{phase:>6}: {len(mine)} streams, {len(failed)} failed, TTFT p50 {percentile(ttfts, 50) * 1000:.0f} ms p99 {percentile(ttfts, 99) * 1000:.0f} ms", flush=True)
+        for error in sorted({s.error for s in failed})[:5]:
+            print(f"        {error}", flush=True)
+    before = [s.ttft_s for s in streams if s.phase == "before" and s.finished and s.ttft_s is not None]
+    during = [s.ttft_s for s in streams if s.phase == "during" and s.finished and s.ttft_s is not None]
+    failed_during = sum(1 for s in streams if s.phase == "during" and (s.error or not s.finished))
+    print(f"BENCH rolling_restarts {len(took)}")
+    print(f"BENCH rolling_seconds {sum(t for _, t in took):.1f}")
+    print(f"BENCH rolling_streams_during {sum(1 for s in streams if s.phase == 'during')}")
+    print(f"BENCH rolling_streams_failed {failed_during}")
+    print(f"BENCH rolling_events_lost {len(missing)}")
+    print(f"BENCH rolling_ttft_p99_before_ms {percentile(before, 99) * 1000:.0f}")
+    print(f"BENCH rolling_ttft_p99_during_ms {percentile(during, 99) * 1000:.0f}")
+    print(f"BENCH rolling_ttft_p99_during_vs_before {percentile(during, 99) / percentile(before, 99):.2f}")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
