@@ -201,6 +201,8 @@ def main() -> int:
 def report(streams: list[Stream], missing: set[str], took: list[tuple[str, float]]) -> None:
     for phase in ("before", "during", "after"):
         mine = [s for s in streams if s.phase == phase]
+        if not mine:
+            continue
         failed = [s for s in mine if s.error or not s.finished]
         ttfts = [s.ttft_s for s in mine if s.finished and s.ttft_s is not None]
         print(f"{phase:>6}: {len(mine)} streams, {len(failed)} failed, TTFT p50 {percentile(ttfts, 50) * 1000:.0f} ms p99 {percentile(ttfts, 99) * 1000:.0f} ms", flush=True)
