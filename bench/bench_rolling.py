@@ -35,11 +35,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
-from google.rpc import error_details_pb2
-from grpc_status import rpc_status
 from sluice.common.v1 import types_pb2
 from sluice.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 
+from bench_load import retry_after_s  # the RetryInfo a well-behaved client waits for
 from sluice_stack import Stack, StackPorts
 
 MODEL = "smollm2-135m-instruct"
@@ -64,16 +63,6 @@ class Stream:
     request_id: str = ""
     finished: bool = False
     error: str = ""
-
-
-def retry_after_s(error: grpc.aio.AioRpcError) -> float | None:
-    status = rpc_status.from_call(error)  # type: ignore[arg-type]
-    for detail in status.details if status else []:
-        if detail.Is(error_details_pb2.RetryInfo.DESCRIPTOR):
-            info = error_details_pb2.RetryInfo()
-            detail.Unpack(info)
-            return info.retry_delay.seconds + info.retry_delay.nanos / 1e9
-    return None
 
 
 async def one_stream(stub: gateway_pb2_grpc.GatewayServiceStub, worker: int, phase: str) -> Stream:
