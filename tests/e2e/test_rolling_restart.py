@@ -22,8 +22,8 @@ from conftest import MODEL, auth, chat, read_store, wait_for
 from sluice_stack import ServiceProcess, Stack
 from sluice_stack.keeper import ServiceKeeper
 
-STREAMS = 8
-MAX_TOKENS = 96
+STREAMS = 6
+MAX_TOKENS = 64
 
 
 @dataclass
