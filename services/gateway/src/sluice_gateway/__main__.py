@@ -24,9 +24,8 @@ async def serve(config: GatewayConfig) -> None:
     await job_store.open()
     job_publisher = job_request_publisher(config)
     jobs = JobsApi(job_store, core.tenants, job_publisher.submit_job, config.jobs_max_rows, config.jobs_completion_window_s)
-    servicer = GatewayServicer(
-        core.tenants, core.models, core.adapter, completion_events=core.completion_events, admission=core.admission, jobs=jobs
-    )
+    path = core.path
+    servicer = GatewayServicer(core.tenants, path, jobs=jobs)
 
     def register(server):  # type: ignore[no-untyped-def]
         gateway_pb2_grpc.add_GatewayServiceServicer_to_server(servicer, server)
