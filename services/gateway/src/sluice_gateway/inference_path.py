@@ -67,6 +67,8 @@ def status_of(exc: BaseException | None) -> tuple[Any, bool]:
     """(gRPC status code, cancelled) of the exception that ended a stream; (None, False) when none."""
     if exc is None:
         return None, False
+    if getattr(exc, "unwrap_cause", False) and exc.__cause__ is not None:
+        exc = exc.__cause__  # a front's wrapper around the failure it has already answered
     if isinstance(exc, asyncio.CancelledError):
         return grpc.StatusCode.CANCELLED, True
     if isinstance(exc, grpc.aio.AioRpcError):
