@@ -24,9 +24,10 @@ class GatewayConfig(ServerConfig):
     # the prompt, capped by this (and by the model's max_output_tokens).
     default_max_tokens: int = 1024
     # The OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/embeddings,
-    # /v1/models) on this port, on the gateway's event loop beside gRPC; 0: off. Request bodies
-    # larger than HTTP_MAX_BODY_BYTES are refused with 413.
-    http_port: int = 8080
+    # /v1/models) on this port, on the gateway's event loop beside gRPC; 0 (the default): off, so
+    # that every gateway already deployed or started by a script keeps its ports; `make run` and the
+    # test stack set 8080 or a free port. Request bodies larger than HTTP_MAX_BODY_BYTES get 413.
+    http_port: int = 0
     http_max_body_bytes: int = 4 * 1024 * 1024
     # How often the model list is re-read from the adapter.
     models_refresh_s: float = 30.0
