@@ -144,7 +144,7 @@ def test_errors_are_openais(client: openai.OpenAI, stack: Stack) -> None:
     # Malformed JSON and an oversized body, as raw HTTP.
     malformed = post_raw(f"{stack.openai_base_url}/chat/completions", b'{"model": ')
     assert malformed[0] == 400 and malformed[1]["error"]["code"] == "invalid_json"
-    huge = post_raw(f"{stack.openai_base_url}/embeddings", b"x" * (5 * 1024 * 1024))
+    huge = post_raw(f"{stack.openai_base_url}/embeddings", b"x" * (4 * 1024 * 1024 + 1024))
     assert huge[0] == 413 and huge[1]["error"]["type"] == "invalid_request_error"
 
 
