@@ -144,3 +144,122 @@ async def test_a_short_prompt_is_not_counted_and_a_long_one_that_fits_goes_on() 
 async def test_a_model_that_cannot_count_leaves_the_decision_to_the_backend() -> None:
     path, _ = await _path(_CountingAdapter(prompt_tokens=None), _RateLimit())
     await path.check_context(_generate("1" * 10_000), 10.0)
+
+
+async def test_max_tokens_omitted_defaults_to_the_remaining_context_capped_by_the_configured_default() -> None:
+    adapter = _CountingAdapter(prompt_tokens=1500)
+    catalog = ModelCatalog(adapter)  # type: ignore[arg-type]
+    await catalog.refresh()
+    path = InferencePath(adapter, catalog, Admission(None), default_max_tokens=700)  # type: ignore[arg-type]
+    short = _generate("Hello", max_tokens=0)
+    await path.apply_defaults(short, 10.0)
+    assert short.sampling.max_tokens == 700 and adapter.counted == 0  # the cap fits: no round trip
+    long = _generate("word " * 1500, max_tokens=0)
+    await path.apply_defaults(long, 10.0)
+    assert long.sampling.max_tokens == 2048 - 1500 and adapter.counted == 1
+    given = _generate("Hello", max_tokens=5)
+    await path.apply_defaults(given, 10.0)
+    assert given.sampling.max_tokens == 5
+
+
+async def test_max_tokens_omitted_is_capped_by_the_models_limit_and_a_full_prompt_is_refused() -> None:
+    from sluice_common.errors import InvalidArgument
+
+    adapter = _CountingAdapter(prompt_tokens=2048)
+    catalog = ModelCatalog(adapter)  # type: ignore[arg-type]
+    await catalog.refresh()
+    path = InferencePath(adapter, catalog, Admission(None), default_max_tokens=100_000)  # type: ignore[arg-type]
+    short = _generate("Hello", max_tokens=0)
+    await path.apply_defaults(short, 10.0)
+    assert short.sampling.max_tokens == 1024  # GENERATION's max_output_tokens
+    with pytest.raises(InvalidArgument) as caught:
+        await path.apply_defaults(_generate("word " * 2000, max_tokens=0), 10.0)
+    assert caught.value.field_name == "messages" and "leaves no room" in caught.value.reason
+
+
+class _Call:
+    """An adapter Generate call: iterable chunks, cancellable."""
+
+    def __init__(self, chunks: list[inference_pb2.GenerateResponse]) -> None:
+        self.chunks = chunks
+        self.cancelled = False
+
+    def __aiter__(self):  # type: ignore[no-untyped-def]
+        async def run():  # type: ignore[no-untyped-def]
+            for chunk in self.chunks:
+                yield chunk
+
+        return run()
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class _GeneratingAdapter(_CountingAdapter):
+    def __init__(self) -> None:
+        super().__init__(prompt_tokens=10)
+        self.requests: list[inference_pb2.GenerateRequest] = []
+
+    def Generate(self, request, timeout=None, metadata=None):  # noqa: N802
+        self.requests.append(request)
+        usage = types_pb2.Usage(prompt_tokens=3, completion_tokens=2, total_tokens=5)
+        return _Call(
+            [
+                inference_pb2.GenerateResponse(text="Hi", token_count=1),
+                inference_pb2.GenerateResponse(text="!", token_count=1, finish_reason=types_pb2.FINISH_REASON_STOP, usage=usage),
+            ]
+        )
+
+
+class _Publisher:
+    def __init__(self) -> None:
+        self.bodies: list[bytes] = []
+
+    def submit(self, message) -> None:  # type: ignore[no-untyped-def]
+        self.bodies.append(message.body)
+
+
+async def _tracking_path() -> tuple[InferencePath, _GeneratingAdapter, _Publisher]:
+    from sluice_common.amqp import EventTopology
+    from sluice_gateway.completion_events import CompletionEvents
+
+    adapter, publisher = _GeneratingAdapter(), _Publisher()
+    catalog = ModelCatalog(adapter)  # type: ignore[arg-type]
+    await catalog.refresh()
+    events = CompletionEvents(publisher, EventTopology("t"))  # type: ignore[arg-type]
+    return InferencePath(adapter, catalog, Admission(None), events, default_max_tokens=64), adapter, publisher  # type: ignore[arg-type]
+
+
+def _events(publisher: _Publisher) -> list:  # type: ignore[type-arg]
+    from sluice.evallog.v1 import events_pb2
+
+    return [events_pb2.CompletionEvent.FromString(body) for body in publisher.bodies]
+
+
+async def test_the_path_tracks_every_front_the_same_way() -> None:
+    from sluice_common.errors import InvalidArgument
+
+    # A front without a close hook (HTTP): published when the `async with` ends, with the defaults applied.
+    path, adapter, publisher = await _tracking_path()
+    async with path.generate("acme", _generate("Hello", max_tokens=0), "r1", 10.0) as stream:
+        assert "".join([chunk.text async for chunk in stream]) == "Hi!"
+    [event] = _events(publisher)
+    assert (event.tenant, event.output, event.finish_reason, event.usage.total_tokens) == ("acme", "Hi!", types_pb2.FINISH_REASON_STOP, 5)
+    assert event.sampling.max_tokens == 64 and adapter.requests[0].sampling.max_tokens == 64
+    # A refused request is an event too.
+    with pytest.raises(InvalidArgument):
+        async with path.generate("acme", _generate("Hello", max_tokens=-1), "r2", 10.0):
+            pass
+    assert _events(publisher)[1].error_code == "INVALID_ARGUMENT"
+    # gRPC: published when the front says its stream has closed, not before.
+    closers: list = []  # type: ignore[type-arg]
+    async with path.generate("acme", _generate("Hello"), "r3", 10.0, when_closed=closers.append) as stream:
+        [chunk async for chunk in stream]
+    assert len(publisher.bodies) == 2
+    closers[0](None, False)
+    assert _events(publisher)[2].request_id == "r3"
+    # A bulk row: published at its final chunk, with its job and custom ids.
+    async with path.generate("acme", _generate("Hello"), "r4", 10.0, row=("job-1", "row-1")) as stream:
+        [chunk async for chunk in stream]
+    assert (_events(publisher)[3].job_id, _events(publisher)[3].custom_id) == ("job-1", "row-1")
+    assert len(publisher.bodies) == 4

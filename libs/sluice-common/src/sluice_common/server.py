@@ -18,7 +18,10 @@ import grpc
 import structlog
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
+from google.protobuf import descriptor_pb2, descriptor_pool
 from grpc_reflection.v1alpha import reflection
+from grpc_reflection.v1alpha import reflection_pb2 as reflection_v1alpha_pb2
+from grpc_reflection.v1alpha._async import ReflectionServicer
 from prometheus_client import start_http_server
 
 from sluice_common.config import ServerTLS
@@ -26,6 +29,52 @@ from sluice_common.interceptor import SluiceServerInterceptor
 from sluice_common.supervision import Supervisor, fault_injection_from_env
 
 log = structlog.stdlib.get_logger("sluice.server")
+
+REFLECTION_V1_SERVICE = "grpc.reflection.v1.ServerReflection"
+
+
+def _register_reflection_v1_descriptor() -> None:
+    """grpc.reflection.v1's file in the default pool, so that reflection can describe itself.
+    v1 is v1alpha's messages under another package (the same field numbers: the same wire)."""
+    pool = descriptor_pool.Default()
+    try:
+        pool.FindServiceByName(REFLECTION_V1_SERVICE)
+        return
+    except KeyError:
+        pass
+    file = descriptor_pb2.FileDescriptorProto()
+    reflection_v1alpha_pb2.DESCRIPTOR.CopyToProto(file)
+    file.name = "grpc/reflection/v1/reflection.proto"
+    file.package = "grpc.reflection.v1"
+    for message in file.message_type:
+        for message_field in message.field:
+            if message_field.type_name:
+                    message_field.type_name = message_field.type_name.replace(".grpc.reflection.v1alpha.", ".grpc.reflection.v1.")
+    for method in file.service[0].method:
+        method.input_type = method.input_type.replace(".grpc.reflection.v1alpha.", ".grpc.reflection.v1.")
+        method.output_type = method.output_type.replace(".grpc.reflection.v1alpha.", ".grpc.reflection.v1.")
+    file.options.Clear()
+    pool.Add(file)
+
+
+def _enable_reflection(service_names: tuple[str, ...], server: grpc.aio.Server) -> None:
+    """Server reflection as both grpc.reflection.v1 (what grpcurl and current clients ask first)
+    and v1alpha (older clients). grpcio-reflection ships only v1alpha; v1 has the same messages
+    and field numbers, so one servicer answers both, v1's requests parsed as v1alpha's."""
+    _register_reflection_v1_descriptor()
+    servicer = ReflectionServicer((*service_names, REFLECTION_V1_SERVICE))
+    messages = reflection_v1alpha_pb2
+    handler = grpc.stream_stream_rpc_method_handler(
+        servicer.ServerReflectionInfo,
+        request_deserializer=messages.ServerReflectionRequest.FromString,
+        response_serializer=messages.ServerReflectionResponse.SerializeToString,
+    )
+    server.add_generic_rpc_handlers(
+        tuple(
+            grpc.method_handlers_generic_handler(name, {"ServerReflectionInfo": handler})
+            for name in (reflection.SERVICE_NAME, REFLECTION_V1_SERVICE)
+        )
+    )
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -92,9 +141,8 @@ async def create_server(
     service_names = tuple(register(server))
     health = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
-    reflection.enable_server_reflection(
-        (*service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
-        server,
+    _enable_reflection(
+        (*service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server
     )
     address = f"{host}:{port}"
     bound_port = server.add_insecure_port(address) if tls is None else server.add_secure_port(address, server_credentials(tls))

@@ -41,6 +41,8 @@ class StackPorts:
     ratelimit_metrics: int = 9103
     job_worker: int = 50052
     job_worker_metrics: int = 9106
+    # The gateway's OpenAI-compatible HTTP API (SLUICE_GATEWAY_HTTP_PORT).
+    gateway_http: int = 8080
 
     @classmethod
     def ephemeral(cls) -> StackPorts:
@@ -217,6 +219,11 @@ class Stack:
         return f"{LOCALHOST}:{self.ports.gateway}"
 
     @property
+    def openai_base_url(self) -> str:
+        """The OpenAI-compatible API of the (first) gateway: an openai client's base_url."""
+        return f"http://{LOCALHOST}:{self.ports.gateway_http}/v1"
+
+    @property
     def ratelimit_address(self) -> str:
         return f"{LOCALHOST}:{self.ports.ratelimit}"
 
@@ -337,6 +344,7 @@ class Stack:
             "SLUICE_GATEWAY_AMQP_PREFIX": self.amqp_prefix,
             "SLUICE_GATEWAY_EVENTS_SPILL_FILE": str(self.run_dir / f"{name}-events.spill"),
             "SLUICE_GATEWAY_JOBS_SQLITE_PATH": str(self.run_dir / "jobs.sqlite3"),
+            "SLUICE_GATEWAY_HTTP_PORT": str(self.ports.gateway_http if name == "gateway" else free_port()),
             **self.extra_env.get("gateway", {}),
         }
         return name, "sluice_gateway", env, grpc_serving(f"{LOCALHOST}:{port}", self.grpc_credentials)

@@ -1,4 +1,4 @@
-"""`python -m sluice_gateway`: the public gRPC API."""
+"""`python -m sluice_gateway`: the public gRPC API, and the OpenAI-compatible HTTP API beside it."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from sluice_gateway.config import ENV_PREFIX, GatewayConfig
 from sluice_gateway.core import GatewayCore
 from sluice_gateway.job_store import JobStore
 from sluice_gateway.jobs_api import JobsApi, job_request_publisher
+from sluice_gateway.openai_http import OpenAIFront, RunningHttp, start_http
 from sluice_gateway.servicer import GatewayServicer
 
 log = structlog.stdlib.get_logger("sluice.gateway")
@@ -24,9 +25,8 @@ async def serve(config: GatewayConfig) -> None:
     await job_store.open()
     job_publisher = job_request_publisher(config)
     jobs = JobsApi(job_store, core.tenants, job_publisher.submit_job, config.jobs_max_rows, config.jobs_completion_window_s)
-    servicer = GatewayServicer(
-        core.tenants, core.models, core.adapter, completion_events=core.completion_events, admission=core.admission, jobs=jobs
-    )
+    path = core.path
+    servicer = GatewayServicer(core.tenants, path, jobs=jobs)
 
     def register(server):  # type: ignore[no-untyped-def]
         gateway_pb2_grpc.add_GatewayServiceServicer_to_server(servicer, server)
@@ -37,10 +37,17 @@ async def serve(config: GatewayConfig) -> None:
     )
     await core.start(config, running.supervisor)
     job_publisher.start(running.supervisor)
+    # The HTTP front on this same loop, over the same InferencePath (0: off).
+    http: RunningHttp | None = None
+    if config.http_port:
+        front = OpenAIFront(core.tenants, path)
+        http = await start_http(front, config.host, config.http_port, config.http_max_body_bytes, config.shutdown_grace_s)
     await running.set_serving(True)
-    log.info("ready", adapter=config.adapter_url, models=[m.name for m in core.models.models])
+    log.info("ready", adapter=config.adapter_url, models=[m.name for m in core.models.models], http_port=http.port if http else None)
 
     async def on_stop() -> None:
+        if http is not None:
+            await http.stop()
         await job_publisher.stop(config.shutdown_grace_s)
         await core.close(config)
         await job_store.close()

@@ -224,11 +224,14 @@ class Admission:
                 DECISIONS.labels("too_large").inc()
                 raise _too_large(tenant, reservation, budget, list(reply.budgets))
             DECISIONS.labels("denied").inc()
-            raise ResourceExhausted(
+            denied = ResourceExhausted(
                 f"rate limit exceeded: {budget} of tenant {tenant} on {model}; retry after {retry_after:.2f}s",
                 retry_after_s=retry_after,
                 quota_subject=f"tenant:{tenant}/model:{model}/{budget}",
             )
+            # The budgets' x-ratelimit-* figures, for a front that can send them with the denial (HTTP).
+            denied.headers = ratelimit_headers(list(reply.budgets))  # type: ignore[attr-defined]
+            raise denied
         DECISIONS.labels("shadow" if reply.shadow else "allowed").inc()
         per_minute = next((b.limit for b in reply.budgets if b.budget == _B.BUDGET_REQUESTS_PER_MINUTE and b.limit > 0), None)
         headers = ratelimit_headers(list(reply.budgets))

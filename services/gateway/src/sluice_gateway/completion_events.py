@@ -78,8 +78,12 @@ class CompletionTracker:
 
     def on_done(self, context: grpc.aio.ServicerContext) -> None:
         """gRPC's done-callback: the client's stream is over. Must not raise or block."""
+        self.publish(context.code(), context.cancelled())
+
+    def publish(self, code: grpc.StatusCode | None = None, cancelled: bool = False) -> None:
+        """Builds the event for the call as it ended and hands it to the publisher. Never raises."""
         try:
-            self._events.submit(self.build(context.code(), context.cancelled()))
+            self._events.submit(self.build(code, cancelled))
         except Exception:  # noqa: BLE001 - never let logging break the server
             log.exception("completion_event_failed", request_id=self._request_id)
 

@@ -20,6 +20,15 @@ class GatewayConfig(ServerConfig):
     adapter_url: str = "127.0.0.1:50061"
     # TOML file of tenants and their hashed API keys (see config/tenants.example.toml).
     tenants_file: Path = Path("")
+    # max_tokens when a request omits it (gRPC 0, HTTP absent): the model's remaining context after
+    # the prompt, capped by this (and by the model's max_output_tokens).
+    default_max_tokens: int = 1024
+    # The OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/embeddings,
+    # /v1/models) on this port, on the gateway's event loop beside gRPC; 0 (the default): off, so
+    # that every gateway already deployed or started by a script keeps its ports; `make run` and the
+    # test stack set 8080 or a free port. Request bodies larger than HTTP_MAX_BODY_BYTES get 413.
+    http_port: int = 0
+    http_max_body_bytes: int = 4 * 1024 * 1024
     # How often the model list is re-read from the adapter.
     models_refresh_s: float = 30.0
     # How long startup waits for the adapter to list its models.
@@ -92,6 +101,9 @@ class GatewayConfig(ServerConfig):
             f"{ENV_PREFIX}RATELIMIT_POLICY must be closed or open, got {self.ratelimit_policy!r}",
         )
         require(self.ratelimit_timeout_s > 0, f"{ENV_PREFIX}RATELIMIT_TIMEOUT_S must be > 0, got {self.ratelimit_timeout_s}")
+        require(self.default_max_tokens >= 1, f"{ENV_PREFIX}DEFAULT_MAX_TOKENS must be >= 1, got {self.default_max_tokens}")
+        require(0 <= self.http_port <= 65535, f"{ENV_PREFIX}HTTP_PORT must be in [0, 65535] (0: off), got {self.http_port}")
+        require(self.http_max_body_bytes >= 1024, f"{ENV_PREFIX}HTTP_MAX_BODY_BYTES must be >= 1024, got {self.http_max_body_bytes}")
         require(self.events_outbox_size >= 1, f"{ENV_PREFIX}EVENTS_OUTBOX_SIZE must be >= 1, got {self.events_outbox_size}")
         require(self.jobs_max_rows >= 1, f"{ENV_PREFIX}JOBS_MAX_ROWS must be >= 1, got {self.jobs_max_rows}")
         require(

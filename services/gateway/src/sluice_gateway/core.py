@@ -29,10 +29,12 @@ class GatewayCore:
     completion_events: CompletionEvents
     admission: Admission
     ratelimit_channel: Any
+    default_max_tokens: int
 
     @property
     def path(self) -> InferencePath:
-        return InferencePath(self.adapter, self.models, self.admission)
+        """The one path every front (gRPC, HTTP, job worker) sends its requests through."""
+        return InferencePath(self.adapter, self.models, self.admission, self.completion_events, self.default_max_tokens)
 
     @classmethod
     def build(cls, config: GatewayConfig, spill_port: int) -> GatewayCore:
@@ -52,7 +54,9 @@ class GatewayCore:
             config.ratelimit_policy,
             config.ratelimit_timeout_s,
         )
-        return cls(tenants, channel, adapter, ModelCatalog(adapter), completion_events, admission, ratelimit_channel)
+        return cls(
+            tenants, channel, adapter, ModelCatalog(adapter), completion_events, admission, ratelimit_channel, config.default_max_tokens
+        )
 
     async def start(self, config: GatewayConfig, supervisor: Supervisor) -> None:
         await self.models.wait_first_load(config.adapter_wait_s)

@@ -1,16 +1,28 @@
-"""The one path every Generate and Embed takes, interactive or bulk: validate, admit, call the adapter.
+"""The one path every Generate and Embed takes, from any front: validate, admit, call, track.
 
-The gRPC servicer (interactive streams) and the job worker (bulk rows) both go through here, so a
-bulk row gets exactly the validation, rate-limit admission and adapter call an interactive request
-gets; only its priority class differs.
+The gRPC servicer (interactive streams), the job worker (bulk rows) and the OpenAI-compatible HTTP
+front all go through here, so every request gets exactly the same defaults, validation, rate-limit
+admission, adapter call and CompletionEvent; only its priority class and how its front reports
+the end differ. No front wires those itself.
 
-    async with path.generate(tenant, request, request_id, time_remaining) as stream:
+    async with path.generate(tenant, request, request_id, time_remaining, when_closed=...) as stream:
         stream.ticket.metadata          # x-ratelimit-* headers of the lease
         async for chunk in stream:      # sluice.inference.v1.GenerateResponse
             ...
     # the adapter call is cancelled and the lease settled on the way out, whatever happened
 
     reply, ticket = await path.embed_with_ticket(tenant, request, request_id, time_remaining)
+
+The CompletionEvent (when events are on) is gathered while the stream runs and published:
+- `when_closed` given (gRPC): when the front reports that its client's stream has closed, with the
+  status it closed with (the servicer passes the call context's done-callback);
+- `row` given (a bulk row: job id, custom id): when the row's final chunk arrives; a failed attempt
+  publishes nothing (the worker retries it, and a row's failure is reported in the job's results);
+- neither (HTTP): when the `async with` ends, with the status of the exception that ended it.
+A request refused before the stream (validation, admission) is published too, as an error.
+
+Defaults, the same on every front: max_tokens omitted (0) becomes the model's remaining context
+after the prompt, capped by SLUICE_GATEWAY_DEFAULT_MAX_TOKENS and the model's max_output_tokens.
 
 Embed takes a lease exactly as Generate does (one request, the inputs' estimated tokens) and
 commits the reply's usage, or the estimate when the adapter call failed.
@@ -24,8 +36,9 @@ vLLM backend) refuses it itself, which the adapter also reports as INVALID_ARGUM
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,60 +47,172 @@ from sluice.common.v1 import types_pb2
 from sluice.gateway.v1 import gateway_pb2
 from sluice.inference.v1 import inference_pb2, inference_pb2_grpc
 
-from sluice_common.errors import InvalidArgument
+from sluice_common.errors import InvalidArgument, SluiceError
 from sluice_common.request_context import outgoing_metadata
 from sluice_common.validation import validate_embedding, validate_generation
 from sluice_gateway.admission import Admission, Ticket, embedding_reservation, estimate_prompt_tokens, generation_reservation
+from sluice_gateway.completion_events import CompletionEvents, CompletionTracker
 from sluice_gateway.model_catalog import ModelCatalog
+from sluice_gateway.tenants import Tenant
+
+# max_tokens when a request omits it and no configuration says otherwise (SLUICE_GATEWAY_DEFAULT_MAX_TOKENS).
+DEFAULT_MAX_TOKENS = 1024
+
+# How a front tells the path that its client's stream has closed: it is handed a callback
+# `(status code or None, cancelled)` and calls it once, at the very end.
+WhenClosed = Callable[[Callable[[Any, bool], None]], None]
+
+
+def status_of(exc: BaseException | None) -> tuple[Any, bool]:
+    """(gRPC status code, cancelled) of the exception that ended a stream; (None, False) when none."""
+    if exc is None:
+        return None, False
+    if getattr(exc, "unwrap_cause", False) and exc.__cause__ is not None:
+        exc = exc.__cause__  # a front's wrapper around the failure it has already answered
+    if isinstance(exc, asyncio.CancelledError):
+        return grpc.StatusCode.CANCELLED, True
+    if isinstance(exc, grpc.aio.AioRpcError):
+        return exc.code(), exc.code() == grpc.StatusCode.CANCELLED
+    if isinstance(exc, SluiceError):
+        return getattr(grpc.StatusCode, exc.code, grpc.StatusCode.UNKNOWN), False
+    return grpc.StatusCode.UNKNOWN, False
 
 
 @dataclass
 class GenerateStream:
-    """An admitted adapter stream; iterating it records each chunk's usage on the ticket."""
+    """An admitted adapter stream; iterating it records each chunk's usage on the ticket and feeds
+    the CompletionEvent."""
 
     ticket: Ticket
     call: Any
+    tracker: CompletionTracker | None = None
+    on_chunk: Callable[[Any], None] | None = None
 
     async def __aiter__(self) -> AsyncIterator[inference_pb2.GenerateResponse]:
         async for chunk in self.call:
             self.ticket.observe(chunk)
+            if self.tracker is not None:
+                self.tracker.add(chunk)
+            if self.on_chunk is not None:
+                self.on_chunk(chunk)
             yield chunk
 
 
 class InferencePath:
-    def __init__(self, adapter: inference_pb2_grpc.InferenceServiceStub, models: ModelCatalog, admission: Admission) -> None:
+    def __init__(
+        self,
+        adapter: inference_pb2_grpc.InferenceServiceStub,
+        models: ModelCatalog,
+        admission: Admission,
+        completion_events: CompletionEvents | None = None,
+        default_max_tokens: int = DEFAULT_MAX_TOKENS,
+    ) -> None:
         self.adapter = adapter
         self.models = models
         self.admission = admission
+        self.completion_events = completion_events
+        self.default_max_tokens = default_max_tokens
 
     def validate_generate(self, request: gateway_pb2.GenerateRequest) -> None:
         validate_generation(request.messages, request.prompt, request.sampling, self.models.get(request.model))
 
+    def _tracker(self, tenant: Tenant, request: gateway_pb2.GenerateRequest, request_id: str) -> CompletionTracker | None:
+        events = self.completion_events
+        if events is None or not events.enabled:
+            return None
+        return CompletionTracker(events, tenant, request, request_id)
+
     @contextlib.asynccontextmanager
     async def generate(
-        self, tenant: str, request: gateway_pb2.GenerateRequest, request_id: str, time_remaining: float | None
+        self,
+        tenant: Tenant | str,
+        request: gateway_pb2.GenerateRequest,
+        request_id: str,
+        time_remaining: float | None,
+        *,
+        when_closed: WhenClosed | None = None,
+        row: tuple[str, str] | None = None,
     ) -> AsyncIterator[GenerateStream]:
-        """Validates, takes a lease (or raises RESOURCE_EXHAUSTED / UNAVAILABLE), opens the adapter stream."""
-        self.validate_generate(request)
-        await self.check_context(request, time_remaining)
-        downstream = inference_pb2.GenerateRequest(
-            request_id=request_id,
-            tenant=tenant,
-            model=request.model,
-            messages=request.messages,
-            prompt=request.prompt,
-            sampling=request.sampling,
-            priority_class=request.priority_class,
-        )
-        # A lease from rate-limit (or RESOURCE_EXHAUSTED / UNAVAILABLE); settled in `finally`.
-        ticket = await self.admission.admit(tenant, generation_reservation(request), time_remaining)
-        # The caller's deadline bounds the adapter's work; cancelling this call stops it there.
-        call = self.adapter.Generate(downstream, timeout=time_remaining, metadata=outgoing_metadata())
+        """Defaults, validates, takes a lease (or raises RESOURCE_EXHAUSTED / UNAVAILABLE), opens the
+        adapter stream, and tracks the CompletionEvent (see the module's docstring)."""
+        tenant = tenant if isinstance(tenant, Tenant) else Tenant(tenant)
+        tracker = self._tracker(tenant, request, request_id)
+        on_chunk = None
+        if tracker is not None and row is not None:
+            tracker.job_id, tracker.custom_id = row
+            events = self.completion_events
+            assert events is not None
+
+            def on_chunk(chunk: Any) -> None:
+                if chunk.finish_reason:
+                    events.submit(tracker.build(None))
+
+        elif tracker is not None and when_closed is not None:
+            when_closed(lambda code, cancelled: tracker.publish(code, cancelled))
+        ended: BaseException | None = None
         try:
-            yield GenerateStream(ticket, call)
+            await self.apply_defaults(request, time_remaining)
+            self.validate_generate(request)
+            await self.check_context(request, time_remaining)
+            downstream = inference_pb2.GenerateRequest(
+                request_id=request_id,
+                tenant=tenant.name,
+                model=request.model,
+                messages=request.messages,
+                prompt=request.prompt,
+                sampling=request.sampling,
+                priority_class=request.priority_class,
+            )
+            # A lease from rate-limit (or RESOURCE_EXHAUSTED / UNAVAILABLE); settled in `finally`.
+            ticket = await self.admission.admit(tenant.name, generation_reservation(request), time_remaining)
+            # The caller's deadline bounds the adapter's work; cancelling this call stops it there.
+            call = self.adapter.Generate(downstream, timeout=time_remaining, metadata=outgoing_metadata())
+            try:
+                yield GenerateStream(ticket, call, tracker, on_chunk)
+            finally:
+                call.cancel()
+                ticket.settle()
+        except BaseException as exc:
+            ended = exc
+            raise
         finally:
-            call.cancel()
-            ticket.settle()
+            if tracker is not None and row is None and when_closed is None:
+                tracker.publish(*status_of(ended))
+
+    async def apply_defaults(self, request: gateway_pb2.GenerateRequest, time_remaining: float | None) -> None:
+        """max_tokens omitted (0): the model's remaining context after the prompt, capped by the
+        configured default and the model's max_output_tokens. The prompt is counted exactly (the
+        adapter's CountTokens) only when its estimate says the cap may not fit."""
+        if request.sampling.max_tokens != 0:
+            return
+        model = self.models.get(request.model)
+        cap = min(self.default_max_tokens, model.max_output_tokens or self.default_max_tokens)
+        context_length = model.context_length
+        if not context_length or estimate_prompt_tokens(request) + cap <= context_length:
+            request.sampling.max_tokens = cap
+            return
+        prompt_tokens = await self._count(request, time_remaining)
+        if prompt_tokens is None:
+            prompt_tokens = estimate_prompt_tokens(request)
+        remaining = context_length - prompt_tokens
+        if remaining <= 0:
+            raise InvalidArgument(
+                "messages" if request.messages else "prompt",
+                f"the prompt is {prompt_tokens} tokens: it leaves no room to generate in the model's context of"
+                f" {context_length} tokens",
+            )
+        request.sampling.max_tokens = min(cap, remaining)
+
+    async def _count(self, request: gateway_pb2.GenerateRequest, time_remaining: float | None) -> int | None:
+        """The prompt's exact length by the adapter's CountTokens; None when the model cannot count."""
+        count = inference_pb2.CountTokensRequest(model=request.model, messages=request.messages, prompt=request.prompt)
+        try:
+            reply = await self.adapter.CountTokens(count, timeout=time_remaining, metadata=outgoing_metadata())
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                raise InvalidArgument("messages" if request.messages else "prompt", exc.details() or "") from exc
+            return None
+        return int(reply.prompt_tokens)
 
     async def check_context(self, request: gateway_pb2.GenerateRequest, time_remaining: float | None) -> None:
         """INVALID_ARGUMENT when the prompt plus max_tokens cannot fit the model's context."""

@@ -246,10 +246,9 @@ async def run_row(
     task: jobs_pb2.RowTask,
     request_id: str,
     timeout_s: float,
-    track: Callable[[gateway_pb2.GenerateRequest], Callable[[Any], None] | None] | None = None,
 ) -> RowRun:
     """One attempt. Raises PoisonRow, SluiceError (validation, admission) or the adapter's RpcError.
-    `track(request)` may return a per-chunk observer (the CompletionEvent tracker)."""
+    The path publishes the row's CompletionEvent (job id and custom id set) when it completes."""
     row = task.row
     body = row.WhichOneof("body")
     started = time.perf_counter()
@@ -258,12 +257,10 @@ async def run_row(
         parts: list[str] = []
         rate = None
         final = None
-        async with path.generate(task.tenant, request, request_id, timeout_s) as stream:
+        tenant = Tenant(task.tenant, task.text_logging)
+        async with path.generate(tenant, request, request_id, timeout_s, row=(task.job_id, row.custom_id)) as stream:
             rate = _allowed_rate(stream.ticket.requests_per_minute)
-            observe = track(request) if track is not None else None
             async for chunk in stream:
-                if observe is not None:
-                    observe(chunk)
                 parts.append(chunk.text)
                 if chunk.finish_reason:
                     final = chunk

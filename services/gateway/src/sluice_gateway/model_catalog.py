@@ -16,6 +16,10 @@ from sluice_common.supervision import Supervisor, stop_tasks
 log = structlog.stdlib.get_logger("sluice.gateway.models")
 
 
+class UnknownModel(InvalidArgument):
+    """No model of that name and kind: INVALID_ARGUMENT on gRPC (as ever), 404 model_not_found on HTTP."""
+
+
 class ModelCatalog:
     def __init__(self, adapter: inference_pb2_grpc.InferenceServiceStub) -> None:
         self._adapter = adapter
@@ -32,7 +36,7 @@ class ModelCatalog:
         if model is None or model.kind != kind:
             known = ", ".join(sorted(n for n, m in self._models.items() if m.kind == kind)) or "none yet"
             what = types_pb2.ModelKind.Name(kind).removeprefix("MODEL_KIND_").lower()
-            raise InvalidArgument("model", f"unknown {what} model {name!r}; available: {known}")
+            raise UnknownModel("model", f"unknown {what} model {name!r}; available: {known}")
         return model
 
     async def refresh(self) -> None:

@@ -2,21 +2,18 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import grpc
 import structlog
 from sluice.gateway.v1 import gateway_pb2, gateway_pb2_grpc
-from sluice.inference.v1 import inference_pb2_grpc
 from sluice.jobs.v1 import jobs_pb2
 
 from sluice_common.errors import Unimplemented
 from sluice_common.request_context import REQUEST_ID_KEY, current_request_id
-from sluice_gateway.admission import Admission
-from sluice_gateway.completion_events import CompletionEvents
 from sluice_gateway.inference_path import InferencePath
 from sluice_gateway.jobs_api import JobsApi
-from sluice_gateway.model_catalog import ModelCatalog
 from sluice_gateway.tenants import Tenant, TenantDirectory
 
 
@@ -31,18 +28,12 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
     def __init__(
         self,
         tenants: TenantDirectory,
-        models: ModelCatalog,
-        adapter: inference_pb2_grpc.InferenceServiceStub,
-        completion_events: CompletionEvents | None = None,
-        admission: Admission | None = None,
+        path: InferencePath,
         jobs: JobsApi | None = None,
     ) -> None:
         self._tenants = tenants
-        self._models = models
-        self._adapter = adapter
-        self._completion_events = completion_events
-        self._admission = admission or Admission(None)
-        self._path = InferencePath(adapter, models, self._admission)
+        self._models = path.models
+        self._path = path
         self._jobs_api = jobs
 
     def _tenant(self, context: grpc.aio.ServicerContext) -> Tenant:
@@ -54,14 +45,15 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         tenant = self._tenant(context)
         structlog.contextvars.bind_contextvars(tenant=tenant.name, model=request.model)
         request_id = current_request_id()
-        # Published from a done-callback, only after the client's stream has closed (issue 5).
-        tracker = self._completion_events.track(tenant, request, request_id, context) if self._completion_events else None
-        # Validation, admission and the adapter call are shared with the job worker (inference_path).
-        async with self._path.generate(tenant.name, request, request_id, context.time_remaining()) as stream:
+
+        # The CompletionEvent is published from the call's done-callback, only after the client's
+        # stream has closed (issue 5); defaults, validation, admission and tracking are the path's.
+        def when_closed(publish: Callable[[Any, bool], None]) -> None:
+            context.add_done_callback(lambda done: publish(done.code(), done.cancelled()))
+
+        async with self._path.generate(tenant, request, request_id, context.time_remaining(), when_closed=when_closed) as stream:
             await context.send_initial_metadata(((REQUEST_ID_KEY, request_id), *stream.ticket.metadata))
             async for chunk in stream:
-                if tracker is not None:
-                    tracker.add(chunk)
                 yield gateway_pb2.GenerateResponse(
                     request_id=request_id,
                     text=chunk.text,

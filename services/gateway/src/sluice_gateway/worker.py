@@ -46,7 +46,6 @@ from sluice_common.request_context import bind_request_id, current_request_id, n
 from sluice_common.server import create_server, serve_until_signal
 from sluice_common.supervision import Supervisor, stop_tasks
 from sluice_gateway import job_store as states
-from sluice_gateway.completion_events import CompletionTracker
 from sluice_gateway.concurrency import FAILED, OK, THROTTLED, AdaptiveConcurrency
 from sluice_gateway.config import ENV_PREFIX, GatewayConfig
 from sluice_gateway.core import GatewayCore
@@ -73,7 +72,6 @@ from sluice_gateway.jobs import (
     run_row,
     validate_job,
 )
-from sluice_gateway.tenants import Tenant
 
 log = structlog.stdlib.get_logger("sluice.gateway.worker")
 
@@ -300,9 +298,7 @@ class JobWorker:
             started = time.perf_counter()
             IN_FLIGHT.set(self.concurrency.in_flight)
             try:
-                run = await run_row(
-                    self.core.path, task, _request_id(), self.config.worker_row_timeout_s, self._tracker(task)
-                )
+                run = await run_row(self.core.path, task, _request_id(), self.config.worker_row_timeout_s)
             except PoisonRow as exc:
                 await self._release(time.perf_counter() - started, FAILED)
                 return exc
@@ -334,19 +330,6 @@ class JobWorker:
         LIMIT.set(self.concurrency.limit)
         if int(before) != int(self.concurrency.limit):
             log.info("concurrency_changed", limit=round(self.concurrency.limit, 2), reason=self.concurrency.history[-1][2])
-
-    def _tracker(self, task: jobs_pb2.RowTask) -> Any:
-        events = self.core.completion_events
-        if not events.enabled:
-            return None
-
-        def track(request: Any) -> Any:
-            tracker = CompletionTracker(events, Tenant(task.tenant, task.text_logging), request, _request_id())
-            tracker.job_id = task.job_id
-            tracker.custom_id = task.row.custom_id
-            return _Observer(events, tracker)
-
-        return track
 
     async def _dead_letter(self, task: jobs_pb2.RowTask, message: aio_pika.abc.AbstractIncomingMessage, reason: str) -> None:
         log.warning("row_dead_lettered", reason=reason)
@@ -411,19 +394,6 @@ class JobWorker:
                 await self._sweep()
             except Exception:  # noqa: BLE001 - a store or broker hiccup: the next sweep tries again
                 log.exception("job_sweep_failed")
-
-
-class _Observer:
-    """Feeds a CompletionTracker while a bulk row streams; publishes its event when the row ends."""
-
-    def __init__(self, events: Any, tracker: CompletionTracker) -> None:
-        self._events = events
-        self._tracker = tracker
-
-    def __call__(self, chunk: Any) -> None:
-        self._tracker.add(chunk)
-        if chunk.finish_reason:
-            self._events.submit(self._tracker.build(None))
 
 
 def _request_id() -> str:

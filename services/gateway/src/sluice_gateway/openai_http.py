@@ -1,0 +1,339 @@
+"""The OpenAI-compatible HTTP API: a second listener of the gateway, on the gRPC server's event loop.
+
+    POST /v1/chat/completions   stream (server-sent events ending in `data: [DONE]`,
+                                stream_options.include_usage) or not
+    POST /v1/completions        the same, for a raw prompt
+    POST /v1/embeddings         encoding_format float or base64
+    GET  /v1/models, /v1/models/{id}
+
+Why aiohttp's server: it runs on the asyncio loop it is started from (AppRunner + TCPSite, no
+thread, no process, no signal handlers of its own, unlike uvicorn's Server), so the HTTP handlers
+share the gRPC servicer's InferencePath, admission, adapter channel and CompletionEvent
+publisher object for object; it streams with StreamResponse, refuses oversized bodies with 413
+(client_max_size) before reading them, and with `handler_cancellation` cancels a handler whose
+client went away, which cancels the adapter call (the generation stops there) and publishes the
+event as CANCELLED.
+
+A thin front: every request goes through the same InferencePath as gRPC and the job worker
+(defaults, validation, rate-limit admission, usage commit, CompletionEvent); this module only
+translates OpenAI's JSON to Sluice's requests and Sluice's errors to OpenAI's: 401 bad key,
+400 invalid_request_error naming the param, 404 unknown model, 429 with Retry-After and the lease's
+x-ratelimit-* headers (the same figures gRPC sends as metadata), 503 when no replica can serve.
+A stream that fails after its first chunk ends with an error event (`data: {"error": ...}`),
+never a silent cut and never `[DONE]`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import structlog
+from aiohttp import web
+from sluice.common.v1 import types_pb2
+
+from sluice_common.errors import InvalidArgument, ResourceExhausted, SluiceError, Unauthenticated
+from sluice_common.request_context import REQUEST_ID_KEY, bind_request_id, current_request_id, new_request_id
+from sluice_gateway.inference_path import InferencePath
+from sluice_gateway.model_catalog import UnknownModel
+from sluice_gateway.openai_requests import (
+    FINISH_REASONS,
+    Completion,
+    GenerationCall,
+    OpenAIError,
+    embeddings_reply,
+    model_object,
+    parse_chat,
+    parse_completion,
+    parse_embeddings,
+)
+from sluice_gateway.tenants import Tenant, TenantDirectory
+
+log = structlog.stdlib.get_logger("sluice.gateway.http")
+
+# Sluice's field paths -> OpenAI's param names.
+_PARAMS = {"sampling.": "", "inputs": "input"}
+_STATUS = {
+    "INVALID_ARGUMENT": (400, "invalid_request_error"),
+    "UNAUTHENTICATED": (401, "invalid_request_error"),
+    "PERMISSION_DENIED": (403, "permission_error"),
+    "NOT_FOUND": (404, "invalid_request_error"),
+    "RESOURCE_EXHAUSTED": (429, "rate_limit_error"),
+    "CANCELLED": (499, "request_cancelled"),
+    "UNIMPLEMENTED": (501, "server_error"),
+    "UNAVAILABLE": (503, "service_unavailable"),
+    "DEADLINE_EXCEEDED": (504, "timeout"),
+}
+
+
+def _param(field_name: str) -> str:
+    for sluice, openai in _PARAMS.items():
+        if field_name.startswith(sluice):
+            return openai + field_name[len(sluice) :]
+    return field_name
+
+
+def openai_error(exc: BaseException) -> OpenAIError:
+    """What OpenAI would answer for an error the path raised (Sluice's own, or the adapter's status)."""
+    if isinstance(exc, OpenAIError):
+        return exc
+    if isinstance(exc, UnknownModel):
+        return OpenAIError(404, exc.reason, param="model", code="model_not_found")
+    if isinstance(exc, InvalidArgument):
+        return OpenAIError(400, exc.message, param=_param(exc.field_name), code="invalid_value")
+    if isinstance(exc, Unauthenticated):
+        return OpenAIError(401, f"Incorrect API key provided: {exc.message}", code="invalid_api_key")
+    if isinstance(exc, ResourceExhausted):
+        headers = dict(getattr(exc, "headers", ()) or ())
+        if exc.retry_after_s is None:
+            # Larger than the whole allowance: no wait admits it, and OpenAI's clients must not retry.
+            headers["x-should-retry"] = "false"
+            return OpenAIError(429, exc.message, "tokens", code="rate_limit_exceeded", headers=headers)
+        headers["retry-after"] = str(max(1, math.ceil(exc.retry_after_s)))
+        headers["retry-after-ms"] = str(max(1, math.ceil(exc.retry_after_s * 1000)))
+        return OpenAIError(429, exc.message, "requests", code="rate_limit_exceeded", headers=headers)
+    if isinstance(exc, SluiceError):
+        status, type_ = _STATUS.get(exc.code, (500, "server_error"))
+        return OpenAIError(status, exc.message, type_, code=exc.code.lower())
+    if isinstance(exc, grpc.aio.AioRpcError):
+        status, type_ = _STATUS.get(exc.code().name, (500, "server_error"))
+        headers = {"retry-after": "1"} if status in (429, 503) else {}
+        return OpenAIError(status, exc.details() or exc.code().name, type_, code=exc.code().name.lower(), headers=headers)
+    log.error("http_internal_error", error=repr(exc))
+    return OpenAIError(500, "The server had an error while processing your request.", "server_error", code="internal_error")
+
+
+def _json_response(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
+    return web.Response(text=json.dumps(body), status=status, content_type="application/json", headers=headers)
+
+
+def _sse(body: Any) -> bytes:
+    return b"data: " + json.dumps(body).encode() + b"\n\n"
+
+
+class StreamAnswered(Exception):
+    """A stream that failed after it started and has been answered (its error event sent); its
+    __cause__ is the failure, which the InferencePath records (see inference_path.status_of)."""
+
+    unwrap_cause = True
+
+    def __init__(self, response: web.StreamResponse) -> None:
+        super().__init__("the stream failed after its first chunk")
+        self.response = response
+
+
+@dataclass
+class OpenAIFront:
+    """The handlers; each authenticates, parses, and hands the request to the one InferencePath."""
+
+    tenants: TenantDirectory
+    path: InferencePath
+
+    def _tenant(self, request: web.Request) -> Tenant:
+        authorization = request.headers.get("Authorization")
+        if not authorization:
+            raise OpenAIError(
+                401, "You didn't provide an API key. Send it as `Authorization: Bearer <api key>`.", code="missing_api_key"
+            )
+        try:
+            return self.tenants.authenticate(authorization)
+        except Unauthenticated as exc:
+            raise OpenAIError(401, f"Incorrect API key provided: {exc.message}", code="invalid_api_key") from None
+
+    async def _body(self, request: web.Request) -> dict[str, Any]:
+        try:
+            raw = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            raise OpenAIError(
+                413, f"The request body is larger than the limit of {request.client_max_size} bytes.", code="request_too_large"
+            ) from None
+        try:
+            body = json.loads(raw)
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise OpenAIError(
+                400, f"We could not parse the JSON body of your request: {exc}. Send a JSON object.", code="invalid_json"
+            ) from None
+        if not isinstance(body, dict):
+            raise OpenAIError(400, "The request body must be a JSON object.", code="invalid_json")
+        return body
+
+    def _headers(self, request_id: str, metadata: tuple[tuple[str, str], ...] = ()) -> dict[str, str]:
+        return {REQUEST_ID_KEY: request_id, **dict(metadata)}
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, parse_chat)
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, parse_completion)
+
+    async def _generate(self, request: web.Request, parse: Callable[[dict[str, Any]], GenerationCall]) -> web.StreamResponse:
+        tenant = self._tenant(request)
+        call = parse(await self._body(request))
+        call.request.client_request_id = request.headers.get("X-Client-Request-Id", "")[:128]
+        request_id = current_request_id()
+        structlog.contextvars.bind_contextvars(tenant=tenant.name, model=call.request.model)
+        answer = Completion(call, request_id)
+        async with self.path.generate(tenant, call.request, request_id, None) as stream:
+            headers = self._headers(request_id, stream.ticket.metadata)
+            if call.options.stream:
+                return await self._stream(request, stream, answer, headers)
+            parts: list[str] = []
+            final = None
+            async for chunk in stream:
+                parts.append(chunk.text)
+                if chunk.finish_reason:
+                    final = chunk
+            finish = FINISH_REASONS.get(final.finish_reason) if final is not None else None
+            if finish is None:
+                raise OpenAIError(
+                    500, "The generation failed before it finished; retry the request.", "server_error", code="generation_failed"
+                )
+            usage = final.usage if final is not None and final.HasField("usage") else None
+            return _json_response(answer.whole("".join(parts), finish, usage), headers=headers)
+
+    async def _stream(self, request: web.Request, stream: Any, answer: Completion, headers: dict[str, str]) -> web.StreamResponse:
+        """Server-sent events. The response starts at the first chunk, so that an error before it
+        (the adapter refusing, no replica) is still answered with its own status and JSON body."""
+        response: web.StreamResponse | None = None
+        final = None
+        try:
+            async for chunk in stream:
+                if response is None:
+                    response = web.StreamResponse(headers={**headers, "Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+                    await response.prepare(request)
+                    await response.write(_sse(answer.chunk(chunk.text, first=True)))
+                elif chunk.text:
+                    await response.write(_sse(answer.chunk(chunk.text)))
+                if chunk.finish_reason:
+                    final = chunk
+        except (SluiceError, grpc.aio.AioRpcError) as exc:
+            if response is None:
+                raise
+            await self._fail_stream(response, openai_error(exc))
+            # Out through the path with the cause, so that the CompletionEvent records the failure.
+            raise StreamAnswered(response) from exc
+        if response is None:
+            raise OpenAIError(500, "The generation ended without any output.", "server_error", code="generation_failed")
+        finish = FINISH_REASONS.get(final.finish_reason) if final is not None else None
+        if finish is None:
+            reason = types_pb2.FinishReason.Name(final.finish_reason) if final is not None else "no final chunk"
+            await self._fail_stream(
+                response, OpenAIError(500, f"The generation failed after it started ({reason}).", "server_error", code="generation_failed")
+            )
+            return response
+        await response.write(_sse(answer.chunk(None, finish)))
+        if answer.call.options.include_usage:
+            await response.write(_sse(answer.usage_chunk(final.usage if final.HasField("usage") else None)))
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+    async def _fail_stream(self, response: web.StreamResponse, error: OpenAIError) -> None:
+        """A stream that fails after its first chunk ends with an error event, never a silent cut."""
+        log.warning("http_stream_failed", status=error.status, error=error.message)
+        await response.write(b"event: error\n" + _sse(error.body()))
+        await response.write_eof()
+
+    async def embeddings(self, request: web.Request) -> web.Response:
+        tenant = self._tenant(request)
+        call = parse_embeddings(await self._body(request))
+        call.request.client_request_id = request.headers.get("X-Client-Request-Id", "")[:128]
+        structlog.contextvars.bind_contextvars(tenant=tenant.name, model=call.request.model)
+        if call.dimensions is not None:
+            model = self.path.models.get(call.request.model, types_pb2.MODEL_KIND_EMBEDDING)
+            if call.dimensions != model.embedding_dimensions:
+                raise OpenAIError(
+                    400,
+                    f"{model.name} makes {model.embedding_dimensions}-dimensional embeddings; dimensions={call.dimensions} is not supported",
+                    param="dimensions",
+                    code="invalid_value",
+                )
+        request_id = current_request_id()
+        reply, ticket = await self.path.embed_with_ticket(tenant.name, call.request, request_id, None)
+        return _json_response(embeddings_reply(call, reply), headers=self._headers(request_id, ticket.metadata))
+
+    async def models(self, request: web.Request) -> web.Response:
+        self._tenant(request)
+        return _json_response({"object": "list", "data": [model_object(m) for m in self.path.models.models]})
+
+    async def model(self, request: web.Request) -> web.Response:
+        self._tenant(request)
+        name = request.match_info["model"]
+        for model in self.path.models.models:
+            if model.name == name:
+                return _json_response(model_object(model))
+        raise OpenAIError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
+
+
+@web.middleware
+async def _errors(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
+    """A request id per request, one summary log line, and every error in OpenAI's JSON shape."""
+    request_id = request.headers.get(REQUEST_ID_KEY, "")[:64] or new_request_id()
+    bind_request_id(request_id)
+    started = time.perf_counter()
+    status = 500
+    try:
+        response = await handler(request)
+        status = response.status
+        return response
+    except asyncio.CancelledError:
+        status = 499  # the client went away; the path has cancelled the generation
+        raise
+    except web.HTTPException as exc:
+        if exc.status == 413:
+            error = OpenAIError(413, "The request body is too large.", code="request_too_large")
+        elif exc.status == 405:
+            error = OpenAIError(405, f"{request.method} is not allowed on {request.path}.", code="method_not_allowed")
+        elif exc.status == 404:
+            error = OpenAIError(404, f"Unknown path {request.path}.", code="unknown_url")
+        else:
+            error = OpenAIError(exc.status, exc.reason, code=None)
+        status = error.status
+        return _json_response(error.body(), error.status, {REQUEST_ID_KEY: request_id})
+    except StreamAnswered as exc:
+        status = exc.response.status
+        return exc.response
+    except Exception as exc:  # noqa: BLE001 - every error is answered in OpenAI's shape
+        error = openai_error(exc)
+        status = error.status
+        return _json_response(error.body(), error.status, {REQUEST_ID_KEY: request_id, **error.headers})
+    finally:
+        log.info("http_request", method=request.method, path=request.path, status=status, ms=round((time.perf_counter() - started) * 1000, 1))
+        structlog.contextvars.clear_contextvars()
+
+
+def build_app(front: OpenAIFront, max_body_bytes: int) -> web.Application:
+    app = web.Application(middlewares=[_errors], client_max_size=max_body_bytes)
+    app.router.add_post("/v1/chat/completions", front.chat_completions)
+    app.router.add_post("/v1/completions", front.completions)
+    app.router.add_post("/v1/embeddings", front.embeddings)
+    app.router.add_get("/v1/models", front.models)
+    app.router.add_get("/v1/models/{model}", front.model)
+    return app
+
+
+@dataclass
+class RunningHttp:
+    runner: web.AppRunner
+    port: int
+
+    async def stop(self) -> None:
+        """Stops accepting, lets in-flight requests finish within the runner's shutdown timeout."""
+        await self.runner.cleanup()
+
+
+async def start_http(front: OpenAIFront, host: str, port: int, max_body_bytes: int, grace_s: float) -> RunningHttp:
+    """Starts the HTTP listener on the running loop; port 0 binds a free one (tests)."""
+    runner = web.AppRunner(build_app(front, max_body_bytes), handler_cancellation=True, shutdown_timeout=grace_s, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    bound = port or runner.addresses[0][1]
+    log.info("http_listening", host=host, port=bound)
+    return RunningHttp(runner, bound)

@@ -1,0 +1,376 @@
+"""OpenAI request bodies -> Sluice's requests, and Sluice's replies -> OpenAI's response objects.
+
+Pure domain code (no HTTP, no grpc): the HTTP front (openai_http) parses with these and sends what
+they build. Every refusal is an `OpenAIError` in OpenAI's shape, naming the offending param:
+
+- a field Sluice does not know: 400 "Unrecognized request argument supplied: <name>";
+- a field OpenAI defines that Sluice cannot honour (n > 1, tools, logprobs, penalties, ...):
+  accepted at its default (null, or OpenAI's neutral value), otherwise 400 naming it;
+- a wrong type or value: 400 naming the param ("messages[1].content", "temperature", ...).
+
+Defaults as OpenAI's: temperature 1.0 and top_p 1.0 when omitted or null (set explicitly on the
+Sluice request); max_tokens omitted: left 0, which the InferencePath turns into the model's
+remaining context capped by SLUICE_GATEWAY_DEFAULT_MAX_TOKENS, as on gRPC.
+"""
+
+from __future__ import annotations
+
+import base64
+import math
+import struct
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from sluice.common.v1 import types_pb2
+from sluice.gateway.v1 import gateway_pb2
+
+# OpenAI's defaults for sampling (https://platform.openai.com/docs/api-reference/chat/create).
+DEFAULT_TEMPERATURE = 1.0
+DEFAULT_TOP_P = 1.0
+
+FINISH_REASONS = {types_pb2.FINISH_REASON_STOP: "stop", types_pb2.FINISH_REASON_LENGTH: "length"}
+
+
+class OpenAIError(Exception):
+    """An error answered as OpenAI does: `{"error": {"message", "type", "param", "code"}}` with its status."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type_: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type_
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def invalid(param: str, message: str, code: str | None = None) -> OpenAIError:
+    return OpenAIError(400, message, param=param, code=code)
+
+
+# Params OpenAI defines that Sluice accepts only at their neutral value (what OpenAI does when they
+# are omitted). Anything else is refused naming the param.
+_NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "n": (None, 1),
+    "best_of": (None, 1),
+    "presence_penalty": (None, 0, 0.0),
+    "frequency_penalty": (None, 0, 0.0),
+    "logprobs": (None, False),
+    "top_logprobs": (None, 0),
+    "logit_bias": (None,),
+    "echo": (None, False),
+    "suffix": (None, ""),
+    "tools": (None,),
+    "tool_choice": (None, "none", "auto"),
+    "parallel_tool_calls": (None, True, False),
+    "functions": (None,),
+    "function_call": (None, "none", "auto"),
+    "service_tier": (None, "auto", "default"),
+    "store": (None, False),
+    "modalities": (None,),
+    "prediction": (None,),
+    "audio": (None,),
+    "reasoning_effort": (None,),
+    "web_search_options": (None,),
+}
+# Accepted and ignored: they change nothing about the output.
+_IGNORED = ("user", "metadata")
+
+_CHAT_FIELDS = {
+    "model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "stop", "seed",
+    "stream", "stream_options", "response_format",
+}  # fmt: skip
+_COMPLETION_FIELDS = {"model", "prompt", "max_tokens", "temperature", "top_p", "stop", "seed", "stream", "stream_options"}
+_EMBEDDING_FIELDS = {"model", "input", "encoding_format", "dimensions"}
+_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return (isinstance(value, (int, float)) and not isinstance(value, bool)) and math.isfinite(value)
+
+
+def _same(value: Any, neutral: Any) -> bool:
+    """Equal without Python's 0 == False and 1 == True."""
+    if value is None or neutral is None or isinstance(value, bool) or isinstance(neutral, bool):
+        return value is neutral
+    return type(value) in (int, float, str) and value == neutral
+
+
+def _check_fields(body: dict[str, Any], known: set[str]) -> None:
+    for name, value in body.items():
+        if name in known or name in _IGNORED:
+            continue
+        if name in _NEUTRAL:
+            neutral = _NEUTRAL[name]
+            if any(_same(value, n) for n in neutral):
+                continue
+            if isinstance(value, (list, dict)) and not value and None in neutral:
+                continue  # an empty list or map of tools, logit biases: nothing asked
+            raise invalid(name, f"{name}={value!r} is not supported by Sluice; omit it or send {neutral[-1]!r}", "unsupported_parameter")
+        raise invalid(name, f"Unrecognized request argument supplied: {name}", "unknown_parameter")
+
+
+def _model(body: dict[str, Any]) -> str:
+    model = body.get("model")
+    if model is None:
+        raise invalid("model", "you must provide a model parameter", "missing_required_parameter")
+    if not isinstance(model, str) or not model:
+        raise invalid("model", f"model must be a non-empty string, got {model!r}", "invalid_type")
+    return model
+
+
+def _optional_number(body: dict[str, Any], name: str, default: float) -> float:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not _is_number(value):
+        raise invalid(name, f"{name} must be a number, got {value!r}", "invalid_type")
+    return float(value)
+
+
+def _sampling(body: dict[str, Any]) -> types_pb2.SamplingParams:
+    sampling = types_pb2.SamplingParams()
+    for name in ("max_completion_tokens", "max_tokens"):
+        value = body.get(name)
+        if value is None:
+            continue
+        if not _is_int(value):
+            raise invalid(name, f"{name} must be an integer, got {value!r}", "invalid_type")
+        if value < 1:
+            raise invalid(name, f"{name} must be at least 1, got {value}", "invalid_value")
+        sampling.max_tokens = value
+        break
+    sampling.temperature = _optional_number(body, "temperature", DEFAULT_TEMPERATURE)
+    sampling.top_p = _optional_number(body, "top_p", DEFAULT_TOP_P)
+    seed = body.get("seed")
+    if seed is not None:
+        if not _is_int(seed):
+            raise invalid("seed", f"seed must be an integer, got {seed!r}", "invalid_type")
+        sampling.seed = seed % (1 << 64)
+    stop = body.get("stop")
+    if isinstance(stop, str):
+        sampling.stop.append(stop)
+    elif isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+        sampling.stop.extend(stop)
+    elif stop is not None:
+        raise invalid("stop", f"stop must be a string or an array of strings, got {stop!r}", "invalid_type")
+    return sampling
+
+
+@dataclass(frozen=True)
+class StreamOptions:
+    stream: bool = False
+    include_usage: bool = False
+
+
+def _stream_options(body: dict[str, Any]) -> StreamOptions:
+    stream = body.get("stream")
+    if stream is not None and not isinstance(stream, bool):
+        raise invalid("stream", f"stream must be a boolean, got {stream!r}", "invalid_type")
+    options = body.get("stream_options")
+    if options is None:
+        return StreamOptions(bool(stream))
+    if not stream:
+        raise invalid("stream_options", "stream_options is only allowed when stream is true", "invalid_value")
+    if not isinstance(options, dict):
+        raise invalid("stream_options", f"stream_options must be an object, got {options!r}", "invalid_type")
+    for name in options:
+        if name not in ("include_usage", "include_obfuscation"):
+            raise invalid(f"stream_options.{name}", f"Unrecognized request argument supplied: stream_options.{name}", "unknown_parameter")
+    include_usage = options.get("include_usage")
+    if include_usage is not None and not isinstance(include_usage, bool):
+        raise invalid("stream_options.include_usage", f"include_usage must be a boolean, got {include_usage!r}", "invalid_type")
+    return StreamOptions(True, bool(include_usage))
+
+
+def _content(value: Any, param: str) -> str:
+    """A message's content: a string, or an array of text parts (joined)."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        texts = []
+        for index, part in enumerate(value):
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise invalid(f"{param}[{index}]", "only text content parts ({\"type\": \"text\", \"text\": ...}) are supported", "invalid_value")
+            texts.append(part["text"])
+        return "".join(texts)
+    raise invalid(param, f"content must be a string or an array of text parts, got {value!r}", "invalid_type")
+
+
+@dataclass
+class GenerationCall:
+    """A parsed chat or text completion: the Sluice request and how to answer it."""
+
+    request: gateway_pb2.GenerateRequest
+    options: StreamOptions
+    chat: bool
+
+
+def parse_chat(body: dict[str, Any]) -> GenerationCall:
+    _check_fields(body, _CHAT_FIELDS)
+    request = gateway_pb2.GenerateRequest(model=_model(body))
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise invalid("messages", "messages must be a non-empty array of {role, content} objects", "invalid_type")
+    for index, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise invalid(f"messages[{index}]", "a message must be an object with role and content", "invalid_type")
+        for name in message:
+            if name not in ("role", "content", "name", "refusal"):
+                raise invalid(f"messages[{index}].{name}", f"Unrecognized message field: {name} (tools are not supported)", "unknown_parameter")
+        role = message.get("role")
+        if role not in _ROLES:
+            raise invalid(f"messages[{index}].role", f"role must be one of {', '.join(_ROLES)}, got {role!r}", "invalid_value")
+        content = _content(message.get("content"), f"messages[{index}].content")
+        request.messages.append(types_pb2.ChatMessage(role=_ROLES[role], content=content))
+    request.sampling.CopyFrom(_sampling(body))
+    response_format = body.get("response_format")
+    if response_format is not None:
+        kind = response_format.get("type") if isinstance(response_format, dict) else None
+        if kind == "json_object":
+            request.response_format = types_pb2.RESPONSE_FORMAT_JSON_OBJECT
+        elif kind == "text":
+            request.response_format = types_pb2.RESPONSE_FORMAT_TEXT
+        else:
+            raise invalid("response_format", f"response_format must be {{\"type\": \"text\"}} or {{\"type\": \"json_object\"}}, got {response_format!r}")
+    return GenerationCall(request, _stream_options(body), chat=True)
+
+
+def parse_completion(body: dict[str, Any]) -> GenerationCall:
+    _check_fields(body, _COMPLETION_FIELDS)
+    request = gateway_pb2.GenerateRequest(model=_model(body))
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if not isinstance(prompt, str):
+        raise invalid("prompt", "prompt must be a string (or an array of one string; token arrays are not supported)", "invalid_type")
+    request.prompt = prompt
+    request.sampling.CopyFrom(_sampling(body))
+    return GenerationCall(request, _stream_options(body), chat=False)
+
+
+@dataclass
+class EmbeddingCall:
+    request: gateway_pb2.EmbedRequest
+    base64: bool
+    dimensions: int | None = None
+
+
+def parse_embeddings(body: dict[str, Any]) -> EmbeddingCall:
+    _check_fields(body, _EMBEDDING_FIELDS)
+    request = gateway_pb2.EmbedRequest(model=_model(body))
+    inputs = body.get("input")
+    if isinstance(inputs, str):
+        inputs = [inputs]
+    if not isinstance(inputs, list) or not inputs or not all(isinstance(text, str) for text in inputs):
+        raise invalid("input", "input must be a string or a non-empty array of strings (token arrays are not supported)", "invalid_type")
+    for index, text in enumerate(inputs):
+        if not text:
+            raise invalid(f"input[{index}]" if len(inputs) > 1 else "input", "input must not be empty", "invalid_value")
+    request.inputs.extend(inputs)
+    encoding = body.get("encoding_format")
+    if encoding not in (None, "float", "base64"):
+        raise invalid("encoding_format", f"encoding_format must be float or base64, got {encoding!r}", "invalid_value")
+    dimensions = body.get("dimensions")
+    if dimensions is not None and (not _is_int(dimensions) or dimensions < 1):
+        raise invalid("dimensions", f"dimensions must be a positive integer, got {dimensions!r}", "invalid_type")
+    return EmbeddingCall(request, encoding == "base64", dimensions)
+
+
+# ---- replies
+
+
+def usage_object(usage: types_pb2.Usage | None) -> dict[str, int] | None:
+    """Usage exactly as Sluice counted it; None when the adapter reported none (never estimated)."""
+    if usage is None or not (usage.prompt_tokens or usage.completion_tokens or usage.total_tokens):
+        return None
+    total = usage.total_tokens or usage.prompt_tokens + usage.completion_tokens
+    return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens, "total_tokens": total}
+
+
+@dataclass
+class Completion:
+    """The shapes of one chat or text completion's answers (whole, or as stream chunks)."""
+
+    call: GenerationCall
+    request_id: str
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def id(self) -> str:
+        return f"{'chatcmpl' if self.call.chat else 'cmpl'}-{self.request_id}"
+
+    def _base(self, object_: str) -> dict[str, Any]:
+        return {"id": self.id, "object": object_, "created": self.created, "model": self.call.request.model, "system_fingerprint": None}
+
+    def whole(self, text: str, finish_reason: str, usage: types_pb2.Usage | None) -> dict[str, Any]:
+        if self.call.chat:
+            choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text, "refusal": None}}
+            reply = self._base("chat.completion")
+        else:
+            choice = {"index": 0, "text": text}
+            reply = self._base("text_completion")
+        choice.update(logprobs=None, finish_reason=finish_reason)
+        reply["choices"] = [choice]
+        reply["usage"] = usage_object(usage)
+        return reply
+
+    def chunk(self, text: str | None, finish_reason: str | None = None, first: bool = False) -> dict[str, Any]:
+        if self.call.chat:
+            reply = self._base("chat.completion.chunk")
+            delta: dict[str, Any] = {"role": "assistant", "content": text or ""} if first else {}
+            if text and not first:
+                delta["content"] = text
+            choice: dict[str, Any] = {"index": 0, "delta": delta}
+        else:
+            reply = self._base("text_completion")
+            choice = {"index": 0, "text": text or ""}
+        choice.update(logprobs=None, finish_reason=finish_reason)
+        reply["choices"] = [choice]
+        if self.call.options.include_usage:
+            reply["usage"] = None
+        return reply
+
+    def usage_chunk(self, usage: types_pb2.Usage | None) -> dict[str, Any]:
+        reply = self._base("chat.completion.chunk" if self.call.chat else "text_completion")
+        reply["choices"] = []
+        reply["usage"] = usage_object(usage)
+        return reply
+
+
+def embedding_object(index: int, values: Any, as_base64: bool) -> dict[str, Any]:
+    if as_base64:
+        data: Any = base64.b64encode(struct.pack(f"<{len(values)}f", *values)).decode()
+    else:
+        data = list(values)
+    return {"object": "embedding", "index": index, "embedding": data}
+
+
+def embeddings_reply(call: EmbeddingCall, reply: gateway_pb2.EmbedResponse) -> dict[str, Any]:
+    usage = usage_object(reply.usage) if reply.HasField("usage") else None
+    return {
+        "object": "list",
+        "data": [embedding_object(i, e.values, call.base64) for i, e in enumerate(reply.embeddings)],
+        "model": call.request.model,
+        "usage": None if usage is None else {"prompt_tokens": usage["prompt_tokens"], "total_tokens": usage["total_tokens"]},
+    }
+
+
+def model_object(model: types_pb2.ModelInfo) -> dict[str, Any]:
+    return {"id": model.name, "object": "model", "created": 0, "owned_by": "sluice"}

@@ -1,0 +1,225 @@
+"""The OpenAI-compatible HTTP front over a fake adapter: shapes checked against the openai
+package's own types (OpenAI's definitions), errors in OpenAI's shape with its codes."""
+
+from __future__ import annotations
+
+import base64
+import json
+import struct
+from typing import Any
+
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+from openai.types import CreateEmbeddingResponse, Model
+from openai.types.chat import ChatCompletion, ChatCompletionChunk
+from openai.types.completion import Completion
+from sluice.common.v1 import types_pb2
+from sluice.inference.v1 import inference_pb2
+from sluice.ratelimit.v1 import ratelimit_pb2
+
+from sluice_common.amqp import EventTopology
+from sluice_gateway.admission import Admission
+from sluice_gateway.completion_events import CompletionEvents
+from sluice_gateway.inference_path import InferencePath
+from sluice_gateway.model_catalog import ModelCatalog
+from sluice_gateway.openai_http import OpenAIFront, build_app
+from sluice_gateway.tenants import TenantDirectory, hash_api_key
+
+KEY = "sk-test"
+GENERATION = types_pb2.ModelInfo(name="g", kind=types_pb2.MODEL_KIND_GENERATION, context_length=2048, max_output_tokens=1024)
+EMBEDDING = types_pb2.ModelInfo(name="e", kind=types_pb2.MODEL_KIND_EMBEDDING, embedding_dimensions=3)
+USAGE = types_pb2.Usage(prompt_tokens=7, completion_tokens=2, total_tokens=9)
+
+
+class _Call:
+    def __init__(self, chunks: list[Any]) -> None:
+        self.chunks = chunks
+        self.cancelled = False
+
+    def __aiter__(self):  # type: ignore[no-untyped-def]
+        async def run():  # type: ignore[no-untyped-def]
+            for chunk in self.chunks:
+                if isinstance(chunk, BaseException):
+                    raise chunk
+                yield chunk
+
+        return run()
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class _Adapter:
+    def __init__(self) -> None:
+        self.requests: list[Any] = []
+        self.chunks: list[Any] = [
+            inference_pb2.GenerateResponse(text="Hello", token_count=1),
+            inference_pb2.GenerateResponse(text=" there", token_count=1, finish_reason=types_pb2.FINISH_REASON_STOP, usage=USAGE),
+        ]
+
+    async def ListModels(self, request, timeout=None):  # noqa: N802
+        return inference_pb2.ListModelsResponse(models=[GENERATION, EMBEDDING])
+
+    def Generate(self, request, timeout=None, metadata=None):  # noqa: N802
+        self.requests.append(request)
+        return _Call(self.chunks)
+
+    async def Embed(self, request, timeout=None, metadata=None):  # noqa: N802
+        self.requests.append(request)
+        return inference_pb2.EmbedResponse(
+            embeddings=[types_pb2.Embedding(values=[0.5, -1.0, 2.0]) for _ in request.inputs], usage=types_pb2.Usage(prompt_tokens=4, total_tokens=4)
+        )
+
+
+class _RateLimit:
+    def __init__(self) -> None:
+        self.allowed = True
+
+    async def Acquire(self, request, timeout=None, metadata=None):  # noqa: N802
+        budgets = [ratelimit_pb2.BudgetStatus(budget=ratelimit_pb2.BUDGET_REQUESTS_PER_MINUTE, limit=60, remaining=0 if not self.allowed else 59)]
+        if not self.allowed:
+            reply = ratelimit_pb2.AcquireResponse(allowed=False, denied_by=ratelimit_pb2.BUDGET_REQUESTS_PER_MINUTE, budgets=budgets)
+            reply.retry_after.FromMilliseconds(2500)
+            return reply
+        return ratelimit_pb2.AcquireResponse(allowed=True, lease_id="l1", budgets=budgets)
+
+    async def Commit(self, request, timeout=None, metadata=None):  # noqa: N802
+        return ratelimit_pb2.CommitResponse()
+
+
+class _Publisher:
+    def __init__(self) -> None:
+        self.bodies: list[bytes] = []
+
+    def submit(self, message) -> None:  # type: ignore[no-untyped-def]
+        self.bodies.append(message.body)
+
+
+@pytest.fixture
+async def setup(tmp_path):  # type: ignore[no-untyped-def]
+    adapter, ratelimit, publisher = _Adapter(), _RateLimit(), _Publisher()
+    catalog = ModelCatalog(adapter)  # type: ignore[arg-type]
+    await catalog.refresh()
+    events = CompletionEvents(publisher, EventTopology("t"))  # type: ignore[arg-type]
+    path = InferencePath(adapter, catalog, Admission(ratelimit), events, default_max_tokens=50)  # type: ignore[arg-type]
+    tenants = TenantDirectory.from_file(_tenants_file(tmp_path))
+    client = TestClient(TestServer(build_app(OpenAIFront(tenants, path), 4096)))
+    await client.start_server()
+    try:
+        yield client, adapter, ratelimit, publisher
+    finally:
+        await client.close()
+
+
+def _tenants_file(tmp_path):  # type: ignore[no-untyped-def]
+    path = tmp_path / "tenants.toml"
+    path.write_text(f'[[tenants]]\nname = "acme"\napi_key_sha256 = "{hash_api_key(KEY)}"\n')
+    return path
+
+
+AUTH = {"Authorization": f"Bearer {KEY}"}
+CHAT = {"model": "g", "messages": [{"role": "user", "content": "Hi"}]}
+
+
+async def test_chat_completion_whole_with_openai_defaults(setup) -> None:  # type: ignore[no-untyped-def]
+    client, adapter, _, publisher = setup
+    reply = await client.post("/v1/chat/completions", json=CHAT, headers=AUTH)
+    assert reply.status == 200, await reply.text()
+    completion = ChatCompletion.model_validate(await reply.json())
+    assert completion.choices[0].message.content == "Hello there" and completion.choices[0].finish_reason == "stop"
+    assert completion.usage is not None and completion.usage.total_tokens == 9
+    assert reply.headers["x-ratelimit-remaining-requests"] == "59" and reply.headers["x-request-id"] in completion.id
+    sent = adapter.requests[0].sampling
+    assert (sent.max_tokens, sent.temperature, sent.top_p) == (50, 1.0, 1.0)  # defaults: configured cap, OpenAI's 1.0 / 1.0
+    assert len(publisher.bodies) == 1  # the CompletionEvent, through the same path as gRPC
+
+
+async def test_chat_completion_streams_sse_with_usage_and_done(setup) -> None:  # type: ignore[no-untyped-def]
+    client, *_ = setup
+    body = {**CHAT, "stream": True, "stream_options": {"include_usage": True}, "max_tokens": 5, "temperature": 0}
+    reply = await client.post("/v1/chat/completions", json=body, headers=AUTH)
+    assert reply.status == 200 and reply.headers["Content-Type"].startswith("text/event-stream")
+    events = [line[len("data: ") :] for line in (await reply.text()).split("\n\n") if line]
+    assert events[-1] == "[DONE]"
+    chunks = [ChatCompletionChunk.model_validate(json.loads(e)) for e in events[:-1]]
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "Hello there"
+    assert chunks[-2].choices[0].finish_reason == "stop"
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 2
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+async def test_a_stream_failing_after_its_first_chunk_ends_with_an_error_event(setup) -> None:  # type: ignore[no-untyped-def]
+    import grpc
+
+    client, adapter, _, publisher = setup
+    failure = grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), "replica died")
+    adapter.chunks = [inference_pb2.GenerateResponse(text="Hel", token_count=1), failure]
+    reply = await client.post("/v1/chat/completions", json={**CHAT, "stream": True}, headers=AUTH)
+    text = await reply.text()
+    assert reply.status == 200 and "[DONE]" not in text
+    error = json.loads(text.strip().split("\n")[-1][len("data: ") :])["error"]
+    assert error["type"] == "service_unavailable" and "replica died" in error["message"]
+    from sluice.evallog.v1 import events_pb2
+
+    assert events_pb2.CompletionEvent.FromString(publisher.bodies[-1]).error_code == "UNAVAILABLE"
+
+
+async def test_completions_and_embeddings_and_models(setup) -> None:  # type: ignore[no-untyped-def]
+    client, *_ = setup
+    reply = await client.post("/v1/completions", json={"model": "g", "prompt": "Once", "max_tokens": 3}, headers=AUTH)
+    completion = Completion.model_validate(await reply.json())
+    assert completion.choices[0].text == "Hello there" and completion.object == "text_completion"
+    for encoding in ("float", "base64"):
+        reply = await client.post("/v1/embeddings", json={"model": "e", "input": ["a", "b"], "encoding_format": encoding}, headers=AUTH)
+        embeddings = CreateEmbeddingResponse.model_validate(await reply.json()) if encoding == "float" else await reply.json()
+        if encoding == "float":
+            assert [d.embedding for d in embeddings.data] == [[0.5, -1.0, 2.0]] * 2 and embeddings.usage.total_tokens == 4
+        else:
+            raw = base64.b64decode(embeddings["data"][1]["embedding"])
+            assert list(struct.unpack("<3f", raw)) == [0.5, -1.0, 2.0]
+    reply = await client.get("/v1/models", headers=AUTH)
+    assert {Model.model_validate(m).id for m in (await reply.json())["data"]} == {"g", "e"}
+    assert (await client.get("/v1/models/nope", headers=AUTH)).status == 404
+
+
+async def _error(reply) -> tuple[int, dict[str, Any]]:  # type: ignore[no-untyped-def]
+    return reply.status, (await reply.json())["error"]
+
+
+async def test_errors_in_openais_shape(setup) -> None:  # type: ignore[no-untyped-def]
+    client, _, ratelimit, _ = setup
+    status, error = await _error(await client.post("/v1/chat/completions", json=CHAT, headers={"Authorization": "Bearer wrong"}))
+    assert status == 401 and error["code"] == "invalid_api_key"
+    status, error = await _error(await client.post("/v1/chat/completions", json=CHAT))
+    assert status == 401
+    status, error = await _error(await client.post("/v1/chat/completions", json={**CHAT, "model": "nope"}, headers=AUTH))
+    assert status == 404 and error["code"] == "model_not_found" and error["param"] == "model"
+    status, error = await _error(await client.post("/v1/chat/completions", json={**CHAT, "temperature": 3}, headers=AUTH))
+    assert status == 400 and error["type"] == "invalid_request_error" and error["param"] == "temperature"
+    status, error = await _error(await client.post("/v1/chat/completions", json={**CHAT, "temperature": "hot"}, headers=AUTH))
+    assert status == 400 and error["param"] == "temperature"
+    status, error = await _error(await client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 5000}, headers=AUTH))
+    assert status == 400 and error["param"] == "max_tokens"
+    status, error = await _error(await client.post("/v1/chat/completions", json={**CHAT, "frobnicate": 1}, headers=AUTH))
+    assert status == 400 and error["param"] == "frobnicate" and "Unrecognized request argument" in error["message"]
+    status, error = await _error(await client.post("/v1/chat/completions", json={**CHAT, "n": 2}, headers=AUTH))
+    assert status == 400 and error["param"] == "n"
+    assert (await client.post("/v1/chat/completions", json={**CHAT, "n": 1, "user": "u", "logprobs": False}, headers=AUTH)).status == 200
+    status, error = await _error(await client.post("/v1/chat/completions", data=b"{not json", headers=AUTH))
+    assert status == 400 and error["code"] == "invalid_json"
+    status, error = await _error(await client.post("/v1/chat/completions", data=b"x" * 10_000, headers=AUTH))
+    assert status == 413
+    messages = [{"role": "user", "content": "Hi"}, {"role": "robot", "content": "x"}]
+    status, error = await _error(await client.post("/v1/chat/completions", json={**CHAT, "messages": messages}, headers=AUTH))
+    assert status == 400 and error["param"] == "messages[1].role"
+    status, error = await _error(await client.post("/v1/embeddings", json={"model": "e", "input": 3}, headers=AUTH))
+    assert status == 400 and error["param"] == "input"
+    status, error = await _error(await client.post("/v1/embeddings", json={"model": "e", "input": "a", "dimensions": 8}, headers=AUTH))
+    assert status == 400 and error["param"] == "dimensions"
+    assert (await client.get("/v1/chat/completions", headers=AUTH)).status == 405
+    ratelimit.allowed = False
+    reply = await client.post("/v1/chat/completions", json=CHAT, headers=AUTH)
+    status, error = await _error(reply)
+    assert status == 429 and error["code"] == "rate_limit_exceeded"
+    assert reply.headers["retry-after"] == "3" and reply.headers["x-ratelimit-remaining-requests"] == "0"
