@@ -65,7 +65,6 @@ LONG_PROMPT = "Tell me about rivers. " * 600  # ~3600 tokens, above the 2048-tok
 
 VALIDATION_CASES = [
     ("no-messages", dict(messages=[]), "messages", "no messages"),
-    ("max-tokens-zero", dict(sampling=types_pb2.SamplingParams(max_tokens=0)), "sampling.max_tokens", "must be > 0"),
     ("max-tokens-negative", dict(sampling=types_pb2.SamplingParams(max_tokens=-3)), "sampling.max_tokens", "must be > 0"),
     ("max-tokens-above-limit", dict(sampling=types_pb2.SamplingParams(max_tokens=5000)), "sampling.max_tokens", "above the limit"),
     ("unknown-model", dict(model="gpt-17"), "model", "unknown generation model 'gpt-17'"),
