@@ -64,7 +64,7 @@ def test_the_header_documents_the_cpu_mode() -> None:
     [
         pytest.param(("    image: sluice/gateway:latest\n", "    image: sluice/gateway:latest\n    restart_policy: always\n"), id="unknown-key"),
         pytest.param(("  stop_grace_period: 70s\n", "  stop_grace_period: 70x\n"), id="bad-duration"),
-        pytest.param(('    ports: ["50051:50051"]\n', '    ports: ["50051:grpc"]\n'), id="bad-port"),
+        pytest.param(('    ports: ["50051:50051", "8080:8080"]\n', '    ports: ["50051:grpc", "8080:8080"]\n'), id="bad-port"),
         pytest.param(("  read_only: true\n", "  read_only: sure\n"), id="not-a-boolean"),
         pytest.param(("${SLUICE_TRITON_URLS:-triton:8001}", "${SLUICE_TRITON_URLS:?set it}"), id="required-variable"),
         pytest.param(("${SLUICE_TRITON_URLS:-triton:8001}", "${SLUICE_TRITON_URLS/triton/x}"), id="unknown-interpolation"),
