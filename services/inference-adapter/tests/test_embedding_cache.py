@@ -313,3 +313,14 @@ async def test_the_servicer_answers_hits_with_their_usage(front) -> None:
     assert len(backend.batches) == 1
     assert warm == cold
     assert warm.usage.prompt_tokens == tokens_of("one") + tokens_of("two words")
+
+
+async def test_a_model_answering_another_size_is_served_but_not_cached(front) -> None:
+    backend = RecordingEmbedBackend(delay_s=0.0)
+    cache = EmbeddingCache(1 << 20, DIM * 2)  # EMBEDDING_DIMENSIONS set wrong
+    cache.put_many(MODEL, ["old"], np.ones((1, DIM * 2), np.float32), None)  # held from an earlier model
+    embedder = front(backend, cache)
+    result = await embedder.embed(["new", "old", "new"])
+    assert np.array_equal(result.vectors, expected(["new", "old", "new"]))  # "old" computed again
+    assert backend.batches == [["new"], ["new", "old"]]
+    assert cache.get_many(MODEL, ["new"]).misses == [0]
