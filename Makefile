@@ -23,7 +23,7 @@ LIBS := libs/sluice-protos libs/sluice-common libs/sluice-stack
 PROJECTS := $(LIBS) $(SERVICES) tests bench deploy/tests
 UNIT_TESTED := libs/sluice-common $(SERVICES)
 
-.PHONY: help setup deploy-requirements uv node protos protos-check proto-lint run test test-unit test-e2e test-deploy bench-path bench-adapter bench-evallog bench-ratelimit bench-jobs bench-jobs-interactive bench-engine bench-gpu bench-load bench-rolling clean
+.PHONY: help setup deploy-requirements uv node protos protos-check proto-lint run test test-unit test-e2e test-deploy bench-path bench-adapter bench-evallog bench-ratelimit bench-jobs bench-jobs-interactive bench-engine bench-gpu bench-load bench-rolling bench-embed-cache clean
 
 help:
 	@echo "make run        start the whole suite locally and stream a demo completion (Ctrl-C stops it)"
@@ -38,6 +38,7 @@ help:
 	@echo "make bench-jobs a 2,000-row bulk job: rows/min vs the rate limit, and how the adaptive bound moved"
 	@echo "make bench-jobs-interactive interactive p99 time to first token with a bulk job beside it vs without"
 	@echo "make bench-adapter continuous batching vs one request at a time, mixed lengths, embeddings batching"
+	@echo "make bench-embed-cache the adapter's embedding cache on vs off: texts/s at a Zipf repeat rate, resident memory vs its budget"
 	@echo "make setup      create every environment from the lock files (run and test do this)"
 
 $(CURDIR)/.tools/bin/uv:
@@ -117,6 +118,9 @@ bench-path: setup
 
 bench-adapter: setup
 	bench/.venv/bin/python bench/bench_adapter.py
+
+bench-embed-cache: setup
+	bench/.venv/bin/python bench/bench_embed_cache.py
 
 bench-jobs-interactive: setup
 	bench/.venv/bin/python bench/bench_jobs_interactive.py

@@ -16,6 +16,7 @@ from sluice_common.supervision import Supervisor
 from sluice_inference_adapter.chat_template import ChatTemplate, ChatTemplateError, load_chat_template
 from sluice_inference_adapter.config import ENV_PREFIX, AdapterConfig
 from sluice_inference_adapter.embed_batcher import EmbedBatcher
+from sluice_inference_adapter.embedding_cache import CachedEmbedder, EmbeddingCache, cache_budget
 from sluice_inference_adapter.passthrough import PassthroughLimits, PassthroughScheduler
 from sluice_inference_adapter.replica_discovery import Discovery, parse_target
 from sluice_inference_adapter.replica_pool import BackendFactory, PooledEmbedBackend, ReplicaPool, SchedulerFactory
@@ -124,7 +125,22 @@ async def report_health(pool: ReplicaPool, running: RunningServer) -> None:
             log.warning("health_changed", serving=serving)
 
 
-def build_embedder(config: AdapterConfig, pool: ReplicaPool, supervisor: Supervisor) -> tuple[EmbedBatcher, PooledEmbedBackend] | None:
+def build_embedding_cache(config: AdapterConfig) -> EmbeddingCache | None:
+    budget, source = cache_budget(config.embed_cache_bytes, config.embed_cache_memory_share)
+    if budget == 0:
+        log.info("embedding_cache", enabled=False, source=source)
+        return None
+    try:
+        cache = EmbeddingCache(budget, config.embedding_dimensions)
+    except ValueError as exc:
+        raise SystemExit(f"{ENV_PREFIX}EMBED_CACHE_BYTES / EMBED_CACHE_MEMORY_SHARE: {exc}") from exc
+    log.info("embedding_cache", enabled=True, budget_bytes=budget, capacity_rows=cache.capacity_rows, source=source)
+    return cache
+
+
+def build_embedder(
+    config: AdapterConfig, pool: ReplicaPool, supervisor: Supervisor
+) -> tuple[EmbedBatcher, PooledEmbedBackend, CachedEmbedder] | None:
     if not config.triton_embedding_model:
         return None
     backends = PooledEmbedBackend(pool, lambda url: TritonEmbedBackend(url, config.triton_embedding_model))
@@ -136,7 +152,8 @@ def build_embedder(config: AdapterConfig, pool: ReplicaPool, supervisor: Supervi
         dim=config.embedding_dimensions,
     )
     embedder.start(supervisor)
-    return embedder, backends
+    front = CachedEmbedder(embedder, config.embedding_model_name, build_embedding_cache(config), embedder.max_texts_per_request)
+    return embedder, backends, front
 
 
 async def serve(config: AdapterConfig) -> None:
@@ -175,7 +192,7 @@ async def serve(config: AdapterConfig) -> None:
     supervisor = running.supervisor
     pool.start(supervisor)
     embedding = build_embedder(config, pool, supervisor)
-    embedder = embedding[0] if embedding is not None else None
+    embedder = embedding[2] if embedding is not None else None
     servicer.attach(pool, embedder)
     await running.set_serving(True)
     log.info("ready", replicas=sorted(pool.names), model=config.model_name, protocol=protocol)

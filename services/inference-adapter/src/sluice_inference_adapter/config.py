@@ -37,6 +37,11 @@ class AdapterConfig(ServerConfig):
     embed_max_batch: int = 32
     embed_max_delay_s: float = 0.005
     embed_max_waiting: int = 4096
+    # The embedding cache (embedding_cache.py): at most EMBED_CACHE_BYTES (0: no cache), lowered to
+    # EMBED_CACHE_MEMORY_SHARE of the container's memory limit (cgroup) when that is smaller.
+    # 64 MiB holds ~35,000 384-d entries of sentence-length texts.
+    embed_cache_bytes: int = 64 * 1024 * 1024
+    embed_cache_memory_share: float = 0.0
     # Must match the model server's context (triton-local: SLUICE_TRITON_LOCAL_MAX_CONTEXT).
     context_length: int = 2048
     max_output_tokens: int = 1024
@@ -81,6 +86,11 @@ class AdapterConfig(ServerConfig):
             except ValueError as exc:
                 require(False, f"{ENV_PREFIX}TRITON_URLS: {exc}")
         require(self.triton_resolve_interval_s > 0, f"{ENV_PREFIX}TRITON_RESOLVE_INTERVAL_S must be > 0, got {self.triton_resolve_interval_s}")
+        require(self.embed_cache_bytes >= 0, f"{ENV_PREFIX}EMBED_CACHE_BYTES must be >= 0 (0: no cache), got {self.embed_cache_bytes}")
+        require(
+            0 <= self.embed_cache_memory_share < 1,
+            f"{ENV_PREFIX}EMBED_CACHE_MEMORY_SHARE must be in [0, 1) (0: unset), got {self.embed_cache_memory_share}",
+        )
         require(self.max_waiting >= 1, f"{ENV_PREFIX}MAX_WAITING must be >= 1, got {self.max_waiting}")
         require(
             0 < self.max_output_tokens < self.context_length,

@@ -154,6 +154,11 @@ class EmbedBatcher:
             raise
 
     @property
+    def max_texts_per_request(self) -> int:
+        """The most texts one `embed` call may carry (the waiting queue's bound)."""
+        return self._max_waiting
+
+    @property
     def waiting_count(self) -> int:
         """Texts waiting to be sent (not counting those at the backend)."""
         return len(self._waiting)

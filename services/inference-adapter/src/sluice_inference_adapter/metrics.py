@@ -74,3 +74,18 @@ EMBED_QUEUE_SECONDS = Histogram(
 EMBED_BATCH_SECONDS = Histogram(
     "sluice_adapter_embed_batch_seconds", "Round trip of one embedding batch to the backend.", buckets=_EMBED_LATENCY_BUCKETS
 )
+EMBED_CACHE_HITS = Counter(
+    "sluice_adapter_embed_cache_hits_total", "Distinct texts of an Embed request answered from the embedding cache."
+)
+EMBED_CACHE_MISSES = Counter(
+    "sluice_adapter_embed_cache_misses_total", "Distinct texts of an Embed request the embedding cache did not hold (sent to Triton)."
+)
+EMBED_CACHE_EVICTIONS = Counter(
+    "sluice_adapter_embed_cache_evictions_total", "Embedding cache entries evicted (least recently used first) to stay in its budget."
+)
+EMBED_CACHE_BYTES = Gauge(
+    "sluice_adapter_embed_cache_bytes", "Bytes the embedding cache's entries are charged (vector row, text key, index overhead)."
+)
+EMBED_CACHE_CAPACITY_BYTES = Gauge(
+    "sluice_adapter_embed_cache_capacity_bytes", "The embedding cache's budget in bytes (0: no cache)."
+)

@@ -13,7 +13,7 @@ from sluice.inference.v1 import inference_pb2, inference_pb2_grpc
 from sluice_common.errors import Cancelled, DeadlineExceeded, InvalidArgument, NotFound, Unavailable, Unimplemented
 from sluice_common.request_context import current_request_id
 from sluice_common.validation import validate_generation
-from sluice_inference_adapter.embed_batcher import EmbedBatcher
+from sluice_inference_adapter.embedding_cache import TextEmbedder
 from sluice_inference_adapter.replica_pool import ReplicaPool
 from sluice_inference_adapter.scheduler import Finish, FinishEvent, GenerationRequest
 from sluice_inference_adapter.step_rows import Action, PromptSpec, SamplingSpec, StepBackend, StepRow
@@ -30,10 +30,11 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         self._model = model
         self._embedding_model = embedding_model
         self._ready_pool: ReplicaPool | None = None
-        self._embedder: EmbedBatcher | None = None
+        self._embedder: TextEmbedder | None = None
 
-    def attach(self, pool: ReplicaPool, embedder: EmbedBatcher | None) -> None:
-        """Called once Triton is ready; until then calls answer UNAVAILABLE."""
+    def attach(self, pool: ReplicaPool, embedder: TextEmbedder | None) -> None:
+        """Called once Triton is ready; until then calls answer UNAVAILABLE. `embedder` is the
+        cache in front of the micro-batcher (embedding_cache.CachedEmbedder)."""
         self._ready_pool = pool
         self._embedder = embedder
 
@@ -93,6 +94,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
             raise InvalidArgument("inputs", "no texts to embed")
         if self._embedder is None:
             raise Unavailable("the adapter is starting: Triton is not ready yet")
+        # Repeated texts are computed once, cached ones never reach Triton; the vectors are the
+        # caller's own copies (never views of the cache's arena), turned into protobuf here.
         result = await self._embedder.embed(list(request.inputs))
         embeddings = [types_pb2.Embedding(values=row.tolist()) for row in result.vectors]
         if result.tokens is None:  # the model reports no token counts: no usage rather than a wrong one
