@@ -288,7 +288,12 @@ def main() -> None:
             ports=StackPorts.ephemeral(),
             extra_env={
                 "triton-local": {"SLUICE_TRITON_LOCAL_MAX_SLOTS": "32"},
-                "inference-adapter": {"SLUICE_ADAPTER_MAX_BATCH_SIZE": "32", "SLUICE_ADAPTER_MAX_BATCH_TOKENS": "65536"},
+                # The embedding cache off: part (d) sends the same texts round after round, and
+                # measures batching, not the cache (make bench-embed-cache measures that).
+                "inference-adapter": {
+                    "SLUICE_ADAPTER_MAX_BATCH_SIZE": "32", "SLUICE_ADAPTER_MAX_BATCH_TOKENS": "65536",
+                    "SLUICE_ADAPTER_EMBED_CACHE_BYTES": "0",
+                },
             },
         )
         print("starting the stack ...", flush=True)

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import numpy as np
 import pytest
 from sluice.gateway.v1 import gateway_pb2
+from sluice.inference.v1 import inference_pb2, inference_pb2_grpc
 
-from conftest import EMBEDDING_MODEL, auth, read_store, scrape, wait_for
+from conftest import EMBEDDING_MODEL, auth, scrape
 
 
 def embed(gateway, texts: list[str]) -> np.ndarray:
@@ -25,24 +28,47 @@ def test_vectors_are_normalized_384d_and_mean_something(gateway) -> None:
     assert vectors[0] @ vectors[1] > vectors[0] @ vectors[2] + 0.2
 
 
-def test_concurrent_requests_share_batches_and_keep_their_order(gateway, stack) -> None:
-    metrics = stack.metrics_url("inference-adapter")
-    for _ in range(5):
-        # evaluation-logging embeds a sample of completions through the same adapter: measure while
-        # it has nothing to score and takes in nothing new, else measure again.
-        wait_for(lambda: evallog_backlog(stack)[1] == 0, "evaluation-logging's deferred scores", timeout_s=60)
-        quiet_before = evallog_backlog(stack)
-        batches_before = scrape(metrics, "sluice_adapter_embed_batch_texts_count")
-        texts_before = scrape(metrics, "sluice_adapter_embed_batch_texts_sum")
-        alone = {i: embed(gateway, [f"sentence number {i}"])[0] for i in range(16)}
-        with ThreadPoolExecutor(16) as pool:
-            together = list(pool.map(lambda i: embed(gateway, [f"sentence number {i}"])[0], range(16)))
-        batches = scrape(metrics, "sluice_adapter_embed_batch_texts_count") - batches_before
-        texts = scrape(metrics, "sluice_adapter_embed_batch_texts_sum") - texts_before
-        if quiet_before[1] == 0 and evallog_backlog(stack) == quiet_before:
-            break
-    else:
-        raise AssertionError("evaluation-logging never stayed quiet for one measurement")
+@contextlib.contextmanager
+def own_adapter(stack, name: str, env: dict[str, str]) -> Iterator[tuple[inference_pb2_grpc.InferenceServiceStub, str]]:  # type: ignore[no-untyped-def]
+    """An adapter of its own on the stack's Triton: nothing else (evaluation-logging's similarity
+    scoring embeds through the stack's adapter) lands in its batches or its cache."""
+    service, address, metrics = stack.add_adapter(name, env=env)
+    try:
+        with grpc.insecure_channel(address) as channel:
+            yield inference_pb2_grpc.InferenceServiceStub(channel), metrics
+    finally:
+        service.stop()
+        stack.services.remove(service)
+
+
+@pytest.fixture(scope="module")
+def uncached_adapter(stack) -> Iterator[tuple[inference_pb2_grpc.InferenceServiceStub, str]]:  # type: ignore[no-untyped-def]
+    """Its cache off: the same text embedded twice is computed twice."""
+    with own_adapter(stack, "adapter-uncached", {"SLUICE_ADAPTER_EMBED_CACHE_BYTES": "0"}) as adapter:
+        yield adapter
+
+
+@pytest.fixture(scope="module")
+def cached_adapter(stack) -> Iterator[tuple[inference_pb2_grpc.InferenceServiceStub, str]]:  # type: ignore[no-untyped-def]
+    """Its cache on, with the default budget."""
+    with own_adapter(stack, "adapter-cached", {}) as adapter:
+        yield adapter
+
+
+def adapter_embed(adapter: inference_pb2_grpc.InferenceServiceStub, text: str) -> np.ndarray:
+    reply = adapter.Embed(inference_pb2.EmbedRequest(model=EMBEDDING_MODEL, inputs=[text], tenant="demo"), timeout=60)
+    return np.array(list(reply.embeddings[0].values), dtype=np.float32)
+
+
+def test_concurrent_requests_share_batches_and_keep_their_order(uncached_adapter) -> None:  # type: ignore[no-untyped-def]
+    adapter, metrics = uncached_adapter
+    batches_before = scrape(metrics, "sluice_adapter_embed_batch_texts_count")
+    texts_before = scrape(metrics, "sluice_adapter_embed_batch_texts_sum")
+    alone = {i: adapter_embed(adapter, f"sentence number {i}") for i in range(16)}
+    with ThreadPoolExecutor(16) as pool:
+        together = list(pool.map(lambda i: adapter_embed(adapter, f"sentence number {i}"), range(16)))
+    batches = scrape(metrics, "sluice_adapter_embed_batch_texts_count") - batches_before
+    texts = scrape(metrics, "sluice_adapter_embed_batch_texts_sum") - texts_before
     # Same vector whether batched with others or sent alone.
     for i, vector in enumerate(together):
         assert np.allclose(vector, alone[i], atol=1e-5)
@@ -51,12 +77,24 @@ def test_concurrent_requests_share_batches_and_keep_their_order(gateway, stack) 
     assert batches < 32
 
 
-def evallog_backlog(stack) -> tuple[int, int]:  # type: ignore[no-untyped-def]
-    """(records stored, deferred scores still to compute) in evaluation-logging's SQLite store."""
-    with read_store(stack, "evallog.sqlite3") as db:
-        records = db.execute("SELECT COUNT(*) FROM records").fetchone()[0]
-        pending = db.execute("SELECT COUNT(*) FROM pending_scores").fetchone()[0]
-    return records, pending
+def test_a_repeated_text_is_answered_from_the_cache_with_the_same_vector(cached_adapter) -> None:  # type: ignore[no-untyped-def]
+    adapter, metrics = cached_adapter
+    text = "A cached sentence about the river Loire, embedded twice."
+
+    def counts() -> tuple[float, float, float]:
+        return tuple(scrape(metrics, name) for name in (  # type: ignore[return-value]
+            "sluice_adapter_embed_cache_hits_total", "sluice_adapter_embed_cache_misses_total", "sluice_adapter_embed_batch_texts_sum"
+        ))  # fmt: skip
+
+    before = counts()
+    first = adapter_embed(adapter, text)
+    after_first = counts()
+    second = adapter_embed(adapter, text)
+    after_second = counts()
+    assert np.array_equal(first, second)
+    assert [b - a for a, b in zip(before, after_first)] == [0, 1, 1]  # a miss, computed by Triton
+    assert [b - a for a, b in zip(after_first, after_second)] == [1, 0, 0]  # a hit, Triton not asked
+    assert scrape(metrics, "sluice_adapter_embed_cache_bytes") > 0
 
 
 def test_usage_counts_the_tokens_the_model_processed(gateway) -> None:
