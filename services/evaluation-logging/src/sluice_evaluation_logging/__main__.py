@@ -7,6 +7,7 @@ from sluice.evallog.v1 import evallog_pb2, evallog_pb2_grpc
 
 from sluice_common.amqp import EventTopology
 from sluice_common.bootstrap import run_service
+from sluice_common.loop_lag import monitor_loop_lag
 from sluice_common.server import create_server, serve_until_signal
 from sluice_evaluation_logging.auth import TenantKeys
 from sluice_evaluation_logging.config import ENV_PREFIX, EvalLogConfig
@@ -81,6 +82,7 @@ async def serve(config: EvalLogConfig) -> None:
     running = await create_server(
         config.host, config.port, config.metrics_port, register, serving=False, tls=config.server_tls(ENV_PREFIX)
     )
+    running.supervisor.start("event-loop-lag", monitor_loop_lag)
     consumer.start(running.supervisor)
     worker.start(running.supervisor)
     await running.set_serving(True)
