@@ -49,11 +49,14 @@ async def test_an_idle_loop_reads_low_and_a_blocked_loop_reads_the_block() -> No
         monitor.clear()
         time.sleep(0.08)  # the loop is blocked: the monitor's wakeup comes ~75+ ms late
         await asyncio.sleep(0.05)
-        assert max(monitor.samples) >= 0.07, list(monitor.samples)
+        blocked = list(monitor.samples)
+        assert max(blocked) >= 0.07, blocked
+        # ... and stands for the ~15 wakeups the block swallowed: 75, 70, 65 ... ms (time-weighted).
+        assert len([lag for lag in blocked if lag >= 0.04]) >= 6, blocked
     finally:
         await stop_tasks(task)
     counts = bucket_counts(histogram)
-    assert counts[float("inf")] >= len(idle) + 1
-    # The blocked wakeup is above 50 ms, the idle ones mostly at or below 5 ms.
-    assert counts[float("inf")] - counts[0.05] >= 1
+    assert counts[float("inf")] == len(idle) + len(blocked)
+    # The blocked wakeups are above 50 ms, the idle ones mostly at or below 5 ms.
+    assert counts[float("inf")] - counts[0.05] >= 4
     assert counts[0.005] >= 0.9 * len(idle)

@@ -7,12 +7,19 @@ delivery, a timer) waited behind code that did not yield: CPU-bound work on the 
 holding the GIL, the process being descheduled. An idle loop reads about 0-1 ms (epoll's timeout
 is rounded up to the millisecond).
 
+A wakeup late by L also stands for the wakeups the stall swallowed: it records L, L - interval,
+L - 2*interval, ... while above 0 (HdrHistogram's correction for coordinated omission, capped at
+`MAX_BACKFILL` values). Without it a 400 ms stall would be one sample among the hundreds an idle
+loop takes meanwhile, and a p99 would hide it; with it the histogram is time-weighted: it says
+how long work that arrives at a random moment waits for the loop.
+
 Why 50 ms: the cost is one timer wakeup per interval (tens of microseconds, ~0.05% of a core),
-and 20 samples a second give 1,200 per minute, enough for a p99 over a scrape window. A stall is
-sampled when it covers a wakeup (a stall of B ms is seen with probability about B/50 and recorded
-at the part of it left after the wakeup), so the histogram estimates the delay that work arriving
-at a random moment meets; a shorter interval resolves short stalls better at more wakeups. Tests
-that need many samples in a few seconds pass a smaller one and keep the raw samples (`keep`).
+and 20 samples a second give 1,200 per minute, enough for a p99 over a scrape window; with the
+correction above a stall longer than the interval is counted in full whatever the interval. A
+stall shorter than the interval is caught when it covers a wakeup (with probability about
+stall/interval), recorded at the part of it left after the wakeup, as a random arrival would
+meet it. Tests that need many samples in a few seconds pass a smaller interval and keep the raw
+samples (`keep`).
 """
 
 from __future__ import annotations
@@ -34,6 +41,8 @@ LOOP_LAG = Histogram(
 )
 
 DEFAULT_INTERVAL_S = 0.05
+# At most this many values recorded for one late wakeup (a 50 s stall at 50 ms): bounded work.
+MAX_BACKFILL = 1000
 
 
 class LoopLagMonitor:
@@ -56,9 +65,16 @@ class LoopLagMonitor:
             await asyncio.sleep(interval)
             # asyncio may run a timer up to its clock resolution early: never a negative lag.
             lag = max(0.0, loop.time() - asked - interval)
-            self._histogram.observe(lag)
-            if keep:
-                self.samples.append(lag)
+            self._observe(lag, keep)
+            # The wakeups this stall swallowed would have been late by lag - interval, ...
+            missed = min(int(lag / interval), MAX_BACKFILL)
+            for k in range(1, missed + 1):
+                self._observe(lag - k * interval, keep)
+
+    def _observe(self, lag: float, keep: int | None) -> None:
+        self._histogram.observe(lag)
+        if keep:
+            self.samples.append(lag)
 
     def clear(self) -> None:
         self.samples.clear()
