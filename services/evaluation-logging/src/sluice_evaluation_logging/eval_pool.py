@@ -114,6 +114,7 @@ class EvalPool:
     def _discard(self, executor: concurrent.futures.ProcessPoolExecutor) -> None:
         if self._executor is executor:
             self._executor = None
+            POOL_RESTARTS.inc()
             executor.shutdown(wait=False, cancel_futures=True)
 
     async def evaluate(self, events: Sequence[CompletionEvent], settings: EvalSettings) -> HeavyScores:
@@ -121,16 +122,12 @@ class EvalPool:
         serialized = [event.SerializeToString() for event in events]
         size = -(-len(serialized) // self.processes)  # ceil: one chunk per worker
         chunks = [serialized[i : i + size] for i in range(0, len(serialized), size)]
-        loop = asyncio.get_running_loop()
         for attempt in range(1, self._max_attempts + 1):
             executor = await self._ensure_executor()
             started = time.perf_counter()
             POOL_PENDING.inc(len(chunks))
             try:
-                answers = await asyncio.gather(
-                    *(loop.run_in_executor(executor, evaluate_heavy_chunk, chunk, settings) for chunk in chunks),
-                    return_exceptions=True,
-                )
+                answers = await self._send(executor, chunks, settings)
             finally:
                 POOL_PENDING.dec(len(chunks))
             broken = [a for a in answers if isinstance(a, BrokenProcessPool)]
@@ -142,7 +139,6 @@ class EvalPool:
                 return _merge(answers)  # type: ignore[arg-type]
             # A worker died: none of this batch is acked; a new pool takes the chunks again.
             self._discard(executor)
-            POOL_RESTARTS.inc()
             log.error(
                 "eval_pool_broken",
                 error=str(broken[0]),
@@ -156,6 +152,21 @@ class EvalPool:
         log.error("eval_pool_gave_up", events=len(events), detail=CRASHED_DETAIL)
         crashed = [skipped(e.NAME, CRASHED_DETAIL) for e in CPU_HEAVY]
         return [[*crashed] for _ in events], {}
+
+    @staticmethod
+    async def _send(
+        executor: concurrent.futures.ProcessPoolExecutor, chunks: list[list[bytes]], settings: EvalSettings
+    ) -> list[HeavyScores | BaseException]:
+        loop = asyncio.get_running_loop()
+        futures: list[asyncio.Future[HeavyScores]] = []
+        try:
+            for chunk in chunks:
+                futures.append(loop.run_in_executor(executor, evaluate_heavy_chunk, chunk, settings))
+        except BrokenProcessPool as exc:  # a worker died while the pool was idle: submit refuses
+            for future in futures:
+                future.cancel()
+            return [exc]
+        return await asyncio.gather(*futures, return_exceptions=True)
 
     async def close(self) -> None:
         if self._replacing is not None:
