@@ -16,7 +16,10 @@ loop meanwhile. The scores are exactly those of inline evaluation (the same code
   (`BrokenProcessPool`): the batch stays with the consumer, unacked, the pool is recreated and the
   batch's chunks are sent again. After `max_attempts` broken pools on the same batch (an event that
   crashes a worker every time) the heavy scores of that batch are recorded as skipped with the
-  reason, so one poison event cannot stop consumption; its record is still stored.
+  reason (for every CPU-heavy evaluator: which would have applied is not known without running
+  them), so one poison event cannot stop consumption; its record is still stored.
+- No timeout: an evaluator that never returns (a pathological regex) holds its worker and the
+  consumer's batch; the pool's pending-chunks gauge and the batch time show it.
 """
 
 from __future__ import annotations
