@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -66,3 +67,34 @@ async def store(request: pytest.FixtureRequest, tmp_path) -> AsyncIterator[Store
         connection = await asyncpg.connect(PG_DSN)
         await connection.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
         await connection.close()
+
+
+_WORDS = (
+    "the of and to in is that for it as with was on be by this are from at or an which model answer data server "
+    "request token batch latency capital city river population history customer order account invoice support"
+).split()
+
+
+def realistic_output(size: int, seed: int, contacts: bool = True) -> str:
+    """A chatbot-like answer of about `size` characters: prose with sentences and numbers and, with
+    `contacts`, the occasional phone number, email and card number (what pii scans for)."""
+    rng = random.Random(seed)
+    words: list[str] = []
+    length = 0
+    while length < size:
+        roll = rng.random()
+        if roll < 0.03:
+            word = str(rng.randint(1, 99_999))
+        elif contacts and roll < 0.035:
+            word = f"+1 415-555-{rng.randint(0, 9999):04d}"
+        elif contacts and roll < 0.037:
+            word = f"support{rng.randint(0, 99)}@example.com"
+        elif contacts and roll < 0.038:
+            word = "4111 1111 1111 1111"
+        else:
+            word = rng.choice(_WORDS)
+        if rng.random() < 0.07:
+            word += "."
+        words.append(word)
+        length += len(word) + 1
+    return " ".join(words)

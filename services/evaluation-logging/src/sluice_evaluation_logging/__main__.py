@@ -7,11 +7,13 @@ from sluice.evallog.v1 import evallog_pb2, evallog_pb2_grpc
 
 from sluice_common.amqp import EventTopology
 from sluice_common.bootstrap import run_service
+from sluice_common.loop_lag import monitor_loop_lag
 from sluice_common.server import create_server, serve_until_signal
 from sluice_evaluation_logging.auth import TenantKeys
 from sluice_evaluation_logging.config import ENV_PREFIX, EvalLogConfig
 from sluice_evaluation_logging.consumer import CompletionConsumer, ConsumerSettings
 from sluice_evaluation_logging.embeddings import AdapterEmbedder
+from sluice_evaluation_logging.eval_pool import EvalPool
 from sluice_evaluation_logging.evaluators.base import EvalContext, EvalSettings
 from sluice_evaluation_logging.queries import EvalLogQueries
 from sluice_evaluation_logging.servicer import EvalLogServicer
@@ -47,6 +49,13 @@ async def serve(config: EvalLogConfig) -> None:
         raise SystemExit(f"evaluation-logging: cannot open the store, {where}: {exc}") from None
     embedder = AdapterEmbedder(config.adapter_url, config.embedding_model, config.embed_timeout_s, config.adapter_channel_tls())
     settings = eval_settings(config)
+    # The CPU-heavy evaluators in worker processes, started (and warmed up) before consuming.
+    pool = EvalPool(config.eval_processes) if config.eval_processes > 0 else None
+    if pool is not None:
+        try:
+            await pool.start()
+        except Exception as exc:  # noqa: BLE001 - refuse to start without the workers, with the reason
+            raise SystemExit(f"evaluation-logging: cannot start {config.eval_processes} evaluation process(es): {exc}") from None
     consumer = CompletionConsumer(
         ConsumerSettings(
             url=config.amqp_url,
@@ -58,6 +67,7 @@ async def serve(config: EvalLogConfig) -> None:
         store,
         EvalContext(settings, embedder, defer_model_calls=True),
         on_pending=lambda: worker.nudge(),
+        offload=pool.evaluate if pool is not None else None,
     )
     # Similarity off the consume path: records carry a pending marker, this task scores them,
     # giving way while the consumer has a backlog.
@@ -81,6 +91,7 @@ async def serve(config: EvalLogConfig) -> None:
     running = await create_server(
         config.host, config.port, config.metrics_port, register, serving=False, tls=config.server_tls(ENV_PREFIX)
     )
+    running.supervisor.start("event-loop-lag", monitor_loop_lag)
     consumer.start(running.supervisor)
     worker.start(running.supervisor)
     await running.set_serving(True)
@@ -88,6 +99,8 @@ async def serve(config: EvalLogConfig) -> None:
 
     async def on_stop() -> None:
         await consumer.stop()
+        if pool is not None:
+            await pool.close()
         await worker.stop()
         await embedder.close()
         await store.close()

@@ -30,6 +30,10 @@ class EvalLogConfig(ServerConfig):
     database_url: str = ""
     pg_schema: str = "evallog"
     sqlite_path: Path = Path("evallog.sqlite3")
+    # Worker processes for the CPU-heavy evaluators (repetition, pii, json_validity), off the event
+    # loop; 0 runs them on the loop (for comparison). One suits a small pod: the service process
+    # itself needs the other core; raise it where evaluation, not storing, is the bottleneck.
+    eval_processes: int = 1
     # Evaluator settings.
     latency_slo_ms: float = 30_000.0
     ttft_slo_ms: float = 2_000.0
@@ -83,6 +87,9 @@ class EvalLogConfig(ServerConfig):
         require(
             0 <= self.similarity_max_pause_s <= 60,
             f"{ENV_PREFIX}SIMILARITY_MAX_PAUSE_S must be in [0, 60], got {self.similarity_max_pause_s}",
+        )
+        require(
+            0 <= self.eval_processes <= 64, f"{ENV_PREFIX}EVAL_PROCESSES must be in 0..64, got {self.eval_processes}"
         )
         require(self.repetition_ngram >= 1, f"{ENV_PREFIX}REPETITION_NGRAM must be >= 1, got {self.repetition_ngram}")
         require(

@@ -6,6 +6,7 @@ import structlog
 from sluice.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 
 from sluice_common.bootstrap import run_service
+from sluice_common.loop_lag import monitor_loop_lag
 from sluice_common.server import create_server, serve_until_signal
 from sluice_gateway.config import ENV_PREFIX, GatewayConfig
 from sluice_gateway.core import GatewayCore
@@ -35,6 +36,7 @@ async def serve(config: GatewayConfig) -> None:
     running = await create_server(
         config.host, config.port, config.metrics_port, register, serving=False, tls=config.server_tls(ENV_PREFIX)
     )
+    running.supervisor.start("event-loop-lag", monitor_loop_lag)
     await core.start(config, running.supervisor)
     job_publisher.start(running.supervisor)
     # The HTTP front on this same loop, over the same InferencePath (0: off).

@@ -11,6 +11,7 @@ from sluice.common.v1 import types_pb2
 from sluice.inference.v1 import inference_pb2, inference_pb2_grpc
 
 from sluice_common.bootstrap import run_service
+from sluice_common.loop_lag import monitor_loop_lag
 from sluice_common.server import RunningServer, create_server, serve_until_signal
 from sluice_common.supervision import Supervisor
 from sluice_inference_adapter.chat_template import ChatTemplate, ChatTemplateError, load_chat_template
@@ -182,6 +183,7 @@ async def serve(config: AdapterConfig) -> None:
     running = await create_server(
         config.host, config.port, config.metrics_port, register, serving=False, tls=config.server_tls(ENV_PREFIX)
     )
+    running.supervisor.start("event-loop-lag", monitor_loop_lag)
     discovery = Discovery([parse_target(entry) for entry in config.triton_urls])
     urls, ready_url = await wait_for_a_ready_replica(config, discovery)
     protocol = await detect_protocol(ready_url, config.triton_model)

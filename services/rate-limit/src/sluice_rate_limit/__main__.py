@@ -6,6 +6,7 @@ import structlog
 from sluice.ratelimit.v1 import ratelimit_pb2, ratelimit_pb2_grpc
 
 from sluice_common.bootstrap import run_service
+from sluice_common.loop_lag import monitor_loop_lag
 from sluice_common.server import create_server, serve_until_signal
 from sluice_rate_limit.breaker import CircuitBreaker
 from sluice_rate_limit.config import ENV_PREFIX, RateLimitConfig
@@ -50,6 +51,7 @@ async def serve(config: RateLimitConfig) -> None:
     running = await create_server(
         config.host, config.port, config.metrics_port, register, tls=config.server_tls(ENV_PREFIX), quiet_methods=quiet
     )
+    running.supervisor.start("event-loop-lag", monitor_loop_lag)
     limiter.start_reloading(config.reload_interval_s, running.supervisor)
     log.info(
         "ready",

@@ -7,9 +7,12 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-from collections.abc import Awaitable, Sequence
+import time
+from collections.abc import Awaitable, Callable, Sequence
 from types import ModuleType
 from typing import Any
+
+from prometheus_client import Histogram
 
 from sluice_evaluation_logging.evaluators import (
     empty_output,
@@ -22,7 +25,14 @@ from sluice_evaluation_logging.evaluators import (
     truncation,
     ttft_slo,
 )
-from sluice_evaluation_logging.evaluators.base import CompletionEvent, Deferred, EvalContext, ScoreResult, skipped
+from sluice_evaluation_logging.evaluators.base import (
+    CompletionEvent,
+    Deferred,
+    EvalContext,
+    EvalSettings,
+    ScoreResult,
+    skipped,
+)
 
 EVALUATORS: tuple[ModuleType, ...] = (
     latency_slo,
@@ -37,12 +47,40 @@ EVALUATORS: tuple[ModuleType, ...] = (
 )
 
 
+# Evaluators whose cost grows with the output's length in Python-level work (tokenizing, regex
+# scans, JSON parsing): about 30-200 us per KB of output here, against ~2 us per KB to serialize
+# an event for a worker process. They declare CPU_HEAVY = True and, with a pool (eval_pool.py),
+# run in worker processes; the others cost a few microseconds per event and stay on the loop.
+# A CPU-heavy evaluator must be synchronous and use nothing of the context but its settings.
+CPU_HEAVY: tuple[ModuleType, ...] = tuple(e for e in EVALUATORS if getattr(e, "CPU_HEAVY", False))
+
+EVALUATOR_SECONDS = Histogram(
+    "sluice_evallog_evaluator_seconds",
+    "Time one batch spent in one evaluator (summed over its events; CPU-heavy ones in a worker process when pooled).",
+    ["evaluator"],
+    buckets=(0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
+)
+
+# evaluate_batch lets the loop run other callbacks every this many events: with the CPU-heavy
+# evaluators offloaded a slice costs well under a millisecond; inline, the heavy ones make a
+# slice tens of milliseconds (a few KB of output each), and one big output stalls the loop for
+# its own whole evaluation: the reason for the pool.
+YIELD_EVERY = 64
+
 # What a synchronous evaluator returns; anything else is checked for being awaitable.
 _SETTLED = (ScoreResult, Deferred, type(None))
 
 
 def _failed(evaluator: ModuleType, exc: Exception) -> ScoreResult:
     return skipped(evaluator.NAME, f"skipped: evaluator failed: {type(exc).__name__}: {exc}")
+
+
+def _run(evaluator: ModuleType, event: CompletionEvent, ctx: EvalContext) -> Any:
+    """One evaluator on one event, inline or in a pool worker alike: one that raises is skipped."""
+    try:
+        return evaluator.evaluate(event, ctx)
+    except Exception as exc:  # noqa: BLE001 - one broken evaluator must not lose the record
+        return _failed(evaluator, exc)
 
 
 async def _settle(evaluator: ModuleType, pending: Awaitable[Any]) -> ScoreResult | None:
@@ -52,30 +90,93 @@ async def _settle(evaluator: ModuleType, pending: Awaitable[Any]) -> ScoreResult
         return _failed(evaluator, exc)
 
 
-async def evaluate_batch(events: Sequence[CompletionEvent], ctx: EvalContext) -> list[list[ScoreResult | Deferred]]:
+# One chunk's CPU-heavy scores: per event, one result (or None) per CPU_HEAVY evaluator in order;
+# and the seconds each evaluator took over the chunk.
+HeavyScores = tuple[list[list[ScoreResult | None]], dict[str, float]]
+
+# Runs the CPU-heavy evaluators of a batch elsewhere (EvalPool.evaluate).
+Offload = Callable[[Sequence[CompletionEvent], EvalSettings], Awaitable[HeavyScores]]
+
+
+def evaluate_heavy_chunk(serialized: Sequence[bytes], settings: EvalSettings) -> HeavyScores:
+    """The CPU-heavy evaluators on serialized events: what a pool worker process runs per chunk."""
+    ctx = EvalContext(settings)
+    seconds = dict.fromkeys((e.NAME for e in CPU_HEAVY), 0.0)
+    results: list[list[ScoreResult | None]] = []
+    clock = time.perf_counter
+    for blob in serialized:
+        event = CompletionEvent()
+        event.ParseFromString(blob)
+        scores: list[ScoreResult | None] = []
+        for evaluator in CPU_HEAVY:
+            started = clock()
+            result = _run(evaluator, event, ctx)
+            seconds[evaluator.NAME] += clock() - started
+            if type(result) not in _SETTLED:
+                close = getattr(result, "close", None)
+                if close is not None:  # a coroutine: never awaited here
+                    close()
+                result = _failed(evaluator, TypeError("a CPU-heavy evaluator must be synchronous"))
+            scores.append(result)
+        results.append(scores)
+    return results, seconds
+
+
+async def evaluate_batch(
+    events: Sequence[CompletionEvent], ctx: EvalContext, offload: Offload | None = None
+) -> list[list[ScoreResult | Deferred]]:
     """Every applicable evaluator's scores for each event, in EVALUATORS order; one that raises is
     recorded as skipped with the error. The synchronous evaluators run in place; the asynchronous
     ones (similarity: an Embed call to the adapter) of the whole batch are awaited together, so a
     batch waits for one round of embeddings rather than one round trip per sampled event. With
-    `ctx.defer_model_calls` (the consumer) similarity answers Deferred instead and nothing waits."""
-    results: list[list[Any]] = []
-    pending: list[tuple[list[Any], int, Awaitable[ScoreResult | None]]] = []
-    for event in events:
-        scores: list[Any] = []
-        for evaluator in EVALUATORS:
-            try:
-                result = evaluator.evaluate(event, ctx)
-            except Exception as exc:  # noqa: BLE001 - one broken evaluator must not lose the record
-                result = _failed(evaluator, exc)
+    `ctx.defer_model_calls` (the consumer) similarity answers Deferred instead and nothing waits.
+
+    With `offload` (the consumer's process pool) the CPU_HEAVY evaluators of the whole batch run
+    there, started first so that the cheap ones run here meanwhile; the scores are the same."""
+    heavy: asyncio.Future[HeavyScores] | None = None
+    if offload is not None and events and CPU_HEAVY:
+        heavy = asyncio.ensure_future(offload(events, ctx.settings))
+    try:
+        return await _evaluate(events, ctx, heavy)
+    finally:
+        if heavy is not None and not heavy.done():
+            heavy.cancel()
+
+
+async def _evaluate(
+    events: Sequence[CompletionEvent], ctx: EvalContext, heavy: asyncio.Future[HeavyScores] | None
+) -> list[list[ScoreResult | Deferred]]:
+    inline = [e for e in EVALUATORS if e not in CPU_HEAVY] if heavy is not None else list(EVALUATORS)
+    seconds = dict.fromkeys((e.NAME for e in inline), 0.0)
+    clock = time.perf_counter
+    by_name: list[dict[str, Any]] = []
+    pending: list[tuple[dict[str, Any], str, Awaitable[ScoreResult | None]]] = []
+    for index, event in enumerate(events):
+        if index and index % YIELD_EVERY == 0:
+            await asyncio.sleep(0)  # other callbacks run between slices of the batch
+        scores: dict[str, Any] = {}
+        for evaluator in inline:
+            started = clock()
+            result = _run(evaluator, event, ctx)
+            seconds[evaluator.NAME] += clock() - started
             if type(result) not in _SETTLED and inspect.isawaitable(result):
-                pending.append((scores, len(scores), _settle(evaluator, result)))
-            scores.append(result)
-        results.append(scores)
+                pending.append((scores, evaluator.NAME, _settle(evaluator, result)))
+            scores[evaluator.NAME] = result
+        by_name.append(scores)
+    if heavy is not None:
+        heavy_scores, heavy_seconds = await heavy
+        seconds.update(heavy_seconds)
+        for scores, from_pool in zip(by_name, heavy_scores, strict=True):
+            for evaluator, result in zip(CPU_HEAVY, from_pool, strict=True):
+                scores[evaluator.NAME] = result
     if pending:
         settled = await asyncio.gather(*(awaitable for _, _, awaitable in pending))
-        for (scores, index, _), result in zip(pending, settled, strict=True):
-            scores[index] = result
-    return [[score for score in scores if score is not None] for scores in results]
+        for (scores, name, _), result in zip(pending, settled, strict=True):
+            scores[name] = result
+    if events:
+        for name, spent in seconds.items():
+            EVALUATOR_SECONDS.labels(name).observe(spent)
+    return [[s for s in (scores[e.NAME] for e in EVALUATORS) if s is not None] for scores in by_name]
 
 
 async def evaluate_all(event: CompletionEvent, ctx: EvalContext) -> list[ScoreResult]:

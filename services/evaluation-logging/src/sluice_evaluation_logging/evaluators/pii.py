@@ -7,6 +7,8 @@ import re
 from sluice_evaluation_logging.evaluators.base import CompletionEvent, EvalContext, ScoreResult, has_text
 
 NAME = "pii"
+# Three regex scans of the whole output, Luhn checks in Python: ~30-200 us per KB here.
+CPU_HEAVY = True
 
 EMAIL = re.compile(r"\b[A-Za-z0-9._%+-]+@[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)*\.[A-Za-z]{2,}\b")
 # International (+CC ...) or 10-digit national numbers with the usual separators.
