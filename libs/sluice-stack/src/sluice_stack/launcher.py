@@ -333,10 +333,9 @@ class Stack:
         }
         return name, "sluice_evaluation_logging", env, grpc_serving(f"{LOCALHOST}:{port}", self.grpc_credentials)
 
-    def _gateway_spec(self, name: str, port: int, metrics_port: int) -> tuple[str, str, dict[str, str], Callable[[], bool]]:
-        env = {
-            "SLUICE_GATEWAY_PORT": str(port),
-            "SLUICE_GATEWAY_METRICS_PORT": str(metrics_port),
+    def _gateway_role_env(self, name: str) -> dict[str, str]:
+        """What the gateway's two roles (API, job worker) both need: dependencies and state files."""
+        return {
             "SLUICE_GATEWAY_ADAPTER_URL": self._target("inference-adapter"),
             "SLUICE_GATEWAY_TENANTS_FILE": str(self.tenants_file),
             "SLUICE_GATEWAY_RATELIMIT_URL": self.ratelimit_address,
@@ -344,6 +343,13 @@ class Stack:
             "SLUICE_GATEWAY_AMQP_PREFIX": self.amqp_prefix,
             "SLUICE_GATEWAY_EVENTS_SPILL_FILE": str(self.run_dir / f"{name}-events.spill"),
             "SLUICE_GATEWAY_JOBS_SQLITE_PATH": str(self.run_dir / "jobs.sqlite3"),
+        }
+
+    def _gateway_spec(self, name: str, port: int, metrics_port: int) -> tuple[str, str, dict[str, str], Callable[[], bool]]:
+        env = {
+            "SLUICE_GATEWAY_PORT": str(port),
+            "SLUICE_GATEWAY_METRICS_PORT": str(metrics_port),
+            **self._gateway_role_env(name),
             "SLUICE_GATEWAY_HTTP_PORT": str(self.ports.gateway_http if name == "gateway" else free_port()),
             **self.extra_env.get("gateway", {}),
         }
@@ -358,13 +364,7 @@ class Stack:
         env = {
             "SLUICE_GATEWAY_WORKER_PORT": str(port),
             "SLUICE_GATEWAY_WORKER_METRICS_PORT": str(metrics_port),
-            "SLUICE_GATEWAY_ADAPTER_URL": self._target("inference-adapter"),
-            "SLUICE_GATEWAY_TENANTS_FILE": str(self.tenants_file),
-            "SLUICE_GATEWAY_RATELIMIT_URL": self.ratelimit_address,
-            "SLUICE_GATEWAY_AMQP_URL": self.amqp_url,
-            "SLUICE_GATEWAY_AMQP_PREFIX": self.amqp_prefix,
-            "SLUICE_GATEWAY_EVENTS_SPILL_FILE": str(self.run_dir / f"{name}-events.spill"),
-            "SLUICE_GATEWAY_JOBS_SQLITE_PATH": str(self.run_dir / "jobs.sqlite3"),
+            **self._gateway_role_env(name),
         }
         return name, "sluice_gateway.worker", env, grpc_serving(f"{LOCALHOST}:{port}")
 

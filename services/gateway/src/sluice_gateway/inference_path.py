@@ -220,18 +220,14 @@ class InferencePath:
         max_tokens = request.sampling.max_tokens
         if not context_length or estimate_prompt_tokens(request) + max_tokens <= context_length:
             return
-        count = inference_pb2.CountTokensRequest(model=request.model, messages=request.messages, prompt=request.prompt)
-        try:
-            reply = await self.adapter.CountTokens(count, timeout=time_remaining, metadata=outgoing_metadata())
-        except grpc.aio.AioRpcError as exc:
-            if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
-                raise InvalidArgument("messages" if request.messages else "prompt", exc.details() or "") from exc
+        prompt_tokens = await self._count(request, time_remaining)
+        if prompt_tokens is None:
             return  # the model cannot count (or the adapter failed): the generation call decides
-        if reply.prompt_tokens + max_tokens > reply.context_length:
+        if prompt_tokens + max_tokens > context_length:
             raise InvalidArgument(
                 "messages" if request.messages else "prompt",
-                f"the prompt is {reply.prompt_tokens} tokens and max_tokens is {max_tokens}; together they exceed"
-                f" the model's context of {reply.context_length} tokens",
+                f"the prompt is {prompt_tokens} tokens and max_tokens is {max_tokens}; together they exceed"
+                f" the model's context of {context_length} tokens",
             )
 
     async def embed_with_ticket(
