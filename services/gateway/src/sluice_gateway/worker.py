@@ -42,6 +42,7 @@ from sluice.jobs.v1 import jobs_pb2
 from sluice_common.amqp import PROTOBUF, JobTopology, dead_letter
 from sluice_common.bootstrap import run_service
 from sluice_common.errors import InvalidArgument
+from sluice_common.loop_lag import monitor_loop_lag
 from sluice_common.request_context import bind_request_id, current_request_id, new_request_id
 from sluice_common.server import create_server, serve_until_signal
 from sluice_common.supervision import Supervisor, stop_tasks
@@ -416,6 +417,7 @@ async def serve(config: GatewayConfig) -> None:
     store = JobStore.create(config.jobs_postgres_dsn, config.jobs_sqlite_path)
     await store.open()
     running = await create_server(config.host, config.worker_port, config.worker_metrics_port, lambda server: [], serving=False)
+    running.supervisor.start("event-loop-lag", monitor_loop_lag)
     await core.start(config, running.supervisor)
     worker = JobWorker(config, core, store)
     await worker.start(running.supervisor)
