@@ -11,9 +11,9 @@ from __future__ import annotations
 import asyncio
 import socket
 from collections.abc import Callable
-from contextlib import aclosing
 
 import pytest
+from conftest import run_through
 from prometheus_client import REGISTRY
 from structlog.testing import capture_logs
 
@@ -28,7 +28,7 @@ from sluice_inference_adapter.replica_discovery import (
     system_resolver,
 )
 from sluice_inference_adapter.replica_pool import ReplicaPool
-from sluice_inference_adapter.scheduler import Finish, FinishEvent, GenerationRequest, Scheduler, SchedulerLimits, TokenEvent
+from sluice_inference_adapter.scheduler import Finish, FinishEvent, GenerationRequest, Scheduler, SchedulerLimits
 from sluice_inference_adapter.step_rows import Action, PromptSpec, SamplingSpec, StepOutcome, StepRow
 
 
@@ -89,14 +89,7 @@ def request(rid: str = "rid") -> GenerationRequest:
 
 
 async def run(pool: ReplicaPool, rid: str = "rid") -> tuple[int, FinishEvent]:
-    tokens = 0
-    async with aclosing(pool.generate(request(rid))) as events:
-        async for event in events:
-            if isinstance(event, TokenEvent):
-                tokens += 1
-            else:
-                return tokens, event
-    raise AssertionError("no finish")
+    return await run_through(pool, request(rid))
 
 
 def gauge(name: str, **labels: str) -> float | None:

@@ -8,13 +8,13 @@ tests/e2e/test_replicas.py.
 from __future__ import annotations
 
 import asyncio
-from contextlib import aclosing
 
 import pytest
+from conftest import run_through
 
 from sluice_common.errors import Unavailable
 from sluice_inference_adapter.replica_pool import ReplicaPool
-from sluice_inference_adapter.scheduler import Finish, FinishEvent, GenerationRequest, Scheduler, SchedulerLimits, TokenEvent
+from sluice_inference_adapter.scheduler import Finish, FinishEvent, GenerationRequest, Scheduler, SchedulerLimits
 from sluice_inference_adapter.step_rows import Action, PromptSpec, SamplingSpec, StepOutcome, StepRow
 
 
@@ -61,14 +61,7 @@ def request() -> GenerationRequest:
 
 
 async def run(pool: ReplicaPool) -> tuple[int, FinishEvent]:
-    tokens = 0
-    async with aclosing(pool.generate(request())) as events:
-        async for event in events:
-            if isinstance(event, TokenEvent):
-                tokens += 1
-            else:
-                return tokens, event
-    raise AssertionError("no finish")
+    return await run_through(pool, request())
 
 
 async def test_least_loaded_replica_gets_the_request() -> None:
