@@ -146,11 +146,15 @@ async def test_a_model_that_cannot_count_leaves_the_decision_to_the_backend() ->
     await path.check_context(_generate("1" * 10_000), 10.0)
 
 
-async def test_max_tokens_omitted_defaults_to_the_remaining_context_capped_by_the_configured_default() -> None:
-    adapter = _CountingAdapter(prompt_tokens=1500)
+async def _defaulting_path(adapter: _CountingAdapter, default_max_tokens: int) -> InferencePath:
     catalog = ModelCatalog(adapter)  # type: ignore[arg-type]
     await catalog.refresh()
-    path = InferencePath(adapter, catalog, Admission(None), default_max_tokens=700)  # type: ignore[arg-type]
+    return InferencePath(adapter, catalog, Admission(None), default_max_tokens=default_max_tokens)  # type: ignore[arg-type]
+
+
+async def test_max_tokens_omitted_defaults_to_the_remaining_context_capped_by_the_configured_default() -> None:
+    adapter = _CountingAdapter(prompt_tokens=1500)
+    path = await _defaulting_path(adapter, default_max_tokens=700)
     short = _generate("Hello", max_tokens=0)
     await path.apply_defaults(short, 10.0)
     assert short.sampling.max_tokens == 700 and adapter.counted == 0  # the cap fits: no round trip
@@ -166,9 +170,7 @@ async def test_max_tokens_omitted_is_capped_by_the_models_limit_and_a_full_promp
     from sluice_common.errors import InvalidArgument
 
     adapter = _CountingAdapter(prompt_tokens=2048)
-    catalog = ModelCatalog(adapter)  # type: ignore[arg-type]
-    await catalog.refresh()
-    path = InferencePath(adapter, catalog, Admission(None), default_max_tokens=100_000)  # type: ignore[arg-type]
+    path = await _defaulting_path(adapter, default_max_tokens=100_000)
     short = _generate("Hello", max_tokens=0)
     await path.apply_defaults(short, 10.0)
     assert short.sampling.max_tokens == 1024  # GENERATION's max_output_tokens
