@@ -113,6 +113,21 @@ class _CountingAdapter(_Adapter):
             raise grpc.aio.AioRpcError(grpc.StatusCode.UNIMPLEMENTED, grpc.aio.Metadata(), grpc.aio.Metadata(), "cannot count")
         return inference_pb2.CountTokensResponse(prompt_tokens=self.prompt_tokens, context_length=2048)
 
+    def Generate(self, request, timeout=None, metadata=None):  # noqa: N802
+        self.generated = request
+        return _EmptyCall()
+
+
+class _EmptyCall:
+    def cancel(self) -> None:
+        pass
+
+    def __aiter__(self):  # type: ignore[no-untyped-def]
+        return self
+
+    async def __anext__(self):  # type: ignore[no-untyped-def]
+        raise StopAsyncIteration
+
 
 def _generate(content: str, max_tokens: int = 100) -> gateway_pb2.GenerateRequest:
     return gateway_pb2.GenerateRequest(
@@ -164,6 +179,14 @@ async def test_max_tokens_omitted_defaults_to_the_remaining_context_capped_by_th
     given = _generate("Hello", max_tokens=5)
     await path.apply_defaults(given, 10.0)
     assert given.sampling.max_tokens == 5
+
+
+async def test_a_long_prompt_without_max_tokens_is_counted_once_for_its_default_and_its_fit() -> None:
+    adapter = _CountingAdapter(prompt_tokens=1500)
+    path, _ = await _path(adapter, _RateLimit())
+    async with path.generate("t", _generate("word " * 1500, max_tokens=0), "rid", 10.0):
+        pass
+    assert adapter.generated.sampling.max_tokens == 2048 - 1500 and adapter.counted == 1
 
 
 async def test_max_tokens_omitted_is_capped_by_the_models_limit_and_a_full_prompt_is_refused() -> None:

@@ -151,9 +151,9 @@ class InferencePath:
             when_closed(lambda code, cancelled: tracker.publish(code, cancelled))
         ended: BaseException | None = None
         try:
-            await self.apply_defaults(request, time_remaining)
+            counted = await self.apply_defaults(request, time_remaining)
             self.validate_generate(request)
-            await self.check_context(request, time_remaining)
+            await self.check_context(request, time_remaining, counted)
             downstream = inference_pb2.GenerateRequest(
                 request_id=request_id,
                 tenant=tenant.name,
@@ -179,21 +179,21 @@ class InferencePath:
             if tracker is not None and row is None and when_closed is None:
                 tracker.publish(*status_of(ended))
 
-    async def apply_defaults(self, request: gateway_pb2.GenerateRequest, time_remaining: float | None) -> None:
+    async def apply_defaults(self, request: gateway_pb2.GenerateRequest, time_remaining: float | None) -> int | None:
         """max_tokens omitted (0): the model's remaining context after the prompt, capped by the
         configured default and the model's max_output_tokens. The prompt is counted exactly (the
-        adapter's CountTokens) only when its estimate says the cap may not fit."""
+        adapter's CountTokens) only when its estimate says the cap may not fit; that count is
+        returned (None when there was none) for check_context to reuse."""
         if request.sampling.max_tokens != 0:
-            return
+            return None
         model = self.models.get(request.model)
         cap = min(self.default_max_tokens, model.max_output_tokens or self.default_max_tokens)
         context_length = model.context_length
         if not context_length or estimate_prompt_tokens(request) + cap <= context_length:
             request.sampling.max_tokens = cap
-            return
-        prompt_tokens = await self._count(request, time_remaining)
-        if prompt_tokens is None:
-            prompt_tokens = estimate_prompt_tokens(request)
+            return None
+        counted = await self._count(request, time_remaining)
+        prompt_tokens = estimate_prompt_tokens(request) if counted is None else counted
         remaining = context_length - prompt_tokens
         if remaining <= 0:
             raise InvalidArgument(
@@ -202,6 +202,7 @@ class InferencePath:
                 f" {context_length} tokens",
             )
         request.sampling.max_tokens = min(cap, remaining)
+        return counted
 
     async def _count(self, request: gateway_pb2.GenerateRequest, time_remaining: float | None) -> int | None:
         """The prompt's exact length by the adapter's CountTokens; None when the model cannot count."""
@@ -214,13 +215,17 @@ class InferencePath:
             return None
         return int(reply.prompt_tokens)
 
-    async def check_context(self, request: gateway_pb2.GenerateRequest, time_remaining: float | None) -> None:
-        """INVALID_ARGUMENT when the prompt plus max_tokens cannot fit the model's context."""
+    async def check_context(
+        self, request: gateway_pb2.GenerateRequest, time_remaining: float | None, prompt_tokens: int | None = None
+    ) -> None:
+        """INVALID_ARGUMENT when the prompt plus max_tokens cannot fit the model's context.
+        `prompt_tokens`: the prompt's exact length when already counted (no second CountTokens)."""
         context_length = self.models.get(request.model).context_length
         max_tokens = request.sampling.max_tokens
         if not context_length or estimate_prompt_tokens(request) + max_tokens <= context_length:
             return
-        prompt_tokens = await self._count(request, time_remaining)
+        if prompt_tokens is None:
+            prompt_tokens = await self._count(request, time_remaining)
         if prompt_tokens is None:
             return  # the model cannot count (or the adapter failed): the generation call decides
         if prompt_tokens + max_tokens > context_length:
