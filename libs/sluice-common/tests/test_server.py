@@ -260,12 +260,15 @@ async def test_drain_turns_not_serving_refuses_new_calls_finishes_accepted_strea
     async def on_stop() -> None:
         order.append("flushed")
 
+    async def other_listener() -> None:  # drained beside the gRPC port, not after it
+        order.append("other listener draining")
+
     running = await create_server("127.0.0.1", 0, -1, register)
     address = f"127.0.0.1:{running.port}"
     async with grpc.aio.insecure_channel(address) as channel:
         accepted = channel.unary_stream(f"/{SERVICE}/Slow")(b"")
         assert await accepted.read() == b"first"
-        draining = asyncio.create_task(drain(running, grace_s=10, on_stop=on_stop, notice_s=0.2))
+        draining = asyncio.create_task(drain(running, grace_s=10, on_stop=on_stop, notice_s=0.2, also_drain=other_listener))
         await asyncio.sleep(0.05)
         health = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest())
         assert health.status == health_pb2.HealthCheckResponse.NOT_SERVING
@@ -279,7 +282,7 @@ async def test_drain_turns_not_serving_refuses_new_calls_finishes_accepted_strea
         assert await accepted.read() == b"last"
         assert await accepted.code() == grpc.StatusCode.OK
         await asyncio.wait_for(draining, 5)
-    assert order == ["stream finished", "flushed"]
+    assert order == ["other listener draining", "stream finished", "flushed"]
 
 
 async def test_drain_cancels_what_outlives_the_grace() -> None:

@@ -222,13 +222,16 @@ async def drain(
     grace_s: float,
     on_stop: Callable[[], Awaitable[None]] | None = None,
     notice_s: float = NOT_SERVING_NOTICE_S,
+    also_drain: Callable[[], Awaitable[None]] | None = None,
 ) -> None:
     """A rolling restart's exit: NOT_SERVING, no new calls, accepted calls finish within
-    `grace_s` (then they are cancelled), then `on_stop` flushes what the service owes."""
+    `grace_s` (then they are cancelled), then `on_stop` flushes what the service owes.
+    `also_drain`: another listener of the service (the gateway's HTTP front), drained at the same
+    time as the gRPC port, within the same grace."""
     started = time.monotonic()
     await running.health.enter_graceful_shutdown()
     await asyncio.sleep(min(notice_s, grace_s))
-    await running.server.stop(grace_s)
+    await asyncio.gather(running.server.stop(grace_s), *([also_drain()] if also_drain is not None else []))
     log.info("drained", seconds=round(time.monotonic() - started, 3), grace_s=grace_s)
     if on_stop is not None:
         flushing = time.monotonic()
@@ -240,6 +243,7 @@ async def serve_until_signal(
     running: RunningServer,
     grace_s: float,
     on_stop: Callable[[], Awaitable[None]] | None = None,
+    also_drain: Callable[[], Awaitable[None]] | None = None,
 ) -> None:
     """Blocks until SIGTERM/SIGINT, then drains (see `drain`); a second signal cuts the grace short.
 
@@ -252,7 +256,7 @@ async def serve_until_signal(
         loop.add_signal_handler(signal.SIGUSR1, running.supervisor.inject_faults)
     await signals.get()
     log.info("shutting_down", grace_s=grace_s)
-    draining = asyncio.create_task(drain(running, grace_s, on_stop))
+    draining = asyncio.create_task(drain(running, grace_s, on_stop, also_drain=also_drain))
     second = asyncio.create_task(signals.get())
     await asyncio.wait({draining, second}, return_when=asyncio.FIRST_COMPLETED)
     if second.done():

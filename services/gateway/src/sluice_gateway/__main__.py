@@ -48,13 +48,12 @@ async def serve(config: GatewayConfig) -> None:
     log.info("ready", adapter=config.adapter_url, models=[m.name for m in core.models.models], http_port=http.port if http else None)
 
     async def on_stop() -> None:
-        if http is not None:
-            await http.stop()
         await job_publisher.stop(config.shutdown_grace_s)
         await core.close(config)
         await job_store.close()
 
-    await serve_until_signal(running, config.shutdown_grace_s, on_stop)
+    # The HTTP listener drains beside the gRPC port (no new requests from the signal on), not after it.
+    await serve_until_signal(running, config.shutdown_grace_s, on_stop, also_drain=http.stop if http is not None else None)
 
 
 def main() -> None:

@@ -141,10 +141,7 @@ class OpenAIFront:
             raise OpenAIError(
                 401, "You didn't provide an API key. Send it as `Authorization: Bearer <api key>`.", code="missing_api_key"
             )
-        try:
-            return self.tenants.authenticate(authorization)
-        except Unauthenticated as exc:
-            raise OpenAIError(401, f"Incorrect API key provided: {exc.message}", code="invalid_api_key") from None
+        return self.tenants.authenticate(authorization)  # Unauthenticated: openai_error answers 401
 
     async def _body(self, request: web.Request) -> dict[str, Any]:
         try:
