@@ -9,15 +9,8 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 
 from sluice_stack.launcher import ServiceProcess
-
-
-@dataclass
-class _Restart:
-    due_at: float
-    backoff_s: float
 
 
 class ServiceKeeper:
@@ -35,7 +28,8 @@ class ServiceKeeper:
         self._first_backoff_s = first_backoff_s
         self._max_backoff_s = max_backoff_s
         self._started_at = {s.name: time.monotonic() for s in self._services}
-        self._restarts: dict[str, _Restart] = {}
+        # When each exited service is due to start again.
+        self._restart_at: dict[str, float] = {}
         self._starting: set[str] = set()
         self._backoff = {s.name: first_backoff_s for s in self._services}
         self.restarted: dict[str, int] = {s.name: 0 for s in self._services}
@@ -44,7 +38,7 @@ class ServiceKeeper:
         """One look at every service: reports exits, starts what is due, reports it ready."""
         now = time.monotonic() if now is None else now
         for service in self._services:
-            if service.name in self._restarts:
+            if service.name in self._restart_at:
                 self._start_when_due(service, now)
             elif service.process is not None and service.process.poll() is not None:
                 self._schedule(service, now)
@@ -56,15 +50,15 @@ class ServiceKeeper:
         young = now - self._started_at[service.name] < self._min_uptime_s
         backoff = min(self._backoff[service.name] * 2, self._max_backoff_s) if young else self._first_backoff_s
         self._backoff[service.name] = backoff
-        self._restarts[service.name] = _Restart(now + backoff, backoff)
+        self._restart_at[service.name] = now + backoff
         self._starting.discard(service.name)
         code = service.process.returncode if service.process is not None else None
         self._say(f"{service.name} exited with code {code}; starting it again in {backoff:.0f} s (log: {service.log_path})")
 
     def _start_when_due(self, service: ServiceProcess, now: float) -> None:
-        if now < self._restarts[service.name].due_at:
+        if now < self._restart_at[service.name]:
             return
-        del self._restarts[service.name]
+        del self._restart_at[service.name]
         service.start()
         self._started_at[service.name] = now
         self._starting.add(service.name)
