@@ -13,7 +13,7 @@ from sluice.inference.v1 import inference_pb2
 
 from sluice_common.amqp import EventTopology, OutgoingMessage
 from sluice_gateway.completion_events import EVENT_TYPE, CompletionEvents, CompletionTracker
-from sluice_gateway.tenants import Tenant
+from sluice_common.tenants import Tenant
 
 LOGGED = Tenant("acme", text_logging=True)
 PRIVATE = Tenant("hush", text_logging=False)

@@ -29,7 +29,7 @@ from sluice_gateway.jobs import (
     row_tasks,
     validate_job,
 )
-from sluice_gateway.tenants import TenantDirectory
+from sluice_common.tenants import TenantDirectory
 
 TENANTS_FILE = Path(__file__).resolve().parents[3] / "config" / "tenants.toml"
 TENANTS = TenantDirectory.from_file(TENANTS_FILE)

@@ -15,7 +15,7 @@ from sluice_common.errors import InvalidArgument
 from sluice_gateway.job_store import JobStore
 from sluice_gateway.jobs import expired_result
 from sluice_gateway.jobs_api import JobsApi
-from sluice_gateway.tenants import TenantDirectory
+from sluice_common.tenants import TenantDirectory
 
 TENANTS = TenantDirectory.from_file(Path(__file__).resolve().parents[3] / "config" / "tenants.toml")
 KEY = "sk-sluice-demo"

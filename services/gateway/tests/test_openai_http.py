@@ -23,7 +23,7 @@ from sluice_gateway.completion_events import CompletionEvents
 from sluice_gateway.inference_path import InferencePath
 from sluice_gateway.model_catalog import ModelCatalog
 from sluice_gateway.openai_http import OpenAIFront, build_app
-from sluice_gateway.tenants import TenantDirectory, hash_api_key
+from sluice_common.tenants import TenantDirectory, hash_api_key
 
 KEY = "sk-test"
 GENERATION = types_pb2.ModelInfo(name="g", kind=types_pb2.MODEL_KIND_GENERATION, context_length=2048, max_output_tokens=1024)

@@ -9,7 +9,7 @@ from sluice_common.amqp import EventTopology
 from sluice_common.bootstrap import run_service
 from sluice_common.loop_lag import monitor_loop_lag
 from sluice_common.server import create_server, serve_until_signal
-from sluice_evaluation_logging.auth import TenantKeys
+from sluice_common.tenants import TenantDirectory
 from sluice_evaluation_logging.config import ENV_PREFIX, EvalLogConfig
 from sluice_evaluation_logging.consumer import CompletionConsumer, ConsumerSettings
 from sluice_evaluation_logging.embeddings import AdapterEmbedder
@@ -38,7 +38,7 @@ def eval_settings(config: EvalLogConfig) -> EvalSettings:
 
 async def serve(config: EvalLogConfig) -> None:
     try:
-        tenants = TenantKeys.from_file(config.tenants_file)
+        tenants = TenantDirectory.from_file(config.tenants_file)
     except (OSError, ValueError) as exc:
         raise SystemExit(f"evaluation-logging: cannot load {ENV_PREFIX}TENANTS_FILE: {exc}") from None
     store = open_store(config.database_url, config.sqlite_path, config.pg_schema)

@@ -6,7 +6,7 @@ import grpc
 from google.protobuf import timestamp_pb2
 from sluice.evallog.v1 import evallog_pb2, evallog_pb2_grpc, events_pb2
 
-from sluice_evaluation_logging.auth import TenantKeys
+from sluice_common.tenants import TenantDirectory
 from sluice_evaluation_logging.queries import EvalLogQueries, QueryArgs
 from sluice_evaluation_logging.records import GroupSummary
 from sluice_evaluation_logging.store import RecordRow, Threshold
@@ -61,12 +61,12 @@ def _summary(group: GroupSummary) -> evallog_pb2.Summary:
 
 
 class EvalLogServicer(evallog_pb2_grpc.EvalLogServiceServicer):
-    def __init__(self, tenants: TenantKeys, queries: EvalLogQueries) -> None:
+    def __init__(self, tenants: TenantDirectory, queries: EvalLogQueries) -> None:
         self._tenants = tenants
         self._queries = queries
 
     def _caller(self, context: grpc.aio.ServicerContext) -> str:
-        return self._tenants.authenticate(_authorization(context))
+        return self._tenants.authenticate(_authorization(context)).name
 
     async def GetRecord(
         self, request: evallog_pb2.GetRecordRequest, context: grpc.aio.ServicerContext

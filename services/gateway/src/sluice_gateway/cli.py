@@ -28,7 +28,7 @@ from sluice.evallog.v1 import evallog_pb2, evallog_pb2_grpc
 from sluice.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 
 from sluice_gateway.cli_jobs import add_jobs_parser
-from sluice_gateway.tenants import hash_api_key
+from sluice_common.tenants import hash_api_key
 
 DEFAULT_GATEWAY = "127.0.0.1:50051"
 DEFAULT_EVALLOG = "127.0.0.1:50081"

@@ -27,7 +27,7 @@ from sluice.gateway.v1 import gateway_pb2
 
 from sluice_common.amqp import ConfirmingPublisher, EventTopology, OutgoingMessage, PublisherMetrics
 from sluice_common.supervision import Supervisor
-from sluice_gateway.tenants import Tenant
+from sluice_common.tenants import Tenant
 
 log = structlog.stdlib.get_logger("sluice.gateway.events")
 

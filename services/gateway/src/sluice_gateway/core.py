@@ -17,7 +17,7 @@ from sluice_gateway.completion_events import CompletionEvents
 from sluice_gateway.config import ENV_PREFIX, GatewayConfig
 from sluice_gateway.inference_path import InferencePath
 from sluice_gateway.model_catalog import ModelCatalog
-from sluice_gateway.tenants import TenantDirectory
+from sluice_common.tenants import TenantDirectory
 
 
 @dataclass

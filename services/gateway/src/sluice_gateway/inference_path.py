@@ -53,7 +53,7 @@ from sluice_common.validation import validate_embedding, validate_generation
 from sluice_gateway.admission import Admission, Ticket, embedding_reservation, estimate_prompt_tokens, generation_reservation
 from sluice_gateway.completion_events import CompletionEvents, CompletionTracker
 from sluice_gateway.model_catalog import ModelCatalog
-from sluice_gateway.tenants import Tenant
+from sluice_common.tenants import Tenant
 
 # max_tokens when a request omits it and no configuration says otherwise (SLUICE_GATEWAY_DEFAULT_MAX_TOKENS).
 DEFAULT_MAX_TOKENS = 1024

@@ -25,7 +25,7 @@ from sluice_common.amqp import PROTOBUF
 from sluice_common.errors import Unauthenticated
 from sluice_gateway.config import MAX_COMPLETION_WINDOW_S
 from sluice_gateway.inference_path import InferencePath
-from sluice_gateway.tenants import Tenant, TenantDirectory
+from sluice_common.tenants import Tenant, TenantDirectory
 
 JSON = "application/json"
 MAX_ID_LENGTH = 256

@@ -20,7 +20,7 @@ from sluice_common.supervision import Supervisor
 from sluice_gateway.config import GatewayConfig
 from sluice_gateway.job_store import JobRecord, JobStore
 from sluice_gateway.jobs import JobRejected, completion_window_s, validate_job
-from sluice_gateway.tenants import Tenant, TenantDirectory
+from sluice_common.tenants import Tenant, TenantDirectory
 
 MAX_PAGE_SIZE = 1000
 DEFAULT_PAGE_SIZE = 100

@@ -53,7 +53,7 @@ from sluice_gateway.openai_requests import (
     parse_completion,
     parse_embeddings,
 )
-from sluice_gateway.tenants import Tenant, TenantDirectory
+from sluice_common.tenants import Tenant, TenantDirectory
 
 log = structlog.stdlib.get_logger("sluice.gateway.http")
 

@@ -14,7 +14,7 @@ from sluice_common.errors import Unimplemented
 from sluice_common.request_context import REQUEST_ID_KEY, current_request_id
 from sluice_gateway.inference_path import InferencePath
 from sluice_gateway.jobs_api import JobsApi
-from sluice_gateway.tenants import Tenant, TenantDirectory
+from sluice_common.tenants import Tenant, TenantDirectory
 
 
 def _authorization(context: grpc.aio.ServicerContext) -> str | None:

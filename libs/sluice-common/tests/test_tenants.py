@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from sluice_common.errors import Unauthenticated
-from sluice_gateway.tenants import TenantDirectory, hash_api_key
+from sluice_common.tenants import TenantDirectory, hash_api_key
 
 REPO_TENANTS = Path(__file__).resolve().parents[3] / "config" / "tenants.toml"
 

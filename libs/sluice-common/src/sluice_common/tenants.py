@@ -1,4 +1,5 @@
-"""Tenants and their API keys, read from a TOML file. Only SHA-256 hashes of keys are stored.
+"""Tenants and their API keys, read once from a TOML file by the gateway and evaluation-logging alike.
+Only SHA-256 hashes of keys are stored.
 
     [[tenants]]
     name = "acme"
