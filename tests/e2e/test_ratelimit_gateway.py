@@ -135,6 +135,10 @@ def test_a_denial_is_resource_exhausted_with_retry_info_and_quota_failure(limite
             list(stub.Generate(request(), metadata=auth(PRIVATE_KEY), timeout=60))
     assert "requests_per_minute" in caught.value.details()
     assert_denied_by_requests_per_minute(caught.value, MODEL)
+    # The same x-ratelimit-* figures the HTTP front sends as headers with its 429.
+    trailing = dict(caught.value.trailing_metadata())
+    assert trailing["x-ratelimit-remaining-requests"] == "0"
+    assert int(trailing["x-ratelimit-limit-requests"]) > 0 and trailing["x-ratelimit-reset-requests"].endswith("s")
 
 
 def assert_denied_by_requests_per_minute(error: grpc.RpcError, model: str) -> None:

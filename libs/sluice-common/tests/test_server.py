@@ -27,7 +27,12 @@ def _handlers(seen_request_ids: list[str]) -> grpc.GenericRpcHandler:
         if request == b"invalid":
             raise InvalidArgument("sampling.max_tokens", "must be > 0, got 0")
         if request == b"busy":
-            raise ResourceExhausted("queue full", retry_after_s=2.5, quota_subject="adapter.waiting_queue")
+            raise ResourceExhausted(
+                "queue full",
+                retry_after_s=2.5,
+                quota_subject="adapter.waiting_queue",
+                metadata=(("x-ratelimit-limit-requests", "10"), ("x-ratelimit-remaining-requests", "0")),
+            )
         if request == b"crash":
             raise RuntimeError("secret internals")
         return request
@@ -89,6 +94,15 @@ async def test_resource_exhausted_carries_retry_info_and_quota_failure(server) -
     assert status.details[0].Unpack(retry) and status.details[1].Unpack(quota)
     assert retry.retry_delay.ToMilliseconds() == 2500
     assert quota.violations[0].subject == "adapter.waiting_queue"
+
+
+async def test_resource_exhausted_sends_its_metadata_beside_the_status(server) -> None:
+    _, channel, _ = server
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await channel.unary_unary(f"/{SERVICE}/Unary")(b"busy")
+    trailing = dict(caught.value.trailing_metadata())
+    assert trailing["x-ratelimit-limit-requests"] == "10" and trailing["x-ratelimit-remaining-requests"] == "0"
+    assert "grpc-status-details-bin" in trailing
 
 
 def test_exhaustion_that_no_retry_can_end_has_no_retry_info() -> None:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 class SluiceError(Exception):
     code = "INTERNAL"
+    # Sent beside the status as trailing metadata (gRPC) or as headers (HTTP).
+    metadata: tuple[tuple[str, str], ...] = ()
 
     def __init__(self, message: str) -> None:
         super().__init__(message)
@@ -44,10 +46,18 @@ class ResourceExhausted(SluiceError):
 
     code = "RESOURCE_EXHAUSTED"
 
-    def __init__(self, message: str, retry_after_s: float | None = 1.0, quota_subject: str = "") -> None:
+    def __init__(
+        self,
+        message: str,
+        retry_after_s: float | None = 1.0,
+        quota_subject: str = "",
+        metadata: tuple[tuple[str, str], ...] = (),
+    ) -> None:
         super().__init__(message)
         self.retry_after_s = retry_after_s
         self.quota_subject = quota_subject
+        # The budgets' x-ratelimit-* figures, when a rate limit refused the request.
+        self.metadata = metadata
 
 
 class Unavailable(SluiceError):

@@ -93,7 +93,7 @@ class _CallRecord:
         if isinstance(error, SluiceError):
             self.code = error.code
             status = status_for(error)
-            await self.context.abort(status.code, status.details, status.trailing_metadata)
+            await self.context.abort(status.code, status.details, tuple(status.trailing_metadata) + error.metadata)
         if isinstance(error, asyncio.CancelledError):
             # grpc cancels the handler both when the client goes away and when its deadline passes.
             remaining = self.context.time_remaining()

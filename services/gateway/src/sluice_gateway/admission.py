@@ -140,6 +140,7 @@ def _too_large(tenant: str, reservation: Reservation, budget: str, budgets: list
         f" {reservation.model}; no retry can admit it: shorten the prompt or lower max_tokens",
         retry_after_s=None,
         quota_subject=f"tenant:{tenant}/model:{reservation.model}/{budget}",
+        metadata=ratelimit_headers(budgets),
     )
 
 
@@ -224,14 +225,12 @@ class Admission:
                 DECISIONS.labels("too_large").inc()
                 raise _too_large(tenant, reservation, budget, list(reply.budgets))
             DECISIONS.labels("denied").inc()
-            denied = ResourceExhausted(
+            raise ResourceExhausted(
                 f"rate limit exceeded: {budget} of tenant {tenant} on {model}; retry after {retry_after:.2f}s",
                 retry_after_s=retry_after,
                 quota_subject=f"tenant:{tenant}/model:{model}/{budget}",
+                metadata=ratelimit_headers(list(reply.budgets)),
             )
-            # The budgets' x-ratelimit-* figures, for a front that can send them with the denial (HTTP).
-            denied.headers = ratelimit_headers(list(reply.budgets))  # type: ignore[attr-defined]
-            raise denied
         DECISIONS.labels("shadow" if reply.shadow else "allowed").inc()
         per_minute = next((b.limit for b in reply.budgets if b.budget == _B.BUDGET_REQUESTS_PER_MINUTE and b.limit > 0), None)
         headers = ratelimit_headers(list(reply.budgets))

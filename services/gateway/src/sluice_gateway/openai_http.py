@@ -90,7 +90,7 @@ def openai_error(exc: BaseException) -> OpenAIError:
     if isinstance(exc, Unauthenticated):
         return OpenAIError(401, f"Incorrect API key provided: {exc.message}", code="invalid_api_key")
     if isinstance(exc, ResourceExhausted):
-        headers = dict(getattr(exc, "headers", ()) or ())
+        headers = dict(exc.metadata)
         if exc.retry_after_s is None:
             # Larger than the whole allowance: no wait admits it, and OpenAI's clients must not retry.
             headers["x-should-retry"] = "false"
