@@ -317,7 +317,7 @@ class Completion:
         return f"{'chatcmpl' if self.call.chat else 'cmpl'}-{self.request_id}"
 
     def _base(self, object_: str) -> dict[str, Any]:
-        return {"id": self.id, "object": object_, "created": self.created, "model": self.call.request.model, "system_fingerprint": None}
+        return {"id": self.id, "object": object_, "created": self.created, "model": self.call.request.model}
 
     def whole(self, text: str, finish_reason: str, usage: types_pb2.Usage | None) -> dict[str, Any]:
         if self.call.chat:
