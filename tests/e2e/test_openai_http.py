@@ -200,6 +200,27 @@ def test_rate_limited_is_429_with_retry_after_and_ratelimit_headers(stack: Stack
         limiter.stop()
 
 
+def test_no_adapter_to_serve_is_503_with_retry_after(stack: Stack, tmp_path: Path) -> None:
+    """A gateway whose only adapter has died: OpenAI's 503 (its SDK retries those), not a 500 or a hang."""
+    adapter, adapter_address, _ = stack.add_adapter("adapter-openai-503")
+    http_port = free_port()
+    gateway, _ = start_gateway(
+        stack, tmp_path, "gateway-openai-503", stack.ratelimit_address, http_port=str(http_port), adapter_url=adapter_address
+    )
+    try:
+        served = openai.OpenAI(base_url=f"http://127.0.0.1:{http_port}/v1", api_key=DEMO_KEY, max_retries=0, timeout=60)
+        assert served.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=2).choices[0].finish_reason
+        adapter.kill()
+        with pytest.raises(openai.InternalServerError) as unavailable:
+            served.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=2)
+        assert unavailable.value.status_code == 503 and unavailable.value.code == "unavailable"
+        assert int(unavailable.value.response.headers["retry-after"]) >= 1
+        body = unavailable.value.body
+        assert isinstance(body, dict) and body["type"] == "service_unavailable" and body["message"]
+    finally:
+        gateway.stop()
+
+
 def readme_curls() -> list[str]:
     readme = (REPO_ROOT / "README.md").read_text()
     section = readme.split("## OpenAI-compatible HTTP API", 1)[1].split("\n## ", 1)[0]
