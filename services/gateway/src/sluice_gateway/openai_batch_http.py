@@ -24,7 +24,7 @@ from aiohttp import BodyPartReader, web
 from sluice.common.v1 import types_pb2
 
 from sluice_gateway.jobs_api import MAX_PAGE_SIZE, JobsApi
-from sluice_gateway.model_catalog import ModelCatalog
+from sluice_gateway.model_catalog import ModelCatalog, UnknownModel
 from sluice_gateway.openai_batches import (
     BatchLine,
     batch_object,
@@ -196,7 +196,10 @@ class BatchFront:
         for line in lines:
             call = line.call
             if isinstance(call, EmbeddingCall) and call.dimensions is not None:
-                model = self.models.get(call.request.model, types_pb2.MODEL_KIND_EMBEDDING)
+                try:
+                    model = self.models.get(call.request.model, types_pb2.MODEL_KIND_EMBEDDING)
+                except UnknownModel:
+                    continue  # as any line naming an unknown model: that row fails when it runs
                 if call.dimensions != model.embedding_dimensions:
                     raise OpenAIError(
                         400,
