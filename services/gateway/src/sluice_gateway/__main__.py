@@ -12,7 +12,9 @@ from sluice_gateway.config import ENV_PREFIX, GatewayConfig
 from sluice_gateway.core import GatewayCore
 from sluice_gateway.job_store import JobStore
 from sluice_gateway.jobs_api import JobsApi, job_request_publisher
+from sluice_gateway.openai_batch_http import BatchFront
 from sluice_gateway.openai_http import OpenAIFront, RunningHttp, start_http
+from sluice_gateway.openai_store import OpenAIStore
 from sluice_gateway.servicer import GatewayServicer
 
 log = structlog.stdlib.get_logger("sluice.gateway")
@@ -43,7 +45,9 @@ async def serve(config: GatewayConfig) -> None:
     http: RunningHttp | None = None
     if config.http_port:
         front = OpenAIFront(core.tenants, path)
-        http = await start_http(front, config.host, config.http_port, config.http_max_body_bytes, config.shutdown_grace_s)
+        # OpenAI's Files and Batch APIs: their tables are in the job store's database.
+        batches = BatchFront(front, OpenAIStore(job_store.db), jobs, core.models, config.files_max_bytes, config.jobs_max_rows)
+        http = await start_http(front, config.host, config.http_port, config.http_max_body_bytes, config.shutdown_grace_s, batches)
     await running.set_serving(True)
     log.info("ready", adapter=config.adapter_url, models=[m.name for m in core.models.models], http_port=http.port if http else None)
 

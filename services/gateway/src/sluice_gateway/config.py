@@ -29,6 +29,9 @@ class GatewayConfig(ServerConfig):
     # test stack set 8080 or a free port. Request bodies larger than HTTP_MAX_BODY_BYTES get 413.
     http_port: int = 0
     http_max_body_bytes: int = 4 * 1024 * 1024
+    # The largest file POST /v1/files stores (a batch input file, JSONL; kept in the job store's
+    # database); larger uploads get 413. OpenAI's own bound is 200 MB.
+    files_max_bytes: int = 100 * 1024 * 1024
     # How often the model list is re-read from the adapter.
     models_refresh_s: float = 30.0
     # How long startup waits for the adapter to list its models.
@@ -104,6 +107,7 @@ class GatewayConfig(ServerConfig):
         require(self.default_max_tokens >= 1, f"{ENV_PREFIX}DEFAULT_MAX_TOKENS must be >= 1, got {self.default_max_tokens}")
         require(0 <= self.http_port <= 65535, f"{ENV_PREFIX}HTTP_PORT must be in [0, 65535] (0: off), got {self.http_port}")
         require(self.http_max_body_bytes >= 1024, f"{ENV_PREFIX}HTTP_MAX_BODY_BYTES must be >= 1024, got {self.http_max_body_bytes}")
+        require(self.files_max_bytes >= 1024, f"{ENV_PREFIX}FILES_MAX_BYTES must be >= 1024, got {self.files_max_bytes}")
         require(self.events_outbox_size >= 1, f"{ENV_PREFIX}EVENTS_OUTBOX_SIZE must be >= 1, got {self.events_outbox_size}")
         require(self.jobs_max_rows >= 1, f"{ENV_PREFIX}JOBS_MAX_ROWS must be >= 1, got {self.jobs_max_rows}")
         require(

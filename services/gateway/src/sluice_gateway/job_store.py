@@ -105,6 +105,38 @@ MIGRATIONS = (
             "CREATE INDEX jobs_state ON jobs (state, updated_at)",
         ),
     ),
+    (
+        3,
+        "OpenAI Batch API: files and batches (openai_store)",
+        (
+            # Uploaded batch input files, and the output/error files made from a batch's results.
+            """CREATE TABLE openai_files (
+                file_id TEXT PRIMARY KEY,
+                tenant TEXT NOT NULL,
+                purpose TEXT NOT NULL,
+                filename TEXT NOT NULL,
+                bytes INTEGER NOT NULL,
+                created_at DOUBLE PRECISION NOT NULL,
+                content {blob} NOT NULL
+            )""",
+            "CREATE INDEX openai_files_tenant ON openai_files (tenant, created_at)",
+            # A batch is a job (batch_id = job_id) plus what OpenAI's Batch object says beside it.
+            """CREATE TABLE openai_batches (
+                batch_id TEXT PRIMARY KEY REFERENCES jobs (job_id) ON DELETE CASCADE,
+                tenant TEXT NOT NULL,
+                endpoint TEXT NOT NULL,
+                input_file_id TEXT NOT NULL,
+                completion_window TEXT NOT NULL,
+                metadata TEXT NOT NULL,
+                created_at DOUBLE PRECISION NOT NULL,
+                cancelling_at DOUBLE PRECISION,
+                output_file_id TEXT,
+                error_file_id TEXT,
+                files_made BOOLEAN NOT NULL DEFAULT FALSE
+            )""",
+            "CREATE INDEX openai_batches_tenant ON openai_batches (tenant, created_at)",
+        ),
+    ),
 )
 
 

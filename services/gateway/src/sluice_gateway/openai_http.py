@@ -5,6 +5,7 @@
     POST /v1/completions        the same, for a raw prompt
     POST /v1/embeddings         encoding_format float or base64
     GET  /v1/models, /v1/models/{id}
+    /v1/files, /v1/batches          OpenAI's Files and Batch APIs over bulk jobs (openai_batch_http)
 
 Why aiohttp's server: it runs on the asyncio loop it is started from (AppRunner + TCPSite, no
 thread, no process, no signal handlers of its own, unlike uvicorn's Server), so the HTTP handlers
@@ -31,7 +32,7 @@ import math
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 import structlog
@@ -54,6 +55,9 @@ from sluice_gateway.openai_requests import (
     parse_embeddings,
 )
 from sluice_common.tenants import Tenant, TenantDirectory
+
+if TYPE_CHECKING:
+    from sluice_gateway.openai_batch_http import BatchFront
 
 log = structlog.stdlib.get_logger("sluice.gateway.http")
 
@@ -305,13 +309,25 @@ async def _errors(request: web.Request, handler: Callable[[web.Request], Awaitab
         structlog.contextvars.clear_contextvars()
 
 
-def build_app(front: OpenAIFront, max_body_bytes: int) -> web.Application:
+def build_app(front: OpenAIFront, max_body_bytes: int, batches: BatchFront | None = None) -> web.Application:
     app = web.Application(middlewares=[_errors], client_max_size=max_body_bytes)
     app.router.add_post("/v1/chat/completions", front.chat_completions)
     app.router.add_post("/v1/completions", front.completions)
     app.router.add_post("/v1/embeddings", front.embeddings)
     app.router.add_get("/v1/models", front.models)
     app.router.add_get("/v1/models/{model}", front.model)
+    if batches is not None:
+        # Uploads are read part by part up to SLUICE_GATEWAY_FILES_MAX_BYTES (not client_max_size,
+        # which bounds the JSON bodies read whole).
+        app.router.add_post("/v1/files", batches.create_file)
+        app.router.add_get("/v1/files", batches.list_files)
+        app.router.add_get("/v1/files/{file_id}", batches.get_file)
+        app.router.add_delete("/v1/files/{file_id}", batches.delete_file)
+        app.router.add_get("/v1/files/{file_id}/content", batches.file_content)
+        app.router.add_post("/v1/batches", batches.create_batch)
+        app.router.add_get("/v1/batches", batches.list_batches)
+        app.router.add_get("/v1/batches/{batch_id}", batches.get_batch)
+        app.router.add_post("/v1/batches/{batch_id}/cancel", batches.cancel_batch)
     return app
 
 
@@ -325,9 +341,11 @@ class RunningHttp:
         await self.runner.cleanup()
 
 
-async def start_http(front: OpenAIFront, host: str, port: int, max_body_bytes: int, grace_s: float) -> RunningHttp:
+async def start_http(
+    front: OpenAIFront, host: str, port: int, max_body_bytes: int, grace_s: float, batches: BatchFront | None = None
+) -> RunningHttp:
     """Starts the HTTP listener on the running loop; port 0 binds a free one (tests)."""
-    runner = web.AppRunner(build_app(front, max_body_bytes), handler_cancellation=True, shutdown_timeout=grace_s, access_log=None)
+    runner = web.AppRunner(build_app(front, max_body_bytes, batches), handler_cancellation=True, shutdown_timeout=grace_s, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     await site.start()

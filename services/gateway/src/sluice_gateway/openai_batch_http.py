@@ -1,0 +1,273 @@
+"""OpenAI's Files and Batch APIs on the HTTP front (routes registered in openai_http.build_app).
+
+    POST   /v1/files                 multipart (purpose "batch", file: JSONL), each line checked
+    GET    /v1/files, /v1/files/{id}, /v1/files/{id}/content;  DELETE /v1/files/{id}
+    POST   /v1/batches               a bulk job through JobsApi.submit (same validation, store,
+                                     worker fleet, states and counts as gRPC SubmitJob)
+    GET    /v1/batches, /v1/batches/{id};  POST /v1/batches/{id}/cancel
+
+Thin: authentication and error shapes are the OpenAI front's (OpenAIFront._tenant, the _errors
+middleware); the mapping is openai_batches, the state openai_store (in the job store's database).
+A batch's output and error files are made from its stored RowResults the first time it is read
+settled, then served like any file.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import structlog
+from aiohttp import BodyPartReader, web
+from sluice.common.v1 import types_pb2
+
+from sluice_gateway.jobs_api import MAX_PAGE_SIZE, JobsApi
+from sluice_gateway.model_catalog import ModelCatalog, UnknownModel
+from sluice_gateway.openai_batches import (
+    BatchLine,
+    batch_object,
+    check_endpoint,
+    job_request,
+    parse_batch_file,
+    parse_create,
+    result_file_ids,
+    result_files,
+    settled,
+    status_of,
+)
+from sluice_gateway.openai_requests import EmbeddingCall, OpenAIError
+from sluice_gateway.openai_store import MAX_LIST_LIMIT, OpenAIStore, StoredBatch, new_id
+from sluice_gateway.tenants import Tenant
+
+if TYPE_CHECKING:
+    from sluice_gateway.openai_http import OpenAIFront
+
+log = structlog.stdlib.get_logger("sluice.gateway.http")
+
+PURPOSES = ("batch",)
+_CHUNK = 64 * 1024
+
+
+def _json(body: Any, status: int = 200) -> web.Response:
+    return web.Response(text=json.dumps(body), status=status, content_type="application/json")
+
+
+def _limit(request: web.Request, default: int = 20) -> int:
+    raw = request.query.get("limit")
+    if raw is None:
+        return default
+    if not raw.isdigit() or not 1 <= int(raw) <= MAX_LIST_LIMIT:
+        raise OpenAIError(400, f"limit must be an integer from 1 to {MAX_LIST_LIMIT}, got {raw!r}", param="limit", code="invalid_value")
+    return int(raw)
+
+
+def _list(data: list[dict[str, Any]], has_more: bool) -> dict[str, Any]:
+    return {
+        "object": "list",
+        "data": data,
+        "first_id": data[0]["id"] if data else None,
+        "last_id": data[-1]["id"] if data else None,
+        "has_more": has_more,
+    }
+
+
+def _api_key(request: web.Request) -> str:
+    """The key the tenant authenticated with: the job carries it, and validate_job checks it again."""
+    return request.headers.get("Authorization", "")[len("Bearer ") :].strip()
+
+
+@dataclass
+class BatchFront:
+    front: OpenAIFront
+    store: OpenAIStore
+    jobs: JobsApi
+    models: ModelCatalog
+    files_max_bytes: int
+    max_rows: int
+
+    # ---- files
+
+    async def create_file(self, request: web.Request) -> web.Response:
+        tenant = self.front._tenant(request)
+        if not request.content_type.startswith("multipart/"):
+            raise OpenAIError(400, "Upload a file as multipart/form-data with the fields purpose and file.", param="file", code="invalid_content_type")
+        purpose, filename, content = await self._read_upload(request)
+        if purpose is None:
+            raise OpenAIError(400, "Missing required parameter: 'purpose'.", param="purpose", code="missing_required_parameter")
+        if purpose not in PURPOSES:
+            raise OpenAIError(400, f"purpose must be one of {', '.join(PURPOSES)} (Sluice stores batch input files only), got {purpose!r}", param="purpose", code="invalid_value")
+        if content is None:
+            raise OpenAIError(400, "Missing required parameter: 'file'.", param="file", code="missing_required_parameter")
+        lines = parse_batch_file(content, self.max_rows)  # a bad line: 400 naming it
+        stored = await self.store.create_file(tenant.name, purpose, filename or "upload.jsonl", content)
+        log.info("file_stored", tenant=tenant.name, file_id=stored.file_id, bytes=stored.bytes, lines=len(lines))
+        return _json(stored.to_openai())
+
+    async def _read_upload(self, request: web.Request) -> tuple[str | None, str | None, bytes | None]:
+        """The purpose field and the file part, read chunk by chunk up to files_max_bytes (413
+        past it) rather than with the JSON endpoints' body limit."""
+        reader = await request.multipart()
+        purpose: str | None = None
+        filename: str | None = None
+        content: bytes | None = None
+        while (part := await reader.next()) is not None:
+            if not isinstance(part, BodyPartReader):
+                continue
+            if part.name == "purpose":
+                purpose = (await part.read(decode=True)).decode("utf-8", "replace").strip()
+            elif part.name == "file":
+                filename = part.filename
+                content = await self._bounded(part)
+            else:
+                await part.release()
+        return purpose, filename, content
+
+    async def _bounded(self, part: BodyPartReader) -> bytes:
+        chunks: list[bytes] = []
+        size = 0
+        while chunk := await part.read_chunk(_CHUNK):
+            size += len(chunk)
+            if size > self.files_max_bytes:
+                raise OpenAIError(413, f"The file is larger than the limit of {self.files_max_bytes} bytes (SLUICE_GATEWAY_FILES_MAX_BYTES).", param="file", code="file_too_large")
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    async def _file(self, tenant: Tenant, file_id: str) -> Any:
+        stored = await self.store.get_file(tenant.name, file_id)
+        if stored is None:
+            raise OpenAIError(404, f"No such File object: {file_id}", param="id", code="not_found")
+        return stored
+
+    async def get_file(self, request: web.Request) -> web.Response:
+        tenant = self.front._tenant(request)
+        return _json((await self._file(tenant, request.match_info["file_id"])).to_openai())
+
+    async def file_content(self, request: web.Request) -> web.Response:
+        tenant = self.front._tenant(request)
+        file_id = request.match_info["file_id"]
+        content = await self.store.file_content(tenant.name, file_id)
+        if content is None:
+            raise OpenAIError(404, f"No such File object: {file_id}", param="id", code="not_found")
+        return web.Response(body=content, content_type="application/octet-stream")
+
+    async def list_files(self, request: web.Request) -> web.Response:
+        tenant = self.front._tenant(request)
+        page = await self.store.list_files(tenant.name, _limit(request, MAX_LIST_LIMIT), request.query.get("after"), request.query.get("purpose"))
+        return _json(_list([f.to_openai() for f in page.items], page.has_more))
+
+    async def delete_file(self, request: web.Request) -> web.Response:
+        tenant = self.front._tenant(request)
+        file_id = request.match_info["file_id"]
+        if not await self.store.delete_file(tenant.name, file_id):
+            raise OpenAIError(404, f"No such File object: {file_id}", param="id", code="not_found")
+        return _json({"id": file_id, "object": "file", "deleted": True})
+
+    # ---- batches
+
+    async def create_batch(self, request: web.Request) -> web.Response:
+        tenant = self.front._tenant(request)
+        create = parse_create(await self.front._body(request))
+        structlog.contextvars.bind_contextvars(tenant=tenant.name)
+        source = await self.store.get_file(tenant.name, create.input_file_id)
+        content = await self.store.file_content(tenant.name, create.input_file_id)
+        if source is None or content is None:
+            raise OpenAIError(404, f"No such File object: {create.input_file_id}", param="input_file_id", code="not_found")
+        if source.purpose != "batch":
+            raise OpenAIError(400, f"File {source.file_id} has purpose {source.purpose}; a batch needs a file uploaded with purpose batch.", param="input_file_id", code="invalid_value")
+        lines = parse_batch_file(content, self.max_rows)
+        check_endpoint(lines, create.endpoint)
+        self._check_dimensions(lines)
+        batch_id = new_id("batch_")
+        # JobsApi.submit: validate_job, the job store, the exchange the job workers consume.
+        job = await self.jobs.submit(tenant, _api_key(request), job_request(batch_id, _api_key(request), lines, create.completion_window))
+        batch = StoredBatch(
+            batch_id, tenant.name, create.endpoint, create.input_file_id, create.completion_window, create.metadata,
+            time.time(), None, None, None, False,
+        )  # fmt: skip
+        await self.store.create_batch(batch)
+        log.info("batch_created", batch_id=batch_id, input_file_id=create.input_file_id, rows=len(lines))
+        return _json(self._object(batch, job))
+
+    def _check_dimensions(self, lines: list[BatchLine]) -> None:
+        """As the synchronous /v1/embeddings: a dimensions other than the model's is refused (here
+        when the batch is created, naming the line, rather than row by row later)."""
+        for line in lines:
+            call = line.call
+            if isinstance(call, EmbeddingCall) and call.dimensions is not None:
+                try:
+                    model = self.models.get(call.request.model, types_pb2.MODEL_KIND_EMBEDDING)
+                except UnknownModel:
+                    continue  # as any line naming an unknown model: that row fails when it runs
+                if call.dimensions != model.embedding_dimensions:
+                    raise OpenAIError(
+                        400,
+                        f"Line {line.line}: {model.name} makes {model.embedding_dimensions}-dimensional embeddings; dimensions={call.dimensions} is not supported",
+                        param="body.dimensions",
+                        code="invalid_value",
+                    )
+
+    def _object(self, batch: StoredBatch, job: Any) -> dict[str, Any]:
+        return batch_object(
+            batch.batch_id, batch.endpoint, batch.input_file_id, batch.completion_window, batch.metadata, batch.created_at,
+            batch.cancelling_at, job, batch.output_file_id, batch.error_file_id,
+        )  # fmt: skip
+
+    async def _batch(self, tenant: Tenant, batch_id: str) -> StoredBatch:
+        batch = await self.store.get_batch(tenant.name, batch_id)
+        if batch is None:
+            raise OpenAIError(404, f"No such Batch object: {batch_id}", param="batch_id", code="not_found")
+        return batch
+
+    async def _current(self, tenant: Tenant, batch: StoredBatch) -> dict[str, Any]:
+        """The Batch object now; the first read of a settled batch makes its output/error files."""
+        job = await self.jobs.get(tenant, batch.batch_id)
+        if settled(job) and not batch.files_made:
+            await self._make_files(tenant, batch, int(job.updated_at.seconds))
+            batch = await self._batch(tenant, batch.batch_id)
+        return self._object(batch, job)
+
+    async def _make_files(self, tenant: Tenant, batch: StoredBatch, created: int) -> None:
+        content = await self.store.file_content(tenant.name, batch.input_file_id)
+        if content is None:
+            # The input file was deleted: the results stay listable over gRPC, but without the
+            # requests the bodies cannot be shaped as their endpoint answers.
+            log.warning("batch_input_file_gone", batch_id=batch.batch_id, input_file_id=batch.input_file_id)
+            await self.store.set_result_files(batch.batch_id, None, None)
+            return
+        # No row bound here: the batch was accepted already (a setting lowered since must not lose it).
+        lines = parse_batch_file(content, len(content))
+        results = []
+        token = ""
+        while True:
+            page, token = await self.jobs.list_results(tenant, batch.batch_id, MAX_PAGE_SIZE, token)
+            results.extend(page)
+            if not token:
+                break
+        output, errors = result_files(batch.batch_id, lines, results, created)
+        output_id, error_id = result_file_ids(batch.batch_id)
+        for file_id, data, name in ((output_id, output, "output"), (error_id, errors, "errors")):
+            if data:
+                await self.store.create_file(tenant.name, "batch_output", f"{batch.batch_id}_{name}.jsonl", data, file_id)
+        await self.store.set_result_files(batch.batch_id, output_id if output else None, error_id if errors else None)
+        log.info("batch_files_made", batch_id=batch.batch_id, output_lines=output.count(b"\n"), error_lines=errors.count(b"\n"))
+
+    async def get_batch(self, request: web.Request) -> web.Response:
+        tenant = self.front._tenant(request)
+        return _json(await self._current(tenant, await self._batch(tenant, request.match_info["batch_id"])))
+
+    async def list_batches(self, request: web.Request) -> web.Response:
+        tenant = self.front._tenant(request)
+        page = await self.store.list_batches(tenant.name, _limit(request), request.query.get("after"))
+        return _json(_list([await self._current(tenant, batch) for batch in page.items], page.has_more))
+
+    async def cancel_batch(self, request: web.Request) -> web.Response:
+        tenant = self.front._tenant(request)
+        batch = await self._batch(tenant, request.match_info["batch_id"])
+        status = status_of(await self.jobs.get(tenant, batch.batch_id))
+        if status in ("completed", "failed", "expired", "finalizing"):
+            raise OpenAIError(409, f"Cannot cancel a batch with status {status}.", param="batch_id", code="batch_not_cancellable")
+        if status_of(await self.jobs.cancel(tenant, batch.batch_id)) in ("cancelling", "cancelled"):
+            await self.store.mark_cancelling(batch.batch_id)
+        return _json(await self._current(tenant, await self._batch(tenant, batch.batch_id)))

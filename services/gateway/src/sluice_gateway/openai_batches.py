@@ -1,0 +1,321 @@
+"""OpenAI's Batch API <-> Sluice's bulk jobs: the plain mapping (no HTTP, no grpc).
+
+- a batch input file (JSONL, one `{"custom_id", "method": "POST", "url", "body"}` per line) is
+  checked line by line with the HTTP front's own converters (openai_requests.parse_chat,
+  parse_completion, parse_embeddings): a bad line is a 400 naming its line number;
+- its lines become one JobRequest (a JobRow per line: GenerateRow / EmbedRow), which JobsApi.submit
+  validates, records and hands to the job workers like any other job;
+- the job (jobs_pb2.Job) is answered as OpenAI's Batch object (same state names: the job's states
+  mirror OpenAI's);
+- once the job is settled, its stored RowResults become the output file (one line per answered
+  row, its body exactly what the synchronous endpoint answers) and the error file (one line per
+  failed row, `response: null`, `error: {code, message}`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from sluice.common.v1 import types_pb2
+from sluice.gateway.v1 import gateway_pb2
+from sluice.jobs.v1 import jobs_pb2
+
+from sluice_gateway.openai_requests import (
+    FINISH_REASONS,
+    Completion,
+    EmbeddingCall,
+    GenerationCall,
+    OpenAIError,
+    embeddings_reply,
+    invalid,
+    parse_chat,
+    parse_completion,
+    parse_embeddings,
+)
+
+Call = GenerationCall | EmbeddingCall
+PARSERS: dict[str, Callable[[dict[str, Any]], Call]] = {
+    "/v1/chat/completions": parse_chat,
+    "/v1/completions": parse_completion,
+    "/v1/embeddings": parse_embeddings,
+}
+# OpenAI accepts only "24h".
+COMPLETION_WINDOWS = {"24h": 86400}
+_LINE_FIELDS = {"custom_id", "method", "url", "body"}
+_CREATE_FIELDS = {"input_file_id", "endpoint", "completion_window", "metadata"}
+# OpenAI's metadata bounds: 16 pairs, keys up to 64 characters, values up to 512.
+MAX_METADATA_PAIRS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512
+
+_STATES = {
+    jobs_pb2.JOB_STATE_VALIDATING: "validating",
+    jobs_pb2.JOB_STATE_IN_PROGRESS: "in_progress",
+    jobs_pb2.JOB_STATE_FINALIZING: "finalizing",
+    jobs_pb2.JOB_STATE_COMPLETED: "completed",
+    jobs_pb2.JOB_STATE_FAILED: "failed",
+    jobs_pb2.JOB_STATE_EXPIRED: "expired",
+    jobs_pb2.JOB_STATE_CANCELLING: "cancelling",
+    jobs_pb2.JOB_STATE_CANCELLED: "cancelled",
+}
+_TERMINAL = ("completed", "failed", "expired", "cancelled")
+
+
+@dataclass(frozen=True)
+class BatchLine:
+    line: int  # 1-based, as an editor shows it
+    custom_id: str
+    url: str
+    call: Call
+
+
+def _line_error(line: int, message: str, param: str | None = None, code: str | None = "invalid_batch_line") -> OpenAIError:
+    return OpenAIError(400, f"Line {line} of the batch file: {message}", param=param, code=code)
+
+
+def _parse_line(number: int, text: str) -> BatchLine:
+    try:
+        document = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise _line_error(number, f"not valid JSON ({exc})") from None
+    if not isinstance(document, dict):
+        raise _line_error(number, "each line must be a JSON object with custom_id, method, url and body")
+    for name in document:
+        if name not in _LINE_FIELDS:
+            raise _line_error(number, f"unknown field {name!r}; a line has custom_id, method, url and body", name)
+    custom_id = document.get("custom_id")
+    if not isinstance(custom_id, str) or not custom_id:
+        raise _line_error(number, "custom_id must be a non-empty string", "custom_id")
+    if document.get("method") != "POST":
+        raise _line_error(number, f"method must be \"POST\", got {document.get('method')!r}", "method")
+    url = document.get("url")
+    if url not in PARSERS:
+        raise _line_error(number, f"url must be one of {', '.join(PARSERS)}, got {url!r}", "url")
+    body = document.get("body")
+    if not isinstance(body, dict):
+        raise _line_error(number, "body must be a JSON object (the request the url takes)", "body")
+    try:
+        call = PARSERS[url](body)
+    except OpenAIError as exc:
+        raise _line_error(number, exc.message, f"body.{exc.param}" if exc.param else "body", exc.code) from None
+    if isinstance(call, GenerationCall) and call.options.stream:
+        raise _line_error(number, "stream is not supported in a batch; omit it or send false", "body.stream", "unsupported_parameter")
+    return BatchLine(number, custom_id, url, call)
+
+
+def parse_batch_file(content: bytes, max_lines: int) -> list[BatchLine]:
+    """Every line of a batch input file, or a 400 naming the first bad one. Blank lines (a
+    trailing newline) are skipped; custom ids are unique in a file."""
+    try:
+        text = content.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise OpenAIError(400, f"The batch file is not UTF-8 text: {exc}", param="file", code="invalid_file") from None
+    lines: list[BatchLine] = []
+    seen: dict[str, int] = {}
+    for number, raw in enumerate(text.splitlines(), start=1):
+        if not raw.strip():
+            continue
+        line = _parse_line(number, raw)
+        if line.custom_id in seen:
+            raise _line_error(number, f"custom_id {line.custom_id!r} is already used on line {seen[line.custom_id]}; custom ids are unique", "custom_id")
+        seen[line.custom_id] = number
+        lines.append(line)
+        if len(lines) > max_lines:
+            raise OpenAIError(400, f"The batch file has more than {max_lines} requests, the most one batch may hold.", param="file", code="too_many_requests")
+    if not lines:
+        raise OpenAIError(400, "The batch file has no requests: one JSON object per line.", param="file", code="empty_file")
+    return lines
+
+
+@dataclass(frozen=True)
+class CreateBatch:
+    input_file_id: str
+    endpoint: str
+    completion_window: str
+    metadata: dict[str, str] | None
+
+
+def parse_create(body: dict[str, Any]) -> CreateBatch:
+    """POST /v1/batches' body."""
+    for name in body:
+        if name not in _CREATE_FIELDS:
+            raise invalid(name, f"Unrecognized request argument supplied: {name}", "unknown_parameter")
+    input_file_id = body.get("input_file_id")
+    if not isinstance(input_file_id, str) or not input_file_id:
+        raise invalid("input_file_id", "input_file_id must be the id of an uploaded file (purpose batch)", "missing_required_parameter")
+    endpoint = body.get("endpoint")
+    if endpoint not in PARSERS:
+        raise invalid("endpoint", f"endpoint must be one of {', '.join(PARSERS)}, got {endpoint!r}", "invalid_value")
+    window = body.get("completion_window")
+    if window not in COMPLETION_WINDOWS:
+        raise invalid("completion_window", f"completion_window must be one of {', '.join(COMPLETION_WINDOWS)}, got {window!r}", "invalid_value")
+    return CreateBatch(input_file_id, endpoint, window, _metadata(body.get("metadata")))
+
+
+def _metadata(metadata: Any) -> dict[str, str] | None:
+    if metadata is None:
+        return None
+    if not isinstance(metadata, dict) or len(metadata) > MAX_METADATA_PAIRS:
+        raise invalid("metadata", f"metadata must be an object of at most {MAX_METADATA_PAIRS} string pairs", "invalid_type")
+    for key, value in metadata.items():
+        if len(key) > MAX_METADATA_KEY or not isinstance(value, str) or len(value) > MAX_METADATA_VALUE:
+            raise invalid(
+                f"metadata.{key}", f"metadata keys are at most {MAX_METADATA_KEY} characters, values strings of at most {MAX_METADATA_VALUE}", "invalid_value"
+            )
+    return dict(metadata)
+
+
+def check_endpoint(lines: Iterable[BatchLine], endpoint: str) -> None:
+    """OpenAI runs one endpoint per batch: every line's url must be it."""
+    for line in lines:
+        if line.url != endpoint:
+            raise OpenAIError(
+                400,
+                f"Line {line.line} of the input file has url {line.url}, but the batch's endpoint is {endpoint}; every line must use the batch's endpoint.",
+                param="endpoint",
+                code="invalid_value",
+            )
+
+
+def job_row(line: BatchLine) -> jobs_pb2.JobRow:
+    """The converted request as a job row (the worker runs it as the synchronous endpoint would)."""
+    row = jobs_pb2.JobRow(custom_id=line.custom_id)
+    if isinstance(line.call, EmbeddingCall):
+        row.embed.CopyFrom(jobs_pb2.EmbedRow(model=line.call.request.model, inputs=line.call.request.inputs))
+        return row
+    request = line.call.request
+    row.generate.CopyFrom(
+        jobs_pb2.GenerateRow(
+            model=request.model, messages=request.messages, prompt=request.prompt, sampling=request.sampling,
+            response_format=request.response_format,
+        )  # fmt: skip
+    )
+    return row
+
+
+def job_request(batch_id: str, api_key: str, lines: list[BatchLine], completion_window: str) -> jobs_pb2.JobRequest:
+    job = jobs_pb2.JobRequest(job_id=batch_id, api_key=api_key, rows=[job_row(line) for line in lines])
+    job.completion_window.FromSeconds(COMPLETION_WINDOWS[completion_window])
+    return job
+
+
+# ---- the Batch object
+
+
+def status_of(job: jobs_pb2.Job) -> str:
+    return _STATES.get(job.state, "validating")
+
+
+def settled(job: jobs_pb2.Job) -> bool:
+    """Ended, and no row will be stored any more (an expired job stores its last rows late)."""
+    status = status_of(job)
+    return status in _TERMINAL and (status != "expired" or job.completed_rows + job.failed_rows >= job.total_rows)
+
+
+def _seconds(timestamp: Any) -> int | None:
+    return int(timestamp.seconds) if timestamp.seconds or timestamp.nanos else None
+
+
+def batch_object(
+    batch_id: str,
+    endpoint: str,
+    input_file_id: str,
+    completion_window: str,
+    metadata: dict[str, str] | None,
+    created_at: float,
+    cancelling_at: float | None,
+    job: jobs_pb2.Job,
+    output_file_id: str | None = None,
+    error_file_id: str | None = None,
+) -> dict[str, Any]:
+    """openai.types.Batch. The job store keeps when a job was last changed, not when it entered
+    each state, so a terminal state's time is the job's updated_at and in_progress_at and
+    finalizing_at stay null."""
+    status = status_of(job)
+    ended = _seconds(job.updated_at)
+    reply: dict[str, Any] = {
+        "id": batch_id,
+        "object": "batch",
+        "endpoint": endpoint,
+        "errors": None,
+        "input_file_id": input_file_id,
+        "completion_window": completion_window,
+        "status": status,
+        "output_file_id": output_file_id,
+        "error_file_id": error_file_id,
+        "created_at": int(created_at),
+        "in_progress_at": None,
+        "expires_at": _seconds(job.expires_at),
+        "finalizing_at": None,
+        "completed_at": ended if status == "completed" else None,
+        "failed_at": ended if status == "failed" else None,
+        "expired_at": ended if status == "expired" else None,
+        "cancelling_at": int(cancelling_at) if cancelling_at is not None else None,
+        "cancelled_at": ended if status == "cancelled" else None,
+        "request_counts": {"total": job.total_rows, "completed": job.completed_rows, "failed": job.failed_rows},
+        "metadata": metadata,
+    }
+    if status == "failed" and job.error:
+        reply["errors"] = {"object": "list", "data": [{"code": "batch_failed", "message": job.error, "param": None, "line": None}]}
+    return reply
+
+
+# ---- output and error files
+
+
+def result_file_ids(batch_id: str) -> tuple[str, str]:
+    """The output and error files' ids, derived from the batch's: two gateways making them at once
+    store the same files."""
+    suffix = batch_id.removeprefix("batch_")
+    return f"file-{suffix}-output", f"file-{suffix}-errors"
+
+
+def _request_ids(batch_id: str, custom_id: str) -> tuple[str, str]:
+    """A line's id and its response's request id, stable across reads of the file."""
+    digest = hashlib.sha256(f"{batch_id}/{custom_id}".encode()).hexdigest()[:24]
+    return f"batch_req_{digest}", f"req_{digest}"
+
+
+def response_body(call: Call, result: jobs_pb2.RowResult, request_id: str, created: int) -> dict[str, Any] | None:
+    """What the synchronous endpoint would have answered; None when the generation did not finish."""
+    if isinstance(call, EmbeddingCall):
+        reply = gateway_pb2.EmbedResponse(embeddings=result.embeddings)
+        if result.HasField("usage"):
+            reply.usage.CopyFrom(result.usage)
+        return embeddings_reply(call, reply)
+    finish = FINISH_REASONS.get(result.finish_reason)
+    if finish is None:
+        return None
+    usage: types_pb2.Usage | None = result.usage if result.HasField("usage") else None
+    return Completion(call, request_id, created=created).whole(result.output, finish, usage)
+
+
+def result_files(batch_id: str, lines: list[BatchLine], results: Iterable[jobs_pb2.RowResult], created: int) -> tuple[bytes, bytes]:
+    """(output JSONL, error JSONL), in the input file's order."""
+    by_id = {line.custom_id: line for line in lines}
+    outputs: dict[str, str] = {}
+    errors: dict[str, str] = {}
+    for result in results:
+        line = by_id.get(result.custom_id)
+        if line is None:
+            continue
+        line_id, request_id = _request_ids(batch_id, result.custom_id)
+        body = None if result.HasField("error") else response_body(line.call, result, request_id, created)
+        if body is not None:
+            record = {"id": line_id, "custom_id": result.custom_id, "response": {"status_code": 200, "request_id": request_id, "body": body}, "error": None}
+            outputs[result.custom_id] = json.dumps(record)
+            continue
+        if result.HasField("error"):
+            error = {"code": result.error.code.lower(), "message": result.error.message}
+        else:
+            name = types_pb2.FinishReason.Name(result.finish_reason)
+            error = {"code": "generation_failed", "message": f"The generation did not finish ({name})."}
+        errors[result.custom_id] = json.dumps({"id": line_id, "custom_id": result.custom_id, "response": None, "error": error})
+    order = [line.custom_id for line in lines]
+    return _jsonl(outputs, order), _jsonl(errors, order)
+
+
+def _jsonl(records: dict[str, str], order: list[str]) -> bytes:
+    return "".join(records[custom_id] + "\n" for custom_id in order if custom_id in records).encode()

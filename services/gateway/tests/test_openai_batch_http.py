@@ -1,0 +1,175 @@
+"""/v1/files and /v1/batches on the HTTP front over a real (SQLite) job store and the real JobsApi;
+the job worker's part is played by the store calls it makes (accept, finish_row, summary_told).
+Replies are checked against the openai package's types."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from aiohttp import FormData
+from aiohttp.test_utils import TestClient, TestServer
+from openai.types import Batch, FileObject
+from openai.types.chat import ChatCompletion
+from sluice.common.v1 import types_pb2
+from sluice.inference.v1 import inference_pb2
+from sluice.jobs.v1 import jobs_pb2
+
+from sluice_gateway.job_store import JobStore
+from sluice_gateway.jobs_api import JobsApi
+from sluice_gateway.model_catalog import ModelCatalog
+from sluice_gateway.openai_batch_http import BatchFront
+from sluice_gateway.openai_http import OpenAIFront, build_app
+from sluice_gateway.openai_store import OpenAIStore
+from sluice_gateway.tenants import TenantDirectory
+
+TENANTS = TenantDirectory.from_file(Path(__file__).resolve().parents[3] / "config" / "tenants.toml")
+DEMO = {"Authorization": "Bearer sk-sluice-demo"}
+PRIVATE = {"Authorization": "Bearer sk-sluice-private"}
+USAGE = types_pb2.Usage(prompt_tokens=7, completion_tokens=2, total_tokens=9)
+
+
+class _Models:
+    """The adapter's model list (all the catalog asks it)."""
+
+    async def ListModels(self, request, timeout=None):  # type: ignore[no-untyped-def]  # noqa: N802
+        return inference_pb2.ListModelsResponse(
+            models=[
+                types_pb2.ModelInfo(name="g", kind=types_pb2.MODEL_KIND_GENERATION, context_length=2048),
+                types_pb2.ModelInfo(name="e", kind=types_pb2.MODEL_KIND_EMBEDDING, embedding_dimensions=3),
+            ]
+        )
+
+
+class Setup:
+    def __init__(self, client: TestClient, store: JobStore, published: list[jobs_pb2.JobRequest]) -> None:
+        self.client = client
+        self.store = store
+        self.published = published
+
+    async def upload(self, content: str, headers: dict[str, str] = DEMO, purpose: str = "batch") -> Any:
+        form = FormData()
+        form.add_field("purpose", purpose)
+        form.add_field("file", content.encode(), filename="in.jsonl", content_type="application/jsonl")
+        return await self.client.post("/v1/files", data=form, headers=headers)
+
+    async def batch(self, file_id: str, endpoint: str = "/v1/chat/completions", headers: dict[str, str] = DEMO) -> Any:
+        body = {"input_file_id": file_id, "endpoint": endpoint, "completion_window": "24h", "metadata": {"run": "t"}}
+        return await self.client.post("/v1/batches", json=body, headers=headers)
+
+
+@pytest.fixture
+async def setup(tmp_path: Path) -> AsyncIterator[Setup]:
+    store = JobStore.create("", tmp_path / "jobs.sqlite3")
+    await store.open()
+    published: list[jobs_pb2.JobRequest] = []
+    jobs = JobsApi(store, TENANTS, published.append, max_rows=10, completion_window_s=86400.0)
+    models = ModelCatalog(_Models())  # type: ignore[arg-type]
+    await models.refresh()
+    front = OpenAIFront(TENANTS, None)  # type: ignore[arg-type]  # the batch routes never run a request inline
+    batches = BatchFront(front, OpenAIStore(store.db), jobs, models, files_max_bytes=2048, max_rows=10)
+    client = TestClient(TestServer(build_app(front, 4096, batches)))
+    await client.start_server()
+    yield Setup(client, store, published)
+    await client.close()
+    await store.close()
+
+
+def line(custom_id: str, body: dict[str, Any], url: str = "/v1/chat/completions") -> str:
+    return json.dumps({"custom_id": custom_id, "method": "POST", "url": url, "body": body})
+
+
+CHAT = {"model": "g", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+
+
+async def test_upload_is_checked_line_by_line_and_bounded(setup: Setup) -> None:
+    reply = await setup.upload(line("a", CHAT) + "\n" + line("b", {**CHAT, "temperature": "hot"}) + "\n")
+    error = (await reply.json())["error"]
+    assert reply.status == 400 and "Line 2" in error["message"] and error["param"] == "body.temperature"
+    reply = await setup.upload("\n".join(line(str(i), CHAT) for i in range(40)))
+    assert reply.status == 413 and (await reply.json())["error"]["code"] == "file_too_large"
+    reply = await setup.upload(line("a", CHAT), purpose="fine-tune")
+    assert reply.status == 400 and (await reply.json())["error"]["param"] == "purpose"
+    reply = await setup.upload(line("a", CHAT), headers={"Authorization": "Bearer sk-wrong"})
+    assert reply.status == 401
+
+
+async def test_files_are_per_tenant(setup: Setup) -> None:
+    content = line("a", CHAT) + "\n"
+    stored = FileObject.model_validate(await (await setup.upload(content)).json())
+    assert stored.purpose == "batch" and stored.bytes == len(content) and stored.filename == "in.jsonl"
+    assert (await setup.client.get(f"/v1/files/{stored.id}", headers=DEMO)).status == 200
+    assert await (await setup.client.get(f"/v1/files/{stored.id}/content", headers=DEMO)).read() == content.encode()
+    listed = await (await setup.client.get("/v1/files", headers=DEMO)).json()
+    assert [f["id"] for f in listed["data"]] == [stored.id] and listed["has_more"] is False
+    for path in (f"/v1/files/{stored.id}", f"/v1/files/{stored.id}/content"):
+        assert (await setup.client.get(path, headers=PRIVATE)).status == 404
+    assert (await setup.client.delete(f"/v1/files/{stored.id}", headers=PRIVATE)).status == 404
+    assert (await (await setup.batch(stored.id, headers=PRIVATE)).json())["error"]["param"] == "input_file_id"
+    assert (await (await setup.client.get("/v1/files", headers=PRIVATE)).json())["data"] == []
+    deleted = await setup.client.delete(f"/v1/files/{stored.id}", headers=DEMO)
+    assert deleted.status == 200 and (await deleted.json()) == {"id": stored.id, "object": "file", "deleted": True}
+
+
+async def test_a_batch_is_a_job_and_its_results_become_files(setup: Setup) -> None:
+    content = "\n".join([line("one", CHAT), line("two", CHAT), line("bad", {**CHAT, "model": "nope"})])
+    file_id = (await (await setup.upload(content)).json())["id"]
+    created = await setup.batch(file_id)
+    batch = Batch.model_validate(await created.json())
+    assert created.status == 200 and batch.status == "validating" and batch.input_file_id == file_id and batch.metadata == {"run": "t"}
+    assert batch.request_counts is not None and batch.request_counts.total == 3 and batch.output_file_id is None
+    [job] = setup.published
+    assert job.job_id == batch.id and job.api_key == "sk-sluice-demo" and [r.custom_id for r in job.rows] == ["one", "two", "bad"]
+    assert (await setup.client.get(f"/v1/batches/{batch.id}", headers=PRIVATE)).status == 404
+
+    # What the job worker does with it.
+    await setup.store.accept(batch.id, "demo", "", ["one", "two", "bad"], 86400.0)
+    progress = Batch.model_validate(await (await setup.client.get(f"/v1/batches/{batch.id}", headers=DEMO)).json())
+    assert progress.status == "in_progress"
+    for custom_id in ("one", "two"):
+        await setup.store.finish_row(jobs_pb2.RowResult(job_id=batch.id, custom_id=custom_id, output=f"hi {custom_id}", finish_reason=types_pb2.FINISH_REASON_STOP, usage=USAGE))
+    await setup.store.finish_row(jobs_pb2.RowResult(job_id=batch.id, custom_id="bad", error=jobs_pb2.RowError(code="INVALID_ARGUMENT", message="unknown model 'nope'")))
+    await setup.store.summary_told(batch.id)
+
+    done = Batch.model_validate(await (await setup.client.get(f"/v1/batches/{batch.id}", headers=DEMO)).json())
+    assert done.status == "completed" and done.completed_at is not None
+    assert done.request_counts is not None and (done.request_counts.completed, done.request_counts.failed) == (2, 1)
+    assert done.output_file_id and done.error_file_id
+    output = (await (await setup.client.get(f"/v1/files/{done.output_file_id}/content", headers=DEMO)).read()).decode()
+    records = [json.loads(x) for x in output.splitlines()]
+    assert [r["custom_id"] for r in records] == ["one", "two"]
+    assert ChatCompletion.model_validate(records[0]["response"]["body"]).choices[0].message.content == "hi one"
+    errors = [json.loads(x) for x in (await (await setup.client.get(f"/v1/files/{done.error_file_id}/content", headers=DEMO)).read()).decode().splitlines()]
+    assert [(e["custom_id"], e["response"], e["error"]["code"]) for e in errors] == [("bad", None, "invalid_argument")]
+    assert (await setup.client.get(f"/v1/files/{done.output_file_id}", headers=PRIVATE)).status == 404
+    again = Batch.model_validate(await (await setup.client.get(f"/v1/batches/{batch.id}", headers=DEMO)).json())
+    assert (again.output_file_id, again.error_file_id) == (done.output_file_id, done.error_file_id)
+    cancel = await setup.client.post(f"/v1/batches/{batch.id}/cancel", headers=DEMO)
+    assert cancel.status == 409
+
+
+async def test_cancel_list_and_refusals(setup: Setup) -> None:
+    file_id = (await (await setup.upload(line("a", CHAT))).json())["id"]
+    first = (await (await setup.batch(file_id)).json())["id"]
+    second = (await (await setup.batch(file_id)).json())["id"]
+    assert (await setup.client.post(f"/v1/batches/{first}/cancel", headers=PRIVATE)).status == 404
+    cancelled = Batch.model_validate(await (await setup.client.post(f"/v1/batches/{first}/cancel", headers=DEMO)).json())
+    assert cancelled.status == "cancelled" and cancelled.cancelling_at is not None and cancelled.cancelled_at is not None
+    page = await (await setup.client.get("/v1/batches?limit=1", headers=DEMO)).json()
+    assert [b["id"] for b in page["data"]] == [second] and page["has_more"] and page["last_id"] == second
+    rest = await (await setup.client.get(f"/v1/batches?limit=5&after={second}", headers=DEMO)).json()
+    assert [b["id"] for b in rest["data"]] == [first] and not rest["has_more"]
+    assert (await setup.client.get("/v1/batches?limit=0", headers=DEMO)).status == 400
+    mismatch = await setup.batch(file_id, endpoint="/v1/completions")
+    assert mismatch.status == 400 and (await mismatch.json())["error"]["param"] == "endpoint"
+    embeddings = (await (await setup.upload(line("e", {"model": "e", "input": "x", "dimensions": 5}, "/v1/embeddings"))).json())["id"]
+    wrong = await setup.batch(embeddings, endpoint="/v1/embeddings")
+    assert wrong.status == 400 and "dimensions=5" in (await wrong.json())["error"]["message"]
+    unknown = (await (await setup.upload(line("u", {"model": "nope", "input": "x", "dimensions": 5}, "/v1/embeddings"))).json())["id"]
+    assert (await setup.batch(unknown, endpoint="/v1/embeddings")).status == 200  # the row fails when it runs, as any unknown model's
+    missing = await setup.batch("file-nope")
+    assert missing.status == 404
+    assert len(setup.published) == 3

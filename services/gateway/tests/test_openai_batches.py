@@ -1,0 +1,197 @@
+"""The Batch API mapping (openai_batches): input lines checked and converted with the HTTP front's
+own converters, jobs_pb2.Job as OpenAI's Batch object, RowResults as output/error lines; shapes
+checked against OpenAI's documented examples (tests/fixtures/upstream) and the openai package's types."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from openai.types import Batch, CreateEmbeddingResponse
+from openai.types.chat import ChatCompletion
+from openai.types.completion import Completion
+from sluice.common.v1 import types_pb2
+from sluice.jobs.v1 import jobs_pb2
+
+from sluice_gateway.openai_batches import (
+    batch_object,
+    check_endpoint,
+    job_request,
+    parse_batch_file,
+    parse_create,
+    result_file_ids,
+    result_files,
+    settled,
+    status_of,
+)
+from sluice_gateway.openai_requests import OpenAIError
+
+UPSTREAM = Path(__file__).resolve().parents[3] / "tests" / "fixtures" / "upstream"
+USAGE = types_pb2.Usage(prompt_tokens=7, completion_tokens=2, total_tokens=9)
+
+
+def line(custom_id: str, body: dict, url: str = "/v1/chat/completions", **extra: object) -> str:  # type: ignore[type-arg]
+    return json.dumps({"custom_id": custom_id, "method": "POST", "url": url, "body": body, **extra})
+
+
+CHAT = {"model": "g", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5}
+
+
+def refused(content: str) -> OpenAIError:
+    with pytest.raises(OpenAIError) as caught:
+        parse_batch_file(content.encode(), max_lines=10)
+    assert caught.value.status == 400
+    return caught.value
+
+
+def test_the_mapping_modules_import_no_grpc() -> None:
+    # The domain modules are plain: grpc is the servicer's (checked in a fresh interpreter).
+    import subprocess
+
+    code = "import sys, sluice_gateway.openai_batches, sluice_gateway.openai_store; print('grpc' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "False"
+
+
+def test_upstream_input_lines_become_generate_rows() -> None:
+    lines = parse_batch_file((UPSTREAM / "openai_batch_input.jsonl").read_bytes(), max_lines=10)
+    assert [x.custom_id for x in lines] == ["request-1", "request-2"] and [x.line for x in lines] == [1, 2]
+    job = job_request("batch_x", "sk", lines, "24h")
+    assert job.job_id == "batch_x" and job.api_key == "sk" and job.completion_window.seconds == 86400
+    row = job.rows[0]
+    assert row.custom_id == "request-1" and row.WhichOneof("body") == "generate"
+    assert row.generate.model == "gpt-3.5-turbo-0125" and row.generate.sampling.max_tokens == 1000
+    assert [(m.role, m.content) for m in row.generate.messages] == [("system", "You are a helpful assistant."), ("user", "Hello world!")]
+    # OpenAI's defaults, as the synchronous endpoint sets them.
+    assert row.generate.sampling.temperature == 1.0 and row.generate.sampling.top_p == 1.0
+
+
+def test_completion_and_embedding_lines() -> None:
+    content = "\n".join(
+        [
+            line("c", {"model": "g", "prompt": "Once", "max_tokens": 3, "stop": ["."]}, "/v1/completions"),
+            line("e", {"model": "e", "input": ["a", "b"]}, "/v1/embeddings"),
+            "",
+        ]
+    )
+    job = job_request("b", "k", parse_batch_file(content.encode(), 10), "24h")
+    assert job.rows[0].generate.prompt == "Once" and list(job.rows[0].generate.sampling.stop) == ["."]
+    assert job.rows[1].embed.model == "e" and list(job.rows[1].embed.inputs) == ["a", "b"]
+
+
+def test_bad_lines_are_refused_naming_the_line() -> None:
+    ok = line("a", CHAT)
+    repeated = refused("\n".join([ok, line("b", CHAT), line("a", CHAT)]))
+    assert "Line 3" in repeated.message and "line 1" in repeated.message and repeated.param == "custom_id"
+    assert "Line 2" in refused(ok + "\n" + line("b", CHAT).replace('"POST"', '"GET"')).message
+    wrong_url = refused(line("a", CHAT, "/v1/responses"))
+    assert "Line 1" in wrong_url.message and wrong_url.param == "url"
+    bad_value = refused(ok + "\n" + line("b", {**CHAT, "temperature": "hot"}))
+    assert "Line 2" in bad_value.message and bad_value.param == "body.temperature" and bad_value.code == "invalid_type"
+    unknown = refused(line("a", {**CHAT, "n": 3}))
+    assert unknown.param == "body.n" and unknown.code == "unsupported_parameter"
+    assert refused(line("a", {**CHAT, "stream": True})).param == "body.stream"
+    assert "not valid JSON" in refused("{not json").message
+    assert refused(line("", CHAT)).param == "custom_id"
+    assert refused(line("a", CHAT, extra="x")).param == "extra"
+    assert refused("\n\n").code == "empty_file"
+    assert refused("\n".join(line(str(i), CHAT) for i in range(11))).code == "too_many_requests"
+
+
+def test_every_line_must_use_the_batchs_endpoint() -> None:
+    lines = parse_batch_file("\n".join([line("a", CHAT), line("b", {"model": "g", "prompt": "x"}, "/v1/completions")]).encode(), 10)
+    with pytest.raises(OpenAIError, match="Line 2") as caught:
+        check_endpoint(lines, "/v1/chat/completions")
+    assert caught.value.param == "endpoint"
+
+
+def test_create_body() -> None:
+    create = parse_create({"input_file_id": "file-1", "endpoint": "/v1/embeddings", "completion_window": "24h", "metadata": {"k": "v"}})
+    assert (create.input_file_id, create.endpoint, create.completion_window, create.metadata) == ("file-1", "/v1/embeddings", "24h", {"k": "v"})
+    base = {"input_file_id": "file-1", "endpoint": "/v1/chat/completions", "completion_window": "24h"}
+    for bad, param in (
+        ({**base, "completion_window": "48h"}, "completion_window"),
+        ({**base, "endpoint": "/v1/responses"}, "endpoint"),
+        ({**base, "input_file_id": ""}, "input_file_id"),
+        ({**base, "metadata": {"k": 1}}, "metadata.k"),
+        ({**base, "metadata": {str(i): "v" for i in range(17)}}, "metadata"),
+        ({**base, "extra": 1}, "extra"),
+    ):
+        with pytest.raises(OpenAIError) as caught:
+            parse_create(bad)
+        assert caught.value.status == 400 and caught.value.param == param
+
+
+def job(state: int, total: int = 2, completed: int = 0, failed: int = 0) -> jobs_pb2.Job:
+    j = jobs_pb2.Job(job_id="batch_1", tenant="demo", state=state, total_rows=total, completed_rows=completed, failed_rows=failed)
+    j.created_at.FromSeconds(1000)
+    j.updated_at.FromSeconds(1100)
+    j.expires_at.FromSeconds(1000 + 86400)
+    return j
+
+
+def test_batch_object_has_openais_shape_and_states() -> None:
+    upstream = json.loads((UPSTREAM / "openai_batch_object.json").read_text())
+    reply = batch_object("batch_1", "/v1/chat/completions", "file-1", "24h", {"k": "v"}, 999.5, None, job(jobs_pb2.JOB_STATE_COMPLETED, 2, 1, 1), "file-o", "file-e")
+    assert set(reply) == set(upstream)
+    parsed = Batch.model_validate(reply)
+    assert parsed.status == "completed" and parsed.completed_at == 1100 and parsed.created_at == 999
+    assert parsed.expires_at == 1000 + 86400 and parsed.output_file_id == "file-o" and parsed.error_file_id == "file-e"
+    assert parsed.request_counts is not None and (parsed.request_counts.total, parsed.request_counts.completed, parsed.request_counts.failed) == (2, 1, 1)
+    failed = job(jobs_pb2.JOB_STATE_FAILED)
+    failed.error = "rows: a job needs at least one row"
+    failed_reply = Batch.model_validate(batch_object("batch_1", "/v1/embeddings", "f", "24h", None, 1.0, None, failed))
+    assert failed_reply.failed_at == 1100 and failed_reply.errors is not None and failed_reply.errors.data[0].message == failed.error  # type: ignore[index]
+    cancelled = Batch.model_validate(batch_object("batch_1", "/v1/embeddings", "f", "24h", None, 1.0, 1050.0, job(jobs_pb2.JOB_STATE_CANCELLED)))
+    assert cancelled.cancelling_at == 1050 and cancelled.cancelled_at == 1100 and cancelled.completed_at is None
+    names = {status_of(job(state)) for state in jobs_pb2.JobState.values() if state}
+    assert names == {"validating", "in_progress", "finalizing", "completed", "failed", "expired", "cancelling", "cancelled"}
+
+
+def test_settled_waits_for_an_expired_jobs_last_rows() -> None:
+    assert not settled(job(jobs_pb2.JOB_STATE_IN_PROGRESS)) and not settled(job(jobs_pb2.JOB_STATE_FINALIZING))
+    assert settled(job(jobs_pb2.JOB_STATE_COMPLETED, 2, 2)) and settled(job(jobs_pb2.JOB_STATE_CANCELLED))
+    assert not settled(job(jobs_pb2.JOB_STATE_EXPIRED, 2, 1)) and settled(job(jobs_pb2.JOB_STATE_EXPIRED, 2, 1, 1))
+
+
+def test_results_become_output_and_error_lines_as_the_endpoints_answer() -> None:
+    content = "\n".join(
+        [
+            line("chat", CHAT),
+            line("bad", CHAT),
+            line("cut", CHAT),
+            line("text", {"model": "g", "prompt": "x"}, "/v1/completions"),
+            line("emb", {"model": "e", "input": "x"}, "/v1/embeddings"),
+            line("never", CHAT),
+        ]
+    )
+    lines = parse_batch_file(content.encode(), 10)
+    results = [
+        jobs_pb2.RowResult(job_id="batch_1", custom_id="emb", embeddings=[types_pb2.Embedding(values=[0.5, 1.0])], usage=types_pb2.Usage(prompt_tokens=2, total_tokens=2)),
+        jobs_pb2.RowResult(job_id="batch_1", custom_id="chat", output="Hi!", finish_reason=types_pb2.FINISH_REASON_STOP, usage=USAGE),
+        jobs_pb2.RowResult(job_id="batch_1", custom_id="bad", error=jobs_pb2.RowError(code="INVALID_ARGUMENT", message="unknown model")),
+        jobs_pb2.RowResult(job_id="batch_1", custom_id="cut", output="Hi", finish_reason=types_pb2.FINISH_REASON_CANCELLED),
+        jobs_pb2.RowResult(job_id="batch_1", custom_id="text", output=" upon", finish_reason=types_pb2.FINISH_REASON_LENGTH, usage=USAGE),
+    ]
+    output, errors = result_files("batch_1", lines, results, created=1234)
+    outputs = [json.loads(x) for x in output.decode().splitlines()]
+    upstream = json.loads((UPSTREAM / "openai_batch_output.jsonl").read_text().splitlines()[0])
+    assert [o["custom_id"] for o in outputs] == ["chat", "text", "emb"]  # the input file's order
+    for record in outputs:
+        assert set(record) == set(upstream) and set(record["response"]) == set(upstream["response"])
+        assert record["error"] is None and record["response"]["status_code"] == 200 and record["id"].startswith("batch_req_")
+    chat = ChatCompletion.model_validate(outputs[0]["response"]["body"])
+    assert chat.object == "chat.completion" and chat.choices[0].message.content == "Hi!" and chat.created == 1234
+    assert chat.usage is not None and chat.usage.total_tokens == 9 and chat.id == "chatcmpl-" + outputs[0]["response"]["request_id"]
+    text = Completion.model_validate(outputs[1]["response"]["body"])
+    assert text.choices[0].text == " upon" and text.choices[0].finish_reason == "length"
+    embedding = CreateEmbeddingResponse.model_validate(outputs[2]["response"]["body"])
+    assert embedding.data[0].embedding == [0.5, 1.0] and embedding.usage.prompt_tokens == 2
+    failures = {x["custom_id"]: x for x in map(json.loads, errors.decode().splitlines())}
+    assert list(failures) == ["bad", "cut"]
+    assert failures["bad"]["response"] is None and failures["bad"]["error"] == {"code": "invalid_argument", "message": "unknown model"}
+    assert failures["cut"]["error"]["code"] == "generation_failed" and "FINISH_REASON_CANCELLED" in failures["cut"]["error"]["message"]
+    # Stable ids: a second making of the files is byte for byte the same.
+    assert result_files("batch_1", lines, reversed(results), created=1234) == (output, errors)
+    assert result_file_ids("batch_abc") == ("file-abc-output", "file-abc-errors")
