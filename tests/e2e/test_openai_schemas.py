@@ -5,6 +5,7 @@ tools/openai_openapi_subset.py). The SDK parses leniently; these schemas do not.
 from __future__ import annotations
 
 import json
+import time
 import urllib.error
 import urllib.request
 from typing import Any
@@ -19,12 +20,18 @@ from sluice_stack import REPO_ROOT, Stack
 
 def honour_nullable(node: Any) -> Any:
     """OpenAI's document says `nullable: true` (OpenAPI 3.0's keyword, which JSON Schema ignores):
-    allow null there, as OpenAPI means."""
+    allow null there, as OpenAPI means. An optional property may be null too: OpenAI's own
+    examples send unset optional fields as null (a Batch's `failed_at`, a file's `expires_at`)."""
     if isinstance(node, list):
         return [honour_nullable(item) for item in node]
     if not isinstance(node, dict):
         return node
     schema = {key: honour_nullable(value) for key, value in node.items()}
+    if isinstance(schema.get("properties"), dict):
+        required = set(schema.get("required", ()))
+        for name, prop in schema["properties"].items():
+            if name not in required and isinstance(prop, dict):
+                schema["properties"][name] = {"anyOf": [prop, {"type": "null"}]}
     if schema.pop("nullable", False):
         if isinstance(schema.get("type"), str):
             schema["type"] = [schema["type"], "null"]
@@ -102,3 +109,38 @@ def test_errors_match_upstream(stack: Stack) -> None:
     for (status, body), expected in cases:
         assert status == expected, body
         check("ErrorResponse", json.loads(body))
+
+
+def upload(stack: Stack, name: str, content: bytes) -> tuple[int, bytes]:
+    """POST /v1/files as multipart/form-data, the way OpenAI's clients send it."""
+    boundary = "sluice-schema-test"
+    parts = (
+        f'--{boundary}\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch\r\n'
+        f'--{boundary}\r\nContent-Disposition: form-data; name="file"; filename="{name}"\r\n'
+        "Content-Type: application/jsonl\r\n\r\n"
+    ).encode() + content + f"\r\n--{boundary}--\r\n".encode()
+    headers = {"Authorization": f"Bearer {DEMO_KEY}", "Content-Type": f"multipart/form-data; boundary={boundary}"}
+    request = urllib.request.Request(f"{stack.openai_base_url}/files", data=parts, headers=headers, method="POST")
+    with urllib.request.urlopen(request, timeout=60) as reply:
+        return reply.status, reply.read()
+
+
+def test_files_and_batches_match_upstream(stack: Stack) -> None:
+    line = {"custom_id": "one", "method": "POST", "url": "/v1/chat/completions", "body": CHAT}
+    status, body = upload(stack, "schema.jsonl", (json.dumps(line) + "\n").encode())
+    assert status == 200
+    uploaded = json.loads(body)
+    check("OpenAIFile", uploaded)
+    status, body = call(stack, "POST", "/batches", {"input_file_id": uploaded["id"], "endpoint": "/v1/chat/completions", "completion_window": "24h"})
+    assert status == 200
+    batch = json.loads(body)
+    check("Batch", batch)
+    deadline = time.monotonic() + 120
+    while batch["status"] not in ("completed", "failed", "expired", "cancelled") and time.monotonic() < deadline:
+        time.sleep(0.5)
+        batch = json.loads(call(stack, "GET", f"/batches/{batch['id']}")[1])
+    assert batch["status"] == "completed", batch
+    check("Batch", batch)
+    check("OpenAIFile", json.loads(call(stack, "GET", f"/files/{batch['output_file_id']}")[1]))
+    check("ListBatchesResponse", json.loads(call(stack, "GET", "/batches?limit=5")[1]))
+    check("ListFilesResponse", json.loads(call(stack, "GET", "/files?limit=5")[1]))

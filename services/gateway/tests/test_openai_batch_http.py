@@ -24,7 +24,7 @@ from sluice_gateway.model_catalog import ModelCatalog
 from sluice_gateway.openai_batch_http import BatchFront
 from sluice_gateway.openai_http import OpenAIFront, build_app
 from sluice_gateway.openai_store import OpenAIStore
-from sluice_gateway.tenants import TenantDirectory
+from sluice_common.tenants import TenantDirectory
 
 TENANTS = TenantDirectory.from_file(Path(__file__).resolve().parents[3] / "config" / "tenants.toml")
 DEMO = {"Authorization": "Bearer sk-sluice-demo"}

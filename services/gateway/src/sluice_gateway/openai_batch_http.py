@@ -39,7 +39,7 @@ from sluice_gateway.openai_batches import (
 )
 from sluice_gateway.openai_requests import EmbeddingCall, OpenAIError
 from sluice_gateway.openai_store import MAX_LIST_LIMIT, OpenAIStore, StoredBatch, new_id
-from sluice_gateway.tenants import Tenant
+from sluice_common.tenants import Tenant
 
 if TYPE_CHECKING:
     from sluice_gateway.openai_http import OpenAIFront

@@ -45,8 +45,6 @@ class StoredFile:
             "filename": self.filename,
             "purpose": self.purpose,
             "status": "processed",
-            "status_details": None,
-            "expires_at": None,
         }
 
 
