@@ -61,7 +61,7 @@ MODEL = "smollm2-135m-instruct"
 DEMO_KEY = "sk-sluice-demo"
 AUTH = (("authorization", f"Bearer {DEMO_KEY}"),)
 ROUNDS = int(os.environ.get("BENCH_ROUNDS", "3"))
-LATENCY_REQUESTS = int(os.environ.get("BENCH_LATENCY_REQUESTS", "32"))
+LATENCY_REQUESTS = int(os.environ.get("BENCH_LATENCY_REQUESTS", "48"))
 LATENCY_MAX_TOKENS = int(os.environ.get("BENCH_LATENCY_MAX_TOKENS", "4"))
 # The demo tenant admits 32 requests in flight: the load stays below, so none is refused.
 LOAD_CONCURRENCY = int(os.environ.get("BENCH_LOAD_CONCURRENCY", "8"))
