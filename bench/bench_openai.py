@@ -6,7 +6,8 @@ Two loads, each the same on both sides: bench-load's chat prompts of mixed lengt
 0.7 and a seed per request (so both sides sample the same tokens: the gateway has no ignore_eos;
 the completion tokens of each side are printed to show they match), at most `concurrency` in
 flight (a new request is sent when one ends: aiperf's concurrency bound; `concurrency` grpc.aio
-workers on one channel on the gRPC side).
+workers on one channel on the gRPC side), sent on the same grid of PACER_RATE ticks per second
+(aiperf's pacing, see http_phase; the gRPC side's Pacer), so both offer the same arrivals.
 
   latency   LATENCY_REQUESTS requests one at a time, max_tokens LATENCY_MAX_TOKENS: the time to
             first token without queueing behind other requests, where what the front itself adds
@@ -26,8 +27,14 @@ on both sides alike; a side's figures pool all its rounds.
   tokens/s   completion tokens of the succeeded requests (the usage the gateway reports; aiperf
              reads it from the last SSE chunk with --use-server-token-count) over the phase's
              wall time, first request sent -> last request ended, the phases of a side summed
-  gateway CPU  the gateway process's CPU time (user+system, /proc) during the phase per
-             completion token: what each front costs the gateway, beside what it costs the clock
+  gateway CPU  the gateway process's CPU time (user+system, /proc) over the whole phase, its
+             warmup requests included, per completion token of the measured requests: what each
+             front costs the gateway beside what it costs the clock (a ratio, not an absolute)
+  front time   one at a time: the client's mean TTFT minus the adapter's (arrival at the adapter ->
+             first token, its sluice_adapter_time_to_first_token_seconds over the phase, the one
+             warmup request included; under load the warmup wave would skew it, so it is not shown):
+             the time spent in the client, the gateway and the hops, without the engine's share,
+             which moves with whatever else the 2 cores run
 
 Only succeeded requests count (HTTP: 200 without an error event; gRPC: a finish reason other than
 ERROR); failures are printed and counted. BENCH_RUN_DIR keeps the services' logs and aiperf's
@@ -38,6 +45,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -54,7 +62,7 @@ import grpc
 from sluice.common.v1 import types_pb2
 from sluice.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 
-from bench_load import prompts  # bench-load's chat prompts of mixed lengths
+from bench_load import histogram_totals, prompts  # bench-load's chat prompts of mixed lengths
 from sluice_stack import REPO_ROOT, Stack, StackPorts
 
 MODEL = "smollm2-135m-instruct"
@@ -70,7 +78,8 @@ LOAD_MAX_TOKENS = int(os.environ.get("BENCH_LOAD_MAX_TOKENS", "32"))
 TEMPERATURE = 0.7
 TOOL_DIR = REPO_ROOT / "bench" / "openai-tool"
 AIPERF = TOOL_DIR / ".venv" / "bin" / "aiperf"
-# aiperf's send attempts per second; a freed slot waits at most 1/PACER_RATE s for its next request.
+# aiperf's send attempts per second (the gRPC side keeps the same grid): a freed slot waits at most
+# 1/PACER_RATE s for its next request, and requests freed together go out 1/PACER_RATE s apart.
 PACER_RATE = 200
 
 
@@ -109,6 +118,7 @@ class Phase:
     ok: list[Outcome]
     failed: int
     gateway_cpu_s: float = 0.0
+    adapter_ttft_s: float = 0.0  # mean over the phase
 
     @property
     def wall_s(self) -> float:
@@ -208,6 +218,26 @@ def grpc_requests(load: Load) -> list[gateway_pb2.GenerateRequest]:
     ]
 
 
+class Pacer:
+    """At most one send per tick of a fixed PACER_RATE grid, as aiperf's constant-rate loop issues
+    them: both sides offer the same arrivals. Without it the gRPC side sent the 8 requests of a
+    wave in one instant, and they queued in the gateway's event loop (tens of ms of TTFT that the
+    HTTP side, spread 5 ms apart, never paid)."""
+
+    def __init__(self) -> None:
+        self.interval = 1 / PACER_RATE
+        self.start = time.perf_counter()
+        self.next_tick = self.start
+
+    async def wait(self) -> None:
+        now = time.perf_counter()
+        grid = self.start + math.ceil((now - self.start) / self.interval) * self.interval
+        tick = max(self.next_tick, grid)
+        self.next_tick = tick + self.interval
+        if tick > now:
+            await asyncio.sleep(tick - now)
+
+
 async def one_grpc(stub: gateway_pb2_grpc.GatewayServiceStub, request: gateway_pb2.GenerateRequest) -> Outcome | None:
     first: float | None = None
     started = time.perf_counter()
@@ -229,12 +259,15 @@ async def one_grpc(stub: gateway_pb2_grpc.GatewayServiceStub, request: gateway_p
 async def run_bounded(
     stub: gateway_pb2_grpc.GatewayServiceStub, requests: list[gateway_pb2.GenerateRequest], concurrency: int
 ) -> list[Outcome | None]:
-    """`concurrency` workers taking the requests in order: the next is sent when one ends."""
+    """`concurrency` workers taking the requests in order: the next is sent when one ends, on the
+    next free tick of the pacer (aiperf's)."""
     results: list[Outcome | None] = [None] * len(requests)
     order = count()
+    pacer = Pacer()
 
     async def worker() -> None:
         while (index := next(order)) < len(requests):
+            await pacer.wait()
             results[index] = await one_grpc(stub, requests[index])
 
     await asyncio.gather(*(worker() for _ in range(concurrency)))
@@ -260,11 +293,23 @@ def process_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def measured(gateway_pid: int, run: Callable[[], Phase]) -> Phase:
-    before = process_cpu_s(gateway_pid)
+ADAPTER_TTFT = "sluice_adapter_time_to_first_token_seconds"
+
+
+def measured(stack: Stack, run: Callable[[], Phase]) -> Phase:
+    gateway_pid = stack.service("gateway").process.pid  # type: ignore[union-attr]
+    cpu_before = process_cpu_s(gateway_pid)
+    ttft_before = histogram_totals(stack.metrics_url("inference-adapter"), ADAPTER_TTFT)
     phase = run()
-    phase.gateway_cpu_s = process_cpu_s(gateway_pid) - before
+    phase.gateway_cpu_s = process_cpu_s(gateway_pid) - cpu_before
+    ttft_after = histogram_totals(stack.metrics_url("inference-adapter"), ADAPTER_TTFT)
+    phase.adapter_ttft_s = (ttft_after[0] - ttft_before[0]) / max(ttft_after[1] - ttft_before[1], 1)
     return phase
+
+
+def front_ms(phase: Phase) -> float:
+    """The client's mean TTFT minus the adapter's: client, gateway and hops, not the engine."""
+    return (statistics.fmean(o.ttft_s for o in phase.ok) - phase.adapter_ttft_s) * 1000 if phase.ok else float("nan")
 
 
 def percentile(values: list[float], q: int) -> float:
@@ -280,6 +325,7 @@ class Side:
     ok: int
     failed: int
     gateway_cpu_us_per_token: float
+    front_ms: float
 
 
 def side_figures(phases: list[Phase]) -> Side:
@@ -295,6 +341,7 @@ def side_figures(phases: list[Phase]) -> Side:
         sum(len(p.ok) for p in phases),
         sum(p.failed for p in phases),
         sum(p.gateway_cpu_s for p in phases) / tokens * 1e6 if tokens else nan,
+        statistics.fmean(front_ms(p) for p in phases),
     )
 
 
@@ -305,13 +352,14 @@ def describe(phase: Phase) -> str:
         f"{phase.load:>7} {phase.side:>4}: {len(phase.ok)} ok, {phase.failed} failed, {phase.tokens} tokens in"
         f" {phase.wall_s:.2f} s = {phase.tokens / phase.wall_s:.1f} tok/s, TTFT p50 {p50:.1f} ms,"
         f" gateway CPU {phase.gateway_cpu_s:.2f} s"
+        # Only one at a time: under load the warmup wave, in the adapter's mean, skews it.
+        + (f", adapter TTFT mean {phase.adapter_ttft_s * 1000:.1f} ms, front {front_ms(phase):.1f} ms" if phase.load == "latency" else "")
     )
 
 
 def run_rounds(stack: Stack, run_dir: Path) -> dict[tuple[str, str], list[Phase]]:
     tokenizer = write_tokenizer(run_dir / "tokenizer")
     datasets = {load.name: write_dataset(load, run_dir / f"openai-{load.name}.jsonl") for load in LOADS}
-    gateway_pid = stack.service("gateway").process.pid  # type: ignore[union-attr]
     phases: dict[tuple[str, str], list[Phase]] = {(load.name, side): [] for load in LOADS for side in ("http", "grpc")}
     for round_ in range(1, ROUNDS + 1):
         for load in LOADS:
@@ -321,7 +369,7 @@ def run_rounds(stack: Stack, run_dir: Path) -> dict[tuple[str, str], list[Phase]
                     run = lambda: http_phase(stack.openai_base_url, load, datasets[load.name], tokenizer, artifacts)  # noqa: B023, E731
                 else:
                     run = lambda: asyncio.run(grpc_phase(stack.gateway_address, load))  # noqa: B023, E731
-                phase = measured(gateway_pid, run)
+                phase = measured(stack, run)
                 phases[(load.name, side)].append(phase)
                 print(f"round {round_} {describe(phase)}", flush=True)
     return phases
@@ -337,6 +385,7 @@ def report(phases: dict[tuple[str, str], list[Phase]]) -> None:
             f" {load.max_tokens}): succeeded http {http.ok} grpc {grpc_.ok}; completion tokens http {http.tokens}"
             f" grpc {grpc_.tokens}; gateway CPU per token http {http.gateway_cpu_us_per_token:.0f} us"
             f" grpc {grpc_.gateway_cpu_us_per_token:.0f} us"
+            + (f"; front time (client TTFT - adapter TTFT, means) http {http.front_ms:.1f} ms grpc {grpc_.front_ms:.1f} ms" if load.name == "latency" else "")
         )
     print()
     latency = {side: figures[("latency", side)] for side in ("http", "grpc")}
@@ -349,6 +398,8 @@ def report(phases: dict[tuple[str, str], list[Phase]]) -> None:
         print(f"BENCH openai_{side}_streams{LOAD_CONCURRENCY}_ttft_p99 {load[side].ttft_p99_ms:.1f} ms")
         print(f"BENCH openai_{side}_tokens_per_s {load[side].tokens_per_s:.1f} tok/s")
         print(f"BENCH openai_{side}_gateway_cpu_per_token {load[side].gateway_cpu_us_per_token:.0f} us")
+    for side in ("http", "grpc"):
+        print(f"BENCH openai_{side}_front_ms {latency[side].front_ms:.1f} ms")
     for side in ("http", "grpc"):
         failed = sum(figures[(name.name, side)].failed for name in LOADS)
         print(f"BENCH openai_{side}_failed {failed} requests")
