@@ -23,7 +23,7 @@ LIBS := libs/sluice-protos libs/sluice-common libs/sluice-stack
 PROJECTS := $(LIBS) $(SERVICES) tests bench deploy/tests
 UNIT_TESTED := libs/sluice-common $(SERVICES)
 
-.PHONY: help setup deploy-requirements uv node protos protos-check proto-lint run test test-unit test-e2e test-deploy bench-path bench-adapter bench-evallog bench-ratelimit bench-jobs bench-jobs-interactive bench-engine bench-gpu bench-load bench-rolling bench-embed-cache clean
+.PHONY: help setup deploy-requirements uv node protos protos-check proto-lint run test test-unit test-e2e test-deploy bench-path bench-adapter bench-evallog bench-ratelimit bench-jobs bench-jobs-interactive bench-engine bench-gpu bench-load bench-rolling bench-embed-cache bench-openai clean
 
 help:
 	@echo "make run        start the whole suite locally and stream a demo completion (Ctrl-C stops it)"
@@ -32,6 +32,7 @@ help:
 	@echo "make bench-gpu  on an NVIDIA GPU: the step engine's decode tok/s there vs the CPU at batch 1-64, greedy tokens identical?"
 	@echo "make bench-load 16, 32 and 64 chat streams through the stack: tok/s, TTFT, vs the engine alone"
 	@echo "make bench-rolling gateway, adapter and evaluation-logging restarted one by one under 32 streams: failed streams, lost events, TTFT"
+	@echo "make bench-openai a third-party load tool (aiperf) on the OpenAI HTTP front vs the same load over gRPC: TTFT, tok/s"
 	@echo "make bench-path time to first token and tokens/s through each hop"
 	@echo "make bench-evallog stream-close latency with logging on vs off; events stored/s vs raw consume"
 	@echo "make bench-ratelimit Acquire+Commit decisions/s and latency (memory, Redis) vs a raw grpc.aio echo"
@@ -112,6 +113,12 @@ bench-load: setup
 
 bench-rolling: setup
 	bench/.venv/bin/python bench/bench_rolling.py
+
+# aiperf has its own environment (bench/openai-tool, ~800 MB: transformers, pandas, ...), installed
+# from its lock file here rather than by every `make setup`.
+bench-openai: setup
+	cd bench/openai-tool && $(UV) sync --locked --quiet
+	bench/.venv/bin/python bench/bench_openai.py
 
 bench-path: setup
 	bench/.venv/bin/python bench/bench_path.py
