@@ -295,3 +295,26 @@ def test_sluice_diagnose_refuses_unbounded_or_wrong_arguments(argv: list[str], m
     args = build_parser().parse_args(["--api-key", "k", "diagnose", *argv])
     with pytest.raises(SystemExit, match=re.escape(message)):
         args.func(args)
+
+
+def test_triton_out_of_kv_slots_is_named_when_prefills_were_refused_busy() -> None:
+    windows = fan_out(batch=32, in_flight=8, completed=27, mean_s=3.0, queue_s=0.5, slots_in_use=4)
+    triton, adapter = Service(), Service()
+    triton_before, adapter_before = triton.scrape(0.0), adapter.scrape(0.0)
+    triton.metric(Gauge, "sluice_triton_local_max_slots").set(4)  # type: ignore[attr-defined]
+    triton.metric(Gauge, "sluice_triton_local_active_slots").set(4)  # type: ignore[attr-defined]
+    windows[d.TRITON] = window(triton, triton_before)
+    # The adapter's own figures stay those of fan_out; only its busy answers are added here.
+    adapter_window = windows[d.ADAPTER]
+    adapter.metric(Counter, "sluice_adapter_engine_full", ("replica",)).labels("r").inc(12)  # type: ignore[attr-defined]
+    busy = window(adapter, adapter_before)
+    merged = [
+        d.Scrape(a.at, {**a.samples, **b.samples}) for a, b in zip((adapter_window.scrapes[0], adapter_window.scrapes[-1]), busy.scrapes)
+    ]
+    windows[d.ADAPTER] = ServiceWindow(tuple(merged))
+    report = d.analyze(windows)
+    assert report.verdict.hop == d.TRITON
+    assert report.verdict.text == (
+        "triton-local serializes: 4.0 of its 4 KV slots in use (100%); 12 prefills were refused busy and waited"
+    )
+    assert "prefills refused busy 12" in d.render(report)

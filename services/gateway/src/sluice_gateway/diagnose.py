@@ -184,8 +184,11 @@ class Hop:
     configured: float | None = None
     configured_what: str = ""
     effective: float | None = None
-    # Shares of the hop's mean time, by where it went: "queue", "rate-limit wait", "service".
+    # Shares of the hop's mean time, by where it went ("queue", "rate-limit wait", "service"), and
+    # other shares that say how the hop spent the window ("Acquires denied", "engine busy").
     shares: dict[str, float] = field(default_factory=dict)
+    # Events counted in the window that show a bound was hit ("prefills refused busy").
+    events: dict[str, float] = field(default_factory=dict)
     loop_lag_s: float | None = None
     loop_lag_p99_s: float | None = None
     notes: list[str] = field(default_factory=list)
@@ -232,6 +235,7 @@ class Report:
                     "configured_what": h.configured_what,
                     "effective": h.effective,
                     "shares": h.shares,
+                    "events": h.events,
                     "loop_lag_mean_s": h.loop_lag_s,
                     "loop_lag_p99_s": h.loop_lag_p99_s,
                     "notes": h.notes,
@@ -328,7 +332,7 @@ def ratelimit_hop(window: ServiceWindow | None, budgets: list[list[BudgetSample]
         decisions = window.delta("sluice_ratelimit_decisions_total")
         denied = window.delta("sluice_ratelimit_decisions_total", result="denied")
         if decisions > 0:
-            hop.shares["denied"] = denied / decisions
+            hop.shares["Acquires denied"] = denied / decisions
             by_budget = _denials_by_budget(window)
             if by_budget:
                 hop.notes.append("denied by " + ", ".join(f"{b} {n:.0f}" for b, n in by_budget))
@@ -406,7 +410,7 @@ def triton_hop(window: ServiceWindow, adapter: ServiceWindow | None) -> Hop:
     if adapter is not None:
         busy = adapter.delta("sluice_adapter_engine_full_total")
         if busy > 0:
-            hop.shares["prefills refused busy"] = busy
+            hop.events["prefills refused busy"] = busy
     return hop
 
 
@@ -478,8 +482,8 @@ def verdict(hops: list[Hop], loop_lag: dict[str, tuple[float, float | None]], pr
         if case is not None:
             cases.append(case)
     triton = by_name.get(TRITON)
-    if triton is not None and _at_bound(triton) and triton.shares.get("prefills refused busy", 0.0) > 0:
-        refused = triton.shares["prefills refused busy"]
+    if triton is not None and _at_bound(triton) and triton.events.get("prefills refused busy", 0.0) > 0:
+        refused = triton.events["prefills refused busy"]
         text = (
             f"{TRITON} serializes: {triton.effective:.1f} of its {triton.configured:g} KV slots in use"
             f" ({triton.utilization:.0%}); {refused:.0f} prefills were refused busy and waited"
@@ -511,7 +515,7 @@ def _serializes(hop: Hop, wait_name: str, wait_share: float) -> str:
 
 
 def _ratelimit_case(hop: Hop, probe: ProbeStats | None) -> tuple[float, Verdict] | None:
-    denied = hop.shares.get("denied", 0.0)
+    denied = hop.shares.get("Acquires denied", 0.0)
     retry = probe.retry_share if probe is not None else None
     held_back = denied >= DENIED and (retry is None or retry >= WAITING)
     if not held_back:
@@ -567,7 +571,7 @@ def render(report: Report) -> str:
     rows = [COLUMNS]
     for hop in report.hops:
         shares = ", ".join(
-            f"{name} {value:.0%}" if name != "prefills refused busy" else f"{name} {value:.0f}" for name, value in hop.shares.items()
+            [f"{name} {value:.0%}" for name, value in hop.shares.items()] + [f"{name} {n:.0f}" for name, n in hop.events.items()]
         )
         rows.append(
             (
