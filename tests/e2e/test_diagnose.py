@@ -98,3 +98,53 @@ def test_the_stack_as_configured_does_not_serialize_at_the_adapter(stack: Stack,
     assert row is not None, output
     # Four streams in a batch of 32: the bound is far from reached.
     assert float(row.group(2)) <= 8, output
+
+
+@pytest.fixture
+def ratelimited_path(stack: Stack, tmp_path: Path) -> Iterator[tuple[str, str, str, str]]:
+    """A second rate-limit that lets the demo tenant hold one request in flight, and a gateway
+    that asks it (the stack's adapter behind): (gateway address, its metrics URL, rate-limit's
+    address, its metrics URL)."""
+    limits = tmp_path / "limits.toml"
+    limits.write_text("[tenants.demo]\nrequests_in_flight = 1\n")
+    ratelimit, ratelimit_address, ratelimit_metrics = stack.add_ratelimit("rate-limit-in-flight-1", limits)
+    try:
+        gateway, gateway_address, gateway_metrics = stack.add_gateway(
+            "gateway-in-flight-1", env={"SLUICE_GATEWAY_RATELIMIT_URL": ratelimit_address}
+        )
+        try:
+            yield gateway_address, gateway_metrics, ratelimit_address, ratelimit_metrics
+        finally:
+            gateway.stop()
+    finally:
+        ratelimit.stop()
+
+
+def test_a_requests_in_flight_budget_of_one_is_the_hop_the_verdict_names(
+    stack: Stack, ratelimited_path: tuple[str, str, str, str], tmp_path: Path
+) -> None:
+    gateway, gateway_metrics, ratelimit, ratelimit_metrics = ratelimited_path
+    output = diagnose(
+        gateway,
+        ratelimit,
+        {
+            "gateway": gateway_metrics,
+            "rate-limit": ratelimit_metrics,
+            "inference-adapter": stack.metrics_url("inference-adapter"),
+            "triton-local": stack.metrics_url("triton-local"),
+        },
+        tmp_path / "scrapes",
+    )
+    said = verdict(output)
+    match = re.fullmatch(
+        r"rate-limit serializes: (\d+)% of Acquires denied \(denied by requests_in_flight \d+\); effective concurrency"
+        r" ([0-9.]+) of configured 1 \(requests_in_flight of demo on smollm2-135m-instruct\); the probe's clients waited"
+        r" to retry (\d+)% of their time",
+        said,
+    )
+    assert match is not None, output
+    # One of the four probe streams admitted at a time, the others told to come back in a second.
+    assert int(match.group(1)) >= 30, output
+    assert 0.5 <= float(match.group(2)) <= 1.0, output
+    assert int(match.group(3)) >= 50, output
+    assert re.search(r"^probe: 4 concurrent Generate streams, [1-9]\d* completed, [1-9]\d* denied", output, re.M), output
