@@ -318,3 +318,20 @@ def test_triton_out_of_kv_slots_is_named_when_prefills_were_refused_busy() -> No
         "triton-local serializes: 4.0 of its 4 KV slots in use (100%); 12 prefills were refused busy and waited"
     )
     assert "prefills refused busy 12" in d.render(report)
+
+
+def test_streams_longer_than_the_window_are_judged_by_the_sampled_queue_and_batch() -> None:
+    # 8 streams of minutes each, a batch of 1: none ends within the window, so no completions.
+    adapter = Service()
+    adapter.in_flight.labels(d.ADAPTER_GENERATE).set(8)
+    adapter.metric(Gauge, "sluice_adapter_concurrency_limit").set(1)  # type: ignore[attr-defined]
+    adapter.metric(Gauge, "sluice_adapter_kv_slots_in_use", ("replica",)).labels("r").set(1)  # type: ignore[attr-defined]
+    adapter.metric(Gauge, "sluice_adapter_waiting_requests", ("priority", "replica")).labels("interactive", "r").set(7)  # type: ignore[attr-defined]
+    report = d.analyze({d.ADAPTER: window(adapter, adapter.scrape(0.0), [adapter.scrape(5.0)])})
+    hop = report.hops[0]
+    assert (hop.rate, hop.mean_time_s, hop.effective) == (0, None, 1.0)
+    assert hop.shares["queue"] == pytest.approx(7 / 8)
+    assert report.verdict.text == (
+        "inference-adapter serializes: effective concurrency 1.0 of configured 1 (MAX_BATCH_SIZE);"
+        " 8.0 requests in flight there; queue wait 88% of its time"
+    )

@@ -15,7 +15,8 @@ Per hop (client -> gateway -> rate-limit -> inference-adapter -> Triton, and the
 - configured: the hop's own bound, where it has one (the adapter's batch, Triton's KV slots, the
   worker's adaptive bound, the tenant's requests-in-flight budget);
 - effective: the concurrency the bounded resource really runs at, by Little's law over the bounded
-  stage only (the adapter: completions/s x (W - queue wait), the sequences in its batches);
+  stage only (the adapter: completions/s x (W - queue wait), the sequences in its batches; when no
+  stream ended within the window, its sampled batch and queue gauges instead);
 - where the time goes: queue wait (in front of the bound), rate-limit wait, service time, and each
   service's event-loop lag (`sluice_event_loop_lag_seconds`).
 
@@ -383,8 +384,14 @@ def adapter_hop(window: ServiceWindow) -> Hop:
         hop.shares["service"] = 1.0 - hop.shares["queue"]
         hop.effective = hop.rate * (hop.mean_time_s - waited)
     elif running is not None:
-        # No stream ended within the window (longer streams than the window): the sampled batch.
+        # No stream ended within the window (streams longer than the window): the sampled batch,
+        # and the queue's share of the time by Little's law per stage (the same lambda passes
+        # through the queue and the batch, so their times stand as their sampled counts).
         hop.effective = running
+        waiting = window.gauge_mean("sluice_adapter_waiting_requests") or 0.0
+        if waiting + running > 0:
+            hop.shares["queue"] = waiting / (waiting + running)
+            hop.shares["service"] = 1.0 - hop.shares["queue"]
     if running is not None:
         hop.notes.append(f"sequences in KV slots (sampled) {running:.1f}")
     return hop
