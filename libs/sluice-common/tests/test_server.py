@@ -317,3 +317,28 @@ async def test_drain_cancels_what_outlives_the_grace() -> None:
         assert await call.read() == b"first"
         await asyncio.wait_for(drain(running, grace_s=0.3, notice_s=0), 5)
         assert await call.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def _in_flight(method: str) -> float:
+    from prometheus_client import REGISTRY
+
+    return REGISTRY.get_sample_value("sluice_rpc_in_flight", {"method": f"/{SERVICE}/{method}"}) or 0.0
+
+
+async def test_in_flight_counts_a_stream_until_it_ends_and_a_failed_call_not_at_all(server) -> None:
+    _, channel, _ = server
+    before = _in_flight("Bidi")
+    call = channel.stream_stream(f"/{SERVICE}/Bidi")()
+    await call.write(b"a")
+    assert await call.read() == b"a"
+    # Open streams are what sluice diagnose reads as a hop's L: held while the stream lives.
+    assert _in_flight("Bidi") == before + 1
+    call.cancel()
+    for _ in range(100):
+        if _in_flight("Bidi") == before:
+            break
+        await asyncio.sleep(0.01)
+    assert _in_flight("Bidi") == before
+    with pytest.raises(grpc.aio.AioRpcError):
+        await channel.unary_unary(f"/{SERVICE}/Unary")(b"crash")
+    assert _in_flight("Unary") == 0

@@ -1,5 +1,10 @@
 """The one server interceptor: request id, error mapping, a summary log line and RPC metrics.
 
+The metrics are one hop's Little's law, for every service alike (`sluice diagnose` reads them):
+`sluice_rpc_in_flight` (L, calls being handled now, a stream until it ends) beside
+`sluice_rpc_duration_seconds` (its count's rate is the completions per second, lambda; its sum over
+its count the time a call spends in the service, W).
+
 Domain code raises `SluiceError` subclasses; here each becomes its gRPC status with
 the rich details a client can act on (google.rpc.BadRequest for a bad field,
 RetryInfo and QuotaFailure for exhausted capacity). Anything else is logged with
@@ -21,7 +26,7 @@ import structlog
 from google.protobuf import any_pb2, duration_pb2
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
-from prometheus_client import Counter, Histogram
+from prometheus_client import Counter, Gauge, Histogram
 
 from sluice_common.errors import InvalidArgument, ResourceExhausted, SluiceError
 from sluice_common.request_context import bind_request_id, new_request_id, request_id_from_metadata
@@ -36,6 +41,10 @@ RPC_DURATION = Histogram(
     "Time from an RPC's start to its end (the whole stream for streaming RPCs).",
     ["method"],
     buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120),
+)
+
+RPC_IN_FLIGHT = Gauge(
+    "sluice_rpc_in_flight", "RPCs being handled now, by method (a streaming RPC until its stream ends).", ["method"]
 )
 
 # Health and reflection calls are frequent and uninteresting: when they succeed they are counted
@@ -88,6 +97,9 @@ class _CallRecord:
         self.request_id = request_id_from_metadata(context.invocation_metadata()) or new_request_id()
         bind_request_id(self.request_id)
         structlog.contextvars.bind_contextvars(rpc=method)
+        # Last, after everything that can raise: `finish` (which takes it back) runs only once
+        # this constructor has returned.
+        _in_flight_of(method).inc()
 
     async def fail(self, error: BaseException) -> None:
         if isinstance(error, SluiceError):
@@ -114,6 +126,7 @@ class _CallRecord:
 
     def finish(self) -> None:
         elapsed = time.perf_counter() - self.started
+        _in_flight_of(self.method).dec()
         _count(self.method, self.code)
         _duration_of(self.method).observe(elapsed)
         # A health watch ends CANCELLED whenever its client closes: that is its normal end.
@@ -129,6 +142,7 @@ class _CallRecord:
 # handles thousands of RPCs a second, each of which would pay it twice.
 _counters: dict[tuple[str, str], Any] = {}
 _durations: dict[str, Any] = {}
+_in_flight: dict[str, Any] = {}
 
 
 def _count(method: str, code: str) -> None:
@@ -142,6 +156,13 @@ def _duration_of(method: str) -> Any:
     child = _durations.get(method)
     if child is None:
         child = _durations[method] = RPC_DURATION.labels(method)
+    return child
+
+
+def _in_flight_of(method: str) -> Any:
+    child = _in_flight.get(method)
+    if child is None:
+        child = _in_flight[method] = RPC_IN_FLIGHT.labels(method)
     return child
 
 

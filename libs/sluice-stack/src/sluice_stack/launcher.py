@@ -404,6 +404,48 @@ class Stack:
         service.start_ready(timeout_s)
         return service, address, f"http://{LOCALHOST}:{metrics_port}/metrics"
 
+    def add_ratelimit(
+        self, name: str, limits_file: Path, timeout_s: float = 60.0, env: dict[str, str] | None = None
+    ) -> tuple[ServiceProcess, str, str]:
+        """Starts one more rate-limit with its own limits file (a gateway from `add_gateway` with
+        SLUICE_GATEWAY_RATELIMIT_URL set to it asks it); stopped with the stack. Returns it, its
+        gRPC address and its metrics URL."""
+        port, metrics_port = free_port(), free_port()
+        address = f"{LOCALHOST}:{port}"
+        service_env = {
+            "PYTHONUNBUFFERED": "1",
+            **self.extra_env.get("rate-limit", {}),
+            "SLUICE_RATELIMIT_PORT": str(port),
+            "SLUICE_RATELIMIT_METRICS_PORT": str(metrics_port),
+            "SLUICE_RATELIMIT_LIMITS_FILE": str(limits_file),
+            **(env or {}),
+        }
+        service = ServiceProcess(
+            name, "sluice_rate_limit", service_env, self.run_dir / f"{name}.log",
+            grpc_serving(address, self.grpc_credentials), project="rate-limit",
+        )  # fmt: skip
+        self.services.append(service)
+        service.start_ready(timeout_s)
+        return service, address, f"http://{LOCALHOST}:{metrics_port}/metrics"
+
+    def add_gateway(
+        self, name: str, timeout_s: float = 120.0, env: dict[str, str] | None = None
+    ) -> tuple[ServiceProcess, str, str]:
+        """Starts one more gateway beside the stack's (the same rate-limit, tenants and RabbitMQ),
+        with `env` on top (e.g. SLUICE_GATEWAY_ADAPTER_URL of an adapter from `add_adapter`, so a
+        test routes through a differently configured adapter); stopped with the stack. Returns
+        it, its gRPC address and its metrics URL."""
+        port, metrics_port = free_port(), free_port()
+        _, module, spec_env, _ = self._gateway_spec(name, port, metrics_port)
+        address = f"{LOCALHOST}:{port}"
+        service = ServiceProcess(
+            name, module, {"PYTHONUNBUFFERED": "1", **spec_env, **(env or {})}, self.run_dir / f"{name}.log",
+            grpc_serving(address, self.grpc_credentials), project="gateway",
+        )  # fmt: skip
+        self.services.append(service)
+        service.start_ready(timeout_s)
+        return service, address, f"http://{LOCALHOST}:{metrics_port}/metrics"
+
     def start(self, timeout_s: float = 300.0, on_ready: Callable[[ServiceProcess], None] | None = None) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         try:

@@ -27,12 +27,13 @@ never delays the client; if it fails, the lease frees its capacity when it expir
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass, field
 
 import grpc
 import structlog
 from google.protobuf import duration_pb2
-from prometheus_client import Counter
+from prometheus_client import Counter, Histogram
 from sluice.common.v1 import types_pb2
 from sluice.gateway.v1 import gateway_pb2
 from sluice.inference.v1 import inference_pb2
@@ -48,6 +49,13 @@ DECISIONS = Counter(
     "Admission outcomes: allowed, shadow, denied, too_large (more than a whole limit), degraded (fail-closed "
     "budget without Redis), unreachable_closed, unreachable_open.",
     ["result"],
+)
+# The gateway's share of a request's time spent on admission: `sluice diagnose` sets it beside the
+# stream's whole time (sluice_rpc_duration_seconds) to say how much of it is rate-limit wait.
+WAIT_SECONDS = Histogram(
+    "sluice_gateway_ratelimit_wait_seconds",
+    "Time a call waited for rate-limit's admission decision (the Acquire round trip), whatever the decision.",
+    buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0),
 )
 COMMITS = Counter("sluice_gateway_ratelimit_settles_total", "Leases settled after a stream, by outcome.", ["result"])
 
@@ -211,10 +219,13 @@ class Admission:
         )
         if time_remaining is not None:
             acquire.lease_ttl.FromNanoseconds(int((time_remaining + LEASE_MARGIN_S) * 1e9))
+        started = time.perf_counter()
         try:
             reply = await self._stub.Acquire(acquire, timeout=timeout, metadata=outgoing_metadata())
         except grpc.aio.AioRpcError as exc:
             return self._unreachable(exc)
+        finally:
+            WAIT_SECONDS.observe(time.perf_counter() - started)
         if not reply.allowed:
             budget = ratelimit_pb2.Budget.Name(reply.denied_by).removeprefix("BUDGET_").lower()
             retry_after = _seconds(reply.retry_after)

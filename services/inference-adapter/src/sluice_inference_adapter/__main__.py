@@ -18,6 +18,7 @@ from sluice_inference_adapter.chat_template import ChatTemplate, ChatTemplateErr
 from sluice_inference_adapter.config import ENV_PREFIX, AdapterConfig
 from sluice_inference_adapter.embed_batcher import EmbedBatcher
 from sluice_inference_adapter.embedding_cache import CachedEmbedder, EmbeddingCache, cache_budget
+from sluice_inference_adapter.metrics import CONCURRENCY_LIMIT
 from sluice_inference_adapter.passthrough import PassthroughLimits, PassthroughScheduler
 from sluice_inference_adapter.replica_discovery import Discovery, parse_target
 from sluice_inference_adapter.replica_pool import BackendFactory, PooledEmbedBackend, ReplicaPool, SchedulerFactory
@@ -80,10 +81,12 @@ def build_backends(
             bulk_prefill_chunk=config.bulk_prefill_chunk,
             interactive_reserved_slots=config.interactive_reserved_slots,
         )
+        CONCURRENCY_LIMIT.set(config.max_batch_size)
         make_backend = lambda url: TritonStepBackend(url, config.triton_model, config.step_timeout_s)  # noqa: E731
         make_scheduler = lambda backend, on_step: Scheduler(backend, limits, on_step=on_step, replica=backend.url)  # type: ignore[arg-type]  # noqa: E731
     else:
         passthrough = PassthroughLimits(max_in_flight=config.max_in_flight, max_waiting=config.max_waiting)
+        CONCURRENCY_LIMIT.set(config.max_in_flight)
         template = passthrough_chat_template(config)
         make_backend = lambda url: TritonGenerateBackend(url, config.triton_model)  # noqa: E731
         make_scheduler = lambda backend, on_step: PassthroughScheduler(backend, passthrough, template.render, on_step=on_step, replica=backend.url)  # type: ignore[arg-type]  # noqa: E731

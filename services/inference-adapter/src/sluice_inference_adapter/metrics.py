@@ -30,6 +30,11 @@ TIME_TO_FIRST_TOKEN = Histogram(
 INTER_TOKEN = Histogram(
     "sluice_adapter_inter_token_seconds", "Gap between consecutive tokens of a sequence.", buckets=_LATENCY_BUCKETS
 )
+# The configured bound `sluice diagnose` compares the batch's effective concurrency with.
+CONCURRENCY_LIMIT = Gauge(
+    "sluice_adapter_concurrency_limit",
+    "Sequences one Triton replica may run at once: MAX_BATCH_SIZE (step protocol) or MAX_IN_FLIGHT (passthrough).",
+)
 REJECTIONS = Counter("sluice_adapter_rejections_total", "Requests refused before scheduling.", ["reason"])
 CANCELLATIONS = Counter("sluice_adapter_cancellations_total", "Sequences stopped before they finished.", ["reason"])
 BACKEND_READY = Gauge("sluice_adapter_backend_ready", "1 when a Triton replica and its model answer ready.", ["replica"])

@@ -14,6 +14,7 @@ from prometheus_client import start_http_server
 from sluice_common.config import ConfigError, load_config
 from sluice_common.log import configure_logging
 from sluice_triton_local.config import ENV_PREFIX, TritonLocalConfig
+from sluice_triton_local.metrics import MAX_SLOTS
 from sluice_triton_local.model_files import smollm2_gguf
 
 log = structlog.stdlib.get_logger("sluice.triton_local")
@@ -57,6 +58,7 @@ def main() -> None:
     encoder = MiniLMEncoder()
     encoder.encode(["warm-up"])
     log.info("model_loaded", gguf=gguf_path, engine=config.engine, threads=config.engine_threads(), seconds=round(time.perf_counter() - started, 1), warmup_answer=answer)
+    MAX_SLOTS.set(config.max_slots)
     start_http_server(config.metrics_port, addr=config.host)
 
     stop = threading.Event()
