@@ -387,7 +387,6 @@ class Stack:
         with `env` on top of the stack's adapter settings; stopped with the stack. Returns it,
         its gRPC address and its metrics URL."""
         port, metrics_port = free_port(), free_port()
-        address = f"{LOCALHOST}:{port}"
         env = {
             "PYTHONUNBUFFERED": "1",
             **self.extra_env.get("inference-adapter", {}),
@@ -396,13 +395,7 @@ class Stack:
             "SLUICE_ADAPTER_TRITON_URLS": ",".join(self.triton_address(n) for n in self.triton_ports),
             **(env or {}),
         }
-        service = ServiceProcess(
-            name, "sluice_inference_adapter", env, self.run_dir / f"{name}.log",
-            grpc_serving(address, self.grpc_credentials), project="inference-adapter",
-        )  # fmt: skip
-        self.services.append(service)
-        service.start_ready(timeout_s)
-        return service, address, f"http://{LOCALHOST}:{metrics_port}/metrics"
+        return self._start_extra(name, "sluice_inference_adapter", "inference-adapter", env, port, metrics_port, timeout_s)
 
     def add_ratelimit(
         self, name: str, limits_file: Path, timeout_s: float = 60.0, env: dict[str, str] | None = None
@@ -411,7 +404,6 @@ class Stack:
         SLUICE_GATEWAY_RATELIMIT_URL set to it asks it); stopped with the stack. Returns it, its
         gRPC address and its metrics URL."""
         port, metrics_port = free_port(), free_port()
-        address = f"{LOCALHOST}:{port}"
         service_env = {
             "PYTHONUNBUFFERED": "1",
             **self.extra_env.get("rate-limit", {}),
@@ -420,13 +412,7 @@ class Stack:
             "SLUICE_RATELIMIT_LIMITS_FILE": str(limits_file),
             **(env or {}),
         }
-        service = ServiceProcess(
-            name, "sluice_rate_limit", service_env, self.run_dir / f"{name}.log",
-            grpc_serving(address, self.grpc_credentials), project="rate-limit",
-        )  # fmt: skip
-        self.services.append(service)
-        service.start_ready(timeout_s)
-        return service, address, f"http://{LOCALHOST}:{metrics_port}/metrics"
+        return self._start_extra(name, "sluice_rate_limit", "rate-limit", service_env, port, metrics_port, timeout_s)
 
     def add_gateway(
         self, name: str, timeout_s: float = 120.0, env: dict[str, str] | None = None
@@ -437,11 +423,18 @@ class Stack:
         it, its gRPC address and its metrics URL."""
         port, metrics_port = free_port(), free_port()
         _, module, spec_env, _ = self._gateway_spec(name, port, metrics_port)
+        service_env = {"PYTHONUNBUFFERED": "1", **spec_env, **(env or {})}
+        return self._start_extra(name, module, "gateway", service_env, port, metrics_port, timeout_s)
+
+    def _start_extra(
+        self, name: str, module: str, project: str, env: dict[str, str], port: int, metrics_port: int, timeout_s: float
+    ) -> tuple[ServiceProcess, str, str]:
+        """Starts a service beside the stack's own, stopped with the stack: it, its gRPC address
+        and its metrics URL."""
         address = f"{LOCALHOST}:{port}"
         service = ServiceProcess(
-            name, module, {"PYTHONUNBUFFERED": "1", **spec_env, **(env or {})}, self.run_dir / f"{name}.log",
-            grpc_serving(address, self.grpc_credentials), project="gateway",
-        )  # fmt: skip
+            name, module, env, self.run_dir / f"{name}.log", grpc_serving(address, self.grpc_credentials), project=project
+        )
         self.services.append(service)
         service.start_ready(timeout_s)
         return service, address, f"http://{LOCALHOST}:{metrics_port}/metrics"

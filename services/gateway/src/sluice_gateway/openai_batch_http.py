@@ -37,7 +37,7 @@ from sluice_gateway.openai_batches import (
     settled,
     status_of,
 )
-from sluice_gateway.openai_requests import EmbeddingCall, OpenAIError
+from sluice_gateway.openai_requests import EmbeddingCall, OpenAIError, check_dimensions
 from sluice_gateway.openai_store import MAX_LIST_LIMIT, OpenAIStore, StoredBatch, new_id
 from sluice_common.tenants import Tenant
 
@@ -200,13 +200,7 @@ class BatchFront:
                     model = self.models.get(call.request.model, types_pb2.MODEL_KIND_EMBEDDING)
                 except UnknownModel:
                     continue  # as any line naming an unknown model: that row fails when it runs
-                if call.dimensions != model.embedding_dimensions:
-                    raise OpenAIError(
-                        400,
-                        f"Line {line.line}: {model.name} makes {model.embedding_dimensions}-dimensional embeddings; dimensions={call.dimensions} is not supported",
-                        param="body.dimensions",
-                        code="invalid_value",
-                    )
+                check_dimensions(call, model, param="body.dimensions", line=line.line)
 
     def _object(self, batch: StoredBatch, job: Any) -> dict[str, Any]:
         return batch_object(

@@ -47,6 +47,7 @@ from sluice_gateway.openai_requests import (
     FINISH_REASONS,
     Completion,
     GenerationCall,
+    check_dimensions,
     OpenAIError,
     embeddings_reply,
     model_object,
@@ -247,14 +248,7 @@ class OpenAIFront:
         call.request.client_request_id = request.headers.get("X-Client-Request-Id", "")[:128]
         structlog.contextvars.bind_contextvars(tenant=tenant.name, model=call.request.model)
         if call.dimensions is not None:
-            model = self.path.models.get(call.request.model, types_pb2.MODEL_KIND_EMBEDDING)
-            if call.dimensions != model.embedding_dimensions:
-                raise OpenAIError(
-                    400,
-                    f"{model.name} makes {model.embedding_dimensions}-dimensional embeddings; dimensions={call.dimensions} is not supported",
-                    param="dimensions",
-                    code="invalid_value",
-                )
+            check_dimensions(call, self.path.models.get(call.request.model, types_pb2.MODEL_KIND_EMBEDDING))
         request_id = current_request_id()
         reply, ticket = await self.path.embed_with_ticket(tenant.name, call.request, request_id, None)
         return _json_response(embeddings_reply(call, reply), headers=self._headers(request_id, ticket.metadata))

@@ -354,6 +354,19 @@ class Completion:
         return reply
 
 
+def check_dimensions(call: EmbeddingCall, model: types_pb2.ModelInfo, param: str = "dimensions", line: int | None = None) -> None:
+    """OpenAI's `dimensions` cannot shorten Sluice's embeddings: only the model's own is accepted."""
+    if call.dimensions is None or call.dimensions == model.embedding_dimensions:
+        return
+    where = f"Line {line}: " if line is not None else ""
+    raise OpenAIError(
+        400,
+        f"{where}{model.name} makes {model.embedding_dimensions}-dimensional embeddings; dimensions={call.dimensions} is not supported",
+        param=param,
+        code="invalid_value",
+    )
+
+
 def embedding_object(index: int, values: Any, as_base64: bool) -> dict[str, Any]:
     if as_base64:
         data: Any = base64.b64encode(struct.pack(f"<{len(values)}f", *values)).decode()
