@@ -17,6 +17,7 @@ from openai.types.chat import ChatCompletion
 
 from conftest import DEMO_KEY, MODEL
 from sluice_stack import REPO_ROOT, Stack
+from test_openai_http import evallog, record_of  # noqa: F401 - evallog is a fixture
 
 PRIVATE_KEY = "sk-sluice-private"
 ENDED = ("completed", "failed", "expired", "cancelled")
@@ -46,7 +47,7 @@ def wait_ended(client: openai.OpenAI, batch_id: str, timeout_s: float = 300.0) -
     raise AssertionError(f"batch {batch_id} still {batch.status} after {timeout_s}s")
 
 
-def test_a_batch_runs_on_the_job_workers_and_answers_as_the_endpoint(client: openai.OpenAI) -> None:
+def test_a_batch_runs_on_the_job_workers_and_answers_as_the_endpoint(client: openai.OpenAI, evallog) -> None:  # type: ignore[no-untyped-def]  # noqa: F811
     questions = {"colour": "Name a colour.", "city": "Name a city.", "animal": "Name an animal."}
     lines = [chat_line(custom_id, question) for custom_id, question in questions.items()]
     lines.append(chat_line("unknown-model", "Hi.", model="no-such-model"))  # valid JSON, fails when run
@@ -73,6 +74,9 @@ def test_a_batch_runs_on_the_job_workers_and_answers_as_the_endpoint(client: ope
         assert reply.choices[0].finish_reason in ("stop", "length")
         assert reply.usage is not None and 0 < reply.usage.completion_tokens <= 8
         assert reply.usage.total_tokens == reply.usage.prompt_tokens + reply.usage.completion_tokens
+        # The response's request_id is the one the row ran under: it finds the row's evaluation record.
+        event = record_of(evallog, record["response"]["request_id"]).event
+        assert event.output == reply.choices[0].message.content and event.custom_id == record["custom_id"]
     [error] = [json.loads(line) for line in client.files.content(batch.error_file_id).text.splitlines()]
     assert error["custom_id"] == "unknown-model" and error["response"] is None
     assert error["error"]["code"] == "invalid_argument" and "no-such-model" in error["error"]["message"]

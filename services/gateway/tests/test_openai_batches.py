@@ -172,7 +172,9 @@ def test_results_become_output_and_error_lines_as_the_endpoints_answer() -> None
         jobs_pb2.RowResult(job_id="batch_1", custom_id="chat", output="Hi!", finish_reason=types_pb2.FINISH_REASON_STOP, usage=USAGE),
         jobs_pb2.RowResult(job_id="batch_1", custom_id="bad", error=jobs_pb2.RowError(code="INVALID_ARGUMENT", message="unknown model")),
         jobs_pb2.RowResult(job_id="batch_1", custom_id="cut", output="Hi", finish_reason=types_pb2.FINISH_REASON_CANCELLED),
-        jobs_pb2.RowResult(job_id="batch_1", custom_id="text", output=" upon", finish_reason=types_pb2.FINISH_REASON_LENGTH, usage=USAGE),
+        jobs_pb2.RowResult(
+            job_id="batch_1", custom_id="text", output=" upon", finish_reason=types_pb2.FINISH_REASON_LENGTH, usage=USAGE, request_id="r-ran"
+        ),
     ]
     output, errors = result_files("batch_1", lines, results, created=1234)
     outputs = [json.loads(x) for x in output.decode().splitlines()]
@@ -186,6 +188,8 @@ def test_results_become_output_and_error_lines_as_the_endpoints_answer() -> None
     assert chat.usage is not None and chat.usage.total_tokens == 9 and chat.id == "chatcmpl-" + outputs[0]["response"]["request_id"]
     text = Completion.model_validate(outputs[1]["response"]["body"])
     assert text.choices[0].text == " upon" and text.choices[0].finish_reason == "length"
+    # The id the row ran under (its evaluation record's), where the result carries one.
+    assert outputs[1]["response"]["request_id"] == "r-ran" and text.id == "cmpl-r-ran"
     embedding = CreateEmbeddingResponse.model_validate(outputs[2]["response"]["body"])
     assert embedding.data[0].embedding == [0.5, 1.0] and embedding.usage.prompt_tokens == 2
     failures = {x["custom_id"]: x for x in map(json.loads, errors.decode().splitlines())}

@@ -202,9 +202,12 @@ def encode_reply(message: jobs_pb2.RowResult | jobs_pb2.JobRejection | jobs_pb2.
     return message.SerializeToString()
 
 
-def failed_result(task: jobs_pb2.RowTask, code: str, message: str) -> jobs_pb2.RowResult:
+def failed_result(task: jobs_pb2.RowTask, code: str, message: str, request_id: str = "") -> jobs_pb2.RowResult:
     return jobs_pb2.RowResult(
-        job_id=task.job_id, custom_id=task.row.custom_id, error=jobs_pb2.RowError(code=code, message=message[:2000])
+        job_id=task.job_id,
+        custom_id=task.row.custom_id,
+        error=jobs_pb2.RowError(code=code, message=message[:2000]),
+        request_id=request_id,
     )
 
 
@@ -264,7 +267,7 @@ async def run_row(
                 parts.append(chunk.text)
                 if chunk.finish_reason:
                     final = chunk
-        result = jobs_pb2.RowResult(job_id=task.job_id, custom_id=row.custom_id, output="".join(parts))
+        result = jobs_pb2.RowResult(job_id=task.job_id, custom_id=row.custom_id, output="".join(parts), request_id=request_id)
         if final is not None:
             result.finish_reason = final.finish_reason
             result.usage.CopyFrom(final.usage)
@@ -274,7 +277,9 @@ async def run_row(
             model=row.embed.model, inputs=row.embed.inputs, priority_class=types_pb2.PRIORITY_CLASS_BULK
         )
         reply, ticket = await path.embed_with_ticket(task.tenant, request_embed, request_id, timeout_s)
-        result = jobs_pb2.RowResult(job_id=task.job_id, custom_id=row.custom_id, embeddings=reply.embeddings, usage=reply.usage)
+        result = jobs_pb2.RowResult(
+            job_id=task.job_id, custom_id=row.custom_id, embeddings=reply.embeddings, usage=reply.usage, request_id=request_id
+        )
         return RowRun(result, time.perf_counter() - started, _allowed_rate(ticket.requests_per_minute))
     raise PoisonRow("the row has neither a generate nor an embed body")
 

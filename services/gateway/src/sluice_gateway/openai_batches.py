@@ -273,7 +273,8 @@ def result_file_ids(batch_id: str) -> tuple[str, str]:
 
 
 def _request_ids(batch_id: str, custom_id: str) -> tuple[str, str]:
-    """A line's id and its response's request id, stable across reads of the file."""
+    """A line's id, and a request id for a result stored before results carried theirs; stable
+    across reads of the file."""
     digest = hashlib.sha256(f"{batch_id}/{custom_id}".encode()).hexdigest()[:24]
     return f"batch_req_{digest}", f"req_{digest}"
 
@@ -301,7 +302,9 @@ def result_files(batch_id: str, lines: list[BatchLine], results: Iterable[jobs_p
         line = by_id.get(result.custom_id)
         if line is None:
             continue
-        line_id, request_id = _request_ids(batch_id, result.custom_id)
+        line_id, stable_request_id = _request_ids(batch_id, result.custom_id)
+        # The id the row ran under finds its evaluation record and its log lines.
+        request_id = result.request_id or stable_request_id
         body = None if result.HasField("error") else response_body(line.call, result, request_id, created)
         if body is not None:
             record = {"id": line_id, "custom_id": result.custom_id, "response": {"status_code": 200, "request_id": request_id, "body": body}, "error": None}

@@ -320,7 +320,7 @@ class JobWorker:
                         return GIVE_BACK
                     await asyncio.sleep(backoff_s(attempt, self.config.worker_retry_base_s, self.config.worker_retry_cap_s))
                     continue
-                return failed_result(task, code, message_of(exc))
+                return failed_result(task, code, message_of(exc), current_request_id())
             await self._release(run.latency_s, OK, run.allowed_rate_per_s)
             return run.result
 

@@ -112,7 +112,7 @@ class RowError(_message.Message):
     def __init__(self, code: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
 
 class RowResult(_message.Message):
-    __slots__ = ("job_id", "custom_id", "output", "embeddings", "finish_reason", "usage", "error")
+    __slots__ = ("job_id", "custom_id", "output", "embeddings", "finish_reason", "usage", "error", "request_id")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     CUSTOM_ID_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_FIELD_NUMBER: _ClassVar[int]
@@ -120,6 +120,7 @@ class RowResult(_message.Message):
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     custom_id: str
     output: str
@@ -127,7 +128,8 @@ class RowResult(_message.Message):
     finish_reason: _types_pb2.FinishReason
     usage: _types_pb2.Usage
     error: RowError
-    def __init__(self, job_id: _Optional[str] = ..., custom_id: _Optional[str] = ..., output: _Optional[str] = ..., embeddings: _Optional[_Iterable[_Union[_types_pb2.Embedding, _Mapping]]] = ..., finish_reason: _Optional[_Union[_types_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_types_pb2.Usage, _Mapping]] = ..., error: _Optional[_Union[RowError, _Mapping]] = ...) -> None: ...
+    request_id: str
+    def __init__(self, job_id: _Optional[str] = ..., custom_id: _Optional[str] = ..., output: _Optional[str] = ..., embeddings: _Optional[_Iterable[_Union[_types_pb2.Embedding, _Mapping]]] = ..., finish_reason: _Optional[_Union[_types_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_types_pb2.Usage, _Mapping]] = ..., error: _Optional[_Union[RowError, _Mapping]] = ..., request_id: _Optional[str] = ...) -> None: ...
 
 class JobRejection(_message.Message):
     __slots__ = ("job_id", "reason")
