@@ -5,6 +5,7 @@
     sluice health                                         every service's health
     sluice logs [--follow]                                recent completions and a summary table
     sluice hash-key <api key>                             the hash to put in a tenants file
+    sluice eval --dataset rows.jsonl --model-a A --model-b B   A/B on a dataset; exit 1 on a regression
 
 The gateway address and API key come from --gateway/--api-key or SLUICE_GATEWAY_URL/SLUICE_API_KEY;
 `sluice logs` asks evaluation-logging (--evallog or SLUICE_EVALLOG_URL) with the same key (or
@@ -27,6 +28,7 @@ from sluice.common.v1 import types_pb2
 from sluice.evallog.v1 import evallog_pb2, evallog_pb2_grpc
 from sluice.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 
+from sluice_gateway.cli_eval import add_eval_parser
 from sluice_gateway.cli_jobs import add_jobs_parser
 from sluice_gateway.tenants import hash_api_key
 
@@ -339,6 +341,7 @@ def build_parser() -> argparse.ArgumentParser:
     logs.add_argument("--json", action="store_true", help="one JSON object per completion instead of a line")
     logs.set_defaults(func=cmd_logs)
     add_jobs_parser(commands)
+    add_eval_parser(commands)
     hash_key = commands.add_parser("hash-key", help="print the SHA-256 of an API key for a tenants file")
     hash_key.add_argument("api_key_to_hash")
     hash_key.set_defaults(func=cmd_hash_key)
