@@ -11,6 +11,30 @@ ENV_PREFIX = "SLUICE_ADAPTER_"
 
 
 @dataclass(frozen=True)
+class ExtraModel:
+    """One more generation model: the name clients use, the Triton model, its batch bound."""
+
+    name: str
+    triton_model: str
+    max_batch_size: int
+
+
+def parse_extra_model(entry: str, default_batch: int) -> ExtraModel:
+    """`name=triton_model` or `name=triton_model:max_batch_size`."""
+    name, sep, rest = entry.partition("=")
+    triton_model, _, batch = rest.partition(":")
+    if not sep or not name.strip() or not triton_model.strip():
+        raise ValueError(f"{entry!r}: expected name=triton_model or name=triton_model:max_batch_size")
+    try:
+        size = int(batch) if batch.strip() else default_batch
+    except ValueError:
+        raise ValueError(f"{entry!r}: the max batch size after ':' must be a whole number") from None
+    if size < 1:
+        raise ValueError(f"{entry!r}: the max batch size must be >= 1")
+    return ExtraModel(name.strip(), triton_model.strip(), size)
+
+
+@dataclass(frozen=True)
 class AdapterConfig(ServerConfig):
     port: int = 50061
     metrics_port: int = 9102
@@ -29,6 +53,11 @@ class AdapterConfig(ServerConfig):
     # the model's GGUF file, its tokenizer_config.json, or a Jinja template file. Step-protocol
     # models apply their own template and need none.
     chat_template: str = ""
+    # More generation models on the same Triton replicas, each `name=triton_model` or
+    # `name=triton_model:max_batch_size` (default MAX_BATCH_SIZE), comma-separated: each gets its
+    # own replica pool and schedulers, so its batches never mix with the main model's. The local
+    # stack serves triton-local's second variant this way (`sluice eval` compares the two).
+    extra_models: tuple[str, ...] = ()
     # The embedding model clients name, and the Triton model serving it (empty: no embeddings).
     embedding_model_name: str = "all-minilm-l6-v2"
     triton_embedding_model: str = "minilm_embed"
@@ -71,6 +100,9 @@ class AdapterConfig(ServerConfig):
     # How long startup waits for Triton to report the model ready.
     backend_wait_s: float = 300.0
 
+    def extra_model_list(self) -> list[ExtraModel]:
+        return [parse_extra_model(entry, self.max_batch_size) for entry in self.extra_models]
+
     def __post_init__(self) -> None:
         require(self.max_bulk_prefill_rows >= 0, f"{ENV_PREFIX}MAX_BULK_PREFILL_ROWS must be >= 0, got {self.max_bulk_prefill_rows}")
         require(self.bulk_prefill_chunk >= 0, f"{ENV_PREFIX}BULK_PREFILL_CHUNK must be >= 0 (0: whole prompts), got {self.bulk_prefill_chunk}")
@@ -91,6 +123,14 @@ class AdapterConfig(ServerConfig):
             0 <= self.embed_cache_memory_share < 1,
             f"{ENV_PREFIX}EMBED_CACHE_MEMORY_SHARE must be in [0, 1) (0: unset), got {self.embed_cache_memory_share}",
         )
+        names = [self.model_name, self.embedding_model_name]
+        for entry in self.extra_models:
+            try:
+                extra = parse_extra_model(entry, self.max_batch_size)
+            except ValueError as exc:
+                require(False, f"{ENV_PREFIX}EXTRA_MODELS: {exc}")
+            require(extra.name not in names, f"{ENV_PREFIX}EXTRA_MODELS: the model name {extra.name!r} is used twice")
+            names.append(extra.name)
         require(self.max_waiting >= 1, f"{ENV_PREFIX}MAX_WAITING must be >= 1, got {self.max_waiting}")
         require(
             0 < self.max_output_tokens < self.context_length,
