@@ -125,7 +125,7 @@ def test_render_shows_both_sides_and_the_verdict() -> None:
     assert line.split() == ["exact_match", "higher", "1.000", "0.500", "100.0%", "50.0%", "-50.0%", "2", "2", "REGRESSED"]
     assert text.splitlines()[-1].startswith("VERDICT: REGRESSION") and "exact_match" in text.splitlines()[-1]
     json_line = next(line for line in text.splitlines() if line.startswith("json_validity"))
-    assert json_line.split()[-1] == "n/a"
+    assert json_line.split() == ["json_validity", "higher", "-", "-", "-", "-", "-", "0", "0", "n/a"]
 
 
 def test_each_side_becomes_one_job_with_its_own_sampling() -> None:

@@ -8,7 +8,8 @@ from sluice.inference.v1 import inference_pb2
 
 from sluice_common.errors import NotFound, Unavailable
 from sluice_inference_adapter.__main__ import extra_model_config, model_info
-from sluice_inference_adapter.config import AdapterConfig, ExtraModel, parse_extra_model
+from sluice_inference_adapter.config import AdapterConfig
+from sluice_inference_adapter.extra_models import ExtraModel, parse_extra_model
 from sluice_inference_adapter.servicer import InferenceServicer
 
 

@@ -201,7 +201,7 @@ def run_eval(args: argparse.Namespace) -> int:
     sides = [(a, f"{stamp}-a"), (b, f"{stamp}-b")]
     samplings = [_sampling(side, args.max_tokens) for side, _ in sides]
     # Both jobs are submitted before either is waited for: they run side by side in the bulk class.
-    for (side, job_id), sampling in zip(sides, samplings, strict=True):
+    for side, job_id in sides:
         run.submit(job_request(job_id, rows, side, args.max_tokens))
     states = [run.wait(job_id, side.label) for side, job_id in sides]
     scored: list[list[list[RowScore]]] = []

@@ -240,7 +240,7 @@ def render(report: Report, a: Side, b: Side) -> str:
         both = line.comparable
         out.append(
             f"{line.evaluator:<22} {'higher' if line.higher_is_better else 'lower':<6}"
-            f" {line.a.mean if line.a.n else float('nan'):>10.3f} {line.b.mean if line.b.n else float('nan'):>10.3f}"
+            f" {_mean(line.a):>10} {_mean(line.b):>10}"
             f" {_share(line.a):>7} {_share(line.b):>7} {(f'{line.delta * 100:+.1f}%' if both else '-'):>7}"
             f" {_n(line.a):>6} {_n(line.b):>6}  {line.verdict(report.threshold)}"
         )
@@ -254,6 +254,10 @@ def render(report: Report, a: Side, b: Side) -> str:
     else:
         out.append(f"VERDICT: OK: B is within {report.threshold * 100:.1f} points of A on every evaluator")
     return "\n".join(out)
+
+
+def _mean(stats: SideStats) -> str:
+    return f"{stats.mean:.3f}" if stats.n else "-"
 
 
 def _share(stats: SideStats) -> str:

@@ -16,7 +16,8 @@ from sluice_common.loop_lag import monitor_loop_lag
 from sluice_common.server import RunningServer, create_server, serve_until_signal
 from sluice_common.supervision import Supervisor
 from sluice_inference_adapter.chat_template import ChatTemplate, ChatTemplateError, load_chat_template
-from sluice_inference_adapter.config import ENV_PREFIX, AdapterConfig, ExtraModel
+from sluice_inference_adapter.config import ENV_PREFIX, AdapterConfig
+from sluice_inference_adapter.extra_models import ExtraModel
 from sluice_inference_adapter.embed_batcher import EmbedBatcher
 from sluice_inference_adapter.embedding_cache import CachedEmbedder, EmbeddingCache, cache_budget
 from sluice_inference_adapter.passthrough import PassthroughLimits, PassthroughScheduler
