@@ -17,9 +17,9 @@ from sluice_common.server import RunningServer, create_server, serve_until_signa
 from sluice_common.supervision import Supervisor
 from sluice_inference_adapter.chat_template import ChatTemplate, ChatTemplateError, load_chat_template
 from sluice_inference_adapter.config import ENV_PREFIX, AdapterConfig
-from sluice_inference_adapter.extra_models import ExtraModel
 from sluice_inference_adapter.embed_batcher import EmbedBatcher
 from sluice_inference_adapter.embedding_cache import CachedEmbedder, EmbeddingCache, cache_budget
+from sluice_inference_adapter.extra_models import ExtraModel
 from sluice_inference_adapter.passthrough import PassthroughLimits, PassthroughScheduler
 from sluice_inference_adapter.replica_discovery import Discovery, parse_target
 from sluice_inference_adapter.replica_pool import BackendFactory, PooledEmbedBackend, ReplicaPool, SchedulerFactory
