@@ -25,7 +25,7 @@ MODES = {"gpu": {}, "cpu": CPU_MODE}
 WRITTEN = {
     "gateway": {"events_spill_file", "jobs_sqlite_path"},
     "evaluation-logging": {"sqlite_path"},
-    "triton-local": {"triton_log_file"},
+    "triton-local": {"triton_log_file", "cache_dir"},
 }
 READ = {
     "gateway": {"tenants_file"},

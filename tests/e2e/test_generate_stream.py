@@ -10,6 +10,8 @@ from sluice.gateway.v1 import gateway_pb2
 
 from conftest import MODEL, auth
 
+from sluice_stack import VARIANT_MODEL
+
 
 def chat(question: str, max_tokens: int = 24, **sampling: object) -> gateway_pb2.GenerateRequest:
     return gateway_pb2.GenerateRequest(
@@ -82,10 +84,12 @@ def test_request_id_follows_the_request(gateway, stack) -> None:
 def test_list_models(gateway) -> None:
     response = gateway.ListModels(gateway_pb2.ListModelsRequest(), metadata=auth(), timeout=10)
     models = {m.name: m for m in response.models}
-    assert set(models) == {MODEL, "all-minilm-l6-v2"}
+    # The stack also serves triton-local's Q4_0 variant of the model as a second one (sluice eval).
+    assert set(models) == {MODEL, VARIANT_MODEL, "all-minilm-l6-v2"}
     generation, embedding = models[MODEL], models["all-minilm-l6-v2"]
-    assert generation.kind == types_pb2.MODEL_KIND_GENERATION
-    assert generation.context_length == 2048 and 0 < generation.max_output_tokens < generation.context_length
+    for model in (generation, models[VARIANT_MODEL]):
+        assert model.kind == types_pb2.MODEL_KIND_GENERATION
+        assert model.context_length == 2048 and 0 < model.max_output_tokens < model.context_length
     assert embedding.kind == types_pb2.MODEL_KIND_EMBEDDING and embedding.embedding_dimensions == 384
 
 

@@ -17,6 +17,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 REPO_ROOT = Path(__file__).resolve().parents[4]
 LOCALHOST = "127.0.0.1"
+# triton-local's second variant of the chat model (its VARIANT_* settings: SmolLM2 re-quantized to
+# Q4_0, 4 slots), served by the adapter as a second model with a batch of 4: what `sluice eval`
+# compares against the main model in `make run` and the end-to-end tests.
+VARIANT_MODEL = "smollm2-135m-instruct-q4_0"
+VARIANT_TRITON_MODEL = "smollm2_q4_0_step"
+VARIANT_BATCH = 4
 
 
 def free_port() -> int:
@@ -315,6 +321,7 @@ class Stack:
             "SLUICE_ADAPTER_PORT": str(port),
             "SLUICE_ADAPTER_METRICS_PORT": str(metrics_port),
             "SLUICE_ADAPTER_TRITON_URLS": ",".join(self.triton_address(n) for n in self.triton_ports),
+            "SLUICE_ADAPTER_EXTRA_MODELS": f"{VARIANT_MODEL}={VARIANT_TRITON_MODEL}:{VARIANT_BATCH}",
             **self.extra_env.get("inference-adapter", {}),
         }
         return name, "sluice_inference_adapter", env, grpc_serving(f"{LOCALHOST}:{port}", self.grpc_credentials)
@@ -389,6 +396,7 @@ class Stack:
         port, metrics_port = free_port(), free_port()
         env = {
             "PYTHONUNBUFFERED": "1",
+            "SLUICE_ADAPTER_EXTRA_MODELS": f"{VARIANT_MODEL}={VARIANT_TRITON_MODEL}:{VARIANT_BATCH}",
             **self.extra_env.get("inference-adapter", {}),
             "SLUICE_ADAPTER_PORT": str(port),
             "SLUICE_ADAPTER_METRICS_PORT": str(metrics_port),

@@ -33,6 +33,7 @@ def eval_settings(config: EvalLogConfig) -> EvalSettings:
         repetition_max_ratio=config.repetition_max_ratio,
         similarity_sample_rate=config.similarity_sample_rate,
         similarity_min=config.similarity_min,
+        reference_similarity_min=config.reference_similarity_min,
     )
 
 
@@ -82,7 +83,9 @@ async def serve(config: EvalLogConfig) -> None:
         ),
         busy=consumer.busy,
     )
-    servicer = EvalLogServicer(tenants, EvalLogQueries(store))
+    servicer = EvalLogServicer(
+        tenants, EvalLogQueries(store), EvalContext(settings, embedder), offload=pool.evaluate if pool is not None else None
+    )
 
     def register(server):  # type: ignore[no-untyped-def]
         evallog_pb2_grpc.add_EvalLogServiceServicer_to_server(servicer, server)

@@ -50,6 +50,8 @@ class EvalLogConfig(ServerConfig):
     embedding_model: str = "all-minilm-l6-v2"
     similarity_sample_rate: float = 0.1
     similarity_min: float = 0.2
+    # reference_similarity (ScoreCompletions, `sluice eval`): the output-to-reference cosine that passes.
+    reference_similarity_min: float = 0.5
     embed_timeout_s: float = 10.0
     # Similarity is computed off the consume path: events per Embed call (two texts each), and how
     # long a claim on pending markers lasts before another replica (or the next process) may take them.
@@ -74,6 +76,10 @@ class EvalLogConfig(ServerConfig):
         require(
             0.0 <= self.similarity_sample_rate <= 1.0,
             f"{ENV_PREFIX}SIMILARITY_SAMPLE_RATE must be in [0, 1], got {self.similarity_sample_rate}",
+        )
+        require(
+            -1.0 <= self.reference_similarity_min <= 1.0,
+            f"{ENV_PREFIX}REFERENCE_SIMILARITY_MIN must be a cosine in [-1, 1], got {self.reference_similarity_min}",
         )
         require(
             1 <= self.similarity_batch_max <= 1024,

@@ -1,4 +1,4 @@
-"""sluice.evallog.v1.EvalLogService: thin; queries.py does the work."""
+"""sluice.evallog.v1.EvalLogService: thin; queries.py and scoring.py do the work."""
 
 from __future__ import annotations
 
@@ -8,7 +8,10 @@ from sluice.evallog.v1 import evallog_pb2, evallog_pb2_grpc, events_pb2
 
 from sluice_common.tenants import TenantDirectory
 from sluice_evaluation_logging.queries import EvalLogQueries, QueryArgs
+from sluice_evaluation_logging.evaluators import Offload
+from sluice_evaluation_logging.evaluators.base import EvalContext
 from sluice_evaluation_logging.records import GroupSummary
+from sluice_evaluation_logging.scoring import ScoreInput, evaluator_infos, score_items
 from sluice_evaluation_logging.store import RecordRow, Threshold
 
 
@@ -61,9 +64,14 @@ def _summary(group: GroupSummary) -> evallog_pb2.Summary:
 
 
 class EvalLogServicer(evallog_pb2_grpc.EvalLogServiceServicer):
-    def __init__(self, tenants: TenantDirectory, queries: EvalLogQueries) -> None:
+    def __init__(
+        self, tenants: TenantDirectory, queries: EvalLogQueries, scoring: EvalContext, offload: Offload | None = None
+    ) -> None:
         self._tenants = tenants
         self._queries = queries
+        # ScoreCompletions: the evaluators' settings and embedder, and the CPU-heavy ones' pool.
+        self._scoring = scoring
+        self._offload = offload
 
     def _caller(self, context: grpc.aio.ServicerContext) -> str:
         return self._tenants.authenticate(_authorization(context)).name
@@ -107,3 +115,25 @@ class EvalLogServicer(evallog_pb2_grpc.EvalLogServiceServicer):
         )
         groups = await self._queries.summarize(self._caller(context), args)
         return evallog_pb2.SummarizeResponse(summaries=[_summary(group) for group in groups])
+
+    async def ScoreCompletions(
+        self, request: evallog_pb2.ScoreCompletionsRequest, context: grpc.aio.ServicerContext
+    ) -> evallog_pb2.ScoreCompletionsResponse:
+        self._caller(context)  # any tenant may score; nothing is stored or read
+        items = [ScoreInput(item.event, item.reference) for item in request.items]
+        scored = await score_items(items, self._scoring, self._offload)
+        return evallog_pb2.ScoreCompletionsResponse(
+            items=[
+                evallog_pb2.ScoredItem(
+                    scores=[
+                        evallog_pb2.Score(name=s.name, value=s.value, passed=s.passed, detail=s.detail, skipped=s.skipped)
+                        for s in scores
+                    ]
+                )
+                for scores in scored
+            ],
+            evaluators=[
+                evallog_pb2.EvaluatorInfo(name=i.name, higher_is_better=i.higher_is_better, description=i.description)
+                for i in evaluator_infos()
+            ],
+        )

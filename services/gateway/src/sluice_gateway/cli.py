@@ -6,6 +6,7 @@
     sluice logs [--follow]                                recent completions and a summary table
     sluice hash-key <api key>                             the hash to put in a tenants file
     sluice diagnose [--probe N]                           where a fan-out serializes, per hop
+    sluice eval --dataset rows.jsonl --model-a A --model-b B   A/B on a dataset; exit 1 on a regression
 
 The gateway address and API key come from --gateway/--api-key or SLUICE_GATEWAY_URL/SLUICE_API_KEY;
 `sluice logs` asks evaluation-logging (--evallog or SLUICE_EVALLOG_URL) with the same key (or
@@ -29,6 +30,7 @@ from sluice.evallog.v1 import evallog_pb2, evallog_pb2_grpc
 from sluice.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 
 from sluice_gateway.cli_diagnose import add_diagnose_parser
+from sluice_gateway.cli_eval import add_eval_parser
 from sluice_gateway.cli_jobs import add_jobs_parser
 from sluice_common.tenants import hash_api_key
 
@@ -342,6 +344,7 @@ def build_parser() -> argparse.ArgumentParser:
     logs.set_defaults(func=cmd_logs)
     add_jobs_parser(commands)
     add_diagnose_parser(commands)
+    add_eval_parser(commands)
     hash_key = commands.add_parser("hash-key", help="print the SHA-256 of an API key for a tenants file")
     hash_key.add_argument("api_key_to_hash")
     hash_key.set_defaults(func=cmd_hash_key)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
+from dataclasses import replace
 
 import structlog
 from sluice.common.v1 import types_pb2
@@ -19,6 +20,7 @@ from sluice_inference_adapter.config import ENV_PREFIX, AdapterConfig
 from sluice_inference_adapter.embed_batcher import EmbedBatcher
 from sluice_inference_adapter.embedding_cache import CachedEmbedder, EmbeddingCache, cache_budget
 from sluice_inference_adapter.metrics import CONCURRENCY_LIMIT
+from sluice_inference_adapter.extra_models import ExtraModel
 from sluice_inference_adapter.passthrough import PassthroughLimits, PassthroughScheduler
 from sluice_inference_adapter.replica_discovery import Discovery, parse_target
 from sluice_inference_adapter.replica_pool import BackendFactory, PooledEmbedBackend, ReplicaPool, SchedulerFactory
@@ -65,10 +67,11 @@ async def wait_for_a_ready_replica(config: AdapterConfig, discovery: Discovery) 
 
 
 def build_backends(
-    config: AdapterConfig, protocol: Protocol, urls: list[str]
+    config: AdapterConfig, protocol: Protocol, urls: list[str], label: str = ""
 ) -> tuple[list[Backend], SchedulerFactory, BackendFactory]:
     """The first replicas' backends, how each replica's work is owned, and how a replica found
-    later gets its backend."""
+    later gets its backend. `label` tells an extra model's schedulers apart from the main
+    model's on the same replica (their owner-task names and `replica` metric labels)."""
     make_backend: Callable[[str], Backend]
     if protocol == "step":
         limits = SchedulerLimits(
@@ -83,13 +86,13 @@ def build_backends(
         )
         CONCURRENCY_LIMIT.set(config.max_batch_size)
         make_backend = lambda url: TritonStepBackend(url, config.triton_model, config.step_timeout_s)  # noqa: E731
-        make_scheduler = lambda backend, on_step: Scheduler(backend, limits, on_step=on_step, replica=backend.url)  # type: ignore[arg-type]  # noqa: E731
+        make_scheduler = lambda backend, on_step: Scheduler(backend, limits, on_step=on_step, replica=backend.url + label)  # type: ignore[arg-type]  # noqa: E731
     else:
         passthrough = PassthroughLimits(max_in_flight=config.max_in_flight, max_waiting=config.max_waiting)
         CONCURRENCY_LIMIT.set(config.max_in_flight)
         template = passthrough_chat_template(config)
         make_backend = lambda url: TritonGenerateBackend(url, config.triton_model)  # noqa: E731
-        make_scheduler = lambda backend, on_step: PassthroughScheduler(backend, passthrough, template.render, on_step=on_step, replica=backend.url)  # type: ignore[arg-type]  # noqa: E731
+        make_scheduler = lambda backend, on_step: PassthroughScheduler(backend, passthrough, template.render, on_step=on_step, replica=backend.url + label)  # type: ignore[arg-type]  # noqa: E731
     return [make_backend(url) for url in urls], make_scheduler, make_backend  # type: ignore[return-value]
 
 
@@ -160,13 +163,45 @@ def build_embedder(
     return embedder, backends, front
 
 
-async def serve(config: AdapterConfig) -> None:
-    model = types_pb2.ModelInfo(
+def extra_model_config(config: AdapterConfig, extra: ExtraModel) -> AdapterConfig:
+    """The settings an extra generation model's pool runs with: the main model's, but its own
+    Triton model and batch bound (and a reserved interactive share that fits that bound)."""
+    return replace(
+        config,
+        model_name=extra.name,
+        triton_model=extra.triton_model,
+        max_batch_size=extra.max_batch_size,
+        interactive_reserved_slots=min(config.interactive_reserved_slots, extra.max_batch_size - 1),
+        extra_models=(),
+    )
+
+
+async def start_extra_pool(config: AdapterConfig, discovery: Discovery, supervisor: Supervisor) -> ReplicaPool:
+    """One extra generation model's pool, started once a replica serves it; the main model's
+    replica discovery (dns:/// names) does not add replicas to it: extra models are for a fixed
+    set of replicas, such as the local stack's one triton-local."""
+    urls, ready_url = await wait_for_a_ready_replica(config, discovery)
+    protocol = await detect_protocol(ready_url, config.triton_model)
+    backends, make_scheduler, make_backend = build_backends(config, protocol, urls, label=f"#{config.model_name}")
+    pool = ReplicaPool(backends, make_scheduler, config.replica_failure_threshold, config.probe_interval_s, make_backend)  # type: ignore[arg-type]
+    await wait_for_a_healthy_replica(pool, config.backend_wait_s)
+    pool.start(supervisor)
+    log.info("extra_model_ready", model=config.model_name, triton_model=config.triton_model, protocol=protocol, max_batch_size=config.max_batch_size)
+    return pool
+
+
+def model_info(config: AdapterConfig) -> types_pb2.ModelInfo:
+    return types_pb2.ModelInfo(
         name=config.model_name,
         kind=types_pb2.MODEL_KIND_GENERATION,
         context_length=config.context_length,
         max_output_tokens=config.max_output_tokens,
     )
+
+
+async def serve(config: AdapterConfig) -> None:
+    model = model_info(config)
+    extra_configs = [extra_model_config(config, extra) for extra in config.extra_model_list()]
     embedding_model = (
         types_pb2.ModelInfo(
             name=config.embedding_model_name,
@@ -176,7 +211,7 @@ async def serve(config: AdapterConfig) -> None:
         if config.triton_embedding_model
         else None
     )
-    servicer = InferenceServicer(model, embedding_model)
+    servicer = InferenceServicer(model, embedding_model, [model_info(c) for c in extra_configs])
 
     def register(server):  # type: ignore[no-untyped-def]
         inference_pb2_grpc.add_InferenceServiceServicer_to_server(servicer, server)
@@ -198,7 +233,8 @@ async def serve(config: AdapterConfig) -> None:
     pool.start(supervisor)
     embedding = build_embedder(config, pool, supervisor)
     embedder = embedding[2] if embedding is not None else None
-    servicer.attach(pool, embedder)
+    extra_pools = {c.model_name: await start_extra_pool(c, discovery, supervisor) for c in extra_configs}
+    servicer.attach(pool, embedder, extra_pools)
     await running.set_serving(True)
     log.info("ready", replicas=sorted(pool.names), model=config.model_name, protocol=protocol)
     health_task = supervisor.start("health-from-replicas", lambda: report_health(pool, running))
@@ -216,6 +252,8 @@ async def serve(config: AdapterConfig) -> None:
         if embedding is not None:
             await embedding[0].stop()
             await embedding[1].close()
+        for extra_pool in extra_pools.values():
+            await extra_pool.stop()
         await pool.stop()
 
     await serve_until_signal(running, config.shutdown_grace_s, on_stop)

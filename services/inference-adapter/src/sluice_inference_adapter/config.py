@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from sluice_common.config import ServerConfig, require
+from sluice_inference_adapter.extra_models import ExtraModel, parse_extra_model
 from sluice_inference_adapter.replica_discovery import parse_target
 
 ENV_PREFIX = "SLUICE_ADAPTER_"
@@ -29,6 +30,11 @@ class AdapterConfig(ServerConfig):
     # the model's GGUF file, its tokenizer_config.json, or a Jinja template file. Step-protocol
     # models apply their own template and need none.
     chat_template: str = ""
+    # More generation models on the same Triton replicas, each `name=triton_model` or
+    # `name=triton_model:max_batch_size` (default MAX_BATCH_SIZE), comma-separated: each gets its
+    # own replica pool and schedulers, so its batches never mix with the main model's. The local
+    # stack serves triton-local's second variant this way (`sluice eval` compares the two).
+    extra_models: tuple[str, ...] = ()
     # The embedding model clients name, and the Triton model serving it (empty: no embeddings).
     embedding_model_name: str = "all-minilm-l6-v2"
     triton_embedding_model: str = "minilm_embed"
@@ -71,6 +77,9 @@ class AdapterConfig(ServerConfig):
     # How long startup waits for Triton to report the model ready.
     backend_wait_s: float = 300.0
 
+    def extra_model_list(self) -> list[ExtraModel]:
+        return [parse_extra_model(entry, self.max_batch_size) for entry in self.extra_models]
+
     def __post_init__(self) -> None:
         require(self.max_bulk_prefill_rows >= 0, f"{ENV_PREFIX}MAX_BULK_PREFILL_ROWS must be >= 0, got {self.max_bulk_prefill_rows}")
         require(self.bulk_prefill_chunk >= 0, f"{ENV_PREFIX}BULK_PREFILL_CHUNK must be >= 0 (0: whole prompts), got {self.bulk_prefill_chunk}")
@@ -91,6 +100,14 @@ class AdapterConfig(ServerConfig):
             0 <= self.embed_cache_memory_share < 1,
             f"{ENV_PREFIX}EMBED_CACHE_MEMORY_SHARE must be in [0, 1) (0: unset), got {self.embed_cache_memory_share}",
         )
+        names = [self.model_name, self.embedding_model_name]
+        for entry in self.extra_models:
+            try:
+                extra = parse_extra_model(entry, self.max_batch_size)
+            except ValueError as exc:
+                require(False, f"{ENV_PREFIX}EXTRA_MODELS: {exc}")
+            require(extra.name not in names, f"{ENV_PREFIX}EXTRA_MODELS: the model name {extra.name!r} is used twice")
+            names.append(extra.name)
         require(self.max_waiting >= 1, f"{ENV_PREFIX}MAX_WAITING must be >= 1, got {self.max_waiting}")
         require(
             0 < self.max_output_tokens < self.context_length,

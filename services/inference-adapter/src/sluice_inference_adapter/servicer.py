@@ -26,35 +26,44 @@ _FINISH_REASONS = {
 
 
 class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
-    def __init__(self, model: types_pb2.ModelInfo, embedding_model: types_pb2.ModelInfo | None) -> None:
+    def __init__(
+        self,
+        model: types_pb2.ModelInfo,
+        embedding_model: types_pb2.ModelInfo | None,
+        extra_models: list[types_pb2.ModelInfo] | None = None,
+    ) -> None:
         self._model = model
         self._embedding_model = embedding_model
-        self._ready_pool: ReplicaPool | None = None
+        # Generation models by name: the main one first, then SLUICE_ADAPTER_EXTRA_MODELS.
+        self._models = {m.name: m for m in [model, *(extra_models or [])]}
+        self._ready_pools: dict[str, ReplicaPool] = {}
         self._embedder: TextEmbedder | None = None
 
-    def attach(self, pool: ReplicaPool, embedder: TextEmbedder | None) -> None:
+    def attach(self, pool: ReplicaPool, embedder: TextEmbedder | None, extra_pools: dict[str, ReplicaPool] | None = None) -> None:
         """Called once Triton is ready; until then calls answer UNAVAILABLE. `embedder` is the
-        cache in front of the micro-batcher (embedding_cache.CachedEmbedder)."""
-        self._ready_pool = pool
+        cache in front of the micro-batcher (embedding_cache.CachedEmbedder); `extra_pools` serve
+        the extra generation models, by name."""
+        self._ready_pools = {self._model.name: pool, **(extra_pools or {})}
         self._embedder = embedder
 
-    @property
-    def _pool(self) -> ReplicaPool:
-        if self._ready_pool is None:
+    def _pool_of(self, name: str) -> ReplicaPool:
+        pool = self._ready_pools.get(name)
+        if pool is None:
             raise Unavailable("the adapter is starting: Triton is not ready yet")
-        return self._ready_pool
+        return pool
 
     def _model_info(self, name: str) -> types_pb2.ModelInfo:
-        if name != self._model.name:
-            raise NotFound(f"unknown model {name!r}; this adapter serves {self._model.name!r}")
-        return self._model
+        model = self._models.get(name)
+        if model is None:
+            raise NotFound(f"unknown model {name!r}; this adapter serves {', '.join(repr(n) for n in self._models)}")
+        return model
 
     async def Generate(
         self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[inference_pb2.GenerateResponse]:
         validate_generation(request.messages, request.prompt, request.sampling, self._model_info(request.model))
         streamed = False
-        async with aclosing(self._pool.generate(_generation_request(request, context.time_remaining()))) as events:
+        async with aclosing(self._pool_of(request.model).generate(_generation_request(request, context.time_remaining()))) as events:
             async for event in events:
                 if isinstance(event, FinishEvent):
                     if event.finish is Finish.ERROR and streamed:
@@ -69,7 +78,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
     async def ListModels(
         self, request: inference_pb2.ListModelsRequest, context: grpc.aio.ServicerContext
     ) -> inference_pb2.ListModelsResponse:
-        models = [self._model] + ([self._embedding_model] if self._embedding_model else [])
+        models = list(self._models.values()) + ([self._embedding_model] if self._embedding_model else [])
         return inference_pb2.ListModelsResponse(models=models)
 
     async def CountTokens(
@@ -77,7 +86,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
     ) -> inference_pb2.CountTokensResponse:
         model = self._model_info(request.model)
         prompt = _prompt_spec(request.messages, request.prompt)
-        backend = self._pool.pick(exclude=set()).backend
+        backend = self._pool_of(model.name).pick(exclude=set()).backend
         if not isinstance(backend, StepBackend):
             raise Unimplemented("CountTokens needs a step-protocol model; this one batches by itself")
         (outcome,) = await backend.step([StepRow(Action.COUNT, 0, prompt.to_json())])

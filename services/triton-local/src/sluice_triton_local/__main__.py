@@ -7,6 +7,7 @@ import signal
 import sys
 import threading
 import time
+from typing import TYPE_CHECKING
 
 import structlog
 from prometheus_client import start_http_server
@@ -16,6 +17,9 @@ from sluice_common.log import configure_logging
 from sluice_triton_local.config import ENV_PREFIX, TritonLocalConfig
 from sluice_triton_local.metrics import MAX_SLOTS
 from sluice_triton_local.model_files import smollm2_gguf
+
+if TYPE_CHECKING:
+    from sluice_triton_local.shared_engine import SharedEngine
 
 log = structlog.stdlib.get_logger("sluice.triton_local")
 
@@ -55,6 +59,7 @@ def main() -> None:
     )
     engine = SharedEngine(step_engine)
     answer = warm_up(engine)  # on the engine's own thread, like every later step
+    variant = start_variant(config, gguf_path, engine)
     encoder = MiniLMEncoder()
     encoder.encode(["warm-up"])
     log.info("model_loaded", gguf=gguf_path, engine=config.engine, threads=config.engine_threads(), seconds=round(time.perf_counter() - started, 1), warmup_answer=answer)
@@ -68,17 +73,57 @@ def main() -> None:
         bind_step_model(triton, config.step_model_name, engine)
         bind_generate_model(triton, config.generate_model_name, SelfBatchingGenerator(engine, config.max_slots))
         bind_embedding_model(triton, config.embedding_model_name, encoder)
+        if variant is not None:
+            bind_step_model(triton, config.variant_model_name, variant)
         triton.run()
         log.info(
             "ready",
             grpc=f"{config.host}:{config.grpc_port}",
-            models=[config.step_model_name, config.generate_model_name, config.embedding_model_name],
+            models=[config.step_model_name, config.generate_model_name, config.embedding_model_name]
+            + ([config.variant_model_name] if variant is not None else []),
             metrics_port=config.metrics_port,
             seconds=round(time.perf_counter() - started, 1),
         )
         stop.wait()
         log.info("shutting_down")
     log.info("stopped")
+
+
+def start_variant(config: TritonLocalConfig, gguf_path: str, main: SharedEngine) -> SharedEngine | None:
+    """The second variant's engine (variant.py), with its own few slots, stepping on the main
+    engine's thread; None when VARIANT_MODEL_NAME is empty."""
+    if not config.variant_model_name:
+        return None
+    from pathlib import Path
+
+    from sluice_triton_local.engine.step_engine import StepEngine
+    from sluice_triton_local.shared_engine import SharedEngine, warm_up
+    from sluice_triton_local.variant import QuantizeError, ensure_variant
+
+    started = time.perf_counter()
+    try:
+        path, made = ensure_variant(Path(gguf_path), config.variant_quantization, config.variant_cache_dir(), config.engine_threads())
+    except (OSError, QuantizeError) as exc:
+        # Refuse to start rather than serve without a model the adapter is configured to route to.
+        print(f"triton-local: cannot make the {config.variant_quantization} variant in {config.variant_cache_dir()}"
+              f" ({ENV_PREFIX}CACHE_DIR; {ENV_PREFIX}VARIANT_MODEL_NAME= turns it off): {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+    engine = SharedEngine(
+        StepEngine(
+            str(path),
+            max_slots=config.variant_slots,
+            max_context=config.max_context,
+            slot_lease_s=config.slot_lease_s,
+            engine=config.engine,
+            threads=config.engine_threads(),
+            gpu_layers=config.gpu_layers,
+        ),
+        variant_of=main,
+    )
+    answer = warm_up(engine)
+    log.info("variant_loaded", model=config.variant_model_name, gguf=str(path), made=made, quantization=config.variant_quantization,
+             slots=config.variant_slots, seconds=round(time.perf_counter() - started, 1), warmup_answer=answer)
+    return engine
 
 
 if __name__ == "__main__":

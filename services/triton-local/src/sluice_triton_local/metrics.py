@@ -3,6 +3,9 @@
 from prometheus_client import Counter, Gauge, Histogram
 
 TOKENS_GENERATED = Counter("sluice_triton_local_tokens_generated_total", "Tokens sampled by the step model.")
+VARIANT_TOKENS_GENERATED = Counter(
+    "sluice_triton_local_variant_tokens_generated_total", "Tokens sampled by the second variant's step model (VARIANT_MODEL_NAME)."
+)
 ACTIVE_SLOTS = Gauge("sluice_triton_local_active_slots", "KV-cache slots held by running sequences.")
 # The configured bound `sluice diagnose` compares the slots in use with (SLUICE_TRITON_LOCAL_MAX_SLOTS).
 MAX_SLOTS = Gauge("sluice_triton_local_max_slots", "KV-cache slots the engine has: sequences it can run at once.")

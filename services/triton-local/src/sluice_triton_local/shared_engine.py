@@ -26,9 +26,13 @@ class SharedEngine:
     8 ms once the warm-up had run on another thread than the steps). Warm up through it too.
     """
 
-    def __init__(self, engine: StepEngine) -> None:
+    def __init__(self, engine: StepEngine, variant_of: SharedEngine | None = None) -> None:
         self._engine = engine
-        self._owner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="step-engine")
+        # A second variant of the model (variant.py) steps on the main engine's thread, for the
+        # reason above (one OpenMP team; the two models' steps take turns), counts its tokens
+        # apart and leaves the slot gauges, which describe the main model, alone.
+        self._variant = variant_of is not None
+        self._owner = variant_of._owner if variant_of is not None else ThreadPoolExecutor(max_workers=1, thread_name_prefix="step-engine")
         self._owners: set[str] = set()
         self._reclaimed = 0
 
@@ -62,6 +66,9 @@ class SharedEngine:
         started = time.perf_counter()
         before = self._engine.tokens_generated_total
         results = self._engine.step(rows)
+        if self._variant:
+            metrics.VARIANT_TOKENS_GENERATED.inc(self._engine.tokens_generated_total - before)
+            return results
         metrics.TOKENS_GENERATED.inc(self._engine.tokens_generated_total - before)
         metrics.ACTIVE_SLOTS.set(self._engine.active_slots)
         self._report_owners()

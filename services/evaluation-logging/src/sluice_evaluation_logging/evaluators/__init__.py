@@ -1,6 +1,10 @@
-"""The evaluators: each a small module with NAME and `evaluate(event, ctx)` (sync or async),
-returning a ScoreResult or None when it does not apply. Add one by writing a module and
-listing it here.
+"""The evaluators: each a small module with NAME, HIGHER_IS_BETTER (which way its value is
+better, for comparisons) and `evaluate(event, ctx)` (sync or async), returning a ScoreResult or
+None when it does not apply. Add one by writing a module and listing it here.
+
+Reference-based evaluators (REFERENCE_EVALUATORS) take `evaluate(event, reference, ctx)`: they
+score completions sent with an expected answer (ScoreCompletions, `sluice eval`); completion
+events from the gateway carry no reference, so the consumer never runs them.
 """
 
 from __future__ import annotations
@@ -16,9 +20,11 @@ from prometheus_client import Histogram
 
 from sluice_evaluation_logging.evaluators import (
     empty_output,
+    exact_match,
     json_validity,
     latency_slo,
     pii,
+    reference_similarity,
     repetition,
     similarity,
     stop_sequence,
@@ -45,6 +51,8 @@ EVALUATORS: tuple[ModuleType, ...] = (
     pii,
     similarity,
 )
+
+REFERENCE_EVALUATORS: tuple[ModuleType, ...] = (exact_match, reference_similarity)
 
 
 # Evaluators whose cost grows with the output's length in Python-level work (tokenizing, regex
@@ -182,3 +190,34 @@ async def _evaluate(
 async def evaluate_all(event: CompletionEvent, ctx: EvalContext) -> list[ScoreResult]:
     """Every applicable evaluator's score for one event (see evaluate_batch)."""
     return (await evaluate_batch([event], ctx))[0]
+
+
+def _run_reference(evaluator: ModuleType, event: CompletionEvent, reference: str, ctx: EvalContext) -> Any:
+    try:
+        return evaluator.evaluate(event, reference, ctx)
+    except Exception as exc:  # noqa: BLE001 - one broken evaluator must not lose the others' scores
+        return _failed(evaluator, exc)
+
+
+async def evaluate_references(
+    items: Sequence[tuple[CompletionEvent, str]], ctx: EvalContext
+) -> list[list[ScoreResult]]:
+    """The reference-based evaluators' scores for each (event, reference), in REFERENCE_EVALUATORS
+    order; the asynchronous ones (reference_similarity: an Embed call) of all items awaited together."""
+    by_item: list[dict[str, Any]] = []
+    pending: list[tuple[dict[str, Any], str, Awaitable[ScoreResult | None]]] = []
+    for index, (event, reference) in enumerate(items):
+        if index and index % YIELD_EVERY == 0:
+            await asyncio.sleep(0)
+        scores: dict[str, Any] = {}
+        for evaluator in REFERENCE_EVALUATORS:
+            result = _run_reference(evaluator, event, reference, ctx)
+            if type(result) not in _SETTLED and inspect.isawaitable(result):
+                pending.append((scores, evaluator.NAME, _settle(evaluator, result)))
+            scores[evaluator.NAME] = result
+        by_item.append(scores)
+    if pending:
+        settled = await asyncio.gather(*(awaitable for _, _, awaitable in pending))
+        for (scores, name, _), result in zip(pending, settled, strict=True):
+            scores[name] = result
+    return [[s for s in (scores[e.NAME] for e in REFERENCE_EVALUATORS) if s is not None] for scores in by_item]

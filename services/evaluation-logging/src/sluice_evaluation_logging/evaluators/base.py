@@ -31,6 +31,8 @@ class EvalSettings:
     repetition_max_ratio: float = 0.5
     similarity_sample_rate: float = 0.1
     similarity_min: float = 0.2
+    # reference_similarity: the output-to-reference cosine that passes.
+    reference_similarity_min: float = 0.5
 
 
 class EmbeddingsUnavailable(Exception):

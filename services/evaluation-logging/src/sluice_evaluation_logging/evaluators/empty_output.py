@@ -5,6 +5,8 @@ from __future__ import annotations
 from sluice_evaluation_logging.evaluators.base import CompletionEvent, EvalContext, ScoreResult, finished, has_text
 
 NAME = "empty_output"
+# For comparisons (`sluice eval`): which way is better.
+HIGHER_IS_BETTER = False
 
 
 def evaluate(event: CompletionEvent, ctx: EvalContext) -> ScoreResult | None:

@@ -9,6 +9,8 @@ from sluice.common.v1 import types_pb2
 from sluice_evaluation_logging.evaluators.base import CompletionEvent, EvalContext, ScoreResult, finished, has_text
 
 NAME = "json_validity"
+# For comparisons (`sluice eval`): which way is better.
+HIGHER_IS_BETTER = True
 # json.loads of the whole output when it applies: ~30 us per KB here.
 CPU_HEAVY = True
 

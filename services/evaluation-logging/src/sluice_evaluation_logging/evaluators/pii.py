@@ -7,6 +7,8 @@ import re
 from sluice_evaluation_logging.evaluators.base import CompletionEvent, EvalContext, ScoreResult, has_text
 
 NAME = "pii"
+# For comparisons (`sluice eval`): which way is better.
+HIGHER_IS_BETTER = False
 # Three regex scans of the whole output, Luhn checks in Python: ~30-200 us per KB here.
 CPU_HEAVY = True
 

@@ -7,6 +7,8 @@ import re
 from sluice_evaluation_logging.evaluators.base import CompletionEvent, EvalContext, ScoreResult, has_text
 
 NAME = "repetition"
+# For comparisons (`sluice eval`): which way is better.
+HIGHER_IS_BETTER = False
 # Tokenizes the whole output and counts every n-gram in Python: ~170 us per KB here.
 CPU_HEAVY = True
 _WORD = re.compile(r"\w+|[^\w\s]", re.UNICODE)

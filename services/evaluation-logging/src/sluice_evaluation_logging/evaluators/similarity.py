@@ -28,6 +28,8 @@ from sluice_evaluation_logging.evaluators.base import (
 )
 
 NAME = "similarity"
+# For comparisons (`sluice eval`): which way is better.
+HIGHER_IS_BETTER = True
 UNAVAILABLE_DETAIL = "skipped: embeddings unavailable"
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 from sluice_evaluation_logging.evaluators.base import CompletionEvent, EvalContext, ScoreResult, has_text
 
 NAME = "stop_sequence"
+# For comparisons (`sluice eval`): which way is better.
+HIGHER_IS_BETTER = True
 
 
 def evaluate(event: CompletionEvent, ctx: EvalContext) -> ScoreResult | None:

@@ -7,6 +7,8 @@ from sluice.common.v1 import types_pb2
 from sluice_evaluation_logging.evaluators.base import CompletionEvent, EvalContext, ScoreResult, finished
 
 NAME = "truncation"
+# For comparisons (`sluice eval`): which way is better.
+HIGHER_IS_BETTER = False
 
 
 def evaluate(event: CompletionEvent, ctx: EvalContext) -> ScoreResult | None:

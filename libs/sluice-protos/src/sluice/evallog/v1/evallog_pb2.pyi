@@ -156,3 +156,41 @@ class SummarizeResponse(_message.Message):
     SUMMARIES_FIELD_NUMBER: _ClassVar[int]
     summaries: _containers.RepeatedCompositeFieldContainer[Summary]
     def __init__(self, summaries: _Optional[_Iterable[_Union[Summary, _Mapping]]] = ...) -> None: ...
+
+class ScoreItem(_message.Message):
+    __slots__ = ("event", "reference")
+    EVENT_FIELD_NUMBER: _ClassVar[int]
+    REFERENCE_FIELD_NUMBER: _ClassVar[int]
+    event: _events_pb2.CompletionEvent
+    reference: str
+    def __init__(self, event: _Optional[_Union[_events_pb2.CompletionEvent, _Mapping]] = ..., reference: _Optional[str] = ...) -> None: ...
+
+class ScoreCompletionsRequest(_message.Message):
+    __slots__ = ("items",)
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    items: _containers.RepeatedCompositeFieldContainer[ScoreItem]
+    def __init__(self, items: _Optional[_Iterable[_Union[ScoreItem, _Mapping]]] = ...) -> None: ...
+
+class ScoredItem(_message.Message):
+    __slots__ = ("scores",)
+    SCORES_FIELD_NUMBER: _ClassVar[int]
+    scores: _containers.RepeatedCompositeFieldContainer[Score]
+    def __init__(self, scores: _Optional[_Iterable[_Union[Score, _Mapping]]] = ...) -> None: ...
+
+class EvaluatorInfo(_message.Message):
+    __slots__ = ("name", "higher_is_better", "description")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    HIGHER_IS_BETTER_FIELD_NUMBER: _ClassVar[int]
+    DESCRIPTION_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    higher_is_better: bool
+    description: str
+    def __init__(self, name: _Optional[str] = ..., higher_is_better: _Optional[bool] = ..., description: _Optional[str] = ...) -> None: ...
+
+class ScoreCompletionsResponse(_message.Message):
+    __slots__ = ("items", "evaluators")
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    EVALUATORS_FIELD_NUMBER: _ClassVar[int]
+    items: _containers.RepeatedCompositeFieldContainer[ScoredItem]
+    evaluators: _containers.RepeatedCompositeFieldContainer[EvaluatorInfo]
+    def __init__(self, items: _Optional[_Iterable[_Union[ScoredItem, _Mapping]]] = ..., evaluators: _Optional[_Iterable[_Union[EvaluatorInfo, _Mapping]]] = ...) -> None: ...

@@ -50,6 +50,11 @@ class EvalLogServiceStub:
                 request_serializer=sluice_dot_evallog_dot_v1_dot_evallog__pb2.SummarizeRequest.SerializeToString,
                 response_deserializer=sluice_dot_evallog_dot_v1_dot_evallog__pb2.SummarizeResponse.FromString,
                 _registered_method=True)
+        self.ScoreCompletions = channel.unary_unary(
+                '/sluice.evallog.v1.EvalLogService/ScoreCompletions',
+                request_serializer=sluice_dot_evallog_dot_v1_dot_evallog__pb2.ScoreCompletionsRequest.SerializeToString,
+                response_deserializer=sluice_dot_evallog_dot_v1_dot_evallog__pb2.ScoreCompletionsResponse.FromString,
+                _registered_method=True)
 
 
 class EvalLogServiceServicer:
@@ -76,6 +81,15 @@ class EvalLogServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ScoreCompletions(self, request, context):
+        """Runs the evaluators on the given completions and returns their scores; nothing is stored.
+        Items with a reference are also scored against it (exact_match, reference_similarity).
+        Similarity is computed for every item (no sampling). Used by `sluice eval`.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EvalLogServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -93,6 +107,11 @@ def add_EvalLogServiceServicer_to_server(servicer, server):
                     servicer.Summarize,
                     request_deserializer=sluice_dot_evallog_dot_v1_dot_evallog__pb2.SummarizeRequest.FromString,
                     response_serializer=sluice_dot_evallog_dot_v1_dot_evallog__pb2.SummarizeResponse.SerializeToString,
+            ),
+            'ScoreCompletions': grpc.unary_unary_rpc_method_handler(
+                    servicer.ScoreCompletions,
+                    request_deserializer=sluice_dot_evallog_dot_v1_dot_evallog__pb2.ScoreCompletionsRequest.FromString,
+                    response_serializer=sluice_dot_evallog_dot_v1_dot_evallog__pb2.ScoreCompletionsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -177,6 +196,33 @@ class EvalLogService:
             '/sluice.evallog.v1.EvalLogService/Summarize',
             sluice_dot_evallog_dot_v1_dot_evallog__pb2.SummarizeRequest.SerializeToString,
             sluice_dot_evallog_dot_v1_dot_evallog__pb2.SummarizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ScoreCompletions(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sluice.evallog.v1.EvalLogService/ScoreCompletions',
+            sluice_dot_evallog_dot_v1_dot_evallog__pb2.ScoreCompletionsRequest.SerializeToString,
+            sluice_dot_evallog_dot_v1_dot_evallog__pb2.ScoreCompletionsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,82 @@
+"""Scoring completions on request (EvalLogService.ScoreCompletions, used by `sluice eval`): the
+registered evaluators, plus the reference-based ones for items that carry a reference. Nothing is
+stored. The same evaluator modules as the consumer's, never a copy: a comparison scores exactly
+what production logging scores.
+
+Differences from the consume path, on purpose: similarity runs on every item (a comparison
+needs all of them, not a 10% sample) and is awaited here rather than deferred, since the caller
+is waiting for the scores anyway."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from types import ModuleType
+
+from prometheus_client import Counter
+
+from sluice_common.errors import InvalidArgument
+from sluice_evaluation_logging.evaluators import (
+    EVALUATORS,
+    REFERENCE_EVALUATORS,
+    Offload,
+    evaluate_batch,
+    evaluate_references,
+)
+from sluice_evaluation_logging.evaluators.base import CompletionEvent, Deferred, EvalContext, ScoreResult
+
+# Bounds one call's work: each item may cost up to two Embed calls of two texts (similarity and
+# reference_similarity); at ~200 texts/s on a CPU a thousand items are ~20 s. Callers page.
+MAX_ITEMS = 1000
+
+SCORED_ITEMS = Counter("sluice_evallog_scored_items_total", "Completions scored on request (ScoreCompletions).")
+
+
+@dataclass(frozen=True)
+class ScoreInput:
+    event: CompletionEvent
+    # Empty: none, and the reference-based evaluators do not apply.
+    reference: str = ""
+
+
+@dataclass(frozen=True)
+class EvaluatorInfo:
+    name: str
+    higher_is_better: bool
+    description: str
+
+
+def _describe(module: ModuleType) -> EvaluatorInfo:
+    doc = (module.__doc__ or "").strip().split("\n\n")[0]
+    return EvaluatorInfo(module.NAME, bool(module.HIGHER_IS_BETTER), " ".join(doc.split()))
+
+
+def evaluator_infos() -> list[EvaluatorInfo]:
+    """Every evaluator a scored item may get, with the direction of its value."""
+    return [_describe(module) for module in (*EVALUATORS, *REFERENCE_EVALUATORS)]
+
+
+def validate(items: Sequence[ScoreInput]) -> None:
+    if not items:
+        raise InvalidArgument("items", "no completions to score")
+    if len(items) > MAX_ITEMS:
+        raise InvalidArgument("items", f"{len(items)} items in one call; at most {MAX_ITEMS}: send them in several calls")
+    for index, item in enumerate(items):
+        if not item.event.text_logged:
+            raise InvalidArgument(f"items[{index}].event.text_logged", "must be true: the evaluators score the output text")
+
+
+def scoring_context(ctx: EvalContext) -> EvalContext:
+    """The consumer's context, with similarity on every item and awaited (see the module docstring)."""
+    return replace(ctx, settings=replace(ctx.settings, similarity_sample_rate=1.0), defer_model_calls=False)
+
+
+async def score_items(items: Sequence[ScoreInput], ctx: EvalContext, offload: Offload | None = None) -> list[list[ScoreResult]]:
+    """Each item's scores: the registered evaluators' (EVALUATORS order), then the reference-based ones."""
+    validate(items)
+    ctx = scoring_context(ctx)
+    base = await evaluate_batch([item.event for item in items], ctx, offload)
+    with_reference = await evaluate_references([(item.event, item.reference) for item in items], ctx)
+    SCORED_ITEMS.inc(len(items))
+    # defer_model_calls is off, so no evaluator answers Deferred; the filter keeps the type honest.
+    return [[s for s in scores if not isinstance(s, Deferred)] + extra for scores, extra in zip(base, with_reference, strict=True)]

@@ -1,0 +1,54 @@
+"""SLUICE_ADAPTER_EXTRA_MODELS: more generation models on the same replicas, each with its own pool."""
+
+from __future__ import annotations
+
+import pytest
+from sluice.common.v1 import types_pb2
+from sluice.inference.v1 import inference_pb2
+
+from sluice_common.errors import NotFound, Unavailable
+from sluice_inference_adapter.__main__ import extra_model_config, model_info
+from sluice_inference_adapter.config import AdapterConfig
+from sluice_inference_adapter.extra_models import ExtraModel, parse_extra_model
+from sluice_inference_adapter.servicer import InferenceServicer
+
+
+def test_entries_name_a_triton_model_and_optionally_a_batch_bound() -> None:
+    assert parse_extra_model("m-q4=smollm2_q4_step:4", 32) == ExtraModel("m-q4", "smollm2_q4_step", 4)
+    assert parse_extra_model(" m2 = other_step ", 32) == ExtraModel("m2", "other_step", 32)
+    for bad in ("m-q4", "=x", "m=", "m=x:many", "m=x:0"):
+        with pytest.raises(ValueError):
+            parse_extra_model(bad, 32)
+
+
+def test_bad_or_clashing_entries_stop_the_adapter_at_start() -> None:
+    with pytest.raises(ValueError, match="EXTRA_MODELS"):
+        AdapterConfig(extra_models=("m=x:zero",))
+    with pytest.raises(ValueError, match="used twice"):
+        AdapterConfig(extra_models=("smollm2-135m-instruct=smollm2_q4_step",))
+    with pytest.raises(ValueError, match="used twice"):
+        AdapterConfig(extra_models=("a=x", "a=y"))
+
+
+def test_an_extra_model_runs_with_its_own_triton_model_and_bounds() -> None:
+    config = AdapterConfig(max_batch_size=32, interactive_reserved_slots=1, extra_models=("m-q4=q4_step:1",))
+    (extra,) = config.extra_model_list()
+    own = extra_model_config(config, extra)
+    assert (own.model_name, own.triton_model, own.max_batch_size) == ("m-q4", "q4_step", 1)
+    # A batch of one leaves no slot to reserve for interactive traffic.
+    assert own.interactive_reserved_slots == 0 and own.extra_models == ()
+    assert own.context_length == config.context_length and own.triton_urls == config.triton_urls
+
+
+async def test_models_are_listed_and_routed_by_name() -> None:
+    config = AdapterConfig(extra_models=("m-q4=q4_step:4",))
+    extra = [model_info(extra_model_config(config, e)) for e in config.extra_model_list()]
+    servicer = InferenceServicer(model_info(config), None, extra)
+    listed = await servicer.ListModels(inference_pb2.ListModelsRequest(), None)  # type: ignore[arg-type]
+    assert [(m.name, m.kind) for m in listed.models] == [
+        ("smollm2-135m-instruct", types_pb2.MODEL_KIND_GENERATION), ("m-q4", types_pb2.MODEL_KIND_GENERATION),
+    ]  # fmt: skip
+    with pytest.raises(NotFound, match="'smollm2-135m-instruct', 'm-q4'"):
+        servicer._model_info("nope")
+    with pytest.raises(Unavailable, match="starting"):
+        servicer._pool_of("m-q4")  # before attach: not ready yet
