@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 from sluice_triton_local.config import TritonLocalConfig
-from sluice_triton_local.engine.step_engine import DecodeRow, PrefillRow, ReleaseRow, SamplingParams, StepEngine
+from sluice_triton_local.engine.step_engine import StepEngine
+from sluice_triton_local.shared_engine import greedy_text
 from sluice_triton_local.model_files import smollm2_gguf
 from sluice_triton_local.variant import QuantizeError, ensure_variant, quantize, variant_path
 
@@ -20,15 +21,7 @@ def variant(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def greedy(path: Path, question: str, max_tokens: int = 24) -> str:
-    engine = StepEngine(str(path), max_slots=1, max_context=256, threads=2)
-    prompt = engine.apply_chat_template([("user", question)])
-    results = engine.step([PrefillRow(0, prompt, SamplingParams(max_tokens=max_tokens))])
-    text = results[0].text
-    while not results[0].finish_reason:
-        results = engine.step([DecodeRow(0)])
-        text += results[0].text
-    engine.step([ReleaseRow(0)])
-    return text
+    return greedy_text(StepEngine(str(path), max_slots=1, max_context=256, threads=2), question, max_tokens)
 
 
 def test_made_once_then_reused_and_named_by_quantization(variant: Path) -> None:

@@ -19,6 +19,7 @@ from sluice_triton_local.metrics import MAX_SLOTS
 from sluice_triton_local.model_files import smollm2_gguf
 
 if TYPE_CHECKING:
+    from sluice_triton_local.engine.step_engine import StepEngine
     from sluice_triton_local.shared_engine import SharedEngine
 
 log = structlog.stdlib.get_logger("sluice.triton_local")
@@ -39,7 +40,6 @@ def main() -> None:
 
     from sluice_triton_local.embeddings import MiniLMEncoder
     from sluice_triton_local.embeddings.triton_binding import bind_embedding_model
-    from sluice_triton_local.engine.step_engine import StepEngine
     from sluice_triton_local.generate_model import SelfBatchingGenerator, bind_generate_model
     from sluice_triton_local.server import bind_step_model, fix_python_backend_library_path, triton_config
     from sluice_triton_local.shared_engine import SharedEngine, warm_up
@@ -48,15 +48,7 @@ def main() -> None:
 
     started = time.perf_counter()
     gguf_path = config.gguf_path or str(smollm2_gguf())
-    step_engine = StepEngine(
-        gguf_path,
-        max_slots=config.max_slots,
-        max_context=config.max_context,
-        slot_lease_s=config.slot_lease_s,
-        engine=config.engine,
-        threads=config.engine_threads(),
-        gpu_layers=config.gpu_layers,
-    )
+    step_engine = step_engine_for(config, gguf_path, config.max_slots)
     engine = SharedEngine(step_engine)
     answer = warm_up(engine)  # on the engine's own thread, like every later step
     variant = start_variant(config, gguf_path, engine)
@@ -96,7 +88,6 @@ def start_variant(config: TritonLocalConfig, gguf_path: str, main: SharedEngine)
         return None
     from pathlib import Path
 
-    from sluice_triton_local.engine.step_engine import StepEngine
     from sluice_triton_local.shared_engine import SharedEngine, warm_up
     from sluice_triton_local.variant import QuantizeError, ensure_variant
 
@@ -108,22 +99,26 @@ def start_variant(config: TritonLocalConfig, gguf_path: str, main: SharedEngine)
         print(f"triton-local: cannot make the {config.variant_quantization} variant in {config.variant_cache_dir()}"
               f" ({ENV_PREFIX}CACHE_DIR; {ENV_PREFIX}VARIANT_MODEL_NAME= turns it off): {exc}", file=sys.stderr)
         raise SystemExit(2) from None
-    engine = SharedEngine(
-        StepEngine(
-            str(path),
-            max_slots=config.variant_slots,
-            max_context=config.max_context,
-            slot_lease_s=config.slot_lease_s,
-            engine=config.engine,
-            threads=config.engine_threads(),
-            gpu_layers=config.gpu_layers,
-        ),
-        variant_of=main,
-    )
+    engine = SharedEngine(step_engine_for(config, str(path), config.variant_slots), variant_of=main)
     answer = warm_up(engine)
     log.info("variant_loaded", model=config.variant_model_name, gguf=str(path), made=made, quantization=config.variant_quantization,
              slots=config.variant_slots, seconds=round(time.perf_counter() - started, 1), warmup_answer=answer)
     return engine
+
+
+def step_engine_for(config: TritonLocalConfig, gguf_path: str, slots: int) -> StepEngine:
+    """A step engine on one GGUF file with this process's engine settings."""
+    from sluice_triton_local.engine.step_engine import StepEngine
+
+    return StepEngine(
+        gguf_path,
+        max_slots=slots,
+        max_context=config.max_context,
+        slot_lease_s=config.slot_lease_s,
+        engine=config.engine,
+        threads=config.engine_threads(),
+        gpu_layers=config.gpu_layers,
+    )
 
 
 if __name__ == "__main__":

@@ -79,8 +79,13 @@ class SharedEngine:
 
 def warm_up(engine: StepEngine | SharedEngine) -> str:
     """One greedy generation so that the first real request does not pay for cold caches."""
-    prompt = engine.apply_chat_template([("user", WARMUP_QUESTION)])
-    results = engine.step([PrefillRow(0, prompt, SamplingParams(max_tokens=8))])
+    return greedy_text(engine, WARMUP_QUESTION, max_tokens=8)
+
+
+def greedy_text(engine: StepEngine | SharedEngine, question: str, max_tokens: int) -> str:
+    """The greedy answer to one user question, generated in slot 0 (which is released after)."""
+    prompt = engine.apply_chat_template([("user", question)])
+    results = engine.step([PrefillRow(0, prompt, SamplingParams(max_tokens=max_tokens))])
     text = results[0].text
     while not results[0].finish_reason:
         results = engine.step([DecodeRow(0)])
