@@ -84,12 +84,10 @@ def build_backends(
             bulk_prefill_chunk=config.bulk_prefill_chunk,
             interactive_reserved_slots=config.interactive_reserved_slots,
         )
-        CONCURRENCY_LIMIT.set(config.max_batch_size)
         make_backend = lambda url: TritonStepBackend(url, config.triton_model, config.step_timeout_s)  # noqa: E731
         make_scheduler = lambda backend, on_step: Scheduler(backend, limits, on_step=on_step, replica=backend.url + label)  # type: ignore[arg-type]  # noqa: E731
     else:
         passthrough = PassthroughLimits(max_in_flight=config.max_in_flight, max_waiting=config.max_waiting)
-        CONCURRENCY_LIMIT.set(config.max_in_flight)
         template = passthrough_chat_template(config)
         make_backend = lambda url: TritonGenerateBackend(url, config.triton_model)  # noqa: E731
         make_scheduler = lambda backend, on_step: PassthroughScheduler(backend, passthrough, template.render, on_step=on_step, replica=backend.url + label)  # type: ignore[arg-type]  # noqa: E731
@@ -226,6 +224,8 @@ async def serve(config: AdapterConfig) -> None:
     urls, ready_url = await wait_for_a_ready_replica(config, discovery)
     protocol = await detect_protocol(ready_url, config.triton_model)
     backends, make_scheduler, make_backend = build_backends(config, protocol, urls)
+    # The main model's bound only: an extra model's (e.g. the local variant's 4) would overwrite it.
+    CONCURRENCY_LIMIT.set(config.max_batch_size if protocol == "step" else config.max_in_flight)
     pool = ReplicaPool(backends, make_scheduler, config.replica_failure_threshold, config.probe_interval_s, make_backend)  # type: ignore[arg-type]
     await wait_for_a_healthy_replica(pool, config.backend_wait_s)
     # Every owner task is supervised: if one dies, health turns NOT_SERVING and its callers fail.
