@@ -47,6 +47,24 @@ REPLICAS = Gauge(
     "Triton replicas by state: serving (routed to), unhealthy (probed until it answers), draining (its sequences finish, no new ones).",
     ["state"],
 )
+STEP_TIMEOUT = Gauge(
+    "sluice_adapter_step_timeout_seconds",
+    "The current timeout of a decode-only step to Triton: multiplier x the pool's rolling p99 of such steps, within"
+    " floor and ceiling (a step that prefills n tokens gets n x the p99 per prefill token more; step_timeout.py).",
+    ["model"],
+)
+REQUEST_TIMEOUT = Gauge(
+    "sluice_adapter_request_timeout_seconds",
+    "The current adaptive timeout of other calls to Triton, by kind: embed_batch (one embedding micro-batch),"
+    " stream_first (a passthrough stream's first response), stream_gap (between its responses).",
+    ["kind"],
+)
+TIMEOUTS = Counter(
+    "sluice_adapter_timeouts_total",
+    "Calls to Triton cut off by an adaptive timeout (each counts as a failure of its replica), by kind: step, probe,"
+    " count_tokens, embed_batch, stream_first, stream_gap.",
+    ["kind"],
+)
 DISCOVERY_FAILURES = Counter(
     "sluice_adapter_discovery_failures_total",
     "DNS lookups of a dns:/// replica target that failed (reason=error) or named no address (reason=empty); the replicas were kept.",
