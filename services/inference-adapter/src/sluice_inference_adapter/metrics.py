@@ -55,14 +55,13 @@ STEP_TIMEOUT = Gauge(
 )
 REQUEST_TIMEOUT = Gauge(
     "sluice_adapter_request_timeout_seconds",
-    "The current adaptive timeout of other calls to Triton, by kind: embed_batch (one embedding micro-batch),"
-    " stream_first (a passthrough stream's first response), stream_gap (between its responses).",
+    "The current adaptive timeout of other calls to Triton, by kind: embed_batch (one embedding micro-batch).",
     ["kind"],
 )
 TIMEOUTS = Counter(
     "sluice_adapter_timeouts_total",
     "Calls to Triton cut off by an adaptive timeout (each counts as a failure of its replica), by kind: step, probe,"
-    " count_tokens, embed_batch, stream_first, stream_gap.",
+    " count_tokens, embed_batch.",
     ["kind"],
 )
 DISCOVERY_FAILURES = Counter(
