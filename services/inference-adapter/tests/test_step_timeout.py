@@ -21,6 +21,7 @@ from prometheus_client import REGISTRY
 from sluice_common.adaptive_timeout import AdaptiveTimeout, TimeoutPolicy
 from sluice_common.errors import Unavailable
 from sluice_inference_adapter.embed_batcher import Embeddings
+from sluice_inference_adapter.passthrough import GeneratedChunk, PassthroughLimits, PassthroughScheduler
 from sluice_inference_adapter.replica_pool import PooledEmbedBackend, ReplicaPool
 from sluice_inference_adapter.scheduler import (
     Event,
@@ -225,3 +226,46 @@ async def test_a_stalled_embedding_batch_is_cut_off_and_counts_against_its_repli
         await backend.embed(["x"])
     assert time.monotonic() - started < 1.0
     assert not pool.replicas[0].healthy  # threshold 1
+
+
+class StallableEngine:
+    """A self-batching engine's stream: one token per response every 10 ms; while `stall_after` is
+    set, a stream stops answering after that many responses (the stream stays open)."""
+
+    def __init__(self) -> None:
+        self.stall_after: int | None = None
+
+    async def stream(self, text: str, sampling: SamplingSpec) -> AsyncIterator[GeneratedChunk]:
+        for made in range(1, sampling.max_tokens + 1):
+            if self.stall_after is not None and made > self.stall_after:
+                await asyncio.Event().wait()
+            await asyncio.sleep(0.01)
+            yield GeneratedChunk("x", 1, 3, "length" if made == sampling.max_tokens else None)
+
+
+async def test_a_passthrough_stream_whose_engine_stops_answering_is_cut_off_and_fails_the_replica() -> None:
+    engine = StallableEngine()
+    timeouts = StepTimeouts(policy(min_samples=5), model="m")
+    reports: list[bool] = []
+    scheduler = PassthroughScheduler(
+        engine, PassthroughLimits(), lambda prompt: prompt.prompt, on_step=reports.append, replica="vllm-a", timeouts=timeouts  # type: ignore[arg-type]
+    )
+    scheduler.start()
+    fired_before = sample("sluice_adapter_timeouts_total", {"kind": "stream_gap"})
+    try:
+        for _ in range(6):  # six first responses, thirty gaps
+            _, finish = await collect(scheduler.submit(request(max_tokens=6)))
+            assert finish.finish is Finish.LENGTH
+        limit = timeouts.limit()
+        assert 0.02 <= limit < 0.2
+        engine.stall_after = 2
+        started = time.monotonic()
+        text, finish = await asyncio.wait_for(collect(scheduler.submit(request(max_tokens=6))), 5)
+        waited = time.monotonic() - started
+    finally:
+        await scheduler.stop()
+    assert text == "xx" and finish.finish is Finish.ERROR
+    assert re.search(r"Triton replica vllm-a did not send a stream's next response within its timeout of [0-9.]+s", finish.error)
+    assert waited < 1.0  # two responses and about 2x the gaps' p99, not the 30 s ceiling
+    assert reports[-1] is False and all(reports[:-1])
+    assert sample("sluice_adapter_timeouts_total", {"kind": "stream_gap"}) == fired_before + 1

@@ -90,7 +90,7 @@ def build_backends(
         passthrough = PassthroughLimits(max_in_flight=config.max_in_flight, max_waiting=config.max_waiting)
         template = passthrough_chat_template(config)
         make_backend = lambda url: TritonGenerateBackend(url, config.triton_model)  # noqa: E731
-        make_scheduler = lambda backend, on_step: PassthroughScheduler(backend, passthrough, template.render, on_step=on_step, replica=backend.url)  # type: ignore[arg-type]  # noqa: E731
+        make_scheduler = lambda backend, on_step: PassthroughScheduler(backend, passthrough, template.render, on_step=on_step, replica=backend.url, timeouts=step_timeouts)  # type: ignore[arg-type]  # noqa: E731
     return [make_backend(url) for url in urls], make_scheduler, make_backend  # type: ignore[return-value]
 
 

@@ -50,7 +50,8 @@ REPLICAS = Gauge(
 STEP_TIMEOUT = Gauge(
     "sluice_adapter_step_timeout_seconds",
     "The current timeout of a decode-only step to Triton: multiplier x the pool's rolling p99 of such steps, within"
-    " floor and ceiling (a step that prefills n tokens gets n x the p99 per prefill token more; step_timeout.py).",
+    " floor and ceiling (a step that prefills n tokens gets n x the p99 per prefill token more; step_timeout.py)."
+    " For a passthrough model: the wait between two responses of a stream.",
     ["model"],
 )
 REQUEST_TIMEOUT = Gauge(
@@ -61,7 +62,7 @@ REQUEST_TIMEOUT = Gauge(
 TIMEOUTS = Counter(
     "sluice_adapter_timeouts_total",
     "Calls to Triton cut off by an adaptive timeout (each counts as a failure of its replica), by kind: step, probe,"
-    " count_tokens, embed_batch.",
+    " count_tokens, embed_batch, stream_first and stream_gap (a passthrough stream's wait for its first or next response).",
     ["kind"],
 )
 DISCOVERY_FAILURES = Counter(
