@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import re
 import time
+from pathlib import Path
 
 import grpc
 import pytest
@@ -20,8 +21,10 @@ from sluice.gateway.v1 import gateway_pb2
 from sluice.inference.v1 import inference_pb2, inference_pb2_grpc
 
 from sluice_common.adaptive_timeout import TimeoutPolicy
+from sluice_common.config import ConfigError, load_config
 from sluice_common.errors import DeadlineExceeded
 from sluice_gateway.admission import Admission
+from sluice_gateway.config import ENV_PREFIX, GatewayConfig
 from sluice_gateway.default_deadline import DefaultDeadline
 from sluice_gateway.inference_path import InferencePath
 from sluice_gateway.model_catalog import ModelCatalog
@@ -166,3 +169,12 @@ async def test_an_embed_without_a_deadline_gets_twice_the_p99_of_embeds(stand_in
     with pytest.raises(grpc.aio.AioRpcError) as raised:
         await path.embed_with_ticket("t", embed, "rid", 0.2)
     assert raised.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+def test_the_settings_are_validated_naming_the_variable() -> None:
+    tenants = str(Path(__file__).resolve().parents[3] / "config" / "tenants.toml")
+    config = load_config(GatewayConfig, ENV_PREFIX, {f"{ENV_PREFIX}TENANTS_FILE": tenants})
+    assert config.default_deadline_policy() == TimeoutPolicy(2.0, 10.0, 3600.0, 1000, 50)
+    for name, value in (("MULTIPLIER", "0.5"), ("FLOOR_S", "7200"), ("MIN_SAMPLES", "5000"), ("WINDOW", "0")):
+        with pytest.raises(ConfigError, match=f"{ENV_PREFIX}DEFAULT_DEADLINE_{name}"):
+            load_config(GatewayConfig, ENV_PREFIX, {f"{ENV_PREFIX}TENANTS_FILE": tenants, f"{ENV_PREFIX}DEFAULT_DEADLINE_{name}": value})

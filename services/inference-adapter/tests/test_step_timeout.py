@@ -19,7 +19,9 @@ from conftest import collect, run_through
 from prometheus_client import REGISTRY
 
 from sluice_common.adaptive_timeout import AdaptiveTimeout, TimeoutPolicy
+from sluice_common.config import ConfigError, load_config
 from sluice_common.errors import Unavailable
+from sluice_inference_adapter.config import ENV_PREFIX, AdapterConfig
 from sluice_inference_adapter.embed_batcher import Embeddings
 from sluice_inference_adapter.passthrough import GeneratedChunk, PassthroughLimits, PassthroughScheduler
 from sluice_inference_adapter.replica_pool import PooledEmbedBackend, ReplicaPool
@@ -269,3 +271,18 @@ async def test_a_passthrough_stream_whose_engine_stops_answering_is_cut_off_and_
     assert waited < 1.0  # two responses and about 2x the gaps' p99, not the 30 s ceiling
     assert reports[-1] is False and all(reports[:-1])
     assert sample("sluice_adapter_timeouts_total", {"kind": "stream_gap"}) == fired_before + 1
+
+
+def test_the_settings_are_validated_naming_the_variable() -> None:
+    config = load_config(AdapterConfig, ENV_PREFIX, {})
+    assert config.step_timeout_policy() == TimeoutPolicy(2.0, 5.0, 60.0, 1000, 50)
+    assert config.embed_timeout_policy() == TimeoutPolicy(2.0, 2.0, 30.0, 1000, 50)
+    for name, value in (
+        ("TIMEOUT_MULTIPLIER", "0.9"),
+        ("STEP_TIMEOUT_FLOOR_S", "61"),
+        ("EMBED_TIMEOUT_FLOOR_S", "0"),
+        ("TIMEOUT_MIN_SAMPLES", "0"),
+        ("TIMEOUT_WINDOW", "10"),  # below the default MIN_SAMPLES
+    ):
+        with pytest.raises(ConfigError, match=f"{ENV_PREFIX}{name}|{ENV_PREFIX}TIMEOUT_MIN_SAMPLES"):
+            load_config(AdapterConfig, ENV_PREFIX, {f"{ENV_PREFIX}{name}": value})
