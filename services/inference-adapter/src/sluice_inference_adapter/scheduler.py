@@ -365,13 +365,14 @@ class Scheduler(ReplicaWork):
             try:
                 async with asyncio.timeout(limit):
                     outcomes = await self._backend.step(rows)
-            except TimeoutError:
-                self._step_timed_out(limit, prefill_tokens, len(rows))
+            except TimeoutError as exc:
+                if limit is None:  # not ours: the backend's own timeout, a failure like any other
+                    self._step_failed(exc, len(rows))
+                else:
+                    self._step_timed_out(limit, prefill_tokens, len(rows))
                 continue
             except Exception as exc:  # noqa: BLE001 - the backend failed: its KV state is gone
-                log.warning("step_failed", error=str(exc), rows=len(rows))
-                self._report_step(ok=False)
-                self._fail_everything(f"the model backend failed: {exc}", backend_failed=True)
+                self._step_failed(exc, len(rows))
                 continue
             if self._timeouts is not None:
                 self._timeouts.observe(time.perf_counter() - started, prefill_tokens)
@@ -379,10 +380,15 @@ class Scheduler(ReplicaWork):
             self._report_step(ok=True)
             self._apply(rows, stepped, outcomes)
 
-    def _step_timed_out(self, limit: float | None, prefill_tokens: int, rows: int) -> None:
+    def _step_failed(self, exc: BaseException, rows: int) -> None:
+        log.warning("step_failed", error=str(exc), rows=rows)
+        self._report_step(ok=False)
+        self._fail_everything(f"the model backend failed: {exc}", backend_failed=True)
+
+    def _step_timed_out(self, limit: float, prefill_tokens: int, rows: int) -> None:
         """A step that outlived its timeout: the replica is treated as failed (its KV state is now
         unknown), its sequences end, and those without tokens may be retried on another replica."""
-        assert limit is not None and self._timeouts is not None
+        assert self._timeouts is not None
         p99 = self._timeouts.decode_p99  # what the limit came from, before this step counts
         self._timeouts.observe_timeout(limit, prefill_tokens)
         metrics.STEP_TIMEOUT.labels(model=self._timeouts.model).set(self._timeouts.limit())
