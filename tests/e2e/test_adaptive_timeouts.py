@@ -66,7 +66,7 @@ def test_timeouts_follow_the_load_and_a_wedged_triton_is_cut_off_and_ejected(sta
     limit = scrape(adapter_metrics, "sluice_adapter_step_timeout_seconds", MODEL_LABEL)
     assert STEP_FLOOR_S <= limit < STEP_CEILING_S, limit
     default = scrape(gateway_metrics, "sluice_gateway_default_deadline_seconds", '{kind="generate"}')
-    assert 10.0 <= default < 3600.0, default  # the floor at least: these answers are quick
+    assert 30.0 <= default < 3600.0, default  # the floor: these answers are quick
     assert scrape(gateway_metrics, "sluice_gateway_default_deadline_p99_seconds", '{part="per_token"}') > 0
 
     # A stream under way when Triton wedges.

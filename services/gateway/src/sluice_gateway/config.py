@@ -38,7 +38,7 @@ class GatewayConfig(ServerConfig):
     default_deadline_multiplier: float = 2.0
     default_deadline_window: int = 1000
     default_deadline_min_samples: int = 50
-    default_deadline_floor_s: float = 10.0
+    default_deadline_floor_s: float = 30.0
     default_deadline_ceiling_s: float = 3600.0
     # How often the model list is re-read from the adapter.
     models_refresh_s: float = 30.0
