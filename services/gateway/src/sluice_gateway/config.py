@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from sluice_common.adaptive_timeout import TimeoutPolicy
 from sluice_common.config import ClientTLS, ServerConfig, require
 
 ENV_PREFIX = "SLUICE_GATEWAY_"
@@ -32,6 +33,16 @@ class GatewayConfig(ServerConfig):
     # The largest file POST /v1/files stores (a batch input file, JSONL; kept in the job store's
     # database); larger uploads get 413. OpenAI's own bound is 200 MB.
     files_max_bytes: int = 100 * 1024 * 1024
+    # The deadline of a request whose client set none (gRPC without a timeout; every HTTP request):
+    # DEFAULT_DEADLINE_MULTIPLIER x (p99 time to first token + max_tokens x p99 time per token), or x
+    # the p99 of Embed calls, over the last DEFAULT_DEADLINE_WINDOW requests, within FLOOR_S and
+    # CEILING_S; CEILING_S until MIN_SAMPLES requests have been seen (default_deadline.py). The
+    # ceiling frees a stuck call within the hour while never cutting a long generation on a busy CPU.
+    default_deadline_multiplier: float = 2.0
+    default_deadline_window: int = 1000
+    default_deadline_min_samples: int = 50
+    default_deadline_floor_s: float = 30.0
+    default_deadline_ceiling_s: float = 3600.0
     # How often the model list is re-read from the adapter.
     models_refresh_s: float = 30.0
     # How long startup waits for the adapter to list its models.
@@ -88,6 +99,15 @@ class GatewayConfig(ServerConfig):
     worker_retry_cap_s: float = 10.0
     worker_delivery_limit: int = 5
 
+    def default_deadline_policy(self) -> TimeoutPolicy:
+        return TimeoutPolicy(
+            self.default_deadline_multiplier,
+            self.default_deadline_floor_s,
+            self.default_deadline_ceiling_s,
+            self.default_deadline_window,
+            self.default_deadline_min_samples,
+        )
+
     def adapter_channel_tls(self) -> ClientTLS | None:
         return ClientTLS.for_peer(self, "adapter", ENV_PREFIX)
 
@@ -97,6 +117,9 @@ class GatewayConfig(ServerConfig):
     def __post_init__(self) -> None:
         self.adapter_channel_tls()
         self.ratelimit_channel_tls()
+        names = [f"{ENV_PREFIX}DEFAULT_DEADLINE_{n}" for n in ("MULTIPLIER", "FLOOR_S", "CEILING_S", "WINDOW", "MIN_SAMPLES")]
+        problems = self.default_deadline_policy().problems(*names)
+        require(not problems, "; ".join(problems))
         require(str(self.tenants_file) not in ("", "."), f"{ENV_PREFIX}TENANTS_FILE is required: the TOML file of tenants")
         require(self.tenants_file.is_file(), f"{ENV_PREFIX}TENANTS_FILE={self.tenants_file} does not exist")
         require(

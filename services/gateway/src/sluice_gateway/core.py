@@ -15,6 +15,7 @@ from sluice_common.supervision import Supervisor
 from sluice_gateway.admission import Admission
 from sluice_gateway.completion_events import CompletionEvents
 from sluice_gateway.config import ENV_PREFIX, GatewayConfig
+from sluice_gateway.default_deadline import DefaultDeadline
 from sluice_gateway.inference_path import InferencePath
 from sluice_gateway.model_catalog import ModelCatalog
 from sluice_common.tenants import TenantDirectory
@@ -30,11 +31,15 @@ class GatewayCore:
     admission: Admission
     ratelimit_channel: Any
     default_max_tokens: int
+    # Held here, not by the path: every front's requests feed one set of rolling p99s.
+    default_deadline: DefaultDeadline | None = None
 
     @property
     def path(self) -> InferencePath:
         """The one path every front (gRPC, HTTP, job worker) sends its requests through."""
-        return InferencePath(self.adapter, self.models, self.admission, self.completion_events, self.default_max_tokens)
+        return InferencePath(
+            self.adapter, self.models, self.admission, self.completion_events, self.default_max_tokens, self.default_deadline
+        )
 
     @classmethod
     def build(cls, config: GatewayConfig, spill_port: int) -> GatewayCore:
@@ -55,7 +60,15 @@ class GatewayCore:
             config.ratelimit_timeout_s,
         )
         return cls(
-            tenants, channel, adapter, ModelCatalog(adapter), completion_events, admission, ratelimit_channel, config.default_max_tokens
+            tenants,
+            channel,
+            adapter,
+            ModelCatalog(adapter),
+            completion_events,
+            admission,
+            ratelimit_channel,
+            config.default_max_tokens,
+            DefaultDeadline(config.default_deadline_policy()),
         )
 
     async def start(self, config: GatewayConfig, supervisor: Supervisor) -> None:

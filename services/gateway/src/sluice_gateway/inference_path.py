@@ -38,25 +38,46 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
 import grpc
+from prometheus_client import Counter, Gauge
 from sluice.common.v1 import types_pb2
 from sluice.gateway.v1 import gateway_pb2
 from sluice.inference.v1 import inference_pb2, inference_pb2_grpc
 
-from sluice_common.errors import InvalidArgument, SluiceError
+from sluice_common.errors import DeadlineExceeded, InvalidArgument, SluiceError
 from sluice_common.request_context import outgoing_metadata
 from sluice_common.validation import validate_embedding, validate_generation
 from sluice_gateway.admission import Admission, Ticket, embedding_reservation, estimate_prompt_tokens, generation_reservation
 from sluice_gateway.completion_events import CompletionEvents, CompletionTracker
+from sluice_gateway.default_deadline import DefaultDeadline
 from sluice_gateway.model_catalog import ModelCatalog
 from sluice_common.tenants import Tenant
 
 # max_tokens when a request omits it and no configuration says otherwise (SLUICE_GATEWAY_DEFAULT_MAX_TOKENS).
 DEFAULT_MAX_TOKENS = 1024
+
+DEFAULT_DEADLINE = Gauge(
+    "sluice_gateway_default_deadline_seconds",
+    "The deadline last given to a request whose client set none, by kind (generate: it grows with max_tokens;"
+    " embed): multiplier x the rolling p99s of sluice_gateway_default_deadline_p99_seconds, within floor and ceiling.",
+    ["kind"],
+)
+DEADLINE_P99 = Gauge(
+    "sluice_gateway_default_deadline_p99_seconds",
+    "The rolling p99s default deadlines come from: ttft (arrival to first token), per_token (per output token after"
+    " the first), embed (a whole Embed call); absent until observed.",
+    ["part"],
+)
+DEFAULT_DEADLINES_EXCEEDED = Counter(
+    "sluice_gateway_default_deadlines_exceeded_total",
+    "Requests without a client deadline that the gateway's default deadline ended (DEADLINE_EXCEEDED), by kind.",
+    ["kind"],
+)
 
 # How a front tells the path that its client's stream has closed: it is handed a callback
 # `(status code or None, cancelled)` and calls it once, at the very end.
@@ -87,9 +108,21 @@ class GenerateStream:
     call: Any
     tracker: CompletionTracker | None = None
     on_chunk: Callable[[Any], None] | None = None
+    # For the default deadline's p99s: monotonic times of arrival, first token and last chunk.
+    arrived_at: float = 0.0
+    first_token_at: float | None = None
+    last_chunk_at: float | None = None
+    tokens: int = 0
+    finished: bool = False
 
     async def __aiter__(self) -> AsyncIterator[inference_pb2.GenerateResponse]:
         async for chunk in self.call:
+            now = time.monotonic()
+            self.last_chunk_at = now
+            if self.first_token_at is None and (chunk.text or chunk.token_count):
+                self.first_token_at = now
+            self.tokens = chunk.usage.completion_tokens if chunk.HasField("usage") else self.tokens + chunk.token_count
+            self.finished |= bool(chunk.finish_reason)
             self.ticket.observe(chunk)
             if self.tracker is not None:
                 self.tracker.add(chunk)
@@ -106,12 +139,15 @@ class InferencePath:
         admission: Admission,
         completion_events: CompletionEvents | None = None,
         default_max_tokens: int = DEFAULT_MAX_TOKENS,
+        default_deadline: DefaultDeadline | None = None,
     ) -> None:
         self.adapter = adapter
         self.models = models
         self.admission = admission
         self.completion_events = completion_events
         self.default_max_tokens = default_max_tokens
+        # The deadline of a request whose client set none (None: such a request has no deadline).
+        self.default_deadline = default_deadline
 
     def validate_generate(self, request: gateway_pb2.GenerateRequest) -> None:
         validate_generation(request.messages, request.prompt, request.sampling, self.models.get(request.model))
@@ -150,6 +186,12 @@ class InferencePath:
         elif tracker is not None and when_closed is not None:
             when_closed(lambda code, cancelled: tracker.publish(code, cancelled))
         ended: BaseException | None = None
+        arrived_at = time.monotonic()
+        default_s: float | None = None
+        if time_remaining is None and self.default_deadline is not None:
+            # max_tokens omitted: the most the defaults below can give it (a longer deadline, not a shorter one).
+            default_s = time_remaining = self.default_deadline.for_generate(request.sampling.max_tokens or self.default_max_tokens)
+            DEFAULT_DEADLINE.labels(kind="generate").set(default_s)
         try:
             counted = await self.apply_defaults(request, time_remaining)
             self.validate_generate(request)
@@ -165,10 +207,26 @@ class InferencePath:
             )
             # A lease from rate-limit (or RESOURCE_EXHAUSTED / UNAVAILABLE); settled in `finally`.
             ticket = await self.admission.admit(tenant.name, generation_reservation(request), time_remaining)
+            if default_s is not None:  # the default runs from arrival: what admission took is spent
+                time_remaining = max(0.001, arrived_at + default_s - time.monotonic())
             # The caller's deadline bounds the adapter's work; cancelling this call stops it there.
             call = self.adapter.Generate(downstream, timeout=time_remaining, metadata=outgoing_metadata())
+            stream = GenerateStream(ticket, call, tracker, on_chunk, arrived_at=arrived_at)
             try:
-                yield GenerateStream(ticket, call, tracker, on_chunk)
+                yield stream
+            except grpc.aio.AioRpcError as exc:
+                if default_s is None or exc.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
+                    raise
+                self._observe_stream(stream, cut=True)
+                DEFAULT_DEADLINES_EXCEEDED.labels(kind="generate").inc()
+                raise DeadlineExceeded(
+                    f"the request set no deadline and ran past the gateway's default of {default_s:.1f}s"
+                    f" ({self._basis('generate', request.sampling.max_tokens)}) after {stream.tokens} tokens;"
+                    " set a deadline (gRPC timeout) to choose your own"
+                ) from exc
+            else:
+                if stream.finished:
+                    self._observe_stream(stream, cut=False)
             finally:
                 call.cancel()
                 ticket.settle()
@@ -178,6 +236,34 @@ class InferencePath:
         finally:
             if tracker is not None and row is None and when_closed is None:
                 tracker.publish(*status_of(ended))
+
+    def _observe_stream(self, stream: GenerateStream, cut: bool) -> None:
+        if self.default_deadline is None:
+            return
+        end = time.monotonic() if cut or stream.last_chunk_at is None else stream.last_chunk_at
+        first = None if stream.first_token_at is None else stream.first_token_at - stream.arrived_at
+        self.default_deadline.observe_stream(first, stream.tokens, end - stream.arrived_at)
+        self._publish_p99s()
+
+    def _publish_p99s(self) -> None:
+        assert self.default_deadline is not None
+        for part, value in self.default_deadline.p99s().items():
+            if value is not None:
+                DEADLINE_P99.labels(part=part).set(value)
+
+    def _basis(self, kind: str, max_tokens: int = 0) -> str:
+        assert self.default_deadline is not None
+        policy = self.default_deadline.policy
+        p99 = self.default_deadline.p99s()
+        if kind == "generate":
+            if p99["ttft"] is None or p99["per_token"] is None:
+                return f"the ceiling, until {policy.min_samples} requests have been seen"
+            figure = f"the p99 time to first token {p99['ttft']:.2f}s + {max_tokens} max tokens x the p99 per token {p99['per_token']:.3f}s"
+        else:
+            if p99["embed"] is None:
+                return f"the ceiling, until {policy.min_samples} requests have been seen"
+            figure = f"the p99 Embed time {p99['embed']:.2f}s"
+        return f"{policy.multiplier:g}x ({figure}), within [{policy.floor_s:g}s, {policy.ceiling_s:g}s]"
 
     async def apply_defaults(self, request: gateway_pb2.GenerateRequest, time_remaining: float | None) -> int | None:
         """max_tokens omitted (0): the model's remaining context after the prompt, capped by the
@@ -249,9 +335,29 @@ class InferencePath:
             inputs=request.inputs,
             priority_class=request.priority_class,
         )
+        arrived_at = time.monotonic()
+        default_s: float | None = None
+        if time_remaining is None and self.default_deadline is not None:
+            default_s = time_remaining = self.default_deadline.for_embed()
+            DEFAULT_DEADLINE.labels(kind="embed").set(default_s)
         ticket = await self.admission.admit(tenant, embedding_reservation(request), time_remaining)
         try:
-            reply = await self.adapter.Embed(downstream, timeout=time_remaining, metadata=outgoing_metadata())
+            if default_s is not None:
+                time_remaining = max(0.001, arrived_at + default_s - time.monotonic())
+            try:
+                reply = await self.adapter.Embed(downstream, timeout=time_remaining, metadata=outgoing_metadata())
+            except grpc.aio.AioRpcError as exc:
+                if default_s is None or exc.code() != grpc.StatusCode.DEADLINE_EXCEEDED or self.default_deadline is None:
+                    raise
+                self.default_deadline.observe_embed(default_s)  # it took at least that long
+                DEFAULT_DEADLINES_EXCEEDED.labels(kind="embed").inc()
+                raise DeadlineExceeded(
+                    f"the request set no deadline and ran past the gateway's default of {default_s:.1f}s"
+                    f" ({self._basis('embed')}); set a deadline (gRPC timeout) to choose your own"
+                ) from exc
+            if self.default_deadline is not None:
+                self.default_deadline.observe_embed(time.monotonic() - arrived_at)
+                self._publish_p99s()
             if reply.HasField("usage"):
                 ticket.record(reply.usage)
         finally:

@@ -11,11 +11,13 @@ import structlog
 from sluice.common.v1 import types_pb2
 from sluice.inference.v1 import inference_pb2, inference_pb2_grpc
 
+from sluice_common.adaptive_timeout import AdaptiveTimeout
 from sluice_common.bootstrap import run_service
 from sluice_common.loop_lag import monitor_loop_lag
 from sluice_common.server import RunningServer, create_server, serve_until_signal
 from sluice_common.supervision import Supervisor
 from sluice_inference_adapter.chat_template import ChatTemplate, ChatTemplateError, load_chat_template
+from sluice_inference_adapter import metrics
 from sluice_inference_adapter.config import ENV_PREFIX, AdapterConfig
 from sluice_inference_adapter.embed_batcher import EmbedBatcher
 from sluice_inference_adapter.embedding_cache import CachedEmbedder, EmbeddingCache, cache_budget
@@ -26,6 +28,7 @@ from sluice_inference_adapter.replica_discovery import Discovery, parse_target
 from sluice_inference_adapter.replica_pool import BackendFactory, PooledEmbedBackend, ReplicaPool, SchedulerFactory
 from sluice_inference_adapter.scheduler import Scheduler, SchedulerLimits
 from sluice_inference_adapter.servicer import InferenceServicer
+from sluice_inference_adapter.step_timeout import StepTimeouts
 from sluice_inference_adapter.triton_backend import (
     Protocol,
     TritonEmbedBackend,
@@ -67,11 +70,13 @@ async def wait_for_a_ready_replica(config: AdapterConfig, discovery: Discovery) 
 
 
 def build_backends(
-    config: AdapterConfig, protocol: Protocol, urls: list[str], label: str = ""
+    config: AdapterConfig, protocol: Protocol, urls: list[str], label: str = "", step_timeouts: StepTimeouts | None = None
 ) -> tuple[list[Backend], SchedulerFactory, BackendFactory]:
     """The first replicas' backends, how each replica's work is owned, and how a replica found
     later gets its backend. `label` tells an extra model's schedulers apart from the main
-    model's on the same replica (their owner-task names and `replica` metric labels)."""
+    model's on the same replica (their owner-task names and `replica` metric labels).
+    `step_timeouts`: the model's adaptive step timeout, one for the whole pool (step_timeout.py
+    says why)."""
     make_backend: Callable[[str], Backend]
     if protocol == "step":
         limits = SchedulerLimits(
@@ -84,13 +89,13 @@ def build_backends(
             bulk_prefill_chunk=config.bulk_prefill_chunk,
             interactive_reserved_slots=config.interactive_reserved_slots,
         )
-        make_backend = lambda url: TritonStepBackend(url, config.triton_model, config.step_timeout_s)  # noqa: E731
-        make_scheduler = lambda backend, on_step: Scheduler(backend, limits, on_step=on_step, replica=backend.url + label)  # type: ignore[arg-type]  # noqa: E731
+        make_backend = lambda url: TritonStepBackend(url, config.triton_model, config.step_timeout_s, step_timeouts)  # noqa: E731
+        make_scheduler = lambda backend, on_step: Scheduler(backend, limits, on_step=on_step, replica=backend.url + label, timeouts=step_timeouts)  # type: ignore[arg-type]  # noqa: E731
     else:
         passthrough = PassthroughLimits(max_in_flight=config.max_in_flight, max_waiting=config.max_waiting)
         template = passthrough_chat_template(config)
         make_backend = lambda url: TritonGenerateBackend(url, config.triton_model)  # noqa: E731
-        make_scheduler = lambda backend, on_step: PassthroughScheduler(backend, passthrough, template.render, on_step=on_step, replica=backend.url + label)  # type: ignore[arg-type]  # noqa: E731
+        make_scheduler = lambda backend, on_step: PassthroughScheduler(backend, passthrough, template.render, on_step=on_step, replica=backend.url + label, timeouts=step_timeouts)  # type: ignore[arg-type]  # noqa: E731
     return [make_backend(url) for url in urls], make_scheduler, make_backend  # type: ignore[return-value]
 
 
@@ -148,7 +153,9 @@ def build_embedder(
 ) -> tuple[EmbedBatcher, PooledEmbedBackend, CachedEmbedder] | None:
     if not config.triton_embedding_model:
         return None
-    backends = PooledEmbedBackend(pool, lambda url: TritonEmbedBackend(url, config.triton_embedding_model))
+    timeout = AdaptiveTimeout(config.embed_timeout_policy())
+    metrics.REQUEST_TIMEOUT.labels(kind="embed_batch").set(timeout.current())
+    backends = PooledEmbedBackend(pool, lambda url: TritonEmbedBackend(url, config.triton_embedding_model), timeout)
     embedder = EmbedBatcher(
         backends,
         max_batch=config.embed_max_batch,
@@ -180,7 +187,9 @@ async def start_extra_pool(config: AdapterConfig, discovery: Discovery, supervis
     set of replicas, such as the local stack's one triton-local."""
     urls, ready_url = await wait_for_a_ready_replica(config, discovery)
     protocol = await detect_protocol(ready_url, config.triton_model)
-    backends, make_scheduler, make_backend = build_backends(config, protocol, urls, label=f"#{config.model_name}")
+    step_timeouts = StepTimeouts(config.step_timeout_policy(), config.model_name)
+    metrics.STEP_TIMEOUT.labels(model=config.model_name).set(step_timeouts.limit())
+    backends, make_scheduler, make_backend = build_backends(config, protocol, urls, f"#{config.model_name}", step_timeouts)
     pool = ReplicaPool(backends, make_scheduler, config.replica_failure_threshold, config.probe_interval_s, make_backend)  # type: ignore[arg-type]
     await wait_for_a_healthy_replica(pool, config.backend_wait_s)
     pool.start(supervisor)
@@ -223,7 +232,9 @@ async def serve(config: AdapterConfig) -> None:
     discovery = Discovery([parse_target(entry) for entry in config.triton_urls])
     urls, ready_url = await wait_for_a_ready_replica(config, discovery)
     protocol = await detect_protocol(ready_url, config.triton_model)
-    backends, make_scheduler, make_backend = build_backends(config, protocol, urls)
+    step_timeouts = StepTimeouts(config.step_timeout_policy(), config.model_name)
+    metrics.STEP_TIMEOUT.labels(model=config.model_name).set(step_timeouts.limit())
+    backends, make_scheduler, make_backend = build_backends(config, protocol, urls, step_timeouts=step_timeouts)
     # The main model's bound only: an extra model's (e.g. the local variant's 4) would overwrite it.
     CONCURRENCY_LIMIT.set(config.max_batch_size if protocol == "step" else config.max_in_flight)
     pool = ReplicaPool(backends, make_scheduler, config.replica_failure_threshold, config.probe_interval_s, make_backend)  # type: ignore[arg-type]
@@ -234,7 +245,7 @@ async def serve(config: AdapterConfig) -> None:
     embedding = build_embedder(config, pool, supervisor)
     embedder = embedding[2] if embedding is not None else None
     extra_pools = {c.model_name: await start_extra_pool(c, discovery, supervisor) for c in extra_configs}
-    servicer.attach(pool, embedder, extra_pools)
+    servicer.attach(pool, embedder, extra_pools, step_timeouts if protocol == "step" else None)
     await running.set_serving(True)
     log.info("ready", replicas=sorted(pool.names), model=config.model_name, protocol=protocol)
     health_task = supervisor.start("health-from-replicas", lambda: report_health(pool, running))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from sluice_common.adaptive_timeout import TimeoutPolicy
 from sluice_common.config import ServerConfig, require
 from sluice_inference_adapter.extra_models import ExtraModel, parse_extra_model
 from sluice_inference_adapter.replica_discovery import parse_target
@@ -73,14 +74,45 @@ class AdapterConfig(ServerConfig):
     # A replica is unhealthy after this many consecutive failed steps or probes.
     replica_failure_threshold: int = 2
     probe_interval_s: float = 2.0
+    # Adaptive timeouts (step_timeout.py, sluice_common.adaptive_timeout): TIMEOUT_MULTIPLIER x the
+    # rolling p99 of the last TIMEOUT_WINDOW calls, within a floor and a ceiling; the ceiling until
+    # TIMEOUT_MIN_SAMPLES calls have been seen. A call cut off counts as a failure of its replica.
+    timeout_multiplier: float = 2.0
+    timeout_window: int = 1000
+    timeout_min_samples: int = 50
+    # One step request to Triton. The floor keeps a noisy neighbour's pause (a shared CPU) from
+    # failing a replica; STEP_TIMEOUT_S is the ceiling (the fixed timeout before it adapted).
+    step_timeout_floor_s: float = 5.0
     step_timeout_s: float = 60.0
+    # One embedding micro-batch sent to Triton.
+    embed_timeout_floor_s: float = 2.0
+    embed_timeout_s: float = 30.0
     # How long startup waits for Triton to report the model ready.
     backend_wait_s: float = 300.0
 
     def extra_model_list(self) -> list[ExtraModel]:
         return [parse_extra_model(entry, self.max_batch_size) for entry in self.extra_models]
 
+    def step_timeout_policy(self) -> TimeoutPolicy:
+        return TimeoutPolicy(
+            self.timeout_multiplier, self.step_timeout_floor_s, self.step_timeout_s, self.timeout_window, self.timeout_min_samples
+        )
+
+    def embed_timeout_policy(self) -> TimeoutPolicy:
+        return TimeoutPolicy(
+            self.timeout_multiplier, self.embed_timeout_floor_s, self.embed_timeout_s, self.timeout_window, self.timeout_min_samples
+        )
+
     def __post_init__(self) -> None:
+        shared = (f"{ENV_PREFIX}TIMEOUT_MULTIPLIER", f"{ENV_PREFIX}TIMEOUT_WINDOW", f"{ENV_PREFIX}TIMEOUT_MIN_SAMPLES")
+        problems: list[str] = []
+        for kind, policy in (("STEP", self.step_timeout_policy()), ("EMBED", self.embed_timeout_policy())):
+            for problem in policy.problems(
+                shared[0], f"{ENV_PREFIX}{kind}_TIMEOUT_FLOOR_S", f"{ENV_PREFIX}{kind}_TIMEOUT_S", shared[1], shared[2]
+            ):
+                if problem not in problems:  # the shared settings' problems once, not per kind
+                    problems.append(problem)
+        require(not problems, "; ".join(problems))
         require(self.max_bulk_prefill_rows >= 0, f"{ENV_PREFIX}MAX_BULK_PREFILL_ROWS must be >= 0, got {self.max_bulk_prefill_rows}")
         require(self.bulk_prefill_chunk >= 0, f"{ENV_PREFIX}BULK_PREFILL_CHUNK must be >= 0 (0: whole prompts), got {self.bulk_prefill_chunk}")
         require(

@@ -52,6 +52,24 @@ REPLICAS = Gauge(
     "Triton replicas by state: serving (routed to), unhealthy (probed until it answers), draining (its sequences finish, no new ones).",
     ["state"],
 )
+STEP_TIMEOUT = Gauge(
+    "sluice_adapter_step_timeout_seconds",
+    "The current timeout of a decode-only step to Triton: multiplier x the pool's rolling p99 of such steps, within"
+    " floor and ceiling (a step that prefills n tokens gets n x the p99 per prefill token more; step_timeout.py)."
+    " For a passthrough model: the wait between two responses of a stream.",
+    ["model"],
+)
+REQUEST_TIMEOUT = Gauge(
+    "sluice_adapter_request_timeout_seconds",
+    "The current adaptive timeout of other calls to Triton, by kind: embed_batch (one embedding micro-batch).",
+    ["kind"],
+)
+TIMEOUTS = Counter(
+    "sluice_adapter_timeouts_total",
+    "Calls to Triton cut off by an adaptive timeout (each counts as a failure of its replica), by kind: step, probe,"
+    " count_tokens, embed_batch, stream_first and stream_gap (a passthrough stream's wait for its first or next response).",
+    ["kind"],
+)
 DISCOVERY_FAILURES = Counter(
     "sluice_adapter_discovery_failures_total",
     "DNS lookups of a dns:/// replica target that failed (reason=error) or named no address (reason=empty); the replicas were kept.",

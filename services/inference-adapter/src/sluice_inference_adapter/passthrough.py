@@ -10,6 +10,13 @@ Usage and the finish reason are the engine's own (vLLM's num_input_tokens, num_o
 and finish_reason). A request the engine refuses (a prompt longer than its context, a bad
 sampling value) ends INVALID and counts as an answer from a healthy replica; only a failed
 stream counts against it.
+
+With `timeouts` (step_timeout.StepTimeouts, one per model for the pool), a stream's wait for each
+response of the engine is bounded as a step would be: the gap between two responses (about one
+engine iteration) by `multiplier x` the p99 of such gaps, and the wait for the first response by
+that plus the prompt's tokens x the p99 per prompt token (its prefill, and any engine queueing,
+charged to the prompt). A stream that waits longer fails as a failed stream does (UNAVAILABLE naming
+the replica and the timeout; retried elsewhere before its first token) and counts against the replica.
 """
 
 from __future__ import annotations
@@ -27,8 +34,9 @@ from sluice_common.supervision import stop_tasks
 from sluice_inference_adapter import metrics
 from sluice_inference_adapter.backend_errors import RequestRejected
 from sluice_inference_adapter.chat_template import ChatTemplateError
-from sluice_inference_adapter.scheduler import Finish, ReplicaWork, Sequence
+from sluice_inference_adapter.scheduler import Finish, ReplicaWork, Sequence, estimate_prompt_tokens
 from sluice_inference_adapter.step_rows import PromptSpec, SamplingSpec
+from sluice_inference_adapter.step_timeout import StepTimeouts
 
 log = structlog.stdlib.get_logger("sluice.passthrough")
 
@@ -60,6 +68,10 @@ class GenerateBackend(Protocol):
         ...
 
 
+class StreamTimedOut(Exception):
+    """The engine sent no response within the stream's adaptive timeout."""
+
+
 @dataclass(frozen=True)
 class PassthroughLimits:
     max_in_flight: int = 8
@@ -76,10 +88,12 @@ class PassthroughScheduler(ReplicaWork):
         clock: Callable[[], float] = time.monotonic,
         on_step: Callable[[bool], None] | None = None,
         replica: str = "",
+        timeouts: StepTimeouts | None = None,
     ) -> None:
         super().__init__(limits.max_waiting, limits.retry_after_s, clock, on_step, replica)
         self._backend = backend
         self._limits = limits
+        self._timeouts = timeouts
         # The model's chat template (chat_template.py): the engine takes raw text.
         self._render = render
         self._in_flight: dict[Sequence, asyncio.Task[None]] = {}
@@ -149,12 +163,45 @@ class PassthroughScheduler(ReplicaWork):
             self._in_flight.pop(sequence, None)
             self._wakeup.set()
 
+    async def _bounded(self, chunks: AsyncIterator[GeneratedChunk], prompt_tokens: int) -> AsyncIterator[GeneratedChunk]:
+        """The engine's responses, each awaited within the adaptive timeout (see the module)."""
+        timeouts = self._timeouts
+        if timeouts is None:
+            async for chunk in chunks:
+                yield chunk
+            return
+        waiting_for = prompt_tokens  # the first response: the prompt's prefill
+        while True:
+            limit = timeouts.limit(waiting_for)
+            started = time.perf_counter()
+            try:
+                async with asyncio.timeout(limit):
+                    chunk = await anext(chunks)
+            except StopAsyncIteration:
+                return
+            except TimeoutError:
+                timeouts.observe_timeout(limit, waiting_for)
+                kind = "stream_first" if waiting_for else "stream_gap"
+                metrics.TIMEOUTS.labels(kind=kind).inc()
+                metrics.STEP_TIMEOUT.labels(model=timeouts.model).set(timeouts.limit())
+                which = "first" if waiting_for else "next"
+                raise StreamTimedOut(
+                    f"Triton replica {self._replica or '(unnamed)'} did not send a stream's {which} response within its"
+                    f" timeout of {limit:.2f}s ({timeouts.policy.multiplier:g}x the p99 of recent waits, within"
+                    f" [{timeouts.policy.floor_s:g}s, {timeouts.policy.ceiling_s:g}s]); the replica is counted as failing"
+                ) from None
+            timeouts.observe(time.perf_counter() - started, waiting_for)
+            metrics.STEP_TIMEOUT.labels(model=timeouts.model).set(timeouts.limit())
+            waiting_for = 0
+            yield chunk
+
     async def _relay(self, sequence: Sequence) -> Finish | None:
         """Passes the engine's responses on; returns its finish reason."""
         request = sequence.request
         finish = None
-        async with aclosing(self._backend.stream(self._render(request.prompt), request.sampling)) as chunks:
-            async for chunk in chunks:
+        stream = self._backend.stream(self._render(request.prompt), request.sampling)
+        async with aclosing(stream) as chunks, aclosing(self._bounded(chunks, estimate_prompt_tokens(request.prompt))) as bounded:
+            async for chunk in bounded:
                 if chunk.input_tokens is not None:
                     sequence.prompt_tokens = chunk.input_tokens
                 if chunk.output_tokens or chunk.text:

@@ -24,6 +24,7 @@ from typing import Protocol
 
 import structlog
 
+from sluice_common.adaptive_timeout import AdaptiveTimeout
 from sluice_common.errors import Unavailable
 from sluice_common.supervision import Supervisor, stop_tasks
 from sluice_inference_adapter import metrics
@@ -308,19 +309,47 @@ class ClosableEmbedBackend(EmbedBackend, Protocol):
 
 class PooledEmbedBackend:
     """Sends each embedding micro-batch to the least-loaded healthy replica, through a channel
-    of its own per replica, opened on first use and closed when the replica leaves the pool."""
+    of its own per replica, opened on first use and closed when the replica leaves the pool.
 
-    def __init__(self, pool: ReplicaPool, make_backend: Callable[[str], ClosableEmbedBackend]) -> None:
+    With `timeout`, a batch is cut off after the adaptive timeout (multiplier x the rolling p99
+    of batch round trips across the pool): its callers get UNAVAILABLE naming the replica, and
+    the replica is counted as failing as a failed step counts."""
+
+    def __init__(
+        self, pool: ReplicaPool, make_backend: Callable[[str], ClosableEmbedBackend], timeout: AdaptiveTimeout | None = None
+    ) -> None:
         self._pool = pool
         self._make_backend = make_backend
         self._by_url: dict[str, ClosableEmbedBackend] = {}
+        self._timeout = timeout
         pool.on_removed.append(self._forget)
 
     async def embed(self, texts: list[str]) -> Embeddings:
-        name = self._pool.pick(exclude=set()).name
+        replica = self._pool.pick(exclude=set())
+        name = replica.name
         if name not in self._by_url:
             self._by_url[name] = self._make_backend(name)
-        return await self._by_url[name].embed(texts)
+        if self._timeout is None:
+            return await self._by_url[name].embed(texts)
+        limit = self._timeout.current()
+        started = time.perf_counter()
+        try:
+            async with asyncio.timeout(limit):
+                embeddings = await self._by_url[name].embed(texts)
+        except TimeoutError:
+            self._timeout.observe_timeout(limit)
+            metrics.TIMEOUTS.labels(kind="embed_batch").inc()
+            metrics.REQUEST_TIMEOUT.labels(kind="embed_batch").set(self._timeout.current())
+            log.warning("embed_batch_timed_out", replica=name, timeout_s=round(limit, 3), texts=len(texts))
+            self._pool.record(replica, ok=False)
+            raise Unavailable(
+                f"Triton replica {name} did not embed a batch of {len(texts)} texts within its timeout of {limit:.2f}s"
+                f" ({self._timeout.policy.multiplier:g}x the p99 of recent batches, within"
+                f" [{self._timeout.policy.floor_s:g}s, {self._timeout.policy.ceiling_s:g}s]); retry"
+            ) from None
+        self._timeout.observe(time.perf_counter() - started)
+        metrics.REQUEST_TIMEOUT.labels(kind="embed_batch").set(self._timeout.current())
+        return embeddings
 
     async def _forget(self, name: str) -> None:
         backend = self._by_url.pop(name, None)

@@ -25,6 +25,7 @@ import structlog
 from sluice_common.errors import ResourceExhausted
 from sluice_common.supervision import Supervisor, stop_tasks
 from sluice_inference_adapter import metrics
+from sluice_inference_adapter.step_timeout import StepTimeouts
 from sluice_inference_adapter.step_rows import (
     FINISH_BUSY,
     FINISH_ERROR,
@@ -311,10 +312,14 @@ class Scheduler(ReplicaWork):
         clock: Callable[[], float] = time.monotonic,
         on_step: Callable[[bool], None] | None = None,
         replica: str = "",
+        timeouts: StepTimeouts | None = None,
     ):
         super().__init__(limits.max_waiting, limits.retry_after_s, clock, on_step, replica)
         self._backend = backend
         self._limits = limits
+        # The adaptive step timeout, shared by every replica of the model (None: steps are bounded
+        # only by the backend's own fixed timeout).
+        self._timeouts = timeouts
         self._running: dict[int, Sequence] = {}
         self._bulk_sat_out = False
         # Set when a prefill found the engine full (other adapters share it): no new prefill
@@ -354,15 +359,65 @@ class Scheduler(ReplicaWork):
                 # Only prefills wait, and the engine is full of other adapters' sequences.
                 await asyncio.sleep(max(0.0, self._engine_full_until - self._clock()))
                 continue
+            prefill_tokens = self._prefill_tokens(stepped)
+            limit = self._timeouts.limit(prefill_tokens) if self._timeouts is not None else None
+            started = time.perf_counter()
             try:
-                outcomes = await self._backend.step(rows)
-            except Exception as exc:  # noqa: BLE001 - the backend failed: its KV state is gone
-                log.warning("step_failed", error=str(exc), rows=len(rows))
-                self._report_step(ok=False)
-                self._fail_everything(f"the model backend failed: {exc}", backend_failed=True)
+                async with asyncio.timeout(limit):
+                    outcomes = await self._backend.step(rows)
+            except TimeoutError as exc:
+                if limit is None:  # not ours: the backend's own timeout, a failure like any other
+                    self._step_failed(exc, len(rows))
+                else:
+                    self._step_timed_out(limit, prefill_tokens, len(rows))
                 continue
+            except Exception as exc:  # noqa: BLE001 - the backend failed: its KV state is gone
+                self._step_failed(exc, len(rows))
+                continue
+            if self._timeouts is not None:
+                self._timeouts.observe(time.perf_counter() - started, prefill_tokens)
+                metrics.STEP_TIMEOUT.labels(model=self._timeouts.model).set(self._timeouts.limit())
             self._report_step(ok=True)
             self._apply(rows, stepped, outcomes)
+
+    def _step_failed(self, exc: BaseException, rows: int) -> None:
+        log.warning("step_failed", error=str(exc), rows=rows)
+        self._report_step(ok=False)
+        self._fail_everything(f"the model backend failed: {exc}", backend_failed=True)
+
+    def _step_timed_out(self, limit: float, prefill_tokens: int, rows: int) -> None:
+        """A step that outlived its timeout: the replica is treated as failed (its KV state is now
+        unknown), its sequences end, and those without tokens may be retried on another replica."""
+        assert self._timeouts is not None
+        p99 = self._timeouts.decode_p99  # what the limit came from, before this step counts
+        self._timeouts.observe_timeout(limit, prefill_tokens)
+        metrics.STEP_TIMEOUT.labels(model=self._timeouts.model).set(self._timeouts.limit())
+        metrics.TIMEOUTS.labels(kind="step").inc()
+        log.warning("step_timed_out", replica=self._replica, timeout_s=round(limit, 3), rows=rows, prefill_tokens=prefill_tokens)
+        self._report_step(ok=False)
+        basis = (
+            f"{self._timeouts.policy.multiplier:g}x the p99 of recent steps ({p99:.3f}s), within"
+            f" [{self._timeouts.policy.floor_s:g}s, {self._timeouts.policy.ceiling_s:g}s]"
+            if p99 is not None
+            else "the ceiling, until enough steps are seen"
+        )
+        self._fail_everything(
+            f"Triton replica {self._replica or '(unnamed)'} did not answer a step within its timeout of {limit:.2f}s"
+            f" ({basis}); the replica is counted as failing, retry",
+            backend_failed=True,
+        )
+
+    def _prefill_tokens(self, stepped: list[Sequence]) -> int:
+        """Prompt tokens this step caches (estimated until the model has counted): a whole prompt
+        for an interactive prefill, a chunk for a bulk one."""
+        chunk = self._limits.bulk_prefill_chunk
+        total = 0
+        for sequence in stepped:
+            if sequence.first_token_at is not None:
+                continue  # decoding: one token
+            prompt = sequence.prompt_tokens or estimate_prompt_tokens(sequence.request.prompt)
+            total += min(prompt, chunk) if chunk and sequence.priority is Priority.BULK else prompt
+        return total
 
     def _fail_everything(self, error: str, backend_failed: bool = False) -> None:
         """Ends every sequence, running and waiting; those without tokens may be retried elsewhere."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
@@ -13,10 +14,12 @@ from sluice.inference.v1 import inference_pb2, inference_pb2_grpc
 from sluice_common.errors import Cancelled, DeadlineExceeded, InvalidArgument, NotFound, Unavailable, Unimplemented
 from sluice_common.request_context import current_request_id
 from sluice_common.validation import validate_generation
+from sluice_inference_adapter import metrics
 from sluice_inference_adapter.embedding_cache import TextEmbedder
 from sluice_inference_adapter.replica_pool import ReplicaPool
 from sluice_inference_adapter.scheduler import Finish, FinishEvent, GenerationRequest
 from sluice_inference_adapter.step_rows import Action, PromptSpec, SamplingSpec, StepBackend, StepRow
+from sluice_inference_adapter.step_timeout import StepTimeouts
 from sluice_inference_adapter.waiting_queue import Priority
 
 _FINISH_REASONS = {
@@ -38,13 +41,22 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         self._models = {m.name: m for m in [model, *(extra_models or [])]}
         self._ready_pools: dict[str, ReplicaPool] = {}
         self._embedder: TextEmbedder | None = None
+        self._step_timeouts: StepTimeouts | None = None
 
-    def attach(self, pool: ReplicaPool, embedder: TextEmbedder | None, extra_pools: dict[str, ReplicaPool] | None = None) -> None:
+    def attach(
+        self,
+        pool: ReplicaPool,
+        embedder: TextEmbedder | None,
+        extra_pools: dict[str, ReplicaPool] | None = None,
+        step_timeouts: StepTimeouts | None = None,
+    ) -> None:
         """Called once Triton is ready; until then calls answer UNAVAILABLE. `embedder` is the
         cache in front of the micro-batcher (embedding_cache.CachedEmbedder); `extra_pools` serve
-        the extra generation models, by name."""
+        the extra generation models, by name; `step_timeouts` bounds CountTokens (one step) as it
+        bounds the scheduler's steps."""
         self._ready_pools = {self._model.name: pool, **(extra_pools or {})}
         self._embedder = embedder
+        self._step_timeouts = step_timeouts
 
     def _pool_of(self, name: str) -> ReplicaPool:
         pool = self._ready_pools.get(name)
@@ -86,10 +98,22 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
     ) -> inference_pb2.CountTokensResponse:
         model = self._model_info(request.model)
         prompt = _prompt_spec(request.messages, request.prompt)
-        backend = self._pool_of(model.name).pick(exclude=set()).backend
+        pool = self._pool_of(model.name)
+        replica = pool.pick(exclude=set())
+        backend = replica.backend
         if not isinstance(backend, StepBackend):
             raise Unimplemented("CountTokens needs a step-protocol model; this one batches by itself")
-        (outcome,) = await backend.step([StepRow(Action.COUNT, 0, prompt.to_json())])
+        # Counting only tokenizes: a decode step's timeout bounds it.
+        limit = self._step_timeouts.limit() if self._step_timeouts is not None else None
+        try:
+            async with asyncio.timeout(limit):
+                (outcome,) = await backend.step([StepRow(Action.COUNT, 0, prompt.to_json())])
+        except TimeoutError:
+            metrics.TIMEOUTS.labels(kind="count_tokens").inc()
+            pool.record(replica, ok=False)
+            raise Unavailable(
+                f"Triton replica {replica.name} did not count the prompt's tokens within the step timeout of {limit:.2f}s; retry"
+            ) from None
         if outcome.error:
             raise InvalidArgument("messages" if request.messages else "prompt", outcome.error)
         return inference_pb2.CountTokensResponse(prompt_tokens=outcome.prompt_tokens, context_length=model.context_length)

@@ -7,6 +7,7 @@ backend (the engine batches); `detect_protocol` tells them apart.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import random
 import time
@@ -24,7 +25,9 @@ from sluice_inference_adapter import metrics
 from sluice_inference_adapter.backend_errors import RequestRejected, engine_message, is_request_fault
 from sluice_inference_adapter.embed_batcher import Embeddings
 from sluice_inference_adapter.passthrough import GeneratedChunk
+from sluice_inference_adapter.scheduler import estimate_prompt_tokens
 from sluice_inference_adapter.step_rows import FINISH_BUSY, Action, PromptSpec, SamplingSpec, StepOutcome, StepRow
+from sluice_inference_adapter.step_timeout import StepTimeouts
 
 Protocol = Literal["step", "generate"]
 
@@ -34,7 +37,8 @@ _RETURN_FLAGS = ("return_finish_reason", "return_num_input_tokens", "return_num_
 _STEP_INPUTS = {"ACTION", "SEQ_ID", "REQUEST"}
 _VLLM_INPUTS = {"text_input", "sampling_parameters", "stream", "exclude_input_in_output", *_RETURN_FLAGS}
 _STEP_OUTPUTS = ("TOKEN_ID", "TEXT", "FINISH", "PROMPT_TOKENS", "COMPLETION_TOKENS", "ERROR")
-_PROBE_REQUEST = PromptSpec(prompt="ping").to_json(SamplingSpec(max_tokens=1))
+_PROBE_PROMPT = PromptSpec(prompt="ping")
+_PROBE_REQUEST = _PROBE_PROMPT.to_json(SamplingSpec(max_tokens=1))
 
 
 def _tensor(name: str, values: np.ndarray, datatype: str) -> InferInput:
@@ -105,9 +109,12 @@ class _TritonEndpoint:
 class TritonStepBackend(_TritonEndpoint):
     """The step protocol: one Triton request per scheduler step."""
 
-    def __init__(self, url: str, model: str, step_timeout_s: float = 60.0) -> None:
+    def __init__(self, url: str, model: str, step_timeout_s: float = 60.0, timeouts: StepTimeouts | None = None) -> None:
         super().__init__(url, model)
+        # The fixed bound of every call (the adaptive timeout's ceiling); the scheduler cuts a step
+        # off sooner by the adaptive one (step_timeout.py), which bounds the probes here too.
         self._timeout_s = step_timeout_s
+        self._timeouts = timeouts
         self._outputs = [InferRequestedOutput(name) for name in _STEP_OUTPUTS]
 
     async def step(self, rows: list[StepRow]) -> list[StepOutcome]:
@@ -140,11 +147,17 @@ class TritonStepBackend(_TritonEndpoint):
         """Ready checks, then one real token: a model that loads but cannot generate is not healthy."""
         if not await self.is_ready():
             return False
+        # A stuck replica must not hold the probe round (every replica's probes are awaited together).
+        limit = self._timeouts.limit(estimate_prompt_tokens(_PROBE_PROMPT)) if self._timeouts is not None else None
         try:
-            # A random id: other adapters probe the same engine, maybe at the same moment.
-            (outcome,) = await self.step([StepRow(Action.PREFILL, random.getrandbits(62) + 1, _PROBE_REQUEST)])
+            async with asyncio.timeout(limit):
+                # A random id: other adapters probe the same engine, maybe at the same moment.
+                (outcome,) = await self.step([StepRow(Action.PREFILL, random.getrandbits(62) + 1, _PROBE_REQUEST)])
         except Unavailable:
             return False
+        except TimeoutError:
+            metrics.TIMEOUTS.labels(kind="probe").inc()
+            raise TimeoutError(f"the probe's step did not answer within its timeout of {limit:.2f}s") from None
         # "busy": every slot is taken (shared with other adapters), which a serving engine may be.
         return (outcome.token_id >= 0 and not outcome.error) or outcome.finish == FINISH_BUSY
 

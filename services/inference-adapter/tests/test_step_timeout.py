@@ -1,0 +1,288 @@
+"""Adaptive step and embed timeouts: a stalled call is cut off at about twice the observed p99
+(not at the fixed ceiling), its callers get a clear error, and its replica counts as failing.
+
+The step models here follow the step protocol like those in test_scheduler.py and
+test_replica_pool.py, and can be told to stall (as a wedged Triton does: the call never returns).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import time
+from collections.abc import AsyncIterator
+
+import numpy as np
+import pytest
+from conftest import collect, run_through
+from prometheus_client import REGISTRY
+
+from sluice_common.adaptive_timeout import AdaptiveTimeout, TimeoutPolicy
+from sluice_common.config import ConfigError, load_config
+from sluice_common.errors import Unavailable
+from sluice_inference_adapter.config import ENV_PREFIX, AdapterConfig
+from sluice_inference_adapter.embed_batcher import Embeddings
+from sluice_inference_adapter.passthrough import GeneratedChunk, PassthroughLimits, PassthroughScheduler
+from sluice_inference_adapter.replica_pool import PooledEmbedBackend, ReplicaPool
+from sluice_inference_adapter.scheduler import (
+    Event,
+    Finish,
+    FinishEvent,
+    GenerationRequest,
+    Priority,
+    Scheduler,
+    SchedulerLimits,
+    TokenEvent,
+)
+from sluice_inference_adapter.step_rows import Action, PromptSpec, SamplingSpec, StepOutcome, StepRow
+from sluice_inference_adapter.step_timeout import StepTimeouts
+
+CEILING_S = 30.0
+
+
+def policy(floor_s: float = 0.01, min_samples: int = 10) -> TimeoutPolicy:
+    return TimeoutPolicy(multiplier=2.0, floor_s=floor_s, ceiling_s=CEILING_S, window=200, min_samples=min_samples)
+
+
+class StallableModel:
+    """Answers each step after `delay_s`; while `stalled` is set, a step never returns."""
+
+    def __init__(self, url: str = "triton-a:8001", delay_s: float = 0.02) -> None:
+        self.url = url
+        self.delay_s = delay_s
+        self.stalled = False
+        self.generated: dict[int, int] = {}
+        self.max_tokens: dict[int, int] = {}
+        self.steps = 0
+
+    async def step(self, rows: list[StepRow]) -> list[StepOutcome]:
+        self.steps += 1
+        if self.stalled:
+            await asyncio.Event().wait()
+        await asyncio.sleep(self.delay_s)
+        outcomes = []
+        for row in rows:
+            if row.action is Action.RELEASE:
+                outcomes.append(StepOutcome(-1, "", "", 0, 0))
+                continue
+            if row.action is Action.PREFILL:
+                self.generated[row.seq_id] = 0
+                self.max_tokens[row.seq_id] = json.loads(row.request)["max_tokens"]
+            self.generated[row.seq_id] += 1
+            count = self.generated[row.seq_id]
+            outcomes.append(StepOutcome(count, "x", "length" if count >= self.max_tokens[row.seq_id] else "", 2, count))
+        return outcomes
+
+    async def probe(self) -> bool:
+        return not self.stalled
+
+    async def close(self) -> None:
+        pass
+
+
+def request(max_tokens: int = 20) -> GenerationRequest:
+    return GenerationRequest("rid", "t", PromptSpec(prompt="p"), SamplingSpec(max_tokens=max_tokens), Priority.INTERACTIVE)
+
+
+async def _last(events: AsyncIterator[Event]) -> FinishEvent:
+    async for event in events:
+        if isinstance(event, FinishEvent):
+            return event
+    raise AssertionError("no finish event")
+
+
+def sample(name: str, labels: dict[str, str]) -> float:
+    value = REGISTRY.get_sample_value(name, labels)
+    return 0.0 if value is None else value
+
+
+def test_decode_steps_get_twice_their_p99_and_prefills_more_by_their_tokens() -> None:
+    timeouts = StepTimeouts(policy(min_samples=5))
+    assert timeouts.limit() == CEILING_S and timeouts.limit(100) == CEILING_S  # warming up
+    for _ in range(10):
+        timeouts.observe(0.05)
+    assert timeouts.limit() == pytest.approx(0.1)
+    assert timeouts.limit(100) == CEILING_S  # no prefill seen yet: no per-token figure
+    for _ in range(10):
+        timeouts.observe(0.5, prefill_tokens=100)  # 5 ms per prompt token
+    assert timeouts.limit(100) == pytest.approx(2 * (0.05 + 100 * 0.005))
+    assert timeouts.limit(2000) == pytest.approx(2 * (0.05 + 2000 * 0.005))  # a long prompt is not cut off
+    timeouts.observe_timeout(0.1)
+    assert timeouts.decode_p99 == pytest.approx(0.1)  # the censored sample counts at its limit
+
+
+async def test_a_stalled_step_times_out_at_twice_the_p99_and_fails_the_replica() -> None:
+    model = StallableModel(delay_s=0.02)
+    timeouts = StepTimeouts(policy(), model="m")
+    reports: list[bool] = []
+    scheduler = Scheduler(model, SchedulerLimits(max_batch_size=4), on_step=reports.append, replica=model.url, timeouts=timeouts)
+    scheduler.start()
+    fired_before = sample("sluice_adapter_timeouts_total", {"kind": "step"})
+    try:
+        text, finish = await collect(scheduler.submit(request()))  # 20 steps of ~20 ms: warmed up
+        assert finish.finish is Finish.LENGTH and len(text) == 20
+        limit = timeouts.limit()
+        assert 0.04 <= limit < 0.2  # about twice a ~20-40 ms step on a busy test machine
+        assert sample("sluice_adapter_step_timeout_seconds", {"model": "m"}) == pytest.approx(limit)
+        # A decode step stalls (this model's one prefill so far is too few for a prefill p99:
+        # a prefill step would still get the ceiling).
+        handle = scheduler.submit(request())
+        events = handle.events()
+        first = await anext(events)
+        assert isinstance(first, TokenEvent)
+        model.stalled = True
+        started = time.monotonic()
+        finish = await asyncio.wait_for(_last(events), 5)
+        waited = time.monotonic() - started
+    finally:
+        await scheduler.stop()
+    assert finish.finish is Finish.ERROR
+    match = re.fullmatch(
+        r"Triton replica triton-a:8001 did not answer a step within its timeout of ([0-9.]+)s \(2x the p99 of recent"
+        r" steps \(([0-9.]+)s\), within \[0.01s, 30s\]\); the replica is counted as failing, retry",
+        finish.error,
+    )
+    assert match is not None, finish.error
+    fired_at, p99 = float(match[1]), float(match[2])
+    assert fired_at == pytest.approx(2 * p99, abs=0.01)
+    assert fired_at - 0.01 <= waited < 1.0  # about 2x p99, nowhere near the 30 s ceiling
+    assert reports[-1] is False and all(reports[:-1])
+    assert sample("sluice_adapter_timeouts_total", {"kind": "step"}) == fired_before + 1
+
+
+async def test_the_ceiling_bounds_steps_until_enough_are_seen() -> None:
+    timeouts = StepTimeouts(policy(min_samples=10))
+    model = StallableModel(delay_s=0.0)
+    scheduler = Scheduler(model, SchedulerLimits(), replica=model.url, timeouts=timeouts)
+    scheduler.start()
+    try:
+        _, finish = await collect(scheduler.submit(request(max_tokens=3)))
+        assert finish.finish is Finish.LENGTH
+        assert timeouts.limit() == CEILING_S  # 3 steps are not enough to trust a p99
+    finally:
+        await scheduler.stop()
+
+
+async def test_a_replica_whose_steps_stall_is_ejected_and_its_requests_go_elsewhere() -> None:
+    """The limit is the pool's: the stalled replica cannot raise its own limit while it slows."""
+    a, b = StallableModel("a", delay_s=0.01), StallableModel("b", delay_s=0.01)
+    # Three prefills are enough here: the requests that meet the stall are in their prefill step.
+    timeouts = StepTimeouts(policy(min_samples=3), model="m")
+    limits = SchedulerLimits(max_batch_size=4)
+    pool = ReplicaPool(
+        [a, b],
+        lambda backend, on_step: Scheduler(backend, limits, on_step=on_step, replica=backend.url, timeouts=timeouts),
+        failure_threshold=2,
+        probe_interval_s=60.0,
+    )
+    pool.start()
+    try:
+        for _ in range(2):  # warm up on both replicas
+            results = await asyncio.gather(*(run_through(pool, request()) for _ in range(2)))
+            assert all(finish.finish is Finish.LENGTH for _, finish in results)
+        assert timeouts.limit() < 0.2 and timeouts.limit(33) < 0.5
+        a.stalled = True
+        started = time.monotonic()
+        # Each request that lands on a fails its first step (no token yet) and is retried on b.
+        results = []
+        for _ in range(2):  # two waves: two timed-out steps in a row
+            results += await asyncio.wait_for(asyncio.gather(*(run_through(pool, request()) for _ in range(4))), 10)
+        elapsed = time.monotonic() - started
+    finally:
+        await pool.stop()
+    assert all(finish.finish is Finish.LENGTH and tokens == 20 for tokens, finish in results)
+    replica_a = next(r for r in pool.replicas if r.name == "a")
+    assert not replica_a.healthy  # two timed-out steps in a row: out of the rotation
+    assert elapsed < 5.0
+
+
+class StallableEmbedder:
+    def __init__(self) -> None:
+        self.stalled = False
+
+    async def embed(self, texts: list[str]) -> Embeddings:
+        if self.stalled:
+            await asyncio.Event().wait()
+        await asyncio.sleep(0.005)
+        return Embeddings(np.zeros((len(texts), 4), dtype=np.float32), None)
+
+    async def close(self) -> None:
+        pass
+
+
+async def test_a_stalled_embedding_batch_is_cut_off_and_counts_against_its_replica() -> None:
+    a = StallableModel("a")
+    pool = ReplicaPool([a], lambda backend, on_step: Scheduler(backend, SchedulerLimits(), on_step=on_step), 1, 60.0)
+    embedder = StallableEmbedder()
+    timeout = AdaptiveTimeout(policy(min_samples=5))
+    backend = PooledEmbedBackend(pool, lambda url: embedder, timeout)
+    for _ in range(10):
+        await backend.embed(["x"])
+    limit = timeout.current()
+    assert limit < 0.2
+    assert sample("sluice_adapter_request_timeout_seconds", {"kind": "embed_batch"}) == pytest.approx(limit)
+    embedder.stalled = True
+    started = time.monotonic()
+    with pytest.raises(Unavailable, match=r"replica a did not embed a batch of 1 texts within its timeout"):
+        await backend.embed(["x"])
+    assert time.monotonic() - started < 1.0
+    assert not pool.replicas[0].healthy  # threshold 1
+
+
+class StallableEngine:
+    """A self-batching engine's stream: one token per response every 10 ms; while `stall_after` is
+    set, a stream stops answering after that many responses (the stream stays open)."""
+
+    def __init__(self) -> None:
+        self.stall_after: int | None = None
+
+    async def stream(self, text: str, sampling: SamplingSpec) -> AsyncIterator[GeneratedChunk]:
+        for made in range(1, sampling.max_tokens + 1):
+            if self.stall_after is not None and made > self.stall_after:
+                await asyncio.Event().wait()
+            await asyncio.sleep(0.01)
+            yield GeneratedChunk("x", 1, 3, "length" if made == sampling.max_tokens else None)
+
+
+async def test_a_passthrough_stream_whose_engine_stops_answering_is_cut_off_and_fails_the_replica() -> None:
+    engine = StallableEngine()
+    timeouts = StepTimeouts(policy(min_samples=5), model="m")
+    reports: list[bool] = []
+    scheduler = PassthroughScheduler(
+        engine, PassthroughLimits(), lambda prompt: prompt.prompt, on_step=reports.append, replica="vllm-a", timeouts=timeouts  # type: ignore[arg-type]
+    )
+    scheduler.start()
+    fired_before = sample("sluice_adapter_timeouts_total", {"kind": "stream_gap"})
+    try:
+        for _ in range(6):  # six first responses, thirty gaps
+            _, finish = await collect(scheduler.submit(request(max_tokens=6)))
+            assert finish.finish is Finish.LENGTH
+        limit = timeouts.limit()
+        assert 0.02 <= limit < 0.2
+        engine.stall_after = 2
+        started = time.monotonic()
+        text, finish = await asyncio.wait_for(collect(scheduler.submit(request(max_tokens=6))), 5)
+        waited = time.monotonic() - started
+    finally:
+        await scheduler.stop()
+    assert text == "xx" and finish.finish is Finish.ERROR
+    assert re.search(r"Triton replica vllm-a did not send a stream's next response within its timeout of [0-9.]+s", finish.error)
+    assert waited < 1.0  # two responses and about 2x the gaps' p99, not the 30 s ceiling
+    assert reports[-1] is False and all(reports[:-1])
+    assert sample("sluice_adapter_timeouts_total", {"kind": "stream_gap"}) == fired_before + 1
+
+
+def test_the_settings_are_validated_naming_the_variable() -> None:
+    config = load_config(AdapterConfig, ENV_PREFIX, {})
+    assert config.step_timeout_policy() == TimeoutPolicy(2.0, 5.0, 60.0, 1000, 50)
+    assert config.embed_timeout_policy() == TimeoutPolicy(2.0, 2.0, 30.0, 1000, 50)
+    for name, value in (
+        ("TIMEOUT_MULTIPLIER", "0.9"),
+        ("STEP_TIMEOUT_FLOOR_S", "61"),
+        ("EMBED_TIMEOUT_FLOOR_S", "0"),
+        ("TIMEOUT_MIN_SAMPLES", "0"),
+        ("TIMEOUT_WINDOW", "10"),  # below the default MIN_SAMPLES
+    ):
+        with pytest.raises(ConfigError, match=f"{ENV_PREFIX}{name}|{ENV_PREFIX}TIMEOUT_MIN_SAMPLES"):
+            load_config(AdapterConfig, ENV_PREFIX, {f"{ENV_PREFIX}{name}": value})
