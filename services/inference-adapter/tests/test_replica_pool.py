@@ -122,3 +122,22 @@ async def test_a_replica_is_proven_only_after_it_answered() -> None:
         await asyncio.sleep(0.06)
         await pool.probe_once()
     assert not pool.any_healthy and not pool.any_proven
+
+
+def test_an_extra_models_pool_on_the_same_replica_keeps_its_own_health_series() -> None:
+    """Two pools on one address (the main model and an extra one): each reports its own view;
+    one series written by both would say 'healthy' while the main model still thought otherwise."""
+    from prometheus_client import REGISTRY
+
+    def healthy(replica: str) -> float | None:
+        return REGISTRY.get_sample_value("sluice_adapter_replica_healthy", {"replica": replica})
+
+    main_backend, extra_backend = ReplicaModel("10.9.9.9:8001"), ReplicaModel("10.9.9.9:8001")
+    limits = SchedulerLimits(max_batch_size=4)
+    main = ReplicaPool([main_backend], lambda backend, on_step: Scheduler(backend, limits, on_step=on_step), 1, 0.05)
+    extra = ReplicaPool(
+        [extra_backend], lambda backend, on_step: Scheduler(backend, limits, on_step=on_step), 1, 0.05, metrics_label="#m-q4"
+    )
+    main.record(main.replicas[0], ok=False)
+    extra.record(extra.replicas[0], ok=True)
+    assert healthy("10.9.9.9:8001") == 0 and healthy("10.9.9.9:8001#m-q4") == 1

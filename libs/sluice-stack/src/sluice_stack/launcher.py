@@ -186,6 +186,9 @@ class Stack:
     # gateway-2, ...): the gateways dial every adapter, clients dial every gateway (`gateway_target`),
     # as a cluster's several pods per service, for rolling restarts.
     service_replicas: int = 1
+    # triton-local serves the Q4_0 variant and the adapters serve it as VARIANT_MODEL (sluice eval's
+    # second model). False: the main model alone, as the manifests deploy it.
+    serve_variant: bool = True
     # RabbitMQ for CompletionEvents (gateway -> evaluation-logging); exchange and queue names start
     # with amqp_prefix, so a test session with its own prefix never meets another run's messages.
     amqp_url: str = field(default_factory=lambda: os.environ.get("SLUICE_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/"))
@@ -264,6 +267,9 @@ class Stack:
         }
         return f"http://{LOCALHOST}:{ports[service]}/metrics"
 
+    def _extra_models(self) -> str:
+        return f"{VARIANT_MODEL}={VARIANT_TRITON_MODEL}:{VARIANT_BATCH}" if self.serve_variant else ""
+
     def _triton_spec(self, name: str, ports: TritonPorts) -> tuple[str, str, dict[str, str], Callable[[], bool]]:
         env = {
             "SLUICE_TRITON_LOCAL_HTTP_PORT": str(ports.http),
@@ -271,6 +277,7 @@ class Stack:
             "SLUICE_TRITON_LOCAL_TRITON_METRICS_PORT": str(ports.triton_metrics),
             "SLUICE_TRITON_LOCAL_METRICS_PORT": str(ports.model_metrics),
             "SLUICE_TRITON_LOCAL_TRITON_LOG_FILE": str(self.run_dir / f"{name}.tritonserver.log"),
+            **({} if self.serve_variant else {"SLUICE_TRITON_LOCAL_VARIANT_MODEL_NAME": ""}),
         }
         # Server readiness: every model loaded (the step model alone is ready before the others).
         return name, "sluice_triton_local", env, http_ok(f"http://{LOCALHOST}:{ports.http}/v2/health/ready")
@@ -321,7 +328,7 @@ class Stack:
             "SLUICE_ADAPTER_PORT": str(port),
             "SLUICE_ADAPTER_METRICS_PORT": str(metrics_port),
             "SLUICE_ADAPTER_TRITON_URLS": ",".join(self.triton_address(n) for n in self.triton_ports),
-            "SLUICE_ADAPTER_EXTRA_MODELS": f"{VARIANT_MODEL}={VARIANT_TRITON_MODEL}:{VARIANT_BATCH}",
+            "SLUICE_ADAPTER_EXTRA_MODELS": self._extra_models(),
             **self.extra_env.get("inference-adapter", {}),
         }
         return name, "sluice_inference_adapter", env, grpc_serving(f"{LOCALHOST}:{port}", self.grpc_credentials)
@@ -396,7 +403,7 @@ class Stack:
         port, metrics_port = free_port(), free_port()
         env = {
             "PYTHONUNBUFFERED": "1",
-            "SLUICE_ADAPTER_EXTRA_MODELS": f"{VARIANT_MODEL}={VARIANT_TRITON_MODEL}:{VARIANT_BATCH}",
+            "SLUICE_ADAPTER_EXTRA_MODELS": self._extra_models(),
             **self.extra_env.get("inference-adapter", {}),
             "SLUICE_ADAPTER_PORT": str(port),
             "SLUICE_ADAPTER_METRICS_PORT": str(metrics_port),

@@ -189,8 +189,11 @@ async def start_extra_pool(config: AdapterConfig, discovery: Discovery, supervis
     protocol = await detect_protocol(ready_url, config.triton_model)
     step_timeouts = StepTimeouts(config.step_timeout_policy(), config.model_name)
     metrics.STEP_TIMEOUT.labels(model=config.model_name).set(step_timeouts.limit())
-    backends, make_scheduler, make_backend = build_backends(config, protocol, urls, f"#{config.model_name}", step_timeouts)
-    pool = ReplicaPool(backends, make_scheduler, config.replica_failure_threshold, config.probe_interval_s, make_backend)  # type: ignore[arg-type]
+    label = f"#{config.model_name}"
+    backends, make_scheduler, make_backend = build_backends(config, protocol, urls, label, step_timeouts)
+    pool = ReplicaPool(
+        backends, make_scheduler, config.replica_failure_threshold, config.probe_interval_s, make_backend, metrics_label=label  # type: ignore[arg-type]
+    )
     await wait_for_a_healthy_replica(pool, config.backend_wait_s)
     pool.start(supervisor)
     log.info("extra_model_ready", model=config.model_name, triton_model=config.triton_model, protocol=protocol, max_batch_size=config.max_batch_size)

@@ -102,6 +102,7 @@ class ReplicaPool:
         probe_interval_s: float = 2.0,
         make_backend: BackendFactory | None = None,
         drain_poll_s: float = 0.1,
+        metrics_label: str = "",
     ) -> None:
         if not backends:
             raise ValueError("a replica pool needs at least one replica")
@@ -110,6 +111,10 @@ class ReplicaPool:
         self._failure_threshold = failure_threshold
         self._probe_interval_s = probe_interval_s
         self._drain_poll_s = drain_poll_s
+        # An extra model's pool on the same replicas: its per-replica series are named
+        # "<address><label>" (as its schedulers' are), and the replica-state counts stay the
+        # main model's; one series written by two pools would report whichever wrote last.
+        self._metrics_label = metrics_label
         self._probe_task: asyncio.Task[None] | None = None
         self._supervisor: Supervisor | None = None
         # Started on drain, cancelled on undrain; each removes its replica once it holds nothing.
@@ -127,7 +132,7 @@ class ReplicaPool:
         # Each replica has its own batch (its own KV slots); its steps report its health.
         replica.scheduler = self._make_scheduler(replica.backend, functools.partial(self.record, replica))
         self.replicas.append(replica)
-        metrics.REPLICA_HEALTHY.labels(replica=replica.name).set(1 if replica.healthy else 0)
+        metrics.REPLICA_HEALTHY.labels(replica=replica.name + self._metrics_label).set(1 if replica.healthy else 0)
 
     # -- membership (replica_discovery.PoolControl) ------------------------------------
 
@@ -193,11 +198,13 @@ class ReplicaPool:
         await replica.backend.close()
         for listener in self.on_removed:
             await listener(replica.name)
-        metrics.forget_replica(replica.name, [p.name.lower() for p in Priority])
+        metrics.forget_replica(replica.name + self._metrics_label, [p.name.lower() for p in Priority])
         log.info("replica_removed", replica=replica.name)
         self._publish_states()
 
     def _publish_states(self) -> None:
+        if self._metrics_label:
+            return
         counts = {"serving": 0, "unhealthy": 0, "draining": 0}
         for replica in self.replicas:
             counts["draining" if replica.draining else "serving" if replica.healthy else "unhealthy"] += 1
@@ -220,7 +227,7 @@ class ReplicaPool:
             if replica.healthy and replica.consecutive_failures >= self._failure_threshold:
                 replica.healthy = False
                 log.warning("replica_unhealthy", replica=replica.name, failures=replica.consecutive_failures)
-        metrics.REPLICA_HEALTHY.labels(replica=replica.name).set(1 if replica.healthy else 0)
+        metrics.REPLICA_HEALTHY.labels(replica=replica.name + self._metrics_label).set(1 if replica.healthy else 0)
         self._publish_states()
 
     async def probe_once(self) -> None:
@@ -276,7 +283,7 @@ class ReplicaPool:
             tried = f" (tried {', '.join(sorted(exclude))})" if exclude else ""
             raise Unavailable(f"no healthy Triton replica can take this request{tried}; retry shortly")
         for replica in self.replicas:
-            metrics.REPLICA_LOAD.labels(replica=replica.name).set(replica.scheduler.load)
+            metrics.REPLICA_LOAD.labels(replica=replica.name + self._metrics_label).set(replica.scheduler.load)
         return min(candidates, key=lambda r: r.scheduler.load)
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[Event]:
