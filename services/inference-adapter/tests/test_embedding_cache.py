@@ -24,7 +24,6 @@ from sluice_inference_adapter.embedding_cache import (
     CachedEmbedder,
     EmbeddingCache,
     cache_budget,
-    container_memory_limit,
 )
 from sluice_inference_adapter.servicer import InferenceServicer
 
@@ -192,37 +191,6 @@ def cgroup(tmp_path: Path, files: dict[str, str], self_line: str = "0::/\n") -> 
     proc = tmp_path / "self_cgroup"
     proc.write_text(self_line)
     return root, proc
-
-
-def test_the_memory_limit_comes_from_cgroup_v2(tmp_path: Path) -> None:
-    root, proc = cgroup(tmp_path, {"memory.max": "1073741824\n"})
-    assert container_memory_limit(root, proc) == 1 << 30
-
-
-def test_cgroup_v2_max_is_no_limit(tmp_path: Path) -> None:
-    root, proc = cgroup(tmp_path, {"memory.max": "max\n"})
-    assert container_memory_limit(root, proc) is None
-
-
-def test_the_process_own_cgroup_v2_is_read_first(tmp_path: Path) -> None:
-    root, proc = cgroup(
-        tmp_path, {"memory.max": "max\n", "kubepods/pod1/memory.max": "536870912\n"}, self_line="0::/kubepods/pod1\n"
-    )
-    assert container_memory_limit(root, proc) == 512 << 20
-
-
-def test_the_memory_limit_comes_from_cgroup_v1(tmp_path: Path) -> None:
-    root, proc = cgroup(tmp_path, {"memory/memory.limit_in_bytes": "2147483648\n"}, self_line="4:memory:/\n")
-    assert container_memory_limit(root, proc) == 2 << 30
-
-
-def test_cgroup_v1_unlimited_is_no_limit(tmp_path: Path) -> None:
-    root, proc = cgroup(tmp_path, {"memory/memory.limit_in_bytes": "9223372036854771712\n"})
-    assert container_memory_limit(root, proc) is None
-
-
-def test_no_cgroup_files_is_no_limit(tmp_path: Path) -> None:
-    assert container_memory_limit(tmp_path / "absent", tmp_path / "absent-too") is None
 
 
 def test_the_budget_is_the_smaller_of_bytes_and_the_share(tmp_path: Path) -> None:

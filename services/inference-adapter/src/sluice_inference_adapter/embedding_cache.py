@@ -39,6 +39,7 @@ from typing import Protocol
 import numpy as np
 import structlog
 
+from sluice_common.cgroup import DEFAULT_CGROUP_ROOT, DEFAULT_SELF_CGROUP, memory_limit
 from sluice_common.errors import InvalidArgument
 from sluice_inference_adapter import metrics
 from sluice_inference_adapter.embed_batcher import Embeddings
@@ -51,8 +52,6 @@ log = structlog.stdlib.get_logger("sluice.embedding_cache")
 # entry on CPython 3.11; 256 leaves room for the table's growth steps.
 ENTRY_OVERHEAD = 256
 _NO_TOKENS = -1
-# cgroup v1 writes "no limit" as a page-rounded 2**63 - 1; anything this large is no limit.
-_UNLIMITED = 1 << 60
 
 
 @dataclass(frozen=True, eq=False)
@@ -177,41 +176,6 @@ class EmbeddingCache:
 
 # -- the budget -----------------------------------------------------------------------------
 
-DEFAULT_CGROUP_ROOT = Path("/sys/fs/cgroup")
-DEFAULT_SELF_CGROUP = Path("/proc/self/cgroup")
-
-
-def container_memory_limit(cgroup_root: Path = DEFAULT_CGROUP_ROOT, self_cgroup: Path = DEFAULT_SELF_CGROUP) -> int | None:
-    """The memory limit of this process's cgroup in bytes, None when there is none.
-
-    cgroup v2: `memory.max` of the process's own cgroup (the `0::<path>` line of
-    /proc/self/cgroup, under `cgroup_root`), else of `cgroup_root` itself (a container with its
-    own cgroup namespace sees its cgroup there); "max" is no limit. cgroup v1:
-    `memory/memory.limit_in_bytes`, where no limit reads as a number near 2**63."""
-    candidates: list[Path] = []
-    try:
-        for line in self_cgroup.read_text().splitlines():
-            if line.startswith("0::"):
-                relative = line[3:].strip().lstrip("/")
-                if relative:
-                    candidates.append(cgroup_root / relative / "memory.max")
-    except OSError:
-        pass
-    candidates += [cgroup_root / "memory.max", cgroup_root / "memory" / "memory.limit_in_bytes"]
-    for path in candidates:
-        try:
-            raw = path.read_text().strip()
-        except OSError:
-            continue
-        if raw == "max":
-            return None
-        try:
-            value = int(raw)
-        except ValueError:
-            continue
-        return None if value >= _UNLIMITED else value
-    return None
-
 
 def cache_budget(
     budget_bytes: int,
@@ -227,7 +191,7 @@ def cache_budget(
         return 0, "off (EMBED_CACHE_BYTES=0)"
     if memory_share <= 0:
         return budget_bytes, "EMBED_CACHE_BYTES"
-    limit = container_memory_limit(cgroup_root, self_cgroup)
+    limit = memory_limit(cgroup_root, self_cgroup)
     if limit is None:
         return budget_bytes, "EMBED_CACHE_BYTES (no container memory limit found for EMBED_CACHE_MEMORY_SHARE)"
     share = int(limit * memory_share)
