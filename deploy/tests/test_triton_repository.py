@@ -41,6 +41,9 @@ TRITON_LOCAL_PYTHON = TRITON_LOCAL / ".venv" / "bin" / "python"
 # The Dockerfile's COPY of the models' code, and the folder that stands for /opt/sluice here.
 PACKAGE_COPY = "COPY services/triton-local/src/sluice_triton_local/ /opt/sluice/sluice_triton_local/"
 PACKAGE_ROOT = TRITON_LOCAL / "src"
+# The Dockerfile's COPY of the sluice_common modules the models use, into /opt/sluice/sluice_common/.
+COMMON_MODULES = ("__init__.py", "cgroup.py")
+COMMON_COPY = "COPY " + " ".join(f"libs/sluice-common/src/sluice_common/{m}" for m in COMMON_MODULES) + " /opt/sluice/sluice_common/"
 LOADED = ("smollm2_step", "minilm_embed")
 READY_TIMEOUT_S = 120
 EMBED_TEXTS = ["Which city is the capital of France?", "Triton serves models over gRPC.", "ünïcode ✓"]
@@ -134,10 +137,15 @@ def backend_env(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[st
     in deploy/triton/.venv (requirements.txt) and the package source laid out as in the image."""
     assert VENV_PYTHON.exists(), "deploy/triton/.venv is missing: run `make setup`"
     dockerfile = (TRITON_DIR / "Dockerfile").read_text()
-    assert PACKAGE_COPY in dockerfile and "/opt/sluice > " in dockerfile and "sluice.pth" in dockerfile
+    assert PACKAGE_COPY in dockerfile and COMMON_COPY in dockerfile and "/opt/sluice > " in dockerfile and "sluice.pth" in dockerfile
     info = _python_info(VENV_PYTHON)
-    # The image's .pth names /opt/sluice, which holds sluice_triton_local/: here, its COPY source.
-    Path(info["site"], "sluice.pth").write_text(f"{PACKAGE_ROOT}\n")
+    # The image's .pth names /opt/sluice, which holds sluice_triton_local/ and sluice_common/ with
+    # only the copied modules: here, the package's COPY source and a folder with just those modules.
+    common = tmp_path_factory.mktemp("opt-sluice")
+    (common / "sluice_common").mkdir()
+    for module in COMMON_MODULES:
+        shutil.copy(ROOT / "libs" / "sluice-common" / "src" / "sluice_common" / module, common / "sluice_common" / module)
+    Path(info["site"], "sluice.pth").write_text(f"{PACKAGE_ROOT}\n{common}\n")
     server_dir = _pytriton_dir()
     env = dict(os.environ)
     for name in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV"):

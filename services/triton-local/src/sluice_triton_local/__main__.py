@@ -12,10 +12,11 @@ from typing import TYPE_CHECKING
 import structlog
 from prometheus_client import start_http_server
 
+from sluice_common.cgroup import usable_cpus
 from sluice_common.config import ConfigError, load_config
 from sluice_common.log import configure_logging
 from sluice_triton_local.config import ENV_PREFIX, TritonLocalConfig
-from sluice_triton_local.metrics import MAX_SLOTS
+from sluice_triton_local.metrics import ENGINE_THREADS, MAX_SLOTS, USABLE_CPUS
 from sluice_triton_local.model_files import smollm2_gguf
 
 if TYPE_CHECKING:
@@ -46,6 +47,7 @@ def main() -> None:
 
     fix_python_backend_library_path()
 
+    report_threads(config)
     started = time.perf_counter()
     gguf_path = config.gguf_path or str(smollm2_gguf())
     step_engine = step_engine_for(config, gguf_path, config.max_slots)
@@ -79,6 +81,25 @@ def main() -> None:
         stop.wait()
         log.info("shutting_down")
     log.info("stopped")
+
+
+def report_threads(config: TritonLocalConfig) -> None:
+    """Logs and exports the engine's threads against the usable CPUs, warning when they exceed them."""
+    cpus, source = usable_cpus()
+    threads = config.engine_threads()
+    ENGINE_THREADS.set(threads)
+    USABLE_CPUS.set(cpus)
+    if threads > cpus:
+        log.warning(
+            "engine_threads_exceed_cpus",
+            threads=threads,
+            usable_cpus=cpus,
+            source=source,
+            hint=f"every step will stall on threads waiting for a core: lower {ENV_PREFIX}THREADS to {cpus} or less"
+            " (replicas sharing a host: their THREADS together at most its cores)",
+        )
+    else:
+        log.info("engine_threads", threads=threads, usable_cpus=cpus, source=source)
 
 
 def start_variant(config: TritonLocalConfig, gguf_path: str, main: SharedEngine) -> SharedEngine | None:

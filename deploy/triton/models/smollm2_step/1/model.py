@@ -10,11 +10,11 @@ engine code is the same either way; only llama.cpp's build differs (CUDA for a G
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass
 
 import triton_python_backend_utils as pb_utils  # provided by Triton's Python backend
 
+from sluice_common.cgroup import usable_cpus
 from sluice_triton_local.engine.llamacpp_model import GpuOffloadUnavailable
 from sluice_triton_local.engine.step_engine import StepEngine
 from sluice_triton_local.model_files import smollm2_gguf
@@ -68,7 +68,9 @@ class TritonPythonModel:
             max_context=int(params.get("MAX_CONTEXT", "2048")),
             slot_lease_s=float(params.get("SLOT_LEASE_S", "30")),
             engine=engine,
-            threads=int(params.get("THREADS", "0")) or len(os.sched_getaffinity(0)),
+            # 0: the CPUs the instance can keep busy, a container CPU limit included (more spinning
+            # threads than CPUs stall every step: TritonLocalConfig.engine_threads).
+            threads=int(params.get("THREADS", "0")) or usable_cpus()[0],
             gpu_layers=where.gpu_layers,
             main_gpu=where.main_gpu,
         )

@@ -1,0 +1,36 @@
+"""The engine's thread count follows the CPUs the process can keep busy, and more threads than
+those is reported: llama.cpp's spinning threads stall every step when they outnumber the CPUs."""
+
+from __future__ import annotations
+
+import pytest
+from structlog.testing import capture_logs
+
+import sluice_triton_local.__main__ as entry
+import sluice_triton_local.config as config_module
+from sluice_triton_local import metrics
+from sluice_triton_local.config import TritonLocalConfig
+
+
+def test_zero_threads_means_the_usable_cpus(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(config_module, "usable_cpus", lambda: (3, "the container's CPU limit (3.5 CPUs)"))
+    assert TritonLocalConfig(threads=0).engine_threads() == 3
+    assert TritonLocalConfig(threads=5).engine_threads() == 5  # set explicitly: kept, and warned about below
+
+
+def test_more_threads_than_cpus_is_a_warning_that_names_the_setting(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(entry, "usable_cpus", lambda: (2, "the container's CPU limit (2 CPUs)"))
+    with capture_logs() as logs:
+        entry.report_threads(TritonLocalConfig(threads=4))
+    (warning,) = [entry for entry in logs if entry["event"] == "engine_threads_exceed_cpus"]
+    assert warning["log_level"] == "warning" and warning["threads"] == 4 and warning["usable_cpus"] == 2
+    assert "SLUICE_TRITON_LOCAL_THREADS to 2" in warning["hint"]
+    assert metrics.ENGINE_THREADS._value.get() == 4 and metrics.USABLE_CPUS._value.get() == 2
+
+
+def test_threads_within_the_cpus_are_logged_without_a_warning(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(entry, "usable_cpus", lambda: (2, "the 2 cores this process may run on"))
+    with capture_logs() as logs:
+        entry.report_threads(TritonLocalConfig(threads=1))
+    assert [entry["event"] for entry in logs] == ["engine_threads"]
+    assert logs[0]["usable_cpus"] == 2 and logs[0]["threads"] == 1
