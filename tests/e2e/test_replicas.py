@@ -25,11 +25,6 @@ def two_replicas(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         ports=StackPorts.ephemeral(),
         extra_triton_replicas=1,
         extra_env={"inference-adapter": {"SLUICE_ADAPTER_PROBE_INTERVAL_S": "0.5"}},
-        # Failover of the main model alone. With the Q4_0 variant served beside it (an extra model's
-        # pool on the same replicas, both engines on one thread per triton-local) the main model's
-        # steps stalled after the replica came back (10 s step timeouts, 120 s hangs before those):
-        # an open defect, written up in the session's closing note.
-        serve_variant=False,
     )
     stack.start()
     yield stack

@@ -5,7 +5,6 @@ from __future__ import annotations
 import signal
 import sys
 import time
-from pathlib import Path
 
 import grpc
 from sluice.common.v1 import types_pb2

@@ -278,9 +278,17 @@ class Stack:
             "SLUICE_TRITON_LOCAL_METRICS_PORT": str(ports.model_metrics),
             "SLUICE_TRITON_LOCAL_TRITON_LOG_FILE": str(self.run_dir / f"{name}.tritonserver.log"),
             **({} if self.serve_variant else {"SLUICE_TRITON_LOCAL_VARIANT_MODEL_NAME": ""}),
+            **self._triton_threads(),
         }
         # Server readiness: every model loaded (the step model alone is ready before the others).
         return name, "sluice_triton_local", env, http_ok(f"http://{LOCALHOST}:{ports.http}/v2/health/ready")
+
+    def _triton_threads(self) -> dict[str, str]:
+        """Several replicas on this one machine split its cores, as an operator co-locating them
+        must (TritonLocalConfig.engine_threads: two replicas of 2 threads on 2 cores stall every step)."""
+        if len(self.triton_ports) == 1:
+            return {}
+        return {"SLUICE_TRITON_LOCAL_THREADS": str(max(1, len(os.sched_getaffinity(0)) // len(self.triton_ports)))}
 
     def _plan(self) -> list[ServiceProcess]:
         p = self.ports
