@@ -23,12 +23,13 @@ LIBS := libs/sluice-protos libs/sluice-common libs/sluice-stack
 PROJECTS := $(LIBS) $(SERVICES) tests bench deploy/tests
 UNIT_TESTED := libs/sluice-common $(SERVICES)
 
-.PHONY: help setup deploy-requirements uv node protos protos-check proto-lint run test test-unit test-e2e test-deploy bench-path bench-adapter bench-evallog bench-ratelimit bench-jobs bench-jobs-interactive bench-engine bench-gpu bench-load bench-rolling bench-embed-cache bench-openai clean
+.PHONY: help setup deploy-requirements uv node protos protos-check proto-lint run test test-unit test-e2e test-deploy bench-path bench-adapter bench-evallog bench-ratelimit bench-jobs bench-jobs-interactive bench-engine bench-colocated bench-gpu bench-load bench-rolling bench-embed-cache bench-openai clean
 
 help:
 	@echo "make run        start the whole suite locally and stream a demo completion (Ctrl-C stops it)"
 	@echo "make test       proto checks, each service's unit tests, then end-to-end tests on the real stack"
 	@echo "make bench-engine the step engine vs llama.cpp's own batched decode: prefill and decode tok/s"
+	@echo "make bench-colocated two engines on one host: cores split between them vs every core each (tok/s, step p99)"
 	@echo "make bench-gpu  on an NVIDIA GPU: the step engine's decode tok/s there vs the CPU at batch 1-64, greedy tokens identical?"
 	@echo "make bench-load 16, 32 and 64 chat streams through the stack: tok/s, TTFT, vs the engine alone"
 	@echo "make bench-rolling gateway, adapter and evaluation-logging restarted one by one under 32 streams: failed streams, lost events, TTFT"
@@ -107,6 +108,9 @@ bench-engine: setup
 # Needs llama-cpp-python built with CUDA (bench/gpu/run_on_device.sh builds it); else exits 3, saying so.
 bench-gpu: setup
 	services/triton-local/.venv/bin/python -m sluice_triton_local.engine.bench_gpu
+
+bench-colocated: setup
+	bench/.venv/bin/python bench/bench_colocated.py
 
 bench-load: setup
 	bench/.venv/bin/python bench/bench_load.py
