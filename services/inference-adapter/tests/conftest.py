@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
+import json
 from contextlib import aclosing
 
 from sluice_inference_adapter.replica_pool import ReplicaPool
 from sluice_inference_adapter.scheduler import FinishEvent, GenerationRequest, SequenceHandle, TokenEvent
+from sluice_inference_adapter.step_rows import Action, StepOutcome, StepRow
 
 
 async def collect(handle: SequenceHandle) -> tuple[str, FinishEvent]:
@@ -29,3 +32,62 @@ async def run_through(pool: ReplicaPool, request: GenerationRequest) -> tuple[in
             else:
                 return tokens, event
     raise AssertionError("no finish")
+
+
+class StepReplica:
+    """A Triton replica speaking the step protocol, in memory, that a test can break.
+
+    Each sequence ends ("length") after `tokens` tokens, or after its request's max_tokens when
+    `tokens` is None. Every row is recorded. `failing`: steps raise and probes fail (a crashed
+    Triton); `stalled`: a step never returns (a wedged one); `hold` cleared: steps wait until it
+    is set again (a pod paused mid-work); `probes_ok` False: probes fail, steps still work.
+    """
+
+    def __init__(self, url: str, tokens: int | None = None, delay_s: float = 0.002) -> None:
+        self.url = url
+        self.tokens = tokens
+        self.delay_s = delay_s
+        self.failing = False
+        self.stalled = False
+        self.probes_ok = True
+        self.closed = False
+        self.hold = asyncio.Event()
+        self.hold.set()
+        self.steps = 0
+        self.prefills = 0
+        self.rows: list[tuple[Action, int]] = []
+        self.generated: dict[int, int] = {}
+        self._ends_at: dict[int, int] = {}
+
+    async def step(self, rows: list[StepRow]) -> list[StepOutcome]:
+        self.steps += 1
+        if self.stalled:
+            await asyncio.Event().wait()
+        await self.hold.wait()
+        await asyncio.sleep(self.delay_s)
+        if self.failing:
+            raise ConnectionError(f"{self.url} is down")
+        return [self._answer(row) for row in rows]
+
+    def _answer(self, row: StepRow) -> StepOutcome:
+        self.rows.append((row.action, row.seq_id))
+        if row.action is Action.RELEASE:
+            return StepOutcome(-1, "", "", 0, 0)
+        if row.action is Action.PREFILL:
+            self.prefills += 1
+            self.generated[row.seq_id] = 0
+            self._ends_at[row.seq_id] = self.tokens if self.tokens is not None else json.loads(row.request)["max_tokens"]
+        count = self.generated.get(row.seq_id, 0) + 1
+        self.generated[row.seq_id] = count
+        return StepOutcome(count, "x", "length" if count >= self._ends_at.get(row.seq_id, count) else "", 2, count)
+
+    async def probe(self) -> bool:
+        return self.probes_ok and not self.failing and not self.stalled
+
+    async def close(self) -> None:
+        self.closed = True
+
+    @property
+    def sequences(self) -> set[int]:
+        """Every sequence this replica saw a row of."""
+        return {seq_id for _, seq_id in self.rows}

@@ -1,8 +1,8 @@
 """Replicas behind a DNS name: parsing, resolution with an injected resolver, and what the pool does
 when addresses appear, disappear and come back (issue 13).
 
-`PodModel` stands in for one Triton pod speaking the step protocol; it records every row it is
-sent, so a test can tell which pod stepped which sequence. The real processes are in
+conftest's `StepReplica` stands in for one Triton pod speaking the step protocol; it records every
+row it is sent, so a test can tell which pod stepped which sequence. The real processes are in
 tests/e2e/test_triton_discovery.py.
 """
 
@@ -13,7 +13,7 @@ import socket
 from collections.abc import Callable
 
 import pytest
-from conftest import run_through
+from conftest import StepReplica, run_through
 from prometheus_client import REGISTRY
 from structlog.testing import capture_logs
 
@@ -29,45 +29,7 @@ from sluice_inference_adapter.replica_discovery import (
 )
 from sluice_inference_adapter.replica_pool import ReplicaPool
 from sluice_inference_adapter.scheduler import Finish, FinishEvent, GenerationRequest, Scheduler, SchedulerLimits
-from sluice_inference_adapter.step_rows import Action, PromptSpec, SamplingSpec, StepOutcome, StepRow
-
-
-class PodModel:
-    """A step model that ends each sequence after `tokens` tokens; `hold` pauses every step."""
-
-    def __init__(self, url: str, tokens: int = 3) -> None:
-        self.url = url
-        self.tokens = tokens
-        self.rows: list[tuple[Action, int]] = []
-        self.generated: dict[int, int] = {}
-        self.probes_ok = True
-        self.closed = False
-        self.hold = asyncio.Event()
-        self.hold.set()
-
-    async def step(self, rows: list[StepRow]) -> list[StepOutcome]:
-        await self.hold.wait()
-        await asyncio.sleep(0.001)
-        outcomes = []
-        for row in rows:
-            self.rows.append((row.action, row.seq_id))
-            if row.action is Action.RELEASE:
-                outcomes.append(StepOutcome(-1, "", "", 0, 0))
-                continue
-            count = self.generated.get(row.seq_id, 0) + 1
-            self.generated[row.seq_id] = count
-            outcomes.append(StepOutcome(count, "x", "length" if count >= self.tokens else "", 2, count))
-        return outcomes
-
-    async def probe(self) -> bool:
-        return self.probes_ok
-
-    async def close(self) -> None:
-        self.closed = True
-
-    @property
-    def sequences(self) -> set[int]:
-        return {seq_id for _, seq_id in self.rows}
+from sluice_inference_adapter.step_rows import Action, PromptSpec, SamplingSpec
 
 
 class Resolver:
@@ -105,19 +67,20 @@ async def until(condition: Callable[[], bool], timeout_s: float = 2.0) -> None:
 class Pods:
     """A pool fed by one dns:/// name, its pods created as the pool asks for backends."""
 
-    def __init__(self, answer: list[str], port: int = 8001, tokens: int = 3) -> None:
+    def __init__(self, answer: list[str], port: int = 8001, tokens: int = 3, label: str = "") -> None:
         self.resolver = Resolver(answer)
         self.discovery = Discovery([parse_target(f"dns:///triton-pods:{port}")], self.resolver)
         self.tokens = tokens
-        self.made: dict[str, list[PodModel]] = {}
+        self.label = label  # an extra model's pool on the same pods (its metric series' suffix)
+        self.made: dict[str, list[StepReplica]] = {}
         self.pool: ReplicaPool | None = None
 
-    def make(self, url: str) -> PodModel:
-        pod = PodModel(url, self.tokens)
+    def make(self, url: str) -> StepReplica:
+        pod = StepReplica(url, self.tokens, delay_s=0.001)
         self.made.setdefault(url, []).append(pod)
         return pod
 
-    def pod(self, url: str) -> PodModel:
+    def pod(self, url: str) -> StepReplica:
         return self.made[url][-1]
 
     async def start(self) -> ReplicaPool:
@@ -130,6 +93,7 @@ class Pods:
             probe_interval_s=0.05,
             make_backend=self.make,
             drain_poll_s=0.005,
+            metrics_label=self.label,
         )
         await self.pool.probe_once()
         self.pool.start()
@@ -240,7 +204,7 @@ async def test_a_new_address_whose_probe_fails_gets_no_work() -> None:
         pods.resolver.answer = ["10.0.0.1", "10.0.0.2"]
         original_make = pods.make
 
-        def make_unready(url: str) -> PodModel:
+        def make_unready(url: str) -> StepReplica:
             pod = original_make(url)
             pod.probes_ok = False
             return pod
@@ -280,7 +244,8 @@ async def test_a_vanished_address_is_drained_its_sequences_finish_there_then_it_
             assert gone in pool.names and not leaving.closed
             leaving.hold.set()
             early = await asyncio.gather(*running)
-            await until(lambda: gone not in pool.names)
+            # Out of the pool first, then its scheduler stops and its channel closes: wait for the last.
+            await until(lambda: leaving.closed)
         # Every sequence that started there finished there, whole.
         assert all(finish.finish is Finish.LENGTH and tokens == 6 for tokens, finish in early)
         assert all(leaving.generated[seq] == 6 for seq in on_leaving)
@@ -342,7 +307,7 @@ async def test_a_lookup_failure_while_running_drops_no_replica() -> None:
 async def test_the_discovery_loop_re_resolves_every_interval() -> None:
     pods = Pods(["10.0.0.1"])
     pool = await pods.start()
-    loop = asyncio.create_task(pods.discovery.run(pool, interval_s=0.01))
+    loop = asyncio.create_task(pods.discovery.run([pool], interval_s=0.01))
     try:
         pods.resolver.answer = ["10.0.0.3"]
         await until(lambda: pool.names == {"10.0.0.3:8001"})
@@ -351,6 +316,28 @@ async def test_the_discovery_loop_re_resolves_every_interval() -> None:
     finally:
         loop.cancel()
         await pool.stop()
+
+
+async def test_one_discovery_adds_and_drains_the_replicas_of_every_model_pool() -> None:
+    """The main model's pool and an extra model's (the same pods, another Triton model) follow one name."""
+    main, extra = Pods(["10.0.0.1"]), Pods(["10.0.0.1"], label="#variant")
+    main_pool, extra_pool = await main.start(), await extra.start()
+    pools = (main_pool, extra_pool)
+    loop = asyncio.create_task(main.discovery.run(list(pools), interval_s=0.01))
+    try:
+        main.resolver.answer = ["10.0.0.1", "10.0.0.2"]
+        both = {"10.0.0.1:8001", "10.0.0.2:8001"}
+        await until(lambda: all(p.names == both and all(r.healthy for r in p.replicas) for p in pools))
+        main.resolver.answer = ["10.0.0.2"]
+        await until(lambda: all(p.names == {"10.0.0.2:8001"} for p in pools))
+        await until(lambda: main.pod("10.0.0.1:8001").closed and extra.pod("10.0.0.1:8001").closed)
+        results = await asyncio.gather(run(main_pool, "m"), run(extra_pool, "e"))
+        assert all(finish.finish is Finish.LENGTH and tokens == 3 for tokens, finish in results)
+        assert main.pod("10.0.0.2:8001").sequences and extra.pod("10.0.0.2:8001").sequences
+    finally:
+        loop.cancel()
+        await main_pool.stop()
+        await extra_pool.stop()
 
 
 async def test_sequences_are_sticky_every_row_of_a_sequence_goes_to_the_replica_that_prefilled_it() -> None:

@@ -1,7 +1,7 @@
 """Routing, health and retry across replicas, with step models that stand in for Triton replicas.
 
-`ReplicaModel` follows the step protocol like the one in test_scheduler.py and can be
-switched to fail, as a crashed Triton does; the real two-replica path is tested in
+conftest's `StepReplica` follows the step protocol and can be switched to fail, as a crashed
+Triton does; the real two-replica path is tested in
 tests/e2e/test_replicas.py.
 """
 
@@ -10,48 +10,15 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from conftest import run_through
+from conftest import StepReplica, run_through
 
 from sluice_common.errors import Unavailable
 from sluice_inference_adapter.replica_pool import ReplicaPool
 from sluice_inference_adapter.scheduler import Finish, FinishEvent, GenerationRequest, Scheduler, SchedulerLimits
-from sluice_inference_adapter.step_rows import Action, PromptSpec, SamplingSpec, StepOutcome, StepRow
+from sluice_inference_adapter.step_rows import PromptSpec, SamplingSpec
 
 
-class ReplicaModel:
-    def __init__(self, url: str) -> None:
-        self.url = url
-        self.failing = False
-        self.prefills = 0
-        self.generated: dict[int, int] = {}
-        self.probes_ok = True
-        self.closed = False
-
-    async def step(self, rows: list[StepRow]) -> list[StepOutcome]:
-        await asyncio.sleep(0.002)
-        if self.failing:
-            raise ConnectionError(f"{self.url} is down")
-        outcomes = []
-        for row in rows:
-            if row.action is Action.RELEASE:
-                outcomes.append(StepOutcome(-1, "", "", 0, 0))
-                continue
-            if row.action is Action.PREFILL:
-                self.prefills += 1
-                self.generated[row.seq_id] = 0
-            self.generated[row.seq_id] += 1
-            count = self.generated[row.seq_id]
-            outcomes.append(StepOutcome(count, "x", "length" if count >= 3 else "", 2, count))
-        return outcomes
-
-    async def probe(self) -> bool:
-        return self.probes_ok and not self.failing
-
-    async def close(self) -> None:
-        self.closed = True
-
-
-def make_pool(*models: ReplicaModel, threshold: int = 2) -> ReplicaPool:
+def make_pool(*models: StepReplica, threshold: int = 2) -> ReplicaPool:
     limits = SchedulerLimits(max_batch_size=4)
     return ReplicaPool(list(models), lambda backend, on_step: Scheduler(backend, limits, on_step=on_step), threshold, 0.05)
 
@@ -65,7 +32,7 @@ async def run(pool: ReplicaPool) -> tuple[int, FinishEvent]:
 
 
 async def test_least_loaded_replica_gets_the_request() -> None:
-    a, b = ReplicaModel("a"), ReplicaModel("b")
+    a, b = StepReplica("a"), StepReplica("b")
     pool = make_pool(a, b)
     busy = [pool.replicas[0].scheduler.submit(request()) for _ in range(3)]  # queued on a, not started
     assert pool.pick(exclude=set()).name == "b"
@@ -74,7 +41,7 @@ async def test_least_loaded_replica_gets_the_request() -> None:
 
 
 async def test_a_failed_replica_is_skipped_and_the_request_retried_elsewhere() -> None:
-    a, b = ReplicaModel("a"), ReplicaModel("b")
+    a, b = StepReplica("a"), StepReplica("b")
     a.failing = True
     pool = make_pool(a, b)
     pool.start()
@@ -87,7 +54,7 @@ async def test_a_failed_replica_is_skipped_and_the_request_retried_elsewhere() -
 
 
 async def test_unhealthy_after_consecutive_failures_and_readmitted_after_a_good_probe() -> None:
-    a, b = ReplicaModel("a"), ReplicaModel("b")
+    a, b = StepReplica("a"), StepReplica("b")
     pool = make_pool(a, b, threshold=2)
     replica_a = pool.replicas[0]
     a.failing = True
@@ -103,7 +70,7 @@ async def test_unhealthy_after_consecutive_failures_and_readmitted_after_a_good_
 
 
 async def test_no_healthy_replica_is_unavailable() -> None:
-    a = ReplicaModel("a")
+    a = StepReplica("a")
     pool = make_pool(a, threshold=1)
     a.failing = True
     await pool.probe_once()
@@ -112,7 +79,7 @@ async def test_no_healthy_replica_is_unavailable() -> None:
 
 
 async def test_a_replica_is_proven_only_after_it_answered() -> None:
-    a = ReplicaModel("a")
+    a = StepReplica("a")
     pool = make_pool(a)
     assert pool.any_healthy and not pool.any_proven  # healthy until shown otherwise, not yet proven
     await pool.probe_once()
@@ -132,7 +99,7 @@ def test_an_extra_models_pool_on_the_same_replica_keeps_its_own_health_series() 
     def healthy(replica: str) -> float | None:
         return REGISTRY.get_sample_value("sluice_adapter_replica_healthy", {"replica": replica})
 
-    main_backend, extra_backend = ReplicaModel("10.9.9.9:8001"), ReplicaModel("10.9.9.9:8001")
+    main_backend, extra_backend = StepReplica("10.9.9.9:8001"), StepReplica("10.9.9.9:8001")
     limits = SchedulerLimits(max_batch_size=4)
     main = ReplicaPool([main_backend], lambda backend, on_step: Scheduler(backend, limits, on_step=on_step), 1, 0.05)
     extra = ReplicaPool(

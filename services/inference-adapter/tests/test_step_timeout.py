@@ -1,21 +1,19 @@
 """Adaptive step and embed timeouts: a stalled call is cut off at about twice the observed p99
 (not at the fixed ceiling), its callers get a clear error, and its replica counts as failing.
 
-The step models here follow the step protocol like those in test_scheduler.py and
-test_replica_pool.py, and can be told to stall (as a wedged Triton does: the call never returns).
+conftest's `StepReplica` can be told to stall, as a wedged Triton does: the call never returns.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import re
 import time
 from collections.abc import AsyncIterator
 
 import numpy as np
 import pytest
-from conftest import collect, run_through
+from conftest import StepReplica, collect, run_through
 from prometheus_client import REGISTRY
 
 from sluice_common.adaptive_timeout import AdaptiveTimeout, TimeoutPolicy
@@ -35,7 +33,7 @@ from sluice_inference_adapter.scheduler import (
     SchedulerLimits,
     TokenEvent,
 )
-from sluice_inference_adapter.step_rows import Action, PromptSpec, SamplingSpec, StepOutcome, StepRow
+from sluice_inference_adapter.step_rows import PromptSpec, SamplingSpec
 from sluice_inference_adapter.step_timeout import StepTimeouts
 
 CEILING_S = 30.0
@@ -43,42 +41,6 @@ CEILING_S = 30.0
 
 def policy(floor_s: float = 0.01, min_samples: int = 10) -> TimeoutPolicy:
     return TimeoutPolicy(multiplier=2.0, floor_s=floor_s, ceiling_s=CEILING_S, window=200, min_samples=min_samples)
-
-
-class StallableModel:
-    """Answers each step after `delay_s`; while `stalled` is set, a step never returns."""
-
-    def __init__(self, url: str = "triton-a:8001", delay_s: float = 0.02) -> None:
-        self.url = url
-        self.delay_s = delay_s
-        self.stalled = False
-        self.generated: dict[int, int] = {}
-        self.max_tokens: dict[int, int] = {}
-        self.steps = 0
-
-    async def step(self, rows: list[StepRow]) -> list[StepOutcome]:
-        self.steps += 1
-        if self.stalled:
-            await asyncio.Event().wait()
-        await asyncio.sleep(self.delay_s)
-        outcomes = []
-        for row in rows:
-            if row.action is Action.RELEASE:
-                outcomes.append(StepOutcome(-1, "", "", 0, 0))
-                continue
-            if row.action is Action.PREFILL:
-                self.generated[row.seq_id] = 0
-                self.max_tokens[row.seq_id] = json.loads(row.request)["max_tokens"]
-            self.generated[row.seq_id] += 1
-            count = self.generated[row.seq_id]
-            outcomes.append(StepOutcome(count, "x", "length" if count >= self.max_tokens[row.seq_id] else "", 2, count))
-        return outcomes
-
-    async def probe(self) -> bool:
-        return not self.stalled
-
-    async def close(self) -> None:
-        pass
 
 
 def request(max_tokens: int = 20) -> GenerationRequest:
@@ -113,7 +75,7 @@ def test_decode_steps_get_twice_their_p99_and_prefills_more_by_their_tokens() ->
 
 
 async def test_a_stalled_step_times_out_at_twice_the_p99_and_fails_the_replica() -> None:
-    model = StallableModel(delay_s=0.02)
+    model = StepReplica("triton-a:8001", delay_s=0.02)
     timeouts = StepTimeouts(policy(), model="m")
     reports: list[bool] = []
     scheduler = Scheduler(model, SchedulerLimits(max_batch_size=4), on_step=reports.append, replica=model.url, timeouts=timeouts)
@@ -153,7 +115,7 @@ async def test_a_stalled_step_times_out_at_twice_the_p99_and_fails_the_replica()
 
 async def test_the_ceiling_bounds_steps_until_enough_are_seen() -> None:
     timeouts = StepTimeouts(policy(min_samples=10))
-    model = StallableModel(delay_s=0.0)
+    model = StepReplica("triton-a:8001", delay_s=0.0)
     scheduler = Scheduler(model, SchedulerLimits(), replica=model.url, timeouts=timeouts)
     scheduler.start()
     try:
@@ -166,7 +128,7 @@ async def test_the_ceiling_bounds_steps_until_enough_are_seen() -> None:
 
 async def test_a_replica_whose_steps_stall_is_ejected_and_its_requests_go_elsewhere() -> None:
     """The limit is the pool's: the stalled replica cannot raise its own limit while it slows."""
-    a, b = StallableModel("a", delay_s=0.01), StallableModel("b", delay_s=0.01)
+    a, b = StepReplica("a", delay_s=0.01), StepReplica("b", delay_s=0.01)
     # Three prefills are enough here: the requests that meet the stall are in their prefill step.
     timeouts = StepTimeouts(policy(min_samples=3), model="m")
     limits = SchedulerLimits(max_batch_size=4)
@@ -212,7 +174,7 @@ class StallableEmbedder:
 
 
 async def test_a_stalled_embedding_batch_is_cut_off_and_counts_against_its_replica() -> None:
-    a = StallableModel("a")
+    a = StepReplica("a", delay_s=0.02)
     pool = ReplicaPool([a], lambda backend, on_step: Scheduler(backend, SchedulerLimits(), on_step=on_step), 1, 60.0)
     embedder = StallableEmbedder()
     timeout = AdaptiveTimeout(policy(min_samples=5))

@@ -182,9 +182,9 @@ def extra_model_config(config: AdapterConfig, extra: ExtraModel) -> AdapterConfi
 
 
 async def start_extra_pool(config: AdapterConfig, discovery: Discovery, supervisor: Supervisor) -> ReplicaPool:
-    """One extra generation model's pool, started once a replica serves it; the main model's
-    replica discovery (dns:/// names) does not add replicas to it: extra models are for a fixed
-    set of replicas, such as the local stack's one triton-local."""
+    """One extra generation model's pool, started once a replica serves it. Replica discovery
+    (dns:/// names) adds and drains its replicas as it does the main model's: every replica is
+    expected to serve every model; one that does not fails its probes and gets none of that model's work."""
     urls, ready_url = await wait_for_a_ready_replica(config, discovery)
     protocol = await detect_protocol(ready_url, config.triton_model)
     step_timeouts = StepTimeouts(config.step_timeout_policy(), config.model_name)
@@ -254,7 +254,7 @@ async def serve(config: AdapterConfig) -> None:
     health_task = supervisor.start("health-from-replicas", lambda: report_health(pool, running))
     # Replicas of dns:/// names come and go with the addresses the names resolve to.
     discovery_task = (
-        supervisor.start("replica-discovery", lambda: discovery.run(pool, config.triton_resolve_interval_s))
+        supervisor.start("replica-discovery", lambda: discovery.run([pool, *extra_pools.values()], config.triton_resolve_interval_s))
         if discovery.dynamic
         else None
     )

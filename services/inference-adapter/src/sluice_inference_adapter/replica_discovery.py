@@ -147,22 +147,28 @@ class Discovery:
         self._last[target] = addresses
         return addresses
 
-    async def apply(self, pool: PoolControl) -> Changes:
-        """One round: resolve, then add, undrain and drain replicas in the pool."""
-        changes = diff(pool, await self.resolve())
-        for url in changes.add:
-            pool.add(url)
-        for name in changes.undrain:
-            pool.undrain(name)
-        for name in changes.drain:
-            pool.drain(name)
-        return changes
+    async def apply(self, pool: PoolControl, *more: PoolControl) -> Changes:
+        """One round: resolve once, then add, undrain and drain replicas in each pool (the main
+        model's, and each extra model's on the same replicas). Returns the first pool's changes."""
+        wanted = await self.resolve()
+        first, *_ = [_apply(p, diff(p, wanted)) for p in (pool, *more)]
+        return first
 
-    async def run(self, pool: PoolControl, interval_s: float) -> None:
+    async def run(self, pools: list[PoolControl], interval_s: float) -> None:
         """Re-resolves for ever (started under the supervisor, so a bug restarts it)."""
         while True:
             await asyncio.sleep(interval_s)
-            await self.apply(pool)
+            await self.apply(*pools)
+
+
+def _apply(pool: PoolControl, changes: Changes) -> Changes:
+    for url in changes.add:
+        pool.add(url)
+    for name in changes.undrain:
+        pool.undrain(name)
+    for name in changes.drain:
+        pool.drain(name)
+    return changes
 
 
 def _plain_ip(ip: str) -> str:
