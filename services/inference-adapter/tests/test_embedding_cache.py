@@ -10,7 +10,6 @@ from __future__ import annotations
 import gc
 import sys
 import tracemalloc
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -183,27 +182,16 @@ def test_many_puts_never_grow_the_arena_or_the_heap_beyond_the_budget() -> None:
 # -- the budget ----------------------------------------------------------------------------
 
 
-def cgroup(tmp_path: Path, files: dict[str, str], self_line: str = "0::/\n") -> tuple[Path, Path]:
-    root = tmp_path / "cgroup"
-    for name, content in files.items():
-        (root / name).parent.mkdir(parents=True, exist_ok=True)
-        (root / name).write_text(content)
-    proc = tmp_path / "self_cgroup"
-    proc.write_text(self_line)
-    return root, proc
+def test_the_budget_is_the_smaller_of_bytes_and_the_share() -> None:
+    gigabyte = lambda: 1 << 30  # noqa: E731
+    assert cache_budget(64 << 20, 0.0, gigabyte)[0] == 64 << 20  # no share: the bytes
+    assert cache_budget(512 << 20, 0.1, gigabyte)[0] == int(0.1 * (1 << 30))  # the share is smaller
+    assert cache_budget(64 << 20, 0.5, gigabyte)[0] == 64 << 20  # the bytes are smaller
+    assert cache_budget(0, 0.5, gigabyte)[0] == 0  # 0 bytes: off, whatever the share
 
 
-def test_the_budget_is_the_smaller_of_bytes_and_the_share(tmp_path: Path) -> None:
-    root, proc = cgroup(tmp_path, {"memory.max": str(1 << 30)})
-    assert cache_budget(64 << 20, 0.0, root, proc)[0] == 64 << 20  # no share: the bytes
-    assert cache_budget(512 << 20, 0.1, root, proc)[0] == int(0.1 * (1 << 30))  # the share is smaller
-    assert cache_budget(64 << 20, 0.5, root, proc)[0] == 64 << 20  # the bytes are smaller
-    assert cache_budget(0, 0.5, root, proc)[0] == 0  # 0 bytes: off, whatever the share
-
-
-def test_a_share_without_a_memory_limit_falls_back_to_the_bytes(tmp_path: Path) -> None:
-    root, proc = cgroup(tmp_path, {"memory.max": "max"})
-    budget, source = cache_budget(64 << 20, 0.1, root, proc)
+def test_a_share_without_a_memory_limit_falls_back_to_the_bytes() -> None:
+    budget, source = cache_budget(64 << 20, 0.1, lambda: None)
     assert budget == 64 << 20 and "no container memory limit" in source
 
 

@@ -31,15 +31,14 @@ from __future__ import annotations
 
 import sys
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Protocol
 
 import numpy as np
 import structlog
 
-from sluice_common.cgroup import DEFAULT_CGROUP_ROOT, DEFAULT_SELF_CGROUP, memory_limit
+from sluice_common.cgroup import memory_limit
 from sluice_common.errors import InvalidArgument
 from sluice_inference_adapter import metrics
 from sluice_inference_adapter.embed_batcher import Embeddings
@@ -178,20 +177,17 @@ class EmbeddingCache:
 
 
 def cache_budget(
-    budget_bytes: int,
-    memory_share: float,
-    cgroup_root: Path = DEFAULT_CGROUP_ROOT,
-    self_cgroup: Path = DEFAULT_SELF_CGROUP,
+    budget_bytes: int, memory_share: float, read_memory_limit: Callable[[], int | None] = memory_limit
 ) -> tuple[int, str]:
     """(the cache's budget in bytes, 0 for no cache; how it was chosen).
 
     `budget_bytes` (0: off) is the ceiling; a `memory_share` > 0 of the container's memory limit
-    lowers it when that is smaller. With no limit found, `budget_bytes` holds."""
+    (sluice_common.cgroup) lowers it when that is smaller. With no limit found, `budget_bytes` holds."""
     if budget_bytes <= 0:
         return 0, "off (EMBED_CACHE_BYTES=0)"
     if memory_share <= 0:
         return budget_bytes, "EMBED_CACHE_BYTES"
-    limit = memory_limit(cgroup_root, self_cgroup)
+    limit = read_memory_limit()
     if limit is None:
         return budget_bytes, "EMBED_CACHE_BYTES (no container memory limit found for EMBED_CACHE_MEMORY_SHARE)"
     share = int(limit * memory_share)
