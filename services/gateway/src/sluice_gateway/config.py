@@ -93,7 +93,10 @@ class GatewayConfig(ServerConfig):
     worker_prefetch: int = 128
     worker_concurrency_initial: int = 4
     worker_concurrency_max: int = 64
+    # A row attempt's deadline follows this worker's rolling p99s (row_deadline.py), between the
+    # floor and WORKER_ROW_TIMEOUT_S (also the deadline until enough rows have been seen).
     worker_row_timeout_s: float = 120.0
+    worker_row_timeout_floor_s: float = 30.0
     worker_row_attempts: int = 4
     worker_retry_base_s: float = 0.25
     worker_retry_cap_s: float = 10.0
@@ -104,6 +107,16 @@ class GatewayConfig(ServerConfig):
             self.default_deadline_multiplier,
             self.default_deadline_floor_s,
             self.default_deadline_ceiling_s,
+            self.default_deadline_window,
+            self.default_deadline_min_samples,
+        )
+
+    def worker_row_timeout_policy(self) -> TimeoutPolicy:
+        """The default deadline's multiplier, window and warm-up, with the row timeout's bounds."""
+        return TimeoutPolicy(
+            self.default_deadline_multiplier,
+            self.worker_row_timeout_floor_s,
+            self.worker_row_timeout_s,
             self.default_deadline_window,
             self.default_deadline_min_samples,
         )
@@ -120,6 +133,9 @@ class GatewayConfig(ServerConfig):
         names = [f"{ENV_PREFIX}DEFAULT_DEADLINE_{n}" for n in ("MULTIPLIER", "FLOOR_S", "CEILING_S", "WINDOW", "MIN_SAMPLES")]
         problems = self.default_deadline_policy().problems(*names)
         require(not problems, "; ".join(problems))
+        row_names = [f"{ENV_PREFIX}{n}" for n in ("DEFAULT_DEADLINE_MULTIPLIER", "WORKER_ROW_TIMEOUT_FLOOR_S", "WORKER_ROW_TIMEOUT_S", "DEFAULT_DEADLINE_WINDOW", "DEFAULT_DEADLINE_MIN_SAMPLES")]
+        row_problems = self.worker_row_timeout_policy().problems(*row_names)
+        require(not row_problems, "; ".join(row_problems))
         require(str(self.tenants_file) not in ("", "."), f"{ENV_PREFIX}TENANTS_FILE is required: the TOML file of tenants")
         require(self.tenants_file.is_file(), f"{ENV_PREFIX}TENANTS_FILE={self.tenants_file} does not exist")
         require(

@@ -19,8 +19,8 @@ tells what it saw: its time to first token (or the whole deadline, when none cam
 sample) and its time per token so far, so a real slowdown raises the next deadline instead of
 cutting every request (sluice_common.adaptive_timeout).
 
-A deadline the client set is always honoured as it is; the job worker sets its own
-(WORKER_ROW_TIMEOUT_S). No transport import here.
+A deadline the client set is always honoured as it is; the job worker gives its rows their own,
+by the same rule over its own rows (row_deadline.py). No transport import here.
 """
 
 from __future__ import annotations

@@ -11,9 +11,7 @@ from __future__ import annotations
 import json
 import random
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 from google.protobuf import json_format
 from google.protobuf.message import DecodeError
@@ -25,6 +23,7 @@ from sluice_common.amqp import PROTOBUF
 from sluice_common.errors import Unauthenticated
 from sluice_gateway.config import MAX_COMPLETION_WINDOW_S
 from sluice_gateway.inference_path import InferencePath
+from sluice_gateway.row_deadline import RowTiming
 from sluice_common.tenants import Tenant, TenantDirectory
 
 JSON = "application/json"
@@ -231,6 +230,8 @@ class RowRun:
     latency_s: float
     # requests per second the lease's requests-per-minute budget allows (/ 60), when it has one.
     allowed_rate_per_s: float | None = None
+    # What the attempt took, for the worker's row deadlines (row_deadline.py).
+    timing: RowTiming | None = None
 
 
 def generate_request(row: jobs_pb2.GenerateRow) -> gateway_pb2.GenerateRequest:
@@ -271,7 +272,9 @@ async def run_row(
         if final is not None:
             result.finish_reason = final.finish_reason
             result.usage.CopyFrom(final.usage)
-        return RowRun(result, time.perf_counter() - started, rate)
+        first = None if stream.first_token_at is None else stream.first_token_at - stream.arrived_at
+        ended = stream.last_chunk_at if stream.last_chunk_at is not None else time.monotonic()
+        return RowRun(result, time.perf_counter() - started, rate, RowTiming(first, stream.tokens, ended - stream.arrived_at))
     if body == "embed":
         request_embed = gateway_pb2.EmbedRequest(
             model=row.embed.model, inputs=row.embed.inputs, priority_class=types_pb2.PRIORITY_CLASS_BULK
@@ -280,7 +283,8 @@ async def run_row(
         result = jobs_pb2.RowResult(
             job_id=task.job_id, custom_id=row.custom_id, embeddings=reply.embeddings, usage=reply.usage, request_id=request_id
         )
-        return RowRun(result, time.perf_counter() - started, _allowed_rate(ticket.requests_per_minute))
+        latency = time.perf_counter() - started
+        return RowRun(result, latency, _allowed_rate(ticket.requests_per_minute), RowTiming(None, 0, latency))
     raise PoisonRow("the row has neither a generate nor an embed body")
 
 

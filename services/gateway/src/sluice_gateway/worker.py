@@ -73,6 +73,7 @@ from sluice_gateway.jobs import (
     run_row,
     validate_job,
 )
+from sluice_gateway.row_deadline import RowDeadlines, RowTiming
 
 log = structlog.stdlib.get_logger("sluice.gateway.worker")
 
@@ -81,6 +82,13 @@ JOBS = Counter("sluice_jobs_accepted_total", "Job messages handled, by outcome (
 LIMIT = Gauge("sluice_jobs_concurrency_limit", "The adaptive bound on rows in flight.")
 IN_FLIGHT = Gauge("sluice_jobs_rows_in_flight", "Rows running now.")
 RETRIES = Counter("sluice_jobs_row_retries_total", "Row attempts retried, by status code.", ["code"])
+ROW_TIMEOUT = Gauge(
+    "sluice_jobs_row_timeout_seconds",
+    "The deadline last given to a row attempt, by kind (generate: it grows with max_tokens; embed): multiplier x"
+    " this worker's rolling p99s, within WORKER_ROW_TIMEOUT_FLOOR_S and WORKER_ROW_TIMEOUT_S.",
+    ["kind"],
+)
+ROW_TIMEOUTS = Counter("sluice_jobs_row_timeouts_total", "Row attempts their deadline cut off (then retried), by kind.", ["kind"])
 ROW_TYPE = jobs_pb2.RowTask.DESCRIPTOR.full_name
 RESULT_TYPE = jobs_pb2.RowResult.DESCRIPTOR.full_name
 REJECTION_TYPE = jobs_pb2.JobRejection.DESCRIPTOR.full_name
@@ -103,6 +111,7 @@ class JobWorker:
         self.concurrency = AdaptiveConcurrency(
             initial=config.worker_concurrency_initial, maximum=config.worker_concurrency_max
         )
+        self.row_deadlines = RowDeadlines(config.worker_row_timeout_policy(), config.default_max_tokens)
         self._tasks: set[asyncio.Task[None]] = set()
         self._connection: Any = None
         self._rows_channel: Any = None
@@ -298,14 +307,22 @@ class JobWorker:
             first = False
             started = time.perf_counter()
             IN_FLIGHT.set(self.concurrency.in_flight)
+            kind = task.row.WhichOneof("body") or "generate"
+            timeout_s = self.row_deadlines.for_row(task.row)
+            ROW_TIMEOUT.labels(kind=kind).set(timeout_s)
             try:
-                run = await run_row(self.core.path, task, _request_id(), self.config.worker_row_timeout_s)
+                run = await run_row(self.core.path, task, _request_id(), timeout_s)
             except PoisonRow as exc:
                 await self._release(time.perf_counter() - started, FAILED)
                 return exc
             except Exception as exc:  # noqa: BLE001 - classified below
                 latency = time.perf_counter() - started
                 code = code_of(exc)
+                if code == "DEADLINE_EXCEEDED":
+                    # Counted at the whole deadline, as if no token came: it waited at least that long.
+                    self.row_deadlines.observe(task.row, RowTiming(None, 0, timeout_s))
+                    ROW_TIMEOUTS.labels(kind=kind).inc()
+                    log.warning("row_timed_out", timeout_s=round(timeout_s, 2), kind=kind, attempt=attempt + 1)
                 if is_paced(exc):
                     await self._release(latency, THROTTLED)
                     RETRIES.labels(code).inc()
@@ -321,6 +338,8 @@ class JobWorker:
                     await asyncio.sleep(backoff_s(attempt, self.config.worker_retry_base_s, self.config.worker_retry_cap_s))
                     continue
                 return failed_result(task, code, message_of(exc), current_request_id())
+            if run.timing is not None:
+                self.row_deadlines.observe(task.row, run.timing)
             await self._release(run.latency_s, OK, run.allowed_rate_per_s)
             return run.result
 
