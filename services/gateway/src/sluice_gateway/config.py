@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from sluice_common.adaptive_timeout import TimeoutPolicy
@@ -113,13 +113,7 @@ class GatewayConfig(ServerConfig):
 
     def worker_row_timeout_policy(self) -> TimeoutPolicy:
         """The default deadline's multiplier, window and warm-up, with the row timeout's bounds."""
-        return TimeoutPolicy(
-            self.default_deadline_multiplier,
-            self.worker_row_timeout_floor_s,
-            self.worker_row_timeout_s,
-            self.default_deadline_window,
-            self.default_deadline_min_samples,
-        )
+        return replace(self.default_deadline_policy(), floor_s=self.worker_row_timeout_floor_s, ceiling_s=self.worker_row_timeout_s)
 
     def adapter_channel_tls(self) -> ClientTLS | None:
         return ClientTLS.for_peer(self, "adapter", ENV_PREFIX)
