@@ -42,6 +42,12 @@ def passthrough(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
                 "SLUICE_ADAPTER_TRITON_MODEL": "smollm2_generate",
                 "SLUICE_ADAPTER_CHAT_TEMPLATE": str(GGUF),
                 "SLUICE_ADAPTER_MAX_IN_FLIGHT": str(IN_FLIGHT),
+                # These tests order and bound streams; cutting them is test_adaptive_timeouts' subject.
+                # At the 5 s floor a CPU stall of this shared 2-core box (a 5 s gap between two
+                # responses; llama.cpp's spinning threads suffer most when another process takes a
+                # core) once cut the long streams test_in_flight_bound_and_priority_order orders, and
+                # the engine briefly held 3 places: the cut sequences and the next one admitted.
+                "SLUICE_ADAPTER_STEP_TIMEOUT_FLOOR_S": "30",
             }
         },
     )
