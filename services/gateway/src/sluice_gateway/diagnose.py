@@ -382,7 +382,13 @@ def adapter_hop(window: ServiceWindow) -> Hop:
         waited = min(queue or 0.0, hop.mean_time_s)
         hop.shares["queue"] = waited / hop.mean_time_s
         hop.shares["service"] = 1.0 - hop.shares["queue"]
+        # Little's law over the running stage; the sampled batch, when scraped, measures the same
+        # directly and wins: a window of a few completions puts λ x W off by a stream cut at its edges
+        # (a batch of 1 full all along read 0.8 in CI and missed the saturation bound).
         hop.effective = hop.rate * (hop.mean_time_s - waited)
+        if running is not None:
+            hop.notes.append(f"λ x service time {hop.effective:.1f}")
+            hop.effective = running
     elif running is not None:
         # No stream ended within the window (streams longer than the window): the sampled batch,
         # and the queue's share of the time by Little's law per stage (the same lambda passes
