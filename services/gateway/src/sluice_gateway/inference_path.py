@@ -115,6 +115,13 @@ class GenerateStream:
     tokens: int = 0
     finished: bool = False
 
+    def timing(self, cut: bool = False) -> tuple[float | None, int, float]:
+        """(seconds from arrival to the first token, None when none came; tokens; seconds from
+        arrival to the last chunk, or to now when the stream was cut off or sent nothing)."""
+        end = time.monotonic() if cut or self.last_chunk_at is None else self.last_chunk_at
+        first = None if self.first_token_at is None else self.first_token_at - self.arrived_at
+        return first, self.tokens, end - self.arrived_at
+
     async def __aiter__(self) -> AsyncIterator[inference_pb2.GenerateResponse]:
         async for chunk in self.call:
             now = time.monotonic()
@@ -240,9 +247,7 @@ class InferencePath:
     def _observe_stream(self, stream: GenerateStream, cut: bool) -> None:
         if self.default_deadline is None:
             return
-        end = time.monotonic() if cut or stream.last_chunk_at is None else stream.last_chunk_at
-        first = None if stream.first_token_at is None else stream.first_token_at - stream.arrived_at
-        self.default_deadline.observe_stream(first, stream.tokens, end - stream.arrived_at)
+        self.default_deadline.observe_stream(*stream.timing(cut))
         self._publish_p99s()
 
     def _publish_p99s(self) -> None:

@@ -272,9 +272,7 @@ async def run_row(
         if final is not None:
             result.finish_reason = final.finish_reason
             result.usage.CopyFrom(final.usage)
-        first = None if stream.first_token_at is None else stream.first_token_at - stream.arrived_at
-        ended = stream.last_chunk_at if stream.last_chunk_at is not None else time.monotonic()
-        return RowRun(result, time.perf_counter() - started, rate, RowTiming(first, stream.tokens, ended - stream.arrived_at))
+        return RowRun(result, time.perf_counter() - started, rate, RowTiming(*stream.timing()))
     if body == "embed":
         request_embed = gateway_pb2.EmbedRequest(
             model=row.embed.model, inputs=row.embed.inputs, priority_class=types_pb2.PRIORITY_CLASS_BULK

@@ -35,10 +35,6 @@ class RowDeadlines:
         self._deadline = DefaultDeadline(policy)
         self._default_max_tokens = default_max_tokens
 
-    @property
-    def policy(self) -> TimeoutPolicy:
-        return self._deadline.policy
-
     def for_row(self, row: jobs_pb2.JobRow) -> float:
         """Seconds the row's next attempt may take."""
         if row.WhichOneof("body") == "embed":
@@ -52,6 +48,3 @@ class RowDeadlines:
             self._deadline.observe_embed(timing.total_s)
         else:
             self._deadline.observe_stream(timing.first_token_s, timing.tokens, timing.total_s)
-
-    def p99s(self) -> dict[str, float | None]:
-        return self._deadline.p99s()
