@@ -7,8 +7,8 @@ bench/gpu/run_on_device.sh) and a CUDA device that llama.cpp sees; without them 
 line saying which is missing and exits with NO_GPU (3).
 
 Two StepEngines on the same GGUF, each with max(BATCHES) KV slots: one with every layer on the
-GPU (gpu_layers=-1), one on the CPU alone (gpu_layers=0, BENCH_THREADS threads, default all
-cores). For each batch size both run the same greedy chat prompts (row i gets PROMPTS[i]): one
+GPU (gpu_layers=-1), one on the CPU alone (gpu_layers=0, BENCH_THREADS threads, default the
+CPUs it can keep busy). For each batch size both run the same greedy chat prompts (row i gets PROMPTS[i]): one
 step prefills the batch, then DECODE_STEPS decode steps, the clock around the decode steps alone;
 best of BENCH_ROUNDS a side. Prints per batch
 
@@ -28,6 +28,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from sluice_common.cgroup import usable_cpus
+
 from .bench import default_gguf_path, greedy_decode
 from .step_engine import StepEngine
 
@@ -35,7 +37,9 @@ NO_GPU = 3
 BATCHES = [1, 8, 32, 64]
 DECODE_STEPS = int(os.environ.get("BENCH_STEPS", "64"))
 ROUNDS = int(os.environ.get("BENCH_ROUNDS", "2"))
-THREADS = int(os.environ.get("BENCH_THREADS", str(os.cpu_count() or 1)))
+# The CPUs this process can keep busy (a container CPU limit lowers its cores): more engine threads
+# than that spin at every barrier and would handicap the CPU side of the comparison.
+THREADS = int(os.environ.get("BENCH_THREADS", "0")) or usable_cpus()[0]
 PROMPT_ROOM = 192  # positions a slot keeps for its templated prompt (the longest of PROMPTS: 44 tokens)
 
 _TOPICS = (
