@@ -93,7 +93,7 @@ ROW_TIMEOUT = Gauge(
     "The deadline last given to a row attempt, by kind (generate: it grows with max_tokens; embed): multiplier x"
     " this worker's rolling p99s, within WORKER_ROW_TIMEOUT_FLOOR_S and WORKER_ROW_TIMEOUT_CEILING_S (until enough"
     " rows are seen: WORKER_ROW_TIMEOUT_S, or max_tokens x WORKER_ROW_WARMUP_PER_TOKEN_S x multiplier if longer);"
-    " multiplier x the deadline that cut off the row's last attempt, when one did.",
+    " twice the deadline that cut off the row's last attempt, when one did.",
     ["kind"],
 )
 ROW_TIMEOUTS = Counter(
@@ -309,7 +309,8 @@ class JobWorker:
         (not counted against WORKER_ROW_ATTEMPTS: giving it back to the broker would only restart
         it at the same deadline), until it completes, is cut off at the ceiling (then it fails
         with DEADLINE_EXCEEDED), or no longer fits what is left of its job's completion window.
-        So a cut row wastes less than twice the ceiling, and never runs past what its job allows."""
+        So a cut row wastes less than twice the ceiling, and does not start again to end long after
+        its job's end."""
         attempt = 0
         first = True
         cut_at_s: float | None = None  # the deadline that cut off the last attempt
@@ -375,7 +376,9 @@ class JobWorker:
             await self._release(run.latency_s, OK, run.allowed_rate_per_s)
             return run.result
 
-    async def _too_long_for_window(self, task: jobs_pb2.RowTask, job: JobRecord | None, cut_at_s: float | None) -> Any:
+    async def _too_long_for_window(
+        self, task: jobs_pb2.RowTask, job: JobRecord | None, cut_at_s: float | None
+    ) -> jobs_pb2.RowResult | None:
         """The row's failed result (TOO_LONG_FOR_WINDOW) when it is expected to end more than
         WORKER_ROW_TIMEOUT_FLOOR_S after its job's completion window; None when it fits or nothing
         is known."""
