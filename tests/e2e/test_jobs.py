@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
+import urllib.request
 import uuid
 from collections import Counter
 from typing import Any
@@ -24,6 +26,9 @@ from sluice_stack import Stack
 
 RESULT_TYPE = "sluice.jobs.v1.RowResult"
 SUMMARY_TYPE = "sluice.jobs.v1.Job"
+# At temperature 0 SmolLM2-135M counts on past 1,024 tokens (digits are single tokens): measured here
+# with llama.cpp on the same GGUF, it stopped for length at 1,024 (it reached 227).
+LONG_PROMPT = "Write the numbers from 1 to 1000, separated by commas."
 
 
 def gen_row(custom_id: str, max_tokens: int = 2) -> dict[str, Any]:
@@ -308,3 +313,44 @@ def test_a_job_past_its_completion_window_expires_and_still_reports_every_row_on
     assert abs(final.expires_at.ToNanoseconds() - final.created_at.ToNanoseconds() - 4_000_000_000) < 1_000_000
     listed = {r.custom_id: r for r in all_results(gateway, job_id)}
     assert {cid for cid, r in listed.items() if r.error.code == "EXPIRED"} == {r["custom_id"] for r in expired}
+
+
+def job_worker_metric(worker: Any, name: str, labels: str) -> float | None:
+    """One sample from a job worker's /metrics, or None when it has none."""
+    port = worker.env["SLUICE_GATEWAY_WORKER_METRICS_PORT"]
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
+        text = reply.read().decode()
+    match = re.search(rf"^{name}\{{{labels}\}} (\S+)$", text, re.MULTILINE)
+    return float(match.group(1)) if match else None
+
+
+def test_a_1024_token_row_completes_past_the_warm_up_deadline(stack: Stack, gateway: Any) -> None:
+    """Issue 22: a row's deadline grows with its max_tokens. A worker that has seen no rows yet gets
+    a deadline of WORKER_ROW_TIMEOUT_S (5 s here, so that this box's pace cannot hide the cap: 1,024
+    tokens take far longer) for short rows; the 1,024-token row gets 2 x 1,024 x 0.25 s instead, and
+    completes in one attempt. With the cap it was cut off at 5 s, retried and dead-lettered."""
+    for worker in [s for s in stack.services if s.name.startswith("job-worker")]:
+        worker.stop()  # the row must reach the worker under test
+    name = f"job-worker-long-{uuid.uuid4().hex[:4]}"
+    worker = stack.add_job_worker(name, env={"SLUICE_GATEWAY_WORKER_ROW_TIMEOUT_S": "5", "SLUICE_GATEWAY_WORKER_ROW_TIMEOUT_FLOOR_S": "1"})
+    try:
+        job_id = f"long-{uuid.uuid4().hex[:6]}"
+        row = {
+            "custom_id": "long",
+            "generate": {
+                "model": MODEL,
+                "messages": [{"role": "user", "content": LONG_PROMPT}],
+                "sampling": {"max_tokens": 1024, "temperature": 0},
+            },
+        }
+        (result,) = asyncio.run(publish_and_collect(stack, {"job_id": job_id, "api_key": DEMO_KEY, "rows": [row]}, expect=1, timeout_s=600))
+        assert "error" not in result, result["error"]
+        assert result["finish_reason"] == "FINISH_REASON_LENGTH" and result["usage"]["completion_tokens"] == 1024, result["usage"]
+        final = wait_job(gateway, job_id, 30)
+        assert (final.state, final.completed_rows, final.failed_rows) == (jobs_pb2.JOB_STATE_COMPLETED, 1, 0)
+        # One attempt, given the long row's deadline, and none cut off.
+        assert job_worker_metric(worker, "sluice_jobs_row_timeout_seconds", 'kind="generate"') == 2 * 1024 * 0.25
+        assert not job_worker_metric(worker, "sluice_jobs_row_timeouts_total", 'kind="generate"')
+    finally:
+        worker.stop()
+        stack.add_job_worker(f"job-worker-{uuid.uuid4().hex[:4]}")  # a worker as the stack's, for the tests after this one

@@ -390,11 +390,12 @@ class Stack:
         }
         return name, "sluice_gateway.worker", env, grpc_serving(f"{LOCALHOST}:{port}")
 
-    def add_job_worker(self, name: str, timeout_s: float = 120.0) -> ServiceProcess:
-        """Starts one more job worker (for failover tests); stopped with the stack."""
-        _, module, env, ready = self.job_worker_spec(name, free_port(), free_port())
+    def add_job_worker(self, name: str, timeout_s: float = 120.0, env: dict[str, str] | None = None) -> ServiceProcess:
+        """Starts one more job worker (for failover tests), with `env` on top of the stack's worker
+        settings; stopped with the stack."""
+        _, module, spec_env, ready = self.job_worker_spec(name, free_port(), free_port())
         service = ServiceProcess(
-            name, module, {"PYTHONUNBUFFERED": "1", **env, **self.extra_env.get("job-worker", {})},
+            name, module, {"PYTHONUNBUFFERED": "1", **spec_env, **self.extra_env.get("job-worker", {}), **(env or {})},
             self.run_dir / f"{name}.log", ready, project="gateway",
         )  # fmt: skip
         self.services.append(service)

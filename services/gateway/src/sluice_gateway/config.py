@@ -93,10 +93,15 @@ class GatewayConfig(ServerConfig):
     worker_prefetch: int = 128
     worker_concurrency_initial: int = 4
     worker_concurrency_max: int = 64
-    # A row attempt's deadline follows this worker's rolling p99s (row_deadline.py), between the
-    # floor and WORKER_ROW_TIMEOUT_S (also the deadline until enough rows have been seen).
+    # A row attempt's deadline follows this worker's rolling p99s and the row's own max_tokens
+    # (row_deadline.py), between the floor and the ceiling; the ceiling is for long work (a
+    # 1,024-token row on a busy CPU replica takes minutes). Until enough rows have been seen: at
+    # least WORKER_ROW_TIMEOUT_S, longer for a long row (max_tokens x WORKER_ROW_WARMUP_PER_TOKEN_S,
+    # about a CPU replica's pace per stream with its batch full, times the multiplier).
     worker_row_timeout_s: float = 120.0
     worker_row_timeout_floor_s: float = 30.0
+    worker_row_timeout_ceiling_s: float = 3600.0
+    worker_row_warmup_per_token_s: float = 0.25
     worker_row_attempts: int = 4
     worker_retry_base_s: float = 0.25
     worker_retry_cap_s: float = 10.0
@@ -113,7 +118,9 @@ class GatewayConfig(ServerConfig):
 
     def worker_row_timeout_policy(self) -> TimeoutPolicy:
         """The default deadline's multiplier, window and warm-up, with the row timeout's bounds."""
-        return replace(self.default_deadline_policy(), floor_s=self.worker_row_timeout_floor_s, ceiling_s=self.worker_row_timeout_s)
+        return replace(
+            self.default_deadline_policy(), floor_s=self.worker_row_timeout_floor_s, ceiling_s=self.worker_row_timeout_ceiling_s
+        )
 
     def adapter_channel_tls(self) -> ClientTLS | None:
         return ClientTLS.for_peer(self, "adapter", ENV_PREFIX)
@@ -127,7 +134,7 @@ class GatewayConfig(ServerConfig):
         names = [f"{ENV_PREFIX}DEFAULT_DEADLINE_{n}" for n in ("MULTIPLIER", "FLOOR_S", "CEILING_S", "WINDOW", "MIN_SAMPLES")]
         problems = self.default_deadline_policy().problems(*names)
         require(not problems, "; ".join(problems))
-        row_names = [f"{ENV_PREFIX}{n}" for n in ("DEFAULT_DEADLINE_MULTIPLIER", "WORKER_ROW_TIMEOUT_FLOOR_S", "WORKER_ROW_TIMEOUT_S", "DEFAULT_DEADLINE_WINDOW", "DEFAULT_DEADLINE_MIN_SAMPLES")]
+        row_names = [f"{ENV_PREFIX}{n}" for n in ("DEFAULT_DEADLINE_MULTIPLIER", "WORKER_ROW_TIMEOUT_FLOOR_S", "WORKER_ROW_TIMEOUT_CEILING_S", "DEFAULT_DEADLINE_WINDOW", "DEFAULT_DEADLINE_MIN_SAMPLES")]
         row_problems = self.worker_row_timeout_policy().problems(*row_names)
         require(not row_problems, "; ".join(row_problems))
         require(str(self.tenants_file) not in ("", "."), f"{ENV_PREFIX}TENANTS_FILE is required: the TOML file of tenants")
@@ -152,7 +159,15 @@ class GatewayConfig(ServerConfig):
             1 <= self.worker_concurrency_initial <= self.worker_concurrency_max,
             f"{ENV_PREFIX}WORKER_CONCURRENCY_INITIAL must be in [1, WORKER_CONCURRENCY_MAX], got {self.worker_concurrency_initial}",
         )
-        require(self.worker_row_timeout_s > 0, f"{ENV_PREFIX}WORKER_ROW_TIMEOUT_S must be > 0, got {self.worker_row_timeout_s}")
+        require(
+            0 < self.worker_row_timeout_s <= self.worker_row_timeout_ceiling_s,
+            f"{ENV_PREFIX}WORKER_ROW_TIMEOUT_S must be > 0 and <= {ENV_PREFIX}WORKER_ROW_TIMEOUT_CEILING_S,"
+            f" got {self.worker_row_timeout_s} and {self.worker_row_timeout_ceiling_s}",
+        )
+        require(
+            self.worker_row_warmup_per_token_s > 0,
+            f"{ENV_PREFIX}WORKER_ROW_WARMUP_PER_TOKEN_S must be > 0, got {self.worker_row_warmup_per_token_s}",
+        )
         require(self.worker_row_attempts >= 1, f"{ENV_PREFIX}WORKER_ROW_ATTEMPTS must be >= 1, got {self.worker_row_attempts}")
         require(
             0 < self.worker_retry_base_s <= self.worker_retry_cap_s,

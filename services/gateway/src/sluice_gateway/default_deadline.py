@@ -38,18 +38,27 @@ class DefaultDeadline:
     def _warm(self, *quantiles: RollingQuantile) -> bool:
         return all(len(q) >= self.policy.min_samples for q in quantiles)
 
-    def for_generate(self, max_tokens: int) -> float:
-        """The deadline, in seconds from arrival, of a generation of up to `max_tokens` tokens."""
+    def expected_generate(self, max_tokens: int) -> float | None:
+        """p99 time to first token + `max_tokens` x p99 time per token: what such a generation takes
+        at worst, as recent ones went (the deadline is a multiple of it); None until warm."""
         ttft, per_token = self._ttft.value(), self._per_token.value()
         if ttft is None or per_token is None or not self._warm(self._ttft, self._per_token):
-            return self.policy.ceiling_s
-        return self.policy.clamp(self.policy.multiplier * (ttft + max(0, max_tokens) * per_token))
+            return None
+        return ttft + max(0, max_tokens) * per_token
+
+    def expected_embed(self) -> float | None:
+        """The p99 of Embed calls; None until warm."""
+        embed = self._embed.value()
+        return embed if embed is not None and self._warm(self._embed) else None
+
+    def for_generate(self, max_tokens: int) -> float:
+        """The deadline, in seconds from arrival, of a generation of up to `max_tokens` tokens."""
+        expected = self.expected_generate(max_tokens)
+        return self.policy.ceiling_s if expected is None else self.policy.clamp(self.policy.multiplier * expected)
 
     def for_embed(self) -> float:
-        embed = self._embed.value()
-        if embed is None or not self._warm(self._embed):
-            return self.policy.ceiling_s
-        return self.policy.clamp(self.policy.multiplier * embed)
+        expected = self.expected_embed()
+        return self.policy.ceiling_s if expected is None else self.policy.clamp(self.policy.multiplier * expected)
 
     def observe_stream(self, first_token_s: float | None, tokens: int, total_s: float) -> None:
         """A stream that ended (completed, or cut off by its default deadline at `total_s`):

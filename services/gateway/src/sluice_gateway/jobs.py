@@ -34,6 +34,9 @@ MAX_MESSAGE_ID_BYTES = 255
 SUMMARY_SUFFIX = "/summary"
 # The error code of a row whose job's completion window ended before the row ran.
 EXPIRED_CODE = "EXPIRED"
+# The error code of a row not run because it is expected to take longer than what was left of its
+# job's completion window (it would have finished late, or been cut off and retried, for nothing).
+TOO_LONG_CODE = "TOO_LONG_FOR_WINDOW"
 
 # RESOURCE_EXHAUSTED: the shared allowance says "later"; wait as told and try again, without limit.
 PACED = frozenset({"RESOURCE_EXHAUSTED"})
@@ -218,6 +221,43 @@ def expired_result(task: jobs_pb2.RowTask, window_s: float | None) -> jobs_pb2.R
         EXPIRED_CODE,
         f"the job's completion window{window} ended before this row ran; submit the row again in a new job,"
         " or give the job a longer completion_window",
+    )
+
+
+def too_long_for_window(
+    task: jobs_pb2.RowTask,
+    expected_s: float | None,
+    expires_at: float | None,
+    now: float,
+    window_s: float | None = None,
+    grace_s: float = 0.0,
+) -> jobs_pb2.RowResult | None:
+    """The row's failed result when it is expected to take (`expected_s`, at worst) longer than
+    what is left of its job's completion window (ending at `expires_at`) plus `grace_s`; None when
+    it fits, or when either is unknown (a worker that has seen too few rows refuses none). The
+    grace: rows running when a window ends still finish, and a short row ending seconds late is
+    worth its result; refusing is for rows that would run on long after the job's end."""
+    if expected_s is None or expires_at is None or expected_s <= expires_at - now + grace_s:
+        return None
+    window = f" ({format_duration(window_s)})" if window_s else ""
+    return failed_result(
+        task,
+        TOO_LONG_CODE,
+        f"not run: this row is expected to take up to {format_duration(expected_s)} (its max_tokens at the p99 pace of"
+        f" recent rows) and {format_duration(max(0.0, expires_at - now))} was left of the job's completion window{window};"
+        " submit it again with a lower max_tokens or in a job with a longer completion_window",
+    )
+
+
+def cut_at_ceiling_result(task: jobs_pb2.RowTask, deadline_s: float, request_id: str) -> jobs_pb2.RowResult:
+    """A row its deadline cut off at the ceiling: not retried, since no attempt gets longer."""
+    return failed_result(
+        task,
+        "DEADLINE_EXCEEDED",
+        f"the row ran past {format_duration(deadline_s)}, the longest a row attempt may take"
+        " (SLUICE_GATEWAY_WORKER_ROW_TIMEOUT_CEILING_S); not retried, as another attempt would get no longer:"
+        " submit it again with a lower max_tokens",
+        request_id,
     )
 
 

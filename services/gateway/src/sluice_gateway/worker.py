@@ -13,7 +13,11 @@ Two consumers on one robust connection (queues and exchange: sluice_common.amqp.
   RESOURCE_EXHAUSTED: wait as told, retry (a request larger than the whole allowance, which
   comes without a time to retry, fails the row). Transient errors: capped exponential backoff with
   jitter, then back to the broker; past WORKER_DELIVERY_LIMIT deliveries (the quorum queue's
-  x-delivery-count) the row is dead-lettered to `<prefix>.jobs.dead` and reported failed.
+  x-delivery-count) the row is dead-lettered to `<prefix>.jobs.dead` and reported failed. An
+  attempt its deadline cut off is retried in-process with twice that deadline, and fails
+  (DEADLINE_EXCEEDED) once cut off at WORKER_ROW_TIMEOUT_CEILING_S (row_deadline.py).
+  A row expected to end more than WORKER_ROW_TIMEOUT_FLOOR_S after its job's completion window is
+  not run: it fails at once with code TOO_LONG_FOR_WINDOW.
   A row claimed after its job's completion window ended is not run: it is stored and told as a
   failed result with code EXPIRED (once, like any result), so every row is still reported.
 - When a job's last row is stored (it is then finalizing), the worker that stored it tells the
@@ -61,6 +65,7 @@ from sluice_gateway.jobs import (
     backoff_s,
     code_of,
     completion_window_s,
+    cut_at_ceiling_result,
     encode_reply,
     expired_result,
     failed_result,
@@ -71,6 +76,7 @@ from sluice_gateway.jobs import (
     retry_after_of,
     row_tasks,
     run_row,
+    too_long_for_window,
     validate_job,
 )
 from sluice_gateway.row_deadline import RowDeadlines, RowTiming
@@ -85,10 +91,16 @@ RETRIES = Counter("sluice_jobs_row_retries_total", "Row attempts retried, by sta
 ROW_TIMEOUT = Gauge(
     "sluice_jobs_row_timeout_seconds",
     "The deadline last given to a row attempt, by kind (generate: it grows with max_tokens; embed): multiplier x"
-    " this worker's rolling p99s, within WORKER_ROW_TIMEOUT_FLOOR_S and WORKER_ROW_TIMEOUT_S.",
+    " this worker's rolling p99s, within WORKER_ROW_TIMEOUT_FLOOR_S and WORKER_ROW_TIMEOUT_CEILING_S (until enough"
+    " rows are seen: WORKER_ROW_TIMEOUT_S, or max_tokens x WORKER_ROW_WARMUP_PER_TOKEN_S x multiplier if longer);"
+    " twice the deadline that cut off the row's last attempt, when one did.",
     ["kind"],
 )
-ROW_TIMEOUTS = Counter("sluice_jobs_row_timeouts_total", "Row attempts their deadline cut off (then retried), by kind.", ["kind"])
+ROW_TIMEOUTS = Counter(
+    "sluice_jobs_row_timeouts_total",
+    "Row attempts their deadline cut off, by kind: each is retried with a longer deadline, or fails when cut at the ceiling.",
+    ["kind"],
+)
 ROW_TYPE = jobs_pb2.RowTask.DESCRIPTOR.full_name
 RESULT_TYPE = jobs_pb2.RowResult.DESCRIPTOR.full_name
 REJECTION_TYPE = jobs_pb2.JobRejection.DESCRIPTOR.full_name
@@ -111,7 +123,7 @@ class JobWorker:
         self.concurrency = AdaptiveConcurrency(
             initial=config.worker_concurrency_initial, maximum=config.worker_concurrency_max
         )
-        self.row_deadlines = RowDeadlines(config.worker_row_timeout_policy(), config.default_max_tokens)
+        self.row_deadlines = RowDeadlines.for_config(config)
         self._tasks: set[asyncio.Task[None]] = set()
         self._connection: Any = None
         self._rows_channel: Any = None
@@ -291,9 +303,18 @@ class JobWorker:
 
     async def _attempts(self, task: jobs_pb2.RowTask) -> Any:
         """A RowResult, GIVE_BACK, a PoisonRow, or None when the job got cancelled meanwhile.
-        Called holding a concurrency slot; returns having released it."""
+        Called holding a concurrency slot; returns having released it.
+
+        An attempt cut off by its deadline is tried again at once with twice that deadline
+        (not counted against WORKER_ROW_ATTEMPTS: giving it back to the broker would only restart
+        it at the same deadline), until it completes, is cut off at the ceiling (then it fails
+        with DEADLINE_EXCEEDED), or no longer fits what is left of its job's completion window.
+        So a cut row wastes less than twice the ceiling, and does not start again to end long after
+        its job's end."""
         attempt = 0
         first = True
+        cut_at_s: float | None = None  # the deadline that cut off the last attempt
+        job: JobRecord | None = None
         while True:
             if not first:
                 await self.concurrency.acquire()
@@ -305,10 +326,14 @@ class JobWorker:
                     past_window = job is not None and (job.state == states.EXPIRED or overdue)
                     return expired_result(task, job.window_s) if past_window else None
             first = False
+            too_long = await self._too_long_for_window(task, job, cut_at_s)
+            if too_long is not None:
+                await self._release(0.0, "skipped")
+                return too_long
             started = time.perf_counter()
             IN_FLIGHT.set(self.concurrency.in_flight)
             kind = task.row.WhichOneof("body") or "generate"
-            timeout_s = self.row_deadlines.for_row(task.row)
+            timeout_s = self.row_deadlines.for_row(task.row, cut_at_s)
             ROW_TIMEOUT.labels(kind=kind).set(timeout_s)
             try:
                 run = await run_row(self.core.path, task, _request_id(), timeout_s)
@@ -322,7 +347,15 @@ class JobWorker:
                     # Counted at the whole deadline, as if no token came: it waited at least that long.
                     self.row_deadlines.observe(task.row, RowTiming(None, 0, timeout_s))
                     ROW_TIMEOUTS.labels(kind=kind).inc()
-                    log.warning("row_timed_out", timeout_s=round(timeout_s, 2), kind=kind, attempt=attempt + 1)
+                    final = self.row_deadlines.at_ceiling(timeout_s)
+                    log.warning("row_timed_out", timeout_s=round(timeout_s, 2), kind=kind, retried=not final)
+                    await self._release(latency, FAILED)
+                    if final:
+                        return cut_at_ceiling_result(task, timeout_s, current_request_id())
+                    cut_at_s = timeout_s
+                    RETRIES.labels(code).inc()
+                    await asyncio.sleep(backoff_s(1, self.config.worker_retry_base_s, self.config.worker_retry_cap_s))
+                    continue
                 if is_paced(exc):
                     await self._release(latency, THROTTLED)
                     RETRIES.labels(code).inc()
@@ -342,6 +375,26 @@ class JobWorker:
                 self.row_deadlines.observe(task.row, run.timing)
             await self._release(run.latency_s, OK, run.allowed_rate_per_s)
             return run.result
+
+    async def _too_long_for_window(
+        self, task: jobs_pb2.RowTask, job: JobRecord | None, cut_at_s: float | None
+    ) -> jobs_pb2.RowResult | None:
+        """The row's failed result (TOO_LONG_FOR_WINDOW) when it is expected to end more than
+        WORKER_ROW_TIMEOUT_FLOOR_S after its job's completion window; None when it fits or nothing
+        is known."""
+        expected_s = self.row_deadlines.expected_s(task.row, cut_at_s)
+        if expected_s is None:
+            return None
+        job = job or await self.store.get_job(task.job_id)
+        if job is None:
+            return None
+        # Grace: a row expected to end within the floor of the window's end runs (rows running when
+        # the window ends finish anyway).
+        grace_s = self.config.worker_row_timeout_floor_s
+        result = too_long_for_window(task, expected_s, job.expires_at, time.time(), job.window_s, grace_s)
+        if result is not None:
+            log.warning("row_too_long_for_window", expected_s=round(expected_s, 2), left_s=round((job.expires_at or 0) - time.time(), 2))
+        return result
 
     async def _release(self, latency_s: float, outcome: str, rate: float | None = None) -> None:
         before = self.concurrency.limit

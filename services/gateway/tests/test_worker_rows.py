@@ -1,0 +1,118 @@
+"""How the job worker runs one row's attempts against the deadlines of row_deadline.py: a long row
+is given the time its tokens need, a row cut off is retried with a longer deadline and fails at the
+ceiling, and a row that cannot fit what is left of its job's completion window fails at once.
+
+The worker's own attempt loop, over the real InferencePath to the stand-in adapter of
+test_default_deadline.py (a real gRPC server in this process) and a real SQLite job store; no broker
+is needed for one row's attempts."""
+
+from __future__ import annotations
+
+import types
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+from sluice.common.v1 import types_pb2
+from sluice.jobs.v1 import jobs_pb2
+from test_default_deadline import stand_in  # noqa: F401 - the fixture
+
+from sluice_common.config import load_config
+from sluice_gateway.config import ENV_PREFIX, GatewayConfig
+from sluice_gateway.job_store import JobStore
+from sluice_gateway import worker as worker_module
+from sluice_gateway.jobs import TOO_LONG_CODE, run_row
+from sluice_gateway.row_deadline import RowTiming
+from sluice_gateway.worker import GIVE_BACK, JobWorker
+
+TENANTS = str(Path(__file__).resolve().parents[3] / "config" / "tenants.toml")
+
+
+@pytest.fixture
+async def store(tmp_path: Path) -> AsyncIterator[JobStore]:
+    job_store = JobStore.create("", tmp_path / "jobs.sqlite3")
+    await job_store.open()
+    yield job_store
+    await job_store.close()
+
+
+def worker(store: JobStore, path: object, **env: str) -> JobWorker:
+    settings = {
+        "TENANTS_FILE": TENANTS, "WORKER_RETRY_BASE_S": "0.01", "WORKER_RETRY_CAP_S": "0.02", "DEFAULT_DEADLINE_MIN_SAMPLES": "5",
+        **env,
+    }  # fmt: skip
+    config = load_config(GatewayConfig, ENV_PREFIX, {f"{ENV_PREFIX}{name}": value for name, value in settings.items()})
+    return JobWorker(config, types.SimpleNamespace(path=path), store)  # type: ignore[arg-type]
+
+
+def generate_row(max_tokens: int) -> jobs_pb2.JobRow:
+    sampling = types_pb2.SamplingParams(max_tokens=max_tokens)
+    return jobs_pb2.JobRow(custom_id="r", generate=jobs_pb2.GenerateRow(model="m", prompt="hi", sampling=sampling))
+
+
+async def row_task(store: JobStore, max_tokens: int, window_s: float = 3600.0, job_id: str = "j") -> jobs_pb2.RowTask:
+    """A job of one row, recorded in the store with its completion window."""
+    await store.accept(job_id, "t", "", ["r"], window_s)
+    return jobs_pb2.RowTask(job_id=job_id, tenant="t", row=generate_row(max_tokens))
+
+
+async def attempts(job_worker: JobWorker, task: jobs_pb2.RowTask) -> object:
+    await job_worker.concurrency.acquire()  # the worker's _row holds a slot when it calls _attempts
+    return await job_worker._attempts(task)
+
+
+@pytest.fixture
+def deadlines_given(monkeypatch: pytest.MonkeyPatch) -> list[float]:
+    """The deadline of each attempt the worker makes (what the adapter sees is that less the hop)."""
+    given: list[float] = []
+
+    async def recording_run_row(path, task, request_id, timeout_s):  # noqa: ANN001, ANN202 - run_row's own
+        given.append(timeout_s)
+        return await run_row(path, task, request_id, timeout_s)
+
+    monkeypatch.setattr(worker_module, "run_row", recording_run_row)
+    return given
+
+
+async def test_a_row_longer_than_the_warm_up_deadline_completes_in_one_attempt(stand_in, store, deadlines_given) -> None:  # noqa: F811
+    adapter, path = stand_in
+    adapter.token_s = 0.01  # 60 tokens: 0.6 s, three times WORKER_ROW_TIMEOUT_S below
+    job_worker = worker(store, path, WORKER_ROW_TIMEOUT_S="0.2", WORKER_ROW_TIMEOUT_FLOOR_S="0.05", WORKER_ROW_WARMUP_PER_TOKEN_S="0.02")
+    outcome = await attempts(job_worker, await row_task(store, max_tokens=60))
+    assert isinstance(outcome, jobs_pb2.RowResult) and not outcome.HasField("error"), outcome
+    assert outcome.usage.completion_tokens == 60
+    assert deadlines_given == [pytest.approx(2 * 60 * 0.02)] and len(adapter.deadlines) == 1
+
+
+async def test_a_row_cut_off_is_retried_with_twice_the_deadline_and_fails_at_the_ceiling(stand_in, store, deadlines_given) -> None:  # noqa: F811
+    adapter, path = stand_in
+    adapter.stalled = True
+    job_worker = worker(
+        store, path, WORKER_ROW_TIMEOUT_S="0.2", WORKER_ROW_TIMEOUT_FLOOR_S="0.05", WORKER_ROW_TIMEOUT_CEILING_S="0.6",
+        WORKER_ROW_WARMUP_PER_TOKEN_S="0.001",
+    )  # fmt: skip
+    outcome = await attempts(job_worker, await row_task(store, max_tokens=10))
+    # 0.2 s; then at least twice that (0.42 s: the cut counts as a first token 0.2 s late, so the
+    # warm-up rule gives 2 x (0.2 + 10 x 0.001)); then the ceiling, where it fails: not handed back
+    # to the broker to start over at 0.2 s.
+    assert outcome is not GIVE_BACK
+    assert isinstance(outcome, jobs_pb2.RowResult) and outcome.error.code == "DEADLINE_EXCEEDED", outcome
+    assert "the longest a row attempt may take" in outcome.error.message
+    assert deadlines_given == [pytest.approx(0.2), pytest.approx(0.42), pytest.approx(0.6)] and len(adapter.deadlines) == 3
+
+
+async def test_a_row_that_cannot_fit_what_is_left_of_its_window_fails_without_running(stand_in, store, deadlines_given) -> None:  # noqa: F811
+    adapter, path = stand_in
+    job_worker = worker(store, path)
+    for _ in range(5):  # warm (5 rows here): 0.1 s to the first token, then 50 ms a token
+        job_worker.row_deadlines.observe(generate_row(11), RowTiming(0.1, 11, 0.6))
+    # 1,000 tokens are expected to take 50.1 s; the job's whole window is 10 s.
+    outcome = await attempts(job_worker, await row_task(store, max_tokens=1000, window_s=10.0))
+    assert isinstance(outcome, jobs_pb2.RowResult) and outcome.error.code == TOO_LONG_CODE, outcome
+    assert "completion window (10s)" in outcome.error.message
+    assert deadlines_given == [] and adapter.deadlines == []  # never attempted
+    assert job_worker.concurrency.in_flight == 0
+    # The same row in a job whose window leaves it room runs.
+    fits = await attempts(job_worker, await row_task(store, max_tokens=20, window_s=10.0, job_id="j2"))
+    assert isinstance(fits, jobs_pb2.RowResult) and not fits.HasField("error"), fits
+
