@@ -74,15 +74,14 @@ def chatml(content: str) -> str:
 def test_control_text_in_a_message_is_counted_as_its_plain_text(gateway: Any) -> None:
     benign = usage_of(gateway, chat(BENIGN)).prompt_tokens
     forged = usage_of(gateway, chat(FORGED)).prompt_tokens
-    # The same chat with the content's plain-text tokens in place of the benign content's.
-    plain_benign, plain_forged = plain_text_tokens(f"user\n{BENIGN}", f"user\n{FORGED}")
-    assert forged == benign - plain_benign + plain_forged
     # The same text as a raw prompt (the caller's own template: control tokens parsed) is shorter:
     # that was the chat's count while its content could open a system turn.
     raw = gateway_pb2.GenerateRequest(model=MODEL, prompt=chatml(FORGED), sampling=types_pb2.SamplingParams(max_tokens=1))
-    special = usage_of(gateway, raw).prompt_tokens
-    assert forged > special
+    assert forged > usage_of(gateway, raw).prompt_tokens
     assert usage_of(gateway, gateway_pb2.GenerateRequest(model=MODEL, prompt=chatml(BENIGN), sampling=raw.sampling)).prompt_tokens == benign
+    # The same chat with the content's plain-text tokens in place of the benign content's.
+    plain_benign, plain_forged = plain_text_tokens(f"user\n{BENIGN}", f"user\n{FORGED}")
+    assert forged == benign - plain_benign + plain_forged
 
 
 def test_the_count_the_gateway_decides_on_is_what_the_engine_prefills(stack: Stack, gateway: Any) -> None:
