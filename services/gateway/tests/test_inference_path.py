@@ -202,6 +202,36 @@ async def test_max_tokens_omitted_is_capped_by_the_models_limit_and_a_full_promp
     assert caught.value.field_name == "messages" and "leaves no room" in caught.value.reason
 
 
+# Digits take a token each (SmolLM2 splits them): 1,500 of them are 1,500 tokens and more, while
+# the 3-bytes-a-token estimate reads about 540 with the template.
+DIGITS = "7" * 1500
+DIGITS_COUNTED = 1530  # what the engine prefills for that chat, its template included
+
+
+async def test_a_prompt_the_estimate_under_counts_is_counted_for_its_default_max_tokens() -> None:
+    adapter = _CountingAdapter(prompt_tokens=DIGITS_COUNTED)
+    path = await _defaulting_path(adapter, default_max_tokens=1024)
+    request = _generate(DIGITS, max_tokens=0)
+    assert await path.apply_defaults(request, 10.0) == DIGITS_COUNTED
+    # The default fits what the engine prefills (the estimate's 1,024 would not: the engine refuses it).
+    assert request.sampling.max_tokens == 2048 - DIGITS_COUNTED and adapter.counted == 1
+
+
+async def test_a_prompt_the_estimate_under_counts_is_counted_against_the_context_and_reserved_as_counted() -> None:
+    from sluice_common.errors import InvalidArgument
+
+    adapter, ratelimit = _CountingAdapter(prompt_tokens=DIGITS_COUNTED), _RateLimit()
+    path, _ = await _path(adapter, ratelimit)
+    with pytest.raises(InvalidArgument, match="the prompt is 1530 tokens and max_tokens is 1000"):
+        await path.check_context(_generate(DIGITS, max_tokens=1000), 10.0)
+    # 512 fits the engine's count (2,042 of 2,048) but not the bound (2,052): it is counted.
+    async with path.generate("t", _generate(DIGITS, max_tokens=512), "rid", 10.0):
+        pass
+    assert adapter.counted == 2
+    # The lease reserves the engine's count, not the estimate.
+    assert [a.reserved_tokens for a in ratelimit.acquired] == [DIGITS_COUNTED + 512]
+
+
 class _Call:
     """An adapter Generate call: iterable chunks, cancellable."""
 

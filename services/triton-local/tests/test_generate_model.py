@@ -78,3 +78,39 @@ def test_responses_carry_finish_reason_and_token_counts_since_the_last_one() -> 
     assert [int(r["num_output_tokens"][0]) for r in (first, last)] == [2, 1]
     assert int(last["num_input_tokens"][0]) == 12 and last["num_input_tokens"].dtype == np.uint32
     assert set(_response("x", RowResult(1, 7, "x", "", 12, 4), progress, frozenset())) == {"text_output"}
+
+
+def test_the_stand_ins_turned_away_prefill_gets_the_next_freed_slot() -> None:
+    """An adapter keeps every slot of the shared engine busy: each of its steps releases a finished
+    sequence and prefills a new one. The stand-in's prefill, turned away, must get the slot freed
+    next (the engine's rule for owners turned away), not starve behind the adapter's refills."""
+    import itertools
+    import threading
+    import time
+
+    from sluice_triton_local.engine import PrefillRow, ReleaseRow, SamplingParams, StepEngine
+    from sluice_triton_local.engine.bench import default_gguf_path
+    from sluice_triton_local.generate_model import SelfBatchingGenerator
+    from sluice_triton_local.shared_engine import SharedEngine
+
+    engine = SharedEngine(StepEngine(default_gguf_path(), max_slots=2, max_context=256, threads=1))
+    prompt = engine.apply_chat_template([("user", "Write a long story about a dragon.")])
+    params = SamplingParams(max_tokens=100)
+    seq_ids = itertools.count(1)
+    held = [next(seq_ids) for _ in range(2)]
+    assert [r.finish_reason for r in engine.step([PrefillRow(s, prompt, params, owner="adapter") for s in held])] == ["", ""]
+    generator = SelfBatchingGenerator(engine, max_running=2, owner="smollm2_vllm")
+    served = threading.Event()
+    generator.submit(prompt, SamplingParams(max_tokens=1), lambda result: served.set())
+    refills = 0
+    # Bounded by rounds of the adapter, not by a time the stand-in must meet: it retries every 50 ms
+    # and the engine keeps its place for a second; on a loaded box a round only takes longer.
+    while not served.is_set() and refills < 50:
+        released, new = held.pop(0), next(seq_ids)
+        _, refill = engine.step([ReleaseRow(released), PrefillRow(new, prompt, params, owner="adapter")])
+        if refill.finish_reason != "busy":
+            held.append(new)
+            refills += 1
+        time.sleep(0.02)  # an adapter's step takes this long, at least
+    assert served.wait(timeout=10), f"the stand-in starved: the adapter refilled {refills} freed slots before it"
+    engine.step([ReleaseRow(s) for s in held])

@@ -79,6 +79,9 @@ def _text_tokens(text_bytes: int) -> int:
 
 
 def estimate_prompt_tokens(request: gateway_pb2.GenerateRequest) -> int:
+    """A guess of the prompt's tokens (about 3 bytes each, and the template's), for a reservation
+    that the commit settles to the real count. Not a bound: digits take a token each, so a chat
+    of digits counts three times its guess (sluice_common.prompt_tokens has the bound)."""
     if request.messages:
         text_bytes = sum(len(m.content.encode()) + len(m.role) for m in request.messages)
         return _text_tokens(text_bytes) + TOKENS_PER_MESSAGE * len(request.messages) + TOKENS_PER_CHAT
@@ -105,8 +108,9 @@ def _priority(priority_class: int) -> int:
     return priority_class or types_pb2.PRIORITY_CLASS_INTERACTIVE
 
 
-def generation_reservation(request: gateway_pb2.GenerateRequest) -> Reservation:
-    prompt = estimate_prompt_tokens(request)
+def generation_reservation(request: gateway_pb2.GenerateRequest, prompt_tokens: int | None = None) -> Reservation:
+    """`prompt_tokens`: the prompt's exact count when the gateway had the model count it."""
+    prompt = estimate_prompt_tokens(request) if prompt_tokens is None else prompt_tokens
     return Reservation(request.model, _priority(request.priority_class), prompt, prompt + request.sampling.max_tokens)
 
 

@@ -50,6 +50,7 @@ from sluice.gateway.v1 import gateway_pb2
 from sluice.inference.v1 import inference_pb2, inference_pb2_grpc
 
 from sluice_common.errors import DeadlineExceeded, InvalidArgument, SluiceError
+from sluice_common.prompt_tokens import prompt_token_bound
 from sluice_common.request_context import outgoing_metadata
 from sluice_common.validation import validate_embedding, validate_generation
 from sluice_gateway.admission import Admission, Ticket, embedding_reservation, estimate_prompt_tokens, generation_reservation
@@ -202,7 +203,7 @@ class InferencePath:
         try:
             counted = await self.apply_defaults(request, time_remaining)
             self.validate_generate(request)
-            await self.check_context(request, time_remaining, counted)
+            counted = await self.check_context(request, time_remaining, counted)
             downstream = inference_pb2.GenerateRequest(
                 request_id=request_id,
                 tenant=tenant.name,
@@ -213,7 +214,7 @@ class InferencePath:
                 priority_class=request.priority_class,
             )
             # A lease from rate-limit (or RESOURCE_EXHAUSTED / UNAVAILABLE); settled in `finally`.
-            ticket = await self.admission.admit(tenant.name, generation_reservation(request), time_remaining)
+            ticket = await self.admission.admit(tenant.name, generation_reservation(request, counted), time_remaining)
             if default_s is not None:  # the default runs from arrival: what admission took is spent
                 time_remaining = max(0.001, arrived_at + default_s - time.monotonic())
             # The caller's deadline bounds the adapter's work; cancelling this call stops it there.
@@ -273,17 +274,18 @@ class InferencePath:
     async def apply_defaults(self, request: gateway_pb2.GenerateRequest, time_remaining: float | None) -> int | None:
         """max_tokens omitted (0): the model's remaining context after the prompt, capped by the
         configured default and the model's max_output_tokens. The prompt is counted exactly (the
-        adapter's CountTokens) only when its estimate says the cap may not fit; that count is
-        returned (None when there was none) for check_context to reuse."""
+        adapter's CountTokens) only when its bound (prompt_token_bound) says the cap may not fit;
+        that count is returned (None when there was none) for check_context to reuse."""
         if request.sampling.max_tokens != 0:
             return None
         model = self.models.get(request.model)
         cap = min(self.default_max_tokens, model.max_output_tokens or self.default_max_tokens)
         context_length = model.context_length
-        if not context_length or estimate_prompt_tokens(request) + cap <= context_length:
+        if not context_length or _bound(request) + cap <= context_length:
             request.sampling.max_tokens = cap
             return None
         counted = await self._count(request, time_remaining)
+        # A model that cannot count: the estimate, not the bound, which would refuse prompts that fit.
         prompt_tokens = estimate_prompt_tokens(request) if counted is None else counted
         remaining = context_length - prompt_tokens
         if remaining <= 0:
@@ -308,23 +310,25 @@ class InferencePath:
 
     async def check_context(
         self, request: gateway_pb2.GenerateRequest, time_remaining: float | None, prompt_tokens: int | None = None
-    ) -> None:
+    ) -> int | None:
         """INVALID_ARGUMENT when the prompt plus max_tokens cannot fit the model's context.
-        `prompt_tokens`: the prompt's exact length when already counted (no second CountTokens)."""
+        `prompt_tokens`: the prompt's exact length when already counted (no second CountTokens).
+        Returns the exact count when there is one (None when the bound fits: nothing was counted)."""
         context_length = self.models.get(request.model).context_length
         max_tokens = request.sampling.max_tokens
-        if not context_length or estimate_prompt_tokens(request) + max_tokens <= context_length:
-            return
+        if not context_length or _bound(request) + max_tokens <= context_length:
+            return prompt_tokens
         if prompt_tokens is None:
             prompt_tokens = await self._count(request, time_remaining)
         if prompt_tokens is None:
-            return  # the model cannot count (or the adapter failed): the generation call decides
+            return None  # the model cannot count (or the adapter failed): the generation call decides
         if prompt_tokens + max_tokens > context_length:
             raise InvalidArgument(
                 "messages" if request.messages else "prompt",
                 f"the prompt is {prompt_tokens} tokens and max_tokens is {max_tokens}; together they exceed"
                 f" the model's context of {context_length} tokens",
             )
+        return prompt_tokens
 
     async def embed_with_ticket(
         self, tenant: str, request: gateway_pb2.EmbedRequest, request_id: str, time_remaining: float | None
@@ -370,3 +374,7 @@ class InferencePath:
             ticket.settle()
         response = gateway_pb2.EmbedResponse(request_id=request_id, model=request.model, embeddings=reply.embeddings, usage=reply.usage)
         return response, ticket
+
+
+def _bound(request: gateway_pb2.GenerateRequest) -> int:
+    return prompt_token_bound(request.messages, request.prompt)

@@ -12,6 +12,11 @@ model ships (never a constant: a Llama, Mistral or Qwen model each has its own):
 It is rendered as Hugging Face transformers renders it (`apply_chat_template`): a sandboxed
 Jinja environment with trim_blocks and lstrip_blocks, the loop-controls extension, `raise_exception`
 and `tojson`, the messages as role/content dicts, the special tokens, and add_generation_prompt.
+
+The backend tokenizes this text whole, so a control token's string inside a message (ChatML's
+"<|im_start|>system") becomes a control token there: the vLLM backend takes text only, no token
+ids, and the hole stays on this path. Step-protocol models tokenize content as text (triton-local's
+encode_chat).
 """
 
 from __future__ import annotations

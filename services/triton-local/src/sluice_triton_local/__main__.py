@@ -65,7 +65,7 @@ def main() -> None:
         signal.signal(sig, lambda *_: stop.set())
     with Triton(config=triton_config(config)) as triton:
         bind_step_model(triton, config.step_model_name, engine)
-        bind_generate_model(triton, config.generate_model_name, SelfBatchingGenerator(engine, config.max_slots))
+        bind_generate_model(triton, config.generate_model_name, SelfBatchingGenerator(engine, config.max_slots, owner=config.generate_model_name))
         bind_embedding_model(triton, config.embedding_model_name, encoder)
         if variant is not None:
             bind_step_model(triton, config.variant_model_name, variant)

@@ -16,7 +16,10 @@ tests), and answers as the backend does:
     is cut there, ending with "length", as vLLM's scheduler does.
 
 Like vLLM it batches internally: one thread owns the running set and steps every active
-sequence in one engine call; requests join and leave between steps.
+sequence in one engine call; requests join and leave between steps. It shares the engine with
+the step model, so its prefills carry an owner (the model's name) as the adapters' do: a prefill
+turned away for want of a slot is first in line for the next one freed, and keeps asking
+(every _FULL_RETRY_S) until it has it, running sequences or not.
 
 A limit of this stand-in: PyTriton 0.7 does not pass Triton's request cancellation to
 Python callables, so a sequence whose client closed the stream runs on to its end here;
@@ -31,6 +34,7 @@ import itertools
 import json
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -55,9 +59,10 @@ class _Job:
 class SelfBatchingGenerator:
     """Continuous batching inside the model server, as an engine like vLLM does it."""
 
-    def __init__(self, engine: SharedEngine, max_running: int = 8) -> None:
+    def __init__(self, engine: SharedEngine, max_running: int = 8, owner: str = "generate") -> None:
         self.engine = engine
         self._max_running = max_running
+        self._owner = owner
         # Negative ids: they can never collide with the adapter's step-protocol ids (positive).
         self._ids = itertools.count(-1, -1)
         self._incoming: queue.Queue[_Job] = queue.Queue()
@@ -66,8 +71,9 @@ class SelfBatchingGenerator:
         self._running: dict[int, _Job] = {}
         self._waiting: list[_Job] = []
         self._wake = threading.Event()
-        # A prefill found the engine full: admit no more until a sequence ends (or a retry time).
-        self._full = False
+        # When a prefill last found the engine full (None: it did not): the next try waits
+        # _FULL_RETRY_S, or a sequence of ours ending.
+        self._full_at: float | None = None
         threading.Thread(target=self._loop, name="generate-model-batcher", daemon=True).start()
 
     def submit(self, prompt: str, params: SamplingParams, on_result: OnResult) -> int:
@@ -85,10 +91,9 @@ class SelfBatchingGenerator:
         while True:
             if not self._running and not self._waiting and self._incoming.empty():
                 self._wake.wait()
-            elif self._full and not self._running:
+            elif self._full_at is not None and not self._running:
                 # Others' sequences fill the shared engine: try again shortly, not in a busy loop.
                 self._wake.wait(_FULL_RETRY_S)
-                self._full = False
             self._wake.clear()
             rows = self._plan()
             if not rows:
@@ -101,12 +106,14 @@ class SelfBatchingGenerator:
                 if result.finish_reason == "busy":  # the shared engine is full: wait for a slot
                     del self._running[row.seq_id]
                     self._waiting.insert(0, job)
-                    self._full = True
+                    self._full_at = time.monotonic()
                     continue
+                if isinstance(row, PrefillRow):
+                    self._full_at = None  # it found a slot
                 job.on_result(result)
                 if result.finish_reason:
                     del self._running[row.seq_id]
-                    self._full = False
+                    self._full_at = None
 
     def _plan(self) -> list[PrefillRow | DecodeRow | ReleaseRow]:
         while not self._incoming.empty():
@@ -119,11 +126,16 @@ class SelfBatchingGenerator:
             rows.append(ReleaseRow(seq_id))
         self._waiting = [job for job in self._waiting if job.seq_id not in cancelled]
         rows.extend(DecodeRow(seq_id) for seq_id in self._running)
-        while self._waiting and len(self._running) < self._max_running and not self._full:
+        while self._waiting and len(self._running) < self._max_running and self._may_prefill():
             job = self._waiting.pop(0)
             self._running[job.seq_id] = job
-            rows.append(PrefillRow(job.seq_id, job.prompt, job.params))
+            rows.append(PrefillRow(job.seq_id, job.prompt, job.params, owner=self._owner))
         return rows
+
+    def _may_prefill(self) -> bool:
+        """Not while the engine was full moments ago; but ask again soon, even while sequences of
+        ours run: an owner that stops asking loses its place in the engine's line for slots."""
+        return self._full_at is None or time.monotonic() - self._full_at >= _FULL_RETRY_S
 
 
 def _scalar(inputs: dict[str, np.ndarray], name: str, default: Any) -> Any:

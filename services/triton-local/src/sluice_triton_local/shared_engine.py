@@ -46,6 +46,12 @@ class SharedEngine:
     def apply_chat_template(self, messages: list[tuple[str, str]]) -> str:
         return self._engine.apply_chat_template(messages)
 
+    def encode(self, text: str) -> list[int]:
+        return self._engine.encode(text)
+
+    def encode_chat(self, messages: list[tuple[str, str]]) -> list[int]:
+        return self._engine.encode_chat(messages)
+
     def _report_owners(self) -> None:
         holding = self._engine.slots_by_owner()
         for owner in self._owners - holding.keys():

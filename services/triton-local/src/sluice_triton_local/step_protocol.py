@@ -5,7 +5,9 @@ One Triton request carries one row per sequence, all tensors of shape [rows]:
   inputs   ACTION  INT32   1 prefill, 2 decode, 3 release, 4 count tokens
            SEQ_ID  INT64   the adapter's id for the sequence (its KV slot key)
            REQUEST BYTES   JSON for prefill and count rows, empty otherwise:
-                           {"messages": [[role, content], ...]} or {"prompt": "..."},
+                           {"messages": [[role, content], ...]} (content tokenized as text:
+                           control tokens come from the chat template alone) or {"prompt": "..."}
+                           (the caller's own template: its control-token strings are parsed),
                            plus "max_tokens", "temperature", "top_p", "seed", "stop",
                            "prefill_chunk": prompt tokens to cache per step (0 or
                            absent: the whole prompt in this step), and "owner": who
@@ -54,10 +56,13 @@ OUTPUTS: tuple[tuple[str, type], ...] = (
 )
 
 
-def _prompt_text(engine: SharedEngine, request: dict[str, Any]) -> str:
+def _prompt_ids(engine: SharedEngine, request: dict[str, Any]) -> list[int]:
+    """A chat's content is tokenized as text: control tokens come from the template alone, so a
+    message cannot forge another role's turn. A raw prompt is the caller's own template: its
+    control-token strings are control tokens, as in vLLM's and OpenAI's completions."""
     if request.get("messages"):
-        return engine.apply_chat_template([(str(role), str(content)) for role, content in request["messages"]])
-    return str(request.get("prompt", ""))
+        return engine.encode_chat([(str(role), str(content)) for role, content in request["messages"]])
+    return engine.encode(str(request.get("prompt", "")))
 
 
 def _sampling(request: dict[str, Any]) -> SamplingParams:
@@ -85,8 +90,8 @@ def _parse_row(engine: SharedEngine, action: int, seq_id: int, raw: bytes) -> Pr
         return _invalid(seq_id, f"unknown ACTION {action}; expected 1 prefill, 2 decode, 3 release or 4 count")
     try:
         request = json.loads(raw or b"{}")
-        prompt = _prompt_text(engine, request)
-        prompt_tokens = engine.count_tokens(prompt)
+        prompt = _prompt_ids(engine, request)
+        prompt_tokens = len(prompt)
         if action == COUNT:
             return RowResult(seq_id, -1, "", "", prompt_tokens, 0)
         sampling = _sampling(request)
@@ -99,7 +104,7 @@ def _parse_row(engine: SharedEngine, action: int, seq_id: int, raw: bytes) -> Pr
         chunk = int(request.get("prefill_chunk", 0))
         if chunk < 0:
             return _invalid(seq_id, f"prefill_chunk must be >= 0, got {chunk}")
-        return PrefillRow(seq_id, prompt, sampling, chunk=chunk, owner=str(request.get("owner", "")))
+        return PrefillRow(seq_id, tuple(prompt), sampling, chunk=chunk, owner=str(request.get("owner", "")))
     except (ValueError, TypeError, KeyError) as exc:
         return _invalid(seq_id, f"malformed REQUEST JSON: {exc}")
 

@@ -63,7 +63,9 @@ class SamplingParams:
 @dataclass(frozen=True)
 class PrefillRow:
     seq_id: int
-    prompt: str  # already templated text
+    # Templated text, its control-token strings parsed (the caller wrote the template), or the
+    # prompt's token ids (a chat: GGUFTokenizer.encode_chat, whose content cannot forge a turn).
+    prompt: str | tuple[int, ...]
     params: SamplingParams = SamplingParams()
     chunk: int = 0  # prompt tokens cached per step; 0: the whole prompt in this step
     owner: str = ""  # who drives the sequence (an adapter instance), for per-owner slot metrics
@@ -181,6 +183,12 @@ class StepEngine:
     def apply_chat_template(self, messages: list[tuple[str, str]]) -> str:
         return self.tokenizer.apply_chat_template(messages)
 
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text)
+
+    def encode_chat(self, messages: list[tuple[str, str]]) -> list[int]:
+        return self.tokenizer.encode_chat(messages)
+
     def step(self, rows: list[Row]) -> list[RowResult]:
         """One iteration. Rows are applied in order (a release frees its slot
         for a later prefill in the same call); one result per row, same order.
@@ -237,7 +245,7 @@ class StepEngine:
             return _error(row.seq_id, problem)
         if row.seq_id in self._seqs:
             return _error(row.seq_id, f"seq_id {row.seq_id} is already running")
-        ids = self.tokenizer.encode(row.prompt)
+        ids = self.tokenizer.encode(row.prompt) if isinstance(row.prompt, str) else list(row.prompt)
         n = len(ids)
         if n == 0:
             return _error(row.seq_id, "prompt is empty (0 tokens)")

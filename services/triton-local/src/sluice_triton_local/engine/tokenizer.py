@@ -2,6 +2,12 @@
 
 The GGUF file carries the whole vocabulary, merges and token types, so no
 tokenizer.json (and no network) is needed.
+
+A chat is encoded in segments (`encode_chat`): the template's control tokens are
+placed by id, and everything between them (the role line and the message content)
+is tokenized as plain text, where a control token's string such as "<|im_start|>"
+is ordinary text. Rendering the chat to one string and tokenizing it whole would let
+a message forge a turn of another role.
 """
 
 from __future__ import annotations
@@ -71,6 +77,10 @@ class GGUFTokenizer:
         if user:
             tk.add_tokens([AddedToken(t, special=False, normalized=False) for t in user])
         self._tk = tk
+        # The same tokenizer with control-token strings matched as ordinary text, for content.
+        plain = Tokenizer.from_str(tk.to_str())
+        plain.encode_special_tokens = True
+        self._plain = plain
         self.vocab = vocab
         self.vocab_size = len(tokens)
 
@@ -94,7 +104,16 @@ class GGUFTokenizer:
         self.stop_ids: frozenset[int] = frozenset(stop)
 
     def encode(self, text: str) -> list[int]:
+        """Text whose control-token strings are control tokens: a template the caller wrote."""
         return self._tk.encode(text, add_special_tokens=False).ids
+
+    def encode_text(self, text: str) -> list[int]:
+        """Text as text: a control token's string becomes the ordinary tokens that spell it."""
+        return self._plain.encode(text, add_special_tokens=False).ids
+
+    @property
+    def special_ids(self) -> frozenset[int]:
+        return frozenset(self._special_ids)
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._tk.decode(list(ids), skip_special_tokens=True)
@@ -106,14 +125,32 @@ class GGUFTokenizer:
         return IncrementalDetokenizer(self)
 
     def apply_chat_template(self, messages: Sequence[tuple[str, str]]) -> str:
-        """ChatML exactly as SmolLM2's tokenizer.chat_template, with generation prompt."""
-        parts: list[str] = []
-        if not messages or messages[0][0] != "system":
-            parts.append(f"<|im_start|>system\n{DEFAULT_SYSTEM_PROMPT}<|im_end|>\n")
-        for role, content in messages:
-            parts.append(f"<|im_start|>{role}\n{content}<|im_end|>\n")
-        parts.append("<|im_start|>assistant\n")
-        return "".join(parts)
+        """ChatML exactly as SmolLM2's tokenizer.chat_template, with generation prompt, as text."""
+        return "".join(text for text, _ in _chatml(messages))
+
+    def encode_chat(self, messages: Sequence[tuple[str, str]]) -> list[int]:
+        """The token ids of apply_chat_template's text, with control tokens only where the
+        template puts them: each text between two of them is tokenized as plain text. For
+        content without control-token strings these are exactly the ids of encoding the whole
+        text (the tokenizer splits at control tokens first and encodes the pieces apart)."""
+        ids: list[int] = []
+        for text, control in _chatml(messages):
+            ids += [self.vocab[text]] if control else self.encode_text(text)
+        return ids
+
+
+_IM_START, _IM_END = ("<|im_start|>", True), ("<|im_end|>", True)
+
+
+def _chatml(messages: Sequence[tuple[str, str]]) -> list[tuple[str, bool]]:
+    """SmolLM2's ChatML as (text, is_control_token) pieces: control tokens and the texts between them."""
+    pieces: list[tuple[str, bool]] = []
+    if not messages or messages[0][0] != "system":
+        pieces += [_IM_START, (f"system\n{DEFAULT_SYSTEM_PROMPT}", False), _IM_END, ("\n", False)]
+    for role, content in messages:
+        pieces += [_IM_START, (f"{role}\n{content}", False), _IM_END, ("\n", False)]
+    pieces += [_IM_START, ("assistant\n", False)]
+    return pieces
 
 
 class IncrementalDetokenizer:
