@@ -40,6 +40,7 @@ from sluice_gateway.openai_batches import (
 from sluice_gateway.openai_requests import EmbeddingCall, OpenAIError, check_dimensions
 from sluice_gateway.openai_store import MAX_LIST_LIMIT, OpenAIStore, StoredBatch, new_id
 from sluice_common.tenants import Tenant
+from sluice_common.utf8 import is_valid_text
 
 if TYPE_CHECKING:
     from sluice_gateway.openai_http import OpenAIFront
@@ -58,7 +59,8 @@ def _limit(request: web.Request, default: int = 20) -> int:
     raw = request.query.get("limit")
     if raw is None:
         return default
-    if not raw.isdigit() or not 1 <= int(raw) <= MAX_LIST_LIMIT:
+    # isascii: str.isdigit also holds for digits int() refuses, such as "²".
+    if not (raw.isascii() and raw.isdigit()) or not 1 <= int(raw) <= MAX_LIST_LIMIT:
         raise OpenAIError(400, f"limit must be an integer from 1 to {MAX_LIST_LIMIT}, got {raw!r}", param="limit", code="invalid_value")
     return int(raw)
 
@@ -119,6 +121,8 @@ class BatchFront:
                 purpose = (await part.read(decode=True)).decode("utf-8", "replace").strip()
             elif part.name == "file":
                 filename = part.filename
+                if filename is not None and not is_valid_text(filename):
+                    raise OpenAIError(400, "The file's name is not UTF-8 text.", param="file", code="invalid_value")
                 content = await self._bounded(part)
             else:
                 await part.release()
