@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 from aiohttp import BodyPartReader, web
+from aiohttp.http_exceptions import HttpProcessingError
 from sluice.common.v1 import types_pb2
 
 from sluice_gateway.jobs_api import MAX_PAGE_SIZE, JobsApi
@@ -95,7 +96,12 @@ class BatchFront:
         tenant = self.front._tenant(request)
         if not request.content_type.startswith("multipart/"):
             raise OpenAIError(400, "Upload a file as multipart/form-data with the fields purpose and file.", param="file", code="invalid_content_type")
-        purpose, filename, content = await self._read_upload(request)
+        try:
+            purpose, filename, content = await self._read_upload(request)
+        except (HttpProcessingError, ValueError) as exc:
+            # aiohttp's multipart reader: a malformed part header (InvalidHeader), a body that does
+            # not start with its boundary (ValueError).
+            raise OpenAIError(400, f"The multipart body could not be read: {exc}", param="file", code="invalid_multipart") from None
         if purpose is None:
             raise OpenAIError(400, "Missing required parameter: 'purpose'.", param="purpose", code="missing_required_parameter")
         if purpose not in PURPOSES:
