@@ -173,3 +173,19 @@ async def test_cancel_list_and_refusals(setup: Setup) -> None:
     missing = await setup.batch("file-nope")
     assert missing.status == 404
     assert len(setup.published) == 3
+
+
+async def test_malformed_uploads_and_queries_are_4xx(setup: Setup) -> None:
+    client = setup.client
+    boundary = "b"
+    headers = {**DEMO, "Content-Type": f"multipart/form-data; boundary={boundary}"}
+    part = b'--b\r\nContent-Disposition: form-data; name="file"; filename="%s"\r\n\r\n%s\r\n--b--\r\n'
+    # A part header aiohttp's parser refuses (a control character), a body without its boundary,
+    # a file name that is not UTF-8.
+    for body in (part % (b"\x01", line("a", CHAT).encode()), b"no boundary here", part % (b"\xed\xa0\x80", line("a", CHAT).encode())):
+        reply = await client.post("/v1/files", data=body, headers=headers)
+        assert reply.status == 400 and (await reply.json())["error"]["param"] == "file", await reply.text()
+    # A digit that int() refuses ("²".isdigit() is True).
+    for path in ("/v1/files?limit=%C2%B2", "/v1/batches?limit=%C2%B2"):
+        reply = await client.get(path, headers=DEMO)
+        assert reply.status == 400 and (await reply.json())["error"]["param"] == "limit"

@@ -199,3 +199,11 @@ def test_results_become_output_and_error_lines_as_the_endpoints_answer() -> None
     # Stable ids: a second making of the files is byte for byte the same.
     assert result_files("batch_1", lines, reversed(results), created=1234) == (output, errors)
     assert result_file_ids("batch_abc") == ("file-abc-output", "file-abc-errors")
+
+
+def test_a_line_with_text_that_is_not_unicode_is_refused_naming_it() -> None:
+    # json.dumps writes a lone surrogate as "\ud800": valid JSON, but no job row could carry it.
+    surrogate = line("a", {**CHAT, "messages": [{"role": "user", "content": "hi \ud800"}]})
+    error = refused(line("ok", CHAT) + "\n" + surrogate + "\n")
+    assert error.param == "body.messages[0].content" and error.message.startswith("Line 2 of the batch file")
+    assert refused(line("\udc80", CHAT)).param == "custom_id"

@@ -223,3 +223,64 @@ async def test_errors_in_openais_shape(setup) -> None:  # type: ignore[no-untype
     status, error = await _error(reply)
     assert status == 429 and error["code"] == "rate_limit_exceeded"
     assert reply.headers["retry-after"] == "3" and reply.headers["x-ratelimit-remaining-requests"] == "0"
+
+
+# JSON's escape of a lone UTF-16 surrogate: valid JSON (RFC 8259), not valid Unicode text.
+LONE_SURROGATE = "\\ud800"
+
+
+async def test_text_that_is_not_unicode_is_refused_naming_the_param(setup) -> None:  # type: ignore[no-untyped-def]
+    client, adapter, _, publisher = setup
+    cases = [
+        ("/v1/chat/completions", '{"model": "g", "messages": [{"role": "user", "content": "%s"}]}', "messages[0].content"),
+        ("/v1/chat/completions", '{"model": "g", "messages": [{"role": "user", "content": "Hi"}], "stop": ["a", "%s"]}', "stop[1]"),
+        ("/v1/chat/completions", '{"model": "g", "messages": [{"role": "user", "content": "Hi"}], "user": "%s"}', "user"),
+        ("/v1/chat/completions", '{"model": "g%s", "messages": [{"role": "user", "content": "Hi"}]}', "model"),
+        ("/v1/completions", '{"model": "g", "prompt": "Once %s"}', "prompt"),
+        ("/v1/embeddings", '{"model": "e", "input": ["a", "%s"]}', "input[1]"),
+    ]
+    for route, template, param in cases:
+        reply = await client.post(route, data=(template % LONE_SURROGATE).encode(), headers={**AUTH, "Content-Type": "application/json"})
+        status, error = await _error(reply)
+        assert (status, error["param"], error["type"]) == (400, param, "invalid_request_error"), (route, param, error)
+        assert "not valid Unicode" in error["message"]
+    # A key holding one: named with the surrogate escaped.
+    reply = await client.post("/v1/chat/completions", data=('{"x%s": 1}' % LONE_SURROGATE).encode(), headers=AUTH)
+    status, error = await _error(reply)
+    assert status == 400 and error["param"] == "x\\ud800"
+    assert adapter.requests == [] and publisher.bodies == []
+    # The front still serves.
+    assert (await client.post("/v1/chat/completions", json=CHAT, headers=AUTH)).status == 200
+
+
+async def test_bodies_nested_too_deeply_or_numbers_too_large_are_refused(setup) -> None:  # type: ignore[no-untyped-def]
+    client, adapter, *_ = setup
+    status, error = await _error(await client.post("/v1/chat/completions", data=b"[" * 4000, headers=AUTH))
+    assert status == 400 and error["code"] == "invalid_json"
+    status, error = await _error(await client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 1 << 40}, headers=AUTH))
+    assert status == 400 and error["param"] == "max_tokens"
+    assert adapter.requests == []
+
+
+async def _raw_status(client, head: bytes) -> int:  # type: ignore[no-untyped-def]
+    """The status of a request written byte for byte (aiohttp's client encodes its headers)."""
+    import asyncio
+
+    reader, writer = await asyncio.open_connection(client.server.host, client.server.port)
+    body = json.dumps(CHAT).encode()
+    writer.write(head + b"Content-Type: application/json\r\nContent-Length: %d\r\nConnection: close\r\n\r\n" % len(body) + body)
+    await writer.drain()
+    status_line = await reader.readline()
+    writer.close()
+    return int(status_line.split()[1])
+
+
+async def test_header_bytes_that_are_not_utf8_are_refused(setup) -> None:  # type: ignore[no-untyped-def]
+    client, adapter, *_ = setup
+    start = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+    auth = b"Authorization: Bearer " + KEY.encode() + b"\r\n"
+    assert await _raw_status(client, start + auth + b"X-Client-Request-Id: a\xed\xa0\x80\xff\r\n") == 400
+    assert await _raw_status(client, start + auth + b"X-Request-Id: a\xff\r\n") == 400
+    assert await _raw_status(client, start + b"Authorization: Bearer sk-\xff\r\n") == 401
+    assert adapter.requests == []
+    assert await _raw_status(client, start + auth + b"X-Client-Request-Id: caf\xc3\xa9\r\n") == 200

@@ -9,6 +9,10 @@ Domain code raises `SluiceError` subclasses; here each becomes its gRPC status w
 the rich details a client can act on (google.rpc.BadRequest for a bad field,
 RetryInfo and QuotaFailure for exhausted capacity). Anything else is logged with
 its traceback and answered INTERNAL without leaking internals to the client.
+
+A request whose bytes protobuf refuses to parse (a string field that is not UTF-8, or no message
+at all) is the client's fault: grpc's own answer is UNKNOWN ("Unexpected DecodeError"), here it is
+INVALID_ARGUMENT naming the field (sluice_common.utf8).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from prometheus_client import Counter, Gauge, Histogram
 
 from sluice_common.errors import InvalidArgument, ResourceExhausted, SluiceError
 from sluice_common.request_context import bind_request_id, new_request_id, request_id_from_metadata
+from sluice_common.utf8 import invalid_wire_text
 
 log = structlog.stdlib.get_logger("sluice.rpc")
 # The stdlib logger under `log`, asked whether debug lines would be written at all.
@@ -79,6 +84,43 @@ def _duration(seconds: float) -> duration_pb2.Duration:
     duration = duration_pb2.Duration()
     duration.FromNanoseconds(int(max(seconds, 0.0) * 1e9))
     return duration
+
+
+class _Undecodable:
+    """Stands for a request that could not be parsed; the handler's wrapper raises its error, so
+    that the call is answered, counted and logged as any refused call is."""
+
+    def __init__(self, error: InvalidArgument) -> None:
+        self.error = error
+
+
+def _tolerant(deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
+    """`deserializer` (a generated `Message.FromString`), answering bytes it refuses with an
+    `_Undecodable` instead of raising where no handler can turn the error into a status."""
+    if deserializer is None:
+        return None
+    descriptor = getattr(getattr(deserializer, "__self__", None), "DESCRIPTOR", None)
+
+    def deserialize(data: bytes) -> Any:
+        try:
+            return deserializer(data)
+        except Exception:  # noqa: BLE001 - protobuf's DecodeError, or whatever a custom one raises
+            return _Undecodable(_decode_error(descriptor, data))
+
+    return deserialize
+
+
+def _decode_error(descriptor: Any, data: bytes) -> InvalidArgument:
+    field = invalid_wire_text(descriptor, data) if descriptor is not None else None
+    if field is not None:
+        return InvalidArgument(field, "is not valid UTF-8 text")
+    what = f"a serialized {descriptor.full_name}" if descriptor is not None else "a valid message"
+    return InvalidArgument("request", f"the request's bytes are not {what}")
+
+
+def _check_decoded(request: Any) -> None:
+    if isinstance(request, _Undecodable):
+        raise request.error
 
 
 class _CallRecord:
@@ -170,6 +212,7 @@ def _wrap_unary(method: str, behavior: Callable[..., Awaitable[Any]], quiet: boo
     async def handle(request: Any, context: grpc.aio.ServicerContext) -> Any:
         record = _CallRecord(method, context, quiet)
         try:
+            _check_decoded(request)
             return await behavior(request, context)
         except BaseException as error:  # noqa: BLE001 - mapped, then re-raised as a status
             await record.fail(error)
@@ -183,6 +226,7 @@ def _wrap_stream(method: str, behavior: Callable[..., AsyncIterator[Any]], quiet
     async def handle(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
         record = _CallRecord(method, context, quiet)
         try:
+            _check_decoded(request)
             # aclosing: when the call ends while the handler waits at a yield (the client went
             # away), the handler is closed here, while the call still exists, not later by the
             # garbage collector (a handler of a client stream still holds grpc's request iterator).
@@ -235,10 +279,13 @@ class SluiceServerInterceptor(grpc.aio.ServerInterceptor):
             "request_deserializer": handler.request_deserializer,
             "response_serializer": handler.response_serializer,
         }
+        # A single request is parsed before the handler runs: the tolerant parser lets the
+        # wrapper refuse it. A stream's messages (reflection's) keep grpc's own handling.
+        single = {**common, "request_deserializer": _tolerant(handler.request_deserializer)}
         if handler.unary_unary:
-            return grpc.unary_unary_rpc_method_handler(_wrap_unary(method, handler.unary_unary, quiet), **common)
+            return grpc.unary_unary_rpc_method_handler(_wrap_unary(method, handler.unary_unary, quiet), **single)
         if handler.unary_stream:
-            return grpc.unary_stream_rpc_method_handler(_wrap_streaming(method, handler.unary_stream, quiet), **common)
+            return grpc.unary_stream_rpc_method_handler(_wrap_streaming(method, handler.unary_stream, quiet), **single)
         if handler.stream_stream:
             # One record (request id, summary line, metrics) for the whole stream: a stream that
             # multiplexes many requests counts and logs those itself.

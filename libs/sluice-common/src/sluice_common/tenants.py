@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from sluice_common.errors import Unauthenticated
+from sluice_common.utf8 import is_valid_text
 
 _BEARER = "bearer "
 
@@ -54,7 +55,11 @@ class TenantDirectory:
             raise Unauthenticated("missing `authorization: Bearer <api key>` metadata")
         if not authorization.lower().startswith(_BEARER) or not authorization[len(_BEARER) :].strip():
             raise Unauthenticated("the authorization metadata must be `Bearer <api key>`")
-        presented = hash_api_key(authorization[len(_BEARER) :].strip())
+        key = authorization[len(_BEARER) :].strip()
+        if not is_valid_text(key):
+            # Undecodable header bytes (aiohttp's surrogateescape): no key has them.
+            raise Unauthenticated("invalid API key")
+        presented = hash_api_key(key)
         for key_hash, tenant in self._by_hash.items():
             # Compare every entry in constant time so timing does not reveal a near match.
             if hmac.compare_digest(key_hash, presented):

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 from aiohttp import BodyPartReader, web
+from aiohttp.http_exceptions import HttpProcessingError
 from sluice.common.v1 import types_pb2
 
 from sluice_gateway.jobs_api import MAX_PAGE_SIZE, JobsApi
@@ -40,6 +41,7 @@ from sluice_gateway.openai_batches import (
 from sluice_gateway.openai_requests import EmbeddingCall, OpenAIError, check_dimensions
 from sluice_gateway.openai_store import MAX_LIST_LIMIT, OpenAIStore, StoredBatch, new_id
 from sluice_common.tenants import Tenant
+from sluice_common.utf8 import is_valid_text
 
 if TYPE_CHECKING:
     from sluice_gateway.openai_http import OpenAIFront
@@ -58,7 +60,8 @@ def _limit(request: web.Request, default: int = 20) -> int:
     raw = request.query.get("limit")
     if raw is None:
         return default
-    if not raw.isdigit() or not 1 <= int(raw) <= MAX_LIST_LIMIT:
+    # isascii: str.isdigit also holds for digits int() refuses, such as "²".
+    if not (raw.isascii() and raw.isdigit()) or not 1 <= int(raw) <= MAX_LIST_LIMIT:
         raise OpenAIError(400, f"limit must be an integer from 1 to {MAX_LIST_LIMIT}, got {raw!r}", param="limit", code="invalid_value")
     return int(raw)
 
@@ -93,7 +96,12 @@ class BatchFront:
         tenant = self.front._tenant(request)
         if not request.content_type.startswith("multipart/"):
             raise OpenAIError(400, "Upload a file as multipart/form-data with the fields purpose and file.", param="file", code="invalid_content_type")
-        purpose, filename, content = await self._read_upload(request)
+        try:
+            purpose, filename, content = await self._read_upload(request)
+        except (HttpProcessingError, ValueError) as exc:
+            # aiohttp's multipart reader: a malformed part header (InvalidHeader), a body that does
+            # not start with its boundary (ValueError).
+            raise OpenAIError(400, f"The multipart body could not be read: {exc}", param="file", code="invalid_multipart") from None
         if purpose is None:
             raise OpenAIError(400, "Missing required parameter: 'purpose'.", param="purpose", code="missing_required_parameter")
         if purpose not in PURPOSES:
@@ -119,6 +127,8 @@ class BatchFront:
                 purpose = (await part.read(decode=True)).decode("utf-8", "replace").strip()
             elif part.name == "file":
                 filename = part.filename
+                if filename is not None and not is_valid_text(filename):
+                    raise OpenAIError(400, "The file's name is not UTF-8 text.", param="file", code="invalid_value")
                 content = await self._bounded(part)
             else:
                 await part.release()

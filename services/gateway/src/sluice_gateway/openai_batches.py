@@ -30,6 +30,7 @@ from sluice_gateway.openai_requests import (
     EmbeddingCall,
     GenerationCall,
     OpenAIError,
+    check_text,
     embeddings_reply,
     invalid,
     parse_chat,
@@ -80,8 +81,14 @@ def _parse_line(number: int, text: str) -> BatchLine:
         document = json.loads(text)
     except json.JSONDecodeError as exc:
         raise _line_error(number, f"not valid JSON ({exc})") from None
+    except RecursionError:
+        raise _line_error(number, "the JSON is nested too deeply") from None
     if not isinstance(document, dict):
         raise _line_error(number, "each line must be a JSON object with custom_id, method, url and body")
+    try:
+        check_text(document)
+    except OpenAIError as exc:
+        raise _line_error(number, exc.message, exc.param, exc.code) from None
     for name in document:
         if name not in _LINE_FIELDS:
             raise _line_error(number, f"unknown field {name!r}; a line has custom_id, method, url and body", name)

@@ -48,6 +48,7 @@ from sluice_gateway.openai_requests import (
     Completion,
     GenerationCall,
     check_dimensions,
+    check_text,
     OpenAIError,
     embeddings_reply,
     model_object,
@@ -56,11 +57,14 @@ from sluice_gateway.openai_requests import (
     parse_embeddings,
 )
 from sluice_common.tenants import Tenant, TenantDirectory
+from sluice_common.utf8 import is_valid_text
 
 if TYPE_CHECKING:
     from sluice_gateway.openai_batch_http import BatchFront
 
 log = structlog.stdlib.get_logger("sluice.gateway.http")
+
+CLIENT_REQUEST_ID_HEADER = "X-Client-Request-Id"
 
 # Sluice's field paths -> OpenAI's param names.
 _PARAMS = {"sampling.": "", "inputs": "input"}
@@ -161,9 +165,18 @@ class OpenAIFront:
             raise OpenAIError(
                 400, f"We could not parse the JSON body of your request: {exc}. Send a JSON object.", code="invalid_json"
             ) from None
+        except RecursionError:
+            raise OpenAIError(400, "The JSON body of your request is nested too deeply.", code="invalid_json") from None
         if not isinstance(body, dict):
             raise OpenAIError(400, "The request body must be a JSON object.", code="invalid_json")
+        check_text(body)
         return body
+
+    def _client_request_id(self, request: web.Request) -> str:
+        value = request.headers.get(CLIENT_REQUEST_ID_HEADER, "")[:128]
+        if not is_valid_text(value):
+            raise OpenAIError(400, f"The {CLIENT_REQUEST_ID_HEADER} header is not UTF-8 text.", param=CLIENT_REQUEST_ID_HEADER, code="invalid_value")
+        return value
 
     def _headers(self, request_id: str, metadata: tuple[tuple[str, str], ...] = ()) -> dict[str, str]:
         return {REQUEST_ID_KEY: request_id, **dict(metadata)}
@@ -177,7 +190,7 @@ class OpenAIFront:
     async def _generate(self, request: web.Request, parse: Callable[[dict[str, Any]], GenerationCall]) -> web.StreamResponse:
         tenant = self._tenant(request)
         call = parse(await self._body(request))
-        call.request.client_request_id = request.headers.get("X-Client-Request-Id", "")[:128]
+        call.request.client_request_id = self._client_request_id(request)
         request_id = current_request_id()
         structlog.contextvars.bind_contextvars(tenant=tenant.name, model=call.request.model)
         answer = Completion(call, request_id)
@@ -245,7 +258,7 @@ class OpenAIFront:
     async def embeddings(self, request: web.Request) -> web.Response:
         tenant = self._tenant(request)
         call = parse_embeddings(await self._body(request))
-        call.request.client_request_id = request.headers.get("X-Client-Request-Id", "")[:128]
+        call.request.client_request_id = self._client_request_id(request)
         structlog.contextvars.bind_contextvars(tenant=tenant.name, model=call.request.model)
         if call.dimensions is not None:
             check_dimensions(call, self.path.models.get(call.request.model, types_pb2.MODEL_KIND_EMBEDDING))
@@ -269,11 +282,15 @@ class OpenAIFront:
 @web.middleware
 async def _errors(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
     """A request id per request, one summary log line, and every error in OpenAI's JSON shape."""
-    request_id = request.headers.get(REQUEST_ID_KEY, "")[:64] or new_request_id()
+    supplied = request.headers.get(REQUEST_ID_KEY, "")[:64]
+    # Undecodable bytes in the header (surrogate-escaped by aiohttp) cannot be logged or sent back.
+    request_id = supplied if supplied and is_valid_text(supplied) else new_request_id()
     bind_request_id(request_id)
     started = time.perf_counter()
     status = 500
     try:
+        if supplied and request_id != supplied:
+            raise OpenAIError(400, f"The {REQUEST_ID_KEY} header is not UTF-8 text.", param=REQUEST_ID_KEY, code="invalid_value")
         response = await handler(request)
         status = response.status
         return response

@@ -25,9 +25,14 @@ from typing import Any
 from sluice.common.v1 import types_pb2
 from sluice.gateway.v1 import gateway_pb2
 
+from sluice_common.utf8 import invalid_json_text
+
 # OpenAI's defaults for sampling (https://platform.openai.com/docs/api-reference/chat/create).
 DEFAULT_TEMPERATURE = 1.0
 DEFAULT_TOP_P = 1.0
+
+# SamplingParams.max_tokens is an int32: anything larger cannot be carried, let alone served.
+MAX_INT32 = (1 << 31) - 1
 
 FINISH_REASONS = {types_pb2.FINISH_REASON_STOP: "stop", types_pb2.FINISH_REASON_LENGTH: "length"}
 
@@ -58,6 +63,15 @@ class OpenAIError(Exception):
 
 def invalid(param: str, message: str, code: str | None = None) -> OpenAIError:
     return OpenAIError(400, message, param=param, code=code)
+
+
+def check_text(document: dict[str, Any]) -> None:
+    """Refuses a string that is valid JSON but not Unicode (an escaped lone surrogate such as
+    "\\ud800"), naming its param: it could not be encoded for the model, the store or a log line."""
+    path = invalid_json_text(document)
+    if path is not None:
+        param = path or "body"  # the path is "" only for a key "" at the top
+        raise invalid(param, f"{param} is not valid Unicode text: it holds a lone surrogate (such as \\ud800)", "invalid_value")
 
 
 # Params OpenAI defines that Sluice accepts only at their neutral value (what OpenAI does when they
@@ -152,8 +166,8 @@ def _sampling(body: dict[str, Any]) -> types_pb2.SamplingParams:
             continue
         if not _is_int(value):
             raise invalid(name, f"{name} must be an integer, got {value!r}", "invalid_type")
-        if value < 1:
-            raise invalid(name, f"{name} must be at least 1, got {value}", "invalid_value")
+        if not 1 <= value <= MAX_INT32:
+            raise invalid(name, f"{name} must be from 1 to {MAX_INT32}, got {value}", "invalid_value")
         sampling.max_tokens = value
         break
     sampling.temperature = _optional_number(body, "temperature", DEFAULT_TEMPERATURE)

@@ -1,0 +1,99 @@
+"""Request bytes that protobuf refuses reach the gateway's gRPC front as INVALID_ARGUMENT naming the
+field, never grpc's UNKNOWN ("Unexpected DecodeError"). A protobuf client cannot serialize a lone
+surrogate, so the bytes are sent as they are (a generic call), as any other client could send them."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import grpc
+import pytest
+from google.rpc import error_details_pb2
+from grpc_status import rpc_status
+from sluice.common.v1 import types_pb2
+from sluice.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+
+from sluice_common.amqp import EventTopology
+from sluice_common.server import RunningServer, create_server
+from sluice_common.tenants import TenantDirectory
+from sluice_gateway.admission import Admission
+from sluice_gateway.completion_events import CompletionEvents
+from sluice_gateway.inference_path import InferencePath
+from sluice_gateway.model_catalog import ModelCatalog
+from sluice_gateway.servicer import GatewayServicer
+from test_openai_http import KEY, _Adapter, _Publisher, _RateLimit, _tenants_file
+
+SERVICE = "/sluice.gateway.v1.GatewayService"
+AUTH = (("authorization", f"Bearer {KEY}"),)
+# What a lone surrogate (U+D800) becomes when a non-conforming encoder writes it (WTF-8): not UTF-8.
+SURROGATE_BYTES = b"\xed\xa0\x80"
+MARK = "\x01\x02\x03"  # three bytes, swapped for SURROGATE_BYTES: the length prefixes stay right
+
+
+@pytest.fixture
+async def gateway(tmp_path) -> AsyncIterator[tuple[grpc.aio.Channel, _Adapter]]:  # type: ignore[no-untyped-def]
+    adapter = _Adapter()
+    catalog = ModelCatalog(adapter)  # type: ignore[arg-type]
+    await catalog.refresh()
+    events = CompletionEvents(_Publisher(), EventTopology("t"))  # type: ignore[arg-type]
+    path = InferencePath(adapter, catalog, Admission(_RateLimit()), events, default_max_tokens=50)  # type: ignore[arg-type]
+    servicer = GatewayServicer(TenantDirectory.from_file(_tenants_file(tmp_path)), path)
+
+    def register(server: grpc.aio.Server) -> list[str]:
+        gateway_pb2_grpc.add_GatewayServiceServicer_to_server(servicer, server)
+        return ["sluice.gateway.v1.GatewayService"]
+
+    running: RunningServer = await create_server("127.0.0.1", 0, 0, register)
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{running.port}") as channel:
+            yield channel, adapter
+    finally:
+        await running.server.stop(None)
+
+
+def _with_surrogate(message: object) -> bytes:
+    raw = message.SerializeToString()  # type: ignore[attr-defined]
+    assert raw.count(MARK.encode()) == 1
+    return raw.replace(MARK.encode(), SURROGATE_BYTES)
+
+
+def _violation(error: grpc.aio.AioRpcError) -> str:
+    status = rpc_status.from_call(error)
+    assert status is not None, error
+    for detail in status.details:
+        if detail.Is(error_details_pb2.BadRequest.DESCRIPTOR):
+            bad = error_details_pb2.BadRequest()
+            detail.Unpack(bad)
+            return bad.field_violations[0].field
+    raise AssertionError(f"no BadRequest in {status}")
+
+
+async def test_a_string_field_that_is_not_utf8_is_invalid_argument_naming_it(gateway) -> None:  # type: ignore[no-untyped-def]
+    channel, adapter = gateway
+    chat = gateway_pb2.GenerateRequest(
+        model="g",
+        messages=[types_pb2.ChatMessage(role="user", content="Hi"), types_pb2.ChatMessage(role="user", content=f"a{MARK}")],
+        sampling=types_pb2.SamplingParams(max_tokens=2),
+    )
+    generate = channel.unary_stream(f"{SERVICE}/Generate")
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        async for _ in generate(_with_surrogate(chat), metadata=AUTH):
+            pass
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT, caught.value
+    assert _violation(caught.value) == "messages[1].content"
+
+    embed = channel.unary_unary(f"{SERVICE}/Embed")
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await embed(_with_surrogate(gateway_pb2.EmbedRequest(model="e", inputs=["a", MARK])), metadata=AUTH)
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT and _violation(caught.value) == "inputs[1]"
+
+    # Bytes that are no message at all: refused as a whole.
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await embed(b"\xff\xff\xff", metadata=AUTH)
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT and _violation(caught.value) == "request"
+    assert adapter.requests == []
+
+    # The same server answers the next good request.
+    stub = gateway_pb2_grpc.GatewayServiceStub(channel)
+    models = await stub.ListModels(gateway_pb2.ListModelsRequest(), metadata=AUTH)
+    assert {m.name for m in models.models} == {"g", "e"}
