@@ -199,3 +199,13 @@ def test_results_become_output_and_error_lines_as_the_endpoints_answer() -> None
     # Stable ids: a second making of the files is byte for byte the same.
     assert result_files("batch_1", lines, reversed(results), created=1234) == (output, errors)
     assert result_file_ids("batch_abc") == ("file-abc-output", "file-abc-errors")
+
+
+def test_readme_says_where_an_output_lines_request_id_comes_from() -> None:
+    """README's batch paragraph on `request_id` says what result_files does (the test above): the
+    id the row ran under, derived from the batch and custom_id only for results without one."""
+    readme = (Path(__file__).resolve().parents[3] / "README.md").read_text()
+    batches = readme.split("## OpenAI Batch API", 1)[1].split("\n## ", 1)[0]
+    paragraph = " ".join(next(p for p in batches.split("\n- ") if p.lstrip().startswith("`request_id`")).split())
+    assert paragraph.startswith("`request_id` is the id the row ran under (the job row result's `request_id`)")
+    assert "Only a result stored before results carried that id gets one derived from the batch and `custom_id`" in paragraph
