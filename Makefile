@@ -21,7 +21,7 @@ export CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=O
 SERVICES := services/gateway services/inference-adapter services/triton-local services/evaluation-logging services/rate-limit
 LIBS := libs/sluice-protos libs/sluice-common libs/sluice-stack
 PROJECTS := $(LIBS) $(SERVICES) tests bench deploy/tests
-UNIT_TESTED := libs/sluice-common $(SERVICES)
+UNIT_TESTED := libs/sluice-common $(SERVICES) bench
 
 .PHONY: help setup deploy-requirements uv node protos protos-check proto-lint run test test-unit test-e2e test-deploy bench-path bench-adapter bench-evallog bench-ratelimit bench-jobs bench-jobs-interactive bench-engine bench-colocated bench-gpu bench-load bench-rolling bench-embed-cache bench-openai clean
 

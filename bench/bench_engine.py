@@ -12,8 +12,10 @@ each side's best is kept:
   numpy     (printed for reference, not a target) the engine on its numpy forward pass
 
 Prefill: the batch's prompts (the same chat prompt, 48 tokens) in one step. Decode: 48 greedy
-steps after it. Both sides start from the same token ids, so their greedy tokens must be the same,
-and the engine's must not depend on the batch size: the run says whether they are.
+steps after it (tokens per second count the rows that did work: a sequence that stopped early is
+stepped no more). Both sides start from the same token ids, so their greedy tokens must be the
+same, and the engine's must not depend on the batch size: the run says whether they are. The
+ratios are printed only when the greedy tokens match llama.cpp's (else the run exits 1, saying so).
 
 Ends with `BENCH engine_vs_llamacpp_batch1`, `_batch8`, `_batch32` (decode) and
 `BENCH engine_vs_llamacpp_prefill` (the lowest of the three batch sizes' prefill ratios),
@@ -45,6 +47,20 @@ def measure(*args: str) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def ratio_lines(engine: dict, llamacpp: dict, batches: list[str]) -> list[str]:
+    """The engine-vs-llama.cpp ratios, only when both sides decoded the same greedy tokens at every
+    batch size: an engine that is faster at computing something else compares with nothing."""
+    differ = [b for b in batches if engine[b]["tokens"] != llamacpp[b]["tokens"]]
+    if differ:
+        return [f"no ratios: the engine's greedy tokens differ from llama.cpp's at batch {', '.join(differ)}"]
+    prefill = {b: engine[b]["prefill_tok_s"] / llamacpp[b]["prefill_tok_s"] for b in batches}
+    lines = [f"BENCH engine_vs_llamacpp_prefill_batch{b} {prefill[b]:.2f} x" for b in batches]
+    for b in batches:
+        lines.append(f"BENCH engine_vs_llamacpp_batch{b} {engine[b]['decode_tok_s'] / llamacpp[b]['decode_tok_s']:.2f} x (target >= 0.8)")
+    lines.append(f"BENCH engine_vs_llamacpp_prefill {min(prefill.values()):.2f} x (target >= 0.8; the lowest of batch {', '.join(batches)})")
+    return lines
+
+
 def main() -> int:
     print(f"engine vs llama.cpp: {THREADS} threads, batches {BATCHES}, {ROUNDS} alternating rounds ...", flush=True)
     result = measure(str(THREADS), str(ROUNDS))
@@ -67,14 +83,8 @@ def main() -> int:
         for name, side in sides:
             print(f"BENCH {name}_decode_batch{batch} {side[batch]['decode_tok_s']:.1f} tok/s")
             print(f"BENCH {name}_prefill_batch{batch} {side[batch]['prefill_tok_s']:.1f} tok/s")
-    prefill = {k: engine[k]["prefill_tok_s"] / llamacpp[k]["prefill_tok_s"] for k in keys}
-    for batch in keys:
-        print(f"BENCH engine_vs_llamacpp_prefill_batch{batch} {prefill[batch]:.2f} x")
-    for batch in keys:
-        ratio = engine[batch]["decode_tok_s"] / llamacpp[batch]["decode_tok_s"]
-        print(f"BENCH engine_vs_llamacpp_batch{batch} {ratio:.2f} x (target >= 0.8)")
-    print(f"BENCH engine_vs_llamacpp_prefill {min(prefill.values()):.2f} x (target >= 0.8; the lowest of batch {BATCHES})")
-    return 0
+    print("\n".join(ratio_lines(engine, llamacpp, keys)))
+    return 0 if same else 1
 
 
 if __name__ == "__main__":

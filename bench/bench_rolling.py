@@ -8,12 +8,14 @@ The client is what the README recommends for several gateways: one channel namin
 round robin over those whose gRPC health says SERVING (a draining gateway gets no new stream).
 32 workers each send one stream after another (the demo key, greedy, MAX_TOKENS each); a stream
 refused by the rate limiter (RESOURCE_EXHAUSTED) is retried after its RetryInfo, as bench-load's
-client does. Every stream is counted in the phase it was sent in:
+client does. Every stream is counted in one phase, by when it was in flight (`phase_of`):
 
-  before   BEFORE_S of steady load before the first restart (the baseline, same client, same run)
-  during   from the first SIGTERM until the last restarted process serves again
+  before   ended before the first SIGTERM (BEFORE_S of steady load: the baseline, same client, same run)
+  during   in flight at some time from the first SIGTERM until the last restarted process serves
+           again, those already running at the first SIGTERM included
+  after    sent once every restarted process served again
 
-  rolling_streams_failed  streams sent during the rolling restart that ended in an error, or without a finish reason
+  rolling_streams_failed  streams in flight during the rolling restart that ended in an error, or without a finish reason
   rolling_events_lost     streams that ended with a finish reason (either phase) whose completion
                           event is not in the evaluation store LOST_WAIT_S after the load stopped
   TTFT p50/p99            stream sent -> first token, before vs during
@@ -58,20 +60,50 @@ CLIENT_OPTIONS = [
 
 @dataclass
 class Stream:
-    phase: str
+    # time.monotonic() when it was sent and when it ended.
+    sent_at: float
+    ended_at: float = 0.0
     ttft_s: float | None = None
     request_id: str = ""
     finished: bool = False
     error: str = ""
 
+    @property
+    def failed(self) -> bool:
+        return bool(self.error) or not self.finished
 
-async def one_stream(stub: gateway_pb2_grpc.GatewayServiceStub, worker: int, phase: str) -> Stream:
+
+def phase_of(stream: Stream, rolling: tuple[float, float]) -> str:
+    """'before' when it ended before the rolling restart began (the first SIGTERM), 'after' when it
+    was sent once it was over, 'during' when it was in flight at any time of it: a stream sent
+    before the first SIGTERM and cut by it is the restart's failure, not the baseline's."""
+    began, ended = rolling
+    if stream.ended_at < began:
+        return "before"
+    if stream.sent_at >= ended:
+        return "after"
+    return "during"
+
+
+def failed_during(streams: list[Stream], rolling: tuple[float, float]) -> int:
+    """rolling_streams_failed: streams in flight during the rolling restart that failed."""
+    return sum(1 for s in streams if phase_of(s, rolling) == "during" and s.failed)
+
+
+async def one_stream(stub: gateway_pb2_grpc.GatewayServiceStub, worker: int) -> Stream:
     request = gateway_pb2.GenerateRequest(
         model=MODEL,
         messages=[types_pb2.ChatMessage(role="user", content=f"Write a short note to friend number {worker}.")],
         sampling=types_pb2.SamplingParams(max_tokens=MAX_TOKENS),
     )
-    stream, sent = Stream(phase), time.perf_counter()
+    stream, sent = Stream(time.monotonic()), time.perf_counter()
+    try:
+        return await _receive(stub, request, stream, sent)
+    finally:
+        stream.ended_at = time.monotonic()
+
+
+async def _receive(stub: gateway_pb2_grpc.GatewayServiceStub, request: gateway_pb2.GenerateRequest, stream: Stream, sent: float) -> Stream:
     while True:
         try:
             async for response in stub.Generate(request, metadata=AUTH, timeout=300):
@@ -92,17 +124,16 @@ async def one_stream(stub: gateway_pb2_grpc.GatewayServiceStub, worker: int, pha
 
 
 class Load:
-    """STREAMS workers sending streams back to back; `phase` is read when each stream is sent."""
+    """STREAMS workers sending streams back to back."""
 
     def __init__(self, target: str) -> None:
         self.target = target
-        self.phase = "before"
         self.streams: list[Stream] = []
         self._stop = threading.Event()
 
     async def _worker(self, stub: gateway_pb2_grpc.GatewayServiceStub, worker: int) -> None:
         while not self._stop.is_set():
-            self.streams.append(await one_stream(stub, worker, self.phase))
+            self.streams.append(await one_stream(stub, worker))
 
     async def _run(self) -> None:
         async with grpc.aio.insecure_channel(self.target, options=CLIENT_OPTIONS) as channel:
@@ -170,10 +201,10 @@ def main() -> int:
             load = Load(stack.gateway_target)
             thread = load.start()
             time.sleep(BEFORE_S)
-            load.phase = "during"
             print(f"rolling restart under {STREAMS} streams:", flush=True)
+            began = time.monotonic()
             took = roll(stack)
-            load.phase = "after"
+            rolling = (began, time.monotonic())
             load.stop()
             thread.join(600)
             ended = [s for s in load.streams if s.finished]
@@ -183,27 +214,26 @@ def main() -> int:
                 time.sleep(1)
         finally:
             stack.stop()
-    report(load.streams, missing, took)
+    report(load.streams, rolling, missing, took)
     return 0
 
 
-def report(streams: list[Stream], missing: set[str], took: list[tuple[str, float]]) -> None:
-    for phase in ("before", "during", "after"):
-        mine = [s for s in streams if s.phase == phase]
+def report(streams: list[Stream], rolling: tuple[float, float], missing: set[str], took: list[tuple[str, float]]) -> None:
+    phases = {phase: [s for s in streams if phase_of(s, rolling) == phase] for phase in ("before", "during", "after")}
+    for phase, mine in phases.items():
         if not mine:
             continue
-        failed = [s for s in mine if s.error or not s.finished]
+        failed = [s for s in mine if s.failed]
         ttfts = [s.ttft_s for s in mine if s.finished and s.ttft_s is not None]
         print(f"{phase:>6}: {len(mine)} streams, {len(failed)} failed, TTFT p50 {percentile(ttfts, 50) * 1000:.0f} ms p99 {percentile(ttfts, 99) * 1000:.0f} ms", flush=True)
         for error in sorted({s.error for s in failed})[:5]:
             print(f"        {error}", flush=True)
-    before = [s.ttft_s for s in streams if s.phase == "before" and s.finished and s.ttft_s is not None]
-    during = [s.ttft_s for s in streams if s.phase == "during" and s.finished and s.ttft_s is not None]
-    failed_during = sum(1 for s in streams if s.phase == "during" and (s.error or not s.finished))
+    before = [s.ttft_s for s in phases["before"] if s.finished and s.ttft_s is not None]
+    during = [s.ttft_s for s in phases["during"] if s.finished and s.ttft_s is not None]
     print(f"BENCH rolling_restarts {len(took)}")
     print(f"BENCH rolling_seconds {sum(t for _, t in took):.1f}")
-    print(f"BENCH rolling_streams_during {sum(1 for s in streams if s.phase == 'during')}")
-    print(f"BENCH rolling_streams_failed {failed_during}")
+    print(f"BENCH rolling_streams_during {len(phases['during'])}")
+    print(f"BENCH rolling_streams_failed {failed_during(streams, rolling)}")
     print(f"BENCH rolling_events_lost {len(missing)}")
     print(f"BENCH rolling_ttft_p99_before_ms {percentile(before, 99) * 1000:.0f}")
     print(f"BENCH rolling_ttft_p99_during_ms {percentile(during, 99) * 1000:.0f}")

@@ -13,7 +13,7 @@ import config_vars
 
 DEPLOY = config_vars.ROOT / "deploy"
 BIN = Path(sys.executable).parent
-OVERLAYS = ("dev", "gpu")
+OVERLAYS = ("dev", "gpu", "gpu-vllm")
 WORKLOAD_KINDS = ("Deployment", "StatefulSet")
 
 

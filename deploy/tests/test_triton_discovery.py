@@ -4,6 +4,7 @@ replica never runs more sequences than one Triton pod holds slots for."""
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -72,8 +73,25 @@ def step_model_slots(container: dict, environment: dict[str, str | None], step_m
     return int(slots)
 
 
+def vllm_max_num_seqs(model: str) -> int | None:
+    """vLLM's max_num_seqs for a model behind Triton's vLLM backend; None for any other model."""
+    folder = STEP_MODELS / model
+    if not (folder / "config.pbtxt").is_file() or 'backend: "vllm"' not in (folder / "config.pbtxt").read_text():
+        return None
+    return int(json.loads((folder / "1" / "model.json").read_text())["max_num_seqs"])
+
+
 def test_one_adapter_batch_fits_in_one_triton_pod(docs) -> None:
     config = adapter_config(docs)
+    max_num_seqs = vllm_max_num_seqs(config["SLUICE_ADAPTER_TRITON_MODEL"])
+    if max_num_seqs is not None:
+        # A vLLM model batches by itself: the streams one adapter holds open per pod fit its batch.
+        in_flight = int(config["SLUICE_ADAPTER_MAX_IN_FLIGHT"])
+        assert in_flight <= max_num_seqs, f"SLUICE_ADAPTER_MAX_IN_FLIGHT {in_flight} > vLLM's max_num_seqs {max_num_seqs}"
+        for workload in triton_workloads(docs):
+            (container,) = workload["spec"]["template"]["spec"]["containers"]
+            assert f"--load-model={config['SLUICE_ADAPTER_TRITON_MODEL']}" in container.get("args", [])
+        return
     batch = int(config["SLUICE_ADAPTER_MAX_BATCH_SIZE"])
     for workload in triton_workloads(docs):
         (container,) = workload["spec"]["template"]["spec"]["containers"]

@@ -335,3 +335,53 @@ def test_streams_longer_than_the_window_are_judged_by_the_sampled_queue_and_batc
         "inference-adapter serializes: effective concurrency 1.0 of configured 1 (MAX_BATCH_SIZE);"
         " 8.0 requests in flight there; queue wait 88% of its time"
     )
+
+
+def test_each_model_is_judged_against_its_own_bound() -> None:
+    """The main model (batch 1, full, 7 waiting) beside an extra model (batch 4, 1 slot used) on the
+    same replica: the main model's slots stand against its own bound of 1, not the sum of both
+    models' slots against it (5 of 1 read 500%), and the extra model gets a line of its own."""
+    adapter = Service()
+    adapter.in_flight.labels(d.ADAPTER_GENERATE).set(9)
+    limit = adapter.metric(Gauge, "sluice_adapter_concurrency_limit", ("model",))
+    limit.labels("smollm2").set(1)  # type: ignore[attr-defined]
+    limit.labels("smollm2-q4").set(4)  # type: ignore[attr-defined]
+    adapter.metric(Gauge, "sluice_adapter_replicas", ("state",)).labels("serving").set(1)  # type: ignore[attr-defined]
+    healthy = adapter.metric(Gauge, "sluice_adapter_replica_healthy", ("replica",))
+    healthy.labels("127.0.0.1:8001").set(1)  # type: ignore[attr-defined]
+    healthy.labels("127.0.0.1:8001#smollm2-q4").set(1)  # type: ignore[attr-defined]
+    slots = adapter.metric(Gauge, "sluice_adapter_kv_slots_in_use", ("replica",))
+    slots.labels("127.0.0.1:8001").set(1)  # type: ignore[attr-defined]
+    slots.labels("127.0.0.1:8001#smollm2-q4").set(1)  # type: ignore[attr-defined]
+    waiting = adapter.metric(Gauge, "sluice_adapter_waiting_requests", ("priority", "replica"))
+    waiting.labels("interactive", "127.0.0.1:8001").set(7)  # type: ignore[attr-defined]
+    waiting.labels("interactive", "127.0.0.1:8001#smollm2-q4").set(0)  # type: ignore[attr-defined]
+    report = d.analyze({d.ADAPTER: window(adapter, adapter.scrape(0.0), [adapter.scrape(5.0)])})
+    main, extra = report.hops
+    assert (main.name, main.configured, main.effective) == (d.ADAPTER, 1, 1.0)
+    assert main.shares["queue"] == pytest.approx(7 / 8)
+    assert (extra.name, extra.configured, extra.effective) == ("inference-adapter#smollm2-q4", 4, 1.0)
+    assert extra.configured_what == "smollm2-q4's MAX_BATCH_SIZE" and extra.utilization == pytest.approx(0.25)
+    assert report.verdict.hop == d.ADAPTER
+    assert report.verdict.text.startswith("inference-adapter serializes: effective concurrency 1.0 of configured 1 (MAX_BATCH_SIZE)")
+
+
+def test_an_extra_model_that_serializes_is_named() -> None:
+    """The extra model full (4 of 4) with work waiting, the main model idle: the verdict names it."""
+    adapter = Service()
+    limit = adapter.metric(Gauge, "sluice_adapter_concurrency_limit", ("model",))
+    limit.labels("smollm2").set(8)  # type: ignore[attr-defined]
+    limit.labels("smollm2-q4").set(4)  # type: ignore[attr-defined]
+    adapter.metric(Gauge, "sluice_adapter_replica_healthy", ("replica",)).labels("r#smollm2-q4").set(1)  # type: ignore[attr-defined]
+    slots = adapter.metric(Gauge, "sluice_adapter_kv_slots_in_use", ("replica",))
+    slots.labels("r").set(0)  # type: ignore[attr-defined]
+    slots.labels("r#smollm2-q4").set(4)  # type: ignore[attr-defined]
+    adapter.metric(Gauge, "sluice_adapter_waiting_requests", ("priority", "replica")).labels("bulk", "r#smollm2-q4").set(4)  # type: ignore[attr-defined]
+    report = d.analyze({d.ADAPTER: window(adapter, adapter.scrape(0.0), [adapter.scrape(5.0)])})
+    main = report.hops[0]
+    assert (main.configured, main.effective) == (8, 0.0)
+    assert report.verdict.hop == "inference-adapter#smollm2-q4"
+    assert report.verdict.text == (
+        "inference-adapter#smollm2-q4 serializes: effective concurrency 4.0 of configured 4 (smollm2-q4's MAX_BATCH_SIZE);"
+        " 8.0 requests in flight there; queue wait 50% of its time"
+    )

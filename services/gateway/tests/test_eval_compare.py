@@ -110,10 +110,20 @@ def test_every_evaluator_gets_a_line_even_when_nothing_applied() -> None:
     assert extra.lines[-1].evaluator == "new_one"
 
 
-def test_one_sided_scores_are_not_a_regression() -> None:
-    report = compare(EVALUATORS, rows(("reference_similarity", 0.9, True)), [[]], (1, 0), (1, 0), 0.05)
-    line = next(line for line in report.lines if line.evaluator == "reference_similarity")
-    assert line.verdict(0.05) == "one side only" and report.exit_code == EXIT_OK
+def test_one_sided_scores_fail_the_gate() -> None:
+    """An evaluator that scored A's rows but none of B's (or B's alone) cannot show that B holds:
+    the gate fails, naming it, rather than passing on the lines that could be compared."""
+    for a, b in ((rows(("reference_similarity", 0.9, True)), [[]]), ([[]], rows(("reference_similarity", 0.9, True)))):
+        report = compare(EVALUATORS, a, b, (1, 0), (1, 0), 0.05)
+        line = next(line for line in report.lines if line.evaluator == "reference_similarity")
+        assert line.verdict(0.05) == "one side only"
+        assert report.one_sided == ["reference_similarity"] and report.regressions == []
+        assert report.exit_code == EXIT_REGRESSION
+        verdict = render(report, Side("A", "m1"), Side("B", "m2")).splitlines()[-1]
+        assert verdict == "VERDICT: FAILED: scored on one side only, so not compared: reference_similarity"
+    # Lines neither side scored (n/a) still pass: nothing was measured on either.
+    both = compare(EVALUATORS, rows(("exact_match", 1.0, True)), rows(("exact_match", 1.0, True)), (1, 0), (1, 0), 0.05)
+    assert both.exit_code == EXIT_OK and both.one_sided == []
 
 
 def test_render_shows_both_sides_and_the_verdict() -> None:

@@ -134,7 +134,10 @@ def job(state: int, total: int = 2, completed: int = 0, failed: int = 0) -> jobs
 def test_batch_object_has_openais_shape_and_states() -> None:
     upstream = json.loads((UPSTREAM / "openai_batch_object.json").read_text())
     reply = batch_object("batch_1", "/v1/chat/completions", "file-1", "24h", {"k": "v"}, 999.5, None, job(jobs_pb2.JOB_STATE_COMPLETED, 2, 1, 1), "file-o", "file-e")
-    assert set(reply) == set(upstream)
+    # OpenAI's example object's fields, less those not set in this state (optional, not nullable
+    # in OpenAI's schema: omitted rather than null) and the per-state times the store does not keep.
+    unset = {"errors", "in_progress_at", "finalizing_at", "failed_at", "expired_at", "cancelling_at", "cancelled_at"}
+    assert set(reply) == set(upstream) - unset and None not in reply.values()
     parsed = Batch.model_validate(reply)
     assert parsed.status == "completed" and parsed.completed_at == 1100 and parsed.created_at == 999
     assert parsed.expires_at == 1000 + 86400 and parsed.output_file_id == "file-o" and parsed.error_file_id == "file-e"
@@ -207,3 +210,13 @@ def test_a_line_with_text_that_is_not_unicode_is_refused_naming_it() -> None:
     error = refused(line("ok", CHAT) + "\n" + surrogate + "\n")
     assert error.param == "body.messages[0].content" and error.message.startswith("Line 2 of the batch file")
     assert refused(line("\udc80", CHAT)).param == "custom_id"
+
+
+def test_readme_says_where_an_output_lines_request_id_comes_from() -> None:
+    """README's batch paragraph on `request_id` says what result_files does (test_results_become_output_and_error_lines): the
+    id the row ran under, derived from the batch and custom_id only for results without one."""
+    readme = (Path(__file__).resolve().parents[3] / "README.md").read_text()
+    batches = readme.split("## OpenAI Batch API", 1)[1].split("\n## ", 1)[0]
+    paragraph = " ".join(next(p for p in batches.split("\n- ") if p.lstrip().startswith("`request_id`")).split())
+    assert paragraph.startswith("`request_id` is the id the row ran under (the job row result's `request_id`)")
+    assert "Only a result stored before results carried that id gets one derived from the batch and `custom_id`" in paragraph

@@ -374,3 +374,27 @@ async def test_prefills_wait_while_another_adapter_holds_every_slot() -> None:
     finally:
         await scheduler.stop()
     assert (text, finish.finish) == ("t1 t2 ", Finish.LENGTH)
+
+
+async def test_a_prefill_answered_busy_counts_its_queue_wait_once() -> None:
+    """Turned away busy twice or more, then served: one observation of the whole wait (arrival to
+    the prefill the engine took), as the stream's own timings report it; not one per admission."""
+    from prometheus_client import REGISTRY
+
+    replica = "triton-queue-wait:8001"
+    model = SharedSlotsModel(slots=1, held_by_others=1)
+    scheduler = Scheduler(model, SchedulerLimits(max_batch_size=2, engine_full_retry_s=0.02), replica=replica)
+    scheduler.start()
+    try:
+        handle = scheduler.submit(request(max_tokens=2))
+        while sum(1 for rows in model.steps for row in rows if row.action is Action.PREFILL) < 3:
+            await asyncio.sleep(0.01)
+        model.held_by_others = 0
+        _, finish = await asyncio.wait_for(collect(handle), timeout=2)
+    finally:
+        await scheduler.stop()
+    assert finish.finish is Finish.LENGTH
+    count = REGISTRY.get_sample_value("sluice_adapter_queue_seconds_count", {"replica": replica})
+    total = REGISTRY.get_sample_value("sluice_adapter_queue_seconds_sum", {"replica": replica})
+    assert count == 1
+    assert total == pytest.approx(finish.timings.queue_s)

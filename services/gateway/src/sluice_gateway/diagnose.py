@@ -84,6 +84,18 @@ class Scrape:
         return {dict(ls)[label] for (n, ls) in self.samples if n == name and label in dict(ls)}
 
 
+def _keeps(labels: Labels, model: str, extras: set[str]) -> bool:
+    """Whether a sample belongs to `model`'s figures ("" the main model): an extra model's
+    per-replica series are labelled '<address>#<model>', the main model's '<address>'; a series
+    labelled by model is that model's; a series of neither (the RPC figures) belongs to every model."""
+    named = dict(labels)
+    if "replica" in named:
+        return named["replica"].partition("#")[2] == model
+    if "model" in named:
+        return named["model"] == model if model else named["model"] not in extras
+    return True
+
+
 def parse_scrape(text: str, at: float) -> Scrape:
     samples: dict[tuple[str, Labels], float] = {}
     for family in text_string_to_metric_families(text):
@@ -141,6 +153,22 @@ class ServiceWindow:
         """The mean over every scrape of a gauge (summed over its matching label sets)."""
         values = [v for v in (s.value(name, **labels) for s in self.scrapes) if v is not None]
         return sum(values) / len(values) if values else None
+
+    def extra_models(self) -> list[str]:
+        """The adapter's extra generation models: those whose series are labelled '<address>#<model>'."""
+        replicas = {dict(labels).get("replica", "") for scrape in self.scrapes for _, labels in scrape.samples}
+        return sorted({replica.partition("#")[2] for replica in replicas if "#" in replica})
+
+    def of_model(self, model: str) -> ServiceWindow:
+        """The adapter's window with one model's series only ("" the main model): each model has its
+        own slots, queue and bound, and a sum over them compares with no bound at all."""
+        extras = set(self.extra_models())
+        return ServiceWindow(
+            tuple(
+                Scrape(scrape.at, {key: value for key, value in scrape.samples.items() if _keeps(key[1], model, extras)})
+                for scrape in self.scrapes
+            )
+        )
 
 
 @dataclass(frozen=True)
@@ -367,9 +395,45 @@ def _tightest_budget(samples: list[list[BudgetSample]]) -> tuple[tuple[str, str]
     return key, limits[key], means[key]
 
 
+def adapter_hops(window: ServiceWindow) -> list[Hop]:
+    """The main model's hop, then one per extra model ('inference-adapter#<model>'), each with its
+    own slots, queue and bound."""
+    extras = window.extra_models()
+    main = adapter_hop(window.of_model(""))
+    if extras:
+        main.notes.append("completions and their times count every model's streams; slots, queue and bound the main model's")
+    return [main, *(extra_model_hop(window.of_model(model), model) for model in extras)]
+
+
+def extra_model_hop(window: ServiceWindow, model: str) -> Hop:
+    """An extra model's pool on the same replicas: its sampled batch against its own bound. The RPC
+    figures are not per model, so its queue's share of the time is by Little's law per stage (the
+    same lambda passes through its queue and its batch: their times stand as their sampled counts)."""
+    hop = Hop(f"{ADAPTER}#{model}")
+    limit = window.gauge_mean("sluice_adapter_concurrency_limit")
+    replicas = window.scrapes[-1].value("sluice_adapter_replica_healthy")
+    if limit is not None:
+        hop.configured = limit * max(1.0, replicas or 1.0)
+        hop.configured_what = f"{model}'s MAX_BATCH_SIZE" + (" x replicas" if (replicas or 1) > 1 else "")
+    running = window.gauge_mean("sluice_adapter_kv_slots_in_use")
+    waiting = window.gauge_mean("sluice_adapter_waiting_requests") or 0.0
+    hop.effective = running
+    if running is not None:
+        hop.in_flight = running + waiting
+        if waiting + running > 0:
+            hop.shares["queue"] = waiting / (waiting + running)
+            hop.shares["service"] = 1.0 - hop.shares["queue"]
+        hop.notes.append(f"sequences in KV slots (sampled) {running:.1f}")
+    queue = window.mean_time("sluice_adapter_queue_seconds")
+    if queue is not None:
+        hop.notes.append(f"mean queue wait {_seconds(queue)}")
+    return hop
+
+
 def adapter_hop(window: ServiceWindow) -> Hop:
     """gateway -> inference-adapter: its Generate streams wait in a replica's queue, then run in
-    its batch. Little's law over the running stage alone is the batch's effective concurrency."""
+    its batch. Little's law over the running stage alone is the batch's effective concurrency.
+    `window` holds the main model's series (ServiceWindow.of_model)."""
     hop = _rpc_hop(ADAPTER, window, ADAPTER_GENERATE)
     limit = window.gauge_mean("sluice_adapter_concurrency_limit")
     replicas = window.scrapes[-1].value("sluice_adapter_replicas", state="serving")
@@ -463,7 +527,7 @@ def analyze(
     if rate_limit is not None:
         hops.append(rate_limit)
     if ADAPTER in windows:
-        hops.append(adapter_hop(windows[ADAPTER]))
+        hops += adapter_hops(windows[ADAPTER])
     if TRITON in windows:
         hops.append(triton_hop(windows[TRITON], windows.get(ADAPTER)))
     if WORKER in windows:
@@ -486,9 +550,11 @@ def verdict(hops: list[Hop], loop_lag: dict[str, tuple[float, float | None]], pr
     """The hop that serializes, with the measurement that shows it; the strongest case wins."""
     cases: list[tuple[float, Verdict]] = []
     by_name = {hop.name: hop for hop in hops}
-    adapter = by_name.get(ADAPTER)
-    if adapter is not None and _at_bound(adapter) and adapter.shares.get("queue", 0.0) >= WAITING:
-        cases.append((adapter.shares["queue"], Verdict(ADAPTER, _serializes(adapter, "queue wait", adapter.shares["queue"]))))
+    # The main model's hop, and each extra model's, named by its model ('inference-adapter#<model>').
+    for adapter in (hop for hop in hops if hop.name == ADAPTER or hop.name.startswith(f"{ADAPTER}#")):
+        if _at_bound(adapter) and adapter.shares.get("queue", 0.0) >= WAITING:
+            text = _serializes(adapter, "queue wait", adapter.shares["queue"])
+            cases.append((adapter.shares["queue"], Verdict(adapter.name, text)))
     rate_limit = by_name.get(RATELIMIT)
     if rate_limit is not None:
         case = _ratelimit_case(rate_limit, probe)

@@ -7,7 +7,8 @@ unit (milliseconds, a cosine, a count), so one absolute threshold (0.05: five po
 same on every line. Mean values are shown beside it for reading. Rows that failed (a row error
 from the job) are not scored but counted: the first line of the table, `rows_ok`, is the share of
 rows that produced an output, gated like an evaluator, so a B that fails rows cannot pass the gate
-by having fewer rows scored.
+by having fewer rows scored. An evaluator that scored rows on one side only fails the gate too:
+nothing shows that B holds there.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ EXIT_REGRESSION = 1
 EXIT_ERROR = 2
 
 ROWS_OK = "rows_ok"
+# The verdict of a line scored on one side only; it fails the gate.
+ONE_SIDE_ONLY = "one side only"
 
 # SamplingParams fields `--sampling-a/-b` may set, with their types.
 SAMPLING_FIELDS = {"max_tokens": int, "temperature": float, "top_p": float, "seed": int, "stop": str}
@@ -183,7 +186,7 @@ class Line:
 
     def verdict(self, threshold: float) -> str:
         if not self.comparable:
-            return "n/a" if not (self.a.n or self.b.n) else "one side only"
+            return "n/a" if not (self.a.n or self.b.n) else ONE_SIDE_ONLY
         if self.delta < -threshold:
             return "REGRESSED"
         if self.delta > threshold:
@@ -201,8 +204,14 @@ class Report:
         return [line.evaluator for line in self.lines if line.verdict(self.threshold) == "REGRESSED"]
 
     @property
+    def one_sided(self) -> list[str]:
+        """Evaluators that scored rows on one side only: the gate cannot vouch for B there (an
+        evaluator that stopped scoring B, or scores B alone), so they fail it as a regression does."""
+        return [line.evaluator for line in self.lines if line.verdict(self.threshold) == ONE_SIDE_ONLY]
+
+    @property
     def exit_code(self) -> int:
-        return EXIT_REGRESSION if self.regressions else EXIT_OK
+        return EXIT_REGRESSION if self.regressions or self.one_sided else EXIT_OK
 
 
 def compare(
@@ -246,11 +255,13 @@ def render(report: Report, a: Side, b: Side) -> str:
         )
     out.append("")
     out.append("DELTA is B's pass rate minus A's; N counts scored rows (+Ns: skipped, e.g. embeddings unavailable).")
+    failures = []
     if report.regressions:
-        out.append(
-            f"VERDICT: REGRESSION: B's pass rate is more than {report.threshold * 100:.1f} points below A's on:"
-            f" {', '.join(report.regressions)}"
-        )
+        failures.append(f"B's pass rate is more than {report.threshold * 100:.1f} points below A's on: {', '.join(report.regressions)}")
+    if report.one_sided:
+        failures.append(f"scored on one side only, so not compared: {', '.join(report.one_sided)}")
+    if failures:
+        out.append(f"VERDICT: {'REGRESSION' if report.regressions else 'FAILED'}: {'; '.join(failures)}")
     else:
         out.append(f"VERDICT: OK: B is within {report.threshold * 100:.1f} points of A on every evaluator")
     return "\n".join(out)

@@ -67,13 +67,11 @@ def _limit(request: web.Request, default: int = 20) -> int:
 
 
 def _list(data: list[dict[str, Any]], has_more: bool) -> dict[str, Any]:
-    return {
-        "object": "list",
-        "data": data,
-        "first_id": data[0]["id"] if data else None,
-        "last_id": data[-1]["id"] if data else None,
-        "has_more": has_more,
-    }
+    """A page; first_id and last_id (optional, not nullable in OpenAI's schema) only when it has items."""
+    page: dict[str, Any] = {"object": "list", "data": data, "has_more": has_more}
+    if data:
+        page.update(first_id=data[0]["id"], last_id=data[-1]["id"])
+    return page
 
 
 def _api_key(request: web.Request) -> str:

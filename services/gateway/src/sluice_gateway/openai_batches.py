@@ -238,8 +238,9 @@ def batch_object(
     error_file_id: str | None = None,
 ) -> dict[str, Any]:
     """openai.types.Batch. The job store keeps when a job was last changed, not when it entered
-    each state, so a terminal state's time is the job's updated_at and in_progress_at and
-    finalizing_at stay null."""
+    each state, so a terminal state's time is the job's updated_at, and in_progress_at and
+    finalizing_at are never known. What is not known or not set is omitted: OpenAI's schema has
+    these fields optional and not nullable."""
     status = status_of(job)
     ended = _seconds(job.updated_at)
     reply: dict[str, Any] = {
@@ -266,7 +267,7 @@ def batch_object(
     }
     if status == "failed" and job.error:
         reply["errors"] = {"object": "list", "data": [{"code": "batch_failed", "message": job.error, "param": None, "line": None}]}
-    return reply
+    return {name: value for name, value in reply.items() if value is not None}
 
 
 # ---- output and error files

@@ -342,7 +342,9 @@ class Completion:
             reply = self._base("text_completion")
         choice.update(logprobs=None, finish_reason=finish_reason)
         reply["choices"] = [choice]
-        reply["usage"] = usage_object(usage)
+        counted = usage_object(usage)
+        if counted is not None:  # optional and not nullable in OpenAI's schema: absent when not counted
+            reply["usage"] = counted
         return reply
 
     def chunk(self, text: str | None, finish_reason: str | None = None, first: bool = False) -> dict[str, Any]:
@@ -357,14 +359,18 @@ class Completion:
             choice = {"index": 0, "text": text or ""}
         choice.update(logprobs=None, finish_reason=finish_reason)
         reply["choices"] = [choice]
-        if self.call.options.include_usage:
+        if self.call.options.include_usage and self.call.chat:
+            # Null until the usage chunk, as OpenAI's chunk schema has it; a text completion's
+            # chunk (CreateCompletionResponse) has usage optional and not nullable: omitted.
             reply["usage"] = None
         return reply
 
     def usage_chunk(self, usage: types_pb2.Usage | None) -> dict[str, Any]:
         reply = self._base("chat.completion.chunk" if self.call.chat else "text_completion")
         reply["choices"] = []
-        reply["usage"] = usage_object(usage)
+        counted = usage_object(usage)
+        if counted is not None or self.call.chat:
+            reply["usage"] = counted
         return reply
 
 

@@ -168,6 +168,11 @@ def build_embedder(
     return embedder, backends, front
 
 
+def concurrency_limit(config: AdapterConfig, protocol: Protocol) -> int:
+    """What one replica runs at once of this model: its batch (step protocol) or its streams in flight."""
+    return config.max_batch_size if protocol == "step" else config.max_in_flight
+
+
 def extra_model_config(config: AdapterConfig, extra: ExtraModel) -> AdapterConfig:
     """The settings an extra generation model's pool runs with: the main model's, but its own
     Triton model and batch bound (and a reserved interactive share that fits that bound)."""
@@ -191,6 +196,7 @@ async def start_extra_pool(config: AdapterConfig, discovery: Discovery, supervis
     metrics.STEP_TIMEOUT.labels(model=config.model_name).set(step_timeouts.limit())
     label = f"#{config.model_name}"
     backends, make_scheduler, make_backend = build_backends(config, protocol, urls, label, step_timeouts)
+    CONCURRENCY_LIMIT.labels(model=config.model_name).set(concurrency_limit(config, protocol))
     pool = ReplicaPool(
         backends, make_scheduler, config.replica_failure_threshold, config.probe_interval_s, make_backend, metrics_label=label  # type: ignore[arg-type]
     )
@@ -238,8 +244,7 @@ async def serve(config: AdapterConfig) -> None:
     step_timeouts = StepTimeouts(config.step_timeout_policy(), config.model_name)
     metrics.STEP_TIMEOUT.labels(model=config.model_name).set(step_timeouts.limit())
     backends, make_scheduler, make_backend = build_backends(config, protocol, urls, step_timeouts=step_timeouts)
-    # The main model's bound only: an extra model's (e.g. the local variant's 4) would overwrite it.
-    CONCURRENCY_LIMIT.set(config.max_batch_size if protocol == "step" else config.max_in_flight)
+    CONCURRENCY_LIMIT.labels(model=config.model_name).set(concurrency_limit(config, protocol))
     pool = ReplicaPool(backends, make_scheduler, config.replica_failure_threshold, config.probe_interval_s, make_backend)  # type: ignore[arg-type]
     await wait_for_a_healthy_replica(pool, config.backend_wait_s)
     # Every owner task is supervised: if one dies, health turns NOT_SERVING and its callers fail.

@@ -30,10 +30,12 @@ TIME_TO_FIRST_TOKEN = Histogram(
 INTER_TOKEN = Histogram(
     "sluice_adapter_inter_token_seconds", "Gap between consecutive tokens of a sequence.", buckets=_LATENCY_BUCKETS
 )
-# The configured bound `sluice diagnose` compares the batch's effective concurrency with.
+# The configured bound `sluice diagnose` compares each model's batch (its kv_slots_in_use series:
+# '<address>' for the main model, '<address>#<model>' for an extra one) with.
 CONCURRENCY_LIMIT = Gauge(
     "sluice_adapter_concurrency_limit",
-    "Sequences one Triton replica may run at once: MAX_BATCH_SIZE (step protocol) or MAX_IN_FLIGHT (passthrough).",
+    "Sequences one Triton replica may run at once for a model: MAX_BATCH_SIZE (step protocol) or MAX_IN_FLIGHT (passthrough).",
+    ["model"],
 )
 REJECTIONS = Counter("sluice_adapter_rejections_total", "Requests refused before scheduling.", ["reason"])
 CANCELLATIONS = Counter("sluice_adapter_cancellations_total", "Sequences stopped before they finished.", ["reason"])

@@ -137,6 +137,8 @@ class Sequence:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     waited_steps: int = 0
+    # Set once its queue wait is in sluice_adapter_queue_seconds (a busy requeue waits on).
+    queue_wait_observed: bool = False
     done: bool = False
     # Set when the sequence failed because its backend did: a caller may retry it elsewhere.
     backend_failed: bool = False
@@ -493,7 +495,6 @@ class Scheduler(ReplicaWork):
                 break
             self._waiting.pop()
             head.prefilled_at = now
-            metrics.QUEUE_SECONDS.labels(replica=self._replica).observe(now - head.submitted_at)
             tokens += head.reserved_tokens
             self._running[head.seq_id] = head
             admitted.append(head)
@@ -522,6 +523,7 @@ class Scheduler(ReplicaWork):
             if outcome.finish == FINISH_BUSY:
                 self._requeue(sequence, now)
                 continue
+            self._observe_queue_wait(sequence)
             sequence.prompt_tokens = outcome.prompt_tokens or sequence.prompt_tokens
             sequence.completion_tokens = outcome.completion_tokens
             if outcome.token_id >= 0 and not sequence.cancelled:
@@ -531,6 +533,14 @@ class Scheduler(ReplicaWork):
                 sequence.finish(_finish_of(outcome.finish), now, error=outcome.error)
                 self._engine_full_until = 0.0  # a slot is free now: prefills may try again
         metrics.SLOTS_IN_USE.labels(replica=self._replica).set(len(self._running))
+
+    def _observe_queue_wait(self, sequence: Sequence) -> None:
+        """A sequence's whole wait, arrival to the prefill the engine took, observed once: at
+        admission it is not known yet whether the engine has a slot, and a prefill answered busy
+        goes back to the queue to wait on (observing each admission counted the first wait twice)."""
+        if not sequence.queue_wait_observed and sequence.prefilled_at is not None:
+            sequence.queue_wait_observed = True
+            metrics.QUEUE_SECONDS.labels(replica=self._replica).observe(sequence.prefilled_at - sequence.submitted_at)
 
     def _requeue(self, sequence: Sequence, now: float) -> None:
         """A prefill the engine had no slot for: back to the head of the queue, not an error."""

@@ -28,7 +28,7 @@ import time
 from typing import Any
 
 from .bench import default_gguf_path
-from .step_engine import DecodeRow, PrefillRow, ReleaseRow, SamplingParams, StepEngine
+from .step_engine import DecodeRow, PrefillRow, ReleaseRow, RowResult, SamplingParams, StepEngine
 
 DECODE_STEPS = 48
 PROMPT = "Write a long story about a dragon and a knight who become friends after a long war."
@@ -36,21 +36,48 @@ PROMPT = "Write a long story about a dragon and a knight who become friends afte
 Figures = dict[str, Any]  # prefill_tok_s, decode_tok_s, tokens (sequence 0's)
 
 
+def prefilled_tokens(results: list[RowResult]) -> int:
+    """Prompt tokens cached by the prefill rows that took a slot: a row answered busy (no free
+    slot) or error did no work and counts nothing."""
+    return sum(r.prompt_tokens for r in results if r.finish_reason not in ("busy", "error"))
+
+
+def decoded_tokens(results: list[RowResult]) -> int:
+    """Tokens a decode step produced: rows that answered no token (an error) did no work."""
+    return sum(1 for r in results if r.token_id >= 0 and r.finish_reason != "error")
+
+
 def engine_run(engine: StepEngine, batch: int) -> Figures:
+    """The batch's prompts in one step, then up to DECODE_STEPS greedy steps of the sequences still
+    running; tokens per second count only the rows that did work (a sequence that stopped early
+    is stepped no more)."""
     prompt = engine.apply_chat_template([("user", PROMPT)])
     params = SamplingParams(max_tokens=DECODE_STEPS + 1, temperature=0.0)
     seqs = list(range(batch))
     started = time.perf_counter()
     first = engine.step([PrefillRow(s, prompt, params) for s in seqs])
     prefill_s = time.perf_counter() - started
+    prefilled = prefilled_tokens(first)
+    running = [r.seq_id for r in first if r.token_id >= 0 and not r.finish_reason]
     tokens = [first[0].token_id]
+    decoded = 0
     started = time.perf_counter()
     for _ in range(DECODE_STEPS):
-        tokens.append(engine.step([DecodeRow(s) for s in seqs])[0].token_id)
+        if not running:
+            break
+        results = engine.step([DecodeRow(s) for s in running])
+        decoded += decoded_tokens(results)
+        tokens += [r.token_id for r in results if r.seq_id == 0 and r.token_id >= 0]
+        running = [r.seq_id for r in results if r.token_id >= 0 and not r.finish_reason]
     decode_s = time.perf_counter() - started
     engine.step([ReleaseRow(s) for s in seqs])
-    n_prompt = first[0].prompt_tokens
-    return {"prefill_tok_s": batch * n_prompt / prefill_s, "decode_tok_s": batch * DECODE_STEPS / decode_s, "tokens": tokens}
+    return {
+        "prefill_tok_s": prefilled / prefill_s,
+        "decode_tok_s": decoded / decode_s if decode_s > 0 else 0.0,
+        "prefilled_tokens": prefilled,
+        "decoded_tokens": decoded,
+        "tokens": tokens,
+    }
 
 
 class LlamaCppAlone:

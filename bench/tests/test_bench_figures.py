@@ -1,0 +1,47 @@
+"""What the benchmarks count, on made-up streams and results (their runs need the whole stack or
+minutes of a quiet machine; `make bench-rolling`, `make bench-engine` run them)."""
+
+from __future__ import annotations
+
+from bench_engine import ratio_lines
+from bench_rolling import Stream, failed_during, phase_of
+
+ROLLING = (100.0, 160.0)  # the first SIGTERM, the last restarted process serving again
+
+
+def test_a_stream_in_flight_at_the_first_sigterm_counts_in_the_rolling_restart() -> None:
+    cut = Stream(sent_at=95.0, ended_at=101.0, error="UNAVAILABLE: the gateway went away")
+    assert phase_of(cut, ROLLING) == "during"
+    assert failed_during([cut], ROLLING) == 1
+
+
+def test_phases_by_when_a_stream_was_in_flight() -> None:
+    streams = [
+        Stream(sent_at=10.0, ended_at=99.0, finished=True),  # ended before: the baseline
+        Stream(sent_at=99.0, ended_at=100.0, finished=True),  # still running at the first SIGTERM
+        Stream(sent_at=120.0, ended_at=130.0, error="ended without a finish reason"),
+        Stream(sent_at=159.0, ended_at=170.0, finished=True),
+        Stream(sent_at=160.0, ended_at=170.0, error="UNAVAILABLE"),  # sent once it was over: after
+    ]
+    assert [phase_of(s, ROLLING) for s in streams] == ["before", "during", "during", "during", "after"]
+    assert failed_during(streams, ROLLING) == 1
+
+
+def side(tokens: list[int], prefill: float, decode: float) -> dict:
+    return {"tokens": tokens, "prefill_tok_s": prefill, "decode_tok_s": decode}
+
+
+def test_ratios_only_when_greedy_tokens_match() -> None:
+    engine = {"1": side([1, 2, 3], 80.0, 40.0), "8": side([1, 2, 3], 400.0, 160.0)}
+    llamacpp = {"1": side([1, 2, 3], 100.0, 50.0), "8": side([1, 2, 3], 500.0, 200.0)}
+    assert ratio_lines(engine, llamacpp, ["1", "8"]) == [
+        "BENCH engine_vs_llamacpp_prefill_batch1 0.80 x",
+        "BENCH engine_vs_llamacpp_prefill_batch8 0.80 x",
+        "BENCH engine_vs_llamacpp_batch1 0.80 x (target >= 0.8)",
+        "BENCH engine_vs_llamacpp_batch8 0.80 x (target >= 0.8)",
+        "BENCH engine_vs_llamacpp_prefill 0.80 x (target >= 0.8; the lowest of batch 1, 8)",
+    ]
+    engine["8"] = side([1, 2, 4], 4000.0, 1600.0)  # fast, but not the same computation
+    lines = ratio_lines(engine, llamacpp, ["1", "8"])
+    assert not any(line.startswith("BENCH") for line in lines)
+    assert lines == ["no ratios: the engine's greedy tokens differ from llama.cpp's at batch 8"]
