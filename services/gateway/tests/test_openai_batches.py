@@ -213,8 +213,8 @@ def test_a_line_with_text_that_is_not_unicode_is_refused_naming_it() -> None:
 
 
 def test_readme_says_where_an_output_lines_request_id_comes_from() -> None:
-    """README's batch paragraph on `request_id` says what result_files does (test_results_become_output_and_error_lines): the
-    id the row ran under, derived from the batch and custom_id only for results without one."""
+    """README's batch paragraph on `request_id` says what result_files does
+    (test_results_become_output_and_error_lines_as_the_endpoints_answer): the id the row ran under, derived from the batch and custom_id only for results without one."""
     readme = (Path(__file__).resolve().parents[3] / "README.md").read_text()
     batches = readme.split("## OpenAI Batch API", 1)[1].split("\n## ", 1)[0]
     paragraph = " ".join(next(p for p in batches.split("\n- ") if p.lstrip().startswith("`request_id`")).split())
