@@ -23,13 +23,14 @@ LIBS := libs/sluice-protos libs/sluice-common libs/sluice-stack
 PROJECTS := $(LIBS) $(SERVICES) tests bench deploy/tests
 UNIT_TESTED := libs/sluice-common $(SERVICES) bench
 
-.PHONY: help setup deploy-requirements uv node protos protos-check proto-lint run test test-unit test-e2e test-deploy bench-path bench-adapter bench-evallog bench-ratelimit bench-jobs bench-jobs-interactive bench-engine bench-colocated bench-gpu bench-load bench-rolling bench-embed-cache bench-openai clean
+.PHONY: help setup deploy-requirements uv node protos protos-check proto-lint run test test-unit test-e2e test-deploy bench-path bench-adapter bench-evallog bench-ratelimit bench-jobs bench-jobs-interactive bench-engine bench-colocated bench-threads bench-gpu bench-load bench-rolling bench-embed-cache bench-openai clean
 
 help:
 	@echo "make run        start the whole suite locally and stream a demo completion (Ctrl-C stops it)"
 	@echo "make test       proto checks, each service's unit tests, then end-to-end tests on the real stack"
 	@echo "make bench-engine the step engine vs llama.cpp's own batched decode: prefill and decode tok/s"
 	@echo "make bench-colocated two engines on one host: cores split between them vs every core each (tok/s, step p99)"
+	@echo "make bench-threads the local stack's engine thread policies (spin, passive, one thread, ggml pool) quiet and beside a busy process"
 	@echo "make bench-gpu  on an NVIDIA GPU: the step engine's decode tok/s there vs the CPU at batch 1-64, greedy tokens identical?"
 	@echo "make bench-load 16, 32 and 64 chat streams through the stack: tok/s, TTFT, vs the engine alone"
 	@echo "make bench-rolling gateway, adapter and evaluation-logging restarted one by one under 32 streams: failed streams, lost events, TTFT"
@@ -111,6 +112,10 @@ bench-gpu: setup
 
 bench-colocated: setup
 	bench/.venv/bin/python bench/bench_colocated.py
+
+# BENCH_GGML_POOL_LIB=<folder of a libllama.so built with -DGGML_OPENMP=OFF> adds llama.cpp's own thread pool.
+bench-threads: setup
+	bench/.venv/bin/python bench/bench_threads.py
 
 bench-load: setup
 	bench/.venv/bin/python bench/bench_load.py

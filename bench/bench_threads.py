@@ -1,0 +1,114 @@
+"""`make bench-threads`: which engine thread policy the local stack should run, measured with
+`make bench-load`'s 32-stream chat load on the stack as `make run` starts it, on a quiet box and
+beside one busy process (a `while True` loop at normal priority, as a build or a test run would be).
+
+llama.cpp's CPU threads meet at each of the hundreds of barriers in a step. Built with OpenMP (the
+default build) they spin there; a thread that loses its core holds up the others until it runs
+again, so a step on a shared box can take seconds. The policies, each on a stack of its own:
+
+  spin      every usable CPU, OpenMP's default (active) wait: the default before this benchmark
+  passive   every usable CPU, OMP_WAIT_POLICY=PASSIVE: threads sleep at a barrier after a short spin
+  one       1 engine thread: no barrier to wait at
+  pool      every usable CPU, llama.cpp's own thread pool instead of OpenMP (a build without OpenMP:
+            BENCH_GGML_POOL_LIB names the folder of its libllama.so; skipped when unset)
+
+Per policy and condition: tokens/s of the streams that finished, TTFT p50/p99, streams that failed
+(the adapter cuts a stream whose next token is later than its gap timeout). Both conditions run on
+the same stack, quiet first; the policies run in turn, then again in the reverse order, and each
+figure is the better of its two rounds (this box is shared: the better round is the one less
+disturbed by others). Prints `BENCH threads_<policy>_<condition>_tokens_per_s` and friends, and
+`BENCH threads_busy_vs_quiet_<policy>`: the share of its quiet tokens/s a policy keeps beside a busy process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from bench_load import percentile, stack_run
+from sluice_stack import Stack, StackPorts
+
+STREAMS = int(os.environ.get("BENCH_STREAMS", "32"))
+CPUS = len(os.sched_getaffinity(0))
+POLICIES: dict[str, dict[str, str]] = {
+    "spin": {"SLUICE_TRITON_LOCAL_THREADS": str(CPUS), "OMP_WAIT_POLICY": "ACTIVE"},
+    "passive": {"SLUICE_TRITON_LOCAL_THREADS": str(CPUS), "OMP_WAIT_POLICY": "PASSIVE"},
+    "one": {"SLUICE_TRITON_LOCAL_THREADS": "1"},
+}
+if os.environ.get("BENCH_GGML_POOL_LIB"):
+    POLICIES["pool"] = {"SLUICE_TRITON_LOCAL_THREADS": str(CPUS), "LLAMA_CPP_LIB_PATH": os.environ["BENCH_GGML_POOL_LIB"]}
+
+
+@dataclass(frozen=True)
+class Figures:
+    tokens_per_s: float
+    ttft_p50_s: float
+    ttft_p99_s: float
+    failed: int
+
+    def better(self, other: Figures | None) -> Figures:
+        return self if other is None or self.tokens_per_s >= other.tokens_per_s else other
+
+
+def measure(address: str) -> Figures:
+    ok, wall, failed = asyncio.run(stack_run(address, STREAMS))
+    if not ok:
+        return Figures(0.0, float("nan"), float("nan"), failed)
+    ttfts = [r.ttft_s for r in ok]
+    return Figures(sum(r.completion_tokens for r in ok) / wall, percentile(ttfts, 50), percentile(ttfts, 99), failed)
+
+
+def busy_process() -> subprocess.Popen[bytes]:
+    return subprocess.Popen([sys.executable, "-c", "while True: pass"])
+
+
+def run_policy(name: str, env: dict[str, str]) -> dict[str, Figures]:
+    with tempfile.TemporaryDirectory() as run_dir:
+        stack = Stack(run_dir=Path(run_dir), ports=StackPorts.ephemeral(), extra_env={"triton-local": env})
+        stack.start()
+        try:
+            quiet = measure(stack.gateway_address)
+            busy = busy_process()
+            try:
+                loaded = measure(stack.gateway_address)
+            finally:
+                busy.kill()
+                busy.wait()
+        finally:
+            stack.stop()
+    for condition, figures in (("quiet", quiet), ("busy", loaded)):
+        print(
+            f"  {name:<8} {condition:<5} {figures.tokens_per_s:6.1f} tok/s, TTFT p50 {figures.ttft_p50_s * 1000:5.0f} ms"
+            f" p99 {figures.ttft_p99_s * 1000:5.0f} ms, {figures.failed} failed",
+            flush=True,
+        )
+    return {"quiet": quiet, "busy": loaded}
+
+
+def main() -> int:
+    print(f"{STREAMS} chat streams on the local stack per policy, {CPUS} usable CPUs; policies: {', '.join(POLICIES)}", flush=True)
+    best: dict[tuple[str, str], Figures] = {}
+    order = list(POLICIES)
+    for round_order in (order, order[::-1]):
+        for name in round_order:
+            for condition, figures in run_policy(name, POLICIES[name]).items():
+                best[(name, condition)] = figures.better(best.get((name, condition)))
+    print()
+    for (name, condition), figures in best.items():
+        print(f"BENCH threads_{name}_{condition}_tokens_per_s {figures.tokens_per_s:.1f} tok/s")
+        print(f"BENCH threads_{name}_{condition}_ttft_p50 {figures.ttft_p50_s * 1000:.0f} ms")
+        print(f"BENCH threads_{name}_{condition}_ttft_p99 {figures.ttft_p99_s * 1000:.0f} ms")
+        print(f"BENCH threads_{name}_{condition}_failed {figures.failed} streams")
+    for name in POLICIES:
+        quiet, busy = best[(name, "quiet")].tokens_per_s, best[(name, "busy")].tokens_per_s
+        print(f"BENCH threads_busy_vs_quiet_{name} {busy / quiet if quiet else 0.0:.2f} x")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
