@@ -329,10 +329,25 @@ def build_app(front: OpenAIFront, max_body_bytes: int, batches: BatchFront | Non
 class RunningHttp:
     runner: web.AppRunner
     port: int
+    grace_s: float
 
     async def stop(self) -> None:
-        """Stops accepting, lets in-flight requests finish within the runner's shutdown timeout."""
-        await self.runner.cleanup()
+        """Stops accepting, lets in-flight requests finish within the grace, then cuts them.
+
+        The runner's own shutdown timeout alone is not the grace: aiohttp waits that long for a
+        handler, then as long again for it to end by itself before it cancels it."""
+        cleanup = asyncio.ensure_future(self.runner.cleanup())
+        done, _ = await asyncio.wait({cleanup}, timeout=self.grace_s)
+        if not done:
+            await self.stop_now()
+        await cleanup
+
+    async def stop_now(self) -> None:
+        """Cuts every open connection, so their handlers are cancelled now (handler_cancellation):
+        a `stop` under way then ends without waiting out its timeout (a second SIGTERM)."""
+        server = self.runner.server
+        for connection in server.connections if server is not None else ():
+            connection.force_close()
 
 
 async def start_http(
@@ -345,4 +360,4 @@ async def start_http(
     await site.start()
     bound = port or runner.addresses[0][1]
     log.info("http_listening", host=host, port=bound)
-    return RunningHttp(runner, bound)
+    return RunningHttp(runner, bound, grace_s)
