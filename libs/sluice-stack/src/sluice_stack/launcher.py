@@ -606,4 +606,4 @@ def _port_taken(service: ServiceProcess, startup_error: str) -> bool:
         startup_error += triton_log.read_text(errors="replace")[-20_000:]
     except OSError:
         pass
-    return "address already in use" in startup_error.lower()
+    return "already in use" in startup_error.lower()  # "Address already in use", Triton's "Socket ... already in use"
