@@ -321,6 +321,25 @@ async def test_drain_cancels_what_outlives_the_grace() -> None:
         assert await call.code() == grpc.StatusCode.UNAVAILABLE
 
 
+async def test_the_ports_a_server_bound_are_logged_at_any_level(capsys) -> None:
+    """A launcher that started a service on port 0 reads its ports from this line (sluice_stack),
+    also when the service logs warnings only."""
+    configure_logging("test", "INFO", json=True)  # once per process: as the other tests have it
+    root = logging.getLogger()
+    root.handlers[0].stream = sys.stderr  # capsys swapped stderr after setup
+    level = root.level
+    root.setLevel("WARNING")  # what LOG_LEVEL=WARNING configures
+    try:
+        running = await create_server("127.0.0.1", 0, 0, lambda srv: [])
+        await running.shutdown(0)
+    finally:
+        root.setLevel(level)
+    lines = [json.loads(line) for line in capsys.readouterr().err.splitlines() if line.startswith("{")]
+    (bound,) = [line for line in lines if line.get("event") == "ports_bound"]
+    assert bound["grpc"] == running.port > 0 and bound["metrics"] == running.metrics_port > 0
+    assert not any(line.get("event") == "server_started" for line in lines)  # an INFO line
+
+
 async def test_a_second_signal_cuts_the_other_listener_as_it_cuts_grpc() -> None:
     class HeldListener:
         """Another listener (as the gateway's HTTP front) with a request that never ends by itself."""

@@ -27,9 +27,11 @@ from prometheus_client import start_http_server
 
 from sluice_common.config import ServerTLS
 from sluice_common.interceptor import SluiceServerInterceptor
+from sluice_common.log import PORTS_LOGGER
 from sluice_common.supervision import Supervisor, fault_injection_from_env
 
 log = structlog.stdlib.get_logger("sluice.server")
+ports_log = structlog.stdlib.get_logger(PORTS_LOGGER)
 
 REFLECTION_V1_SERVICE = "grpc.reflection.v1.ServerReflection"
 
@@ -160,6 +162,7 @@ async def create_server(
         services=list(service_names),
         tls="off" if tls is None else ("mutual" if tls.client_ca_file else "server"),
     )
+    ports_log.info("ports_bound", grpc=bound_port, **({"metrics": bound_metrics_port} if bound_metrics_port > 0 else {}))
     return running
 
 

@@ -41,9 +41,10 @@ ENV_PREFIXES = {
     "sluice_rate_limit": "SLUICE_RATELIMIT_",
     "sluice_triton_local": "SLUICE_TRITON_LOCAL_",
 }
-# The log lines in which a service says which ports it bound (sluice_common.server.create_server,
-# the gateway's HTTP front), and the role of each port they name.
-PORT_EVENTS = {"server_started": {"port": "grpc", "metrics_port": "metrics"}, "http_listening": {"port": "http"}}
+# The log line in which a service says which ports it bound, by role (sluice_common.server's and
+# the gateway HTTP front's `ports_bound`, logged at any log level).
+PORTS_EVENT = "ports_bound"
+PORT_ROLES = ("grpc", "metrics", "http")
 
 
 def free_port() -> int:
@@ -109,7 +110,7 @@ class ServiceProcess:
     # The variables that set its ports, by role ("grpc", "metrics", "http"). Once it is ready the
     # ports it bound are written into them, so a restart binds the same ones, as a pod keeps its own.
     port_env: dict[str, str] = field(default_factory=dict)
-    # The ports it bound, by role, read from its log once it is ready.
+    # The ports it bound, by role, read from its log (JSON lines) once it is ready.
     ports: dict[str, int] = field(default_factory=dict)
     _log_offset: int = 0
 
@@ -155,10 +156,9 @@ class ServiceProcess:
                 record = json.loads(line)
             except ValueError:
                 continue
-            roles = PORT_EVENTS.get(record.get("event")) if isinstance(record, dict) else None
-            for key, role in (roles or {}).items():
-                if isinstance(record.get(key), int) and record[key] > 0:
-                    ports[role] = record[key]
+            if not isinstance(record, dict) or record.get("event") != PORTS_EVENT:
+                continue
+            ports.update({role: record[role] for role in PORT_ROLES if isinstance(record.get(role), int) and record[role] > 0})
         return ports
 
     def is_ready(self) -> bool:

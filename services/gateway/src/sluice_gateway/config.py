@@ -29,7 +29,7 @@ class GatewayConfig(ServerConfig):
     # The OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/embeddings,
     # /v1/models) on this port, on the gateway's event loop beside gRPC; 0 (the default): off, so
     # that every gateway already deployed or started by a script keeps its ports; `make run` and the
-    # test stack set 8080 or ANY_HTTP_PORT (-1: a free port, named in the log line `http_listening`).
+    # test stack set 8080 or ANY_HTTP_PORT (-1: a free port, named in the log line `ports_bound`).
     # Request bodies larger than HTTP_MAX_BODY_BYTES get 413.
     http_port: int = 0
     http_max_body_bytes: int = 4 * 1024 * 1024

@@ -40,6 +40,7 @@ from aiohttp import web
 from sluice.common.v1 import types_pb2
 
 from sluice_common.errors import InvalidArgument, ResourceExhausted, SluiceError, Unauthenticated
+from sluice_common.log import PORTS_LOGGER
 from sluice_common.request_context import REQUEST_ID_KEY, bind_request_id, current_request_id, new_request_id
 from sluice_gateway.inference_path import InferencePath
 from sluice_gateway.model_catalog import UnknownModel
@@ -360,4 +361,5 @@ async def start_http(
     await site.start()
     bound = port or runner.addresses[0][1]
     log.info("http_listening", host=host, port=bound)
+    structlog.stdlib.get_logger(PORTS_LOGGER).info("ports_bound", http=bound)
     return RunningHttp(runner, bound, grace_s)
