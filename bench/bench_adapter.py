@@ -38,8 +38,7 @@ import grpc
 from sluice.common.v1 import types_pb2
 from sluice.inference.v1 import inference_pb2, inference_pb2_grpc
 
-from sluice_stack import REPO_ROOT, ServiceProcess, Stack, StackPorts, free_port
-from sluice_stack.launcher import grpc_serving
+from sluice_stack import REPO_ROOT, ServiceProcess, Stack, StackPorts
 
 MODEL = "smollm2-135m-instruct"
 EMBEDDING_MODEL = "all-minilm-l6-v2"
@@ -225,20 +224,9 @@ async def part_c(stub, args: argparse.Namespace) -> list[str]:
 def start_no_delay_adapter(stack: Stack) -> tuple[ServiceProcess, str]:
     """A second inference-adapter on the same Triton, configured like the stack's one except for
     SLUICE_ADAPTER_EMBED_MAX_DELAY_S=0 (a batch leaves as soon as its first text is waiting)."""
-    port = free_port()
-    adapter = stack.service("inference-adapter")
-    env = {
-        **adapter.env,
-        "SLUICE_ADAPTER_PORT": str(port),
-        "SLUICE_ADAPTER_METRICS_PORT": str(free_port()),
-        "SLUICE_ADAPTER_EMBED_MAX_DELAY_S": "0",
-    }
-    address = f"127.0.0.1:{port}"
-    process = ServiceProcess(
-        "inference-adapter-no-embed-delay", "sluice_inference_adapter", env,
-        adapter.log_path.with_name("inference-adapter-no-embed-delay.log"), grpc_serving(address), project="inference-adapter",
-    )  # fmt: skip
-    process.start_ready(120)
+    process, address, _ = stack.add_adapter(
+        "inference-adapter-no-embed-delay", timeout_s=120, env={"SLUICE_ADAPTER_EMBED_MAX_DELAY_S": "0"}
+    )
     return process, address
 
 

@@ -29,8 +29,7 @@ from sluice.common.v1 import types_pb2
 from sluice.evallog.v1 import events_pb2
 from sluice.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 
-from sluice_stack import ServiceProcess, Stack, StackPorts, free_port
-from sluice_stack.launcher import grpc_serving
+from sluice_stack import Stack, StackPorts
 
 KEY = "sk-sluice-demo"
 MODEL = "smollm2-135m-instruct"
@@ -155,21 +154,13 @@ def main() -> int:
     stack = Stack(run_dir=run_dir, ports=StackPorts.ephemeral(), amqp_prefix=prefix)
     print(f"starting the stack (logs in {run_dir}) ...", flush=True)
     stack.start(timeout_s=300)
-    off_port = free_port()
-    gateway = stack.service("gateway")
-    off = ServiceProcess(
-        "gateway",
-        "sluice_gateway",
-        {**gateway.env, "SLUICE_GATEWAY_PORT": str(off_port), "SLUICE_GATEWAY_METRICS_PORT": str(free_port()),
-         "SLUICE_GATEWAY_AMQP_URL": ""},
-        run_dir / "gateway-logging-off.log",
-        grpc_serving(f"127.0.0.1:{off_port}"),
-    )
     try:
-        off.start()
-        off.wait_ready(120)
+        # The logging-off gateway: the stack gateway's settings without RabbitMQ, on ports it binds
+        # itself (a copy of the stack gateway's environment took that one's HTTP port too, and died
+        # with "address already in use"); it needs no HTTP front.
+        _, off_address, _ = stack.add_gateway("gateway-logging-off", env={"SLUICE_GATEWAY_AMQP_URL": "", "SLUICE_GATEWAY_HTTP_PORT": "0"})
         on_stub = gateway_pb2_grpc.GatewayServiceStub(grpc.insecure_channel(stack.gateway_address))
-        off_stub = gateway_pb2_grpc.GatewayServiceStub(grpc.insecure_channel(f"127.0.0.1:{off_port}"))
+        off_stub = gateway_pb2_grpc.GatewayServiceStub(grpc.insecure_channel(off_address))
         for stub in (on_stub, off_stub):
             for _ in range(3):
                 close_gap_ms(stub)
@@ -221,7 +212,6 @@ def main() -> int:
         bench("evallog_similarity_skipped", skipped, "events")
         return 0
     finally:
-        off.stop()
         stack.stop()
         asyncio.run(_delete_topology(stack.amqp_url, prefix))
 

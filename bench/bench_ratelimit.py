@@ -31,8 +31,7 @@ import grpc
 from sluice.common.v1 import types_pb2
 from sluice.ratelimit.v1 import ratelimit_pb2, ratelimit_pb2_grpc
 
-from sluice_stack import REPO_ROOT, ServiceProcess, free_port
-from sluice_stack.launcher import grpc_serving
+from sluice_stack import REPO_ROOT, ServiceProcess
 
 CONCURRENCY = int(os.environ.get("BENCH_CONCURRENCY", "16"))
 SECONDS = float(os.environ.get("BENCH_SECONDS", "5"))
@@ -54,8 +53,9 @@ tokens_in_flight = 1000000000
 ECHO_METHOD = "/bench.Echo/Echo"
 
 
-def echo_server(port: int) -> None:
-    """The baseline: grpc.aio, one generic unary handler, bytes in, the same bytes out."""
+def echo_server() -> None:
+    """The baseline: grpc.aio, one generic unary handler, bytes in, the same bytes out; on a port
+    it binds itself, printed once it serves."""
 
     async def echo(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
         return request
@@ -64,8 +64,9 @@ def echo_server(port: int) -> None:
         server = grpc.aio.server()
         handler = grpc.method_handlers_generic_handler("bench.Echo", {"Echo": grpc.unary_unary_rpc_method_handler(echo)})
         server.add_generic_rpc_handlers((handler,))
-        server.add_insecure_port(f"127.0.0.1:{port}")
+        port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
+        print(port, flush=True)
         await server.wait_for_termination()
 
     asyncio.run(main())
@@ -125,30 +126,26 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def start_ratelimit(run_dir: Path, name: str, limits: Path, **env: str) -> tuple[ServiceProcess, str]:
-    port = free_port()
     settings = {
-        "SLUICE_RATELIMIT_PORT": str(port),
-        "SLUICE_RATELIMIT_METRICS_PORT": str(free_port()),
+        "SLUICE_RATELIMIT_PORT": "0",
+        "SLUICE_RATELIMIT_METRICS_PORT": "0",
         "SLUICE_RATELIMIT_LIMITS_FILE": str(limits),
         **{f"SLUICE_RATELIMIT_{k.upper()}": v for k, v in env.items()},
     }
-    address = f"127.0.0.1:{port}"
-    process = ServiceProcess(name, "sluice_rate_limit", settings, run_dir / f"{name}.log", grpc_serving(address), project="rate-limit")
-    process.start()
-    process.wait_ready(60)
-    return process, address
+    process = ServiceProcess(name, "sluice_rate_limit", settings, run_dir / f"{name}.log", project="rate-limit")
+    process.start_ready(60)
+    return process, process.address
 
 
 def main() -> int:
-    if len(sys.argv) == 3 and sys.argv[1] == "--echo-server":
-        echo_server(int(sys.argv[2]))
+    if sys.argv[1:] == ["--echo-server"]:
+        echo_server()
         return 0
     run_dir = Path(tempfile.mkdtemp(prefix="sluice-bench-ratelimit-"))
     limits = run_dir / "limits.toml"
     limits.write_text(LIMITS)
     prefix = f"sluice-bench-{uuid.uuid4().hex[:8]}"
-    echo_port = free_port()
-    echo = subprocess.Popen([sys.executable, __file__, "--echo-server", str(echo_port)], cwd=REPO_ROOT)
+    echo = subprocess.Popen([sys.executable, __file__, "--echo-server"], cwd=REPO_ROOT, stdout=subprocess.PIPE, text=True)
     processes: list[ServiceProcess] = []
     results: dict[str, tuple[float, list[float]]] = {}
     try:
@@ -156,8 +153,7 @@ def main() -> int:
         processes.append(memory)
         redis_rl, redis_address = start_ratelimit(run_dir, "rate-limit-redis", limits, backend="redis", redis_url=REDIS_URL, redis_prefix=prefix)
         processes.append(redis_rl)
-        if not grpc_serving(f"127.0.0.1:{echo_port}")():
-            time.sleep(1.0)  # the echo has no health service: a short wait is enough
+        echo_port = int(echo.stdout.readline())  # printed once it serves
         # Interleaved (echo, memory, redis, twice) so that the shared machine's noise hits all alike.
         for round_index in range(2):
             for kind, address in (("echo", f"127.0.0.1:{echo_port}"), ("memory", memory_address), ("redis", redis_address)):

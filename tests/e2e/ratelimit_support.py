@@ -14,27 +14,27 @@ from google.protobuf import duration_pb2
 from sluice.common.v1 import types_pb2
 from sluice.ratelimit.v1 import ratelimit_pb2, ratelimit_pb2_grpc
 
-from sluice_stack import ServiceProcess, free_port
-from sluice_stack.launcher import grpc_serving
+from sluice_stack import ServiceProcess
+from sluice_stack.launcher import RATELIMIT_PORT_ENV
 
 LEASE_TTL_S = 120.0
 
 
 def start_ratelimit(run_dir: Path, name: str, limits_file: Path, **env: str) -> tuple[ServiceProcess, str]:
-    """A rate-limit replica of our own, on free ports; returns it and its address."""
-    port = free_port()
-    address = f"127.0.0.1:{port}"
+    """A rate-limit replica of our own, on ports it binds itself; returns it and its address."""
     settings = {
         "PYTHONUNBUFFERED": "1",
-        "SLUICE_RATELIMIT_PORT": str(port),
-        "SLUICE_RATELIMIT_METRICS_PORT": str(free_port()),
+        "SLUICE_RATELIMIT_PORT": "0",
+        "SLUICE_RATELIMIT_METRICS_PORT": "0",
         "SLUICE_RATELIMIT_LIMITS_FILE": str(limits_file),
         "SLUICE_RATELIMIT_LOG_LEVEL": "WARNING",
         **{f"SLUICE_RATELIMIT_{key.upper()}": value for key, value in env.items()},
     }
-    process = ServiceProcess(name, "sluice_rate_limit", settings, run_dir / f"{name}.log", grpc_serving(address), project="rate-limit")
+    process = ServiceProcess(
+        name, "sluice_rate_limit", settings, run_dir / f"{name}.log", project="rate-limit", port_env=RATELIMIT_PORT_ENV
+    )
     process.start_ready(60)
-    return process, address
+    return process, process.address
 
 
 def acquire_request(tenant: str, model: str, tokens: int, bulk: bool = False, ttl_s: float = LEASE_TTL_S) -> ratelimit_pb2.AcquireRequest:

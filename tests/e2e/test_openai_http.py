@@ -24,7 +24,8 @@ from sluice.gateway.v1 import gateway_pb2
 
 from conftest import DEMO_KEY, EMBEDDING_MODEL, MODEL, auth
 from ratelimit_support import start_ratelimit
-from sluice_stack import REPO_ROOT, Stack, free_port
+from sluice_stack import REPO_ROOT, Stack
+from sluice_stack.launcher import ANY_HTTP_PORT
 from test_ratelimit_gateway import start_gateway
 
 PRIVATE_KEY = "sk-sluice-private"
@@ -177,15 +178,18 @@ burst = 1.0
 """
 
 
+# The gateway's HTTP front on a port it binds itself and names in its log.
+ANY_PORT = str(ANY_HTTP_PORT)
+
+
 def test_rate_limited_is_429_with_retry_after_and_ratelimit_headers(stack: Stack, tmp_path: Path) -> None:
     limits = tmp_path / "limits.toml"
     limits.write_text(LIMITS)
     limiter, limiter_address = start_ratelimit(tmp_path, "rate-limit-openai", limits)
-    http_port = free_port()
     try:
-        gateway, _ = start_gateway(stack, tmp_path, "gateway-openai-rl", limiter_address, http_port=str(http_port))
+        gateway, _ = start_gateway(stack, tmp_path, "gateway-openai-rl", limiter_address, http_port=ANY_PORT)
         try:
-            limited = openai.OpenAI(base_url=f"http://127.0.0.1:{http_port}/v1", api_key=PRIVATE_KEY, max_retries=0, timeout=60)
+            limited = openai.OpenAI(base_url=f"http://127.0.0.1:{gateway.ports['http']}/v1", api_key=PRIVATE_KEY, max_retries=0, timeout=60)
             first = limited.chat.completions.with_raw_response.create(model=MODEL, messages=QUESTION, max_tokens=2)
             assert first.headers["x-ratelimit-limit-requests"] == "1"
             with pytest.raises(openai.RateLimitError) as denied:
@@ -203,12 +207,11 @@ def test_rate_limited_is_429_with_retry_after_and_ratelimit_headers(stack: Stack
 def test_no_adapter_to_serve_is_503_with_retry_after(stack: Stack, tmp_path: Path) -> None:
     """A gateway whose only adapter has died: OpenAI's 503 (its SDK retries those), not a 500 or a hang."""
     adapter, adapter_address, _ = stack.add_adapter("adapter-openai-503")
-    http_port = free_port()
     gateway, _ = start_gateway(
-        stack, tmp_path, "gateway-openai-503", stack.ratelimit_address, http_port=str(http_port), adapter_url=adapter_address
+        stack, tmp_path, "gateway-openai-503", stack.ratelimit_address, http_port=ANY_PORT, adapter_url=adapter_address
     )
     try:
-        served = openai.OpenAI(base_url=f"http://127.0.0.1:{http_port}/v1", api_key=DEMO_KEY, max_retries=0, timeout=60)
+        served = openai.OpenAI(base_url=f"http://127.0.0.1:{gateway.ports['http']}/v1", api_key=DEMO_KEY, max_retries=0, timeout=60)
         assert served.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=2).choices[0].finish_reason
         adapter.kill()
         with pytest.raises(openai.InternalServerError) as unavailable:

@@ -6,6 +6,7 @@ limits of their own and gateways in front of the stack's adapter that use it (or
 
 from __future__ import annotations
 
+import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,8 +21,8 @@ from sluice.ratelimit.v1 import ratelimit_pb2, ratelimit_pb2_grpc
 
 from conftest import EMBEDDING_MODEL, MODEL, auth, wait_for
 from ratelimit_support import start_ratelimit
-from sluice_stack import ServiceProcess, Stack, free_port
-from sluice_stack.launcher import grpc_serving
+from sluice_stack import ServiceProcess, Stack
+from sluice_stack.launcher import GATEWAY_PORT_ENV
 
 PRIVATE_KEY = "sk-sluice-private"
 LIMITS = """
@@ -38,12 +39,10 @@ burst = 1.0
 
 
 def start_gateway(stack: Stack, run_dir: Path, name: str, ratelimit_url: str, **env: str) -> tuple[ServiceProcess, str]:
-    port = free_port()
-    address = f"127.0.0.1:{port}"
     settings = {
         "PYTHONUNBUFFERED": "1",
-        "SLUICE_GATEWAY_PORT": str(port),
-        "SLUICE_GATEWAY_METRICS_PORT": str(free_port()),
+        "SLUICE_GATEWAY_PORT": "0",
+        "SLUICE_GATEWAY_METRICS_PORT": "0",
         "SLUICE_GATEWAY_ADAPTER_URL": stack.adapter_address,
         "SLUICE_GATEWAY_TENANTS_FILE": str(stack.tenants_file),
         "SLUICE_GATEWAY_AMQP_URL": stack.amqp_url,
@@ -53,9 +52,9 @@ def start_gateway(stack: Stack, run_dir: Path, name: str, ratelimit_url: str, **
         "SLUICE_GATEWAY_RATELIMIT_URL": ratelimit_url,
         **{f"SLUICE_GATEWAY_{key.upper()}": value for key, value in env.items()},
     }
-    process = ServiceProcess(name, "sluice_gateway", settings, run_dir / f"{name}.log", grpc_serving(address), project="gateway")
+    process = ServiceProcess(name, "sluice_gateway", settings, run_dir / f"{name}.log", project="gateway", port_env=GATEWAY_PORT_ENV)
     process.start_ready(120)
-    return process, address
+    return process, process.address
 
 
 @pytest.fixture(scope="module")
@@ -186,7 +185,11 @@ def test_embed_past_the_requests_per_minute_is_resource_exhausted_with_retry_inf
 
 
 def test_an_unreachable_rate_limit_fails_closed_within_the_deadline(stack: Stack, tmp_path: Path) -> None:
-    dead = f"127.0.0.1:{free_port()}"
+    # A port this test holds bound but not listening: connections to it are refused, and no other
+    # process can start serving on it meanwhile.
+    held = socket.socket()
+    held.bind(("127.0.0.1", 0))
+    dead = f"127.0.0.1:{held.getsockname()[1]}"
     gateway, address = start_gateway(stack, tmp_path, "gateway-rl-dead", dead, ratelimit_timeout_s="0.3")
     try:
         with grpc.insecure_channel(address) as channel:
@@ -204,3 +207,4 @@ def test_an_unreachable_rate_limit_fails_closed_within_the_deadline(stack: Stack
                     assert "rate-limit" in caught.value.details()
     finally:
         gateway.stop()
+        held.close()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import shutil
 import subprocess
+import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -19,7 +20,6 @@ import redis
 from sluice.ratelimit.v1 import ratelimit_pb2, ratelimit_pb2_grpc
 
 from ratelimit_support import acquire_request, hammer, max_any_window, start_ratelimit, window_extremes
-from sluice_stack import free_port
 
 WINDOW_S = 10.0
 SHARED_REDIS = "redis://127.0.0.1:6379/0"
@@ -60,18 +60,21 @@ def own_redis(tmp_path: Path):  # type: ignore[no-untyped-def]
     binary = shutil.which("redis-server")
     if binary is None:
         pytest.skip("redis-server is not installed")
-    port = free_port()
+    # A unix socket rather than a TCP port probed free, which another process could take first
+    # (a short directory: socket paths are limited to ~100 bytes).
+    sockets = Path(tempfile.mkdtemp(prefix="sluice-redis-"))
+    path = sockets / "redis.sock"
 
     def start() -> subprocess.Popen[bytes]:
         process = subprocess.Popen(
-            [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(tmp_path)],
+            [binary, "--port", "0", "--unixsocket", str(path), "--save", "", "--appendonly", "no", "--dir", str(tmp_path)],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
         deadline = time.monotonic() + 10
         while True:
             try:
-                redis.Redis(port=port, socket_timeout=0.5).ping()
+                redis.Redis(unix_socket_path=str(path), socket_timeout=0.5).ping()
                 return process
             except redis.exceptions.ConnectionError:
                 assert time.monotonic() < deadline, "redis-server did not start"
@@ -80,7 +83,7 @@ def own_redis(tmp_path: Path):  # type: ignore[no-untyped-def]
     state = {"process": start()}
 
     class Handle:
-        url = f"redis://127.0.0.1:{port}/0"
+        url = f"unix://{path}?db=0"
 
         @staticmethod
         def kill() -> None:
@@ -95,6 +98,7 @@ def own_redis(tmp_path: Path):  # type: ignore[no-untyped-def]
     if state["process"].poll() is None:
         state["process"].kill()
         state["process"].wait()
+    shutil.rmtree(sockets, ignore_errors=True)
 
 
 LIMITS = """

@@ -240,7 +240,7 @@ def test_container_healthcheck_speaks_the_service_tls(tls_stack, pki) -> None:
     from sluice_stack import REPO_ROOT
 
     python = str(REPO_ROOT / "services" / "gateway" / ".venv" / "bin" / "python")
-    base = {"PATH": os.environ.get("PATH", ""), "SLUICE_GATEWAY_PORT": str(tls_stack.ports.gateway)}
+    base = {"PATH": os.environ.get("PATH", ""), "SLUICE_GATEWAY_PORT": tls_stack.gateway_address.rsplit(":", 1)[1]}
     own = {
         "SLUICE_GATEWAY_TLS_CERT_FILE": pki["gateway_cert"],
         "SLUICE_GATEWAY_TLS_KEY_FILE": pki["gateway_key"],

@@ -12,7 +12,6 @@ mount namespace cannot be made (not root, no CAP_SYS_ADMIN).
 
 from __future__ import annotations
 
-import os
 import subprocess
 import threading
 import time
@@ -27,8 +26,8 @@ from sluice.common.v1 import types_pb2
 from sluice.inference.v1 import inference_pb2, inference_pb2_grpc
 
 from conftest import MODEL, scrape, wait_for
-from sluice_stack import REPO_ROOT, ServiceProcess, free_port
-from sluice_stack.launcher import grpc_serving, http_ok
+from sluice_stack import ServiceProcess, free_port
+from sluice_stack.launcher import ADAPTER_PORT_ENV, http_ok
 
 NAME = "sluice-triton-pods"
 POD_IPS = ("127.0.0.1", "127.0.0.2")
@@ -43,17 +42,9 @@ class NamespacedService(ServiceProcess):
 
     hosts_file: Path = Path("/dev/null")
 
-    def start(self) -> None:
-        log = self.log_path.open("ab")
+    def command(self) -> list[str]:
         # unshare and sh exec into python: the pid (and its process group) is the service's.
-        self.process = subprocess.Popen(
-            ["unshare", "-m", "sh", "-c", 'mount --bind "$0" /etc/hosts && exec "$1" -m "$2"', str(self.hosts_file), str(self.python), self.module],
-            env={**os.environ, **self.env},
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            cwd=REPO_ROOT,
-            start_new_session=True,
-        )  # fmt: skip
+        return ["unshare", "-m", "sh", "-c", 'mount --bind "$0" /etc/hosts && exec "$1" -m "$2"', str(self.hosts_file), str(self.python), self.module]  # fmt: skip
 
 
 @dataclass
@@ -98,6 +89,7 @@ def pods(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pods]:
     hosts_file.write_text(hosts_text(POD_IPS))
     if not namespaces_work(hosts_file):
         pytest.skip("no private mount namespace here (unshare -m and a bind mount need CAP_SYS_ADMIN)")
+    # Triton's ports are probed: tritonserver binds what it is told and cannot say what it bound.
     grpc_port = free_port()
     tritons: dict[str, ServiceProcess] = {}
     model_metrics: dict[str, str] = {}
@@ -123,22 +115,21 @@ def pods(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pods]:
             started.append(pod)
         for pod in tritons.values():
             pod.wait_ready(300)
-        port, metrics_port = free_port(), free_port()
         adapter_env = {
             "PYTHONUNBUFFERED": "1",
-            "SLUICE_ADAPTER_PORT": str(port),
-            "SLUICE_ADAPTER_METRICS_PORT": str(metrics_port),
+            "SLUICE_ADAPTER_PORT": "0",
+            "SLUICE_ADAPTER_METRICS_PORT": "0",
             "SLUICE_ADAPTER_TRITON_URLS": f"dns:///{NAME}:{grpc_port}",
             "SLUICE_ADAPTER_TRITON_RESOLVE_INTERVAL_S": "0.5",
             "SLUICE_ADAPTER_PROBE_INTERVAL_S": "0.5",
             "SLUICE_ADAPTER_MAX_BATCH_SIZE": "8",
         }
-        address = f"127.0.0.1:{port}"
         adapter = NamespacedService("inference-adapter", "sluice_inference_adapter", adapter_env, run_dir / "inference-adapter.log",
-                                    grpc_serving(address), hosts_file=hosts_file)  # fmt: skip
+                                    port_env=ADAPTER_PORT_ENV, hosts_file=hosts_file)  # fmt: skip
         started.append(adapter)
         adapter.start_ready(300)
-        yield Pods(grpc_port, hosts_file, tritons, model_metrics, adapter, address, f"http://127.0.0.1:{metrics_port}/metrics")
+        metrics_url = f"http://127.0.0.1:{adapter.ports['metrics']}/metrics"
+        yield Pods(grpc_port, hosts_file, tritons, model_metrics, adapter, adapter.address, metrics_url)
     finally:
         for service in reversed(started):
             service.stop()

@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
+import signal
 import sys
 
 import grpc
@@ -16,7 +18,7 @@ from grpc_status import rpc_status
 from sluice_common.errors import InvalidArgument, ResourceExhausted
 from sluice_common.log import configure_logging
 from sluice_common.request_context import current_request_id
-from sluice_common.server import create_server, drain
+from sluice_common.server import create_server, drain, serve_until_signal
 
 SERVICE = "test.Echo"
 
@@ -317,6 +319,52 @@ async def test_drain_cancels_what_outlives_the_grace() -> None:
         assert await call.read() == b"first"
         await asyncio.wait_for(drain(running, grace_s=0.3, notice_s=0), 5)
         assert await call.code() == grpc.StatusCode.UNAVAILABLE
+
+
+async def test_the_ports_a_server_bound_are_logged_at_any_level(capsys) -> None:
+    """A launcher that started a service on port 0 reads its ports from this line (sluice_stack),
+    also when the service logs warnings only."""
+    configure_logging("test", "INFO", json=True)  # once per process: as the other tests have it
+    root = logging.getLogger()
+    root.handlers[0].stream = sys.stderr  # capsys swapped stderr after setup
+    level = root.level
+    root.setLevel("WARNING")  # what LOG_LEVEL=WARNING configures
+    try:
+        running = await create_server("127.0.0.1", 0, 0, lambda srv: [])
+        await running.shutdown(0)
+    finally:
+        root.setLevel(level)
+    lines = [json.loads(line) for line in capsys.readouterr().err.splitlines() if line.startswith("{")]
+    (bound,) = [line for line in lines if line.get("event") == "ports_bound"]
+    assert bound["grpc"] == running.port > 0 and bound["metrics"] == running.metrics_port > 0
+    assert not any(line.get("event") == "server_started" for line in lines)  # an INFO line
+
+
+async def test_a_second_signal_cuts_the_other_listener_as_it_cuts_grpc() -> None:
+    class HeldListener:
+        """Another listener (as the gateway's HTTP front) with a request that never ends by itself."""
+
+        def __init__(self) -> None:
+            self.draining, self.cut = asyncio.Event(), asyncio.Event()
+
+        async def stop(self) -> None:
+            self.draining.set()
+            await self.cut.wait()
+
+        async def stop_now(self) -> None:
+            self.cut.set()
+
+    running = await create_server("127.0.0.1", 0, -1, lambda srv: [])
+    listener = HeldListener()
+    serving = asyncio.create_task(serve_until_signal(running, 60.0, also=listener))
+    await asyncio.sleep(0.1)  # its signal handlers are in place
+    os.kill(os.getpid(), signal.SIGTERM)
+    await asyncio.wait_for(listener.draining.wait(), 5)
+    await asyncio.sleep(0.1)
+    assert not serving.done()  # the listener drains (its request is in flight)
+    os.kill(os.getpid(), signal.SIGTERM)
+    await asyncio.wait_for(serving, 5)  # cut at once, not at the end of the 60 s grace
+    assert listener.cut.is_set()
 
 
 def _in_flight(method: str) -> float:

@@ -15,6 +15,10 @@ import structlog
 
 _configured = False
 
+# The logger of the `ports_bound` lines (a service's ports, as bound): logged whatever the level,
+# since a launcher that started a service on port 0 reads its ports there (sluice_stack).
+PORTS_LOGGER = "sluice.ports"
+
 
 def configure_logging(service: str, level: str = "INFO", json: bool | None = None) -> None:
     global _configured
@@ -52,6 +56,7 @@ def configure_logging(service: str, level: str = "INFO", json: bool | None = Non
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
+    logging.getLogger(PORTS_LOGGER).setLevel(logging.INFO)
 
 
 def _add_service(service: str) -> structlog.types.Processor:

@@ -13,6 +13,7 @@ import signal
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import grpc
 import structlog
@@ -26,9 +27,11 @@ from prometheus_client import start_http_server
 
 from sluice_common.config import ServerTLS
 from sluice_common.interceptor import SluiceServerInterceptor
+from sluice_common.log import PORTS_LOGGER
 from sluice_common.supervision import Supervisor, fault_injection_from_env
 
 log = structlog.stdlib.get_logger("sluice.server")
+ports_log = structlog.stdlib.get_logger(PORTS_LOGGER)
 
 REFLECTION_V1_SERVICE = "grpc.reflection.v1.ServerReflection"
 
@@ -159,6 +162,7 @@ async def create_server(
         services=list(service_names),
         tls="off" if tls is None else ("mutual" if tls.client_ca_file else "server"),
     )
+    ports_log.info("ports_bound", grpc=bound_port, **({"metrics": bound_metrics_port} if bound_metrics_port > 0 else {}))
     return running
 
 
@@ -239,13 +243,24 @@ async def drain(
         log.info("flushed", seconds=round(time.monotonic() - flushing, 3))
 
 
+class Listener(Protocol):
+    """Another listener of a service beside its gRPC port (the gateway's HTTP front)."""
+
+    async def stop(self) -> None:
+        """Takes no new requests; lets those in flight finish within the service's grace."""
+
+    async def stop_now(self) -> None:
+        """Cuts the requests still in flight (a second signal during the drain)."""
+
+
 async def serve_until_signal(
     running: RunningServer,
     grace_s: float,
     on_stop: Callable[[], Awaitable[None]] | None = None,
-    also_drain: Callable[[], Awaitable[None]] | None = None,
+    also: Listener | None = None,
 ) -> None:
-    """Blocks until SIGTERM/SIGINT, then drains (see `drain`); a second signal cuts the grace short.
+    """Blocks until SIGTERM/SIGINT, then drains (see `drain`) the gRPC port and `also` together;
+    a second signal cuts both short: what is still in flight is cancelled, then `on_stop` flushes.
 
     With SLUICE_FAULT_INJECTION set, SIGUSR1 fails the owner tasks it names (failure tests)."""
     signals = asyncio.Queue[int]()
@@ -256,12 +271,12 @@ async def serve_until_signal(
         loop.add_signal_handler(signal.SIGUSR1, running.supervisor.inject_faults)
     await signals.get()
     log.info("shutting_down", grace_s=grace_s)
-    draining = asyncio.create_task(drain(running, grace_s, on_stop, also_drain=also_drain))
+    draining = asyncio.create_task(drain(running, grace_s, on_stop, also_drain=also.stop if also is not None else None))
     second = asyncio.create_task(signals.get())
     await asyncio.wait({draining, second}, return_when=asyncio.FIRST_COMPLETED)
     if second.done():
         log.warning("shutting_down_now", reason="a second signal during the drain")
-        await running.server.stop(0)
+        await asyncio.gather(running.server.stop(0), *([also.stop_now()] if also is not None else []))
     else:
         second.cancel()
     await draining

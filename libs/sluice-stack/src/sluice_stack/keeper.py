@@ -42,7 +42,7 @@ class ServiceKeeper:
                 self._start_when_due(service, now)
             elif service.process is not None and service.process.poll() is not None:
                 self._schedule(service, now)
-            elif service.name in self._starting and service.ready():
+            elif service.name in self._starting and service.is_ready():
                 self._starting.discard(service.name)
                 self._say(f"{service.name} is serving again")
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -9,7 +10,7 @@ import subprocess
 import time
 import urllib.request
 from collections.abc import Callable
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
 import grpc
@@ -25,7 +26,30 @@ VARIANT_TRITON_MODEL = "smollm2_q4_0_step"
 VARIANT_BATCH = 4
 
 
+# What `stop` adds to a service's drain grace before it SIGKILLs: the NOT_SERVING notice, the flush
+# of what the service owes after the drain (sluice_common.server.drain) and a busy machine's delays.
+STOP_MARGIN_S = 15.0
+# sluice_common.config.ServerConfig.shutdown_grace_s, the grace of a service that sets none.
+DEFAULT_SHUTDOWN_GRACE_S = 60.0
+SHARED_GRACE_ENV = "SLUICE_SHUTDOWN_GRACE_S"
+# Each service module's settings prefix (its config.ENV_PREFIX): where its own grace is set.
+ENV_PREFIXES = {
+    "sluice_gateway": "SLUICE_GATEWAY_",
+    "sluice_gateway.worker": "SLUICE_GATEWAY_",
+    "sluice_inference_adapter": "SLUICE_ADAPTER_",
+    "sluice_evaluation_logging": "SLUICE_EVALLOG_",
+    "sluice_rate_limit": "SLUICE_RATELIMIT_",
+    "sluice_triton_local": "SLUICE_TRITON_LOCAL_",
+}
+# The log line in which a service says which ports it bound, by role (sluice_common.server's and
+# the gateway HTTP front's `ports_bound`, logged at any log level).
+PORTS_EVENT = "ports_bound"
+PORT_ROLES = ("grpc", "metrics", "http")
+
+
 def free_port() -> int:
+    """A port free now, which another process may take before it is used: only for a server that
+    cannot bind port 0 and say what it bound (tritonserver), never for one of Sluice's services."""
     with socket.socket() as sock:
         sock.bind((LOCALHOST, 0))
         return int(sock.getsockname()[1])
@@ -52,7 +76,9 @@ class StackPorts:
 
     @classmethod
     def ephemeral(cls) -> StackPorts:
-        return cls(*(free_port() for _ in fields(cls)))
+        """Every service binds a free port and reports it (tests, benchmarks); Triton's ports,
+        which tritonserver cannot report, are picked when the stack is made."""
+        return cls(*(0 for _ in fields(cls)))
 
 
 @dataclass(frozen=True)
@@ -74,34 +100,86 @@ class ServiceProcess:
     module: str
     env: dict[str, str]
     log_path: Path
-    ready: Callable[[], bool]
+    # None: gRPC health SERVING on the port the service reports having bound (`ports["grpc"]`).
+    ready: Callable[[], bool] | None = None
     process: subprocess.Popen[bytes] | None = None
     # The services/ folder whose environment runs it, when it differs from the name (replicas).
     project: str = ""
+    # Health checks over TLS with these (a service started with TLS on).
+    credentials: grpc.ChannelCredentials | None = None
+    # The variables that set its ports, by role ("grpc", "metrics", "http"). Once it is ready the
+    # ports it bound are written into them, so a restart binds the same ones, as a pod keeps its own.
+    port_env: dict[str, str] = field(default_factory=dict)
+    # The ports it bound, by role, read from its log (JSON lines) once it is ready.
+    ports: dict[str, int] = field(default_factory=dict)
+    _log_offset: int = 0
 
     @property
     def python(self) -> Path:
         return REPO_ROOT / "services" / (self.project or self.name) / ".venv" / "bin" / "python"
 
+    @property
+    def address(self) -> str:
+        """Its gRPC address, as it reported it (after wait_ready)."""
+        return f"{LOCALHOST}:{self.ports['grpc']}"
+
+    def command(self) -> list[str]:
+        return [str(self.python), "-m", self.module]
+
     def start(self) -> None:
         if not self.python.exists():
             raise StartupError(f"{self.python} is missing: run `make setup` first")
-        log = self.log_path.open("ab")
-        self.process = subprocess.Popen(
-            [str(self.python), "-m", self.module],
-            env={**os.environ, **self.env},
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            cwd=REPO_ROOT,
-            start_new_session=True,
-        )
+        self._log_offset = self.log_path.stat().st_size if self.log_path.exists() else 0
+        # The child gets its own copy of the descriptor; ours is closed at once, not left to the
+        # garbage collector (one per start, a restart loop's worth).
+        with self.log_path.open("ab") as log:
+            self.process = subprocess.Popen(
+                self.command(),
+                env={**os.environ, **self.env},
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                cwd=REPO_ROOT,
+                start_new_session=True,
+            )
+
+    def reported_ports(self) -> dict[str, int]:
+        """The ports this run of the service says it bound (its JSON log lines since `start`)."""
+        ports: dict[str, int] = {}
+        try:
+            with self.log_path.open("rb") as log:
+                log.seek(self._log_offset)
+                lines = log.read().splitlines()
+        except OSError:
+            return ports
+        for line in lines:
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if not isinstance(record, dict) or record.get("event") != PORTS_EVENT:
+                continue
+            ports.update({role: record[role] for role in PORT_ROLES if isinstance(record.get(role), int) and record[role] > 0})
+        return ports
+
+    def is_ready(self) -> bool:
+        if self.ready is not None:
+            return self.ready()
+        port = self.reported_ports().get("grpc")
+        return port is not None and grpc_serving(f"{LOCALHOST}:{port}", self.credentials)()
+
+    def _keep_ports(self) -> None:
+        self.ports.update(self.reported_ports())
+        for role, variable in self.port_env.items():
+            if role in self.ports:
+                self.env[variable] = str(self.ports[role])
 
     def wait_ready(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.process is not None and self.process.poll() is not None:
                 raise StartupError(f"{self.name} exited with {self.process.returncode}:\n{self.log_tail()}")
-            if self.ready():
+            if self.is_ready():
+                self._keep_ports()
                 return
             time.sleep(0.25)
         raise StartupError(f"{self.name} was not ready within {timeout_s:.0f}s:\n{self.log_tail()}")
@@ -121,6 +199,17 @@ class ServiceProcess:
         except OSError:
             return "(no log)"
 
+    @property
+    def shutdown_grace_s(self) -> float:
+        """The drain grace this service runs with: its own setting, else the shared one, else the default."""
+        env = {**os.environ, **self.env}
+        own = f"{ENV_PREFIXES[self.module]}SHUTDOWN_GRACE_S" if self.module in ENV_PREFIXES else ""
+        raw = env.get(own) or env.get(SHARED_GRACE_ENV)
+        try:
+            return float(raw) if raw else DEFAULT_SHUTDOWN_GRACE_S
+        except ValueError:  # the service refuses to start with it; nothing to drain
+            return DEFAULT_SHUTDOWN_GRACE_S
+
     def terminate(self) -> None:
         """SIGTERM, without waiting: the service drains (see sluice_common.server.drain) and exits."""
         if self.process is not None and self.process.poll() is None:
@@ -132,12 +221,13 @@ class ServiceProcess:
             os.killpg(self.process.pid, signal.SIGKILL)
             self.process.wait()
 
-    def stop(self, timeout_s: float = 15.0) -> None:
+    def stop(self, timeout_s: float | None = None) -> None:
+        """SIGTERM, then SIGKILL only after the service's drain grace and STOP_MARGIN_S (or `timeout_s`)."""
         if self.process is None or self.process.poll() is not None:
             return
         self.process.send_signal(signal.SIGTERM)
         try:
-            self.process.wait(timeout_s)
+            self.process.wait(self.shutdown_grace_s + STOP_MARGIN_S if timeout_s is None else timeout_s)
         except subprocess.TimeoutExpired:
             os.killpg(self.process.pid, signal.SIGKILL)
             self.process.wait()
@@ -169,9 +259,37 @@ def http_ok(url: str) -> Callable[[], bool]:
     return check
 
 
+# The services/ folder whose environment runs each module.
+MODULE_PROJECTS = {
+    "sluice_gateway": "gateway",
+    "sluice_gateway.worker": "gateway",
+    "sluice_inference_adapter": "inference-adapter",
+    "sluice_evaluation_logging": "evaluation-logging",
+    "sluice_rate_limit": "rate-limit",
+    "sluice_triton_local": "triton-local",
+}
+# Each service's port variables, by role (ServiceProcess.port_env).
+ADAPTER_PORT_ENV = {"grpc": "SLUICE_ADAPTER_PORT", "metrics": "SLUICE_ADAPTER_METRICS_PORT"}
+EVALLOG_PORT_ENV = {"grpc": "SLUICE_EVALLOG_PORT", "metrics": "SLUICE_EVALLOG_METRICS_PORT"}
+RATELIMIT_PORT_ENV = {"grpc": "SLUICE_RATELIMIT_PORT", "metrics": "SLUICE_RATELIMIT_METRICS_PORT"}
+GATEWAY_PORT_ENV = {"grpc": "SLUICE_GATEWAY_PORT", "metrics": "SLUICE_GATEWAY_METRICS_PORT", "http": "SLUICE_GATEWAY_HTTP_PORT"}
+WORKER_PORT_ENV = {"grpc": "SLUICE_GATEWAY_WORKER_PORT", "metrics": "SLUICE_GATEWAY_WORKER_METRICS_PORT"}
+# SLUICE_GATEWAY_HTTP_PORT's "bind a free port and report it" (its 0 turns the HTTP front off).
+ANY_HTTP_PORT = -1
+
+# A service to start: its name, module, environment and port variables (ServiceProcess's fields).
+Spec = tuple[str, str, dict[str, str], dict[str, str]]
+
+
 @dataclass
 class Stack:
-    """triton-local, inference-adapter, evaluation-logging, rate-limit and gateway, started in that order."""
+    """triton-local, inference-adapter, evaluation-logging, rate-limit and gateway, started in that order.
+
+    Ports that are 0 in `ports` are bound by the service itself, which reports what it bound
+    (ServiceProcess.ports): no port is probed free and then handed to a process that another
+    may take first. Triton's are the exception: tritonserver binds what it is told, so a stack
+    with Triton ports of 0 picks free ones and starts triton-local again on other ports if one
+    was taken meanwhile."""
 
     run_dir: Path
     ports: StackPorts = field(default_factory=StackPorts)
@@ -197,26 +315,38 @@ class Stack:
 
     def __post_init__(self) -> None:
         p = self.ports
+        self._probed_triton = not (p.triton_http and p.triton_grpc and p.triton_metrics and p.triton_local_metrics)
+        if self._probed_triton:
+            self.ports = p = replace(
+                p, triton_http=free_port(), triton_grpc=free_port(), triton_metrics=free_port(), triton_local_metrics=free_port()
+            )
         self.triton_ports: dict[str, TritonPorts] = {
             "triton-local": TritonPorts(p.triton_http, p.triton_grpc, p.triton_metrics, p.triton_local_metrics)
         }
         for index in range(self.extra_triton_replicas):
             self.triton_ports[f"triton-local-{index + 2}"] = TritonPorts(*(free_port() for _ in range(4)))
-        # (gRPC port, metrics port) of each replica of the services that have several.
+        # The (gRPC, metrics) ports asked of each replica of the services that have several (0: any).
         self.replica_ports: dict[str, list[tuple[int, int]]] = {
             "gateway": [(p.gateway, p.gateway_metrics)],
             "inference-adapter": [(p.adapter, p.adapter_metrics)],
             "evaluation-logging": [(p.evallog, p.evallog_metrics)],
         }
         for ports in self.replica_ports.values():
-            ports.extend((free_port(), free_port()) for _ in range(self.service_replicas - 1))
+            ports.extend((0, 0) for _ in range(self.service_replicas - 1))
 
     def replica_names(self, service: str) -> list[str]:
         return [service if index == 0 else f"{service}-{index + 1}" for index in range(len(self.replica_ports[service]))]
 
+    def _bound(self, name: str, role: str = "grpc") -> int:
+        """The port a started service reported for `role`."""
+        try:
+            return self.service(name).ports[role]
+        except (StopIteration, KeyError):
+            raise StartupError(f"{name} has not reported a {role} port: is it started?") from None
+
     def _target(self, service: str) -> str:
         """A gRPC target naming every replica of `service` (one address when there is one)."""
-        addresses = [f"{LOCALHOST}:{port}" for port, _ in self.replica_ports[service]]
+        addresses = [f"{LOCALHOST}:{self._bound(name)}" for name in self.replica_names(service)]
         return addresses[0] if len(addresses) == 1 else "ipv4:" + ",".join(addresses)
 
     @property
@@ -225,24 +355,24 @@ class Stack:
 
     @property
     def gateway_address(self) -> str:
-        return f"{LOCALHOST}:{self.ports.gateway}"
+        return f"{LOCALHOST}:{self._bound('gateway')}"
 
     @property
     def openai_base_url(self) -> str:
         """The OpenAI-compatible API of the (first) gateway: an openai client's base_url."""
-        return f"http://{LOCALHOST}:{self.ports.gateway_http}/v1"
+        return f"http://{LOCALHOST}:{self._bound('gateway', 'http')}/v1"
 
     @property
     def ratelimit_address(self) -> str:
-        return f"{LOCALHOST}:{self.ports.ratelimit}"
+        return f"{LOCALHOST}:{self._bound('rate-limit')}"
 
     @property
     def evallog_address(self) -> str:
-        return f"{LOCALHOST}:{self.ports.evallog}"
+        return f"{LOCALHOST}:{self._bound('evaluation-logging')}"
 
     @property
     def adapter_address(self) -> str:
-        return f"{LOCALHOST}:{self.ports.adapter}"
+        return f"{LOCALHOST}:{self._bound('inference-adapter')}"
 
     @property
     def triton_grpc_address(self) -> str:
@@ -252,25 +382,15 @@ class Stack:
         return f"{LOCALHOST}:{self.triton_ports[replica].grpc}"
 
     def metrics_url(self, service: str) -> str:
-        ports = {
-            "gateway": self.ports.gateway_metrics,
-            "inference-adapter": self.ports.adapter_metrics,
-            "evaluation-logging": self.ports.evallog_metrics,
-            "rate-limit": self.ports.ratelimit_metrics,
-            "job-worker": self.ports.job_worker_metrics,
-            **{name: t.model_metrics for name, t in self.triton_ports.items()},
-            **{
-                name: metrics
-                for service, ports in self.replica_ports.items()
-                for name, (_, metrics) in zip(self.replica_names(service), ports, strict=True)
-            },
-        }
-        return f"http://{LOCALHOST}:{ports[service]}/metrics"
+        if service in self.triton_ports:
+            return f"http://{LOCALHOST}:{self.triton_ports[service].model_metrics}/metrics"
+        return f"http://{LOCALHOST}:{self._bound(service, 'metrics')}/metrics"
 
     def _extra_models(self) -> str:
         return f"{VARIANT_MODEL}={VARIANT_TRITON_MODEL}:{VARIANT_BATCH}" if self.serve_variant else ""
 
-    def _triton_spec(self, name: str, ports: TritonPorts) -> tuple[str, str, dict[str, str], Callable[[], bool]]:
+    def _triton_service(self, name: str) -> ServiceProcess:
+        ports = self.triton_ports[name]
         env = {
             "SLUICE_TRITON_LOCAL_HTTP_PORT": str(ports.http),
             "SLUICE_TRITON_LOCAL_GRPC_PORT": str(ports.grpc),
@@ -281,7 +401,8 @@ class Stack:
             **self._triton_threads(),
         }
         # Server readiness: every model loaded (the step model alone is ready before the others).
-        return name, "sluice_triton_local", env, http_ok(f"http://{LOCALHOST}:{ports.http}/v2/health/ready")
+        ready = http_ok(f"http://{LOCALHOST}:{ports.http}/v2/health/ready")
+        return self._service((name, "sluice_triton_local", env, {}), ready)
 
     def _triton_threads(self) -> dict[str, str]:
         """Several replicas on this one machine split its cores, as an operator co-locating them
@@ -290,48 +411,43 @@ class Stack:
             return {}
         return {"SLUICE_TRITON_LOCAL_THREADS": str(max(1, len(os.sched_getaffinity(0)) // len(self.triton_ports)))}
 
-    def _plan(self) -> list[ServiceProcess]:
+    def _service(self, spec: Spec, ready: Callable[[], bool] | None = None) -> ServiceProcess:
+        name, module, env, port_env = spec
+        return ServiceProcess(
+            name,
+            module,
+            {"PYTHONUNBUFFERED": "1", **env, **self.extra_env.get(name, {})},
+            self.run_dir / f"{name}.log",
+            ready,
+            project=MODULE_PROJECTS[module],
+            # The job worker's health port speaks no TLS (worker.py's create_server).
+            credentials=None if module == "sluice_gateway.worker" else self.grpc_credentials,
+            port_env=port_env,
+        )
+
+    def _plan(self) -> list[Callable[[], ServiceProcess]]:
+        """What to start, in order; each is made when its turn comes, with the addresses its
+        dependencies, started before it, reported."""
         p = self.ports
-        common = {"PYTHONUNBUFFERED": "1"}
-        specs = [
-            *(self._triton_spec(name, ports) for name, ports in self.triton_ports.items()),
-            *(self._adapter_spec(name, port, metrics) for name, (port, metrics) in self._replicas("inference-adapter")),
-            *(self._evallog_spec(name, port, metrics) for name, (port, metrics) in self._replicas("evaluation-logging")),
-            (
-                "rate-limit",
-                "sluice_rate_limit",
-                {
-                    "SLUICE_RATELIMIT_PORT": str(p.ratelimit),
-                    "SLUICE_RATELIMIT_METRICS_PORT": str(p.ratelimit_metrics),
-                    "SLUICE_RATELIMIT_LIMITS_FILE": str(self.limits_file),
-                },
-                grpc_serving(self.ratelimit_address, self.grpc_credentials),
-            ),
-            *(self._gateway_spec(name, port, metrics) for name, (port, metrics) in self._replicas("gateway")),
-            self.job_worker_spec(),
+        ratelimit_env = {
+            "SLUICE_RATELIMIT_PORT": str(p.ratelimit),
+            "SLUICE_RATELIMIT_METRICS_PORT": str(p.ratelimit_metrics),
+            "SLUICE_RATELIMIT_LIMITS_FILE": str(self.limits_file),
+        }
+        replicas = lambda service, spec: [  # noqa: E731
+            (lambda name=name, ports=ports: self._service(spec(name, *ports)))
+            for name, ports in zip(self.replica_names(service), self.replica_ports[service], strict=True)
         ]
         return [
-            ServiceProcess(
-                name,
-                module,
-                {**common, **env, **self.extra_env.get(name, {})},
-                self.run_dir / f"{name}.log",
-                ready,
-                project=self._project_of(name),
-            )
-            for name, module, env, ready in specs
+            *((lambda name=name: self._triton_service(name)) for name in self.triton_ports),
+            *replicas("inference-adapter", self._adapter_spec),
+            *replicas("evaluation-logging", self._evallog_spec),
+            lambda: self._service(("rate-limit", "sluice_rate_limit", ratelimit_env, RATELIMIT_PORT_ENV)),
+            *replicas("gateway", self._gateway_spec),
+            lambda: self._service(self.job_worker_spec()),
         ]
 
-    def _replicas(self, service: str) -> list[tuple[str, tuple[int, int]]]:
-        return list(zip(self.replica_names(service), self.replica_ports[service], strict=True))
-
-    def _project_of(self, name: str) -> str:
-        """The services/ folder that runs `name` (a replica, or the gateway's job-worker role)."""
-        if name.startswith("job-worker"):
-            return "gateway"
-        return next((p for p in ("triton-local", *self.replica_ports) if name.startswith(p) and name != p), "")
-
-    def _adapter_spec(self, name: str, port: int, metrics_port: int) -> tuple[str, str, dict[str, str], Callable[[], bool]]:
+    def _adapter_spec(self, name: str, port: int = 0, metrics_port: int = 0) -> Spec:
         env = {
             "SLUICE_ADAPTER_PORT": str(port),
             "SLUICE_ADAPTER_METRICS_PORT": str(metrics_port),
@@ -339,9 +455,9 @@ class Stack:
             "SLUICE_ADAPTER_EXTRA_MODELS": self._extra_models(),
             **self.extra_env.get("inference-adapter", {}),
         }
-        return name, "sluice_inference_adapter", env, grpc_serving(f"{LOCALHOST}:{port}", self.grpc_credentials)
+        return name, "sluice_inference_adapter", env, ADAPTER_PORT_ENV
 
-    def _evallog_spec(self, name: str, port: int, metrics_port: int) -> tuple[str, str, dict[str, str], Callable[[], bool]]:
+    def _evallog_spec(self, name: str, port: int = 0, metrics_port: int = 0) -> Spec:
         env = {
             "SLUICE_EVALLOG_PORT": str(port),
             "SLUICE_EVALLOG_METRICS_PORT": str(metrics_port),
@@ -353,7 +469,7 @@ class Stack:
             "SLUICE_EVALLOG_ADAPTER_URL": self._target("inference-adapter"),
             **self.extra_env.get("evaluation-logging", {}),
         }
-        return name, "sluice_evaluation_logging", env, grpc_serving(f"{LOCALHOST}:{port}", self.grpc_credentials)
+        return name, "sluice_evaluation_logging", env, EVALLOG_PORT_ENV
 
     def _gateway_role_env(self, name: str) -> dict[str, str]:
         """What the gateway's two roles (API, job worker) both need: dependencies and state files."""
@@ -367,40 +483,31 @@ class Stack:
             "SLUICE_GATEWAY_JOBS_SQLITE_PATH": str(self.run_dir / "jobs.sqlite3"),
         }
 
-    def _gateway_spec(self, name: str, port: int, metrics_port: int) -> tuple[str, str, dict[str, str], Callable[[], bool]]:
+    def _gateway_spec(self, name: str, port: int = 0, metrics_port: int = 0) -> Spec:
+        http_port = self.ports.gateway_http if name == "gateway" else 0
         env = {
             "SLUICE_GATEWAY_PORT": str(port),
             "SLUICE_GATEWAY_METRICS_PORT": str(metrics_port),
             **self._gateway_role_env(name),
-            "SLUICE_GATEWAY_HTTP_PORT": str(self.ports.gateway_http if name == "gateway" else free_port()),
+            "SLUICE_GATEWAY_HTTP_PORT": str(http_port or ANY_HTTP_PORT),
             **self.extra_env.get("gateway", {}),
         }
-        return name, "sluice_gateway", env, grpc_serving(f"{LOCALHOST}:{port}", self.grpc_credentials)
+        return name, "sluice_gateway", env, GATEWAY_PORT_ENV
 
-    def job_worker_spec(
-        self, name: str = "job-worker", port: int | None = None, metrics_port: int | None = None
-    ) -> tuple[str, str, dict[str, str], Callable[[], bool]]:
+    def job_worker_spec(self, name: str = "job-worker", port: int | None = None, metrics_port: int | None = None) -> Spec:
         """The gateway's job-worker role (bulk jobs); more workers: `add_job_worker`."""
-        port = self.ports.job_worker if port is None else port
-        metrics_port = self.ports.job_worker_metrics if metrics_port is None else metrics_port
         env = {
-            "SLUICE_GATEWAY_WORKER_PORT": str(port),
-            "SLUICE_GATEWAY_WORKER_METRICS_PORT": str(metrics_port),
+            "SLUICE_GATEWAY_WORKER_PORT": str(self.ports.job_worker if port is None else port),
+            "SLUICE_GATEWAY_WORKER_METRICS_PORT": str(self.ports.job_worker_metrics if metrics_port is None else metrics_port),
             **self._gateway_role_env(name),
         }
-        return name, "sluice_gateway.worker", env, grpc_serving(f"{LOCALHOST}:{port}")
+        return name, "sluice_gateway.worker", env, WORKER_PORT_ENV
 
     def add_job_worker(self, name: str, timeout_s: float = 120.0, env: dict[str, str] | None = None) -> ServiceProcess:
         """Starts one more job worker (for failover tests), with `env` on top of the stack's worker
         settings; stopped with the stack."""
-        _, module, spec_env, ready = self.job_worker_spec(name, free_port(), free_port())
-        service = ServiceProcess(
-            name, module, {"PYTHONUNBUFFERED": "1", **spec_env, **self.extra_env.get("job-worker", {}), **(env or {})},
-            self.run_dir / f"{name}.log", ready, project="gateway",
-        )  # fmt: skip
-        self.services.append(service)
-        service.start()
-        service.wait_ready(timeout_s)
+        worker_env = {**self.extra_env.get("job-worker", {}), **(env or {})}
+        service, _, _ = self._start_extra(self.job_worker_spec(name, 0, 0), worker_env, timeout_s)
         return service
 
     def add_adapter(
@@ -409,17 +516,7 @@ class Stack:
         """Starts one more inference-adapter on the same Triton replicas (it shares their slots),
         with `env` on top of the stack's adapter settings; stopped with the stack. Returns it,
         its gRPC address and its metrics URL."""
-        port, metrics_port = free_port(), free_port()
-        env = {
-            "PYTHONUNBUFFERED": "1",
-            "SLUICE_ADAPTER_EXTRA_MODELS": self._extra_models(),
-            **self.extra_env.get("inference-adapter", {}),
-            "SLUICE_ADAPTER_PORT": str(port),
-            "SLUICE_ADAPTER_METRICS_PORT": str(metrics_port),
-            "SLUICE_ADAPTER_TRITON_URLS": ",".join(self.triton_address(n) for n in self.triton_ports),
-            **(env or {}),
-        }
-        return self._start_extra(name, "sluice_inference_adapter", "inference-adapter", env, port, metrics_port, timeout_s)
+        return self._start_extra(self._adapter_spec(name), env, timeout_s)
 
     def add_ratelimit(
         self, name: str, limits_file: Path, timeout_s: float = 60.0, env: dict[str, str] | None = None
@@ -427,16 +524,13 @@ class Stack:
         """Starts one more rate-limit with its own limits file (a gateway from `add_gateway` with
         SLUICE_GATEWAY_RATELIMIT_URL set to it asks it); stopped with the stack. Returns it, its
         gRPC address and its metrics URL."""
-        port, metrics_port = free_port(), free_port()
         service_env = {
-            "PYTHONUNBUFFERED": "1",
             **self.extra_env.get("rate-limit", {}),
-            "SLUICE_RATELIMIT_PORT": str(port),
-            "SLUICE_RATELIMIT_METRICS_PORT": str(metrics_port),
+            "SLUICE_RATELIMIT_PORT": "0",
+            "SLUICE_RATELIMIT_METRICS_PORT": "0",
             "SLUICE_RATELIMIT_LIMITS_FILE": str(limits_file),
-            **(env or {}),
         }
-        return self._start_extra(name, "sluice_rate_limit", "rate-limit", service_env, port, metrics_port, timeout_s)
+        return self._start_extra((name, "sluice_rate_limit", service_env, RATELIMIT_PORT_ENV), env, timeout_s)
 
     def add_gateway(
         self, name: str, timeout_s: float = 120.0, env: dict[str, str] | None = None
@@ -444,37 +538,59 @@ class Stack:
         """Starts one more gateway beside the stack's (the same rate-limit, tenants and RabbitMQ),
         with `env` on top (e.g. SLUICE_GATEWAY_ADAPTER_URL of an adapter from `add_adapter`, so a
         test routes through a differently configured adapter); stopped with the stack. Returns
-        it, its gRPC address and its metrics URL."""
-        port, metrics_port = free_port(), free_port()
-        _, module, spec_env, _ = self._gateway_spec(name, port, metrics_port)
-        service_env = {"PYTHONUNBUFFERED": "1", **spec_env, **(env or {})}
-        return self._start_extra(name, module, "gateway", service_env, port, metrics_port, timeout_s)
+        it, its gRPC address and its metrics URL; its HTTP front's port is `ports["http"]`."""
+        return self._start_extra(self._gateway_spec(name), env, timeout_s)
 
-    def _start_extra(
-        self, name: str, module: str, project: str, env: dict[str, str], port: int, metrics_port: int, timeout_s: float
-    ) -> tuple[ServiceProcess, str, str]:
+    def _start_extra(self, spec: Spec, env: dict[str, str] | None, timeout_s: float) -> tuple[ServiceProcess, str, str]:
         """Starts a service beside the stack's own, stopped with the stack: it, its gRPC address
         and its metrics URL."""
-        address = f"{LOCALHOST}:{port}"
-        service = ServiceProcess(
-            name, module, env, self.run_dir / f"{name}.log", grpc_serving(address, self.grpc_credentials), project=project
-        )
+        name, module, spec_env, port_env = spec
+        service = self._service((name, module, {**spec_env, **(env or {})}, port_env))
         self.services.append(service)
         service.start_ready(timeout_s)
-        return service, address, f"http://{LOCALHOST}:{metrics_port}/metrics"
+        return service, service.address, f"http://{LOCALHOST}:{service.ports['metrics']}/metrics"
 
     def start(self, timeout_s: float = 300.0, on_ready: Callable[[ServiceProcess], None] | None = None) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         try:
-            for service in self._plan():
+            for make in self._plan():
+                service = make()
                 self.services.append(service)
-                service.start()
-                service.wait_ready(timeout_s)
+                self._start_service(service, timeout_s)
                 if on_ready is not None:
                     on_ready(service)
         except BaseException:
             self.stop()
             raise
+
+    # Starts of triton-local on other probed ports when one of them was taken meanwhile.
+    TRITON_PORT_RETRIES = 3
+
+    def _start_service(self, service: ServiceProcess, timeout_s: float) -> None:
+        for attempt in range(self.TRITON_PORT_RETRIES + 1):
+            service.start()
+            try:
+                service.wait_ready(timeout_s)
+                return
+            except StartupError as exc:
+                if not (self._probed_triton and service.name in self.triton_ports and _port_taken(service, str(exc))):
+                    raise
+                if attempt == self.TRITON_PORT_RETRIES:
+                    raise
+            self._reprobe_triton(service)
+
+    def _reprobe_triton(self, service: ServiceProcess) -> None:
+        """New probed ports for a triton-local whose ports another process took first."""
+        service.stop()
+        ports = TritonPorts(*(free_port() for _ in range(4)))
+        self.triton_ports[service.name] = ports
+        if service.name == "triton-local":
+            self.ports = replace(
+                self.ports, triton_http=ports.http, triton_grpc=ports.grpc, triton_metrics=ports.triton_metrics,
+                triton_local_metrics=ports.model_metrics,
+            )  # fmt: skip
+        fresh = self._triton_service(service.name)
+        service.env, service.ready = fresh.env, fresh.ready
 
     def service(self, name: str) -> ServiceProcess:
         return next(s for s in self.services if s.name == name)
@@ -483,3 +599,13 @@ class Stack:
         for service in reversed(self.services):
             service.stop()
         self.services.clear()
+
+
+def _port_taken(service: ServiceProcess, startup_error: str) -> bool:
+    """Whether triton-local failed because a port was taken (its own log, or tritonserver's)."""
+    triton_log = Path(service.env.get("SLUICE_TRITON_LOCAL_TRITON_LOG_FILE", "/nonexistent"))
+    try:
+        startup_error += triton_log.read_text(errors="replace")[-20_000:]
+    except OSError:
+        pass
+    return "already in use" in startup_error.lower()  # "Address already in use", Triton's "Socket ... already in use"

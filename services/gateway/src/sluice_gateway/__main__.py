@@ -8,7 +8,7 @@ from sluice.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from sluice_common.bootstrap import run_service
 from sluice_common.loop_lag import monitor_loop_lag
 from sluice_common.server import create_server, serve_until_signal
-from sluice_gateway.config import ENV_PREFIX, GatewayConfig
+from sluice_gateway.config import ANY_HTTP_PORT, ENV_PREFIX, GatewayConfig
 from sluice_gateway.core import GatewayCore
 from sluice_gateway.job_store import JobStore
 from sluice_gateway.jobs_api import JobsApi, job_request_publisher
@@ -47,7 +47,8 @@ async def serve(config: GatewayConfig) -> None:
         front = OpenAIFront(core.tenants, path)
         # OpenAI's Files and Batch APIs: their tables are in the job store's database.
         batches = BatchFront(front, OpenAIStore(job_store.db), jobs, core.models, config.files_max_bytes, config.jobs_max_rows)
-        http = await start_http(front, config.host, config.http_port, config.http_max_body_bytes, config.shutdown_grace_s, batches)
+        http_port = 0 if config.http_port == ANY_HTTP_PORT else config.http_port
+        http = await start_http(front, config.host, http_port, config.http_max_body_bytes, config.shutdown_grace_s, batches)
     await running.set_serving(True)
     log.info("ready", adapter=config.adapter_url, models=[m.name for m in core.models.models], http_port=http.port if http else None)
 
@@ -57,7 +58,7 @@ async def serve(config: GatewayConfig) -> None:
         await job_store.close()
 
     # The HTTP listener drains beside the gRPC port (no new requests from the signal on), not after it.
-    await serve_until_signal(running, config.shutdown_grace_s, on_stop, also_drain=http.stop if http is not None else None)
+    await serve_until_signal(running, config.shutdown_grace_s, on_stop, also=http)
 
 
 def main() -> None:

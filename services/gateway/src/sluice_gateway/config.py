@@ -9,6 +9,8 @@ from sluice_common.adaptive_timeout import TimeoutPolicy
 from sluice_common.config import ClientTLS, ServerConfig, require
 
 ENV_PREFIX = "SLUICE_GATEWAY_"
+# SLUICE_GATEWAY_HTTP_PORT's "bind a free port and say which" (0 is "off").
+ANY_HTTP_PORT = -1
 # The longest completion window a job may ask for (and the default may be): a week. A job's state
 # and its results stay in the store until it ends, so a bound keeps forgotten jobs from lingering.
 MAX_COMPLETION_WINDOW_S = 7 * 24 * 3600.0
@@ -27,7 +29,8 @@ class GatewayConfig(ServerConfig):
     # The OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/embeddings,
     # /v1/models) on this port, on the gateway's event loop beside gRPC; 0 (the default): off, so
     # that every gateway already deployed or started by a script keeps its ports; `make run` and the
-    # test stack set 8080 or a free port. Request bodies larger than HTTP_MAX_BODY_BYTES get 413.
+    # test stack set 8080 or ANY_HTTP_PORT (-1: a free port, named in the log line `ports_bound`).
+    # Request bodies larger than HTTP_MAX_BODY_BYTES get 413.
     http_port: int = 0
     http_max_body_bytes: int = 4 * 1024 * 1024
     # The largest file POST /v1/files stores (a batch input file, JSONL; kept in the job store's
@@ -145,7 +148,10 @@ class GatewayConfig(ServerConfig):
         )
         require(self.ratelimit_timeout_s > 0, f"{ENV_PREFIX}RATELIMIT_TIMEOUT_S must be > 0, got {self.ratelimit_timeout_s}")
         require(self.default_max_tokens >= 1, f"{ENV_PREFIX}DEFAULT_MAX_TOKENS must be >= 1, got {self.default_max_tokens}")
-        require(0 <= self.http_port <= 65535, f"{ENV_PREFIX}HTTP_PORT must be in [0, 65535] (0: off), got {self.http_port}")
+        require(
+            ANY_HTTP_PORT <= self.http_port <= 65535,
+            f"{ENV_PREFIX}HTTP_PORT must be in [-1, 65535] (0: off; -1: any free port), got {self.http_port}",
+        )
         require(self.http_max_body_bytes >= 1024, f"{ENV_PREFIX}HTTP_MAX_BODY_BYTES must be >= 1024, got {self.http_max_body_bytes}")
         require(self.files_max_bytes >= 1024, f"{ENV_PREFIX}FILES_MAX_BYTES must be >= 1024, got {self.files_max_bytes}")
         require(self.events_outbox_size >= 1, f"{ENV_PREFIX}EVENTS_OUTBOX_SIZE must be >= 1, got {self.events_outbox_size}")

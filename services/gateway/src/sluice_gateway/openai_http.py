@@ -40,6 +40,7 @@ from aiohttp import web
 from sluice.common.v1 import types_pb2
 
 from sluice_common.errors import InvalidArgument, ResourceExhausted, SluiceError, Unauthenticated
+from sluice_common.log import PORTS_LOGGER
 from sluice_common.request_context import REQUEST_ID_KEY, bind_request_id, current_request_id, new_request_id
 from sluice_gateway.inference_path import InferencePath
 from sluice_gateway.model_catalog import UnknownModel
@@ -346,10 +347,25 @@ def build_app(front: OpenAIFront, max_body_bytes: int, batches: BatchFront | Non
 class RunningHttp:
     runner: web.AppRunner
     port: int
+    grace_s: float
 
     async def stop(self) -> None:
-        """Stops accepting, lets in-flight requests finish within the runner's shutdown timeout."""
-        await self.runner.cleanup()
+        """Stops accepting, lets in-flight requests finish within the grace, then cuts them.
+
+        The runner's own shutdown timeout alone is not the grace: aiohttp waits that long for a
+        handler, then as long again for it to end by itself before it cancels it."""
+        cleanup = asyncio.ensure_future(self.runner.cleanup())
+        done, _ = await asyncio.wait({cleanup}, timeout=self.grace_s)
+        if not done:
+            await self.stop_now()
+        await cleanup
+
+    async def stop_now(self) -> None:
+        """Cuts every open connection, so their handlers are cancelled now (handler_cancellation):
+        a `stop` under way then ends without waiting out its timeout (a second SIGTERM)."""
+        server = self.runner.server
+        for connection in server.connections if server is not None else ():
+            connection.force_close()
 
 
 async def start_http(
@@ -362,4 +378,5 @@ async def start_http(
     await site.start()
     bound = port or runner.addresses[0][1]
     log.info("http_listening", host=host, port=bound)
-    return RunningHttp(runner, bound)
+    structlog.stdlib.get_logger(PORTS_LOGGER).info("ports_bound", http=bound)
+    return RunningHttp(runner, bound, grace_s)

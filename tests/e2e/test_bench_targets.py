@@ -1,0 +1,114 @@
+"""Every `make bench-*` target still starts (issue 22, item 11): its script or module exists, imports
+in the environment the Makefile runs it with and has a main(); the triton-local modules a script
+starts (`-m sluice_triton_local.engine...`) import there too; a script with options parses --help.
+
+Cheap (a few seconds, nothing started): it catches a bench broken at import or argument level
+before anyone waits on a stack for it."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from sluice_stack import REPO_ROOT
+
+MAKEFILE = REPO_ROOT / "Makefile"
+# A recipe line that runs Python from a project's environment: a script or a module.
+COMMAND = re.compile(r"^\t(?P<python>\S+/\.venv/bin/python) (?:-m (?P<module>[\w.]+)|(?P<script>\S+\.py))(?P<args>.*)$")
+# A module a bench script starts in another environment, e.g. [str(PYTHON), "-m", "sluice_triton_local.engine.bench"].
+STARTED_MODULE = re.compile(r'"-m",\s*"(sluice_triton_local\.[\w.]+)"')
+TRITON_LOCAL_PYTHON = "services/triton-local/.venv/bin/python"
+
+# Run once per environment: imports each script (not as __main__) or module named on its command
+# line ("script:<path>", "module:<name>", "started:<name>") and checks that a target has a main().
+PROBE = """
+import importlib, importlib.util, sys
+for index, entry in enumerate(sys.argv[1:]):
+    kind, name = entry.split(":", 1)
+    if kind == "script":
+        sys.path.insert(0, name.rsplit("/", 1)[0])  # as `python path/to/script.py` has it
+        spec = importlib.util.spec_from_file_location(f"bench_probe_{index}", name)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module
+        spec.loader.exec_module(module)
+        sys.path.pop(0)
+    else:
+        module = importlib.import_module(name)
+    assert callable(getattr(module, "main", None)) or kind == "started", f"{name} has no main()"
+    print("ok", entry, flush=True)
+"""
+
+
+@dataclass(frozen=True)
+class BenchCommand:
+    target: str
+    python: str
+    module: str | None
+    script: str | None
+
+
+def bench_commands() -> list[BenchCommand]:
+    commands, target = [], ""
+    for line in MAKEFILE.read_text().splitlines():
+        if match := re.match(r"^(bench-[\w-]+):", line):
+            target = match.group(1)
+        elif not line.startswith("\t"):
+            target = ""
+        elif target and (command := COMMAND.match(line)):
+            commands.append(BenchCommand(target, command["python"], command["module"], command["script"]))
+    return commands
+
+
+def bench_targets() -> set[str]:
+    phony = next(line for line in MAKEFILE.read_text().splitlines() if line.startswith(".PHONY:"))
+    return {name for name in phony.split()[1:] if name.startswith("bench-")}
+
+
+def test_every_bench_target_runs_one_python_entry_point() -> None:
+    commands = bench_commands()
+    assert {c.target for c in commands} == bench_targets()
+    assert len(commands) == len(bench_targets()), [c.target for c in commands]
+    for command in commands:
+        assert (REPO_ROOT / command.script).is_file() if command.script else command.module, command
+
+
+def _probes() -> list[tuple[str, list[str]]]:
+    """(what, command line) of every check: one interpreter per environment imports what runs in
+    it, and each script with options is asked for --help."""
+    imports: dict[str, list[str]] = {}
+    probes: list[tuple[str, list[str]]] = []
+    for command in bench_commands():
+        python = str(REPO_ROOT / command.python)
+        if command.script:
+            path = REPO_ROOT / command.script
+            source = path.read_text()
+            imports.setdefault(python, []).append(f"script:{path}")
+            started = [f"started:{module}" for module in STARTED_MODULE.findall(source)]
+            imports.setdefault(str(REPO_ROOT / TRITON_LOCAL_PYTHON), []).extend(started)
+            if "parse_args(" in source:
+                probes.append((f"{command.target} --help", [python, str(path), "--help"]))
+        else:
+            imports.setdefault(python, []).append(f"module:{command.module}")
+    probes += [(f"imports in {python}", [python, "-c", PROBE, *dict.fromkeys(entries)]) for python, entries in imports.items()]
+    return probes
+
+
+def test_every_bench_script_imports_and_parses_its_arguments() -> None:
+    probes = _probes()
+    assert sum("started:" in arg for _, argv in probes for arg in argv) >= 3  # the engine benches are found
+    missing = [argv[0] for _, argv in probes if not Path(argv[0]).exists()]
+    if missing:
+        pytest.fail(f"run `make setup` first: {sorted(set(missing))} missing")
+    # All at once: each is an interpreter's start and imports, nothing more.
+    running = [(what, subprocess.Popen(argv, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+               for what, argv in probes]  # fmt: skip
+    failed = []
+    for what, process in running:
+        output, _ = process.communicate(timeout=180)
+        if process.returncode != 0:
+            failed.append(f"{what} (exit {process.returncode}):\n{output[-2000:]}")
+    assert not failed, "\n\n".join(failed)

@@ -1,0 +1,163 @@
+"""The local launcher (sluice_stack) honours a service's drain and leaks nothing across restarts
+(issue 22, item 5), and the services bind the ports they report (item 11).
+
+A stream is held open by freezing (SIGSTOP) the adapter behind a gateway of the test's own after
+its first token: the gateway then waits on the adapter for as long as the drain lets it."""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import signal
+import threading
+import time
+import urllib.request
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from conftest import DEMO_KEY, MODEL, wait_for
+from sluice_stack import REPO_ROOT, ServiceProcess, Stack
+from sluice_stack.keeper import ServiceKeeper
+from sluice_stack.launcher import ANY_HTTP_PORT, RATELIMIT_PORT_ENV, STOP_MARGIN_S
+
+GRACE_S = 20.0
+
+
+class HeldStream:
+    """One streamed chat completion over the OpenAI HTTP front, read on its own thread."""
+
+    def __init__(self, base_url: str) -> None:
+        self.first_chunk = threading.Event()
+        self.ended = threading.Event()
+        self._base_url = base_url
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        body = {"model": MODEL, "stream": True, "max_tokens": 1000, "messages": [{"role": "user", "content": "Tell a long story."}]}
+        request = urllib.request.Request(
+            f"{self._base_url}/chat/completions",
+            data=json.dumps(body).encode(),
+            headers={"Authorization": f"Bearer {DEMO_KEY}", "Content-Type": "application/json"},
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=300) as reply:
+                for line in reply:
+                    if line.startswith(b"data: {"):
+                        self.first_chunk.set()
+        except OSError:
+            pass
+        finally:
+            self.ended.set()
+            self.first_chunk.set()
+
+
+@pytest.fixture(scope="module")
+def adapter(stack: Stack) -> Iterator[ServiceProcess]:
+    """An adapter of these tests' own, which they freeze to hold a gateway's stream open."""
+    service, _, _ = stack.add_adapter("adapter-launcher-tests")
+    yield service
+    service.kill()
+
+
+@pytest.fixture()
+def held_gateway(stack: Stack, adapter: ServiceProcess, request: pytest.FixtureRequest) -> Iterator[tuple[ServiceProcess, HeldStream]]:
+    """A gateway (drain grace GRACE_S) with one HTTP stream open that its frozen adapter never ends."""
+    assert adapter.process is not None
+    gateway, _, _ = stack.add_gateway(
+        f"gateway-{request.node.name[:40]}",
+        env={
+            "SLUICE_GATEWAY_ADAPTER_URL": adapter.address,
+            "SLUICE_GATEWAY_HTTP_PORT": str(ANY_HTTP_PORT),
+            "SLUICE_GATEWAY_SHUTDOWN_GRACE_S": str(GRACE_S),
+        },
+    )
+    stream = HeldStream(f"http://127.0.0.1:{gateway.ports['http']}/v1")
+    try:
+        assert stream.first_chunk.wait(120) and not stream.ended.is_set(), "the stream did not start"
+        os.kill(adapter.process.pid, signal.SIGSTOP)
+        yield gateway, stream
+    finally:
+        os.kill(adapter.process.pid, signal.SIGCONT)
+        gateway.kill()
+
+
+def test_stop_waits_the_service_drain_grace_before_it_kills(held_gateway: tuple[ServiceProcess, HeldStream]) -> None:
+    gateway, stream = held_gateway
+    assert gateway.process is not None
+    started = time.monotonic()
+    gateway.stop()  # the launcher's own timeout: the service's grace plus a margin
+    elapsed = time.monotonic() - started
+    # The gateway drained for its whole grace (the stream outlived it and was cut), flushed and
+    # exited by itself: not a SIGKILL (-9) at a fixed 15 s.
+    assert gateway.process.returncode == 0, (gateway.process.returncode, elapsed, gateway.log_tail())
+    assert GRACE_S <= elapsed < GRACE_S + STOP_MARGIN_S, elapsed
+    assert stream.ended.wait(30)
+
+
+def test_a_second_sigterm_cuts_the_http_front_drain(held_gateway: tuple[ServiceProcess, HeldStream]) -> None:
+    gateway, stream = held_gateway
+    assert gateway.process is not None
+    gateway.terminate()
+    wait_for(lambda: '"shutting_down"' in gateway.log_tail(), "the gateway to start draining", timeout_s=30)
+    time.sleep(1.0)  # past the NOT_SERVING notice: the HTTP front is draining its open stream
+    assert gateway.process.poll() is None and not stream.ended.is_set()
+    second = time.monotonic()
+    gateway.terminate()
+    # The stream is cut and the process exits at once, well before the grace would end (a drain
+    # left to run would wait on the frozen adapter until GRACE_S or the channel's keepalive).
+    gateway.process.wait(GRACE_S / 2)
+    assert time.monotonic() - second < GRACE_S / 2
+    assert '"shutting_down_now"' in gateway.log_tail(60)
+    assert stream.ended.wait(10)
+
+
+def test_keeper_restarts_leak_no_file(tmp_path: Path) -> None:
+    """20 crashes and restarts of rate-limit by the keeper: the launcher's open descriptors are
+    what they were, and none was left for the garbage collector to close."""
+    service = ServiceProcess(
+        "rate-limit",
+        "sluice_rate_limit",
+        {"SLUICE_RATELIMIT_PORT": "0", "SLUICE_RATELIMIT_METRICS_PORT": "0",
+         "SLUICE_RATELIMIT_LIMITS_FILE": str(REPO_ROOT / "config" / "limits.toml")},
+        tmp_path / "rate-limit.log",
+        port_env=RATELIMIT_PORT_ENV,
+    )  # fmt: skip
+    keeper = ServiceKeeper([service], say=lambda _: None, first_backoff_s=0, max_backoff_s=0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ResourceWarning)
+        service.start_ready(60)  # counted from here: what a health check opens for good (gRPC's own) is open by now
+        port = service.ports["grpc"]
+        gc.collect()
+        before = sorted(os.listdir("/proc/self/fd"))
+        for _ in range(20):
+            service.kill()
+            keeper.poll()  # reports the exit
+            keeper.poll()  # starts it again
+        assert keeper.restarted["rate-limit"] == 20
+        service.wait_ready(60)
+        assert service.ports["grpc"] == port  # a restart binds the port it reported first
+        gc.collect()
+        after = sorted(os.listdir("/proc/self/fd"))
+    service.kill()
+    assert len(after) == len(before), (before, after)
+    unclosed = [str(w.message) for w in caught if issubclass(w.category, ResourceWarning)]
+    assert not unclosed, unclosed
+
+
+def test_stack_services_report_the_ports_they_bound(stack: Stack) -> None:
+    """The session stack binds port 0 everywhere (StackPorts.ephemeral): each address it gives is
+    one the service reported, and serves."""
+    gateway = stack.service("gateway")
+    assert set(gateway.ports) == {"grpc", "metrics", "http"}
+    assert gateway.env["SLUICE_GATEWAY_HTTP_PORT"] == str(gateway.ports["http"])  # pinned for a restart
+    for name in ("gateway", "inference-adapter", "rate-limit", "evaluation-logging", "job-worker"):
+        with urllib.request.urlopen(stack.metrics_url(name), timeout=5) as reply:
+            assert reply.status == 200
+    models = urllib.request.Request(f"{stack.openai_base_url}/models", headers={"Authorization": f"Bearer {DEMO_KEY}"})
+    with urllib.request.urlopen(models, timeout=5) as reply:
+        assert reply.status == 200
