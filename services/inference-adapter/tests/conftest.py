@@ -8,7 +8,7 @@ from contextlib import aclosing
 
 from sluice_inference_adapter.replica_pool import ReplicaPool
 from sluice_inference_adapter.scheduler import FinishEvent, GenerationRequest, SequenceHandle, TokenEvent
-from sluice_inference_adapter.step_rows import Action, StepOutcome, StepRow
+from sluice_inference_adapter.step_rows import FINISH_BUSY, Action, StepOutcome, StepRow
 
 
 async def collect(handle: SequenceHandle) -> tuple[str, FinishEvent]:
@@ -41,12 +41,16 @@ class StepReplica:
     `tokens` is None. Every row is recorded. `failing`: steps raise and probes fail (a crashed
     Triton); `stalled`: a step never returns (a wedged one); `hold` cleared: steps wait until it
     is set again (a pod paused mid-work); `probes_ok` False: probes fail, steps still work.
+    With `slots`, the replica holds that many sequences at most, as triton-local's engine does: a
+    prefill that finds none free answers "busy", a finish or a release frees one (`held`).
     """
 
-    def __init__(self, url: str, tokens: int | None = None, delay_s: float = 0.002) -> None:
+    def __init__(self, url: str, tokens: int | None = None, delay_s: float = 0.002, slots: int | None = None) -> None:
         self.url = url
         self.tokens = tokens
         self.delay_s = delay_s
+        self.slots = slots
+        self.held: set[int] = set()
         self.failing = False
         self.stalled = False
         self.probes_ok = True
@@ -72,14 +76,21 @@ class StepReplica:
     def _answer(self, row: StepRow) -> StepOutcome:
         self.rows.append((row.action, row.seq_id))
         if row.action is Action.RELEASE:
+            self.held.discard(row.seq_id)
             return StepOutcome(-1, "", "", 0, 0)
         if row.action is Action.PREFILL:
+            if self.slots is not None and len(self.held) >= self.slots:
+                return StepOutcome(-1, "", FINISH_BUSY, 2, 0, f"no free slot (max_slots={self.slots}); retry the prefill later")
+            self.held.add(row.seq_id)
             self.prefills += 1
             self.generated[row.seq_id] = 0
             self._ends_at[row.seq_id] = self.tokens if self.tokens is not None else json.loads(row.request)["max_tokens"]
         count = self.generated.get(row.seq_id, 0) + 1
         self.generated[row.seq_id] = count
-        return StepOutcome(count, "x", "length" if count >= self._ends_at.get(row.seq_id, count) else "", 2, count)
+        finished = count >= self._ends_at.get(row.seq_id, count)
+        if finished:
+            self.held.discard(row.seq_id)
+        return StepOutcome(count, "x", "length" if finished else "", 2, count)
 
     async def probe(self) -> bool:
         return self.probes_ok and not self.failing and not self.stalled

@@ -15,14 +15,25 @@ MESSAGES = json.loads((Path(__file__).parent / "fixtures" / "vllm_errors.json").
 VLLM_CONFIG = json.loads((Path(__file__).parents[3] / "tests" / "fixtures" / "upstream" / "vllm_backend_interface.json").read_text())
 
 
-@pytest.mark.parametrize("message", MESSAGES["request_faults"])
-def test_request_faults(message: str) -> None:
+def _table(side: str) -> list[object]:
+    return [pytest.param(entry["message"], id=entry["message"][:60]) for entry in MESSAGES[side]]
+
+
+@pytest.mark.parametrize("message", _table("request_faults"))
+def test_vllms_request_fault_wordings_are_the_clients_fault(message: str) -> None:
     assert is_request_fault(message)
 
 
-@pytest.mark.parametrize("message", MESSAGES["replica_faults"])
-def test_replica_faults(message: str) -> None:
+@pytest.mark.parametrize("message", _table("replica_faults"))
+def test_crashes_and_everything_else_are_the_replicas(message: str) -> None:
+    """Issue 22: "out of range" took an engine's IndexError and CUDA's index errors for a bad request,
+    and a JSON decoding error of the adapter's own sampling JSON too."""
     assert not is_request_fault(message)
+
+
+def test_every_fixture_names_its_source() -> None:
+    for side in ("request_faults", "replica_faults"):
+        assert all(entry["message"] and entry["source"] for entry in MESSAGES[side]), side
 
 
 def test_the_cause_loses_the_wrappers() -> None:

@@ -11,10 +11,11 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 
-from conftest import collect
+from conftest import StepReplica, collect, run_through
 
 from sluice_inference_adapter.backend_errors import RequestRejected
 from sluice_inference_adapter.passthrough import GeneratedChunk, PassthroughLimits, PassthroughScheduler
+from sluice_inference_adapter.replica_pool import ReplicaPool
 from sluice_inference_adapter.scheduler import Finish, FinishEvent, GenerationRequest
 from sluice_inference_adapter.step_rows import PromptSpec, SamplingSpec
 from sluice_inference_adapter.waiting_queue import Priority
@@ -135,6 +136,38 @@ async def test_an_engine_abort_is_a_failure_not_a_finish() -> None:
     finally:
         await scheduler.stop()
     assert finish.finish is Finish.ERROR and "'abort'" in finish.error
+
+
+class EndsWithoutFinishEngine:
+    """A stream that closes after a token without ever saying why the sequence ended."""
+
+    async def stream(self, text: str, sampling: SamplingSpec) -> AsyncIterator[GeneratedChunk]:
+        yield GeneratedChunk("a", 1, PROMPT_TOKENS, None)
+
+
+async def test_a_stream_that_ends_without_a_finish_reason_is_one_failure_not_a_success_too() -> None:
+    """Issue 22: it reported a success and then a failure, so the failures never added up to the
+    pool's threshold (each success reset the count)."""
+    finish, backend_failed, steps = await run_one(EndsWithoutFinishEngine())
+    assert finish.finish is Finish.ERROR and "without a finish reason" in finish.error
+    assert steps == [False] and backend_failed
+
+
+async def test_streams_that_end_without_a_finish_reason_take_the_replica_out_of_routing() -> None:
+    pool = ReplicaPool(
+        [StepReplica("a")],
+        lambda backend, on_step: scheduler_for(EndsWithoutFinishEngine(), on_step=on_step),
+        failure_threshold=2,
+        probe_interval_s=60.0,
+    )
+    pool.start()
+    try:
+        for _ in range(2):
+            _, finish = await run_through(pool, request(4))
+            assert finish.finish is Finish.ERROR
+        assert not pool.replicas[0].healthy
+    finally:
+        await pool.stop()
 
 
 async def test_the_chat_is_rendered_by_the_given_template() -> None:

@@ -12,8 +12,10 @@ import asyncio
 import pytest
 from conftest import StepReplica, run_through
 
+from sluice_common.adaptive_timeout import AdaptiveTimeout, TimeoutPolicy
 from sluice_common.errors import Unavailable
-from sluice_inference_adapter.replica_pool import ReplicaPool
+from sluice_inference_adapter.embed_batcher import Embeddings
+from sluice_inference_adapter.replica_pool import PooledEmbedBackend, ReplicaPool
 from sluice_inference_adapter.scheduler import Finish, FinishEvent, GenerationRequest, Scheduler, SchedulerLimits
 from sluice_inference_adapter.step_rows import PromptSpec, SamplingSpec
 
@@ -108,3 +110,28 @@ def test_an_extra_models_pool_on_the_same_replica_keeps_its_own_health_series() 
     main.record(main.replicas[0], ok=False)
     extra.record(extra.replicas[0], ok=True)
     assert healthy("10.9.9.9:8001") == 0 and healthy("10.9.9.9:8001#m-q4") == 1
+
+
+class FailingEmbedder:
+    """An embedding replica that answers UNAVAILABLE, as TritonEmbedBackend does for a failed request."""
+
+    async def embed(self, texts: list[str]) -> Embeddings:
+        raise Unavailable("Triton at a failed to embed with minilm_embed: model is unavailable")
+
+    async def close(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("timeout", [None, AdaptiveTimeout(TimeoutPolicy(floor_s=0.5, ceiling_s=30.0, min_samples=10))], ids=["fixed", "adaptive"])
+async def test_embedding_failures_count_against_the_replica_as_step_failures_do(timeout: AdaptiveTimeout | None) -> None:
+    """Issue 22: only a batch cut off by the adaptive timeout counted; a replica answering UNAVAILABLE
+    to every batch stayed healthy and kept getting them."""
+    a = StepReplica("a")
+    pool = make_pool(a, threshold=2)
+    backend = PooledEmbedBackend(pool, lambda url: FailingEmbedder(), timeout)
+    for _ in range(2):
+        with pytest.raises(Unavailable, match="failed to embed"):
+            await backend.embed(["x"])
+    assert not pool.replicas[0].healthy
+    with pytest.raises(Unavailable, match="no healthy Triton replica"):
+        await backend.embed(["x"])

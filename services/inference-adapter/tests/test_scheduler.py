@@ -13,7 +13,7 @@ import json
 import time
 
 import pytest
-from conftest import collect
+from conftest import StepReplica, collect
 
 from sluice_common.errors import ResourceExhausted
 from sluice_inference_adapter.scheduler import Finish, GenerationRequest, Priority, Scheduler, SchedulerLimits
@@ -398,3 +398,67 @@ async def test_a_prefill_answered_busy_counts_its_queue_wait_once() -> None:
     total = REGISTRY.get_sample_value("sluice_adapter_queue_seconds_sum", {"replica": replica})
     assert count == 1
     assert total == pytest.approx(finish.timings.queue_s)
+
+
+async def test_stop_releases_the_running_sequences_slots() -> None:
+    """A scheduler that stops (the adapter drains, or its replica leaves the pool) gives its slots back
+    at once rather than leaving them to the engine's slot lease."""
+    model = StepReplica("triton-a:8001", delay_s=0.005, slots=4)
+    scheduler = Scheduler(model, SchedulerLimits(max_batch_size=4))
+    scheduler.start()
+    handles = [scheduler.submit(request(max_tokens=1_000)) for _ in range(3)]
+    while len(model.held) < 3:
+        await asyncio.sleep(0.005)
+    await scheduler.stop()
+    assert model.held == set()
+    assert {h.seq_id for h in handles} <= {seq_id for action, seq_id in model.rows if action is Action.RELEASE}
+
+
+async def test_a_failed_step_releases_its_sequences_once_the_replica_answers() -> None:
+    model = StepReplica("triton-a:8001", delay_s=0.005, slots=2)
+    health: list[bool] = []
+    scheduler = Scheduler(model, SchedulerLimits(max_batch_size=2, release_timeout_s=0.1), on_step=health.append)
+    scheduler.start()
+    try:
+        handles = [scheduler.submit(request(max_tokens=1_000)) for _ in range(2)]
+        while len(model.held) < 2:
+            await asyncio.sleep(0.005)
+        model.failing = True  # the step fails, and so does the release step after it
+        results = await asyncio.wait_for(asyncio.gather(*(collect(h) for h in handles)), 5)
+        assert all(finish.finish is Finish.ERROR for _, finish in results) and health[-1] is False
+        model.failing = False
+        text, finish = await asyncio.wait_for(collect(scheduler.submit(request(max_tokens=2))), 5)
+    finally:
+        await scheduler.stop()
+    assert (text, finish.finish) == ("xx", Finish.LENGTH)
+    assert model.held == set()
+
+
+class StaleSlotsModel(SharedSlotsModel):
+    """Every slot held by sequences nobody steps: triton-local answers such a prefill "stale"."""
+
+    def _answer(self, row: StepRow) -> StepOutcome:
+        if row.action is Action.PREFILL and self.held_by_others >= self.slots:
+            return StepOutcome(-1, "", "stale", 3, 0, "every slot is held by sequences nobody has stepped")
+        return super()._answer(row)
+
+
+async def test_a_stale_engine_counts_against_the_replica_and_the_prefill_waits() -> None:
+    """A "busy" engine is serving someone (a healthy replica); a "stale" one serves nobody until its
+    slot lease frees the slots: the step counts as a failure, and the prefill waits as for "busy"."""
+    model = StaleSlotsModel(slots=2, held_by_others=2)
+    health: list[bool] = []
+    scheduler = Scheduler(model, SchedulerLimits(max_batch_size=2, engine_full_retry_s=0.02), on_step=health.append)
+    scheduler.start()
+    try:
+        handle = scheduler.submit(request(max_tokens=2))
+        deadline = time.monotonic() + 5
+        while len(health) < 3 and time.monotonic() < deadline:
+            await asyncio.sleep(0.005)
+        assert len(health) >= 3 and not any(health), health
+        model.held_by_others = 0  # the lease freed them
+        text, finish = await asyncio.wait_for(collect(handle), timeout=2)
+    finally:
+        await scheduler.stop()
+    assert (text, finish.finish) == ("t1 t2 ", Finish.LENGTH)
+    assert health[-1] is True

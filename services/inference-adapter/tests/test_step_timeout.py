@@ -33,7 +33,7 @@ from sluice_inference_adapter.scheduler import (
     SchedulerLimits,
     TokenEvent,
 )
-from sluice_inference_adapter.step_rows import PromptSpec, SamplingSpec
+from sluice_inference_adapter.step_rows import Action, PromptSpec, SamplingSpec
 from sluice_inference_adapter.step_timeout import StepTimeouts
 
 CEILING_S = 30.0
@@ -248,3 +248,91 @@ def test_the_settings_are_validated_naming_the_variable() -> None:
     ):
         with pytest.raises(ConfigError, match=f"{ENV_PREFIX}{name}|{ENV_PREFIX}TIMEOUT_MIN_SAMPLES"):
             load_config(AdapterConfig, ENV_PREFIX, {f"{ENV_PREFIX}{name}": value})
+
+
+async def test_under_a_full_batch_one_timed_out_step_leaves_the_next_request_served_at_once() -> None:
+    """Issue 22's acceptance, on the fake: a step that timed out dropped its sequences without
+    releasing them, and with the batch bound equal to the replica's slots every later prefill was
+    answered "busy" until the engine's slot lease (30 s and 16 more steps on triton-local; never
+    here, the fake has no lease). The dropped sequences' release rides with the next step now.
+
+    Measured from the moment the timeout ended the batch's streams, the next request costs at most
+    the release step's bound (0.2 s: the replica is still wedged while it runs) plus a prefill and two
+    decode steps of 10 ms: about 0.25 s. 2 s leaves eight times that for a loaded box."""
+    model = StepReplica("triton-a:8001", delay_s=0.01, slots=2)
+    timeouts = StepTimeouts(policy(floor_s=0.2, min_samples=5), model="m")
+    limits = SchedulerLimits(max_batch_size=2, release_timeout_s=0.2)
+    scheduler = Scheduler(model, limits, replica=model.url, timeouts=timeouts)
+    scheduler.start()
+    try:
+        await collect(scheduler.submit(request()))  # 20 steps: decode steps get the adaptive limit
+        handles = [scheduler.submit(request(max_tokens=1_000)) for _ in range(2)]
+        streams = [handle.events() for handle in handles]
+        for stream in streams:
+            assert isinstance(await anext(stream), TokenEvent)
+        assert model.held == {handle.seq_id for handle in handles}  # the batch fills the replica
+        model.stalled = True  # a decode step hangs until its timeout
+        finishes = await asyncio.wait_for(asyncio.gather(*(_last(stream) for stream in streams)), 5)
+        timed_out_at = time.monotonic()
+        assert all(f.finish is Finish.ERROR and "did not answer a step within its timeout" in f.error for f in finishes)
+        model.stalled = False  # the replica answers again (the hung step never will)
+        text, finish = await asyncio.wait_for(collect(scheduler.submit(request(max_tokens=3))), 10)
+        served_in = time.monotonic() - timed_out_at
+    finally:
+        await scheduler.stop()
+    assert finish.finish is Finish.LENGTH and text == "xxx"
+    assert served_in < 2.0, served_in
+    released = {seq_id for action, seq_id in model.rows if action is Action.RELEASE}
+    assert {handle.seq_id for handle in handles} <= released and model.held == set()
+
+
+async def test_a_replica_that_answers_again_gets_the_timed_out_batch_released_without_new_work() -> None:
+    """The release goes in a step of its own right after the failure, not only with the next request."""
+    model = StepReplica("triton-a:8001", delay_s=0.01, slots=4)
+    timeouts = StepTimeouts(policy(floor_s=0.2, min_samples=5), model="m")
+    scheduler = Scheduler(model, SchedulerLimits(max_batch_size=4, release_timeout_s=5.0), replica=model.url, timeouts=timeouts)
+    scheduler.start()
+    try:
+        await collect(scheduler.submit(request()))
+        handles = [scheduler.submit(request(max_tokens=1_000)) for _ in range(3)]
+        streams = [handle.events() for handle in handles]
+        for stream in streams:
+            assert isinstance(await anext(stream), TokenEvent)
+        model.hold.clear()  # a pod paused mid-step: the step times out, the release waits for the pod
+        await asyncio.wait_for(asyncio.gather(*(_last(stream) for stream in streams)), 5)
+        model.hold.set()
+        deadline = time.monotonic() + 5
+        while model.held and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        assert model.held == set() and scheduler.running_count == 0 and scheduler.waiting_count == 0
+    finally:
+        await scheduler.stop()
+
+
+async def test_a_wedged_replica_holds_up_the_release_for_its_bound_only() -> None:
+    """Best effort, bounded: the release of a replica that stays wedged gives up after
+    release_timeout_s and the scheduler serves what comes next (here on a replica that answers)."""
+    model = StepReplica("triton-a:8001", delay_s=0.01)
+    timeouts = StepTimeouts(policy(floor_s=0.2, min_samples=5), model="m")
+    scheduler = Scheduler(model, SchedulerLimits(max_batch_size=2, release_timeout_s=0.3), replica=model.url, timeouts=timeouts)
+    scheduler.start()
+    try:
+        await collect(scheduler.submit(request()))
+        handle = scheduler.submit(request(max_tokens=1_000))
+        stream = handle.events()
+        assert isinstance(await anext(stream), TokenEvent)
+        model.stalled = True
+        await asyncio.wait_for(_last(stream), 5)  # the timeout ended it; the release step starts now
+        started = time.monotonic()
+        next_request = asyncio.create_task(collect(scheduler.submit(request(max_tokens=2))))
+        await asyncio.sleep(0.1)
+        model.stalled = False  # the release step still hangs; the next one will be answered
+        _, finish = await asyncio.wait_for(next_request, 5)
+        waited = time.monotonic() - started
+    finally:
+        await scheduler.stop()
+    assert finish.finish is Finish.LENGTH
+    # The release was tried (and waited for up to its bound), and did not hold the loop longer.
+    assert 0.25 <= waited < 3.0, waited
+    # The release that hung rode again with the request's prefill.
+    assert (Action.RELEASE, handle.seq_id) in model.rows

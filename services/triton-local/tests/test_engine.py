@@ -257,6 +257,36 @@ def test_a_sequence_not_stepped_within_the_lease_is_released(engine: StepEngine)
         engine.step([ReleaseRow(1), ReleaseRow(2)])
 
 
+def test_a_full_engine_nobody_steps_answers_stale_not_busy(engine: StepEngine) -> None:
+    """Issue 22: "busy" told a probe the replica was serving (someone else's sequences held the slots),
+    so a replica whose slots an adapter had dropped passed its probe for the whole slot lease. A prefill
+    that finds every slot held by sequences nobody has stepped for LEASE_MIN_STEPS steps is "stale"."""
+    engine._slot_lease_s = 3600.0  # noqa: SLF001 - no reclaim during this test: the answer is the subject
+    prompt = "<|im_start|>user\nWrite a long story about a dragon.<|im_end|>\n<|im_start|>assistant\n"
+    held = [PrefillRow(1500 + i, prompt, SamplingParams(max_tokens=200), owner="gone") for i in range(engine.max_slots)]
+    probe = PrefillRow(1599, prompt, SamplingParams(max_tokens=1))
+    try:
+        engine.step(held)
+        # One held sequence still stepped by its adapter: the engine serves someone, "busy".
+        for _ in range(LEASE_MIN_STEPS + 2):
+            kept, answer = engine.step([DecodeRow(1500), probe])
+            assert kept.token_id >= 0 and answer.finish_reason == "busy"
+        # Its adapter stops too: every slot is held by sequences nobody steps.
+        answers = [engine.step([probe])[0].finish_reason for _ in range(LEASE_MIN_STEPS + 2)]
+        assert answers[:LEASE_MIN_STEPS] == ["busy"] * LEASE_MIN_STEPS
+        assert answers[-1] == "stale", answers
+        (stale,) = engine.step([probe])
+        assert stale.token_id == -1 and "nobody has stepped" in stale.error
+        assert engine.active_slots == engine.max_slots  # nothing changed: the lease still decides
+        # A release from their adapter makes the engine serve again at once.
+        (_, served) = engine.step([ReleaseRow(1501), probe])
+        assert served.token_id >= 0
+    finally:
+        engine._slot_lease_s = 0.0  # noqa: SLF001
+        engine.step([ReleaseRow(row.seq_id) for row in held] + [ReleaseRow(probe.seq_id)])
+    assert engine.active_slots == 0
+
+
 def test_long_prompt_prefill_chunks_attention(engine: StepEngine) -> None:
     # > one attention query block (256) and > one KV growth chunk.
     story = "The quick brown fox jumps over the lazy dog. " * 60

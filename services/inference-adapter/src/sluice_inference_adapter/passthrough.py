@@ -141,9 +141,9 @@ class PassthroughScheduler(ReplicaWork):
         try:
             async with asyncio.timeout(None if request.deadline is None else request.deadline - self._clock()):
                 finish = await self._relay(sequence)
-            self._report_step(ok=True)
-            if finish is None:
+            if finish is None:  # a failure of the replica, counted once below (not a success first)
                 raise RuntimeError("the stream ended without a finish reason")
+            self._report_step(ok=True)
             sequence.finish(finish, self._clock())
         except RequestRejected as exc:
             self._report_step(ok=True)  # the replica answered: the request was at fault

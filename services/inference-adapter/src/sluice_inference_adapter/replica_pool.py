@@ -25,7 +25,7 @@ from typing import Protocol
 import structlog
 
 from sluice_common.adaptive_timeout import AdaptiveTimeout
-from sluice_common.errors import Unavailable
+from sluice_common.errors import SluiceError, Unavailable
 from sluice_common.supervision import Supervisor, stop_tasks
 from sluice_inference_adapter import metrics
 from sluice_inference_adapter.embed_batcher import EmbedBackend, Embeddings
@@ -319,8 +319,8 @@ class PooledEmbedBackend:
     of its own per replica, opened on first use and closed when the replica leaves the pool.
 
     With `timeout`, a batch is cut off after the adaptive timeout (multiplier x the rolling p99
-    of batch round trips across the pool): its callers get UNAVAILABLE naming the replica, and
-    the replica is counted as failing as a failed step counts."""
+    of batch round trips across the pool): its callers get UNAVAILABLE naming the replica. A batch
+    cut off or failed by its replica (UNAVAILABLE) counts against the replica as a failed step does."""
 
     def __init__(
         self, pool: ReplicaPool, make_backend: Callable[[str], ClosableEmbedBackend], timeout: AdaptiveTimeout | None = None
@@ -336,19 +336,29 @@ class PooledEmbedBackend:
         name = replica.name
         if name not in self._by_url:
             self._by_url[name] = self._make_backend(name)
-        if self._timeout is None:
-            return await self._by_url[name].embed(texts)
+        try:
+            if self._timeout is None:
+                return await self._by_url[name].embed(texts)
+            return await self._embed_within_timeout(self._by_url[name], name, texts)
+        except Exception as exc:
+            # UNAVAILABLE (the replica failed or cut off the batch) or a transport error counts against
+            # the replica as a failed step does; another SluiceError is about the request.
+            if isinstance(exc, Unavailable) or not isinstance(exc, SluiceError):
+                self._pool.record(replica, ok=False)
+            raise
+
+    async def _embed_within_timeout(self, backend: ClosableEmbedBackend, name: str, texts: list[str]) -> Embeddings:
+        assert self._timeout is not None
         limit = self._timeout.current()
         started = time.perf_counter()
         try:
             async with asyncio.timeout(limit):
-                embeddings = await self._by_url[name].embed(texts)
+                embeddings = await backend.embed(texts)
         except TimeoutError:
             self._timeout.observe_timeout(limit)
             metrics.TIMEOUTS.labels(kind="embed_batch").inc()
             metrics.REQUEST_TIMEOUT.labels(kind="embed_batch").set(self._timeout.current())
             log.warning("embed_batch_timed_out", replica=name, timeout_s=round(limit, 3), texts=len(texts))
-            self._pool.record(replica, ok=False)
             raise Unavailable(
                 f"Triton replica {name} did not embed a batch of {len(texts)} texts within its timeout of {limit:.2f}s"
                 f" ({self._timeout.policy.multiplier:g}x the p99 of recent batches, within"

@@ -30,6 +30,7 @@ from sluice_inference_adapter.step_rows import (
     FINISH_BUSY,
     FINISH_ERROR,
     FINISH_INVALID,
+    FINISH_STALE,
     Action,
     PromptSpec,
     SamplingSpec,
@@ -118,6 +119,9 @@ class SchedulerLimits:
     # After a prefill found the engine full (its slots shared with other adapters), how long
     # before prefills are tried again, unless one of ours ends first.
     engine_full_retry_s: float = 0.05
+    # After a failed or timed-out step, how long one step releasing the dropped sequences' slots
+    # may take before the loop goes on without it (those not released ride with the next step).
+    release_timeout_s: float = 1.0
     # Advertised in RetryInfo when the waiting queue is full.
     retry_after_s: float = 1.0
 
@@ -323,6 +327,9 @@ class Scheduler(ReplicaWork):
         # only by the backend's own fixed timeout).
         self._timeouts = timeouts
         self._running: dict[int, Sequence] = {}
+        # Sequences dropped on a failure whose slots the engine may still hold: released by a step
+        # of their own right after the failure, else by release rows riding with the next step.
+        self._unreleased: set[int] = set()
         self._bulk_sat_out = False
         # Set when a prefill found the engine full (other adapters share it): no new prefill
         # until one of ours ends or this time passes.
@@ -348,10 +355,12 @@ class Scheduler(ReplicaWork):
         if self._task is not None:
             await stop_tasks(self._task)
         self._fail_everything("the adapter is shutting down")
+        await self._release_dropped()
 
     # -- the loop ------------------------------------------------------------------
 
     async def _run(self) -> None:
+        await self._release_dropped()  # what a previous loop held when it died
         while True:
             if not self._running and not self.waiting_count:
                 self._wakeup.clear()
@@ -372,14 +381,18 @@ class Scheduler(ReplicaWork):
                     self._step_failed(exc, len(rows))
                 else:
                     self._step_timed_out(limit, prefill_tokens, len(rows))
+                await self._release_dropped()
                 continue
-            except Exception as exc:  # noqa: BLE001 - the backend failed: its KV state is gone
+            except Exception as exc:  # noqa: BLE001 - the backend failed: its KV state is unknown
                 self._step_failed(exc, len(rows))
+                await self._release_dropped()
                 continue
+            self._unreleased.difference_update(row.seq_id for row in rows if row.action is Action.RELEASE)
             if self._timeouts is not None:
                 self._timeouts.observe(time.perf_counter() - started, prefill_tokens)
                 metrics.STEP_TIMEOUT.labels(model=self._timeouts.model).set(self._timeouts.limit())
-            self._report_step(ok=True)
+            # A replica whose slots are all held by sequences nobody steps answers, but cannot serve.
+            self._report_step(ok=not any(outcome.finish == FINISH_STALE for outcome in outcomes))
             self._apply(rows, stepped, outcomes)
 
     def _step_failed(self, exc: BaseException, rows: int) -> None:
@@ -422,18 +435,37 @@ class Scheduler(ReplicaWork):
         return total
 
     def _fail_everything(self, error: str, backend_failed: bool = False) -> None:
-        """Ends every sequence, running and waiting; those without tokens may be retried elsewhere."""
+        """Ends every sequence, running and waiting; those without tokens may be retried elsewhere.
+        The running ones' slots are released by the caller (`_release_dropped`) or the next step."""
         sequences = [*self._running.values(), *self._waiting.remove_if(lambda _: True)]
+        self._unreleased.update(self._running)
         self._running.clear()
         for sequence in sequences:
             sequence.backend_failed = backend_failed
             sequence.finish(Finish.ERROR, self._clock(), error=error)
         metrics.SLOTS_IN_USE.labels(replica=self._replica).set(0)
 
+    async def _release_dropped(self) -> None:
+        """One step releasing the slots of the sequences a failure dropped, best effort and bounded
+        by `release_timeout_s`: a replica that failed a step may fail this one too, and must not hold
+        up the loop. Whatever it does not release rides with the next step (a release of a sequence
+        the engine no longer holds changes nothing there); the engine's slot lease is the last resort."""
+        if not self._unreleased:
+            return
+        seq_ids = sorted(self._unreleased)
+        try:
+            async with asyncio.timeout(self._limits.release_timeout_s):
+                await self._backend.step([StepRow(Action.RELEASE, seq_id) for seq_id in seq_ids])
+        except Exception as exc:  # noqa: BLE001 - best effort: the next step carries them again
+            log.warning("release_failed", replica=self._replica, sequences=len(seq_ids), error=str(exc) or type(exc).__name__)
+            return
+        self._unreleased.difference_update(seq_ids)
+
     def _plan_step(self) -> tuple[list[StepRow], list[Sequence]]:
         """Rows for this step, and the sequences whose rows produce tokens (in row order)."""
         now = self._clock()
-        rows: list[StepRow] = []
+        # Slots a failure left held come back first, before this step's prefills need them.
+        rows: list[StepRow] = [StepRow(Action.RELEASE, seq_id) for seq_id in sorted(self._unreleased)]
         for sequence in list(self._running.values()):
             reason = sequence.abandon_reason(now)
             if reason is not None:
@@ -520,7 +552,7 @@ class Scheduler(ReplicaWork):
         producing = [o for row, o in zip(rows, outcomes) if row.action is not Action.RELEASE]
         now = self._clock()
         for sequence, outcome in zip(stepped, producing):
-            if outcome.finish == FINISH_BUSY:
+            if outcome.finish in (FINISH_BUSY, FINISH_STALE):
                 self._requeue(sequence, now)
                 continue
             self._observe_queue_wait(sequence)

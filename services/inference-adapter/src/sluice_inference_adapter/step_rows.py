@@ -62,10 +62,14 @@ class StepRow:
 
 # The step model's FINISH values besides "" (running), "stop" and "length" (Finish's values):
 # "invalid" means the row's input was rejected (a client error); "busy" that a prefill found
-# every slot taken (adapters share the engine): nothing happened, it is tried again later.
+# every slot taken (adapters share the engine): nothing happened, it is tried again later; "stale"
+# that every slot is held by sequences nobody steps (their adapter stopped or dropped them): nothing
+# happened either, the prefill waits as for "busy", but the replica cannot serve until the engine's
+# slot lease frees them, so the step counts against its health.
 FINISH_ERROR = "error"
 FINISH_INVALID = "invalid"
 FINISH_BUSY = "busy"
+FINISH_STALE = "stale"
 
 
 @dataclass(frozen=True)

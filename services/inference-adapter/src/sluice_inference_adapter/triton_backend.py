@@ -158,7 +158,8 @@ class TritonStepBackend(_TritonEndpoint):
         except TimeoutError:
             metrics.TIMEOUTS.labels(kind="probe").inc()
             raise TimeoutError(f"the probe's step did not answer within its timeout of {limit:.2f}s") from None
-        # "busy": every slot is taken (shared with other adapters), which a serving engine may be.
+        # "busy": every slot is taken (shared with other adapters), which a serving engine may be;
+        # not "stale": every slot is held by sequences nobody steps, and nothing can be served.
         return (outcome.token_id >= 0 and not outcome.error) or outcome.finish == FINISH_BUSY
 
 

@@ -103,7 +103,7 @@ class SelfBatchingGenerator:
                 job = jobs.get(row.seq_id)
                 if job is None or isinstance(row, ReleaseRow):
                     continue
-                if result.finish_reason == "busy":  # the shared engine is full: wait for a slot
+                if result.finish_reason in ("busy", "stale"):  # the shared engine is full: wait for a slot
                     del self._running[row.seq_id]
                     self._waiting.insert(0, job)
                     self._full_at = time.monotonic()

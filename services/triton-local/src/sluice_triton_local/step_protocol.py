@@ -19,7 +19,11 @@ One Triton request carries one row per sequence, all tensors of shape [rows]:
            FINISH            BYTES  "" while running, else "stop", "length", "error",
                                     "invalid" when the row's input was rejected (a client error),
                                     or "busy": a prefill found every slot taken (several adapters
-                                    share the engine); nothing changed, retry it later
+                                    share the engine); nothing changed, retry it later;
+                                    or "stale": as "busy", but none of the sequences holding the
+                                    slots was stepped in the last 16 steps (their adapter stopped
+                                    or dropped them): the replica cannot serve until the slot lease
+                                    frees them, a failure of the replica, not backpressure
            PROMPT_TOKENS     INT32
            COMPLETION_TOKENS INT32
            ERROR             BYTES  why a row failed, for a person to read

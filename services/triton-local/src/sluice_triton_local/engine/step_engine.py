@@ -18,7 +18,11 @@ slot taken answers finish "busy" and changes nothing: the caller retries it late
 backpressure, not an error. A sequence not stepped (decoded, prefilled or released) for
 `slot_lease_s`, while the engine ran at least LEASE_MIN_STEPS other steps, is released at the
 next step, so the slots of a scheduler that died come back. (Time alone is not enough: a live
-scheduler's step may wait that long behind another scheduler's large prefill.)
+scheduler's step may wait that long behind another scheduler's large prefill.) Until then, a prefill
+that finds every slot held by sequences none of which was stepped in the last LEASE_MIN_STEPS steps
+answers finish "stale" instead of "busy": nothing changed either, but nobody is using the engine it
+waits for (a live scheduler steps its sequences at nearly every step), so the replica cannot serve
+and its health probe must not pass.
 Each sequence records its `owner` (the scheduler that prefilled it) for the per-owner metrics.
 Freed slots go to owners in the order they were turned away: while an owner that was answered
 "busy" keeps asking, another owner's prefill does not take the slot it waits for (otherwise the
@@ -89,7 +93,9 @@ class RowResult:
     seq_id: int
     token_id: int  # -1 when no token (release row, error)
     text: str  # text delta produced by this step
-    finish_reason: str  # "" while running; "stop", "length", "error", or "busy" (no free slot: retry later)
+    # "" while running; "stop", "length", "error", or "busy" (no free slot: retry later), or "stale" (no free
+    # slot, and nobody steps the sequences holding them: the replica cannot serve until the lease frees them)
+    finish_reason: str
     prompt_tokens: int
     completion_tokens: int
     error: str = ""
@@ -259,6 +265,12 @@ class StepEngine:
         if not self._slot_free_for(row.owner):
             if row.owner:
                 self._refused[row.owner] = self._clock()
+            if not self._free_slots and self._all_held_unstepped():
+                return RowResult(
+                    row.seq_id, -1, "", "stale", n, 0,
+                    f"every slot (max_slots={self.max_slots}) is held by sequences nobody has stepped for"
+                    f" {LEASE_MIN_STEPS} steps (their adapter stopped or dropped them) until the slot lease frees them",
+                )
             return RowResult(row.seq_id, -1, "", "busy", n, 0, f"no free slot (max_slots={self.max_slots}); retry the prefill later")
         self._refused.pop(row.owner, None)
         if row.chunk < 0:
@@ -309,6 +321,9 @@ class StepEngine:
                 break
             ahead += 1
         return len(self._free_slots) > ahead
+
+    def _all_held_unstepped(self) -> bool:
+        return all(self._steps - s.last_stepped_step > LEASE_MIN_STEPS for s in self._seqs.values())
 
     def _reclaim_expired(self, now: float) -> None:
         """Releases sequences nobody stepped within the lease: their scheduler is gone."""
