@@ -6,8 +6,11 @@ llama.cpp's CPU threads meet at each of the hundreds of barriers in a step. Buil
 default build) they spin there; a thread that loses its core holds up the others until it runs
 again, so a step on a shared box can take seconds. The policies, each on a stack of its own:
 
-  spin      every usable CPU, OpenMP's default (active) wait: the default before this benchmark
-  passive   every usable CPU, OMP_WAIT_POLICY=PASSIVE: threads sleep at a barrier after a short spin
+  default   every usable CPU, libgomp's default wait: spin about 3 ms at a barrier (GOMP_SPINCOUNT
+            300,000), then sleep; triton-local's default before this benchmark (an empty
+            OMP_WAIT_POLICY is libgomp's "not set", and keeps triton-local from setting it)
+  spin      every usable CPU, OMP_WAIT_POLICY=ACTIVE: threads spin at a barrier until released
+  passive   every usable CPU, OMP_WAIT_POLICY=PASSIVE: threads sleep at a barrier at once
   one       1 engine thread: no barrier to wait at
   pool      every usable CPU, llama.cpp's own thread pool instead of OpenMP (a build without OpenMP:
             BENCH_GGML_POOL_LIB names the folder of its libllama.so; skipped when unset)
@@ -36,12 +39,16 @@ from sluice_stack import Stack, StackPorts
 STREAMS = int(os.environ.get("BENCH_STREAMS", "32"))
 CPUS = len(os.sched_getaffinity(0))
 POLICIES: dict[str, dict[str, str]] = {
+    "default": {"SLUICE_TRITON_LOCAL_THREADS": str(CPUS), "OMP_WAIT_POLICY": ""},
     "spin": {"SLUICE_TRITON_LOCAL_THREADS": str(CPUS), "OMP_WAIT_POLICY": "ACTIVE"},
     "passive": {"SLUICE_TRITON_LOCAL_THREADS": str(CPUS), "OMP_WAIT_POLICY": "PASSIVE"},
     "one": {"SLUICE_TRITON_LOCAL_THREADS": "1"},
 }
 if os.environ.get("BENCH_GGML_POOL_LIB"):
     POLICIES["pool"] = {"SLUICE_TRITON_LOCAL_THREADS": str(CPUS), "LLAMA_CPP_LIB_PATH": os.environ["BENCH_GGML_POOL_LIB"]}
+# BENCH_POLICIES=default,passive measures some of them.
+if os.environ.get("BENCH_POLICIES"):
+    POLICIES = {name: POLICIES[name] for name in os.environ["BENCH_POLICIES"].split(",")}
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,6 @@ WatchJob following a job through finalizing and expired."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -19,14 +18,6 @@ from sluice_common.tenants import TenantDirectory
 
 TENANTS = TenantDirectory.from_file(Path(__file__).resolve().parents[3] / "config" / "tenants.toml")
 KEY = "sk-sluice-demo"
-
-
-@pytest.fixture
-async def store(tmp_path: Path) -> AsyncIterator[JobStore]:
-    job_store = JobStore.create("", tmp_path / "jobs.sqlite3")
-    await job_store.open()
-    yield job_store
-    await job_store.close()
 
 
 def job_request(job_id: str, rows: int, window: duration_pb2.Duration | None = None) -> jobs_pb2.JobRequest:

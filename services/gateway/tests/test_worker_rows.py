@@ -9,7 +9,6 @@ is needed for one row's attempts."""
 from __future__ import annotations
 
 import types
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -26,14 +25,6 @@ from sluice_gateway.row_deadline import RowTiming
 from sluice_gateway.worker import GIVE_BACK, JobWorker
 
 TENANTS = str(Path(__file__).resolve().parents[3] / "config" / "tenants.toml")
-
-
-@pytest.fixture
-async def store(tmp_path: Path) -> AsyncIterator[JobStore]:
-    job_store = JobStore.create("", tmp_path / "jobs.sqlite3")
-    await job_store.open()
-    yield job_store
-    await job_store.close()
 
 
 def worker(store: JobStore, path: object, **env: str) -> JobWorker:

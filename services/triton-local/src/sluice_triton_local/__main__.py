@@ -37,6 +37,12 @@ def main() -> None:
     # reads this when numpy is first imported: hence the imports below, not at the top.
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    # llama.cpp's OpenMP threads meet at each of a step's hundreds of barriers. Spinning there
+    # (OpenMP's default) stalls every step once anything else wants a core: beside one busy process
+    # a stack of 2 spinning threads failed all 32 streams of `make bench-threads` (twice), while
+    # passive waits served them at 30.6 tok/s and matched spinning on a quiet box (79.4 vs 75.9).
+    # libgomp reads this when llama.cpp first loads it, after this line; an operator's setting wins.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     from pytriton.triton import Triton
 
     from sluice_triton_local.embeddings import MiniLMEncoder
