@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 from conftest import run_bench
@@ -361,44 +363,14 @@ def test_chat_without_control_text_encodes_as_the_whole_rendered_text(tokenizer:
         assert tokenizer.encode_chat(chat) == tokenizer.encode(tokenizer.apply_chat_template(chat)), chat
 
 
-def test_step_protocol_counts_and_prefills_a_chats_content_as_text(engine: StepEngine) -> None:
+def step_call(engine: StepEngine) -> Callable[..., dict[str, Any]]:
+    """One step-protocol row (action, seq_id, request JSON or none) through run_step, over this
+    module's engine in the shape of SharedEngine."""
     import numpy as np
 
-    from sluice_triton_local.step_protocol import COUNT, PREFILL, RELEASE, run_step
+    from sluice_triton_local.step_protocol import run_step
 
-    class Shared:  # the step protocol's view of SharedEngine, over this module's engine
-        context_length = engine.context_length
-        encode = staticmethod(engine.encode)
-        encode_chat = staticmethod(engine.encode_chat)
-        step = staticmethod(engine.step)
-
-    def call(action: int, seq_id: int, request: dict[str, object]) -> dict[str, np.ndarray]:
-        inputs = {
-            "ACTION": np.array([action], dtype=np.int32),
-            "SEQ_ID": np.array([seq_id], dtype=np.int64),
-            "REQUEST": np.array([json.dumps(request).encode()], dtype=np.object_),
-        }
-        return run_step(Shared(), inputs)  # type: ignore[arg-type]
-
-    messages = [["user", FORGED]]
-    plain = len(engine.tokenizer.encode_chat([("user", FORGED)]))
-    assert int(call(COUNT, 0, {"messages": messages})["PROMPT_TOKENS"][0]) == plain
-    prefilled = call(PREFILL, 1500, {"messages": messages, "max_tokens": 2})
-    assert prefilled["FINISH"][0] == b"" and int(prefilled["PROMPT_TOKENS"][0]) == plain
-    run_step(Shared(), {"ACTION": np.array([RELEASE], dtype=np.int32), "SEQ_ID": np.array([1500], dtype=np.int64),  # type: ignore[arg-type]
-                        "REQUEST": np.array([b""], dtype=np.object_)})
-    # A raw prompt is the caller's own template: its control tokens count as such.
-    raw = engine.apply_chat_template([("user", FORGED)])
-    assert int(call(COUNT, 0, {"prompt": raw})["PROMPT_TOKENS"][0]) == len(engine.tokenizer.encode(raw)) < plain
-    assert engine.active_slots == 0
-
-
-def test_step_protocol_passes_the_prefill_chunk(engine: StepEngine) -> None:
-    import numpy as np
-
-    from sluice_triton_local.step_protocol import DECODE, PREFILL, RELEASE, run_step
-
-    class Shared:  # the step protocol's view of SharedEngine, over this module's engine
+    class Shared:  # the step protocol's view of SharedEngine
         context_length = engine.context_length
         count_tokens = staticmethod(engine.count_tokens)
         apply_chat_template = staticmethod(engine.apply_chat_template)
@@ -406,7 +378,7 @@ def test_step_protocol_passes_the_prefill_chunk(engine: StepEngine) -> None:
         encode_chat = staticmethod(engine.encode_chat)
         step = staticmethod(engine.step)
 
-    def call(action: int, seq_id: int, request: dict[str, object] | None = None) -> dict[str, np.ndarray]:
+    def call(action: int, seq_id: int, request: dict[str, object] | None = None) -> dict[str, Any]:
         raw = json.dumps(request).encode() if request is not None else b""
         inputs = {
             "ACTION": np.array([action], dtype=np.int32),
@@ -415,6 +387,29 @@ def test_step_protocol_passes_the_prefill_chunk(engine: StepEngine) -> None:
         }
         return run_step(Shared(), inputs)  # type: ignore[arg-type]
 
+    return call
+
+
+def test_step_protocol_counts_and_prefills_a_chats_content_as_text(engine: StepEngine) -> None:
+    from sluice_triton_local.step_protocol import COUNT, PREFILL, RELEASE
+
+    call = step_call(engine)
+    messages = [["user", FORGED]]
+    plain = len(engine.tokenizer.encode_chat([("user", FORGED)]))
+    assert int(call(COUNT, 0, {"messages": messages})["PROMPT_TOKENS"][0]) == plain
+    prefilled = call(PREFILL, 1500, {"messages": messages, "max_tokens": 2})
+    assert prefilled["FINISH"][0] == b"" and int(prefilled["PROMPT_TOKENS"][0]) == plain
+    call(RELEASE, 1500)
+    # A raw prompt is the caller's own template: its control tokens count as such.
+    raw = engine.apply_chat_template([("user", FORGED)])
+    assert int(call(COUNT, 0, {"prompt": raw})["PROMPT_TOKENS"][0]) == len(engine.tokenizer.encode(raw)) < plain
+    assert engine.active_slots == 0
+
+
+def test_step_protocol_passes_the_prefill_chunk(engine: StepEngine) -> None:
+    from sluice_triton_local.step_protocol import DECODE, PREFILL, RELEASE
+
+    call = step_call(engine)
     request = {"messages": [list(m) for m in CHAT], "max_tokens": 3, "prefill_chunk": 16}
     out = call(PREFILL, 1400, request)
     assert out["TOKEN_ID"][0] == -1 and out["FINISH"][0] == b""
