@@ -329,7 +329,8 @@ def test_a_1024_token_row_completes_past_the_warm_up_deadline(stack: Stack, gate
     a deadline of WORKER_ROW_TIMEOUT_S (5 s here, so that this box's pace cannot hide the cap: 1,024
     tokens take far longer) for short rows; the 1,024-token row gets 2 x 1,024 x 0.25 s instead, and
     completes in one attempt. With the cap it was cut off at 5 s, retried and dead-lettered."""
-    for worker in [s for s in stack.services if s.name.startswith("job-worker")]:
+    running = [s for s in stack.services if s.name.startswith("job-worker") and s.process is not None and s.process.poll() is None]
+    for worker in running:
         worker.stop()  # the row must reach the worker under test
     name = f"job-worker-long-{uuid.uuid4().hex[:4]}"
     worker = stack.add_job_worker(name, env={"SLUICE_GATEWAY_WORKER_ROW_TIMEOUT_S": "5", "SLUICE_GATEWAY_WORKER_ROW_TIMEOUT_FLOOR_S": "1"})
@@ -353,4 +354,5 @@ def test_a_1024_token_row_completes_past_the_warm_up_deadline(stack: Stack, gate
         assert not job_worker_metric(worker, "sluice_jobs_row_timeouts_total", 'kind="generate"')
     finally:
         worker.stop()
-        stack.add_job_worker(f"job-worker-{uuid.uuid4().hex[:4]}")  # a worker as the stack's, for the tests after this one
+        for stopped in running:  # the stack as the tests after this one expect it, ports included
+            stopped.start_ready(120)
