@@ -155,8 +155,11 @@ def test_stack_services_report_the_ports_they_bound(stack: Stack) -> None:
     gateway = stack.service("gateway")
     assert set(gateway.ports) == {"grpc", "metrics", "http"}
     assert gateway.env["SLUICE_GATEWAY_HTTP_PORT"] == str(gateway.ports["http"])  # pinned for a restart
-    for name in ("gateway", "inference-adapter", "rate-limit", "evaluation-logging", "job-worker"):
-        with urllib.request.urlopen(stack.metrics_url(name), timeout=5) as reply:
+    # test_jobs replaces the stack's own job worker (a killed-worker test): any live one will do.
+    worker = next(s for s in stack.services if s.name.startswith("job-worker") and s.process is not None and s.process.poll() is None)
+    metrics = [stack.metrics_url(name) for name in ("gateway", "inference-adapter", "rate-limit", "evaluation-logging")]
+    for url in [*metrics, f"http://127.0.0.1:{worker.ports['metrics']}/metrics"]:
+        with urllib.request.urlopen(url, timeout=5) as reply:
             assert reply.status == 200
     models = urllib.request.Request(f"{stack.openai_base_url}/models", headers={"Authorization": f"Bearer {DEMO_KEY}"})
     with urllib.request.urlopen(models, timeout=5) as reply:
