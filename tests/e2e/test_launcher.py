@@ -1,5 +1,6 @@
 """The local launcher (sluice_stack) honours a service's drain and leaks nothing across restarts
-(issue 22, item 5), and the services bind the ports they report (item 11).
+(issue 22, item 5); the services bind the ports they report, and a Triton port taken after its
+probe moves triton-local to other ones (item 11).
 
 A stream is held open by freezing (SIGSTOP) the adapter behind a gateway of the test's own after
 its first token: the gateway then waits on the adapter for as long as the drain lets it."""
@@ -10,6 +11,7 @@ import gc
 import json
 import os
 import signal
+import socket
 import threading
 import time
 import urllib.request
@@ -20,7 +22,8 @@ from pathlib import Path
 import pytest
 
 from conftest import DEMO_KEY, MODEL, wait_for
-from sluice_stack import REPO_ROOT, ServiceProcess, Stack
+from sluice_stack import REPO_ROOT, ServiceProcess, Stack, StackPorts
+from sluice_stack import launcher
 from sluice_stack.keeper import ServiceKeeper
 from sluice_stack.launcher import ANY_HTTP_PORT, RATELIMIT_PORT_ENV, STOP_MARGIN_S
 
@@ -164,3 +167,38 @@ def test_stack_services_report_the_ports_they_bound(stack: Stack) -> None:
     models = urllib.request.Request(f"{stack.openai_base_url}/models", headers={"Authorization": f"Bearer {DEMO_KEY}"})
     with urllib.request.urlopen(models, timeout=5) as reply:
         assert reply.status == 200
+
+
+class _StartedTriton(Exception):
+    """Stops a stack's start once triton-local is ready: the rest is not what the test is about."""
+
+
+def test_a_triton_port_taken_after_its_probe_starts_triton_local_on_others(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """tritonserver binds what it is told, so the launcher probes its ports free; when another
+    process takes one between the probe and the bind, triton-local is started again on new ones."""
+    taker = socket.socket()
+    taker.bind(("0.0.0.0", 0))
+    taker.listen()
+    taken = taker.getsockname()[1]
+    probes = iter([taken])  # the first probe (Triton's HTTP port) answers a port already held
+    real_free_port = launcher.free_port
+    monkeypatch.setattr(launcher, "free_port", lambda: next(probes, 0) or real_free_port())
+    stack = Stack(tmp_path, ports=StackPorts.ephemeral(), serve_variant=False)
+    assert stack.ports.triton_http == taken
+    started: list[ServiceProcess] = []
+
+    def stop_after_triton(service: ServiceProcess) -> None:
+        started.append(service)
+        raise _StartedTriton
+
+    try:
+        with pytest.raises(_StartedTriton):
+            stack.start(timeout_s=240, on_ready=stop_after_triton)
+    finally:
+        taker.close()
+    assert [s.name for s in started] == ["triton-local"]
+    moved = stack.triton_ports["triton-local"]
+    assert moved.http not in (0, taken) and stack.ports.triton_http == moved.http
+    assert started[0].env["SLUICE_TRITON_LOCAL_HTTP_PORT"] == str(moved.http)
+    first_try = (tmp_path / "triton-local.tritonserver.log").read_text(errors="replace")
+    assert f":{taken}' already in use" in first_try, first_try[-2000:]
