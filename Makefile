@@ -23,7 +23,7 @@ LIBS := libs/sluice-protos libs/sluice-common libs/sluice-stack
 PROJECTS := $(LIBS) $(SERVICES) tests bench deploy/tests
 UNIT_TESTED := libs/sluice-common $(SERVICES) bench
 
-.PHONY: help setup deploy-requirements uv node protos protos-check proto-lint run test test-unit test-e2e test-deploy bench-path bench-adapter bench-evallog bench-ratelimit bench-jobs bench-jobs-interactive bench-engine bench-colocated bench-threads bench-gpu bench-load bench-rolling bench-embed-cache bench-openai clean
+.PHONY: help setup deploy-requirements uv node protos protos-check proto-lint run test test-unit test-e2e test-deploy bench-path bench-adapter bench-evallog bench-ratelimit bench-jobs bench-jobs-interactive bench-engine bench-colocated bench-threads bench-gpu bench-gpu-kit bench-load bench-rolling bench-embed-cache bench-openai clean
 
 help:
 	@echo "make run        start the whole suite locally and stream a demo completion (Ctrl-C stops it)"
@@ -32,6 +32,7 @@ help:
 	@echo "make bench-colocated two engines on one host: cores split between them vs every core each (tok/s, step p99)"
 	@echo "make bench-threads the local stack's engine thread policies (spin, passive, one thread, ggml pool) quiet and beside a busy process"
 	@echo "make bench-gpu  on an NVIDIA GPU: the step engine's decode tok/s there vs the CPU at batch 1-64, greedy tokens identical?"
+	@echo "make bench-gpu-kit the offline kit that runs bench-gpu on a borrowed GPU machine: built here, then proved here offline"
 	@echo "make bench-load 16, 32 and 64 chat streams through the stack: tok/s, TTFT, vs the engine alone"
 	@echo "make bench-rolling gateway, adapter and evaluation-logging restarted one by one under 32 streams: failed streams, lost events, TTFT"
 	@echo "make bench-openai a third-party load tool (aiperf) on the OpenAI HTTP front vs the same load over gRPC: TTFT, tok/s"
@@ -106,9 +107,14 @@ test: proto-lint protos-check test-deploy test-unit test-e2e
 bench-engine: setup
 	bench/.venv/bin/python bench/bench_engine.py
 
-# Needs llama-cpp-python built with CUDA (bench/gpu/run_on_device.sh builds it); else exits 3, saying so.
+# Needs llama-cpp-python built with CUDA (make bench-gpu-kit builds one to carry); else exits 3, saying so.
 bench-gpu: setup
 	services/triton-local/.venv/bin/python -m sluice_triton_local.engine.bench_gpu
+
+# The offline kit for a GPU machine with no network (bench/gpu/kit.py): the CUDA wheel for sm_90 (many
+# minutes on 2 cores, once), the engine's wheels and the model in loads of < 64 MiB, then its proof here.
+bench-gpu-kit: setup
+	bench/.venv/bin/python bench/gpu/kit.py build --prove
 
 bench-colocated: setup
 	bench/.venv/bin/python bench/bench_colocated.py

