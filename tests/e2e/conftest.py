@@ -81,11 +81,19 @@ def auth(key: str = DEMO_KEY) -> tuple[tuple[str, str], ...]:
 
 def scrape(url: str, name: str, labels: str = "") -> float:
     """One sample of a Prometheus metric, 0 when absent."""
+    return scrape_samples(url, (name, labels))[0]
+
+
+def scrape_samples(url: str, *samples: tuple[str, str]) -> list[float]:
+    """Samples ((name, labels) each) of one and the same scrape: figures that must agree with each
+    other (a histogram's count and one of its buckets) cannot come from two scrapes a step apart."""
     with urllib.request.urlopen(url, timeout=5) as reply:
         text = reply.read().decode()
-    pattern = re.compile(rf"^{re.escape(name)}{re.escape(labels) if labels else ''}\s+([0-9.eE+-]+)$", re.M)
-    match = pattern.search(text)
-    return float(match.group(1)) if match else 0.0
+    values = []
+    for name, labels in samples:
+        match = re.search(rf"^{re.escape(name)}{re.escape(labels) if labels else ''}\s+([0-9.eE+-]+)$", text, re.M)
+        values.append(float(match.group(1)) if match else 0.0)
+    return values
 
 
 @contextlib.contextmanager

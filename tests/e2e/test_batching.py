@@ -12,8 +12,9 @@ from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 from sluice.common.v1 import types_pb2
 from sluice.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+from sluice.inference.v1 import inference_pb2, inference_pb2_grpc
 
-from conftest import auth, chat, scrape, scrape_total, wait_for, waiting_requests
+from conftest import auth, chat, scrape_samples, scrape_total, wait_for, waiting_requests
 from sluice_stack import Stack, StackPorts
 
 PROMPTS = [
@@ -69,7 +70,11 @@ def test_a_short_request_finishes_before_long_ones_that_started_first(gateway) -
     assert finished["short"] < min(finished["long1"], finished["long2"])
 
 
-def test_a_cancelled_stream_frees_its_slot_within_one_step(gateway, stack) -> None:
+def test_a_cancelled_stream_frees_its_slot_within_one_step(gateway, stack, record_property: Callable[[str, object], None]) -> None:
+    """The adapter's promise: a sequence whose caller cancels is in no step planned after it hears of
+    it. The cancelled call goes to the adapter itself: through the gateway, its forwarding of the
+    cancel (another process, and on a busy box one more wait for a core) adds steps that are not the
+    adapter's (3 were seen beside a busy process); test_cancellation covers that path."""
     metrics = stack.metrics_url("inference-adapter")
     steady_started = threading.Event()
     stop = threading.Event()
@@ -83,21 +88,27 @@ def test_a_cancelled_stream_frees_its_slot_within_one_step(gateway, stack) -> No
 
     def steps_of_two() -> float:
         """Steps the adapter ran with both sequences in them, counted by the adapter itself."""
-        return scrape(metrics, "sluice_adapter_batch_size_count") - scrape(metrics, "sluice_adapter_batch_size_bucket", '{le="1.0"}')
+        steps, steps_of_one = scrape_samples(metrics, ("sluice_adapter_batch_size_count", ""), ("sluice_adapter_batch_size_bucket", '{le="1.0"}'))
+        return steps - steps_of_one
 
     thread = threading.Thread(target=steady)
     thread.start()
     assert steady_started.wait(60)
-    call = gateway.Generate(chat("Write a long essay about mountains.", 80), metadata=auth(), timeout=180)
-    for index, _ in enumerate(call):
-        if index == 2:
-            break
-    assert scrape_total(metrics, SLOTS) == 2
-    at_cancel = steps_of_two()
-    call.cancel()
-    wait_for(lambda: scrape_total(metrics, SLOTS) == 1, "the cancelled sequence's slot to be freed", poll_s=0.005)
+    essay = chat("Write a long essay about mountains.", 80)
+    request = inference_pb2.GenerateRequest(tenant="demo", model=essay.model, messages=essay.messages, sampling=essay.sampling)
+    with grpc.insecure_channel(stack.adapter_address) as channel:
+        call = inference_pb2_grpc.InferenceServiceStub(channel).Generate(request, timeout=180)
+        for index, _ in enumerate(call):
+            if index == 2:
+                break
+        assert scrape_total(metrics, SLOTS) == 2
+        at_cancel = steps_of_two()
+        call.cancel()
+        wait_for(lambda: scrape_total(metrics, SLOTS) == 1, "the cancelled sequence's slot to be freed", poll_s=0.005)
+    shared = steps_of_two() - at_cancel
+    record_property("steps_shared_after_cancel", shared)
     # Both sequences shared at most the step in flight when the cancel arrived and one more.
-    assert steps_of_two() - at_cancel <= 2
+    assert shared <= 2
     stop.set()
     thread.join(timeout=120)
 

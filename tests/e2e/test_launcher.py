@@ -16,7 +16,7 @@ import threading
 import time
 import urllib.request
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -89,12 +89,13 @@ def held_gateway(stack: Stack, adapter: ServiceProcess, request: pytest.FixtureR
         gateway.kill()
 
 
-def test_stop_waits_the_service_drain_grace_before_it_kills(held_gateway: tuple[ServiceProcess, HeldStream]) -> None:
+def test_stop_waits_the_service_drain_grace_before_it_kills(held_gateway: tuple[ServiceProcess, HeldStream], record_property: Callable[[str, object], None]) -> None:
     gateway, stream = held_gateway
     assert gateway.process is not None
     started = time.monotonic()
     gateway.stop()  # the launcher's own timeout: the service's grace plus a margin
     elapsed = time.monotonic() - started
+    record_property("stop_s", round(elapsed, 3))
     # The gateway drained for its whole grace (the stream outlived it and was cut), flushed and
     # exited by itself: not a SIGKILL (-9) at a fixed 15 s.
     assert gateway.process.returncode == 0, (gateway.process.returncode, elapsed, gateway.log_tail())
@@ -102,7 +103,7 @@ def test_stop_waits_the_service_drain_grace_before_it_kills(held_gateway: tuple[
     assert stream.ended.wait(30)
 
 
-def test_a_second_sigterm_cuts_the_http_front_drain(held_gateway: tuple[ServiceProcess, HeldStream]) -> None:
+def test_a_second_sigterm_cuts_the_http_front_drain(held_gateway: tuple[ServiceProcess, HeldStream], record_property: Callable[[str, object], None]) -> None:
     gateway, stream = held_gateway
     assert gateway.process is not None
     gateway.terminate()
@@ -114,6 +115,7 @@ def test_a_second_sigterm_cuts_the_http_front_drain(held_gateway: tuple[ServiceP
     # The stream is cut and the process exits at once, well before the grace would end (a drain
     # left to run would wait on the frozen adapter until GRACE_S or the channel's keepalive).
     gateway.process.wait(GRACE_S / 2)
+    record_property("exit_after_second_sigterm_s", round(time.monotonic() - second, 3))
     assert time.monotonic() - second < GRACE_S / 2
     assert '"shutting_down_now"' in gateway.log_tail(60)
     assert stream.ended.wait(10)

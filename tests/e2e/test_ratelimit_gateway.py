@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import grpc
@@ -184,7 +184,7 @@ def test_embed_past_the_requests_per_minute_is_resource_exhausted_with_retry_inf
     assert_denied_by_requests_per_minute(caught.value, EMBEDDING_MODEL)
 
 
-def test_an_unreachable_rate_limit_fails_closed_within_the_deadline(stack: Stack, tmp_path: Path) -> None:
+def test_an_unreachable_rate_limit_fails_closed_within_the_deadline(stack: Stack, tmp_path: Path, record_property: Callable[[str, object], None]) -> None:
     # A port this test holds bound but not listening: connections to it are refused, and no other
     # process can start serving on it meanwhile.
     held = socket.socket()
@@ -200,6 +200,7 @@ def test_an_unreachable_rate_limit_fails_closed_within_the_deadline(stack: Stack
                 with pytest.raises(grpc.RpcError) as caught:
                     list(stub.Generate(request(), metadata=auth(), timeout=timeout))
                 elapsed = time.perf_counter() - started
+                record_property(f"failed_closed_s_timeout{timeout}", round(elapsed, 3))
                 assert caught.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
                 assert elapsed < min(timeout, 0.3) + 0.7, elapsed
                 if timeout > 1:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import grpc
@@ -143,7 +143,7 @@ def faulty_adapter(stack: Stack) -> Iterator[tuple[ServiceProcess, str]]:
     stack.services.remove(service)
 
 
-def test_a_scheduler_killed_by_a_fault_turns_health_not_serving_and_fails_its_calls(faulty_adapter) -> None:  # type: ignore[no-untyped-def]
+def test_a_scheduler_killed_by_a_fault_turns_health_not_serving_and_fails_its_calls(faulty_adapter, record_property: Callable[[str, object], None]) -> None:  # type: ignore[no-untyped-def]
     service, address = faulty_adapter
     outcomes: list[str] = []
     first_tokens = threading.Semaphore(0)
@@ -177,6 +177,7 @@ def test_a_scheduler_killed_by_a_fault_turns_health_not_serving_and_fails_its_ca
     wait_for(lambda: not serving(address), "NOT_SERVING after the scheduler died", timeout_s=1.0, poll_s=0.02)
     for thread in threads:
         thread.join(5)
+    record_property("streams_ended_s", round(time.monotonic() - injected, 3))
     assert outcomes == ["UNAVAILABLE"] * 3 and time.monotonic() - injected < 5
     wait_for(lambda: serving(address), "SERVING again once the scheduler restarted", timeout_s=30)
     assert "owner_task_died" in service.log_tail(200)
