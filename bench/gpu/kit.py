@@ -26,13 +26,16 @@ Standard library only: the device runs this with whatever python3 it has.
 from __future__ import annotations
 
 import argparse
+import base64
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
 import time
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -193,7 +196,34 @@ def build_llama_wheel(python: str, out: Path) -> Path:
     if "libggml-cuda" not in listing:
         raise SystemExit(f"gpukit: {wheel.name} has no libggml-cuda: the CUDA build did not happen")
     say(f"built {wheel.name} ({wheel.stat().st_size / 2**20:.1f} MiB) in {time.monotonic() - t0:.0f} s")
+    slim_wheel(wheel)
+    say(f"slimmed to {wheel.stat().st_size / 2**20:.1f} MiB (each library once)")
     return wheel
+
+
+# The libraries' names that are loaded: by Python (llama_cpp loads libllama.so, bench_gpu libggml.so)
+# and by the dynamic linker (each library's SONAME, lib*.so.0).
+LOADED_LIBRARY = re.compile(r"^llama_cpp/lib/(libllama\.so|libggml\.so|lib[\w-]+\.so\.0)$")
+
+
+def slim_wheel(wheel: Path) -> None:
+    """A zip holds no symbolic links, so the wheel carries every library three times over (libX.so,
+    .so.0, .so.0.25.3) and again outside the package (lib/, include/: CMake's install, unused):
+    libggml-cuda alone six times, 250 MB. Keeps each loaded name once, with a RECORD to match."""
+    kept: list[tuple[str, bytes]] = []
+    with zipfile.ZipFile(wheel) as source:
+        for name in source.namelist():
+            in_package = name.startswith("llama_cpp/") and (not name.startswith("llama_cpp/lib/") or LOADED_LIBRARY.match(name))
+            if (in_package or ".dist-info/" in name) and not name.endswith("/RECORD"):
+                kept.append((name, source.read(name)))
+    record = next(n for n, _ in kept if n.endswith(".dist-info/METADATA")).replace("METADATA", "RECORD")
+    lines = [f"{n},sha256={base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b'=').decode()},{len(data)}" for n, data in kept]
+    kept.append((record, ("\n".join([*lines, f"{record},,"]) + "\n").encode()))
+    slim = wheel.with_suffix(".slim")
+    with zipfile.ZipFile(slim, "w", zipfile.ZIP_DEFLATED, compresslevel=9) as out:
+        for name, data in kept:
+            out.writestr(name, data)
+    slim.replace(wheel)
 
 
 def lock_versions(names: list[str]) -> dict[str, str]:
@@ -226,8 +256,10 @@ def build(args: argparse.Namespace) -> int:
     python = kit_python()
     wheels_dir = BUILD / "wheels"
     wheels_dir.mkdir(parents=True, exist_ok=True)
-    if not list(wheels_dir.glob("llama_cpp_python-*.whl")):
+    if not (built := list(wheels_dir.glob("llama_cpp_python-*.whl"))):
         build_llama_wheel(python, wheels_dir)
+    elif built[0].stat().st_size > 100 * 2**20:  # built before it was slimmed
+        slim_wheel(built[0])
     download_engine_wheels(python, wheels_dir)
     model = model_file()
     budget = CARRY_LIMIT - carried_tree_bytes() - CARRY_MARGIN
