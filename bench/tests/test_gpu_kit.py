@@ -73,3 +73,35 @@ def test_cuda_libraries_are_found_in_a_named_folder_or_refused_by_name(tmp_path:
     assert str(tmp_path) in kit.cuda_library_dirs(["libcudart.so.13"], [str(tmp_path)])
     with pytest.raises(SystemExit, match="libsluice-nothing.so.99"):
         kit.cuda_library_dirs(["libsluice-nothing.so.99"], [str(tmp_path)])
+
+
+def test_the_wheel_keeps_each_loaded_library_once_with_a_record_to_match(tmp_path: Path) -> None:
+    import base64
+    import hashlib
+    import zipfile
+
+    wheel = tmp_path / "llama_cpp_python-0.3.36-py3-none-linux_x86_64.whl"
+    as_built = {
+        "llama_cpp/__init__.py": b"", "llama_cpp/lib/libllama.so": b"L", "llama_cpp/lib/libllama.so.0": b"L",
+        "llama_cpp/lib/libllama.so.0.5.0": b"L", "llama_cpp/lib/libggml.so": b"G", "llama_cpp/lib/libggml.so.0": b"G",
+        "llama_cpp/lib/libggml-cuda.so": b"C" * 100, "llama_cpp/lib/libggml-cuda.so.0": b"C" * 100,
+        "llama_cpp/lib/libggml-cuda.so.0.25.3": b"C" * 100, "lib/libggml-cuda.so.0": b"C" * 100, "include/ggml.h": b"h",
+        "llama_cpp_python-0.3.36.dist-info/METADATA": b"Name: llama-cpp-python",
+        "llama_cpp_python-0.3.36.dist-info/RECORD": b"stale",
+    }  # fmt: skip
+    with zipfile.ZipFile(wheel, "w") as out:
+        for name, data in as_built.items():
+            out.writestr(name, data)
+    kit.slim_wheel(wheel)
+    with zipfile.ZipFile(wheel) as slim:
+        names = set(slim.namelist())
+        record = slim.read("llama_cpp_python-0.3.36.dist-info/RECORD").decode().splitlines()
+        contents = {n: slim.read(n) for n in names}
+    assert [n for n in names if "libggml-cuda" in n] == ["llama_cpp/lib/libggml-cuda.so.0"]
+    assert {"llama_cpp/lib/libllama.so", "llama_cpp/lib/libggml.so", "llama_cpp/__init__.py"} <= names
+    assert not any(n.startswith(("lib/", "include/")) or n.endswith(".0.5.0") for n in names), names
+    for line in record[:-1]:
+        name, digest, size = line.split(",")
+        assert digest == "sha256=" + base64.urlsafe_b64encode(hashlib.sha256(contents[name]).digest()).rstrip(b"=").decode()
+        assert int(size) == len(contents[name])
+    assert {line.split(",")[0] for line in record} == names
