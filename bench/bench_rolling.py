@@ -106,7 +106,9 @@ async def one_stream(stub: gateway_pb2_grpc.GatewayServiceStub, worker: int) -> 
 async def _receive(stub: gateway_pb2_grpc.GatewayServiceStub, request: gateway_pb2.GenerateRequest, stream: Stream, sent: float) -> Stream:
     while True:
         try:
-            async for response in stub.Generate(request, metadata=AUTH, timeout=300):
+            # wait_for_ready: a stream sent while no gateway is ready to this channel (one back from its
+            # restart, not reconnected yet; the next draining) waits for one, as README advises clients.
+            async for response in stub.Generate(request, metadata=AUTH, timeout=300, wait_for_ready=True):
                 stream.request_id = stream.request_id or response.request_id
                 if stream.ttft_s is None and response.text:
                     stream.ttft_s = time.perf_counter() - sent
@@ -149,8 +151,9 @@ class Load:
         self._stop.set()
 
 
-def roll(stack: Stack) -> list[tuple[str, float]]:
-    """Restarts every replica of each service in ROLL_ORDER, one at a time; (name, seconds) each."""
+def roll(stack: Stack) -> list[tuple[str, float, float]]:
+    """Restarts every replica of each service in ROLL_ORDER, one at a time; (name, the SIGTERM's
+    time.monotonic(), seconds until it served again) each."""
     took = []
     for service in ROLL_ORDER:
         for name in stack.replica_names(service):
@@ -162,8 +165,8 @@ def roll(stack: Stack) -> list[tuple[str, float]]:
             except subprocess.TimeoutExpired:
                 raise SystemExit(f"{name} did not exit within 180 s of SIGTERM:\n{process.log_tail(40)}") from None
             process.start_ready(300)
-            took.append((name, time.monotonic() - started))
-            print(f"  {name}: exited {code} after its drain, serving again after {took[-1][1]:.1f} s", flush=True)
+            took.append((name, started, time.monotonic() - started))
+            print(f"  {name}: exited {code} after its drain, serving again after {took[-1][2]:.1f} s", flush=True)
     return took
 
 
@@ -218,7 +221,17 @@ def main() -> int:
     return 0
 
 
-def report(streams: list[Stream], rolling: tuple[float, float], missing: set[str], took: list[tuple[str, float]]) -> None:
+def failures_by_restart(streams: list[Stream], took: list[tuple[str, float, float]]) -> dict[str, int]:
+    """Failed streams by the restart they ended in (its SIGTERM until it served again), else
+    'between': which service's restart a client felt."""
+    counts: dict[str, int] = {}
+    for s in (s for s in streams if s.failed):
+        name = next((n for n, at, took_s in took if at <= s.ended_at <= at + took_s), "between")
+        counts[name] = counts.get(name, 0) + 1
+    return counts
+
+
+def report(streams: list[Stream], rolling: tuple[float, float], missing: set[str], took: list[tuple[str, float, float]]) -> None:
     phases = {phase: [s for s in streams if phase_of(s, rolling) == phase] for phase in ("before", "during", "after")}
     for phase, mine in phases.items():
         if not mine:
@@ -228,10 +241,12 @@ def report(streams: list[Stream], rolling: tuple[float, float], missing: set[str
         print(f"{phase:>6}: {len(mine)} streams, {len(failed)} failed, TTFT p50 {percentile(ttfts, 50) * 1000:.0f} ms p99 {percentile(ttfts, 99) * 1000:.0f} ms", flush=True)
         for error in sorted({s.error for s in failed})[:5]:
             print(f"        {error}", flush=True)
+    if by_restart := failures_by_restart(phases["during"], took):
+        print("failed streams by the restart they ended in: " + ", ".join(f"{n} {c}" for n, c in by_restart.items()), flush=True)
     before = [s.ttft_s for s in phases["before"] if s.finished and s.ttft_s is not None]
     during = [s.ttft_s for s in phases["during"] if s.finished and s.ttft_s is not None]
     print(f"BENCH rolling_restarts {len(took)}")
-    print(f"BENCH rolling_seconds {sum(t for _, t in took):.1f}")
+    print(f"BENCH rolling_seconds {sum(t for _, _, t in took):.1f}")
     print(f"BENCH rolling_streams_during {len(phases['during'])}")
     print(f"BENCH rolling_streams_failed {failed_during(streams, rolling)}")
     print(f"BENCH rolling_events_lost {len(missing)}")

@@ -45,3 +45,16 @@ def test_ratios_only_when_greedy_tokens_match() -> None:
     lines = ratio_lines(engine, llamacpp, ["1", "8"])
     assert not any(line.startswith("BENCH") for line in lines)
     assert lines == ["no ratios: the engine's greedy tokens differ from llama.cpp's at batch 8"]
+
+
+def test_failures_are_told_by_the_restart_they_ended_in() -> None:
+    from bench_rolling import failures_by_restart
+
+    took = [("gateway", 100.0, 30.0), ("inference-adapter", 140.0, 20.0)]
+    streams = [
+        Stream(sent_at=99.0, ended_at=101.0, error="UNAVAILABLE"),
+        Stream(sent_at=120.0, ended_at=135.0, error="UNAVAILABLE"),  # between the two restarts
+        Stream(sent_at=141.0, ended_at=150.0, error="ended without a finish reason"),
+        Stream(sent_at=141.0, ended_at=150.0, finished=True),  # not a failure
+    ]
+    assert failures_by_restart(streams, took) == {"gateway": 1, "between": 1, "inference-adapter": 1}

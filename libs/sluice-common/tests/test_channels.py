@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import Counter
 
 import grpc
+import pytest
 
-from sluice_common.channels import open_channel
+from sluice_common.channels import open_channel, wait_for_replica
 from sluice_common.server import RunningServer, create_server
 
 SERVICE = "test.Who"
@@ -44,6 +46,30 @@ async def test_calls_spread_over_replicas_and_skip_one_that_is_not_serving() -> 
         await a.set_serving(True)
         await asyncio.sleep(0.2)
         assert set(await answers(channel, 20)) == {"a", "b"}
+    finally:
+        await channel.close()
+        await a.shutdown(0)
+        await b.shutdown(0)
+
+
+async def test_a_call_waits_for_a_replica_back_from_restart_rather_than_failing_at_once() -> None:
+    a, b = await replica("a"), await replica("b")
+    channel = open_channel(f"ipv4:127.0.0.1:{a.port},127.0.0.1:{b.port}")
+    who = channel.unary_unary(f"/{SERVICE}/Who")
+    try:
+        await channel.channel_ready()
+        await a.set_serving(False)  # restarting: not back yet
+        await b.set_serving(False)  # the next replica drains
+        await asyncio.sleep(0.3)
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await who(b"", timeout=5)  # no replica to call: fails at once
+        assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+        started = time.monotonic()
+        await wait_for_replica(channel, 0.3)  # nothing comes back: the wait is bounded
+        assert 0.25 <= time.monotonic() - started < 2
+        asyncio.get_running_loop().call_later(0.5, lambda: asyncio.ensure_future(a.set_serving(True)))
+        await wait_for_replica(channel, 10)
+        assert await who(b"", timeout=5) == b"a"
     finally:
         await channel.close()
         await a.shutdown(0)

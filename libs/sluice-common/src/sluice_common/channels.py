@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 
 import grpc
@@ -52,3 +54,18 @@ def open_channel(target: str, tls: ClientTLS | None = None) -> grpc.aio.Channel:
     if tls.server_name:
         options = (*options, ("grpc.ssl_target_name_override", tls.server_name))
     return grpc.aio.secure_channel(target, channel_credentials(tls), options=options)
+
+
+async def wait_for_replica(channel: grpc.aio.Channel, within_s: float) -> None:
+    """Returns once the channel has a replica to call (READY), or after `within_s` (the call then
+    fails UNAVAILABLE as it would have). A rolling restart's window: one replica is back and serving,
+    but this channel has not reconnected to it yet (up to the 2 s backoff) when the next replica turns
+    NOT_SERVING to drain, so a call made then would fail at once with "all backends failing"."""
+    state = channel.get_state(try_to_connect=True)
+    if state is grpc.ChannelConnectivity.READY:
+        return
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(within_s):
+            while state is not grpc.ChannelConnectivity.READY:
+                await channel.wait_for_state_change(state)
+                state = channel.get_state(try_to_connect=True)

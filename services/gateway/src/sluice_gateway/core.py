@@ -38,8 +38,9 @@ class GatewayCore:
     def path(self) -> InferencePath:
         """The one path every front (gRPC, HTTP, job worker) sends its requests through."""
         return InferencePath(
-            self.adapter, self.models, self.admission, self.completion_events, self.default_max_tokens, self.default_deadline
-        )
+            self.adapter, self.models, self.admission, self.completion_events, self.default_max_tokens, self.default_deadline,
+            self.channel,
+        )  # fmt: skip
 
     @classmethod
     def build(cls, config: GatewayConfig, spill_port: int) -> GatewayCore:

@@ -49,6 +49,7 @@ from sluice.common.v1 import types_pb2
 from sluice.gateway.v1 import gateway_pb2
 from sluice.inference.v1 import inference_pb2, inference_pb2_grpc
 
+from sluice_common.channels import wait_for_replica
 from sluice_common.errors import DeadlineExceeded, InvalidArgument, SluiceError
 from sluice_common.prompt_tokens import prompt_token_bound
 from sluice_common.request_context import outgoing_metadata
@@ -61,6 +62,8 @@ from sluice_common.tenants import Tenant
 
 # max_tokens when a request omits it and no configuration says otherwise (SLUICE_GATEWAY_DEFAULT_MAX_TOKENS).
 DEFAULT_MAX_TOKENS = 1024
+# The longest a call waits for an adapter replica to call (the channel reconnects within 2 s).
+REPLICA_WAIT_S = 5.0
 
 DEFAULT_DEADLINE = Gauge(
     "sluice_gateway_default_deadline_seconds",
@@ -148,14 +151,23 @@ class InferencePath:
         completion_events: CompletionEvents | None = None,
         default_max_tokens: int = DEFAULT_MAX_TOKENS,
         default_deadline: DefaultDeadline | None = None,
+        adapter_channel: grpc.aio.Channel | None = None,
     ) -> None:
         self.adapter = adapter
+        # The stub's channel: a call waits (briefly) for a replica to call instead of failing at once.
+        self.adapter_channel = adapter_channel
         self.models = models
         self.admission = admission
         self.completion_events = completion_events
         self.default_max_tokens = default_max_tokens
         # The deadline of a request whose client set none (None: such a request has no deadline).
         self.default_deadline = default_deadline
+
+    async def _adapter_replica(self, time_remaining: float | None) -> None:
+        """Between one adapter's restart and the next, the channel may have no replica to call for
+        up to its reconnect backoff: the call waits that out (within its deadline) rather than fail."""
+        if self.adapter_channel is not None:
+            await wait_for_replica(self.adapter_channel, min(REPLICA_WAIT_S, time_remaining or REPLICA_WAIT_S))
 
     def validate_generate(self, request: gateway_pb2.GenerateRequest) -> None:
         validate_generation(request.messages, request.prompt, request.sampling, self.models.get(request.model))
@@ -218,6 +230,7 @@ class InferencePath:
             if default_s is not None:  # the default runs from arrival: what admission took is spent
                 time_remaining = max(0.001, arrived_at + default_s - time.monotonic())
             # The caller's deadline bounds the adapter's work; cancelling this call stops it there.
+            await self._adapter_replica(time_remaining)
             call = self.adapter.Generate(downstream, timeout=time_remaining, metadata=outgoing_metadata())
             stream = GenerateStream(ticket, call, tracker, on_chunk, arrived_at=arrived_at)
             try:
@@ -301,6 +314,7 @@ class InferencePath:
         """The prompt's exact length by the adapter's CountTokens; None when the model cannot count."""
         count = inference_pb2.CountTokensRequest(model=request.model, messages=request.messages, prompt=request.prompt)
         try:
+            await self._adapter_replica(time_remaining)
             reply = await self.adapter.CountTokens(count, timeout=time_remaining, metadata=outgoing_metadata())
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
@@ -354,6 +368,7 @@ class InferencePath:
             if default_s is not None:
                 time_remaining = max(0.001, arrived_at + default_s - time.monotonic())
             try:
+                await self._adapter_replica(time_remaining)
                 reply = await self.adapter.Embed(downstream, timeout=time_remaining, metadata=outgoing_metadata())
             except grpc.aio.AioRpcError as exc:
                 if default_s is None or exc.code() != grpc.StatusCode.DEADLINE_EXCEEDED or self.default_deadline is None:
