@@ -105,7 +105,7 @@ def test_the_count_the_gateway_decides_on_is_what_the_engine_prefills(stack: Sta
                 inference_pb2.CountTokensRequest(model=MODEL, messages=request.messages), metadata=auth(), timeout=30
             ).prompt_tokens
             assert counted == prefilled, name
-            assert prompt_token_bound(request.messages, "") >= prefilled, name
+            assert prompt_token_bound([(m.role, m.content) for m in request.messages], "") >= prefilled, name
 
 
 def test_a_chat_the_estimate_under_counts_gets_a_default_max_tokens_that_fits(gateway: Any) -> None:
@@ -113,7 +113,7 @@ def test_a_chat_the_estimate_under_counts_gets_a_default_max_tokens_that_fits(ga
     # default max_tokens (1,024) used to be granted on that estimate, and the engine refused the
     # request (prompt + max_tokens past the context of 2,048) as the client's fault.
     request = chat("7" * 1500, max_tokens=0)
-    assert prompt_token_bound(request.messages, "") + 1024 > CONTEXT_LENGTH  # the bound has it counted
+    assert prompt_token_bound([(m.role, m.content) for m in request.messages], "") + 1024 > CONTEXT_LENGTH  # the bound has it counted
     stream = gateway.Generate(request, metadata=auth(), timeout=300)
     try:
         first = next(stream)  # the refusal, INVALID_ARGUMENT, came here

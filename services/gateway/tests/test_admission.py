@@ -19,9 +19,9 @@ from sluice_gateway.admission import (
     Reservation,
     embedding_reservation,
     estimate_embedding_tokens,
-    estimate_prompt_tokens,
     format_reset,
     generation_reservation,
+    prompt_estimate,
     ratelimit_headers,
 )
 
@@ -36,8 +36,8 @@ def request(content: str = "Hello there", max_tokens: int = 16) -> gateway_pb2.G
 
 def test_prompt_estimate_over_reserves_plain_english() -> None:
     text = "The quick brown fox jumps over the lazy dog. " * 20  # ~200 real tokens
-    assert estimate_prompt_tokens(request(text)) >= 300
-    assert estimate_prompt_tokens(gateway_pb2.GenerateRequest(prompt="abcdef")) == 3
+    assert prompt_estimate(request(text)) >= 300
+    assert prompt_estimate(gateway_pb2.GenerateRequest(prompt="abcdef")) == 3
 
 
 def test_embedding_estimate_counts_every_input_and_over_reserves_plain_english() -> None:
@@ -49,7 +49,7 @@ def test_embedding_estimate_counts_every_input_and_over_reserves_plain_english()
 
 def test_reservations_carry_model_priority_and_tokens() -> None:
     generate = generation_reservation(request("Hello there", max_tokens=16))
-    prompt = estimate_prompt_tokens(request("Hello there"))
+    prompt = prompt_estimate(request("Hello there"))
     assert generate == Reservation("m", types_pb2.PRIORITY_CLASS_INTERACTIVE, prompt, prompt + 16)
     embed = embedding_reservation(
         gateway_pb2.EmbedRequest(model="e", inputs=["abcdef"], priority_class=types_pb2.PRIORITY_CLASS_BULK)

@@ -10,14 +10,16 @@ Sluice ships; a SentencePiece tokenizer may add a token per text for its leading
 the per-message margin covers for short role lines.
 
 The gateway counts a prompt exactly (the adapter's CountTokens) only when this bound says it may
-not fit the model's context.
+not fit the model's context. Until a prompt is counted, the gateway's reservation and the adapter's
+scheduler take `estimate_prompt_tokens`, a guess (about 3 bytes a token) rather than a bound.
+
+Messages are (role, content) pairs: the gateway's ChatMessages and the adapter's prompts alike.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
-
-from sluice.common.v1 import types_pb2
 
 # Template tokens around one message beyond its role's and content's bytes.
 TEMPLATE_TOKENS_PER_MESSAGE = 4
@@ -25,9 +27,29 @@ TEMPLATE_TOKENS_PER_MESSAGE = 4
 TEMPLATE_TOKENS_PER_CHAT = 32
 
 
-def prompt_token_bound(messages: Sequence[types_pb2.ChatMessage], prompt: str) -> int:
+# English text in a byte-level BPE: about 4 bytes a token; 3 leans towards reserving too much.
+BYTES_PER_TOKEN_GUESS = 3
+
+Messages = Sequence[tuple[str, str]]
+
+
+def prompt_token_bound(messages: Messages, prompt: str) -> int:
     """At least the tokens the engine prefills for this chat (or raw prompt)."""
     if messages:
-        text_bytes = sum(len(m.role.encode()) + len(m.content.encode()) for m in messages)
+        text_bytes = sum(len(role.encode()) + len(content.encode()) for role, content in messages)
         return text_bytes + TEMPLATE_TOKENS_PER_MESSAGE * len(messages) + TEMPLATE_TOKENS_PER_CHAT
     return len(prompt.encode()) + 1
+
+
+def estimate_prompt_tokens(messages: Messages, prompt: str) -> int:
+    """A guess of the tokens the engine prefills for this chat (or raw prompt), for what is decided
+    before the model counts it (a rate-limit reservation that the commit settles, a step's budget).
+    Not a bound: digits take a token each, so a chat of digits counts three times its guess."""
+    if messages:
+        text_bytes = sum(len(role.encode()) + len(content.encode()) for role, content in messages)
+        return _guess(text_bytes) + TEMPLATE_TOKENS_PER_MESSAGE * len(messages) + TEMPLATE_TOKENS_PER_CHAT
+    return _guess(len(prompt.encode())) + 1
+
+
+def _guess(text_bytes: int) -> int:
+    return math.ceil(text_bytes / BYTES_PER_TOKEN_GUESS)

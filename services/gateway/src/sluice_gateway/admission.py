@@ -40,6 +40,7 @@ from sluice.inference.v1 import inference_pb2
 from sluice.ratelimit.v1 import ratelimit_pb2, ratelimit_pb2_grpc
 
 from sluice_common.errors import ResourceExhausted, Unavailable
+from sluice_common.prompt_tokens import estimate_prompt_tokens
 from sluice_common.request_context import current_request_id, outgoing_metadata
 
 log = structlog.stdlib.get_logger("sluice.gateway.admission")
@@ -60,9 +61,6 @@ WAIT_SECONDS = Histogram(
 COMMITS = Counter("sluice_gateway_ratelimit_settles_total", "Leases settled after a stream, by outcome.", ["result"])
 
 BYTES_PER_TOKEN = 3
-TOKENS_PER_MESSAGE = 4
-# The assistant header, plus a default system prompt that a chat template may add.
-TOKENS_PER_CHAT = 32
 # What an embedding tokenizer adds to each input ([CLS] and [SEP] for BERT-style models).
 TOKENS_PER_EMBED_INPUT = 2
 # Beyond the request's own deadline, how long the lease outlives it (commit travel time).
@@ -78,14 +76,14 @@ def _text_tokens(text_bytes: int) -> int:
     return -(-text_bytes // BYTES_PER_TOKEN)
 
 
-def estimate_prompt_tokens(request: gateway_pb2.GenerateRequest) -> int:
-    """A guess of the prompt's tokens (about 3 bytes each, and the template's), for a reservation
-    that the commit settles to the real count. Not a bound: digits take a token each, so a chat
-    of digits counts three times its guess (sluice_common.prompt_tokens has the bound)."""
-    if request.messages:
-        text_bytes = sum(len(m.content.encode()) + len(m.role) for m in request.messages)
-        return _text_tokens(text_bytes) + TOKENS_PER_MESSAGE * len(request.messages) + TOKENS_PER_CHAT
-    return _text_tokens(len(request.prompt.encode())) + 1
+def message_pairs(request: gateway_pb2.GenerateRequest) -> list[tuple[str, str]]:
+    """The request's chat as sluice_common.prompt_tokens takes it: (role, content) pairs."""
+    return [(m.role, m.content) for m in request.messages]
+
+
+def prompt_estimate(request: gateway_pb2.GenerateRequest) -> int:
+    """The prompt's guessed tokens, for a reservation that the commit settles to the real count."""
+    return estimate_prompt_tokens(message_pairs(request), request.prompt)
 
 
 def estimate_embedding_tokens(request: gateway_pb2.EmbedRequest) -> int:
@@ -110,7 +108,7 @@ def _priority(priority_class: int) -> int:
 
 def generation_reservation(request: gateway_pb2.GenerateRequest, prompt_tokens: int | None = None) -> Reservation:
     """`prompt_tokens`: the prompt's exact count when the gateway had the model count it."""
-    prompt = estimate_prompt_tokens(request) if prompt_tokens is None else prompt_tokens
+    prompt = prompt_estimate(request) if prompt_tokens is None else prompt_tokens
     return Reservation(request.model, _priority(request.priority_class), prompt, prompt + request.sampling.max_tokens)
 
 

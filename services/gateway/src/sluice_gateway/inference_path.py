@@ -54,7 +54,7 @@ from sluice_common.errors import DeadlineExceeded, InvalidArgument, SluiceError
 from sluice_common.prompt_tokens import prompt_token_bound
 from sluice_common.request_context import outgoing_metadata
 from sluice_common.validation import validate_embedding, validate_generation
-from sluice_gateway.admission import Admission, Ticket, embedding_reservation, estimate_prompt_tokens, generation_reservation
+from sluice_gateway.admission import Admission, Ticket, embedding_reservation, generation_reservation, message_pairs, prompt_estimate
 from sluice_gateway.completion_events import CompletionEvents, CompletionTracker
 from sluice_gateway.default_deadline import DefaultDeadline
 from sluice_gateway.model_catalog import ModelCatalog
@@ -299,7 +299,7 @@ class InferencePath:
             return None
         counted = await self._count(request, time_remaining)
         # A model that cannot count: the estimate, not the bound, which would refuse prompts that fit.
-        prompt_tokens = estimate_prompt_tokens(request) if counted is None else counted
+        prompt_tokens = prompt_estimate(request) if counted is None else counted
         remaining = context_length - prompt_tokens
         if remaining <= 0:
             raise InvalidArgument(
@@ -392,4 +392,4 @@ class InferencePath:
 
 
 def _bound(request: gateway_pb2.GenerateRequest) -> int:
-    return prompt_token_bound(request.messages, request.prompt)
+    return prompt_token_bound(message_pairs(request), request.prompt)

@@ -34,7 +34,7 @@ from sluice_common.supervision import stop_tasks
 from sluice_inference_adapter import metrics
 from sluice_inference_adapter.backend_errors import RequestRejected
 from sluice_inference_adapter.chat_template import ChatTemplateError
-from sluice_inference_adapter.scheduler import Finish, ReplicaWork, Sequence, estimate_prompt_tokens
+from sluice_inference_adapter.scheduler import Finish, ReplicaWork, Sequence
 from sluice_inference_adapter.step_rows import PromptSpec, SamplingSpec
 from sluice_inference_adapter.step_timeout import StepTimeouts
 
@@ -200,7 +200,7 @@ class PassthroughScheduler(ReplicaWork):
         request = sequence.request
         finish = None
         stream = self._backend.stream(self._render(request.prompt), request.sampling)
-        async with aclosing(stream) as chunks, aclosing(self._bounded(chunks, estimate_prompt_tokens(request.prompt))) as bounded:
+        async with aclosing(stream) as chunks, aclosing(self._bounded(chunks, request.prompt.estimated_tokens())) as bounded:
             async for chunk in bounded:
                 if chunk.input_tokens is not None:
                     sequence.prompt_tokens = chunk.input_tokens

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import enum
-import math
 import os
 import random
 import socket
@@ -163,7 +162,7 @@ class Sequence:
     @property
     def reserved_tokens(self) -> int:
         """KV tokens this sequence may come to hold; the prompt is estimated until prefill counts it."""
-        prompt = self.prompt_tokens or estimate_prompt_tokens(self.request.prompt)
+        prompt = self.prompt_tokens or self.request.prompt.estimated_tokens()
         return prompt + self.request.sampling.max_tokens
 
     def emit_text(self, text: str, now: float, tokens: int = 1) -> None:
@@ -204,12 +203,6 @@ class Sequence:
         if self.request.deadline is not None and now >= self.request.deadline:
             return Finish.DEADLINE
         return None
-
-
-def estimate_prompt_tokens(prompt: PromptSpec) -> int:
-    """A cautious guess (about 3 bytes per token plus template overhead) until the model counts."""
-    text_bytes = len(prompt.prompt.encode()) + sum(len(c.encode()) + 8 for _, c in prompt.messages)
-    return math.ceil(text_bytes / 3) + 32
 
 
 class SequenceHandle:
@@ -430,7 +423,7 @@ class Scheduler(ReplicaWork):
         for sequence in stepped:
             if sequence.first_token_at is not None:
                 continue  # decoding: one token
-            prompt = sequence.prompt_tokens or estimate_prompt_tokens(sequence.request.prompt)
+            prompt = sequence.prompt_tokens or sequence.request.prompt.estimated_tokens()
             total += min(prompt, chunk) if chunk and sequence.priority is Priority.BULK else prompt
         return total
 

@@ -11,6 +11,8 @@ import json
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
+from sluice_common.prompt_tokens import estimate_prompt_tokens
+
 
 class Action(enum.IntEnum):
     PREFILL = 1
@@ -34,6 +36,10 @@ class PromptSpec:
 
     messages: tuple[tuple[str, str], ...] = ()
     prompt: str = ""
+
+    def estimated_tokens(self) -> int:
+        """A guess until the model counts it (sluice_common.prompt_tokens, as the gateway guesses)."""
+        return estimate_prompt_tokens(self.messages, self.prompt)
 
     def to_json(self, sampling: SamplingSpec | None = None, prefill_chunk: int = 0, owner: str = "") -> bytes:
         body: dict[str, object] = {"messages": [list(m) for m in self.messages]} if self.messages else {"prompt": self.prompt}

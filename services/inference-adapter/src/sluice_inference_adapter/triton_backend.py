@@ -25,7 +25,6 @@ from sluice_inference_adapter import metrics
 from sluice_inference_adapter.backend_errors import RequestRejected, engine_message, is_request_fault
 from sluice_inference_adapter.embed_batcher import Embeddings
 from sluice_inference_adapter.passthrough import GeneratedChunk
-from sluice_inference_adapter.scheduler import estimate_prompt_tokens
 from sluice_inference_adapter.step_rows import FINISH_BUSY, Action, PromptSpec, SamplingSpec, StepOutcome, StepRow
 from sluice_inference_adapter.step_timeout import StepTimeouts
 
@@ -148,7 +147,7 @@ class TritonStepBackend(_TritonEndpoint):
         if not await self.is_ready():
             return False
         # A stuck replica must not hold the probe round (every replica's probes are awaited together).
-        limit = self._timeouts.limit(estimate_prompt_tokens(_PROBE_PROMPT)) if self._timeouts is not None else None
+        limit = self._timeouts.limit(_PROBE_PROMPT.estimated_tokens()) if self._timeouts is not None else None
         try:
             async with asyncio.timeout(limit):
                 # A random id: other adapters probe the same engine, maybe at the same moment.
