@@ -36,8 +36,7 @@ Messages = Sequence[tuple[str, str]]
 def prompt_token_bound(messages: Messages, prompt: str) -> int:
     """At least the tokens the engine prefills for this chat (or raw prompt)."""
     if messages:
-        text_bytes = sum(len(role.encode()) + len(content.encode()) for role, content in messages)
-        return text_bytes + TEMPLATE_TOKENS_PER_MESSAGE * len(messages) + TEMPLATE_TOKENS_PER_CHAT
+        return _text_bytes(messages) + TEMPLATE_TOKENS_PER_MESSAGE * len(messages) + TEMPLATE_TOKENS_PER_CHAT
     return len(prompt.encode()) + 1
 
 
@@ -46,9 +45,17 @@ def estimate_prompt_tokens(messages: Messages, prompt: str) -> int:
     before the model counts it (a rate-limit reservation that the commit settles, a step's budget).
     Not a bound: digits take a token each, so a chat of digits counts three times its guess."""
     if messages:
-        text_bytes = sum(len(role.encode()) + len(content.encode()) for role, content in messages)
-        return _guess(text_bytes) + TEMPLATE_TOKENS_PER_MESSAGE * len(messages) + TEMPLATE_TOKENS_PER_CHAT
+        return _guess(_text_bytes(messages)) + TEMPLATE_TOKENS_PER_MESSAGE * len(messages) + TEMPLATE_TOKENS_PER_CHAT
     return _guess(len(prompt.encode())) + 1
+
+
+def guess_text_tokens(text: str) -> int:
+    """The same guess for a text alone, no template (an embedding input before its tokenizer's own)."""
+    return _guess(len(text.encode()))
+
+
+def _text_bytes(messages: Messages) -> int:
+    return sum(len(role.encode()) + len(content.encode()) for role, content in messages)
 
 
 def _guess(text_bytes: int) -> int:

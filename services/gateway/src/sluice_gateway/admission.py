@@ -40,7 +40,7 @@ from sluice.inference.v1 import inference_pb2
 from sluice.ratelimit.v1 import ratelimit_pb2, ratelimit_pb2_grpc
 
 from sluice_common.errors import ResourceExhausted, Unavailable
-from sluice_common.prompt_tokens import estimate_prompt_tokens
+from sluice_common.prompt_tokens import estimate_prompt_tokens, guess_text_tokens
 from sluice_common.request_context import current_request_id, outgoing_metadata
 
 log = structlog.stdlib.get_logger("sluice.gateway.admission")
@@ -60,7 +60,6 @@ WAIT_SECONDS = Histogram(
 )
 COMMITS = Counter("sluice_gateway_ratelimit_settles_total", "Leases settled after a stream, by outcome.", ["result"])
 
-BYTES_PER_TOKEN = 3
 # What an embedding tokenizer adds to each input ([CLS] and [SEP] for BERT-style models).
 TOKENS_PER_EMBED_INPUT = 2
 # Beyond the request's own deadline, how long the lease outlives it (commit travel time).
@@ -70,10 +69,6 @@ COMMIT_TIMEOUT_S = 5.0
 _B = ratelimit_pb2
 _REQUEST_BUDGETS = (_B.BUDGET_REQUESTS_PER_MINUTE, _B.BUDGET_REQUESTS_IN_FLIGHT)
 _TOKEN_BUDGETS = (_B.BUDGET_TOKENS_PER_MINUTE, _B.BUDGET_TOKENS_IN_FLIGHT)
-
-
-def _text_tokens(text_bytes: int) -> int:
-    return -(-text_bytes // BYTES_PER_TOKEN)
 
 
 def message_pairs(request: gateway_pb2.GenerateRequest) -> list[tuple[str, str]]:
@@ -87,7 +82,7 @@ def prompt_estimate(request: gateway_pb2.GenerateRequest) -> int:
 
 
 def estimate_embedding_tokens(request: gateway_pb2.EmbedRequest) -> int:
-    return sum(_text_tokens(len(text.encode())) + TOKENS_PER_EMBED_INPUT for text in request.inputs)
+    return sum(guess_text_tokens(text) + TOKENS_PER_EMBED_INPUT for text in request.inputs)
 
 
 @dataclass(frozen=True)

@@ -154,10 +154,9 @@ def cuda_build_line() -> str:
     """Which llama.cpp this process loaded: the kit's proof that its CUDA build is the one in use."""
     import llama_cpp
 
-    lib = _lib_dir(llama_cpp)
-    cuda_libs = sorted(p.name for p in lib.glob("libggml-cuda*"))
+    cuda_libs = cuda_libraries()
     return (
-        f"llama-cpp-python {llama_cpp.__version__} from {lib.parent}: "
+        f"llama-cpp-python {llama_cpp.__version__} from {_lib_dir(llama_cpp).parent}: "
         f"{'CUDA build (' + ', '.join(cuda_libs) + ')' if cuda_libs else 'CPU build'}, "
         f"GPU offload supported: {bool(llama_cpp.llama_supports_gpu_offload())}, "
         f"GPU devices: {'; '.join(gpu_devices()) or 'none'}"
@@ -168,16 +167,22 @@ def gpu_missing() -> str:
     """Why this environment cannot run the bench on an NVIDIA GPU; "" when it can."""
     import llama_cpp
 
-    lib = _lib_dir(llama_cpp)
-    if not any(lib.glob("libggml-cuda*")):
+    if not cuda_libraries():
         return (
-            f"bench-gpu: llama-cpp-python here is a CPU build (no libggml-cuda in {lib}); build it with CUDA: "
+            f"bench-gpu: llama-cpp-python here is a CPU build (no libggml-cuda in {_lib_dir(llama_cpp)}); build it with CUDA: "
             'uv cache clean llama-cpp-python && rm -rf services/triton-local/.venv && CMAKE_ARGS="-DGGML_CUDA=on" make setup '
             "(or carry the offline kit that `make bench-gpu-kit` builds: bench/gpu/kit.py)"
         )
     if not llama_cpp.llama_supports_gpu_offload() or not any(d.startswith("CUDA") for d in gpu_devices()):
         return f"bench-gpu: llama-cpp-python is a CUDA build but llama.cpp sees no CUDA device ({_nvidia_smi()})"
     return ""
+
+
+def cuda_libraries() -> list[str]:
+    """The CUDA backend's library files in llama-cpp-python's lib folder (none in a CPU build)."""
+    import llama_cpp
+
+    return sorted(p.name for p in _lib_dir(llama_cpp).glob("libggml-cuda*"))
 
 
 def _lib_dir(llama_cpp_module: object) -> Path:
@@ -194,7 +199,7 @@ def _nvidia_smi() -> str:
 def main() -> int:
     print(cuda_build_line(), flush=True)
     if DRY_RUN:
-        if not any(_lib_dir(__import__("llama_cpp")).glob("libggml-cuda*")):
+        if not cuda_libraries():
             print("bench-gpu: BENCH_GPU_DRY_RUN proves the CUDA build, but this llama-cpp-python is a CPU build", file=sys.stderr)
             return NO_GPU
         print("DRY RUN (BENCH_GPU_DRY_RUN=1): no layers offloaded, both sides' figures are the CPU's", flush=True)
