@@ -205,9 +205,13 @@ STEP_MODEL = DEPLOY / "triton" / "models" / "smollm2_step"
 def test_step_model_config_matches_the_step_protocol(config: str) -> None:
     text = (STEP_MODEL / config).read_text()
     protocol = (ROOT / "services" / "triton-local" / "src" / "sluice_triton_local" / "step_protocol.py").read_text()
-    kinds = {"np.int32": "TYPE_INT32", "np.int64": "TYPE_INT64", "bytes": "TYPE_STRING"}
-    for name, kind in re.findall(r'\("([A-Z_]+)", (np\.int32|np\.int64|bytes)\)', protocol):
+    kinds = {"np.int32": "TYPE_INT32", "np.int64": "TYPE_INT64", "np.bool_": "TYPE_BOOL", "bytes": "TYPE_STRING"}
+    tensors = re.findall(r'\("([A-Z_]+)", (np\.int32|np\.int64|np\.bool_|bytes)\)', protocol)
+    assert {"STEPS", "ROW_SEQ_ID", "ROUND_END"} <= {name for name, _ in tensors}
+    for name, kind in tensors:
         assert re.search(rf'name: "{name}", data_type: {kinds[kind]}', text), name
+    assert re.search(r'name: "STEPS", data_type: TYPE_INT32, dims: \[ -1 \], optional: true', text)
+    assert "model_transaction_policy { decoupled: true }" in text, "one response per engine step of a round"
     assert 'backend: "python"' in text and "max_batch_size: 0" in text
 
 

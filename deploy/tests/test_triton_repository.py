@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import shutil
 import socket
 import subprocess
@@ -178,19 +179,45 @@ def triton(backend_env: tuple[Path, dict[str, str]], tmp_path_factory: pytest.Te
 # ---- the step model ----------------------------------------------------------------------------
 
 
-def _step(client: grpcclient.InferenceServerClient, action: int, request: bytes = b"", seq_id: int = 7) -> dict[str, object]:
+STEP_OUTPUTS = ("ROW_SEQ_ID", "TOKEN_ID", "TEXT", "FINISH", "PROMPT_TOKENS", "COMPLETION_TOKENS", "ERROR")
+
+
+def _round(client: grpcclient.InferenceServerClient, rows: list[tuple[int, int, bytes]], steps: int = 1) -> list[list[dict[str, object]]]:
+    """One request to the decoupled step model over a gRPC stream: each response's rows (a
+    response per engine step), until the one marked ROUND_END."""
     inputs = []
     for name, values, datatype in (
-        ("ACTION", np.array([action], dtype=np.int32), "INT32"),
-        ("SEQ_ID", np.array([seq_id], dtype=np.int64), "INT64"),
-        ("REQUEST", np.array([request], dtype=np.object_), "BYTES"),
+        ("ACTION", np.array([a for a, _, _ in rows], dtype=np.int32), "INT32"),
+        ("SEQ_ID", np.array([s for _, s, _ in rows], dtype=np.int64), "INT64"),
+        ("REQUEST", np.array([r for _, _, r in rows], dtype=np.object_), "BYTES"),
+        ("STEPS", np.array([steps], dtype=np.int32), "INT32"),
     ):
         tensor = grpcclient.InferInput(name, list(values.shape), datatype)
         tensor.set_data_from_numpy(values)
         inputs.append(tensor)
-    result = client.infer("smollm2_step", inputs)
-    row = {name: result.as_numpy(name)[0] for name in ("TOKEN_ID", "TEXT", "FINISH", "PROMPT_TOKENS", "COMPLETION_TOKENS", "ERROR")}
-    return {k: (bytes(v).decode() if isinstance(v, (bytes, np.bytes_)) else int(v)) for k, v in row.items()}
+    answers: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: answers.put((result, error)))
+    try:
+        client.async_stream_infer("smollm2_step", inputs)
+        responses = []
+        while True:
+            result, error = answers.get(timeout=120)
+            assert error is None, error
+            columns = {name: result.as_numpy(name) for name in STEP_OUTPUTS}
+            responses.append([
+                {k: (bytes(v[i]).decode() if isinstance(v[i], (bytes, np.bytes_)) else int(v[i])) for k, v in columns.items()}
+                for i in range(len(columns["ROW_SEQ_ID"]))
+            ])
+            if bool(result.as_numpy("ROUND_END")[0]):
+                return responses
+    finally:
+        client.stop_stream()
+
+
+def _step(client: grpcclient.InferenceServerClient, action: int, request: bytes = b"", seq_id: int = 7) -> dict[str, object]:
+    (response,) = _round(client, [(action, seq_id, request)])
+    (row,) = response
+    return row
 
 
 def test_loaded_models_are_ready_on_the_cpu(triton: grpcclient.InferenceServerClient) -> None:
@@ -213,6 +240,20 @@ def test_step_model_prefills_and_decodes_to_the_end(triton: grpcclient.Inference
     assert row["FINISH"] in ("stop", "length") and 0 < row["COMPLETION_TOKENS"] <= 16, row
     assert "Paris" in text, text
     assert _step(triton, 3)["FINISH"] == "", "release answers an empty row"
+
+
+def test_step_model_runs_a_round_of_steps_per_request(triton: grpcclient.InferenceServerClient) -> None:
+    """A round of 8 steps: 8 responses of one token each, as the engine makes them, the last marked;
+    a sequence that ends ends the round early."""
+    prefill = json.dumps({"messages": [["user", "Write a short poem about rivers."]], "max_tokens": 100}).encode()
+    responses = _round(triton, [(1, 9, prefill)], steps=8)
+    assert len(responses) == 8 and all(len(rows) == 1 and rows[0]["ROW_SEQ_ID"] == 9 for rows in responses)
+    assert [rows[0]["COMPLETION_TOKENS"] for rows in responses] == list(range(1, 9))
+    assert all(rows[0]["TOKEN_ID"] >= 0 and not rows[0]["FINISH"] for rows in responses)
+    full = _round(triton, [(2, 9, b"")], steps=64)
+    assert len(full) == 64 and full[-1][0]["COMPLETION_TOKENS"] == 72 and not full[-1][0]["FINISH"]
+    short = _round(triton, [(2, 9, b"")], steps=64)
+    assert len(short) == 28 and short[-1][0]["FINISH"] == "length" and short[-1][0]["COMPLETION_TOKENS"] == 100
 
 
 def test_step_model_rejects_a_bad_row_as_invalid(triton: grpcclient.InferenceServerClient) -> None:

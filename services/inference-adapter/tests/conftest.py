@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
+from dataclasses import replace
 
 from sluice_inference_adapter.replica_pool import ReplicaPool
 from sluice_inference_adapter.scheduler import FinishEvent, GenerationRequest, SequenceHandle, TokenEvent
@@ -34,6 +36,41 @@ async def run_through(pool: ReplicaPool, request: GenerationRequest) -> tuple[in
     raise AssertionError("no finish")
 
 
+class RoundsOfSteps:
+    """Rounds as triton-local's step model runs them (step_protocol, SharedEngine.round), out of a
+    test double's own one-step calls: the rows, then one decode row for each of their sequences
+    still running, up to `steps` steps. The double calls `note` with every request's rows as it
+    arrives: a sequence a release request names meanwhile is released at the round's next step
+    instead, and an end-round request ends the round after its current step. Outcomes carry their
+    row's seq_id, as ROW_SEQ_ID does."""
+
+    def __init__(self) -> None:
+        self.released: set[int] = set()
+        self.end_asked = False
+        self.asked: list[int] = []  # the steps each round asked for
+
+    def note(self, rows: list[StepRow]) -> None:
+        self.released.update(row.seq_id for row in rows if row.action is Action.RELEASE)
+        self.end_asked = self.end_asked or any(row.action is Action.END_ROUND for row in rows)
+
+    async def round(
+        self, step: Callable[[list[StepRow]], Awaitable[list[StepOutcome]]], rows: list[StepRow], steps: int
+    ) -> AsyncIterator[list[StepOutcome]]:
+        self.asked.append(steps)
+        self.end_asked = False
+        for done in range(1, steps + 1):
+            outcomes = [replace(outcome, seq_id=row.seq_id) for row, outcome in zip(rows, await step(rows))]
+            yield outcomes
+            await asyncio.sleep(0)  # a request sent meanwhile arrives before the next step
+            if self.end_asked:
+                self.end_asked = False
+                return
+            running = [o.seq_id for row, o in zip(rows, outcomes) if row.action is not Action.RELEASE and not o.finish]
+            rows = [StepRow(Action.RELEASE if s in self.released else Action.DECODE, s) for s in running]
+            if not rows or done == steps:
+                return
+
+
 class StepReplica:
     """A Triton replica speaking the step protocol, in memory, that a test can break.
 
@@ -61,9 +98,14 @@ class StepReplica:
         self.prefills = 0
         self.rows: list[tuple[Action, int]] = []
         self.generated: dict[int, int] = {}
+        self.rounds = RoundsOfSteps()
         self._ends_at: dict[int, int] = {}
 
+    def round(self, rows: list[StepRow], steps: int) -> AsyncIterator[list[StepOutcome]]:
+        return self.rounds.round(self.step, rows, steps)
+
     async def step(self, rows: list[StepRow]) -> list[StepOutcome]:
+        self.rounds.note(rows)
         self.steps += 1
         if self.stalled:
             await asyncio.Event().wait()
@@ -75,6 +117,8 @@ class StepReplica:
 
     def _answer(self, row: StepRow) -> StepOutcome:
         self.rows.append((row.action, row.seq_id))
+        if row.action is Action.END_ROUND:
+            return StepOutcome(-1, "", "", 0, 0)
         if row.action is Action.RELEASE:
             self.held.discard(row.seq_id)
             return StepOutcome(-1, "", "", 0, 0)

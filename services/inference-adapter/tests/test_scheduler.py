@@ -13,7 +13,7 @@ import json
 import time
 
 import pytest
-from conftest import StepReplica, collect
+from conftest import RoundsOfSteps, StepReplica, collect
 
 from sluice_common.errors import ResourceExhausted
 from sluice_inference_adapter.scheduler import Finish, GenerationRequest, Priority, Scheduler, SchedulerLimits
@@ -27,14 +27,25 @@ class RecordingStepModel:
         self.generated: dict[int, int] = {}
         # Chunked prefill: (prompt tokens not yet cached, chunk); a raw prompt's characters are its tokens.
         self.uncached: dict[int, tuple[int, int]] = {}
+        self.rounds = RoundsOfSteps()
+        self.end_asks = 0
         self.delay = step_delay_s
 
+    def round(self, rows: list[StepRow], steps: int):  # type: ignore[no-untyped-def]
+        return self.rounds.round(self.step, rows, steps)
+
     async def step(self, rows: list[StepRow]) -> list[StepOutcome]:
+        self.rounds.note(rows)
+        if all(row.action is Action.END_ROUND for row in rows):  # no engine step: counted apart
+            self.end_asks += 1
+            return [self._answer(row) for row in rows]
         self.steps.append(rows)
         await asyncio.sleep(self.delay)
         return [self._answer(row) for row in rows]
 
     def _answer(self, row: StepRow) -> StepOutcome:
+        if row.action is Action.END_ROUND:
+            return StepOutcome(-1, "", "", 0, 0)
         if row.action is Action.RELEASE:
             self.max_tokens.pop(row.seq_id, None)
             return StepOutcome(-1, "", "", 0, 0)
@@ -56,6 +67,13 @@ class RecordingStepModel:
 
     def rows_of(self, seq_id: int) -> list[tuple[int, Action]]:
         return [(index, row.action) for index, rows in enumerate(self.steps) for row in rows if row.seq_id == seq_id]
+
+    async def wait_released(self, seq_id: int, within_s: float = 1.0) -> None:
+        """Mid-round, a release goes out in a request of its own, moments after the stream ended."""
+        deadline = time.monotonic() + within_s
+        while seq_id not in self.rounds.released:
+            assert time.monotonic() < deadline, f"{seq_id} was not released within {within_s}s: {self.rows_of(seq_id)}"
+            await asyncio.sleep(0.005)
 
 
 def request(
@@ -113,6 +131,7 @@ async def test_cancel_sends_a_release_row_at_the_next_step(model_and_scheduler) 
     async for event in events:
         finish = event
     assert finish.finish is Finish.CANCELLED
+    await model.wait_released(handle.seq_id)
     rows = model.rows_of(handle.seq_id)
     assert rows[-1][1] is Action.RELEASE
     assert len(rows) < 10
@@ -124,6 +143,7 @@ async def test_deadline_ends_a_running_sequence_and_releases_it(model_and_schedu
     handle = scheduler.submit(request(max_tokens=100000, deadline=time.monotonic() + 0.05))
     _, finish = await collect(handle)
     assert finish.finish is Finish.DEADLINE
+    await model.wait_released(handle.seq_id)
     assert model.rows_of(handle.seq_id)[-1][1] is Action.RELEASE
 
 
@@ -295,7 +315,8 @@ class ArrivalEveryStep(RecordingStepModel):
         self.bulk_id = 0
 
     async def step(self, rows: list[StepRow]) -> list[StepOutcome]:
-        if self.scheduler is not None and len(self.arrivals) < 6 and self.rows_of(self.bulk_id):
+        engine_step = any(row.action in (Action.PREFILL, Action.DECODE) for row in rows)
+        if engine_step and self.scheduler is not None and len(self.arrivals) < 6 and self.rows_of(self.bulk_id):
             self.arrivals.append(self.scheduler.submit(request(max_tokens=1, prompt="a long interactive prompt")))
         return await super().step(rows)
 

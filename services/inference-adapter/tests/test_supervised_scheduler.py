@@ -27,12 +27,13 @@ class FaultyOnce(RecordingStepModel):
         super().__init__()
         self.faulty = True
 
-    async def step(self, rows):  # type: ignore[no-untyped-def]
-        answers = await super().step(rows)
+    async def round(self, rows, steps):  # type: ignore[no-untyped-def]
         if self.faulty:
             self.faulty = False
-            return [object() for _ in answers]
-        return answers
+            yield [object() for _ in rows]
+            return
+        async for answers in super().round(rows, steps):
+            yield answers
 
 
 async def test_a_dead_scheduler_turns_health_not_serving_within_a_second_and_fails_its_callers() -> None:

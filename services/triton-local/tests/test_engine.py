@@ -364,19 +364,14 @@ def test_chat_without_control_text_encodes_as_the_whole_rendered_text(tokenizer:
 
 
 def step_call(engine: StepEngine) -> Callable[..., dict[str, Any]]:
-    """One step-protocol row (action, seq_id, request JSON or none) through run_step, over this
-    module's engine in the shape of SharedEngine."""
+    """One step-protocol row (action, seq_id, request JSON or none) as a one-step round, over
+    this module's engine behind a SharedEngine; the round's one response."""
     import numpy as np
 
-    from sluice_triton_local.step_protocol import run_step
+    from sluice_triton_local.shared_engine import SharedEngine
+    from sluice_triton_local.step_protocol import start_round
 
-    class Shared:  # the step protocol's view of SharedEngine
-        context_length = engine.context_length
-        count_tokens = staticmethod(engine.count_tokens)
-        apply_chat_template = staticmethod(engine.apply_chat_template)
-        encode = staticmethod(engine.encode)
-        encode_chat = staticmethod(engine.encode_chat)
-        step = staticmethod(engine.step)
+    shared = SharedEngine(engine)
 
     def call(action: int, seq_id: int, request: dict[str, object] | None = None) -> dict[str, Any]:
         raw = json.dumps(request).encode() if request is not None else b""
@@ -385,7 +380,10 @@ def step_call(engine: StepEngine) -> Callable[..., dict[str, Any]]:
             "SEQ_ID": np.array([seq_id], dtype=np.int64),
             "REQUEST": np.array([raw], dtype=np.object_),
         }
-        return run_step(Shared(), inputs)  # type: ignore[arg-type]
+        responses: list[dict[str, Any]] = []
+        start_round(shared, inputs, lambda response, _last: responses.append(response)).result()
+        (response,) = responses
+        return response
 
     return call
 

@@ -63,6 +63,11 @@ class AdapterConfig(ServerConfig):
     # While a batch runs, prefills wait for MIN_PREFILL_ROWS companions, at most MAX_WAITING_STEPS steps.
     min_prefill_rows: int = 1
     max_waiting_steps: int = 8
+    # Multi-step rounds: engine steps per round trip to Triton, at most MAX_ROUND_STEPS and no more
+    # than fit ROUND_TARGET_S at the recent step time (an arrival waits for the round in flight);
+    # 1 while requests wait to be admitted. MAX_ROUND_STEPS=1: one round trip per token.
+    max_round_steps: int = 8
+    round_target_s: float = 0.1
     # Bulk beside interactive (scheduler.SchedulerLimits): bulk sequences caching their prompts
     # at once (0: no cap), prompt tokens a bulk sequence caches per step (0: its whole prompt),
     # and batch slots bulk sequences leave to interactive ones. The chunk bounds how long a step
@@ -120,6 +125,9 @@ class AdapterConfig(ServerConfig):
             f"{ENV_PREFIX}INTERACTIVE_RESERVED_SLOTS must be in [0, MAX_BATCH_SIZE), got {self.interactive_reserved_slots}",
         )
         require(self.max_batch_size >= 1, f"{ENV_PREFIX}MAX_BATCH_SIZE must be >= 1, got {self.max_batch_size}")
+        # The step protocol's own bound (triton-local step_protocol.MAX_ROUND_STEPS).
+        require(1 <= self.max_round_steps <= 64, f"{ENV_PREFIX}MAX_ROUND_STEPS must be in 1..64 (1: a round trip per token), got {self.max_round_steps}")
+        require(self.round_target_s > 0, f"{ENV_PREFIX}ROUND_TARGET_S must be > 0, got {self.round_target_s}")
         require(len(self.triton_urls) >= 1, f"{ENV_PREFIX}TRITON_URLS needs at least one host:port")
         for entry in self.triton_urls:
             try:

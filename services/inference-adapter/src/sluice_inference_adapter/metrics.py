@@ -19,7 +19,15 @@ BATCH_SIZE = Histogram(
     "sluice_adapter_batch_size", "Token-producing rows per step.", buckets=(1, 2, 4, 8, 16, 32, 64, 128)
 )
 STEP_SECONDS = Histogram(
-    "sluice_adapter_step_seconds", "Round trip of one step request to a Triton replica.", ["replica"], buckets=_LATENCY_BUCKETS
+    "sluice_adapter_step_seconds",
+    "Time from a round's request (or its previous step's answer) to one engine step's answer from a Triton replica.",
+    ["replica"],
+    buckets=_LATENCY_BUCKETS,
+)
+ROUND_STEPS = Histogram(
+    "sluice_adapter_round_steps",
+    "Engine steps asked for per round trip (multi-step rounds; 1 while requests wait to be admitted).",
+    buckets=(1, 2, 4, 8, 16, 32, 64),
 )
 QUEUE_SECONDS = Histogram(
     "sluice_adapter_queue_seconds", "Time from arrival to prefill, in a replica's waiting queue.", ["replica"], buckets=_LATENCY_BUCKETS

@@ -1,11 +1,16 @@
 """The generation scheduler: one task owns the running batch (as in TGI's router).
 
 Callers `submit` a request and iterate its handle's events; they never touch the
-batch. Each iteration the loop sends the backend one step: release rows for
-sequences that were cancelled or ran past their deadline, prefill rows for waiting
-sequences that fit the batch, and one decode row for every running sequence. A
-sequence therefore joins or leaves at step granularity and a short request never
-waits for a long one to end.
+batch. Each iteration the loop sends the backend one round: its first step carries
+release rows for sequences that were cancelled or ran past their deadline, prefill rows
+for waiting sequences that fit the batch, and one decode row for every running sequence;
+the engine then decodes the round's sequences for up to k-1 more steps on its own,
+streaming every step's tokens back as it makes them (multi-step rounds), so a round trip
+is paid once per k tokens. A sequence therefore joins at a round and a short request never
+waits for a long one to end. k is 1 while anything waits to be admitted (its first token
+must not wait for a long round) and otherwise as many steps as fit `round_target_s`; a
+sequence cancelled or past its deadline mid-round is released at once, by a request of
+its own that the engine applies at the round's next step.
 """
 
 from __future__ import annotations
@@ -123,6 +128,11 @@ class SchedulerLimits:
     release_timeout_s: float = 1.0
     # Advertised in RetryInfo when the waiting queue is full.
     retry_after_s: float = 1.0
+    # Multi-step rounds: at most `max_round_steps` engine steps per round trip (1: one step per
+    # round trip), and no more than fit `round_target_s` at the recent decode step time, since a
+    # request that arrives during a round waits for its end.
+    max_round_steps: int = 8
+    round_target_s: float = 0.1
 
 
 @dataclass(eq=False)
@@ -267,7 +277,15 @@ class ReplicaWork:
         sequence = Sequence(seq_id=random.getrandbits(62) + 1, request=request, submitted_at=self._clock())
         self._waiting.push(sequence)
         self._wakeup.set()
-        return SequenceHandle(sequence, self._wakeup.set)
+        self._on_arrival()
+        return SequenceHandle(sequence, lambda: self._on_cancel(sequence))
+
+    def _on_arrival(self) -> None:
+        """A request joined the waiting queue (the owner loop was woken)."""
+
+    def _on_cancel(self, sequence: Sequence) -> None:
+        """A caller cancelled `sequence`: the owner loop drops it at its next step."""
+        self._wakeup.set()
 
     @property
     def waiting_count(self) -> int:
@@ -327,6 +345,13 @@ class Scheduler(ReplicaWork):
         # Set when a prefill found the engine full (other adapters share it): no new prefill
         # until one of ours ends or this time passes.
         self._engine_full_until = 0.0
+        # The sequences of the round in flight, by seq_id, and the recent decode step time.
+        self._in_round: dict[int, Sequence] = {}
+        self._round_steps_asked = 0
+        self._round_end_asked = False
+        self._decode_step_s: float | None = None
+        # Requests sent beside the round in flight (releases, end-round asks), held until done.
+        self._sent_aside: set[asyncio.Task[None]] = set()
 
     @property
     def running_count(self) -> int:
@@ -363,30 +388,114 @@ class Scheduler(ReplicaWork):
                 # Only prefills wait, and the engine is full of other adapters' sequences.
                 await asyncio.sleep(max(0.0, self._engine_full_until - self._clock()))
                 continue
-            prefill_tokens = self._prefill_tokens(stepped)
-            limit = self._timeouts.limit(prefill_tokens) if self._timeouts is not None else None
-            started = time.perf_counter()
+            steps = self._round_steps()
+            metrics.ROUND_STEPS.observe(steps)
+            self._in_round = {s.seq_id: s for s in stepped}
+            self._round_steps_asked, self._round_end_asked = steps, False
             try:
-                async with asyncio.timeout(limit):
-                    outcomes = await self._backend.step(rows)
-            except TimeoutError as exc:
-                if limit is None:  # not ours: the backend's own timeout, a failure like any other
+                await self._run_round(rows, stepped, steps)
+            finally:
+                self._in_round = {}
+
+    def _round_steps(self) -> int:
+        """Steps for the next round: 1 while anything waits to be admitted or bulk sat this step out
+        (they must not wait for a long round), else as many as fit round_target_s."""
+        limits = self._limits
+        if limits.max_round_steps <= 1 or self.waiting_count or self._bulk_sat_out or self._decode_step_s is None:
+            return 1
+        return max(1, min(limits.max_round_steps, int(limits.round_target_s / max(self._decode_step_s, 1e-4))))
+
+    async def _run_round(self, rows: list[StepRow], stepped: list[Sequence], steps: int) -> None:
+        prefill_tokens = self._prefill_tokens(stepped)
+        responses = self._backend.round(rows, steps)
+        first = True
+        try:
+            while True:
+                limit = self._timeouts.limit(prefill_tokens) if self._timeouts is not None else None
+                started = time.perf_counter()
+                try:
+                    async with asyncio.timeout(limit):
+                        outcomes = await anext(responses)
+                except StopAsyncIteration:
+                    return
+                except TimeoutError as exc:
+                    if limit is None:  # not ours: the backend's own timeout, a failure like any other
+                        self._step_failed(exc, len(rows))
+                    else:
+                        self._step_timed_out(limit, prefill_tokens, len(rows))
+                    break
+                except Exception as exc:  # noqa: BLE001 - the backend failed: its KV state is unknown
                     self._step_failed(exc, len(rows))
-                else:
-                    self._step_timed_out(limit, prefill_tokens, len(rows))
-                await self._release_dropped()
-                continue
-            except Exception as exc:  # noqa: BLE001 - the backend failed: its KV state is unknown
-                self._step_failed(exc, len(rows))
-                await self._release_dropped()
-                continue
-            self._unreleased.difference_update(row.seq_id for row in rows if row.action is Action.RELEASE)
-            if self._timeouts is not None:
-                self._timeouts.observe(time.perf_counter() - started, prefill_tokens)
-                metrics.STEP_TIMEOUT.labels(model=self._timeouts.model).set(self._timeouts.limit())
-            # A replica whose slots are all held by sequences nobody steps answers, but cannot serve.
-            self._report_step(ok=not any(outcome.finish == FINISH_STALE for outcome in outcomes))
-            self._apply(rows, stepped, outcomes)
+                    break
+                elapsed = time.perf_counter() - started
+                if first:
+                    self._unreleased.difference_update(row.seq_id for row in rows if row.action is Action.RELEASE)
+                if not prefill_tokens:
+                    self._observe_decode_step(elapsed)
+                if self._timeouts is not None:
+                    self._timeouts.observe(elapsed, prefill_tokens)
+                    metrics.STEP_TIMEOUT.labels(model=self._timeouts.model).set(self._timeouts.limit())
+                # A replica whose slots are all held by sequences nobody steps answers, but cannot serve.
+                self._report_step(ok=not any(outcome.finish == FINISH_STALE for outcome in outcomes))
+                self._apply(outcomes)
+                self._abandon_mid_round()
+                first, prefill_tokens = False, 0
+        finally:
+            await responses.aclose()
+        await self._release_dropped()
+
+    def _observe_decode_step(self, seconds: float) -> None:
+        previous = self._decode_step_s
+        self._decode_step_s = seconds if previous is None else 0.8 * previous + 0.2 * seconds
+
+    def _on_arrival(self) -> None:
+        """A request arriving during a long round need not wait for its end: the round is asked to
+        end after its current step (once per round), when the batch has room for the newcomer."""
+        if self._round_steps_asked > 1 and not self._round_end_asked and len(self._running) < self._limits.max_batch_size:
+            self._round_end_asked = True
+            self._send_in_background([StepRow(Action.END_ROUND, 0)], "end_round_failed")
+
+    def _on_cancel(self, sequence: Sequence) -> None:
+        """Mid-round the engine steps on without us: release the sequence now, so that it stops
+        within one step; the loop ends its stream when the round's next step comes back."""
+        if sequence.seq_id in self._in_round:
+            self._release_now([sequence.seq_id])
+        self._wakeup.set()
+
+    def _abandon_mid_round(self) -> None:
+        """Sequences of the round in flight that were cancelled or ran past their deadline end now,
+        and are released by a request of their own (the engine applies it at its next step)."""
+        now = self._clock()
+        abandoned = []
+        for sequence in self._in_round.values():
+            reason = sequence.abandon_reason(now) if sequence.seq_id in self._running else None
+            if reason is not None:
+                del self._running[sequence.seq_id]
+                sequence.finish(reason, now)
+                if reason is not Finish.CANCELLED:  # a cancel's release went out when it came
+                    abandoned.append(sequence.seq_id)
+        if abandoned:
+            self._release_now(abandoned)
+
+    def _release_now(self, seq_ids: list[int]) -> None:
+        rows = [StepRow(Action.RELEASE, seq_id) for seq_id in seq_ids]
+        # If it fails, the next round carries them again.
+        self._send_in_background(rows, "release_failed", on_failure=lambda: self._unreleased.update(seq_ids))
+
+    def _send_in_background(self, rows: list[StepRow], failed: str, on_failure: Callable[[], None] | None = None) -> None:
+        """A request of its own beside the round in flight (the engine applies it between steps)."""
+
+        async def send() -> None:
+            try:
+                await self._backend.step(rows)
+            except Exception as exc:  # noqa: BLE001 - best effort, logged
+                log.warning(failed, replica=self._replica, rows=len(rows), error=str(exc) or type(exc).__name__)
+                if on_failure is not None:
+                    on_failure()
+
+        task = asyncio.get_running_loop().create_task(send())
+        self._sent_aside.add(task)
+        task.add_done_callback(self._sent_aside.discard)
 
     def _step_failed(self, exc: BaseException, rows: int) -> None:
         log.warning("step_failed", error=str(exc), rows=rows)
@@ -541,10 +650,14 @@ class Scheduler(ReplicaWork):
         for sequence in self._waiting.remove_if(lambda s: s.abandon_reason(now) is not None):
             sequence.finish(sequence.abandon_reason(now) or Finish.CANCELLED, now)
 
-    def _apply(self, rows: list[StepRow], stepped: list[Sequence], outcomes: list[StepOutcome]) -> None:
-        producing = [o for row, o in zip(rows, outcomes) if row.action is not Action.RELEASE]
+    def _apply(self, outcomes: list[StepOutcome]) -> None:
+        """One step's outcomes for the round's sequences (release rows and sequences that already
+        ended answer too: they are skipped)."""
         now = self._clock()
-        for sequence, outcome in zip(stepped, producing):
+        for outcome in outcomes:
+            sequence = self._in_round.get(outcome.seq_id)
+            if sequence is None or sequence.done or sequence.seq_id not in self._running:
+                continue
             if outcome.finish in (FINISH_BUSY, FINISH_STALE):
                 self._requeue(sequence, now)
                 continue

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 import json
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -19,6 +20,8 @@ class Action(enum.IntEnum):
     DECODE = 2
     RELEASE = 3
     COUNT = 4
+    # Ends the round in flight after its current step, so that waiting requests join sooner.
+    END_ROUND = 5
 
 
 @dataclass(frozen=True)
@@ -86,11 +89,20 @@ class StepOutcome:
     prompt_tokens: int
     completion_tokens: int
     error: str = ""
+    seq_id: int = -1  # the row's sequence
 
 
 @runtime_checkable
 class StepBackend(Protocol):
-    """One Triton request per call: rows in, one outcome per row out (same order)."""
+    """One Triton request per call."""
 
-    async def step(self, rows: list[StepRow]) -> list[StepOutcome]: ...
+    async def step(self, rows: list[StepRow]) -> list[StepOutcome]:
+        """One engine step: rows in, one outcome per row out (same order)."""
+        ...
+
+    def round(self, rows: list[StepRow], steps: int) -> AsyncGenerator[list[StepOutcome], None]:
+        """Up to `steps` engine steps, each step's outcomes as they are made: the first step's
+        answer `rows` in order; each later step decodes the sequences still running (those that
+        have not finished), answering each of them by seq_id, until none is left."""
+        ...
 

@@ -11,7 +11,7 @@ import asyncio
 import json
 import random
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing
 from typing import Literal
 
@@ -35,7 +35,7 @@ Protocol = Literal["step", "generate"]
 _RETURN_FLAGS = ("return_finish_reason", "return_num_input_tokens", "return_num_output_tokens")
 _STEP_INPUTS = {"ACTION", "SEQ_ID", "REQUEST"}
 _VLLM_INPUTS = {"text_input", "sampling_parameters", "stream", "exclude_input_in_output", *_RETURN_FLAGS}
-_STEP_OUTPUTS = ("TOKEN_ID", "TEXT", "FINISH", "PROMPT_TOKENS", "COMPLETION_TOKENS", "ERROR")
+_STEP_OUTPUTS = ("ROW_SEQ_ID", "TOKEN_ID", "TEXT", "FINISH", "PROMPT_TOKENS", "COMPLETION_TOKENS", "ERROR", "ROUND_END")
 _PROBE_PROMPT = PromptSpec(prompt="ping")
 _PROBE_REQUEST = _PROBE_PROMPT.to_json(SamplingSpec(max_tokens=1))
 
@@ -117,30 +117,41 @@ class TritonStepBackend(_TritonEndpoint):
         self._outputs = [InferRequestedOutput(name) for name in _STEP_OUTPUTS]
 
     async def step(self, rows: list[StepRow]) -> list[StepOutcome]:
+        """A round of one step: one outcome per row, in order."""
+        async with aclosing(self.round(rows, 1)) as steps:
+            async for outcomes in steps:
+                return outcomes
+        raise Unavailable(f"Triton at {self.url} closed a step of {self.model} without an answer")
+
+    async def round(self, rows: list[StepRow], steps: int) -> AsyncGenerator[list[StepOutcome], None]:
+        """Up to `steps` engine steps (a multi-step round), each step's outcomes as they are made:
+        the first answers `rows` in order, a later one the sequences still running (step_protocol)."""
         inputs = [
             _tensor("ACTION", np.array([int(r.action) for r in rows], dtype=np.int32), "INT32"),
             _tensor("SEQ_ID", np.array([r.seq_id for r in rows], dtype=np.int64), "INT64"),
             _tensor("REQUEST", np.array([r.request for r in rows], dtype=np.object_), "BYTES"),
+            _tensor("STEPS", np.array([steps], dtype=np.int32), "INT32"),
         ]
+
+        async def requests() -> AsyncIterator[dict[str, object]]:
+            yield {"model_name": self.model, "inputs": inputs, "outputs": self._outputs}
+
         started = time.perf_counter()
+        responses = self._client.stream_infer(requests(), stream_timeout=self._timeout_s)
         try:
-            result = await self._client.infer(self.model, inputs, outputs=self._outputs, client_timeout=self._timeout_s)
+            async for result, error in responses:
+                if error is not None:
+                    raise Unavailable(f"Triton at {self.url} failed a step of {self.model}: {error.message()}")
+                metrics.STEP_SECONDS.labels(replica=self.url).observe(time.perf_counter() - started)
+                outcomes, last = _step_outcomes(result)
+                yield outcomes
+                if last:
+                    return
+                started = time.perf_counter()
         except InferenceServerException as exc:
             raise Unavailable(f"Triton at {self.url} failed a step of {self.model}: {exc.message()}") from exc
         finally:
-            metrics.STEP_SECONDS.labels(replica=self.url).observe(time.perf_counter() - started)
-        columns = {name: result.as_numpy(name) for name in _STEP_OUTPUTS}
-        return [
-            StepOutcome(
-                token_id=int(columns["TOKEN_ID"][i]),
-                text=_text(columns["TEXT"][i]),
-                finish=_text(columns["FINISH"][i]),
-                prompt_tokens=int(columns["PROMPT_TOKENS"][i]),
-                completion_tokens=int(columns["COMPLETION_TOKENS"][i]),
-                error=_text(columns["ERROR"][i]),
-            )
-            for i in range(len(rows))
-        ]
+            responses.cancel()
 
     async def probe(self) -> bool:
         """Ready checks, then one real token: a model that loads but cannot generate is not healthy."""
@@ -205,6 +216,24 @@ class TritonGenerateBackend(_TritonEndpoint):
                 return sum([chunk.output_tokens async for chunk in chunks]) >= 1
         except (Unavailable, RequestRejected):
             return False
+
+
+def _step_outcomes(result: object) -> tuple[list[StepOutcome], bool]:
+    """One step's outcomes from one response of a round, and whether it was the round's last."""
+    columns = {name: result.as_numpy(name) for name in _STEP_OUTPUTS}  # type: ignore[attr-defined]
+    outcomes = [
+        StepOutcome(
+            token_id=int(columns["TOKEN_ID"][i]),
+            text=_text(columns["TEXT"][i]),
+            finish=_text(columns["FINISH"][i]),
+            prompt_tokens=int(columns["PROMPT_TOKENS"][i]),
+            completion_tokens=int(columns["COMPLETION_TOKENS"][i]),
+            error=_text(columns["ERROR"][i]),
+            seq_id=int(columns["ROW_SEQ_ID"][i]),
+        )
+        for i in range(len(columns["ROW_SEQ_ID"]))
+    ]
+    return outcomes, bool(columns["ROUND_END"].reshape(-1)[0])
 
 
 def vllm_sampling_parameters(sampling: SamplingSpec) -> dict[str, object]:

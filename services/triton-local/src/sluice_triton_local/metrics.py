@@ -28,6 +28,15 @@ STEP_SECONDS = Histogram(
     "Time the engine spent on one step request.",
     buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5),
 )
+ROUND_STEPS = Histogram(
+    "sluice_triton_local_round_steps",
+    "Engine steps one step request ran (a multi-step round ends early when its sequences have finished).",
+    buckets=(1, 2, 4, 8, 16, 32, 64),
+)
+RELEASED_MID_ROUND = Counter(
+    "sluice_triton_local_released_mid_round_total",
+    "Sequences a release request stopped inside a round in flight, at the round's next step (cancelled streams).",
+)
 EMBED_TEXTS = Counter("sluice_triton_local_embed_texts_total", "Texts embedded by the embedding model.")
 EMBED_BATCH = Histogram(
     "sluice_triton_local_embed_batch_texts",

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import sysconfig
+from collections.abc import AsyncIterator
 from typing import Any
 
 import numpy as np
@@ -11,7 +13,7 @@ import structlog
 
 from sluice_triton_local.config import TritonLocalConfig
 from sluice_triton_local.shared_engine import SharedEngine
-from sluice_triton_local.step_protocol import INPUTS, OUTPUTS, run_step
+from sluice_triton_local.step_protocol import INPUTS, OPTIONAL_INPUTS, OUTPUTS, start_round
 
 log = structlog.stdlib.get_logger("sluice.triton_local")
 
@@ -29,13 +31,27 @@ def fix_python_backend_library_path() -> None:
 
 
 class StepModel:
-    """The inference callable PyTriton calls; one engine step per Triton request."""
+    """PyTriton's decoupled inference callable: one round of engine steps per request, one
+    response per step as it is made. Async, so that a release request reaches the engine while
+    another request's round runs (step_protocol)."""
 
     def __init__(self, engine: SharedEngine) -> None:
         self._engine = engine
 
-    def __call__(self, requests: list[Any]) -> list[dict[str, np.ndarray]]:
-        return [run_step(self._engine, request.data) for request in requests]
+    async def __call__(self, requests: list[Any]) -> AsyncIterator[list[dict[str, np.ndarray]]]:
+        # Without dynamic batching Triton hands a decoupled model one request per call.
+        (request,) = requests
+        loop = asyncio.get_running_loop()
+        # A response and whether it is the last; None: the round failed before its last.
+        responses: asyncio.Queue[tuple[dict[str, np.ndarray], bool] | None] = asyncio.Queue()
+        done = start_round(self._engine, request.data, lambda response, last: loop.call_soon_threadsafe(responses.put_nowait, (response, last)))
+        done.add_done_callback(lambda f: f.exception() is not None and loop.call_soon_threadsafe(responses.put_nowait, None))
+        while (item := await responses.get()) is not None:
+            response, last = item
+            yield [response]
+            if last:
+                return
+        await asyncio.wrap_future(done)  # raises the round's failure: the request fails with it
 
 
 def triton_config(config: TritonLocalConfig) -> Any:
@@ -60,9 +76,10 @@ def bind_step_model(triton: Any, name: str, engine: SharedEngine) -> None:
     triton.bind(
         model_name=name,
         infer_func=StepModel(engine),
-        inputs=[Tensor(name=n, dtype=t, shape=(-1,)) for n, t in INPUTS],
+        inputs=[Tensor(name=n, dtype=t, shape=(-1,)) for n, t in INPUTS]
+        + [Tensor(name=n, dtype=t, shape=(-1,), optional=True) for n, t in OPTIONAL_INPUTS],
         outputs=[Tensor(name=n, dtype=t, shape=(-1,)) for n, t in OUTPUTS],
         # The adapter does the batching: every request already is a whole batch of rows.
-        config=ModelConfig(batching=False, max_batch_size=0),
+        config=ModelConfig(batching=False, max_batch_size=0, decoupled=True),
         strict=True,
     )

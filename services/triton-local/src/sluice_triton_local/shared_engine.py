@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
-import time
-from concurrent.futures import ThreadPoolExecutor
-
 import logging
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 
 from sluice_triton_local import metrics
 from sluice_triton_local.engine.step_engine import DecodeRow, PrefillRow, ReleaseRow, Row, RowResult, SamplingParams, StepEngine
 
 WARMUP_QUESTION = "Which city is the capital of France?"
 
+
+# Told each step's results of a round, and whether it was the round's last.
+OnStep = Callable[[list[RowResult], bool], None]
 
 # Standard logging: Triton's image runs this module without structlog (triton-local renders it).
 log = logging.getLogger("sluice.triton_local.engine")
@@ -35,6 +39,15 @@ class SharedEngine:
         self._owner = variant_of._owner if variant_of is not None else ThreadPoolExecutor(max_workers=1, thread_name_prefix="step-engine")
         self._owners: set[str] = set()
         self._reclaimed = 0
+        # Sequences a release request named while a round may be stepping them, and whether a
+        # caller asked the round in flight to end after its current step (see round()).
+        self._releasing: set[int] = set()
+        self._asks_lock = threading.Lock()
+        self._end_round = False
+
+    @property
+    def active_slots(self) -> int:
+        return self._engine.active_slots
 
     @property
     def context_length(self) -> int:
@@ -68,7 +81,52 @@ class SharedEngine:
     def step(self, rows: list[Row]) -> list[RowResult]:
         return self._owner.submit(self._step, rows).result()
 
+    def round(self, rows: list[Row], steps: int, on_step: OnStep) -> Future[None]:
+        """Up to `steps` engine steps for one request (a multi-step round): the rows given, then one
+        decode row for each sequence of theirs still running, until every one has finished or the
+        round has run its steps. `on_step` gets each step's results as they are made, on the
+        engine's thread. A sequence named by `release_soon` meanwhile is released at the round's
+        next step instead of decoded, so a cancelled stream stops within one step; after
+        `end_round_soon` the round ends with its current step, so that new arrivals join."""
+        return self._owner.submit(self._round, rows, steps, on_step)
+
+    def release_soon(self, seq_ids: list[int]) -> None:
+        """Marks sequences a release request is about to release, for a round now stepping them."""
+        with self._asks_lock:
+            self._releasing.update(seq_ids)
+
+    def end_round_soon(self) -> None:
+        """Asks the round in flight, if any, to end after its current step (prefills wait)."""
+        with self._asks_lock:
+            self._end_round = True
+
+    def _round(self, rows: list[Row], steps: int, on_step: OnStep) -> None:
+        with self._asks_lock:
+            self._end_round = False  # an ask that came between rounds was for one that has ended
+        for done in range(1, steps + 1):
+            results = self._step(rows)
+            rows = self._next_rows(rows, results) if done < steps else []
+            on_step(results, not rows)
+            if not rows:
+                metrics.ROUND_STEPS.observe(done)
+                return
+
+    def _next_rows(self, rows: list[Row], results: list[RowResult]) -> list[Row]:
+        running = [r.seq_id for row, r in zip(rows, results) if not isinstance(row, ReleaseRow) and not r.finish_reason]
+        with self._asks_lock:
+            if self._end_round:  # release requests still queued release theirs after the round
+                self._end_round = False
+                return []
+            released = self._releasing.intersection(running)
+            self._releasing -= released
+        metrics.RELEASED_MID_ROUND.inc(len(released))
+        return [ReleaseRow(s) if s in released else DecodeRow(s) for s in running]
+
     def _step(self, rows: list[Row]) -> list[RowResult]:
+        released = [row.seq_id for row in rows if isinstance(row, ReleaseRow)]
+        if released:
+            with self._asks_lock:
+                self._releasing.difference_update(released)
         started = time.perf_counter()
         before = self._engine.tokens_generated_total
         results = self._engine.step(rows)

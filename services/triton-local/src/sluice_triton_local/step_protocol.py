@@ -1,8 +1,19 @@
-"""The step protocol: how one Triton request drives one engine step.
+"""The step protocol: how one Triton request drives a round of engine steps.
+
+The model is decoupled: one request runs a round of up to STEPS engine steps and answers one
+response per step, as each step is made, so the caller pays one round trip per round rather than
+per token. The request's rows make the first step; each later step decodes the request's sequences
+still running (a sequence that finished, by a stop, max_tokens or an error, leaves the round), and
+the round ends early when none is left. A release request sent while a round runs (another request
+on the model) releases its sequences at the round's next step instead: a cancelled stream stops
+within one step. An end-round request ends the round in flight after its current step, so that
+a request that arrived meanwhile joins at the next step rather than at the round's end.
 
 One Triton request carries one row per sequence, all tensors of shape [rows]:
 
-  inputs   ACTION  INT32   1 prefill, 2 decode, 3 release, 4 count tokens
+  inputs   ACTION  INT32   1 prefill, 2 decode, 3 release, 4 count tokens, 5 end round: the
+                           round in flight (whoever sent it) ends after its current step,
+                           because requests wait to join; answered at once, SEQ_ID ignored
            SEQ_ID  INT64   the adapter's id for the sequence (its KV slot key)
            REQUEST BYTES   JSON for prefill and count rows, empty otherwise:
                            {"messages": [[role, content], ...]} (content tokenized as text:
@@ -14,7 +25,15 @@ One Triton request carries one row per sequence, all tensors of shape [rows]:
                            drives the sequence (slot metrics per adapter). A DECODE row of a
                            sequence whose prompt is not yet all cached caches its next
                            chunk and answers TOKEN_ID -1 with FINISH "".
-  outputs  TOKEN_ID          INT32  sampled token, -1 when none
+           STEPS   INT32   optional, shape [1]: engine steps in the round (1 to MAX_ROUND_STEPS;
+                           absent: 1)
+
+Each response carries one row per row of its step, all tensors of shape [rows] but ROUND_END:
+the first response answers the request's rows in their order; a later one the sequences it
+stepped (and any a release request named), in their order in the request.
+
+  outputs  ROW_SEQ_ID        INT64  the row's SEQ_ID
+           TOKEN_ID          INT32  sampled token, -1 when none
            TEXT              BYTES  UTF-8 text delta
            FINISH            BYTES  "" while running, else "stop", "length", "error",
                                     "invalid" when the row's input was rejected (a client error),
@@ -27,6 +46,7 @@ One Triton request carries one row per sequence, all tensors of shape [rows]:
            PROMPT_TOKENS     INT32
            COMPLETION_TOKENS INT32
            ERROR             BYTES  why a row failed, for a person to read
+           ROUND_END         BOOL   shape [1]: true on the round's last response
 
 This module knows numpy and the engine, not Triton, so it is tested directly.
 """
@@ -34,6 +54,8 @@ This module knows numpy and the engine, not Triton, so it is tested directly.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
+from concurrent.futures import Future
 from typing import Any
 
 import numpy as np
@@ -42,22 +64,32 @@ from sluice_triton_local.engine.step_engine import (
     DecodeRow,
     PrefillRow,
     ReleaseRow,
+    Row,
     RowResult,
     SamplingParams,
 )
 from sluice_triton_local.shared_engine import SharedEngine
 
-PREFILL, DECODE, RELEASE, COUNT = 1, 2, 3, 4
+PREFILL, DECODE, RELEASE, COUNT, END_ROUND = 1, 2, 3, 4, 5
+
+# A round longer than this would hold a new arrival's first token back too long (and a caller
+# asking for more is likely confused about the unit).
+MAX_ROUND_STEPS = 64
 
 INPUTS: tuple[tuple[str, type], ...] = (("ACTION", np.int32), ("SEQ_ID", np.int64), ("REQUEST", bytes))
+OPTIONAL_INPUTS: tuple[tuple[str, type], ...] = (("STEPS", np.int32),)
 OUTPUTS: tuple[tuple[str, type], ...] = (
+    ("ROW_SEQ_ID", np.int64),
     ("TOKEN_ID", np.int32),
     ("TEXT", bytes),
     ("FINISH", bytes),
     ("PROMPT_TOKENS", np.int32),
     ("COMPLETION_TOKENS", np.int32),
     ("ERROR", bytes),
+    ("ROUND_END", np.bool_),
 )
+# Told each response of a round (output name -> tensor), and whether it is the last.
+OnResponse = Callable[[dict[str, np.ndarray], bool], None]
 
 
 def _prompt_ids(engine: SharedEngine, request: dict[str, Any]) -> list[int]:
@@ -90,8 +122,10 @@ def _parse_row(engine: SharedEngine, action: int, seq_id: int, raw: bytes) -> Pr
         return DecodeRow(seq_id)
     if action == RELEASE:
         return ReleaseRow(seq_id)
+    if action == END_ROUND:
+        return RowResult(seq_id, -1, "", "", 0, 0)
     if action not in (PREFILL, COUNT):
-        return _invalid(seq_id, f"unknown ACTION {action}; expected 1 prefill, 2 decode, 3 release or 4 count")
+        return _invalid(seq_id, f"unknown ACTION {action}; expected 1 prefill, 2 decode, 3 release, 4 count or 5 end round")
     try:
         request = json.loads(raw or b"{}")
         prompt = _prompt_ids(engine, request)
@@ -113,24 +147,61 @@ def _parse_row(engine: SharedEngine, action: int, seq_id: int, raw: bytes) -> Pr
         return _invalid(seq_id, f"malformed REQUEST JSON: {exc}")
 
 
-def run_step(engine: SharedEngine, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Runs one engine step for a whole Triton request; one output row per input row."""
+class RoundRejected(ValueError):
+    """The request as a whole is malformed (not one of its rows): the caller's fault."""
+
+
+def round_steps(inputs: dict[str, np.ndarray]) -> int:
+    steps = inputs.get("STEPS")
+    if steps is None or steps.size == 0:
+        return 1
+    if steps.size != 1:
+        raise RoundRejected(f"STEPS must hold one value, got {steps.size}")
+    value = int(steps.reshape(-1)[0])
+    if not 1 <= value <= MAX_ROUND_STEPS:
+        raise RoundRejected(f"STEPS must be between 1 and {MAX_ROUND_STEPS}, got {value}")
+    return value
+
+
+def start_round(engine: SharedEngine, inputs: dict[str, np.ndarray], on_response: OnResponse) -> Future[None]:
+    """Starts a request's round on the engine's thread; `on_response` is called there with each
+    step's response (or here, at once, when no row needs the engine). Raises RoundRejected."""
+    steps = round_steps(inputs)
     actions = inputs["ACTION"].reshape(-1)
     seq_ids = inputs["SEQ_ID"].reshape(-1)
     requests = inputs["REQUEST"].reshape(-1)
+    if not len(actions) == len(seq_ids) == len(requests):
+        raise RoundRejected(f"ACTION, SEQ_ID and REQUEST must have one value per row, got {len(actions)}, {len(seq_ids)} and {len(requests)}")
+    if END_ROUND in actions:
+        engine.end_round_soon()
     parsed = [_parse_row(engine, int(a), int(s), bytes(r)) for a, s, r in zip(actions, seq_ids, requests)]
-    engine_rows = [row for row in parsed if not isinstance(row, RowResult)]
-    stepped = iter(engine.step(engine_rows)) if engine_rows else iter(())
-    results = [row if isinstance(row, RowResult) else next(stepped) for row in parsed]
-    return encode_results(results)
+    engine_rows: list[Row] = [row for row in parsed if not isinstance(row, RowResult)]
+    if not engine_rows:
+        on_response(encode_results(parsed, last=True), True)  # type: ignore[arg-type]
+        done: Future[None] = Future()
+        done.set_result(None)
+        return done
+    engine.release_soon([row.seq_id for row in engine_rows if isinstance(row, ReleaseRow)])
+    first = [True]
+
+    def on_step(results: list[RowResult], last: bool) -> None:
+        if first[0]:  # the first step answers every row of the request, in order
+            first[0] = False
+            stepped = iter(results)
+            results = [row if isinstance(row, RowResult) else next(stepped) for row in parsed]
+        on_response(encode_results(results, last), last)
+
+    return engine.round(engine_rows, steps, on_step)
 
 
-def encode_results(results: list[RowResult]) -> dict[str, np.ndarray]:
+def encode_results(results: list[RowResult], last: bool = True) -> dict[str, np.ndarray]:
     return {
+        "ROW_SEQ_ID": np.array([r.seq_id for r in results], dtype=np.int64),
         "TOKEN_ID": np.array([r.token_id for r in results], dtype=np.int32),
         "TEXT": np.array([r.text.encode() for r in results], dtype=np.object_),
         "FINISH": np.array([r.finish_reason.encode() for r in results], dtype=np.object_),
         "PROMPT_TOKENS": np.array([r.prompt_tokens for r in results], dtype=np.int32),
         "COMPLETION_TOKENS": np.array([r.completion_tokens for r in results], dtype=np.int32),
         "ERROR": np.array([r.error.encode() for r in results], dtype=np.object_),
+        "ROUND_END": np.array([last], dtype=np.bool_),
     }

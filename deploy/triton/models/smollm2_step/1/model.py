@@ -1,7 +1,10 @@
 """Triton Python backend for the step protocol: the triton-local engine behind the official server.
 
 The image (deploy/triton/Dockerfile) installs deploy/triton/requirements.txt and the
-sluice_triton_local package source; this file only adapts Triton's request objects to `run_step`.
+sluice_triton_local package source; this file only adapts Triton's request objects to `start_round`.
+The model is decoupled: each request runs a round of engine steps on the engine's own thread, and
+each step's response is sent as it is made through the request's response sender; `execute`
+returns at once, so a release request reaches the engine while a round runs.
 Where the engine runs is chosen at load from the instance Triton creates (`instance_group` in
 config.pbtxt): KIND_CPU on the CPU cores, KIND_GPU with every layer on that instance's GPU. The
 engine code is the same either way; only llama.cpp's build differs (CUDA for a GPU).
@@ -19,7 +22,7 @@ from sluice_triton_local.engine.llamacpp_model import GpuOffloadUnavailable
 from sluice_triton_local.engine.step_engine import StepEngine
 from sluice_triton_local.model_files import smollm2_gguf
 from sluice_triton_local.shared_engine import SharedEngine, warm_up
-from sluice_triton_local.step_protocol import INPUTS, OUTPUTS, run_step
+from sluice_triton_local.step_protocol import INPUTS, OPTIONAL_INPUTS, OUTPUTS, RoundRejected, start_round
 
 GPU_IMAGE_FIX = (
     "build the image with llama.cpp's CUDA build:"
@@ -79,13 +82,34 @@ class TritonPythonModel:
         self.engine = SharedEngine(step_engine)
         warm_up(self.engine)
 
-    def execute(self, requests: list) -> list:
-        responses = []
+    def execute(self, requests: list) -> None:
         for request in requests:
-            inputs = {name: pb_utils.get_input_tensor_by_name(request, name).as_numpy() for name, _ in INPUTS}
-            outputs = run_step(self.engine, inputs)
-            responses.append(pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(name, outputs[name]) for name, _ in OUTPUTS]))
-        return responses
+            sender = request.get_response_sender()
+            try:
+                done = start_round(self.engine, _inputs(request), lambda outputs, last, sender=sender: _send(sender, outputs, last))
+            except RoundRejected as exc:
+                _fail(sender, str(exc))
+                continue
+            done.add_done_callback(lambda f, sender=sender: f.exception() is not None and _fail(sender, f"the round failed: {f.exception()!r}"))
+        return None
 
     def finalize(self) -> None:
         self.engine = None
+
+
+def _inputs(request: object) -> dict:
+    inputs = {name: pb_utils.get_input_tensor_by_name(request, name).as_numpy() for name, _ in INPUTS}
+    for name, _ in OPTIONAL_INPUTS:
+        tensor = pb_utils.get_input_tensor_by_name(request, name)
+        if tensor is not None:
+            inputs[name] = tensor.as_numpy()
+    return inputs
+
+
+def _send(sender: object, outputs: dict, last: bool) -> None:
+    response = pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(name, outputs[name]) for name, _ in OUTPUTS])
+    sender.send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if last else 0)
+
+
+def _fail(sender: object, message: str) -> None:
+    sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(message)), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)

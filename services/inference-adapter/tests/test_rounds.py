@@ -1,0 +1,125 @@
+"""Multi-step rounds: how many engine steps the scheduler asks for per round trip, and what
+happens mid-round (arrivals, cancellations, deadlines), over the step protocol's round semantics
+(conftest.RoundsOfSteps)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from conftest import collect
+from test_scheduler import RecordingStepModel, request
+
+from sluice_inference_adapter.scheduler import Finish, Scheduler, SchedulerLimits
+from sluice_inference_adapter.step_rows import Action
+
+
+async def _until(condition, within_s: float = 2.0) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + within_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.001)
+
+
+async def test_a_steady_batch_asks_for_as_many_steps_as_fit_the_round_target() -> None:
+    model = RecordingStepModel(step_delay_s=0.01)
+    scheduler = Scheduler(model, SchedulerLimits(max_round_steps=8, round_target_s=0.05))
+    scheduler.start()
+    try:
+        text, finish = await collect(scheduler.submit(request(max_tokens=30)))
+    finally:
+        await scheduler.stop()
+    assert finish.finish is Finish.LENGTH and finish.completion_tokens == 30
+    assert text == "".join(f"t{i} " for i in range(1, 31)), "every step's token, in order, once"
+    asked = model.rounds.asked
+    assert asked[0] == 1, "no step time measured yet: one step"
+    # ~10 ms steps and a 50 ms target: about 5 steps a round (never above the target's worth).
+    assert 3 <= max(asked) <= 5, asked
+    assert len(asked) < 15, f"{len(asked)} round trips for 30 tokens"
+
+
+async def test_max_round_steps_1_is_one_round_trip_per_token() -> None:
+    model = RecordingStepModel(step_delay_s=0.002)
+    scheduler = Scheduler(model, SchedulerLimits(max_round_steps=1))
+    scheduler.start()
+    try:
+        await collect(scheduler.submit(request(max_tokens=10)))
+    finally:
+        await scheduler.stop()
+    assert model.rounds.asked == [1] * 10
+
+
+async def test_one_step_rounds_while_requests_wait_to_be_admitted() -> None:
+    model = RecordingStepModel(step_delay_s=0.005)
+    scheduler = Scheduler(model, SchedulerLimits(max_batch_size=1, max_round_steps=8, round_target_s=1.0))
+    scheduler.start()
+    try:
+        first = scheduler.submit(request(max_tokens=12))
+        second = scheduler.submit(request(max_tokens=12))
+        await collect(first)
+        rounds_while_waiting = len(model.rounds.asked)
+        await collect(second)
+    finally:
+        await scheduler.stop()
+    # The second waited for the batch's one slot the whole time the first ran: no long round then.
+    assert model.rounds.asked[:rounds_while_waiting] == [1] * rounds_while_waiting
+    assert max(model.rounds.asked[rounds_while_waiting:]) > 1
+
+
+async def test_an_arrival_mid_round_ends_the_round_and_joins_at_the_next_step() -> None:
+    model = RecordingStepModel(step_delay_s=0.01)
+    scheduler = Scheduler(model, SchedulerLimits(max_round_steps=32, round_target_s=1.0))
+    scheduler.start()
+    try:
+        long = scheduler.submit(request(max_tokens=200))
+        await _until(lambda: model.rounds.asked and model.rounds.asked[-1] > 1 and len(model.steps) > 4)
+        arrived_at_step = len(model.steps)
+        newcomer = scheduler.submit(request(max_tokens=2))
+        _, finish = await collect(newcomer)
+        long.cancel()
+        await collect(long)
+    finally:
+        await scheduler.stop()
+    assert finish.finish is Finish.LENGTH
+    assert model.end_asks == 1
+    joined_at = model.rows_of(newcomer.seq_id)[0]
+    assert joined_at[1] is Action.PREFILL
+    # The step in progress when it arrived ends the round; the next one carries its prefill.
+    assert joined_at[0] <= arrived_at_step + 1, (joined_at, arrived_at_step)
+
+
+async def test_a_cancel_mid_round_releases_the_sequence_at_the_next_step() -> None:
+    model = RecordingStepModel(step_delay_s=0.01)
+    scheduler = Scheduler(model, SchedulerLimits(max_round_steps=32, round_target_s=1.0))
+    scheduler.start()
+    try:
+        handle = scheduler.submit(request(max_tokens=500))
+        await _until(lambda: model.rounds.asked and model.rounds.asked[-1] > 1 and len(model.steps) > 4)
+        cancelled_at_step = len(model.steps)
+        handle.cancel()
+        _, finish = await collect(handle)
+        await model.wait_released(handle.seq_id)
+        await asyncio.sleep(0.05)  # the round would have gone on for many steps more
+    finally:
+        await scheduler.stop()
+    assert finish.finish is Finish.CANCELLED
+    rows = model.rows_of(handle.seq_id)
+    decodes_after = [index for index, action in rows if action is Action.DECODE and index > cancelled_at_step]
+    assert len(decodes_after) <= 1, rows[-5:]  # the step in progress, at most one more
+    assert rows[-1][1] is Action.RELEASE
+    assert scheduler.running_count == 0
+
+
+async def test_a_deadline_passing_mid_round_ends_and_releases_the_sequence() -> None:
+    model = RecordingStepModel(step_delay_s=0.01)
+    scheduler = Scheduler(model, SchedulerLimits(max_round_steps=32, round_target_s=1.0))
+    scheduler.start()
+    try:
+        handle = scheduler.submit(request(max_tokens=500, deadline=time.monotonic() + 0.3))
+        _, finish = await collect(handle)
+        await model.wait_released(handle.seq_id)
+    finally:
+        await scheduler.stop()
+    assert finish.finish is Finish.DEADLINE
+    assert max(model.rounds.asked) > 1, "the deadline passed during a long round"
+    assert finish.timings.total_s < 0.3 + 0.05, "within a step or so of the deadline"

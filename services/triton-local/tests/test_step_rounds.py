@@ -1,0 +1,133 @@
+"""The step protocol's multi-step rounds (step_protocol.start_round over SharedEngine.round) on the
+real SmolLM2 GGUF through llama.cpp: what each response carries, greedy text equal at every round
+length, and what a release or end-round request does to a round in flight."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+from sluice_triton_local.engine.bench import default_gguf_path
+from sluice_triton_local.engine.step_engine import StepEngine
+from sluice_triton_local.shared_engine import SharedEngine
+from sluice_triton_local.step_protocol import COUNT, DECODE, END_ROUND, MAX_ROUND_STEPS, PREFILL, RELEASE, RoundRejected, start_round
+
+QUESTION = [["user", "Write a short poem about rivers."]]
+
+
+@pytest.fixture(scope="module")
+def shared() -> Iterator[SharedEngine]:
+    yield SharedEngine(StepEngine(default_gguf_path(), max_slots=4, threads=2))
+
+
+def _inputs(rows: list[tuple[int, int, dict[str, Any] | None]], steps: int | None = None) -> dict[str, np.ndarray]:
+    inputs = {
+        "ACTION": np.array([a for a, _, _ in rows], dtype=np.int32),
+        "SEQ_ID": np.array([s for _, s, _ in rows], dtype=np.int64),
+        "REQUEST": np.array([json.dumps(r).encode() if r is not None else b"" for _, _, r in rows], dtype=np.object_),
+    }
+    if steps is not None:
+        inputs["STEPS"] = np.array([steps], dtype=np.int32)
+    return inputs
+
+
+def _round(shared: SharedEngine, rows: list[tuple[int, int, dict[str, Any] | None]], steps: int, on_each: Any = None) -> list[dict[str, np.ndarray]]:
+    responses: list[dict[str, np.ndarray]] = []
+
+    def on_response(response: dict[str, np.ndarray], last: bool) -> None:
+        responses.append(response)
+        assert bool(response["ROUND_END"][0]) is last
+        if on_each is not None:
+            on_each(len(responses))
+
+    start_round(shared, _inputs(rows, steps), on_response).result(timeout=60)
+    return responses
+
+
+def _generate(shared: SharedEngine, seq_id: int, steps: int, max_tokens: int = 40) -> tuple[str, int]:
+    """A sequence driven as the adapter drives it, `steps` engine steps a round: its text, and the
+    round trips it took."""
+    rows: list[tuple[int, int, dict[str, Any] | None]] = [(PREFILL, seq_id, {"messages": QUESTION, "max_tokens": max_tokens})]
+    text, trips = "", 0
+    while True:
+        trips += 1
+        for response in _round(shared, rows, steps):
+            assert list(response["ROW_SEQ_ID"]) == [seq_id]
+            text += bytes(response["TEXT"][0]).decode()
+            if response["FINISH"][0]:
+                assert response["FINISH"][0] in (b"stop", b"length")
+                return text, trips
+        rows = [(DECODE, seq_id, None)]
+
+
+def test_greedy_text_is_the_same_at_every_round_length(shared: SharedEngine) -> None:
+    one, trips_one = _generate(shared, 11, steps=1)
+    assert one and trips_one > 20
+    for steps in (4, 16, MAX_ROUND_STEPS):
+        text, trips = _generate(shared, 12 + steps, steps=steps)
+        assert text == one, steps
+        assert trips == -(-trips_one // steps), (steps, trips, trips_one)
+    assert shared.active_slots == 0
+
+
+def test_the_first_response_answers_every_row_in_order_and_later_ones_the_running(shared: SharedEngine) -> None:
+    rows = [
+        (COUNT, 21, {"messages": QUESTION}),
+        (PREFILL, 22, {"messages": QUESTION, "max_tokens": 3}),
+        (PREFILL, 23, {"messages": QUESTION, "max_tokens": 6}),
+        (9, 24, None),
+    ]
+    responses = _round(shared, rows, steps=10)
+    first = responses[0]
+    assert list(first["ROW_SEQ_ID"]) == [21, 22, 23, 24]
+    assert first["PROMPT_TOKENS"][0] > 0 and first["TOKEN_ID"][0] == -1  # counted, not run
+    assert first["FINISH"][3] == b"invalid" and b"unknown ACTION" in first["ERROR"][3]
+    assert all(t >= 0 for t in first["TOKEN_ID"][1:3])
+    # 22 ends at its 3rd token, 23 at its 6th: the round stops then, short of its 10 steps.
+    assert [list(r["ROW_SEQ_ID"]) for r in responses[1:]] == [[22, 23], [22, 23], [23], [23], [23]]
+    assert responses[2]["FINISH"][0] == b"length" and responses[-1]["FINISH"][0] == b"length"
+    assert shared.active_slots == 0
+
+
+def test_a_release_request_mid_round_releases_at_the_next_step(shared: SharedEngine) -> None:
+    released = threading.Event()
+
+    def release_at_third(count: int) -> None:
+        if count == 3:  # a second request, while the round runs (the engine's thread is busy with it)
+            start_round(shared, _inputs([(RELEASE, 31, None)]), lambda *_: released.set())
+
+    responses = _round(shared, [(PREFILL, 31, {"messages": QUESTION, "max_tokens": 200})], steps=32, on_each=release_at_third)
+    # The release came with the third step's answer, while the fourth (planned already) ran; the
+    # fifth released it: no token, and the round ended there.
+    assert len(responses) == 5, [list(r["TOKEN_ID"]) for r in responses]
+    assert responses[3]["TOKEN_ID"][0] >= 0
+    assert responses[4]["TOKEN_ID"][0] == -1 and responses[4]["FINISH"][0] == b""
+    assert released.wait(10)
+    prefill = _round(shared, [(PREFILL, 31, {"messages": QUESTION, "max_tokens": 2})], steps=1)
+    assert prefill[0]["TOKEN_ID"][0] >= 0, "the slot and the id are free again"
+    _round(shared, [(RELEASE, 31, None)], steps=1)
+
+
+def test_an_end_round_request_ends_the_round_after_its_current_step(shared: SharedEngine) -> None:
+    def end_at_second(count: int) -> None:
+        if count == 2:
+            start_round(shared, _inputs([(END_ROUND, 0, None)]), lambda *_: None)
+
+    responses = _round(shared, [(PREFILL, 41, {"messages": QUESTION, "max_tokens": 200})], steps=32, on_each=end_at_second)
+    # Asked with the second step's answer, while the third (planned already) ran: it ended there.
+    assert len(responses) == 3
+    assert responses[-1]["FINISH"][0] == b"" and responses[-1]["TOKEN_ID"][0] >= 0
+    # The sequence runs on in the next round.
+    assert _round(shared, [(DECODE, 41, None)], steps=2)[-1]["TOKEN_ID"][0] >= 0
+    _round(shared, [(RELEASE, 41, None)], steps=1)
+
+
+@pytest.mark.parametrize("steps", [0, -1, MAX_ROUND_STEPS + 1])
+def test_steps_out_of_range_reject_the_request(shared: SharedEngine, steps: int) -> None:
+    with pytest.raises(RoundRejected, match=f"STEPS must be between 1 and {MAX_ROUND_STEPS}, got {steps}"):
+        start_round(shared, _inputs([(DECODE, 1, None)], steps), lambda *_: None)
