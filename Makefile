@@ -23,7 +23,7 @@ LIBS := libs/sluice-protos libs/sluice-common libs/sluice-stack
 PROJECTS := $(LIBS) $(SERVICES) tests bench deploy/tests
 UNIT_TESTED := libs/sluice-common $(SERVICES) bench
 
-.PHONY: help setup deploy-requirements uv node protos protos-check proto-lint run test test-unit test-e2e test-deploy bench-path bench-adapter bench-evallog bench-ratelimit bench-jobs bench-jobs-interactive bench-engine bench-colocated bench-threads bench-gpu bench-gpu-kit bench-load bench-rolling bench-embed-cache bench-openai clean
+.PHONY: help setup deploy-requirements uv node protos protos-check proto-lint run test test-unit test-e2e test-deploy bench-path bench-adapter bench-evallog bench-ratelimit bench-jobs bench-jobs-interactive bench-engine bench-colocated bench-threads bench-gpu bench-gpu-kit bench-load bench-rolling bench-embed-cache bench-openai bench-peer llama-server clean
 
 help:
 	@echo "make run        start the whole suite locally and stream a demo completion (Ctrl-C stops it)"
@@ -36,6 +36,8 @@ help:
 	@echo "make bench-load 16, 32 and 64 chat streams through the stack: tok/s, TTFT, vs the engine alone"
 	@echo "make bench-rolling gateway, adapter and evaluation-logging restarted one by one under 32 streams: failed streams, lost events, TTFT"
 	@echo "make bench-openai a third-party load tool (aiperf) on the OpenAI HTTP front vs the same load over gRPC: TTFT, tok/s"
+	@echo "make bench-peer the stack vs llama.cpp's own llama-server on the same GGUF, 2 threads: tok/s and TTFT at 1 and 32 streams"
+	@echo "make llama-server build llama.cpp's llama-server (bench-peer's peer) into .llama-server/ from the bindings' sdist (~8 min)"
 	@echo "make bench-path time to first token and tokens/s through each hop"
 	@echo "make bench-evallog stream-close latency with logging on vs off; events stored/s vs raw consume"
 	@echo "make bench-ratelimit Acquire+Commit decisions/s and latency (memory, Redis) vs a raw grpc.aio echo"
@@ -134,6 +136,14 @@ bench-rolling: setup
 bench-openai: setup
 	cd bench/openai-tool && $(UV) sync --locked --quiet
 	bench/.venv/bin/python bench/bench_openai.py
+
+# llama.cpp's own HTTP server from the llama.cpp source of the locked llama-cpp-python sdist
+# (bench/llama_server.py), into .llama-server/<version>/; bench-peer builds it when missing.
+llama-server:
+	$(PYTHON) bench/llama_server.py build
+
+bench-peer: setup
+	bench/.venv/bin/python bench/bench_peer.py
 
 bench-path: setup
 	bench/.venv/bin/python bench/bench_path.py

@@ -1,0 +1,334 @@
+"""`make bench-peer`: the whole stack as `make run` starts it against llama.cpp's own HTTP server
+(`llama-server`, bench/llama_server.py builds it from the same llama.cpp triton-local runs) on the
+same GGUF with the same 2 threads, both through the OpenAI-compatible streamed chat API.
+
+llama-server runs with `-t 2 -tb 2 --parallel 32 -c 32768 --cont-batching --jinja` (32 slots like
+triton-local's); the stack is reached through its gateway's HTTP front with the demo key. One
+client for both sides: aiohttp, a new connection per request (llama-server closes idle keep-alive
+connections), bench-load's chat prompts of mixed lengths, temperature 0.7 and a seed per request,
+max_tokens MAX_TOKENS, `stream: true` with `stream_options: {include_usage: true}`.
+
+  streams1    SEQUENTIAL_REQUESTS requests one at a time
+  streams<N>  CONCURRENT_REQUESTS requests, N = CONCURRENCY in flight (a new one sent when one ends)
+
+  tokens/s   completion tokens of the finished requests (the usage each server reports) over the
+             phase's wall time, first request sent -> last request ended, the rounds summed
+  TTFT       request sent -> first chunk carrying content, p50 and p99 over the rounds
+  Only requests that ended with a finish_reason count; the others are printed and counted.
+  A 429 from the stack (the demo tenant admits 32 in flight) is retried after its Retry-After,
+  its TTFT counted from the first attempt.
+
+Three sides, both servers up the whole run: the stack, llama-server with `"cache_prompt": false`
+in every request (the main figures: it reuses no prompt prefix, as the stack cannot), and
+llama-server with its prompt cache on (its default; the `_cacheon` figures, for the record).
+ROUNDS rounds; each load runs every side in turn, the order reversed in even rounds, so the noise
+of a shared machine falls on all of them alike. Each side is warmed with one request first.
+BENCH_RUN_DIR keeps the services' and llama-server's logs (a temporary folder otherwise).
+
+Thread waits: triton-local sets OMP_WAIT_POLICY=PASSIVE unless the environment sets one, while
+llama-server runs with libgomp's default (spin, then sleep), as its users run it. Beside a busy
+process its spinning threads collapse (2 tok/s per stream seen here while another stack ran);
+`OMP_WAIT_POLICY=PASSIVE make bench-peer` gives both sides the same policy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+import uuid
+from dataclasses import dataclass, field
+from itertools import count
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from bench_load import prompts  # bench-load's chat prompts of mixed lengths
+from bench_openai import Outcome, Phase, percentile
+from llama_server import build, locked_version
+from sluice_stack import REPO_ROOT, Stack, StackPorts, free_port
+
+MODEL = "smollm2-135m-instruct"
+DEMO_KEY = "sk-sluice-demo"
+THREADS = 2
+TEMPERATURE = 0.7
+MAX_TOKENS = int(os.environ.get("BENCH_MAX_TOKENS", "64"))
+SEQUENTIAL_REQUESTS = int(os.environ.get("BENCH_SEQUENTIAL_REQUESTS", "8"))
+CONCURRENCY = int(os.environ.get("BENCH_CONCURRENCY", "32"))
+CONCURRENT_REQUESTS = int(os.environ.get("BENCH_CONCURRENT_REQUESTS", "64"))
+ROUNDS = int(os.environ.get("BENCH_ROUNDS", "2"))
+STACK, PEER, PEER_CACHED = "stack", "llama-server", "llama-server cache on"
+SIDES = (PEER, STACK, PEER_CACHED)
+
+
+@dataclass(frozen=True)
+class Load:
+    name: str
+    requests: int
+    concurrency: int
+
+
+LOADS = (Load("streams1", SEQUENTIAL_REQUESTS, 1), Load(f"streams{CONCURRENCY}", CONCURRENT_REQUESTS, CONCURRENCY))
+
+
+@dataclass(frozen=True)
+class Server:
+    """Where one side sends its chat requests, and what it adds to each body."""
+
+    url: str
+    headers: dict[str, str] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+# --- one streamed request -----------------------------------------------------------------------
+
+
+@dataclass
+class StreamState:
+    """What the server-sent events of one chat completion said so far."""
+
+    first_content_at: float | None = None
+    finish_reason: str | None = None
+    completion_tokens: int | None = None
+    error: str | None = None
+    done: bool = False
+
+    def feed(self, line: str, now: float) -> None:
+        """One line of the event stream, received at `now`."""
+        if not line.startswith("data:"):
+            return
+        data = line.removeprefix("data:").strip()
+        if data == "[DONE]":
+            self.done = True
+            return
+        event = json.loads(data)
+        if event.get("error"):
+            self.error = str(event["error"])
+            self.done = True
+        for choice in event.get("choices") or []:
+            if self.first_content_at is None and (choice.get("delta") or {}).get("content"):
+                self.first_content_at = now
+            self.finish_reason = choice.get("finish_reason") or self.finish_reason
+        if event.get("usage"):
+            self.completion_tokens = int(event["usage"]["completion_tokens"])
+
+    def outcome(self, sent: float, ended: float) -> Outcome | None:
+        """The request's figures when it finished with a finish_reason, content and usage."""
+        if self.error or self.finish_reason is None or self.first_content_at is None or self.completion_tokens is None:
+            return None
+        return Outcome(self.first_content_at - sent, self.completion_tokens, sent, ended)
+
+
+def chat_body(prompt: str, seed: int, extra: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": MAX_TOKENS,
+        "temperature": TEMPERATURE,
+        "seed": seed,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        **extra,
+    }
+
+
+async def one_request(session: aiohttp.ClientSession, server: Server, prompt: str, seed: int) -> Outcome | None:
+    body = chat_body(prompt, seed, server.extra)
+    sent = time.perf_counter()
+    while True:
+        state = StreamState()
+        try:
+            async with session.post(server.url, json=body, headers=server.headers) as response:
+                if response.status == 429:  # the stack's rate limiter: retry as a client should
+                    await asyncio.sleep(float(response.headers.get("Retry-After", "1")))
+                    continue
+                if response.status != 200:
+                    print(f"  request failed: HTTP {response.status} {(await response.text())[:200]}", flush=True)
+                    return None
+                async for raw in response.content:
+                    state.feed(raw.decode(), time.perf_counter())
+                    if state.done:
+                        break
+        except (aiohttp.ClientError, asyncio.TimeoutError) as error:
+            print(f"  request failed: {error!r}", flush=True)
+            return None
+        outcome = state.outcome(sent, time.perf_counter())
+        if outcome is None:
+            print(f"  request failed: error {state.error}, finish_reason {state.finish_reason}, usage {state.completion_tokens}", flush=True)
+        return outcome
+
+
+async def run_load(server: Server, asks: list[tuple[str, int]], concurrency: int) -> list[Outcome | None]:
+    """`concurrency` workers taking the requests in order, a new connection for each request."""
+    results: list[Outcome | None] = [None] * len(asks)
+    order = count()
+    timeout = aiohttp.ClientTimeout(total=900)
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True, limit=0), timeout=timeout) as session:
+
+        async def worker() -> None:
+            while (index := next(order)) < len(asks):
+                results[index] = await one_request(session, server, *asks[index])
+
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return results
+
+
+def phase(side: str, server: Server, load: Load) -> Phase:
+    asks = [(p, 1000 + i) for i, p in enumerate(prompts(load.requests))]
+    results = asyncio.run(run_load(server, asks, load.concurrency))
+    ok = [r for r in results if r is not None]
+    return Phase(side, load.name, ok, len(results) - len(ok))
+
+
+# --- figures ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Figures:
+    tokens_per_s: float
+    ttft_p50_ms: float
+    ttft_p99_ms: float
+    ok: int
+    failed: int
+
+
+def figures(phases: list[Phase]) -> Figures:
+    """One side's figures for one load over its rounds: tokens over the summed wall times, TTFT pooled."""
+    nan = float("nan")
+    ttfts = [o.ttft_s * 1000 for p in phases for o in p.ok]
+    wall = sum(p.wall_s for p in phases if p.ok)
+    return Figures(
+        sum(p.tokens for p in phases) / wall if wall else nan,
+        percentile(ttfts, 50) if ttfts else nan,
+        percentile(ttfts, 99) if ttfts else nan,
+        sum(len(p.ok) for p in phases),
+        sum(p.failed for p in phases),
+    )
+
+
+def ratio_lines(stack: dict[str, Figures], peer: dict[str, Figures], suffix: str = "") -> list[str]:
+    """The four comparisons, the stack against one llama-server side, each with its target."""
+    one, many = (load.name for load in LOADS)
+    return [
+        f"BENCH stack_vs_llamaserver_tokens_per_s_{one}{suffix} {stack[one].tokens_per_s / peer[one].tokens_per_s:.2f} x (target >= 0.9)",
+        f"BENCH stack_vs_llamaserver_tokens_per_s_{many}{suffix} {stack[many].tokens_per_s / peer[many].tokens_per_s:.2f} x (target >= 1.0)",
+        f"BENCH stack_minus_llamaserver_ttft_p50_ms_{one}{suffix} {stack[one].ttft_p50_ms - peer[one].ttft_p50_ms:.1f} ms (target <= 20)",
+        f"BENCH stack_vs_llamaserver_ttft_p50_{many}{suffix} {stack[many].ttft_p50_ms / peer[many].ttft_p50_ms:.2f} x (target <= 1.0)",
+    ]
+
+
+def table(by_side: dict[str, dict[str, Figures]]) -> list[str]:
+    lines = [f"{'load':<10} {'side':<22} {'tok/s':>7} {'TTFT p50':>10} {'TTFT p99':>10} {'ok':>4} {'failed':>6}"]
+    for load in LOADS:
+        for side in SIDES:
+            f = by_side[side][load.name]
+            lines.append(
+                f"{load.name:<10} {side:<22} {f.tokens_per_s:7.1f} {f.ttft_p50_ms:8.1f} ms {f.ttft_p99_ms:7.1f} ms {f.ok:>4} {f.failed:>6}"
+            )
+    return lines
+
+
+def report(phases: dict[tuple[str, str], list[Phase]]) -> list[str]:
+    by_side = {side: {load.name: figures(phases[(side, load.name)]) for load in LOADS} for side in SIDES}
+    lines = [*table(by_side), ""]
+    for side in SIDES:
+        name = side.replace(" ", "_").replace("-", "")
+        for load in LOADS:
+            f = by_side[side][load.name]
+            lines += [
+                f"BENCH peer_{name}_{load.name}_tokens_per_s {f.tokens_per_s:.1f} tok/s",
+                f"BENCH peer_{name}_{load.name}_ttft_p50 {f.ttft_p50_ms:.1f} ms",
+                f"BENCH peer_{name}_{load.name}_ttft_p99 {f.ttft_p99_ms:.1f} ms",
+                f"BENCH peer_{name}_{load.name}_failed {f.failed} requests",
+            ]
+    lines += ratio_lines(by_side[STACK], by_side[PEER])
+    lines += ratio_lines(by_side[STACK], by_side[PEER_CACHED], "_cacheon")
+    return lines
+
+
+# --- the servers --------------------------------------------------------------------------------
+
+
+def smollm2_gguf() -> str:
+    python = REPO_ROOT / "services" / "triton-local" / ".venv" / "bin" / "python"
+    script = "from sluice_triton_local.model_files import smollm2_gguf; print(smollm2_gguf())"
+    return subprocess.run([str(python), "-c", script], capture_output=True, text=True, check=True).stdout.strip()
+
+
+def start_llama_server(binary: Path, port: int, log_path: Path) -> subprocess.Popen[bytes]:
+    command = [
+        str(binary), "-m", smollm2_gguf(), "-t", str(THREADS), "-tb", str(THREADS),
+        "--parallel", "32", "-c", "32768", "--cont-batching", "--jinja", "--host", "127.0.0.1", "--port", str(port),
+    ]  # fmt: skip
+    with log_path.open("wb") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise SystemExit(f"llama-server exited with {process.returncode}; its log: {log_path}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as response:
+                if response.status == 200:
+                    return process
+        except (urllib.error.URLError, ConnectionError):
+            pass  # still loading the model (503) or not listening yet
+        time.sleep(0.5)
+    process.kill()
+    raise SystemExit(f"llama-server not ready after 120 s; its log: {log_path}")
+
+
+def servers(stack: Stack, peer_port: int) -> dict[str, Server]:
+    peer_url = f"http://127.0.0.1:{peer_port}/v1/chat/completions"
+    return {
+        STACK: Server(f"{stack.openai_base_url}/chat/completions", {"Authorization": f"Bearer {DEMO_KEY}"}),
+        PEER: Server(peer_url, extra={"cache_prompt": False}),
+        PEER_CACHED: Server(peer_url),
+    }
+
+
+def run_rounds(by_side: dict[str, Server]) -> dict[tuple[str, str], list[Phase]]:
+    for side, server in by_side.items():  # warm every side once: connections, first allocations
+        asyncio.run(run_load(server, [("Say hi.", 0)], 1))
+    phases: dict[tuple[str, str], list[Phase]] = {(side, load.name): [] for side in SIDES for load in LOADS}
+    for round_ in range(1, ROUNDS + 1):
+        for load in LOADS:
+            for side in SIDES if round_ % 2 else SIDES[::-1]:
+                done = phase(side, by_side[side], load)
+                phases[(side, load.name)].append(done)
+                tps = done.tokens / done.wall_s if done.ok else float("nan")
+                print(f"round {round_} {load.name:>9} {side:<22} {len(done.ok)} ok, {done.failed} failed, {tps:.1f} tok/s", flush=True)
+    return phases
+
+
+def main() -> int:
+    binary = build(locked_version())  # compiles it (minutes) only when .llama-server has none
+    with tempfile.TemporaryDirectory() as scratch:
+        run_dir = Path(os.environ.get("BENCH_RUN_DIR") or scratch)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        stack = Stack(run_dir=run_dir, ports=StackPorts.ephemeral(), amqp_prefix=f"sluice-bench-peer-{uuid.uuid4().hex[:8]}")
+        print(f"starting llama-server ({binary}) and the stack as `make run` does ...", flush=True)
+        peer_port = free_port()
+        peer = start_llama_server(binary, peer_port, run_dir / "llama-server.log")
+        try:
+            stack.start()
+            try:
+                phases = run_rounds(servers(stack, peer_port))
+            finally:
+                stack.stop()
+        finally:
+            peer.terminate()
+            peer.wait(timeout=30)
+    print()
+    print("\n".join(report(phases)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
