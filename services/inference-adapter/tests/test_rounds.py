@@ -21,6 +21,18 @@ async def _until(condition, within_s: float = 2.0) -> None:  # type: ignore[no-u
         await asyncio.sleep(0.001)
 
 
+def long_rounds(max_batch_size: int = 8) -> tuple[RecordingStepModel, Scheduler]:
+    """A started scheduler allowed rounds of up to 32 steps of ~10 ms."""
+    model = RecordingStepModel(step_delay_s=0.01)
+    scheduler = Scheduler(model, SchedulerLimits(max_batch_size=max_batch_size, max_round_steps=32, round_target_s=1.0))
+    scheduler.start()
+    return model, scheduler
+
+
+async def until_a_long_round(model: RecordingStepModel) -> None:
+    await _until(lambda: model.rounds.asked and model.rounds.asked[-1] > 1 and len(model.steps) > 4)
+
+
 async def test_a_steady_batch_asks_for_as_many_steps_as_fit_the_round_target() -> None:
     model = RecordingStepModel(step_delay_s=0.01)
     scheduler = Scheduler(model, SchedulerLimits(max_round_steps=8, round_target_s=0.05))
@@ -67,12 +79,10 @@ async def test_one_step_rounds_while_requests_wait_to_be_admitted() -> None:
 
 
 async def test_an_arrival_mid_round_ends_the_round_and_joins_at_the_next_step() -> None:
-    model = RecordingStepModel(step_delay_s=0.01)
-    scheduler = Scheduler(model, SchedulerLimits(max_round_steps=32, round_target_s=1.0))
-    scheduler.start()
+    model, scheduler = long_rounds()
     try:
         long = scheduler.submit(request(max_tokens=200))
-        await _until(lambda: model.rounds.asked and model.rounds.asked[-1] > 1 and len(model.steps) > 4)
+        await until_a_long_round(model)
         arrived_at_step = len(model.steps)
         newcomer = scheduler.submit(request(max_tokens=2))
         _, finish = await collect(newcomer)
@@ -89,12 +99,10 @@ async def test_an_arrival_mid_round_ends_the_round_and_joins_at_the_next_step() 
 
 
 async def test_a_cancel_mid_round_releases_the_sequence_at_the_next_step() -> None:
-    model = RecordingStepModel(step_delay_s=0.01)
-    scheduler = Scheduler(model, SchedulerLimits(max_round_steps=32, round_target_s=1.0))
-    scheduler.start()
+    model, scheduler = long_rounds()
     try:
         handle = scheduler.submit(request(max_tokens=500))
-        await _until(lambda: model.rounds.asked and model.rounds.asked[-1] > 1 and len(model.steps) > 4)
+        await until_a_long_round(model)
         cancelled_at_step = len(model.steps)
         handle.cancel()
         _, finish = await collect(handle)
@@ -111,9 +119,7 @@ async def test_a_cancel_mid_round_releases_the_sequence_at_the_next_step() -> No
 
 
 async def test_a_deadline_passing_mid_round_ends_and_releases_the_sequence() -> None:
-    model = RecordingStepModel(step_delay_s=0.01)
-    scheduler = Scheduler(model, SchedulerLimits(max_round_steps=32, round_target_s=1.0))
-    scheduler.start()
+    model, scheduler = long_rounds()
     try:
         handle = scheduler.submit(request(max_tokens=500, deadline=time.monotonic() + 0.3))
         _, finish = await collect(handle)
@@ -123,3 +129,23 @@ async def test_a_deadline_passing_mid_round_ends_and_releases_the_sequence() -> 
     assert finish.finish is Finish.DEADLINE
     assert max(model.rounds.asked) > 1, "the deadline passed during a long round"
     assert finish.timings.total_s < 0.3 + 0.05, "within a step or so of the deadline"
+
+
+async def test_a_slot_freed_mid_round_ends_the_round_for_a_waiting_request() -> None:
+    model, scheduler = long_rounds(max_batch_size=2)
+    try:
+        short = scheduler.submit(request(max_tokens=12))
+        long = scheduler.submit(request(max_tokens=300))
+        await until_a_long_round(model)
+        waiting = scheduler.submit(request(max_tokens=2))  # the batch is full: it waits, no end asked
+        assert model.end_asks == 0
+        await collect(short)
+        freed_at_step = len(model.steps)
+        _, finish = await collect(waiting)
+        long.cancel()
+        await collect(long)
+    finally:
+        await scheduler.stop()
+    assert finish.finish is Finish.LENGTH and model.end_asks == 1
+    joined_at = model.rows_of(waiting.seq_id)[0][0]
+    assert joined_at <= freed_at_step + 1, (joined_at, freed_at_step)

@@ -64,10 +64,11 @@ class AdapterConfig(ServerConfig):
     min_prefill_rows: int = 1
     max_waiting_steps: int = 8
     # Multi-step rounds: engine steps per round trip to Triton, at most MAX_ROUND_STEPS and no more
-    # than fit ROUND_TARGET_S at the recent step time (an arrival waits for the round in flight);
-    # 1 while requests wait to be admitted. MAX_ROUND_STEPS=1: one round trip per token.
+    # than fit ROUND_TARGET_S at the recent step time; 1 while requests wait to be admitted, and a
+    # round is asked to end early when one arrives or a slot frees for it. MAX_ROUND_STEPS=1: one
+    # round trip per token.
     max_round_steps: int = 8
-    round_target_s: float = 0.1
+    round_target_s: float = 1.0
     # Bulk beside interactive (scheduler.SchedulerLimits): bulk sequences caching their prompts
     # at once (0: no cap), prompt tokens a bulk sequence caches per step (0: its whole prompt),
     # and batch slots bulk sequences leave to interactive ones. The chunk bounds how long a step

@@ -8,9 +8,11 @@ the engine then decodes the round's sequences for up to k-1 more steps on its ow
 streaming every step's tokens back as it makes them (multi-step rounds), so a round trip
 is paid once per k tokens. A sequence therefore joins at a round and a short request never
 waits for a long one to end. k is 1 while anything waits to be admitted (its first token
-must not wait for a long round) and otherwise as many steps as fit `round_target_s`; a
-sequence cancelled or past its deadline mid-round is released at once, by a request of
-its own that the engine applies at the round's next step.
+must not wait for a long round) and otherwise as many steps as fit `round_target_s`; when a
+request arrives mid-round, or a sequence finishes while one waits, and the batch has room,
+the round is asked to end after the step in progress (an end-round request); a sequence
+cancelled or past its deadline mid-round is released at once, by a request of its own that
+the engine applies at the round's next step.
 """
 
 from __future__ import annotations
@@ -132,7 +134,7 @@ class SchedulerLimits:
     # round trip), and no more than fit `round_target_s` at the recent decode step time, since a
     # request that arrives during a round waits for its end.
     max_round_steps: int = 8
-    round_target_s: float = 0.1
+    round_target_s: float = 1.0
 
 
 @dataclass(eq=False)
@@ -439,6 +441,7 @@ class Scheduler(ReplicaWork):
                 self._report_step(ok=not any(outcome.finish == FINISH_STALE for outcome in outcomes))
                 self._apply(outcomes)
                 self._abandon_mid_round()
+                self._end_round_for_waiting()
                 first, prefill_tokens = False, 0
         finally:
             await responses.aclose()
@@ -449,9 +452,18 @@ class Scheduler(ReplicaWork):
         self._decode_step_s = seconds if previous is None else 0.8 * previous + 0.2 * seconds
 
     def _on_arrival(self) -> None:
-        """A request arriving during a long round need not wait for its end: the round is asked to
-        end after its current step (once per round), when the batch has room for the newcomer."""
-        if self._round_steps_asked > 1 and not self._round_end_asked and len(self._running) < self._limits.max_batch_size:
+        self._end_round_for_waiting()
+
+    def _end_round_for_waiting(self) -> None:
+        """A request waiting during a long round need not wait for its end: when the batch has room
+        for it (it arrived, or a sequence finished), the round is asked to end after its current
+        step (once per round), and the next round admits it."""
+        if (
+            self._round_steps_asked > 1
+            and not self._round_end_asked
+            and self.waiting_count
+            and len(self._running) < self._limits.max_batch_size
+        ):
             self._round_end_asked = True
             self._send_in_background([StepRow(Action.END_ROUND, 0)], "end_round_failed")
 
