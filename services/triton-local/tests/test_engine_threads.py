@@ -34,3 +34,17 @@ def test_threads_within_the_cpus_are_logged_without_a_warning(monkeypatch: pytes
         entry.report_threads(TritonLocalConfig(threads=1))
     assert [entry["event"] for entry in logs] == ["engine_threads"]
     assert logs[0]["usable_cpus"] == 2 and logs[0]["threads"] == 1
+
+
+@pytest.mark.parametrize(
+    ("environ", "expected"),
+    [
+        ({}, {"GOMP_SPINCOUNT": "100"}),  # a brief spin, then sleep
+        ({"GOMP_SPINCOUNT": "5000"}, {"GOMP_SPINCOUNT": "5000"}),  # the operator's spin
+        ({"OMP_WAIT_POLICY": "ACTIVE"}, {"OMP_WAIT_POLICY": "ACTIVE"}),  # the operator's policy alone
+        ({"OMP_WAIT_POLICY": "PASSIVE"}, {"OMP_WAIT_POLICY": "PASSIVE"}),
+    ],
+)
+def test_thread_waits_default_to_a_brief_spin_unless_the_operator_set_them(environ: dict[str, str], expected: dict[str, str]) -> None:
+    entry.default_thread_waits(environ)
+    assert environ == expected

@@ -7,6 +7,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import MutableMapping
 from typing import TYPE_CHECKING
 
 import structlog
@@ -37,16 +38,7 @@ def main() -> None:
     # reads this when numpy is first imported: hence the imports below, not at the top.
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    # llama.cpp's OpenMP threads meet at each of a step's hundreds of barriers. Spinning there for
-    # long (OpenMP's default, ~3 ms) stalls every step once anything else wants a core: beside one
-    # busy process a stack of 2 spinning threads failed all 32 streams of `make bench-threads`.
-    # Sleeping at once (OMP_WAIT_POLICY=PASSIVE) survives that but pays a wake-up at every barrier:
-    # a batch-1 decode step took 18.3 ms instead of 11.9 spinning. A spin of 100 rounds (about a
-    # microsecond) before sleeping kept both: 13.0 ms quiet, 25.5 beside a busy process (passive
-    # 24.1). libgomp reads these when llama.cpp first loads it, after this line; an operator's
-    # OMP_WAIT_POLICY or GOMP_SPINCOUNT wins.
-    if "OMP_WAIT_POLICY" not in os.environ:
-        os.environ.setdefault("GOMP_SPINCOUNT", "100")
+    default_thread_waits(os.environ)
     from pytriton.triton import Triton
 
     from sluice_triton_local.embeddings import MiniLMEncoder
@@ -91,6 +83,20 @@ def main() -> None:
         stop.wait()
         log.info("shutting_down")
     log.info("stopped")
+
+
+def default_thread_waits(environ: MutableMapping[str, str]) -> None:
+    """How llama.cpp's OpenMP threads wait at a step's barriers, unless the operator said.
+
+    Spinning there for long (OpenMP's default, ~3 ms) stalls every step once anything else wants a
+    core: beside one busy process a stack of 2 spinning threads failed all 32 streams of `make
+    bench-threads`. Sleeping at once (OMP_WAIT_POLICY=PASSIVE) survives that but pays a wake-up at
+    every barrier: a batch-1 decode step took 18.3 ms instead of 11.9 spinning. A spin of 100 rounds
+    (about a microsecond) before sleeping kept both: 13.0 ms quiet, 25.5 beside a busy process
+    (passive 24.1). libgomp reads these when llama.cpp first loads it, after this call.
+    """
+    if "OMP_WAIT_POLICY" not in environ:
+        environ.setdefault("GOMP_SPINCOUNT", "100")
 
 
 def report_threads(config: TritonLocalConfig) -> None:
