@@ -137,7 +137,8 @@ class TritonStepBackend(_TritonEndpoint):
             yield {"model_name": self.model, "inputs": inputs, "outputs": self._outputs}
 
         started = time.perf_counter()
-        responses = self._client.stream_infer(requests(), stream_timeout=self._timeout_s)
+        # The fixed bound is per step (the scheduler cuts a stuck step off sooner by the adaptive one).
+        responses = self._client.stream_infer(requests(), stream_timeout=self._timeout_s * steps)
         try:
             async for result, error in responses:
                 if error is not None:

@@ -18,20 +18,18 @@ SLOTS_BY_OWNER = Gauge(
 SLOTS_RECLAIMED = Counter(
     "sluice_triton_local_slots_reclaimed_total", "Sequences released because nobody stepped them within the slot lease."
 )
-STEP_ROWS = Histogram(
-    "sluice_triton_local_step_rows",
-    "Rows (sequences) per step request.",
-    buckets=(1, 2, 4, 8, 16, 32, 64),
-)
+# Powers of two up to the largest batch and the longest round (step_protocol.MAX_ROUND_STEPS).
+_COUNT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+STEP_ROWS = Histogram("sluice_triton_local_step_rows", "Rows (sequences) per engine step.", buckets=_COUNT_BUCKETS)
 STEP_SECONDS = Histogram(
     "sluice_triton_local_step_seconds",
-    "Time the engine spent on one step request.",
+    "Time the engine spent on one engine step (a round of a step request runs several).",
     buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5),
 )
 ROUND_STEPS = Histogram(
     "sluice_triton_local_round_steps",
     "Engine steps one step request ran (a multi-step round ends early when its sequences have finished).",
-    buckets=(1, 2, 4, 8, 16, 32, 64),
+    buckets=_COUNT_BUCKETS,
 )
 RELEASED_MID_ROUND = Counter(
     "sluice_triton_local_released_mid_round_total",
