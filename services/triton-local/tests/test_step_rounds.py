@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -131,3 +132,21 @@ def test_an_end_round_request_ends_the_round_after_its_current_step(shared: Shar
 def test_steps_out_of_range_reject_the_request(shared: SharedEngine, steps: int) -> None:
     with pytest.raises(RoundRejected, match=f"STEPS must be between 1 and {MAX_ROUND_STEPS}, got {steps}"):
         start_round(shared, _inputs([(DECODE, 1, None)], steps), lambda *_: None)
+
+
+def test_a_round_ends_after_its_current_step_when_another_request_waits_for_the_engine(shared: SharedEngine) -> None:
+    """Another adapter's request (or the generate model's step) waits one step, not a whole round."""
+    second: list[list[dict[str, np.ndarray]]] = []
+
+    def another_at_second(count: int) -> None:
+        if count == 2:
+            threading.Thread(target=lambda: second.append(_round(shared, [(PREFILL, 52, {"messages": QUESTION, "max_tokens": 3})], steps=8))).start()
+
+    first = _round(shared, [(PREFILL, 51, {"messages": QUESTION, "max_tokens": 200})], steps=32, on_each=another_at_second)
+    # The other request was queued while the third step ran (planned already): the round ended there.
+    assert len(first) == 3 and first[-1]["FINISH"][0] == b""
+    deadline = time.monotonic() + 30
+    while not second and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert second and second[0][-1]["FINISH"][0] == b"length"
+    _round(shared, [(RELEASE, 51, None)], steps=1)

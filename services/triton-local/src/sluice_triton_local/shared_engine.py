@@ -7,6 +7,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
 
 from sluice_triton_local import metrics
 from sluice_triton_local.engine.step_engine import DecodeRow, PrefillRow, ReleaseRow, Row, RowResult, SamplingParams, StepEngine
@@ -19,6 +20,34 @@ OnStep = Callable[[list[RowResult], bool], None]
 
 # Standard logging: Triton's image runs this module without structlog (triton-local renders it).
 log = logging.getLogger("sluice.triton_local.engine")
+
+
+class EngineThread:
+    """The one thread every step runs on, and how much work waits for it: a round in flight ends
+    early when other work waits (another adapter's round, the generate model's or the variant's step)."""
+
+    def __init__(self) -> None:
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="step-engine")
+        self._lock = threading.Lock()
+        self._waiting = 0
+
+    @property
+    def waiting(self) -> int:
+        return self._waiting
+
+    def submit(self, work: Callable[..., Any], *args: Any, counted: bool = True) -> Future[Any]:
+        """Queues work; `counted` work ends a round in flight early while it waits."""
+        if not counted:
+            return self._executor.submit(work, *args)
+        with self._lock:
+            self._waiting += 1
+
+        def run() -> Any:
+            with self._lock:
+                self._waiting -= 1
+            return work(*args)
+
+        return self._executor.submit(run)
 
 
 class SharedEngine:
@@ -36,7 +65,7 @@ class SharedEngine:
         # reason above (one OpenMP team; the two models' steps take turns), counts its tokens
         # apart and leaves the slot gauges, which describe the main model, alone.
         self._variant = variant_of is not None
-        self._owner = variant_of._owner if variant_of is not None else ThreadPoolExecutor(max_workers=1, thread_name_prefix="step-engine")
+        self._owner = variant_of._owner if variant_of is not None else EngineThread()
         self._owners: set[str] = set()
         self._reclaimed = 0
         # Sequences a release request named while a round may be stepping them, and whether a
@@ -81,14 +110,17 @@ class SharedEngine:
     def step(self, rows: list[Row]) -> list[RowResult]:
         return self._owner.submit(self._step, rows).result()
 
-    def round(self, rows: list[Row], steps: int, on_step: OnStep) -> Future[None]:
+    def round(self, rows: list[Row], steps: int, on_step: OnStep, preempts: bool = True) -> Future[None]:
         """Up to `steps` engine steps for one request (a multi-step round): the rows given, then one
         decode row for each sequence of theirs still running, until every one has finished or the
         round has run its steps. `on_step` gets each step's results as they are made, on the
         engine's thread. A sequence named by `release_soon` meanwhile is released at the round's
         next step instead of decoded, so a cancelled stream stops within one step; after
-        `end_round_soon` the round ends with its current step, so that new arrivals join."""
-        return self._owner.submit(self._round, rows, steps, on_step)
+        `end_round_soon` the round ends with its current step, so that new arrivals join; and it
+        ends there too when other work waits for the engine (another adapter's round, the generate
+        model's step), which so waits one step, not a whole round. A round that does not `preempt`
+        (a release request, which the round in flight applies itself) waits without ending one."""
+        return self._owner.submit(self._round, rows, steps, on_step, counted=preempts)
 
     def release_soon(self, seq_ids: list[int]) -> None:
         """Marks sequences a release request is about to release, for a round now stepping them."""
@@ -114,7 +146,8 @@ class SharedEngine:
     def _next_rows(self, rows: list[Row], results: list[RowResult]) -> list[Row]:
         running = [r.seq_id for row, r in zip(rows, results) if not isinstance(row, ReleaseRow) and not r.finish_reason]
         with self._asks_lock:
-            if self._end_round:  # release requests still queued release theirs after the round
+            # Release requests still queued release theirs after the round.
+            if self._end_round or self._owner.waiting:
                 self._end_round = False
                 return []
             released = self._releasing.intersection(running)

@@ -7,7 +7,9 @@ still running (a sequence that finished, by a stop, max_tokens or an error, leav
 the round ends early when none is left. A release request sent while a round runs (another request
 on the model) releases its sequences at the round's next step instead: a cancelled stream stops
 within one step. An end-round request ends the round in flight after its current step, so that
-a request that arrived meanwhile joins at the next step rather than at the round's end.
+a request that arrived meanwhile joins at the next step rather than at the round's end; so does
+any other request that waits for the engine (another adapter's, or another model's on the same
+engine): it waits one step, not a round.
 
 One Triton request carries one row per sequence, all tensors of shape [rows]:
 
@@ -191,7 +193,9 @@ def start_round(engine: SharedEngine, inputs: dict[str, np.ndarray], on_response
             results = [row if isinstance(row, RowResult) else next(stepped) for row in parsed]
         on_response(encode_results(results, last), last)
 
-    return engine.round(engine_rows, steps, on_step)
+    # A release request needs no round of its own in the engine's line: the round in flight applies it.
+    releases_only = all(isinstance(row, ReleaseRow) for row in engine_rows)
+    return engine.round(engine_rows, steps, on_step, preempts=not releases_only)
 
 
 def encode_results(results: list[RowResult], last: bool = True) -> dict[str, np.ndarray]:
