@@ -131,4 +131,5 @@ def test_a_stream_cancelled_mid_round_leaves_the_engine_within_one_step(adapters
     steps, released = scrape_samples(triton, ("sluice_triton_local_step_seconds_count", ""), ("sluice_triton_local_released_mid_round_total", ""))
     record_property("steps_after_cancel", steps - steps_at_cancel)
     assert released - released_mid_round == 1, "the release request did not reach the engine during the round"
-    assert steps - steps_at_cancel <= 5, steps - steps_at_cancel
+    # Measured 4 twice (once beside a compiling build): twice that, against the 40-odd steps left.
+    assert steps - steps_at_cancel <= 8, steps - steps_at_cancel

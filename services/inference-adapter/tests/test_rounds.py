@@ -35,7 +35,7 @@ async def until_a_long_round(model: RecordingStepModel) -> None:
 
 async def test_a_steady_batch_asks_for_as_many_steps_as_fit_the_round_target() -> None:
     model = RecordingStepModel(step_delay_s=0.01)
-    scheduler = Scheduler(model, SchedulerLimits(max_round_steps=8, round_target_s=0.05))
+    scheduler = Scheduler(model, SchedulerLimits(max_round_steps=32, round_target_s=0.05))
     scheduler.start()
     try:
         text, finish = await collect(scheduler.submit(request(max_tokens=30)))
@@ -45,9 +45,10 @@ async def test_a_steady_batch_asks_for_as_many_steps_as_fit_the_round_target() -
     assert text == "".join(f"t{i} " for i in range(1, 31)), "every step's token, in order, once"
     asked = model.rounds.asked
     assert asked[0] == 1, "no step time measured yet: one step"
-    # ~10 ms steps and a 50 ms target: about 5 steps a round (never above the target's worth).
-    assert 3 <= max(asked) <= 5, asked
-    assert len(asked) < 15, f"{len(asked)} round trips for 30 tokens"
+    # Steps take at least their 10 ms sleep, so a 50 ms target never fits more than 5 (the cap of
+    # 32 is not what bounds them); several fit as long as a step takes under 25 ms.
+    assert all(steps <= 5 for steps in asked), asked
+    assert max(asked) >= 2, asked
 
 
 async def test_max_round_steps_1_is_one_round_trip_per_token() -> None:
@@ -121,14 +122,17 @@ async def test_a_cancel_mid_round_releases_the_sequence_at_the_next_step() -> No
 async def test_a_deadline_passing_mid_round_ends_and_releases_the_sequence() -> None:
     model, scheduler = long_rounds()
     try:
-        handle = scheduler.submit(request(max_tokens=500, deadline=time.monotonic() + 0.3))
+        deadline = time.monotonic() + 0.3
+        handle = scheduler.submit(request(max_tokens=500, deadline=deadline))
         _, finish = await collect(handle)
         await model.wait_released(handle.seq_id)
     finally:
         await scheduler.stop()
     assert finish.finish is Finish.DEADLINE
     assert max(model.rounds.asked) > 1, "the deadline passed during a long round"
-    assert finish.timings.total_s < 0.3 + 0.05, "within a step or so of the deadline"
+    # Counted in steps, not seconds: at most the step in progress when it passed decodes after it.
+    decodes_after = [i for i, action in model.rows_of(handle.seq_id) if action is Action.DECODE and model.started_at[i] > deadline]
+    assert len(decodes_after) <= 1, decodes_after
 
 
 async def test_a_slot_freed_mid_round_ends_the_round_for_a_waiting_request() -> None:

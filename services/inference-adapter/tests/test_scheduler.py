@@ -28,6 +28,7 @@ class RecordingStepModel:
         # Chunked prefill: (prompt tokens not yet cached, chunk); a raw prompt's characters are its tokens.
         self.uncached: dict[int, tuple[int, int]] = {}
         self.rounds = RoundsOfSteps()
+        self.started_at: list[float] = []  # when each of `steps` began
         self.end_asks = 0
         self.delay = step_delay_s
 
@@ -40,6 +41,7 @@ class RecordingStepModel:
             self.end_asks += 1
             return [self._answer(row) for row in rows]
         self.steps.append(rows)
+        self.started_at.append(time.monotonic())
         await asyncio.sleep(self.delay)
         return [self._answer(row) for row in rows]
 

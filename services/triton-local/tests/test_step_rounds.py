@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import threading
-import time
+from concurrent.futures import Future
 from collections.abc import Iterator
 from typing import Any
 
@@ -136,17 +136,17 @@ def test_steps_out_of_range_reject_the_request(shared: SharedEngine, steps: int)
 
 def test_a_round_ends_after_its_current_step_when_another_request_waits_for_the_engine(shared: SharedEngine) -> None:
     """Another adapter's request (or the generate model's step) waits one step, not a whole round."""
-    second: list[list[dict[str, np.ndarray]]] = []
+    second: list[dict[str, np.ndarray]] = []
+    queued: list[Future[None]] = []
 
     def another_at_second(count: int) -> None:
-        if count == 2:
-            threading.Thread(target=lambda: second.append(_round(shared, [(PREFILL, 52, {"messages": QUESTION, "max_tokens": 3})], steps=8))).start()
+        if count == 2:  # queued for the engine's thread while the round runs
+            request = [(PREFILL, 52, {"messages": QUESTION, "max_tokens": 3})]
+            queued.append(start_round(shared, _inputs(request, 8), lambda response, _last: second.append(response)))
 
     first = _round(shared, [(PREFILL, 51, {"messages": QUESTION, "max_tokens": 200})], steps=32, on_each=another_at_second)
     # The other request was queued while the third step ran (planned already): the round ended there.
     assert len(first) == 3 and first[-1]["FINISH"][0] == b""
-    deadline = time.monotonic() + 30
-    while not second and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert second and second[0][-1]["FINISH"][0] == b"length"
+    queued[0].result(timeout=60)
+    assert second[-1]["FINISH"][0] == b"length" and len(second) == 3
     _round(shared, [(RELEASE, 51, None)], steps=1)

@@ -131,8 +131,8 @@ class SchedulerLimits:
     # Advertised in RetryInfo when the waiting queue is full.
     retry_after_s: float = 1.0
     # Multi-step rounds: at most `max_round_steps` engine steps per round trip (1: one step per
-    # round trip), and no more than fit `round_target_s` at the recent decode step time, since a
-    # request that arrives during a round waits for its end.
+    # round trip), and no more than fit `round_target_s` at the recent decode step time (a round
+    # is asked to end early when a request arrives or a slot frees for one that waits).
     max_round_steps: int = 8
     round_target_s: float = 1.0
 

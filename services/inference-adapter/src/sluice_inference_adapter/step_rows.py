@@ -102,7 +102,7 @@ class StepBackend(Protocol):
 
     def round(self, rows: list[StepRow], steps: int) -> AsyncGenerator[list[StepOutcome], None]:
         """Up to `steps` engine steps, each step's outcomes as they are made: the first step's
-        answer `rows` in order; each later step decodes the sequences still running (those that
-        have not finished), answering each of them by seq_id, until none is left."""
+        outcomes answer `rows` in order; each later step decodes the sequences still running (those
+        that have not finished) and answers each of them by seq_id, until none is left."""
         ...
 
