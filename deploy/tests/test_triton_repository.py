@@ -179,7 +179,7 @@ def triton(backend_env: tuple[Path, dict[str, str]], tmp_path_factory: pytest.Te
 # ---- the step model ----------------------------------------------------------------------------
 
 
-STEP_OUTPUTS = ("ROW_SEQ_ID", "TOKEN_ID", "TEXT", "FINISH", "PROMPT_TOKENS", "COMPLETION_TOKENS", "ERROR")
+STEP_OUTPUTS = ("ROW_SEQ_ID", "TOKEN_ID", "TEXT", "FINISH", "PROMPT_TOKENS", "COMPLETION_TOKENS", "CACHED_TOKENS", "ERROR")
 
 
 def _round(client: grpcclient.InferenceServerClient, rows: list[tuple[int, int, bytes]], steps: int = 1) -> list[list[dict[str, object]]]:
@@ -254,6 +254,20 @@ def test_step_model_runs_a_round_of_steps_per_request(triton: grpcclient.Inferen
     assert len(full) == 64 and full[-1][0]["COMPLETION_TOKENS"] == 72 and not full[-1][0]["FINISH"]
     short = _round(triton, [(2, 9, b"")], steps=64)
     assert len(short) == 28 and short[-1][0]["FINISH"] == "length" and short[-1][0]["COMPLETION_TOKENS"] == 100
+
+
+def test_step_model_reuses_a_cached_prompt_prefix(triton: grpcclient.InferenceServerClient) -> None:
+    """The prefix cache (PREFIX_CACHE "true"): the same prompt again prefills only its last token,
+    says so in CACHED_TOKENS, and answers the same greedy text."""
+    prefill = json.dumps({"messages": [["system", "You only ever answer with one word."], ["user", "Name a colour."]], "max_tokens": 6}).encode()
+    answers = []
+    for seq_id in (21, 22):
+        rounds = _round(triton, [(1, seq_id, prefill)], steps=8)
+        answers.append(("".join(rows[0]["TEXT"] for rows in rounds), rounds[0][0]))
+        assert rounds[-1][0]["FINISH"], rounds[-1]
+    (cold_text, cold), (warm_text, warm) = answers
+    assert cold["CACHED_TOKENS"] == 0 and warm["CACHED_TOKENS"] == warm["PROMPT_TOKENS"] - 1, (cold, warm)
+    assert warm_text == cold_text
 
 
 def test_step_model_rejects_a_bad_row_as_invalid(triton: grpcclient.InferenceServerClient) -> None:

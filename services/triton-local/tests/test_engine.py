@@ -27,8 +27,9 @@ PROMPTS = [
 
 @pytest.fixture(scope="module", params=ENGINES)
 def engine(request: pytest.FixtureRequest) -> StepEngine:
-    """Every engine test runs on both forward passes: llama.cpp (the default) and numpy."""
-    return StepEngine(default_gguf_path(), max_slots=8, engine=request.param, threads=2)
+    """Every engine test runs on both forward passes: llama.cpp (the default) and numpy. Without the
+    prefix cache: these tests count what a prompt's prefill does (test_prefix_cache.py, what it saves)."""
+    return StepEngine(default_gguf_path(), max_slots=8, engine=request.param, threads=2, prefix_cache=False)
 
 
 def run_alone(engine: StepEngine, seq_id: int, prompt: str, params: SamplingParams) -> list[RowResult]:

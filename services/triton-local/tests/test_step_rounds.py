@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from prometheus_client import REGISTRY
 
 from sluice_triton_local.engine.bench import default_gguf_path
 from sluice_triton_local.engine.step_engine import StepEngine
@@ -150,3 +151,25 @@ def test_a_round_ends_after_its_current_step_when_another_request_waits_for_the_
     queued[0].result(timeout=60)
     assert second[-1]["FINISH"][0] == b"length" and len(second) == 3
     _round(shared, [(RELEASE, 51, None)], steps=1)
+
+
+def _metric(name: str, labels: dict[str, str] | None = None) -> float:
+    return REGISTRY.get_sample_value(name, labels or {}) or 0.0
+
+
+def test_a_prompt_seen_before_reports_its_cached_tokens_and_the_metrics_count_them(shared: SharedEngine) -> None:
+    request = {"messages": [["system", "You are a lighthouse keeper who answers in rhymes."], ["user", "How is the sea?"]], "max_tokens": 4}
+    hits, misses = _metric("sluice_triton_local_prefix_cache_lookups_total", {"result": "hit"}), _metric("sluice_triton_local_prefix_cache_lookups_total", {"result": "miss"})
+    reused = _metric("sluice_triton_local_prefix_cache_reused_tokens_total")
+    (cold,) = _round(shared, [(PREFILL, 61, request)], steps=1)
+    assert int(cold["CACHED_TOKENS"][0]) == 0
+    _round(shared, [(RELEASE, 61, None)], steps=1)
+    assert _metric("sluice_triton_local_prefix_cache_slots") >= 1
+    (warm,) = _round(shared, [(PREFILL, 62, request)], steps=1)
+    prompt = int(warm["PROMPT_TOKENS"][0])
+    assert int(warm["CACHED_TOKENS"][0]) == prompt - 1 and warm["TOKEN_ID"][0] == cold["TOKEN_ID"][0]
+    (released,) = _round(shared, [(RELEASE, 62, None)], steps=1)
+    assert int(released["CACHED_TOKENS"][0]) == prompt - 1
+    assert _metric("sluice_triton_local_prefix_cache_lookups_total", {"result": "hit"}) == hits + 1
+    assert _metric("sluice_triton_local_prefix_cache_lookups_total", {"result": "miss"}) == misses + 1
+    assert _metric("sluice_triton_local_prefix_cache_reused_tokens_total") == reused + prompt - 1

@@ -152,6 +152,7 @@ def step_engine_for(config: TritonLocalConfig, gguf_path: str, slots: int) -> St
         max_slots=slots,
         max_context=config.max_context,
         slot_lease_s=config.slot_lease_s,
+        prefix_cache=config.prefix_cache,
         engine=config.engine,
         threads=config.engine_threads(),
         gpu_layers=config.gpu_layers,

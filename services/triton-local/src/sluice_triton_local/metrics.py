@@ -18,6 +18,18 @@ SLOTS_BY_OWNER = Gauge(
 SLOTS_RECLAIMED = Counter(
     "sluice_triton_local_slots_reclaimed_total", "Sequences released because nobody stepped them within the slot lease."
 )
+# The prefix cache: hit ratio = rate of lookups{result="hit"} / rate of all lookups.
+PREFIX_CACHE_LOOKUPS = Counter(
+    "sluice_triton_local_prefix_cache_lookups_total",
+    "Prefills by whether they started from tokens a slot held (hit) or prefilled the whole prompt (miss).",
+    ["result"],
+)
+PREFIX_CACHE_REUSED_TOKENS = Counter(
+    "sluice_triton_local_prefix_cache_reused_tokens_total", "Prompt tokens taken from the prefix cache instead of prefilled."
+)
+PREFIX_CACHE_SLOTS = Gauge(
+    "sluice_triton_local_prefix_cache_slots", "Free KV-cache slots holding a finished sequence's cells for reuse."
+)
 # Powers of two up to the largest batch and the longest round (step_protocol.MAX_ROUND_STEPS).
 _COUNT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 STEP_ROWS = Histogram("sluice_triton_local_step_rows", "Rows (sequences) per engine step.", buckets=_COUNT_BUCKETS)

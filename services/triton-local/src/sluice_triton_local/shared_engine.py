@@ -68,6 +68,7 @@ class SharedEngine:
         self._owner = variant_of._owner if variant_of is not None else EngineThread()
         self._owners: set[str] = set()
         self._reclaimed = 0
+        self._prefills, self._prefix_hits, self._reused_tokens = 0, 0, 0
         # Sequences a release request named while a round may be stepping them, and whether a
         # caller asked the round in flight to end after its current step (see round()).
         self._releasing: set[int] = set()
@@ -106,6 +107,15 @@ class SharedEngine:
             log.warning("slots_reclaimed: %d sequences nobody stepped within the lease; slots held now: %s", reclaimed - self._reclaimed, holding)
         metrics.SLOTS_RECLAIMED.inc(reclaimed - self._reclaimed)
         self._reclaimed = reclaimed
+
+    def _report_prefix_cache(self) -> None:
+        engine = self._engine
+        prefills, hits = engine.prefills_total - self._prefills, engine.prefix_hits_total - self._prefix_hits
+        metrics.PREFIX_CACHE_LOOKUPS.labels(result="hit").inc(hits)
+        metrics.PREFIX_CACHE_LOOKUPS.labels(result="miss").inc(prefills - hits)
+        metrics.PREFIX_CACHE_REUSED_TOKENS.inc(engine.cached_tokens_total - self._reused_tokens)
+        metrics.PREFIX_CACHE_SLOTS.set(engine.cached_slots)
+        self._prefills, self._prefix_hits, self._reused_tokens = engine.prefills_total, engine.prefix_hits_total, engine.cached_tokens_total
 
     def step(self, rows: list[Row]) -> list[RowResult]:
         return self._owner.submit(self._step, rows).result()
@@ -169,6 +179,7 @@ class SharedEngine:
         metrics.TOKENS_GENERATED.inc(self._engine.tokens_generated_total - before)
         metrics.ACTIVE_SLOTS.set(self._engine.active_slots)
         self._report_owners()
+        self._report_prefix_cache()
         metrics.STEP_ROWS.observe(len(rows))
         metrics.STEP_SECONDS.observe(time.perf_counter() - started)
         return results

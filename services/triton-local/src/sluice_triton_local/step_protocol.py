@@ -47,6 +47,9 @@ stepped (and any a release request named), in their order in the request.
                                     frees them, a failure of the replica, not backpressure
            PROMPT_TOKENS     INT32
            COMPLETION_TOKENS INT32
+           CACHED_TOKENS     INT32  prompt tokens of the row's sequence that the engine took from its
+                                    prefix cache instead of prefilling (counted in PROMPT_TOKENS; 0
+                                    when none, and on rows that are not a sequence's)
            ERROR             BYTES  why a row failed, for a person to read
            ROUND_END         BOOL   shape [1]: true on the round's last response
 
@@ -87,6 +90,7 @@ OUTPUTS: tuple[tuple[str, type], ...] = (
     ("FINISH", bytes),
     ("PROMPT_TOKENS", np.int32),
     ("COMPLETION_TOKENS", np.int32),
+    ("CACHED_TOKENS", np.int32),
     ("ERROR", bytes),
     ("ROUND_END", np.bool_),
 )
@@ -206,6 +210,7 @@ def encode_results(results: list[RowResult], last: bool = True) -> dict[str, np.
         "FINISH": np.array([r.finish_reason.encode() for r in results], dtype=np.object_),
         "PROMPT_TOKENS": np.array([r.prompt_tokens for r in results], dtype=np.int32),
         "COMPLETION_TOKENS": np.array([r.completion_tokens for r in results], dtype=np.int32),
+        "CACHED_TOKENS": np.array([r.cached_tokens for r in results], dtype=np.int32),
         "ERROR": np.array([r.error.encode() for r in results], dtype=np.object_),
         "ROUND_END": np.array([last], dtype=np.bool_),
     }

@@ -70,6 +70,7 @@ class TritonPythonModel:
             max_slots=int(params.get("MAX_SLOTS", "8")),
             max_context=int(params.get("MAX_CONTEXT", "2048")),
             slot_lease_s=float(params.get("SLOT_LEASE_S", "30")),
+            prefix_cache=params.get("PREFIX_CACHE", "true").lower() == "true",
             engine=engine,
             # 0: the CPUs the instance can keep busy, a container CPU limit included (more spinning
             # threads than CPUs stall every step: TritonLocalConfig.engine_threads).

@@ -148,6 +148,14 @@ class LlamaCppModel:
     def release(self, slot: int) -> None:
         lc.llama_memory_seq_rm(self._memory, slot, -1, -1)
 
+    def copy(self, source: int, target: int) -> None:
+        # Slots are streams of their own: llama.cpp copies the whole stream's buffers, at the
+        # start of the next llama_decode (before that step's tokens are written anywhere).
+        lc.llama_memory_seq_cp(self._memory, source, target, -1, -1)
+
+    def truncate(self, slot: int, keep: int) -> None:
+        lc.llama_memory_seq_rm(self._memory, slot, keep, -1)
+
     def close(self) -> None:
         if self._ctx:
             lc.llama_free(self._ctx)

@@ -72,6 +72,11 @@ class KVCache:
             self.k[slot] = None
             self.v[slot] = None
 
+    def copy(self, source: int, target: int) -> None:
+        k, v = self.k[source], self.v[source]
+        self.k[target] = None if k is None else k.copy()
+        self.v[target] = None if v is None else v.copy()
+
     def nbytes(self) -> int:
         return sum(a.nbytes for a in self.k + self.v if a is not None)
 
@@ -95,6 +100,12 @@ class LlamaModel:
 
     def release(self, slot: int) -> None:
         self.cache.release(slot)
+
+    def copy(self, source: int, target: int) -> None:
+        self.cache.copy(source, target)
+
+    def truncate(self, slot: int, keep: int) -> None:
+        """Nothing to do: positions from `keep` on are written again before they are read."""
 
     def forward(self, items: list[BatchItem]) -> np.ndarray:
         """Run all new tokens through the model; returns [len(items), vocab] logits

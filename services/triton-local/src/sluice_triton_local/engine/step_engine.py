@@ -23,6 +23,11 @@ that finds every slot held by sequences none of which was stepped in the last LE
 answers finish "stale" instead of "busy": nothing changed either, but nobody is using the engine it
 waits for (a live scheduler steps its sequences at nearly every step), so the replica cannot serve
 and its health probe must not pass.
+Prefix cache (prefix_cache.py): a finished or released sequence's slot keeps its KV cells until
+a new sequence needs the slot, and a prompt that begins with tokens a slot holds (a cached one, or
+a live sequence's, copied) prefills only the rest; its results report those tokens as
+`cached_tokens`. Cached slots count as free: live work evicts them (least recently used first) and
+never hears "busy" because of them.
 Each sequence records its `owner` (the scheduler that prefilled it) for the per-owner metrics.
 Freed slots go to owners in the order they were turned away: while an owner that was answered
 "busy" keeps asking, another owner's prefill does not take the slot it waits for (otherwise the
@@ -44,6 +49,7 @@ import numpy as np
 from .gguf_fast import open_reader
 from .gguf_weights import load_weights, read_config
 from .model import BatchItem, LlamaModel
+from .prefix_cache import MIN_REUSED_TOKENS, PrefixCache, common_prefix
 from .sampling import make_rng, sample_token
 from .stops import StopFilter
 from .tokenizer import GGUFTokenizer, IncrementalDetokenizer
@@ -99,6 +105,7 @@ class RowResult:
     prompt_tokens: int
     completion_tokens: int
     error: str = ""
+    cached_tokens: int = 0  # prompt tokens taken from the prefix cache instead of prefilled
 
 
 @dataclass
@@ -113,6 +120,8 @@ class _Seq:
     pos: int = 0  # positions already in the KV cache
     chunk: int = 0
     uncached_prompt: list[int] = field(default_factory=list)  # prompt tokens still to prefill
+    kv_tokens: list[int] = field(default_factory=list)  # the tokens at positions 0..pos-1 of its slot
+    cached_tokens: int = 0  # prompt tokens it started with from the prefix cache
     last_token: int = -1  # sampled but not yet fed back
     completion_tokens: int = 0
     owner: str = ""
@@ -143,13 +152,15 @@ class StepEngine:
         main_gpu: int | None = None,
         low_memory: bool = False,
         slot_lease_s: float = 0.0,
+        prefix_cache: bool = True,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """engine "llamacpp" runs the forward pass on llama.cpp (threads, gpu_layers, main_gpu apply);
         "numpy" on our own numpy model (BLAS threads are fixed when numpy is imported), where
         low_memory keeps one copy of each weight matrix (~0.6 GB instead of ~1.1 GB for
         SmolLM2-135M) at the cost of slower small-batch decode. slot_lease_s > 0: a sequence
-        not stepped for that long is released at the next step (0: never)."""
+        not stepped for that long is released at the next step (0: never). prefix_cache: free
+        slots keep their KV cells for prompts that begin with the same tokens."""
         if max_slots < 1:
             raise ValueError("max_slots must be >= 1")
         reader = open_reader(gguf_path)
@@ -162,13 +173,17 @@ class StepEngine:
         self.max_slots = max_slots
         self.engine = engine
         self._model = _forward_model(engine, reader, gguf_path, max_slots, ctx, threads, gpu_layers, main_gpu, low_memory)
-        self._free_slots = list(range(max_slots - 1, -1, -1))  # pop() hands out slot 0 first
+        self._slots = PrefixCache(range(max_slots), enabled=prefix_cache)
         self._seqs: dict[int, _Seq] = {}
         self.tokens_generated_total = 0
         self._slot_lease_s = slot_lease_s
         self._clock = clock
         self._steps = 0
         self.slots_reclaimed_total = 0
+        # The prefix cache's effect: prefills, those that started from cached tokens, and those tokens.
+        self.prefills_total = 0
+        self.prefix_hits_total = 0
+        self.cached_tokens_total = 0
         # Owners answered "busy", in the order they were first turned away, with the last time.
         self._refused: dict[str, float] = {}
 
@@ -179,6 +194,16 @@ class StepEngine:
     @property
     def active_slots(self) -> int:
         return len(self._seqs)
+
+    @property
+    def cached_slots(self) -> int:
+        """Free slots that still hold a finished sequence's KV cells."""
+        return self._slots.cached_slots
+
+    def clear_prefix_cache(self) -> None:
+        """Forgets every cached prefix (their slots stay free): the next prompts prefill cold."""
+        for slot in self._slots.clear():
+            self._model.release(slot)
 
     def slots_by_owner(self) -> dict[str, int]:
         return dict(Counter(seq.owner for seq in self._seqs.values()))
@@ -235,11 +260,12 @@ class StepEngine:
                 logits = self._model.forward([p.item for p in live])
             except Exception as exc:  # keep the engine usable; fail only this step's rows
                 for p in live:
-                    self._free(p.seq)
+                    self._free(p.seq, keep_cells=False)
                     results[p.row_index] = _error(p.seq.seq_id, f"forward pass failed: {exc!r}", p.seq)
             else:
                 for p, row_logits in zip(live, logits):
                     p.seq.pos = p.item.start_pos + len(p.item.token_ids)
+                    p.seq.kv_tokens.extend(p.item.token_ids)
                     results[p.row_index] = self._emit(p.seq, row_logits) if not p.seq.uncached_prompt else _prefilling(p.seq)
         return results  # type: ignore[return-value]
 
@@ -265,7 +291,7 @@ class StepEngine:
         if not self._slot_free_for(row.owner):
             if row.owner:
                 self._refused[row.owner] = self._clock()
-            if not self._free_slots and self._all_held_unstepped():
+            if not self._slots and self._all_held_unstepped():
                 return RowResult(
                     row.seq_id, -1, "", "stale", n, 0,
                     f"every slot (max_slots={self.max_slots}) is held by sequences nobody has stepped for"
@@ -275,22 +301,69 @@ class StepEngine:
         self._refused.pop(row.owner, None)
         if row.chunk < 0:
             return _error(row.seq_id, f"chunk must be >= 0 (got {row.chunk})")
+        slot, reused = self._place(ids)
+        self.prefills_total += 1
+        if reused:
+            self.prefix_hits_total += 1
+            self.cached_tokens_total += reused
         seq = _Seq(
             seq_id=row.seq_id,
-            slot=self._free_slots.pop(),
+            slot=slot,
             params=row.params,
             prompt_tokens=n,
             rng=make_rng(row.params.seed),
             detok=self.tokenizer.detokenizer(),
             stopper=StopFilter(row.params.stop),
             chunk=row.chunk,
-            uncached_prompt=ids,
+            pos=reused,
+            uncached_prompt=ids[reused:],
+            kv_tokens=ids[:reused],
+            cached_tokens=reused,
             owner=row.owner,
             last_stepped_at=self._clock(),
             last_stepped_step=self._steps,
         )
         self._seqs[row.seq_id] = seq
-        return _Pending(index, seq, BatchItem(seq.slot, _next_chunk(seq), 0))
+        return _Pending(index, seq, BatchItem(seq.slot, _next_chunk(seq), reused))
+
+    def _place(self, prompt: list[int]) -> tuple[int, int]:
+        """A slot for a new sequence and how many of its prompt's tokens that slot already holds.
+        At least the last prompt token is always prefilled: its logits sample the first token."""
+        limit = len(prompt) - 1
+        cached_slot, from_cache = self._slots.longest(prompt, limit) if self._slots.enabled else (None, 0)
+        live, from_live = self._longest_live(prompt, limit)
+        if max(from_cache, from_live) < MIN_REUSED_TOKENS:
+            return self._take_free_slot(), 0
+        if cached_slot is not None and from_cache >= from_live and self._reuse_in_place(cached_slot, from_cache):
+            self._slots.take(cached_slot)
+            self._model.truncate(cached_slot, from_cache)
+            return cached_slot, from_cache
+        source, reused = (cached_slot, from_cache) if from_cache >= from_live else (live.slot, from_live)  # type: ignore[union-attr]
+        slot = self._take_free_slot()
+        self._model.copy(source, slot)
+        self._model.truncate(slot, reused)
+        return slot, reused
+
+    def _reuse_in_place(self, slot: int, reused: int) -> bool:
+        """Continue in the cached slot itself, unless it holds much more than this prompt shares
+        and an empty slot can take a copy instead (the rest stays cached for a later prompt)."""
+        return not self._slots.has_empty or 2 * reused >= len(self._slots.tokens(slot))
+
+    def _longest_live(self, prompt: list[int], limit: int) -> tuple[_Seq | None, int]:
+        if not self._slots.enabled:
+            return None, 0
+        best, shared = None, 0
+        for seq in self._seqs.values():
+            n = min(common_prefix(seq.kv_tokens, prompt), limit)
+            if n > shared:
+                best, shared = seq, n
+        return best, shared
+
+    def _take_free_slot(self) -> int:
+        slot, evicted = self._slots.take_any()
+        if evicted:
+            self._model.release(slot)
+        return slot
 
     def _queue_decode(self, index: int, seq_id: int, pending: list[_Pending]) -> _Pending | RowResult:
         seq = self._seqs.get(seq_id)
@@ -309,7 +382,7 @@ class StepEngine:
             if p.seq is seq:
                 p.cancelled = True
         self._free(seq)
-        return RowResult(seq_id, -1, "", "", seq.prompt_tokens, seq.completion_tokens)
+        return RowResult(seq_id, -1, "", "", seq.prompt_tokens, seq.completion_tokens, cached_tokens=seq.cached_tokens)
 
     def _slot_free_for(self, owner: str) -> bool:
         """A free slot this owner may take: owners turned away earlier come first."""
@@ -320,7 +393,7 @@ class StepEngine:
             if waiting == owner:
                 break
             ahead += 1
-        return len(self._free_slots) > ahead
+        return len(self._slots) > ahead
 
     def _all_held_unstepped(self) -> bool:
         return all(self._steps - s.last_stepped_step > LEASE_MIN_STEPS for s in self._seqs.values())
@@ -337,10 +410,13 @@ class StepEngine:
             self._free(seq)
             self.slots_reclaimed_total += 1
 
-    def _free(self, seq: _Seq) -> None:
+    def _free(self, seq: _Seq, keep_cells: bool = True) -> None:
+        """Frees a sequence's slot; its KV cells stay for the prefix cache unless they are not to be trusted."""
         if self._seqs.pop(seq.seq_id, None) is not None:
-            self._model.release(seq.slot)
-            self._free_slots.append(seq.slot)
+            kept = seq.kv_tokens if keep_cells and self._slots.enabled else None
+            if not kept:
+                self._model.release(seq.slot)
+            self._slots.free(seq.slot, kept)
 
     def _emit(self, seq: _Seq, logits: np.ndarray) -> RowResult:
         prm = seq.params
@@ -365,15 +441,21 @@ class StepEngine:
                 finish = "stop" if hit else "length"
         if finish:
             self._free(seq)
-        return RowResult(seq.seq_id, tok, text, finish, seq.prompt_tokens, seq.completion_tokens)
+        return RowResult(seq.seq_id, tok, text, finish, seq.prompt_tokens, seq.completion_tokens, cached_tokens=seq.cached_tokens)
 
 
 class ForwardModel(Protocol):
-    """What the engine needs of a model: logits for a ragged batch, and slots to forget."""
+    """What the engine needs of a model: logits for a ragged batch, and slots to forget, copy and cut."""
 
     def forward(self, items: list[BatchItem]) -> np.ndarray: ...
 
     def release(self, slot: int) -> None: ...
+
+    def copy(self, source: int, target: int) -> None:
+        """The target slot's cells become a copy of the source's (before the next forward pass)."""
+
+    def truncate(self, slot: int, keep: int) -> None:
+        """Forgets the slot's cells from position `keep` on."""
 
 
 def _forward_model(
@@ -405,7 +487,7 @@ def _next_chunk(seq: _Seq) -> list[int]:
 
 def _prefilling(seq: _Seq) -> RowResult:
     """A step that cached part of the prompt: no token yet."""
-    return RowResult(seq.seq_id, -1, "", "", seq.prompt_tokens, 0)
+    return RowResult(seq.seq_id, -1, "", "", seq.prompt_tokens, 0, cached_tokens=seq.cached_tokens)
 
 
 def _check_params(p: SamplingParams) -> str:
@@ -427,4 +509,5 @@ def _error(seq_id: int, message: str, seq: _Seq | None = None, prompt_tokens: in
         prompt_tokens=seq.prompt_tokens if seq else prompt_tokens,
         completion_tokens=seq.completion_tokens if seq else 0,
         error=message,
+        cached_tokens=seq.cached_tokens if seq else 0,
     )

@@ -1,0 +1,92 @@
+"""Which free KV slots still hold a finished sequence's tokens, for a new prompt to start from.
+
+A finished sequence's slot keeps its KV cells: the slot is free (a new sequence may take it at
+any time, so a cached prefix never makes the engine answer "busy"), and until then a prompt that
+begins with the same tokens continues from them and prefills only the rest. Free slots are taken
+empty ones first, then the least recently used cached one. No I/O and no model: the engine asks
+where a prompt should start and tells the model which cells to keep.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable
+
+# The fewest prompt tokens worth reusing from another live sequence's slot: llama.cpp copies a
+# whole KV stream between slots (max_context positions), which costs about as much as prefilling
+# this many tokens on a CPU (make bench-prefix measures both). A cached slot reused in place costs
+# nothing to reuse, but a short match is not worth evicting a longer cached prefix for.
+MIN_REUSED_TOKENS = 16
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """The number of leading tokens `a` and `b` share (lists both: a list never equals a tuple)."""
+    # A binary search over slice comparisons, which run in C: a thousand-token system prompt is
+    # compared against every slot at each prefill.
+    low, high = 0, min(len(a), len(b))
+    while low < high:
+        middle = (low + high + 1) // 2
+        if a[low:middle] == b[low:middle]:
+            low = middle
+        else:
+            high = middle - 1
+    return low
+
+
+class PrefixCache:
+    """Free slots: empty ones, and cached ones (holding a finished sequence's tokens) in LRU order."""
+
+    def __init__(self, slots: Iterable[int], enabled: bool = True) -> None:
+        self.enabled = enabled
+        self._empty = sorted(slots, reverse=True)  # pop() hands out the lowest slot first
+        self._cached: OrderedDict[int, list[int]] = OrderedDict()
+
+    def __len__(self) -> int:
+        """Free slots, cached or not: every one can be given to a new sequence."""
+        return len(self._empty) + len(self._cached)
+
+    @property
+    def cached_slots(self) -> int:
+        return len(self._cached)
+
+    @property
+    def has_empty(self) -> bool:
+        return bool(self._empty)
+
+    def tokens(self, slot: int) -> list[int]:
+        """The tokens a cached slot holds."""
+        return self._cached[slot]
+
+    def free(self, slot: int, tokens: list[int] | None) -> None:
+        """A slot whose sequence ended; `tokens` are those its KV cells hold (None: forgotten)."""
+        if self.enabled and tokens:
+            self._cached[slot] = tokens
+        else:
+            self._empty.append(slot)
+
+    def longest(self, prompt: list[int], limit: int) -> tuple[int | None, int]:
+        """The cached slot sharing the most leading tokens with `prompt` (at most `limit`), and how many."""
+        best_slot, best = None, 0
+        for slot, tokens in self._cached.items():
+            shared = min(common_prefix(tokens, prompt), limit)
+            if shared > best:
+                best_slot, best = slot, shared
+        return best_slot, best
+
+    def take(self, slot: int) -> list[int]:
+        """Takes a cached slot for a sequence that continues from its tokens; returns them."""
+        return self._cached.pop(slot)
+
+    def take_any(self) -> tuple[int, bool]:
+        """A free slot for a new sequence, empty first; and whether it held a cached prefix (evicted)."""
+        if self._empty:
+            return self._empty.pop(), False
+        slot, _ = self._cached.popitem(last=False)
+        return slot, True
+
+    def clear(self) -> list[int]:
+        """Forgets every cached prefix; returns the slots whose cells must be cleared."""
+        slots = list(self._cached)
+        self._empty.extend(slots)
+        self._cached.clear()
+        return slots
