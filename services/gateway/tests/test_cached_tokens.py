@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from google.protobuf import json_format
 from sluice.common.v1 import types_pb2
 from sluice.evallog.v1 import events_pb2
 from sluice.gateway.v1 import gateway_pb2, gateway_pb2_grpc
@@ -20,7 +19,7 @@ from sluice_common.amqp import EventTopology
 from sluice_gateway.admission import Admission
 from sluice_gateway.completion_events import CompletionEvents
 from sluice_gateway.inference_path import InferencePath
-from sluice_gateway.jobs import run_row
+from sluice_gateway.jobs import JSON, encode_reply, run_row
 from sluice_gateway.model_catalog import ModelCatalog
 from sluice_gateway.openai_requests import usage_object
 from test_grpc_bad_input import AUTH as GRPC_AUTH
@@ -96,7 +95,8 @@ async def test_a_bulk_rows_result_carries_cached_tokens() -> None:
     row = jobs_pb2.JobRow(custom_id="r", generate=jobs_pb2.GenerateRow(model="g", prompt="Hi", sampling=types_pb2.SamplingParams(max_tokens=5)))
     run = await run_row(path, jobs_pb2.RowTask(job_id="j", tenant="acme", row=row), "rid", 10.0)
     assert (run.result.usage.prompt_tokens, run.result.usage.cached_tokens) == (7, 4)
-    # Producers reading results as JSON (the proto's JSON mapping) get it by its JSON name.
-    assert json_format.MessageToDict(run.result)["usage"]["cachedTokens"] == 4
+    # A producer that sent its job as JSON reads its results as JSON, proto field names kept.
+    assert json.loads(encode_reply(run.result, JSON))["usage"]["cached_tokens"] == 4
+    assert jobs_pb2.RowResult.FromString(encode_reply(run.result, "application/x-protobuf")).usage.cached_tokens == 4
     [event] = [events_pb2.CompletionEvent.FromString(body) for body in publisher.bodies]
     assert (event.job_id, event.usage.cached_tokens) == ("j", 4)
