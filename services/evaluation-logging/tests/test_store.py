@@ -3,17 +3,22 @@
 from __future__ import annotations
 
 import time
+import uuid
+from pathlib import Path
 
+import asyncpg
 import pytest
 from sluice.common.v1 import types_pb2
 
-from conftest import make_event
+from conftest import PG_DSN, make_event
 from sluice_common.errors import InvalidArgument, NotFound, PermissionDenied
+from sluice_common.sqlstore import open_sql_db
 from sluice_evaluation_logging.evaluators import evaluate_all
 from sluice_evaluation_logging.evaluators.base import EvalContext, EvalSettings
 from sluice_evaluation_logging.queries import EvalLogQueries, QueryArgs
-from sluice_evaluation_logging.records import to_row
-from sluice_evaluation_logging.store import LATEST_VERSION, RecordFilter, Threshold
+from sluice_evaluation_logging.records import otel_attributes, to_row
+from sluice_evaluation_logging.servicer import _record, _summary
+from sluice_evaluation_logging.store import LATEST_VERSION, MIGRATIONS, PostgresStore, RecordFilter, SqliteStore, Store, Threshold
 
 CTX = EvalContext(EvalSettings(similarity_sample_rate=0.0))
 
@@ -102,3 +107,72 @@ async def test_summaries_and_tenant_isolation(store) -> None:  # type: ignore[no
     assert (await queries.get_record("private", secret.event_id)).tenant == "private"
     page, _ = await queries.query_records("private", QueryArgs(), 0, "")
     assert [r.event_id for r in page] == [secret.event_id]
+
+
+def cached_usage(prompt: int, cached: int) -> types_pb2.Usage:
+    return types_pb2.Usage(prompt_tokens=prompt, completion_tokens=8, total_tokens=prompt + 8, cached_tokens=cached)
+
+
+async def test_the_prompt_tokens_served_from_the_prefix_cache_are_stored_returned_and_summed(store) -> None:  # type: ignore[no-untyped-def]
+    base = time.time() - 100
+    first = make_event(usage=cached_usage(200, 0), finished_at=base)
+    again = make_event(usage=cached_usage(200, 192), finished_at=base + 1)
+    other = make_event(usage=cached_usage(30, 16), finished_at=base + 2, model="other-model")
+    await store.insert_batch(await rows(first, again, other))
+    stored = await store.get(again.event_id)
+    assert stored is not None and (stored.input_tokens, stored.cached_tokens) == (200, 192)
+    page, _ = await store.query(RecordFilter(tenant="demo"), 10, "")
+    assert [r.cached_tokens for r in page] == [16, 192, 0]  # newest first
+    # The query API's record: the stored event's usage says it.
+    assert _record(stored).event.usage.cached_tokens == 192
+    # The consumer's log line, in the OpenTelemetry GenAI conventions' name (part of input_tokens).
+    assert otel_attributes(again)["gen_ai.usage.cache_read.input_tokens"] == 192
+
+    summaries = {s.model: s for s in await EvalLogQueries(store).summarize("demo", QueryArgs())}
+    assert (summaries["smollm2-135m-instruct"].input_tokens, summaries["smollm2-135m-instruct"].cached_tokens) == (400, 192)
+    assert summaries["other-model"].cached_tokens == 16
+    summary = _summary(summaries["smollm2-135m-instruct"])
+    assert (summary.prompt_tokens, summary.cached_tokens) == (400, 192)
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
+async def test_migration_3_adds_cached_tokens_to_a_database_without_it(backend: str, tmp_path: Path) -> None:
+    """A store written before migration 3 (no cached_tokens column) opens, keeps its records (none
+    cached: their events predate the count) and stores new ones with the count."""
+    dsn = PG_DSN if backend == "postgresql" else ""
+    schema = f"evallog_test_{uuid.uuid4().hex[:10]}"
+    path = tmp_path / "evallog.sqlite3"
+    old_event = make_event(usage=cached_usage(12, 0))
+    old = open_sql_db(dsn, path, schema, MIGRATIONS[:2])
+    await old.open()
+    try:
+        async with old.transaction() as tx:
+            columns = (
+                "event_id, tenant, model, priority_class, request_id, finish_reason, error_code, input_tokens, output_tokens,"
+                " latency_ms, ttft_ms, started_at, finished_at, stored_at, text_logged, event"
+            )
+            await tx.execute(
+                f"INSERT INTO records ({columns}) VALUES (?, 'demo', 'smollm2-135m-instruct', 1, 'r', 1, '', 12, 8, 600.0, 120.0, ?, ?, ?, ?, ?)",
+                old_event.event_id, time.time() - 10, time.time() - 10, time.time() - 10, True, old_event.SerializeToString(),
+            )  # fmt: skip
+    finally:
+        await old.close()
+
+    store: Store = PostgresStore(dsn, schema) if dsn else SqliteStore(path)
+    await store.open()
+    try:
+        assert await store.schema_version() == LATEST_VERSION == 3
+        kept = await store.get(old_event.event_id)
+        assert kept is not None and (kept.input_tokens, kept.cached_tokens) == (12, 0)
+        new_event = make_event(usage=cached_usage(40, 32))
+        assert await store.insert_batch(await rows(new_event)) == 1
+        stored = await store.get(new_event.event_id)
+        assert stored is not None and stored.cached_tokens == 32
+        (summary,) = await EvalLogQueries(store).summarize("demo", QueryArgs())
+        assert (summary.count, summary.input_tokens, summary.cached_tokens) == (2, 52, 32)
+    finally:
+        await store.close()
+        if dsn:
+            connection = await asyncpg.connect(PG_DSN)
+            await connection.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+            await connection.close()

@@ -29,7 +29,7 @@ from sluice_gateway.openai_batches import (
 from sluice_gateway.openai_requests import OpenAIError
 
 UPSTREAM = Path(__file__).resolve().parents[3] / "tests" / "fixtures" / "upstream"
-USAGE = types_pb2.Usage(prompt_tokens=7, completion_tokens=2, total_tokens=9)
+USAGE = types_pb2.Usage(prompt_tokens=7, completion_tokens=2, total_tokens=9, cached_tokens=4)
 
 
 def line(custom_id: str, body: dict, url: str = "/v1/chat/completions", **extra: object) -> str:  # type: ignore[type-arg]
@@ -191,6 +191,10 @@ def test_results_become_output_and_error_lines_as_the_endpoints_answer() -> None
     assert chat.usage is not None and chat.usage.total_tokens == 9 and chat.id == "chatcmpl-" + outputs[0]["response"]["request_id"]
     text = Completion.model_validate(outputs[1]["response"]["body"])
     assert text.choices[0].text == " upon" and text.choices[0].finish_reason == "length"
+    # What the row's engine took from its prefix cache, as the synchronous endpoints say it.
+    assert outputs[0]["response"]["body"]["usage"]["prompt_tokens_details"] == {"cached_tokens": 4}
+    assert outputs[1]["response"]["body"]["usage"]["prompt_tokens_details"] == {"cached_tokens": 4}
+    assert "prompt_tokens_details" not in outputs[2]["response"]["body"]["usage"]  # embeddings' usage has none
     # The id the row ran under (its evaluation record's), where the result carries one.
     assert outputs[1]["response"]["request_id"] == "r-ran" and text.id == "cmpl-r-ran"
     embedding = CreateEmbeddingResponse.model_validate(outputs[2]["response"]["body"])

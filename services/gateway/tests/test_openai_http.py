@@ -28,7 +28,7 @@ from sluice_common.tenants import TenantDirectory, hash_api_key
 KEY = "sk-test"
 GENERATION = types_pb2.ModelInfo(name="g", kind=types_pb2.MODEL_KIND_GENERATION, context_length=2048, max_output_tokens=1024)
 EMBEDDING = types_pb2.ModelInfo(name="e", kind=types_pb2.MODEL_KIND_EMBEDDING, embedding_dimensions=3)
-USAGE = types_pb2.Usage(prompt_tokens=7, completion_tokens=2, total_tokens=9)
+USAGE = types_pb2.Usage(prompt_tokens=7, completion_tokens=2, total_tokens=9, cached_tokens=4)
 
 
 class _Call:
@@ -128,6 +128,7 @@ async def test_chat_completion_whole_with_openai_defaults(setup) -> None:  # typ
     completion = ChatCompletion.model_validate(await reply.json())
     assert completion.choices[0].message.content == "Hello there" and completion.choices[0].finish_reason == "stop"
     assert completion.usage is not None and completion.usage.total_tokens == 9
+    assert completion.usage.prompt_tokens_details is not None and completion.usage.prompt_tokens_details.cached_tokens == 4
     assert reply.headers["x-ratelimit-remaining-requests"] == "59" and reply.headers["x-request-id"] in completion.id
     sent = adapter.requests[0].sampling
     assert (sent.max_tokens, sent.temperature, sent.top_p) == (50, 1.0, 1.0)  # defaults: configured cap, OpenAI's 1.0 / 1.0
@@ -146,6 +147,7 @@ async def test_chat_completion_streams_sse_with_usage_and_done(setup) -> None:  
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "Hello there"
     assert chunks[-2].choices[0].finish_reason == "stop"
     assert chunks[-1].choices == [] and chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 2
+    assert json.loads(events[-2])["usage"]["prompt_tokens_details"] == {"cached_tokens": 4}
     assert all(c.usage is None for c in chunks[:-1])
 
 

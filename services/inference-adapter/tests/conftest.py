@@ -13,6 +13,25 @@ from sluice_inference_adapter.scheduler import FinishEvent, GenerationRequest, S
 from sluice_inference_adapter.step_rows import FINISH_BUSY, Action, StepOutcome, StepRow
 
 
+class PrefixCache:
+    """What a test double's engine keeps of the prompts it prefilled, as triton-local's prefix
+    cache does: a prompt prefilled before is served from the cache but for its last token (whose
+    logits the first token needs), and CACHED_TOKENS says how many, on every row of the sequence."""
+
+    def __init__(self) -> None:
+        self.prompts: set[str] = set()
+        self.cached: dict[int, int] = {}
+
+    def prefill(self, row: StepRow, prompt_tokens: int) -> None:
+        body = json.loads(row.request)
+        prompt = json.dumps([body.get("messages"), body.get("prompt")])
+        self.cached[row.seq_id] = prompt_tokens - 1 if prompt in self.prompts else 0
+        self.prompts.add(prompt)
+
+    def of(self, seq_id: int) -> int:
+        return self.cached.get(seq_id, 0)
+
+
 async def collect(handle: SequenceHandle) -> tuple[str, FinishEvent]:
     """A sequence's whole text and its finish event."""
     text = ""
@@ -79,7 +98,8 @@ class StepReplica:
     Triton); `stalled`: a step never returns (a wedged one); `hold` cleared: steps wait until it
     is set again (a pod paused mid-work); `probes_ok` False: probes fail, steps still work.
     With `slots`, the replica holds that many sequences at most, as triton-local's engine does: a
-    prefill that finds none free answers "busy", a finish or a release frees one (`held`).
+    prefill that finds none free answers "busy", a finish or a release frees one (`held`). A prompt
+    prefilled before is served from its prefix cache (`PrefixCache`): 1 of its 2 tokens.
     """
 
     def __init__(self, url: str, tokens: int | None = None, delay_s: float = 0.002, slots: int | None = None) -> None:
@@ -99,6 +119,7 @@ class StepReplica:
         self.rows: list[tuple[Action, int]] = []
         self.generated: dict[int, int] = {}
         self.rounds = RoundsOfSteps()
+        self.prefix_cache = PrefixCache()
         self._ends_at: dict[int, int] = {}
 
     def round(self, rows: list[StepRow], steps: int) -> AsyncIterator[list[StepOutcome]]:
@@ -127,6 +148,7 @@ class StepReplica:
                 return StepOutcome(-1, "", FINISH_BUSY, 2, 0, f"no free slot (max_slots={self.slots}); retry the prefill later")
             self.held.add(row.seq_id)
             self.prefills += 1
+            self.prefix_cache.prefill(row, 2)
             self.generated[row.seq_id] = 0
             self._ends_at[row.seq_id] = self.tokens if self.tokens is not None else json.loads(row.request)["max_tokens"]
         count = self.generated.get(row.seq_id, 0) + 1
@@ -134,7 +156,7 @@ class StepReplica:
         finished = count >= self._ends_at.get(row.seq_id, count)
         if finished:
             self.held.discard(row.seq_id)
-        return StepOutcome(count, "x", "length" if finished else "", 2, count)
+        return StepOutcome(count, "x", "length" if finished else "", 2, count, cached_tokens=self.prefix_cache.of(row.seq_id))
 
     async def probe(self) -> bool:
         return self.probes_ok and not self.failing and not self.stalled

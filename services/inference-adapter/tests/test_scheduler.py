@@ -13,7 +13,7 @@ import json
 import time
 
 import pytest
-from conftest import RoundsOfSteps, StepReplica, collect
+from conftest import PrefixCache, RoundsOfSteps, StepReplica, collect
 
 from sluice_common.errors import ResourceExhausted
 from sluice_inference_adapter.scheduler import Finish, GenerationRequest, Priority, Scheduler, SchedulerLimits
@@ -28,6 +28,7 @@ class RecordingStepModel:
         # Chunked prefill: (prompt tokens not yet cached, chunk); a raw prompt's characters are its tokens.
         self.uncached: dict[int, tuple[int, int]] = {}
         self.rounds = RoundsOfSteps()
+        self.prefix_cache = PrefixCache()
         self.started_at: list[float] = []  # when each of `steps` began
         self.end_asks = 0
         self.delay = step_delay_s
@@ -57,15 +58,17 @@ class RecordingStepModel:
             self.generated[row.seq_id] = 0
             prompt_tokens = len(body.get("prompt", "")) or 1
             self.uncached[row.seq_id] = (prompt_tokens, body.get("prefill_chunk", 0) or prompt_tokens)
+            self.prefix_cache.prefill(row, 3)
+        cached = self.prefix_cache.of(row.seq_id)
         uncached, chunk = self.uncached.get(row.seq_id, (0, 1))
         if uncached:
             self.uncached[row.seq_id] = (max(0, uncached - chunk), chunk)
             if uncached > chunk:
-                return StepOutcome(-1, "", "", 3, 0)
+                return StepOutcome(-1, "", "", 3, 0, cached_tokens=cached)
         self.generated[row.seq_id] += 1
         count = self.generated[row.seq_id]
         finish = "length" if count >= self.max_tokens[row.seq_id] else ""
-        return StepOutcome(count, f"t{count} ", finish, 3, count)
+        return StepOutcome(count, f"t{count} ", finish, 3, count, cached_tokens=cached)
 
     def rows_of(self, seq_id: int) -> list[tuple[int, Action]]:
         return [(index, row.action) for index, rows in enumerate(self.steps) for row in rows if row.seq_id == seq_id]
@@ -102,8 +105,31 @@ async def test_streams_tokens_then_finishes_with_usage_and_timings(model_and_sch
     text, finish = await collect(scheduler.submit(request(max_tokens=3)))
     assert text == "t1 t2 t3 "
     assert finish.finish is Finish.LENGTH and finish.completion_tokens == 3 and finish.prompt_tokens == 3
+    assert finish.cached_tokens == 0  # the engine had not seen the prompt
     assert 0 < finish.timings.time_to_first_token_s <= finish.timings.total_s
     assert scheduler.running_count == 0
+
+
+async def test_the_prompt_tokens_the_engine_took_from_its_prefix_cache_reach_the_finish(model_and_scheduler) -> None:
+    model, scheduler = model_and_scheduler
+    _, first = await collect(scheduler.submit(request(max_tokens=3, prompt="a long system prompt")))
+    # The same prompt again: the engine serves all of it but the last token from its cache.
+    _, again = await collect(scheduler.submit(request(max_tokens=3, prompt="a long system prompt")))
+    _, other = await collect(scheduler.submit(request(max_tokens=3, prompt="another prompt")))
+    assert (first.cached_tokens, again.cached_tokens, other.cached_tokens) == (0, 2, 0)
+    assert again.prompt_tokens == 3 and again.completion_tokens == 3  # cached tokens are still prompt tokens
+
+
+async def test_a_bulk_prompt_prefilled_in_chunks_reports_its_cached_tokens_too() -> None:
+    model = RecordingStepModel()
+    scheduler = Scheduler(model, SchedulerLimits(max_batch_size=4, bulk_prefill_chunk=2))
+    scheduler.start()
+    try:
+        await collect(scheduler.submit(request(max_tokens=2, priority=Priority.BULK, prompt="ten chars!")))
+        text, finish = await collect(scheduler.submit(request(max_tokens=2, priority=Priority.BULK, prompt="ten chars!")))
+    finally:
+        await scheduler.stop()
+    assert text == "t1 t2 " and finish.cached_tokens == 2
 
 
 async def test_a_new_sequence_joins_the_running_batch_at_the_next_step(model_and_scheduler) -> None:

@@ -79,6 +79,7 @@ def to_row(
         error_code=event.error_code,
         input_tokens=event.usage.prompt_tokens,
         output_tokens=event.usage.completion_tokens,
+        cached_tokens=event.usage.cached_tokens,
         latency_ms=event.timings.total_time_ms,
         ttft_ms=event.timings.time_to_first_token_ms,
         started_at=_epoch(event.started_at) if event.HasField("started_at") else finished_at,
@@ -97,6 +98,8 @@ def otel_attributes(event: events_pb2.CompletionEvent) -> dict[str, Any]:
         "gen_ai.response.id": event.request_id,
         "gen_ai.response.finish_reasons": [types_pb2.FinishReason.Name(event.finish_reason).removeprefix("FINISH_REASON_").lower()],
         "gen_ai.usage.input_tokens": event.usage.prompt_tokens,
+        # Part of input_tokens, as the conventions have it (and Usage.cached_tokens is).
+        "gen_ai.usage.cache_read.input_tokens": event.usage.cached_tokens,
         "gen_ai.usage.output_tokens": event.usage.completion_tokens,
         "gen_ai.request.max_tokens": event.sampling.max_tokens,
         "gen_ai.server.time_to_first_token": event.timings.time_to_first_token_ms / 1000,
@@ -143,6 +146,7 @@ class GroupSummary:
     ttfts: list[float] = field(default_factory=list)
     input_tokens: int = 0
     output_tokens: int = 0
+    cached_tokens: int = 0
     scores: dict[str, ScoreStats] = field(default_factory=dict)
 
     @property
@@ -158,7 +162,7 @@ class GroupSummary:
 
 def summarize(data: SummaryData) -> list[GroupSummary]:
     groups: dict[tuple[str, str], GroupSummary] = {}
-    for tenant, model, finish, error_code, latency, ttft, tokens_in, tokens_out in data.records:
+    for tenant, model, finish, error_code, latency, ttft, tokens_in, tokens_out, tokens_cached in data.records:
         group = groups.setdefault((tenant, model), GroupSummary(tenant, model))
         group.count += 1
         if error_code or finish == types_pb2.FINISH_REASON_ERROR:
@@ -171,6 +175,7 @@ def summarize(data: SummaryData) -> list[GroupSummary]:
                 group.ttfts.append(float(ttft))
         group.input_tokens += int(tokens_in)
         group.output_tokens += int(tokens_out)
+        group.cached_tokens += int(tokens_cached)
     for tenant, model, name, value, passed, skip in data.scores:
         group = groups.setdefault((tenant, model), GroupSummary(tenant, model))
         stats = group.scores.setdefault(name, ScoreStats(name))

@@ -48,6 +48,7 @@ def _summary(group: GroupSummary) -> evallog_pb2.Summary:
         time_to_first_token=evallog_pb2.LatencySummary(p50_ms=group.ttft(50), p95_ms=group.ttft(95), p99_ms=group.ttft(99)),
         prompt_tokens=group.input_tokens,
         completion_tokens=group.output_tokens,
+        cached_tokens=group.cached_tokens,
         scores=[
             evallog_pb2.ScoreSummary(
                 name=stats.name,

@@ -50,6 +50,8 @@ class RecordRow:
     stored_at: float = 0.0
     # Names of the scores to compute later (a pending marker each, stored with the record).
     pending: tuple[str, ...] = ()
+    # Of input_tokens, those the engine served from its prefix cache (Usage.cached_tokens).
+    cached_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -81,8 +83,8 @@ class RecordFilter:
 
 @dataclass
 class SummaryData:
-    """Raw rows for summaries: (tenant, model, finish_reason, error_code, latency, ttft, in, out)
-    and (tenant, model, score name, value, passed, skipped)."""
+    """Raw rows for summaries: (tenant, model, finish_reason, error_code, latency, ttft, in, out,
+    cached in) and (tenant, model, score name, value, passed, skipped)."""
 
     records: list[tuple[Any, ...]] = field(default_factory=list)
     scores: list[tuple[Any, ...]] = field(default_factory=list)
@@ -162,20 +164,28 @@ MIGRATIONS: tuple[tuple[int, str, tuple[str, ...]], ...] = (
             "DROP INDEX scores_name_value",
         ),
     ),
+    (
+        3,
+        "prompt tokens served from the engine's prefix cache",
+        (
+            # Records stored before engines reported it count none (their events have no such field).
+            "ALTER TABLE records ADD COLUMN cached_tokens INTEGER NOT NULL DEFAULT 0",
+        ),
+    ),
 )
 
 LATEST_VERSION = MIGRATIONS[-1][0]
 
 _RECORD_COLUMNS = (
     "event_id, tenant, model, priority_class, request_id, finish_reason, error_code, input_tokens, output_tokens,"
-    " latency_ms, ttft_ms, started_at, finished_at, stored_at, text_logged, event"
+    " latency_ms, ttft_ms, started_at, finished_at, stored_at, text_logged, event, cached_tokens"
 )
 # SQLite batches: multi-row INSERTs of at most this many rows (SQLite binds at most 32766
 # parameters per statement). Every sqlite3 step releases and retakes the GIL, which the event loop
 # holds most of the time: one step per chunk instead of one per row is what keeps the store's
 # thread from queueing behind the loop (and the loop from waiting for the store).
 _SQLITE_CHUNK = 256
-_RECORD_VALUES = "(" + ", ".join("?" * 16) + ")"
+_RECORD_VALUES = "(" + ", ".join("?" * 17) + ")"
 _SCORE_VALUES = "(?, ?, ?, ?, ?, ?)"
 _PENDING_VALUES = "(?, ?, ?, ?, 0)"
 
@@ -214,11 +224,12 @@ def _record_params(row: RecordRow, stored_at: float) -> tuple[Any, ...]:
         stored_at,
         row.text_logged,
         row.event,
+        row.cached_tokens,
     )
 
 
 def _row_from(values: Sequence[Any], scores: tuple[ScoreResult, ...] = ()) -> RecordRow:
-    (eid, tenant, model, pclass, rid, finish, err, tin, tout, lat, ttft, started, finished, stored, logged, event) = values
+    (eid, tenant, model, pclass, rid, finish, err, tin, tout, lat, ttft, started, finished, stored, logged, event, tcached) = values
     return RecordRow(
         event_id=eid,
         tenant=tenant,
@@ -237,6 +248,7 @@ def _row_from(values: Sequence[Any], scores: tuple[ScoreResult, ...] = ()) -> Re
         text_logged=bool(logged),
         event=bytes(event),
         scores=scores,
+        cached_tokens=int(tcached),
     )
 
 
@@ -306,7 +318,7 @@ def _scores_sql(count: int) -> str:
 def _summary_sql(where: RecordFilter) -> tuple[str, str, list[Any]]:
     clause, params = _where(where)
     records = (
-        "SELECT tenant, model, finish_reason, error_code, latency_ms, ttft_ms, input_tokens, output_tokens"
+        "SELECT tenant, model, finish_reason, error_code, latency_ms, ttft_ms, input_tokens, output_tokens, cached_tokens"
         f" FROM records WHERE {clause}"
     )
     scores = (
@@ -496,7 +508,7 @@ class PostgresStore:
         stored_at = time.time()
         columns = list(zip(*(_record_params(row, stored_at) for row in rows), strict=True))
         types = ("text", "text", "text", "int4", "text", "int4", "text", "int4", "int4",
-                 "float8", "float8", "float8", "float8", "float8", "bool", "bytea")  # fmt: skip
+                 "float8", "float8", "float8", "float8", "float8", "bool", "bytea", "int4")  # fmt: skip
         unnest = ", ".join(f"${i + 1}::{kind}[]" for i, kind in enumerate(types))
         async with self.pool.acquire() as connection, connection.transaction():
             inserted = await connection.fetch(

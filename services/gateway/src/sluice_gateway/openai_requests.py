@@ -310,12 +310,19 @@ def parse_embeddings(body: dict[str, Any]) -> EmbeddingCall:
 # ---- replies
 
 
-def usage_object(usage: types_pb2.Usage | None) -> dict[str, int] | None:
-    """Usage exactly as Sluice counted it; None when the adapter reported none (never estimated)."""
+def usage_object(usage: types_pb2.Usage | None) -> dict[str, Any] | None:
+    """Usage exactly as Sluice counted it; None when the adapter reported none (never estimated).
+    The prompt tokens the engine took from its prefix cache are OpenAI's CompletionUsage
+    prompt_tokens_details.cached_tokens (part of prompt_tokens), sent even when 0, as OpenAI does."""
     if usage is None or not (usage.prompt_tokens or usage.completion_tokens or usage.total_tokens):
         return None
     total = usage.total_tokens or usage.prompt_tokens + usage.completion_tokens
-    return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens, "total_tokens": total}
+    return {
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "total_tokens": total,
+        "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
+    }
 
 
 @dataclass

@@ -204,6 +204,10 @@ class PassthroughScheduler(ReplicaWork):
             async for chunk in bounded:
                 if chunk.input_tokens is not None:
                     sequence.prompt_tokens = chunk.input_tokens
+                # sequence.cached_tokens stays 0: Triton's vLLM backend has no output for prompt
+                # tokens served from vLLM's prefix cache (its additional outputs are finish_reason,
+                # cumulative_logprob, logprobs, num_input_tokens and num_output_tokens; see
+                # tests/fixtures/upstream/vllm_backend_interface.json), so none is reported.
                 if chunk.output_tokens or chunk.text:
                     sequence.completion_tokens += chunk.output_tokens
                     sequence.emit_text(chunk.text, self._clock(), tokens=chunk.output_tokens)

@@ -93,6 +93,8 @@ class FinishEvent:
     completion_tokens: int
     timings: Timings
     error: str = ""
+    # The part of prompt_tokens the engine served from its prefix cache.
+    cached_tokens: int = 0
 
 
 Event = TokenEvent | FinishEvent
@@ -150,6 +152,8 @@ class Sequence:
     first_token_at: float | None = None
     last_token_at: float | None = None
     prompt_tokens: int = 0
+    # Of prompt_tokens, those the engine took from its prefix cache (0 from engines that do not say).
+    cached_tokens: int = 0
     completion_tokens: int = 0
     waited_steps: int = 0
     # Set once its queue wait is in sluice_adapter_queue_seconds (a busy requeue waits on).
@@ -196,7 +200,9 @@ class Sequence:
         self.done = True
         if finish in (Finish.CANCELLED, Finish.DEADLINE):
             metrics.CANCELLATIONS.labels(reason=finish.value).inc()
-        self.events.put_nowait(FinishEvent(finish, self.prompt_tokens, self.completion_tokens, self._timings(now), error))
+        self.events.put_nowait(
+            FinishEvent(finish, self.prompt_tokens, self.completion_tokens, self._timings(now), error, self.cached_tokens)
+        )
 
     def _timings(self, now: float) -> Timings:
         start, first, last = self.submitted_at, self.first_token_at, self.last_token_at
@@ -675,6 +681,9 @@ class Scheduler(ReplicaWork):
                 continue
             self._observe_queue_wait(sequence)
             sequence.prompt_tokens = outcome.prompt_tokens or sequence.prompt_tokens
+            # Every row of the sequence carries it (step_protocol); a row that says 0 (a release's
+            # answer, an engine without a prefix cache) does not undo what an earlier one said.
+            sequence.cached_tokens = outcome.cached_tokens or sequence.cached_tokens
             sequence.completion_tokens = outcome.completion_tokens
             if outcome.token_id >= 0 and not sequence.cancelled:
                 sequence.emit_text(outcome.text, now)

@@ -185,4 +185,5 @@ def _usage(event: FinishEvent) -> types_pb2.Usage:
         prompt_tokens=event.prompt_tokens,
         completion_tokens=event.completion_tokens,
         total_tokens=event.prompt_tokens + event.completion_tokens,
+        cached_tokens=event.cached_tokens,
     )

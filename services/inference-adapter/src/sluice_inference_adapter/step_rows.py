@@ -90,6 +90,9 @@ class StepOutcome:
     completion_tokens: int
     error: str = ""
     seq_id: int = -1  # the row's sequence
+    # Prompt tokens the engine took from its prefix cache instead of prefilling (part of
+    # prompt_tokens; 0 when none, on rows that are not a sequence's, or from an engine without one).
+    cached_tokens: int = 0
 
 
 @runtime_checkable

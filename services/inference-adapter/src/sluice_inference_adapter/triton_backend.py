@@ -36,6 +36,11 @@ _RETURN_FLAGS = ("return_finish_reason", "return_num_input_tokens", "return_num_
 _STEP_INPUTS = {"ACTION", "SEQ_ID", "REQUEST"}
 _VLLM_INPUTS = {"text_input", "sampling_parameters", "stream", "exclude_input_in_output", *_RETURN_FLAGS}
 _STEP_OUTPUTS = ("ROW_SEQ_ID", "TOKEN_ID", "TEXT", "FINISH", "PROMPT_TOKENS", "COMPLETION_TOKENS", "ERROR", "ROUND_END")
+# Prompt tokens a row's sequence took from the engine's prefix cache. Requested only from a model
+# that declares it: Triton refuses a request for an output its model lacks, and a step model from
+# before the prefix cache (an engine not yet upgraded, an operator's own) must keep serving; its
+# sequences then report 0.
+_CACHED_TOKENS = "CACHED_TOKENS"
 _PROBE_PROMPT = PromptSpec(prompt="ping")
 _PROBE_REQUEST = _PROBE_PROMPT.to_json(SamplingSpec(max_tokens=1))
 
@@ -114,7 +119,15 @@ class TritonStepBackend(_TritonEndpoint):
         # off sooner by the adaptive one (step_timeout.py), which bounds the probes here too.
         self._timeout_s = step_timeout_s
         self._timeouts = timeouts
-        self._outputs = [InferRequestedOutput(name) for name in _STEP_OUTPUTS]
+        # Read from the model's metadata on the first round (whether it declares CACHED_TOKENS).
+        self._outputs: list[InferRequestedOutput] | None = None
+
+    async def _requested_outputs(self) -> list[InferRequestedOutput]:
+        if self._outputs is None:
+            metadata = await self._client.get_model_metadata(self.model, as_json=True)
+            declared = {tensor["name"] for tensor in metadata.get("outputs", [])}
+            self._outputs = [InferRequestedOutput(name) for name in step_output_names(declared)]
+        return self._outputs
 
     async def step(self, rows: list[StepRow]) -> list[StepOutcome]:
         """A round of one step: one outcome per row, in order."""
@@ -133,8 +146,13 @@ class TritonStepBackend(_TritonEndpoint):
             _tensor("STEPS", np.array([steps], dtype=np.int32), "INT32"),
         ]
 
+        try:
+            outputs = await self._requested_outputs()
+        except InferenceServerException as exc:
+            raise Unavailable(f"Triton at {self.url} did not describe {self.model}: {exc.message()}") from exc
+
         async def requests() -> AsyncIterator[dict[str, object]]:
-            yield {"model_name": self.model, "inputs": inputs, "outputs": self._outputs}
+            yield {"model_name": self.model, "inputs": inputs, "outputs": outputs}
 
         started = time.perf_counter()
         # The fixed bound is per step (the scheduler cuts a stuck step off sooner by the adaptive one).
@@ -219,9 +237,15 @@ class TritonGenerateBackend(_TritonEndpoint):
             return False
 
 
+def step_output_names(declared: set[str]) -> list[str]:
+    """The outputs to request from a step model whose metadata declares `declared`."""
+    return [*_STEP_OUTPUTS, *([_CACHED_TOKENS] if _CACHED_TOKENS in declared else [])]
+
+
 def _step_outcomes(result: object) -> tuple[list[StepOutcome], bool]:
     """One step's outcomes from one response of a round, and whether it was the round's last."""
     columns = {name: result.as_numpy(name) for name in _STEP_OUTPUTS}  # type: ignore[attr-defined]
+    cached = result.as_numpy(_CACHED_TOKENS)  # type: ignore[attr-defined]  # None: not requested
     outcomes = [
         StepOutcome(
             token_id=int(columns["TOKEN_ID"][i]),
@@ -231,6 +255,7 @@ def _step_outcomes(result: object) -> tuple[list[StepOutcome], bool]:
             completion_tokens=int(columns["COMPLETION_TOKENS"][i]),
             error=_text(columns["ERROR"][i]),
             seq_id=int(columns["ROW_SEQ_ID"][i]),
+            cached_tokens=0 if cached is None else int(cached[i]),
         )
         for i in range(len(columns["ROW_SEQ_ID"]))
     ]

@@ -128,7 +128,7 @@ class ScoreSummary(_message.Message):
     def __init__(self, name: _Optional[str] = ..., count: _Optional[int] = ..., mean: _Optional[float] = ..., pass_rate: _Optional[float] = ..., skipped_count: _Optional[int] = ..., min: _Optional[float] = ..., max: _Optional[float] = ...) -> None: ...
 
 class Summary(_message.Message):
-    __slots__ = ("tenant", "model", "count", "error_rate", "latency", "time_to_first_token", "prompt_tokens", "completion_tokens", "scores", "cancelled_count")
+    __slots__ = ("tenant", "model", "count", "error_rate", "latency", "time_to_first_token", "prompt_tokens", "completion_tokens", "scores", "cancelled_count", "cached_tokens")
     TENANT_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     COUNT_FIELD_NUMBER: _ClassVar[int]
@@ -139,6 +139,7 @@ class Summary(_message.Message):
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SCORES_FIELD_NUMBER: _ClassVar[int]
     CANCELLED_COUNT_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     tenant: str
     model: str
     count: int
@@ -149,7 +150,8 @@ class Summary(_message.Message):
     completion_tokens: int
     scores: _containers.RepeatedCompositeFieldContainer[ScoreSummary]
     cancelled_count: int
-    def __init__(self, tenant: _Optional[str] = ..., model: _Optional[str] = ..., count: _Optional[int] = ..., error_rate: _Optional[float] = ..., latency: _Optional[_Union[LatencySummary, _Mapping]] = ..., time_to_first_token: _Optional[_Union[LatencySummary, _Mapping]] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., scores: _Optional[_Iterable[_Union[ScoreSummary, _Mapping]]] = ..., cancelled_count: _Optional[int] = ...) -> None: ...
+    cached_tokens: int
+    def __init__(self, tenant: _Optional[str] = ..., model: _Optional[str] = ..., count: _Optional[int] = ..., error_rate: _Optional[float] = ..., latency: _Optional[_Union[LatencySummary, _Mapping]] = ..., time_to_first_token: _Optional[_Union[LatencySummary, _Mapping]] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., scores: _Optional[_Iterable[_Union[ScoreSummary, _Mapping]]] = ..., cancelled_count: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class SummarizeResponse(_message.Message):
     __slots__ = ("summaries",)
