@@ -23,7 +23,7 @@ LIBS := libs/sluice-protos libs/sluice-common libs/sluice-stack
 PROJECTS := $(LIBS) $(SERVICES) tests bench deploy/tests
 UNIT_TESTED := libs/sluice-common $(SERVICES) bench
 
-.PHONY: help setup deploy-requirements uv node protos protos-check proto-lint run test test-unit test-e2e test-deploy bench-path bench-adapter bench-evallog bench-ratelimit bench-jobs bench-jobs-interactive bench-engine bench-colocated bench-threads bench-gpu bench-gpu-kit bench-load bench-rolling bench-embed-cache bench-openai bench-peer llama-server clean
+.PHONY: help setup deploy-requirements uv node protos protos-check proto-lint run test test-unit test-e2e test-deploy bench-path bench-adapter bench-evallog bench-ratelimit bench-jobs bench-jobs-interactive bench-engine bench-colocated bench-threads bench-gpu bench-gpu-kit bench-load bench-rolling bench-embed-cache bench-openai bench-peer bench-prefix llama-server clean
 
 help:
 	@echo "make run        start the whole suite locally and stream a demo completion (Ctrl-C stops it)"
@@ -37,6 +37,7 @@ help:
 	@echo "make bench-rolling gateway, adapter and evaluation-logging restarted one by one under 32 streams: failed streams, lost events, TTFT"
 	@echo "make bench-openai a third-party load tool (aiperf) on the OpenAI HTTP front vs the same load over gRPC: TTFT, tok/s"
 	@echo "make bench-peer the stack vs llama.cpp's own llama-server on the same GGUF, 2 threads: tok/s and TTFT at 1 and 32 streams"
+	@echo "make bench-prefix triton-local's prefix cache on vs off: a shared 1,000-token system prompt, 5-turn chats (TTFT, tok/s)"
 	@echo "make llama-server build llama.cpp's llama-server (bench-peer's peer) into .llama-server/ from the bindings' sdist (~8 min)"
 	@echo "make bench-path time to first token and tokens/s through each hop"
 	@echo "make bench-evallog stream-close latency with logging on vs off; events stored/s vs raw consume"
@@ -144,6 +145,9 @@ llama-server:
 
 bench-peer: setup
 	bench/.venv/bin/python bench/bench_peer.py
+
+bench-prefix: setup
+	bench/.venv/bin/python bench/bench_prefix.py
 
 bench-path: setup
 	bench/.venv/bin/python bench/bench_path.py

@@ -18,9 +18,11 @@ max_tokens MAX_TOKENS, `stream: true` with `stream_options: {include_usage: true
   A 429 from the stack (the demo tenant admits 32 in flight) is retried after its Retry-After,
   its TTFT counted from the first attempt.
 
-Three sides, both servers up the whole run: the stack, llama-server with `"cache_prompt": false`
-in every request (the main figures: it reuses no prompt prefix, as the stack cannot), and
-llama-server with its prompt cache on (its default; the `_cacheon` figures, for the record).
+Four sides, every server up the whole run, in two pairs that reuse prompt prefixes alike: the
+stack with its prefix cache off (SLUICE_TRITON_LOCAL_PREFIX_CACHE=false) against llama-server
+with `"cache_prompt": false` in every request (the transport and batching figures: neither side
+reuses a prefix), and the stack as `make run` starts it (prefix cache on) against llama-server
+with its prompt cache on (both as their users run them: the `_cached` figures).
 ROUNDS rounds; each load runs every side in turn, the order reversed in even rounds, so the noise
 of a shared machine falls on all of them alike. Each side is warmed with one request first.
 BENCH_RUN_DIR keeps the services' and llama-server's logs (a temporary folder otherwise).
@@ -34,6 +36,7 @@ seen here while another stack ran); `GOMP_SPINCOUNT=100 make bench-peer` gives b
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import subprocess
@@ -43,6 +46,7 @@ import time
 import urllib.error
 import urllib.request
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from itertools import count
 from pathlib import Path
@@ -64,8 +68,8 @@ SEQUENTIAL_REQUESTS = int(os.environ.get("BENCH_SEQUENTIAL_REQUESTS", "8"))
 CONCURRENCY = int(os.environ.get("BENCH_CONCURRENCY", "32"))
 CONCURRENT_REQUESTS = int(os.environ.get("BENCH_CONCURRENT_REQUESTS", "64"))
 ROUNDS = int(os.environ.get("BENCH_ROUNDS", "2"))
-STACK, PEER, PEER_CACHED = "stack", "llama-server", "llama-server cache on"
-SIDES = (PEER, STACK, PEER_CACHED)
+STACK_UNCACHED, PEER, STACK, PEER_CACHED = "stack cache off", "llama-server", "stack", "llama-server cache on"
+SIDES = (PEER, STACK_UNCACHED, PEER_CACHED, STACK)
 
 
 @dataclass(frozen=True)
@@ -97,6 +101,9 @@ class StreamState:
     first_content_at: float | None = None
     finish_reason: str | None = None
     completion_tokens: int | None = None
+    prompt_tokens: int | None = None
+    cached_tokens: int = 0  # usage.prompt_tokens_details.cached_tokens, where the server reports it
+    text: str = ""
     error: str | None = None
     done: bool = False
 
@@ -113,11 +120,15 @@ class StreamState:
             self.error = str(event["error"])
             self.done = True
         for choice in event.get("choices") or []:
-            if self.first_content_at is None and (choice.get("delta") or {}).get("content"):
+            content = (choice.get("delta") or {}).get("content")
+            if self.first_content_at is None and content:
                 self.first_content_at = now
+            self.text += content or ""
             self.finish_reason = choice.get("finish_reason") or self.finish_reason
-        if event.get("usage"):
-            self.completion_tokens = int(event["usage"]["completion_tokens"])
+        if usage := event.get("usage"):
+            self.completion_tokens = int(usage["completion_tokens"])
+            self.prompt_tokens = usage.get("prompt_tokens", self.prompt_tokens)
+            self.cached_tokens = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
 
     def outcome(self, sent: float, ended: float) -> Outcome | None:
         """The request's figures when it finished with a finish_reason, content and usage."""
@@ -126,11 +137,15 @@ class StreamState:
         return Outcome(self.first_content_at - sent, self.completion_tokens, sent, ended)
 
 
-def chat_body(prompt: str, seed: int, extra: dict[str, Any]) -> dict[str, Any]:
+Messages = list[dict[str, str]]
+
+
+def chat_body(prompt: str | Messages, seed: int, extra: dict[str, Any], max_tokens: int = MAX_TOKENS) -> dict[str, Any]:
+    """A streamed chat request: one user message, or a whole conversation."""
     return {
         "model": MODEL,
-        "messages": [{"role": "user", "content": prompt}],
-        "max_tokens": MAX_TOKENS,
+        "messages": [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt,
+        "max_tokens": max_tokens,
         "temperature": TEMPERATURE,
         "seed": seed,
         "stream": True,
@@ -140,7 +155,15 @@ def chat_body(prompt: str, seed: int, extra: dict[str, Any]) -> dict[str, Any]:
 
 
 async def one_request(session: aiohttp.ClientSession, server: Server, prompt: str, seed: int) -> Outcome | None:
-    body = chat_body(prompt, seed, server.extra)
+    outcome, _ = await one_chat(session, server, prompt, seed)
+    return outcome
+
+
+async def one_chat(
+    session: aiohttp.ClientSession, server: Server, prompt: str | Messages, seed: int, max_tokens: int = MAX_TOKENS
+) -> tuple[Outcome | None, StreamState]:
+    """One streamed chat: its figures when it finished (None otherwise), and what the stream said."""
+    body = chat_body(prompt, seed, server.extra, max_tokens)
     sent = time.perf_counter()
     while True:
         state = StreamState()
@@ -151,18 +174,18 @@ async def one_request(session: aiohttp.ClientSession, server: Server, prompt: st
                     continue
                 if response.status != 200:
                     print(f"  request failed: HTTP {response.status} {(await response.text())[:200]}", flush=True)
-                    return None
+                    return None, state
                 async for raw in response.content:
                     state.feed(raw.decode(), time.perf_counter())
                     if state.done:
                         break
         except (aiohttp.ClientError, asyncio.TimeoutError) as error:
             print(f"  request failed: {error!r}", flush=True)
-            return None
+            return None, state
         outcome = state.outcome(sent, time.perf_counter())
         if outcome is None:
             print(f"  request failed: error {state.error}, finish_reason {state.finish_reason}, usage {state.completion_tokens}", flush=True)
-        return outcome
+        return outcome, state
 
 
 async def run_load(server: Server, asks: list[tuple[str, int]], concurrency: int) -> list[Outcome | None]:
@@ -213,14 +236,25 @@ def figures(phases: list[Phase]) -> Figures:
     )
 
 
-def ratio_lines(stack: dict[str, Figures], peer: dict[str, Figures], suffix: str = "") -> list[str]:
-    """The four comparisons, the stack against one llama-server side, each with its target."""
+def ratio_lines(stack: dict[str, Figures], peer: dict[str, Figures]) -> list[str]:
+    """Neither side caching (issue 23's targets)."""
     one, many = (load.name for load in LOADS)
     return [
-        f"BENCH stack_vs_llamaserver_tokens_per_s_{one}{suffix} {stack[one].tokens_per_s / peer[one].tokens_per_s:.2f} x (target >= 0.9)",
-        f"BENCH stack_vs_llamaserver_tokens_per_s_{many}{suffix} {stack[many].tokens_per_s / peer[many].tokens_per_s:.2f} x (target >= 1.0)",
-        f"BENCH stack_minus_llamaserver_ttft_p50_ms_{one}{suffix} {stack[one].ttft_p50_ms - peer[one].ttft_p50_ms:.1f} ms (target <= 20)",
-        f"BENCH stack_vs_llamaserver_ttft_p50_{many}{suffix} {stack[many].ttft_p50_ms / peer[many].ttft_p50_ms:.2f} x (target <= 1.0)",
+        f"BENCH stack_vs_llamaserver_tokens_per_s_{one} {stack[one].tokens_per_s / peer[one].tokens_per_s:.2f} x (target >= 0.9)",
+        f"BENCH stack_vs_llamaserver_tokens_per_s_{many} {stack[many].tokens_per_s / peer[many].tokens_per_s:.2f} x (target >= 1.0)",
+        f"BENCH stack_minus_llamaserver_ttft_p50_ms_{one} {stack[one].ttft_p50_ms - peer[one].ttft_p50_ms:.1f} ms (target <= 20)",
+        f"BENCH stack_vs_llamaserver_ttft_p50_{many} {stack[many].ttft_p50_ms / peer[many].ttft_p50_ms:.2f} x (target <= 1.0)",
+    ]
+
+
+def cached_ratio_lines(stack: dict[str, Figures], peer: dict[str, Figures]) -> list[str]:
+    """Both sides reusing cached prefixes, as their users run them (issue 24's targets)."""
+    one, many = (load.name for load in LOADS)
+    return [
+        f"BENCH stack_vs_llamaserver_cached_tokens_per_s_{one} {stack[one].tokens_per_s / peer[one].tokens_per_s:.2f} x",
+        f"BENCH stack_vs_llamaserver_cached_ttft_p50_{one} {stack[one].ttft_p50_ms / peer[one].ttft_p50_ms:.2f} x",
+        f"BENCH stack_vs_llamaserver_cached_tokens_per_s_{many} {stack[many].tokens_per_s / peer[many].tokens_per_s:.2f} x (target >= 1.0)",
+        f"BENCH stack_vs_llamaserver_cached_ttft_p50_{many} {stack[many].ttft_p50_ms / peer[many].ttft_p50_ms:.2f} x (target <= 1.5)",
     ]
 
 
@@ -248,8 +282,8 @@ def report(phases: dict[tuple[str, str], list[Phase]]) -> list[str]:
                 f"BENCH peer_{name}_{load.name}_ttft_p99 {f.ttft_p99_ms:.1f} ms",
                 f"BENCH peer_{name}_{load.name}_failed {f.failed} requests",
             ]
-    lines += ratio_lines(by_side[STACK], by_side[PEER])
-    lines += ratio_lines(by_side[STACK], by_side[PEER_CACHED], "_cacheon")
+    lines += ratio_lines(by_side[STACK_UNCACHED], by_side[PEER])
+    lines += cached_ratio_lines(by_side[STACK], by_side[PEER_CACHED])
     return lines
 
 
@@ -284,13 +318,32 @@ def start_llama_server(binary: Path, port: int, log_path: Path) -> subprocess.Po
     raise SystemExit(f"llama-server not ready after 120 s; its log: {log_path}")
 
 
-def servers(stack: Stack, peer_port: int) -> dict[str, Server]:
+def servers(stack: Stack, uncached: Stack, peer_port: int) -> dict[str, Server]:
     peer_url = f"http://127.0.0.1:{peer_port}/v1/chat/completions"
+    demo = {"Authorization": f"Bearer {DEMO_KEY}"}
     return {
-        STACK: Server(f"{stack.openai_base_url}/chat/completions", {"Authorization": f"Bearer {DEMO_KEY}"}),
+        STACK: Server(f"{stack.openai_base_url}/chat/completions", demo),
+        STACK_UNCACHED: Server(f"{uncached.openai_base_url}/chat/completions", demo),
         PEER: Server(peer_url, extra={"cache_prompt": False}),
         PEER_CACHED: Server(peer_url),
     }
+
+
+def two_stacks(run_dir: Path, bench: str) -> tuple[Stack, Stack]:
+    """The stack as `make run` starts it, and the same with triton-local's prefix cache off."""
+    def one(name: str, extra_env: dict[str, dict[str, str]]) -> Stack:
+        return Stack(run_dir=run_dir / name, ports=StackPorts.ephemeral(), amqp_prefix=f"sluice-{bench}-{uuid.uuid4().hex[:8]}", extra_env=extra_env)
+
+    return one("cached", {}), one("uncached", {"triton-local": {"SLUICE_TRITON_LOCAL_PREFIX_CACHE": "false"}})
+
+
+@contextlib.contextmanager
+def running(stack: Stack) -> Iterator[Stack]:
+    stack.start()
+    try:
+        yield stack
+    finally:
+        stack.stop()
 
 
 def run_rounds(by_side: dict[str, Server]) -> dict[tuple[str, str], list[Phase]]:
@@ -312,16 +365,13 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as scratch:
         run_dir = Path(os.environ.get("BENCH_RUN_DIR") or scratch)
         run_dir.mkdir(parents=True, exist_ok=True)
-        stack = Stack(run_dir=run_dir, ports=StackPorts.ephemeral(), amqp_prefix=f"sluice-bench-peer-{uuid.uuid4().hex[:8]}")
-        print(f"starting llama-server ({binary}) and the stack as `make run` does ...", flush=True)
+        stack, uncached = two_stacks(run_dir, "bench-peer")
+        print(f"starting llama-server ({binary}) and the stack as `make run` does, with and without its prefix cache ...", flush=True)
         peer_port = free_port()
         peer = start_llama_server(binary, peer_port, run_dir / "llama-server.log")
         try:
-            stack.start()
-            try:
-                phases = run_rounds(servers(stack, peer_port))
-            finally:
-                stack.stop()
+            with running(stack), running(uncached):
+                phases = run_rounds(servers(stack, uncached, peer_port))
         finally:
             peer.terminate()
             peer.wait(timeout=30)

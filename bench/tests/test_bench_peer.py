@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 from bench_openai import Outcome, Phase
-from bench_peer import LOADS, Figures, StreamState, chat_body, figures, ratio_lines
+from bench_peer import LOADS, Figures, StreamState, cached_ratio_lines, chat_body, figures, ratio_lines
 from llama_server import GGML_FLAGS, REPO_ROOT, cached_source, locked_version
 
 
@@ -71,12 +71,24 @@ def test_ratio_lines_carry_their_targets() -> None:
     one, many = (load.name for load in LOADS)
     stack = {one: Figures(45.0, 120.0, 150.0, 8, 0), many: Figures(150.0, 300.0, 900.0, 64, 0)}
     peer = {one: Figures(50.0, 110.0, 140.0, 8, 0), many: Figures(125.0, 400.0, 800.0, 64, 0)}
-    assert ratio_lines(stack, peer, "_cacheon") == [
-        f"BENCH stack_vs_llamaserver_tokens_per_s_{one}_cacheon 0.90 x (target >= 0.9)",
-        f"BENCH stack_vs_llamaserver_tokens_per_s_{many}_cacheon 1.20 x (target >= 1.0)",
-        f"BENCH stack_minus_llamaserver_ttft_p50_ms_{one}_cacheon 10.0 ms (target <= 20)",
-        f"BENCH stack_vs_llamaserver_ttft_p50_{many}_cacheon 0.75 x (target <= 1.0)",
+    assert ratio_lines(stack, peer) == [
+        f"BENCH stack_vs_llamaserver_tokens_per_s_{one} 0.90 x (target >= 0.9)",
+        f"BENCH stack_vs_llamaserver_tokens_per_s_{many} 1.20 x (target >= 1.0)",
+        f"BENCH stack_minus_llamaserver_ttft_p50_ms_{one} 10.0 ms (target <= 20)",
+        f"BENCH stack_vs_llamaserver_ttft_p50_{many} 0.75 x (target <= 1.0)",
     ]
+    assert cached_ratio_lines(stack, peer)[2:] == [
+        f"BENCH stack_vs_llamaserver_cached_tokens_per_s_{many} 1.20 x (target >= 1.0)",
+        f"BENCH stack_vs_llamaserver_cached_ttft_p50_{many} 0.75 x (target <= 1.5)",
+    ]
+
+
+def test_the_stream_says_the_text_and_the_cached_prompt_tokens() -> None:
+    state = StreamState()
+    state.feed(data({"choices": [{"delta": {"content": "Hel"}}]}), now=1.0)
+    state.feed(data({"choices": [{"delta": {"content": "lo"}, "finish_reason": "stop"}]}), now=1.1)
+    state.feed(data({"choices": [], "usage": {"prompt_tokens": 1030, "completion_tokens": 2, "prompt_tokens_details": {"cached_tokens": 1000}}}), now=1.1)
+    assert (state.text, state.prompt_tokens, state.cached_tokens) == ("Hello", 1030, 1000)
 
 
 def test_llama_server_is_built_from_the_locked_bindings(tmp_path, monkeypatch) -> None:
