@@ -289,4 +289,5 @@ async def test_engine_reported_cache_hits_are_counted_per_replica() -> None:
         await pool.stop()
     assert REGISTRY.get_sample_value("sluice_adapter_prompt_tokens_total", {"replica": "hits-a"}) == 4
     assert REGISTRY.get_sample_value("sluice_adapter_cached_prompt_tokens_total", {"replica": "hits-a"}) == 1
+    assert REGISTRY.get_sample_value("sluice_adapter_routed_requests_total", {"replica": "hits-a"}) == 2
     assert decisions("only_replica") >= 2

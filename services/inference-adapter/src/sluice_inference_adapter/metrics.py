@@ -90,6 +90,9 @@ ROUTING_DECISIONS = Counter(
     " matched, or prefix routing is off: the least loaded), only_replica (one candidate).",
     ["model", "reason"],
 )
+ROUTED_REQUESTS = Counter(
+    "sluice_adapter_routed_requests_total", "Generation requests routed to each replica (counted when routed, retries included).", ["replica"]
+)
 ROUTED_PROMPT_CHARS = Counter(
     "sluice_adapter_routed_prompt_chars_total", "Characters of the prompts routed (canonical serialization: messages in order).", ["model"]
 )
@@ -118,7 +121,7 @@ def forget_replica(replica: str, priorities: Iterable[str]) -> None:
     """Drops a removed replica's series, so that pod churn does not grow them for ever (a counter
     that ends is fine for rate())."""
     for metric in (SLOTS_IN_USE, ENGINE_FULL, STEP_SECONDS, QUEUE_SECONDS, BATCH_TOKENS, BACKEND_READY, REPLICA_HEALTHY, REPLICA_LOAD,
-                   PREFIX_RECORD_PROMPTS, PROMPT_TOKENS, CACHED_PROMPT_TOKENS):
+                   PREFIX_RECORD_PROMPTS, PROMPT_TOKENS, CACHED_PROMPT_TOKENS, ROUTED_REQUESTS):
         with suppress(KeyError):
             metric.remove(replica)
     for priority in priorities:

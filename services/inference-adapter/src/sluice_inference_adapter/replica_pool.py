@@ -314,12 +314,14 @@ class ReplicaPool:
         if self._router is None:
             chosen = min(candidates, key=lambda r: r.scheduler.load)
             metrics.ROUTING_DECISIONS.labels(model=self._model, reason="only_replica" if len(candidates) == 1 else "load").inc()
+            metrics.ROUTED_REQUESTS.labels(replica=chosen.name + self._metrics_label).inc()
             return chosen
         key = self._router.key(prompt.messages, prompt.prompt)
         choice = self._router.choose([Candidate(r.name, r.scheduler.load) for r in candidates], key)
         chosen = next(r for r in candidates if r.name == choice.name)
         self._router.record(chosen.name, key)
         metrics.ROUTING_DECISIONS.labels(model=self._model, reason=choice.reason).inc()
+        metrics.ROUTED_REQUESTS.labels(replica=chosen.name + self._metrics_label).inc()
         metrics.ROUTED_PROMPT_CHARS.labels(model=self._model).inc(key.chars)
         metrics.ROUTED_MATCHED_CHARS.labels(model=self._model).inc(choice.matched_blocks * self._router.block_chars)
         metrics.PREFIX_RECORD_PROMPTS.labels(replica=chosen.name + self._metrics_label).set(self._router.remembered(chosen.name))
