@@ -15,6 +15,7 @@ from conftest import StepReplica, run_through
 from sluice_common.adaptive_timeout import AdaptiveTimeout, TimeoutPolicy
 from sluice_common.errors import Unavailable
 from sluice_inference_adapter.embed_batcher import Embeddings
+from sluice_inference_adapter.prefix_routing import PrefixRouter
 from sluice_inference_adapter.replica_pool import PooledEmbedBackend, ReplicaPool
 from sluice_inference_adapter.scheduler import Finish, FinishEvent, GenerationRequest, Scheduler, SchedulerLimits
 from sluice_inference_adapter.step_rows import PromptSpec, SamplingSpec
@@ -135,3 +136,158 @@ async def test_embedding_failures_count_against_the_replica_as_step_failures_do(
     assert not pool.replicas[0].healthy
     with pytest.raises(Unavailable, match="no healthy Triton replica"):
         await backend.embed(["x"])
+
+
+# -- prefix-aware routing (prefix_routing.py) ---------------------------------------------
+
+SYSTEM = "You answer questions about the river trips of a kayak shop, plainly and briefly. " * 8
+
+
+def chat_request(system: str, question: str, max_tokens: int = 3) -> GenerationRequest:
+    return GenerationRequest("rid", "t", PromptSpec(messages=(("system", system), ("user", question))), SamplingSpec(max_tokens=max_tokens))
+
+
+def routed_pool(*models: StepReplica, load_bound: int = 2, slots: int = 4, threshold: int = 2) -> ReplicaPool:
+    limits = SchedulerLimits(max_batch_size=slots)
+    return ReplicaPool(
+        list(models),
+        lambda backend, on_step: Scheduler(backend, limits, on_step=on_step),
+        threshold,
+        0.05,
+        make_backend=lambda url: StepReplica(url),
+        drain_poll_s=0.005,
+        router=PrefixRouter(slots=slots, load_bound=load_bound),
+        model="m-routing",
+    )
+
+
+def decisions(reason: str) -> float:
+    from prometheus_client import REGISTRY
+
+    return REGISTRY.get_sample_value("sluice_adapter_routing_decisions_total", {"model": "m-routing", "reason": reason}) or 0.0
+
+
+async def test_requests_sharing_a_system_prompt_go_to_the_replica_that_has_it() -> None:
+    a, b = StepReplica("a"), StepReplica("b")
+    pool = routed_pool(a, b)
+    pool.start()
+    prefix_before = decisions("prefix")
+    try:
+        # The system prompt is first sent to b (a is busy then): b, not the first in the list, has it.
+        other, first = pool.replicas
+        held = [other.scheduler.submit(request())]
+        assert pool.pick(exclude=set(), prompt=chat_request(SYSTEM, "warm-up").prompt) is first
+        for handle in held:
+            handle.cancel()
+        results = []
+        for i in range(5):
+            results.append(await run_through(pool, chat_request(SYSTEM, f"Question {i}: when does the trip {i} leave?")))
+        # Both idle between requests: least-loaded alone takes the first in the list each time, which need
+        # not be `first`; prefix routing kept every one on the replica the system prompt was sent to.
+        assert first.backend.prefills == 5 and other.backend.prefills == 0  # type: ignore[attr-defined]
+        assert decisions("prefix") - prefix_before == 5
+        # Requests under another, cold prefix are not forced there: with `first` busier, they go to the other.
+        held = [first.scheduler.submit(chat_request(SYSTEM, f"held {i}", max_tokens=50)) for i in range(2)]
+        await asyncio.sleep(0.02)
+        _, finish = await run_through(pool, chat_request("An unrelated system prompt about bicycles. " * 8, "q"))
+        assert other.backend.prefills == 1  # type: ignore[attr-defined]
+        for handle in held:
+            handle.cancel()
+    finally:
+        await pool.stop()
+    assert all(f.finish is Finish.LENGTH for _, f in results)
+
+
+async def test_the_load_bound_sends_a_hot_prefix_elsewhere() -> None:
+    a, b = StepReplica("a", delay_s=0.02), StepReplica("b", delay_s=0.02)
+    pool = routed_pool(a, b, load_bound=2, slots=32)
+    pool.start()
+    before = {reason: decisions(reason) for reason in ("load", "load_bound", "prefix")}
+    try:
+        # Ten at once, all with the same system prompt: the first replica takes them until it holds
+        # more than `load_bound` beyond the other; the overflow goes to the other, not into a pile.
+        results = await asyncio.gather(*(run_through(pool, chat_request(SYSTEM, f"Question {i}?", max_tokens=20)) for i in range(10)))
+    finally:
+        await pool.stop()
+    assert all(f.finish is Finish.LENGTH for _, f in results)
+    counts = sorted((a.prefills, b.prefills))
+    assert counts[0] >= 3 and counts[1] - counts[0] <= 3, (a.prefills, b.prefills)
+    # The first was cold (load), the fourth found the first replica beyond the bound (load_bound);
+    # from then on both had been sent the system prompt and its match, then the load, decided.
+    assert {reason: decisions(reason) - before[reason] for reason in before} == {"load": 1, "load_bound": 1, "prefix": 8}
+
+
+async def test_a_full_replica_does_not_queue_a_match_while_another_has_a_free_slot() -> None:
+    a, b = StepReplica("a"), StepReplica("b")
+    pool = routed_pool(a, b, load_bound=100, slots=2)
+    prompt = chat_request(SYSTEM, "q").prompt
+    first = pool.pick(exclude=set(), prompt=prompt)
+    held = [first.scheduler.submit(request()) for _ in range(2)]  # its batch is full (queued, not started)
+    assert pool.pick(exclude=set(), prompt=prompt) is not first
+    for handle in held:
+        handle.cancel()
+
+
+async def test_a_retry_excludes_the_failed_replica_and_forgets_what_it_held() -> None:
+    a, b = StepReplica("a"), StepReplica("b")
+    pool = routed_pool(a, b, threshold=5)
+    pool.start()
+    try:
+        await run_through(pool, chat_request(SYSTEM, "warm-up"))
+        first = next(r for r in pool.replicas if r.backend.prefills == 1)  # type: ignore[attr-defined]
+        other = next(r for r in pool.replicas if r is not first)
+        key = pool._router.key(*(lambda p: (p.messages, p.prompt))(chat_request(SYSTEM, "x").prompt))  # type: ignore[union-attr]
+        assert pool._router.match(first.name, key) > 0  # type: ignore[union-attr]
+        first.backend.failing = True  # type: ignore[attr-defined]
+        tokens, finish = await run_through(pool, chat_request(SYSTEM, "after the crash"))
+        assert finish.finish is Finish.LENGTH and tokens == 3
+        assert other.backend.prefills == 1  # type: ignore[attr-defined]
+        assert first.healthy  # one failure is under the threshold: healthy, but its record is gone
+        assert pool._router.match(first.name, key) == 0  # type: ignore[union-attr]
+        # The prompt is now remembered where it was served, so the next one goes there.
+        first.backend.failing = False  # type: ignore[attr-defined]
+        await run_through(pool, chat_request(SYSTEM, "next"))
+        assert other.backend.prefills == 2  # type: ignore[attr-defined]
+    finally:
+        await pool.stop()
+
+
+async def test_a_failed_probe_a_removed_and_a_re_added_replica_start_empty() -> None:
+    a, b = StepReplica("a"), StepReplica("b")
+    pool = routed_pool(a, b)
+    router = pool._router
+    assert router is not None
+    prompt = chat_request(SYSTEM, "q").prompt
+    key = router.key(prompt.messages, prompt.prompt)
+    for replica in pool.replicas:
+        router.record(replica.name, key)
+    a.failing = True
+    await pool.probe_once()
+    assert router.match("a", key) == 0 and router.match("b", key) > 0
+    pool.start()
+    try:
+        pool.drain("b")
+        await asyncio.sleep(0.05)
+        assert "b" not in pool.names and router.match("b", key) == 0
+        router.record("b", key)  # as if a stale entry had survived
+        pool.add("b")
+        assert router.match("b", key) == 0
+    finally:
+        await pool.stop()
+
+
+async def test_engine_reported_cache_hits_are_counted_per_replica() -> None:
+    from prometheus_client import REGISTRY
+
+    a = StepReplica("hits-a")
+    pool = routed_pool(a)
+    pool.start()
+    try:
+        for _ in range(2):
+            await run_through(pool, chat_request(SYSTEM, "same question"))
+    finally:
+        await pool.stop()
+    assert REGISTRY.get_sample_value("sluice_adapter_prompt_tokens_total", {"replica": "hits-a"}) == 4
+    assert REGISTRY.get_sample_value("sluice_adapter_cached_prompt_tokens_total", {"replica": "hits-a"}) == 1
+    assert REGISTRY.get_sample_value("sluice_adapter_routed_requests_total", {"replica": "hits-a"}) == 2
+    assert decisions("only_replica") >= 2

@@ -24,6 +24,7 @@ from sluice_inference_adapter.embedding_cache import CachedEmbedder, EmbeddingCa
 from sluice_inference_adapter.metrics import CONCURRENCY_LIMIT
 from sluice_inference_adapter.extra_models import ExtraModel
 from sluice_inference_adapter.passthrough import PassthroughLimits, PassthroughScheduler
+from sluice_inference_adapter.prefix_routing import PrefixRouter
 from sluice_inference_adapter.replica_discovery import Discovery, parse_target
 from sluice_inference_adapter.replica_pool import BackendFactory, PooledEmbedBackend, ReplicaPool, SchedulerFactory
 from sluice_inference_adapter.scheduler import Scheduler, SchedulerLimits
@@ -175,6 +176,13 @@ def concurrency_limit(config: AdapterConfig, protocol: Protocol) -> int:
     return config.max_batch_size if protocol == "step" else config.max_in_flight
 
 
+def prefix_router(config: AdapterConfig, protocol: Protocol) -> PrefixRouter | None:
+    """Prefix-aware routing over the model's replicas, each remembering a few prompts per slot it runs."""
+    if not config.prefix_routing:
+        return None
+    return PrefixRouter(concurrency_limit(config, protocol), config.prefix_routing_load_bound)
+
+
 def extra_model_config(config: AdapterConfig, extra: ExtraModel) -> AdapterConfig:
     """The settings an extra generation model's pool runs with: the main model's, but its own
     Triton model and batch bound (and a reserved interactive share that fits that bound)."""
@@ -200,8 +208,9 @@ async def start_extra_pool(config: AdapterConfig, discovery: Discovery, supervis
     backends, make_scheduler, make_backend = build_backends(config, protocol, urls, label, step_timeouts)
     CONCURRENCY_LIMIT.labels(model=config.model_name).set(concurrency_limit(config, protocol))
     pool = ReplicaPool(
-        backends, make_scheduler, config.replica_failure_threshold, config.probe_interval_s, make_backend, metrics_label=label  # type: ignore[arg-type]
-    )
+        backends, make_scheduler, config.replica_failure_threshold, config.probe_interval_s, make_backend, metrics_label=label,  # type: ignore[arg-type]
+        router=prefix_router(config, protocol), model=config.model_name,
+    )  # fmt: skip
     await wait_for_a_healthy_replica(pool, config.backend_wait_s)
     pool.start(supervisor)
     log.info("extra_model_ready", model=config.model_name, triton_model=config.triton_model, protocol=protocol, max_batch_size=config.max_batch_size)
@@ -247,7 +256,10 @@ async def serve(config: AdapterConfig) -> None:
     metrics.STEP_TIMEOUT.labels(model=config.model_name).set(step_timeouts.limit())
     backends, make_scheduler, make_backend = build_backends(config, protocol, urls, step_timeouts=step_timeouts)
     CONCURRENCY_LIMIT.labels(model=config.model_name).set(concurrency_limit(config, protocol))
-    pool = ReplicaPool(backends, make_scheduler, config.replica_failure_threshold, config.probe_interval_s, make_backend)  # type: ignore[arg-type]
+    pool = ReplicaPool(
+        backends, make_scheduler, config.replica_failure_threshold, config.probe_interval_s, make_backend,  # type: ignore[arg-type]
+        router=prefix_router(config, protocol), model=config.model_name,
+    )  # fmt: skip
     await wait_for_a_healthy_replica(pool, config.backend_wait_s)
     # Every owner task is supervised: if one dies, health turns NOT_SERVING and its callers fail.
     supervisor = running.supervisor

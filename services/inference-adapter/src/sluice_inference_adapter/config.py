@@ -77,6 +77,12 @@ class AdapterConfig(ServerConfig):
     max_bulk_prefill_rows: int = 1
     bulk_prefill_chunk: int = 16
     interactive_reserved_slots: int = 1
+    # Prefix-aware routing (prefix_routing.py): a generation request goes to the replica this
+    # adapter sent the longest prefix of its prompt (its engine's prefix cache likely holds it),
+    # unless that replica has more than PREFIX_ROUTING_LOAD_BOUND waiting plus running sequences
+    # beyond the least loaded one (or a full batch while another has a free slot). Off: least loaded.
+    prefix_routing: bool = True
+    prefix_routing_load_bound: int = 8
     # A replica is unhealthy after this many consecutive failed steps or probes.
     replica_failure_threshold: int = 2
     probe_interval_s: float = 2.0
@@ -149,6 +155,10 @@ class AdapterConfig(ServerConfig):
                 require(False, f"{ENV_PREFIX}EXTRA_MODELS: {exc}")
             require(extra.name not in names, f"{ENV_PREFIX}EXTRA_MODELS: the model name {extra.name!r} is used twice")
             names.append(extra.name)
+        require(
+            self.prefix_routing_load_bound >= 0,
+            f"{ENV_PREFIX}PREFIX_ROUTING_LOAD_BOUND must be >= 0 (sequences beyond the least loaded replica), got {self.prefix_routing_load_bound}",
+        )
         require(self.max_waiting >= 1, f"{ENV_PREFIX}MAX_WAITING must be >= 1, got {self.max_waiting}")
         require(
             0 < self.max_output_tokens < self.context_length,

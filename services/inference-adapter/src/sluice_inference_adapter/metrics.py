@@ -80,6 +80,36 @@ TIMEOUTS = Counter(
     " count_tokens, embed_batch, stream_first and stream_gap (a passthrough stream's wait for its first or next response).",
     ["kind"],
 )
+# Prefix-aware routing (prefix_routing.py). The estimated share of prompt text the chosen replica
+# already held = rate(routed_matched_chars) / rate(routed_prompt_chars); what the engines report
+# reusing = rate(cached_prompt_tokens) / rate(prompt_tokens), per replica.
+ROUTING_DECISIONS = Counter(
+    "sluice_adapter_routing_decisions_total",
+    "Generation requests routed to a replica, by why that one: prefix (it was sent the longest prefix of the prompt,"
+    " within the load bound), load_bound (a longer match was on a replica loaded beyond the bound), load (no replica"
+    " matched, or prefix routing is off: the least loaded), only_replica (one candidate).",
+    ["model", "reason"],
+)
+ROUTED_REQUESTS = Counter(
+    "sluice_adapter_routed_requests_total", "Generation requests routed to each replica (counted when routed, retries included).", ["replica"]
+)
+ROUTED_PROMPT_CHARS = Counter(
+    "sluice_adapter_routed_prompt_chars_total", "Characters of the prompts routed (canonical serialization: messages in order).", ["model"]
+)
+ROUTED_MATCHED_CHARS = Counter(
+    "sluice_adapter_routed_matched_chars_total",
+    "Characters of the routed prompts' leading blocks that the chosen replica was sent before (the estimated cache hit).",
+    ["model"],
+)
+PREFIX_RECORD_PROMPTS = Gauge(
+    "sluice_adapter_prefix_record_prompts", "Prompts remembered per replica for prefix routing (bounded; a failed replica's are forgotten).", ["replica"]
+)
+PROMPT_TOKENS = Counter("sluice_adapter_prompt_tokens_total", "Prompt tokens of finished sequences, per replica that served them.", ["replica"])
+CACHED_PROMPT_TOKENS = Counter(
+    "sluice_adapter_cached_prompt_tokens_total",
+    "Prompt tokens the replica's engine reported taking from its prefix cache (CACHED_TOKENS), per replica.",
+    ["replica"],
+)
 DISCOVERY_FAILURES = Counter(
     "sluice_adapter_discovery_failures_total",
     "DNS lookups of a dns:/// replica target that failed (reason=error) or named no address (reason=empty); the replicas were kept.",
@@ -90,7 +120,8 @@ DISCOVERY_FAILURES = Counter(
 def forget_replica(replica: str, priorities: Iterable[str]) -> None:
     """Drops a removed replica's series, so that pod churn does not grow them for ever (a counter
     that ends is fine for rate())."""
-    for metric in (SLOTS_IN_USE, ENGINE_FULL, STEP_SECONDS, QUEUE_SECONDS, BATCH_TOKENS, BACKEND_READY, REPLICA_HEALTHY, REPLICA_LOAD):
+    for metric in (SLOTS_IN_USE, ENGINE_FULL, STEP_SECONDS, QUEUE_SECONDS, BATCH_TOKENS, BACKEND_READY, REPLICA_HEALTHY, REPLICA_LOAD,
+                   PREFIX_RECORD_PROMPTS, PROMPT_TOKENS, CACHED_PROMPT_TOKENS, ROUTED_REQUESTS):
         with suppress(KeyError):
             metric.remove(replica)
     for priority in priorities:

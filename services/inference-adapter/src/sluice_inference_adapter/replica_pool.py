@@ -1,7 +1,10 @@
 """Several Triton replicas behind one model: least-loaded routing, health, and retry.
 
 Routing picks the healthy replica with the fewest waiting plus running sequences (not
-round robin: a replica stuck on long prompts should get less, not the same). A replica
+round robin: a replica stuck on long prompts should get less, not the same); with a
+PrefixRouter (prefix_routing.py), a generation request goes instead to the replica that was
+sent the longest prefix of its prompt, as long as that replica's load stays within a bound of
+the least loaded one's, so that its engine's prefix cache is hit. A replica
 is marked unhealthy after `failure_threshold` consecutive failures, counting both
 failed steps and failed probes, and readmitted after one successful probe. A request
 whose replica failed before it produced a token is moved to another replica; one that
@@ -29,6 +32,7 @@ from sluice_common.errors import SluiceError, Unavailable
 from sluice_common.supervision import Supervisor, stop_tasks
 from sluice_inference_adapter import metrics
 from sluice_inference_adapter.embed_batcher import EmbedBackend, Embeddings
+from sluice_inference_adapter.prefix_routing import Candidate, PrefixRouter
 from sluice_inference_adapter.scheduler import (
     Event,
     Finish,
@@ -37,6 +41,7 @@ from sluice_inference_adapter.scheduler import (
     SequenceHandle,
     TokenEvent,
 )
+from sluice_inference_adapter.step_rows import PromptSpec
 from sluice_inference_adapter.waiting_queue import Priority
 
 log = structlog.stdlib.get_logger("sluice.replicas")
@@ -103,6 +108,8 @@ class ReplicaPool:
         make_backend: BackendFactory | None = None,
         drain_poll_s: float = 0.1,
         metrics_label: str = "",
+        router: PrefixRouter | None = None,
+        model: str = "",
     ) -> None:
         if not backends:
             raise ValueError("a replica pool needs at least one replica")
@@ -115,6 +122,10 @@ class ReplicaPool:
         # "<address><label>" (as its schedulers' are), and the replica-state counts stay the
         # main model's; one series written by two pools would report whichever wrote last.
         self._metrics_label = metrics_label
+        # Prefix-aware routing of generation requests (None: least-loaded alone); `model` labels
+        # the routing decisions.
+        self._router = router
+        self._model = model
         self._probe_task: asyncio.Task[None] | None = None
         self._supervisor: Supervisor | None = None
         # Started on drain, cancelled on undrain; each removes its replica once it holds nothing.
@@ -151,6 +162,7 @@ class ReplicaPool:
         if self._make_backend is None:
             raise RuntimeError("this pool was built without a backend factory: it cannot add replicas")
         replica = Replica(self._make_backend(url), healthy=False)
+        self._forget_prefixes(replica)  # an address seen before: whatever it held is gone
         self._admit(replica)
         log.info("replica_added", replica=replica.name)
         if self._supervisor is not None:
@@ -194,6 +206,8 @@ class ReplicaPool:
         self.replicas.remove(replica)
         self._drains.pop(replica.name, None)
         replica.removed = True
+        if self._router is not None:
+            self._router.forget(replica.name)
         await replica.scheduler.stop()
         await replica.backend.close()
         for listener in self.on_removed:
@@ -223,6 +237,8 @@ class ReplicaPool:
                 replica.healthy = True
                 log.info("replica_readmitted", replica=replica.name)
         else:
+            # A failed step or probe may be a restarted engine: assume its prefix cache is empty.
+            self._forget_prefixes(replica)
             replica.consecutive_failures += 1
             if replica.healthy and replica.consecutive_failures >= self._failure_threshold:
                 replica.healthy = False
@@ -277,20 +293,45 @@ class ReplicaPool:
 
     # -- routing ---------------------------------------------------------------------
 
-    def pick(self, exclude: set[str]) -> Replica:
+    def _forget_prefixes(self, replica: Replica) -> None:
+        if self._router is not None:
+            self._router.forget(replica.name)
+            metrics.PREFIX_RECORD_PROMPTS.labels(replica=replica.name + self._metrics_label).set(0)
+
+    def pick(self, exclude: set[str], prompt: PromptSpec | None = None) -> Replica:
+        """A healthy, undrained replica not in `exclude`: the least loaded, or, for a generation
+        request's `prompt` with prefix routing on, the one its PrefixRouter chooses (which then
+        remembers the prompt as sent there). Without `prompt` (token counts, embeddings) nothing
+        is remembered or counted as a routing decision."""
         candidates = [r for r in self.replicas if r.healthy and not r.draining and r.name not in exclude]
         if not candidates:
             tried = f" (tried {', '.join(sorted(exclude))})" if exclude else ""
             raise Unavailable(f"no healthy Triton replica can take this request{tried}; retry shortly")
         for replica in self.replicas:
             metrics.REPLICA_LOAD.labels(replica=replica.name + self._metrics_label).set(replica.scheduler.load)
-        return min(candidates, key=lambda r: r.scheduler.load)
+        if prompt is None:
+            return min(candidates, key=lambda r: r.scheduler.load)
+        if self._router is None:
+            chosen = min(candidates, key=lambda r: r.scheduler.load)
+            metrics.ROUTING_DECISIONS.labels(model=self._model, reason="only_replica" if len(candidates) == 1 else "load").inc()
+            metrics.ROUTED_REQUESTS.labels(replica=chosen.name + self._metrics_label).inc()
+            return chosen
+        key = self._router.key(prompt.messages, prompt.prompt)
+        choice = self._router.choose([Candidate(r.name, r.scheduler.load) for r in candidates], key)
+        chosen = next(r for r in candidates if r.name == choice.name)
+        self._router.record(chosen.name, key)
+        metrics.ROUTING_DECISIONS.labels(model=self._model, reason=choice.reason).inc()
+        metrics.ROUTED_REQUESTS.labels(replica=chosen.name + self._metrics_label).inc()
+        metrics.ROUTED_PROMPT_CHARS.labels(model=self._model).inc(key.chars)
+        metrics.ROUTED_MATCHED_CHARS.labels(model=self._model).inc(choice.matched_blocks * self._router.block_chars)
+        metrics.PREFIX_RECORD_PROMPTS.labels(replica=chosen.name + self._metrics_label).set(self._router.remembered(chosen.name))
+        return chosen
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[Event]:
         """The request's events from the first replica that serves it."""
         tried: set[str] = set()
         while True:
-            replica = self.pick(exclude=tried)
+            replica = self.pick(exclude=tried, prompt=request.prompt)
             handle = replica.scheduler.submit(request)
             streamed = False
             retry = False
@@ -300,6 +341,10 @@ class ReplicaPool:
                         retry = True
                         break
                     streamed |= isinstance(event, TokenEvent)
+                    if isinstance(event, FinishEvent) and event.prompt_tokens and not replica.removed:
+                        label = replica.name + self._metrics_label
+                        metrics.PROMPT_TOKENS.labels(replica=label).inc(event.prompt_tokens)
+                        metrics.CACHED_PROMPT_TOKENS.labels(replica=label).inc(event.cached_tokens)
                     yield event
             finally:
                 handle.cancel()
