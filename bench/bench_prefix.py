@@ -16,9 +16,20 @@ seed per request).
   cached    the share of prompt tokens usage.prompt_tokens_details.cached_tokens reports
   Only requests that ended with a finish_reason count; the others are printed and counted.
 
+Then two stacks of two triton-local replicas each (one engine thread each, as the launcher splits
+the cores) behind one adapter, the prefix cache on in both, with small engines (ROUTING_SLOTS slots,
+the adapter's batch as large) so that a replica cannot keep every prompt's cells: one routes by
+prefix (SLUICE_ADAPTER_PREFIX_ROUTING=true, its default), the other by load alone (false).
+
+  routing        ROUTING_REQUESTS requests over ROUTING_PROMPTS distinct system prompts (about 300
+                 tokens each), in turn, one every ROUTING_ARRIVAL_S seconds: TTFT p50/p99, the
+                 cached share, and the busiest replica's share of the requests
+
 BENCH prefix_cache_ttft_speedup = shared_prompt TTFT p50 without the cache / with it (target >= 4);
 BENCH prefix_cache_tokens_per_s_ratio = with / without (target >= 1.0: not lower);
-BENCH prefix_cache_multiturn_speedup = multiturn TTFT p50 of turns 2.. without / with (target >= 3).
+BENCH prefix_cache_multiturn_speedup = multiturn TTFT p50 of turns 2.. without / with (target >= 3);
+BENCH prefix_routing_ttft_p50_speedup = routing TTFT p50 by load / by prefix (target >= 2), and
+BENCH prefix_routing_busiest_replica_share (target <= 70%).
 BENCH_RUN_DIR keeps the services' logs (a temporary folder otherwise).
 """
 
@@ -26,6 +37,9 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
+import urllib.request
+import uuid
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -35,6 +49,7 @@ import aiohttp
 
 from bench_openai import percentile
 from bench_peer import DEMO_KEY, Messages, Server, StreamState, one_chat, running, two_stacks
+from sluice_stack import Stack, StackPorts
 
 SHARED_REQUESTS = int(os.environ.get("BENCH_SHARED_REQUESTS", "32"))
 # Slower than a cold prefill of the shared prompt (2.65 s for 1,000 tokens alone, on 2 cores), so
@@ -43,9 +58,17 @@ ARRIVAL_S = float(os.environ.get("BENCH_ARRIVAL_S", "3.0"))
 CONVERSATIONS = int(os.environ.get("BENCH_CONVERSATIONS", "8"))
 TURNS = int(os.environ.get("BENCH_TURNS", "5"))
 MAX_TOKENS = int(os.environ.get("BENCH_MAX_TOKENS", "32"))
+ROUTING_REQUESTS = int(os.environ.get("BENCH_ROUTING_REQUESTS", "48"))
+ROUTING_PROMPTS = int(os.environ.get("BENCH_ROUTING_PROMPTS", "6"))
+ROUTING_ARRIVAL_S = float(os.environ.get("BENCH_ROUTING_ARRIVAL_S", "1.0"))
+# Slots per engine: room for its share of the prompts (3 of 6) beside the requests in flight, not
+# for all of them.
+ROUTING_SLOTS = int(os.environ.get("BENCH_ROUTING_SLOTS", "6"))
 ROUNDS = int(os.environ.get("BENCH_ROUNDS", "2"))
 CACHED, UNCACHED = "cache on", "cache off"
 SIDES = (CACHED, UNCACHED)
+BY_PREFIX, BY_LOAD = "by prefix", "by load"
+ROUTERS = (BY_PREFIX, BY_LOAD)
 
 # About 1,000 tokens of SmolLM2's tokenizer: a support assistant's instructions, as applications write them.
 _RULES = (
@@ -115,18 +138,31 @@ def session() -> aiohttp.ClientSession:
     return aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True, limit=0), timeout=aiohttp.ClientTimeout(total=900))
 
 
-async def shared_prompt(server: Server, round_: int) -> Phase:
-    """Requests sharing the system prompt, one every ARRIVAL_S seconds (each sent on time, answered or not)."""
+async def open_loop(server: Server, conversations: list[Messages], interval_s: float, first_seed: int) -> Phase:
+    """Each request sent `interval_s` after the one before, whether or not that one was answered."""
     phase = Phase()
     async with session() as http:
 
         async def send(index: int) -> None:
-            await asyncio.sleep(index * ARRIVAL_S)
-            question = f"{QUESTIONS[index % len(QUESTIONS)]} (ticket {round_}-{index})"
-            await chat(http, server, [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": question}], 100 * round_ + index, phase)
+            await asyncio.sleep(index * interval_s)
+            await chat(http, server, conversations[index], first_seed + index, phase)
 
-        await asyncio.gather(*(send(i) for i in range(SHARED_REQUESTS)))
+        await asyncio.gather(*(send(i) for i in range(len(conversations))))
     return phase
+
+
+def ask(system: str, question: str) -> Messages:
+    return [{"role": "system", "content": system}, {"role": "user", "content": question}]
+
+
+def question(round_: int, index: int) -> str:
+    return f"{QUESTIONS[index % len(QUESTIONS)]} (ticket {round_}-{index})"
+
+
+async def shared_prompt(server: Server, round_: int) -> Phase:
+    """Requests sharing the system prompt, one every ARRIVAL_S seconds."""
+    asks = [ask(SYSTEM_PROMPT, question(round_, i)) for i in range(SHARED_REQUESTS)]
+    return await open_loop(server, asks, ARRIVAL_S, 100 * round_)
 
 
 async def multiturn(server: Server, round_: int) -> tuple[Phase, Phase]:
@@ -145,6 +181,66 @@ async def multiturn(server: Server, round_: int) -> tuple[Phase, Phase]:
 
         await asyncio.gather(*(converse(i) for i in range(CONVERSATIONS)))
     return first, later
+
+
+async def routing(server: Server, round_: int) -> Phase:
+    """Requests over a few system prompts, in turn, one every ROUTING_ARRIVAL_S seconds."""
+    asks = [ask(f"Assistant {round_}-{i % ROUTING_PROMPTS} of the shop.\n{CONVERSATION_RULES}", question(round_, i)) for i in range(ROUTING_REQUESTS)]
+    return await open_loop(server, asks, ROUTING_ARRIVAL_S, 7000 * round_)
+
+
+def routed_requests(stack: Stack) -> dict[str, float]:
+    """Requests the adapter routed to each replica so far (its counter, per replica)."""
+    with urllib.request.urlopen(stack.metrics_url("inference-adapter"), timeout=5) as reply:
+        text = reply.read().decode()
+    found = re.findall(r'^sluice_adapter_routed_requests_total\{replica="([^"]+)"\} ([0-9.e+]+)$', text, re.M)
+    return {replica: float(value) for replica, value in found}
+
+
+def busiest_share(before: dict[str, float], after: dict[str, float]) -> float:
+    routed = {replica: after[replica] - before.get(replica, 0.0) for replica in after}
+    total = sum(routed.values())
+    return max(routed.values()) / total if total else float("nan")
+
+
+def routing_stacks(run_dir: Path) -> dict[str, Stack]:
+    def one(name: str, prefix_routing: bool) -> Stack:
+        return Stack(
+            run_dir=run_dir / name,
+            ports=StackPorts.ephemeral(),
+            amqp_prefix=f"sluice-bench-prefix-{uuid.uuid4().hex[:8]}",
+            extra_triton_replicas=1,
+            serve_variant=False,
+            extra_env={
+                "triton-local": {"SLUICE_TRITON_LOCAL_MAX_SLOTS": str(ROUTING_SLOTS)},
+                "triton-local-2": {"SLUICE_TRITON_LOCAL_MAX_SLOTS": str(ROUTING_SLOTS)},
+                "inference-adapter": {
+                    "SLUICE_ADAPTER_MAX_BATCH_SIZE": str(ROUTING_SLOTS),
+                    "SLUICE_ADAPTER_PREFIX_ROUTING": str(prefix_routing).lower(),
+                },
+            },
+        )
+
+    return {BY_PREFIX: one("by-prefix", True), BY_LOAD: one("by-load", False)}
+
+
+def run_routing(run_dir: Path) -> tuple[dict[str, list[Phase]], dict[str, float]]:
+    """The routing load on both two-replica stacks: each side's phases and its busiest replica's share."""
+    stacks = routing_stacks(run_dir)
+    phases: dict[str, list[Phase]] = {router: [] for router in ROUTERS}
+    shares: dict[str, float] = {}
+    with running(stacks[BY_PREFIX]), running(stacks[BY_LOAD]):
+        demo = {"Authorization": f"Bearer {DEMO_KEY}"}
+        servers = {router: Server(f"{stack.openai_base_url}/chat/completions", demo) for router, stack in stacks.items()}
+        before = {router: routed_requests(stack) for router, stack in stacks.items()}
+        for round_ in range(1, ROUNDS + 1):
+            for router in ROUTERS if round_ % 2 else ROUTERS[::-1]:
+                phase = asyncio.run(routing(servers[router], round_))
+                phases[router].append(phase)
+                f = figures([phase])
+                print(f"round {round_} routing {router:<9} {f.ok} ok, {f.failed} failed, TTFT p50 {f.ttft_p50_ms:.0f} ms, cached {f.cached_share:.0%}", flush=True)
+        shares = {router: busiest_share(before[router], routed_requests(stack)) for router, stack in stacks.items()}
+    return phases, shares
 
 
 @dataclass(frozen=True)
@@ -176,14 +272,14 @@ def figures(phases: list[Phase]) -> Figures:
     )
 
 
-def report(by_load: dict[str, dict[str, Figures]]) -> list[str]:
+def report(by_load: dict[str, dict[str, Figures]], busiest: dict[str, float]) -> list[str]:
     lines = [f"{'load':<20} {'side':<10} {'TTFT p50':>10} {'TTFT p99':>10} {'tok/s':>7} {'cached':>7} {'ok':>4} {'failed':>6}"]
     for load, sides in by_load.items():
         for side, f in sides.items():
             lines.append(
                 f"{load:<20} {side:<10} {f.ttft_p50_ms:8.1f} ms {f.ttft_p99_ms:7.1f} ms {f.tokens_per_s:7.1f} {f.cached_share:7.1%} {f.ok:>4} {f.failed:>6}"
             )
-    shared, later = by_load["shared_prompt"], by_load["multiturn_turns2+"]
+    shared, later, routed = by_load["shared_prompt"], by_load["multiturn_turns2+"], by_load["routing"]
     return [
         *lines,
         "",
@@ -191,6 +287,10 @@ def report(by_load: dict[str, dict[str, Figures]]) -> list[str]:
         f"BENCH prefix_cache_tokens_per_s_ratio {shared[CACHED].tokens_per_s / shared[UNCACHED].tokens_per_s:.2f} x (target >= 1.0)",
         f"BENCH prefix_cache_multiturn_speedup {later[UNCACHED].ttft_p50_ms / later[CACHED].ttft_p50_ms:.2f} x (target >= 3)",
         f"BENCH prefix_cache_shared_prompt_cached_share {shared[CACHED].cached_share:.1%} of prompt tokens",
+        f"BENCH prefix_routing_ttft_p50_speedup {routed[BY_LOAD].ttft_p50_ms / routed[BY_PREFIX].ttft_p50_ms:.2f} x (target >= 2)",
+        f"BENCH prefix_routing_ttft_p99_speedup {routed[BY_LOAD].ttft_p99_ms / routed[BY_PREFIX].ttft_p99_ms:.2f} x",
+        f"BENCH prefix_routing_cached_share {routed[BY_PREFIX].cached_share:.1%} by prefix, {routed[BY_LOAD].cached_share:.1%} by load",
+        f"BENCH prefix_routing_busiest_replica_share {busiest[BY_PREFIX]:.0%} by prefix, {busiest[BY_LOAD]:.0%} by load (target <= 70%)",
     ]
 
 
@@ -211,9 +311,11 @@ def main() -> int:
                         phases.setdefault((load, side), []).append(phase)
                         f = figures([phase])
                         print(f"round {round_} {load:<18} {side:<9} {f.ok} ok, {f.failed} failed, TTFT p50 {f.ttft_p50_ms:.0f} ms, cached {f.cached_share:.0%}", flush=True)
+        routed, busiest = run_routing(run_dir)
     by_load = {load: {side: figures(phases[(load, side)]) for side in SIDES} for load in ("shared_prompt", "multiturn_turn1", "multiturn_turns2+")}
+    by_load["routing"] = {router: figures(routed[router]) for router in ROUTERS}
     print()
-    print("\n".join(report(by_load)))
+    print("\n".join(report(by_load, busiest)))
     return 0
 
 
