@@ -124,7 +124,9 @@ def test_a_shared_system_prompt_stays_on_one_replica_within_the_load_bound(two_r
         before = placement.requests()
         for question in ("Is a helmet included?", "What happens when the river is high?", "Do trips run in winter?"):
             reply = usage(stub, request(hot, question, 4))
-            assert reply.cached_tokens >= 100, reply  # the system prompt (~150 tokens), not just the template's opening
+            # Most of the system prompt (~150 tokens; the engine prefills a long prompt's last 64
+            # tokens again), not just the template's opening.
+            assert reply.cached_tokens >= 60, reply
             assert reply.cached_tokens < reply.prompt_tokens
         assert grew(before, placement.requests()) == {home}
         # Still running: `home` was the busier replica all along (else this step proved nothing).
@@ -162,3 +164,29 @@ def test_a_shared_system_prompt_stays_on_one_replica_within_the_load_bound(two_r
         consumed.join(timeout=30)
     assert first.prompt_tokens > 100
     assert placement.decisions("prefix") >= 4
+
+
+def test_losing_the_replica_that_holds_a_prefix_costs_the_next_request_a_cold_prefill(two_replicas: Stack) -> None:
+    """Issue 24's acceptance: the replica that holds a prefix is killed; the next request of that
+    prefix is still answered (elsewhere, prefilled cold there), and greedy decoding gives the same text."""
+    stack = two_replicas
+    placement = Placement(stack)
+    stub = inference_pb2_grpc.InferenceServiceStub(grpc.insecure_channel(stack.adapter_address))
+    prefix = f"Session {uuid.uuid4().hex}. {SYSTEM_PROMPT}"
+
+    def answer() -> tuple[str, types_pb2.Usage]:
+        responses = list(stub.Generate(request(prefix, "Can I book for six people?", 8), timeout=180))
+        return "".join(r.text for r in responses), responses[-1].usage
+
+    before = placement.requests()
+    cold_text, cold = answer()
+    (holder,) = grew(before, placement.requests())
+    warm_text, warm = answer()
+    assert warm.cached_tokens >= 60 and warm_text == cold_text, (cold, warm)
+
+    stack.service(holder).kill()
+    text, after = answer()
+    assert text == cold_text
+    assert after.cached_tokens < 20, after  # cold on the survivor: at most the chat template's opening
+    survivor = next(name for name in REPLICAS if name != holder)
+    assert placement.requests()[survivor] > before[survivor]

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from sluice_triton_local.engine.prefix_cache import MIN_REUSED_TOKENS, PrefixCache, common_prefix
+from sluice_triton_local.engine.prefix_cache import MIN_REUSED_TOKENS, Cells, PrefixCache, common_prefix, exact_reuse
 from sluice_triton_local.engine.step_engine import DecodeRow, PrefillRow, ReleaseRow, RowResult, SamplingParams, StepEngine
 from sluice_triton_local.engine.bench import default_gguf_path
 
@@ -32,24 +32,52 @@ def test_common_prefix_counts_leading_equal_tokens() -> None:
     assert common_prefix(long, [*long[:777], -1, *long[778:]]) == 777
 
 
+def cells(tokens: list[int], tiled: bool = False) -> Cells:
+    held = Cells()
+    held.append(tokens, tiled)
+    return held
+
+
+def test_reuse_stops_where_a_cold_prefill_would_compute_attention_otherwise() -> None:
+    """llama.cpp's CPU attention: a tiled kernel for 64+ rows of a sequence a step, row by row below."""
+    tiled_prompt = Cells()
+    tiled_prompt.append(list(range(100)), tiled=True)  # a 100-token prompt prefilled whole
+    tiled_prompt.append([7, 8], tiled=False)  # and two decoded tokens
+    # A whole 150-token prompt sharing 90 tokens: its last 64 are prefilled again (the tiled kernel).
+    assert exact_reuse(90, tiled_prompt, 150, 0, 64) == 150 - 64
+    assert exact_reuse(40, tiled_prompt, 150, 0, 64) == 40
+    # A short prompt is prefilled row by row when cold: cells computed tiled are not the same.
+    assert exact_reuse(50, tiled_prompt, 60, 0, 64) == 0
+    short = cells(list(range(30)))
+    assert exact_reuse(29, short, 30, 0, 64) == 29
+    # Decoded cells (row by row) are never what a cold prefill of 64+ tokens computes.
+    assert exact_reuse(101, tiled_prompt, 200, 0, 64) == 100
+    # A chunked prefill restarts at a chunk boundary whose kernels match the cold chunks'.
+    chunked = Cells()
+    chunked.append(list(range(128)), tiled=True)
+    assert exact_reuse(100, chunked, 300, 64, 64) == 64
+    # No batch-dependent kernel: every shared token.
+    assert exact_reuse(90, tiled_prompt, 150, 0, None) == 90
+
+
 def test_free_slots_go_empty_first_then_least_recently_cached() -> None:
     cache = PrefixCache(range(3))
     assert [cache.take_any() for _ in range(3)] == [(0, False), (1, False), (2, False)]
-    cache.free(2, [7, 8, 9])
-    cache.free(0, [7, 8])
+    cache.free(2, cells([7, 8, 9]))
+    cache.free(0, cells([7, 8]))
     cache.free(1, None)  # cells not to be trusted: an empty slot
     assert len(cache) == 3 and cache.cached_slots == 2
     assert cache.longest([7, 8, 9, 10], limit=3) == (2, 3)
     assert cache.longest([7, 8, 9, 10], limit=2) == (2, 2)
     assert cache.take_any() == (1, False)
     assert cache.take_any() == (2, True)  # cached first: the least recently used goes
-    assert cache.tokens(0) == [7, 8] and cache.take(0) == [7, 8] and len(cache) == 0
+    assert cache.cells(0).tokens == [7, 8] and cache.take(0).tokens == [7, 8] and len(cache) == 0
 
 
 def test_a_disabled_cache_keeps_nothing() -> None:
     cache = PrefixCache(range(1), enabled=False)
     cache.take_any()
-    cache.free(0, [1, 2, 3])
+    cache.free(0, cells([1, 2, 3]))
     assert cache.cached_slots == 0 and cache.longest([1, 2, 3], 3) == (None, 0)
 
 
@@ -71,6 +99,12 @@ def run(engine: StepEngine, seq_id: int, prompt: tuple[int, ...], params: Sampli
     while not out[-1].finish_reason:
         out += engine.step([DecodeRow(seq_id)])
     return out
+
+
+def reusable(engine: StepEngine, shared: int, prompt: tuple[int, ...]) -> int:
+    """What a whole-prompt prefill may reuse of `shared` tokens a prefill of 64+ tokens computed."""
+    rows = engine._model.tiled_attention_rows  # noqa: SLF001
+    return shared if rows is None or len(prompt) < rows else min(shared, len(prompt) - rows)
 
 
 def tokens(results: list[RowResult]) -> list[int]:
@@ -96,9 +130,11 @@ def test_a_finished_sequences_prefix_is_reused_with_the_same_greedy_output(engin
     hits, reused = cached.prefix_hits_total, cached.cached_tokens_total
 
     warm = run(cached, 2, second)
-    assert {r.cached_tokens for r in warm} == {shared}
+    expected = reusable(cached, shared, second)
+    assert expected >= 40
+    assert {r.cached_tokens for r in warm} == {expected}
     assert {r.prompt_tokens for r in warm} == {len(second)}  # the whole prompt, cached tokens included
-    assert cached.prefix_hits_total == hits + 1 and cached.cached_tokens_total == reused + shared
+    assert cached.prefix_hits_total == hits + 1 and cached.cached_tokens_total == reused + expected
     assert tokens(warm) == tokens(run(reference, 2, second))
     assert tokens(cold) == tokens(run(reference, 1, first))
 
@@ -109,7 +145,7 @@ def test_the_same_prompt_again_prefills_only_its_last_token(engines: tuple[StepE
     prompt = chat(cached, QUESTIONS[2])
     once = run(cached, 3, prompt)
     again = run(cached, 4, prompt)
-    assert again[0].cached_tokens == len(prompt) - 1  # its logits sample the first token
+    assert again[0].cached_tokens == reusable(cached, len(prompt) - 1, prompt)  # its last token samples the first
     assert tokens(again) == tokens(once) == tokens(run(reference, 3, prompt))
 
 
@@ -117,20 +153,24 @@ def test_a_live_sequences_prefix_is_copied_and_both_go_on_unchanged(engines: tup
     cached, reference = engines
     forget_everything(cached)
     first, second = chat(cached, QUESTIONS[0]), chat(cached, QUESTIONS[1])
-    long = SamplingParams(max_tokens=20)
-    live = cached.step([PrefillRow(5, first, long)])
-    live += cached.step([DecodeRow(5)])
-    # The second prefills beside the first's decode, from the first's cells.
-    both = cached.step([DecodeRow(5), PrefillRow(6, second, GREEDY)])
-    assert both[1].cached_tokens == common_prefix(list(first), list(second))
-    live.append(both[0])
-    joined = [both[1]]
-    while not (live[-1].finish_reason and joined[-1].finish_reason):
-        rows = [DecodeRow(s) for s, out in ((5, live), (6, joined)) if not out[-1].finish_reason]
-        for row, result in zip(rows, cached.step(rows)):
-            (live if row.seq_id == 5 else joined).append(result)
-    assert tokens(joined) == tokens(run(reference, 6, second))
-    assert tokens(live) == tokens(run(reference, 5, first, long))
+
+    def drive(engine: StepEngine) -> tuple[list[int], list[int], int]:
+        """The second prefills while the first is live (with the cache: from the first's cells,
+        copied), in a step of its own: a prefill beside another sequence's decode is split by
+        llama.cpp into row groups that depend on that neighbour, and rounds differently whatever
+        the cache does. Then both decode together, the same steps on either engine."""
+        live = engine.step([PrefillRow(5, first, SamplingParams(max_tokens=20))])
+        live += engine.step([DecodeRow(5)])
+        joined = engine.step([PrefillRow(6, second, GREEDY)])
+        while not (live[-1].finish_reason and joined[-1].finish_reason):
+            rows = [DecodeRow(s) for s, out in ((5, live), (6, joined)) if not out[-1].finish_reason]
+            for row, result in zip(rows, engine.step(rows)):
+                (live if row.seq_id == 5 else joined).append(result)
+        return tokens(live), tokens(joined), joined[0].cached_tokens
+
+    live, joined, reused = drive(cached)
+    assert reused == reusable(cached, common_prefix(list(first), list(second)), second) > 0
+    assert drive(reference) == (live, joined, 0)
 
 
 def test_a_short_shared_prefix_is_not_reused(engines: tuple[StepEngine, StepEngine]) -> None:
@@ -159,7 +199,7 @@ def test_cached_slots_give_way_to_live_work_and_never_answer_busy(engines: tuple
     cached.step([ReleaseRow(20 + i) for i in range(cached.max_slots)])
     # The released sequences' cells are cached too, and an evicted slot prefills cold and right.
     (result,) = cached.step([PrefillRow(31, unrelated[0], SamplingParams(max_tokens=1))])
-    assert result.cached_tokens == len(unrelated[0]) - 1
+    assert result.cached_tokens == reusable(cached, len(unrelated[0]) - 1, unrelated[0])
     evicting = run(cached, 32, chat(cached, QUESTIONS[1]))
     assert evicting[0].cached_tokens == 0
     assert tokens(evicting) == tokens(run(reference, 32, chat(reference, QUESTIONS[1])))
@@ -173,5 +213,9 @@ def test_a_conversations_next_turn_reuses_the_previous_turn(engines: tuple[StepE
     answer = "".join(r.text for r in run(cached, 40, first))
     following = tuple(cached.encode_chat([*turn, ("assistant", answer), ("user", "And children's bikes?")]))
     result = run(cached, 41, following)
-    assert result[0].cached_tokens >= len(first)
+    rows = cached._model.tiled_attention_rows  # noqa: SLF001
+    if rows is None:  # the answer's cells too
+        assert result[0].cached_tokens >= len(first)
+    else:  # the first turn's prompt was prefilled whole; its answer was decoded row by row
+        assert result[0].cached_tokens == min(len(first), len(following) - rows) > 0
     assert tokens(result) == tokens(run(reference, 41, following))

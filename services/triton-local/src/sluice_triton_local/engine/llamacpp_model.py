@@ -78,6 +78,11 @@ def require_gpu_offload(gpu_layers: int) -> None:
 
 
 class LlamaCppModel:
+    # llama.cpp's CPU flash attention (on: flash_attn_type is left at auto) runs a sequence's query
+    # rows through a tiled kernel from GGML_FA_TILE_Q (64) rows a step on, row by row below (ggml-cpu
+    # ops.cpp); the prefix cache reuses only cells computed as a cold prefill would compute them.
+    tiled_attention_rows: int | None = 64
+
     def __init__(
         self,
         gguf_path: str,

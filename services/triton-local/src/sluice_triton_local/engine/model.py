@@ -87,6 +87,8 @@ def _rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
 
 
 class LlamaModel:
+    tiled_attention_rows: int | None = None  # attention is one numpy path whatever the batch
+
     def __init__(self, weights: LlamaWeights, max_slots: int, max_context: int) -> None:
         self.w = weights
         self.cfg = weights.config

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 
 # The fewest prompt tokens worth reusing. From a live sequence's slot, llama.cpp copies the whole
 # KV stream (max_context positions): measured here (SmolLM2-135M, 2,048 positions, 2 threads), a
@@ -34,13 +35,54 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return low
 
 
+@dataclass
+class Cells:
+    """What a slot's KV cells hold: the token at each position, and whether its attention was
+    computed by the tiled kernel (see exact_reuse)."""
+
+    tokens: list[int] = field(default_factory=list)
+    tiled: list[bool] = field(default_factory=list)
+
+    def append(self, tokens: list[int], tiled: bool) -> None:
+        self.tokens.extend(tokens)
+        self.tiled.extend([tiled] * len(tokens))
+
+    def prefix(self, length: int) -> Cells:
+        return Cells(self.tokens[:length], self.tiled[:length])
+
+
+def exact_reuse(shared: int, cells: Cells, prompt_len: int, chunk: int, tile_rows: int | None) -> int:
+    """How many of the `shared` leading tokens a new prompt can take from `cells` and still get,
+    bit for bit, the logits a cold prefill would give it.
+
+    llama.cpp's CPU flash attention computes a sequence's query rows with a tiled kernel when a step
+    carries `tile_rows` (64) or more of them, and row by row below that; the two round differently,
+    enough to flip a near tie between two greedy tokens. So every reused position must have been
+    computed by the kernel a cold prefill would use for it, and so must every position prefilled
+    now: a whole prompt of `tile_rows` or more prefills at least its last `tile_rows` tokens again,
+    a chunked one restarts at a chunk boundary. `tile_rows` None: the forward pass has no such kernel."""
+    if tile_rows is None:
+        return shared
+    if chunk:
+        reuse = shared // chunk * chunk
+    elif prompt_len >= tile_rows:
+        reuse = min(shared, prompt_len - tile_rows)
+    else:
+        reuse = shared
+    for position in range(max(reuse, 0)):
+        rows = min(chunk, prompt_len - position // chunk * chunk) if chunk else prompt_len
+        if cells.tiled[position] != (rows >= tile_rows):
+            return position
+    return max(reuse, 0)
+
+
 class PrefixCache:
     """Free slots: empty ones, and cached ones (holding a finished sequence's tokens) in LRU order."""
 
     def __init__(self, slots: Iterable[int], enabled: bool = True) -> None:
         self.enabled = enabled
         self._empty = sorted(slots, reverse=True)  # pop() hands out the lowest slot first
-        self._cached: OrderedDict[int, list[int]] = OrderedDict()
+        self._cached: OrderedDict[int, Cells] = OrderedDict()
 
     def __len__(self) -> int:
         """Free slots, cached or not: every one can be given to a new sequence."""
@@ -54,28 +96,28 @@ class PrefixCache:
     def has_empty(self) -> bool:
         return bool(self._empty)
 
-    def tokens(self, slot: int) -> list[int]:
-        """The tokens a cached slot holds."""
+    def cells(self, slot: int) -> Cells:
+        """What a cached slot holds."""
         return self._cached[slot]
 
-    def free(self, slot: int, tokens: list[int] | None) -> None:
-        """A slot whose sequence ended; `tokens` are those its KV cells hold (None: forgotten)."""
-        if self.enabled and tokens:
-            self._cached[slot] = tokens
+    def free(self, slot: int, cells: Cells | None) -> None:
+        """A slot whose sequence ended, and what its KV cells hold (None: forgotten)."""
+        if self.enabled and cells is not None and cells.tokens:
+            self._cached[slot] = cells
         else:
             self._empty.append(slot)
 
     def longest(self, prompt: list[int], limit: int) -> tuple[int | None, int]:
         """The cached slot sharing the most leading tokens with `prompt` (at most `limit`), and how many."""
         best_slot, best = None, 0
-        for slot, tokens in self._cached.items():
-            shared = min(common_prefix(tokens, prompt), limit)
+        for slot, cells in self._cached.items():
+            shared = min(common_prefix(cells.tokens, prompt), limit)
             if shared > best:
                 best_slot, best = slot, shared
         return best_slot, best
 
-    def take(self, slot: int) -> list[int]:
-        """Takes a cached slot for a sequence that continues from its tokens; returns them."""
+    def take(self, slot: int) -> Cells:
+        """Takes a cached slot for a sequence that continues from its cells; returns them."""
         return self._cached.pop(slot)
 
     def take_any(self) -> tuple[int, bool]:

@@ -49,7 +49,7 @@ import numpy as np
 from .gguf_fast import open_reader
 from .gguf_weights import load_weights, read_config
 from .model import BatchItem, LlamaModel
-from .prefix_cache import MIN_REUSED_TOKENS, PrefixCache, common_prefix
+from .prefix_cache import MIN_REUSED_TOKENS, Cells, PrefixCache, common_prefix, exact_reuse
 from .sampling import make_rng, sample_token
 from .stops import StopFilter
 from .tokenizer import GGUFTokenizer, IncrementalDetokenizer
@@ -120,7 +120,7 @@ class _Seq:
     pos: int = 0  # positions already in the KV cache
     chunk: int = 0
     uncached_prompt: list[int] = field(default_factory=list)  # prompt tokens still to prefill
-    kv_tokens: list[int] = field(default_factory=list)  # the tokens at positions 0..pos-1 of its slot
+    cells: Cells = field(default_factory=Cells)  # what positions 0..pos-1 of its slot hold
     cached_tokens: int = 0  # prompt tokens it started with from the prefix cache
     last_token: int = -1  # sampled but not yet fed back
     completion_tokens: int = 0
@@ -265,7 +265,7 @@ class StepEngine:
             else:
                 for p, row_logits in zip(live, logits):
                     p.seq.pos = p.item.start_pos + len(p.item.token_ids)
-                    p.seq.kv_tokens.extend(p.item.token_ids)
+                    p.seq.cells.append(p.item.token_ids, self._tiled(len(p.item.token_ids)))
                     results[p.row_index] = self._emit(p.seq, row_logits) if not p.seq.uncached_prompt else _prefilling(p.seq)
         return results  # type: ignore[return-value]
 
@@ -301,7 +301,7 @@ class StepEngine:
         self._refused.pop(row.owner, None)
         if row.chunk < 0:
             return _error(row.seq_id, f"chunk must be >= 0 (got {row.chunk})")
-        slot, reused = self._place(ids)
+        slot, reused, cells = self._place(ids, row.chunk)
         self.prefills_total += 1
         if reused:
             self.prefix_hits_total += 1
@@ -317,7 +317,7 @@ class StepEngine:
             chunk=row.chunk,
             pos=reused,
             uncached_prompt=ids[reused:],
-            kv_tokens=ids[:reused],
+            cells=cells,
             cached_tokens=reused,
             owner=row.owner,
             last_stepped_at=self._clock(),
@@ -326,35 +326,51 @@ class StepEngine:
         self._seqs[row.seq_id] = seq
         return _Pending(index, seq, BatchItem(seq.slot, _next_chunk(seq), reused))
 
-    def _place(self, prompt: list[int]) -> tuple[int, int]:
-        """A slot for a new sequence and how many of its prompt's tokens that slot already holds.
-        At least the last prompt token is always prefilled: its logits sample the first token."""
+    def _place(self, prompt: list[int], chunk: int) -> tuple[int, int, Cells]:
+        """A slot for a new sequence, how many of its prompt's tokens that slot already holds, and
+        their cells. At least the last prompt token is always prefilled: its logits sample the first
+        token; and only as many tokens are reused as leave the logits bit for bit those of a cold
+        prefill (prefix_cache.exact_reuse)."""
         limit = len(prompt) - 1
         cached_slot, from_cache = self._slots.longest(prompt, limit) if self._slots.enabled else (None, 0)
+        if cached_slot is not None:
+            from_cache = self._exact(from_cache, self._slots.cells(cached_slot), prompt, chunk)
         live, from_live = self._longest_live(prompt, limit)
+        if live is not None:
+            from_live = self._exact(from_live, live.cells, prompt, chunk)
         if max(from_cache, from_live) < MIN_REUSED_TOKENS:
-            return self._take_free_slot(), 0
+            return self._take_free_slot(), 0, Cells()
         if cached_slot is not None and from_cache >= from_live and self._reuse_in_place(cached_slot, from_cache):
-            self._slots.take(cached_slot)
+            cells = self._slots.take(cached_slot)
             self._model.truncate(cached_slot, from_cache)
-            return cached_slot, from_cache
-        source, reused = (cached_slot, from_cache) if from_cache >= from_live else (live.slot, from_live)  # type: ignore[union-attr]
+            return cached_slot, from_cache, cells.prefix(from_cache)
+        if from_cache >= from_live:
+            source, reused, cells = cached_slot, from_cache, self._slots.cells(cached_slot)  # type: ignore[arg-type]
+        else:
+            source, reused, cells = live.slot, from_live, live.cells  # type: ignore[union-attr]
         slot = self._take_free_slot()
-        self._model.copy(source, slot)
+        self._model.copy(source, slot)  # type: ignore[arg-type]
         self._model.truncate(slot, reused)
-        return slot, reused
+        return slot, reused, cells.prefix(reused)
+
+    def _exact(self, shared: int, cells: Cells, prompt: list[int], chunk: int) -> int:
+        return exact_reuse(shared, cells, len(prompt), chunk, getattr(self._model, "tiled_attention_rows", None))
+
+    def _tiled(self, rows: int) -> bool:
+        tile_rows = getattr(self._model, "tiled_attention_rows", None)
+        return tile_rows is not None and rows >= tile_rows
 
     def _reuse_in_place(self, slot: int, reused: int) -> bool:
         """Continue in the cached slot itself, unless it holds much more than this prompt shares
         and an empty slot can take a copy instead (the rest stays cached for a later prompt)."""
-        return not self._slots.has_empty or 2 * reused >= len(self._slots.tokens(slot))
+        return not self._slots.has_empty or 2 * reused >= len(self._slots.cells(slot).tokens)
 
     def _longest_live(self, prompt: list[int], limit: int) -> tuple[_Seq | None, int]:
         if not self._slots.enabled:
             return None, 0
         best, shared = None, 0
         for seq in self._seqs.values():
-            n = min(common_prefix(seq.kv_tokens, prompt), limit)
+            n = min(common_prefix(seq.cells.tokens, prompt), limit)
             if n > shared:
                 best, shared = seq, n
         return best, shared
@@ -413,8 +429,8 @@ class StepEngine:
     def _free(self, seq: _Seq, keep_cells: bool = True) -> None:
         """Frees a sequence's slot; its KV cells stay for the prefix cache unless they are not to be trusted."""
         if self._seqs.pop(seq.seq_id, None) is not None:
-            kept = seq.kv_tokens if keep_cells and self._slots.enabled else None
-            if not kept:
+            kept = seq.cells if keep_cells and self._slots.enabled and seq.cells.tokens else None
+            if kept is None:
                 self._model.release(seq.slot)
             self._slots.free(seq.slot, kept)
 
@@ -456,6 +472,10 @@ class ForwardModel(Protocol):
 
     def truncate(self, slot: int, keep: int) -> None:
         """Forgets the slot's cells from position `keep` on."""
+
+    # Query rows of one sequence in one step from which attention runs a kernel of its own (whose
+    # results differ in the last bits from the row-by-row kernel's); None: no such kernel.
+    tiled_attention_rows: int | None
 
 
 def _forward_model(
