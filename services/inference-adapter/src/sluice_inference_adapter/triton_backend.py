@@ -8,12 +8,13 @@ backend (the engine batches); `detect_protocol` tells them apart.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import random
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 from tritonclient.grpc import InferInput, InferRequestedOutput
@@ -42,6 +43,8 @@ _STEP_OUTPUTS = ("ROW_SEQ_ID", "TOKEN_ID", "TEXT", "FINISH", "PROMPT_TOKENS", "C
 # sequences then report 0.
 _CACHED_TOKENS = "CACHED_TOKENS"
 _PROBE_PROMPT = PromptSpec(prompt="ping")
+# How long a fully answered round's stream may take to end on Triton's side before it is cancelled.
+_STREAM_END_S = 2.0
 _PROBE_REQUEST = _PROBE_PROMPT.to_json(SamplingSpec(max_tokens=1))
 
 
@@ -157,20 +160,21 @@ class TritonStepBackend(_TritonEndpoint):
         started = time.perf_counter()
         # The fixed bound is per step (the scheduler cuts a stuck step off sooner by the adaptive one).
         responses = self._client.stream_infer(requests(), stream_timeout=self._timeout_s * steps)
+        answered = False
         try:
             async for result, error in responses:
                 if error is not None:
                     raise Unavailable(f"Triton at {self.url} failed a step of {self.model}: {error.message()}")
                 metrics.STEP_SECONDS.labels(replica=self.url).observe(time.perf_counter() - started)
-                outcomes, last = _step_outcomes(result)
+                outcomes, answered = _step_outcomes(result)
                 yield outcomes
-                if last:
+                if answered:
                     return
                 started = time.perf_counter()
         except InferenceServerException as exc:
             raise Unavailable(f"Triton at {self.url} failed a step of {self.model}: {exc.message()}") from exc
         finally:
-            responses.cancel()
+            await _end_stream(responses, answered)
 
     async def probe(self) -> bool:
         """Ready checks, then one real token: a model that loads but cannot generate is not healthy."""
@@ -235,6 +239,20 @@ class TritonGenerateBackend(_TritonEndpoint):
                 return sum([chunk.output_tokens async for chunk in chunks]) >= 1
         except (Unavailable, RequestRejected):
             return False
+
+
+async def _end_stream(responses: Any, answered: bool) -> None:
+    """A round that was answered in full is let end as Triton ends it (the request was sent whole
+    and the model's last response is out): cancelling such a stream races tritonserver's own
+    completion of it, which aborted tritonserver ("double free or corruption") once in a test run.
+    Only a round left unanswered (a timeout, a failure, a caller gone) is cancelled."""
+    if answered:
+        with contextlib.suppress(Exception):
+            async with asyncio.timeout(_STREAM_END_S):
+                async for _ in responses:
+                    pass
+                return
+    responses.cancel()
 
 
 def step_output_names(declared: set[str]) -> list[str]:
