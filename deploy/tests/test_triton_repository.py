@@ -354,6 +354,16 @@ try:
 except ValueError as exc:
     numpy_error = str(exc)
 
+# A true or false parameter is read as written, and anything else refused rather than read as false.
+assert model._flag({}, "PREFIX_CACHE", "true") is True
+assert model._flag({"PREFIX_CACHE": " False "}, "PREFIX_CACHE", "true") is False
+try:
+    model._flag({"PREFIX_CACHE": "1"}, "PREFIX_CACHE", "true")
+except ValueError as exc:
+    assert 'PREFIX_CACHE must be "true" or "false"' in str(exc), exc
+else:
+    raise AssertionError("PREFIX_CACHE=1 was accepted")
+
 # The GPU branch itself, with llama.cpp answering as a CUDA build does (no GPU here to run one).
 llama_cpp.llama_supports_gpu_offload = lambda: True
 gpu = model.placement(gpu_args, "llamacpp")

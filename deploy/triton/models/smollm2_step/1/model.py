@@ -59,6 +59,14 @@ def placement(args: dict[str, str], engine: str) -> Placement:
     return Placement(gpu_layers=-1, main_gpu=int(args["model_instance_device_id"]))
 
 
+def _flag(params: dict[str, str], name: str, default: str) -> bool:
+    """A "true" or "false" parameter; anything else is refused, not read as false."""
+    value = params.get(name, default).strip().lower()
+    if value not in ("true", "false"):
+        raise ValueError(f'parameter {name} must be "true" or "false", got {value!r}')
+    return value == "true"
+
+
 class TritonPythonModel:
     def initialize(self, args: dict[str, str]) -> None:
         config = json.loads(args["model_config"])
@@ -70,7 +78,7 @@ class TritonPythonModel:
             max_slots=int(params.get("MAX_SLOTS", "8")),
             max_context=int(params.get("MAX_CONTEXT", "2048")),
             slot_lease_s=float(params.get("SLOT_LEASE_S", "30")),
-            prefix_cache=params.get("PREFIX_CACHE", "true").lower() == "true",
+            prefix_cache=_flag(params, "PREFIX_CACHE", "true"),
             engine=engine,
             # 0: the CPUs the instance can keep busy, a container CPU limit included (more spinning
             # threads than CPUs stall every step: TritonLocalConfig.engine_threads).

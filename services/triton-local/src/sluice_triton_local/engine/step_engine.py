@@ -354,10 +354,10 @@ class StepEngine:
         return slot, reused, cells.prefix(reused)
 
     def _exact(self, shared: int, cells: Cells, prompt: list[int], chunk: int) -> int:
-        return exact_reuse(shared, cells, len(prompt), chunk, getattr(self._model, "tiled_attention_rows", None))
+        return exact_reuse(shared, cells, len(prompt), chunk, self._model.tiled_attention_rows)
 
     def _tiled(self, rows: int) -> bool:
-        tile_rows = getattr(self._model, "tiled_attention_rows", None)
+        tile_rows = self._model.tiled_attention_rows
         return tile_rows is not None and rows >= tile_rows
 
     def _reuse_in_place(self, slot: int, reused: int) -> bool:
