@@ -23,7 +23,7 @@ LIBS := libs/sluice-protos libs/sluice-common libs/sluice-stack
 PROJECTS := $(LIBS) $(SERVICES) tests bench deploy/tests
 UNIT_TESTED := libs/sluice-common $(SERVICES) bench
 
-.PHONY: help setup deploy-requirements uv node protos protos-check proto-lint run test test-unit test-e2e test-deploy bench-path bench-adapter bench-evallog bench-ratelimit bench-jobs bench-jobs-interactive bench-engine bench-colocated bench-threads bench-gpu bench-gpu-kit bench-load bench-rolling bench-embed-cache bench-openai bench-peer bench-prefix llama-server clean
+.PHONY: help setup prometheus-tools deploy-requirements uv node protos protos-check proto-lint run test test-unit test-e2e test-deploy bench-path bench-adapter bench-evallog bench-ratelimit bench-jobs bench-jobs-interactive bench-engine bench-colocated bench-threads bench-gpu bench-gpu-kit bench-load bench-rolling bench-embed-cache bench-openai bench-peer bench-prefix llama-server clean
 
 help:
 	@echo "make run        start the whole suite locally and stream a demo completion (Ctrl-C stops it)"
@@ -70,6 +70,11 @@ setup: uv
 	@$(UV) venv --quiet --allow-existing --python 3.11 deploy/triton/.venv
 	@$(UV) pip sync --quiet --python deploy/triton/.venv/bin/python deploy/triton/requirements.txt
 
+# Prometheus and promtool (Debian's package; no daemon started): the e2e suite runs a real Prometheus
+# on the stack, make test-deploy checks and unit-tests deploy/prometheus with promtool.
+prometheus-tools:
+	@tools/install_prometheus.sh
+
 # deploy/triton/requirements.txt from requirements.in (after editing it; needs the registry).
 deploy-requirements: uv
 	cd deploy/triton && $(UV) pip compile requirements.in --excludes excludes.txt --universal --python-version 3.11 --quiet -o requirements.txt
@@ -96,13 +101,14 @@ test-unit: setup
 	  (cd $$project && .venv/bin/python -m pytest -q) || exit 1; \
 	done
 
-test-e2e: setup
+test-e2e: setup prometheus-tools
 	cd tests && .venv/bin/python -m pytest -q
 
 # deploy/ without Docker or a cluster: hadolint, kustomize renders validated against Kubernetes
-# schemas, the compose file, every config variable set in the manifests, and deploy/triton's model
-# repository loaded by a real tritonserver (deploy/tests, own env).
-test-deploy: setup
+# schemas, the compose file, every config variable set in the manifests, deploy/triton's model
+# repository loaded by a real tritonserver, and deploy/prometheus's config and rules checked and
+# unit-tested by promtool (deploy/tests, own env).
+test-deploy: setup prometheus-tools
 	cd deploy/tests && .venv/bin/python -m pytest -q
 
 test: proto-lint protos-check test-deploy test-unit test-e2e

@@ -282,12 +282,16 @@ async def test_engine_reported_cache_hits_are_counted_per_replica() -> None:
     a = StepReplica("hits-a")
     pool = routed_pool(a)
     pool.start()
+    generated = 0
     try:
         for _ in range(2):
-            await run_through(pool, chat_request(SYSTEM, "same question"))
+            _, finish = await run_through(pool, chat_request(SYSTEM, "same question"))
+            generated += finish.completion_tokens
     finally:
         await pool.stop()
     assert REGISTRY.get_sample_value("sluice_adapter_prompt_tokens_total", {"replica": "hits-a"}) == 4
+    assert generated > 0
+    assert REGISTRY.get_sample_value("sluice_adapter_generation_tokens_total", {"replica": "hits-a"}) == generated
     assert REGISTRY.get_sample_value("sluice_adapter_cached_prompt_tokens_total", {"replica": "hits-a"}) == 1
     assert REGISTRY.get_sample_value("sluice_adapter_routed_requests_total", {"replica": "hits-a"}) == 2
     assert decisions("only_replica") >= 2

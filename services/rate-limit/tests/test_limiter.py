@@ -32,6 +32,24 @@ async def test_enforced_denial_and_unlimited_tenant() -> None:
     assert unlimited.allowed and unlimited.lease_id == ""
 
 
+async def test_denials_are_counted_per_tenant_and_budget_shadow_ones_not() -> None:
+    from prometheus_client import REGISTRY
+
+    def denials(tenant: str) -> float:
+        labels = {"tenant": tenant, "budget": "requests_per_minute"}
+        return REGISTRY.get_sample_value("sluice_ratelimit_tenant_denials_total", labels) or 0.0
+
+    rl = limiter(
+        "[tenants.counted]\nrequests_per_minute = 1\nburst = 1.0\n"
+        "[tenants.shadowed]\nrequests_per_minute = 1\nburst = 1.0\nshadow = true\n"
+    )
+    before = denials("counted"), denials("shadowed")
+    for tenant in ("counted", "shadowed"):
+        for _ in range(3):
+            await rl.acquire(tenant, "m", True, 1, 10)
+    assert (denials("counted") - before[0], denials("shadowed") - before[1]) == (2, 0)
+
+
 async def test_lease_ttl_is_capped_and_bad_input_is_rejected() -> None:
     rl = limiter("[defaults]\nrequests_in_flight = 5\n")
     decision = await rl.acquire("a", "m", True, 1, 10, lease_ttl_s=3600)

@@ -33,6 +33,7 @@ from sluice_common.request_context import REQUEST_ID_KEY
 from sluice_common.supervision import Supervisor, stop_tasks
 from sluice_evaluation_logging.evaluators import Offload, evaluate_batch
 from sluice_evaluation_logging.evaluators.base import EvalContext, ScoreResult
+from sluice_evaluation_logging.record_metrics import observe_stored
 from sluice_evaluation_logging.records import PoisonMessage, decode_event, otel_attributes, stored_bytes, to_row
 from sluice_evaluation_logging.store import RecordRow, Store
 
@@ -226,6 +227,7 @@ class CompletionConsumer:
         if self._on_pending is not None and inserted and any(row.pending for row in rows):
             self._on_pending()
         elapsed = time.perf_counter() - started
+        observe_stored(rows)
         EVENTS.labels("stored").inc(inserted)
         EVENTS.labels("duplicate").inc(len(rows) - inserted)
         EVENTS.labels("dead_lettered").inc(dead_lettered)

@@ -105,6 +105,11 @@ PREFIX_RECORD_PROMPTS = Gauge(
     "sluice_adapter_prefix_record_prompts", "Prompts remembered per replica for prefix routing (bounded; a failed replica's are forgotten).", ["replica"]
 )
 PROMPT_TOKENS = Counter("sluice_adapter_prompt_tokens_total", "Prompt tokens of finished sequences, per replica that served them.", ["replica"])
+# vLLM's vllm:generation_tokens_total (deploy/prometheus/rules publishes it under that name): what
+# tokens/s dashboards and autoscalers read.
+GENERATION_TOKENS = Counter(
+    "sluice_adapter_generation_tokens_total", "Tokens generated for finished sequences, per replica that served them.", ["replica"]
+)
 CACHED_PROMPT_TOKENS = Counter(
     "sluice_adapter_cached_prompt_tokens_total",
     "Prompt tokens the replica's engine reported taking from its prefix cache (CACHED_TOKENS), per replica.",
@@ -121,7 +126,7 @@ def forget_replica(replica: str, priorities: Iterable[str]) -> None:
     """Drops a removed replica's series, so that pod churn does not grow them for ever (a counter
     that ends is fine for rate())."""
     for metric in (SLOTS_IN_USE, ENGINE_FULL, STEP_SECONDS, QUEUE_SECONDS, BATCH_TOKENS, BACKEND_READY, REPLICA_HEALTHY, REPLICA_LOAD,
-                   PREFIX_RECORD_PROMPTS, PROMPT_TOKENS, CACHED_PROMPT_TOKENS, ROUTED_REQUESTS):
+                   PREFIX_RECORD_PROMPTS, PROMPT_TOKENS, GENERATION_TOKENS, CACHED_PROMPT_TOKENS, ROUTED_REQUESTS):
         with suppress(KeyError):
             metric.remove(replica)
     for priority in priorities:

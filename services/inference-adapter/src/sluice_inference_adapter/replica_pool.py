@@ -344,6 +344,7 @@ class ReplicaPool:
                     if isinstance(event, FinishEvent) and event.prompt_tokens and not replica.removed:
                         label = replica.name + self._metrics_label
                         metrics.PROMPT_TOKENS.labels(replica=label).inc(event.prompt_tokens)
+                        metrics.GENERATION_TOKENS.labels(replica=label).inc(event.completion_tokens)
                         metrics.CACHED_PROMPT_TOKENS.labels(replica=label).inc(event.cached_tokens)
                     yield event
             finally:

@@ -86,6 +86,7 @@ class RateLimiter:
             decision.shadow = True
             return decision
         metrics.child(metrics.DECISIONS, "denied", decision.denied_name).inc()
+        metrics.child(metrics.TENANT_DENIALS, tenant, decision.denied_name).inc()
         # Allowed decisions are only counted (the server logs OK Acquire calls at debug): a
         # denial is what an operator looks for, so it gets its own line.
         log.info(

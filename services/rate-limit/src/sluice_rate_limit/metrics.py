@@ -9,6 +9,12 @@ DECISIONS = Counter(
     "Acquire decisions by result (allowed, denied, shadow_denied, unavailable) and the budget that refused.",
     ["result", "budget"],
 )
+# Per tenant, denials only: tenants are the configured few that the gateway authenticates, and
+# allowed decisions (the hot path) stay unlabelled. Dashboards show who is being refused.
+TENANT_DENIALS = Counter(
+    "sluice_ratelimit_tenant_denials_total", "Acquire calls denied (enforced, not shadow), by tenant and the budget that refused.",
+    ["tenant", "budget"],
+)
 NEAR_LIMIT = Counter(
     "sluice_ratelimit_near_limit_total", "Admissions that left less than 10% of a budget remaining.", ["budget"]
 )
