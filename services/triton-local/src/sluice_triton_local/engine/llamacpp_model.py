@@ -18,6 +18,7 @@ from __future__ import annotations
 import ctypes
 import sys
 import threading
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -60,6 +61,25 @@ def context_params(sequences: int, context_per_sequence: int, batch_tokens: int,
     params.kv_unified = unified
     params.no_perf = True
     return params
+
+
+# llama.cpp cuts a batch over a non-unified KV cache into ubatches whose sequence ids run without a
+# gap, in the batch's order (llama_batch_allocr::split_equal, sequential), and every ubatch is a
+# pass over all the weights: 16 decode rows in reversed slot order took 16 batch-1 steps' time.
+# So rows go in slot order, and a gap of at most GAP_FILL_MAX free slots between two rows' slots is
+# filled with a throwaway token each (one row's work instead of another pass over the weights),
+# taken back out of those slots' cells after the step.
+GAP_FILL_MAX = 4
+FILLER_TOKEN = 0
+
+
+def contiguous_plan(slots: Sequence[int], max_gap: int = GAP_FILL_MAX) -> tuple[list[int], list[int]]:
+    """The items' order for llama_decode (by slot), and the slots between them to fill so that
+    fewer runs of consecutive slots, hence fewer ubatches, remain."""
+    order = sorted(range(len(slots)), key=slots.__getitem__)
+    ordered = [slots[i] for i in order]
+    fillers = [slot for low, high in zip(ordered, ordered[1:]) if 1 < high - low <= max_gap + 1 for slot in range(low + 1, high)]
+    return order, fillers
 
 
 class GpuOffloadUnavailable(RuntimeError):
@@ -133,22 +153,42 @@ class LlamaCppModel:
                 raise ValueError(
                     f"sequence needs {it.start_pos + len(it.token_ids)} positions; the context holds {self.max_context}"
                 )
-        tokens = np.fromiter((t for it in items for t in it.token_ids), dtype=np.int32)
-        positions = np.concatenate([np.arange(it.start_pos, it.start_pos + len(it.token_ids), dtype=np.int32) for it in items])
-        seq_ids = np.concatenate([np.full(len(it.token_ids), it.slot, dtype=np.int32) for it in items])
-        wanted = np.cumsum([len(it.token_ids) for it in items]) - 1  # each item's last token
+        order, filler_slots = contiguous_plan([it.slot for it in items])
+        fillers = self._fillers(filler_slots)
+        batch = sorted([(items[i].slot, i) for i in order] + [(f.slot, -1) for f in fillers])
+        fill_by_slot = {f.slot: f for f in fillers}
+        laid_out = [items[i] if i >= 0 else fill_by_slot[slot] for slot, i in batch]
+        tokens = np.fromiter((t for it in laid_out for t in it.token_ids), dtype=np.int32)
+        positions = np.concatenate([np.arange(it.start_pos, it.start_pos + len(it.token_ids), dtype=np.int32) for it in laid_out])
+        seq_ids = np.concatenate([np.full(len(it.token_ids), it.slot, dtype=np.int32) for it in laid_out])
+        ends = np.cumsum([len(it.token_ids) for it in laid_out]) - 1  # each item's last token
         want_logits = np.zeros(len(tokens), dtype=np.int8)
-        want_logits[wanted] = 1
+        want_logits[[end for end, (_, i) in zip(ends, batch) if i >= 0]] = 1
+        answer_rows = [i for _, i in batch if i >= 0]  # the item each wanted logit row belongs to
         out = np.empty((len(items), self._vocab), dtype=np.float32)
         row = 0
-        for start in range(0, len(tokens), self.batch_tokens):
-            end = min(len(tokens), start + self.batch_tokens)
-            self._decode(tokens[start:end], positions[start:end], seq_ids[start:end], want_logits[start:end])
-            for index in np.flatnonzero(want_logits[start:end]):
-                logits = lc.llama_get_logits_ith(self._ctx, int(index))
-                out[row] = np.ctypeslib.as_array(logits, shape=(self._vocab,))
-                row += 1
+        try:
+            for start in range(0, len(tokens), self.batch_tokens):
+                end = min(len(tokens), start + self.batch_tokens)
+                self._decode(tokens[start:end], positions[start:end], seq_ids[start:end], want_logits[start:end])
+                for index in np.flatnonzero(want_logits[start:end]):
+                    logits = lc.llama_get_logits_ith(self._ctx, int(index))
+                    out[answer_rows[row]] = np.ctypeslib.as_array(logits, shape=(self._vocab,))
+                    row += 1
+        finally:
+            for filler in fillers:
+                self.truncate(filler.slot, filler.start_pos)
         return out
+
+    def _fillers(self, slots: list[int]) -> list[BatchItem]:
+        """A throwaway token for each slot, after the cells it holds (a cached prefix or a sequence
+        not in this step keeps them: the token is removed after the step); none for a full slot."""
+        fillers = []
+        for slot in slots:
+            position = lc.llama_memory_seq_pos_max(self._memory, slot) + 1
+            if position < self.max_context:
+                fillers.append(BatchItem(slot, [FILLER_TOKEN], position))
+        return fillers
 
     def release(self, slot: int) -> None:
         lc.llama_memory_seq_rm(self._memory, slot, -1, -1)
