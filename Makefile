@@ -100,6 +100,8 @@ test-unit: setup
 	  echo "== unit tests: $$project"; \
 	  (cd $$project && .venv/bin/python -m pytest -q) || exit 1; \
 	done
+	@echo "== unit tests: bench/engine (in triton-local's environment, where its scripts run)"
+	@cd bench/engine && ../../services/triton-local/.venv/bin/python -m pytest -q
 
 test-e2e: setup prometheus-tools
 	cd tests && .venv/bin/python -m pytest -q
@@ -118,7 +120,7 @@ bench-engine: setup
 
 # Needs llama-cpp-python built with CUDA (make bench-gpu-kit builds one to carry); else exits 3, saying so.
 bench-gpu: setup
-	services/triton-local/.venv/bin/python -m sluice_triton_local.engine.bench_gpu
+	services/triton-local/.venv/bin/python bench/engine/gpu.py
 
 # The offline kit for a GPU machine with no network (bench/gpu/kit.py): the CUDA wheel for sm_90 (many
 # minutes on 2 cores, once), the engine's wheels and the model in loads of < 64 MiB, then its proof here.

@@ -105,7 +105,7 @@ def in_process_decode_rate(batch: int) -> float:
     python = REPO_ROOT / "services" / "triton-local" / ".venv" / "bin" / "python"
     env = {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}
     out = subprocess.run(
-        [str(python), "-m", "sluice_triton_local.engine.bench", str(batch)],
+        [str(python), str(REPO_ROOT / "bench" / "engine" / "decode.py"), str(batch)],
         capture_output=True, text=True, check=True, env=env, cwd=REPO_ROOT,
     ).stdout
     measured = json.loads(out.strip().splitlines()[-1])

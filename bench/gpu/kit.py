@@ -49,13 +49,14 @@ CARRY_MARGIN = 2 * 2**20
 CUDA_ARCH = "90"  # the H200 (Hopper); one architecture keeps the build and the wheel small
 PYTHON = (3, 12)  # the device's python3 (3.12.3, KINDS.md); the wheels are built for it
 MODEL = "SmolLM2-135M-Instruct.Q4_1.gguf"
-# What `python -m sluice_triton_local.engine.bench_gpu` imports, beside the checkout's own sources.
+# What bench/engine/gpu.py imports, beside the checkout's own sources (ENGINE_SOURCES, and bench/engine itself).
 # Their dependencies that the engine never imports (huggingface-hub for tokenizers, requests for gguf)
 # stay out: the kit installs with --no-deps, and `run` imports the engine before it benchmarks.
 ENGINE_WHEELS = (
     "diskcache", "gguf", "jinja2", "markupsafe", "numpy", "pyyaml", "tokenizers", "tqdm", "typing-extensions",
 )
 ENGINE_SOURCES = ("services/triton-local/src", "libs/sluice-common/src")
+GPU_BENCH = "bench/engine/gpu.py"  # what `run` runs (make bench-gpu's script), from the carried checkout
 # The Makefile's portable CPU flags (AVX2: a CPU side that runs on any x86-64 host) and CUDA for sm_90.
 # No libcuda (the driver) is needed to link with GGML_CUDA_NO_VMM: a build machine has no driver.
 CMAKE_ARGS = (
@@ -248,7 +249,7 @@ def model_file() -> Path:
     venv_python = REPO / "services/triton-local/.venv/bin/python"
     if not venv_python.exists():
         raise SystemExit("gpukit: run `make setup` first (the GGUF file comes from triton-local's environment)")
-    code = "from sluice_triton_local.engine.bench import default_gguf_path; print(default_gguf_path())"
+    code = "from sluice_triton_local.model_files import gguf_path; print(gguf_path())"
     return Path(subprocess.run([str(venv_python), "-c", code], capture_output=True, text=True, check=True).stdout.strip())
 
 
@@ -395,7 +396,7 @@ def run(args: argparse.Namespace) -> int:
         env.setdefault("BENCH_STEPS", "16")
         env["BENCH_GPU_DRY_RUN"] = "1"
     say(f"model reassembled, {len(manifest['files'])} files checked, wheels installed in {venv} ({time.monotonic() - t0:.0f} s); CUDA libraries from {libs or 'ldconfig'}")
-    bench = subprocess.run([str(venv / "bin/python"), "-m", "sluice_triton_local.engine.bench_gpu"], env=env, cwd=REPO, check=False)
+    bench = subprocess.run([str(venv / "bin/python"), str(REPO / GPU_BENCH)], env=env, cwd=REPO, check=False)
     say(f"bench_gpu exited {bench.returncode} after {time.monotonic() - t0:.0f} s in all")
     return bench.returncode
 

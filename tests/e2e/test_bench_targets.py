@@ -1,6 +1,6 @@
 """Every `make bench-*` target still starts (issue 22, item 11): its script or module exists, imports
-in the environment the Makefile runs it with and has a main(); the triton-local modules a script
-starts (`-m sluice_triton_local.engine...`) import there too; a script with options parses --help.
+in the environment the Makefile runs it with and has a main(); the measuring scripts a bench starts
+in triton-local's environment (bench/engine/*.py) import there too; a script with options parses --help.
 
 Cheap (a few seconds, nothing started): it catches a bench broken at import or argument level
 before anyone waits on a stack for it."""
@@ -19,17 +19,17 @@ from sluice_stack import REPO_ROOT
 MAKEFILE = REPO_ROOT / "Makefile"
 # A recipe line that runs Python from a project's environment: a script or a module.
 COMMAND = re.compile(r"^\t(?P<python>\S+/\.venv/bin/python) (?:-m (?P<module>[\w.]+)|(?P<script>\S+\.py))(?P<args>.*)$")
-# A module a bench script starts in another environment, e.g. [str(PYTHON), "-m", "sluice_triton_local.engine.bench"].
-STARTED_MODULE = re.compile(r'"-m",\s*"(sluice_triton_local\.[\w.]+)"')
+# A script a bench starts in triton-local's environment, e.g. [str(PYTHON), str(REPO_ROOT / "bench" / "engine" / "decode.py")].
+STARTED_SCRIPT = re.compile(r'"bench"\s*/\s*"engine"\s*/\s*"(\w+\.py)"')
 TRITON_LOCAL_PYTHON = "services/triton-local/.venv/bin/python"
 
 # Run once per environment: imports each script (not as __main__) or module named on its command
-# line ("script:<path>", "module:<name>", "started:<name>") and checks that a target has a main().
+# line ("script:<path>", "module:<name>", "started:<path>") and checks that a target has a main().
 PROBE = """
 import importlib, importlib.util, sys
 for index, entry in enumerate(sys.argv[1:]):
     kind, name = entry.split(":", 1)
-    if kind == "script":
+    if kind in ("script", "started"):
         sys.path.insert(0, name.rsplit("/", 1)[0])  # as `python path/to/script.py` has it
         spec = importlib.util.spec_from_file_location(f"bench_probe_{index}", name)
         module = importlib.util.module_from_spec(spec)
@@ -87,7 +87,7 @@ def _probes() -> list[tuple[str, list[str]]]:
             path = REPO_ROOT / command.script
             source = path.read_text()
             imports.setdefault(python, []).append(f"script:{path}")
-            started = [f"started:{module}" for module in STARTED_MODULE.findall(source)]
+            started = [f"started:{REPO_ROOT / 'bench' / 'engine' / script}" for script in STARTED_SCRIPT.findall(source)]
             imports.setdefault(str(REPO_ROOT / TRITON_LOCAL_PYTHON), []).extend(started)
             if "parse_args(" in source:
                 probes.append((f"{command.target} --help", [python, str(path), "--help"]))

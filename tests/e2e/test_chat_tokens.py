@@ -39,10 +39,10 @@ def plain_text_tokens(*texts: str) -> list[int]:
     text), by triton-local's own tokenizer read from the GGUF file the stack serves."""
     script = (
         "import json, sys\n"
-        "from sluice_triton_local.engine.bench import default_gguf_path\n"
+        "from sluice_triton_local.model_files import gguf_path\n"
         "from sluice_triton_local.engine.gguf_fast import open_reader\n"
         "from sluice_triton_local.engine.tokenizer import GGUFTokenizer\n"
-        "tok = GGUFTokenizer(open_reader(default_gguf_path()))\n"
+        "tok = GGUFTokenizer(open_reader(gguf_path()))\n"
         "print(json.dumps([len(tok.encode_text(t)) for t in json.loads(sys.stdin.read())]))\n"
     )
     python = REPO_ROOT / "services" / "triton-local" / ".venv" / "bin" / "python"

@@ -28,9 +28,9 @@ def engine_alone(prompts: list[str], max_tokens: int) -> list[str]:
     """Each prompt's greedy text from StepEngine in a process of its own (triton-local's env)."""
     script = (
         "import json, sys\n"
-        "from sluice_triton_local.engine.bench import default_gguf_path\n"
+        "from sluice_triton_local.model_files import gguf_path\n"
         "from sluice_triton_local.engine.step_engine import DecodeRow, PrefillRow, ReleaseRow, SamplingParams, StepEngine\n"
-        "engine = StepEngine(default_gguf_path(), max_slots=1, threads=2)\n"
+        "engine = StepEngine(gguf_path(), max_slots=1, threads=2)\n"
         "texts = []\n"
         "for prompt in json.loads(sys.stdin.read()):\n"
         "    ids = tuple(engine.encode_chat([('user', prompt)]))\n"

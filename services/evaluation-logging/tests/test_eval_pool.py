@@ -10,6 +10,7 @@ import signal
 import uuid
 
 import aio_pika
+from google.protobuf import json_format
 from sluice.common.v1 import types_pb2
 
 from conftest import AMQP_URL, make_event, realistic_output
@@ -166,6 +167,67 @@ async def test_the_consumer_loses_no_event_when_a_worker_dies_mid_batch(tmp_path
                 (s for s in scores if s.name in heavy), key=lambda s: s.name
             )
             assert not any(s.skipped for s in row.scores if s.name in heavy)
+    finally:
+        await consumer.stop()
+        await pool.close()
+        await store.close()
+        connection = await aio_pika.connect(AMQP_URL)
+        async with connection:
+            await topology.delete(await connection.channel())
+
+
+async def test_the_consumer_hands_the_pool_each_message_body_as_received(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Real RabbitMQ and SQLite: the pool gets the bodies' own bytes, not the events serialized
+    again. Each body here is two serialized halves of its event (a valid encoding that parses to
+    the same event, in an order SerializeToString never writes), so a second serialization would
+    show. The heavy scores are still the inline ones, and a JSON body is serialized once."""
+    topology = EventTopology(f"sluice-poolbody-{uuid.uuid4().hex[:8]}")
+    publisher = ConfirmingPublisher(AMQP_URL, topology.events_exchange, topology.declare, PublisherMetrics.get("test_poolbody_publisher"))
+    publisher.start()
+    events = varied_events()[:12]
+    bodies = {}
+    for event in events:
+        tail = type(event)(output=event.output)
+        head = type(event)()
+        head.CopyFrom(event)
+        head.ClearField("output")
+        body = tail.SerializeToString() + head.SerializeToString()  # output first: not canonical order
+        parsed = type(event)()
+        parsed.ParseFromString(body)
+        assert parsed == event and body != event.SerializeToString()
+        bodies[event.event_id] = body
+        publisher.submit(OutgoingMessage(body, "completion.v1", event.event_id, event.request_id))
+    as_json = make_event(output="again and again and again " * 10)
+    publisher.submit(
+        OutgoingMessage(
+            json_format.MessageToJson(as_json).encode(), "completion.v1", as_json.event_id, as_json.request_id, content_type="application/json"
+        )
+    )
+    assert await publisher.wait_idle(20)
+    await publisher.stop(2)
+    store = SqliteStore(tmp_path / "evallog.sqlite3")
+    await store.open()
+    pool = EvalPool(1)
+    await pool.start()
+    handed: list[bytes] = []
+
+    async def recording(serialized, settings):  # type: ignore[no-untyped-def]
+        handed.extend(serialized)
+        return await pool.evaluate(serialized, settings)
+
+    ctx = EvalContext(SETTINGS, defer_model_calls=True)
+    consumer = CompletionConsumer(ConsumerSettings(AMQP_URL, topology, prefetch=64, batch_max=64, batch_delay_s=0.05), store, ctx, offload=recording)
+    consumer.start()
+    try:
+        async with asyncio.timeout(30):
+            while await store.count() < len(events) + 1:
+                await asyncio.sleep(0.05)
+        assert sorted(handed) == sorted([*bodies.values(), as_json.SerializeToString()])
+        inline = await evaluate_batch([*events, as_json], ctx)
+        for event, scores in zip([*events, as_json], inline, strict=True):
+            row = await store.get(event.event_id)
+            assert row is not None and row.event == bodies.get(event.event_id, as_json.SerializeToString())
+            assert sorted(row.scores, key=lambda s: s.name) == sorted(scores, key=lambda s: s.name)
     finally:
         await consumer.stop()
         await pool.close()

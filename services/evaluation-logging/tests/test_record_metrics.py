@@ -6,7 +6,7 @@ from prometheus_client import REGISTRY
 
 from sluice_evaluation_logging.evaluators.base import ScoreResult, skipped
 from sluice_evaluation_logging.record_metrics import observe_stored
-from sluice_evaluation_logging.store import RecordRow
+from sluice_evaluation_logging.model import RecordRow
 
 
 def row(finished_at: float, *scores: ScoreResult) -> RecordRow:

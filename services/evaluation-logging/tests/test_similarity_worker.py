@@ -26,10 +26,11 @@ from sluice_evaluation_logging.consumer import CompletionConsumer, ConsumerSetti
 from sluice_evaluation_logging.embeddings import AdapterEmbedder
 from sluice_evaluation_logging.evaluators import evaluate_batch
 from sluice_evaluation_logging.evaluators.base import EvalContext, EvalSettings, ScoreResult, prompt_text
-from sluice_evaluation_logging.queries import EvalLogQueries, QueryArgs
+from sluice_evaluation_logging.model import RecordFilter
+from sluice_evaluation_logging.queries import EvalLogQueries
 from sluice_evaluation_logging.records import to_row
 from sluice_evaluation_logging.similarity_worker import SimilarityWorker, WorkerSettings
-from sluice_evaluation_logging.store import PostgresStore, RecordFilter, SqliteStore, Store
+from sluice_evaluation_logging.store import PostgresStore, SqliteStore, Store
 
 SETTINGS = EvalSettings(similarity_sample_rate=1.0, similarity_min=0.2)
 DIMS = 32
@@ -132,7 +133,7 @@ async def test_the_marker_is_stored_with_the_record_and_the_score_is_absent_unti
     record = await store.get(events[0].event_id)
     assert record is not None and similarity_of(record) is None
     assert {"latency_slo", "ttft_slo", "truncation", "empty_output", "repetition", "pii"} <= {s.name for s in record.scores}
-    (summary,) = await EvalLogQueries(store).summarize("demo", QueryArgs())
+    (summary,) = await EvalLogQueries(store).summarize("demo", RecordFilter())
     assert "similarity" not in summary.scores and summary.count == 4
 
 
@@ -151,9 +152,9 @@ async def test_the_worker_embeds_a_batch_in_one_call_writes_scores_and_clears_ma
         assert score is not None and not score.skipped
         assert score.value == pytest.approx(expected_cosine(prompt_text(event), event.output), rel=1e-5)
         assert score.passed == (score.value >= SETTINGS.similarity_min)
-    (summary,) = await EvalLogQueries(store).summarize("demo", QueryArgs())
+    (summary,) = await EvalLogQueries(store).summarize("demo", RecordFilter())
     assert summary.scores["similarity"].count == 10 and summary.scores["similarity"].skipped == 0
-    page, _ = await EvalLogQueries(store).query_records("demo", QueryArgs(), 50, "")
+    page, _ = await EvalLogQueries(store).query_records("demo", RecordFilter(), 50, "")
     assert all(similarity_of(r) is not None for r in page)
 
 
@@ -216,7 +217,7 @@ async def test_unimplemented_embed_is_recorded_as_skipped(store, adapter) -> Non
         score = similarity_of(await store.get(event.event_id))
         assert score.skipped and score.detail.startswith("skipped: embeddings unavailable")
         assert "UNIMPLEMENTED" in score.detail
-    (summary,) = await EvalLogQueries(store).summarize("demo", QueryArgs())
+    (summary,) = await EvalLogQueries(store).summarize("demo", RecordFilter())
     assert summary.scores["similarity"].skipped == 3 and summary.scores["similarity"].count == 0
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from dataclasses import replace
 from pathlib import Path
 
 import asyncpg
@@ -15,10 +16,11 @@ from sluice_common.errors import InvalidArgument, NotFound, PermissionDenied
 from sluice_common.sqlstore import open_sql_db
 from sluice_evaluation_logging.evaluators import evaluate_all
 from sluice_evaluation_logging.evaluators.base import EvalContext, EvalSettings
-from sluice_evaluation_logging.queries import EvalLogQueries, QueryArgs
+from sluice_evaluation_logging.model import RecordFilter, Threshold
+from sluice_evaluation_logging.queries import EvalLogQueries
 from sluice_evaluation_logging.records import otel_attributes, to_row
 from sluice_evaluation_logging.servicer import _record, _summary
-from sluice_evaluation_logging.store import LATEST_VERSION, MIGRATIONS, PostgresStore, RecordFilter, SqliteStore, Store, Threshold
+from sluice_evaluation_logging.store import LATEST_VERSION, MIGRATIONS, PostgresStore, SqliteStore, Store
 
 CTX = EvalContext(EvalSettings(similarity_sample_rate=0.0))
 
@@ -91,7 +93,7 @@ async def test_summaries_and_tenant_isolation(store) -> None:  # type: ignore[no
     await store.insert_batch(await rows(*events, secret))
     queries = EvalLogQueries(store)
 
-    (summary,) = await queries.summarize("demo", QueryArgs())
+    (summary,) = await queries.summarize("demo", RecordFilter())
     assert summary.count == 12 and summary.cancelled == 1
     assert abs(summary.error_rate - 1 / 12) < 1e-9
     assert summary.latency(50) == pytest.approx(550) and summary.latency(99) == pytest.approx(991)
@@ -99,13 +101,13 @@ async def test_summaries_and_tenant_isolation(store) -> None:  # type: ignore[no
     assert summary.scores["latency_slo"].count == 10
 
     with pytest.raises(PermissionDenied):
-        await queries.query_records("demo", QueryArgs(tenant="private"), 10, "")
+        await queries.query_records("demo", RecordFilter(tenant="private"), 10, "")
     with pytest.raises(PermissionDenied):
-        await queries.summarize("demo", QueryArgs(tenant="private"))
+        await queries.summarize("demo", RecordFilter(tenant="private"))
     with pytest.raises(NotFound):
         await queries.get_record("demo", secret.event_id)
     assert (await queries.get_record("private", secret.event_id)).tenant == "private"
-    page, _ = await queries.query_records("private", QueryArgs(), 0, "")
+    page, _ = await queries.query_records("private", RecordFilter(), 0, "")
     assert [r.event_id for r in page] == [secret.event_id]
 
 
@@ -128,22 +130,24 @@ async def test_the_prompt_tokens_served_from_the_prefix_cache_are_stored_returne
     # The consumer's log line, in the OpenTelemetry GenAI conventions' name (part of input_tokens).
     assert otel_attributes(again)["gen_ai.usage.cache_read.input_tokens"] == 192
 
-    summaries = {s.model: s for s in await EvalLogQueries(store).summarize("demo", QueryArgs())}
+    summaries = {s.model: s for s in await EvalLogQueries(store).summarize("demo", RecordFilter())}
     assert (summaries["smollm2-135m-instruct"].input_tokens, summaries["smollm2-135m-instruct"].cached_tokens) == (400, 192)
     assert summaries["other-model"].cached_tokens == 16
     summary = _summary(summaries["smollm2-135m-instruct"])
     assert (summary.prompt_tokens, summary.cached_tokens) == (400, 192)
 
 
+@pytest.mark.parametrize("applied", [1, 2])
 @pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
-async def test_migration_3_adds_cached_tokens_to_a_database_without_it(backend: str, tmp_path: Path) -> None:
-    """A store written before migration 3 (no cached_tokens column) opens, keeps its records (none
-    cached: their events predate the count) and stores new ones with the count."""
+async def test_a_database_of_an_older_schema_opens_migrated_with_its_records(backend: str, applied: int, tmp_path: Path) -> None:
+    """A store written before migration 3 (no cached_tokens column; before 2, no pending_scores and
+    the scores index 2 drops) opens, keeps its records (none cached: their events predate the
+    count) and stores new ones with the count and their pending markers."""
     dsn = PG_DSN if backend == "postgresql" else ""
     schema = f"evallog_test_{uuid.uuid4().hex[:10]}"
     path = tmp_path / "evallog.sqlite3"
     old_event = make_event(usage=cached_usage(12, 0))
-    old = open_sql_db(dsn, path, schema, MIGRATIONS[:2])
+    old = open_sql_db(dsn, path, schema, MIGRATIONS[:applied])
     await old.open()
     try:
         async with old.transaction() as tx:
@@ -165,10 +169,11 @@ async def test_migration_3_adds_cached_tokens_to_a_database_without_it(backend: 
         kept = await store.get(old_event.event_id)
         assert kept is not None and (kept.input_tokens, kept.cached_tokens) == (12, 0)
         new_event = make_event(usage=cached_usage(40, 32))
-        assert await store.insert_batch(await rows(new_event)) == 1
+        assert await store.insert_batch([replace(row, pending=("similarity",)) for row in await rows(new_event)]) == 1
         stored = await store.get(new_event.event_id)
         assert stored is not None and stored.cached_tokens == 32
-        (summary,) = await EvalLogQueries(store).summarize("demo", QueryArgs())
+        assert await store.pending_count("similarity") == 1
+        (summary,) = await EvalLogQueries(store).summarize("demo", RecordFilter())
         assert (summary.count, summary.input_tokens, summary.cached_tokens) == (2, 52, 32)
     finally:
         await store.close()

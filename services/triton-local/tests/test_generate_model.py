@@ -89,11 +89,11 @@ def test_the_stand_ins_turned_away_prefill_gets_the_next_freed_slot() -> None:
     import time
 
     from sluice_triton_local.engine import PrefillRow, ReleaseRow, SamplingParams, StepEngine
-    from sluice_triton_local.engine.bench import default_gguf_path
+    from sluice_triton_local.model_files import gguf_path
     from sluice_triton_local.generate_model import SelfBatchingGenerator
     from sluice_triton_local.shared_engine import SharedEngine
 
-    engine = SharedEngine(StepEngine(default_gguf_path(), max_slots=2, max_context=256, threads=1))
+    engine = SharedEngine(StepEngine(gguf_path(), max_slots=2, max_context=256, threads=1))
     prompt = engine.apply_chat_template([("user", "Write a long story about a dragon.")])
     params = SamplingParams(max_tokens=100)
     seq_ids = itertools.count(1)

@@ -9,7 +9,7 @@ import pytest
 
 from sluice_triton_local.engine.prefix_cache import MIN_REUSED_TOKENS, Cells, PrefixCache, common_prefix, exact_reuse
 from sluice_triton_local.engine.step_engine import DecodeRow, PrefillRow, ReleaseRow, RowResult, SamplingParams, StepEngine
-from sluice_triton_local.engine.bench import default_gguf_path
+from sluice_triton_local.model_files import gguf_path
 
 SYSTEM = (
     "You are the support assistant of a small bicycle shop in a river town. Answer in one short"
@@ -85,7 +85,7 @@ def test_a_disabled_cache_keeps_nothing() -> None:
 def engines(request: pytest.FixtureRequest) -> Iterator[tuple[StepEngine, StepEngine]]:
     """The engine with its prefix cache, and the same engine without one (the reference)."""
     make = lambda cache: StepEngine(  # noqa: E731
-        default_gguf_path(), max_slots=3, max_context=512, engine=request.param, threads=2, prefix_cache=cache
+        gguf_path(), max_slots=3, max_context=512, engine=request.param, threads=2, prefix_cache=cache
     )
     yield make(True), make(False)
 

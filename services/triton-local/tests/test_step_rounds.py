@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from prometheus_client import REGISTRY
 
-from sluice_triton_local.engine.bench import default_gguf_path
+from sluice_triton_local.model_files import gguf_path
 from sluice_triton_local.engine.step_engine import StepEngine
 from sluice_triton_local.shared_engine import SharedEngine
 from sluice_triton_local.step_protocol import COUNT, DECODE, END_ROUND, MAX_ROUND_STEPS, PREFILL, RELEASE, RoundRejected, start_round
@@ -24,7 +24,7 @@ QUESTION = [["user", "Write a short poem about rivers."]]
 
 @pytest.fixture(scope="module")
 def shared() -> Iterator[SharedEngine]:
-    yield SharedEngine(StepEngine(default_gguf_path(), max_slots=4, threads=2))
+    yield SharedEngine(StepEngine(gguf_path(), max_slots=4, threads=2))
 
 
 def _inputs(rows: list[tuple[int, int, dict[str, Any] | None]], steps: int | None = None) -> dict[str, np.ndarray]:

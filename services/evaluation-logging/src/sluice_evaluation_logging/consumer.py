@@ -33,9 +33,10 @@ from sluice_common.request_context import REQUEST_ID_KEY
 from sluice_common.supervision import Supervisor, stop_tasks
 from sluice_evaluation_logging.evaluators import Offload, evaluate_batch
 from sluice_evaluation_logging.evaluators.base import EvalContext, ScoreResult
+from sluice_evaluation_logging.model import RecordRow
 from sluice_evaluation_logging.record_metrics import observe_stored
-from sluice_evaluation_logging.records import PoisonMessage, decode_event, otel_attributes, stored_bytes, to_row
-from sluice_evaluation_logging.store import RecordRow, Store
+from sluice_evaluation_logging.records import PoisonMessage, decode_event, event_bytes, otel_attributes, to_row
+from sluice_evaluation_logging.store import Store
 
 log = structlog.stdlib.get_logger("sluice.evallog.consumer")
 # The stdlib logger under `log` (structlog renders through it): asked whether DEBUG is on.
@@ -197,12 +198,14 @@ class CompletionConsumer:
                     message_id=message.message_id,
                     request_id=(message.headers or {}).get(REQUEST_ID_KEY, ""),
                 )
-        all_scores = await evaluate_batch([event for _, event in decoded], self._context, self._offload)
+        # Each event's bytes, once: handed to the evaluator pool and stored, both as received.
+        serialized = [event_bytes(message.body, message.content_type, event) for message, event in decoded]
+        all_scores = await evaluate_batch([event for _, event in decoded], self._context, self._offload, serialized)
         rows: list[RecordRow] = []
-        for index, ((message, event), scores) in enumerate(zip(decoded, all_scores, strict=True)):
+        for index, ((_, event), scores, body) in enumerate(zip(decoded, all_scores, serialized, strict=True)):
             if index and index % YIELD_EVERY == 0:
                 await asyncio.sleep(0)
-            rows.append(to_row(event, scores, stored_bytes(message.body, message.content_type)))
+            rows.append(to_row(event, scores, body))
         # One line per batch at INFO (in _commit); the per-event line (GenAI attributes, scores)
         # only at DEBUG, where building it is worth its cost: at one line per event it was most of
         # the consumer's CPU.

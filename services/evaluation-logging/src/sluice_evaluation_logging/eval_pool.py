@@ -2,7 +2,8 @@
 
 Inline, a batch of 256 events with outputs of a few KB spends 200-400 ms in repetition, pii and
 json_validity on the event loop: every delivery, ack, heartbeat and query waits that long. Here
-the batch is serialized (protobuf bytes, ~2 us per KB), split into one chunk per worker process
+the batch's serialized events (the consumer's message bodies as received; protobuf bytes, ~2 us
+per KB to make where there are none), split into one chunk per worker process
 (one task per chunk, not per event, so pickling and the round trip are paid once per chunk), and
 evaluated in a `ProcessPoolExecutor` while the loop stays free; the cheap evaluators run on the
 loop meanwhile. The scores are exactly those of inline evaluation (the same code, evaluators
@@ -38,7 +39,7 @@ import structlog
 from prometheus_client import Counter, Gauge, Histogram
 
 from sluice_evaluation_logging.evaluators import CPU_HEAVY, HeavyScores, evaluate_heavy_chunk
-from sluice_evaluation_logging.evaluators.base import CompletionEvent, EvalSettings, ScoreResult, skipped
+from sluice_evaluation_logging.evaluators.base import EvalSettings, ScoreResult, skipped
 
 log = structlog.stdlib.get_logger("sluice.evallog.pool")
 
@@ -120,9 +121,8 @@ class EvalPool:
             POOL_RESTARTS.inc()
             executor.shutdown(wait=False, cancel_futures=True)
 
-    async def evaluate(self, events: Sequence[CompletionEvent], settings: EvalSettings) -> HeavyScores:
-        """The CPU-heavy scores of `events`, in order, from one task per chunk."""
-        serialized = [event.SerializeToString() for event in events]
+    async def evaluate(self, serialized: Sequence[bytes], settings: EvalSettings) -> HeavyScores:
+        """The CPU-heavy scores of the serialized events, in order, from one task per chunk."""
         size = -(-len(serialized) // self.processes)  # ceil: one chunk per worker
         chunks = [serialized[i : i + size] for i in range(0, len(serialized), size)]
         for attempt in range(1, self._max_attempts + 1):
@@ -145,16 +145,16 @@ class EvalPool:
             log.error(
                 "eval_pool_broken",
                 error=str(broken[0]),
-                events=len(events),
+                events=len(serialized),
                 attempt=attempt,
                 max_attempts=self._max_attempts,
             )
             if attempt < self._max_attempts:
                 await asyncio.sleep(self._retry_delay_s * attempt)
-        POOL_GAVE_UP.inc(len(events))
-        log.error("eval_pool_gave_up", events=len(events), detail=CRASHED_DETAIL)
+        POOL_GAVE_UP.inc(len(serialized))
+        log.error("eval_pool_gave_up", events=len(serialized), detail=CRASHED_DETAIL)
         crashed = [skipped(e.NAME, CRASHED_DETAIL) for e in CPU_HEAVY]
-        return [[*crashed] for _ in events], {}
+        return [[*crashed] for _ in serialized], {}
 
     @staticmethod
     async def _send(

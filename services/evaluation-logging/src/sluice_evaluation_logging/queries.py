@@ -2,24 +2,15 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import replace
 
 from sluice_common.errors import InvalidArgument, NotFound, PermissionDenied
+from sluice_evaluation_logging.model import RecordFilter, RecordRow
 from sluice_evaluation_logging.records import GroupSummary, summarize
-from sluice_evaluation_logging.store import RecordFilter, RecordRow, Store, Threshold
+from sluice_evaluation_logging.store import Store
 
 DEFAULT_PAGE_SIZE = 50
 MAX_PAGE_SIZE = 1000
-
-
-@dataclass(frozen=True)
-class QueryArgs:
-    tenant: str = ""
-    model: str = ""
-    start: float | None = None
-    end: float | None = None
-    finish_reason: int = 0
-    thresholds: tuple[Threshold, ...] = ()
 
 
 def scoped_tenant(caller: str, asked: str) -> str:
@@ -29,20 +20,14 @@ def scoped_tenant(caller: str, asked: str) -> str:
     return caller
 
 
-def _filter(caller: str, args: QueryArgs) -> RecordFilter:
-    if args.start is not None and args.end is not None and args.end <= args.start:
+def _filter(caller: str, asked: RecordFilter) -> RecordFilter:
+    """The request's filter, checked and scoped to the caller's tenant: what the store is handed."""
+    if asked.start is not None and asked.end is not None and asked.end <= asked.start:
         raise InvalidArgument("end_time", "must be after start_time")
-    for index, threshold in enumerate(args.thresholds):
+    for index, threshold in enumerate(asked.thresholds):
         if not threshold.name:
             raise InvalidArgument(f"score_thresholds[{index}].name", "must name a score, such as 'repetition'")
-    return RecordFilter(
-        tenant=scoped_tenant(caller, args.tenant),
-        model=args.model,
-        start=args.start,
-        end=args.end,
-        finish_reason=args.finish_reason,
-        thresholds=args.thresholds,
-    )
+    return replace(asked, tenant=scoped_tenant(caller, asked.tenant))
 
 
 class EvalLogQueries:
@@ -59,11 +44,11 @@ class EvalLogQueries:
         return row
 
     async def query_records(
-        self, caller: str, args: QueryArgs, page_size: int, page_token: str
+        self, caller: str, where: RecordFilter, page_size: int, page_token: str
     ) -> tuple[list[RecordRow], str]:
         if page_size < 0 or page_size > MAX_PAGE_SIZE:
             raise InvalidArgument("page_size", f"must be in 0..{MAX_PAGE_SIZE} (0 means {DEFAULT_PAGE_SIZE})")
-        return await self._store.query(_filter(caller, args), page_size or DEFAULT_PAGE_SIZE, page_token)
+        return await self._store.query(_filter(caller, where), page_size or DEFAULT_PAGE_SIZE, page_token)
 
-    async def summarize(self, caller: str, args: QueryArgs) -> list[GroupSummary]:
-        return summarize(await self._store.summary_data(_filter(caller, args)))
+    async def summarize(self, caller: str, where: RecordFilter) -> list[GroupSummary]:
+        return summarize(await self._store.summary_data(_filter(caller, where)))

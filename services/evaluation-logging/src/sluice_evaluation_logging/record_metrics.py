@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 from prometheus_client import Counter, Histogram, Summary
 
-from sluice_evaluation_logging.store import RecordRow
+from sluice_evaluation_logging.model import RecordRow
 
 # From the end of the stream (the event's finished_at, the gateway's clock) to the record stored:
 # the queue in RabbitMQ plus evaluation and storage. Alerted on in deploy/prometheus/rules.

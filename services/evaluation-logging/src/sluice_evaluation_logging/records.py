@@ -18,7 +18,7 @@ from sluice.common.v1 import types_pb2
 from sluice.evallog.v1 import events_pb2
 
 from sluice_evaluation_logging.evaluators.base import Deferred, ScoreResult
-from sluice_evaluation_logging.store import RecordRow, SummaryData
+from sluice_evaluation_logging.model import RecordRow, SummaryData
 
 
 class PoisonMessage(ValueError):
@@ -50,11 +50,11 @@ def _epoch(timestamp: Any) -> float:
     return timestamp.seconds + timestamp.nanos / 1e9
 
 
-def stored_bytes(body: bytes, content_type: str | None) -> bytes | None:
-    """The message body itself when it already is the serialized CompletionEvent (protobuf), so
-    that it is not serialized a second time; None for JSON (to_row serializes the parsed event)."""
+def event_bytes(body: bytes, content_type: str | None, event: events_pb2.CompletionEvent) -> bytes:
+    """The serialized CompletionEvent: the message body itself when it already is one (protobuf),
+    so that it is not serialized a second time; the parsed event serialized for JSON."""
     kind = (content_type or "application/x-protobuf").split(";")[0].strip().lower()
-    return bytes(body) if kind == "application/x-protobuf" else None
+    return bytes(body) if kind == "application/x-protobuf" else event.SerializeToString()
 
 
 def to_row(

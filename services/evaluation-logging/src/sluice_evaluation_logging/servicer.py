@@ -7,12 +7,12 @@ from google.protobuf import timestamp_pb2
 from sluice.evallog.v1 import evallog_pb2, evallog_pb2_grpc, events_pb2
 
 from sluice_common.tenants import TenantDirectory
-from sluice_evaluation_logging.queries import EvalLogQueries, QueryArgs
 from sluice_evaluation_logging.evaluators import Offload
 from sluice_evaluation_logging.evaluators.base import EvalContext
+from sluice_evaluation_logging.model import RecordFilter, RecordRow, Threshold
+from sluice_evaluation_logging.queries import EvalLogQueries
 from sluice_evaluation_logging.records import GroupSummary
 from sluice_evaluation_logging.scoring import ScoreInput, evaluator_infos, score_items
-from sluice_evaluation_logging.store import RecordRow, Threshold
 
 
 def _authorization(context: grpc.aio.ServicerContext) -> str | None:
@@ -86,7 +86,7 @@ class EvalLogServicer(evallog_pb2_grpc.EvalLogServiceServicer):
     async def QueryRecords(
         self, request: evallog_pb2.QueryRecordsRequest, context: grpc.aio.ServicerContext
     ) -> evallog_pb2.QueryRecordsResponse:
-        args = QueryArgs(
+        where = RecordFilter(
             tenant=request.tenant,
             model=request.model,
             start=_seconds(request.start_time, request.HasField("start_time")),
@@ -102,19 +102,19 @@ class EvalLogServicer(evallog_pb2_grpc.EvalLogServiceServicer):
                 for t in request.score_thresholds
             ),
         )
-        rows, token = await self._queries.query_records(self._caller(context), args, request.page_size, request.page_token)
+        rows, token = await self._queries.query_records(self._caller(context), where, request.page_size, request.page_token)
         return evallog_pb2.QueryRecordsResponse(records=[_record(row) for row in rows], next_page_token=token)
 
     async def Summarize(
         self, request: evallog_pb2.SummarizeRequest, context: grpc.aio.ServicerContext
     ) -> evallog_pb2.SummarizeResponse:
-        args = QueryArgs(
+        where = RecordFilter(
             tenant=request.tenant,
             model=request.model,
             start=_seconds(request.start_time, request.HasField("start_time")),
             end=_seconds(request.end_time, request.HasField("end_time")),
         )
-        groups = await self._queries.summarize(self._caller(context), args)
+        groups = await self._queries.summarize(self._caller(context), where)
         return evallog_pb2.SummarizeResponse(summaries=[_summary(group) for group in groups])
 
     async def ScoreCompletions(

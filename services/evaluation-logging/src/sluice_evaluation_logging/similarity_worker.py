@@ -37,7 +37,8 @@ from sluice.evallog.v1 import events_pb2
 from sluice_common.supervision import Supervisor, stop_tasks
 from sluice_evaluation_logging.evaluators import similarity
 from sluice_evaluation_logging.evaluators.base import Embedder, EmbeddingsUnavailable, EvalSettings, ScoreResult, skipped
-from sluice_evaluation_logging.store import PendingItem, Store
+from sluice_evaluation_logging.model import PendingItem
+from sluice_evaluation_logging.store import Store
 
 log = structlog.stdlib.get_logger("sluice.evallog.similarity")
 

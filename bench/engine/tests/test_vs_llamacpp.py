@@ -1,9 +1,9 @@
-"""bench-engine's measuring side counts the tokens its rows really produced: a row answered busy
+"""bench-engine's measuring side (vs_llamacpp.py) counts the tokens its rows really produced: a row answered busy
 or error did no work, and a sequence that stopped early is stepped no more."""
 
 from __future__ import annotations
 
-from sluice_triton_local.engine import bench_vs_llamacpp as bench
+import vs_llamacpp as bench
 from sluice_triton_local.engine.step_engine import DecodeRow, PrefillRow, ReleaseRow, RowResult
 
 PROMPT_TOKENS = 10

@@ -1,7 +1,7 @@
-"""The measuring side of `make bench-engine`, run in triton-local's environment:
+"""The measuring side of `make bench-engine` (bench/bench_engine.py), run in triton-local's environment:
 
-  python -m sluice_triton_local.engine.bench_vs_llamacpp THREADS ROUNDS BATCH [BATCH ...]
-  python -m sluice_triton_local.engine.bench_vs_llamacpp --numpy THREADS BATCH [BATCH ...]
+  services/triton-local/.venv/bin/python bench/engine/vs_llamacpp.py THREADS ROUNDS BATCH [BATCH ...]
+  services/triton-local/.venv/bin/python bench/engine/vs_llamacpp.py --numpy THREADS BATCH [BATCH ...]
 
 Two sides, each with a llama.cpp context of its own on the same GGUF and thread count:
 
@@ -27,8 +27,8 @@ import sys
 import time
 from typing import Any
 
-from .bench import default_gguf_path
-from .step_engine import DecodeRow, PrefillRow, ReleaseRow, RowResult, SamplingParams, StepEngine
+from sluice_triton_local.engine.step_engine import DecodeRow, PrefillRow, ReleaseRow, RowResult, SamplingParams, StepEngine
+from sluice_triton_local.model_files import gguf_path
 
 DECODE_STEPS = 48
 PROMPT = "Write a long story about a dragon and a knight who become friends after a long war."
@@ -88,7 +88,7 @@ class LlamaCppAlone:
 
         init_backend_once()
         self.lc, self.ids, self.threads = lc, ids, threads
-        self.model = lc.llama_model_load_from_file(default_gguf_path().encode(), lc.llama_model_default_params())
+        self.model = lc.llama_model_load_from_file(gguf_path().encode(), lc.llama_model_default_params())
 
     def run(self, batch: int) -> Figures:
         """The faster KV layout for prefill and decode alike; the tokens of the per-sequence one,
@@ -157,7 +157,7 @@ def best(runs: list[Figures]) -> Figures:
 
 
 def compare(threads: int, rounds: int, batches: list[int]) -> dict[str, Any]:
-    engine = StepEngine(default_gguf_path(), max_slots=max(batches), max_context=1024, engine="llamacpp", threads=threads)
+    engine = StepEngine(gguf_path(), max_slots=max(batches), max_context=1024, engine="llamacpp", threads=threads)
     ids = engine.tokenizer.encode(engine.apply_chat_template([("user", PROMPT)]))
     alone = LlamaCppAlone(ids, threads)
     engine_run(engine, 1), alone.run(1)  # warm both up
@@ -174,7 +174,7 @@ def compare(threads: int, rounds: int, batches: list[int]) -> dict[str, Any]:
 
 
 def numpy_reference(threads: int, batches: list[int]) -> dict[str, Any]:
-    engine = StepEngine(default_gguf_path(), max_slots=max(batches), max_context=1024, engine="numpy", threads=threads)
+    engine = StepEngine(gguf_path(), max_slots=max(batches), max_context=1024, engine="numpy", threads=threads)
     engine_run(engine, 1)
     return {"numpy": {str(b): best([engine_run(engine, b)]) for b in batches}}
 

@@ -1,17 +1,14 @@
-"""bench-gpu's device-independent parts, on the CPU: its comparison and BENCH line with both
-sides on the CPU, and the line and exit code it gives where there is no GPU."""
+"""bench-gpu's (gpu.py's) device-independent parts, on the CPU: its comparison and BENCH line with
+both sides on the CPU, and the line and exit code it gives where there is no GPU."""
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-from sluice_triton_local.engine import bench_gpu
+import gpu as bench_gpu
+from conftest import run_script
 
 
 def test_comparison_with_both_sides_on_the_cpu_is_identical() -> None:
@@ -41,11 +38,7 @@ def test_without_a_gpu_it_says_why_and_exits_no_gpu() -> None:
 
     if llama_cpp.llama_supports_gpu_offload():
         pytest.skip("llama.cpp here can offload to a GPU")
-    src = str(Path(__file__).resolve().parents[1] / "src")
-    env = dict(os.environ, PYTHONPATH=src + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run(
-        [sys.executable, "-m", "sluice_triton_local.engine.bench_gpu"], env=env, capture_output=True, text=True, timeout=120
-    )
+    proc = run_script("gpu.py")
     assert proc.returncode == bench_gpu.NO_GPU == 3, proc.stderr
     assert proc.stdout.splitlines() == [proc.stdout.strip()] and "CPU build" in proc.stdout, proc.stdout
     lines = proc.stderr.strip().splitlines()

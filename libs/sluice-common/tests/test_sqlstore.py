@@ -1,0 +1,60 @@
+"""SqliteDb's one-trip transaction on a real SQLite file: it commits or rolls back as a whole, and
+takes its turn with `transaction()` on the same connection."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from sluice_common.sqlstore import SqliteDb
+
+MIGRATIONS = ((1, "a table", ("CREATE TABLE t (id INTEGER PRIMARY KEY, v TEXT NOT NULL)",)),)
+
+
+async def test_run_in_transaction_commits_or_rolls_back_as_a_whole(tmp_path: Path) -> None:
+    db = SqliteDb(tmp_path / "t.sqlite3", MIGRATIONS)
+    await db.open()
+    try:
+        assert await db.run_in_transaction(lambda c: c.execute("INSERT INTO t (id, v) VALUES (1, 'a')").rowcount) == 1
+
+        def half_then_fail(c):  # type: ignore[no-untyped-def]
+            c.execute("INSERT INTO t (id, v) VALUES (2, 'b')")
+            c.execute("INSERT INTO t (id, v) VALUES (1, 'duplicate')")
+
+        with pytest.raises(Exception, match="UNIQUE"):
+            await db.run_in_transaction(half_then_fail)
+        async with db.transaction() as tx:
+            assert await tx.fetchall("SELECT id, v FROM t ORDER BY id") == [(1, "a")]
+    finally:
+        await db.close()
+
+
+async def test_run_in_transaction_waits_for_an_open_transaction(tmp_path: Path) -> None:
+    """Both share one connection: a batch that started inside another's transaction would fail
+    ("cannot start a transaction within a transaction") or be rolled back with it."""
+    db = SqliteDb(tmp_path / "t.sqlite3", MIGRATIONS)
+    await db.open()
+    try:
+        inside = asyncio.Event()
+        release = asyncio.Event()
+
+        async def slow_transaction() -> None:
+            async with db.transaction() as tx:
+                await tx.execute("INSERT INTO t (id, v) VALUES (1, 'first')")
+                inside.set()
+                await release.wait()
+
+        holder = asyncio.create_task(slow_transaction())
+        await inside.wait()
+        batch = asyncio.create_task(db.run_in_transaction(lambda c: c.execute("INSERT INTO t (id, v) VALUES (2, 'second')").rowcount))
+        await asyncio.sleep(0.05)
+        assert not batch.done()  # it waits its turn
+        release.set()
+        await holder
+        assert await batch == 1
+        async with db.transaction() as tx:
+            assert await tx.fetchall("SELECT v FROM t ORDER BY id") == [("first",), ("second",)]
+    finally:
+        await db.close()

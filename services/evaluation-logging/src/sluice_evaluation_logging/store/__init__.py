@@ -1,0 +1,52 @@
+"""Where records and scores live: SQLite (default, WAL) or PostgreSQL, with schema migrations.
+
+- schema.py: the tables and their numbered migrations;
+- sql.py: the SQL both backends run the same, on sluice-common's `SqlDb` (queries, summaries,
+  finishing pending scores);
+- sqlite.py, postgres.py: what each does its own way (storing a batch, claiming pending scores).
+
+Inserts are idempotent by event id (`ON CONFLICT DO NOTHING`), so a redelivered event is stored
+once. A score computed later (similarity: it waits on the adapter's embedding model) has a row in
+`pending_scores` written in the same transaction as its record, so a crash between storing and
+scoring loses nothing; similarity_worker.py claims due rows in batches (a lease: `not_before`
+moves into the future and another replica skips them), then writes the scores and deletes the
+rows in one transaction. Until then the score is absent from every query.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Protocol
+
+from sluice_evaluation_logging.evaluators.base import ScoreResult
+from sluice_evaluation_logging.model import PendingItem, RecordFilter, RecordRow, SummaryData
+from sluice_evaluation_logging.store.postgres import PostgresStore
+from sluice_evaluation_logging.store.schema import LATEST_VERSION, MIGRATIONS
+from sluice_evaluation_logging.store.sqlite import SqliteStore
+
+__all__ = ["LATEST_VERSION", "MIGRATIONS", "PostgresStore", "SqliteStore", "Store", "open_store"]
+
+
+class Store(Protocol):
+    """What the consumer, the similarity worker and the queries ask of the storage."""
+
+    async def open(self) -> None: ...
+    async def close(self) -> None: ...
+    async def schema_version(self) -> int: ...
+    async def insert_batch(self, rows: Sequence[RecordRow]) -> int: ...
+    async def get(self, event_id: str) -> RecordRow | None: ...
+    async def query(self, where: RecordFilter, page_size: int, page_token: str) -> tuple[list[RecordRow], str]: ...
+    async def summary_data(self, where: RecordFilter) -> SummaryData: ...
+    async def count(self) -> int: ...
+    async def claim_pending(self, name: str, limit: int, lease_s: float) -> list[PendingItem]: ...
+    async def release_pending(self, name: str, event_ids: Sequence[str], delay_s: float, count_attempt: bool) -> None: ...
+    async def complete_pending(self, name: str, scores: Sequence[tuple[str, ScoreResult]]) -> int: ...
+    async def pending_count(self, name: str = "") -> int: ...
+
+
+def open_store(database_url: str, sqlite_path: Path, pg_schema: str = "evallog") -> Store:
+    """PostgreSQL (tables in `pg_schema`) when a URL is set, else SQLite at `sqlite_path`."""
+    if database_url:
+        return PostgresStore(database_url, pg_schema)
+    return SqliteStore(sqlite_path)
