@@ -6,8 +6,12 @@ limits of their own and gateways in front of the stack's adapter that use it (or
 
 from __future__ import annotations
 
+import json
 import socket
+import threading
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -19,10 +23,10 @@ from sluice.common.v1 import types_pb2
 from sluice.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from sluice.ratelimit.v1 import ratelimit_pb2, ratelimit_pb2_grpc
 
-from conftest import EMBEDDING_MODEL, MODEL, auth, wait_for
+from conftest import DEMO_KEY, EMBEDDING_MODEL, MODEL, auth, wait_for
 from ratelimit_support import start_ratelimit
 from sluice_stack import ServiceProcess, Stack
-from sluice_stack.launcher import GATEWAY_PORT_ENV
+from sluice_stack.launcher import ANY_HTTP_PORT, GATEWAY_PORT_ENV
 
 PRIVATE_KEY = "sk-sluice-private"
 LIMITS = """
@@ -58,20 +62,27 @@ def start_gateway(stack: Stack, run_dir: Path, name: str, ratelimit_url: str, **
 
 
 @pytest.fixture(scope="module")
-def limited(stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]]:
-    """(gateway address, rate-limit address) with the tight LIMITS."""
+def limited_gateway(stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServiceProcess, str]]:
+    """(gateway, rate-limit address) with the tight LIMITS; the gateway serves gRPC and HTTP."""
     run_dir = tmp_path_factory.mktemp("ratelimit-gateway")
     limits = run_dir / "limits.toml"
     limits.write_text(LIMITS)
     limiter, limiter_address = start_ratelimit(run_dir, "rate-limit-gw", limits)
     try:
-        gateway, gateway_address = start_gateway(stack, run_dir, "gateway-rl", limiter_address)
+        gateway, _ = start_gateway(stack, run_dir, "gateway-rl", limiter_address, http_port=str(ANY_HTTP_PORT))
         try:
-            yield gateway_address, limiter_address
+            yield gateway, limiter_address
         finally:
             gateway.stop()
     finally:
         limiter.stop()
+
+
+@pytest.fixture(scope="module")
+def limited(limited_gateway: tuple[ServiceProcess, str]) -> tuple[str, str]:
+    """(gateway address, rate-limit address) with the tight LIMITS."""
+    gateway, limiter_address = limited_gateway
+    return gateway.address, limiter_address
 
 
 def request(max_tokens: int = 4, content: str = "Say hello.") -> gateway_pb2.GenerateRequest:
@@ -123,6 +134,51 @@ def test_a_cancelled_stream_is_committed_at_once(limited) -> None:
         call.cancel()
     # settled by the gateway, not by the lease's expiry (deadline + 30 s away)
     wait_for(lambda: usage(limiter_address, "demo")[ratelimit_pb2.BUDGET_REQUESTS_IN_FLIGHT].remaining == 4, timeout_s=5.0)
+
+
+def _grpc_stream(gateway: ServiceProcess) -> None:
+    with grpc.insecure_channel(gateway.address) as channel:
+        list(gateway_pb2_grpc.GatewayServiceStub(channel).Generate(request(max_tokens=2), metadata=auth(), timeout=60))
+
+
+def _http_stream(gateway: ServiceProcess) -> None:
+    """A streamed chat read up to its `data: [DONE]`, as an OpenAI client reads it (urllib raises
+    HTTPError on a 429)."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 2, "stream": True}
+    sent = urllib.request.Request(
+        f"http://127.0.0.1:{gateway.ports['http']}/v1/chat/completions", data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json", "Authorization": f"Bearer {DEMO_KEY}"},
+    )
+    with urllib.request.urlopen(sent, timeout=60) as response:
+        for line in response:
+            if line.strip() == b"data: [DONE]":
+                return
+    raise AssertionError("the stream ended without data: [DONE]")
+
+
+@pytest.mark.parametrize("stream", [_grpc_stream, _http_stream], ids=["grpc", "http"])
+def test_a_client_keeping_its_in_flight_limit_busy_is_never_refused(limited_gateway, stream: Callable[[ServiceProcess], None]) -> None:
+    """A stream's in-flight slot is free by the time its client has read the stream's end, so a
+    client that keeps exactly requests_in_flight streams going, sending the next as one ends (what
+    every load generator and worker pool does), is never told to come back in a second."""
+    gateway, limiter_address = limited_gateway
+    idle = lambda: (b := usage(limiter_address, "demo").get(ratelimit_pb2.BUDGET_REQUESTS_IN_FLIGHT)) is None or b.remaining == 4  # noqa: E731
+    wait_for(idle)
+    refused: list[str] = []
+
+    def client() -> None:
+        for _ in range(4):
+            try:
+                stream(gateway)
+            except (grpc.RpcError, urllib.error.HTTPError) as error:
+                refused.append(repr(error))
+
+    clients = [threading.Thread(target=client) for _ in range(4)]  # the tenant's requests_in_flight
+    for thread in clients:
+        thread.start()
+    for thread in clients:
+        thread.join(timeout=120)
+    assert refused == []
 
 
 def test_a_denial_is_resource_exhausted_with_retry_info_and_quota_failure(limited) -> None:

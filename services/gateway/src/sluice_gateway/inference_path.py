@@ -135,6 +135,11 @@ class GenerateStream:
             self.tokens = chunk.usage.completion_tokens if chunk.HasField("usage") else self.tokens + chunk.token_count
             self.finished |= bool(chunk.finish_reason)
             self.ticket.observe(chunk)
+            if chunk.finish_reason:
+                # Commit before the client hears the end: a client that sends its next request as
+                # soon as one ends (every worker pool) must find the in-flight slot free, not be
+                # refused for a second behind a commit still on its way.
+                self.ticket.settle()
             if self.tracker is not None:
                 self.tracker.add(chunk)
             if self.on_chunk is not None:
