@@ -37,9 +37,11 @@ def greedy_decode(engine: "StepEngine", prompts: list[str], decode_steps: int) -
     """Prefills one sequence per (templated) prompt in one step, then runs up to `decode_steps`
     greedy decode steps over the sequences still live. Returns decode tokens/s (the clock runs
     around the decode steps alone) and each sequence's token ids, the prefill's token first."""
-    from .step_engine import DecodeRow, PrefillRow, ReleaseRow, SamplingParams
+    from sluice_common.sampling import Sampling
 
-    params = SamplingParams(max_tokens=decode_steps + 1, temperature=0.0)
+    from .step_engine import DecodeRow, PrefillRow, ReleaseRow
+
+    params = Sampling(max_tokens=decode_steps + 1, temperature=0.0)
     ids = list(range(10_000, 10_000 + len(prompts)))
     first = engine.step([PrefillRow(i, prompt, params) for i, prompt in zip(ids, prompts)])
     if failed := [r for r in first if r.finish_reason == "error"]:
