@@ -49,7 +49,7 @@ def test_an_unset_proto_is_the_defaults() -> None:
     assert (defaults.temperature, defaults.top_p, defaults.top_k, defaults.min_p) == (0.0, 1.0, 0, 0.0)
     assert (defaults.presence_penalty, defaults.frequency_penalty, defaults.repetition_penalty) == (0.0, 0.0, 1.0)
     assert (defaults.logit_bias, defaults.seed, defaults.stop, defaults.max_tokens) == ((), None, (), 0)
-    assert defaults.greedy and not defaults.penalized
+    assert not defaults.penalized and Sampling(max_tokens=1, repetition_penalty=1.1).penalized
 
 
 def test_proto_python_json_round_trips() -> None:

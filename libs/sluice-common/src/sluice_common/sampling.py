@@ -26,7 +26,6 @@ MAX_TEMPERATURE = 2.0
 PENALTY_RANGE = (-2.0, 2.0)
 LOGIT_BIAS_RANGE = (-100.0, 100.0)
 MAX_SEED = (1 << 64) - 1
-MAX_INT32 = (1 << 31) - 1
 
 
 @dataclass(frozen=True)
@@ -45,10 +44,6 @@ class Sampling:
     logit_bias: tuple[tuple[int, float], ...] = ()
     seed: int | None = None
     stop: tuple[str, ...] = ()
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature <= 0.0
 
     @property
     def penalized(self) -> bool:
