@@ -137,7 +137,7 @@ def engine_run(n: int, max_batch: int) -> dict[str, float]:
 ENGINE_SIDE = """
 import json, time
 from sluice_triton_local.config import TritonLocalConfig
-from sluice_triton_local.engine import DecodeRow, PrefillRow, SamplingParams, StepEngine
+from sluice_triton_local.engine import DecodeRow, PrefillRow, Sampling, StepEngine
 from sluice_triton_local.model_files import smollm2_gguf
 from sluice_common.config import load_config
 from sluice_triton_local.config import ENV_PREFIX
@@ -152,7 +152,7 @@ while waiting or live:
     room = {max_batch} - len(live)
     joining, waiting = waiting[:room], waiting[room:]
     rows = [DecodeRow(s) for s in live] + [
-        PrefillRow(s, p, SamplingParams(max_tokens={max_tokens}, temperature={temperature}, seed=s)) for s, p in joining
+        PrefillRow(s, p, Sampling(max_tokens={max_tokens}, temperature={temperature}, seed=s)) for s, p in joining
     ]
     results = engine.step(rows)
     tokens += sum(1 for r in results if r.token_id >= 0)

@@ -28,7 +28,8 @@ LOAD_TIMEOUT_S = 300
 
 def _engine_process(threads: int, seconds: float, batch: int, loaded: Queue, start: Event, results: Queue) -> None:
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
-    from sluice_triton_local.engine.step_engine import DecodeRow, PrefillRow, ReleaseRow, SamplingParams, StepEngine
+    from sluice_common.sampling import Sampling
+    from sluice_triton_local.engine.step_engine import DecodeRow, PrefillRow, ReleaseRow, StepEngine
     from sluice_triton_local.model_files import smollm2_gguf
 
     engine = StepEngine(str(smollm2_gguf()), max_slots=batch, max_context=512, threads=threads)
@@ -42,7 +43,7 @@ def _engine_process(threads: int, seconds: float, batch: int, loaded: Queue, sta
     while time.monotonic() < end:
         seqs = range(first_seq, first_seq + batch)
         first_seq += batch
-        engine.step([PrefillRow(s, prompt, SamplingParams(max_tokens=MAX_TOKENS)) for s in seqs])
+        engine.step([PrefillRow(s, prompt, Sampling(max_tokens=MAX_TOKENS)) for s in seqs])
         live = list(seqs)
         while live and time.monotonic() < end:
             started = time.perf_counter()

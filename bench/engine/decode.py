@@ -15,7 +15,8 @@ import os
 import sys
 import time
 
-from sluice_triton_local.engine.step_engine import DecodeRow, PrefillRow, ReleaseRow, SamplingParams, StepEngine
+from sluice_common.sampling import Sampling
+from sluice_triton_local.engine.step_engine import DecodeRow, PrefillRow, ReleaseRow, StepEngine
 from sluice_triton_local.model_files import gguf_path
 
 
@@ -30,7 +31,7 @@ def greedy_decode(engine: StepEngine, prompts: list[str], decode_steps: int) -> 
     """Prefills one sequence per (templated) prompt in one step, then runs up to `decode_steps`
     greedy decode steps over the sequences still live. Returns decode tokens/s (the clock runs
     around the decode steps alone) and each sequence's token ids, the prefill's token first."""
-    params = SamplingParams(max_tokens=decode_steps + 1, temperature=0.0)
+    params = Sampling(max_tokens=decode_steps + 1, temperature=0.0)
     ids = list(range(10_000, 10_000 + len(prompts)))
     first = engine.step([PrefillRow(i, prompt, params) for i, prompt in zip(ids, prompts)])
     if failed := [r for r in first if r.finish_reason == "error"]:

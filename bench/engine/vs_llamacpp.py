@@ -27,7 +27,8 @@ import sys
 import time
 from typing import Any
 
-from sluice_triton_local.engine.step_engine import DecodeRow, PrefillRow, ReleaseRow, RowResult, SamplingParams, StepEngine
+from sluice_common.sampling import Sampling
+from sluice_triton_local.engine.step_engine import DecodeRow, PrefillRow, ReleaseRow, RowResult, StepEngine
 from sluice_triton_local.model_files import gguf_path
 
 DECODE_STEPS = 48
@@ -52,7 +53,7 @@ def engine_run(engine: StepEngine, batch: int) -> Figures:
     running; tokens per second count only the rows that did work (a sequence that stopped early
     is stepped no more)."""
     prompt = engine.apply_chat_template([("user", PROMPT)])
-    params = SamplingParams(max_tokens=DECODE_STEPS + 1, temperature=0.0)
+    params = Sampling(max_tokens=DECODE_STEPS + 1, temperature=0.0)
     seqs = list(range(batch))
     started = time.perf_counter()
     first = engine.step([PrefillRow(s, prompt, params) for s in seqs])

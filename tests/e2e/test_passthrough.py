@@ -121,6 +121,39 @@ def test_a_prompt_longer_than_the_context_is_invalid_and_the_replica_stays_healt
     assert responses[-1].usage.completion_tokens >= 1
 
 
+def test_every_sampling_option_is_honoured_as_on_the_step_path(stub, gateway) -> None:
+    """The options go to the backend as vLLM's SamplingParams fields (sampling_parameters): the
+    stand-in samples with them on the same engine, so a seeded request with every option answers
+    what the step path answers; a logit_bias of +100 forces its token."""
+    sampling = types_pb2.SamplingParams(
+        max_tokens=20, temperature=1.0, top_p=0.9, top_k=40, min_p=0.05, presence_penalty=0.5, frequency_penalty=0.5,
+        repetition_penalty=1.2, seed=77,
+    )  # fmt: skip
+
+    def text(client, sampling: types_pb2.SamplingParams) -> str:  # type: ignore[no-untyped-def]
+        request = chat("Tell me about the sea.", 1)
+        request.sampling.CopyFrom(sampling)
+        return "".join(r.text for r in client.Generate(request, metadata=auth(), timeout=120))
+
+    seeded = text(stub, sampling)
+    assert seeded and seeded == text(gateway, sampling)
+    assert text(stub, types_pb2.SamplingParams(max_tokens=3, logit_bias={21285: 100.0})) == " banana" * 3
+
+
+def test_a_logit_bias_token_outside_the_vocabulary_is_invalid_naming_it(stub, passthrough: Stack) -> None:
+    """vLLM refuses it with its own words; the adapter names the field and the replica stays healthy."""
+    adapter = passthrough.metrics_url("inference-adapter")
+    replica = f'{{replica="{passthrough.triton_grpc_address}"}}'
+    request = chat("Hi", 4)
+    request.sampling.logit_bias[49152] = 1.0
+    for _ in range(3):  # more than the replica's failure threshold (2)
+        with pytest.raises(grpc.RpcError) as caught:
+            list(stub.Generate(request, metadata=auth(), timeout=120))
+        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert caught.value.details().startswith("sampling.logit_bias: token_id(s) [49152] in logit_bias")
+    assert scrape(adapter, "sluice_adapter_replica_healthy", replica) == 1
+
+
 def test_a_request_larger_than_the_whole_allowance_is_refused_as_such(stub) -> None:
     """The vLLM backend cannot count tokens before generating, so the gateway reserves its estimate
     (a million digits: over 300,000 tokens), more than the demo tenant's whole allowance: refused

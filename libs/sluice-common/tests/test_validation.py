@@ -17,6 +17,7 @@ def check(messages=HELLO, prompt="", **sampling) -> None:
 
 def test_a_valid_request_passes() -> None:
     check(temperature=0.7, top_p=0.9, stop=["\n"])
+    check(top_k=5, min_p=0.1, presence_penalty=-2.0, frequency_penalty=2.0, repetition_penalty=1.3, logit_bias={3: -100.0}, seed=7)
     check(messages=[], prompt="raw text")
     check(max_tokens=1024)
 
@@ -30,6 +31,13 @@ def test_a_valid_request_passes() -> None:
         (dict(max_tokens=1025), "sampling.max_tokens"),
         (dict(temperature=-0.1), "sampling.temperature"),
         (dict(top_p=0.0), "sampling.top_p"),
+        (dict(top_k=-1), "sampling.top_k"),
+        (dict(min_p=1.5), "sampling.min_p"),
+        (dict(presence_penalty=2.5), "sampling.presence_penalty"),
+        (dict(frequency_penalty=-3.0), "sampling.frequency_penalty"),
+        (dict(repetition_penalty=0.0), "sampling.repetition_penalty"),
+        (dict(logit_bias={5: 101.0}), "sampling.logit_bias"),
+        (dict(logit_bias={-5: 1.0}), "sampling.logit_bias"),
         (dict(stop=["a", "b", "c", "d", "e"]), "sampling.stop"),
         (dict(stop=[""]), "sampling.stop[0]"),
         (dict(messages=[types_pb2.ChatMessage(role="tool", content="x")]), "messages[0].role"),

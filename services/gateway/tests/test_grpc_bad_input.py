@@ -97,3 +97,31 @@ async def test_a_string_field_that_is_not_utf8_is_invalid_argument_naming_it(gat
     stub = gateway_pb2_grpc.GatewayServiceStub(channel)
     models = await stub.ListModels(gateway_pb2.ListModelsRequest(), metadata=AUTH)
     assert {m.name for m in models.models} == {"g", "e"}
+
+
+@pytest.mark.parametrize(
+    ("sampling", "field"),
+    [
+        (types_pb2.SamplingParams(max_tokens=2, presence_penalty=2.5), "sampling.presence_penalty"),
+        (types_pb2.SamplingParams(max_tokens=2, frequency_penalty=-2.5), "sampling.frequency_penalty"),
+        (types_pb2.SamplingParams(max_tokens=2, repetition_penalty=0.0), "sampling.repetition_penalty"),
+        (types_pb2.SamplingParams(max_tokens=2, top_k=-3), "sampling.top_k"),
+        (types_pb2.SamplingParams(max_tokens=2, min_p=-0.5), "sampling.min_p"),
+        (types_pb2.SamplingParams(max_tokens=2, logit_bias={7: 150.0}), "sampling.logit_bias"),
+        (types_pb2.SamplingParams(max_tokens=2, logit_bias={-7: 1.0}), "sampling.logit_bias"),
+    ],
+)
+async def test_a_sampling_option_out_of_range_is_invalid_argument_naming_it(gateway, sampling, field) -> None:  # type: ignore[no-untyped-def]
+    channel, adapter = gateway
+    stub = gateway_pb2_grpc.GatewayServiceStub(channel)
+    request = gateway_pb2.GenerateRequest(model="g", messages=[types_pb2.ChatMessage(role="user", content="Hi")], sampling=sampling)
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        async for _ in stub.Generate(request, metadata=AUTH):
+            pass
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT and _violation(caught.value) == field
+    assert adapter.requests == []
+    # In range, the same options reach the adapter as sent.
+    fine = types_pb2.SamplingParams(max_tokens=2, presence_penalty=1.0, top_k=5, min_p=0.5, repetition_penalty=1.5, logit_bias={7: 100.0})
+    async for _ in stub.Generate(gateway_pb2.GenerateRequest(model="g", prompt="x", sampling=fine), metadata=AUTH):
+        pass
+    assert adapter.requests[-1].sampling == fine

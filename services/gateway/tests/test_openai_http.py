@@ -8,6 +8,7 @@ import json
 import struct
 from typing import Any
 
+import grpc
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 from openai.types import CreateEmbeddingResponse, Model
@@ -18,6 +19,10 @@ from sluice.inference.v1 import inference_pb2
 from sluice.ratelimit.v1 import ratelimit_pb2
 
 from sluice_common.amqp import EventTopology
+from sluice_common.errors import InvalidArgument
+from sluice_common.interceptor import status_for
+from sluice_common.sampling import Sampling
+from sluice_common.sampling_proto import from_proto
 from sluice_gateway.admission import Admission
 from sluice_gateway.completion_events import CompletionEvents
 from sluice_gateway.inference_path import InferencePath
@@ -286,3 +291,88 @@ async def test_header_bytes_that_are_not_utf8_are_refused(setup) -> None:  # typ
     assert await _raw_status(client, start + b"Authorization: Bearer sk-\xff\r\n") == 401
     assert adapter.requests == []
     assert await _raw_status(client, start + auth + b"X-Client-Request-Id: caf\xc3\xa9\r\n") == 200
+
+
+# ---- sampling options (issue 25): honoured, range-checked, or refused naming the param
+
+OPTIONS = {
+    "presence_penalty": 0.5, "frequency_penalty": -0.25, "logit_bias": {"5": 100, "9": -100}, "seed": 7,
+    "top_k": 40, "min_p": 0.125, "repetition_penalty": 1.25, "temperature": 0.5, "top_p": 0.75, "stop": ["\n"],
+}  # fmt: skip
+
+
+async def test_every_sampling_option_reaches_the_adapter(setup) -> None:  # type: ignore[no-untyped-def]
+    client, adapter, _, _ = setup
+    for path, body in (("/v1/chat/completions", CHAT), ("/v1/completions", {"model": "g", "prompt": "Once"})):
+        assert (await client.post(path, json={**body, **OPTIONS}, headers=AUTH)).status == 200
+        sent = from_proto(adapter.requests[-1].sampling)
+        assert sent == Sampling(
+            max_tokens=sent.max_tokens, temperature=0.5, top_p=0.75, top_k=40, min_p=0.125, presence_penalty=0.5,
+            frequency_penalty=-0.25, repetition_penalty=1.25, logit_bias=((5, 100.0), (9, -100.0)), seed=7, stop=("\n",),
+        ), path  # fmt: skip
+    # null or vLLM's "no limit" (-1) are the neutral values.
+    neutral = {"presence_penalty": None, "frequency_penalty": None, "logit_bias": None, "top_k": -1, "min_p": None, "repetition_penalty": None}
+    assert (await client.post("/v1/chat/completions", json={**CHAT, **neutral}, headers=AUTH)).status == 200
+    sent = from_proto(adapter.requests[-1].sampling)
+    assert (sent.top_k, sent.min_p, sent.presence_penalty, sent.repetition_penalty, sent.logit_bias) == (0, 0.0, 0.0, 1.0, ())
+
+
+@pytest.mark.parametrize(
+    ("changes", "param"),
+    [
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"presence_penalty": "high"}, "presence_penalty"),
+        ({"frequency_penalty": -2.01}, "frequency_penalty"),
+        ({"logit_bias": {"5": 100.5}}, "logit_bias"),
+        ({"logit_bias": {"5": -101}}, "logit_bias"),
+        ({"logit_bias": {"five": 1}}, "logit_bias"),
+        ({"logit_bias": {" 5": 1}}, "logit_bias"),
+        ({"logit_bias": {"-1": 1}}, "logit_bias"),
+        ({"logit_bias": {"5": True}}, "logit_bias"),
+        ({"logit_bias": [5, 1]}, "logit_bias"),
+        ({"logit_bias": {"99999999999": 1}}, "logit_bias"),
+        ({"top_k": -2}, "top_k"),
+        ({"top_k": 1.5}, "top_k"),
+        ({"min_p": 1.5}, "min_p"),
+        ({"repetition_penalty": 0}, "repetition_penalty"),
+        ({"repetition_penalty": -1.0}, "repetition_penalty"),
+    ],
+)
+async def test_an_option_out_of_range_is_a_400_naming_it(setup, changes: dict[str, Any], param: str) -> None:  # type: ignore[no-untyped-def]
+    client, adapter, _, _ = setup
+    status, error = await _error(await client.post("/v1/chat/completions", json={**CHAT, **changes}, headers=AUTH))
+    assert (status, error["param"], error["type"]) == (400, param, "invalid_request_error"), error
+    assert not adapter.requests  # refused before any adapter call
+
+
+@pytest.mark.parametrize(
+    ("path", "changes", "param"),
+    [
+        ("/v1/chat/completions", {"n": 2}, "n"),
+        ("/v1/chat/completions", {"logprobs": True}, "logprobs"),
+        ("/v1/chat/completions", {"top_logprobs": 3}, "top_logprobs"),
+        ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ("/v1/completions", {"echo": True}, "echo"),
+        ("/v1/completions", {"best_of": 3}, "best_of"),
+        ("/v1/completions", {"suffix": "x"}, "suffix"),
+    ],
+)
+async def test_options_still_unsupported_are_refused_naming_them(setup, path: str, changes: dict[str, Any], param: str) -> None:  # type: ignore[no-untyped-def]
+    client, _, _, _ = setup
+    body = CHAT if path == "/v1/chat/completions" else {"model": "g", "prompt": "Once"}
+    status, error = await _error(await client.post(path, json={**body, **changes}, headers=AUTH))
+    assert (status, error["param"], error["code"]) == (400, param, "unsupported_parameter"), error
+
+
+async def test_a_token_the_engine_does_not_know_is_a_400_naming_logit_bias(setup) -> None:  # type: ignore[no-untyped-def]
+    """Only the engine knows the vocabulary: the adapter's INVALID_ARGUMENT (its BadRequest names
+    sampling.logit_bias) becomes OpenAI's 400 with param logit_bias, not a 500."""
+    client, adapter, _, _ = setup
+    refused = InvalidArgument("sampling.logit_bias", "token id 49152 is not a token: ids must be in 0..49151")
+    status = status_for(refused)
+    adapter.chunks = [grpc.aio.AioRpcError(status.code, grpc.aio.Metadata(), grpc.aio.Metadata(*status.trailing_metadata), details=status.details)]
+    for stream in (False, True):
+        reply = await client.post("/v1/chat/completions", json={**CHAT, "logit_bias": {"49152": 5}, "stream": stream}, headers=AUTH)
+        code, error = await _error(reply)
+        assert (code, error["param"], error["type"]) == (400, "logit_bias", "invalid_request_error"), (stream, error)
+        assert "49152" in error["message"]

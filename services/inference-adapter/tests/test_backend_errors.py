@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from sluice_inference_adapter.backend_errors import engine_message, is_request_fault
+from sluice_inference_adapter.backend_errors import RequestRejected, engine_message, fault_field, is_request_fault
 from sluice_inference_adapter.triton_backend import protocol_of
 
 MESSAGES = json.loads((Path(__file__).parent / "fixtures" / "vllm_errors.json").read_text())
@@ -29,6 +29,14 @@ def test_crashes_and_everything_else_are_the_replicas(message: str) -> None:
     """Issue 22: "out of range" took an engine's IndexError and CUDA's index errors for a bad request,
     and a JSON decoding error of the adapter's own sampling JSON too."""
     assert not is_request_fault(message)
+
+
+@pytest.mark.parametrize("entry", [pytest.param(e, id=e["message"][:60]) for e in MESSAGES["request_faults"]])
+def test_a_refused_option_names_its_field(entry: dict[str, str]) -> None:
+    """vLLM's refusal of a sampling option reaches the client as INVALID_ARGUMENT naming the option
+    (sampling.top_k, sampling.logit_bias...); a refused input names none (the adapter names the input)."""
+    assert fault_field(engine_message(entry["message"])) == entry.get("field", "")
+    assert RequestRejected(engine_message(entry["message"])).field == entry.get("field", "")
 
 
 def test_every_fixture_names_its_source() -> None:

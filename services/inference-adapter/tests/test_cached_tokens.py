@@ -19,11 +19,12 @@ from conftest import StepReplica, collect
 from sluice.common.v1 import types_pb2
 from sluice.inference.v1 import inference_pb2
 
+from sluice_common.sampling import Sampling
 from sluice_inference_adapter.passthrough import GeneratedChunk, PassthroughLimits, PassthroughScheduler
 from sluice_inference_adapter.replica_pool import ReplicaPool
 from sluice_inference_adapter.scheduler import GenerationRequest, Scheduler, SchedulerLimits
 from sluice_inference_adapter.servicer import InferenceServicer
-from sluice_inference_adapter.step_rows import Action, PromptSpec, SamplingSpec, StepRow
+from sluice_inference_adapter.step_rows import Action, PromptSpec, StepRow
 from sluice_inference_adapter.triton_backend import TritonStepBackend, _step_outcomes, step_output_names
 
 VLLM_INTERFACE = json.loads((Path(__file__).parents[3] / "tests" / "fixtures" / "upstream" / "vllm_backend_interface.json").read_text())
@@ -104,7 +105,7 @@ async def test_a_step_backend_reads_the_models_outputs_once_and_reports_cached_t
     backend = TritonStepBackend("127.0.0.1:1", "smollm2_step")
     stand_in = TritonStandIn(step_output_names({"CACHED_TOKENS"}), StepResult([5], cached=[31]))
     backend._client = stand_in  # type: ignore[assignment]
-    row = StepRow(Action.PREFILL, 5, PromptSpec(prompt="p").to_json(SamplingSpec(max_tokens=1)))
+    row = StepRow(Action.PREFILL, 5, PromptSpec(prompt="p").to_json(Sampling(max_tokens=1)))
     (first,) = await backend.step([row])
     (second,) = await backend.step([row])
     assert first.cached_tokens == second.cached_tokens == 31
@@ -163,7 +164,7 @@ def test_the_vllm_backend_reports_no_cached_tokens() -> None:
 
 async def test_the_passthrough_reports_no_cached_tokens() -> None:
     class Engine:
-        async def stream(self, text: str, sampling: SamplingSpec) -> AsyncIterator[GeneratedChunk]:
+        async def stream(self, text: str, sampling: Sampling) -> AsyncIterator[GeneratedChunk]:
             await asyncio.sleep(0)
             yield GeneratedChunk("a", 1, 9, "length")
 
@@ -171,7 +172,7 @@ async def test_the_passthrough_reports_no_cached_tokens() -> None:
     scheduler.start()
     try:
         for _ in range(2):  # the same prompt twice: vLLM may have cached it, but does not say
-            _, finish = await collect(scheduler.submit(GenerationRequest("r", "t", PromptSpec(prompt="p"), SamplingSpec(max_tokens=1))))
+            _, finish = await collect(scheduler.submit(GenerationRequest("r", "t", PromptSpec(prompt="p"), Sampling(max_tokens=1))))
             assert (finish.prompt_tokens, finish.cached_tokens) == (9, 0)
     finally:
         await scheduler.stop()

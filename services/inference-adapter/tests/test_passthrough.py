@@ -13,11 +13,12 @@ from collections.abc import AsyncIterator
 
 from conftest import StepReplica, collect, run_through
 
+from sluice_common.sampling import Sampling, split_field_error
 from sluice_inference_adapter.backend_errors import RequestRejected
 from sluice_inference_adapter.passthrough import GeneratedChunk, PassthroughLimits, PassthroughScheduler
 from sluice_inference_adapter.replica_pool import ReplicaPool
 from sluice_inference_adapter.scheduler import Finish, FinishEvent, GenerationRequest
-from sluice_inference_adapter.step_rows import PromptSpec, SamplingSpec
+from sluice_inference_adapter.step_rows import PromptSpec
 from sluice_inference_adapter.waiting_queue import Priority
 
 
@@ -34,7 +35,7 @@ class CountingEngine:
         self.started: list[str] = []
         self._stop_after = stop_after
 
-    async def stream(self, text: str, sampling: SamplingSpec) -> AsyncIterator[GeneratedChunk]:
+    async def stream(self, text: str, sampling: Sampling) -> AsyncIterator[GeneratedChunk]:
         self.open += 1
         self.peak = max(self.peak, self.open)
         self.started.append(text)
@@ -63,7 +64,7 @@ def scheduler_for(engine: object, max_in_flight: int = 2, on_step: object = None
 
 
 def request(max_tokens: int, prompt: str = "p", priority: Priority = Priority.INTERACTIVE) -> GenerationRequest:
-    return GenerationRequest("rid", "t", PromptSpec(prompt=prompt), SamplingSpec(max_tokens=max_tokens), priority)
+    return GenerationRequest("rid", "t", PromptSpec(prompt=prompt), Sampling(max_tokens=max_tokens), priority)
 
 
 async def test_usage_and_finish_reason_are_the_engines() -> None:
@@ -87,8 +88,16 @@ async def test_usage_and_finish_reason_are_the_engines() -> None:
 
 
 class RejectingEngine:
-    async def stream(self, text: str, sampling: SamplingSpec) -> AsyncIterator[GeneratedChunk]:
+    async def stream(self, text: str, sampling: Sampling) -> AsyncIterator[GeneratedChunk]:
         raise RequestRejected("The decoder prompt (length 3000) is longer than the maximum model length of 2048.")
+        yield  # pragma: no cover - makes this an async generator
+
+
+class RejectingOption:
+    """vLLM refusing a logit_bias id outside its vocabulary (vllm/v1/engine/processor.py)."""
+
+    async def stream(self, text: str, sampling: Sampling) -> AsyncIterator[GeneratedChunk]:
+        raise RequestRejected("token_id(s) [49152] in logit_bias contain out-of-vocab token ids. Vocabulary size: 49152")
         yield  # pragma: no cover - makes this an async generator
 
 
@@ -97,7 +106,7 @@ class FailingEngine:
         self._message = message
         self._finish_reason = finish_reason
 
-    async def stream(self, text: str, sampling: SamplingSpec) -> AsyncIterator[GeneratedChunk]:
+    async def stream(self, text: str, sampling: Sampling) -> AsyncIterator[GeneratedChunk]:
         yield GeneratedChunk("", 0, PROMPT_TOKENS, self._finish_reason)
         if self._finish_reason is None:
             raise RuntimeError(self._message)
@@ -122,6 +131,12 @@ async def test_a_refused_request_is_invalid_and_the_replica_stays_healthy() -> N
     assert steps == [True] and not backend_failed
 
 
+async def test_a_refused_option_is_named_as_the_step_engine_names_it() -> None:
+    finish, backend_failed, steps = await run_one(RejectingOption())
+    assert finish.finish is Finish.INVALID and not backend_failed and steps == [True]
+    assert split_field_error(finish.error) == ("sampling.logit_bias", "token_id(s) [49152] in logit_bias contain out-of-vocab token ids. Vocabulary size: 49152")
+
+
 async def test_a_failed_stream_counts_against_the_replica() -> None:
     finish, backend_failed, steps = await run_one(FailingEngine())
     assert finish.finish is Finish.ERROR and "engine crashed" in finish.error
@@ -141,7 +156,7 @@ async def test_an_engine_abort_is_a_failure_not_a_finish() -> None:
 class EndsWithoutFinishEngine:
     """A stream that closes after a token without ever saying why the sequence ended."""
 
-    async def stream(self, text: str, sampling: SamplingSpec) -> AsyncIterator[GeneratedChunk]:
+    async def stream(self, text: str, sampling: Sampling) -> AsyncIterator[GeneratedChunk]:
         yield GeneratedChunk("a", 1, PROMPT_TOKENS, None)
 
 
@@ -175,7 +190,7 @@ async def test_the_chat_is_rendered_by_the_given_template() -> None:
     scheduler = PassthroughScheduler(engine, PassthroughLimits(), lambda p: f"<{p.messages[0][1]}>")
     scheduler.start()
     try:
-        chat = GenerationRequest("rid", "t", PromptSpec(messages=(("user", "hi"),)), SamplingSpec(max_tokens=1), Priority.INTERACTIVE)
+        chat = GenerationRequest("rid", "t", PromptSpec(messages=(("user", "hi"),)), Sampling(max_tokens=1), Priority.INTERACTIVE)
         await collect(scheduler.submit(chat))
     finally:
         await scheduler.stop()

@@ -19,6 +19,7 @@ from structlog.testing import capture_logs
 
 from sluice_common.config import ConfigError, load_config
 from sluice_common.errors import Unavailable
+from sluice_common.sampling import Sampling
 from sluice_inference_adapter.config import ENV_PREFIX, AdapterConfig
 from sluice_inference_adapter.replica_discovery import (
     Discovery,
@@ -29,7 +30,7 @@ from sluice_inference_adapter.replica_discovery import (
 )
 from sluice_inference_adapter.replica_pool import ReplicaPool
 from sluice_inference_adapter.scheduler import Finish, FinishEvent, GenerationRequest, Scheduler, SchedulerLimits
-from sluice_inference_adapter.step_rows import Action, PromptSpec, SamplingSpec
+from sluice_inference_adapter.step_rows import Action, PromptSpec
 
 
 class Resolver:
@@ -47,7 +48,7 @@ class Resolver:
 
 
 def request(rid: str = "rid") -> GenerationRequest:
-    return GenerationRequest(rid, "t", PromptSpec(prompt="p"), SamplingSpec(max_tokens=8))
+    return GenerationRequest(rid, "t", PromptSpec(prompt="p"), Sampling(max_tokens=8))
 
 
 async def run(pool: ReplicaPool, rid: str = "rid") -> tuple[int, FinishEvent]:

@@ -14,11 +14,12 @@ from conftest import StepReplica, run_through
 
 from sluice_common.adaptive_timeout import AdaptiveTimeout, TimeoutPolicy
 from sluice_common.errors import Unavailable
+from sluice_common.sampling import Sampling
 from sluice_inference_adapter.embed_batcher import Embeddings
 from sluice_inference_adapter.prefix_routing import PrefixRouter
 from sluice_inference_adapter.replica_pool import PooledEmbedBackend, ReplicaPool
 from sluice_inference_adapter.scheduler import Finish, FinishEvent, GenerationRequest, Scheduler, SchedulerLimits
-from sluice_inference_adapter.step_rows import PromptSpec, SamplingSpec
+from sluice_inference_adapter.step_rows import PromptSpec
 
 
 def make_pool(*models: StepReplica, threshold: int = 2) -> ReplicaPool:
@@ -27,7 +28,7 @@ def make_pool(*models: StepReplica, threshold: int = 2) -> ReplicaPool:
 
 
 def request() -> GenerationRequest:
-    return GenerationRequest("rid", "t", PromptSpec(prompt="p"), SamplingSpec(max_tokens=3))
+    return GenerationRequest("rid", "t", PromptSpec(prompt="p"), Sampling(max_tokens=3))
 
 
 async def run(pool: ReplicaPool) -> tuple[int, FinishEvent]:
@@ -144,7 +145,7 @@ SYSTEM = "You answer questions about the river trips of a kayak shop, plainly an
 
 
 def chat_request(system: str, question: str, max_tokens: int = 3) -> GenerationRequest:
-    return GenerationRequest("rid", "t", PromptSpec(messages=(("system", system), ("user", question))), SamplingSpec(max_tokens=max_tokens))
+    return GenerationRequest("rid", "t", PromptSpec(messages=(("system", system), ("user", question))), Sampling(max_tokens=max_tokens))
 
 
 def routed_pool(*models: StepReplica, load_bound: int = 2, slots: int = 4, threshold: int = 2) -> ReplicaPool:

@@ -16,8 +16,9 @@ import pytest
 from conftest import PrefixCache, RoundsOfSteps, StepReplica, collect
 
 from sluice_common.errors import ResourceExhausted
+from sluice_common.sampling import Sampling
 from sluice_inference_adapter.scheduler import Finish, GenerationRequest, Priority, Scheduler, SchedulerLimits
-from sluice_inference_adapter.step_rows import Action, PromptSpec, SamplingSpec, StepOutcome, StepRow
+from sluice_inference_adapter.step_rows import Action, PromptSpec, StepOutcome, StepRow
 
 
 class RecordingStepModel:
@@ -84,11 +85,11 @@ class RecordingStepModel:
 def request(
     max_tokens: int = 3, priority: Priority = Priority.INTERACTIVE, deadline: float | None = None, prompt: str = "p"
 ) -> GenerationRequest:
-    return GenerationRequest("rid", "tenant", PromptSpec(prompt=prompt), SamplingSpec(max_tokens=max_tokens), priority, deadline)
+    return GenerationRequest("rid", "tenant", PromptSpec(prompt=prompt), Sampling(max_tokens=max_tokens), priority, deadline)
 
 
 def tenant_request(tenant: str) -> GenerationRequest:
-    return GenerationRequest("rid", tenant, PromptSpec(prompt="p"), SamplingSpec(max_tokens=1))
+    return GenerationRequest("rid", tenant, PromptSpec(prompt="p"), Sampling(max_tokens=1))
 
 
 @pytest.fixture

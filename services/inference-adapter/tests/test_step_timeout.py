@@ -19,6 +19,7 @@ from prometheus_client import REGISTRY
 from sluice_common.adaptive_timeout import AdaptiveTimeout, TimeoutPolicy
 from sluice_common.config import ConfigError, load_config
 from sluice_common.errors import Unavailable
+from sluice_common.sampling import Sampling
 from sluice_inference_adapter.config import ENV_PREFIX, AdapterConfig
 from sluice_inference_adapter.embed_batcher import Embeddings
 from sluice_inference_adapter.passthrough import GeneratedChunk, PassthroughLimits, PassthroughScheduler
@@ -33,7 +34,7 @@ from sluice_inference_adapter.scheduler import (
     SchedulerLimits,
     TokenEvent,
 )
-from sluice_inference_adapter.step_rows import Action, PromptSpec, SamplingSpec
+from sluice_inference_adapter.step_rows import Action, PromptSpec
 from sluice_inference_adapter.step_timeout import StepTimeouts
 
 CEILING_S = 30.0
@@ -44,7 +45,7 @@ def policy(floor_s: float = 0.01, min_samples: int = 10) -> TimeoutPolicy:
 
 
 def request(max_tokens: int = 20) -> GenerationRequest:
-    return GenerationRequest("rid", "t", PromptSpec(prompt="p"), SamplingSpec(max_tokens=max_tokens), Priority.INTERACTIVE)
+    return GenerationRequest("rid", "t", PromptSpec(prompt="p"), Sampling(max_tokens=max_tokens), Priority.INTERACTIVE)
 
 
 async def _last(events: AsyncIterator[Event]) -> FinishEvent:
@@ -199,7 +200,7 @@ class StallableEngine:
     def __init__(self) -> None:
         self.stall_after: int | None = None
 
-    async def stream(self, text: str, sampling: SamplingSpec) -> AsyncIterator[GeneratedChunk]:
+    async def stream(self, text: str, sampling: Sampling) -> AsyncIterator[GeneratedChunk]:
         for made in range(1, sampling.max_tokens + 1):
             if self.stall_after is not None and made > self.stall_after:
                 await asyncio.Event().wait()

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from sluice_triton_local.engine import DecodeRow, PrefillRow, ReleaseRow, RowResult, SamplingParams, StepEngine
+from sluice_triton_local.engine import DecodeRow, PrefillRow, ReleaseRow, RowResult, Sampling, StepEngine
 from sluice_triton_local.config import ENGINES
 from sluice_triton_local.model_files import gguf_path
 from sluice_triton_local.engine.step_engine import LEASE_MIN_STEPS
@@ -31,14 +31,14 @@ def engine(request: pytest.FixtureRequest) -> StepEngine:
     return StepEngine(gguf_path(), max_slots=8, engine=request.param, threads=2, prefix_cache=False)
 
 
-def run_alone(engine: StepEngine, seq_id: int, prompt: str, params: SamplingParams) -> list[RowResult]:
+def run_alone(engine: StepEngine, seq_id: int, prompt: str, params: Sampling) -> list[RowResult]:
     out = engine.step([PrefillRow(seq_id, prompt, params)])
     while not out[-1].finish_reason:
         out += engine.step([DecodeRow(seq_id)])
     return out
 
 
-def run_staggered(engine: StepEngine, jobs: list[tuple[int, str, SamplingParams]]) -> dict[int, list[RowResult]]:
+def run_staggered(engine: StepEngine, jobs: list[tuple[int, str, Sampling]]) -> dict[int, list[RowResult]]:
     """Job k joins at step k while the earlier ones are mid-decode."""
     results: dict[int, list[RowResult]] = {sid: [] for sid, _, _ in jobs}
     live: list[int] = []
@@ -115,7 +115,7 @@ def test_stop_filter_holds_back_prefixes() -> None:
 
 
 def test_greedy_capital_of_france(engine: StepEngine) -> None:
-    out = run_alone(engine, 1, engine.apply_chat_template(CHAT), SamplingParams(max_tokens=20))
+    out = run_alone(engine, 1, engine.apply_chat_template(CHAT), Sampling(max_tokens=20))
     answer = text(out)
     assert "Paris" in answer, answer
     assert out[-1].finish_reason in ("stop", "length")
@@ -126,7 +126,7 @@ def test_greedy_capital_of_france(engine: StepEngine) -> None:
 
 
 def test_batching_matches_sequential(engine: StepEngine) -> None:
-    params = SamplingParams(max_tokens=16)
+    params = Sampling(max_tokens=16)
     prompts = [engine.apply_chat_template(p) for p in PROMPTS]
     alone = [ids(run_alone(engine, 100 + i, p, params)) for i, p in enumerate(prompts)]
     batched = run_staggered(engine, [(200 + i, p, params) for i, p in enumerate(prompts)])
@@ -136,7 +136,7 @@ def test_batching_matches_sequential(engine: StepEngine) -> None:
 
 def test_seeded_sampling_reproducible(engine: StepEngine) -> None:
     prompt = engine.apply_chat_template([("user", "Tell me a short story about a cat.")])
-    p1 = SamplingParams(max_tokens=24, temperature=1.0, top_p=0.95, seed=1234)
+    p1 = Sampling(max_tokens=24, temperature=1.0, top_p=0.95, seed=1234)
     a = ids(run_alone(engine, 300, prompt, p1))
     b = ids(run_alone(engine, 301, prompt, p1))
     assert a == b
@@ -145,19 +145,19 @@ def test_seeded_sampling_reproducible(engine: StepEngine) -> None:
     batched = run_staggered(
         engine,
         [
-            (302, other, SamplingParams(max_tokens=24, temperature=1.0, seed=7)),
+            (302, other, Sampling(max_tokens=24, temperature=1.0, seed=7)),
             (303, prompt, p1),
-            (304, other, SamplingParams(max_tokens=24, temperature=0.8, top_p=0.9, seed=8)),
+            (304, other, Sampling(max_tokens=24, temperature=0.8, top_p=0.9, seed=8)),
         ],
     )
     assert ids(batched[303]) == a
-    c = ids(run_alone(engine, 305, prompt, SamplingParams(max_tokens=24, temperature=1.0, top_p=0.95, seed=99)))
+    c = ids(run_alone(engine, 305, prompt, Sampling(max_tokens=24, temperature=1.0, top_p=0.95, seed=99)))
     assert c != a
 
 
 def test_max_tokens_gives_length(engine: StepEngine) -> None:
     prompt = engine.apply_chat_template([("user", "Write a long essay about the history of Rome.")])
-    out = run_alone(engine, 400, prompt, SamplingParams(max_tokens=7))
+    out = run_alone(engine, 400, prompt, Sampling(max_tokens=7))
     assert out[-1].finish_reason == "length"
     assert out[-1].completion_tokens == 7 and len(out) == 7
     assert all(r.finish_reason == "" for r in out[:-1])
@@ -169,9 +169,9 @@ def test_max_tokens_gives_length(engine: StepEngine) -> None:
 
 def test_stop_sequence_trimmed(engine: StepEngine) -> None:
     prompt = engine.apply_chat_template(CHAT)
-    full = text(run_alone(engine, 500, prompt, SamplingParams(max_tokens=20)))
+    full = text(run_alone(engine, 500, prompt, Sampling(max_tokens=20)))
     assert "Paris" in full
-    out = run_alone(engine, 501, prompt, SamplingParams(max_tokens=20, stop=("Paris",)))
+    out = run_alone(engine, 501, prompt, Sampling(max_tokens=20, stop=("Paris",)))
     assert out[-1].finish_reason == "stop"
     assert text(out) == full[: full.index("Paris")]
     assert engine.active_slots == 0
@@ -180,7 +180,7 @@ def test_stop_sequence_trimmed(engine: StepEngine) -> None:
 def test_generation_stops_counting_after_finish(engine: StepEngine) -> None:
     prompt = engine.apply_chat_template(CHAT)
     before = engine.tokens_generated_total
-    out = run_alone(engine, 600, prompt, SamplingParams(max_tokens=3))
+    out = run_alone(engine, 600, prompt, Sampling(max_tokens=3))
     assert engine.tokens_generated_total == before + len(out) == before + 3
     engine.step([DecodeRow(600), DecodeRow(600)])
     assert engine.tokens_generated_total == before + 3
@@ -189,7 +189,7 @@ def test_generation_stops_counting_after_finish(engine: StepEngine) -> None:
 def test_release_frees_slot(engine: StepEngine) -> None:
     prompt = engine.apply_chat_template(CHAT)
     base = engine.active_slots
-    engine.step([PrefillRow(700, prompt, SamplingParams(max_tokens=50)), PrefillRow(701, prompt, SamplingParams())])
+    engine.step([PrefillRow(700, prompt, Sampling(max_tokens=50)), PrefillRow(701, prompt, Sampling(max_tokens=16))])
     assert engine.active_slots == base + 2
     # Mixed step: one decodes while the other is released.
     res = engine.step([DecodeRow(700), ReleaseRow(701)])
@@ -204,9 +204,9 @@ def test_unknown_and_duplicate_rows(engine: StepEngine) -> None:
     r = engine.step([DecodeRow(987654)])[0]
     assert r.finish_reason == "error" and "987654" in r.error
     prompt = engine.apply_chat_template(CHAT)
-    res = engine.step([PrefillRow(800, prompt, SamplingParams()), PrefillRow(800, prompt, SamplingParams())])
+    res = engine.step([PrefillRow(800, prompt, Sampling(max_tokens=16)), PrefillRow(800, prompt, Sampling(max_tokens=16))])
     assert res[0].finish_reason == "" and res[1].finish_reason == "error"
-    bad = engine.step([PrefillRow(801, prompt, SamplingParams(top_p=0.0))])[0]
+    bad = engine.step([PrefillRow(801, prompt, Sampling(max_tokens=16, top_p=0.0))])[0]
     assert bad.finish_reason == "error" and "top_p" in bad.error
     engine.step([ReleaseRow(800)])
     assert engine.active_slots == 0
@@ -214,7 +214,7 @@ def test_unknown_and_duplicate_rows(engine: StepEngine) -> None:
 
 def test_overlong_prompt_is_rejected(engine: StepEngine) -> None:
     prompt = "word " * (engine.context_length + 10)
-    r = engine.step([PrefillRow(900, prompt, SamplingParams(max_tokens=16))])[0]
+    r = engine.step([PrefillRow(900, prompt, Sampling(max_tokens=16))])[0]
     assert r.finish_reason == "error" and r.token_id == -1
     assert "context holds" in r.error and str(engine.context_length) in r.error
     assert r.prompt_tokens > engine.context_length
@@ -223,7 +223,7 @@ def test_overlong_prompt_is_rejected(engine: StepEngine) -> None:
 
 def test_no_free_slot_is_busy_and_changes_nothing(engine: StepEngine) -> None:
     prompt = "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
-    rows = [PrefillRow(1000 + i, prompt, SamplingParams(max_tokens=5), owner="a") for i in range(engine.max_slots + 1)]
+    rows = [PrefillRow(1000 + i, prompt, Sampling(max_tokens=5), owner="a") for i in range(engine.max_slots + 1)]
     res = engine.step(rows)
     assert all(r.finish_reason in ("", "stop") for r in res[:-1])
     assert res[-1].finish_reason == "busy" and f"max_slots={engine.max_slots}" in res[-1].error
@@ -242,8 +242,8 @@ def test_a_sequence_not_stepped_within_the_lease_is_released(engine: StepEngine)
     engine._slot_lease_s = 5.0  # noqa: SLF001
     try:
         prompt = "<|im_start|>user\nWrite a long story about a dragon.<|im_end|>\n<|im_start|>assistant\n"
-        engine.step([PrefillRow(1, prompt, SamplingParams(max_tokens=60), owner="dead"),
-                     PrefillRow(2, prompt, SamplingParams(max_tokens=60), owner="alive")])
+        engine.step([PrefillRow(1, prompt, Sampling(max_tokens=60), owner="dead"),
+                     PrefillRow(2, prompt, Sampling(max_tokens=60), owner="alive")])
         now[0] += 6.0  # past the lease, but no other step ran: a live adapter's step may just be late
         (late,) = engine.step([DecodeRow(1)])
         assert late.token_id >= 0
@@ -265,8 +265,8 @@ def test_a_full_engine_nobody_steps_answers_stale_not_busy(engine: StepEngine) -
     that finds every slot held by sequences nobody has stepped for LEASE_MIN_STEPS steps is "stale"."""
     engine._slot_lease_s = 3600.0  # noqa: SLF001 - no reclaim during this test: the answer is the subject
     prompt = "<|im_start|>user\nWrite a long story about a dragon.<|im_end|>\n<|im_start|>assistant\n"
-    held = [PrefillRow(1500 + i, prompt, SamplingParams(max_tokens=200), owner="gone") for i in range(engine.max_slots)]
-    probe = PrefillRow(1599, prompt, SamplingParams(max_tokens=1))
+    held = [PrefillRow(1500 + i, prompt, Sampling(max_tokens=200), owner="gone") for i in range(engine.max_slots)]
+    probe = PrefillRow(1599, prompt, Sampling(max_tokens=1))
     try:
         engine.step(held)
         # One held sequence still stepped by its adapter: the engine serves someone, "busy".
@@ -293,7 +293,7 @@ def test_long_prompt_prefill_chunks_attention(engine: StepEngine) -> None:
     # > one attention query block (256) and > one KV growth chunk.
     story = "The quick brown fox jumps over the lazy dog. " * 60
     prompt = engine.apply_chat_template([("user", story + "\nWhat animal jumps?")])
-    out = run_alone(engine, 1100, prompt, SamplingParams(max_tokens=12))
+    out = run_alone(engine, 1100, prompt, Sampling(max_tokens=12))
     assert out[0].prompt_tokens > 512
     assert "fox" in text(out).lower(), text(out)
 
@@ -301,10 +301,10 @@ def test_long_prompt_prefill_chunks_attention(engine: StepEngine) -> None:
 def test_chunked_prefill_matches_whole_prefill(engine: StepEngine) -> None:
     prompt = engine.apply_chat_template(PROMPTS[2])
     n = engine.count_tokens(prompt)
-    params = SamplingParams(max_tokens=12)
+    params = Sampling(max_tokens=12)
     whole = run_alone(engine, 1200, prompt, params)
     # A running neighbour keeps decoding while the chunked sequence caches its prompt.
-    engine.step([PrefillRow(1201, prompt, SamplingParams(max_tokens=200))])
+    engine.step([PrefillRow(1201, prompt, Sampling(max_tokens=200))])
     first = engine.step([DecodeRow(1201), PrefillRow(1202, prompt, params, chunk=8)])
     chunked = [first[1]]
     while not chunked[-1].finish_reason:
@@ -323,11 +323,11 @@ def test_chunked_prefill_matches_whole_prefill(engine: StepEngine) -> None:
 
 def test_chunked_prefill_released_midway_frees_its_slot(engine: StepEngine) -> None:
     prompt = engine.apply_chat_template(CHAT)
-    first = engine.step([PrefillRow(1300, prompt, SamplingParams(max_tokens=4), chunk=4)])[0]
+    first = engine.step([PrefillRow(1300, prompt, Sampling(max_tokens=4), chunk=4)])[0]
     assert first.token_id == -1 and first.finish_reason == ""
     engine.step([ReleaseRow(1300)])
     assert engine.active_slots == 0
-    bad = engine.step([PrefillRow(1301, prompt, SamplingParams(), chunk=-1)])[0]
+    bad = engine.step([PrefillRow(1301, prompt, Sampling(max_tokens=16), chunk=-1)])[0]
     assert bad.finish_reason == "error" and "chunk" in bad.error
     assert engine.active_slots == 0
 
@@ -470,7 +470,7 @@ def test_gpu_layers_on_a_cpu_build_fail_with_the_fix() -> None:
 
 def test_freed_slots_go_first_to_the_owner_turned_away(engine: StepEngine) -> None:
     prompt = "<|im_start|>user\nWrite a long story about a dragon.<|im_end|>\n<|im_start|>assistant\n"
-    params = SamplingParams(max_tokens=60)
+    params = Sampling(max_tokens=60)
     full = [PrefillRow(10 + i, prompt, params, owner="a") for i in range(engine.max_slots)]
     try:
         engine.step(full)

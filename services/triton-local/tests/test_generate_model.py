@@ -88,20 +88,20 @@ def test_the_stand_ins_turned_away_prefill_gets_the_next_freed_slot() -> None:
     import threading
     import time
 
-    from sluice_triton_local.engine import PrefillRow, ReleaseRow, SamplingParams, StepEngine
+    from sluice_triton_local.engine import PrefillRow, ReleaseRow, Sampling, StepEngine
     from sluice_triton_local.model_files import gguf_path
     from sluice_triton_local.generate_model import SelfBatchingGenerator
     from sluice_triton_local.shared_engine import SharedEngine
 
     engine = SharedEngine(StepEngine(gguf_path(), max_slots=2, max_context=256, threads=1))
     prompt = engine.apply_chat_template([("user", "Write a long story about a dragon.")])
-    params = SamplingParams(max_tokens=100)
+    params = Sampling(max_tokens=100)
     seq_ids = itertools.count(1)
     held = [next(seq_ids) for _ in range(2)]
     assert [r.finish_reason for r in engine.step([PrefillRow(s, prompt, params, owner="adapter") for s in held])] == ["", ""]
     generator = SelfBatchingGenerator(engine, max_running=2, owner="smollm2_vllm")
     served = threading.Event()
-    generator.submit(prompt, SamplingParams(max_tokens=1), lambda result: served.set())
+    generator.submit(prompt, Sampling(max_tokens=1), lambda result: served.set())
     refills = 0
     # Bounded by rounds of the adapter, not by a time the stand-in must meet: it retries every 50 ms
     # and the engine keeps its place for a second; on a loaded box a round only takes longer.

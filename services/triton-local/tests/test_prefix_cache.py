@@ -8,7 +8,8 @@ from collections.abc import Iterator
 import pytest
 
 from sluice_triton_local.engine.prefix_cache import MIN_REUSED_TOKENS, Cells, PrefixCache, common_prefix, exact_reuse
-from sluice_triton_local.engine.step_engine import DecodeRow, PrefillRow, ReleaseRow, RowResult, SamplingParams, StepEngine
+from sluice_common.sampling import Sampling
+from sluice_triton_local.engine.step_engine import DecodeRow, PrefillRow, ReleaseRow, RowResult, StepEngine
 from sluice_triton_local.model_files import gguf_path
 
 SYSTEM = (
@@ -19,7 +20,7 @@ SYSTEM = (
     " If a question is not about bicycles, say that you can only help with bicycles."
 )
 QUESTIONS = ("Do you repair cargo bikes?", "Can I rent a tandem on Sunday?", "Do you sell lights?")
-GREEDY = SamplingParams(max_tokens=12)
+GREEDY = Sampling(max_tokens=12)
 
 
 def test_common_prefix_counts_leading_equal_tokens() -> None:
@@ -94,7 +95,7 @@ def chat(engine: StepEngine, question: str, system: str = SYSTEM) -> tuple[int, 
     return tuple(engine.encode_chat([("system", system), ("user", question)]))
 
 
-def run(engine: StepEngine, seq_id: int, prompt: tuple[int, ...], params: SamplingParams = GREEDY) -> list[RowResult]:
+def run(engine: StepEngine, seq_id: int, prompt: tuple[int, ...], params: Sampling = GREEDY) -> list[RowResult]:
     out = engine.step([PrefillRow(seq_id, prompt, params)])
     while not out[-1].finish_reason:
         out += engine.step([DecodeRow(seq_id)])
@@ -159,7 +160,7 @@ def test_a_live_sequences_prefix_is_copied_and_both_go_on_unchanged(engines: tup
         copied), in a step of its own: a prefill beside another sequence's decode is split by
         llama.cpp into row groups that depend on that neighbour, and rounds differently whatever
         the cache does. Then both decode together, the same steps on either engine."""
-        live = engine.step([PrefillRow(5, first, SamplingParams(max_tokens=20))])
+        live = engine.step([PrefillRow(5, first, Sampling(max_tokens=20))])
         live += engine.step([DecodeRow(5)])
         joined = engine.step([PrefillRow(6, second, GREEDY)])
         while not (live[-1].finish_reason and joined[-1].finish_reason):
@@ -190,7 +191,7 @@ def test_cached_slots_give_way_to_live_work_and_never_answer_busy(engines: tuple
     assert cached.cached_slots == cached.max_slots and cached.active_slots == 0
     # Every slot holds a cached prefix; unrelated live work takes them all.
     unrelated = [chat(cached, f"Question {i}?", system=f"Persona number {i}.") for i in range(cached.max_slots)]
-    admitted = cached.step([PrefillRow(20 + i, prompt, SamplingParams(max_tokens=50)) for i, prompt in enumerate(unrelated)])
+    admitted = cached.step([PrefillRow(20 + i, prompt, Sampling(max_tokens=50)) for i, prompt in enumerate(unrelated)])
     assert [r.finish_reason for r in admitted] == [""] * cached.max_slots
     assert cached.cached_slots == 0 and cached.active_slots == cached.max_slots
     # Only live work makes a prefill busy.
@@ -198,7 +199,7 @@ def test_cached_slots_give_way_to_live_work_and_never_answer_busy(engines: tuple
     assert busy.finish_reason == "busy"
     cached.step([ReleaseRow(20 + i) for i in range(cached.max_slots)])
     # The released sequences' cells are cached too, and an evicted slot prefills cold and right.
-    (result,) = cached.step([PrefillRow(31, unrelated[0], SamplingParams(max_tokens=1))])
+    (result,) = cached.step([PrefillRow(31, unrelated[0], Sampling(max_tokens=1))])
     assert result.cached_tokens == reusable(cached, len(unrelated[0]) - 1, unrelated[0])
     evicting = run(cached, 32, chat(cached, QUESTIONS[1]))
     assert evicting[0].cached_tokens == 0

@@ -6,12 +6,13 @@ request without reading server logs.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 from sluice.common.v1 import types_pb2
 
 from sluice_common.errors import InvalidArgument
+from sluice_common.sampling import problem
+from sluice_common.sampling_proto import from_proto
 
 ROLES = ("system", "user", "assistant")
 MAX_STOP_SEQUENCES = 4
@@ -34,10 +35,12 @@ def validate_generation(
             "sampling.max_tokens",
             f"{sampling.max_tokens} is above the limit of {model.name} ({model.max_output_tokens})",
         )
-    if sampling.HasField("temperature") and not (0.0 <= sampling.temperature <= 2.0 and math.isfinite(sampling.temperature)):
-        raise InvalidArgument("sampling.temperature", f"must be in [0, 2], got {sampling.temperature}")
-    if sampling.HasField("top_p") and not (0.0 < sampling.top_p <= 1.0):
-        raise InvalidArgument("sampling.top_p", f"must be in (0, 1], got {sampling.top_p}")
+    # The options' ranges are the contract's own (sluice_common.sampling.problem), shared with the
+    # engine; logit_bias's token ids are checked against the vocabulary there, where it is known.
+    found = problem(from_proto(sampling))
+    if found is not None:
+        name, reason = found
+        raise InvalidArgument(f"sampling.{name}", reason)
     if len(sampling.stop) > MAX_STOP_SEQUENCES:
         raise InvalidArgument("sampling.stop", f"at most {MAX_STOP_SEQUENCES} stop sequences, got {len(sampling.stop)}")
     for index, stop in enumerate(sampling.stop):

@@ -261,7 +261,7 @@ def add_eval_parser(commands: Any) -> None:
     command.add_argument("--dataset", required=True, help='JSON lines: {"id"?, "prompt" | "messages", "reference"?}')
     command.add_argument("--model-a", default=DEFAULT_MODEL, help=f"side A's model (default {DEFAULT_MODEL})")
     command.add_argument("--model-b", default="", help="side B's model (default: --model-a, to compare configurations)")
-    command.add_argument("--sampling-a", default="", help="side A's sampling, like temperature=0.7,top_p=0.9,seed=7,max_tokens=32,stop=X")
+    command.add_argument("--sampling-a", default="", help="side A's sampling, like temperature=0.7,top_p=0.9,seed=7,max_tokens=32,stop=X (any SamplingParams option; logit_bias=ID:BIAS)")
     command.add_argument("--sampling-b", default="", help="side B's sampling (same form)")
     command.add_argument("--max-tokens", type=int, default=64, help="max_tokens of both sides unless their --sampling sets it (default 64)")
     command.add_argument("--threshold", type=_threshold, default=0.05,

@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+
+from sluice_common.sampling import Sampling
 
 # Exit codes of `sluice eval` (README): 0 no regression, 1 B regressed beyond the threshold on
 # some line, 2 the comparison could not be made (bad input, an RPC failed, a job did not complete).
@@ -27,8 +29,9 @@ ROWS_OK = "rows_ok"
 # The verdict of a line scored on one side only; it fails the gate.
 ONE_SIDE_ONLY = "one side only"
 
-# SamplingParams fields `--sampling-a/-b` may set, with their types.
-SAMPLING_FIELDS = {"max_tokens": int, "temperature": float, "top_p": float, "seed": int, "stop": str}
+# The options `--sampling-a/-b` may set: every field of the sampling contract, with its type (stop
+# repeats; logit_bias is written id:bias and repeats).
+SAMPLING_FIELDS: dict[str, type] = {f.name: int if f.name == "seed" else str if isinstance(f.default, tuple) else type(f.default) for f in fields(Sampling)}
 
 
 class DatasetError(ValueError):
@@ -99,6 +102,13 @@ def parse_sampling(text: str) -> dict[str, object]:
         name = name.strip()
         if not sep or name not in SAMPLING_FIELDS:
             raise ValueError(f"{part!r}: expected name=value with name one of {', '.join(SAMPLING_FIELDS)}")
+        if name == "logit_bias":
+            token, colon, bias = value.partition(":")
+            try:
+                settings.setdefault("logit_bias", {})[str(int(token))] = float(bias)  # type: ignore[index]
+            except ValueError:
+                raise ValueError(f"{part!r}: logit_bias must be token_id:bias, such as logit_bias=28:-100") from None
+            continue
         try:
             parsed = SAMPLING_FIELDS[name](value.strip())
         except ValueError:

@@ -37,6 +37,8 @@ from typing import TYPE_CHECKING, Any
 import grpc
 import structlog
 from aiohttp import web
+from google.rpc import error_details_pb2
+from grpc_status import rpc_status
 from sluice.common.v1 import types_pb2
 
 from sluice_common.errors import InvalidArgument, ResourceExhausted, SluiceError, Unauthenticated
@@ -114,9 +116,26 @@ def openai_error(exc: BaseException) -> OpenAIError:
     if isinstance(exc, grpc.aio.AioRpcError):
         status, type_ = _STATUS.get(exc.code().name, (500, "server_error"))
         headers = {"retry-after": "1"} if status in (429, 503) else {}
+        if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
+            # Refused downstream (a logit_bias id outside the vocabulary, which only the engine knows).
+            field = _field_violation(exc)
+            return OpenAIError(400, exc.details() or "invalid argument", param=_param(field) if field else None, code="invalid_value")
         return OpenAIError(status, exc.details() or exc.code().name, type_, code=exc.code().name.lower(), headers=headers)
     log.error("http_internal_error", error=repr(exc))
     return OpenAIError(500, "The server had an error while processing your request.", "server_error", code="internal_error")
+
+
+def _field_violation(error: grpc.aio.AioRpcError) -> str | None:
+    """The field of the google.rpc.BadRequest an INVALID_ARGUMENT carries (the adapter's, passed on)."""
+    try:
+        status = rpc_status.from_call(error)  # type: ignore[arg-type]
+    except ValueError:
+        return None
+    for detail in status.details if status is not None else ():
+        bad = error_details_pb2.BadRequest()
+        if detail.Unpack(bad) and bad.field_violations:
+            return bad.field_violations[0].field
+    return None
 
 
 def _json_response(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:

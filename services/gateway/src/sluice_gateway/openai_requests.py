@@ -4,9 +4,15 @@ Pure domain code (no HTTP, no grpc): the HTTP front (openai_http) parses with th
 they build. Every refusal is an `OpenAIError` in OpenAI's shape, naming the offending param:
 
 - a field Sluice does not know: 400 "Unrecognized request argument supplied: <name>";
-- a field OpenAI defines that Sluice cannot honour (n > 1, tools, logprobs, penalties, ...):
-  accepted at its default (null, or OpenAI's neutral value), otherwise 400 naming it;
+- a field OpenAI defines that Sluice cannot honour (n > 1, tools, logprobs, ...): accepted at its
+  default (null, or OpenAI's neutral value), otherwise 400 naming it;
 - a wrong type or value: 400 naming the param ("messages[1].content", "temperature", ...).
+
+Sampling options honoured: OpenAI's temperature, top_p, seed, stop, presence_penalty,
+frequency_penalty and logit_bias ({"<token id>": bias}), and vLLM's extensions top_k (-1 or 0: no
+limit), min_p and repetition_penalty. Their ranges are the sampling contract's
+(sluice_common.sampling.problem), checked by the InferencePath as for every front; a logit_bias id
+outside the model's vocabulary is refused by the engine, which knows it: 400 naming logit_bias too.
 
 Defaults as OpenAI's: temperature 1.0 and top_p 1.0 when omitted or null (set explicitly on the
 Sluice request); max_tokens omitted: left 0, which the InferencePath turns into the model's
@@ -79,11 +85,8 @@ def check_text(document: dict[str, Any]) -> None:
 _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "n": (None, 1),
     "best_of": (None, 1),
-    "presence_penalty": (None, 0, 0.0),
-    "frequency_penalty": (None, 0, 0.0),
     "logprobs": (None, False),
     "top_logprobs": (None, 0),
-    "logit_bias": (None,),
     "echo": (None, False),
     "suffix": (None, ""),
     "tools": (None,),
@@ -102,11 +105,13 @@ _NEUTRAL: dict[str, tuple[Any, ...]] = {
 # Accepted and ignored: they change nothing about the output.
 _IGNORED = ("user", "metadata")
 
-_CHAT_FIELDS = {
-    "model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "stop", "seed",
-    "stream", "stream_options", "response_format",
+# OpenAI's sampling params and vLLM's extensions of them (its OpenAI server takes them in the body).
+_SAMPLING_FIELDS = {
+    "max_tokens", "temperature", "top_p", "stop", "seed", "presence_penalty", "frequency_penalty", "logit_bias",
+    "top_k", "min_p", "repetition_penalty",
 }  # fmt: skip
-_COMPLETION_FIELDS = {"model", "prompt", "max_tokens", "temperature", "top_p", "stop", "seed", "stream", "stream_options"}
+_CHAT_FIELDS = {"model", "messages", "max_completion_tokens", "stream", "stream_options", "response_format", *_SAMPLING_FIELDS}
+_COMPLETION_FIELDS = {"model", "prompt", "stream", "stream_options", *_SAMPLING_FIELDS}
 _EMBEDDING_FIELDS = {"model", "input", "encoding_format", "dimensions"}
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 
@@ -177,6 +182,16 @@ def _sampling(body: dict[str, Any]) -> types_pb2.SamplingParams:
         if not _is_int(seed):
             raise invalid("seed", f"seed must be an integer, got {seed!r}", "invalid_type")
         sampling.seed = seed % (1 << 64)
+    for name in ("presence_penalty", "frequency_penalty", "min_p", "repetition_penalty"):
+        if body.get(name) is not None:  # null or omitted: unset, the contract's neutral value
+            setattr(sampling, name, _optional_number(body, name, 0.0))
+    top_k = body.get("top_k")
+    if top_k is not None:
+        if not _is_int(top_k) or not -1 <= top_k <= MAX_INT32:
+            raise invalid("top_k", f"top_k must be an integer, -1 or 0 for no limit, got {top_k!r}", "invalid_type")
+        if top_k > 0:  # -1 is vLLM's "no limit", as 0 is
+            sampling.top_k = top_k
+    _logit_bias(body.get("logit_bias"), sampling)
     stop = body.get("stop")
     if isinstance(stop, str):
         sampling.stop.append(stop)
@@ -185,6 +200,24 @@ def _sampling(body: dict[str, Any]) -> types_pb2.SamplingParams:
     elif stop is not None:
         raise invalid("stop", f"stop must be a string or an array of strings, got {stop!r}", "invalid_type")
     return sampling
+
+
+def _logit_bias(value: Any, sampling: types_pb2.SamplingParams) -> None:
+    """OpenAI's logit_bias: an object of token ids (integer strings, as JSON keys are) to biases."""
+    if value is None:
+        return
+    if not isinstance(value, dict):
+        raise invalid("logit_bias", f"logit_bias must be an object of token ids to biases, got {value!r}", "invalid_type")
+    for key, bias in value.items():
+        try:
+            token = int(key)
+        except ValueError:
+            token = None
+        if token is None or str(token) != key or not -MAX_INT32 <= token <= MAX_INT32:
+            raise invalid("logit_bias", f"logit_bias keys must be token ids (integers as strings), got {key!r}", "invalid_value")
+        if not _is_number(bias):
+            raise invalid("logit_bias", f"logit_bias values must be numbers from -100 to 100, got {bias!r} for token {key}", "invalid_type")
+        sampling.logit_bias[token] = float(bias)
 
 
 @dataclass(frozen=True)

@@ -26,12 +26,14 @@ _WRAPPERS = (
 # crash that merely contains such words ("list index out of range", "index out of range in self") is not
 # read as one. Each is a fixture in tests/fixtures/vllm_errors.json with the file and version it comes
 # from. Not here: JSON decoding errors. The sampling_parameters JSON is the adapter's own
-# (triton_backend.vllm_sampling_parameters), so a backend that cannot parse it is not the client's doing.
+# (sluice_common.sampling.vllm_sampling_parameters), so a backend that cannot parse it is not the client's doing.
 _REQUEST_FAULTS = (
     # vllm/v1/engine/processor.py (Processor._validate_model_input)
     re.compile(r"^The (decoder|encoder) prompt \(length \d+\) is longer than the maximum model length of \d+"),
     re.compile(r"^The (decoder|encoder) prompt cannot be empty"),
     re.compile(r"^Token id \d+ is out of vocabulary"),
+    # vllm/v1/engine/processor.py (Processor._validate_logit_bias)
+    re.compile(r"^token_id\(s\) \[[-\d, ]*\] in logit_bias contain out-of-vocab token ids"),
     # vllm/engine/llm_engine.py (vLLM 0.6.x)
     re.compile(r"^The prompt \(total length \d+\) is too long to fit into the model \(context length \d+\)"),
     # vllm/entrypoints/openai/serving_engine.py
@@ -45,12 +47,32 @@ _REQUEST_FAULTS = (
 )
 
 
+# The Sluice field a refused sampling option is (vLLM names it first, as SamplingParams does).
+_OPTION_FAULT = re.compile(r"^(temperature|top_p|top_k|min_p|max_tokens|presence_penalty|frequency_penalty|repetition_penalty) must be ")
+_LOGIT_BIAS_FAULT = re.compile(r"^token_id\(s\) .* in logit_bias ")
+_STOP_FAULT = re.compile(r"^stop cannot contain an empty string")
+
+
 class RequestRejected(Exception):
-    """The backend refused the request itself; `cause` is its reason, for the client to read."""
+    """The backend refused the request itself; `cause` is its reason, for the client to read, and
+    `field` the request's option at fault when the reason names one ("sampling.top_k"), else ""."""
 
     def __init__(self, cause: str) -> None:
         super().__init__(cause)
         self.cause = cause
+        self.field = fault_field(cause)
+
+
+def fault_field(cause: str) -> str:
+    """The option a request fault names, as a Sluice field path; "" when the input is at fault."""
+    option = _OPTION_FAULT.match(cause)
+    if option:
+        return f"sampling.{option.group(1)}"
+    if _LOGIT_BIAS_FAULT.match(cause):
+        return "sampling.logit_bias"
+    if _STOP_FAULT.match(cause):
+        return "sampling.stop"
+    return ""
 
 
 def engine_message(message: str) -> str:

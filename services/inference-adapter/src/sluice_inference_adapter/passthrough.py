@@ -30,12 +30,13 @@ from typing import Protocol
 
 import structlog
 
+from sluice_common.sampling import FIELD_PREFIX, Sampling, field_error
 from sluice_common.supervision import stop_tasks
 from sluice_inference_adapter import metrics
 from sluice_inference_adapter.backend_errors import RequestRejected
 from sluice_inference_adapter.chat_template import ChatTemplateError
 from sluice_inference_adapter.scheduler import Finish, ReplicaWork, Sequence
-from sluice_inference_adapter.step_rows import PromptSpec, SamplingSpec
+from sluice_inference_adapter.step_rows import PromptSpec
 from sluice_inference_adapter.step_timeout import StepTimeouts
 
 log = structlog.stdlib.get_logger("sluice.passthrough")
@@ -62,7 +63,7 @@ _FINISHES = {"stop": Finish.STOP, "length": Finish.LENGTH}
 class GenerateBackend(Protocol):
     """A Triton model with the vLLM backend's streaming interface."""
 
-    def stream(self, text: str, sampling: SamplingSpec) -> AsyncIterator[GeneratedChunk]:
+    def stream(self, text: str, sampling: Sampling) -> AsyncIterator[GeneratedChunk]:
         """Responses until the engine ends the sequence (raises RequestRejected for a request it
         refuses); closing the iterator cancels it."""
         ...
@@ -147,7 +148,9 @@ class PassthroughScheduler(ReplicaWork):
             sequence.finish(finish, self._clock())
         except RequestRejected as exc:
             self._report_step(ok=True)  # the replica answered: the request was at fault
-            sequence.finish(Finish.INVALID, self._clock(), error=exc.cause)
+            # An option the backend refused is named as the step engine names it (servicer splits it).
+            error = field_error(exc.field.removeprefix(FIELD_PREFIX), exc.cause) if exc.field else exc.cause
+            sequence.finish(Finish.INVALID, self._clock(), error=error)
         except ChatTemplateError as exc:  # the template refused the messages; no replica was asked
             sequence.finish(Finish.INVALID, self._clock(), error=str(exc))
         except asyncio.CancelledError:

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 import structlog
 
 from sluice_common.errors import ResourceExhausted
+from sluice_common.sampling import Sampling
 from sluice_common.supervision import Supervisor, stop_tasks
 from sluice_inference_adapter import metrics
 from sluice_inference_adapter.step_timeout import StepTimeouts
@@ -39,7 +40,6 @@ from sluice_inference_adapter.step_rows import (
     FINISH_STALE,
     Action,
     PromptSpec,
-    SamplingSpec,
     StepBackend,
     StepOutcome,
     StepRow,
@@ -66,7 +66,7 @@ class GenerationRequest:
     request_id: str
     tenant: str
     prompt: PromptSpec
-    sampling: SamplingSpec
+    sampling: Sampling
     priority: Priority = Priority.INTERACTIVE
     # time.monotonic() value after which the sequence is abandoned; None for no deadline.
     deadline: float | None = None

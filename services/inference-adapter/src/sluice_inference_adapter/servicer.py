@@ -13,12 +13,14 @@ from sluice.inference.v1 import inference_pb2, inference_pb2_grpc
 
 from sluice_common.errors import Cancelled, DeadlineExceeded, InvalidArgument, NotFound, Unavailable, Unimplemented
 from sluice_common.request_context import current_request_id
+from sluice_common.sampling import split_field_error
+from sluice_common.sampling_proto import from_proto
 from sluice_common.validation import validate_generation
 from sluice_inference_adapter import metrics
 from sluice_inference_adapter.embedding_cache import TextEmbedder
 from sluice_inference_adapter.replica_pool import ReplicaPool
 from sluice_inference_adapter.scheduler import Finish, FinishEvent, GenerationRequest
-from sluice_inference_adapter.step_rows import Action, PromptSpec, SamplingSpec, StepBackend, StepRow
+from sluice_inference_adapter.step_rows import Action, PromptSpec, StepBackend, StepRow
 from sluice_inference_adapter.step_timeout import StepTimeouts
 from sluice_inference_adapter.waiting_queue import Priority
 
@@ -143,18 +145,11 @@ def _prompt_spec(messages: object, prompt: str) -> PromptSpec:
 
 
 def _generation_request(request: inference_pb2.GenerateRequest, time_remaining: float | None) -> GenerationRequest:
-    sampling = request.sampling
     return GenerationRequest(
         request_id=request.request_id or current_request_id(),
         tenant=request.tenant,
         prompt=_prompt_spec(request.messages, request.prompt),
-        sampling=SamplingSpec(
-            max_tokens=sampling.max_tokens,
-            temperature=sampling.temperature if sampling.HasField("temperature") else 0.0,
-            top_p=sampling.top_p if sampling.HasField("top_p") else 1.0,
-            seed=sampling.seed if sampling.HasField("seed") else None,
-            stop=tuple(sampling.stop),
-        ),
+        sampling=from_proto(request.sampling),
         priority=Priority.BULK if request.priority_class == types_pb2.PRIORITY_CLASS_BULK else Priority.INTERACTIVE,
         deadline=None if time_remaining is None else time.monotonic() + time_remaining,
     )
@@ -163,6 +158,10 @@ def _generation_request(request: inference_pb2.GenerateRequest, time_remaining: 
 def _final_response(event: FinishEvent, input_field: str) -> inference_pb2.GenerateResponse:
     """The last message of a stream, or the error that ends it."""
     if event.finish is Finish.INVALID:
+        # The engine names the option it refused ("sampling.logit_bias: ..."); else the input is at fault.
+        field_error = split_field_error(event.error)
+        if field_error is not None:
+            raise InvalidArgument(*field_error)
         raise InvalidArgument(input_field, event.error)
     if event.finish is Finish.DEADLINE:
         raise DeadlineExceeded(f"the deadline passed after {event.completion_tokens} generated tokens")

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 from sluice_common.prompt_tokens import estimate_prompt_tokens
+from sluice_common.sampling import Sampling
 
 
 class Action(enum.IntEnum):
@@ -22,15 +23,6 @@ class Action(enum.IntEnum):
     COUNT = 4
     # Ends the round in flight after its current step, so that waiting requests join sooner.
     END_ROUND = 5
-
-
-@dataclass(frozen=True)
-class SamplingSpec:
-    max_tokens: int
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -44,21 +36,15 @@ class PromptSpec:
         """A guess until the model counts it (sluice_common.prompt_tokens, as the gateway guesses)."""
         return estimate_prompt_tokens(self.messages, self.prompt)
 
-    def to_json(self, sampling: SamplingSpec | None = None, prefill_chunk: int = 0, owner: str = "") -> bytes:
+    def to_json(self, sampling: Sampling | None = None, prefill_chunk: int = 0, owner: str = "") -> bytes:
+        """A step request's REQUEST: the prompt, and for a prefill the options in their JSON form."""
         body: dict[str, object] = {"messages": [list(m) for m in self.messages]} if self.messages else {"prompt": self.prompt}
         if prefill_chunk:
             body["prefill_chunk"] = prefill_chunk
         if owner:
             body["owner"] = owner
         if sampling is not None:
-            body.update(
-                max_tokens=sampling.max_tokens,
-                temperature=sampling.temperature,
-                top_p=sampling.top_p,
-                stop=list(sampling.stop),
-            )
-            if sampling.seed is not None:
-                body["seed"] = sampling.seed
+            body.update(sampling.to_json())
         return json.dumps(body).encode()
 
 

@@ -22,11 +22,12 @@ from tritonclient.grpc.aio import InferenceServerClient
 from tritonclient.utils import InferenceServerException
 
 from sluice_common.errors import Unavailable
+from sluice_common.sampling import Sampling, vllm_sampling_parameters
 from sluice_inference_adapter import metrics
 from sluice_inference_adapter.backend_errors import RequestRejected, engine_message, is_request_fault
 from sluice_inference_adapter.embed_batcher import Embeddings
 from sluice_inference_adapter.passthrough import GeneratedChunk
-from sluice_inference_adapter.step_rows import FINISH_BUSY, Action, PromptSpec, SamplingSpec, StepOutcome, StepRow
+from sluice_inference_adapter.step_rows import FINISH_BUSY, Action, PromptSpec, StepOutcome, StepRow
 from sluice_inference_adapter.step_timeout import StepTimeouts
 
 Protocol = Literal["step", "generate"]
@@ -45,7 +46,7 @@ _CACHED_TOKENS = "CACHED_TOKENS"
 _PROBE_PROMPT = PromptSpec(prompt="ping")
 # How long a fully answered round's stream may take to end on Triton's side before it is cancelled.
 _STREAM_END_S = 2.0
-_PROBE_REQUEST = _PROBE_PROMPT.to_json(SamplingSpec(max_tokens=1))
+_PROBE_REQUEST = _PROBE_PROMPT.to_json(Sampling(max_tokens=1))
 
 
 def _tensor(name: str, values: np.ndarray, datatype: str) -> InferInput:
@@ -203,7 +204,7 @@ class TritonGenerateBackend(_TritonEndpoint):
     num_output_tokens), so usage and finish reasons are what the engine reports, not estimates.
     """
 
-    async def stream(self, text: str, sampling: SamplingSpec) -> AsyncIterator[GeneratedChunk]:
+    async def stream(self, text: str, sampling: Sampling) -> AsyncIterator[GeneratedChunk]:
         inputs = [
             _tensor("text_input", np.array([text.encode()], dtype=np.object_), "BYTES"),
             _tensor("sampling_parameters", np.array([json.dumps(vllm_sampling_parameters(sampling)).encode()], dtype=np.object_), "BYTES"),
@@ -235,7 +236,7 @@ class TritonGenerateBackend(_TritonEndpoint):
         if not await self.is_ready():
             return False
         try:
-            async with aclosing(self.stream("ping", SamplingSpec(max_tokens=1))) as chunks:
+            async with aclosing(self.stream("ping", Sampling(max_tokens=1))) as chunks:
                 return sum([chunk.output_tokens async for chunk in chunks]) >= 1
         except (Unavailable, RequestRejected):
             return False
@@ -278,19 +279,6 @@ def _step_outcomes(result: object) -> tuple[list[StepOutcome], bool]:
         for i in range(len(columns["ROW_SEQ_ID"]))
     ]
     return outcomes, bool(columns["ROUND_END"].reshape(-1)[0])
-
-
-def vllm_sampling_parameters(sampling: SamplingSpec) -> dict[str, object]:
-    """vLLM's SamplingParams fields, as the backend's `sampling_parameters` JSON takes them."""
-    parameters: dict[str, object] = {
-        "max_tokens": sampling.max_tokens,
-        "temperature": sampling.temperature,
-        "top_p": sampling.top_p,
-        "stop": list(sampling.stop),
-    }
-    if sampling.seed is not None:
-        parameters["seed"] = sampling.seed
-    return parameters
 
 
 def _stream_error(url: str, model: str, message: str) -> Exception:

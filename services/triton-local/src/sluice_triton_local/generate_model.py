@@ -5,8 +5,10 @@ It declares exactly the interface the upstream backend declares (vllm_backend's
 transaction policy; kept as tests/fixtures/upstream/vllm_backend_interface.json and checked in
 tests), and answers as the backend does:
 
-  - `sampling_parameters` JSON with vLLM's SamplingParams names (max_tokens, temperature,
-    top_p, seed, stop); `stream`; `exclude_input_in_output` (streaming with it false is refused,
+  - `sampling_parameters` JSON with vLLM's SamplingParams names and defaults (max_tokens 16,
+    temperature 1.0; top_p, top_k, min_p, presence_penalty, frequency_penalty,
+    repetition_penalty, logit_bias, seed, stop: Sluice's Sampling has the same names);
+    `stream`; `exclude_input_in_output` (streaming with it false is refused,
     as upstream refuses it);
   - the additional outputs on every response when asked: finish_reason (str(None) while
     running, then "stop" or "length"), num_input_tokens, num_output_tokens (tokens since the
@@ -41,7 +43,8 @@ from typing import Any
 
 import numpy as np
 
-from sluice_triton_local.engine.step_engine import DecodeRow, PrefillRow, ReleaseRow, RowResult, SamplingParams
+from sluice_common.sampling import Sampling
+from sluice_triton_local.engine.step_engine import DecodeRow, PrefillRow, ReleaseRow, RowResult
 from sluice_triton_local.shared_engine import SharedEngine
 
 OnResult = Callable[[RowResult], None]
@@ -52,7 +55,7 @@ _FULL_RETRY_S = 0.05
 class _Job:
     seq_id: int
     prompt: str
-    params: SamplingParams
+    params: Sampling
     on_result: OnResult
 
 
@@ -76,7 +79,7 @@ class SelfBatchingGenerator:
         self._full_at: float | None = None
         threading.Thread(target=self._loop, name="generate-model-batcher", daemon=True).start()
 
-    def submit(self, prompt: str, params: SamplingParams, on_result: OnResult) -> int:
+    def submit(self, prompt: str, params: Sampling, on_result: OnResult) -> int:
         job = _Job(next(self._ids), prompt, params, on_result)
         self._incoming.put(job)
         self._wake.set()
@@ -146,7 +149,7 @@ def _scalar(inputs: dict[str, np.ndarray], name: str, default: Any) -> Any:
 @dataclass(frozen=True)
 class GenerateRequest:
     prompt: str
-    params: SamplingParams
+    params: Sampling
     stream: bool
     prepend_input: bool
     # The additional outputs asked for (return_finish_reason -> "finish_reason", ...).
@@ -164,14 +167,8 @@ def parse_request(inputs: dict[str, np.ndarray]) -> GenerateRequest:
     """The backend's reading of a request; raises ValueError with vLLM's words where it refuses one."""
     prompt = bytes(_scalar(inputs, "text_input", b"")).decode()
     sampling = json.loads(bytes(_scalar(inputs, "sampling_parameters", b"{}")) or b"{}")
-    seed = sampling.get("seed")
-    params = SamplingParams(
-        max_tokens=int(sampling.get("max_tokens", 16)),
-        temperature=float(sampling.get("temperature", 1.0)),
-        top_p=float(sampling.get("top_p", 1.0)),
-        seed=None if seed is None else int(seed),
-        stop=tuple(sampling.get("stop", ())),
-    )
+    # As the backend, None values are dropped so that vLLM's defaults apply to them.
+    params = Sampling.from_json({**VLLM_DEFAULTS, **{k: v for k, v in sampling.items() if v is not None}})
     _verify(params)
     stream = bool(_scalar(inputs, "stream", False))
     exclude = inputs.get("exclude_input_in_output")
@@ -182,17 +179,37 @@ def parse_request(inputs: dict[str, np.ndarray]) -> GenerateRequest:
     return GenerateRequest(prompt, params, stream, prepend_input, outputs)
 
 
-def _verify(params: SamplingParams) -> None:
-    """vLLM's SamplingParams checks, in its words."""
+# vLLM's SamplingParams defaults where they differ from Sluice's (vllm/sampling_params.py).
+VLLM_DEFAULTS = {"max_tokens": 16, "temperature": 1.0}
+
+
+def _verify(params: Sampling) -> None:
+    """vLLM's SamplingParams checks, in its words (SamplingParams._verify_args)."""
     if params.max_tokens < 1:
         raise ValueError(f"max_tokens must be at least 1, got {params.max_tokens}.")
     if params.temperature < 0.0:
         raise ValueError(f"temperature must be non-negative, got {params.temperature}.")
     if not 0.0 < params.top_p <= 1.0:
         raise ValueError(f"top_p must be in (0, 1], got {params.top_p}.")
+    if params.top_k < 0:
+        raise ValueError(f"top_k must be 0 (disable), or at least 1, got {params.top_k}.")
+    if not 0.0 <= params.min_p <= 1.0:
+        raise ValueError(f"min_p must be in [0, 1], got {params.min_p}.")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if not -2.0 <= getattr(params, name) <= 2.0:
+            raise ValueError(f"{name} must be in [-2, 2], got {getattr(params, name)}.")
+    if params.repetition_penalty <= 0.0:
+        raise ValueError(f"repetition_penalty must be greater than zero, got {params.repetition_penalty}.")
 
 
-def fit_to_context(request: GenerateRequest, prompt_tokens: int, context_length: int) -> SamplingParams:
+def verify_vocabulary(params: Sampling, vocab_size: int) -> None:
+    """vLLM's check of logit_bias's ids (vllm/v1/engine/processor.py, Processor._validate_logit_bias)."""
+    invalid = [token for token, _ in params.logit_bias if token < 0 or token >= vocab_size]
+    if invalid:
+        raise ValueError(f"token_id(s) {invalid} in logit_bias contain out-of-vocab token ids. Vocabulary size: {vocab_size}")
+
+
+def fit_to_context(request: GenerateRequest, prompt_tokens: int, context_length: int) -> Sampling:
     """vLLM refuses a prompt longer than the context and stops a sequence at its end."""
     if prompt_tokens == 0:
         raise ValueError("The decoder prompt cannot be empty")
@@ -236,6 +253,7 @@ class GenerateModel:
         (request,) = requests
         try:
             parsed = parse_request(request.data)
+            verify_vocabulary(parsed.params, self._engine.vocab_size)
             prompt_tokens = self._engine.count_tokens(parsed.prompt)
             params = fit_to_context(parsed, prompt_tokens, self._engine.context_length)
         except (ValueError, TypeError) as exc:
@@ -247,7 +265,7 @@ class GenerateModel:
         async for response in self._generate(parsed, params, progress):
             yield [response]
 
-    async def _generate(self, request: GenerateRequest, params: SamplingParams, progress: _Progress) -> AsyncIterator[dict[str, np.ndarray]]:
+    async def _generate(self, request: GenerateRequest, params: Sampling, progress: _Progress) -> AsyncIterator[dict[str, np.ndarray]]:
         loop = asyncio.get_running_loop()
         results: asyncio.Queue[RowResult] = asyncio.Queue()
         seq_id = self._generator.submit(request.prompt, params, lambda r: loop.call_soon_threadsafe(results.put_nowait, r))

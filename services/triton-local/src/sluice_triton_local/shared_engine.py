@@ -10,7 +10,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from sluice_triton_local import metrics
-from sluice_triton_local.engine.step_engine import DecodeRow, PrefillRow, ReleaseRow, Row, RowResult, SamplingParams, StepEngine
+from sluice_common.sampling import Sampling
+from sluice_triton_local.engine.step_engine import DecodeRow, PrefillRow, ReleaseRow, Row, RowResult, StepEngine
 
 WARMUP_QUESTION = "Which city is the capital of France?"
 
@@ -82,6 +83,10 @@ class SharedEngine:
     @property
     def context_length(self) -> int:
         return self._engine.context_length
+
+    @property
+    def vocab_size(self) -> int:
+        return self._engine.vocab_size
 
     def count_tokens(self, text: str) -> int:
         return self._engine.count_tokens(text)
@@ -193,7 +198,7 @@ def warm_up(engine: StepEngine | SharedEngine) -> str:
 def greedy_text(engine: StepEngine | SharedEngine, question: str, max_tokens: int) -> str:
     """The greedy answer to one user question, generated in slot 0 (which is released after)."""
     prompt = engine.apply_chat_template([("user", question)])
-    results = engine.step([PrefillRow(0, prompt, SamplingParams(max_tokens=max_tokens))])
+    results = engine.step([PrefillRow(0, prompt, Sampling(max_tokens=max_tokens))])
     text = results[0].text
     while not results[0].finish_reason:
         results = engine.step([DecodeRow(0)])

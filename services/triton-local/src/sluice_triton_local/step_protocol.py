@@ -21,7 +21,11 @@ One Triton request carries one row per sequence, all tensors of shape [rows]:
                            {"messages": [[role, content], ...]} (content tokenized as text:
                            control tokens come from the chat template alone) or {"prompt": "..."}
                            (the caller's own template: its control-token strings are parsed),
-                           plus "max_tokens", "temperature", "top_p", "seed", "stop",
+                           plus the generation options in their JSON form
+                           (sluice_common.sampling.Sampling.to_json: "max_tokens", "temperature",
+                           "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+                           "repetition_penalty", "logit_bias" {"<token id>": bias}, "seed",
+                           "stop"; absent: the default; max_tokens must be given),
                            "prefill_chunk": prompt tokens to cache per step (0 or
                            absent: the whole prompt in this step), and "owner": who
                            drives the sequence (slot metrics per adapter). A DECODE row of a
@@ -38,7 +42,9 @@ stepped (and any a release request named), in their order in the request.
            TOKEN_ID          INT32  sampled token, -1 when none
            TEXT              BYTES  UTF-8 text delta
            FINISH            BYTES  "" while running, else "stop", "length", "error",
-                                    "invalid" when the row's input was rejected (a client error),
+                                    "invalid" when the row's input was rejected (a client error;
+                                    an option out of its range or a logit_bias id outside the
+                                    vocabulary: ERROR is "sampling.<option>: <reason>"),
                                     or "busy": a prefill found every slot taken (several adapters
                                     share the engine); nothing changed, retry it later;
                                     or "stale": as "busy", but none of the sequences holding the
@@ -65,13 +71,13 @@ from typing import Any
 
 import numpy as np
 
+from sluice_common.sampling import Sampling, field_error, problem
 from sluice_triton_local.engine.step_engine import (
     DecodeRow,
     PrefillRow,
     ReleaseRow,
     Row,
     RowResult,
-    SamplingParams,
 )
 from sluice_triton_local.shared_engine import SharedEngine
 
@@ -107,17 +113,6 @@ def _prompt_ids(engine: SharedEngine, request: dict[str, Any]) -> list[int]:
     return engine.encode(str(request.get("prompt", "")))
 
 
-def _sampling(request: dict[str, Any]) -> SamplingParams:
-    seed = request.get("seed")
-    return SamplingParams(
-        max_tokens=int(request.get("max_tokens", 256)),
-        temperature=float(request.get("temperature", 0.0)),
-        top_p=float(request.get("top_p", 1.0)),
-        seed=None if seed is None else int(seed),
-        stop=tuple(str(s) for s in request.get("stop", ())),
-    )
-
-
 def _invalid(seq_id: int, message: str) -> RowResult:
     return RowResult(seq_id, -1, "", "invalid", 0, 0, message)
 
@@ -138,7 +133,10 @@ def _parse_row(engine: SharedEngine, action: int, seq_id: int, raw: bytes) -> Pr
         prompt_tokens = len(prompt)
         if action == COUNT:
             return RowResult(seq_id, -1, "", "", prompt_tokens, 0)
-        sampling = _sampling(request)
+        sampling = Sampling.from_json(request)
+        found = problem(sampling, engine.vocab_size)
+        if found is not None:
+            return _invalid(seq_id, field_error(*found))
         if prompt_tokens + sampling.max_tokens > engine.context_length:
             return RowResult(
                 seq_id, -1, "", "invalid", prompt_tokens, 0,

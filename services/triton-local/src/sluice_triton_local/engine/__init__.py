@@ -1,12 +1,13 @@
 """Pure-numpy continuous-batching inference engine for llama-architecture GGUF models."""
 
+from sluice_common.sampling import Sampling
+
 from .step_engine import (
     DecodeRow,
     PrefillRow,
     ReleaseRow,
     Row,
     RowResult,
-    SamplingParams,
     StepEngine,
 )
 
@@ -16,6 +17,6 @@ __all__ = [
     "ReleaseRow",
     "Row",
     "RowResult",
-    "SamplingParams",
+    "Sampling",
     "StepEngine",
 ]

@@ -1,76 +1,229 @@
-"""Per-sequence token sampling from one logits row.
+"""Token sampling for a whole step's rows at once, each row with its own options and random stream.
 
-Each sequence owns its numpy Generator and draws exactly one uniform number
-per sampled token, so a seeded sequence produces the same tokens whatever
-else shares its batch.
+The options are sluice_common.sampling.Sampling's, applied in vLLM's order (its V1 sampler):
+
+  1. logit_bias is added to the logits;
+  2. penalties: repetition_penalty divides the positive logits (multiplies the negative ones) of
+     every token seen in the prompt or the output so far; then each generated token's logit loses
+     frequency_penalty x its count + presence_penalty (OpenAI's formula);
+  3. temperature 0: the most likely token (greedy, after 1 and 2); else the logits are divided by
+     the temperature and turned into weights (exp, max 1);
+  4. min_p drops tokens whose probability is below min_p x the most likely one's;
+  5. top_k keeps the k most likely of what is left, top_p the smallest most-likely set whose mass
+     (renormalised over what is left) reaches top_p; ties at a cut are kept;
+  6. one uniform number picks the token by the inverse CDF of the weights left.
+
+Everything is numpy over the rows of the step: no Python loop per row. A sequence's options and
+penalty counts live in per-slot arrays (a slot holds one live sequence), so a step gathers them by
+slot. Random numbers come from a counter-based generator (SplitMix64 of the sequence's key and its
+count of draws): a row's k-th draw depends on its seed and k alone, never on the rows beside it, so
+a seeded sequence samples the same tokens at any batch size, as long as its logits are the same
+(llamacpp_model.py: a sequence's logits do not depend on the other rows of a step on the CPU).
+An unseeded sequence gets a key from the OS's entropy.
 """
 
 from __future__ import annotations
 
+import secrets
+from collections.abc import Sequence
+
 import numpy as np
 
+from sluice_common.sampling import Sampling
 
-def make_rng(seed: int | None) -> np.random.Generator:
-    return np.random.default_rng(seed)
-
-
-def sample_token(logits: np.ndarray, temperature: float, top_p: float, rng: np.random.Generator) -> int:
-    if temperature <= 0.0:
-        return int(np.argmax(logits))
-    weights = _weights(logits, temperature)
-    if top_p < 1.0:
-        probs = weights / weights.sum(dtype=np.float64)
-        order = _top_order(probs, top_p)
-        sorted_p = probs[order]
-        cum = np.cumsum(sorted_p)
-        # Smallest prefix whose mass reaches top_p (always at least one token).
-        keep = min(int(np.searchsorted(cum, top_p)) + 1, len(order))
-        cum = np.cumsum(sorted_p[:keep])
-        u = rng.random() * cum[-1]
-        return int(order[min(int(np.searchsorted(cum, u, side="right")), keep - 1)])
-    return _inverse_cdf(weights, rng.random())
-
-
-def _weights(logits: np.ndarray, temperature: float) -> np.ndarray:
-    """exp((logits - max) / temperature), unnormalized: float32 is exact enough for weights in
-    (0, 1] and twice as fast as float64 over 49k entries; their sums are taken in float64."""
-    z = np.asarray(logits, dtype=np.float32) * np.float32(1.0 / temperature)
-    z -= z.max()
-    return np.exp(z, out=z)
-
-
+# top_k and top_p look at the most likely tokens first: the nucleus almost always lies within
+# the few hundred most likely of the 49k, and a partial sort of those is much cheaper than a sort.
+_CANDIDATES = 1024
 # The inverse CDF by blocks: block sums, then one block's running sum, instead of a running sum
-# over all 49k weights (a third of the time: 0.29 ms instead of 0.97 per token here).
+# over every weight of the row.
 _BLOCK = 256
 
-
-def _inverse_cdf(weights: np.ndarray, u: float) -> int:
-    """The token whose cumulative weight first exceeds u x the total."""
-    n = weights.size
-    whole = n - n % _BLOCK
-    block_sums = weights[:whole].reshape(-1, _BLOCK).sum(axis=1, dtype=np.float64)
-    if whole < n:
-        block_sums = np.append(block_sums, weights[whole:].sum(dtype=np.float64))
-    cum_blocks = np.cumsum(block_sums)
-    target = u * cum_blocks[-1]
-    block = min(int(np.searchsorted(cum_blocks, target, side="right")), len(cum_blocks) - 1)
-    before = cum_blocks[block - 1] if block else 0.0
-    inner = np.cumsum(weights[block * _BLOCK : (block + 1) * _BLOCK], dtype=np.float64) + before
-    return block * _BLOCK + min(int(np.searchsorted(inner, target, side="right")), len(inner) - 1)
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_MIX1 = np.uint64(0xBF58476D1CE4E5B9)
+_MIX2 = np.uint64(0x94D049BB133111EB)
 
 
-# Sorting all 49k probabilities costs ~3 ms per token; the nucleus almost
-# always lies within the few hundred most likely tokens, so sort those first.
-_CANDIDATES = 1024
+def _mix(z: np.ndarray) -> np.ndarray:
+    """SplitMix64's output function (uint64 arithmetic wraps, as it must)."""
+    z = (z ^ (z >> np.uint64(30))) * _MIX1
+    z = (z ^ (z >> np.uint64(27))) * _MIX2
+    return z ^ (z >> np.uint64(31))
 
 
-def _top_order(probs: np.ndarray, top_p: float) -> np.ndarray:
-    """Token ids by descending probability, covering at least top_p mass."""
-    if probs.size > _CANDIDATES:
-        cand = np.argpartition(-probs, _CANDIDATES)[:_CANDIDATES]
-        # Deterministic tie order (by id) so equal logits always give equal output.
-        cand.sort()
-        order = cand[np.argsort(-probs[cand], kind="stable")]
-        if probs[order].sum() >= top_p:
-            return order
-    return np.argsort(-probs, kind="stable")
+def seed_key(seed: int | None) -> int:
+    """The stream key of a sequence: its seed mixed (nearby seeds give unrelated streams), or fresh entropy."""
+    if seed is None:
+        return secrets.randbits(64)
+    return int(_mix(np.array([seed], dtype=np.uint64))[0])
+
+
+def uniforms(keys: np.ndarray, counters: np.ndarray) -> np.ndarray:
+    """Draw number `counters` of the streams `keys`: floats in [0, 1), one per row."""
+    z = _mix(keys.astype(np.uint64) + (counters.astype(np.uint64) + np.uint64(1)) * _GOLDEN)
+    return (z >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
+
+
+class BatchSampler:
+    """The sampling state of every slot and the step's sampling over them."""
+
+    def __init__(self, slots: int, vocab: int) -> None:
+        self.vocab = vocab
+        self._temperature = np.zeros(slots, dtype=np.float32)
+        self._top_p = np.ones(slots, dtype=np.float64)
+        self._top_k = np.zeros(slots, dtype=np.int64)
+        self._min_p = np.zeros(slots, dtype=np.float32)
+        self._presence = np.zeros(slots, dtype=np.float32)
+        self._frequency = np.zeros(slots, dtype=np.float32)
+        self._repetition = np.ones(slots, dtype=np.float32)
+        self._keys = np.zeros(slots, dtype=np.uint64)
+        self._draws = np.zeros(slots, dtype=np.uint64)
+        self._has_bias = np.zeros(slots, dtype=bool)
+        self._penalized = np.zeros(slots, dtype=bool)
+        # [slots, vocab] arrays, made when a sequence first needs them (most requests use neither).
+        self._bias: np.ndarray | None = None
+        self._counts: np.ndarray | None = None  # how often each token was generated
+        self._in_prompt: np.ndarray | None = None  # tokens of the prompt (repetition_penalty)
+
+    def start(self, slot: int, params: Sampling, prompt: Sequence[int]) -> None:
+        """A new sequence takes the slot: its options, a fresh stream, no counts."""
+        self._temperature[slot] = params.temperature
+        self._top_p[slot] = params.top_p
+        self._top_k[slot] = params.top_k if 0 < params.top_k < self.vocab else 0
+        self._min_p[slot] = params.min_p
+        self._presence[slot] = params.presence_penalty
+        self._frequency[slot] = params.frequency_penalty
+        self._repetition[slot] = params.repetition_penalty
+        self._keys[slot] = seed_key(params.seed)
+        self._draws[slot] = 0
+        self._has_bias[slot] = bool(params.logit_bias)
+        if params.logit_bias:
+            bias = self._bias = self._bias if self._bias is not None else self._dense(np.float32)
+            bias[slot] = 0.0
+            ids = np.fromiter((token for token, _ in params.logit_bias), dtype=np.int64)
+            bias[slot, ids] = np.fromiter((value for _, value in params.logit_bias), dtype=np.float32)
+        self._penalized[slot] = params.penalized
+        if params.penalized:
+            counts = self._counts = self._counts if self._counts is not None else self._dense(np.int32)
+            in_prompt = self._in_prompt = self._in_prompt if self._in_prompt is not None else self._dense(bool)
+            counts[slot] = 0
+            in_prompt[slot] = False
+            in_prompt[slot, np.asarray(prompt, dtype=np.int64)] = True
+
+    def _dense(self, dtype: type) -> np.ndarray:
+        return np.zeros((len(self._keys), self.vocab), dtype=dtype)
+
+    def sample(self, logits: np.ndarray, slots: np.ndarray) -> np.ndarray:
+        """One token per row of `logits` ([rows, vocab], float32, changed in place), row i being the
+        sequence in slot `slots[i]`; each row's state moves on by its token."""
+        slots = np.asarray(slots, dtype=np.int64)
+        self.adjust(logits, slots)
+        tokens = np.empty(len(slots), dtype=np.int64)
+        greedy = self._temperature[slots] <= 0.0
+        if greedy.any():
+            tokens[greedy] = np.argmax(logits[greedy], axis=1)
+        sampled = np.flatnonzero(~greedy)
+        if len(sampled):
+            rows = slots[sampled]
+            u = uniforms(self._keys[rows], self._draws[rows])
+            self._draws[rows] += np.uint64(1)
+            tokens[sampled] = self._draw(logits[sampled], rows, u)
+        if self._counts is not None:
+            penalized = self._penalized[slots]
+            self._counts[slots[penalized], tokens[penalized]] += 1
+        return tokens
+
+    def adjust(self, logits: np.ndarray, slots: np.ndarray) -> None:
+        """Steps 1 and 2: logit_bias and the penalties, in place."""
+        biased = self._has_bias[slots]
+        if self._bias is not None and biased.any():
+            logits[biased] += self._bias[slots[biased]]
+        penalized = np.flatnonzero(self._penalized[slots])
+        if self._counts is None or self._in_prompt is None or not len(penalized):
+            return
+        rows = slots[penalized]
+        counts = self._counts[rows]
+        # Only the tokens seen (the prompt's and the output's, a few hundred of the vocabulary) change.
+        seen_row, token = np.nonzero((counts > 0) | self._in_prompt[rows])
+        row = penalized[seen_row]
+        values = logits[row, token]
+        repetition = self._repetition[rows][seen_row]
+        values = np.where(values > 0, values / repetition, values * repetition)
+        count = counts[seen_row, token].astype(np.float32)
+        values -= self._frequency[rows][seen_row] * count + self._presence[rows][seen_row] * (count > 0)
+        logits[row, token] = values
+
+    def _draw(self, logits: np.ndarray, rows: np.ndarray, u: np.ndarray) -> np.ndarray:
+        """Temperature, min_p, top_k and top_p, then the inverse CDF at u, for sampled rows."""
+        z = logits * (np.float32(1.0) / self._temperature[rows])[:, None]
+        z -= z.max(axis=1, keepdims=True)
+        weights = np.exp(z, out=z)  # the most likely token weighs 1
+        min_p = self._min_p[rows]
+        if (min_p > 0).any():
+            weights[weights < min_p[:, None]] = 0.0
+        top_k, top_p = self._top_k[rows], self._top_p[rows]
+        truncated = np.flatnonzero((top_k > 0) | (top_p < 1.0))
+        if len(truncated):
+            cut = _cut(weights[truncated], top_k[truncated], top_p[truncated])
+            part = weights[truncated]
+            part[part < cut[:, None]] = 0.0
+            weights[truncated] = part
+        return _inverse_cdf(weights, u)
+
+
+def _cut(weights: np.ndarray, top_k: np.ndarray, top_p: np.ndarray) -> np.ndarray:
+    """Per row, the smallest weight that top_k and top_p keep (0 < k < vocab, or 0: no limit)."""
+    vocab = weights.shape[1]
+    # top_k alone needs only the k largest; top_p the nucleus, most likely within _CANDIDATES.
+    needed = int(top_k.max()) if (top_p >= 1.0).all() else max(_CANDIDATES, int(top_k.max()))
+    candidates = min(vocab, needed)
+    top = _largest(weights, candidates)
+    k = np.where(top_k > 0, top_k, candidates)
+    in_k = np.arange(candidates)[None, :] < k[:, None]
+    # top_p's mass is relative to what min_p and top_k left: all of it without top_k, else the top k.
+    total = np.where(top_k > 0, (top * in_k).sum(axis=1, dtype=np.float64), weights.sum(axis=1, dtype=np.float64))
+    mass = np.cumsum(top * in_k, axis=1, dtype=np.float64) / total[:, None]
+    # The smallest prefix whose mass reaches top_p; a row whose candidates do not reach it (a flat
+    # distribution) is sorted whole.
+    short = (top_k == 0) & (mass[:, -1] < top_p) & (candidates < vocab)
+    if short.any():
+        whole = -np.sort(-weights[short], axis=1)
+        cum = np.cumsum(whole, axis=1, dtype=np.float64) / total[short][:, None]
+        last = np.minimum((cum < top_p[short][:, None]).sum(axis=1), vocab - 1)
+        cut_short = whole[np.arange(len(whole)), last]
+    last = np.minimum((mass < top_p[:, None]).sum(axis=1), k - 1)
+    cut = top[np.arange(len(top)), last]
+    if short.any():
+        cut[short] = cut_short
+    return cut
+
+
+def _largest(weights: np.ndarray, n: int) -> np.ndarray:
+    """Each row's n largest weights, in descending order."""
+    if n < weights.shape[1]:
+        part = -np.partition(-weights, n - 1, axis=1)[:, :n]
+    else:
+        part = weights
+    return -np.sort(-part, axis=1)
+
+
+def _inverse_cdf(weights: np.ndarray, u: np.ndarray) -> np.ndarray:
+    """Per row, the token whose cumulative weight first exceeds u x the row's total."""
+    rows, vocab = weights.shape
+    blocks = -(-vocab // _BLOCK)
+    padded = weights
+    if blocks * _BLOCK != vocab:
+        padded = np.zeros((rows, blocks * _BLOCK), dtype=weights.dtype)
+        padded[:, :vocab] = weights
+    shaped = padded.reshape(rows, blocks, _BLOCK)
+    cum_blocks = np.cumsum(shaped.sum(axis=2, dtype=np.float64), axis=1)
+    target = u * cum_blocks[:, -1]
+    block = np.minimum((cum_blocks <= target[:, None]).sum(axis=1), blocks - 1)
+    index = np.arange(rows)
+    before = np.where(block > 0, cum_blocks[index, np.maximum(block - 1, 0)], 0.0)
+    inner = np.cumsum(shaped[index, block], axis=1, dtype=np.float64) + before[:, None]
+    tokens = block * _BLOCK + np.minimum((inner <= target[:, None]).sum(axis=1), _BLOCK - 1)
+    # Rounding at the very end of a row may point past its last kept token: take the most likely.
+    dropped = (tokens >= vocab) | (weights[index, np.minimum(tokens, vocab - 1)] <= 0.0)
+    if dropped.any():
+        tokens[dropped] = np.argmax(weights[dropped], axis=1)
+    return tokens

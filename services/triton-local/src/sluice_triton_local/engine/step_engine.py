@@ -36,7 +36,6 @@ scheduler that frees a slot refills it at once and the other starves).
 
 from __future__ import annotations
 
-import math
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -46,11 +45,13 @@ from typing import Protocol
 import gguf
 import numpy as np
 
+from sluice_common.sampling import Sampling, field_error, problem
+
 from .gguf_fast import open_reader
 from .gguf_weights import load_weights, read_config
 from .model import BatchItem, LlamaModel
 from .prefix_cache import MIN_REUSED_TOKENS, Cells, PrefixCache, common_prefix, exact_reuse
-from .sampling import make_rng, sample_token
+from .sampling import BatchSampler
 from .stops import StopFilter
 from .tokenizer import GGUFTokenizer, IncrementalDetokenizer
 
@@ -62,21 +63,12 @@ REFUSED_MEMORY_S = 1.0
 
 
 @dataclass(frozen=True)
-class SamplingParams:
-    max_tokens: int = 256
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-
-
-@dataclass(frozen=True)
 class PrefillRow:
     seq_id: int
     # Templated text, its control-token strings parsed (the caller wrote the template), or the
     # prompt's token ids (a chat: GGUFTokenizer.encode_chat, whose content cannot forge a turn).
     prompt: str | tuple[int, ...]
-    params: SamplingParams = SamplingParams()
+    params: Sampling = Sampling()  # max_tokens must be set: its default 0 is refused
     chunk: int = 0  # prompt tokens cached per step; 0: the whole prompt in this step
     owner: str = ""  # who drives the sequence (an adapter instance), for per-owner slot metrics
 
@@ -112,9 +104,8 @@ class RowResult:
 class _Seq:
     seq_id: int
     slot: int
-    params: SamplingParams
+    params: Sampling
     prompt_tokens: int
-    rng: np.random.Generator
     detok: IncrementalDetokenizer
     stopper: StopFilter
     pos: int = 0  # positions already in the KV cache
@@ -174,6 +165,7 @@ class StepEngine:
         self.engine = engine
         self._model = _forward_model(engine, reader, gguf_path, max_slots, ctx, threads, gpu_layers, main_gpu, low_memory)
         self._slots = PrefixCache(range(max_slots), enabled=prefix_cache)
+        self._sampler = BatchSampler(max_slots, self.vocab_size)
         self._seqs: dict[int, _Seq] = {}
         self.tokens_generated_total = 0
         self._slot_lease_s = slot_lease_s
@@ -190,6 +182,11 @@ class StepEngine:
     @property
     def context_length(self) -> int:
         return self._ctx
+
+    @property
+    def vocab_size(self) -> int:
+        """Token ids are 0..vocab_size-1 (the model's logits have one per id)."""
+        return self.config.vocab
 
     @property
     def active_slots(self) -> int:
@@ -263,18 +260,26 @@ class StepEngine:
                     self._free(p.seq, keep_cells=False)
                     results[p.row_index] = _error(p.seq.seq_id, f"forward pass failed: {exc!r}", p.seq)
             else:
-                for p, row_logits in zip(live, logits):
+                for p in live:
                     p.seq.pos = p.item.start_pos + len(p.item.token_ids)
                     p.seq.cells.append(p.item.token_ids, self._tiled(len(p.item.token_ids)))
-                    results[p.row_index] = self._emit(p.seq, row_logits) if not p.seq.uncached_prompt else _prefilling(p.seq)
+                # One sampling call for every row that makes a token (a prefill still caching its
+                # prompt's chunks makes none).
+                emitting = [i for i, p in enumerate(live) if not p.seq.uncached_prompt]
+                tokens = self._sampler.sample(logits[emitting], np.array([live[i].seq.slot for i in emitting], dtype=np.int64)) if emitting else []
+                for i, token in zip(emitting, tokens):
+                    results[live[i].row_index] = self._emit(live[i].seq, int(token))
+                for p in live:
+                    if p.seq.uncached_prompt:
+                        results[p.row_index] = _prefilling(p.seq)
         return results  # type: ignore[return-value]
 
     # -- row handling -------------------------------------------------------
 
     def _admit(self, index: int, row: PrefillRow) -> _Pending | RowResult:
-        problem = _check_params(row.params)
-        if problem:
-            return _error(row.seq_id, problem)
+        found = problem(row.params, self.vocab_size)
+        if found is not None:
+            return _error(row.seq_id, field_error(*found))
         if row.seq_id in self._seqs:
             return _error(row.seq_id, f"seq_id {row.seq_id} is already running")
         ids = self.tokenizer.encode(row.prompt) if isinstance(row.prompt, str) else list(row.prompt)
@@ -311,7 +316,6 @@ class StepEngine:
             slot=slot,
             params=row.params,
             prompt_tokens=n,
-            rng=make_rng(row.params.seed),
             detok=self.tokenizer.detokenizer(),
             stopper=StopFilter(row.params.stop),
             chunk=row.chunk,
@@ -324,6 +328,7 @@ class StepEngine:
             last_stepped_step=self._steps,
         )
         self._seqs[row.seq_id] = seq
+        self._sampler.start(slot, row.params, ids)
         return _Pending(index, seq, BatchItem(seq.slot, _next_chunk(seq), reused))
 
     def _place(self, prompt: list[int], chunk: int) -> tuple[int, int, Cells]:
@@ -434,9 +439,9 @@ class StepEngine:
                 self._model.release(seq.slot)
             self._slots.free(seq.slot, kept)
 
-    def _emit(self, seq: _Seq, logits: np.ndarray) -> RowResult:
+    def _emit(self, seq: _Seq, tok: int) -> RowResult:
+        """The sequence's sampled token: its text, and whether it ends the sequence."""
         prm = seq.params
-        tok = sample_token(logits, prm.temperature, prm.top_p, seq.rng)
         self.tokens_generated_total += 1
         seq.completion_tokens += 1
         seq.last_token = tok
@@ -508,16 +513,6 @@ def _next_chunk(seq: _Seq) -> list[int]:
 def _prefilling(seq: _Seq) -> RowResult:
     """A step that cached part of the prompt: no token yet."""
     return RowResult(seq.seq_id, -1, "", "", seq.prompt_tokens, 0, cached_tokens=seq.cached_tokens)
-
-
-def _check_params(p: SamplingParams) -> str:
-    if p.max_tokens < 1:
-        return f"max_tokens must be >= 1 (got {p.max_tokens})"
-    if not math.isfinite(p.temperature) or p.temperature < 0:
-        return f"temperature must be a finite number >= 0 (got {p.temperature})"
-    if not (0.0 < p.top_p <= 1.0):
-        return f"top_p must be in (0, 1] (got {p.top_p})"
-    return ""
 
 
 def _error(seq_id: int, message: str, seq: _Seq | None = None, prompt_tokens: int = 0) -> RowResult:
