@@ -52,6 +52,8 @@ class RecordRow:
     pending: tuple[str, ...] = ()
     # Of input_tokens, those the engine served from its prefix cache (Usage.cached_tokens).
     cached_tokens: int = 0
+    # The W3C trace id the event's message carried (empty: none).
+    trace_id: str = ""
 
 
 @dataclass(frozen=True)
@@ -172,20 +174,26 @@ MIGRATIONS: tuple[tuple[int, str, tuple[str, ...]], ...] = (
             "ALTER TABLE records ADD COLUMN cached_tokens INTEGER NOT NULL DEFAULT 0",
         ),
     ),
+    (
+        4,
+        "the trace id of the request behind each record",
+        # Records stored before tracing have none.
+        ("ALTER TABLE records ADD COLUMN trace_id TEXT NOT NULL DEFAULT ''",),
+    ),
 )
 
 LATEST_VERSION = MIGRATIONS[-1][0]
 
 _RECORD_COLUMNS = (
     "event_id, tenant, model, priority_class, request_id, finish_reason, error_code, input_tokens, output_tokens,"
-    " latency_ms, ttft_ms, started_at, finished_at, stored_at, text_logged, event, cached_tokens"
+    " latency_ms, ttft_ms, started_at, finished_at, stored_at, text_logged, event, cached_tokens, trace_id"
 )
 # SQLite batches: multi-row INSERTs of at most this many rows (SQLite binds at most 32766
 # parameters per statement). Every sqlite3 step releases and retakes the GIL, which the event loop
 # holds most of the time: one step per chunk instead of one per row is what keeps the store's
 # thread from queueing behind the loop (and the loop from waiting for the store).
 _SQLITE_CHUNK = 256
-_RECORD_VALUES = "(" + ", ".join("?" * 17) + ")"
+_RECORD_VALUES = "(" + ", ".join("?" * 18) + ")"
 _SCORE_VALUES = "(?, ?, ?, ?, ?, ?)"
 _PENDING_VALUES = "(?, ?, ?, ?, 0)"
 
@@ -225,11 +233,12 @@ def _record_params(row: RecordRow, stored_at: float) -> tuple[Any, ...]:
         row.text_logged,
         row.event,
         row.cached_tokens,
+        row.trace_id,
     )
 
 
 def _row_from(values: Sequence[Any], scores: tuple[ScoreResult, ...] = ()) -> RecordRow:
-    (eid, tenant, model, pclass, rid, finish, err, tin, tout, lat, ttft, started, finished, stored, logged, event, tcached) = values
+    (eid, tenant, model, pclass, rid, finish, err, tin, tout, lat, ttft, started, finished, stored, logged, event, tcached, tid) = values
     return RecordRow(
         event_id=eid,
         tenant=tenant,
@@ -249,6 +258,7 @@ def _row_from(values: Sequence[Any], scores: tuple[ScoreResult, ...] = ()) -> Re
         event=bytes(event),
         scores=scores,
         cached_tokens=int(tcached),
+        trace_id=str(tid),
     )
 
 
@@ -508,7 +518,7 @@ class PostgresStore:
         stored_at = time.time()
         columns = list(zip(*(_record_params(row, stored_at) for row in rows), strict=True))
         types = ("text", "text", "text", "int4", "text", "int4", "text", "int4", "int4",
-                 "float8", "float8", "float8", "float8", "float8", "bool", "bytea", "int4")  # fmt: skip
+                 "float8", "float8", "float8", "float8", "float8", "bool", "bytea", "int4", "text")  # fmt: skip
         unnest = ", ".join(f"${i + 1}::{kind}[]" for i, kind in enumerate(types))
         async with self.pool.acquire() as connection, connection.transaction():
             inserted = await connection.fetch(
