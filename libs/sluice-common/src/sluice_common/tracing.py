@@ -208,6 +208,24 @@ class AttachedSpan:
             pass
 
 
+def current_context() -> otel_context.Context | None:
+    """The current trace context, to carry into work done later elsewhere (None while off)."""
+    return otel_context.get_current() if _enabled else None
+
+
+@contextlib.contextmanager
+def producer_span(
+    name: str, parent: otel_context.Context | None, attributes: Mapping[str, Any] | None = None
+) -> Iterator[Span | None]:
+    """A PRODUCER span (a message handed to the broker), child of `parent` (None: the current
+    context), current inside the block so that `inject_headers` there carries it."""
+    if not _enabled:
+        yield None
+        return
+    with tracer().start_as_current_span(name, context=parent, kind=SpanKind.PRODUCER, attributes=attributes) as current:
+        yield current
+
+
 def current_ids() -> tuple[str, str]:
     """(trace id, span id) of the current span in W3C hex; ("", "") when there is none."""
     if not _enabled:
