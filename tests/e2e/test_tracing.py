@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import secrets
+import urllib.request
 import uuid
 from typing import Any
 
@@ -150,3 +151,30 @@ def test_a_job_of_three_rows_is_one_trace_with_a_span_per_row(stack: Stack, gate
         assert all(a.status_code == 2 for a in attempts[:-1]) and attempts[-1].status_code != 2
         generations = [s for s in spans if s.name == "chat smollm2-135m-instruct" and s.parent_span_id == attempts[-1].span_id]
         assert len(generations) == 1 and generations[0].attributes["sluice.custom_id"] == row.attributes["sluice.custom_id"]
+
+
+def test_the_http_front_honours_a_traceparent_header(stack: Stack, otlp_receiver: OtlpReceiver) -> None:
+    traceparent, trace_id, parent_id = new_traceparent()
+    body = {"model": "smollm2-135m-instruct", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "stream": True}
+    request = urllib.request.Request(
+        f"{stack.openai_base_url}/chat/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json", "Authorization": "Bearer sk-sluice-demo", "traceparent": traceparent},
+    )
+    with urllib.request.urlopen(request, timeout=60) as reply:
+        assert b"[DONE]" in reply.read()
+    spans = otlp_receiver.wait_for(
+        trace_id,
+        lambda spans: any(s.name == "chat smollm2-135m-instruct" and "gen_ai.usage.output_tokens" in s.attributes for s in spans)
+        and any(s.service == "gateway" and s.kind == SERVER for s in spans),
+    )
+    (http,) = [s for s in spans if s.service == "gateway" and s.kind == SERVER]
+    assert http.parent_span_id == parent_id
+    generation = one(spans, "gateway", "chat smollm2-135m-instruct")
+    assert generation.attributes["gen_ai.usage.output_tokens"] == 3
+    # The generation is in the HTTP request's span (directly, or under authentication's sibling).
+    by_id = {s.span_id: s for s in spans}
+    ancestor = generation
+    while ancestor.parent_span_id in by_id and ancestor is not http:
+        ancestor = by_id[ancestor.parent_span_id]
+    assert ancestor is http

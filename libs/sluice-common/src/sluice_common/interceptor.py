@@ -145,7 +145,11 @@ class _CallRecord:
         bind_request_id(self.request_id)
         structlog.contextvars.bind_contextvars(rpc=method)
         # The SERVER span (while tracing is on; not for health and reflection), current for the call.
-        self.span = None if quiet_prefix(method) else tracing.server_span(method, context.invocation_metadata(), self.peer)
+        self.span = (
+            tracing.server_span(method, context.invocation_metadata(), self.peer)
+            if tracing.enabled() and not quiet_prefix(method)
+            else None
+        )
         # Last, after everything that can raise: `finish` (which takes it back) runs only once
         # this constructor has returned.
         _in_flight_of(method).inc()

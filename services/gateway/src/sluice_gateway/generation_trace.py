@@ -65,11 +65,15 @@ def start_generation(request: gateway_pb2.GenerateRequest, tenant: str, row: tup
     return GenerationTrace(request, tenant, row) if tracing.enabled() else None
 
 
-def http_middlewares() -> list[Any]:
-    """The aiohttp-server instrumentation's middleware for the HTTP front (a SERVER span per request,
-    the client's `traceparent` header honoured); none while tracing is off."""
-    if not tracing.enabled():
-        return []
-    from opentelemetry.instrumentation.aiohttp_server import create_aiohttp_middleware
 
-    return [create_aiohttp_middleware()]
+def instrument_http_front() -> None:
+    """The aiohttp-server instrumentation on the HTTP front (a SERVER span per request, the client's
+    `traceparent` header honoured), while tracing is on. Its documented use: `instrument()` before
+    the web.Application is made (it adds its middleware to every Application made after)."""
+    if not tracing.enabled():
+        return
+    from opentelemetry.instrumentation.aiohttp_server import AioHttpServerInstrumentor
+
+    instrumentor = AioHttpServerInstrumentor()
+    if not instrumentor.is_instrumented_by_opentelemetry:
+        instrumentor.instrument()
