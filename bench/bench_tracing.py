@@ -10,6 +10,9 @@ the other gateway's cost them a non-recording span per RPC.
 Interleaved in every round (the order shuffled), so that noise on this shared machine hits both:
   single   one stream at a time: TTFT and decode tokens/s per stream (bench_path's clocks);
   batch    `--streams` concurrent streams: aggregate tokens/s over the batch's wall time.
+The two sides are different processes (the stack's gateway and adapter, and the added pair), which
+may differ by themselves; `--swap` puts tracing on the stack's own pair and off on the added one,
+so that a difference that follows the processes rather than the tracing shows.
 Target (issue 26): tracing on costs at most 5% of tokens/s and 1 ms of TTFT p50.
 Ends with `BENCH <name> <value> <unit>` lines.
 """
@@ -78,29 +81,29 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--streams", type=int, default=8)
+    parser.add_argument("--swap", action="store_true", help="tracing on in the stack's own gateway and adapter, off in the added pair")
     args = parser.parse_args()
 
     sink, received = start_sink()
     endpoint = f"http://127.0.0.1:{sink.server_address[1]}"
     follower = otel_env(endpoint, "parentbased_always_off")
+    traced = otel_env(endpoint, "parentbased_always_on")
+    own = {"gateway": traced, "inference-adapter": traced} if args.swap else {}
+    added = {"OTEL_TRACES_EXPORTER": "none"} if args.swap else traced
     with tempfile.TemporaryDirectory() as run_dir:
         stack = Stack(
             run_dir=Path(run_dir),
             ports=StackPorts.ephemeral(),
-            extra_env={"rate-limit": follower, "evaluation-logging": follower},
+            extra_env={"rate-limit": follower, "evaluation-logging": follower, **own},
         )
         print("starting the stack ...", flush=True)
         stack.start()
         try:
-            traced = otel_env(endpoint, "parentbased_always_on")
-            _, adapter_address, _ = stack.add_adapter("inference-adapter-traced", env=traced)
-            _, gateway_address, _ = stack.add_gateway(
-                "gateway-traced", env={**traced, "SLUICE_GATEWAY_ADAPTER_URL": adapter_address}
-            )
-            stubs = {
-                "off": gateway_pb2_grpc.GatewayServiceStub(grpc.insecure_channel(stack.gateway_address)),
-                "on": gateway_pb2_grpc.GatewayServiceStub(grpc.insecure_channel(gateway_address)),
-            }
+            _, adapter_address, _ = stack.add_adapter("inference-adapter-2", env=added)
+            _, gateway_address, _ = stack.add_gateway("gateway-2", env={**added, "SLUICE_GATEWAY_ADAPTER_URL": adapter_address})
+            own_stub = gateway_pb2_grpc.GatewayServiceStub(grpc.insecure_channel(stack.gateway_address))
+            added_stub = gateway_pb2_grpc.GatewayServiceStub(grpc.insecure_channel(gateway_address))
+            stubs = {"off": added_stub, "on": own_stub} if args.swap else {"off": own_stub, "on": added_stub}
             paths: dict[str, Callable[[], Iterable[str]]] = {
                 name: (lambda stub=stub: gateway_chunks(stub, args.max_tokens)) for name, stub in stubs.items()
             }
@@ -125,7 +128,8 @@ def main() -> None:
     paired_ttft = p50([(on[0] - off[0]) * 1000 for on, off in zip(single["on"], single["off"])])
     tps = {name: p50([s[1] for s in values]) for name, values in single.items()}
     batch_tps = {name: p50(values) for name, values in batch.items()}
-    print(f"\n{args.rounds} rounds, {args.max_tokens} tokens per stream; batch: {args.streams} concurrent streams\n")
+    arrangement = "on: the stack's own gateway and adapter" if args.swap else "on: the added gateway and adapter"
+    print(f"\n{args.rounds} rounds, {args.max_tokens} tokens per stream; batch: {args.streams} concurrent streams; {arrangement}\n")
     print(f"{'tracing':<9}{'TTFT p50 ms':>13}{'tok/s p50 (1 stream)':>23}{f'tok/s p50 ({args.streams} streams)':>24}")
     for name in paths:
         print(f"{name:<9}{ttft[name]:>13.2f}{tps[name]:>23.1f}{batch_tps[name]:>24.1f}")
