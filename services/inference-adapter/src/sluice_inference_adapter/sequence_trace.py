@@ -13,13 +13,15 @@ tracing is off), so the scheduler's loop pays one `is None` test per hook for th
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Awaitable, Iterable
+from typing import Any, TypeVar
 
 from opentelemetry import trace
 from opentelemetry.trace import Link, Span, SpanKind
 
 from sluice_common import tracing
+
+T = TypeVar("T")
 
 
 class SequenceTrace:
@@ -88,4 +90,22 @@ def start_round(traces: Iterable[SequenceTrace | None], rows: int, steps: int, r
 
 def end_round(span: Span | None) -> None:
     if span is not None:
+        span.end()
+
+
+async def traced_request(sequence: SequenceTrace | None, request: Awaitable[T], backend: Any) -> T:
+    """Awaits one sequence's own request to a self-batching backend (passthrough: Triton's vLLM
+    backend) inside a "triton.generate" CLIENT span under the sequence's span."""
+    if sequence is None:
+        return await request
+    span = tracing.tracer().start_span(
+        "triton.generate", context=trace.set_span_in_context(sequence.span), kind=SpanKind.CLIENT,
+        attributes={"rpc.system": "grpc", "sluice.triton_model": str(getattr(backend, "model", ""))},
+    )  # fmt: skip
+    try:
+        return await request
+    except BaseException as error:
+        span.set_status(trace.Status(trace.StatusCode.ERROR, type(error).__name__))
+        raise
+    finally:
         span.end()
