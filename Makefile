@@ -23,7 +23,7 @@ LIBS := libs/sluice-protos libs/sluice-common libs/sluice-stack
 PROJECTS := $(LIBS) $(SERVICES) tests bench deploy/tests
 UNIT_TESTED := libs/sluice-common $(SERVICES) bench
 
-.PHONY: help setup prometheus-tools deploy-requirements uv node protos protos-check proto-lint run test test-unit test-e2e test-deploy bench-path bench-adapter bench-evallog bench-ratelimit bench-jobs bench-jobs-interactive bench-engine bench-colocated bench-threads bench-gpu bench-gpu-kit bench-load bench-rolling bench-embed-cache bench-openai bench-peer bench-prefix bench-transport llama-server clean
+.PHONY: help setup prometheus-tools deploy-requirements uv node protos protos-check proto-lint run test test-unit test-e2e test-deploy bench-path bench-tracing bench-adapter bench-evallog bench-ratelimit bench-jobs bench-jobs-interactive bench-engine bench-colocated bench-threads bench-gpu bench-gpu-kit bench-load bench-rolling bench-embed-cache bench-openai bench-peer bench-prefix bench-transport llama-server clean
 
 help:
 	@echo "make run        start the whole suite locally and stream a demo completion (Ctrl-C stops it)"
@@ -41,6 +41,7 @@ help:
 	@echo "make bench-transport the step protocol through PyTriton vs Triton's Python backend vs the engine alone (tok/s, CPU per token)"
 	@echo "make llama-server build llama.cpp's llama-server (bench-peer's peer) into .llama-server/ from the bindings' sdist (~8 min)"
 	@echo "make bench-path time to first token and tokens/s through each hop"
+	@echo "make bench-tracing OpenTelemetry tracing on vs off side by side: TTFT p50, tokens/s (one stream and a batch)"
 	@echo "make bench-evallog stream-close latency with logging on vs off; events stored/s vs raw consume"
 	@echo "make bench-ratelimit Acquire+Commit decisions/s and latency (memory, Redis) vs a raw grpc.aio echo"
 	@echo "make bench-jobs a 2,000-row bulk job: rows/min vs the rate limit, and how the adaptive bound moved"
@@ -164,6 +165,9 @@ bench-transport: setup
 
 bench-path: setup
 	bench/.venv/bin/python bench/bench_path.py
+
+bench-tracing: setup
+	bench/.venv/bin/python bench/bench_tracing.py
 
 bench-adapter: setup
 	bench/.venv/bin/python bench/bench_adapter.py

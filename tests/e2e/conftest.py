@@ -17,6 +17,7 @@ import pytest
 from sluice.common.v1 import types_pb2
 from sluice.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 
+from otlp_receiver import OtlpReceiver, start_receiver, tracing_env
 from sluice_stack import Stack, StackPorts
 
 DEMO_KEY = "sk-sluice-demo"
@@ -24,11 +25,27 @@ MODEL = "smollm2-135m-instruct"
 EMBEDDING_MODEL = "all-minilm-l6-v2"
 
 
+# The services of the shared stack that export traces (test_tracing): every one with Sluice's tracing.
+TRACED_SERVICES = ("gateway", "job-worker", "inference-adapter", "rate-limit", "evaluation-logging")
+
+
 @pytest.fixture(scope="session")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+def otlp_receiver() -> Iterator[OtlpReceiver]:
+    """The OTLP/HTTP receiver the shared stack exports its traces to (started before the stack)."""
+    receiver = start_receiver()
+    yield receiver
+    receiver.stop()
+
+
+@pytest.fixture(scope="session")
+def stack(tmp_path_factory: pytest.TempPathFactory, otlp_receiver: OtlpReceiver) -> Iterator[Stack]:
     run_dir = Path(os.environ.get("SLUICE_TEST_RUN_DIR", tmp_path_factory.mktemp("stack")))
+    # Tracing on, but only requests that bring a sampled traceparent are recorded (otlp_receiver).
+    extra_env = {service: tracing_env(otlp_receiver.endpoint) for service in TRACED_SERVICES}
     # Its own exchange and queue names, so that parallel runs never consume each other's events.
-    stack = Stack(run_dir=run_dir, ports=StackPorts.ephemeral(), amqp_prefix=f"sluice-e2e-{uuid.uuid4().hex[:8]}")
+    stack = Stack(
+        run_dir=run_dir, ports=StackPorts.ephemeral(), amqp_prefix=f"sluice-e2e-{uuid.uuid4().hex[:8]}", extra_env=extra_env
+    )
     stack.start(timeout_s=300)
     yield stack
     stack.stop()

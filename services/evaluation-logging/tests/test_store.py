@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from dataclasses import replace
@@ -165,7 +166,7 @@ async def test_a_database_of_an_older_schema_opens_migrated_with_its_records(bac
     store: Store = PostgresStore(dsn, schema) if dsn else SqliteStore(path)
     await store.open()
     try:
-        assert await store.schema_version() == LATEST_VERSION == 3
+        assert await store.schema_version() == LATEST_VERSION == 4
         kept = await store.get(old_event.event_id)
         assert kept is not None and (kept.input_tokens, kept.cached_tokens) == (12, 0)
         new_event = make_event(usage=cached_usage(40, 32))
@@ -175,6 +176,51 @@ async def test_a_database_of_an_older_schema_opens_migrated_with_its_records(bac
         assert await store.pending_count("similarity") == 1
         (summary,) = await EvalLogQueries(store).summarize("demo", RecordFilter())
         assert (summary.count, summary.input_tokens, summary.cached_tokens) == (2, 52, 32)
+    finally:
+        await store.close()
+        if dsn:
+            connection = await asyncpg.connect(PG_DSN)
+            await connection.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+            await connection.close()
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
+async def test_migration_4_adds_trace_ids(backend: str, tmp_path: Path) -> None:
+    """A store written before migration 4 opens with its records (no trace id) and stores and
+    returns the trace id of new ones."""
+    dsn = PG_DSN if backend == "postgresql" else ""
+    schema = f"evallog_test_{uuid.uuid4().hex[:10]}"
+    path = tmp_path / "evallog.sqlite3"
+    old_event = make_event()
+    old = open_sql_db(dsn, path, schema, MIGRATIONS[:3])
+    await old.open()
+    try:
+        async with old.transaction() as tx:
+            columns = (
+                "event_id, tenant, model, priority_class, request_id, finish_reason, error_code, input_tokens, output_tokens,"
+                " latency_ms, ttft_ms, started_at, finished_at, stored_at, text_logged, event, cached_tokens"
+            )
+            await tx.execute(
+                f"INSERT INTO records ({columns}) VALUES (?, 'demo', 'smollm2-135m-instruct', 1, 'r', 1, '', 12, 8, 600.0, 120.0, ?, ?, ?, ?, ?, 0)",
+                old_event.event_id, time.time() - 10, time.time() - 10, time.time() - 10, True, old_event.SerializeToString(),
+            )  # fmt: skip
+    finally:
+        await old.close()
+
+    store: Store = PostgresStore(dsn, schema) if dsn else SqliteStore(path)
+    await store.open()
+    try:
+        assert await store.schema_version() == LATEST_VERSION == 4
+        kept = await store.get(old_event.event_id)
+        assert kept is not None and kept.trace_id == ""
+        new_event = make_event()
+        trace_id = "4bf92f3577b34da6a3ce929d0e0e4736"
+        (row,) = await rows(new_event)
+        assert await store.insert_batch([dataclasses.replace(row, trace_id=trace_id)]) == 1
+        stored = await store.get(new_event.event_id)
+        assert stored is not None and stored.trace_id == trace_id
+        page, _ = await store.query(RecordFilter(tenant="demo"), 10, "")
+        assert {r.event_id: r.trace_id for r in page} == {old_event.event_id: "", new_event.event_id: trace_id}
     finally:
         await store.close()
         if dsn:

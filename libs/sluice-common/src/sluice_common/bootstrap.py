@@ -9,6 +9,7 @@ from typing import TypeVar
 
 from sluice_common.config import ConfigError, ServerConfig, load_config
 from sluice_common.log import configure_logging
+from sluice_common.tracing import TracingConfigError, configure_tracing
 
 C = TypeVar("C", bound=ServerConfig)
 
@@ -18,7 +19,8 @@ def run_service(service: str, config_cls: type[C], prefix: str, main: Callable[[
     try:
         config = load_config(config_cls, prefix)
         config.server_tls(prefix)  # TLS files that do not fit stop the start here, with the rest
-    except ConfigError as exc:
+        configure_tracing(service)  # OTEL_* (off unless OTEL_TRACES_EXPORTER names an exporter)
+    except (ConfigError, TracingConfigError) as exc:
         print(f"{service}: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
     configure_logging(service, config.log_level, config.log_json)

@@ -9,6 +9,7 @@ import json
 import grpc
 
 from sluice_common.config import ClientTLS
+from sluice_common.tracing import client_interceptors
 
 _OPTIONS = (
     ("grpc.keepalive_time_ms", 30_000),
@@ -48,12 +49,14 @@ def channel_credentials(tls: ClientTLS) -> grpc.ChannelCredentials:
 
 def open_channel(target: str, tls: ClientTLS | None = None) -> grpc.aio.Channel:
     """A plaintext channel, or a TLS one (mutual when `tls` carries a certificate and key)."""
+    # A CLIENT span per call, its trace context in the metadata, while tracing is on.
+    interceptors = client_interceptors() or None
     if tls is None:
-        return grpc.aio.insecure_channel(target, options=_OPTIONS)
+        return grpc.aio.insecure_channel(target, options=_OPTIONS, interceptors=interceptors)
     options = _OPTIONS
     if tls.server_name:
         options = (*options, ("grpc.ssl_target_name_override", tls.server_name))
-    return grpc.aio.secure_channel(target, channel_credentials(tls), options=options)
+    return grpc.aio.secure_channel(target, channel_credentials(tls), options=options, interceptors=interceptors)
 
 
 async def wait_for_replica(channel: grpc.aio.Channel, within_s: float) -> None:

@@ -33,6 +33,7 @@ from grpc_status import rpc_status
 from prometheus_client import Counter, Gauge, Histogram
 
 from sluice_common.errors import InvalidArgument, ResourceExhausted, SluiceError
+from sluice_common import tracing
 from sluice_common.request_context import bind_request_id, new_request_id, request_id_from_metadata
 from sluice_common.utf8 import invalid_wire_text
 
@@ -56,6 +57,10 @@ RPC_IN_FLIGHT = Gauge(
 # and logged at debug. A service adds its own high-rate internal methods (rate-limit's Acquire
 # and Commit, thousands a second, each already in the caller's log line) through `quiet_methods`.
 _QUIET_PREFIXES = ("/grpc.health.v1.", "/grpc.reflection.")
+
+
+def quiet_prefix(method: str) -> bool:
+    return method.startswith(_QUIET_PREFIXES)
 
 
 def status_for(error: SluiceError) -> grpc.Status:
@@ -139,6 +144,12 @@ class _CallRecord:
         self.request_id = request_id_from_metadata(context.invocation_metadata()) or new_request_id()
         bind_request_id(self.request_id)
         structlog.contextvars.bind_contextvars(rpc=method)
+        # The SERVER span (while tracing is on; not for health and reflection), current for the call.
+        self.span = (
+            tracing.server_span(method, context.invocation_metadata(), self.peer)
+            if tracing.enabled() and not quiet_prefix(method)
+            else None
+        )
         # Last, after everything that can raise: `finish` (which takes it back) runs only once
         # this constructor has returned.
         _in_flight_of(method).inc()
@@ -171,6 +182,7 @@ class _CallRecord:
         _in_flight_of(self.method).dec()
         _count(self.method, self.code)
         _duration_of(self.method).observe(elapsed)
+        tracing.end_server_span(self.span, self.code)
         # A health watch ends CANCELLED whenever its client closes: that is its normal end.
         if self.quiet and self.code in ("OK", "CANCELLED"):
             # structlog renders an event before the stdlib level drops it: skip the call instead.

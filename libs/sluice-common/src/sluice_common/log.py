@@ -13,6 +13,8 @@ import sys
 
 import structlog
 
+from sluice_common.tracing import add_trace_ids
+
 _configured = False
 
 # The logger of the `ports_bound` lines (a service's ports, as bound): logged whatever the level,
@@ -28,6 +30,8 @@ def configure_logging(service: str, level: str = "INFO", json: bool | None = Non
     render_json = (not sys.stderr.isatty()) if json is None else json
     shared: list[structlog.types.Processor] = [
         structlog.contextvars.merge_contextvars,
+        # trace_id/span_id of the current span (only while tracing is on).
+        add_trace_ids,
         structlog.stdlib.add_log_level,
         structlog.stdlib.add_logger_name,
         structlog.processors.TimeStamper(fmt="iso", utc=True),

@@ -15,6 +15,7 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
+from sluice_common import tracing
 from sluice_common.errors import Unauthenticated
 from sluice_common.utf8 import is_valid_text
 
@@ -50,7 +51,15 @@ class TenantDirectory:
         return cls(by_hash)
 
     def authenticate(self, authorization: str | None) -> Tenant:
-        """The tenant whose key is in an `authorization: Bearer <key>` value."""
+        """The tenant whose key is in an `authorization: Bearer <key>` value (a span of its own
+        while tracing is on: refused keys show in the trace as errors)."""
+        with tracing.span("sluice.authenticate") as current:
+            tenant = self._authenticate(authorization)
+            if current is not None:
+                current.set_attribute("sluice.tenant", tenant.name)
+            return tenant
+
+    def _authenticate(self, authorization: str | None) -> Tenant:
         if not authorization:
             raise Unauthenticated("missing `authorization: Bearer <api key>` metadata")
         if not authorization.lower().startswith(_BEARER) or not authorization[len(_BEARER) :].strip():

@@ -21,6 +21,7 @@ import time
 from collections.abc import Sequence
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import aio_pika
 import structlog
@@ -32,6 +33,7 @@ from sluice_common.amqp import EventTopology, dead_letter
 from sluice_common.request_context import REQUEST_ID_KEY
 from sluice_common.supervision import Supervisor, stop_tasks
 from sluice_evaluation_logging.evaluators import Offload, evaluate_batch
+from sluice_evaluation_logging.event_tracing import end_process_spans, start_process_spans, trace_id_of
 from sluice_evaluation_logging.evaluators.base import EvalContext, ScoreResult
 from sluice_evaluation_logging.model import RecordRow
 from sluice_evaluation_logging.record_metrics import observe_stored
@@ -182,6 +184,7 @@ class CompletionConsumer:
         multiple-ack never covers a message whose record is not durably stored.
         """
         started = time.perf_counter()
+        spans = start_process_spans(batch, self._settings.topology.completions_queue)
         decoded: list[tuple[AbstractIncomingMessage, events_pb2.CompletionEvent]] = []
         dead_lettered = 0
         for index, message in enumerate(batch):
@@ -202,10 +205,10 @@ class CompletionConsumer:
         serialized = [event_bytes(message.body, message.content_type, event) for message, event in decoded]
         all_scores = await evaluate_batch([event for _, event in decoded], self._context, self._offload, serialized)
         rows: list[RecordRow] = []
-        for index, ((_, event), scores, body) in enumerate(zip(decoded, all_scores, serialized, strict=True)):
+        for index, ((message, event), scores, body) in enumerate(zip(decoded, all_scores, serialized, strict=True)):
             if index and index % YIELD_EVERY == 0:
                 await asyncio.sleep(0)
-            rows.append(to_row(event, scores, body))
+            rows.append(to_row(event, scores, body, trace_id_of(message.headers)))
         # One line per batch at INFO (in _commit); the per-event line (GenAI attributes, scores)
         # only at DEBUG, where building it is worth its cost: at one line per event it was most of
         # the consumer's CPU.
@@ -219,14 +222,16 @@ class CompletionConsumer:
                     **otel_attributes(event),
                 )
         await self._settle_commit()
-        self._committing = asyncio.create_task(self._commit(batch, rows, dead_lettered, started), name="evallog-commit")
+        self._committing = asyncio.create_task(self._commit(batch, rows, dead_lettered, started, spans), name="evallog-commit")
 
     async def _commit(
-        self, batch: Sequence[AbstractIncomingMessage], rows: list[RecordRow], dead_lettered: int, started: float
+        self, batch: Sequence[AbstractIncomingMessage], rows: list[RecordRow], dead_lettered: int, started: float,
+        spans: list[Any] | None = None,
     ) -> None:
         inserted = await self._store_until_done(rows)
         # One multiple-ack covers the whole batch (deliveries on a channel are acked in order).
         await batch[-1].ack(multiple=True)
+        end_process_spans(spans, stored=True)
         if self._on_pending is not None and inserted and any(row.pending for row in rows):
             self._on_pending()
         elapsed = time.perf_counter() - started

@@ -36,6 +36,8 @@ class RecordRow:
     pending: tuple[str, ...] = ()
     # Of input_tokens, those the engine served from its prefix cache (Usage.cached_tokens).
     cached_tokens: int = 0
+    # The W3C trace id the event's message carried (empty: none).
+    trace_id: str = ""
 
 
 @dataclass(frozen=True)

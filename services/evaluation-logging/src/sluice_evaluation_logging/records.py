@@ -58,7 +58,10 @@ def event_bytes(body: bytes, content_type: str | None, event: events_pb2.Complet
 
 
 def to_row(
-    event: events_pb2.CompletionEvent, scores: Iterable[ScoreResult | Deferred], serialized: bytes | None = None
+    event: events_pb2.CompletionEvent,
+    scores: Iterable[ScoreResult | Deferred],
+    serialized: bytes | None = None,
+    trace_id: str = "",
 ) -> RecordRow:
     """The record to store; a Deferred evaluator result becomes a pending marker, stored with it."""
     stored: list[ScoreResult] = []
@@ -88,6 +91,7 @@ def to_row(
         event=serialized if serialized is not None else event.SerializeToString(),
         scores=tuple(stored),
         pending=tuple(pending),
+        trace_id=trace_id,
     )
 
 

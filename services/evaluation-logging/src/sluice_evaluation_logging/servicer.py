@@ -34,7 +34,7 @@ def _record(row: RecordRow) -> evallog_pb2.Record:
     scores = [
         evallog_pb2.Score(name=s.name, value=s.value, passed=s.passed, detail=s.detail, skipped=s.skipped) for s in row.scores
     ]
-    return evallog_pb2.Record(event=event, scores=scores, stored_at=stored_at)
+    return evallog_pb2.Record(event=event, scores=scores, stored_at=stored_at, trace_id=row.trace_id)
 
 
 def _summary(group: GroupSummary) -> evallog_pb2.Summary:

@@ -188,6 +188,7 @@ def record_line(record: evallog_pb2.Record) -> str:
         f"  ttft {event.timings.time_to_first_token_ms:>6.0f} ms"
         f"  {event.usage.prompt_tokens:>5}+{event.usage.completion_tokens:<5} tok"
         f"  {('failed: ' + ','.join(failed)) if failed else 'ok':<24}  {event.request_id}"
+        + (f"  trace {record.trace_id}" if record.trace_id else "")
     )
 
 

@@ -25,6 +25,7 @@ from sluice.common.v1 import types_pb2
 from sluice.evallog.v1 import events_pb2
 from sluice.gateway.v1 import gateway_pb2
 
+from sluice_common import tracing
 from sluice_common.amqp import ConfirmingPublisher, EventTopology, OutgoingMessage, PublisherMetrics
 from sluice_common.supervision import Supervisor
 from sluice_common.tenants import Tenant
@@ -45,7 +46,7 @@ class CompletionTracker:
 
     __slots__ = (
         "_events", "_tenant", "_request", "_request_id", "_parts", "_started_wall", "_started",
-        "_first_token", "_last_token", "_chunks", "_final", "job_id", "custom_id",
+        "_first_token", "_last_token", "_chunks", "_final", "job_id", "custom_id", "_trace_context",
     )  # fmt: skip
 
     def __init__(self, events: CompletionEvents, tenant: Tenant, request: gateway_pb2.GenerateRequest, request_id: str) -> None:
@@ -62,6 +63,9 @@ class CompletionTracker:
         self._final: Any = None
         self.job_id = ""
         self.custom_id = ""
+        # The request's trace context, for the event's message: the event is published from a
+        # done-callback, where the request's context is no longer current.
+        self._trace_context = tracing.current_context()
 
     def add(self, chunk: Any) -> None:
         """One adapter response (text delta; usage, timings and finish reason on the last)."""
@@ -83,7 +87,7 @@ class CompletionTracker:
     def publish(self, code: grpc.StatusCode | None = None, cancelled: bool = False) -> None:
         """Builds the event for the call as it ended and hands it to the publisher. Never raises."""
         try:
-            self._events.submit(self.build(code, cancelled))
+            self._events.submit(self.build(code, cancelled), self._trace_context)
         except Exception:  # noqa: BLE001 - never let logging break the server
             log.exception("completion_event_failed", request_id=self._request_id)
 
@@ -190,9 +194,18 @@ class CompletionEvents:
         context.add_done_callback(tracker.on_done)
         return tracker
 
-    def submit(self, event: events_pb2.CompletionEvent) -> None:
+    def submit(self, event: events_pb2.CompletionEvent, trace_context: Any = None) -> None:
+        """`trace_context`: the request's (None: the current one), carried in the message's headers."""
         if self._publisher is None:
             return
+        headers = {"x-sluice-tenant": event.tenant}
+        with tracing.producer_span(f"publish {self._topology.events_exchange}", trace_context, {
+            "messaging.system": "rabbitmq",
+            "messaging.operation": "publish",
+            "messaging.destination.name": self._topology.events_exchange,
+            "messaging.message.id": event.event_id,
+        }):
+            tracing.inject_headers(headers)
         self._publisher.submit(
             OutgoingMessage(
                 body=event.SerializeToString(),
@@ -200,6 +213,6 @@ class CompletionEvents:
                 message_id=event.event_id,
                 request_id=event.request_id,
                 type=EVENT_TYPE,
-                headers={"x-sluice-tenant": event.tenant},
+                headers=headers,
             )
         )

@@ -57,6 +57,7 @@ from sluice_common.validation import validate_embedding, validate_generation
 from sluice_gateway.admission import Admission, Ticket, embedding_reservation, generation_reservation, message_pairs, prompt_estimate
 from sluice_gateway.completion_events import CompletionEvents, CompletionTracker
 from sluice_gateway.default_deadline import DefaultDeadline
+from sluice_gateway.generation_trace import start_generation
 from sluice_gateway.model_catalog import ModelCatalog
 from sluice_common.tenants import Tenant
 
@@ -118,6 +119,7 @@ class GenerateStream:
     last_chunk_at: float | None = None
     tokens: int = 0
     finished: bool = False
+    trace: Any = None  # generation_trace.GenerationTrace while tracing is on
 
     def timing(self, cut: bool = False) -> tuple[float | None, int, float]:
         """(seconds from arrival to the first token, None when none came; tokens; seconds from
@@ -134,6 +136,8 @@ class GenerateStream:
                 self.first_token_at = now
             self.tokens = chunk.usage.completion_tokens if chunk.HasField("usage") else self.tokens + chunk.token_count
             self.finished |= bool(chunk.finish_reason)
+            if chunk.finish_reason and self.trace is not None:
+                self.trace.finish(chunk)
             self.ticket.observe(chunk)
             if chunk.finish_reason:
                 # Commit before the client hears the end: a client that sends its next request as
@@ -197,6 +201,7 @@ class InferencePath:
         """Defaults, validates, takes a lease (or raises RESOURCE_EXHAUSTED / UNAVAILABLE), opens the
         adapter stream, and tracks the CompletionEvent (see the module's docstring)."""
         tenant = tenant if isinstance(tenant, Tenant) else Tenant(tenant)
+        span = start_generation(request, tenant.name, row)  # first: the tracker keeps its context
         tracker = self._tracker(tenant, request, request_id)
         on_chunk = None
         if tracker is not None and row is not None:
@@ -237,7 +242,7 @@ class InferencePath:
             # The caller's deadline bounds the adapter's work; cancelling this call stops it there.
             await self._adapter_replica(time_remaining)
             call = self.adapter.Generate(downstream, timeout=time_remaining, metadata=outgoing_metadata())
-            stream = GenerateStream(ticket, call, tracker, on_chunk, arrived_at=arrived_at)
+            stream = GenerateStream(ticket, call, tracker, on_chunk, arrived_at=arrived_at, trace=span)
             try:
                 yield stream
             except grpc.aio.AioRpcError as exc:
@@ -262,6 +267,8 @@ class InferencePath:
         finally:
             if tracker is not None and row is None and when_closed is None:
                 tracker.publish(*status_of(ended))
+            if span is not None:
+                span.end(ended)
 
     def _observe_stream(self, stream: GenerateStream, cut: bool) -> None:
         if self.default_deadline is None:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from sluice.jobs.v1 import jobs_pb2
 
+from sluice_gateway.job_trace import with_trace_context
 from sluice_common.amqp import ConfirmingPublisher, JobTopology, OutgoingMessage, PublisherMetrics
 from sluice_common.errors import InvalidArgument, NotFound, PermissionDenied, Unavailable
 from sluice_common.supervision import Supervisor
@@ -116,6 +117,7 @@ class JobRequestPublisher:
                 routing_key=self._topology.job_routing_key,
                 message_id=job.job_id,
                 type=jobs_pb2.JobRequest.DESCRIPTOR.full_name,
+                headers=with_trace_context({}),  # the job's trace continues SubmitJob's
             )
         )
 

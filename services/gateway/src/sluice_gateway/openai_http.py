@@ -44,6 +44,7 @@ from sluice.common.v1 import types_pb2
 from sluice_common.errors import InvalidArgument, ResourceExhausted, SluiceError, Unauthenticated
 from sluice_common.log import PORTS_LOGGER
 from sluice_common.request_context import REQUEST_ID_KEY, bind_request_id, current_request_id, new_request_id
+from sluice_gateway.generation_trace import instrument_http_front
 from sluice_gateway.inference_path import InferencePath
 from sluice_gateway.model_catalog import UnknownModel
 from sluice_gateway.openai_requests import (
@@ -341,6 +342,7 @@ async def _errors(request: web.Request, handler: Callable[[web.Request], Awaitab
 
 
 def build_app(front: OpenAIFront, max_body_bytes: int, batches: BatchFront | None = None) -> web.Application:
+    instrument_http_front()
     app = web.Application(middlewares=[_errors], client_max_size=max_body_bytes)
     app.router.add_post("/v1/chat/completions", front.chat_completions)
     app.router.add_post("/v1/completions", front.completions)

@@ -55,6 +55,7 @@ from sluice_gateway.concurrency import FAILED, OK, THROTTLED, AdaptiveConcurrenc
 from sluice_gateway.config import ENV_PREFIX, GatewayConfig
 from sluice_gateway.core import GatewayCore
 from sluice_gateway.job_store import JobRecord, JobStore
+from sluice_gateway.job_trace import attempt_span, job_span, row_span, with_trace_context
 from sluice_gateway.jobs import (
     EXPIRED_CODE,
     JSON,
@@ -174,7 +175,8 @@ class JobWorker:
     async def _on_job(self, message: aio_pika.abc.AbstractIncomingMessage) -> None:
         bind_request_id(str((message.headers or {}).get("x-request-id") or new_request_id()))
         try:
-            await self._job(message)
+            with job_span(message, self.topology.requests_queue):
+                await self._job(message)
         except Exception:  # noqa: BLE001 - unexpected: the broker redelivers (and dead-letters at its limit)
             log.exception("job_message_failed")
             with contextlib.suppress(Exception):
@@ -210,7 +212,7 @@ class JobWorker:
                 delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
                 message_id=f"{task.job_id}/{task.row.custom_id}",
                 type=ROW_TYPE,
-                headers={"x-sluice-job-id": task.job_id, "x-sluice-custom-id": task.row.custom_id},
+                headers=with_trace_context({"x-sluice-job-id": task.job_id, "x-sluice-custom-id": task.row.custom_id}),
             ),
             self.topology.row_routing_key,
         )
@@ -242,7 +244,8 @@ class JobWorker:
     async def _on_row(self, message: aio_pika.abc.AbstractIncomingMessage) -> None:
         bind_request_id(new_request_id())
         try:
-            await self._row(message)
+            with row_span(message, self.topology.rows_queue):
+                await self._row(message)
         except asyncio.CancelledError:
             raise  # stopping: unacked, so the broker redelivers it
         except Exception:  # noqa: BLE001 - unexpected: give it back; the delivery limit stops a loop
@@ -315,6 +318,7 @@ class JobWorker:
         first = True
         cut_at_s: float | None = None  # the deadline that cut off the last attempt
         job: JobRecord | None = None
+        number = 0  # attempts made here, for their spans
         while True:
             if not first:
                 await self.concurrency.acquire()
@@ -336,7 +340,9 @@ class JobWorker:
             timeout_s = self.row_deadlines.for_row(task.row, cut_at_s)
             ROW_TIMEOUT.labels(kind=kind).set(timeout_s)
             try:
-                run = await run_row(self.core.path, task, _request_id(), timeout_s)
+                number += 1
+                with attempt_span(task, number, timeout_s):
+                    run = await run_row(self.core.path, task, _request_id(), timeout_s)
             except PoisonRow as exc:
                 await self._release(time.perf_counter() - started, FAILED)
                 return exc

@@ -33,6 +33,7 @@ import structlog
 from sluice_common.sampling import FIELD_PREFIX, Sampling, field_error
 from sluice_common.supervision import stop_tasks
 from sluice_inference_adapter import metrics
+from sluice_inference_adapter.sequence_trace import traced_request
 from sluice_inference_adapter.backend_errors import RequestRejected
 from sluice_inference_adapter.chat_template import ChatTemplateError
 from sluice_inference_adapter.scheduler import Finish, ReplicaWork, Sequence
@@ -133,6 +134,8 @@ class PassthroughScheduler(ReplicaWork):
                 if sequence is None:
                     break
                 sequence.prefilled_at = now
+                if sequence.trace is not None:
+                    sequence.trace.admitted()
                 metrics.QUEUE_SECONDS.labels(replica=self._replica).observe(now - sequence.submitted_at)
                 self._in_flight[sequence] = asyncio.create_task(self._stream(sequence))
             metrics.SLOTS_IN_USE.labels(replica=self._replica).set(len(self._in_flight))
@@ -141,7 +144,7 @@ class PassthroughScheduler(ReplicaWork):
         request = sequence.request
         try:
             async with asyncio.timeout(None if request.deadline is None else request.deadline - self._clock()):
-                finish = await self._relay(sequence)
+                finish = await traced_request(sequence.trace, self._relay(sequence), self._backend)
             if finish is None:  # a failure of the replica, counted once below (not a success first)
                 raise RuntimeError("the stream ended without a finish reason")
             self._report_step(ok=True)

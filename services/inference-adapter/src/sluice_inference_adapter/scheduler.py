@@ -44,6 +44,8 @@ from sluice_inference_adapter.step_rows import (
     StepOutcome,
     StepRow,
 )
+from sluice_inference_adapter import sequence_trace
+from sluice_inference_adapter.sequence_trace import SequenceTrace
 from sluice_inference_adapter.waiting_queue import FairWaitingQueue, Priority
 
 log = structlog.stdlib.get_logger("sluice.scheduler")
@@ -161,6 +163,8 @@ class Sequence:
     done: bool = False
     # Set when the sequence failed because its backend did: a caller may retry it elsewhere.
     backend_failed: bool = False
+    # Its spans while its request is traced and sampled (sequence_trace), else None.
+    trace: SequenceTrace | None = None
 
     @property
     def tenant(self) -> str:
@@ -198,6 +202,8 @@ class Sequence:
         if self.done:
             return
         self.done = True
+        if self.trace is not None:
+            self.trace.finish(finish.value, self.prompt_tokens, self.completion_tokens, self.cached_tokens, error)
         if finish in (Finish.CANCELLED, Finish.DEADLINE):
             metrics.CANCELLATIONS.labels(reason=finish.value).inc()
         self.events.put_nowait(
@@ -283,6 +289,7 @@ class ReplicaWork:
             )
         # Random ids: several adapters may share one Triton, and ids must not collide there.
         sequence = Sequence(seq_id=random.getrandbits(62) + 1, request=request, submitted_at=self._clock())
+        sequence.trace = sequence_trace.start(request)
         self._waiting.push(sequence)
         self._wakeup.set()
         self._on_arrival()
@@ -415,6 +422,7 @@ class Scheduler(ReplicaWork):
 
     async def _run_round(self, rows: list[StepRow], stepped: list[Sequence], steps: int) -> None:
         prefill_tokens = self._prefill_tokens(stepped)
+        round_span = sequence_trace.start_round((s.trace for s in stepped), len(rows), steps, self._replica)
         responses = self._backend.round(rows, steps)
         first = True
         try:
@@ -451,6 +459,7 @@ class Scheduler(ReplicaWork):
                 first, prefill_tokens = False, 0
         finally:
             await responses.aclose()
+            sequence_trace.end_round(round_span)
         await self._release_dropped()
 
     def _observe_decode_step(self, seconds: float) -> None:
@@ -687,6 +696,8 @@ class Scheduler(ReplicaWork):
             sequence.completion_tokens = outcome.completion_tokens
             if outcome.token_id >= 0 and not sequence.cancelled:
                 sequence.emit_text(outcome.text, now)
+            if sequence.trace is not None:
+                sequence.trace.step(len(self._in_round), outcome.completion_tokens, outcome.finish)
             if outcome.finish:
                 self._running.pop(sequence.seq_id, None)
                 sequence.finish(_finish_of(outcome.finish), now, error=outcome.error)
@@ -699,6 +710,8 @@ class Scheduler(ReplicaWork):
         goes back to the queue to wait on (observing each admission counted the first wait twice)."""
         if not sequence.queue_wait_observed and sequence.prefilled_at is not None:
             sequence.queue_wait_observed = True
+            if sequence.trace is not None:
+                sequence.trace.admitted()
             metrics.QUEUE_SECONDS.labels(replica=self._replica).observe(sequence.prefilled_at - sequence.submitted_at)
 
     def _requeue(self, sequence: Sequence, now: float) -> None:

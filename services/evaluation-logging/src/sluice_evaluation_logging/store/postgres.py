@@ -13,7 +13,7 @@ from sluice_evaluation_logging.store.sql import SqlStore, record_params, score_p
 
 # The records columns' types, in RECORD_COLUMNS order, for unnest's arrays.
 _RECORD_TYPES = ("text", "text", "text", "int4", "text", "int4", "text", "int4", "int4",
-                 "float8", "float8", "float8", "float8", "float8", "bool", "bytea", "int4")  # fmt: skip
+                 "float8", "float8", "float8", "float8", "float8", "bool", "bytea", "int4", "text")  # fmt: skip
 _SCORE_TYPES = ("text", "text", "float8", "bool", "bool", "text")
 
 

@@ -75,6 +75,12 @@ MIGRATIONS: tuple[tuple[int, str, tuple[str, ...]], ...] = (
             "ALTER TABLE records ADD COLUMN cached_tokens INTEGER NOT NULL DEFAULT 0",
         ),
     ),
+    (
+        4,
+        "the trace id of the request behind each record",
+        # Records stored before tracing have none.
+        ("ALTER TABLE records ADD COLUMN trace_id TEXT NOT NULL DEFAULT ''",),
+    ),
 )
 
 LATEST_VERSION = MIGRATIONS[-1][0]
@@ -82,7 +88,7 @@ LATEST_VERSION = MIGRATIONS[-1][0]
 # The records table's columns in the order RecordRow is read and written (sql.record_params, sql.row_from).
 RECORD_COLUMNS = (
     "event_id, tenant, model, priority_class, request_id, finish_reason, error_code, input_tokens, output_tokens,"
-    " latency_ms, ttft_ms, started_at, finished_at, stored_at, text_logged, event, cached_tokens"
+    " latency_ms, ttft_ms, started_at, finished_at, stored_at, text_logged, event, cached_tokens, trace_id"
 )
 SCORE_COLUMNS = "event_id, name, value, passed, skipped, detail"
 PENDING_COLUMNS = "event_id, name, queued_at, not_before, attempts"

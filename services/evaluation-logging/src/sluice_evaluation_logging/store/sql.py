@@ -65,12 +65,13 @@ def record_params(row: RecordRow, stored_at: float) -> tuple[Any, ...]:
         row.text_logged,
         row.event,
         row.cached_tokens,
+        row.trace_id,
     )
 
 
 def row_from(values: Sequence[Any], scores: tuple[ScoreResult, ...] = ()) -> RecordRow:
     """A row from its values in RECORD_COLUMNS order (either backend's types)."""
-    (eid, tenant, model, pclass, rid, finish, err, tin, tout, lat, ttft, started, finished, stored, logged, event, tcached) = values
+    (eid, tenant, model, pclass, rid, finish, err, tin, tout, lat, ttft, started, finished, stored, logged, event, tcached, tid) = values
     return RecordRow(
         event_id=eid,
         tenant=tenant,
@@ -90,6 +91,7 @@ def row_from(values: Sequence[Any], scores: tuple[ScoreResult, ...] = ()) -> Rec
         event=bytes(event),
         scores=scores,
         cached_tokens=int(tcached),
+        trace_id=str(tid),
     )
 
 

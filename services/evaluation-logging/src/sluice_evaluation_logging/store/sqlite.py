@@ -22,7 +22,7 @@ from sluice_evaluation_logging.store.sql import (
     score_params,
 )
 
-_RECORD_VALUES = "(" + marks(17) + ")"
+_RECORD_VALUES = "(" + marks(18) + ")"
 _PENDING_VALUES = "(?, ?, ?, ?, 0)"
 
 

@@ -26,14 +26,16 @@ class Score(_message.Message):
     def __init__(self, name: _Optional[str] = ..., value: _Optional[float] = ..., passed: _Optional[bool] = ..., detail: _Optional[str] = ..., skipped: _Optional[bool] = ...) -> None: ...
 
 class Record(_message.Message):
-    __slots__ = ("event", "scores", "stored_at")
+    __slots__ = ("event", "scores", "stored_at", "trace_id")
     EVENT_FIELD_NUMBER: _ClassVar[int]
     SCORES_FIELD_NUMBER: _ClassVar[int]
     STORED_AT_FIELD_NUMBER: _ClassVar[int]
+    TRACE_ID_FIELD_NUMBER: _ClassVar[int]
     event: _events_pb2.CompletionEvent
     scores: _containers.RepeatedCompositeFieldContainer[Score]
     stored_at: _timestamp_pb2.Timestamp
-    def __init__(self, event: _Optional[_Union[_events_pb2.CompletionEvent, _Mapping]] = ..., scores: _Optional[_Iterable[_Union[Score, _Mapping]]] = ..., stored_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+    trace_id: str
+    def __init__(self, event: _Optional[_Union[_events_pb2.CompletionEvent, _Mapping]] = ..., scores: _Optional[_Iterable[_Union[Score, _Mapping]]] = ..., stored_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., trace_id: _Optional[str] = ...) -> None: ...
 
 class GetRecordRequest(_message.Message):
     __slots__ = ("event_id",)

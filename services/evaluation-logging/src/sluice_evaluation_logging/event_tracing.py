@@ -1,0 +1,60 @@
+"""The trace of a CompletionEvent on this side of RabbitMQ.
+
+The gateway puts the W3C trace context of the request in the event message's headers
+(`traceparent`). Here each message gets a CONSUMER span, in that trace and linked to the gateway's
+publish span, from the batch's start until its record is stored and acked; and the record keeps
+the trace id (read from the header whether or not this service's own tracing is on, so that
+`sluice logs` can point at the trace the gateway exported).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from opentelemetry.trace import Link, SpanKind, get_current_span
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+from sluice_common import tracing
+
+_W3C = TraceContextTextMapPropagator()
+
+
+def trace_id_of(headers: Mapping[str, Any] | None) -> str:
+    """The trace id a message's `traceparent` header names; empty without a valid one."""
+    value = (headers or {}).get("traceparent")
+    if not value:
+        return ""
+    text = value.decode() if isinstance(value, bytes) else str(value)
+    return tracing.trace_id_of(get_current_span(_W3C.extract({"traceparent": text})).get_span_context())
+
+
+def start_process_spans(messages: Sequence[Any], queue: str) -> list[Any] | None:
+    """One CONSUMER span per message of a batch (None while tracing is off)."""
+    if not tracing.enabled():
+        return None
+    spans = []
+    for message in messages:
+        parent = tracing.extract_context(message.headers)
+        producer = get_current_span(parent).get_span_context()
+        spans.append(
+            tracing.tracer().start_span(
+                f"process {queue}",
+                context=parent,
+                kind=SpanKind.CONSUMER,
+                links=[Link(producer, {"messaging.operation": "publish"})] if producer.is_valid else [],
+                attributes={
+                    "messaging.system": "rabbitmq",
+                    "messaging.operation": "process",
+                    "messaging.destination.name": queue,
+                    "messaging.message.id": message.message_id or "",
+                },
+            )
+        )
+    return spans
+
+
+def end_process_spans(spans: list[Any] | None, stored: bool) -> None:
+    for span in spans or ():
+        span.set_attribute("sluice.evallog.stored", stored)
+        span.end()

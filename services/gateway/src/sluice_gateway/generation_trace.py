@@ -1,0 +1,79 @@
+"""The gateway's spans of one generation, named after OpenTelemetry's GenAI conventions.
+
+`start_generation` opens the "{gen_ai.operation.name} {gen_ai.request.model}" span (e.g. "chat
+smollm2-135m-instruct") around everything the path does for one Generate: the rate-limit Acquire
+and Commit and the adapter call are its children (the gRPC instrumentation's CLIENT spans). The
+stream's end sets the usage and the finish reason on it. It is None while tracing is off, so the
+path pays one test per hook.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sluice.common.v1 import types_pb2
+from sluice.gateway.v1 import gateway_pb2
+
+from sluice_common import tracing
+
+
+def finish_reason_name(value: int) -> str:
+    return types_pb2.FinishReason.Name(value).removeprefix("FINISH_REASON_").lower() if value else ""
+
+
+class GenerationTrace:
+    __slots__ = ("_attached", "_model")
+
+    def __init__(self, request: gateway_pb2.GenerateRequest, tenant: str, row: tuple[str, str] | None) -> None:
+        operation = "chat" if request.messages else "text_completion"
+        sampling = request.sampling
+        attributes: dict[str, Any] = {
+            "gen_ai.operation.name": operation,
+            "gen_ai.request.model": request.model,
+            "sluice.tenant": tenant,
+            "sluice.priority_class": types_pb2.PriorityClass.Name(request.priority_class or types_pb2.PRIORITY_CLASS_INTERACTIVE),
+        }
+        if sampling.max_tokens:
+            attributes["gen_ai.request.max_tokens"] = sampling.max_tokens
+        if sampling.HasField("temperature"):
+            attributes["gen_ai.request.temperature"] = sampling.temperature
+        if sampling.HasField("top_p"):
+            attributes["gen_ai.request.top_p"] = sampling.top_p
+        if row is not None:
+            attributes["sluice.job_id"], attributes["sluice.custom_id"] = row
+        self._model = request.model
+        self._attached = tracing.AttachedSpan(f"{operation} {request.model}", attributes)
+
+    def finish(self, chunk: Any) -> None:
+        """The adapter's final chunk: usage and finish reason."""
+        span = self._attached.span
+        span.set_attribute("gen_ai.response.model", self._model)
+        span.set_attribute("gen_ai.response.finish_reasons", [finish_reason_name(chunk.finish_reason)])
+        if chunk.HasField("usage"):
+            span.set_attribute("gen_ai.usage.input_tokens", chunk.usage.prompt_tokens)
+            span.set_attribute("gen_ai.usage.output_tokens", chunk.usage.completion_tokens)
+            if chunk.usage.cached_tokens:
+                span.set_attribute("gen_ai.usage.cache_read.input_tokens", chunk.usage.cached_tokens)
+        if chunk.HasField("timings") and chunk.timings.time_to_first_token_ms:
+            span.set_attribute("sluice.time_to_first_token_ms", chunk.timings.time_to_first_token_ms)
+
+    def end(self, error: BaseException | None) -> None:
+        self._attached.end(error)
+
+
+def start_generation(request: gateway_pb2.GenerateRequest, tenant: str, row: tuple[str, str] | None = None) -> GenerationTrace | None:
+    return GenerationTrace(request, tenant, row) if tracing.enabled() else None
+
+
+
+def instrument_http_front() -> None:
+    """The aiohttp-server instrumentation on the HTTP front (a SERVER span per request, the client's
+    `traceparent` header honoured), while tracing is on. Its documented use: `instrument()` before
+    the web.Application is made (it adds its middleware to every Application made after)."""
+    if not tracing.enabled():
+        return
+    from opentelemetry.instrumentation.aiohttp_server import AioHttpServerInstrumentor
+
+    instrumentor = AioHttpServerInstrumentor()
+    if not instrumentor.is_instrumented_by_opentelemetry:
+        instrumentor.instrument()

@@ -1,0 +1,78 @@
+"""The gateway's trace data: the GenAI generation span and the trace id `sluice logs` prints."""
+
+from __future__ import annotations
+
+import pytest
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from sluice.common.v1 import types_pb2
+from sluice.evallog.v1 import evallog_pb2, events_pb2
+from sluice.gateway.v1 import gateway_pb2
+from sluice.inference.v1 import inference_pb2
+
+from sluice_common import tracing
+from sluice_gateway.cli import record_line
+from sluice_gateway.generation_trace import start_generation
+
+
+@pytest.fixture
+def exported(monkeypatch: pytest.MonkeyPatch) -> InMemorySpanExporter:
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    monkeypatch.setattr(tracing, "_enabled", True)
+    monkeypatch.setattr(tracing, "tracer", lambda: provider.get_tracer("sluice"))
+    return exporter
+
+
+def test_no_span_while_tracing_is_off() -> None:
+    assert start_generation(gateway_pb2.GenerateRequest(model="m", prompt="p"), "demo") is None
+
+
+def test_the_generation_span_has_the_genai_attributes(exported: InMemorySpanExporter) -> None:
+    request = gateway_pb2.GenerateRequest(
+        model="smollm2-135m-instruct",
+        messages=[types_pb2.ChatMessage(role="user", content="hi")],
+        sampling=types_pb2.SamplingParams(max_tokens=16, temperature=0.5),
+    )
+    generation = start_generation(request, "demo", ("job-1", "row-1"))
+    assert generation is not None
+    final = inference_pb2.GenerateResponse(
+        finish_reason=types_pb2.FINISH_REASON_STOP, usage=types_pb2.Usage(prompt_tokens=9, completion_tokens=4, cached_tokens=8)
+    )
+    generation.finish(final)
+    generation.end(None)
+    (span,) = exported.get_finished_spans()
+    assert span.name == "chat smollm2-135m-instruct"
+    assert dict(span.attributes) == {
+        "gen_ai.operation.name": "chat",
+        "gen_ai.request.model": "smollm2-135m-instruct",
+        "gen_ai.request.max_tokens": 16,
+        "gen_ai.request.temperature": 0.5,
+        "sluice.tenant": "demo",
+        "sluice.priority_class": "PRIORITY_CLASS_INTERACTIVE",
+        "sluice.job_id": "job-1",
+        "sluice.custom_id": "row-1",
+        "gen_ai.response.model": "smollm2-135m-instruct",
+        "gen_ai.response.finish_reasons": ("stop",),
+        "gen_ai.usage.input_tokens": 9,
+        "gen_ai.usage.output_tokens": 4,
+        "gen_ai.usage.cache_read.input_tokens": 8,
+    }
+
+
+def test_a_failed_generation_ends_in_error(exported: InMemorySpanExporter) -> None:
+    generation = start_generation(gateway_pb2.GenerateRequest(model="m", prompt="p"), "demo")
+    assert generation is not None
+    generation.end(RuntimeError("boom"))
+    (span,) = exported.get_finished_spans()
+    assert span.name == "text_completion m" and not span.status.is_ok
+    assert span.attributes["error.type"] == "RuntimeError"
+
+
+def test_sluice_logs_prints_the_records_trace_id() -> None:
+    event = events_pb2.CompletionEvent(model="m", request_id="r1", finish_reason=types_pb2.FINISH_REASON_STOP)
+    traced = record_line(evallog_pb2.Record(event=event, trace_id="4bf92f3577b34da6a3ce929d0e0e4736"))
+    assert traced.endswith("r1  trace 4bf92f3577b34da6a3ce929d0e0e4736")
+    assert "trace" not in record_line(evallog_pb2.Record(event=event))
