@@ -144,7 +144,10 @@ async def test_a_replica_whose_steps_stall_is_ejected_and_its_requests_go_elsewh
         for _ in range(2):  # warm up on both replicas
             results = await asyncio.gather(*(run_through(pool, request()) for _ in range(2)))
             assert all(finish.finish is Finish.LENGTH for _, finish in results)
-        assert timeouts.limit() < 0.2 and timeouts.limit(33) < 0.5
+        # Learned, far below the 30 s ceiling (the prompt "p" is estimated at 33 tokens). The prefill
+        # limit is twice the slowest of only 3 prefill samples: one step slowed by a busy machine
+        # (0.27 s seen) puts it past 0.5 s; the stall below is still cut off within `elapsed`.
+        assert timeouts.limit() < 0.2 and timeouts.limit(33) < 1.0
         a.stalled = True
         started = time.monotonic()
         # Each request that lands on a fails its first step (no token yet) and is retried on b.
