@@ -1,5 +1,6 @@
 """Pure-numpy continuous-batching inference engine for llama-architecture GGUF models."""
 
+from .constraints import Constraint, ConstraintError
 from .step_engine import (
     DecodeRow,
     PrefillRow,
@@ -11,6 +12,8 @@ from .step_engine import (
 )
 
 __all__ = [
+    "Constraint",
+    "ConstraintError",
     "DecodeRow",
     "PrefillRow",
     "ReleaseRow",
