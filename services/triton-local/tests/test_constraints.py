@@ -217,3 +217,11 @@ def test_apply_masks_removes_exactly_the_disallowed_tokens_of_the_masked_rows() 
     assert np.array_equal(logits[[0, 2]], before[[0, 2]])
     assert np.flatnonzero(np.isfinite(logits[1])).tolist() == allowed
     assert np.array_equal(logits[1, allowed], before[1, allowed])
+
+
+def test_a_hand_built_constraint_with_a_bad_value_is_an_error_row_not_an_exception(engine: StepEngine) -> None:
+    cases = [(Constraint("json_schema", "{not json"), "json_schema: key must be a string"), (Constraint("xml", "<a/>"), "constraint kind must be one of")]  # type: ignore[arg-type]
+    for bad, named in cases:
+        [result] = engine.step([PrefillRow(1, engine.encode_chat([("user", "hi")]), constraint=bad)])
+        assert result.finish_reason == "error" and result.error.startswith(f"invalid constraint: {named}")
+    assert engine.active_slots == 0

@@ -86,6 +86,15 @@ class Constraint:
 def llguidance_grammar(constraint: Constraint) -> str:
     """The constraint as an llguidance grammar (not yet checked). Raises ConstraintError for a
     malformed value."""
+    try:
+        return _llguidance_grammar(constraint)
+    except ConstraintError:
+        raise
+    except (ValueError, TypeError) as exc:  # e.g. a Constraint built by hand around text that is not JSON
+        raise ConstraintError(f"{constraint.kind}: {exc}") from None
+
+
+def _llguidance_grammar(constraint: Constraint) -> str:
     kind, value = constraint.kind, constraint.value
     if kind == "json_object":
         return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, overrides=_JSON_OPTIONS)
