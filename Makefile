@@ -23,7 +23,7 @@ LIBS := libs/sluice-protos libs/sluice-common libs/sluice-stack
 PROJECTS := $(LIBS) $(SERVICES) tests bench deploy/tests
 UNIT_TESTED := libs/sluice-common $(SERVICES) bench
 
-.PHONY: help setup prometheus-tools deploy-requirements uv node protos protos-check proto-lint run test test-unit test-e2e test-deploy bench-path bench-tracing bench-adapter bench-evallog bench-ratelimit bench-jobs bench-jobs-interactive bench-engine bench-colocated bench-threads bench-gpu bench-gpu-kit bench-load bench-rolling bench-embed-cache bench-openai bench-peer bench-prefix bench-transport llama-server clean
+.PHONY: help setup prometheus-tools deploy-requirements uv node protos protos-check proto-lint run test test-unit test-e2e test-deploy bench-path bench-tracing bench-adapter bench-evallog bench-ratelimit bench-jobs bench-jobs-interactive bench-engine bench-colocated bench-threads bench-gpu bench-gpu-kit bench-load bench-rolling bench-embed-cache bench-openai bench-peer bench-prefix bench-transport bench-structured llama-server clean
 
 help:
 	@echo "make run        start the whole suite locally and stream a demo completion (Ctrl-C stops it)"
@@ -39,6 +39,7 @@ help:
 	@echo "make bench-peer the stack vs llama.cpp's own llama-server on the same GGUF, 2 threads: tok/s and TTFT at 1 and 32 streams"
 	@echo "make bench-prefix triton-local's prefix cache on vs off: a shared 1,000-token system prompt, 5-turn chats (TTFT, tok/s)"
 	@echo "make bench-transport the step protocol through PyTriton vs Triton's Python backend vs the engine alone (tok/s, CPU per token)"
+	@echo "make bench-structured the step engine with a JSON schema constraint vs free generation (tok/s at batch 1 and 8), compile ms, validity over 32 schemas"
 	@echo "make llama-server build llama.cpp's llama-server (bench-peer's peer) into .llama-server/ from the bindings' sdist (~8 min)"
 	@echo "make bench-path time to first token and tokens/s through each hop"
 	@echo "make bench-tracing OpenTelemetry tracing on vs off side by side: TTFT p50, tokens/s (one stream and a batch)"
@@ -162,6 +163,9 @@ bench-prefix: setup
 # The step protocol's round trip: PyTriton (triton-local) vs Triton's Python backend (deploy/triton) vs none.
 bench-transport: setup
 	bench/.venv/bin/python bench/bench_transport.py
+
+bench-structured: setup
+	bench/.venv/bin/python bench/bench_structured.py
 
 bench-path: setup
 	bench/.venv/bin/python bench/bench_path.py

@@ -58,3 +58,23 @@ def test_failures_are_told_by_the_restart_they_ended_in() -> None:
         Stream(sent_at=141.0, ended_at=150.0, finished=True),  # not a failure
     ]
     assert failures_by_restart(streams, took) == {"gateway": 1, "between": 1, "inference-adapter": 1}
+
+
+def test_structured_bench_lines_from_its_figures() -> None:
+    from bench_structured import bench_lines
+
+    result = {
+        "schemas": 4,
+        "compile_ms_p50": 0.512,
+        "batch1": {"structured_tok_s": 45.0, "free_tok_s": 50.0},
+        "batch8": {"structured_tok_s": 190.0, "free_tok_s": 200.0},
+        "valid_greedy": [True, True, True, False],
+        "valid_sampled": [True, False, True, False],
+    }
+    assert bench_lines(result) == [
+        "BENCH structured_vs_free_batch1 0.90 x",
+        "BENCH structured_vs_free_batch8 0.95 x (target >= 0.9)",
+        "BENCH structured_compile_ms 0.51 ms (p50 over 4 schemas)",
+        "BENCH structured_valid_fraction 0.75 (greedy, 4 schemas; target 1.0)",
+        "BENCH structured_valid_fraction_sampled 0.50 (temperature 1)",
+    ]

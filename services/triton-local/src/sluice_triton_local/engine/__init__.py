@@ -2,6 +2,7 @@
 
 from sluice_common.sampling import Sampling
 
+from .constraints import Constraint, ConstraintError
 from .step_engine import (
     DecodeRow,
     PrefillRow,
@@ -12,6 +13,8 @@ from .step_engine import (
 )
 
 __all__ = [
+    "Constraint",
+    "ConstraintError",
     "DecodeRow",
     "PrefillRow",
     "ReleaseRow",

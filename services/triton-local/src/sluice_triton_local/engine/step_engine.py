@@ -47,6 +47,7 @@ import numpy as np
 
 from sluice_common.sampling import Sampling, field_error, problem
 
+from .constraints import CompiledConstraint, Constraint, ConstraintCompiler, ConstraintError, Matcher, apply_masks, compute_masks
 from .gguf_fast import open_reader
 from .gguf_weights import load_weights, read_config
 from .model import BatchItem, LlamaModel
@@ -71,6 +72,10 @@ class PrefillRow:
     params: Sampling = Sampling()  # max_tokens must be set: its default 0 is refused
     chunk: int = 0  # prompt tokens cached per step; 0: the whole prompt in this step
     owner: str = ""  # who drives the sequence (an adapter instance), for per-owner slot metrics
+    # What the output must match (constraints.py): each token is sampled from those that keep it
+    # matching, and the sequence finishes "stop" once it is complete. Compiled at admission: one the
+    # library cannot compile answers finish "error" before any token.
+    constraint: Constraint | None = None
 
 
 @dataclass(frozen=True)
@@ -116,6 +121,7 @@ class _Seq:
     last_token: int = -1  # sampled but not yet fed back
     completion_tokens: int = 0
     owner: str = ""
+    matcher: Matcher | None = None  # its constraint's state, when it has one
     last_stepped_at: float = 0.0
     last_stepped_step: int = 0
 
@@ -178,6 +184,10 @@ class StepEngine:
         self.cached_tokens_total = 0
         # Owners answered "busy", in the order they were first turned away, with the last time.
         self._refused: dict[str, float] = {}
+        self._constraints: ConstraintCompiler | None = None  # built on first use (~0.2 s)
+        # Time spent computing and applying constraint masks, and the masks: their cost per token.
+        self.constraint_mask_seconds_total = 0.0
+        self.constraint_masks_total = 0
 
     @property
     def context_length(self) -> int:
@@ -216,6 +226,14 @@ class StepEngine:
 
     def encode_chat(self, messages: list[tuple[str, str]]) -> list[int]:
         return self.tokenizer.encode_chat(messages)
+
+    def compile_constraint(self, constraint: Constraint) -> CompiledConstraint:
+        """The constraint compiled against this model's vocabulary (cached): raises ConstraintError
+        naming the unsupported keyword or construct. A prefill compiles its row's constraint itself;
+        a caller may compile first to refuse a request before it queues."""
+        if self._constraints is None:
+            self._constraints = ConstraintCompiler(self.tokenizer)
+        return self._constraints.compile(constraint)
 
     def step(self, rows: list[Row]) -> list[RowResult]:
         """One iteration. Rows are applied in order (a release frees its slot
@@ -260,6 +278,7 @@ class StepEngine:
                     self._free(p.seq, keep_cells=False)
                     results[p.row_index] = _error(p.seq.seq_id, f"forward pass failed: {exc!r}", p.seq)
             else:
+                self._constrain(live, logits)
                 for p in live:
                     p.seq.pos = p.item.start_pos + len(p.item.token_ids)
                     p.seq.cells.append(p.item.token_ids, self._tiled(len(p.item.token_ids)))
@@ -282,6 +301,12 @@ class StepEngine:
             return _error(row.seq_id, field_error(*found))
         if row.seq_id in self._seqs:
             return _error(row.seq_id, f"seq_id {row.seq_id} is already running")
+        matcher = None
+        if row.constraint is not None:
+            try:
+                matcher = self.compile_constraint(row.constraint).matcher()
+            except ConstraintError as exc:
+                return _error(row.seq_id, f"invalid constraint: {exc}")
         ids = self.tokenizer.encode(row.prompt) if isinstance(row.prompt, str) else list(row.prompt)
         n = len(ids)
         if n == 0:
@@ -324,6 +349,7 @@ class StepEngine:
             cells=cells,
             cached_tokens=reused,
             owner=row.owner,
+            matcher=matcher,
             last_stepped_at=self._clock(),
             last_stepped_step=self._steps,
         )
@@ -439,12 +465,28 @@ class StepEngine:
                 self._model.release(seq.slot)
             self._slots.free(seq.slot, kept)
 
+    def _constrain(self, live: list[_Pending], logits: np.ndarray) -> None:
+        """Masks the logits of the rows about to sample under a constraint (all in one pass), so
+        that only tokens their constraints allow can be sampled; other rows are untouched."""
+        rows = [i for i, p in enumerate(live) if p.seq.matcher is not None and not p.seq.uncached_prompt]
+        if not rows:
+            return
+        started = time.perf_counter()
+        matchers = [live[i].seq.matcher for i in rows]
+        apply_masks(logits, rows, compute_masks(matchers, self.tokenizer.vocab_size))  # type: ignore[arg-type]
+        self.constraint_mask_seconds_total += time.perf_counter() - started
+        self.constraint_masks_total += len(rows)
+
     def _emit(self, seq: _Seq, tok: int) -> RowResult:
         """The sequence's sampled token: its text, and whether it ends the sequence."""
         prm = seq.params
         self.tokens_generated_total += 1
         seq.completion_tokens += 1
         seq.last_token = tok
+        if seq.matcher is not None and tok not in self.tokenizer.stop_ids and not seq.matcher.consume(tok):
+            # Cannot happen with the mask applied; a library fault must not pass as valid output.
+            self._free(seq)
+            return _error(seq.seq_id, f"constraint refused token {tok}: {seq.matcher.error}", seq)
 
         finish = ""
         if tok in self.tokenizer.stop_ids:
@@ -455,14 +497,21 @@ class StepEngine:
             text, hit = seq.stopper.feed(seq.detok.push(tok))
             if hit:
                 finish = "stop"
-            elif seq.completion_tokens >= prm.max_tokens or seq.pos >= self._ctx:
-                # pos >= ctx: no cache position left to feed this token back.
+            elif ended := self._ended(seq):
                 tail, hit = seq.stopper.feed(seq.detok.flush())
                 text += tail if hit else tail + seq.stopper.flush()
-                finish = "stop" if hit else "length"
+                finish = "stop" if hit else ended
         if finish:
             self._free(seq)
         return RowResult(seq.seq_id, tok, text, finish, seq.prompt_tokens, seq.completion_tokens, cached_tokens=seq.cached_tokens)
+
+    def _ended(self, seq: _Seq) -> str:
+        """Why a sequence that sampled an ordinary token ends now, or "" if it goes on."""
+        if seq.matcher is not None and seq.matcher.complete:
+            return "stop"  # its constraint allows nothing but the end: end now rather than sample it
+        if seq.completion_tokens >= seq.params.max_tokens or seq.pos >= self._ctx:
+            return "length"  # pos >= ctx: no cache position left to feed this token back
+        return ""
 
 
 class ForwardModel(Protocol):
