@@ -134,6 +134,7 @@ async def test_completion_echo_prepends_the_prompt(per_choice) -> None:  # type:
         ("/v1/chat/completions", {"n": 9}, "n"),
         ("/v1/chat/completions", {"n": 0}, "n"),
         ("/v1/chat/completions", {"n": "2"}, "n"),
+        ("/v1/completions", {"n": 10**40}, "n"),
         ("/v1/completions", {"logprobs": 21}, "logprobs"),
         ("/v1/completions", {"logprobs": True}, "logprobs"),
         ("/v1/completions", {"echo": True, "logprobs": 0}, "echo"),

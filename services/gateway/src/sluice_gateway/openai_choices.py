@@ -27,7 +27,7 @@ from typing import Any
 
 from sluice.common.v1 import types_pb2
 
-from sluice_common.sampling import MAX_LOGPROBS
+from sluice_common.sampling import MAX_LOGPROBS, MAX_N
 
 
 def _invalid(param: str, message: str, code: str) -> Exception:
@@ -46,7 +46,9 @@ def _n(body: dict[str, Any], sampling: types_pb2.SamplingParams) -> None:
         return
     if not _is_int(n):
         raise _invalid("n", f"n must be an integer, got {n!r}", "invalid_type")
-    sampling.n = n  # its range is the contract's (validate_generation): 400 naming n
+    if not 1 <= n <= MAX_N:  # the contract's range, checked here too: an int32 must carry it
+        raise _invalid("n", f"n must be an integer from 1 to {MAX_N}, got {n}", "invalid_value")
+    sampling.n = n
 
 
 def parse_chat_choices(body: dict[str, Any], sampling: types_pb2.SamplingParams) -> None:
