@@ -257,7 +257,7 @@ class StepEngine:
                 seq.last_stepped_at, seq.last_stepped_step = now, self._steps
         results: list[RowResult | None] = [None] * len(rows)
         pending: list[_Pending] = []
-        self._leaders: dict[tuple[int, ...], _Pending] = {}
+        self._leaders = {}
         for i, row in enumerate(rows):
             if isinstance(row, ReleaseRow):
                 results[i] = self._release(row.seq_id, pending)
