@@ -179,7 +179,7 @@ def triton(backend_env: tuple[Path, dict[str, str]], tmp_path_factory: pytest.Te
 # ---- the step model ----------------------------------------------------------------------------
 
 
-STEP_OUTPUTS = ("ROW_SEQ_ID", "TOKEN_ID", "TEXT", "FINISH", "PROMPT_TOKENS", "COMPLETION_TOKENS", "CACHED_TOKENS", "ERROR")
+STEP_OUTPUTS = ("ROW_SEQ_ID", "TOKEN_ID", "TEXT", "FINISH", "PROMPT_TOKENS", "COMPLETION_TOKENS", "CACHED_TOKENS", "ERROR", "LOGPROBS")
 
 
 def _round(client: grpcclient.InferenceServerClient, rows: list[tuple[int, int, bytes]], steps: int = 1) -> list[list[dict[str, object]]]:
@@ -240,6 +240,18 @@ def test_step_model_prefills_and_decodes_to_the_end(triton: grpcclient.Inference
     assert row["FINISH"] in ("stop", "length") and 0 < row["COMPLETION_TOKENS"] <= 16, row
     assert "Paris" in text, text
     assert _step(triton, 3)["FINISH"] == "", "release answers an empty row"
+
+
+def test_step_model_answers_logprobs_when_asked(triton: grpcclient.InferenceServerClient) -> None:
+    """LOGPROBS (declared in config.pbtxt): OpenAI's chat entry as JSON for a row that asked, empty otherwise."""
+    asked = json.dumps({"messages": [["user", "Say hi."]], "max_tokens": 1, "logprobs": 3}).encode()
+    plain = json.dumps({"messages": [["user", "Say hi."]], "max_tokens": 1}).encode()
+    (rows,) = _round(triton, [(1, 11, asked), (1, 12, plain)])
+    entry = json.loads(rows[0]["LOGPROBS"])
+    assert entry["logprob"] <= 0 and len(entry["top_logprobs"]) == 3, entry
+    values = [t["logprob"] for t in entry["top_logprobs"]]
+    assert values == sorted(values, reverse=True) and entry["top_logprobs"][0]["token"] == entry["token"], entry
+    assert rows[1]["LOGPROBS"] == "", rows[1]
 
 
 def test_step_model_runs_a_round_of_steps_per_request(triton: grpcclient.InferenceServerClient) -> None:

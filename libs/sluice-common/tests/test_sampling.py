@@ -11,6 +11,7 @@ from sluice.common.v1 import types_pb2
 from sluice_common.sampling import (
     FIELD_NAMES,
     Sampling,
+    choice_seed,
     field_error,
     problem,
     split_field_error,
@@ -31,6 +32,8 @@ EVERYTHING = Sampling(
     logit_bias=((7, -100.0), (42, 2.5)),
     seed=(1 << 64) - 1,
     stop=("\n", "END"),
+    logprobs=20,
+    n=8,
 )
 
 
@@ -99,6 +102,10 @@ def test_a_value_of_the_wrong_type_is_refused(body: dict[str, object]) -> None:
         ({"logit_bias": ((3, 100.5),)}, "logit_bias"),
         ({"logit_bias": ((3, float("nan")),)}, "logit_bias"),
         ({"seed": -1}, "seed"),
+        ({"logprobs": -1}, "logprobs"),
+        ({"logprobs": 21}, "logprobs"),
+        ({"n": 0}, "n"),
+        ({"n": 9}, "n"),
     ],
 )
 def test_each_range_names_its_option(changes: dict[str, object], name: str) -> None:
@@ -111,6 +118,24 @@ def test_the_ranges_accept_their_bounds() -> None:
                      frequency_penalty=2.0, logit_bias=((0, -100.0), (1, 100.0)), seed=0)  # fmt: skip
     assert problem(edges) is None
     assert problem(EVERYTHING) is None
+    assert problem(Sampling(max_tokens=1, logprobs=0, n=1)) is None
+
+
+def test_logprobs_zero_is_not_unset_and_a_boolean_is_refused() -> None:
+    """logprobs 0 asks for the sampled token's logprob alone: it must survive every form."""
+    asked = Sampling(max_tokens=1, logprobs=0)
+    assert from_proto(to_proto(asked)) == asked and to_proto(asked).HasField("logprobs")
+    assert Sampling.from_json(json.loads(json.dumps(asked.to_json()))) == asked
+    assert vllm_sampling_parameters(asked)["logprobs"] == 0
+    assert from_proto(types_pb2.SamplingParams()).logprobs is None and from_proto(types_pb2.SamplingParams()).n == 1
+    with pytest.raises(TypeError):
+        Sampling.from_json({"logprobs": True})
+
+
+def test_each_choice_of_n_draws_from_seed_plus_its_index() -> None:
+    assert [choice_seed(7, i) for i in range(3)] == [7, 8, 9]
+    assert choice_seed((1 << 64) - 1, 1) == 0  # wraps within uint64
+    assert choice_seed(None, 2) is None
 
 
 def test_logit_bias_ids_are_checked_against_the_vocabulary_when_known() -> None:

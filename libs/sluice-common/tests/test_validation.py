@@ -6,7 +6,7 @@ from sluice.common.v1 import types_pb2
 from sluice_common.errors import InvalidArgument
 from sluice_common.validation import validate_generation
 
-MODEL = types_pb2.ModelInfo(name="m", context_length=2048, max_output_tokens=1024)
+MODEL = types_pb2.ModelInfo(name="m", context_length=2048, max_output_tokens=1024, logprobs=True)
 HELLO = [types_pb2.ChatMessage(role="user", content="hello")]
 
 
@@ -20,6 +20,8 @@ def test_a_valid_request_passes() -> None:
     check(top_k=5, min_p=0.1, presence_penalty=-2.0, frequency_penalty=2.0, repetition_penalty=1.3, logit_bias={3: -100.0}, seed=7)
     check(messages=[], prompt="raw text")
     check(max_tokens=1024)
+    check(logprobs=20, n=8)
+    check(logprobs=0)
 
 
 @pytest.mark.parametrize(
@@ -40,6 +42,8 @@ def test_a_valid_request_passes() -> None:
         (dict(logit_bias={-5: 1.0}), "sampling.logit_bias"),
         (dict(stop=["a", "b", "c", "d", "e"]), "sampling.stop"),
         (dict(stop=[""]), "sampling.stop[0]"),
+        (dict(logprobs=21), "sampling.logprobs"),
+        (dict(n=9), "sampling.n"),
         (dict(messages=[types_pb2.ChatMessage(role="tool", content="x")]), "messages[0].role"),
         (dict(messages=[types_pb2.ChatMessage(role="user", content="")]), "messages[0].content"),
     ],
@@ -49,3 +53,11 @@ def test_each_problem_names_its_field(kwargs, field) -> None:
         check(**kwargs)
     assert caught.value.field_name == field
     assert caught.value.reason
+
+
+def test_logprobs_from_a_model_that_reports_none_is_refused_naming_it() -> None:
+    silent = types_pb2.ModelInfo(name="vllm", context_length=2048, max_output_tokens=1024)
+    validate_generation(HELLO, "", types_pb2.SamplingParams(max_tokens=4, n=3), silent)
+    with pytest.raises(InvalidArgument) as caught:
+        validate_generation(HELLO, "", types_pb2.SamplingParams(max_tokens=4, logprobs=0), silent)
+    assert caught.value.field_name == "sampling.logprobs" and "vllm" in caught.value.reason

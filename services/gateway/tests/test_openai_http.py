@@ -31,7 +31,9 @@ from sluice_gateway.openai_http import OpenAIFront, build_app
 from sluice_common.tenants import TenantDirectory, hash_api_key
 
 KEY = "sk-test"
-GENERATION = types_pb2.ModelInfo(name="g", kind=types_pb2.MODEL_KIND_GENERATION, context_length=2048, max_output_tokens=1024)
+GENERATION = types_pb2.ModelInfo(
+    name="g", kind=types_pb2.MODEL_KIND_GENERATION, context_length=2048, max_output_tokens=1024, logprobs=True
+)
 EMBEDDING = types_pb2.ModelInfo(name="e", kind=types_pb2.MODEL_KIND_EMBEDDING, embedding_dimensions=3)
 USAGE = types_pb2.Usage(prompt_tokens=7, completion_tokens=2, total_tokens=9, cached_tokens=4)
 
@@ -210,7 +212,7 @@ async def test_errors_in_openais_shape(setup) -> None:  # type: ignore[no-untype
     assert status == 400 and error["param"] == "max_tokens"
     status, error = await _error(await client.post("/v1/chat/completions", json={**CHAT, "frobnicate": 1}, headers=AUTH))
     assert status == 400 and error["param"] == "frobnicate" and "Unrecognized request argument" in error["message"]
-    status, error = await _error(await client.post("/v1/chat/completions", json={**CHAT, "n": 2}, headers=AUTH))
+    status, error = await _error(await client.post("/v1/chat/completions", json={**CHAT, "n": 9}, headers=AUTH))
     assert status == 400 and error["param"] == "n"
     assert (await client.post("/v1/chat/completions", json={**CHAT, "n": 1, "user": "u", "logprobs": False}, headers=AUTH)).status == 200
     status, error = await _error(await client.post("/v1/chat/completions", data=b"{not json", headers=AUTH))
@@ -348,12 +350,10 @@ async def test_an_option_out_of_range_is_a_400_naming_it(setup, changes: dict[st
 @pytest.mark.parametrize(
     ("path", "changes", "param"),
     [
-        ("/v1/chat/completions", {"n": 2}, "n"),
-        ("/v1/chat/completions", {"logprobs": True}, "logprobs"),
-        ("/v1/chat/completions", {"top_logprobs": 3}, "top_logprobs"),
         ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-        ("/v1/completions", {"echo": True}, "echo"),
         ("/v1/completions", {"best_of": 3}, "best_of"),
+        ("/v1/completions", {"top_logprobs": 3}, "top_logprobs"),
+        ("/v1/chat/completions", {"echo": True}, "echo"),
         ("/v1/completions", {"suffix": "x"}, "suffix"),
     ],
 )

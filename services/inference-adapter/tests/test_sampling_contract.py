@@ -21,7 +21,7 @@ VLLM = json.loads((Path(__file__).parent / "fixtures" / "vllm_sampling_params.js
 
 EVERYTHING = Sampling(
     max_tokens=9, temperature=0.5, top_p=0.75, top_k=20, min_p=0.25, presence_penalty=1.0, frequency_penalty=-0.5,
-    repetition_penalty=1.5, logit_bias=((11, 100.0), (12, -100.0)), seed=7, stop=("\n",),
+    repetition_penalty=1.5, logit_bias=((11, 100.0), (12, -100.0)), seed=7, stop=("\n",), logprobs=3, n=2,
 )  # fmt: skip
 
 

@@ -26,6 +26,11 @@ MAX_TEMPERATURE = 2.0
 PENALTY_RANGE = (-2.0, 2.0)
 LOGIT_BIAS_RANGE = (-100.0, 100.0)
 MAX_SEED = (1 << 64) - 1
+# OpenAI's top_logprobs bound (0..20); vLLM's OpenAI server takes the same.
+MAX_LOGPROBS = 20
+# Sequences per prompt (n): each holds a KV slot of its own while it decodes, so a bound keeps one
+# request from taking a replica's batch; OpenAI documents none, vLLM none but its batch size.
+MAX_N = 8
 
 
 @dataclass(frozen=True)
@@ -44,6 +49,11 @@ class Sampling:
     logit_bias: tuple[tuple[int, float], ...] = ()
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    # None: no log-probabilities; k in 0..MAX_LOGPROBS: the sampled token's and the k most likely
+    # alternatives' at each generated position (vLLM's SamplingParams.logprobs).
+    logprobs: int | None = None
+    # Sequences for the prompt (the gateway fans them out: engines only ever see 1).
+    n: int = 1
 
     @property
     def penalized(self) -> bool:
@@ -85,7 +95,9 @@ def _coerce(name: str, default: Any, value: Any) -> Any:
         if not isinstance(value, dict):
             raise TypeError(f"logit_bias must be an object of token id -> bias, got {value!r}")
         return logit_bias_pairs((int(token), float(bias)) for token, bias in value.items())
-    if name == "seed":
+    if name in ("seed", "logprobs"):
+        if isinstance(value, bool):
+            raise TypeError(f"{name} must be an integer, got {value!r}")
         return int(value)
     if isinstance(default, tuple):
         if isinstance(value, str):
@@ -129,7 +141,17 @@ def problem(sampling: Sampling, vocab_size: int | None = None) -> tuple[str, str
             return "logit_bias", f"the bias of token {token} must be in [{LOGIT_BIAS_RANGE[0]:g}, {LOGIT_BIAS_RANGE[1]:g}], got {bias}"
     if s.seed is not None and not 0 <= s.seed <= MAX_SEED:
         return "seed", f"must be in [0, 2^64), got {s.seed}"
+    if s.logprobs is not None and not 0 <= s.logprobs <= MAX_LOGPROBS:
+        return "logprobs", f"must be in [0, {MAX_LOGPROBS}] (alternatives per token), got {s.logprobs}"
+    if not 1 <= s.n <= MAX_N:
+        return "n", f"must be in [1, {MAX_N}], got {s.n}"
     return None
+
+
+def choice_seed(seed: int | None, index: int) -> int | None:
+    """The seed of choice `index` of an n > 1 request: seed + index (mod 2^64), so that the choices
+    differ from each other and each is reproducible; unseeded choices stay unseeded."""
+    return None if seed is None else (seed + index) & MAX_SEED
 
 
 # An engine that refuses an option answers why as "sampling.<field>: <reason>" (step protocol's

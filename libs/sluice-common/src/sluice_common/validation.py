@@ -41,6 +41,9 @@ def validate_generation(
     if found is not None:
         name, reason = found
         raise InvalidArgument(f"sampling.{name}", reason)
+    if sampling.HasField("logprobs") and not model.logprobs:
+        # Decided from the model's declared capabilities (ListModels), before any lease is taken.
+        raise InvalidArgument("sampling.logprobs", f"{model.name} does not report token log-probabilities")
     if len(sampling.stop) > MAX_STOP_SEQUENCES:
         raise InvalidArgument("sampling.stop", f"at most {MAX_STOP_SEQUENCES} stop sequences, got {len(sampling.stop)}")
     for index, stop in enumerate(sampling.stop):

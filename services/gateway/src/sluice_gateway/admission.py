@@ -104,7 +104,9 @@ def _priority(priority_class: int) -> int:
 def generation_reservation(request: gateway_pb2.GenerateRequest, prompt_tokens: int | None = None) -> Reservation:
     """`prompt_tokens`: the prompt's exact count when the gateway had the model count it."""
     prompt = prompt_estimate(request) if prompt_tokens is None else prompt_tokens
-    return Reservation(request.model, _priority(request.priority_class), prompt, prompt + request.sampling.max_tokens)
+    # n sequences share the prompt's prefill and each may generate max_tokens.
+    choices = max(1, request.sampling.n)
+    return Reservation(request.model, _priority(request.priority_class), prompt, prompt + choices * request.sampling.max_tokens)
 
 
 def embedding_reservation(request: gateway_pb2.EmbedRequest) -> Reservation:

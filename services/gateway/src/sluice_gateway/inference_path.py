@@ -11,6 +11,15 @@ the end differ. No front wires those itself.
             ...
     # the adapter call is cancelled and the lease settled on the way out, whatever happened
 
+n > 1 (SamplingParams.n): the path opens n adapter calls of n = 1, choice i seeded seed + i
+(sluice_common.sampling.choice_seed), sent at once so that the engine finds their identical prompts
+in one step and prefills it once (its siblings copy the KV; a later one reuses the live prefix).
+The stream yields the calls' chunks as they come, `stream.index` telling each one's choice; a
+choice's final chunk carries its finish_reason, and only the last one's carries usage and timings,
+for the whole request: the prompt once (the first choice's count and cached tokens, the fewest of
+any choice) plus every choice's completion tokens, as OpenAI counts them. One lease covers all:
+admission reserves the prompt plus n x max_tokens, settled when the last choice ends.
+
     reply, ticket = await path.embed_with_ticket(tenant, request, request_id, time_remaining)
 
 The CompletionEvent (when events are on) is gathered while the stream runs and published:
@@ -40,7 +49,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
@@ -52,6 +61,7 @@ from sluice.inference.v1 import inference_pb2, inference_pb2_grpc
 from sluice_common.channels import wait_for_replica
 from sluice_common.errors import DeadlineExceeded, InvalidArgument, SluiceError
 from sluice_common.prompt_tokens import prompt_token_bound
+from sluice_common.sampling import choice_seed
 from sluice_common.request_context import outgoing_metadata
 from sluice_common.validation import validate_embedding, validate_generation
 from sluice_gateway.admission import Admission, Ticket, embedding_reservation, generation_reservation, message_pairs, prompt_estimate
@@ -106,13 +116,17 @@ def status_of(exc: BaseException | None) -> tuple[Any, bool]:
 
 @dataclass
 class GenerateStream:
-    """An admitted adapter stream; iterating it records each chunk's usage on the ticket and feeds
-    the CompletionEvent."""
+    """An admitted adapter stream (n of them merged for n > 1); iterating it records each chunk's
+    usage on the ticket and feeds the CompletionEvent (choice 0's text, the request's usage)."""
 
     ticket: Ticket
     call: Any
     tracker: CompletionTracker | None = None
     on_chunk: Callable[[Any], None] | None = None
+    # Every adapter call of the request (choice i is calls[i]); empty: `call` alone.
+    calls: list[Any] = field(default_factory=list)
+    # The choice (0..n-1) of the chunk the iteration yielded last.
+    index: int = 0
     # For the default deadline's p99s: monotonic times of arrival, first token and last chunk.
     arrived_at: float = 0.0
     first_token_at: float | None = None
@@ -129,26 +143,105 @@ class GenerateStream:
         return first, self.tokens, end - self.arrived_at
 
     async def __aiter__(self) -> AsyncIterator[inference_pb2.GenerateResponse]:
-        async for chunk in self.call:
+        choices = _Choices(len(self.calls)) if len(self.calls) > 1 else None
+        async for index, chunk in _merge(self.calls) if choices is not None else _single(self.call):
+            if choices is not None:
+                chunk = choices.final(index, chunk) if chunk.finish_reason else chunk
             now = time.monotonic()
             self.last_chunk_at = now
             if self.first_token_at is None and (chunk.text or chunk.token_count):
                 self.first_token_at = now
             self.tokens = chunk.usage.completion_tokens if chunk.HasField("usage") else self.tokens + chunk.token_count
-            self.finished |= bool(chunk.finish_reason)
-            if chunk.finish_reason and self.trace is not None:
+            done = bool(chunk.finish_reason) and (choices is None or choices.left == 0)
+            self.finished |= done
+            if done and self.trace is not None:
                 self.trace.finish(chunk)
             self.ticket.observe(chunk)
-            if chunk.finish_reason:
+            self.index = index
+            if done:
                 # Commit before the client hears the end: a client that sends its next request as
                 # soon as one ends (every worker pool) must find the in-flight slot free, not be
                 # refused for a second behind a commit still on its way.
                 self.ticket.settle()
-            if self.tracker is not None:
-                self.tracker.add(chunk)
-            if self.on_chunk is not None:
-                self.on_chunk(chunk)
+            tracked = chunk if choices is None else choices.tracked(index, chunk, done)
+            if self.tracker is not None and tracked is not None:
+                self.tracker.add(tracked)
+            if self.on_chunk is not None and tracked is not None:
+                self.on_chunk(tracked)
             yield chunk
+
+
+async def _single(call: Any) -> AsyncIterator[tuple[int, Any]]:
+    async for chunk in call:
+        yield 0, chunk
+
+
+async def _merge(calls: list[Any]) -> AsyncIterator[tuple[int, Any]]:
+    """The calls' chunks as they arrive, tagged with their call's index; the first failure ends it."""
+    queue: asyncio.Queue[tuple[int, Any, BaseException | None]] = asyncio.Queue()
+
+    async def pump(index: int, call: Any) -> None:
+        try:
+            async for chunk in call:
+                queue.put_nowait((index, chunk, None))
+        except BaseException as exc:  # noqa: BLE001  # handed to the reader, which raises it
+            queue.put_nowait((index, None, exc))
+            return
+        queue.put_nowait((index, None, None))
+
+    tasks = [asyncio.ensure_future(pump(i, call)) for i, call in enumerate(calls)]
+    running = len(tasks)
+    try:
+        while running:
+            index, chunk, error = await queue.get()
+            if error is not None:
+                raise error
+            if chunk is None:
+                running -= 1
+                continue
+            yield index, chunk
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+class _Choices:
+    """n choices' final chunks: usage and timings only on the last, counting the request."""
+
+    def __init__(self, n: int) -> None:
+        self.left = n
+        self._usages: list[types_pb2.Usage] = []
+
+    def final(self, index: int, chunk: Any) -> Any:
+        self.left -= 1
+        if chunk.HasField("usage"):
+            self._usages.append(chunk.usage)
+        merged = type(chunk)()
+        merged.CopyFrom(chunk)
+        merged.ClearField("usage")
+        if self.left:
+            merged.ClearField("timings")
+            return merged
+        if self._usages:
+            prompt = self._usages[0].prompt_tokens
+            completion = sum(u.completion_tokens for u in self._usages)
+            merged.usage.CopyFrom(types_pb2.Usage(
+                prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                cached_tokens=min(u.cached_tokens for u in self._usages),
+            ))  # fmt: skip
+        return merged
+
+    def tracked(self, index: int, chunk: Any, done: bool) -> Any | None:
+        """What the CompletionEvent sees: choice 0's text, and the request's final chunk."""
+        if index == 0 and not chunk.finish_reason:
+            return chunk
+        if not done:
+            return None
+        final = type(chunk)()
+        final.CopyFrom(chunk)
+        if index != 0:
+            final.text = ""
+        return final
 
 
 class InferencePath:
@@ -226,23 +319,26 @@ class InferencePath:
             counted = await self.apply_defaults(request, time_remaining)
             self.validate_generate(request)
             counted = await self.check_context(request, time_remaining, counted)
-            downstream = inference_pb2.GenerateRequest(
-                request_id=request_id,
-                tenant=tenant.name,
-                model=request.model,
-                messages=request.messages,
-                prompt=request.prompt,
-                sampling=request.sampling,
-                priority_class=request.priority_class,
-            )
+            downstream = [
+                inference_pb2.GenerateRequest(
+                    request_id=request_id,
+                    tenant=tenant.name,
+                    model=request.model,
+                    messages=request.messages,
+                    prompt=request.prompt,
+                    sampling=_choice_sampling(request.sampling, index),
+                    priority_class=request.priority_class,
+                )
+                for index in range(max(1, request.sampling.n))
+            ]
             # A lease from rate-limit (or RESOURCE_EXHAUSTED / UNAVAILABLE); settled in `finally`.
             ticket = await self.admission.admit(tenant.name, generation_reservation(request, counted), time_remaining)
             if default_s is not None:  # the default runs from arrival: what admission took is spent
                 time_remaining = max(0.001, arrived_at + default_s - time.monotonic())
             # The caller's deadline bounds the adapter's work; cancelling this call stops it there.
             await self._adapter_replica(time_remaining)
-            call = self.adapter.Generate(downstream, timeout=time_remaining, metadata=outgoing_metadata())
-            stream = GenerateStream(ticket, call, tracker, on_chunk, arrived_at=arrived_at, trace=span)
+            calls = [self.adapter.Generate(d, timeout=time_remaining, metadata=outgoing_metadata()) for d in downstream]
+            stream = GenerateStream(ticket, calls[0], tracker, on_chunk, calls=calls, arrived_at=arrived_at, trace=span)
             try:
                 yield stream
             except grpc.aio.AioRpcError as exc:
@@ -259,7 +355,8 @@ class InferencePath:
                 if stream.finished:
                     self._observe_stream(stream, cut=False)
             finally:
-                call.cancel()
+                for call in calls:
+                    call.cancel()
                 ticket.settle()
         except BaseException as exc:
             ended = exc
@@ -401,6 +498,18 @@ class InferencePath:
             ticket.settle()
         response = gateway_pb2.EmbedResponse(request_id=request_id, model=request.model, embeddings=reply.embeddings, usage=reply.usage)
         return response, ticket
+
+
+def _choice_sampling(sampling: types_pb2.SamplingParams, index: int) -> types_pb2.SamplingParams:
+    """Choice `index`'s options: n = 1 (the adapter runs one sequence per call), seed + index."""
+    if not sampling.HasField("n"):
+        return sampling
+    choice = types_pb2.SamplingParams()
+    choice.CopyFrom(sampling)
+    choice.ClearField("n")
+    if sampling.HasField("seed"):
+        choice.seed = choice_seed(sampling.seed, index)  # type: ignore[assignment]
+    return choice
 
 
 def _bound(request: gateway_pb2.GenerateRequest) -> int:

@@ -304,11 +304,20 @@ async def run_row(
         tenant = Tenant(task.tenant, task.text_logging)
         async with path.generate(tenant, request, request_id, timeout_s, row=(task.job_id, row.custom_id)) as stream:
             rate = _allowed_rate(stream.ticket.requests_per_minute)
+            sampling = request.sampling
+            choices = [jobs_pb2.RowChoice(index=i) for i in range(max(1, sampling.n))]
             async for chunk in stream:
-                parts.append(chunk.text)
+                choice = choices[stream.index]
+                choice.text += chunk.text
+                choice.logprobs.extend(chunk.logprobs)
+                if stream.index == 0:
+                    parts.append(chunk.text)
                 if chunk.finish_reason:
+                    choice.finish_reason = chunk.finish_reason
                     final = chunk
         result = jobs_pb2.RowResult(job_id=task.job_id, custom_id=row.custom_id, output="".join(parts), request_id=request_id)
+        if len(choices) > 1 or sampling.HasField("logprobs"):
+            result.choices.extend(choices)
         if final is not None:
             result.finish_reason = final.finish_reason
             result.usage.CopyFrom(final.usage)

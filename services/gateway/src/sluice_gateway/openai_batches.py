@@ -24,6 +24,7 @@ from sluice.common.v1 import types_pb2
 from sluice.gateway.v1 import gateway_pb2
 from sluice.jobs.v1 import jobs_pb2
 
+from sluice_gateway.openai_choices import ChoiceState
 from sluice_gateway.openai_requests import (
     FINISH_REASONS,
     Completion,
@@ -287,6 +288,18 @@ def _request_ids(batch_id: str, custom_id: str) -> tuple[str, str]:
     return f"batch_req_{digest}", f"req_{digest}"
 
 
+def choice_states(call: GenerationCall, choices: Iterable[jobs_pb2.RowChoice]) -> list[ChoiceState]:
+    states = []
+    for choice in choices:
+        state = ChoiceState(choice.index, [choice.text], FINISH_REASONS.get(choice.finish_reason))
+        state.chat_entries = list(choice.logprobs)
+        if call.echo:
+            state.completion.offset = len(call.request.prompt)
+        state.completion.add(list(choice.logprobs))
+        states.append(state)
+    return states
+
+
 def response_body(call: Call, result: jobs_pb2.RowResult, request_id: str, created: int) -> dict[str, Any] | None:
     """What the synchronous endpoint would have answered; None when the generation did not finish."""
     if isinstance(call, EmbeddingCall):
@@ -298,6 +311,8 @@ def response_body(call: Call, result: jobs_pb2.RowResult, request_id: str, creat
     if finish is None:
         return None
     usage: types_pb2.Usage | None = result.usage if result.HasField("usage") else None
+    if result.choices:  # n > 1 or logprobs: every choice, with its logprobs
+        return Completion(call, request_id, created=created).whole(choice_states(call, result.choices), None, usage)
     return Completion(call, request_id, created=created).whole(result.output, finish, usage)
 
 

@@ -47,6 +47,7 @@ from sluice_common.request_context import REQUEST_ID_KEY, bind_request_id, curre
 from sluice_gateway.generation_trace import instrument_http_front
 from sluice_gateway.inference_path import InferencePath
 from sluice_gateway.model_catalog import UnknownModel
+from sluice_gateway.openai_choices import ChoiceState, chat_logprobs
 from sluice_gateway.openai_requests import (
     FINISH_REASONS,
     Completion,
@@ -219,35 +220,49 @@ class OpenAIFront:
             headers = self._headers(request_id, stream.ticket.metadata)
             if call.options.stream:
                 return await self._stream(request, stream, answer, headers)
-            parts: list[str] = []
+            states = [ChoiceState(i) for i in range(max(1, call.request.sampling.n))]
             final = None
             async for chunk in stream:
-                parts.append(chunk.text)
+                state = states[stream.index]
+                state.parts.append(chunk.text)
+                _record_logprobs(answer, state, chunk)
                 if chunk.finish_reason:
+                    state.finish_reason = FINISH_REASONS.get(chunk.finish_reason)
+                    if state.finish_reason is None:
+                        final = None
+                        break
                     final = chunk
-            finish = FINISH_REASONS.get(final.finish_reason) if final is not None else None
-            if finish is None:
+            if final is None or any(state.finish_reason is None for state in states):
                 raise OpenAIError(
                     500, "The generation failed before it finished; retry the request.", "server_error", code="generation_failed"
                 )
-            usage = final.usage if final is not None and final.HasField("usage") else None
-            return _json_response(answer.whole("".join(parts), finish, usage), headers=headers)
+            usage = final.usage if final.HasField("usage") else None
+            return _json_response(answer.whole(states, None, usage), headers=headers)
 
     async def _stream(self, request: web.Request, stream: Any, answer: Completion, headers: dict[str, str]) -> web.StreamResponse:
         """Server-sent events. The response starts at the first chunk, so that an error before it
         (the adapter refusing, no replica) is still answered with its own status and JSON body."""
         response: web.StreamResponse | None = None
         final = None
+        states = [ChoiceState(i) for i in range(max(1, answer.call.request.sampling.n))]
         try:
             async for chunk in stream:
                 if response is None:
                     response = web.StreamResponse(headers={**headers, "Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
                     await response.prepare(request)
-                    await response.write(_sse(answer.chunk(chunk.text, first=True)))
-                elif chunk.text:
-                    await response.write(_sse(answer.chunk(chunk.text)))
+                state = states[stream.index]
+                logprobs = _record_logprobs(answer, state, chunk)
+                if not state.started or chunk.text or logprobs is not None:
+                    await response.write(_sse(answer.chunk(chunk.text, first=not state.started, index=state.index, logprobs=logprobs)))
+                    state.started = True
                 if chunk.finish_reason:
+                    # Each choice ends with its own chunk; the request's usage comes on the last one.
                     final = chunk
+                    state.finish_reason = FINISH_REASONS.get(chunk.finish_reason)
+                    if state.finish_reason is None:
+                        break
+                    if len(states) > 1 and any(s.finish_reason is None for s in states):
+                        await response.write(_sse(answer.chunk(None, state.finish_reason, index=state.index)))
         except (SluiceError, grpc.aio.AioRpcError) as exc:
             if response is None:
                 raise
@@ -263,7 +278,7 @@ class OpenAIFront:
                 response, OpenAIError(500, f"The generation failed after it started ({reason}).", "server_error", code="generation_failed")
             )
             return response
-        await response.write(_sse(answer.chunk(None, finish)))
+        await response.write(_sse(answer.chunk(None, finish, index=stream.index)))
         if answer.call.options.include_usage:
             await response.write(_sse(answer.usage_chunk(final.usage if final.HasField("usage") else None)))
         await response.write(b"data: [DONE]\n\n")
@@ -298,6 +313,20 @@ class OpenAIFront:
             if model.name == name:
                 return _json_response(model_object(model))
         raise OpenAIError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
+
+
+def _record_logprobs(answer: Completion, state: ChoiceState, chunk: Any) -> dict[str, Any] | None:
+    """Adds a chunk's token logprobs to its choice; returns them in the endpoint's shape for a
+    stream chunk (None when the request asked for none)."""
+    if not answer.call.request.sampling.HasField("logprobs"):
+        return None
+    entries = list(chunk.logprobs)
+    if answer.call.chat:
+        state.chat_entries += entries
+        return chat_logprobs(entries)
+    if not state.completion.tokens and answer.call.echo:
+        state.completion.offset = len(answer.call.request.prompt)
+    return state.completion.add(entries)
 
 
 @web.middleware

@@ -4,8 +4,9 @@ Pure domain code (no HTTP, no grpc): the HTTP front (openai_http) parses with th
 they build. Every refusal is an `OpenAIError` in OpenAI's shape, naming the offending param:
 
 - a field Sluice does not know: 400 "Unrecognized request argument supplied: <name>";
-- a field OpenAI defines that Sluice cannot honour (n > 1, tools, logprobs, ...): accepted at its
-  default (null, or OpenAI's neutral value), otherwise 400 naming it;
+- a field OpenAI defines that Sluice cannot honour (tools, best_of, ...): accepted at its default
+  (null, or OpenAI's neutral value), otherwise 400 naming it; n, logprobs, top_logprobs (chat) and
+  echo (completions) are honoured (openai_choices);
 - a wrong type or value: 400 naming the param ("messages[1].content", "temperature", ...).
 
 Sampling options honoured: OpenAI's temperature, top_p, seed, stop, presence_penalty,
@@ -32,6 +33,7 @@ from sluice.common.v1 import types_pb2
 from sluice.gateway.v1 import gateway_pb2
 
 from sluice_common.utf8 import invalid_json_text
+from sluice_gateway.openai_choices import ChoiceState, chat_logprobs, parse_chat_choices, parse_completion_choices
 
 # OpenAI's defaults for sampling (https://platform.openai.com/docs/api-reference/chat/create).
 DEFAULT_TEMPERATURE = 1.0
@@ -110,8 +112,11 @@ _SAMPLING_FIELDS = {
     "max_tokens", "temperature", "top_p", "stop", "seed", "presence_penalty", "frequency_penalty", "logit_bias",
     "top_k", "min_p", "repetition_penalty",
 }  # fmt: skip
-_CHAT_FIELDS = {"model", "messages", "max_completion_tokens", "stream", "stream_options", "response_format", *_SAMPLING_FIELDS}
-_COMPLETION_FIELDS = {"model", "prompt", "stream", "stream_options", *_SAMPLING_FIELDS}
+_CHAT_FIELDS = {
+    "model", "messages", "max_completion_tokens", "stream", "stream_options", "response_format", *_SAMPLING_FIELDS,
+    "n", "logprobs", "top_logprobs",
+}  # fmt: skip
+_COMPLETION_FIELDS = {"model", "prompt", "stream", "stream_options", *_SAMPLING_FIELDS, "n", "logprobs", "echo"}
 _EMBEDDING_FIELDS = {"model", "input", "encoding_format", "dimensions"}
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 
@@ -267,6 +272,7 @@ class GenerationCall:
     request: gateway_pb2.GenerateRequest
     options: StreamOptions
     chat: bool
+    echo: bool = False  # completions: the prompt is prepended to each choice's text
 
 
 def parse_chat(body: dict[str, Any]) -> GenerationCall:
@@ -287,6 +293,7 @@ def parse_chat(body: dict[str, Any]) -> GenerationCall:
         content = _content(message.get("content"), f"messages[{index}].content")
         request.messages.append(types_pb2.ChatMessage(role=_ROLES[role], content=content))
     request.sampling.CopyFrom(_sampling(body))
+    parse_chat_choices(body, request.sampling)
     response_format = body.get("response_format")
     if response_format is not None:
         kind = response_format.get("type") if isinstance(response_format, dict) else None
@@ -309,7 +316,8 @@ def parse_completion(body: dict[str, Any]) -> GenerationCall:
         raise invalid("prompt", "prompt must be a string (or an array of one string; token arrays are not supported)", "invalid_type")
     request.prompt = prompt
     request.sampling.CopyFrom(_sampling(body))
-    return GenerationCall(request, _stream_options(body), chat=False)
+    echo = parse_completion_choices(body, request.sampling)
+    return GenerationCall(request, _stream_options(body), chat=False, echo=echo)
 
 
 @dataclass
@@ -373,31 +381,49 @@ class Completion:
     def _base(self, object_: str) -> dict[str, Any]:
         return {"id": self.id, "object": object_, "created": self.created, "model": self.call.request.model}
 
-    def whole(self, text: str, finish_reason: str, usage: types_pb2.Usage | None) -> dict[str, Any]:
-        if self.call.chat:
-            choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text, "refusal": None}}
-            reply = self._base("chat.completion")
-        else:
-            choice = {"index": 0, "text": text}
-            reply = self._base("text_completion")
-        choice.update(logprobs=None, finish_reason=finish_reason)
-        reply["choices"] = [choice]
+    def whole(self, text: str | list[ChoiceState], finish_reason: str | None, usage: types_pb2.Usage | None) -> dict[str, Any]:
+        """One choice's text and finish reason, or every choice's state (n, logprobs)."""
+        states = text if isinstance(text, list) else [ChoiceState(0, [text], finish_reason)]
+        reply = self._base("chat.completion" if self.call.chat else "text_completion")
+        reply["choices"] = [self._whole_choice(state) for state in states]
         counted = usage_object(usage)
         if counted is not None:  # optional and not nullable in OpenAI's schema: absent when not counted
             reply["usage"] = counted
         return reply
 
-    def chunk(self, text: str | None, finish_reason: str | None = None, first: bool = False) -> dict[str, Any]:
+    def _whole_choice(self, state: ChoiceState) -> dict[str, Any]:
+        asked = self.call.request.sampling.HasField("logprobs")
+        if self.call.chat:
+            choice: dict[str, Any] = {"index": state.index, "message": {"role": "assistant", "content": state.text, "refusal": None}}
+            logprobs = chat_logprobs(state.chat_entries) if asked else None
+        else:
+            echoed = self.call.request.prompt if self.call.echo else ""
+            choice = {"index": state.index, "text": echoed + state.text}
+            logprobs = state.completion.body() if asked else None
+        choice.update(logprobs=logprobs, finish_reason=state.finish_reason)
+        return choice
+
+    def chunk(
+        self,
+        text: str | None,
+        finish_reason: str | None = None,
+        first: bool = False,
+        index: int = 0,
+        logprobs: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        """A stream chunk of choice `index`; `logprobs` already in the endpoint's shape (those of
+        the tokens this chunk covers). A completion's first chunk carries the echoed prompt."""
         if self.call.chat:
             reply = self._base("chat.completion.chunk")
             delta: dict[str, Any] = {"role": "assistant", "content": text or ""} if first else {}
             if text and not first:
                 delta["content"] = text
-            choice: dict[str, Any] = {"index": 0, "delta": delta}
+            choice: dict[str, Any] = {"index": index, "delta": delta}
         else:
             reply = self._base("text_completion")
-            choice = {"index": 0, "text": text or ""}
-        choice.update(logprobs=None, finish_reason=finish_reason)
+            echoed = self.call.request.prompt if first and self.call.echo else ""
+            choice = {"index": index, "text": echoed + (text or "")}
+        choice.update(logprobs=logprobs, finish_reason=finish_reason)
         reply["choices"] = [choice]
         if self.call.options.include_usage and self.call.chat:
             # Null until the usage chunk, as OpenAI's chunk schema has it; a text completion's

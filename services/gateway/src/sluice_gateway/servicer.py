@@ -61,6 +61,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
                     usage=chunk.usage if chunk.HasField("usage") else None,
                     timings=chunk.timings if chunk.HasField("timings") else None,
                     model=request.model,
+                    index=stream.index,
+                    logprobs=chunk.logprobs,
                 )
 
     async def ListModels(

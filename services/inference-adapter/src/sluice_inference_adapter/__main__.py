@@ -36,6 +36,7 @@ from sluice_inference_adapter.triton_backend import (
     TritonGenerateBackend,
     TritonStepBackend,
     detect_protocol,
+    reports_logprobs,
 )
 
 log = structlog.stdlib.get_logger("sluice.adapter")
@@ -196,12 +197,16 @@ def extra_model_config(config: AdapterConfig, extra: ExtraModel) -> AdapterConfi
     )
 
 
-async def start_extra_pool(config: AdapterConfig, discovery: Discovery, supervisor: Supervisor) -> ReplicaPool:
+async def start_extra_pool(
+    config: AdapterConfig, discovery: Discovery, supervisor: Supervisor, info: types_pb2.ModelInfo | None = None
+) -> ReplicaPool:
     """One extra generation model's pool, started once a replica serves it. Replica discovery
     (dns:/// names) adds and drains its replicas as it does the main model's: every replica is
     expected to serve every model; one that does not fails its probes and gets none of that model's work."""
     urls, ready_url = await wait_for_a_ready_replica(config, discovery)
     protocol = await detect_protocol(ready_url, config.triton_model)
+    if info is not None:
+        info.logprobs = await reports_logprobs(ready_url, config.triton_model, protocol)
     step_timeouts = StepTimeouts(config.step_timeout_policy(), config.model_name)
     metrics.STEP_TIMEOUT.labels(model=config.model_name).set(step_timeouts.limit())
     label = f"#{config.model_name}"
@@ -238,7 +243,8 @@ async def serve(config: AdapterConfig) -> None:
         if config.triton_embedding_model
         else None
     )
-    servicer = InferenceServicer(model, embedding_model, [model_info(c) for c in extra_configs])
+    extra_infos = [model_info(c) for c in extra_configs]
+    servicer = InferenceServicer(model, embedding_model, extra_infos)
 
     def register(server):  # type: ignore[no-untyped-def]
         inference_pb2_grpc.add_InferenceServiceServicer_to_server(servicer, server)
@@ -252,6 +258,8 @@ async def serve(config: AdapterConfig) -> None:
     discovery = Discovery([parse_target(entry) for entry in config.triton_urls])
     urls, ready_url = await wait_for_a_ready_replica(config, discovery)
     protocol = await detect_protocol(ready_url, config.triton_model)
+    # ListModels says which models report logprobs (the servicer holds these very messages).
+    model.logprobs = await reports_logprobs(ready_url, config.triton_model, protocol)
     step_timeouts = StepTimeouts(config.step_timeout_policy(), config.model_name)
     metrics.STEP_TIMEOUT.labels(model=config.model_name).set(step_timeouts.limit())
     backends, make_scheduler, make_backend = build_backends(config, protocol, urls, step_timeouts=step_timeouts)
@@ -266,7 +274,7 @@ async def serve(config: AdapterConfig) -> None:
     pool.start(supervisor)
     embedding = build_embedder(config, pool, supervisor)
     embedder = embedding[2] if embedding is not None else None
-    extra_pools = {c.model_name: await start_extra_pool(c, discovery, supervisor) for c in extra_configs}
+    extra_pools = {c.model_name: await start_extra_pool(c, discovery, supervisor, info) for c, info in zip(extra_configs, extra_infos)}
     servicer.attach(pool, embedder, extra_pools, step_timeouts if protocol == "step" else None)
     await running.set_serving(True)
     log.info("ready", replicas=sorted(pool.names), model=config.model_name, protocol=protocol)

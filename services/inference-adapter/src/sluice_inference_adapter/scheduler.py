@@ -25,6 +25,7 @@ import socket
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import structlog
 
@@ -78,6 +79,8 @@ class GenerationRequest:
 class TokenEvent:
     text: str
     token_count: int
+    # One entry per token, in OpenAI's chat logprobs shape, when the request asked for logprobs.
+    logprobs: tuple[dict[str, Any], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -185,7 +188,7 @@ class Sequence:
         prompt = self.prompt_tokens or self.request.prompt.estimated_tokens()
         return prompt + self.request.sampling.max_tokens
 
-    def emit_text(self, text: str, now: float, tokens: int = 1) -> None:
+    def emit_text(self, text: str, now: float, tokens: int = 1, logprobs: tuple[dict[str, Any], ...] = ()) -> None:
         """Generated tokens (one per step; a self-batching engine may send several at once), whose
         text may be empty while bytes are held back."""
         if self.first_token_at is None:
@@ -194,8 +197,8 @@ class Sequence:
         elif self.last_token_at is not None:
             metrics.INTER_TOKEN.observe(now - self.last_token_at)
         self.last_token_at = now
-        if text:
-            self.events.put_nowait(TokenEvent(text, tokens))
+        if text or logprobs:  # a token whose bytes are held back still has its logprob
+            self.events.put_nowait(TokenEvent(text, tokens, logprobs))
 
     def finish(self, finish: Finish, now: float, error: str = "") -> None:
         """Ends the stream once; later calls are ignored."""
@@ -695,7 +698,7 @@ class Scheduler(ReplicaWork):
             sequence.cached_tokens = outcome.cached_tokens or sequence.cached_tokens
             sequence.completion_tokens = outcome.completion_tokens
             if outcome.token_id >= 0 and not sequence.cancelled:
-                sequence.emit_text(outcome.text, now)
+                sequence.emit_text(outcome.text, now, logprobs=() if outcome.logprobs is None else (outcome.logprobs,))
             if sequence.trace is not None:
                 sequence.trace.step(len(self._in_round), outcome.completion_tokens, outcome.finish)
             if outcome.finish:

@@ -11,6 +11,7 @@ import grpc
 from sluice.common.v1 import types_pb2
 from sluice.inference.v1 import inference_pb2, inference_pb2_grpc
 
+from sluice_common.logprobs import token_logprob
 from sluice_common.errors import Cancelled, DeadlineExceeded, InvalidArgument, NotFound, Unavailable, Unimplemented
 from sluice_common.request_context import current_request_id
 from sluice_common.sampling import split_field_error
@@ -75,7 +76,10 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
     async def Generate(
         self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[inference_pb2.GenerateResponse]:
-        validate_generation(request.messages, request.prompt, request.sampling, self._model_info(request.model))
+        model = self._model_info(request.model)
+        validate_generation(request.messages, request.prompt, request.sampling, model)
+        if request.sampling.n > 1:  # the gateway runs a request's n sequences as n calls
+            raise InvalidArgument("sampling.n", f"the adapter runs one sequence per call, got n={request.sampling.n}")
         streamed = False
         async with aclosing(self._pool_of(request.model).generate(_generation_request(request, context.time_remaining()))) as events:
             async for event in events:
@@ -87,7 +91,9 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
                     yield _final_response(event, input_field="messages" if request.messages else "prompt")
                     return
                 streamed = True
-                yield inference_pb2.GenerateResponse(text=event.text, token_count=event.token_count)
+                yield inference_pb2.GenerateResponse(
+                    text=event.text, token_count=event.token_count, logprobs=[token_logprob(entry) for entry in event.logprobs]
+                )
 
     async def ListModels(
         self, request: inference_pb2.ListModelsRequest, context: grpc.aio.ServicerContext

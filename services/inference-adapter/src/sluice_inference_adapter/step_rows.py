@@ -10,7 +10,7 @@ import enum
 import json
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from sluice_common.prompt_tokens import estimate_prompt_tokens
 from sluice_common.sampling import Sampling
@@ -79,6 +79,9 @@ class StepOutcome:
     # Prompt tokens the engine took from its prefix cache instead of prefilling (part of
     # prompt_tokens; 0 when none, on rows that are not a sequence's, or from an engine without one).
     cached_tokens: int = 0
+    # The token's log-probabilities in OpenAI's chat entry shape (step_protocol's LOGPROBS), when
+    # its sequence asked for them.
+    logprobs: dict[str, Any] | None = None
 
 
 @runtime_checkable

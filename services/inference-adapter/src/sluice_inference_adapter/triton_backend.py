@@ -43,6 +43,9 @@ _STEP_OUTPUTS = ("ROW_SEQ_ID", "TOKEN_ID", "TEXT", "FINISH", "PROMPT_TOKENS", "C
 # before the prefix cache (an engine not yet upgraded, an operator's own) must keep serving; its
 # sequences then report 0.
 _CACHED_TOKENS = "CACHED_TOKENS"
+# Each row's token log-probabilities (JSON, empty when its sequence asked for none). Requested only
+# from a model that declares it, as CACHED_TOKENS; ListModels says which models report them.
+_LOGPROBS = "LOGPROBS"
 _PROBE_PROMPT = PromptSpec(prompt="ping")
 # How long a fully answered round's stream may take to end on Triton's side before it is cancelled.
 _STREAM_END_S = 2.0
@@ -67,6 +70,20 @@ async def detect_protocol(url: str, model: str) -> Protocol:
     finally:
         await client.close()
     return protocol_of(model, {tensor["name"] for tensor in metadata.get("inputs", [])})
+
+
+async def reports_logprobs(url: str, model: str, protocol: Protocol) -> bool:
+    """Whether the model reports token log-probabilities: a step model that declares LOGPROBS.
+    (Triton's vLLM backend documents a `logprobs` output, return_logprobs; the passthrough does not
+    read it yet, so its models say no and the gateway refuses logprobs for them.)"""
+    if protocol != "step":
+        return False
+    client = InferenceServerClient(url)
+    try:
+        metadata = await client.get_model_metadata(model, as_json=True)
+    finally:
+        await client.close()
+    return _LOGPROBS in {tensor["name"] for tensor in metadata.get("outputs", [])}
 
 
 def protocol_of(model: str, inputs: set[str]) -> Protocol:
@@ -258,13 +275,14 @@ async def _end_stream(responses: Any, answered: bool) -> None:
 
 def step_output_names(declared: set[str]) -> list[str]:
     """The outputs to request from a step model whose metadata declares `declared`."""
-    return [*_STEP_OUTPUTS, *([_CACHED_TOKENS] if _CACHED_TOKENS in declared else [])]
+    return [*_STEP_OUTPUTS, *(name for name in (_CACHED_TOKENS, _LOGPROBS) if name in declared)]
 
 
 def _step_outcomes(result: object) -> tuple[list[StepOutcome], bool]:
     """One step's outcomes from one response of a round, and whether it was the round's last."""
     columns = {name: result.as_numpy(name) for name in _STEP_OUTPUTS}  # type: ignore[attr-defined]
     cached = result.as_numpy(_CACHED_TOKENS)  # type: ignore[attr-defined]  # None: not requested
+    logprobs = result.as_numpy(_LOGPROBS)  # type: ignore[attr-defined]  # None: not requested
     outcomes = [
         StepOutcome(
             token_id=int(columns["TOKEN_ID"][i]),
@@ -275,10 +293,16 @@ def _step_outcomes(result: object) -> tuple[list[StepOutcome], bool]:
             error=_text(columns["ERROR"][i]),
             seq_id=int(columns["ROW_SEQ_ID"][i]),
             cached_tokens=0 if cached is None else int(cached[i]),
+            logprobs=None if logprobs is None else _logprob(logprobs[i]),
         )
         for i in range(len(columns["ROW_SEQ_ID"]))
     ]
     return outcomes, bool(columns["ROUND_END"].reshape(-1)[0])
+
+
+def _logprob(value: object) -> dict[str, Any] | None:
+    raw = bytes(value)  # type: ignore[call-overload]
+    return json.loads(raw) if raw else None
 
 
 def _stream_error(url: str, model: str, message: str) -> Exception:

@@ -57,6 +57,12 @@ stepped (and any a release request named), in their order in the request.
                                     prefix cache instead of prefilling (counted in PROMPT_TOKENS; 0
                                     when none, and on rows that are not a sequence's)
            ERROR             BYTES  why a row failed, for a person to read
+           LOGPROBS          BYTES  the row's token's log-probabilities when its sequence asked
+                                    ("logprobs": k in REQUEST), as JSON in OpenAI's chat shape:
+                                    {"token", "logprob", "bytes": [ints], "top_logprobs": [{"token",
+                                    "logprob", "bytes"}, ...]} (k of them, by logprob descending);
+                                    empty otherwise. A caller that does not request this output
+                                    (Triton returns only those asked) pays nothing for it.
            ROUND_END         BOOL   shape [1]: true on the round's last response
 
 This module knows numpy and the engine, not Triton, so it is tested directly.
@@ -78,6 +84,7 @@ from sluice_triton_local.engine.step_engine import (
     ReleaseRow,
     Row,
     RowResult,
+    TokenLogprob,
 )
 from sluice_triton_local.shared_engine import SharedEngine
 
@@ -98,6 +105,7 @@ OUTPUTS: tuple[tuple[str, type], ...] = (
     ("COMPLETION_TOKENS", np.int32),
     ("CACHED_TOKENS", np.int32),
     ("ERROR", bytes),
+    ("LOGPROBS", bytes),
     ("ROUND_END", np.bool_),
 )
 # Told each response of a round (output name -> tensor), and whether it is the last.
@@ -210,5 +218,14 @@ def encode_results(results: list[RowResult], last: bool = True) -> dict[str, np.
         "COMPLETION_TOKENS": np.array([r.completion_tokens for r in results], dtype=np.int32),
         "CACHED_TOKENS": np.array([r.cached_tokens for r in results], dtype=np.int32),
         "ERROR": np.array([r.error.encode() for r in results], dtype=np.object_),
+        "LOGPROBS": np.array([encode_logprob(r.logprobs) for r in results], dtype=np.object_),
         "ROUND_END": np.array([last], dtype=np.bool_),
     }
+
+
+def encode_logprob(found: TokenLogprob | None) -> bytes:
+    """LOGPROBS of one row: OpenAI's chat logprobs entry as JSON, b"" when none."""
+    if found is None:
+        return b""
+    top = [{"token": t.token, "logprob": t.logprob, "bytes": list(t.bytes)} for t in found.top_logprobs]
+    return json.dumps({"token": found.token, "logprob": found.logprob, "bytes": list(found.bytes), "top_logprobs": top}).encode()

@@ -20,12 +20,19 @@ count of draws): a row's k-th draw depends on its seed and k alone, never on the
 a seeded sequence samples the same tokens at any batch size, as long as its logits are the same
 (llamacpp_model.py: a sequence's logits do not depend on the other rows of a step on the CPU).
 An unseeded sequence gets a key from the OS's entropy.
+
+Log-probabilities (Sampling.logprobs, for the rows that ask only): as vLLM's V1 sampler reports them by
+default (logprobs_mode "raw_logprobs"), of the model's own distribution: log_softmax of the logits
+as the forward pass gave them, before logit_bias, the penalties, the temperature and any truncation;
+the sampled token's, and the k most likely tokens' (argpartition, then a sort of those k) by logprob
+descending. A greedy token is therefore always the first of its top list.
 """
 
 from __future__ import annotations
 
 import secrets
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -63,6 +70,42 @@ def uniforms(keys: np.ndarray, counters: np.ndarray) -> np.ndarray:
     return (z >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
 
 
+@dataclass(frozen=True)
+class RowLogprobs:
+    """A sampled token's log-probability and the most likely tokens' at its position (ids), by
+    logprob descending."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...]
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    """Row-wise log_softmax in float64 (a float32 sum over 49k exps loses the small logprobs' digits)."""
+    z = logits.astype(np.float64)
+    z -= z.max(axis=1, keepdims=True)
+    z -= np.log(np.exp(z).sum(axis=1, keepdims=True))
+    return z
+
+
+def row_logprobs(logits: np.ndarray, tokens: np.ndarray, top: np.ndarray) -> list[RowLogprobs]:
+    """Per row of raw `logits`: the logprob of `tokens[i]` and the `top[i]` most likely tokens'."""
+    lp = log_softmax(logits)
+    rows = np.arange(len(lp))
+    chosen = lp[rows, tokens]
+    k = int(top.max()) if len(top) else 0
+    if 0 < k < lp.shape[1]:
+        ids = np.argpartition(-lp, k - 1, axis=1)[:, :k]
+    else:
+        ids = np.broadcast_to(np.arange(lp.shape[1]), lp.shape)[:, :k]
+    values = np.take_along_axis(lp, ids, axis=1)
+    order = np.argsort(-values, axis=1, kind="stable")
+    ids, values = np.take_along_axis(ids, order, axis=1), np.take_along_axis(values, order, axis=1)
+    return [
+        RowLogprobs(float(chosen[i]), tuple(zip(ids[i, : top[i]].tolist(), values[i, : top[i]].tolist())))
+        for i in rows
+    ]
+
+
 class BatchSampler:
     """The sampling state of every slot and the step's sampling over them."""
 
@@ -79,6 +122,9 @@ class BatchSampler:
         self._draws = np.zeros(slots, dtype=np.uint64)
         self._has_bias = np.zeros(slots, dtype=bool)
         self._penalized = np.zeros(slots, dtype=bool)
+        self._logprobs = np.full(slots, -1, dtype=np.int64)  # -1: the sequence asked for none
+        # Filled by `sample` for its rows that asked (None for the others).
+        self.last_logprobs: list[RowLogprobs | None] = []
         # [slots, vocab] arrays, made when a sequence first needs them (most requests use neither).
         self._bias: np.ndarray | None = None
         self._counts: np.ndarray | None = None  # how often each token was generated
@@ -95,6 +141,7 @@ class BatchSampler:
         self._repetition[slot] = params.repetition_penalty
         self._keys[slot] = seed_key(params.seed)
         self._draws[slot] = 0
+        self._logprobs[slot] = -1 if params.logprobs is None else params.logprobs
         self._has_bias[slot] = bool(params.logit_bias)
         if params.logit_bias:
             bias = self._bias = self._bias if self._bias is not None else self._dense(np.float32)
@@ -116,6 +163,9 @@ class BatchSampler:
         """One token per row of `logits` ([rows, vocab], float32, changed in place), row i being the
         sequence in slot `slots[i]`; each row's state moves on by its token."""
         slots = np.asarray(slots, dtype=np.int64)
+        top = self._logprobs[slots]
+        asked = np.flatnonzero(top >= 0)
+        raw = logits[asked] if len(asked) else None  # a copy: the model's logits, before adjust
         self.adjust(logits, slots)
         tokens = np.empty(len(slots), dtype=np.int64)
         greedy = self._temperature[slots] <= 0.0
@@ -130,6 +180,10 @@ class BatchSampler:
         if self._counts is not None:
             penalized = self._penalized[slots]
             self._counts[slots[penalized], tokens[penalized]] += 1
+        self.last_logprobs = [None] * len(slots)
+        if raw is not None:
+            for i, found in zip(asked, row_logprobs(raw, tokens[asked], top[asked])):
+                self.last_logprobs[i] = found
         return tokens
 
     def adjust(self, logits: np.ndarray, slots: np.ndarray) -> None:

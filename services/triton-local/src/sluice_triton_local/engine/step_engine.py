@@ -28,6 +28,14 @@ a new sequence needs the slot, and a prompt that begins with tokens a slot holds
 a live sequence's, copied) prefills only the rest; its results report those tokens as
 `cached_tokens`. Cached slots count as free: live work evicts them (least recently used first) and
 never hears "busy" because of them.
+Siblings (a request's n choices): prefill rows of one step with the same prompt, each cached
+whole in the step, are prefilled once: the first is the leader, the others take a free slot, a copy
+of the leader's KV cells once the forward pass has made them (llama_memory_seq_cp) and their first
+token from the leader's logits, each with its own sampling options and random stream; their
+`cached_tokens` is the whole prompt. Siblings that arrive in a later step find the leader live and
+prefill only the prompt's last token (the prefix cache's live reuse).
+Log-probabilities (Sampling.logprobs): each token's result carries a TokenLogprob (sampling.py says
+which distribution they are of).
 Each sequence records its `owner` (the scheduler that prefilled it) for the per-owner metrics.
 Freed slots go to owners in the order they were turned away: while an owner that was answered
 "busy" keeps asking, another owner's prefill does not take the slot it waits for (otherwise the
@@ -52,7 +60,7 @@ from .gguf_fast import open_reader
 from .gguf_weights import load_weights, read_config
 from .model import BatchItem, LlamaModel
 from .prefix_cache import MIN_REUSED_TOKENS, Cells, PrefixCache, common_prefix, exact_reuse
-from .sampling import BatchSampler
+from .sampling import BatchSampler, RowLogprobs
 from .stops import StopFilter
 from .tokenizer import GGUFTokenizer, IncrementalDetokenizer
 
@@ -92,6 +100,21 @@ Row = PrefillRow | DecodeRow | ReleaseRow
 
 
 @dataclass(frozen=True)
+class TopLogprob:
+    token: str  # the token's text (U+FFFD where it is not whole UTF-8 by itself)
+    bytes: bytes  # its exact bytes (a control token's: its name, e.g. "<|im_end|>")
+    logprob: float
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token: str
+    bytes: bytes
+    logprob: float
+    top_logprobs: tuple[TopLogprob, ...] = ()
+
+
+@dataclass(frozen=True)
 class RowResult:
     seq_id: int
     token_id: int  # -1 when no token (release row, error)
@@ -103,6 +126,7 @@ class RowResult:
     completion_tokens: int
     error: str = ""
     cached_tokens: int = 0  # prompt tokens taken from the prefix cache instead of prefilled
+    logprobs: TokenLogprob | None = None  # the token's, when the sequence asked for logprobs
 
 
 @dataclass
@@ -132,8 +156,9 @@ class _Pending:
 
     row_index: int
     seq: _Seq
-    item: BatchItem
+    item: BatchItem | None  # None: a sibling, fed from its leader's forward pass
     cancelled: bool = field(default=False)
+    leader: _Pending | None = None  # a sibling's leader (same prompt, same step)
 
 
 class StepEngine:
@@ -182,6 +207,8 @@ class StepEngine:
         self.prefills_total = 0
         self.prefix_hits_total = 0
         self.cached_tokens_total = 0
+        # This step's whole-prompt prefills by prompt: a later prefill of the same prompt is their sibling.
+        self._leaders: dict[tuple[int, ...], _Pending] = {}
         # Owners answered "busy", in the order they were first turned away, with the last time.
         self._refused: dict[str, float] = {}
         self._constraints: ConstraintCompiler | None = None  # built on first use (~0.2 s)
@@ -248,6 +275,7 @@ class StepEngine:
                 seq.last_stepped_at, seq.last_stepped_step = now, self._steps
         results: list[RowResult | None] = [None] * len(rows)
         pending: list[_Pending] = []
+        self._leaders = {}
         for i, row in enumerate(rows):
             if isinstance(row, ReleaseRow):
                 results[i] = self._release(row.seq_id, pending)
@@ -269,29 +297,54 @@ class StepEngine:
         for p in pending:
             if p.cancelled:
                 results[p.row_index] = _error(p.seq.seq_id, "sequence was released in the same step", p.seq)
-        live = [p for p in pending if not p.cancelled]
+        for p in pending:
+            if p.leader is not None and p.leader.cancelled and not p.cancelled:
+                p.cancelled = True
+                self._free(p.seq, keep_cells=False)
+                results[p.row_index] = _error(p.seq.seq_id, "its prompt's leader was released in the same step", p.seq)
+        live = [p for p in pending if not p.cancelled and p.item is not None]
+        siblings = [p for p in pending if not p.cancelled and p.item is None]
         if live:
             try:
-                logits = self._model.forward([p.item for p in live])
+                logits = self._model.forward([p.item for p in live if p.item is not None])
             except Exception as exc:  # keep the engine usable; fail only this step's rows
-                for p in live:
+                for p in live + siblings:
                     self._free(p.seq, keep_cells=False)
                     results[p.row_index] = _error(p.seq.seq_id, f"forward pass failed: {exc!r}", p.seq)
             else:
                 self._constrain(live, logits)
                 for p in live:
+                    assert p.item is not None
                     p.seq.pos = p.item.start_pos + len(p.item.token_ids)
                     p.seq.cells.append(p.item.token_ids, self._tiled(len(p.item.token_ids)))
+                row_of = {id(p): i for i, p in enumerate(live)}
+                for p in siblings:  # the leader's cells, now that its forward pass made them
+                    assert p.leader is not None
+                    self._model.copy(p.leader.seq.slot, p.seq.slot)
+                    p.seq.pos = p.leader.seq.pos
+                    p.seq.cells = p.leader.seq.cells.prefix(p.leader.seq.pos)
                 # One sampling call for every row that makes a token (a prefill still caching its
-                # prompt's chunks makes none).
-                emitting = [i for i, p in enumerate(live) if not p.seq.uncached_prompt]
-                tokens = self._sampler.sample(logits[emitting], np.array([live[i].seq.slot for i in emitting], dtype=np.int64)) if emitting else []
-                for i, token in zip(emitting, tokens):
-                    results[live[i].row_index] = self._emit(live[i].seq, int(token))
+                # prompt's chunks makes none); a sibling samples from a copy of its leader's logits.
+                emitting = [p for p in live if not p.seq.uncached_prompt] + siblings
+                index = [row_of[id(p)] if p.item is not None else row_of[id(p.leader)] for p in emitting]
+                slots = np.array([p.seq.slot for p in emitting], dtype=np.int64)
+                tokens = self._sampler.sample(logits[index], slots) if emitting else []
+                for p, token, lp in zip(emitting, tokens, self._sampler.last_logprobs if emitting else []):
+                    results[p.row_index] = self._emit(p.seq, int(token), self._token_logprob(int(token), lp))
                 for p in live:
                     if p.seq.uncached_prompt:
                         results[p.row_index] = _prefilling(p.seq)
         return results  # type: ignore[return-value]
+
+    def _token_logprob(self, token: int, found: RowLogprobs | None) -> TokenLogprob | None:
+        if found is None:
+            return None
+        top = tuple(TopLogprob(*self._piece(t), logprob) for t, logprob in found.top)
+        return TokenLogprob(*self._piece(token), found.logprob, top)
+
+    def _piece(self, token: int) -> tuple[str, bytes]:
+        raw = self.tokenizer.token_piece(token)
+        return raw.decode("utf-8", errors="replace"), raw
 
     # -- row handling -------------------------------------------------------
 
@@ -331,6 +384,10 @@ class StepEngine:
         self._refused.pop(row.owner, None)
         if row.chunk < 0:
             return _error(row.seq_id, f"chunk must be >= 0 (got {row.chunk})")
+        whole = row.chunk == 0 or row.chunk >= n
+        leader = self._leaders.get(tuple(ids)) if whole and self._slots.enabled else None
+        if leader is not None and not leader.cancelled:
+            return self._sibling(index, row, ids, leader)
         slot, reused, cells = self._place(ids, row.chunk)
         self.prefills_total += 1
         if reused:
@@ -355,7 +412,34 @@ class StepEngine:
         )
         self._seqs[row.seq_id] = seq
         self._sampler.start(slot, row.params, ids)
-        return _Pending(index, seq, BatchItem(seq.slot, _next_chunk(seq), reused))
+        pending = _Pending(index, seq, BatchItem(seq.slot, _next_chunk(seq), reused))
+        if whole and not seq.uncached_prompt:
+            self._leaders.setdefault(tuple(ids), pending)
+        return pending
+
+    def _sibling(self, index: int, row: PrefillRow, ids: list[int], leader: _Pending) -> _Pending:
+        """A prefill of the same prompt as `leader`'s in this step: a slot of its own, filled from
+        the leader's after the forward pass (step)."""
+        slot, n = self._take_free_slot(), len(ids)
+        self.prefills_total += 1
+        self.prefix_hits_total += 1
+        self.cached_tokens_total += n
+        seq = _Seq(
+            seq_id=row.seq_id,
+            slot=slot,
+            params=row.params,
+            prompt_tokens=n,
+            detok=self.tokenizer.detokenizer(),
+            stopper=StopFilter(row.params.stop),
+            chunk=row.chunk,
+            cached_tokens=n,
+            owner=row.owner,
+            last_stepped_at=self._clock(),
+            last_stepped_step=self._steps,
+        )
+        self._seqs[row.seq_id] = seq
+        self._sampler.start(slot, row.params, ids)
+        return _Pending(index, seq, None, leader=leader)
 
     def _place(self, prompt: list[int], chunk: int) -> tuple[int, int, Cells]:
         """A slot for a new sequence, how many of its prompt's tokens that slot already holds, and
@@ -477,7 +561,7 @@ class StepEngine:
         self.constraint_mask_seconds_total += time.perf_counter() - started
         self.constraint_masks_total += len(rows)
 
-    def _emit(self, seq: _Seq, tok: int) -> RowResult:
+    def _emit(self, seq: _Seq, tok: int, logprob: TokenLogprob | None = None) -> RowResult:
         """The sequence's sampled token: its text, and whether it ends the sequence."""
         prm = seq.params
         self.tokens_generated_total += 1
@@ -490,7 +574,9 @@ class StepEngine:
 
         finish = ""
         if tok in self.tokenizer.stop_ids:
-            # EOS text is never shown; release held-back bytes/text as-is.
+            # EOS text is never shown, nor its logprob (OpenAI's content lists the tokens of the
+            # text only); release held-back bytes/text as-is.
+            logprob = None
             text = seq.stopper.feed(seq.detok.flush())[0] + seq.stopper.flush()
             finish = "stop"
         else:
@@ -503,7 +589,9 @@ class StepEngine:
                 finish = "stop" if hit else ended
         if finish:
             self._free(seq)
-        return RowResult(seq.seq_id, tok, text, finish, seq.prompt_tokens, seq.completion_tokens, cached_tokens=seq.cached_tokens)
+        return RowResult(
+            seq.seq_id, tok, text, finish, seq.prompt_tokens, seq.completion_tokens, cached_tokens=seq.cached_tokens, logprobs=logprob
+        )
 
     def _ended(self, seq: _Seq) -> str:
         """Why a sequence that sampled an ordinary token ends now, or "" if it goes on."""

@@ -83,6 +83,7 @@ class GGUFTokenizer:
         self._plain = plain
         self.vocab = vocab
         self.vocab_size = len(tokens)
+        self._tokens = tokens
 
         # Raw bytes per id for streaming detokenization. Control tokens render
         # as "" (like skip_special_tokens): they are never user-visible text.
@@ -120,6 +121,12 @@ class GGUFTokenizer:
 
     def token_bytes(self, token_id: int) -> bytes:
         return self._token_bytes[token_id]
+
+    def token_piece(self, token_id: int) -> bytes:
+        """A token's bytes as logprobs show it: its text's bytes, a control token's name (which
+        text never shows)."""
+        raw = self._token_bytes[token_id]
+        return raw if raw or token_id not in self._special_ids else self._tokens[token_id].encode()
 
     def detokenizer(self) -> "IncrementalDetokenizer":
         return IncrementalDetokenizer(self)

@@ -112,7 +112,7 @@ class RowError(_message.Message):
     def __init__(self, code: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
 
 class RowResult(_message.Message):
-    __slots__ = ("job_id", "custom_id", "output", "embeddings", "finish_reason", "usage", "error", "request_id")
+    __slots__ = ("job_id", "custom_id", "output", "embeddings", "finish_reason", "usage", "error", "request_id", "choices")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     CUSTOM_ID_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_FIELD_NUMBER: _ClassVar[int]
@@ -121,6 +121,7 @@ class RowResult(_message.Message):
     USAGE_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    CHOICES_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     custom_id: str
     output: str
@@ -129,7 +130,20 @@ class RowResult(_message.Message):
     usage: _types_pb2.Usage
     error: RowError
     request_id: str
-    def __init__(self, job_id: _Optional[str] = ..., custom_id: _Optional[str] = ..., output: _Optional[str] = ..., embeddings: _Optional[_Iterable[_Union[_types_pb2.Embedding, _Mapping]]] = ..., finish_reason: _Optional[_Union[_types_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_types_pb2.Usage, _Mapping]] = ..., error: _Optional[_Union[RowError, _Mapping]] = ..., request_id: _Optional[str] = ...) -> None: ...
+    choices: _containers.RepeatedCompositeFieldContainer[RowChoice]
+    def __init__(self, job_id: _Optional[str] = ..., custom_id: _Optional[str] = ..., output: _Optional[str] = ..., embeddings: _Optional[_Iterable[_Union[_types_pb2.Embedding, _Mapping]]] = ..., finish_reason: _Optional[_Union[_types_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_types_pb2.Usage, _Mapping]] = ..., error: _Optional[_Union[RowError, _Mapping]] = ..., request_id: _Optional[str] = ..., choices: _Optional[_Iterable[_Union[RowChoice, _Mapping]]] = ...) -> None: ...
+
+class RowChoice(_message.Message):
+    __slots__ = ("index", "text", "finish_reason", "logprobs")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    text: str
+    finish_reason: _types_pb2.FinishReason
+    logprobs: _containers.RepeatedCompositeFieldContainer[_types_pb2.TokenLogprob]
+    def __init__(self, index: _Optional[int] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[_types_pb2.FinishReason, str]] = ..., logprobs: _Optional[_Iterable[_Union[_types_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class JobRejection(_message.Message):
     __slots__ = ("job_id", "reason")
