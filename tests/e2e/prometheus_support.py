@@ -34,9 +34,13 @@ def stack_targets(stack: Stack) -> dict[str, list[str]]:
     def address(service: str) -> str:
         return urllib.parse.urlsplit(stack.metrics_url(service)).netloc
 
+    # The session's job workers as they are now: test_jobs kills the first and starts others.
+    job_workers = [
+        s.name for s in stack.services if s.name.startswith("job-worker") and s.process is not None and s.process.poll() is None
+    ]
     return {
         "gateway": [address("gateway")],
-        "job-worker": [address("job-worker")],
+        "job-worker": [address(name) for name in job_workers],
         "inference-adapter": [address("inference-adapter")],
         "rate-limit": [address("rate-limit")],
         "evaluation-logging": [address("evaluation-logging")],
