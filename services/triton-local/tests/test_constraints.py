@@ -225,3 +225,16 @@ def test_a_hand_built_constraint_with_a_bad_value_is_an_error_row_not_an_excepti
         [result] = engine.step([PrefillRow(1, engine.encode_chat([("user", "hi")]), Sampling(max_tokens=8), constraint=bad)])
         assert result.finish_reason == "error" and result.error.startswith(f"invalid constraint: {named}")
     assert engine.active_slots == 0
+
+
+def test_a_sibling_sharing_an_unconstrained_leaders_prefill_keeps_its_own_constraint() -> None:
+    """Two prefills of the same prompt in one step share one forward pass (the second copies the
+    first's KV and samples from its logits row): the mask must still be the sibling's own."""
+    sharing = StepEngine(gguf_path(), max_slots=4, max_context=512, threads=2, prefix_cache=True)
+    prompt = sharing.encode_chat([("user", "Name a color.")])
+    free = PrefillRow(1, prompt, Sampling(max_tokens=MAX_TOKENS))
+    constrained = PrefillRow(2, prompt, Sampling(max_tokens=MAX_TOKENS), constraint=Constraint.choice(["purple"]))
+    results = run_batch(sharing, [free, constrained])
+    assert results[2][0].cached_tokens == len(prompt)  # it was a sibling: the whole prompt shared
+    assert text(results[2]) == "purple" and results[2][-1].finish_reason == "stop"
+    assert text(results[1]) != "purple"

@@ -312,7 +312,6 @@ class StepEngine:
                     self._free(p.seq, keep_cells=False)
                     results[p.row_index] = _error(p.seq.seq_id, f"forward pass failed: {exc!r}", p.seq)
             else:
-                self._constrain(live, logits)
                 for p in live:
                     assert p.item is not None
                     p.seq.pos = p.item.start_pos + len(p.item.token_ids)
@@ -328,7 +327,9 @@ class StepEngine:
                 emitting = [p for p in live if not p.seq.uncached_prompt] + siblings
                 index = [row_of[id(p)] if p.item is not None else row_of[id(p.leader)] for p in emitting]
                 slots = np.array([p.seq.slot for p in emitting], dtype=np.int64)
-                tokens = self._sampler.sample(logits[index], slots) if emitting else []
+                rows = logits[index]
+                self._constrain(emitting, rows)  # a sibling's constraint too, on its copy of the leader's row
+                tokens = self._sampler.sample(rows, slots) if emitting else []
                 for p, token, lp in zip(emitting, tokens, self._sampler.last_logprobs if emitting else []):
                     results[p.row_index] = self._emit(p.seq, int(token), self._token_logprob(int(token), lp))
                 for p in live:
@@ -387,7 +388,7 @@ class StepEngine:
         whole = row.chunk == 0 or row.chunk >= n
         leader = self._leaders.get(tuple(ids)) if whole and self._slots.enabled else None
         if leader is not None and not leader.cancelled:
-            return self._sibling(index, row, ids, leader)
+            return self._sibling(index, row, ids, leader, matcher)
         slot, reused, cells = self._place(ids, row.chunk)
         self.prefills_total += 1
         if reused:
@@ -417,7 +418,7 @@ class StepEngine:
             self._leaders.setdefault(tuple(ids), pending)
         return pending
 
-    def _sibling(self, index: int, row: PrefillRow, ids: list[int], leader: _Pending) -> _Pending:
+    def _sibling(self, index: int, row: PrefillRow, ids: list[int], leader: _Pending, matcher: Matcher | None) -> _Pending:
         """A prefill of the same prompt as `leader`'s in this step: a slot of its own, filled from
         the leader's after the forward pass (step)."""
         slot, n = self._take_free_slot(), len(ids)
@@ -434,6 +435,7 @@ class StepEngine:
             chunk=row.chunk,
             cached_tokens=n,
             owner=row.owner,
+            matcher=matcher,
             last_stepped_at=self._clock(),
             last_stepped_step=self._steps,
         )
@@ -549,14 +551,14 @@ class StepEngine:
                 self._model.release(seq.slot)
             self._slots.free(seq.slot, kept)
 
-    def _constrain(self, live: list[_Pending], logits: np.ndarray) -> None:
-        """Masks the logits of the rows about to sample under a constraint (all in one pass), so
-        that only tokens their constraints allow can be sampled; other rows are untouched."""
-        rows = [i for i, p in enumerate(live) if p.seq.matcher is not None and not p.seq.uncached_prompt]
+    def _constrain(self, emitting: list[_Pending], logits: np.ndarray) -> None:
+        """Masks the logits (one row per emitting row) of the rows under a constraint, all in one
+        pass, so that only tokens their constraints allow can be sampled; other rows are untouched."""
+        rows = [i for i, p in enumerate(emitting) if p.seq.matcher is not None]
         if not rows:
             return
         started = time.perf_counter()
-        matchers = [live[i].seq.matcher for i in rows]
+        matchers = [emitting[i].seq.matcher for i in rows]
         apply_masks(logits, rows, compute_masks(matchers, self.tokenizer.vocab_size))  # type: ignore[arg-type]
         self.constraint_mask_seconds_total += time.perf_counter() - started
         self.constraint_masks_total += len(rows)
