@@ -65,6 +65,9 @@ TOKENS_PER_EMBED_INPUT = 2
 # Beyond the request's own deadline, how long the lease outlives it (commit travel time).
 LEASE_MARGIN_S = 30.0
 COMMIT_TIMEOUT_S = 5.0
+# How long a stream's last chunk waits for its lease's commit (Ticket.settle_before_end): a commit
+# takes a millisecond or two; a slow rate-limit delays the end of a stream by at most this.
+END_COMMIT_WAIT_S = 0.25
 
 _B = ratelimit_pb2
 _REQUEST_BUDGETS = (_B.BUDGET_REQUESTS_PER_MINUTE, _B.BUDGET_REQUESTS_IN_FLIGHT)
@@ -184,13 +187,22 @@ class Ticket:
         if used > 0:
             self.used_tokens = used
 
-    def settle(self) -> None:
-        """Commits the real usage in the background; safe to call more than once and when cancelled."""
+    def settle(self) -> asyncio.Task[None] | None:
+        """Commits the real usage in the background; safe to call more than once and when cancelled.
+        Returns the commit's task the first time (None when there is nothing to commit)."""
         if self._settled or not self.lease_id or self.admission is None:
-            return
+            return None
         self._settled = True
         used = self.used_tokens if self.used_tokens is not None else self.estimated_input_tokens + self.completion_tokens
-        self.admission.commit_later(self.lease_id, used)
+        return self.admission.commit_later(self.lease_id, used)
+
+    async def settle_before_end(self, wait_s: float = END_COMMIT_WAIT_S) -> None:
+        """Settles, and waits (at most `wait_s`) for the commit to be answered: a client that sends
+        its next request as soon as it hears this one end must find the in-flight slot free, not be
+        refused for a second behind a commit still on its way. The commit goes on if the wait ends."""
+        task = self.settle()
+        if task is not None:
+            await asyncio.wait({task}, timeout=wait_s)
 
 
 class Admission:
@@ -254,10 +266,11 @@ class Admission:
         DECISIONS.labels("unreachable_closed").inc()
         raise Unavailable(f"the rate-limit service is unreachable ({exc.code().name}); retry later")
 
-    def commit_later(self, lease_id: str, used_tokens: int) -> None:
+    def commit_later(self, lease_id: str, used_tokens: int) -> asyncio.Task[None]:
         task = asyncio.get_running_loop().create_task(self._commit(lease_id, used_tokens, outgoing_metadata()))
         self._pending.add(task)
         task.add_done_callback(self._pending.discard)
+        return task
 
     async def _commit(self, lease_id: str, used_tokens: int, metadata: tuple[tuple[str, str], ...]) -> None:
         assert self._stub is not None

@@ -159,10 +159,8 @@ class GenerateStream:
             self.ticket.observe(chunk)
             self.index = index
             if done:
-                # Commit before the client hears the end: a client that sends its next request as
-                # soon as one ends (every worker pool) must find the in-flight slot free, not be
-                # refused for a second behind a commit still on its way.
-                self.ticket.settle()
+                # Committed, and answered, before the client hears the end (Ticket.settle_before_end).
+                await self.ticket.settle_before_end()
             tracked = chunk if choices is None else choices.tracked(index, chunk, done)
             if self.tracker is not None and tracked is not None:
                 self.tracker.add(tracked)
