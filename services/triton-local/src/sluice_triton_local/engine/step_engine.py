@@ -48,7 +48,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import gguf
 import numpy as np
@@ -394,25 +394,7 @@ class StepEngine:
         if reused:
             self.prefix_hits_total += 1
             self.cached_tokens_total += reused
-        seq = _Seq(
-            seq_id=row.seq_id,
-            slot=slot,
-            params=row.params,
-            prompt_tokens=n,
-            detok=self.tokenizer.detokenizer(),
-            stopper=StopFilter(row.params.stop),
-            chunk=row.chunk,
-            pos=reused,
-            uncached_prompt=ids[reused:],
-            cells=cells,
-            cached_tokens=reused,
-            owner=row.owner,
-            matcher=matcher,
-            last_stepped_at=self._clock(),
-            last_stepped_step=self._steps,
-        )
-        self._seqs[row.seq_id] = seq
-        self._sampler.start(slot, row.params, ids)
+        seq = self._start_seq(row, slot, ids, matcher, pos=reused, uncached_prompt=ids[reused:], cells=cells, cached_tokens=reused)
         pending = _Pending(index, seq, BatchItem(seq.slot, _next_chunk(seq), reused))
         if whole and not seq.uncached_prompt:
             self._leaders.setdefault(tuple(ids), pending)
@@ -425,23 +407,29 @@ class StepEngine:
         self.prefills_total += 1
         self.prefix_hits_total += 1
         self.cached_tokens_total += n
+        seq = self._start_seq(row, slot, ids, matcher, cached_tokens=n)
+        return _Pending(index, seq, None, leader=leader)
+
+    def _start_seq(self, row: PrefillRow, slot: int, ids: list[int], matcher: Matcher | None, **placement: Any) -> _Seq:
+        """A new sequence in `slot` for the row's prompt `ids`, registered and its sampler state
+        started; `placement` says what of the prompt its slot already holds (_Seq's fields)."""
         seq = _Seq(
             seq_id=row.seq_id,
             slot=slot,
             params=row.params,
-            prompt_tokens=n,
+            prompt_tokens=len(ids),
             detok=self.tokenizer.detokenizer(),
             stopper=StopFilter(row.params.stop),
             chunk=row.chunk,
-            cached_tokens=n,
             owner=row.owner,
             matcher=matcher,
             last_stepped_at=self._clock(),
             last_stepped_step=self._steps,
+            **placement,
         )
         self._seqs[row.seq_id] = seq
         self._sampler.start(slot, row.params, ids)
-        return _Pending(index, seq, None, leader=leader)
+        return seq
 
     def _place(self, prompt: list[int], chunk: int) -> tuple[int, int, Cells]:
         """A slot for a new sequence, how many of its prompt's tokens that slot already holds, and
