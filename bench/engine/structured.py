@@ -27,11 +27,12 @@ import json
 import statistics
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from sluice_common.sampling import Sampling
-from sluice_triton_local.engine.constraints import Constraint, ConstraintCompiler
+from sluice_common.sampling import StructuredOutputs
+from sluice_triton_local.engine.constraints import ConstraintCompiler
 from sluice_triton_local.engine.step_engine import DecodeRow, PrefillRow, RowResult, StepEngine
 from sluice_triton_local.model_files import gguf_path
 
@@ -44,7 +45,7 @@ MAX_TOKENS = 200
 class Job:
     prompt: tuple[int, ...]
     params: Sampling
-    constraint: Constraint | None
+    constraint: StructuredOutputs | None
 
 
 @dataclass(frozen=True)
@@ -61,7 +62,7 @@ def run_waves(engine: StepEngine, jobs: list[Job], batch: int) -> tuple[list[Out
     for first in range(0, len(jobs), batch):
         wave = jobs[first : first + batch]
         results: dict[int, list[RowResult]] = {i: [] for i in range(len(wave))}
-        step = engine.step([PrefillRow(i, job.prompt, job.params, constraint=job.constraint) for i, job in enumerate(wave)])
+        step = engine.step([PrefillRow(i, job.prompt, replace(job.params, structured_outputs=job.constraint)) for i, job in enumerate(wave)])
         while True:
             for r in step:
                 if r.finish_reason == "error":
@@ -80,7 +81,7 @@ def compile_times(engine: StepEngine, schemas: list[dict[str, Any]]) -> list[flo
     times = []
     for entry in schemas:
         started = time.perf_counter()
-        compiler.compile(Constraint.json_schema(entry["schema"])).matcher()
+        compiler.compile(StructuredOutputs.json_schema(entry["schema"])).matcher()
         times.append((time.perf_counter() - started) * 1000)
     return times
 
@@ -100,7 +101,7 @@ def valid(output: Output, schema: dict[str, Any]) -> bool:
 def throughput(engine: StepEngine, prompts: list[tuple[int, ...]], schemas: list[dict[str, Any]], batch: int, rounds: int) -> dict[str, Any]:
     """Structured and free side by side, wave by wave (each wave's two runs back to back, in turns
     first), so that this shared machine's drift hits both alike; tokens/s over all rounds."""
-    structured = [Job(p, Sampling(max_tokens=MAX_TOKENS), Constraint.json_schema(s)) for p, s in zip(prompts, schemas)]
+    structured = [Job(p, Sampling(max_tokens=MAX_TOKENS), StructuredOutputs.json_schema(s)) for p, s in zip(prompts, schemas)]
     seconds = {"structured": 0.0, "free": 0.0}
     tokens = {"structured": 0, "free": 0}
     outputs: list[Output] = []
@@ -132,7 +133,7 @@ def measure(schemas_path: str, threads: int, rounds: int) -> dict[str, Any]:
         entries: list[dict[str, Any]] = json.load(f)
     engine = StepEngine(gguf_path(), max_slots=max(BATCHES), max_context=1024, threads=threads, prefix_cache=False)
     started = time.perf_counter()
-    engine.compile_constraint(Constraint.json_object())  # builds the engine's vocabulary for llguidance once
+    engine.compile_constraint(StructuredOutputs.json_object())  # builds the engine's vocabulary for llguidance once
     tokenizer_ms = (time.perf_counter() - started) * 1000
     compile_ms = compile_times(engine, entries)
     schemas = [e["schema"] for e in entries]
@@ -153,7 +154,7 @@ def measure(schemas_path: str, threads: int, rounds: int) -> dict[str, Any]:
     masks_before, seconds_before = engine.constraint_masks_total, engine.constraint_mask_seconds_total
     sampled, _ = run_waves(
         engine,
-        [Job(p, Sampling(max_tokens=MAX_TOKENS, temperature=1.0, seed=i), Constraint.json_schema(s)) for i, (p, s) in enumerate(zip(prompts, schemas))],
+        [Job(p, Sampling(max_tokens=MAX_TOKENS, temperature=1.0, seed=i), StructuredOutputs.json_schema(s)) for i, (p, s) in enumerate(zip(prompts, schemas))],
         max(BATCHES),
     )
     masks = engine.constraint_masks_total - masks_before

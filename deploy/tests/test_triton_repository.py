@@ -43,7 +43,7 @@ TRITON_LOCAL_PYTHON = TRITON_LOCAL / ".venv" / "bin" / "python"
 PACKAGE_COPY = "COPY services/triton-local/src/sluice_triton_local/ /opt/sluice/sluice_triton_local/"
 PACKAGE_ROOT = TRITON_LOCAL / "src"
 # The Dockerfile's COPY of the sluice_common modules the models use, into /opt/sluice/sluice_common/.
-COMMON_MODULES = ("__init__.py", "cgroup.py", "sampling.py")
+COMMON_MODULES = ("__init__.py", "cgroup.py", "sampling.py", "structured_outputs.py")
 COMMON_COPY = "COPY " + " ".join(f"libs/sluice-common/src/sluice_common/{m}" for m in COMMON_MODULES) + " /opt/sluice/sluice_common/"
 LOADED = ("smollm2_step", "minilm_embed")
 READY_TIMEOUT_S = 120

@@ -138,6 +138,9 @@ def test_every_sampling_option_is_honoured_as_on_the_step_path(stub, gateway) ->
     seeded = text(stub, sampling)
     assert seeded and seeded == text(gateway, sampling)
     assert text(stub, types_pb2.SamplingParams(max_tokens=3, logit_bias={21285: 100.0})) == " banana" * 3
+    # structured_outputs as the backend reads it (JSON text of StructuredOutputsParams), as on the step path.
+    pick = types_pb2.SamplingParams(max_tokens=8, temperature=1.0, seed=3, structured_outputs=types_pb2.StructuredOutputs(choice=types_pb2.ChoiceList(options=["tide", "reef"])))
+    assert text(stub, pick) in ("tide", "reef") and text(stub, pick) == text(gateway, pick)
 
 
 def test_a_logit_bias_token_outside_the_vocabulary_is_invalid_naming_it(stub, passthrough: Stack) -> None:

@@ -22,6 +22,9 @@ from sluice_stack import Stack, StackPorts
 
 REPLICAS = ("triton-local", "triton-local-2")
 LOAD_BOUND = 2
+# SmolLM2's <|endoftext|> and <|im_end|>: banned in the long stream, which must outlast the steps that
+# compete with it (greedy counting stopped on its own after a few hundred tokens in a loaded CI run).
+END_OF_TURN_IDS = (0, 2)
 # About 150 tokens: well past the engine's 8-token reuse floor and many 128-character blocks.
 SYSTEM_PROMPT = (
     "You are the booking assistant of Riverside Outfitters. Answer in one short sentence. Guided river"
@@ -107,13 +110,19 @@ def test_a_shared_system_prompt_stays_on_one_replica_within_the_load_bound(two_r
     other = next(name for name in REPLICAS if name != home)
 
     # 2. A long stream of the same prefix keeps `home` busy (it goes there: the prefix matches).
-    background = stub.Generate(request(hot, "Count from 1 to 1000, one number per line.", 1000), timeout=300)
+    long_stream = request(hot, "Count from 1 to 1000, one number per line.", 1000)
+    for token_id in END_OF_TURN_IDS:
+        long_stream.sampling.logit_bias[token_id] = -100.0
+    background = stub.Generate(long_stream, timeout=300)
+    ended: list[object] = []
+
     def drain() -> None:
         try:
-            for _ in background:
-                pass
-        except grpc.RpcError:
-            pass  # cancelled at the end of the test
+            for response in background:
+                if response.finish_reason:
+                    ended.append(response)
+        except grpc.RpcError as exc:
+            ended.append(exc)  # cancelled at the end of the test (else the assertions below show it)
 
     consumed = threading.Thread(target=drain, daemon=True)
     consumed.start()
@@ -130,14 +139,14 @@ def test_a_shared_system_prompt_stays_on_one_replica_within_the_load_bound(two_r
             assert reply.cached_tokens < reply.prompt_tokens
         assert grew(before, placement.requests()) == {home}
         # Still running: `home` was the busier replica all along (else this step proved nothing).
-        assert consumed.is_alive(), "the long stream ended before the requests it should have competed with"
+        assert consumed.is_alive(), f"the long stream ended before the requests it should have competed with: {ended}"
 
         # 4. Another, cold prefix is not pulled to the busy replica: it goes to the less loaded one.
         before = placement.requests()
         cold = usage(stub, request(f"Session {uuid.uuid4().hex}. You are a weather bot for sailors. " * 3, "Wind today?", 4))
         assert grew(before, placement.requests()) == {other}
         assert cold.cached_tokens < 20, cold  # at most the chat template's opening
-        assert consumed.is_alive(), "the long stream ended before the cold request it should have competed with"
+        assert consumed.is_alive(), f"the long stream ended before the cold request it should have competed with: {ended}"
 
         # 5. A burst of the hot prefix: `home` takes it until it holds more than LOAD_BOUND sequences
         #    beyond `other`, then the rest spill over there: neither replica is starved.

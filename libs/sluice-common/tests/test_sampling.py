@@ -11,6 +11,8 @@ from sluice.common.v1 import types_pb2
 from sluice_common.sampling import (
     FIELD_NAMES,
     Sampling,
+    StructuredOutputs,
+    StructuredOutputsError,
     choice_seed,
     field_error,
     problem,
@@ -34,6 +36,7 @@ EVERYTHING = Sampling(
     stop=("\n", "END"),
     logprobs=20,
     n=8,
+    structured_outputs=StructuredOutputs.choice(("yes", "no")),
 )
 
 
@@ -159,3 +162,62 @@ def test_the_vllm_form_sends_vllms_differing_defaults_and_the_options_set() -> N
     assert set(everything) == set(FIELD_NAMES)
     assert everything["logit_bias"] == {"7": -100.0, "42": 2.5}
     assert everything["seed"] == EVERYTHING.seed and everything["stop"] == ["\n", "END"]
+
+
+# -- structured outputs -------------------------------------------------------
+
+CONSTRAINTS = (
+    StructuredOutputs.json_schema({"type": "object", "properties": {"age": {"type": "integer", "minimum": 0}}, "required": ["age"]}),
+    StructuredOutputs.json_object(),
+    StructuredOutputs.regex(r"\d{3}-\d{4}"),
+    StructuredOutputs.choice(["red", "green"]),
+    StructuredOutputs.grammar('start: "yes" | "no"'),
+)
+
+
+@pytest.mark.parametrize("constraint", CONSTRAINTS, ids=lambda c: c.kind)
+def test_each_constraint_round_trips_through_the_proto_and_vllms_json_form(constraint: StructuredOutputs) -> None:
+    sampling = Sampling(max_tokens=4, structured_outputs=constraint)
+    assert from_proto(to_proto(sampling)) == sampling
+    assert Sampling.from_json(json.loads(json.dumps(sampling.to_json()))) == sampling
+    # Triton's vLLM backend reads structured_outputs as JSON text; Sluice's stand-in reads it so too.
+    sent = vllm_sampling_parameters(sampling)["structured_outputs"]
+    assert isinstance(sent, str) and Sampling.from_json({"structured_outputs": sent}).structured_outputs == constraint
+    assert problem(sampling) is None
+
+
+def test_equal_schemas_are_one_value_whatever_their_spacing() -> None:
+    assert StructuredOutputs.json_schema('{"type":  "object"}') == StructuredOutputs.json_schema({"type": "object"})
+    assert hash(StructuredOutputs.choice(["a"])) == hash(StructuredOutputs.choice(("a",)))
+
+
+@pytest.mark.parametrize(
+    ("body", "named"),
+    [
+        ({"json": {"type": "object"}, "regex": "a"}, "exactly one"),
+        ({}, "exactly one"),
+        ({"whitespace_pattern": " "}, "whitespace_pattern not supported"),
+        ({"json_object": "yes"}, "json_object must be true"),
+        ({"choice": "red"}, "choice must be a list"),
+        ({"regex": 5}, "regex must be a string"),
+        ({"json": "[1, 2]"}, "must be a JSON object"),
+        ({"json": "{not json"}, "not valid JSON"),
+        ("{not json", "structured_outputs is not valid JSON"),
+    ],
+)
+def test_a_malformed_structured_outputs_object_is_refused_naming_why(body: object, named: str) -> None:
+    with pytest.raises(StructuredOutputsError, match=named):
+        Sampling.from_json({"max_tokens": 1, "structured_outputs": body})
+
+
+def test_a_constraint_set_by_hand_is_checked_by_problem() -> None:
+    for bad, named in ((StructuredOutputs("xml", "<a/>"), "must set one of"), (StructuredOutputs.choice([]), "non-empty list"), (StructuredOutputs.regex(""), "non-empty string"), (StructuredOutputs("json", "{"), "not valid JSON")):
+        found = problem(Sampling(max_tokens=1, structured_outputs=bad))
+        assert found is not None and found[0] == "structured_outputs" and named in found[1], (bad, found)
+
+
+def test_a_proto_constraint_with_nothing_set_is_refused() -> None:
+    message = types_pb2.SamplingParams(max_tokens=1)
+    message.structured_outputs.SetInParent()
+    found = problem(from_proto(message))
+    assert found is not None and found[0] == "structured_outputs" and "must set one of" in found[1]

@@ -6,7 +6,7 @@ from sluice.common.v1 import types_pb2
 from sluice_common.errors import InvalidArgument
 from sluice_common.validation import validate_generation
 
-MODEL = types_pb2.ModelInfo(name="m", context_length=2048, max_output_tokens=1024, logprobs=True)
+MODEL = types_pb2.ModelInfo(name="m", context_length=2048, max_output_tokens=1024, logprobs=True, structured_outputs=True)
 HELLO = [types_pb2.ChatMessage(role="user", content="hello")]
 
 
@@ -61,3 +61,15 @@ def test_logprobs_from_a_model_that_reports_none_is_refused_naming_it() -> None:
     with pytest.raises(InvalidArgument) as caught:
         validate_generation(HELLO, "", types_pb2.SamplingParams(max_tokens=4, logprobs=0), silent)
     assert caught.value.field_name == "sampling.logprobs" and "vllm" in caught.value.reason
+
+
+def test_a_constraint_is_checked_and_needs_a_model_that_enforces_constraints() -> None:
+    constraint = types_pb2.StructuredOutputs(json='{"type": "object", "properties": {"a": {"type": "integer"}}}')
+    check(structured_outputs=constraint)
+    with pytest.raises(InvalidArgument) as caught:
+        check(structured_outputs=types_pb2.StructuredOutputs(json='{"type": "object", "if": {}}'))
+    assert caught.value.field_name == "sampling.structured_outputs" and "if" in caught.value.reason
+    plain = types_pb2.ModelInfo(name="plain", context_length=2048, max_output_tokens=1024)
+    with pytest.raises(InvalidArgument) as caught:
+        validate_generation(HELLO, "", types_pb2.SamplingParams(max_tokens=4, structured_outputs=constraint), plain)
+    assert caught.value.field_name == "sampling.structured_outputs" and "plain does not enforce" in caught.value.reason

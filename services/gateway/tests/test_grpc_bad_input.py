@@ -125,3 +125,55 @@ async def test_a_sampling_option_out_of_range_is_invalid_argument_naming_it(gate
     async for _ in stub.Generate(gateway_pb2.GenerateRequest(model="g", prompt="x", sampling=fine), metadata=AUTH):
         pass
     assert adapter.requests[-1].sampling == fine
+
+
+def _constrained(**constraint: object) -> types_pb2.SamplingParams:
+    return types_pb2.SamplingParams(max_tokens=2, structured_outputs=types_pb2.StructuredOutputs(**constraint))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("sampling", "named"),
+    [
+        (_constrained(json='{"type": "object", "if": {}, "then": {}}'), "if"),
+        (_constrained(json="{not json"), "not valid JSON"),
+        (_constrained(regex="(unclosed"), "unclosed"),
+        (_constrained(grammar='start: "a" | missing_rule'), "missing_rule"),
+        (_constrained(choice=types_pb2.ChoiceList()), "non-empty list"),
+        (_constrained(), "must set one of"),
+    ],
+)
+async def test_a_constraint_the_library_cannot_compile_is_invalid_argument_naming_it(gateway, sampling, named) -> None:  # type: ignore[no-untyped-def]
+    channel, adapter = gateway
+    stub = gateway_pb2_grpc.GatewayServiceStub(channel)
+    request = gateway_pb2.GenerateRequest(model="g", prompt="x", sampling=sampling)
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        async for _ in stub.Generate(request, metadata=AUTH):
+            pass
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT and _violation(caught.value) == "sampling.structured_outputs"
+    assert named in (caught.value.details() or ""), caught.value.details()
+    assert adapter.requests == []
+
+
+async def test_a_regex_choice_or_grammar_reaches_the_adapter_as_sent(gateway) -> None:  # type: ignore[no-untyped-def]
+    channel, adapter = gateway
+    stub = gateway_pb2_grpc.GatewayServiceStub(channel)
+    for sampling in (_constrained(regex="[0-9]+"), _constrained(choice=types_pb2.ChoiceList(options=["yes", "no"])), _constrained(grammar='start: "a"+')):
+        async for _ in stub.Generate(gateway_pb2.GenerateRequest(model="g", prompt="x", sampling=sampling), metadata=AUTH):
+            pass
+        assert adapter.requests[-1].sampling == sampling
+
+
+async def test_response_format_json_object_is_enforced_not_only_scored(gateway) -> None:  # type: ignore[no-untyped-def]
+    """A gRPC (or job) request asking for a JSON object is decoded under one, as OpenAI's is."""
+    channel, adapter = gateway
+    stub = gateway_pb2_grpc.GatewayServiceStub(channel)
+    request = gateway_pb2.GenerateRequest(model="g", prompt="x", sampling=types_pb2.SamplingParams(max_tokens=2), response_format=types_pb2.RESPONSE_FORMAT_JSON_OBJECT)
+    async for _ in stub.Generate(request, metadata=AUTH):
+        pass
+    assert adapter.requests[-1].sampling.structured_outputs == types_pb2.StructuredOutputs(json_object=True)
+    # A constraint of the client's own is kept.
+    request.sampling.CopyFrom(_constrained(json='{"type": "object"}'))
+    async for _ in stub.Generate(request, metadata=AUTH):
+        pass
+    assert adapter.requests[-1].sampling.structured_outputs.json == '{"type": "object"}'
+

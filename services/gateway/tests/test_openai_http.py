@@ -21,7 +21,7 @@ from sluice.ratelimit.v1 import ratelimit_pb2
 from sluice_common.amqp import EventTopology
 from sluice_common.errors import InvalidArgument
 from sluice_common.interceptor import status_for
-from sluice_common.sampling import Sampling
+from sluice_common.sampling import Sampling, StructuredOutputs
 from sluice_common.sampling_proto import from_proto
 from sluice_gateway.admission import Admission
 from sluice_gateway.completion_events import CompletionEvents
@@ -32,7 +32,7 @@ from sluice_common.tenants import TenantDirectory, hash_api_key
 
 KEY = "sk-test"
 GENERATION = types_pb2.ModelInfo(
-    name="g", kind=types_pb2.MODEL_KIND_GENERATION, context_length=2048, max_output_tokens=1024, logprobs=True
+    name="g", kind=types_pb2.MODEL_KIND_GENERATION, context_length=2048, max_output_tokens=1024, logprobs=True, structured_outputs=True
 )
 EMBEDDING = types_pb2.ModelInfo(name="e", kind=types_pb2.MODEL_KIND_EMBEDDING, embedding_dimensions=3)
 USAGE = types_pb2.Usage(prompt_tokens=7, completion_tokens=2, total_tokens=9, cached_tokens=4)
@@ -376,3 +376,55 @@ async def test_a_token_the_engine_does_not_know_is_a_400_naming_logit_bias(setup
         code, error = await _error(reply)
         assert (code, error["param"], error["type"]) == (400, "logit_bias", "invalid_request_error"), (stream, error)
         assert "49152" in error["message"]
+
+
+PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer", "minimum": 0}}, "required": ["name", "age"], "additionalProperties": False}
+
+
+@pytest.mark.parametrize(
+    ("changes", "expected", "response_format"),
+    [
+        ({"response_format": {"type": "json_object"}}, StructuredOutputs.json_object(), types_pb2.RESPONSE_FORMAT_JSON_OBJECT),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}},
+            StructuredOutputs.json_schema(PERSON),
+            types_pb2.RESPONSE_FORMAT_JSON_OBJECT,
+        ),
+        ({"structured_outputs": {"regex": "[0-9]{3}"}}, StructuredOutputs.regex("[0-9]{3}"), types_pb2.RESPONSE_FORMAT_UNSPECIFIED),
+        ({"structured_outputs": {"choice": ["red", "blue"]}}, StructuredOutputs.choice(["red", "blue"]), types_pb2.RESPONSE_FORMAT_UNSPECIFIED),
+        ({"structured_outputs": {"grammar": 'start: "a"+'}}, StructuredOutputs.grammar('start: "a"+'), types_pb2.RESPONSE_FORMAT_UNSPECIFIED),
+    ],
+)
+async def test_structured_output_reaches_the_adapter_as_a_constraint(setup, changes: dict[str, Any], expected: StructuredOutputs, response_format: int) -> None:  # type: ignore[no-untyped-def]
+    """json_object is enforced while decoding, not only scored afterwards (and the completion event
+    still says a JSON object was asked for, for the evaluators)."""
+    from sluice.evallog.v1 import events_pb2
+
+    client, adapter, _, publisher = setup
+    reply = await client.post("/v1/chat/completions", json={**CHAT, **changes}, headers=AUTH)
+    assert reply.status == 200, await reply.text()
+    assert from_proto(adapter.requests[-1].sampling).structured_outputs == expected
+    assert events_pb2.CompletionEvent.FromString(publisher.bodies[-1]).response_format == response_format
+
+
+@pytest.mark.parametrize(
+    ("changes", "param", "named"),
+    [
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": {"type": "object", "if": {}, "then": {}}}}}, "response_format", "if"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": {"type": "strin"}}}}, "response_format", "strin"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"schema": PERSON}}}, "response_format.json_schema.name", "name"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "p"}}}, "response_format.json_schema.schema", "schema"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON, "extra": 1}}}, "response_format.json_schema.extra", "extra"),
+        ({"response_format": {"type": "xml"}}, "response_format", "xml"),
+        ({"structured_outputs": {"regex": "(unclosed"}}, "structured_outputs", "unclosed"),
+        ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs", "exactly one"),
+        ({"structured_outputs": {"regex": "a"}, "response_format": {"type": "json_object"}}, "response_format", "not both"),
+    ],
+)
+async def test_a_constraint_that_cannot_be_compiled_is_a_400_naming_it(setup, changes: dict[str, Any], param: str, named: str) -> None:  # type: ignore[no-untyped-def]
+    client, adapter, _, _ = setup
+    for stream in (False, True):
+        status, error = await _error(await client.post("/v1/chat/completions", json={**CHAT, **changes, "stream": stream}, headers=AUTH))
+        assert (status, error["param"], error["type"]) == (400, param, "invalid_request_error"), error
+        assert named in error["message"], error
+    assert not adapter.requests  # refused before any lease or adapter call

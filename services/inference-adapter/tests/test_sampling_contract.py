@@ -11,17 +11,20 @@ import pytest
 from sluice.common.v1 import types_pb2
 
 from sluice_common.errors import InvalidArgument
-from sluice_common.sampling import FIELD_NAMES, Sampling, field_error, vllm_sampling_parameters
+from sluice_common.sampling import STRUCTURED_KINDS, FIELD_NAMES, Sampling, StructuredOutputs, field_error, vllm_sampling_parameters
 from sluice_common.sampling_proto import from_proto
 from sluice_inference_adapter.scheduler import Finish, FinishEvent, Timings
 from sluice_inference_adapter.servicer import _final_response
 from sluice_inference_adapter.step_rows import PromptSpec
 
-VLLM = json.loads((Path(__file__).parent / "fixtures" / "vllm_sampling_params.json").read_text())
+FIXTURES = Path(__file__).parent / "fixtures"
+VLLM = json.loads((FIXTURES / "vllm_sampling_params.json").read_text())
+VLLM_STRUCTURED = json.loads((FIXTURES / "vllm_structured_outputs_params.json").read_text())
 
 EVERYTHING = Sampling(
     max_tokens=9, temperature=0.5, top_p=0.75, top_k=20, min_p=0.25, presence_penalty=1.0, frequency_penalty=-0.5,
     repetition_penalty=1.5, logit_bias=((11, 100.0), (12, -100.0)), seed=7, stop=("\n",), logprobs=3, n=2,
+    structured_outputs=StructuredOutputs.json_schema({"type": "object", "properties": {"a": {"type": "integer"}}}),
 )  # fmt: skip
 
 
@@ -46,6 +49,28 @@ def test_the_passthrough_sends_every_option_set() -> None:
     plain = vllm_sampling_parameters(Sampling(max_tokens=5))
     assert plain["temperature"] == 0.0 and VLLM["fields"]["temperature"]["default"] == 1.0
     assert plain["max_tokens"] == 5 and "top_k" not in plain and "logit_bias" not in plain and "seed" not in plain
+
+
+def test_each_constraint_is_one_of_vllms_structured_outputs_fields() -> None:
+    assert set(STRUCTURED_KINDS) <= set(VLLM_STRUCTURED["constraints"])
+    assert VLLM_STRUCTURED["backend_reads_structured_outputs_as"] == "json_text"
+    samples = {
+        "json": StructuredOutputs.json_schema({"type": "object"}),
+        "json_object": StructuredOutputs.json_object(),
+        "regex": StructuredOutputs.regex("[0-9]+"),
+        "choice": StructuredOutputs.choice(["yes", "no"]),
+        "grammar": StructuredOutputs.grammar('start: "a"'),
+    }
+    assert set(samples) == set(STRUCTURED_KINDS)
+    for kind, constraint in samples.items():
+        sent = vllm_sampling_parameters(Sampling(max_tokens=4, structured_outputs=constraint))["structured_outputs"]
+        # The backend json.loads the text into StructuredOutputsParams(**fields): one constraint set.
+        assert isinstance(sent, str)
+        fields_set = json.loads(sent)
+        assert list(fields_set) == [kind] and kind in VLLM_STRUCTURED["constraints"]
+    # json is a dict (the backend refuses anything else), choice a list of strings.
+    assert json.loads(vllm_sampling_parameters(Sampling(max_tokens=1, structured_outputs=samples["json"]))["structured_outputs"]) == {"json": {"type": "object"}}
+    assert json.loads(vllm_sampling_parameters(Sampling(max_tokens=1, structured_outputs=samples["choice"]))["structured_outputs"]) == {"choice": ["yes", "no"]}
 
 
 def test_the_step_request_carries_every_option() -> None:

@@ -11,9 +11,11 @@ import jsonschema
 import numpy as np
 import pytest
 
-from sluice_triton_local.engine import Constraint, ConstraintError, DecodeRow, PrefillRow, RowResult, Sampling, StepEngine
+from sluice_common.sampling import StructuredOutputs, StructuredOutputsError
+from sluice_common.structured_outputs import check
+from sluice_triton_local.engine import DecodeRow, PrefillRow, RowResult, Sampling, StepEngine
 from sluice_triton_local.model_files import gguf_path
-from sluice_triton_local.engine.constraints import apply_masks, check
+from sluice_triton_local.engine.constraints import apply_masks
 
 PERSON = {
     "type": "object",
@@ -40,10 +42,10 @@ GRAMMAR_TEXT = re.compile(r"The answer is [1-9][0-9]{0,5}\.")
 
 # Bounded constraints (every output they allow fits in MAX_TOKENS), so each must finish "stop".
 BOUNDED = {
-    "json_schema": (Constraint.json_schema(PERSON), "Describe a person as JSON."),
-    "regex": (Constraint.regex(PHONE), "Make up a phone number."),
-    "choice": (Constraint.choice(CHOICES), "Name a color."),
-    "grammar": (Constraint.grammar(GRAMMAR), "What is 6 times 7?"),
+    "json": (StructuredOutputs.json_schema(PERSON), "Describe a person as JSON."),
+    "regex": (StructuredOutputs.regex(PHONE), "Make up a phone number."),
+    "choice": (StructuredOutputs.choice(CHOICES), "Name a color."),
+    "grammar": (StructuredOutputs.grammar(GRAMMAR), "What is 6 times 7?"),
 }
 MAX_TOKENS = 120
 SAMPLED = [(0.0, None), (1.0, 1), (1.0, 2), (1.0, 3)]
@@ -72,7 +74,7 @@ def text(results: list[RowResult]) -> str:
 
 
 def assert_valid(kind: str, output: str) -> None:
-    if kind == "json_schema":
+    if kind == "json":
         jsonschema.validate(json.loads(output), PERSON)
     elif kind == "json_object":
         assert isinstance(json.loads(output), dict)
@@ -90,41 +92,41 @@ def assert_valid(kind: str, output: str) -> None:
 @pytest.mark.parametrize(
     ("constraint", "named"),
     [
-        (Constraint.json_schema({"type": "object", "if": {"required": ["a"]}, "then": {"required": ["b"]}}), "if"),
-        (Constraint.json_schema({"type": "object", "properties": {"a": {"type": "strin"}}}), "strin"),
-        (Constraint.json_schema({"type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}}), "missing"),
-        (Constraint.regex("(unclosed"), "unclosed"),
-        (Constraint.grammar('start: item\nitem: "a" | undefined_rule'), "undefined_rule"),
+        (StructuredOutputs.json_schema({"type": "object", "if": {"required": ["a"]}, "then": {"required": ["b"]}}), "if"),
+        (StructuredOutputs.json_schema({"type": "object", "properties": {"a": {"type": "strin"}}}), "strin"),
+        (StructuredOutputs.json_schema({"type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}}), "missing"),
+        (StructuredOutputs.regex("(unclosed"), "unclosed"),
+        (StructuredOutputs.grammar('start: item\nitem: "a" | undefined_rule'), "undefined_rule"),
     ],
 )
 def test_a_constraint_the_library_cannot_compile_is_refused_naming_what(engine: StepEngine, constraint: Constraint, named: str) -> None:
-    with pytest.raises(ConstraintError, match=re.escape(named)):
+    with pytest.raises(StructuredOutputsError, match=re.escape(named)):
         engine.compile_constraint(constraint)
-    with pytest.raises(ConstraintError, match=re.escape(named)):
+    with pytest.raises(StructuredOutputsError, match=re.escape(named)):
         check(constraint)  # without the model's vocabulary, for a front that has none
     generated = engine.tokens_generated_total
-    [result] = engine.step([PrefillRow(1, engine.encode_chat([("user", "hi")]), Sampling(max_tokens=8), constraint=constraint)])
-    assert result.finish_reason == "error" and named in result.error and result.error.startswith("invalid constraint")
+    [result] = engine.step([PrefillRow(1, engine.encode_chat([("user", "hi")]), Sampling(max_tokens=8, structured_outputs=constraint))])
+    assert result.finish_reason == "error" and named in result.error and result.error.startswith("sampling.structured_outputs: ")
     assert result.completion_tokens == 0 and engine.tokens_generated_total == generated
     assert engine.active_slots == 0
 
 
 @pytest.mark.parametrize("value", ["{not json", "[1, 2]"])
 def test_a_json_schema_that_is_not_a_json_object_is_refused(value: str) -> None:
-    with pytest.raises(ConstraintError, match="json_schema"):
-        Constraint.json_schema(value)
+    with pytest.raises(StructuredOutputsError, match="JSON Schema"):
+        StructuredOutputs.json_schema(value)
 
 
 def test_an_empty_choice_or_regex_is_refused(engine: StepEngine) -> None:
-    with pytest.raises(ConstraintError, match="choice"):
-        engine.compile_constraint(Constraint.choice([]))
-    with pytest.raises(ConstraintError, match="regex"):
-        engine.compile_constraint(Constraint.regex(""))
+    with pytest.raises(StructuredOutputsError, match="choice"):
+        engine.compile_constraint(StructuredOutputs.choice([]))
+    with pytest.raises(StructuredOutputsError, match="regex"):
+        engine.compile_constraint(StructuredOutputs.regex(""))
 
 
 def test_compiled_constraints_are_cached(engine: StepEngine) -> None:
-    first = engine.compile_constraint(Constraint.json_schema(PERSON))
-    assert engine.compile_constraint(Constraint.json_schema(json.dumps(PERSON))) is first
+    first = engine.compile_constraint(StructuredOutputs.json_schema(PERSON))
+    assert engine.compile_constraint(StructuredOutputs.json_schema(json.dumps(PERSON))) is first
 
 
 # -- generation -----------------------------------------------------------
@@ -134,7 +136,7 @@ def test_compiled_constraints_are_cached(engine: StepEngine) -> None:
 def test_every_constraint_kind_generates_valid_output(engine: StepEngine, temperature: float, seed: int | None) -> None:
     kinds = list(BOUNDED)
     rows = [
-        PrefillRow(i, engine.encode_chat([("user", prompt)]), Sampling(max_tokens=MAX_TOKENS, temperature=temperature, seed=seed), constraint=c)
+        PrefillRow(i, engine.encode_chat([("user", prompt)]), Sampling(max_tokens=MAX_TOKENS, temperature=temperature, seed=seed, structured_outputs=c))
         for i, (c, prompt) in enumerate(BOUNDED.values())
     ]
     results = run_batch(engine, rows)
@@ -146,7 +148,7 @@ def test_every_constraint_kind_generates_valid_output(engine: StepEngine, temper
 
 
 def test_a_complete_constraint_ends_the_sequence_without_sampling_the_end(engine: StepEngine) -> None:
-    [results] = run_batch(engine, [PrefillRow(1, engine.encode_chat([("user", "Name a color.")]), Sampling(max_tokens=MAX_TOKENS), constraint=Constraint.choice(["purple"]))]).values()
+    [results] = run_batch(engine, [PrefillRow(1, engine.encode_chat([("user", "Name a color.")]), Sampling(max_tokens=MAX_TOKENS, structured_outputs=StructuredOutputs.choice(["purple"])))]).values()
     assert text(results) == "purple" and results[-1].finish_reason == "stop"
     # The last token is the constraint's last, not an end-of-sequence token the constraint forced.
     assert results[-1].token_id not in engine.tokenizer.stop_ids
@@ -156,7 +158,7 @@ def test_json_object_output_is_an_object_or_says_length(engine: StepEngine) -> N
     """Any JSON object is unbounded: a sampled one may run out of tokens, and must then say "length"."""
     prompt = engine.encode_chat([("user", 'Reply with a JSON object with the key "ok" set to true.')])
     rows = [
-        PrefillRow(i, prompt, Sampling(max_tokens=48, temperature=t, seed=s), constraint=Constraint.json_object())
+        PrefillRow(i, prompt, Sampling(max_tokens=48, temperature=t, seed=s, structured_outputs=StructuredOutputs.json_object()))
         for i, (t, s) in enumerate(SAMPLED)
     ]
     results = run_batch(engine, rows)
@@ -173,9 +175,9 @@ def test_json_object_output_is_an_object_or_says_length(engine: StepEngine) -> N
 
 
 def test_a_constraint_never_runs_past_max_tokens(engine: StepEngine) -> None:
-    long_string = Constraint.json_schema({"type": "object", "properties": {"essay": {"type": "string", "minLength": 200}}, "required": ["essay"]})
+    long_string = StructuredOutputs.json_schema({"type": "object", "properties": {"essay": {"type": "string", "minLength": 200}}, "required": ["essay"]})
     prompt = engine.encode_chat([("user", "Write an essay as JSON.")])
-    [results] = run_batch(engine, [PrefillRow(1, prompt, Sampling(max_tokens=12), constraint=long_string)]).values()
+    [results] = run_batch(engine, [PrefillRow(1, prompt, Sampling(max_tokens=12, structured_outputs=long_string))]).values()
     assert [r.finish_reason for r in results] == [""] * 11 + ["length"]
     assert results[-1].completion_tokens == 12 and text(results).startswith('{"essay": "')
 
@@ -190,14 +192,14 @@ def test_rows_without_a_constraint_are_unaffected_by_constrained_neighbours(engi
     ]
     alone = run_batch(engine, free)
     constrained = [
-        PrefillRow(i, engine.encode_chat([("user", prompt)]), Sampling(max_tokens=MAX_TOKENS), constraint=c)
+        PrefillRow(i, engine.encode_chat([("user", prompt)]), Sampling(max_tokens=MAX_TOKENS, structured_outputs=c))
         for i, (c, prompt) in enumerate(BOUNDED.values())
     ]
     together = run_batch(engine, [constrained[0], free[0], constrained[1], free[1], constrained[2], constrained[3]])
     for sid in (10, 11):
         assert [r.token_id for r in together[sid]] == [r.token_id for r in alone[sid]]
         assert together[sid][-1].finish_reason == alone[sid][-1].finish_reason
-    assert_valid("json_schema", text(together[0]))
+    assert_valid("json", text(together[0]))
 
 
 # -- the mask -------------------------------------------------------------
@@ -220,10 +222,10 @@ def test_apply_masks_removes_exactly_the_disallowed_tokens_of_the_masked_rows() 
 
 
 def test_a_hand_built_constraint_with_a_bad_value_is_an_error_row_not_an_exception(engine: StepEngine) -> None:
-    cases = [(Constraint("json_schema", "{not json"), "json_schema: key must be a string"), (Constraint("xml", "<a/>"), "constraint kind must be one of")]  # type: ignore[arg-type]
+    cases = [(StructuredOutputs("json", "{not json"), "the JSON Schema is not valid JSON"), (StructuredOutputs("xml", "<a/>"), "must set one of json, json_object")]
     for bad, named in cases:
-        [result] = engine.step([PrefillRow(1, engine.encode_chat([("user", "hi")]), Sampling(max_tokens=8), constraint=bad)])
-        assert result.finish_reason == "error" and result.error.startswith(f"invalid constraint: {named}")
+        [result] = engine.step([PrefillRow(1, engine.encode_chat([("user", "hi")]), Sampling(max_tokens=8, structured_outputs=bad))])
+        assert result.finish_reason == "error" and result.error.startswith(f"sampling.structured_outputs: {named}")
     assert engine.active_slots == 0
 
 
@@ -233,7 +235,7 @@ def test_a_sibling_sharing_an_unconstrained_leaders_prefill_keeps_its_own_constr
     sharing = StepEngine(gguf_path(), max_slots=4, max_context=512, threads=2, prefix_cache=True)
     prompt = sharing.encode_chat([("user", "Name a color.")])
     free = PrefillRow(1, prompt, Sampling(max_tokens=MAX_TOKENS))
-    constrained = PrefillRow(2, prompt, Sampling(max_tokens=MAX_TOKENS), constraint=Constraint.choice(["purple"]))
+    constrained = PrefillRow(2, prompt, Sampling(max_tokens=MAX_TOKENS, structured_outputs=StructuredOutputs.choice(["purple"])))
     results = run_batch(sharing, [free, constrained])
     assert results[2][0].cached_tokens == len(prompt)  # it was a sibling: the whole prompt shared
     assert text(results[2]) == "purple" and results[2][-1].finish_reason == "stop"

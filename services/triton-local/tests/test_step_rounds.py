@@ -173,3 +173,24 @@ def test_a_prompt_seen_before_reports_its_cached_tokens_and_the_metrics_count_th
     assert _metric("sluice_triton_local_prefix_cache_lookups_total", {"result": "hit"}) == hits + 1
     assert _metric("sluice_triton_local_prefix_cache_lookups_total", {"result": "miss"}) == misses + 1
     assert _metric("sluice_triton_local_prefix_cache_reused_tokens_total") == reused + prompt - 1
+
+
+def test_a_step_request_carries_its_constraint_and_one_that_cannot_compile_is_invalid_naming_it(shared: SharedEngine) -> None:
+    """The step protocol's structured_outputs (vLLM's StructuredOutputsParams) is enforced; a malformed
+    or uncompilable one answers "invalid" with the field named, before any token."""
+    choice = {"messages": [["user", "Pick a fruit."]], "max_tokens": 16, "structured_outputs": {"choice": ["banana", "cherry"]}}
+    text = ""
+    rows: list[tuple[int, int, dict[str, Any] | None]] = [(PREFILL, 71, choice)]
+    finished = b""
+    while not finished:
+        for response in _round(shared, rows, 8):
+            text += bytes(response["TEXT"][0]).decode()
+            finished = response["FINISH"][0]
+        rows = [(DECODE, 71, None)]
+    assert finished == b"stop" and text in ("banana", "cherry")
+    for bad, named in (({"regex": "(unclosed"}, "unclosed"), ({"json": {"type": "object", "if": {}}}, "if"), ({"regex": "a", "choice": ["b"]}, "exactly one")):
+        [response] = _round(shared, [(PREFILL, 72, {"prompt": "x", "max_tokens": 4, "structured_outputs": bad})], 1)
+        assert response["FINISH"][0] == b"invalid", bad
+        error = bytes(response["ERROR"][0]).decode()
+        assert error.startswith("sampling.structured_outputs: ") and named in error, error
+        assert response["COMPLETION_TOKENS"][0] == 0

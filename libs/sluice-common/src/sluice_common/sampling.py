@@ -17,6 +17,7 @@ Stdlib only: the deploy/triton image copies this module beside the engine withou
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, fields
 from typing import Any
@@ -31,6 +32,122 @@ MAX_LOGPROBS = 20
 # Sequences per prompt (n): each holds a KV slot of its own while it decodes, so a bound keeps one
 # request from taking a replica's batch; OpenAI documents none, vLLM none but its batch size.
 MAX_N = 8
+
+
+class StructuredOutputsError(ValueError):
+    """A constraint that is malformed or cannot be compiled; the message names the field, keyword or
+    construct at fault (an HTTP 400 / INVALID_ARGUMENT for whoever sent it)."""
+
+
+# vLLM's StructuredOutputsParams fields, one of which a constraint sets (the proto's oneof).
+STRUCTURED_KINDS: tuple[str, ...] = ("json", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass(frozen=True)
+class StructuredOutputs:
+    """What a sequence's output must match (the proto's StructuredOutputs). `kind` is the one field of
+    vLLM's StructuredOutputsParams it sets; `value` holds the JSON Schema as JSON text (json), the
+    pattern (regex), the options (choice) or the Lark/GBNF text (grammar); "" for json_object.
+    Hashable, so that an engine keeps the compiled form of the ones it sees again."""
+
+    kind: str
+    value: str | tuple[str, ...] = ""
+
+    @classmethod
+    def json_object(cls) -> StructuredOutputs:
+        return cls("json_object")
+
+    @classmethod
+    def json_schema(cls, schema: dict[str, Any] | str) -> StructuredOutputs:
+        """Compact JSON text of the schema (so equal schemas are one cache entry)."""
+        return cls("json", json.dumps(_schema_object(schema), separators=(",", ":")))
+
+    @classmethod
+    def regex(cls, pattern: str) -> StructuredOutputs:
+        return cls("regex", pattern)
+
+    @classmethod
+    def choice(cls, options: list[str] | tuple[str, ...]) -> StructuredOutputs:
+        return cls("choice", tuple(options))
+
+    @classmethod
+    def grammar(cls, text: str) -> StructuredOutputs:
+        return cls("grammar", text)
+
+    def schema(self) -> dict[str, Any]:
+        """The JSON Schema of a "json" constraint ({"type": "object"} for json_object)."""
+        if self.kind == "json_object":
+            return {"type": "object"}
+        return _schema_object(str(self.value))
+
+    def problem(self) -> str | None:
+        """Why the constraint is malformed (before any compiler sees it), or None."""
+        kind, value = self.kind, self.value
+        if kind not in STRUCTURED_KINDS:
+            return f"must set one of {', '.join(STRUCTURED_KINDS)} (got {kind!r})"
+        if kind == "json":
+            try:
+                self.schema()
+            except StructuredOutputsError as exc:
+                return str(exc)
+        if kind in ("regex", "grammar") and not (isinstance(value, str) and value.strip()):
+            return f"{kind} must be a non-empty string"
+        if kind == "choice" and not (isinstance(value, tuple) and value and all(isinstance(v, str) and v for v in value)):
+            return "choice must be a non-empty list of non-empty strings"
+        return None
+
+    def to_json(self) -> dict[str, Any]:
+        """vLLM's StructuredOutputsParams as a JSON object: {"json": {schema}}, {"json_object": true},
+        {"regex": "..."}, {"choice": [...]} or {"grammar": "..."}."""
+        if self.kind == "json":
+            return {"json": self.schema()}
+        if self.kind == "json_object":
+            return {"json_object": True}
+        return {self.kind: list(self.value) if isinstance(self.value, tuple) else self.value}
+
+    @classmethod
+    def from_json(cls, body: dict[str, Any] | str) -> StructuredOutputs:
+        """The inverse of to_json; also takes the object as JSON text (Triton's vLLM backend reads
+        `structured_outputs` so). Exactly one field must be set; fields vLLM has and Sluice does not
+        honour (whitespace_pattern, structural_tag, ...) are refused by name."""
+        if isinstance(body, str):
+            try:
+                body = json.loads(body)
+            except json.JSONDecodeError as exc:
+                raise StructuredOutputsError(f"structured_outputs is not valid JSON: {exc}") from None
+        if not isinstance(body, dict):
+            raise StructuredOutputsError(f"structured_outputs must be an object, got {body!r}")
+        given = {key: value for key, value in body.items() if value not in (None, False)}
+        unknown = sorted(set(given) - set(STRUCTURED_KINDS))
+        if unknown:
+            raise StructuredOutputsError(f"structured_outputs: {', '.join(unknown)} not supported; set one of {', '.join(STRUCTURED_KINDS)}")
+        if len(given) != 1:
+            raise StructuredOutputsError(f"structured_outputs must set exactly one of {', '.join(STRUCTURED_KINDS)}, got {sorted(given) or 'none'}")
+        ((kind, value),) = given.items()
+        if kind == "json":
+            return cls.json_schema(value)
+        if kind == "json_object":
+            if value is not True:
+                raise StructuredOutputsError(f"structured_outputs.json_object must be true, got {value!r}")
+            return cls.json_object()
+        if kind == "choice":
+            if not isinstance(value, list):
+                raise StructuredOutputsError(f"structured_outputs.choice must be a list of strings, got {value!r}")
+            return cls.choice(tuple(value))
+        if not isinstance(value, str):
+            raise StructuredOutputsError(f"structured_outputs.{kind} must be a string, got {value!r}")
+        return cls(kind, value)
+
+
+def _schema_object(schema: dict[str, Any] | str) -> dict[str, Any]:
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except json.JSONDecodeError as exc:
+            raise StructuredOutputsError(f"the JSON Schema is not valid JSON: {exc}") from None
+    if not isinstance(schema, dict):
+        raise StructuredOutputsError(f"the JSON Schema must be a JSON object, got {type(schema).__name__}")
+    return schema
 
 
 @dataclass(frozen=True)
@@ -54,6 +171,8 @@ class Sampling:
     logprobs: int | None = None
     # Sequences for the prompt (the gateway fans them out: engines only ever see 1).
     n: int = 1
+    # What the output must match, enforced while decoding; None: free text.
+    structured_outputs: StructuredOutputs | None = None
 
     @property
     def penalized(self) -> bool:
@@ -69,6 +188,8 @@ class Sampling:
                 continue
             if f.name == "logit_bias":
                 value = {str(token): bias for token, bias in value}
+            elif isinstance(value, StructuredOutputs):
+                value = value.to_json()
             elif isinstance(value, tuple):
                 value = list(value)
             body[f.name] = value
@@ -95,6 +216,8 @@ def _coerce(name: str, default: Any, value: Any) -> Any:
         if not isinstance(value, dict):
             raise TypeError(f"logit_bias must be an object of token id -> bias, got {value!r}")
         return logit_bias_pairs((int(token), float(bias)) for token, bias in value.items())
+    if name == "structured_outputs":
+        return value if isinstance(value, StructuredOutputs) else StructuredOutputs.from_json(value)
     if name in ("seed", "logprobs"):
         if isinstance(value, bool):
             raise TypeError(f"{name} must be an integer, got {value!r}")
@@ -145,6 +268,10 @@ def problem(sampling: Sampling, vocab_size: int | None = None) -> tuple[str, str
         return "logprobs", f"must be in [0, {MAX_LOGPROBS}] (alternatives per token), got {s.logprobs}"
     if not 1 <= s.n <= MAX_N:
         return "n", f"must be in [1, {MAX_N}], got {s.n}"
+    if s.structured_outputs is not None:
+        reason = s.structured_outputs.problem()
+        if reason is not None:
+            return "structured_outputs", reason
     return None
 
 
@@ -180,8 +307,11 @@ VLLM_ALWAYS_SENT = ("max_tokens", "temperature", "top_p", "stop")
 
 
 def vllm_sampling_parameters(sampling: Sampling) -> dict[str, Any]:
-    """The `sampling_parameters` JSON object of Triton's vLLM backend."""
+    """The `sampling_parameters` JSON object of Triton's vLLM backend (whose `structured_outputs` is
+    StructuredOutputsParams' fields as JSON text: the backend json.loads it)."""
     parameters: dict[str, Any] = {name: value for name, value in sampling.to_json().items()}
+    if "structured_outputs" in parameters:
+        parameters["structured_outputs"] = json.dumps(parameters["structured_outputs"])
     for name in VLLM_ALWAYS_SENT:
         value = getattr(sampling, name)
         parameters.setdefault(name, list(value) if isinstance(value, tuple) else value)

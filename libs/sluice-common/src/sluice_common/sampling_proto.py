@@ -12,7 +12,7 @@ from typing import Any
 
 from sluice.common.v1 import types_pb2
 
-from sluice_common.sampling import Sampling, logit_bias_pairs
+from sluice_common.sampling import Sampling, StructuredOutputs, logit_bias_pairs
 
 
 def from_proto(message: types_pb2.SamplingParams) -> Sampling:
@@ -22,7 +22,10 @@ def from_proto(message: types_pb2.SamplingParams) -> Sampling:
     for f in fields(Sampling):
         descriptor = descriptors[f.name]
         value = getattr(message, f.name)
-        if descriptor.has_presence:
+        if f.name == "structured_outputs":
+            if message.HasField(f.name):
+                values[f.name] = structured_outputs_from_proto(value)
+        elif descriptor.has_presence:
             if message.HasField(f.name):
                 values[f.name] = value
         elif f.name == "logit_bias":
@@ -43,8 +46,32 @@ def to_proto(sampling: Sampling) -> types_pb2.SamplingParams:
             continue
         if f.name == "logit_bias":
             message.logit_bias.update(dict(value))
+        elif f.name == "structured_outputs":
+            message.structured_outputs.CopyFrom(structured_outputs_to_proto(value))
         elif isinstance(value, tuple):
             getattr(message, f.name).extend(value)
         else:
             setattr(message, f.name, value)
+    return message
+
+
+def structured_outputs_from_proto(message: types_pb2.StructuredOutputs) -> StructuredOutputs:
+    """Unparsed (a malformed schema is `StructuredOutputs.problem`'s to name); a message with no
+    field of its oneof set is kind "" (refused there too)."""
+    kind = message.WhichOneof("constraint") or ""
+    if kind == "choice":
+        return StructuredOutputs("choice", tuple(message.choice.options))
+    if kind == "json_object":
+        return StructuredOutputs("json_object" if message.json_object else "")
+    return StructuredOutputs(kind, getattr(message, kind) if kind else "")
+
+
+def structured_outputs_to_proto(constraint: StructuredOutputs) -> types_pb2.StructuredOutputs:
+    message = types_pb2.StructuredOutputs()
+    if constraint.kind == "choice":
+        message.choice.options.extend(constraint.value)
+    elif constraint.kind == "json_object":
+        message.json_object = True
+    else:
+        setattr(message, constraint.kind, constraint.value)
     return message

@@ -11,8 +11,9 @@ from collections.abc import Sequence
 from sluice.common.v1 import types_pb2
 
 from sluice_common.errors import InvalidArgument
-from sluice_common.sampling import problem
-from sluice_common.sampling_proto import from_proto
+from sluice_common.sampling import StructuredOutputsError, problem
+from sluice_common.sampling_proto import from_proto, structured_outputs_from_proto
+from sluice_common.structured_outputs import check
 
 ROLES = ("system", "user", "assistant")
 MAX_STOP_SEQUENCES = 4
@@ -44,11 +45,24 @@ def validate_generation(
     if sampling.HasField("logprobs") and not model.logprobs:
         # Decided from the model's declared capabilities (ListModels), before any lease is taken.
         raise InvalidArgument("sampling.logprobs", f"{model.name} does not report token log-probabilities")
+    if sampling.HasField("structured_outputs"):
+        _validate_structured_outputs(sampling.structured_outputs, model)
     if len(sampling.stop) > MAX_STOP_SEQUENCES:
         raise InvalidArgument("sampling.stop", f"at most {MAX_STOP_SEQUENCES} stop sequences, got {len(sampling.stop)}")
     for index, stop in enumerate(sampling.stop):
         if not stop or len(stop) > MAX_STOP_LENGTH:
             raise InvalidArgument(f"sampling.stop[{index}]", f"must be 1 to {MAX_STOP_LENGTH} characters long")
+
+
+def _validate_structured_outputs(message: types_pb2.StructuredOutputs, model: types_pb2.ModelInfo) -> None:
+    if not model.structured_outputs:
+        raise InvalidArgument("sampling.structured_outputs", f"{model.name} does not enforce structured outputs")
+    try:
+        # Compiled without the vocabulary: a schema the library cannot compile is refused here,
+        # naming the keyword, before a lease is taken (the engine compiles it again for its model).
+        check(structured_outputs_from_proto(message))
+    except StructuredOutputsError as exc:
+        raise InvalidArgument("sampling.structured_outputs", str(exc)) from None
 
 
 def _validate_input(messages: Sequence[types_pb2.ChatMessage], prompt: str) -> None:

@@ -395,7 +395,11 @@ class InferencePath:
         """max_tokens omitted (0): the model's remaining context after the prompt, capped by the
         configured default and the model's max_output_tokens. The prompt is counted exactly (the
         adapter's CountTokens) only when its bound (prompt_token_bound) says the cap may not fit;
-        that count is returned (None when there was none) for check_context to reuse."""
+        that count is returned (None when there was none) for check_context to reuse. A request that
+        asks for a JSON object (response_format) and sets no constraint of its own is constrained to
+        one: enforced while decoding, on every front, not only scored afterwards."""
+        if request.response_format == types_pb2.RESPONSE_FORMAT_JSON_OBJECT and not request.sampling.HasField("structured_outputs"):
+            request.sampling.structured_outputs.json_object = True
         if request.sampling.max_tokens != 0:
             return None
         model = self.models.get(request.model)

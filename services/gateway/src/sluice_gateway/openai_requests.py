@@ -11,7 +11,10 @@ they build. Every refusal is an `OpenAIError` in OpenAI's shape, naming the offe
 
 Sampling options honoured: OpenAI's temperature, top_p, seed, stop, presence_penalty,
 frequency_penalty and logit_bias ({"<token id>": bias}), and vLLM's extensions top_k (-1 or 0: no
-limit), min_p and repetition_penalty. Their ranges are the sampling contract's
+limit), min_p and repetition_penalty. Structured output by constrained decoding: OpenAI's
+response_format json_object and json_schema, and vLLM's extension structured_outputs (json, regex,
+choice, grammar); a schema the library cannot compile is a 400 naming the keyword, before anything
+is queued. Their ranges are the sampling contract's
 (sluice_common.sampling.problem), checked by the InferencePath as for every front; a logit_bias id
 outside the model's vocabulary is refused by the engine, which knows it: 400 naming logit_bias too.
 
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import base64
 import math
+import re
 import struct
 import time
 from dataclasses import dataclass, field
@@ -32,12 +36,18 @@ from typing import Any
 from sluice.common.v1 import types_pb2
 from sluice.gateway.v1 import gateway_pb2
 
+from sluice_common.sampling import StructuredOutputs, StructuredOutputsError
+from sluice_common.sampling_proto import structured_outputs_to_proto
+from sluice_common.structured_outputs import check
 from sluice_common.utf8 import invalid_json_text
 from sluice_gateway.openai_choices import ChoiceState, chat_logprobs, parse_chat_choices, parse_completion_choices
 
 # OpenAI's defaults for sampling (https://platform.openai.com/docs/api-reference/chat/create).
 DEFAULT_TEMPERATURE = 1.0
 DEFAULT_TOP_P = 1.0
+
+# OpenAI's rule for response_format.json_schema.name.
+_SCHEMA_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 # SamplingParams.max_tokens is an int32: anything larger cannot be carried, let alone served.
 MAX_INT32 = (1 << 31) - 1
@@ -110,13 +120,13 @@ _IGNORED = ("user", "metadata")
 # OpenAI's sampling params and vLLM's extensions of them (its OpenAI server takes them in the body).
 _SAMPLING_FIELDS = {
     "max_tokens", "temperature", "top_p", "stop", "seed", "presence_penalty", "frequency_penalty", "logit_bias",
-    "top_k", "min_p", "repetition_penalty",
+    "top_k", "min_p", "repetition_penalty", "structured_outputs",
 }  # fmt: skip
 _CHAT_FIELDS = {
     "model", "messages", "max_completion_tokens", "stream", "stream_options", "response_format", *_SAMPLING_FIELDS,
     "n", "logprobs", "top_logprobs",
 }  # fmt: skip
-_COMPLETION_FIELDS = {"model", "prompt", "stream", "stream_options", *_SAMPLING_FIELDS, "n", "logprobs", "echo"}
+_COMPLETION_FIELDS = {"model", "prompt", "stream", "stream_options", "response_format", *_SAMPLING_FIELDS, "n", "logprobs", "echo"}
 _EMBEDDING_FIELDS = {"model", "input", "encoding_format", "dimensions"}
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 
@@ -197,6 +207,7 @@ def _sampling(body: dict[str, Any]) -> types_pb2.SamplingParams:
         if top_k > 0:  # -1 is vLLM's "no limit", as 0 is
             sampling.top_k = top_k
     _logit_bias(body.get("logit_bias"), sampling)
+    _structured_outputs(body.get("structured_outputs"), sampling)
     stop = body.get("stop")
     if isinstance(stop, str):
         sampling.stop.append(stop)
@@ -223,6 +234,62 @@ def _logit_bias(value: Any, sampling: types_pb2.SamplingParams) -> None:
         if not _is_number(bias):
             raise invalid("logit_bias", f"logit_bias values must be numbers from -100 to 100, got {bias!r} for token {key}", "invalid_type")
         sampling.logit_bias[token] = float(bias)
+
+
+def _structured_outputs(value: Any, sampling: types_pb2.SamplingParams) -> None:
+    """vLLM's extension: `structured_outputs` {"json" | "json_object" | "regex" | "choice" |
+    "grammar": ...} (its StructuredOutputsParams), enforced while decoding."""
+    if value is None:
+        return
+    _constrain(sampling, value, "structured_outputs")
+
+
+def _constrain(sampling: types_pb2.SamplingParams, value: dict[str, Any] | StructuredOutputs, param: str) -> None:
+    """Sets the constraint, refusing one that is malformed or that the library cannot compile
+    (naming the keyword) before the request goes anywhere."""
+    try:
+        constraint = value if isinstance(value, StructuredOutputs) else StructuredOutputs.from_json(value)
+        check(constraint)
+    except StructuredOutputsError as exc:
+        raise invalid(param, f"{param}: {exc}", "invalid_value") from None
+    sampling.structured_outputs.CopyFrom(structured_outputs_to_proto(constraint))
+
+
+def _response_format(value: Any, request: gateway_pb2.GenerateRequest) -> None:
+    """OpenAI's response_format: "text"; "json_object" (any JSON object); "json_schema" with
+    {"name", "schema", "strict", "description"}: the output is decoded under the schema whether or not
+    strict is true (vLLM does the same), so it always validates."""
+    if value is None:
+        return
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind in ("json_object", "json_schema") and request.sampling.HasField("structured_outputs"):
+        raise invalid("response_format", "give response_format or structured_outputs, not both", "invalid_value")
+    if kind == "text":
+        request.response_format = types_pb2.RESPONSE_FORMAT_TEXT
+        return
+    if kind == "json_object":
+        request.response_format = types_pb2.RESPONSE_FORMAT_JSON_OBJECT
+        _constrain(request.sampling, StructuredOutputs.json_object(), "response_format")
+        return
+    if kind != "json_schema":
+        raise invalid("response_format", f"response_format.type must be text, json_object or json_schema, got {value!r}", "invalid_value")
+    spec = value.get("json_schema")
+    if not isinstance(spec, dict):
+        raise invalid("response_format.json_schema", "response_format.json_schema must be an object with name and schema", "invalid_type")
+    for name in spec:
+        if name not in ("name", "schema", "strict", "description"):
+            raise invalid(f"response_format.json_schema.{name}", f"Unrecognized request argument supplied: response_format.json_schema.{name}", "unknown_parameter")
+    name = spec.get("name")
+    if not isinstance(name, str) or not _SCHEMA_NAME.fullmatch(name):
+        raise invalid("response_format.json_schema.name", f"name must be 1 to 64 letters, digits, underscores or dashes, got {name!r}", "invalid_value")
+    schema = spec.get("schema")
+    if not isinstance(schema, dict):
+        raise invalid("response_format.json_schema.schema", f"response_format.json_schema.schema must be a JSON Schema object, got {schema!r}", "invalid_type")
+    if spec.get("strict") not in (None, True, False):
+        raise invalid("response_format.json_schema.strict", f"strict must be a boolean, got {spec.get('strict')!r}", "invalid_type")
+    _constrain(request.sampling, StructuredOutputs.json_schema(schema), "response_format")
+    if schema.get("type") == "object":
+        request.response_format = types_pb2.RESPONSE_FORMAT_JSON_OBJECT  # the evaluators check it parses
 
 
 @dataclass(frozen=True)
@@ -294,15 +361,7 @@ def parse_chat(body: dict[str, Any]) -> GenerationCall:
         request.messages.append(types_pb2.ChatMessage(role=_ROLES[role], content=content))
     request.sampling.CopyFrom(_sampling(body))
     parse_chat_choices(body, request.sampling)
-    response_format = body.get("response_format")
-    if response_format is not None:
-        kind = response_format.get("type") if isinstance(response_format, dict) else None
-        if kind == "json_object":
-            request.response_format = types_pb2.RESPONSE_FORMAT_JSON_OBJECT
-        elif kind == "text":
-            request.response_format = types_pb2.RESPONSE_FORMAT_TEXT
-        else:
-            raise invalid("response_format", f"response_format must be {{\"type\": \"text\"}} or {{\"type\": \"json_object\"}}, got {response_format!r}")
+    _response_format(body.get("response_format"), request)
     return GenerationCall(request, _stream_options(body), chat=True)
 
 
@@ -316,6 +375,7 @@ def parse_completion(body: dict[str, Any]) -> GenerationCall:
         raise invalid("prompt", "prompt must be a string (or an array of one string; token arrays are not supported)", "invalid_type")
     request.prompt = prompt
     request.sampling.CopyFrom(_sampling(body))
+    _response_format(body.get("response_format"), request)
     echo = parse_completion_choices(body, request.sampling)
     return GenerationCall(request, _stream_options(body), chat=False, echo=echo)
 

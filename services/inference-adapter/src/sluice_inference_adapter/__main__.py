@@ -228,6 +228,8 @@ def model_info(config: AdapterConfig) -> types_pb2.ModelInfo:
         kind=types_pb2.MODEL_KIND_GENERATION,
         context_length=config.context_length,
         max_output_tokens=config.max_output_tokens,
+        # Both ways of feeding Triton enforce them: the step engine and vLLM's structured_outputs.
+        structured_outputs=True,
     )
 
 

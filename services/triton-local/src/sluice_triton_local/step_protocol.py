@@ -25,7 +25,10 @@ One Triton request carries one row per sequence, all tensors of shape [rows]:
                            (sluice_common.sampling.Sampling.to_json: "max_tokens", "temperature",
                            "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                            "repetition_penalty", "logit_bias" {"<token id>": bias}, "seed",
-                           "stop"; absent: the default; max_tokens must be given),
+                           "stop", "logprobs", "structured_outputs" (vLLM's
+                           StructuredOutputsParams: {"json": schema}, {"json_object": true},
+                           {"regex": ...}, {"choice": [...]} or {"grammar": ...}); absent: the
+                           default; max_tokens must be given),
                            "prefill_chunk": prompt tokens to cache per step (0 or
                            absent: the whole prompt in this step), and "owner": who
                            drives the sequence (slot metrics per adapter). A DECODE row of a
@@ -43,8 +46,9 @@ stepped (and any a release request named), in their order in the request.
            TEXT              BYTES  UTF-8 text delta
            FINISH            BYTES  "" while running, else "stop", "length", "error",
                                     "invalid" when the row's input was rejected (a client error;
-                                    an option out of its range or a logit_bias id outside the
-                                    vocabulary: ERROR is "sampling.<option>: <reason>"),
+                                    an option out of its range, a logit_bias id outside the
+                                    vocabulary or a constraint the engine cannot compile: ERROR is
+                                    "sampling.<option>: <reason>"),
                                     or "busy": a prefill found every slot taken (several adapters
                                     share the engine); nothing changed, retry it later;
                                     or "stale": as "busy", but none of the sequences holding the
@@ -77,7 +81,8 @@ from typing import Any
 
 import numpy as np
 
-from sluice_common.sampling import Sampling, field_error, problem
+from sluice_common.sampling import Sampling, StructuredOutputsError, field_error, problem
+from sluice_common.structured_outputs import check
 from sluice_triton_local.engine.step_engine import (
     DecodeRow,
     PrefillRow,
@@ -141,10 +146,18 @@ def _parse_row(engine: SharedEngine, action: int, seq_id: int, raw: bytes) -> Pr
         prompt_tokens = len(prompt)
         if action == COUNT:
             return RowResult(seq_id, -1, "", "", prompt_tokens, 0)
-        sampling = Sampling.from_json(request)
+        try:
+            sampling = Sampling.from_json(request)
+        except StructuredOutputsError as exc:
+            return _invalid(seq_id, field_error("structured_outputs", str(exc)))
         found = problem(sampling, engine.vocab_size)
         if found is not None:
             return _invalid(seq_id, field_error(*found))
+        if sampling.structured_outputs is not None:
+            try:
+                check(sampling.structured_outputs)  # the engine compiles it again, against the vocabulary
+            except StructuredOutputsError as exc:
+                return _invalid(seq_id, field_error("structured_outputs", str(exc)))
         if prompt_tokens + sampling.max_tokens > engine.context_length:
             return RowResult(
                 seq_id, -1, "", "invalid", prompt_tokens, 0,

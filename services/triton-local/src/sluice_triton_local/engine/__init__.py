@@ -1,8 +1,7 @@
 """Pure-numpy continuous-batching inference engine for llama-architecture GGUF models."""
 
-from sluice_common.sampling import Sampling
+from sluice_common.sampling import Sampling, StructuredOutputs, StructuredOutputsError
 
-from .constraints import Constraint, ConstraintError
 from .step_engine import (
     DecodeRow,
     PrefillRow,
@@ -13,8 +12,6 @@ from .step_engine import (
 )
 
 __all__ = [
-    "Constraint",
-    "ConstraintError",
     "DecodeRow",
     "PrefillRow",
     "ReleaseRow",
@@ -22,4 +19,6 @@ __all__ = [
     "RowResult",
     "Sampling",
     "StepEngine",
+    "StructuredOutputs",
+    "StructuredOutputsError",
 ]

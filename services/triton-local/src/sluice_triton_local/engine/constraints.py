@@ -7,128 +7,30 @@ Measured here on SmolLM2's 49k-token vocabulary (README, "Structured output"): a
 outlines-core (whose masks are precomputed, ~0.002 ms), so a request's schema costs nothing noticeable
 before its first token.
 
-A `Constraint` is a small hashable value naming what the output must match. `ConstraintCompiler` (one per
-engine: building its tokenizer takes ~0.2 s) turns it into a `CompiledConstraint`, raising
-`ConstraintError` naming the unsupported keyword or construct, before anything is generated. Each sequence
+A `StructuredOutputs` (sluice_common.sampling) is a small hashable value naming what the output must
+match; sluice_common.structured_outputs turns it into an llguidance grammar, as the gateway's check does.
+`ConstraintCompiler` (one per engine: building its tokenizer takes ~0.2 s) compiles that against the
+vocabulary into a `CompiledConstraint`, raising `StructuredOutputsError` naming the unsupported keyword or
+construct, before anything is generated. Each sequence
 then gets its own `Matcher`: the mask for its next token, the token it sampled, and whether the constraint
 is complete. `apply_masks` applies the masks of a batch's constrained rows to its logits at once.
 """
 
 from __future__ import annotations
 
-import json
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Literal
 
 import llguidance
 import llguidance.numpy as llg_numpy
 import numpy as np
 
+from sluice_common.sampling import StructuredOutputs
+from sluice_common.structured_outputs import llguidance_grammar, raise_if_invalid
+
 from .tokenizer import GGUFTokenizer
 
-ConstraintKind = Literal["json_object", "json_schema", "regex", "choice", "grammar"]
-KINDS: tuple[str, ...] = ("json_object", "json_schema", "regex", "choice", "grammar")
-
-# JSON is generated in the spacing models write it in (", " and ": ") and with no other whitespace:
-# flexible whitespace lets a small model fill max_tokens with newlines inside a valid object.
-_JSON_OPTIONS: dict[str, Any] = {
-    "whitespace_flexible": False,
-    "item_separator": ", ",
-    "key_separator": ": ",
-    "lenient": False,  # an unsupported keyword is an error, not silently ignored
-}
 _COMPILED_CACHE = 256  # compiled grammars kept per engine (a service sees the same few schemas again and again)
-
-
-class ConstraintError(ValueError):
-    """The constraint cannot be compiled; the message names the unsupported keyword or construct
-    (an HTTP 400 / INVALID_ARGUMENT for whoever sent it)."""
-
-
-@dataclass(frozen=True)
-class Constraint:
-    """What a sequence's output must match. `value`: the schema as JSON text (json_schema), the regex
-    (matching the whole output), the options (choice), or a Lark or GBNF grammar (grammar, as llguidance
-    takes it); empty for json_object (any JSON object). Build it with the class methods."""
-
-    kind: ConstraintKind
-    value: str | tuple[str, ...] = ""
-
-    @classmethod
-    def json_object(cls) -> Constraint:
-        return cls("json_object")
-
-    @classmethod
-    def json_schema(cls, schema: dict[str, Any] | str) -> Constraint:
-        if isinstance(schema, str):
-            try:
-                schema = json.loads(schema)
-            except json.JSONDecodeError as exc:
-                raise ConstraintError(f"json_schema is not valid JSON: {exc}") from None
-        if not isinstance(schema, dict):
-            raise ConstraintError(f"json_schema must be a JSON object (got {type(schema).__name__})")
-        return cls("json_schema", json.dumps(schema, separators=(",", ":")))
-
-    @classmethod
-    def regex(cls, pattern: str) -> Constraint:
-        return cls("regex", pattern)
-
-    @classmethod
-    def choice(cls, options: list[str] | tuple[str, ...]) -> Constraint:
-        return cls("choice", tuple(options))
-
-    @classmethod
-    def grammar(cls, text: str) -> Constraint:
-        return cls("grammar", text)
-
-
-def llguidance_grammar(constraint: Constraint) -> str:
-    """The constraint as an llguidance grammar (not yet checked). Raises ConstraintError for a
-    malformed value."""
-    try:
-        return _llguidance_grammar(constraint)
-    except ConstraintError:
-        raise
-    except (ValueError, TypeError) as exc:  # e.g. a Constraint built by hand around text that is not JSON
-        raise ConstraintError(f"{constraint.kind}: {exc}") from None
-
-
-def _llguidance_grammar(constraint: Constraint) -> str:
-    kind, value = constraint.kind, constraint.value
-    if kind == "json_object":
-        return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, overrides=_JSON_OPTIONS)
-    if kind == "json_schema":
-        return llguidance.LLMatcher.grammar_from_json_schema(str(value), overrides=_JSON_OPTIONS)
-    if kind == "regex":
-        if not isinstance(value, str) or not value:
-            raise ConstraintError("regex must be a non-empty string")
-        return llguidance.LLMatcher.grammar_from_regex(value)
-    if kind == "choice":
-        if not isinstance(value, tuple) or not value or not all(isinstance(v, str) and v for v in value):
-            raise ConstraintError("choice must be a non-empty list of non-empty strings")
-        return llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(v) for v in value))
-    if kind == "grammar":
-        if not isinstance(value, str) or not value.strip():
-            raise ConstraintError("grammar must be a non-empty Lark or GBNF grammar")
-        try:
-            return llguidance.grammar_from("grammar", value)
-        except ValueError as exc:
-            raise ConstraintError(f"grammar: {exc}") from None
-    raise ConstraintError(f"constraint kind must be one of {', '.join(KINDS)} (got {kind!r})")
-
-
-def check(constraint: Constraint) -> None:
-    """Compiles the constraint without a vocabulary: for a front that has no model, to refuse a bad
-    schema before it queues the request. Raises ConstraintError."""
-    _raise_if_invalid(constraint, llguidance_grammar(constraint), None)
-
-
-def _raise_if_invalid(constraint: Constraint, grammar: str, tokenizer: llguidance.LLTokenizer | None) -> None:
-    problem = llguidance.LLMatcher.validate_grammar(grammar, tokenizer)
-    if problem:
-        # llguidance names the construct, e.g. 'Unimplemented keys: ["if"]'.
-        raise ConstraintError(f"{constraint.kind}: {problem}")
 
 
 def build_lltokenizer(tokenizer: GGUFTokenizer) -> llguidance.LLTokenizer:
@@ -164,16 +66,16 @@ class ConstraintCompiler:
     def __init__(self, tokenizer: GGUFTokenizer) -> None:
         self.vocab_size = tokenizer.vocab_size
         self._lltokenizer = build_lltokenizer(tokenizer)
-        self._compiled: OrderedDict[Constraint, CompiledConstraint] = OrderedDict()
+        self._compiled: OrderedDict[StructuredOutputs, CompiledConstraint] = OrderedDict()
 
-    def compile(self, constraint: Constraint) -> CompiledConstraint:
-        """Raises ConstraintError naming what the library cannot compile."""
+    def compile(self, constraint: StructuredOutputs) -> CompiledConstraint:
+        """Raises StructuredOutputsError naming what the library cannot compile."""
         hit = self._compiled.get(constraint)
         if hit is not None:
             self._compiled.move_to_end(constraint)
             return hit
         grammar = llguidance_grammar(constraint)
-        _raise_if_invalid(constraint, grammar, self._lltokenizer)
+        raise_if_invalid(constraint, grammar, self._lltokenizer)
         compiled = CompiledConstraint(constraint, grammar, self._lltokenizer, self.vocab_size)
         self._compiled[constraint] = compiled
         if len(self._compiled) > _COMPILED_CACHE:
@@ -183,7 +85,7 @@ class ConstraintCompiler:
 
 @dataclass(frozen=True)
 class CompiledConstraint:
-    constraint: Constraint
+    constraint: StructuredOutputs
     grammar: str
     lltokenizer: llguidance.LLTokenizer
     vocab_size: int

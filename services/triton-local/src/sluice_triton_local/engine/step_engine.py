@@ -53,9 +53,9 @@ from typing import Any, Protocol
 import gguf
 import numpy as np
 
-from sluice_common.sampling import Sampling, field_error, problem
+from sluice_common.sampling import Sampling, StructuredOutputs, StructuredOutputsError, field_error, problem
 
-from .constraints import CompiledConstraint, Constraint, ConstraintCompiler, ConstraintError, Matcher, apply_masks, compute_masks
+from .constraints import CompiledConstraint, ConstraintCompiler, Matcher, apply_masks, compute_masks
 from .gguf_fast import open_reader
 from .gguf_weights import load_weights, read_config
 from .model import BatchItem, LlamaModel
@@ -80,10 +80,6 @@ class PrefillRow:
     params: Sampling = Sampling()  # max_tokens must be set: its default 0 is refused
     chunk: int = 0  # prompt tokens cached per step; 0: the whole prompt in this step
     owner: str = ""  # who drives the sequence (an adapter instance), for per-owner slot metrics
-    # What the output must match (constraints.py): each token is sampled from those that keep it
-    # matching, and the sequence finishes "stop" once it is complete. Compiled at admission: one the
-    # library cannot compile answers finish "error" before any token.
-    constraint: Constraint | None = None
 
 
 @dataclass(frozen=True)
@@ -254,8 +250,8 @@ class StepEngine:
     def encode_chat(self, messages: list[tuple[str, str]]) -> list[int]:
         return self.tokenizer.encode_chat(messages)
 
-    def compile_constraint(self, constraint: Constraint) -> CompiledConstraint:
-        """The constraint compiled against this model's vocabulary (cached): raises ConstraintError
+    def compile_constraint(self, constraint: StructuredOutputs) -> CompiledConstraint:
+        """The constraint compiled against this model's vocabulary (cached): raises StructuredOutputsError
         naming the unsupported keyword or construct. A prefill compiles its row's constraint itself;
         a caller may compile first to refuse a request before it queues."""
         if self._constraints is None:
@@ -356,11 +352,14 @@ class StepEngine:
         if row.seq_id in self._seqs:
             return _error(row.seq_id, f"seq_id {row.seq_id} is already running")
         matcher = None
-        if row.constraint is not None:
+        # What the output must match (constraints.py): each token is sampled from those that keep it
+        # matching, and the sequence finishes "stop" once it is complete. Compiled at admission: one the
+        # library cannot compile answers finish "error" before any token.
+        if row.params.structured_outputs is not None:
             try:
-                matcher = self.compile_constraint(row.constraint).matcher()
-            except ConstraintError as exc:
-                return _error(row.seq_id, f"invalid constraint: {exc}")
+                matcher = self.compile_constraint(row.params.structured_outputs).matcher()
+            except StructuredOutputsError as exc:
+                return _error(row.seq_id, field_error("structured_outputs", str(exc)))
         ids = self.tokenizer.encode(row.prompt) if isinstance(row.prompt, str) else list(row.prompt)
         n = len(ids)
         if n == 0:

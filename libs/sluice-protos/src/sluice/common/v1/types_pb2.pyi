@@ -56,7 +56,7 @@ class ChatMessage(_message.Message):
     def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
-    __slots__ = ("max_tokens", "temperature", "top_p", "seed", "stop", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "logprobs", "n")
+    __slots__ = ("max_tokens", "temperature", "top_p", "seed", "stop", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "logprobs", "n", "structured_outputs")
     class LogitBiasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -77,6 +77,7 @@ class SamplingParams(_message.Message):
     LOGIT_BIAS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     N_FIELD_NUMBER: _ClassVar[int]
+    STRUCTURED_OUTPUTS_FIELD_NUMBER: _ClassVar[int]
     max_tokens: int
     temperature: float
     top_p: float
@@ -90,7 +91,28 @@ class SamplingParams(_message.Message):
     logit_bias: _containers.ScalarMap[int, float]
     logprobs: int
     n: int
-    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., logprobs: _Optional[int] = ..., n: _Optional[int] = ...) -> None: ...
+    structured_outputs: StructuredOutputs
+    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., logprobs: _Optional[int] = ..., n: _Optional[int] = ..., structured_outputs: _Optional[_Union[StructuredOutputs, _Mapping]] = ...) -> None: ...
+
+class StructuredOutputs(_message.Message):
+    __slots__ = ("json", "json_object", "regex", "choice", "grammar")
+    JSON_FIELD_NUMBER: _ClassVar[int]
+    JSON_OBJECT_FIELD_NUMBER: _ClassVar[int]
+    REGEX_FIELD_NUMBER: _ClassVar[int]
+    CHOICE_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_FIELD_NUMBER: _ClassVar[int]
+    json: str
+    json_object: bool
+    regex: str
+    choice: ChoiceList
+    grammar: str
+    def __init__(self, json: _Optional[str] = ..., json_object: _Optional[bool] = ..., regex: _Optional[str] = ..., choice: _Optional[_Union[ChoiceList, _Mapping]] = ..., grammar: _Optional[str] = ...) -> None: ...
+
+class ChoiceList(_message.Message):
+    __slots__ = ("options",)
+    OPTIONS_FIELD_NUMBER: _ClassVar[int]
+    options: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, options: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class TopLogprob(_message.Message):
     __slots__ = ("token", "logprob", "bytes")
@@ -145,17 +167,19 @@ class Embedding(_message.Message):
     def __init__(self, values: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "kind", "context_length", "max_output_tokens", "embedding_dimensions", "logprobs")
+    __slots__ = ("name", "kind", "context_length", "max_output_tokens", "embedding_dimensions", "logprobs", "structured_outputs")
     NAME_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
     MAX_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     EMBEDDING_DIMENSIONS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    STRUCTURED_OUTPUTS_FIELD_NUMBER: _ClassVar[int]
     name: str
     kind: ModelKind
     context_length: int
     max_output_tokens: int
     embedding_dimensions: int
     logprobs: bool
-    def __init__(self, name: _Optional[str] = ..., kind: _Optional[_Union[ModelKind, str]] = ..., context_length: _Optional[int] = ..., max_output_tokens: _Optional[int] = ..., embedding_dimensions: _Optional[int] = ..., logprobs: _Optional[bool] = ...) -> None: ...
+    structured_outputs: bool
+    def __init__(self, name: _Optional[str] = ..., kind: _Optional[_Union[ModelKind, str]] = ..., context_length: _Optional[int] = ..., max_output_tokens: _Optional[int] = ..., embedding_dimensions: _Optional[int] = ..., logprobs: _Optional[bool] = ..., structured_outputs: _Optional[bool] = ...) -> None: ...
