@@ -20,14 +20,15 @@ export CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=O
 # Every Python project with its own environment.
 SERVICES := services/gateway services/inference-adapter services/triton-local services/evaluation-logging services/rate-limit
 LIBS := libs/sluice-protos libs/sluice-common libs/sluice-stack
-PROJECTS := $(LIBS) $(SERVICES) tests bench deploy/tests
+PROJECTS := $(LIBS) $(SERVICES) tests bench deploy/tests docs
 UNIT_TESTED := libs/sluice-common $(SERVICES) bench
 
-.PHONY: help setup prometheus-tools deploy-requirements uv node protos protos-check proto-lint run test test-unit test-e2e test-deploy bench-path bench-tracing bench-adapter bench-evallog bench-ratelimit bench-jobs bench-jobs-interactive bench-engine bench-colocated bench-threads bench-gpu bench-gpu-kit bench-load bench-rolling bench-embed-cache bench-openai bench-peer bench-prefix bench-transport bench-structured llama-server clean
+.PHONY: help docs setup prometheus-tools deploy-requirements uv node protos protos-check proto-lint run test test-unit test-e2e test-deploy bench-path bench-tracing bench-adapter bench-evallog bench-ratelimit bench-jobs bench-jobs-interactive bench-engine bench-colocated bench-threads bench-gpu bench-gpu-kit bench-load bench-rolling bench-embed-cache bench-openai bench-peer bench-prefix bench-transport bench-structured llama-server clean
 
 help:
 	@echo "make run        start the whole suite locally and stream a demo completion (Ctrl-C stops it)"
-	@echo "make test       proto checks, each service's unit tests, then end-to-end tests on the real stack"
+	@echo "make test       the docs site, proto checks, each service's unit tests, then end-to-end tests on the real stack"
+	@echo "make docs       build the documentation site (docs/, MkDocs --strict) into build/docs-site; check README.md's links"
 	@echo "make bench-engine the step engine vs llama.cpp's own batched decode: prefill and decode tok/s"
 	@echo "make bench-colocated two engines on one host: cores split between them vs every core each (tok/s, step p99)"
 	@echo "make bench-threads the local stack's engine thread policies (spin, passive, one thread, ggml pool) quiet and beside a busy process"
@@ -116,7 +117,15 @@ test-e2e: setup prometheus-tools
 test-deploy: setup prometheus-tools
 	cd deploy/tests && .venv/bin/python -m pytest -q
 
-test: proto-lint protos-check test-deploy test-unit test-e2e
+# The documentation site (docs/, mkdocs.yml) with --strict: a broken link, a missing anchor or a page
+# left out of nav fails. README.md lies outside the site: its relative links are checked apart.
+# MkDocs comes from docs/'s own lock file (make setup installs it too).
+docs: uv
+	@cd docs && $(UV) sync --locked --quiet
+	docs/.venv/bin/mkdocs build --strict
+	docs/.venv/bin/python tools/check_readme_links.py README.md
+
+test: docs proto-lint protos-check test-deploy test-unit test-e2e
 
 bench-engine: setup
 	bench/.venv/bin/python bench/bench_engine.py
@@ -192,5 +201,5 @@ bench-evallog: setup
 	bench/.venv/bin/python bench/bench_evallog.py
 
 clean:
-	rm -rf .run .tools node_modules
+	rm -rf .run .tools node_modules build/docs-site
 	find . -name .venv -type d -prune -exec rm -rf {} +

@@ -4,7 +4,7 @@ it vs without, side by side in one run (issue 6: target <= 1.5x, the job still p
 Interactive TTFT (time from sending Generate to the first chunk with text, max_tokens small) is
 measured in rounds that alternate between "no job running" and "a job running", so that both
 phases see the same machine (a shared 2-core box drifts over a minute). The job is one
-generation job published as a plain producer would (JSON, README contract), from the same tenant
+generation job published as a plain producer would (JSON, the producer contract of docs/developers/jobs.md), from the same tenant
 as the interactive streams: the shared allowance keeps its interactive floor, and the adapter puts
 interactive sequences ahead of bulk ones. Between the job phases the job is cancelled, and a fresh
 one is published for the next job phase.

@@ -4,7 +4,7 @@ while 32 chat streams run, as a cluster rolls a deploy: two processes of each (t
 serves), gateways first, then adapters, then evaluation-logging. One triton-local, rate-limit and
 the job worker stay up.
 
-The client is what the README recommends for several gateways: one channel naming every gateway,
+The client is what docs/operators/configuration.md recommends for several gateways: one channel naming every gateway,
 round robin over those whose gRPC health says SERVING (a draining gateway gets no new stream).
 32 workers each send one stream after another (the demo key, greedy, MAX_TOKENS each); a stream
 refused by the rate limiter (RESOURCE_EXHAUSTED) is retried after its RetryInfo, as bench-load's
@@ -107,7 +107,7 @@ async def _receive(stub: gateway_pb2_grpc.GatewayServiceStub, request: gateway_p
     while True:
         try:
             # wait_for_ready: a stream sent while no gateway is ready to this channel (one back from its
-            # restart, not reconnected yet; the next draining) waits for one, as README advises clients.
+            # restart, not reconnected yet; the next draining) waits for one, as the docs advise clients.
             async for response in stub.Generate(request, metadata=AUTH, timeout=300, wait_for_ready=True):
                 stream.request_id = stream.request_id or response.request_id
                 if stream.ttft_s is None and response.text:

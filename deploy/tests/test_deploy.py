@@ -171,18 +171,26 @@ def test_every_config_variable_is_set_in_the_manifests(overlay, service: str) ->
     assert not unknown, f"{name}: {service} sets variables its config does not read: {sorted(unknown)}"
 
 
-def readme_variables() -> set[str]:
-    """Variables named in the configuration table(s) of README.md (table rows only)."""
-    readme = ROOT / "README.md"
-    if not readme.is_file():
-        return set()
-    rows = [line for line in readme.read_text().splitlines() if line.lstrip().startswith("|")]
+# The documentation that names variables in tables: README.md and every page of the docs site
+# (the configuration table moved from README.md to docs/operators/configuration.md).
+CONFIGURATION_PAGE = ROOT / "docs" / "operators" / "configuration.md"
+
+
+def table_variables(page: Path) -> set[str]:
+    """Variables named in the table rows of one Markdown page."""
+    rows = [line for line in page.read_text().splitlines() if line.lstrip().startswith("|")]
     return set(re.findall(r"\bSLUICE_[A-Z0-9_]+[A-Z0-9]\b", "\n".join(rows)))
 
 
-def test_every_variable_in_the_readme_table_is_set_in_the_manifests() -> None:
-    documented = readme_variables()
-    assert documented, "README.md lost its configuration table"
+def documented_variables() -> set[str]:
+    """Variables named in the tables of README.md and of every page under docs/ (table rows only)."""
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+    return set().union(*(table_variables(p) for p in pages if p.is_file() and ".venv" not in p.parts))
+
+
+def test_every_variable_in_the_docs_tables_is_set_in_the_manifests() -> None:
+    assert CONFIGURATION_PAGE.is_file() and table_variables(CONFIGURATION_PAGE), f"{CONFIGURATION_PAGE} lost its configuration table"
+    documented = documented_variables()
     known = {v for s in config_vars.services_with_config() for v in config_vars.service_variables(s)}
     # Client-side variables (the `sluice` CLI) are not service settings.
     documented &= known | {v for v in documented if not v.startswith(("SLUICE_URL", "SLUICE_API_KEY"))}
@@ -192,7 +200,7 @@ def test_every_variable_in_the_readme_table_is_set_in_the_manifests() -> None:
         if overlay_name == "dev":
             present |= variables_set(docs, "triton-local")
         service_vars = {v for v in documented if v in known and not (v.startswith("SLUICE_TRITON_LOCAL_") and overlay_name != "dev")}
-        assert not service_vars - present, f"{overlay_name}: README documents {sorted(service_vars - present)} but the manifests do not set them"
+        assert not service_vars - present, f"{overlay_name}: the docs document {sorted(service_vars - present)} but the manifests do not set them"
 
 
 # ---- the GPU model repository ----------------------------------------------------------------

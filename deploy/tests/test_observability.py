@@ -27,7 +27,7 @@ DASHBOARD = DEPLOY / "grafana" / "sluice-dashboard.json"
 MONITORING = DEPLOY / "k8s" / "monitoring"
 CODE = [config_vars.ROOT / "libs", config_vars.ROOT / "services"]
 
-# The metrics port of each job, as the README's service table, compose and the manifests have it.
+# The metrics port of each job, as the configuration table (docs/operators/configuration.md), compose and the manifests have it.
 JOB_PORTS = {
     "gateway": 9101,
     "job-worker": 9106,

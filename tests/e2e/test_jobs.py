@@ -1,6 +1,6 @@
 """Bulk jobs from RabbitMQ producers (issue 6), on the real stack and the real broker.
 
-The producer here is a plain aio-pika script that publishes JSON exactly as README.md documents
+The producer here is a plain aio-pika script that publishes JSON exactly as docs/developers/jobs.md documents
 ("Bulk jobs: the producer contract"): no Sluice code on the producer's side.
 """
 

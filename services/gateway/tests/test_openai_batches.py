@@ -216,11 +216,10 @@ def test_a_line_with_text_that_is_not_unicode_is_refused_naming_it() -> None:
     assert refused(line("\udc80", CHAT)).param == "custom_id"
 
 
-def test_readme_says_where_an_output_lines_request_id_comes_from() -> None:
-    """README's batch paragraph on `request_id` says what result_files does
+def test_the_docs_say_where_an_output_lines_request_id_comes_from() -> None:
+    """The Batch API page's paragraph on `request_id` (docs/developers/openai-batch.md) says what result_files does
     (test_results_become_output_and_error_lines_as_the_endpoints_answer): the id the row ran under, derived from the batch and custom_id only for results without one."""
-    readme = (Path(__file__).resolve().parents[3] / "README.md").read_text()
-    batches = readme.split("## OpenAI Batch API", 1)[1].split("\n## ", 1)[0]
+    batches = (Path(__file__).resolve().parents[3] / "docs" / "developers" / "openai-batch.md").read_text()
     paragraph = " ".join(next(p for p in batches.split("\n- ") if p.lstrip().startswith("`request_id`")).split())
     assert paragraph.startswith("`request_id` is the id the row ran under (the job row result's `request_id`)")
     assert "Only a result stored before results carried that id gets one derived from the batch and `custom_id`" in paragraph
