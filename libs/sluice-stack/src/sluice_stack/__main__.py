@@ -53,7 +53,7 @@ def usage_text(stack: Stack) -> str:
 Sluice is up. Logs are in {stack.run_dir}/. Call it:
   {sluice} generate "Write a haiku about rivers"        (SLUICE_API_KEY={DEMO_KEY} is the demo key)
   {sluice} health
-  {sluice} eval --dataset rows.jsonl --model-b {VARIANT_MODEL}   (A/B vs the Q4_0 variant; README, "A/B evaluation")
+  {sluice} eval --dataset rows.jsonl --model-b {VARIANT_MODEL}   (A/B vs the Q4_0 variant; docs/operators/ab-evaluation.md)
   grpcurl -plaintext -H 'authorization: Bearer {DEMO_KEY}' -d '{{"model":"{MODEL}","messages":[{{"role":"user","content":"Hi"}}],"sampling":{{"max_tokens":32}}}}' {stack.gateway_address} sluice.gateway.v1.GatewayService/Generate
 OpenAI-compatible API: {stack.openai_base_url}  (openai.OpenAI(base_url="{stack.openai_base_url}", api_key="{DEMO_KEY}"))
 Metrics: {stack.metrics_url("gateway")}  {stack.metrics_url("inference-adapter")}  {stack.metrics_url("triton-local")}

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field, fields
 
 from sluice_common.sampling import Sampling
 
-# Exit codes of `sluice eval` (README): 0 no regression, 1 B regressed beyond the threshold on
+# Exit codes of `sluice eval` (docs/operators/ab-evaluation.md): 0 no regression, 1 B regressed beyond the threshold on
 # some line, 2 the comparison could not be made (bad input, an RPC failed, a job did not complete).
 EXIT_OK = 0
 EXIT_REGRESSION = 1

@@ -52,7 +52,7 @@ class AdapterConfig(ServerConfig):
     # Must match the model server's context (triton-local: SLUICE_TRITON_LOCAL_MAX_CONTEXT).
     context_length: int = 2048
     max_output_tokens: int = 1024
-    # Measured with make bench-load (README, "Choosing the batch bounds"); at most the slots the
+    # Measured with make bench-load (docs/operators/tuning.md, "Choosing the batch bounds"); at most the slots the
     # step model holds (triton-local: SLUICE_TRITON_LOCAL_MAX_SLOTS, 32).
     max_batch_size: int = 32
     # Generate models: streams held open per replica, so the engine's batch is full, not overfull.

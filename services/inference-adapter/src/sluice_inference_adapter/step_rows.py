@@ -1,4 +1,4 @@
-"""The adapter's side of the step protocol (see services/triton-local/README.md).
+"""The adapter's side of the step protocol (services/triton-local/src/sluice_triton_local/step_protocol.py defines it).
 
 Plain data, no Triton import: the scheduler builds StepRows, a StepBackend turns them
 into one Triton request and answers one StepOutcome per row.

@@ -35,7 +35,7 @@ class TritonLocalConfig:
     # Layers llama.cpp offloads to a GPU (needs a CUDA build of llama-cpp-python; -1: all).
     gpu_layers: int = 0
     # 32 slots (and the adapter's batch of 32): measured with make bench-load on 2 cores against
-    # 8 and 64 (README, "Choosing the batch bounds"); 1.5 GB of KV cache at 2048 positions each.
+    # 8 and 64 (docs/operators/tuning.md, "Choosing the batch bounds"); 1.5 GB of KV cache at 2048 positions each.
     max_slots: int = 32
     max_context: int = 2048
     # A sequence nobody steps for this long is released (its adapter died): its slot comes back.

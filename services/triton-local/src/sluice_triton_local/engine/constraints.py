@@ -2,7 +2,7 @@
 
 The masks come from llguidance (the library llama.cpp and vLLM use), computed over the model's own
 vocabulary: the token bytes the GGUF file carries, so no tokenizer.json and no network are needed.
-Measured here on SmolLM2's 49k-token vocabulary (README, "Structured output"): a nested schema compiles in
+Measured here on SmolLM2's 49k-token vocabulary (docs/contributors/benchmarks.md, "Structured output in the engine"): a nested schema compiles in
 ~0.6 ms and a mask takes ~0.02-0.05 ms per token, against ~500 ms to compile the same schema with
 outlines-core (whose masks are precomputed, ~0.002 ms), so a request's schema costs nothing noticeable
 before its first token.
