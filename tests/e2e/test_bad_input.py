@@ -90,7 +90,7 @@ FIELD_NAMES = st.one_of(
         [
             "model", "messages", "prompt", "input", "max_tokens", "max_completion_tokens", "temperature", "top_p", "stop",
             "seed", "stream", "stream_options", "response_format", "n", "logprobs", "user", "encoding_format",
-            "dimensions", "input_file_id", "endpoint", "completion_window", "metadata", "tools",
+            "dimensions", "input_file_id", "endpoint", "completion_window", "metadata", "tools", "tool_choice", "parallel_tool_calls",
             "presence_penalty", "frequency_penalty", "logit_bias", "top_k", "min_p", "repetition_penalty", "echo",
         ]
     ),

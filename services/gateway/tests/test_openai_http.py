@@ -350,7 +350,6 @@ async def test_an_option_out_of_range_is_a_400_naming_it(setup, changes: dict[st
 @pytest.mark.parametrize(
     ("path", "changes", "param"),
     [
-        ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
         ("/v1/completions", {"best_of": 3}, "best_of"),
         ("/v1/completions", {"top_logprobs": 3}, "top_logprobs"),
         ("/v1/chat/completions", {"echo": True}, "echo"),
@@ -428,3 +427,76 @@ async def test_a_constraint_that_cannot_be_compiled_is_a_400_naming_it(setup, ch
         assert (status, error["param"], error["type"]) == (400, param, "invalid_request_error"), error
         assert named in error["message"], error
     assert not adapter.requests  # refused before any lease or adapter call
+
+
+WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "description": "Weather now", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+
+
+async def test_a_named_tool_choice_is_constrained_and_answered_as_tool_calls(setup) -> None:  # type: ignore[no-untyped-def]
+    """tool_choice naming a function: decoding constrained to its parameters; the answer's text is the
+    call's arguments, returned as OpenAI's tool_calls (whole and streamed), finish_reason tool_calls."""
+    client, adapter, _, publisher = setup
+    adapter.chunks = [
+        inference_pb2.GenerateResponse(text='{"city": ', token_count=3),
+        inference_pb2.GenerateResponse(text='"Oslo"}', token_count=3, finish_reason=types_pb2.FINISH_REASON_STOP, usage=USAGE),
+    ]
+    body = {**CHAT, "tools": [WEATHER_TOOL], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}
+    reply = await client.post("/v1/chat/completions", json=body, headers=AUTH)
+    assert reply.status == 200, await reply.text()
+    completion = ChatCompletion.model_validate(await reply.json())
+    choice = completion.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    [call] = choice.message.tool_calls or []
+    assert (call.function.name, json.loads(call.function.arguments), call.type) == ("get_weather", {"city": "Oslo"}, "function")  # type: ignore[union-attr]
+    sent = adapter.requests[-1]
+    assert from_proto(sent.sampling).structured_outputs == StructuredOutputs.json_schema(WEATHER_TOOL["function"]["parameters"])  # type: ignore[index]
+    assert sent.messages[0].role == "system" and '"name": "get_weather"' in sent.messages[0].content
+    # The evaluation record keeps what the model wrote.
+    from sluice.evallog.v1 import events_pb2
+
+    assert events_pb2.CompletionEvent.FromString(publisher.bodies[-1]).output == '{"city": "Oslo"}'
+
+    reply = await client.post("/v1/chat/completions", json={**body, "stream": True}, headers=AUTH)
+    chunks = [ChatCompletionChunk.model_validate(json.loads(line[6:])) for line in (await reply.text()).splitlines() if line.startswith("data: {")]
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    assert "".join(d.content or "" for d in deltas) == ""  # the call is never streamed as text
+    [streamed] = [t for d in deltas for t in (d.tool_calls or [])]
+    assert (streamed.index, streamed.function.name, streamed.function.arguments) == (0, "get_weather", '{"city": "Oslo"}')  # type: ignore[union-attr]
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
+
+
+async def test_a_tool_conversation_is_rendered_for_the_model(setup) -> None:  # type: ignore[no-untyped-def]
+    client, adapter, _, _ = setup
+    messages = [
+        {"role": "user", "content": "Weather in Oslo?"},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "-3 C and snow"},
+    ]
+    reply = await client.post("/v1/chat/completions", json={"model": "g", "messages": messages, "tools": [WEATHER_TOOL]}, headers=AUTH)
+    assert reply.status == 200, await reply.text()
+    completion = ChatCompletion.model_validate(await reply.json())
+    assert completion.choices[0].message.content == "Hello there" and completion.choices[0].finish_reason == "stop"
+    sent = adapter.requests[-1]
+    assert [m.role for m in sent.messages] == ["system", "user", "assistant", "user"]
+    assert sent.messages[2].content == '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+    assert sent.messages[3].content == "<tool_response>\n-3 C and snow\n</tool_response>"
+    assert not sent.sampling.HasField("structured_outputs")  # auto: the model may answer in text
+
+
+@pytest.mark.parametrize(
+    ("changes", "param"),
+    [
+        ({"tools": [WEATHER_TOOL], "tool_choice": {"type": "function", "function": {"name": "get_wether"}}}, "tool_choice"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"tools": [WEATHER_TOOL], "tool_choice": "sometimes"}, "tool_choice"),
+        ({"tools": [{"type": "function", "function": {"name": "has space"}}]}, "tools[0].function.name"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "if": {}}}}]}, "tools[0].function.parameters"),
+        ({"tools": [{"type": "retrieval"}]}, "tools[0]"),
+        ({"tools": [WEATHER_TOOL], "parallel_tool_calls": "yes"}, "parallel_tool_calls"),
+    ],
+)
+async def test_a_bad_tool_or_tool_choice_is_a_400_naming_it(setup, changes: dict[str, Any], param: str) -> None:  # type: ignore[no-untyped-def]
+    client, adapter, _, _ = setup
+    status, error = await _error(await client.post("/v1/chat/completions", json={**CHAT, **changes}, headers=AUTH))
+    assert (status, error["param"]) == (400, param), error
+    assert not adapter.requests

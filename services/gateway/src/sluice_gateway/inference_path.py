@@ -62,6 +62,7 @@ from sluice_common.channels import wait_for_replica
 from sluice_common.errors import DeadlineExceeded, InvalidArgument, SluiceError
 from sluice_common.prompt_tokens import prompt_token_bound
 from sluice_common.sampling import choice_seed
+from sluice_common.sampling_proto import structured_outputs_to_proto
 from sluice_common.request_context import outgoing_metadata
 from sluice_common.validation import validate_embedding, validate_generation
 from sluice_gateway.admission import Admission, Ticket, embedding_reservation, generation_reservation, message_pairs, prompt_estimate
@@ -69,6 +70,7 @@ from sluice_gateway.completion_events import CompletionEvents, CompletionTracker
 from sluice_gateway.default_deadline import DefaultDeadline
 from sluice_gateway.generation_trace import start_generation
 from sluice_gateway.model_catalog import ModelCatalog
+from sluice_gateway.tool_calls import ToolCallParser, ToolPlan, plan, render
 from sluice_common.tenants import Tenant
 
 # max_tokens when a request omits it and no configuration says otherwise (SLUICE_GATEWAY_DEFAULT_MAX_TOKENS).
@@ -134,6 +136,27 @@ class GenerateStream:
     tokens: int = 0
     finished: bool = False
     trace: Any = None  # generation_trace.GenerationTrace while tracing is on
+    # The request's tools: each choice's text parsed for calls (the client sees the calls, the
+    # CompletionEvent the text the model wrote).
+    tools: ToolPlan | None = None
+    _parsers: dict[int, ToolCallParser] = field(default_factory=dict)
+
+    def tool_calls(self, index: int) -> list[types_pb2.ToolCall]:
+        """The calls choice `index` made, once its last chunk has been yielded."""
+        parser = self._parsers.get(index)
+        return [] if parser is None else parser.calls
+
+    def _for_client(self, index: int, chunk: Any) -> Any:
+        if self.tools is None:
+            return chunk
+        parser = self._parsers.setdefault(index, self.tools.parser())
+        shown = type(chunk)()
+        shown.CopyFrom(chunk)
+        shown.text = parser.feed(chunk.text)
+        if chunk.finish_reason:
+            rest, shown.finish_reason = parser.finish(chunk.finish_reason)
+            shown.text += rest
+        return shown
 
     def timing(self, cut: bool = False) -> tuple[float | None, int, float]:
         """(seconds from arrival to the first token, None when none came; tokens; seconds from
@@ -166,7 +189,7 @@ class GenerateStream:
                 self.tracker.add(tracked)
             if self.on_chunk is not None and tracked is not None:
                 self.on_chunk(tracked)
-            yield chunk
+            yield self._for_client(index, chunk)
 
 
 async def _single(call: Any) -> AsyncIterator[tuple[int, Any]]:
@@ -314,6 +337,7 @@ class InferencePath:
             default_s = time_remaining = self.default_deadline.for_generate(request.sampling.max_tokens or self.default_max_tokens)
             DEFAULT_DEADLINE.labels(kind="generate").set(default_s)
         try:
+            tools = use_tools(request)
             counted = await self.apply_defaults(request, time_remaining)
             self.validate_generate(request)
             counted = await self.check_context(request, time_remaining, counted)
@@ -336,7 +360,7 @@ class InferencePath:
             # The caller's deadline bounds the adapter's work; cancelling this call stops it there.
             await self._adapter_replica(time_remaining)
             calls = [self.adapter.Generate(d, timeout=time_remaining, metadata=outgoing_metadata()) for d in downstream]
-            stream = GenerateStream(ticket, calls[0], tracker, on_chunk, calls=calls, arrived_at=arrived_at, trace=span)
+            stream = GenerateStream(ticket, calls[0], tracker, on_chunk, calls=calls, arrived_at=arrived_at, trace=span, tools=tools)
             try:
                 yield stream
             except grpc.aio.AioRpcError as exc:
@@ -500,6 +524,20 @@ class InferencePath:
             ticket.settle()
         response = gateway_pb2.EmbedResponse(request_id=request_id, model=request.model, embeddings=reply.embeddings, usage=reply.usage)
         return response, ticket
+
+
+def use_tools(request: gateway_pb2.GenerateRequest) -> ToolPlan | None:
+    """Renders the chat's tools and tool turns into the turns the engine takes (tool_calls.py) and
+    constrains decoding to the calls tool_choice asks for; the plan parses the answer back."""
+    tool_plan = plan(request.tool_use, request.sampling) if request.HasField("tool_use") else None
+    if tool_plan is not None or any(m.role == "tool" or m.tool_calls for m in request.messages):
+        rendered = render(request.messages, tool_plan)
+        del request.messages[:]
+        request.messages.extend(rendered)
+    constraint = tool_plan.constraint() if tool_plan is not None else None
+    if constraint is not None:
+        request.sampling.structured_outputs.CopyFrom(structured_outputs_to_proto(constraint))
+    return tool_plan
 
 
 def _choice_sampling(sampling: types_pb2.SamplingParams, index: int) -> types_pb2.SamplingParams:

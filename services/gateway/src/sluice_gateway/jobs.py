@@ -282,6 +282,7 @@ def generate_request(row: jobs_pb2.GenerateRow) -> gateway_pb2.GenerateRequest:
         sampling=row.sampling,
         response_format=row.response_format,
         priority_class=types_pb2.PRIORITY_CLASS_BULK,
+        tool_use=row.tool_use if row.HasField("tool_use") else None,
     )
 
 
@@ -314,8 +315,10 @@ async def run_row(
                     parts.append(chunk.text)
                 if chunk.finish_reason:
                     choice.finish_reason = chunk.finish_reason
+                    choice.tool_calls.extend(stream.tool_calls(stream.index))
                     final = chunk
         result = jobs_pb2.RowResult(job_id=task.job_id, custom_id=row.custom_id, output="".join(parts), request_id=request_id)
+        result.tool_calls.extend(choices[0].tool_calls)
         if len(choices) > 1 or sampling.HasField("logprobs"):
             result.choices.extend(choices)
         if final is not None:

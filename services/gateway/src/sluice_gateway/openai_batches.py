@@ -197,7 +197,7 @@ def job_row(line: BatchLine) -> jobs_pb2.JobRow:
     row.generate.CopyFrom(
         jobs_pb2.GenerateRow(
             model=request.model, messages=request.messages, prompt=request.prompt, sampling=request.sampling,
-            response_format=request.response_format,
+            response_format=request.response_format, tool_use=request.tool_use if request.HasField("tool_use") else None,
         )  # fmt: skip
     )
     return row
@@ -293,6 +293,7 @@ def choice_states(call: GenerationCall, choices: Iterable[jobs_pb2.RowChoice]) -
     for choice in choices:
         state = ChoiceState(choice.index, [choice.text], FINISH_REASONS.get(choice.finish_reason))
         state.chat_entries = list(choice.logprobs)
+        state.tool_calls = list(choice.tool_calls)
         if call.echo:
             state.completion.offset = len(call.request.prompt)
         state.completion.add(list(choice.logprobs))
@@ -313,7 +314,8 @@ def response_body(call: Call, result: jobs_pb2.RowResult, request_id: str, creat
     usage: types_pb2.Usage | None = result.usage if result.HasField("usage") else None
     if result.choices:  # n > 1 or logprobs: every choice, with its logprobs
         return Completion(call, request_id, created=created).whole(choice_states(call, result.choices), None, usage)
-    return Completion(call, request_id, created=created).whole(result.output, finish, usage)
+    only = ChoiceState(0, [result.output], finish, tool_calls=list(result.tool_calls))
+    return Completion(call, request_id, created=created).whole([only], None, usage)
 
 
 def result_files(batch_id: str, lines: list[BatchLine], results: Iterable[jobs_pb2.RowResult], created: int) -> tuple[bytes, bytes]:

@@ -143,7 +143,18 @@ class ChoiceState:
     chat_entries: list[types_pb2.TokenLogprob] = field(default_factory=list)
     completion: CompletionLogprobs = field(default_factory=CompletionLogprobs)
     started: bool = False  # a stream sent its first chunk
+    tool_calls: list[types_pb2.ToolCall] = field(default_factory=list)
 
     @property
     def text(self) -> str:
         return "".join(self.parts)
+
+
+def tool_call_objects(calls: list[types_pb2.ToolCall], streamed: bool = False) -> list[dict[str, Any]]:
+    """OpenAI's message.tool_calls (a stream's delta.tool_calls adds each call's index: each is
+    sent whole, in one delta)."""
+    objects = []
+    for index, call in enumerate(calls):
+        entry: dict[str, Any] = {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+        objects.append({"index": index, **entry} if streamed else entry)
+    return objects

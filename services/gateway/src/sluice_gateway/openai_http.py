@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import re
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -72,7 +73,8 @@ log = structlog.stdlib.get_logger("sluice.gateway.http")
 CLIENT_REQUEST_ID_HEADER = "X-Client-Request-Id"
 
 # Sluice's field paths -> OpenAI's param names.
-_PARAMS = {"sampling.": "", "inputs": "input"}
+_PARAMS = {"sampling.": "", "inputs": "input", "tool_use.choice": "tool_choice", "tool_use.": ""}
+_TOOL_FIELD = re.compile(r"^tools\[(\d+)\]\.(name|parameters)$")
 _STATUS = {
     "INVALID_ARGUMENT": (400, "invalid_request_error"),
     "UNAUTHENTICATED": (401, "invalid_request_error"),
@@ -89,8 +91,12 @@ _STATUS = {
 def _param(field_name: str) -> str:
     for sluice, openai in _PARAMS.items():
         if field_name.startswith(sluice):
-            return openai + field_name[len(sluice) :]
-    return field_name
+            field_name = openai + field_name[len(sluice) :]
+            break
+    if field_name.startswith("tool_choice"):
+        return "tool_choice"
+    # A tool's fields sit under its function in OpenAI's shape.
+    return _TOOL_FIELD.sub(r"tools[\1].function.\2", field_name)
 
 
 def openai_error(exc: BaseException) -> OpenAIError:
@@ -231,6 +237,7 @@ class OpenAIFront:
                     if state.finish_reason is None:
                         final = None
                         break
+                    state.tool_calls = stream.tool_calls(stream.index)
                     final = chunk
             if final is None or any(state.finish_reason is None for state in states):
                 raise OpenAIError(
@@ -261,6 +268,9 @@ class OpenAIFront:
                     state.finish_reason = FINISH_REASONS.get(chunk.finish_reason)
                     if state.finish_reason is None:
                         break
+                    calls = stream.tool_calls(stream.index)
+                    if calls and answer.call.chat:
+                        await response.write(_sse(answer.tool_calls_chunk(state.index, calls)))
                     if len(states) > 1 and any(s.finish_reason is None for s in states):
                         await response.write(_sse(answer.chunk(None, state.finish_reason, index=state.index)))
         except (SluiceError, grpc.aio.AioRpcError) as exc:

@@ -26,6 +26,7 @@ remaining context capped by SLUICE_GATEWAY_DEFAULT_MAX_TOKENS, as on gRPC.
 from __future__ import annotations
 
 import base64
+import json
 import math
 import re
 import struct
@@ -40,7 +41,7 @@ from sluice_common.sampling import StructuredOutputs, StructuredOutputsError
 from sluice_common.sampling_proto import structured_outputs_to_proto
 from sluice_common.structured_outputs import check
 from sluice_common.utf8 import invalid_json_text
-from sluice_gateway.openai_choices import ChoiceState, chat_logprobs, parse_chat_choices, parse_completion_choices
+from sluice_gateway.openai_choices import ChoiceState, chat_logprobs, parse_chat_choices, parse_completion_choices, tool_call_objects
 
 # OpenAI's defaults for sampling (https://platform.openai.com/docs/api-reference/chat/create).
 DEFAULT_TEMPERATURE = 1.0
@@ -52,7 +53,7 @@ _SCHEMA_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 # SamplingParams.max_tokens is an int32: anything larger cannot be carried, let alone served.
 MAX_INT32 = (1 << 31) - 1
 
-FINISH_REASONS = {types_pb2.FINISH_REASON_STOP: "stop", types_pb2.FINISH_REASON_LENGTH: "length"}
+FINISH_REASONS = {types_pb2.FINISH_REASON_STOP: "stop", types_pb2.FINISH_REASON_LENGTH: "length", types_pb2.FINISH_REASON_TOOL_CALLS: "tool_calls"}
 
 
 class OpenAIError(Exception):
@@ -101,9 +102,6 @@ _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "top_logprobs": (None, 0),
     "echo": (None, False),
     "suffix": (None, ""),
-    "tools": (None,),
-    "tool_choice": (None, "none", "auto"),
-    "parallel_tool_calls": (None, True, False),
     "functions": (None,),
     "function_call": (None, "none", "auto"),
     "service_tier": (None, "auto", "default"),
@@ -124,11 +122,11 @@ _SAMPLING_FIELDS = {
 }  # fmt: skip
 _CHAT_FIELDS = {
     "model", "messages", "max_completion_tokens", "stream", "stream_options", "response_format", *_SAMPLING_FIELDS,
-    "n", "logprobs", "top_logprobs",
+    "n", "logprobs", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls",
 }  # fmt: skip
 _COMPLETION_FIELDS = {"model", "prompt", "stream", "stream_options", "response_format", *_SAMPLING_FIELDS, "n", "logprobs", "echo"}
 _EMBEDDING_FIELDS = {"model", "input", "encoding_format", "dimensions"}
-_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 
 
 def _is_int(value: Any) -> bool:
@@ -349,20 +347,93 @@ def parse_chat(body: dict[str, Any]) -> GenerationCall:
     if not isinstance(messages, list) or not messages:
         raise invalid("messages", "messages must be a non-empty array of {role, content} objects", "invalid_type")
     for index, message in enumerate(messages):
-        if not isinstance(message, dict):
-            raise invalid(f"messages[{index}]", "a message must be an object with role and content", "invalid_type")
-        for name in message:
-            if name not in ("role", "content", "name", "refusal"):
-                raise invalid(f"messages[{index}].{name}", f"Unrecognized message field: {name} (tools are not supported)", "unknown_parameter")
-        role = message.get("role")
-        if role not in _ROLES:
-            raise invalid(f"messages[{index}].role", f"role must be one of {', '.join(_ROLES)}, got {role!r}", "invalid_value")
-        content = _content(message.get("content"), f"messages[{index}].content")
-        request.messages.append(types_pb2.ChatMessage(role=_ROLES[role], content=content))
+        request.messages.append(_message(message, f"messages[{index}]"))
     request.sampling.CopyFrom(_sampling(body))
     parse_chat_choices(body, request.sampling)
     _response_format(body.get("response_format"), request)
+    _tool_use(body, request)
     return GenerationCall(request, _stream_options(body), chat=True)
+
+
+_MESSAGE_FIELDS = {
+    "system": {"role", "content", "name"},
+    "developer": {"role", "content", "name"},
+    "user": {"role", "content", "name"},
+    "assistant": {"role", "content", "name", "refusal", "tool_calls"},
+    "tool": {"role", "content", "tool_call_id"},
+}
+
+
+def _message(message: Any, param: str) -> types_pb2.ChatMessage:
+    if not isinstance(message, dict):
+        raise invalid(param, "a message must be an object with role and content", "invalid_type")
+    role = message.get("role")
+    if role not in _ROLES:
+        raise invalid(f"{param}.role", f"role must be one of {', '.join(_ROLES)}, got {role!r}", "invalid_value")
+    for name in message:
+        if name not in _MESSAGE_FIELDS[role]:
+            raise invalid(f"{param}.{name}", f"Unrecognized message field: {name} (a {role} message takes {', '.join(sorted(_MESSAGE_FIELDS[role]))})", "unknown_parameter")
+    calls = message.get("tool_calls") or []
+    if role == "assistant" and calls and message.get("content") is None:
+        content = ""  # a turn that only called tools
+    else:
+        content = _content(message.get("content"), f"{param}.content")
+    parsed = types_pb2.ChatMessage(role=_ROLES[role], content=content)
+    if not isinstance(calls, list):
+        raise invalid(f"{param}.tool_calls", "tool_calls must be an array", "invalid_type")
+    for index, call in enumerate(calls):
+        parsed.tool_calls.append(_tool_call(call, f"{param}.tool_calls[{index}]"))
+    if role == "tool":
+        call_id = message.get("tool_call_id")
+        if not isinstance(call_id, str) or not call_id:
+            raise invalid(f"{param}.tool_call_id", "a tool message must name the call it answers (tool_call_id)", "missing_required_parameter")
+        parsed.tool_call_id = call_id
+    return parsed
+
+
+def _tool_call(call: Any, param: str) -> types_pb2.ToolCall:
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or call.get("type", "function") != "function":
+        raise invalid(param, "a tool call must be {\"id\", \"type\": \"function\", \"function\": {\"name\", \"arguments\"}}", "invalid_type")
+    name, arguments, call_id = function.get("name"), function.get("arguments", ""), call.get("id", "")
+    if not isinstance(name, str) or not isinstance(arguments, str) or not isinstance(call_id, str):
+        raise invalid(param, "a tool call's id, function.name and function.arguments must be strings", "invalid_type")
+    return types_pb2.ToolCall(id=call_id, name=name, arguments=arguments)
+
+
+_TOOL_CHOICES = {"none": types_pb2.TOOL_CHOICE_MODE_NONE, "auto": types_pb2.TOOL_CHOICE_MODE_AUTO, "required": types_pb2.TOOL_CHOICE_MODE_REQUIRED}
+
+
+def _tool_use(body: dict[str, Any], request: gateway_pb2.GenerateRequest) -> None:
+    """OpenAI's tools, tool_choice and parallel_tool_calls as the request's ToolUse."""
+    tools, choice, parallel = body.get("tools"), body.get("tool_choice"), body.get("parallel_tool_calls")
+    if tools is None and choice is None and parallel is None:
+        return
+    tool_use = request.tool_use
+    if tools is not None and not isinstance(tools, list):
+        raise invalid("tools", "tools must be an array of {\"type\": \"function\", \"function\": {...}}", "invalid_type")
+    for index, tool in enumerate(tools or []):
+        function = tool.get("function") if isinstance(tool, dict) and tool.get("type") == "function" else None
+        if not isinstance(function, dict):
+            raise invalid(f"tools[{index}]", "a tool must be {\"type\": \"function\", \"function\": {\"name\", \"description\", \"parameters\"}}", "invalid_type")
+        for name in function:
+            if name not in ("name", "description", "parameters", "strict"):
+                raise invalid(f"tools[{index}].function.{name}", f"Unrecognized request argument supplied: tools[{index}].function.{name}", "unknown_parameter")
+        name, description, parameters = function.get("name"), function.get("description") or "", function.get("parameters")
+        if not isinstance(name, str) or not isinstance(description, str) or not (parameters is None or isinstance(parameters, dict)):
+            raise invalid(f"tools[{index}].function", "name and description must be strings, parameters a JSON Schema object", "invalid_type")
+        tool_use.tools.append(types_pb2.Tool(name=name, description=description, parameters=json.dumps(parameters) if parameters is not None else ""))
+    if isinstance(choice, str) and choice in _TOOL_CHOICES:
+        tool_use.choice.mode = _TOOL_CHOICES[choice]
+    elif isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict) and isinstance(choice["function"].get("name"), str):
+        tool_use.choice.mode = types_pb2.TOOL_CHOICE_MODE_FUNCTION
+        tool_use.choice.function = choice["function"]["name"]
+    elif choice is not None:
+        raise invalid("tool_choice", f"tool_choice must be none, auto, required or {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}, got {choice!r}", "invalid_value")
+    if parallel is not None:
+        if not isinstance(parallel, bool):
+            raise invalid("parallel_tool_calls", f"parallel_tool_calls must be a boolean, got {parallel!r}", "invalid_type")
+        tool_use.parallel_tool_calls = parallel
 
 
 def parse_completion(body: dict[str, Any]) -> GenerationCall:
@@ -454,7 +525,10 @@ class Completion:
     def _whole_choice(self, state: ChoiceState) -> dict[str, Any]:
         asked = self.call.request.sampling.HasField("logprobs")
         if self.call.chat:
-            choice: dict[str, Any] = {"index": state.index, "message": {"role": "assistant", "content": state.text, "refusal": None}}
+            message: dict[str, Any] = {"role": "assistant", "content": state.text, "refusal": None}
+            if state.tool_calls:
+                message.update(content=state.text or None, tool_calls=tool_call_objects(state.tool_calls))
+            choice: dict[str, Any] = {"index": state.index, "message": message}
             logprobs = chat_logprobs(state.chat_entries) if asked else None
         else:
             echoed = self.call.request.prompt if self.call.echo else ""
@@ -488,6 +562,14 @@ class Completion:
         if self.call.options.include_usage and self.call.chat:
             # Null until the usage chunk, as OpenAI's chunk schema has it; a text completion's
             # chunk (CreateCompletionResponse) has usage optional and not nullable: omitted.
+            reply["usage"] = None
+        return reply
+
+    def tool_calls_chunk(self, index: int, calls: list[types_pb2.ToolCall]) -> dict[str, Any]:
+        """A chat stream's chunk carrying choice `index`'s calls, each whole."""
+        reply = self._base("chat.completion.chunk")
+        reply["choices"] = [{"index": index, "delta": {"tool_calls": tool_call_objects(calls, streamed=True)}, "logprobs": None, "finish_reason": None}]
+        if self.call.options.include_usage:
             reply["usage"] = None
         return reply
 

@@ -63,6 +63,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
                     model=request.model,
                     index=stream.index,
                     logprobs=chunk.logprobs,
+                    tool_calls=stream.tool_calls(stream.index) if chunk.finish_reason else None,
                 )
 
     async def ListModels(

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1csluice/common/v1/types.proto\x12\x10sluice.common.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xe6\x04\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\x05\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x01\x88\x01\x01\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x02\x88\x01\x01\x12\x0c\n\x04stop\x18\x05 \x03(\t\x12\x12\n\x05top_k\x18\x06 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x07 \x01(\x02H\x04\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x08 \x01(\x02H\x05\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\t \x01(\x02H\x06\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\n \x01(\x02H\x07\x88\x01\x01\x12\x43\n\nlogit_bias\x18\x0b \x03(\x0b\x32/.sluice.common.v1.SamplingParams.LogitBiasEntry\x12\x15\n\x08logprobs\x18\x0c \x01(\x05H\x08\x88\x01\x01\x12\x0e\n\x01n\x18\r \x01(\x05H\t\x88\x01\x01\x12?\n\x12structured_outputs\x18\x0e \x01(\x0b\x32#.sluice.common.v1.StructuredOutputs\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\x08\n\x06_top_kB\x08\n\x06_min_pB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x0b\n\t_logprobsB\x04\n\x02_n\"\x9c\x01\n\x11StructuredOutputs\x12\x0e\n\x04json\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12.\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x1c.sluice.common.v1.ChoiceListH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x42\x0c\n\nconstraint\"\x1d\n\nChoiceList\x12\x0f\n\x07options\x18\x01 \x03(\t\";\n\nTopLogprob\x12\r\n\x05token\x18\x01 \x01(\t\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\r\n\x05\x62ytes\x18\x03 \x01(\x0c\"q\n\x0cTokenLogprob\x12\r\n\x05token\x18\x01 \x01(\t\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\r\n\x05\x62ytes\x18\x03 \x01(\x0c\x12\x32\n\x0ctop_logprobs\x18\x04 \x03(\x0b\x32\x1c.sluice.common.v1.TopLogprob\"f\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\x05\x12\x15\n\rcached_tokens\x18\x04 \x01(\x05\"t\n\x07Timings\x12\x15\n\rqueue_time_ms\x18\x01 \x01(\x01\x12\x1e\n\x16time_to_first_token_ms\x18\x02 \x01(\x01\x12\x1b\n\x13mean_inter_token_ms\x18\x03 \x01(\x01\x12\x15\n\rtotal_time_ms\x18\x04 \x01(\x01\"\x1b\n\tEmbedding\x12\x0e\n\x06values\x18\x01 \x03(\x02\"\xc3\x01\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12)\n\x04kind\x18\x02 \x01(\x0e\x32\x1b.sluice.common.v1.ModelKind\x12\x16\n\x0e\x63ontext_length\x18\x03 \x01(\x05\x12\x19\n\x11max_output_tokens\x18\x04 \x01(\x05\x12\x1c\n\x14\x65mbedding_dimensions\x18\x05 \x01(\x05\x12\x10\n\x08logprobs\x18\x06 \x01(\x08\x12\x1a\n\x12structured_outputs\x18\x07 \x01(\x08*h\n\rPriorityClass\x12\x1e\n\x1aPRIORITY_CLASS_UNSPECIFIED\x10\x00\x12\x1e\n\x1aPRIORITY_CLASS_INTERACTIVE\x10\x01\x12\x17\n\x13PRIORITY_CLASS_BULK\x10\x02*\x95\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04*l\n\x0eResponseFormat\x12\x1f\n\x1bRESPONSE_FORMAT_UNSPECIFIED\x10\x00\x12\x18\n\x14RESPONSE_FORMAT_TEXT\x10\x01\x12\x1f\n\x1bRESPONSE_FORMAT_JSON_OBJECT\x10\x02*\\\n\tModelKind\x12\x1a\n\x16MODEL_KIND_UNSPECIFIED\x10\x00\x12\x19\n\x15MODEL_KIND_GENERATION\x10\x01\x12\x18\n\x14MODEL_KIND_EMBEDDING\x10\x02\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1csluice/common/v1/types.proto\x12\x10sluice.common.v1\"r\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12.\n\ntool_calls\x18\x03 \x03(\x0b\x32\x1a.sluice.common.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\"=\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x12\n\nparameters\x18\x03 \x01(\t\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"N\n\nToolChoice\x12.\n\x04mode\x18\x01 \x01(\x0e\x32 .sluice.common.v1.ToolChoiceMode\x12\x10\n\x08\x66unction\x18\x02 \x01(\t\"\x98\x01\n\x07ToolUse\x12%\n\x05tools\x18\x01 \x03(\x0b\x32\x16.sluice.common.v1.Tool\x12,\n\x06\x63hoice\x18\x02 \x01(\x0b\x32\x1c.sluice.common.v1.ToolChoice\x12 \n\x13parallel_tool_calls\x18\x03 \x01(\x08H\x00\x88\x01\x01\x42\x16\n\x14_parallel_tool_calls\"\xe6\x04\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\x05\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x01\x88\x01\x01\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x02\x88\x01\x01\x12\x0c\n\x04stop\x18\x05 \x03(\t\x12\x12\n\x05top_k\x18\x06 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x07 \x01(\x02H\x04\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x08 \x01(\x02H\x05\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\t \x01(\x02H\x06\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\n \x01(\x02H\x07\x88\x01\x01\x12\x43\n\nlogit_bias\x18\x0b \x03(\x0b\x32/.sluice.common.v1.SamplingParams.LogitBiasEntry\x12\x15\n\x08logprobs\x18\x0c \x01(\x05H\x08\x88\x01\x01\x12\x0e\n\x01n\x18\r \x01(\x05H\t\x88\x01\x01\x12?\n\x12structured_outputs\x18\x0e \x01(\x0b\x32#.sluice.common.v1.StructuredOutputs\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\x08\n\x06_top_kB\x08\n\x06_min_pB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x0b\n\t_logprobsB\x04\n\x02_n\"\x9c\x01\n\x11StructuredOutputs\x12\x0e\n\x04json\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12.\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x1c.sluice.common.v1.ChoiceListH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x42\x0c\n\nconstraint\"\x1d\n\nChoiceList\x12\x0f\n\x07options\x18\x01 \x03(\t\";\n\nTopLogprob\x12\r\n\x05token\x18\x01 \x01(\t\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\r\n\x05\x62ytes\x18\x03 \x01(\x0c\"q\n\x0cTokenLogprob\x12\r\n\x05token\x18\x01 \x01(\t\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\r\n\x05\x62ytes\x18\x03 \x01(\x0c\x12\x32\n\x0ctop_logprobs\x18\x04 \x03(\x0b\x32\x1c.sluice.common.v1.TopLogprob\"f\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\x05\x12\x15\n\rcached_tokens\x18\x04 \x01(\x05\"t\n\x07Timings\x12\x15\n\rqueue_time_ms\x18\x01 \x01(\x01\x12\x1e\n\x16time_to_first_token_ms\x18\x02 \x01(\x01\x12\x1b\n\x13mean_inter_token_ms\x18\x03 \x01(\x01\x12\x15\n\rtotal_time_ms\x18\x04 \x01(\x01\"\x1b\n\tEmbedding\x12\x0e\n\x06values\x18\x01 \x03(\x02\"\xc3\x01\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12)\n\x04kind\x18\x02 \x01(\x0e\x32\x1b.sluice.common.v1.ModelKind\x12\x16\n\x0e\x63ontext_length\x18\x03 \x01(\x05\x12\x19\n\x11max_output_tokens\x18\x04 \x01(\x05\x12\x1c\n\x14\x65mbedding_dimensions\x18\x05 \x01(\x05\x12\x10\n\x08logprobs\x18\x06 \x01(\x08\x12\x1a\n\x12structured_outputs\x18\x07 \x01(\x08*h\n\rPriorityClass\x12\x1e\n\x1aPRIORITY_CLASS_UNSPECIFIED\x10\x00\x12\x1e\n\x1aPRIORITY_CLASS_INTERACTIVE\x10\x01\x12\x17\n\x13PRIORITY_CLASS_BULK\x10\x02*\xb3\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x12\x1c\n\x18\x46INISH_REASON_TOOL_CALLS\x10\x05*l\n\x0eResponseFormat\x12\x1f\n\x1bRESPONSE_FORMAT_UNSPECIFIED\x10\x00\x12\x18\n\x14RESPONSE_FORMAT_TEXT\x10\x01\x12\x1f\n\x1bRESPONSE_FORMAT_JSON_OBJECT\x10\x02*\xa6\x01\n\x0eToolChoiceMode\x12 \n\x1cTOOL_CHOICE_MODE_UNSPECIFIED\x10\x00\x12\x19\n\x15TOOL_CHOICE_MODE_NONE\x10\x01\x12\x19\n\x15TOOL_CHOICE_MODE_AUTO\x10\x02\x12\x1d\n\x19TOOL_CHOICE_MODE_REQUIRED\x10\x03\x12\x1d\n\x19TOOL_CHOICE_MODE_FUNCTION\x10\x04*\\\n\tModelKind\x12\x1a\n\x16MODEL_KIND_UNSPECIFIED\x10\x00\x12\x19\n\x15MODEL_KIND_GENERATION\x10\x01\x12\x18\n\x14MODEL_KIND_EMBEDDING\x10\x02\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,34 +33,44 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_PRIORITYCLASS']._serialized_start=1528
-  _globals['_PRIORITYCLASS']._serialized_end=1632
-  _globals['_FINISHREASON']._serialized_start=1635
-  _globals['_FINISHREASON']._serialized_end=1784
-  _globals['_RESPONSEFORMAT']._serialized_start=1786
-  _globals['_RESPONSEFORMAT']._serialized_end=1894
-  _globals['_MODELKIND']._serialized_start=1896
-  _globals['_MODELKIND']._serialized_end=1988
+  _globals['_PRIORITYCLASS']._serialized_start=1953
+  _globals['_PRIORITYCLASS']._serialized_end=2057
+  _globals['_FINISHREASON']._serialized_start=2060
+  _globals['_FINISHREASON']._serialized_end=2239
+  _globals['_RESPONSEFORMAT']._serialized_start=2241
+  _globals['_RESPONSEFORMAT']._serialized_end=2349
+  _globals['_TOOLCHOICEMODE']._serialized_start=2352
+  _globals['_TOOLCHOICEMODE']._serialized_end=2518
+  _globals['_MODELKIND']._serialized_start=2520
+  _globals['_MODELKIND']._serialized_end=2612
   _globals['_CHATMESSAGE']._serialized_start=50
-  _globals['_CHATMESSAGE']._serialized_end=94
-  _globals['_SAMPLINGPARAMS']._serialized_start=97
-  _globals['_SAMPLINGPARAMS']._serialized_end=711
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=523
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=571
-  _globals['_STRUCTUREDOUTPUTS']._serialized_start=714
-  _globals['_STRUCTUREDOUTPUTS']._serialized_end=870
-  _globals['_CHOICELIST']._serialized_start=872
-  _globals['_CHOICELIST']._serialized_end=901
-  _globals['_TOPLOGPROB']._serialized_start=903
-  _globals['_TOPLOGPROB']._serialized_end=962
-  _globals['_TOKENLOGPROB']._serialized_start=964
-  _globals['_TOKENLOGPROB']._serialized_end=1077
-  _globals['_USAGE']._serialized_start=1079
-  _globals['_USAGE']._serialized_end=1181
-  _globals['_TIMINGS']._serialized_start=1183
-  _globals['_TIMINGS']._serialized_end=1299
-  _globals['_EMBEDDING']._serialized_start=1301
-  _globals['_EMBEDDING']._serialized_end=1328
-  _globals['_MODELINFO']._serialized_start=1331
-  _globals['_MODELINFO']._serialized_end=1526
+  _globals['_CHATMESSAGE']._serialized_end=164
+  _globals['_TOOL']._serialized_start=166
+  _globals['_TOOL']._serialized_end=227
+  _globals['_TOOLCALL']._serialized_start=229
+  _globals['_TOOLCALL']._serialized_end=284
+  _globals['_TOOLCHOICE']._serialized_start=286
+  _globals['_TOOLCHOICE']._serialized_end=364
+  _globals['_TOOLUSE']._serialized_start=367
+  _globals['_TOOLUSE']._serialized_end=519
+  _globals['_SAMPLINGPARAMS']._serialized_start=522
+  _globals['_SAMPLINGPARAMS']._serialized_end=1136
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=948
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=996
+  _globals['_STRUCTUREDOUTPUTS']._serialized_start=1139
+  _globals['_STRUCTUREDOUTPUTS']._serialized_end=1295
+  _globals['_CHOICELIST']._serialized_start=1297
+  _globals['_CHOICELIST']._serialized_end=1326
+  _globals['_TOPLOGPROB']._serialized_start=1328
+  _globals['_TOPLOGPROB']._serialized_end=1387
+  _globals['_TOKENLOGPROB']._serialized_start=1389
+  _globals['_TOKENLOGPROB']._serialized_end=1502
+  _globals['_USAGE']._serialized_start=1504
+  _globals['_USAGE']._serialized_end=1606
+  _globals['_TIMINGS']._serialized_start=1608
+  _globals['_TIMINGS']._serialized_end=1724
+  _globals['_EMBEDDING']._serialized_start=1726
+  _globals['_EMBEDDING']._serialized_end=1753
+  _globals['_MODELINFO']._serialized_start=1756
+  _globals['_MODELINFO']._serialized_end=1951
 # @@protoc_insertion_point(module_scope)

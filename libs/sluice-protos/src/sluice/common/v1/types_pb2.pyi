@@ -20,12 +20,21 @@ class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FINISH_REASON_LENGTH: _ClassVar[FinishReason]
     FINISH_REASON_CANCELLED: _ClassVar[FinishReason]
     FINISH_REASON_ERROR: _ClassVar[FinishReason]
+    FINISH_REASON_TOOL_CALLS: _ClassVar[FinishReason]
 
 class ResponseFormat(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     RESPONSE_FORMAT_UNSPECIFIED: _ClassVar[ResponseFormat]
     RESPONSE_FORMAT_TEXT: _ClassVar[ResponseFormat]
     RESPONSE_FORMAT_JSON_OBJECT: _ClassVar[ResponseFormat]
+
+class ToolChoiceMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TOOL_CHOICE_MODE_UNSPECIFIED: _ClassVar[ToolChoiceMode]
+    TOOL_CHOICE_MODE_NONE: _ClassVar[ToolChoiceMode]
+    TOOL_CHOICE_MODE_AUTO: _ClassVar[ToolChoiceMode]
+    TOOL_CHOICE_MODE_REQUIRED: _ClassVar[ToolChoiceMode]
+    TOOL_CHOICE_MODE_FUNCTION: _ClassVar[ToolChoiceMode]
 
 class ModelKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -40,20 +49,68 @@ FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_CANCELLED: FinishReason
 FINISH_REASON_ERROR: FinishReason
+FINISH_REASON_TOOL_CALLS: FinishReason
 RESPONSE_FORMAT_UNSPECIFIED: ResponseFormat
 RESPONSE_FORMAT_TEXT: ResponseFormat
 RESPONSE_FORMAT_JSON_OBJECT: ResponseFormat
+TOOL_CHOICE_MODE_UNSPECIFIED: ToolChoiceMode
+TOOL_CHOICE_MODE_NONE: ToolChoiceMode
+TOOL_CHOICE_MODE_AUTO: ToolChoiceMode
+TOOL_CHOICE_MODE_REQUIRED: ToolChoiceMode
+TOOL_CHOICE_MODE_FUNCTION: ToolChoiceMode
 MODEL_KIND_UNSPECIFIED: ModelKind
 MODEL_KIND_GENERATION: ModelKind
 MODEL_KIND_EMBEDDING: ModelKind
 
 class ChatMessage(_message.Message):
-    __slots__ = ("role", "content")
+    __slots__ = ("role", "content", "tool_calls", "tool_call_id")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     CONTENT_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALL_ID_FIELD_NUMBER: _ClassVar[int]
     role: str
     content: str
-    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
+    tool_calls: _containers.RepeatedCompositeFieldContainer[ToolCall]
+    tool_call_id: str
+    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ..., tool_call_id: _Optional[str] = ...) -> None: ...
+
+class Tool(_message.Message):
+    __slots__ = ("name", "description", "parameters")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DESCRIPTION_FIELD_NUMBER: _ClassVar[int]
+    PARAMETERS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    description: str
+    parameters: str
+    def __init__(self, name: _Optional[str] = ..., description: _Optional[str] = ..., parameters: _Optional[str] = ...) -> None: ...
+
+class ToolCall(_message.Message):
+    __slots__ = ("id", "name", "arguments")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ARGUMENTS_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    name: str
+    arguments: str
+    def __init__(self, id: _Optional[str] = ..., name: _Optional[str] = ..., arguments: _Optional[str] = ...) -> None: ...
+
+class ToolChoice(_message.Message):
+    __slots__ = ("mode", "function")
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    FUNCTION_FIELD_NUMBER: _ClassVar[int]
+    mode: ToolChoiceMode
+    function: str
+    def __init__(self, mode: _Optional[_Union[ToolChoiceMode, str]] = ..., function: _Optional[str] = ...) -> None: ...
+
+class ToolUse(_message.Message):
+    __slots__ = ("tools", "choice", "parallel_tool_calls")
+    TOOLS_FIELD_NUMBER: _ClassVar[int]
+    CHOICE_FIELD_NUMBER: _ClassVar[int]
+    PARALLEL_TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
+    tools: _containers.RepeatedCompositeFieldContainer[Tool]
+    choice: ToolChoice
+    parallel_tool_calls: bool
+    def __init__(self, tools: _Optional[_Iterable[_Union[Tool, _Mapping]]] = ..., choice: _Optional[_Union[ToolChoice, _Mapping]] = ..., parallel_tool_calls: _Optional[bool] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
     __slots__ = ("max_tokens", "temperature", "top_p", "seed", "stop", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "logprobs", "n", "structured_outputs")

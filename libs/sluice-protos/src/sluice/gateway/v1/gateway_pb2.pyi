@@ -9,7 +9,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("model", "messages", "prompt", "sampling", "priority_class", "client_request_id", "response_format")
+    __slots__ = ("model", "messages", "prompt", "sampling", "priority_class", "client_request_id", "response_format", "tool_use")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
@@ -17,6 +17,7 @@ class GenerateRequest(_message.Message):
     PRIORITY_CLASS_FIELD_NUMBER: _ClassVar[int]
     CLIENT_REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     RESPONSE_FORMAT_FIELD_NUMBER: _ClassVar[int]
+    TOOL_USE_FIELD_NUMBER: _ClassVar[int]
     model: str
     messages: _containers.RepeatedCompositeFieldContainer[_types_pb2.ChatMessage]
     prompt: str
@@ -24,10 +25,11 @@ class GenerateRequest(_message.Message):
     priority_class: _types_pb2.PriorityClass
     client_request_id: str
     response_format: _types_pb2.ResponseFormat
-    def __init__(self, model: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[_types_pb2.ChatMessage, _Mapping]]] = ..., prompt: _Optional[str] = ..., sampling: _Optional[_Union[_types_pb2.SamplingParams, _Mapping]] = ..., priority_class: _Optional[_Union[_types_pb2.PriorityClass, str]] = ..., client_request_id: _Optional[str] = ..., response_format: _Optional[_Union[_types_pb2.ResponseFormat, str]] = ...) -> None: ...
+    tool_use: _types_pb2.ToolUse
+    def __init__(self, model: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[_types_pb2.ChatMessage, _Mapping]]] = ..., prompt: _Optional[str] = ..., sampling: _Optional[_Union[_types_pb2.SamplingParams, _Mapping]] = ..., priority_class: _Optional[_Union[_types_pb2.PriorityClass, str]] = ..., client_request_id: _Optional[str] = ..., response_format: _Optional[_Union[_types_pb2.ResponseFormat, str]] = ..., tool_use: _Optional[_Union[_types_pb2.ToolUse, _Mapping]] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("request_id", "text", "finish_reason", "usage", "timings", "model", "index", "logprobs")
+    __slots__ = ("request_id", "text", "finish_reason", "usage", "timings", "model", "index", "logprobs", "tool_calls")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
@@ -36,6 +38,7 @@ class GenerateResponse(_message.Message):
     MODEL_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text: str
     finish_reason: _types_pb2.FinishReason
@@ -44,7 +47,8 @@ class GenerateResponse(_message.Message):
     model: str
     index: int
     logprobs: _containers.RepeatedCompositeFieldContainer[_types_pb2.TokenLogprob]
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[_types_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_types_pb2.Usage, _Mapping]] = ..., timings: _Optional[_Union[_types_pb2.Timings, _Mapping]] = ..., model: _Optional[str] = ..., index: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[_types_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
+    tool_calls: _containers.RepeatedCompositeFieldContainer[_types_pb2.ToolCall]
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[_types_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_types_pb2.Usage, _Mapping]] = ..., timings: _Optional[_Union[_types_pb2.Timings, _Mapping]] = ..., model: _Optional[str] = ..., index: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[_types_pb2.TokenLogprob, _Mapping]]] = ..., tool_calls: _Optional[_Iterable[_Union[_types_pb2.ToolCall, _Mapping]]] = ...) -> None: ...
 
 class EmbedRequest(_message.Message):
     __slots__ = ("model", "inputs", "priority_class", "client_request_id")

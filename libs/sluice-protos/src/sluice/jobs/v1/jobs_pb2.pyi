@@ -34,18 +34,20 @@ JOB_STATE_CANCELLING: JobState
 JOB_STATE_CANCELLED: JobState
 
 class GenerateRow(_message.Message):
-    __slots__ = ("model", "messages", "prompt", "sampling", "response_format")
+    __slots__ = ("model", "messages", "prompt", "sampling", "response_format", "tool_use")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     RESPONSE_FORMAT_FIELD_NUMBER: _ClassVar[int]
+    TOOL_USE_FIELD_NUMBER: _ClassVar[int]
     model: str
     messages: _containers.RepeatedCompositeFieldContainer[_types_pb2.ChatMessage]
     prompt: str
     sampling: _types_pb2.SamplingParams
     response_format: _types_pb2.ResponseFormat
-    def __init__(self, model: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[_types_pb2.ChatMessage, _Mapping]]] = ..., prompt: _Optional[str] = ..., sampling: _Optional[_Union[_types_pb2.SamplingParams, _Mapping]] = ..., response_format: _Optional[_Union[_types_pb2.ResponseFormat, str]] = ...) -> None: ...
+    tool_use: _types_pb2.ToolUse
+    def __init__(self, model: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[_types_pb2.ChatMessage, _Mapping]]] = ..., prompt: _Optional[str] = ..., sampling: _Optional[_Union[_types_pb2.SamplingParams, _Mapping]] = ..., response_format: _Optional[_Union[_types_pb2.ResponseFormat, str]] = ..., tool_use: _Optional[_Union[_types_pb2.ToolUse, _Mapping]] = ...) -> None: ...
 
 class EmbedRow(_message.Message):
     __slots__ = ("model", "inputs")
@@ -112,7 +114,7 @@ class RowError(_message.Message):
     def __init__(self, code: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
 
 class RowResult(_message.Message):
-    __slots__ = ("job_id", "custom_id", "output", "embeddings", "finish_reason", "usage", "error", "request_id", "choices")
+    __slots__ = ("job_id", "custom_id", "output", "embeddings", "finish_reason", "usage", "error", "request_id", "choices", "tool_calls")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     CUSTOM_ID_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_FIELD_NUMBER: _ClassVar[int]
@@ -122,6 +124,7 @@ class RowResult(_message.Message):
     ERROR_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     CHOICES_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     custom_id: str
     output: str
@@ -131,19 +134,22 @@ class RowResult(_message.Message):
     error: RowError
     request_id: str
     choices: _containers.RepeatedCompositeFieldContainer[RowChoice]
-    def __init__(self, job_id: _Optional[str] = ..., custom_id: _Optional[str] = ..., output: _Optional[str] = ..., embeddings: _Optional[_Iterable[_Union[_types_pb2.Embedding, _Mapping]]] = ..., finish_reason: _Optional[_Union[_types_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_types_pb2.Usage, _Mapping]] = ..., error: _Optional[_Union[RowError, _Mapping]] = ..., request_id: _Optional[str] = ..., choices: _Optional[_Iterable[_Union[RowChoice, _Mapping]]] = ...) -> None: ...
+    tool_calls: _containers.RepeatedCompositeFieldContainer[_types_pb2.ToolCall]
+    def __init__(self, job_id: _Optional[str] = ..., custom_id: _Optional[str] = ..., output: _Optional[str] = ..., embeddings: _Optional[_Iterable[_Union[_types_pb2.Embedding, _Mapping]]] = ..., finish_reason: _Optional[_Union[_types_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_types_pb2.Usage, _Mapping]] = ..., error: _Optional[_Union[RowError, _Mapping]] = ..., request_id: _Optional[str] = ..., choices: _Optional[_Iterable[_Union[RowChoice, _Mapping]]] = ..., tool_calls: _Optional[_Iterable[_Union[_types_pb2.ToolCall, _Mapping]]] = ...) -> None: ...
 
 class RowChoice(_message.Message):
-    __slots__ = ("index", "text", "finish_reason", "logprobs")
+    __slots__ = ("index", "text", "finish_reason", "logprobs", "tool_calls")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
     index: int
     text: str
     finish_reason: _types_pb2.FinishReason
     logprobs: _containers.RepeatedCompositeFieldContainer[_types_pb2.TokenLogprob]
-    def __init__(self, index: _Optional[int] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[_types_pb2.FinishReason, str]] = ..., logprobs: _Optional[_Iterable[_Union[_types_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
+    tool_calls: _containers.RepeatedCompositeFieldContainer[_types_pb2.ToolCall]
+    def __init__(self, index: _Optional[int] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[_types_pb2.FinishReason, str]] = ..., logprobs: _Optional[_Iterable[_Union[_types_pb2.TokenLogprob, _Mapping]]] = ..., tool_calls: _Optional[_Iterable[_Union[_types_pb2.ToolCall, _Mapping]]] = ...) -> None: ...
 
 class JobRejection(_message.Message):
     __slots__ = ("job_id", "reason")

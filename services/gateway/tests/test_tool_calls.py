@@ -1,0 +1,131 @@
+"""Tool calls as domain code: the plan and its checks, the rendering the model is shown, the
+constraint per tool_choice, and the parser that turns what the model wrote into calls."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from sluice.common.v1 import types_pb2
+
+from sluice_common.errors import InvalidArgument
+from sluice_common.sampling import StructuredOutputs
+from sluice_common.structured_outputs import check
+from sluice_gateway.tool_calls import CLOSE, OPEN, plan, render
+
+WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+Mode = types_pb2.ToolChoiceMode
+
+
+def tool_use(mode: int = Mode.TOOL_CHOICE_MODE_AUTO, function: str = "", parallel: bool | None = None) -> types_pb2.ToolUse:
+    use = types_pb2.ToolUse(
+        tools=[types_pb2.Tool(name="get_weather", description="Weather now", parameters=json.dumps(WEATHER)), types_pb2.Tool(name="get_time")],
+        choice=types_pb2.ToolChoice(mode=mode, function=function),
+    )  # fmt: skip
+    if parallel is not None:
+        use.parallel_tool_calls = parallel
+    return use
+
+
+def test_a_named_function_constrains_to_its_parameters_and_required_to_an_array_of_calls() -> None:
+    named = plan(tool_use(Mode.TOOL_CHOICE_MODE_FUNCTION, "get_weather"), types_pb2.SamplingParams())
+    assert named is not None and named.constraint() == StructuredOutputs.json_schema(WEATHER)
+    required = plan(tool_use(Mode.TOOL_CHOICE_MODE_REQUIRED, parallel=False), types_pb2.SamplingParams())
+    assert required is not None
+    constraint = required.constraint()
+    assert constraint is not None
+    check(constraint)
+    schema = constraint.schema()
+    assert schema["type"] == "array" and schema["minItems"] == 1 and schema["maxItems"] == 1
+    assert [c["properties"]["name"]["enum"] for c in schema["items"]["anyOf"]] == [["get_weather"], ["get_time"]]
+    auto = plan(tool_use(), types_pb2.SamplingParams())
+    assert auto is not None and auto.constraint() is None and auto.shown
+    hidden = plan(tool_use(Mode.TOOL_CHOICE_MODE_NONE), types_pb2.SamplingParams())
+    assert hidden is not None and not hidden.shown
+
+
+@pytest.mark.parametrize(
+    ("use", "field", "named"),
+    [
+        (tool_use(Mode.TOOL_CHOICE_MODE_FUNCTION, "get_wether"), "tool_use.choice.function", "get_wether"),
+        (types_pb2.ToolUse(choice=types_pb2.ToolChoice(mode=Mode.TOOL_CHOICE_MODE_REQUIRED)), "tool_use.choice", "no tools"),
+        (types_pb2.ToolUse(tools=[types_pb2.Tool(name="bad name")]), "tool_use.tools[0].name", "bad name"),
+        (types_pb2.ToolUse(tools=[types_pb2.Tool(name="a"), types_pb2.Tool(name="a")]), "tool_use.tools[1].name", "twice"),
+        (types_pb2.ToolUse(tools=[types_pb2.Tool(name="a", parameters='{"type": "object", "if": {}}')]), "tool_use.tools[0].parameters", "if"),
+        (types_pb2.ToolUse(tools=[types_pb2.Tool(name="a", parameters="[1]")]), "tool_use.tools[0].parameters", "JSON object"),
+    ],
+)
+def test_a_bad_tool_or_choice_is_invalid_naming_the_field(use: types_pb2.ToolUse, field: str, named: str) -> None:
+    with pytest.raises(InvalidArgument) as caught:
+        plan(use, types_pb2.SamplingParams())
+    assert caught.value.field_name == field and named in caught.value.reason
+
+
+def test_a_constrained_tool_choice_and_structured_outputs_are_refused_together() -> None:
+    sampling = types_pb2.SamplingParams(structured_outputs=types_pb2.StructuredOutputs(json_object=True))
+    with pytest.raises(InvalidArgument) as caught:
+        plan(tool_use(Mode.TOOL_CHOICE_MODE_REQUIRED), sampling)
+    assert caught.value.field_name == "sampling.structured_outputs"
+    assert plan(tool_use(), sampling) is not None  # auto: the text may still be constrained
+
+
+def test_the_rendering_shows_the_tools_the_calls_and_the_results_in_hermes_form() -> None:
+    history = [
+        types_pb2.ChatMessage(role="user", content="Weather in Oslo and Rome?"),
+        types_pb2.ChatMessage(role="assistant", tool_calls=[
+            types_pb2.ToolCall(id="c1", name="get_weather", arguments='{"city": "Oslo"}'),
+            types_pb2.ToolCall(id="c2", name="get_weather", arguments='{"city": "Rome"}'),
+        ]),  # fmt: skip
+        types_pb2.ChatMessage(role="tool", tool_call_id="c1", content="-3 C"),
+        types_pb2.ChatMessage(role="tool", tool_call_id="c2", content="18 C"),
+    ]
+    rendered = render(history, plan(tool_use(), types_pb2.SamplingParams()))
+    assert [m.role for m in rendered] == ["system", "user", "assistant", "user"]
+    assert "<tools>" in rendered[0].content and '"name": "get_weather"' in rendered[0].content and "<tool_call>" in rendered[0].content
+    assert rendered[2].content == f'{OPEN}\n{{"name": "get_weather", "arguments": {{"city": "Oslo"}}}}\n{CLOSE}\n{OPEN}\n{{"name": "get_weather", "arguments": {{"city": "Rome"}}}}\n{CLOSE}'
+    assert rendered[3].content == "<tool_response>\n-3 C\n</tool_response>\n<tool_response>\n18 C\n</tool_response>"
+    # A system prompt of the client's own comes first, the tools after it; tool_choice none hides them.
+    with_system = render([types_pb2.ChatMessage(role="system", content="Be brief."), history[0]], plan(tool_use(), types_pb2.SamplingParams()))
+    assert with_system[0].content.startswith("Be brief.\n\n# Tools")
+    hidden = render(history[:1], plan(tool_use(Mode.TOOL_CHOICE_MODE_NONE), types_pb2.SamplingParams()))
+    assert [m.role for m in hidden] == ["user"]
+
+
+def _run(mode: int, pieces: list[str], finish: int = types_pb2.FINISH_REASON_STOP, function: str = "") -> tuple[str, str, int, list[types_pb2.ToolCall]]:
+    tool_plan = plan(tool_use(mode, function), types_pb2.SamplingParams())
+    assert tool_plan is not None
+    parser = tool_plan.parser()
+    shown = "".join(parser.feed(piece) for piece in pieces)
+    rest, reason = parser.finish(finish)
+    return shown, rest, reason, parser.calls
+
+
+def test_auto_streams_text_and_holds_a_call_from_its_first_character() -> None:
+    pieces = ["Let me check. ", "<tool", '_call>\n{"name": "get_weather", ', '"arguments": {"city": "Oslo"}}\n</tool_call>']
+    shown, rest, reason, calls = _run(Mode.TOOL_CHOICE_MODE_AUTO, pieces)
+    assert shown == "Let me check. " and rest == "" and reason == types_pb2.FINISH_REASON_TOOL_CALLS
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Oslo"})]
+    assert calls[0].id.startswith("call_")
+
+
+def test_auto_text_that_only_looks_like_a_call_is_text() -> None:
+    shown, rest, reason, calls = _run(Mode.TOOL_CHOICE_MODE_AUTO, ["a <tool", "box> b"])
+    assert shown + rest == "a <toolbox> b" and reason == types_pb2.FINISH_REASON_STOP and not calls
+    shown, rest, reason, calls = _run(Mode.TOOL_CHOICE_MODE_AUTO, ['<tool_call>{"name": "unknown_tool"}</tool_call>'])
+    assert rest == '<tool_call>{"name": "unknown_tool"}</tool_call>' and reason == types_pb2.FINISH_REASON_STOP and not calls
+
+
+def test_constrained_modes_hold_everything_and_parse_the_calls() -> None:
+    shown, rest, reason, calls = _run(Mode.TOOL_CHOICE_MODE_FUNCTION, ['{"city": ', '"Rome"}'], function="get_weather")
+    assert (shown, rest, reason) == ("", "", types_pb2.FINISH_REASON_TOOL_CALLS)
+    assert [(c.name, c.arguments) for c in calls] == [("get_weather", '{"city": "Rome"}')]
+    required = '[{"name": "get_time", "parameters": {}}, {"name": "get_weather", "parameters": {"city": "Oslo"}}]'
+    shown, rest, reason, calls = _run(Mode.TOOL_CHOICE_MODE_REQUIRED, [required[:10], required[10:]])
+    assert (shown, rest, reason) == ("", "", types_pb2.FINISH_REASON_TOOL_CALLS)
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_time", {}), ("get_weather", {"city": "Oslo"})]
+    assert len({c.id for c in calls}) == 2
+
+
+def test_a_call_cut_by_max_tokens_is_returned_as_text_with_length() -> None:
+    shown, rest, reason, calls = _run(Mode.TOOL_CHOICE_MODE_FUNCTION, ['{"city": "Ro'], types_pb2.FINISH_REASON_LENGTH, function="get_weather")
+    assert (shown, rest, reason, calls) == ("", '{"city": "Ro', types_pb2.FINISH_REASON_LENGTH, [])
