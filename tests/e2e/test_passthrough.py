@@ -251,3 +251,18 @@ def test_in_flight_bound_and_priority_order(stub, passthrough: Stack) -> None:
     assert [finish[f"long{i}"].usage.completion_tokens for i in range(2)] == [96, 256], "a long stream stopped early"
     assert all(first_token_at["interactive"] < first_token_at[f"bulk{i}"] for i in range(3))
 
+
+
+def test_logprobs_through_the_vllm_interface_are_the_step_paths(stub, gateway) -> None:
+    """Triton's vLLM backend reports logprobs in vLLM's shape (return_logprobs): read back, a greedy
+    answer's entries are the ones the step path reports for the same prompt on the same engine."""
+    request = chat("Which city is the capital of France?", 6)
+    request.sampling.temperature = 0
+    request.sampling.logprobs = 3
+
+    def entries(client):  # type: ignore[no-untyped-def]
+        return [(e.token, round(e.logprob, 4), [t.token for t in e.top_logprobs]) for r in client.Generate(request, metadata=auth(), timeout=120) for e in r.logprobs]
+
+    through_vllm = entries(stub)
+    assert through_vllm and all(len(top) == 3 and top[0] == token for token, _, top in through_vllm)
+    assert through_vllm == entries(gateway)

@@ -9,8 +9,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from sluice_triton_local.engine.step_engine import RowResult
-from sluice_triton_local.generate_model import VLLM_INPUTS, VLLM_OUTPUTS, _Progress, _response, fit_to_context, parse_request
+from sluice_common.logprobs import from_vllm
+from sluice_triton_local.engine.step_engine import RowResult, TokenLogprob, TopLogprob
+from sluice_triton_local.generate_model import VLLM_INPUTS, VLLM_OUTPUTS, _Progress, _response, fit_to_context, parse_request, vllm_logprobs
 
 UPSTREAM = json.loads((Path(__file__).parents[3] / "tests" / "fixtures" / "upstream" / "vllm_backend_interface.json").read_text())
 TRITON_TYPES = {bytes: "TYPE_STRING", np.bool_: "TYPE_BOOL", np.float32: "TYPE_FP32", np.uint32: "TYPE_UINT32"}
@@ -114,3 +115,24 @@ def test_the_stand_ins_turned_away_prefill_gets_the_next_freed_slot() -> None:
         time.sleep(0.02)  # an adapter's step takes this long, at least
     assert served.wait(timeout=10), f"the stand-in starved: the adapter refilled {refills} freed slots before it"
     engine.step([ReleaseRow(s) for s in held])
+
+
+def test_logprobs_come_in_vllms_shape_and_read_back_as_the_engines() -> None:
+    """return_logprobs: one {id: {logprob, rank, decoded_token}} object per token of the response, the
+    sampled token among them (with its own rank when it is not among the most likely), null when the
+    request asked for none; the adapter's reading (sluice_common.logprobs.from_vllm) gives back the
+    engine's entries."""
+    greedy = TokenLogprob("Par", b"Par", -0.1, (TopLogprob("Par", b"Par", -0.1, 5), TopLogprob("Lon", b"Lon", -2.5, 9)), token_id=5, rank=1)
+    unlikely = TokenLogprob("is", b"is", -7.0, (TopLogprob("Par", b"Par", -0.2, 5), TopLogprob("ee", b"ee", -1.9, 8)), token_id=6, rank=40)
+    assert parse_request(request({"logprobs": 2}, return_logprobs=True)).outputs == {"logprobs"}
+    response = _response("Paris", RowResult(1, 6, "is", "", 12, 2), _Progress(12), frozenset({"logprobs"}), [greedy, unlikely])
+    positions = json.loads(bytes(response["logprobs"][0]))
+    assert positions == [
+        {"5": {"logprob": -0.1, "rank": 1, "decoded_token": "Par"}, "9": {"logprob": -2.5, "rank": 2, "decoded_token": "Lon"}},
+        {"5": {"logprob": -0.2, "rank": 1, "decoded_token": "Par"}, "8": {"logprob": -1.9, "rank": 2, "decoded_token": "ee"},
+         "6": {"logprob": -7.0, "rank": 40, "decoded_token": "is"}},
+    ]  # fmt: skip
+    entries = from_vllm(positions, "Paris", 2)
+    assert [(e["token"], e["logprob"]) for e in entries] == [("Par", -0.1), ("is", -7.0)]
+    assert [[t["token"] for t in e["top_logprobs"]] for e in entries] == [["Par", "Lon"], ["Par", "ee"]]
+    assert vllm_logprobs(None) == b"null"

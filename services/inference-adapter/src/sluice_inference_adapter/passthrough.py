@@ -26,7 +26,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import structlog
 
@@ -54,6 +54,8 @@ class GeneratedChunk:
     input_tokens: int | None
     # None while the sequence runs; then the engine's reason: "stop", "length" or "abort".
     finish_reason: str | None
+    # The tokens' log-probabilities in the chat shape (sluice_common.logprobs), when asked for.
+    logprobs: tuple[dict[str, Any], ...] = ()
 
 
 # vLLM's other reason, "abort", only reaches us when the engine aborted by itself (we close the
@@ -216,7 +218,7 @@ class PassthroughScheduler(ReplicaWork):
                 # tests/fixtures/upstream/vllm_backend_interface.json), so none is reported.
                 if chunk.output_tokens or chunk.text:
                     sequence.completion_tokens += chunk.output_tokens
-                    sequence.emit_text(chunk.text, self._clock(), tokens=chunk.output_tokens)
+                    sequence.emit_text(chunk.text, self._clock(), tokens=chunk.output_tokens, logprobs=chunk.logprobs)
                 if chunk.finish_reason is not None:
                     if chunk.finish_reason not in _FINISHES:
                         raise RuntimeError(f"the engine ended the sequence with finish_reason {chunk.finish_reason!r}")

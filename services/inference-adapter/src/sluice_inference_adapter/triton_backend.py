@@ -22,6 +22,7 @@ from tritonclient.grpc.aio import InferenceServerClient
 from tritonclient.utils import InferenceServerException
 
 from sluice_common.errors import Unavailable
+from sluice_common.logprobs import from_vllm
 from sluice_common.sampling import Sampling, vllm_sampling_parameters
 from sluice_inference_adapter import metrics
 from sluice_inference_adapter.backend_errors import RequestRejected, engine_message, is_request_fault
@@ -46,6 +47,8 @@ _CACHED_TOKENS = "CACHED_TOKENS"
 # Each row's token log-probabilities (JSON, empty when its sequence asked for none). Requested only
 # from a model that declares it, as CACHED_TOKENS; ListModels says which models report them.
 _LOGPROBS = "LOGPROBS"
+# Triton's vLLM backend's per-token log-probabilities (asked per request, only when the request wants them).
+_VLLM_RETURN_LOGPROBS, _VLLM_LOGPROBS = "return_logprobs", "logprobs"
 _PROBE_PROMPT = PromptSpec(prompt="ping")
 # How long a fully answered round's stream may take to end on Triton's side before it is cancelled.
 _STREAM_END_S = 2.0
@@ -73,17 +76,18 @@ async def detect_protocol(url: str, model: str) -> Protocol:
 
 
 async def reports_logprobs(url: str, model: str, protocol: Protocol) -> bool:
-    """Whether the model reports token log-probabilities: a step model that declares LOGPROBS.
-    (Triton's vLLM backend documents a `logprobs` output, return_logprobs; the passthrough does not
-    read it yet, so its models say no and the gateway refuses logprobs for them.)"""
-    if protocol != "step":
-        return False
+    """Whether the model reports token log-probabilities: a step model that declares LOGPROBS, or
+    a model behind Triton's vLLM backend that declares its `logprobs` output (return_logprobs)."""
     client = InferenceServerClient(url)
     try:
         metadata = await client.get_model_metadata(model, as_json=True)
     finally:
         await client.close()
-    return _LOGPROBS in {tensor["name"] for tensor in metadata.get("outputs", [])}
+    outputs = {tensor["name"] for tensor in metadata.get("outputs", [])}
+    if protocol == "step":
+        return _LOGPROBS in outputs
+    inputs = {tensor["name"] for tensor in metadata.get("inputs", [])}
+    return _VLLM_LOGPROBS in outputs and _VLLM_RETURN_LOGPROBS in inputs
 
 
 def protocol_of(model: str, inputs: set[str]) -> Protocol:
@@ -227,6 +231,8 @@ class TritonGenerateBackend(_TritonEndpoint):
             _tensor("sampling_parameters", np.array([json.dumps(vllm_sampling_parameters(sampling)).encode()], dtype=np.object_), "BYTES"),
             *(_tensor(name, np.array([True]), "BOOL") for name in ("stream", "exclude_input_in_output", *_RETURN_FLAGS)),
         ]
+        if sampling.logprobs is not None:
+            inputs.append(_tensor(_VLLM_RETURN_LOGPROBS, np.array([True]), "BOOL"))
 
         async def requests() -> AsyncIterator[dict[str, object]]:
             # tritonclient's aio stream_infer has no enable_empty_final_response (and "triton_"
@@ -238,7 +244,7 @@ class TritonGenerateBackend(_TritonEndpoint):
             async for result, error in responses:
                 if error is not None:
                     raise _stream_error(self.url, self.model, error.message())
-                chunk = _generated_chunk(result)
+                chunk = _generated_chunk(result, sampling.logprobs)
                 yield chunk
                 if chunk.finish_reason is not None or _is_final(result):
                     return
@@ -316,18 +322,25 @@ def _first(result: object, name: str) -> object | None:
     return None if values is None or values.size == 0 else values.reshape(-1)[0]
 
 
-def _generated_chunk(result: object) -> GeneratedChunk:
+def _generated_chunk(result: object, top_logprobs: int | None = None) -> GeneratedChunk:
     text = result.as_numpy("text_output")  # type: ignore[attr-defined]
     finish = _first(result, "finish_reason")
     finish_reason = None if finish is None else _text(finish)
     input_tokens = _first(result, "num_input_tokens")
     output_tokens = result.as_numpy("num_output_tokens")  # type: ignore[attr-defined]
+    joined = "" if text is None else "".join(_text(x) for x in text.reshape(-1))
+    logprobs: tuple[dict[str, Any], ...] = ()
+    raw = _first(result, _VLLM_LOGPROBS) if top_logprobs is not None else None
+    if raw is not None:
+        positions = json.loads(_text(raw))
+        logprobs = tuple(from_vllm(positions, joined, top_logprobs or 0)) if positions else ()
     return GeneratedChunk(
-        text="" if text is None else "".join(_text(x) for x in text.reshape(-1)),
+        text=joined,
         output_tokens=0 if output_tokens is None else int(output_tokens.sum()),
         input_tokens=None if input_tokens is None else int(input_tokens),  # type: ignore[call-overload]
         # vLLM sends str(None) while the sequence runs.
         finish_reason=None if finish_reason in (None, "", "None") else finish_reason,
+        logprobs=logprobs,
     )
 
 

@@ -12,7 +12,8 @@ tests), and answers as the backend does:
     as upstream refuses it);
   - the additional outputs on every response when asked: finish_reason (str(None) while
     running, then "stop" or "length"), num_input_tokens, num_output_tokens (tokens since the
-    previous response);
+    previous response), logprobs (vLLM's per-token {id: {logprob, rank, decoded_token}} JSON,
+    null unless sampling_parameters asked for logprobs);
   - a prompt longer than the model's context is refused with vLLM's own message, wrapped as
     the backend wraps every error ("Error generating stream: ..."); max_tokens past the context
     is cut there, ending with "length", as vLLM's scheduler does.
@@ -44,7 +45,7 @@ from typing import Any
 import numpy as np
 
 from sluice_common.sampling import Sampling
-from sluice_triton_local.engine.step_engine import DecodeRow, PrefillRow, ReleaseRow, RowResult
+from sluice_triton_local.engine.step_engine import DecodeRow, PrefillRow, ReleaseRow, RowResult, TokenLogprob
 from sluice_triton_local.shared_engine import SharedEngine
 
 OnResult = Callable[[RowResult], None]
@@ -160,6 +161,7 @@ _RETURN_FLAGS = {
     "return_finish_reason": "finish_reason",
     "return_num_input_tokens": "num_input_tokens",
     "return_num_output_tokens": "num_output_tokens",
+    "return_logprobs": "logprobs",
 }
 
 
@@ -229,8 +231,27 @@ class _Progress:
     reported_tokens: int = 0
 
 
-def _response(text: str, result: RowResult, progress: _Progress, outputs: frozenset[str]) -> dict[str, np.ndarray]:
+def vllm_logprobs(entries: list[TokenLogprob] | None) -> bytes:
+    """The backend's `logprobs` output for the tokens of one response (vllm_backend
+    src/utils/request.py): JSON null when the request asked for none, else one object per token,
+    {"<token id>": {"logprob", "rank", "decoded_token"}}, holding the sampled token and the most
+    likely ones (vLLM's Logprob objects of that position)."""
+    if entries is None:
+        return b"null"
+    positions = []
+    for entry in entries:
+        position = {str(top.token_id): {"logprob": top.logprob, "rank": rank, "decoded_token": top.token} for rank, top in enumerate(entry.top_logprobs, 1)}
+        position.setdefault(str(entry.token_id), {"logprob": entry.logprob, "rank": entry.rank, "decoded_token": entry.token})
+        positions.append(position)
+    return json.dumps(positions).encode()
+
+
+def _response(
+    text: str, result: RowResult, progress: _Progress, outputs: frozenset[str], logprobs: list[TokenLogprob] | None = None
+) -> dict[str, np.ndarray]:
     response = {"text_output": np.array([text.encode()], dtype=np.object_)}
+    if "logprobs" in outputs:
+        response["logprobs"] = np.array([vllm_logprobs(logprobs)], dtype=np.object_)
     if "finish_reason" in outputs:
         response["finish_reason"] = np.array([str(result.finish_reason or None).encode()], dtype=np.object_)
     if "num_input_tokens" in outputs:
@@ -270,19 +291,23 @@ class GenerateModel:
         results: asyncio.Queue[RowResult] = asyncio.Queue()
         seq_id = self._generator.submit(request.prompt, params, lambda r: loop.call_soon_threadsafe(results.put_nowait, r))
         text = request.prompt if request.prepend_input else ""
+        # The tokens' log-probabilities since the last response; None when the request asked none.
+        logprobs: list[TokenLogprob] | None = None if params.logprobs is None else []
         try:
             while True:
                 result = await results.get()
                 if result.finish_reason in ("error", "invalid"):
                     raise ValueError(f"Error generating stream: {result.error}")
                 text += result.text
+                if logprobs is not None and result.logprobs is not None:
+                    logprobs.append(result.logprobs)
                 if request.stream and (text or result.finish_reason):
-                    yield _response(text, result, progress, request.outputs)
-                    text = ""
+                    yield _response(text, result, progress, request.outputs, logprobs)
+                    text, logprobs = "", None if logprobs is None else []
                 if result.finish_reason:
                     break
             if not request.stream:
-                yield _response(text, result, progress, request.outputs)
+                yield _response(text, result, progress, request.outputs, logprobs)
         finally:
             # Reached when PyTriton closes this generator (shutdown, errors).
             self._generator.cancel(seq_id)

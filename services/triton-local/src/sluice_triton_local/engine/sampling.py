@@ -77,6 +77,9 @@ class RowLogprobs:
 
     logprob: float
     top: tuple[tuple[int, float], ...]
+    # 1 + the tokens more likely than the sampled one (vLLM's Logprob.rank; Triton's vLLM backend
+    # reports it for every token of its logprobs output).
+    rank: int = 1
 
 
 def log_softmax(logits: np.ndarray) -> np.ndarray:
@@ -92,6 +95,7 @@ def row_logprobs(logits: np.ndarray, tokens: np.ndarray, top: np.ndarray) -> lis
     lp = log_softmax(logits)
     rows = np.arange(len(lp))
     chosen = lp[rows, tokens]
+    ranks = 1 + (lp > chosen[:, None]).sum(axis=1)
     k = int(top.max()) if len(top) else 0
     if 0 < k < lp.shape[1]:
         ids = np.argpartition(-lp, k - 1, axis=1)[:, :k]
@@ -101,7 +105,7 @@ def row_logprobs(logits: np.ndarray, tokens: np.ndarray, top: np.ndarray) -> lis
     order = np.argsort(-values, axis=1, kind="stable")
     ids, values = np.take_along_axis(ids, order, axis=1), np.take_along_axis(values, order, axis=1)
     return [
-        RowLogprobs(float(chosen[i]), tuple(zip(ids[i, : top[i]].tolist(), values[i, : top[i]].tolist())))
+        RowLogprobs(float(chosen[i]), tuple(zip(ids[i, : top[i]].tolist(), values[i, : top[i]].tolist())), int(ranks[i]))
         for i in rows
     ]
 

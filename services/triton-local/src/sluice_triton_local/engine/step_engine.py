@@ -100,6 +100,7 @@ class TopLogprob:
     token: str  # the token's text (U+FFFD where it is not whole UTF-8 by itself)
     bytes: bytes  # its exact bytes (a control token's: its name, e.g. "<|im_end|>")
     logprob: float
+    token_id: int = -1
 
 
 @dataclass(frozen=True)
@@ -108,6 +109,8 @@ class TokenLogprob:
     bytes: bytes
     logprob: float
     top_logprobs: tuple[TopLogprob, ...] = ()
+    token_id: int = -1
+    rank: int = 1  # 1 + the tokens that were more likely
 
 
 @dataclass(frozen=True)
@@ -336,8 +339,8 @@ class StepEngine:
     def _token_logprob(self, token: int, found: RowLogprobs | None) -> TokenLogprob | None:
         if found is None:
             return None
-        top = tuple(TopLogprob(*self._piece(t), logprob) for t, logprob in found.top)
-        return TokenLogprob(*self._piece(token), found.logprob, top)
+        top = tuple(TopLogprob(*self._piece(t), logprob, token_id=t) for t, logprob in found.top)
+        return TokenLogprob(*self._piece(token), found.logprob, top, token_id=token, rank=found.rank)
 
     def _piece(self, token: int) -> tuple[str, bytes]:
         raw = self.tokenizer.token_piece(token)
