@@ -20,8 +20,10 @@ export CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=O
 # Every Python project with its own environment.
 SERVICES := services/gateway services/inference-adapter services/triton-local services/evaluation-logging services/rate-limit
 LIBS := libs/sluice-protos libs/sluice-common libs/sluice-stack
-PROJECTS := $(LIBS) $(SERVICES) tests bench deploy/tests docs
-UNIT_TESTED := libs/sluice-common $(SERVICES) bench
+# The `sluice` command (bin/sluice runs it): a client of the suite, not a service.
+CLI := cli
+PROJECTS := $(LIBS) $(SERVICES) $(CLI) tests bench deploy/tests docs
+UNIT_TESTED := libs/sluice-common $(SERVICES) $(CLI) bench
 
 .PHONY: help docs setup prometheus-tools deploy-requirements uv node protos protos-check proto-lint run test test-unit test-e2e test-deploy bench-path bench-tracing bench-adapter bench-evallog bench-ratelimit bench-jobs bench-jobs-interactive bench-engine bench-colocated bench-threads bench-gpu bench-gpu-kit bench-load bench-rolling bench-embed-cache bench-openai bench-peer bench-prefix bench-transport bench-structured llama-server clean
 

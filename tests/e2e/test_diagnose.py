@@ -15,7 +15,7 @@ from conftest import DEMO_KEY
 from sluice_stack import Stack
 from sluice_stack.launcher import REPO_ROOT
 
-SLUICE = REPO_ROOT / "services" / "gateway" / ".venv" / "bin" / "sluice"
+SLUICE = REPO_ROOT / "cli" / ".venv" / "bin" / "sluice"
 # Small enough to keep the test short, long enough for ~20 completions at a batch of one.
 PROBE = ["--probe", "4", "--duration", "8", "--max-tokens", "16"]
 

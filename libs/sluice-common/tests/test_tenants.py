@@ -2,10 +2,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import grpc
 import pytest
 
 from sluice_common.errors import Unauthenticated
-from sluice_common.tenants import TenantDirectory, hash_api_key
+from sluice_common.tenants import TenantDirectory, authorization, bearer_key, hash_api_key
 
 REPO_TENANTS = Path(__file__).resolve().parents[3] / "config" / "tenants.toml"
 
@@ -48,3 +49,35 @@ def test_the_shipped_demo_file_loads() -> None:
     directory = TenantDirectory.from_file(REPO_TENANTS)
     assert directory.authenticate("Bearer sk-sluice-demo").name == "demo"
     assert directory.authenticate("Bearer sk-sluice-private").text_logging is False
+
+
+async def _authorization_seen_by_a_server(metadata: tuple[tuple[str, str], ...]) -> str:
+    """What `authorization` reads from a real call's context (the handler echoes it, or <none>)."""
+
+    async def echo(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        return (authorization(context) or "<none>").encode()
+
+    server = grpc.aio.server()
+    handler = grpc.unary_unary_rpc_method_handler(echo)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("test.Echo", {"Call": handler}),))
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            return (await channel.unary_unary("/test.Echo/Call")(b"", metadata=metadata, timeout=5)).decode()
+    finally:
+        await server.stop(0)
+
+
+async def test_authorization_is_read_from_the_call_metadata() -> None:
+    assert await _authorization_seen_by_a_server((("x-other", "a"), ("authorization", "Bearer k-1"))) == "Bearer k-1"
+    assert await _authorization_seen_by_a_server((("x-other", "a"),)) == "<none>"
+
+
+@pytest.mark.parametrize(
+    ("value", "key"),
+    [("Bearer k-1", "k-1"), ("bearer  k-1 ", "k-1"), ("BEARER k-1", "k-1"), ("Basic abc", ""), ("Bearer ", ""), ("", ""), (None, "")],
+)
+def test_bearer_key(value: str | None, key: str) -> None:
+    assert bearer_key(value) == key
+

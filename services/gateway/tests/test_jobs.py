@@ -10,7 +10,6 @@ import pytest
 from sluice.jobs.v1 import jobs_pb2
 
 from sluice_common.errors import ResourceExhausted, Unavailable
-from sluice_gateway.cli_jobs import progress_line
 from sluice_gateway.config import GatewayConfig
 from sluice_gateway.jobs import (
     EXPIRED_CODE,
@@ -187,15 +186,6 @@ def test_the_default_window_is_checked_at_start() -> None:
     for bad in (0.0, -1.0, 604801.0):
         with pytest.raises(ValueError, match="JOBS_COMPLETION_WINDOW_S"):
             GatewayConfig(tenants_file=TENANTS_FILE, jobs_completion_window_s=bad)
-
-
-def test_the_cli_progress_line_explains_expired_and_pads_the_state() -> None:
-    # When the CLI stops following is WatchJob's (test_jobs_api: it ends on expired only once
-    # every row is stored); the line it prints is the CLI's.
-    expired = jobs_pb2.Job(state=jobs_pb2.JOB_STATE_EXPIRED, total_rows=4, completed_rows=1, failed_rows=3)
-    line = progress_line(expired, width=4)
-    assert line.startswith("[####] 4/4 100.0%  expired") and "EXPIRED" in line
-    assert "finalizing " in progress_line(jobs_pb2.Job(state=jobs_pb2.JOB_STATE_FINALIZING, total_rows=1, completed_rows=1))
 
 
 def test_only_exhaustion_with_a_retry_time_is_waited_out() -> None:

@@ -1,4 +1,4 @@
-"""The gateway's trace data: the GenAI generation span and the trace id `sluice logs` prints."""
+"""The gateway's trace data: the GenAI generation span (the trace id `sluice logs` prints: cli/tests/test_output_lines.py)."""
 
 from __future__ import annotations
 
@@ -7,12 +7,10 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from sluice.common.v1 import types_pb2
-from sluice.evallog.v1 import evallog_pb2, events_pb2
 from sluice.gateway.v1 import gateway_pb2
 from sluice.inference.v1 import inference_pb2
 
 from sluice_common import tracing
-from sluice_gateway.cli import record_line
 from sluice_gateway.generation_trace import start_generation
 
 
@@ -69,10 +67,3 @@ def test_a_failed_generation_ends_in_error(exported: InMemorySpanExporter) -> No
     (span,) = exported.get_finished_spans()
     assert span.name == "text_completion m" and not span.status.is_ok
     assert span.attributes["error.type"] == "RuntimeError"
-
-
-def test_sluice_logs_prints_the_records_trace_id() -> None:
-    event = events_pb2.CompletionEvent(model="m", request_id="r1", finish_reason=types_pb2.FINISH_REASON_STOP)
-    traced = record_line(evallog_pb2.Record(event=event, trace_id="4bf92f3577b34da6a3ce929d0e0e4736"))
-    assert traced.endswith("r1  trace 4bf92f3577b34da6a3ce929d0e0e4736")
-    assert "trace" not in record_line(evallog_pb2.Record(event=event))

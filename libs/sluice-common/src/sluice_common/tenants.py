@@ -12,8 +12,10 @@ from __future__ import annotations
 import hashlib
 import hmac
 import tomllib
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 from sluice_common import tracing
 from sluice_common.errors import Unauthenticated
@@ -30,6 +32,28 @@ class Tenant:
 
 def hash_api_key(api_key: str) -> str:
     return hashlib.sha256(api_key.encode()).hexdigest()
+
+
+class CallMetadata(Protocol):
+    """What `authorization` reads: a grpc.aio.ServicerContext (no grpc import here)."""
+
+    def invocation_metadata(self) -> Iterable[tuple[str, str | bytes]] | None: ...
+
+
+def authorization(context: CallMetadata) -> str | None:
+    """The call's `authorization` metadata value (None when it has none), for `authenticate`.
+    gRPC lower-cases metadata keys, so `Authorization` from a client arrives as this one."""
+    for key, value in context.invocation_metadata() or ():
+        if key == "authorization":
+            return str(value)
+    return None
+
+
+def bearer_key(authorization: str | None) -> str:
+    """The API key in a `Bearer <key>` value (any case of `Bearer`); "" when there is none."""
+    if not authorization or not authorization.lower().startswith(_BEARER):
+        return ""
+    return authorization[len(_BEARER) :].strip()
 
 
 class TenantDirectory:
@@ -62,9 +86,9 @@ class TenantDirectory:
     def _authenticate(self, authorization: str | None) -> Tenant:
         if not authorization:
             raise Unauthenticated("missing `authorization: Bearer <api key>` metadata")
-        if not authorization.lower().startswith(_BEARER) or not authorization[len(_BEARER) :].strip():
+        key = bearer_key(authorization)
+        if not key:
             raise Unauthenticated("the authorization metadata must be `Bearer <api key>`")
-        key = authorization[len(_BEARER) :].strip()
         if not is_valid_text(key):
             # Undecodable header bytes (aiohttp's surrogateescape): no key has them.
             raise Unauthenticated("invalid API key")

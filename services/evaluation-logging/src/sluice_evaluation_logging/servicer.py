@@ -6,20 +6,13 @@ import grpc
 from google.protobuf import timestamp_pb2
 from sluice.evallog.v1 import evallog_pb2, evallog_pb2_grpc, events_pb2
 
-from sluice_common.tenants import TenantDirectory
+from sluice_common.tenants import TenantDirectory, authorization
 from sluice_evaluation_logging.evaluators import Offload
 from sluice_evaluation_logging.evaluators.base import EvalContext
 from sluice_evaluation_logging.model import RecordFilter, RecordRow, Threshold
 from sluice_evaluation_logging.queries import EvalLogQueries
 from sluice_evaluation_logging.records import GroupSummary
 from sluice_evaluation_logging.scoring import ScoreInput, evaluator_infos, score_items
-
-
-def _authorization(context: grpc.aio.ServicerContext) -> str | None:
-    for key, value in context.invocation_metadata() or ():
-        if key == "authorization":
-            return str(value)
-    return None
 
 
 def _seconds(timestamp: timestamp_pb2.Timestamp, present: bool) -> float | None:
@@ -75,7 +68,7 @@ class EvalLogServicer(evallog_pb2_grpc.EvalLogServiceServicer):
         self._offload = offload
 
     def _caller(self, context: grpc.aio.ServicerContext) -> str:
-        return self._tenants.authenticate(_authorization(context)).name
+        return self._tenants.authenticate(authorization(context)).name
 
     async def GetRecord(
         self, request: evallog_pb2.GetRecordRequest, context: grpc.aio.ServicerContext

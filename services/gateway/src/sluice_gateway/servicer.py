@@ -14,14 +14,7 @@ from sluice_common.errors import Unimplemented
 from sluice_common.request_context import REQUEST_ID_KEY, current_request_id
 from sluice_gateway.inference_path import InferencePath
 from sluice_gateway.jobs_api import JobsApi
-from sluice_common.tenants import Tenant, TenantDirectory
-
-
-def _authorization(context: grpc.aio.ServicerContext) -> str | None:
-    for key, value in context.invocation_metadata() or ():
-        if key == "authorization":
-            return str(value)
-    return None
+from sluice_common.tenants import Tenant, TenantDirectory, authorization, bearer_key
 
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
@@ -37,7 +30,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         self._jobs_api = jobs
 
     def _tenant(self, context: grpc.aio.ServicerContext) -> Tenant:
-        return self._tenants.authenticate(_authorization(context))
+        return self._tenants.authenticate(authorization(context))
 
     async def Generate(
         self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext
@@ -89,7 +82,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         self, request: gateway_pb2.SubmitJobRequest, context: grpc.aio.ServicerContext
     ) -> gateway_pb2.SubmitJobResponse:
         tenant = self._tenant(context)
-        api_key = (_authorization(context) or "")[len("bearer ") :].strip()
+        api_key = bearer_key(authorization(context))
         job = jobs_pb2.JobRequest()
         job.CopyFrom(request.job)
         return gateway_pb2.SubmitJobResponse(job=await self._jobs().submit(tenant, api_key, job))

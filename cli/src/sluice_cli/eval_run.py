@@ -1,5 +1,5 @@
 """`sluice eval`: A/B two models (or two configurations of one) on a dataset, as bulk jobs, and
-gate a deployment on the result (registered by cli.build_parser).
+gate a deployment on the result (registered by main.build_parser).
 
     sluice eval --dataset rows.jsonl --model-a M1 --model-b M2 [--threshold 0.05] [--max-tokens N]
     sluice eval --dataset rows.jsonl --model-a M --sampling-b temperature=1.0,seed=7
@@ -30,8 +30,8 @@ from sluice.evallog.v1 import evallog_pb2, evallog_pb2_grpc, events_pb2
 from sluice.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from sluice.jobs.v1 import jobs_pb2
 
-from sluice_gateway.cli_jobs import progress_line
-from sluice_gateway.eval_compare import (
+from sluice_cli.client import NoAPIKey, bearer_metadata, stub
+from sluice_cli.eval_compare import (
     EXIT_ERROR,
     DatasetError,
     DatasetRow,
@@ -42,6 +42,7 @@ from sluice_gateway.eval_compare import (
     parse_sampling,
     render,
 )
+from sluice_cli.jobs import progress_line
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 DEFAULT_EVALLOG = "127.0.0.1:50081"
@@ -55,9 +56,10 @@ class EvalFailed(Exception):
 
 
 def _metadata(args: argparse.Namespace) -> tuple[tuple[str, str], ...]:
-    if not args.api_key:
-        raise EvalFailed("no API key: pass --api-key or set SLUICE_API_KEY")
-    return (("authorization", f"Bearer {args.api_key}"),)
+    try:
+        return bearer_metadata(args.api_key)
+    except NoAPIKey as missing:
+        raise EvalFailed(str(missing)) from None
 
 
 def _sampling(side: Side, default_max_tokens: int) -> types_pb2.SamplingParams:
@@ -104,8 +106,8 @@ class EvalRun:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
         self.metadata = _metadata(args)
-        self.gateway = gateway_pb2_grpc.GatewayServiceStub(grpc.insecure_channel(args.gateway))
-        self.evallog = evallog_pb2_grpc.EvalLogServiceStub(grpc.insecure_channel(args.evallog))
+        self.gateway = stub(gateway_pb2_grpc.GatewayServiceStub, args.gateway)
+        self.evallog = stub(evallog_pb2_grpc.EvalLogServiceStub, args.evallog)
 
     def submit(self, request: jobs_pb2.JobRequest) -> None:
         job = self.gateway.SubmitJob(gateway_pb2.SubmitJobRequest(job=request), metadata=self.metadata, timeout=30).job

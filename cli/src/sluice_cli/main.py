@@ -29,9 +29,11 @@ from sluice.common.v1 import types_pb2
 from sluice.evallog.v1 import evallog_pb2, evallog_pb2_grpc
 from sluice.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 
-from sluice_gateway.cli_diagnose import add_diagnose_parser
-from sluice_gateway.cli_eval import add_eval_parser
-from sluice_gateway.cli_jobs import add_jobs_parser
+from sluice_cli.client import NoAPIKey, bearer_metadata, channel, stub
+from sluice_cli.diagnose_collect import add_diagnose_parser
+from sluice_cli.eval_run import add_eval_parser
+from sluice_cli.jobs import add_jobs_parser
+from sluice_common.config import ConfigError
 from sluice_common.tenants import hash_api_key
 
 DEFAULT_GATEWAY = "127.0.0.1:50051"
@@ -47,13 +49,14 @@ TRITON_HTTP = ("SLUICE_TRITON_HTTP_URL", "127.0.0.1:8000")
 
 
 def _gateway_stub(args: argparse.Namespace) -> gateway_pb2_grpc.GatewayServiceStub:
-    return gateway_pb2_grpc.GatewayServiceStub(grpc.insecure_channel(args.gateway))
+    return stub(gateway_pb2_grpc.GatewayServiceStub, args.gateway)
 
 
 def _metadata(args: argparse.Namespace) -> tuple[tuple[str, str], ...]:
-    if not args.api_key:
-        raise SystemExit("sluice: no API key: pass --api-key or set SLUICE_API_KEY")
-    return (("authorization", f"Bearer {args.api_key}"),)
+    try:
+        return bearer_metadata(args.api_key)
+    except NoAPIKey as missing:
+        raise SystemExit(f"sluice: {missing}") from None
 
 
 def _fail(error: grpc.RpcError) -> int:
@@ -108,8 +111,8 @@ def cmd_models(args: argparse.Namespace) -> int:
 
 def _grpc_health(address: str) -> str:
     try:
-        with grpc.insecure_channel(address) as channel:
-            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=3)
+        with channel(address) as health_channel:
+            reply = health_pb2_grpc.HealthStub(health_channel).Check(health_pb2.HealthCheckRequest(), timeout=3)
         return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
     except grpc.RpcError as error:
         return f"UNREACHABLE ({error.code().name})"  # type: ignore[attr-defined]
@@ -229,11 +232,11 @@ def _record_json(record: evallog_pb2.Record) -> str:
 
 class _LogsClient:
     def __init__(self, args: argparse.Namespace) -> None:
-        key = args.tenant_key or args.api_key
-        if not key:
-            raise SystemExit("sluice: no API key: pass --tenant-key/--api-key or set SLUICE_API_KEY")
-        self.metadata = (("authorization", f"Bearer {key}"),)
-        self.channel = grpc.insecure_channel(args.evallog)
+        try:
+            self.metadata = bearer_metadata(args.tenant_key or args.api_key, "pass --tenant-key/--api-key or set SLUICE_API_KEY")
+        except NoAPIKey as missing:
+            raise SystemExit(f"sluice: {missing}") from None
+        self.channel = channel(args.evallog)
         self.stub = evallog_pb2_grpc.EvalLogServiceStub(self.channel)
         self.model = args.model or ""
         self.tenant = args.tenant or ""
@@ -354,7 +357,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main() -> None:
     args = build_parser().parse_args()
-    raise SystemExit(args.func(args))
+    try:
+        code = args.func(args)
+    except ConfigError as invalid:  # SLUICE_TLS_* that do not fit (client.tls_from_env)
+        raise SystemExit(f"sluice: {invalid}") from None
+    raise SystemExit(code)
 
 
 if __name__ == "__main__":

@@ -26,7 +26,8 @@ from sluice.common.v1 import types_pb2
 from sluice.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from sluice.ratelimit.v1 import ratelimit_pb2, ratelimit_pb2_grpc
 
-from sluice_gateway import diagnose as d
+from sluice_cli import diagnose as d
+from sluice_cli.client import aio_channel, bearer_metadata
 
 # Each service's metrics port as its config.py defaults it (libs/sluice-stack's StackPorts too).
 DEFAULT_METRICS = {
@@ -106,7 +107,7 @@ class Probe:
         self._gateway = gateway
         # Made in `start`: a grpc.aio channel belongs to the event loop it was made on.
         self._channel: grpc.aio.Channel | None = None
-        self._metadata = (("authorization", f"Bearer {api_key}"),)
+        self._metadata = bearer_metadata(api_key)
         self._request = gateway_pb2.GenerateRequest(
             model=model,
             messages=[types_pb2.ChatMessage(role="user", content=PROBE_PROMPT)],
@@ -119,7 +120,7 @@ class Probe:
 
     def start(self) -> None:
         self._started = time.monotonic()
-        self._channel = grpc.aio.insecure_channel(self._gateway)
+        self._channel = aio_channel(self._gateway)
         stub = gateway_pb2_grpc.GatewayServiceStub(self._channel)
         self._tasks = [asyncio.create_task(self._client(stub)) for _ in range(self._clients)]
 
@@ -166,7 +167,7 @@ async def collect(
     record: Path | None = None,
 ) -> d.Report:
     """Scrapes every `interval_s` for `duration_s` (under the probe's load, when there is one)."""
-    channel = grpc.aio.insecure_channel(ratelimit) if ratelimit else None
+    channel = aio_channel(ratelimit) if ratelimit else None
     stub = ratelimit_pb2_grpc.RateLimitServiceStub(channel) if channel is not None else None
     texts: dict[str, list[tuple[float, str]]] = {name: [] for name in urls}
     budgets: list[list[d.BudgetSample]] = []

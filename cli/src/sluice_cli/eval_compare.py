@@ -1,5 +1,5 @@
 """`sluice eval`'s plain logic: the dataset, the two sides' settings, and the comparison of their
-scores into a side-by-side table and a verdict. No gRPC here (cli_eval.py does the calls).
+scores into a side-by-side table and a verdict. No gRPC here (eval_run.py does the calls).
 
 The gate compares PASS RATES, B minus A, per evaluator: every evaluator has a pass/fail verdict,
 and a pass rate is a share in [0, 1] whichever way the evaluator's value points and whatever its

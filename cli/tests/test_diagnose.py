@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from sluice_gateway import diagnose as d
-from sluice_gateway.cli import build_parser
-from sluice_gateway.diagnose import BudgetSample, ProbeStats, ServiceWindow, parse_scrape
+from sluice_cli import diagnose as d
+from sluice_cli.diagnose import BudgetSample, ProbeStats, ServiceWindow, parse_scrape
+from sluice_cli.main import build_parser
 
 WINDOW_S = 10.0
 RPC_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)

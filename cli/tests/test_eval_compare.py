@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from sluice_gateway.eval_compare import (
+from sluice_cli.eval_compare import (
     EXIT_OK,
     EXIT_REGRESSION,
     DatasetError,
@@ -139,7 +139,7 @@ def test_render_shows_both_sides_and_the_verdict() -> None:
 
 
 def test_each_side_becomes_one_job_with_its_own_sampling() -> None:
-    from sluice_gateway.cli_eval import job_request
+    from sluice_cli.eval_run import job_request
 
     dataset = parse_dataset('{"id": "q1", "prompt": "Capital of France?", "reference": "Paris"}\n{"id": "q2", "prompt": "2+2?"}')
     a = job_request("j-a", dataset, Side("A", "m1"), max_tokens=48)

@@ -1,4 +1,4 @@
-"""`sluice jobs ...`: bulk jobs from a terminal (registered by cli.build_parser).
+"""`sluice jobs ...`: bulk jobs from a terminal (registered by main.build_parser).
 
     sluice jobs submit rows.jsonl        one JobRow per line (JSON, as in the producer contract);
                                          shows a progress bar, then writes <file>.results.jsonl and
@@ -22,16 +22,18 @@ from google.protobuf import json_format
 from sluice.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from sluice.jobs.v1 import jobs_pb2
 
+from sluice_cli.client import NoAPIKey, bearer_metadata, stub
 
 
 def _stub(args: argparse.Namespace) -> gateway_pb2_grpc.GatewayServiceStub:
-    return gateway_pb2_grpc.GatewayServiceStub(grpc.insecure_channel(args.gateway))
+    return stub(gateway_pb2_grpc.GatewayServiceStub, args.gateway)
 
 
 def _metadata(args: argparse.Namespace) -> tuple[tuple[str, str], ...]:
-    if not args.api_key:
-        raise SystemExit("sluice: no API key: pass --api-key or set SLUICE_API_KEY")
-    return (("authorization", f"Bearer {args.api_key}"),)
+    try:
+        return bearer_metadata(args.api_key)
+    except NoAPIKey as missing:
+        raise SystemExit(f"sluice: {missing}") from None
 
 
 def _state(job: jobs_pb2.Job) -> str:

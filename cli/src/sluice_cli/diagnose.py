@@ -3,7 +3,7 @@
 Input: each service's Prometheus text, scraped several times over a window (the first and last
 scrapes give counters and histograms, every scrape a sample of the gauges), plus what the rate-limit
 service's GetUsage said meanwhile and, when `sluice diagnose --probe` drove load itself, what its
-clients saw. No gRPC here: the CLI (cli_diagnose.py) collects, this module computes, tests feed it
+clients saw. No gRPC here: diagnose_collect.py collects, this module computes, tests feed it
 recorded metric texts.
 
 Per hop (client -> gateway -> rate-limit -> inference-adapter -> Triton, and the job worker):

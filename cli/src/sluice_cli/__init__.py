@@ -1,0 +1,1 @@
+"""The `sluice` command line: a client of a running Sluice, in its own environment (no service imports it)."""

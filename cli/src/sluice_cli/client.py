@@ -1,0 +1,71 @@
+"""How every `sluice` command reaches a service: its channel (sync, or grpc.aio for diagnose's
+concurrent probe), its stub, and the tenant's API key as `authorization: Bearer <key>` metadata.
+
+Channels are plaintext unless SLUICE_TLS_CA_FILE, SLUICE_TLS_CERT_FILE/SLUICE_TLS_KEY_FILE or
+SLUICE_TLS=true are set (SLUICE_TLS_SERVER_NAME overrides the name checked against the server's
+certificate): the same TLS settings a service's client channels take, so the CLI can reach a
+gateway started with SLUICE_GATEWAY_TLS_CERT_FILE.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from typing import TypeVar
+
+import grpc
+
+from sluice_common.channels import channel_credentials
+from sluice_common.config import ClientTLS
+
+Metadata = tuple[tuple[str, str], ...]
+Stub = TypeVar("Stub")
+ENV_PREFIX = "SLUICE_TLS_"
+
+
+class NoAPIKey(Exception):
+    """No API key was given; the message says how to give one."""
+
+
+def bearer_metadata(api_key: str, how_to_give_one: str = "pass --api-key or set SLUICE_API_KEY") -> Metadata:
+    """The call metadata carrying the tenant's key; NoAPIKey when there is none."""
+    if not api_key:
+        raise NoAPIKey(f"no API key: {how_to_give_one}")
+    return (("authorization", f"Bearer {api_key}"),)
+
+
+def tls_from_env(env: Mapping[str, str] = os.environ) -> ClientTLS | None:
+    """The channels' TLS from SLUICE_TLS_*; None (plaintext) when none is set."""
+    return ClientTLS.from_settings(
+        env.get(f"{ENV_PREFIX}CA_FILE", ""),
+        env.get(f"{ENV_PREFIX}CERT_FILE", ""),
+        env.get(f"{ENV_PREFIX}KEY_FILE", ""),
+        env.get(f"{ENV_PREFIX}SERVER_NAME", ""),
+        env_prefix=ENV_PREFIX,
+        enabled=env.get("SLUICE_TLS", "").strip().lower() in ("1", "true", "yes", "on"),
+    )
+
+
+def _options(tls: ClientTLS) -> tuple[tuple[str, str], ...]:
+    return (("grpc.ssl_target_name_override", tls.server_name),) if tls.server_name else ()
+
+
+def channel(address: str, tls: ClientTLS | None = None) -> grpc.Channel:
+    """A blocking channel to `address` (TLS from the environment unless given)."""
+    tls = tls if tls is not None else tls_from_env()
+    if tls is None:
+        return grpc.insecure_channel(address)
+    return grpc.secure_channel(address, channel_credentials(tls), options=_options(tls))
+
+
+def aio_channel(address: str, tls: ClientTLS | None = None) -> grpc.aio.Channel:
+    """A grpc.aio channel to `address`; made inside the event loop that uses it."""
+    tls = tls if tls is not None else tls_from_env()
+    if tls is None:
+        return grpc.aio.insecure_channel(address)
+    return grpc.aio.secure_channel(address, channel_credentials(tls), options=_options(tls))
+
+
+def stub(make: Callable[[grpc.Channel], Stub], address: str) -> Stub:
+    """A stub on a new channel to `address`, e.g. stub(GatewayServiceStub, args.gateway)."""
+    return make(channel(address))
