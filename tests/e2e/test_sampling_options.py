@@ -5,6 +5,7 @@ model's vocabulary, which only the engine knows, comes back as a client error na
 from __future__ import annotations
 
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import grpc
@@ -61,6 +62,20 @@ def test_the_same_seed_gives_the_same_text_on_both_fronts(client: openai.OpenAI,
     sampling = types_pb2.SamplingParams(**options)  # type: ignore[arg-type]
     assert grpc_text(gateway, sampling, STORY) == first
     assert openai_text(client, STORY, **{**options, "seed": 4321}) != first
+
+
+def test_the_same_seed_gives_the_same_text_alone_and_under_load(client: openai.OpenAI) -> None:
+    """Issue 25's acceptance: a seeded sampled request answers the same text whether it runs alone
+    (batch 1) or in a batch beside other sampled requests (each sequence draws from its own stream;
+    llama.cpp's CPU logits do not depend on the batch)."""
+    options = dict(max_tokens=24, temperature=1.0, seed=99)
+    alone = openai_text(client, STORY, **dict(options))
+    others = ["Describe a storm at sea.", "Write a recipe for bread.", "Explain how bees make honey.", "Tell a joke about cats.", "List five rivers."]
+    with ThreadPoolExecutor(max_workers=len(others) + 1) as pool:
+        busy = [pool.submit(openai_text, client, question, max_tokens=32, temperature=1.0) for question in others]
+        under_load = pool.submit(openai_text, client, STORY, **dict(options))
+        assert all(f.result() for f in busy)
+    assert under_load.result() == alone
 
 
 def test_penalties_change_what_greedy_decoding_repeats(client: openai.OpenAI) -> None:
