@@ -357,7 +357,7 @@ class InferencePath:
             default_s = time_remaining = self.default_deadline.for_generate(request.sampling.max_tokens or self.default_max_tokens)
             DEFAULT_DEADLINE.labels(kind="generate").set(default_s)
         try:
-            tools = use_tools(request) if len(requests) == 1 else None
+            tools = use_tools(request)  # chats only: a prompt list is a completion's
             reservations = []
             for one in requests:
                 counted = await self.apply_defaults(one, time_remaining)

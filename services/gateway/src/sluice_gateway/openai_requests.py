@@ -474,7 +474,8 @@ def _prompts(value: Any) -> list[str | list[int]]:
     for index, prompt in enumerate(prompts):
         param = f"prompt[{index}]" if len(prompts) > 1 else "prompt"
         if isinstance(prompt, list) and not all(_is_int(token) and 0 <= token <= MAX_INT32 for token in prompt):
-            raise invalid("prompt", f"{param} must hold token ids (integers from 0), got {prompt!r}"[:300], "invalid_value")
+            shown = repr(prompt) if len(prompt) <= 20 else repr(prompt[:20])[:-1] + ", ...]"
+            raise invalid("prompt", f"{param} must hold token ids (integers from 0 to {MAX_INT32}), got {shown}", "invalid_value")
         if not prompt:
             raise invalid("prompt", f"{param} must not be empty", "invalid_value")
     return prompts
