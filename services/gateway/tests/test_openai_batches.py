@@ -26,6 +26,7 @@ from sluice_gateway.openai_batches import (
     settled,
     status_of,
 )
+from sluice_gateway.jobs import generate_request
 from sluice_gateway.openai_requests import OpenAIError
 
 UPSTREAM = Path(__file__).resolve().parents[3] / "tests" / "fixtures" / "upstream"
@@ -78,6 +79,17 @@ def test_completion_and_embedding_lines() -> None:
     job = job_request("b", "k", parse_batch_file(content.encode(), 10), "24h")
     assert job.rows[0].generate.prompt == "Once" and list(job.rows[0].generate.sampling.stop) == ["."]
     assert job.rows[1].embed.model == "e" and list(job.rows[1].embed.inputs) == ["a", "b"]
+
+
+def test_a_token_id_prompt_line_becomes_a_row_with_its_ids_and_a_prompt_list_is_refused() -> None:
+    """A job row carries token ids as GatewayService.Generate does (the worker runs it through the
+    same path); a line takes one prompt, each prompt of a list being a line of its own."""
+    content = line("t", {"model": "g", "prompt": [5, 6, 7], "max_tokens": 3}, "/v1/completions")
+    [row] = job_request("b", "k", parse_batch_file(content.encode(), 10), "24h").rows
+    assert list(row.generate.prompt_token_ids) == [5, 6, 7] and row.generate.prompt == ""
+    assert list(generate_request(row.generate).prompt_token_ids) == [5, 6, 7]
+    listed = refused(line("l", {"model": "g", "prompt": ["a", "b"]}, "/v1/completions"))
+    assert "Line 1" in listed.message and listed.param == "body.prompt"
 
 
 def test_bad_lines_are_refused_naming_the_line() -> None:

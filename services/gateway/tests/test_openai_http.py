@@ -500,3 +500,161 @@ async def test_a_bad_tool_or_tool_choice_is_a_400_naming_it(setup, changes: dict
     status, error = await _error(await client.post("/v1/chat/completions", json={**CHAT, **changes}, headers=AUTH))
     assert (status, error["param"]) == (400, param), error
     assert not adapter.requests
+
+
+# ---- prompt lists and token-id prompts (vLLM's OpenAI server is the reference)
+
+
+class _PromptAdapter(_Adapter):
+    """Answers each call with its own prompt and seed, so that a choice shows where it came from;
+    a prompt's usage counts its characters (or ids), 1 of them cached."""
+
+    def __init__(self, token_prompts: bool = True) -> None:
+        super().__init__()
+        self.token_prompts = token_prompts
+
+    async def ListModels(self, request, timeout=None):  # noqa: N802
+        model = types_pb2.ModelInfo()
+        model.CopyFrom(GENERATION)
+        model.token_prompts = self.token_prompts
+        return inference_pb2.ListModelsResponse(models=[model, EMBEDDING])
+
+    def Generate(self, request, timeout=None, metadata=None):  # noqa: N802
+        self.requests.append(request)
+        prompt = request.prompt or ",".join(map(str, request.prompt_token_ids))
+        tokens = len(request.prompt) or len(request.prompt_token_ids)
+        usage = types_pb2.Usage(prompt_tokens=tokens, completion_tokens=2, total_tokens=tokens + 2, cached_tokens=1)
+        return _Call([
+            inference_pb2.GenerateResponse(text=f"[{prompt}]", token_count=1),
+            inference_pb2.GenerateResponse(text=f"#{request.sampling.seed}", token_count=1, finish_reason=types_pb2.FINISH_REASON_STOP, usage=usage),
+        ])  # fmt: skip
+
+
+class _RecordingRateLimit(_RateLimit):
+    def __init__(self) -> None:
+        super().__init__()
+        self.acquired: list[Any] = []
+
+    async def Acquire(self, request, timeout=None, metadata=None):  # noqa: N802
+        self.acquired.append(request)
+        return await super().Acquire(request, timeout, metadata)
+
+
+async def _prompt_client(tmp_path, token_prompts: bool = True):  # type: ignore[no-untyped-def]
+    adapter, ratelimit = _PromptAdapter(token_prompts), _RecordingRateLimit()
+    catalog = ModelCatalog(adapter)  # type: ignore[arg-type]
+    await catalog.refresh()
+    path = InferencePath(adapter, catalog, Admission(ratelimit), None, default_max_tokens=50)  # type: ignore[arg-type]
+    client = TestClient(TestServer(build_app(OpenAIFront(TenantDirectory.from_file(_tenants_file(tmp_path)), path), 4096)))
+    await client.start_server()
+    return client, adapter, ratelimit
+
+
+@pytest.fixture
+async def prompts(tmp_path):  # type: ignore[no-untyped-def]
+    client, adapter, ratelimit = await _prompt_client(tmp_path)
+    try:
+        yield client, adapter, ratelimit
+    finally:
+        await client.close()
+
+
+async def test_a_prompt_list_answers_every_prompts_n_choices_in_vllms_order(prompts) -> None:  # type: ignore[no-untyped-def]
+    """Choice i x n + j is prompt i's choice j (seeded seed + j); the usage counts each prompt once
+    and every choice's tokens; one lease reserves every prompt and P x n x max_tokens."""
+    client, adapter, ratelimit = prompts
+    body = {"model": "g", "prompt": ["ab", "cdef"], "n": 2, "seed": 10, "max_tokens": 7}
+    reply = await client.post("/v1/completions", json=body, headers=AUTH)
+    assert reply.status == 200, await reply.text()
+    completion = Completion.model_validate(await reply.json())
+    assert [c.index for c in completion.choices] == [0, 1, 2, 3]
+    assert [c.text for c in completion.choices] == ["[ab]#10", "[ab]#11", "[cdef]#10", "[cdef]#11"]
+    assert completion.usage is not None
+    assert (completion.usage.prompt_tokens, completion.usage.completion_tokens, completion.usage.total_tokens) == (6, 8, 14)
+    assert completion.usage.prompt_tokens_details is not None and completion.usage.prompt_tokens_details.cached_tokens == 2
+    assert [r.prompt for r in adapter.requests] == ["ab", "ab", "cdef", "cdef"]
+    assert all(r.sampling.max_tokens == 7 and not r.sampling.HasField("n") for r in adapter.requests)
+    [acquired] = ratelimit.acquired
+    # Each prompt's estimate (ceil(bytes / 3) + 1: 2 and 3) plus 2 prompts x 2 choices x 7.
+    assert acquired.requests == 1 and acquired.reserved_tokens == 2 + 3 + 4 * 7
+
+
+async def test_a_streamed_prompt_list_echoes_each_choices_own_prompt(prompts) -> None:  # type: ignore[no-untyped-def]
+    client, *_ = prompts
+    body = {"model": "g", "prompt": ["ab", "cd"], "n": 2, "seed": 0, "echo": True, "stream": True, "stream_options": {"include_usage": True}}
+    reply = await client.post("/v1/completions", json=body, headers=AUTH)
+    assert reply.status == 200, await reply.text()
+    events = [line[len("data: ") :] for line in (await reply.text()).split("\n\n") if line]
+    assert events[-1] == "[DONE]"
+    # The openai package's Completion has finish_reason non-null: its streamed chunks before the
+    # end (null there, as OpenAI and vLLM send) are read as JSON, the rest validated.
+    chunks = [json.loads(e) for e in events[:-1]]
+    texts: dict[int, str] = {}
+    finished: dict[int, str | None] = {}
+    for chunk in chunks:
+        for choice in chunk["choices"]:
+            assert chunk["object"] == "text_completion" and len(chunk["choices"]) == 1
+            texts[choice["index"]] = texts.get(choice["index"], "") + choice["text"]
+            if choice["finish_reason"]:
+                Completion.model_validate(chunk)
+                finished[choice["index"]] = choice["finish_reason"]
+    assert texts == {0: "ab[ab]#0", 1: "ab[ab]#1", 2: "cd[cd]#0", 3: "cd[cd]#1"}
+    assert finished == {0: "stop", 1: "stop", 2: "stop", 3: "stop"}
+    usage = Completion.model_validate(chunks[-1])
+    assert usage.choices == [] and usage.usage is not None and usage.usage.prompt_tokens == 4
+
+
+async def test_token_id_prompts_reach_the_adapter_as_ids(prompts) -> None:  # type: ignore[no-untyped-def]
+    client, adapter, _ = prompts
+    reply = await client.post("/v1/completions", json={"model": "g", "prompt": [5, 6, 7], "seed": 1}, headers=AUTH)
+    assert reply.status == 200, await reply.text()
+    completion = Completion.model_validate(await reply.json())
+    assert [c.text for c in completion.choices] == ["[5,6,7]#1"] and completion.usage is not None and completion.usage.prompt_tokens == 3
+    [sent] = adapter.requests
+    assert list(sent.prompt_token_ids) == [5, 6, 7] and sent.prompt == ""
+    reply = await client.post("/v1/completions", json={"model": "g", "prompt": [[1], [2, 3]], "seed": 1}, headers=AUTH)
+    completion = Completion.model_validate(await reply.json())
+    assert [c.text for c in completion.choices] == ["[1]#1", "[2,3]#1"]
+    assert completion.usage is not None and completion.usage.prompt_tokens == 3
+
+
+@pytest.mark.parametrize(
+    ("prompt", "extra", "param"),
+    [
+        ([], {}, "prompt"),
+        (["a", [1]], {}, "prompt"),
+        ([1, "a"], {}, "prompt"),
+        ([[1, -2]], {}, "prompt"),
+        ([[1, 1 << 31]], {}, "prompt"),
+        ([True, 2], {}, "prompt"),
+        ([[]], {}, "prompt"),
+        (["a", ""], {}, "prompt"),
+        (["p"] * 17, {}, "prompt"),
+        ([1, 2], {"echo": True}, "echo"),
+        ({"text": "a"}, {}, "prompt"),
+    ],
+)
+async def test_malformed_prompts_are_400_naming_their_param(prompts, prompt, extra, param) -> None:  # type: ignore[no-untyped-def]
+    client, adapter, _ = prompts
+    status, error = await _error(await client.post("/v1/completions", json={"model": "g", "prompt": prompt, **extra}, headers=AUTH))
+    assert (status, error["param"]) == (400, param), error
+    assert adapter.requests == []
+
+
+async def test_sixteen_prompts_are_accepted(prompts) -> None:  # type: ignore[no-untyped-def]
+    client, adapter, _ = prompts
+    reply = await client.post("/v1/completions", json={"model": "g", "prompt": ["p"] * 16}, headers=AUTH)
+    assert reply.status == 200 and len((await reply.json())["choices"]) == 16 == len(adapter.requests)
+
+
+async def test_a_token_prompt_to_a_text_only_model_is_400_naming_prompt(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Triton's vLLM backend takes text_input only: the model says so (ModelInfo.token_prompts),
+    and the gateway refuses before any lease or adapter call."""
+    client, adapter, ratelimit = await _prompt_client(tmp_path, token_prompts=False)
+    try:
+        status, error = await _error(await client.post("/v1/completions", json={"model": "g", "prompt": [1, 2]}, headers=AUTH))
+        assert (status, error["param"]) == (400, "prompt") and "token ids" in error["message"], error
+        assert adapter.requests == [] and ratelimit.acquired == []
+        assert (await client.post("/v1/completions", json={"model": "g", "prompt": ["a", "b"]}, headers=AUTH)).status == 200
+    finally:
+        await client.close()

@@ -194,3 +194,45 @@ def test_a_step_request_carries_its_constraint_and_one_that_cannot_compile_is_in
         error = bytes(response["ERROR"][0]).decode()
         assert error.startswith("sampling.structured_outputs: ") and named in error, error
         assert response["COMPLETION_TOKENS"][0] == 0
+
+
+def _run(shared: SharedEngine, seq_id: int, request: dict[str, Any]) -> tuple[str, int]:
+    """A sequence's greedy text and its PROMPT_TOKENS, driven to its end 8 steps a round."""
+    rows: list[tuple[int, int, dict[str, Any] | None]] = [(PREFILL, seq_id, request)]
+    text, prompt_tokens, finished = "", 0, b""
+    while not finished:
+        for response in _round(shared, rows, 8):
+            assert response["FINISH"][0] != b"invalid", response["ERROR"][0]
+            text += bytes(response["TEXT"][0]).decode()
+            prompt_tokens = int(response["PROMPT_TOKENS"][0]) or prompt_tokens
+            finished = response["FINISH"][0]
+        rows = [(DECODE, seq_id, None)]
+    return text, prompt_tokens
+
+
+def test_a_token_id_prompt_prefills_exactly_those_ids(shared: SharedEngine) -> None:
+    """vLLM's prompt_token_ids: no template, no tokenization. The ids of a text prompt give its
+    greedy text; ids that are not any text's tokenization (a control token's id alone, the text's
+    ids twice) are prefilled as given, their count exactly their length."""
+    text = "The capital of France is"
+    ids = shared.encode(text)
+    greedy = {"max_tokens": 12, "temperature": 0.0}
+    as_text = _run(shared, 81, {"prompt": text, **greedy})
+    as_ids = _run(shared, 82, {"prompt_token_ids": ids, **greedy})
+    assert as_ids == as_text and as_ids[1] == len(ids)
+    doubled = ids + ids
+    _, prompt_tokens = _run(shared, 83, {"prompt_token_ids": doubled, **greedy})
+    assert prompt_tokens == len(doubled)
+    [count] = _round(shared, [(COUNT, 84, {"prompt_token_ids": [0, 1, 2]})], 1)
+    assert count["PROMPT_TOKENS"][0] == 3 and count["FINISH"][0] == b""
+    assert shared.active_slots == 0
+
+
+@pytest.mark.parametrize("outside", [-1, 49152, 1 << 30])
+def test_a_token_id_outside_the_vocabulary_is_invalid_naming_the_field(shared: SharedEngine, outside: int) -> None:
+    for action in (PREFILL, COUNT):
+        [response] = _round(shared, [(action, 85, {"prompt_token_ids": [1, outside], "max_tokens": 4})], 1)
+        assert response["FINISH"][0] == b"invalid"
+        error = bytes(response["ERROR"][0]).decode()
+        assert error.startswith("prompt_token_ids: ") and str(outside) in error and "49152" in error, error
+    assert shared.active_slots == 0

@@ -14,6 +14,8 @@ not fit the model's context. Until a prompt is counted, the gateway's reservatio
 scheduler take `estimate_prompt_tokens`, a guess (about 3 bytes a token) rather than a bound.
 
 Messages are (role, content) pairs: the gateway's ChatMessages and the adapter's prompts alike.
+A prompt given as token ids (vLLM's and OpenAI's token prompts) is prefilled as is: its count is
+exact, its length, both as bound and as estimate.
 """
 
 from __future__ import annotations
@@ -42,17 +44,22 @@ BYTES_PER_TOKEN_GUESS = 3
 Messages = Sequence[tuple[str, str]]
 
 
-def prompt_token_bound(messages: Messages, prompt: str) -> int:
-    """At least the tokens the engine prefills for this chat (or raw prompt)."""
+def prompt_token_bound(messages: Messages, prompt: str, token_ids: Sequence[int] = ()) -> int:
+    """At least the tokens the engine prefills for this chat (or raw prompt, or token-id prompt)."""
+    if token_ids:
+        return len(token_ids)
     if messages:
         return _text_bytes(messages) + TEMPLATE_TOKENS_PER_MESSAGE * len(messages) + TEMPLATE_TOKENS_PER_CHAT
     return len(prompt.encode()) + 1
 
 
-def estimate_prompt_tokens(messages: Messages, prompt: str) -> int:
+def estimate_prompt_tokens(messages: Messages, prompt: str, token_ids: Sequence[int] = ()) -> int:
     """A guess of the tokens the engine prefills for this chat (or raw prompt), for what is decided
     before the model counts it (a rate-limit reservation that the commit settles, a step's budget).
-    Not a bound: digits take a token each, so a chat of digits counts three times its guess."""
+    Not a bound: digits take a token each, so a chat of digits counts three times its guess.
+    A token-id prompt's is exact."""
+    if token_ids:
+        return len(token_ids)
     if messages:
         return _guess(_text_bytes(messages)) + TEMPLATE_TOKENS_PER_MESSAGE * len(messages) + TEMPLATE_TOKENS_PER_CHAT
     return _guess(len(prompt.encode())) + 1

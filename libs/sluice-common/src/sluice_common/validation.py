@@ -27,8 +27,9 @@ def validate_generation(
     prompt: str,
     sampling: types_pb2.SamplingParams,
     model: types_pb2.ModelInfo,
+    prompt_token_ids: Sequence[int] = (),
 ) -> None:
-    _validate_input(messages, prompt)
+    _validate_input(messages, prompt, prompt_token_ids, model)
     if sampling.max_tokens <= 0:
         raise InvalidArgument("sampling.max_tokens", f"must be > 0, got {sampling.max_tokens}")
     if sampling.max_tokens > model.max_output_tokens:
@@ -65,11 +66,20 @@ def _validate_structured_outputs(message: types_pb2.StructuredOutputs, model: ty
         raise InvalidArgument("sampling.structured_outputs", str(exc)) from None
 
 
-def _validate_input(messages: Sequence[types_pb2.ChatMessage], prompt: str) -> None:
-    if messages and prompt:
-        raise InvalidArgument("prompt", "give either messages or prompt, not both")
-    if not messages and not prompt:
+def _validate_input(
+    messages: Sequence[types_pb2.ChatMessage], prompt: str, prompt_token_ids: Sequence[int], model: types_pb2.ModelInfo
+) -> None:
+    if sum(map(bool, (messages, prompt, prompt_token_ids))) > 1:
+        raise InvalidArgument("prompt", "give exactly one of messages, prompt or prompt_token_ids")
+    if not messages and not prompt and not prompt_token_ids:
         raise InvalidArgument("messages", "no messages and no prompt: give a chat or a raw prompt")
+    if prompt_token_ids:
+        if not model.token_prompts:
+            # Decided from the model's declared capabilities (ListModels), before any lease is taken.
+            raise InvalidArgument("prompt", f"{model.name} takes text prompts only, not token ids")
+        negative = next((t for t in prompt_token_ids if t < 0), None)
+        if negative is not None:
+            raise InvalidArgument("prompt", f"token ids must be >= 0, got {negative}")
     for index, message in enumerate(messages):
         if message.role not in ROLES:
             raise InvalidArgument(f"messages[{index}].role", f"must be one of {', '.join(ROLES)}, got {message.role!r}")

@@ -81,7 +81,7 @@ def message_pairs(request: gateway_pb2.GenerateRequest) -> list[tuple[str, str]]
 
 def prompt_estimate(request: gateway_pb2.GenerateRequest) -> int:
     """The prompt's guessed tokens, for a reservation that the commit settles to the real count."""
-    return estimate_prompt_tokens(message_pairs(request), request.prompt)
+    return estimate_prompt_tokens(message_pairs(request), request.prompt, request.prompt_token_ids)
 
 
 def estimate_embedding_tokens(request: gateway_pb2.EmbedRequest) -> int:
@@ -110,6 +110,15 @@ def generation_reservation(request: gateway_pb2.GenerateRequest, prompt_tokens: 
     # n sequences share the prompt's prefill and each may generate max_tokens.
     choices = max(1, request.sampling.n)
     return Reservation(request.model, _priority(request.priority_class), prompt, prompt + choices * request.sampling.max_tokens)
+
+
+def combined(reservations: list[Reservation]) -> Reservation:
+    """One lease for several prompts answered as one request: every prompt's tokens and outputs."""
+    first = reservations[0]
+    return Reservation(
+        first.model, first.priority_class,
+        sum(r.estimated_input_tokens for r in reservations), sum(r.reserved_tokens for r in reservations),
+    )  # fmt: skip
 
 
 def embedding_reservation(request: gateway_pb2.EmbedRequest) -> Reservation:

@@ -20,6 +20,12 @@ for the whole request: the prompt once (the first choice's count and cached toke
 any choice) plus every choice's completion tokens, as OpenAI counts them. One lease covers all:
 admission reserves the prompt plus n x max_tokens, settled when the last choice ends.
 
+Several prompts (the OpenAI front's prompt lists): `generate` takes a list of requests, the same but
+for their prompt, and answers them as one, as vLLM's OpenAI server does: prompt i's choice j is
+adapter call and `stream.index` i x n + j (seeded seed + j, as for one prompt); one lease reserves
+every prompt plus P x n x max_tokens; the usage counts each prompt once and every choice's
+completion tokens. This is the one fan-out: gRPC's Generate takes one prompt.
+
     reply, ticket = await path.embed_with_ticket(tenant, request, request_id, time_remaining)
 
 The CompletionEvent (when events are on) is gathered while the stream runs and published:
@@ -65,7 +71,9 @@ from sluice_common.sampling import choice_seed
 from sluice_common.sampling_proto import structured_outputs_to_proto
 from sluice_common.request_context import outgoing_metadata
 from sluice_common.validation import validate_embedding, validate_generation
-from sluice_gateway.admission import Admission, Ticket, embedding_reservation, generation_reservation, message_pairs, prompt_estimate
+from sluice_gateway.admission import (
+    Admission, Ticket, combined, embedding_reservation, generation_reservation, message_pairs, prompt_estimate,
+)  # fmt: skip
 from sluice_gateway.completion_events import CompletionEvents, CompletionTracker
 from sluice_gateway.default_deadline import DefaultDeadline
 from sluice_gateway.generation_trace import start_generation
@@ -127,8 +135,11 @@ class GenerateStream:
     on_chunk: Callable[[Any], None] | None = None
     # Every adapter call of the request (choice i is calls[i]); empty: `call` alone.
     calls: list[Any] = field(default_factory=list)
-    # The choice (0..n-1) of the chunk the iteration yielded last.
+    # The choice (0..n-1; with several prompts, prompt i's choice j is i x n + j) of the chunk the
+    # iteration yielded last.
     index: int = 0
+    # n: the calls are consecutive groups of n choices, one group per prompt.
+    choices_per_prompt: int = 0
     # For the default deadline's p99s: monotonic times of arrival, first token and last chunk.
     arrived_at: float = 0.0
     first_token_at: float | None = None
@@ -166,7 +177,7 @@ class GenerateStream:
         return first, self.tokens, end - self.arrived_at
 
     async def __aiter__(self) -> AsyncIterator[inference_pb2.GenerateResponse]:
-        choices = _Choices(len(self.calls)) if len(self.calls) > 1 else None
+        choices = _Choices(len(self.calls), self.choices_per_prompt or len(self.calls)) if len(self.calls) > 1 else None
         async for index, chunk in _merge(self.calls) if choices is not None else _single(self.call):
             if choices is not None:
                 chunk = choices.final(index, chunk) if chunk.finish_reason else chunk
@@ -227,16 +238,18 @@ async def _merge(calls: list[Any]) -> AsyncIterator[tuple[int, Any]]:
 
 
 class _Choices:
-    """n choices' final chunks: usage and timings only on the last, counting the request."""
+    """The choices' final chunks: usage and timings only on the last, counting the request (each
+    prompt once: choices `per_prompt` at a time share one)."""
 
-    def __init__(self, n: int) -> None:
-        self.left = n
-        self._usages: list[types_pb2.Usage] = []
+    def __init__(self, count: int, per_prompt: int) -> None:
+        self.left = count
+        self._per_prompt = per_prompt
+        self._usages: dict[int, types_pb2.Usage] = {}
 
     def final(self, index: int, chunk: Any) -> Any:
         self.left -= 1
         if chunk.HasField("usage"):
-            self._usages.append(chunk.usage)
+            self._usages[index] = chunk.usage
         merged = type(chunk)()
         merged.CopyFrom(chunk)
         merged.ClearField("usage")
@@ -244,11 +257,15 @@ class _Choices:
             merged.ClearField("timings")
             return merged
         if self._usages:
-            prompt = self._usages[0].prompt_tokens
-            completion = sum(u.completion_tokens for u in self._usages)
+            prompts: dict[int, list[types_pb2.Usage]] = {}
+            for index, usage in self._usages.items():
+                prompts.setdefault(index // self._per_prompt, []).append(usage)
+            # A prompt's choices prefill it alike: its count once, and the fewest cached of any.
+            prompt = sum(group[0].prompt_tokens for group in prompts.values())
+            cached = sum(min(u.cached_tokens for u in group) for group in prompts.values())
+            completion = sum(u.completion_tokens for u in self._usages.values())
             merged.usage.CopyFrom(types_pb2.Usage(
-                prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
-                cached_tokens=min(u.cached_tokens for u in self._usages),
+                prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion, cached_tokens=cached,
             ))  # fmt: skip
         return merged
 
@@ -293,7 +310,7 @@ class InferencePath:
             await wait_for_replica(self.adapter_channel, min(REPLICA_WAIT_S, time_remaining or REPLICA_WAIT_S))
 
     def validate_generate(self, request: gateway_pb2.GenerateRequest) -> None:
-        validate_generation(request.messages, request.prompt, request.sampling, self.models.get(request.model))
+        validate_generation(request.messages, request.prompt, request.sampling, self.models.get(request.model), request.prompt_token_ids)
 
     def _tracker(self, tenant: Tenant, request: gateway_pb2.GenerateRequest, request_id: str) -> CompletionTracker | None:
         events = self.completion_events
@@ -305,7 +322,7 @@ class InferencePath:
     async def generate(
         self,
         tenant: Tenant | str,
-        request: gateway_pb2.GenerateRequest,
+        request: gateway_pb2.GenerateRequest | list[gateway_pb2.GenerateRequest],
         request_id: str,
         time_remaining: float | None,
         *,
@@ -313,8 +330,11 @@ class InferencePath:
         row: tuple[str, str] | None = None,
     ) -> AsyncIterator[GenerateStream]:
         """Defaults, validates, takes a lease (or raises RESOURCE_EXHAUSTED / UNAVAILABLE), opens the
-        adapter stream, and tracks the CompletionEvent (see the module's docstring)."""
+        adapter stream, and tracks the CompletionEvent (see the module's docstring). A list: several
+        prompts answered as one (the first stands for the request in the event and the trace)."""
         tenant = tenant if isinstance(tenant, Tenant) else Tenant(tenant)
+        requests = request if isinstance(request, list) else [request]
+        request = requests[0]
         span = start_generation(request, tenant.name, row)  # first: the tracker keeps its context
         tracker = self._tracker(tenant, request, request_id)
         on_chunk = None
@@ -337,30 +357,38 @@ class InferencePath:
             default_s = time_remaining = self.default_deadline.for_generate(request.sampling.max_tokens or self.default_max_tokens)
             DEFAULT_DEADLINE.labels(kind="generate").set(default_s)
         try:
-            tools = use_tools(request)
-            counted = await self.apply_defaults(request, time_remaining)
-            self.validate_generate(request)
-            counted = await self.check_context(request, time_remaining, counted)
+            tools = use_tools(request)  # chats only: a prompt list is a completion's
+            reservations = []
+            for one in requests:
+                counted = await self.apply_defaults(one, time_remaining)
+                self.validate_generate(one)
+                counted = await self.check_context(one, time_remaining, counted)
+                reservations.append(generation_reservation(one, counted))
+            n = max(1, request.sampling.n)
             downstream = [
                 inference_pb2.GenerateRequest(
                     request_id=request_id,
                     tenant=tenant.name,
-                    model=request.model,
-                    messages=request.messages,
-                    prompt=request.prompt,
-                    sampling=_choice_sampling(request.sampling, index),
-                    priority_class=request.priority_class,
+                    model=one.model,
+                    messages=one.messages,
+                    prompt=one.prompt,
+                    prompt_token_ids=one.prompt_token_ids,
+                    sampling=_choice_sampling(one.sampling, index),
+                    priority_class=one.priority_class,
                 )
-                for index in range(max(1, request.sampling.n))
+                for one in requests
+                for index in range(n)
             ]
             # A lease from rate-limit (or RESOURCE_EXHAUSTED / UNAVAILABLE); settled in `finally`.
-            ticket = await self.admission.admit(tenant.name, generation_reservation(request, counted), time_remaining)
+            ticket = await self.admission.admit(tenant.name, combined(reservations), time_remaining)
             if default_s is not None:  # the default runs from arrival: what admission took is spent
                 time_remaining = max(0.001, arrived_at + default_s - time.monotonic())
             # The caller's deadline bounds the adapter's work; cancelling this call stops it there.
             await self._adapter_replica(time_remaining)
             calls = [self.adapter.Generate(d, timeout=time_remaining, metadata=outgoing_metadata()) for d in downstream]
-            stream = GenerateStream(ticket, calls[0], tracker, on_chunk, calls=calls, arrived_at=arrived_at, trace=span, tools=tools)
+            stream = GenerateStream(
+                ticket, calls[0], tracker, on_chunk, calls=calls, arrived_at=arrived_at, trace=span, tools=tools, choices_per_prompt=n
+            )
             try:
                 yield stream
             except grpc.aio.AioRpcError as exc:
@@ -447,7 +475,9 @@ class InferencePath:
 
     async def _count(self, request: gateway_pb2.GenerateRequest, time_remaining: float | None) -> int | None:
         """The prompt's exact length by the adapter's CountTokens; None when the model cannot count."""
-        count = inference_pb2.CountTokensRequest(model=request.model, messages=request.messages, prompt=request.prompt)
+        count = inference_pb2.CountTokensRequest(
+            model=request.model, messages=request.messages, prompt=request.prompt, prompt_token_ids=request.prompt_token_ids
+        )
         try:
             await self._adapter_replica(time_remaining)
             reply = await self.adapter.CountTokens(count, timeout=time_remaining, metadata=outgoing_metadata())
@@ -553,4 +583,4 @@ def _choice_sampling(sampling: types_pb2.SamplingParams, index: int) -> types_pb
 
 
 def _bound(request: gateway_pb2.GenerateRequest) -> int:
-    return prompt_token_bound(message_pairs(request), request.prompt)
+    return prompt_token_bound(message_pairs(request), request.prompt, request.prompt_token_ids)

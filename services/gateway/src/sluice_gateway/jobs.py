@@ -279,6 +279,7 @@ def generate_request(row: jobs_pb2.GenerateRow) -> gateway_pb2.GenerateRequest:
         model=row.model,
         messages=row.messages,
         prompt=row.prompt,
+        prompt_token_ids=row.prompt_token_ids,
         sampling=row.sampling,
         response_format=row.response_format,
         priority_class=types_pb2.PRIORITY_CLASS_BULK,

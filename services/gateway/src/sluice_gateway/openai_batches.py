@@ -108,6 +108,8 @@ def _parse_line(number: int, text: str) -> BatchLine:
         call = PARSERS[url](body)
     except OpenAIError as exc:
         raise _line_error(number, exc.message, f"body.{exc.param}" if exc.param else "body", exc.code) from None
+    if isinstance(call, GenerationCall) and call.prompt_requests:
+        raise _line_error(number, "a batch line takes one prompt; put each prompt on its own line", "body.prompt", "invalid_value")
     if isinstance(call, GenerationCall) and call.options.stream:
         raise _line_error(number, "stream is not supported in a batch; omit it or send false", "body.stream", "unsupported_parameter")
     return BatchLine(number, custom_id, url, call)
@@ -196,7 +198,7 @@ def job_row(line: BatchLine) -> jobs_pb2.JobRow:
     request = line.call.request
     row.generate.CopyFrom(
         jobs_pb2.GenerateRow(
-            model=request.model, messages=request.messages, prompt=request.prompt, sampling=request.sampling,
+            model=request.model, messages=request.messages, prompt=request.prompt, prompt_token_ids=request.prompt_token_ids, sampling=request.sampling,
             response_format=request.response_format, tool_use=request.tool_use if request.HasField("tool_use") else None,
         )  # fmt: skip
     )

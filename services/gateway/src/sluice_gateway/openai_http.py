@@ -222,11 +222,11 @@ class OpenAIFront:
         request_id = current_request_id()
         structlog.contextvars.bind_contextvars(tenant=tenant.name, model=call.request.model)
         answer = Completion(call, request_id)
-        async with self.path.generate(tenant, call.request, request_id, None) as stream:
+        async with self.path.generate(tenant, call.requests(), request_id, None) as stream:
             headers = self._headers(request_id, stream.ticket.metadata)
             if call.options.stream:
                 return await self._stream(request, stream, answer, headers)
-            states = [ChoiceState(i) for i in range(max(1, call.request.sampling.n))]
+            states = [ChoiceState(i) for i in range(call.choice_count())]
             final = None
             async for chunk in stream:
                 state = states[stream.index]
@@ -251,7 +251,7 @@ class OpenAIFront:
         (the adapter refusing, no replica) is still answered with its own status and JSON body."""
         response: web.StreamResponse | None = None
         final = None
-        states = [ChoiceState(i) for i in range(max(1, answer.call.request.sampling.n))]
+        states = [ChoiceState(i) for i in range(answer.call.choice_count())]
         try:
             async for chunk in stream:
                 if response is None:
@@ -335,7 +335,7 @@ def _record_logprobs(answer: Completion, state: ChoiceState, chunk: Any) -> dict
         state.chat_entries += entries
         return chat_logprobs(entries)
     if not state.completion.tokens and answer.call.echo:
-        state.completion.offset = len(answer.call.request.prompt)
+        state.completion.offset = len(answer.call.prompt_text(state.index))
     return state.completion.add(entries)
 
 

@@ -338,6 +338,20 @@ class GenerationCall:
     options: StreamOptions
     chat: bool
     echo: bool = False  # completions: the prompt is prepended to each choice's text
+    # A completions prompt list of several prompts: one request per prompt (the first is `request`),
+    # answered as one by the InferencePath; empty for one prompt.
+    prompt_requests: list[gateway_pb2.GenerateRequest] = field(default_factory=list)
+
+    def requests(self) -> list[gateway_pb2.GenerateRequest]:
+        return self.prompt_requests or [self.request]
+
+    def choice_count(self) -> int:
+        """Every prompt's n choices: choice i x n + j is prompt i's choice j (vLLM's order)."""
+        return max(1, self.request.sampling.n) * len(self.requests())
+
+    def prompt_text(self, index: int) -> str:
+        """The prompt of choice `index`, which echo prepends to its text."""
+        return self.requests()[index // max(1, self.request.sampling.n)].prompt
 
 
 def parse_chat(body: dict[str, Any]) -> GenerationCall:
@@ -436,19 +450,57 @@ def _tool_use(body: dict[str, Any], request: gateway_pb2.GenerateRequest) -> Non
         tool_use.parallel_tool_calls = parallel
 
 
+# The most prompts one completions request may list: their P x n sequences run at once, and one
+# request must not take a replica's whole batch (vLLM and OpenAI take more).
+MAX_PROMPTS = 16
+
+_PROMPT_SHAPES = "a string, an array of strings, an array of token ids or an array of arrays of token ids"
+
+
+def _prompts(value: Any) -> list[str | list[int]]:
+    """OpenAI's and vLLM's completions prompt: one prompt or a list of them, each a text or token ids."""
+    if isinstance(value, str):
+        return [value]
+    if not isinstance(value, list) or not value:
+        raise invalid("prompt", f"prompt must be {_PROMPT_SHAPES}", "invalid_type")
+    if all(_is_int(token) for token in value):
+        prompts: list[Any] = [value]  # one prompt as token ids
+    elif all(isinstance(text, str) for text in value) or all(isinstance(ids, list) for ids in value):
+        prompts = value
+    else:
+        raise invalid("prompt", f"prompt must be {_PROMPT_SHAPES}, not a mix", "invalid_type")
+    if len(prompts) > MAX_PROMPTS:
+        raise invalid("prompt", f"at most {MAX_PROMPTS} prompts in one request, got {len(prompts)}", "invalid_value")
+    for index, prompt in enumerate(prompts):
+        param = f"prompt[{index}]" if len(prompts) > 1 else "prompt"
+        if isinstance(prompt, list) and not all(_is_int(token) and 0 <= token <= MAX_INT32 for token in prompt):
+            shown = repr(prompt) if len(prompt) <= 20 else repr(prompt[:20])[:-1] + ", ...]"
+            raise invalid("prompt", f"{param} must hold token ids (integers from 0 to {MAX_INT32}), got {shown}", "invalid_value")
+        if not prompt:
+            raise invalid("prompt", f"{param} must not be empty", "invalid_value")
+    return prompts
+
+
 def parse_completion(body: dict[str, Any]) -> GenerationCall:
     _check_fields(body, _COMPLETION_FIELDS)
     request = gateway_pb2.GenerateRequest(model=_model(body))
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-        prompt = prompt[0]
-    if not isinstance(prompt, str):
-        raise invalid("prompt", "prompt must be a string (or an array of one string; token arrays are not supported)", "invalid_type")
-    request.prompt = prompt
+    prompts = _prompts(body.get("prompt"))
     request.sampling.CopyFrom(_sampling(body))
     _response_format(body.get("response_format"), request)
     echo = parse_completion_choices(body, request.sampling)
-    return GenerationCall(request, _stream_options(body), chat=False, echo=echo)
+    if echo and any(isinstance(prompt, list) for prompt in prompts):
+        # The gateway holds no tokenizer to spell the ids back as text.
+        raise invalid("echo", "echo is not supported with a prompt of token ids; send the prompt as text", "unsupported_parameter")
+    each = []
+    for prompt in prompts:
+        one = gateway_pb2.GenerateRequest()
+        one.CopyFrom(request)
+        if isinstance(prompt, str):
+            one.prompt = prompt
+        else:
+            one.prompt_token_ids.extend(prompt)
+        each.append(one)
+    return GenerationCall(each[0], _stream_options(body), chat=False, echo=echo, prompt_requests=each if len(each) > 1 else [])
 
 
 @dataclass
@@ -531,7 +583,7 @@ class Completion:
             choice: dict[str, Any] = {"index": state.index, "message": message}
             logprobs = chat_logprobs(state.chat_entries) if asked else None
         else:
-            echoed = self.call.request.prompt if self.call.echo else ""
+            echoed = self.call.prompt_text(state.index) if self.call.echo else ""
             choice = {"index": state.index, "text": echoed + state.text}
             logprobs = state.completion.body() if asked else None
         choice.update(logprobs=logprobs, finish_reason=state.finish_reason)
@@ -555,7 +607,7 @@ class Completion:
             choice: dict[str, Any] = {"index": index, "delta": delta}
         else:
             reply = self._base("text_completion")
-            echoed = self.call.request.prompt if first and self.call.echo else ""
+            echoed = self.call.prompt_text(index) if first and self.call.echo else ""
             choice = {"index": index, "text": echoed + (text or "")}
         choice.update(logprobs=logprobs, finish_reason=finish_reason)
         reply["choices"] = [choice]

@@ -207,6 +207,7 @@ async def start_extra_pool(
     protocol = await detect_protocol(ready_url, config.triton_model)
     if info is not None:
         info.logprobs = await reports_logprobs(ready_url, config.triton_model, protocol)
+        info.token_prompts = takes_token_prompts(protocol)
     step_timeouts = StepTimeouts(config.step_timeout_policy(), config.model_name)
     metrics.STEP_TIMEOUT.labels(model=config.model_name).set(step_timeouts.limit())
     label = f"#{config.model_name}"
@@ -220,6 +221,12 @@ async def start_extra_pool(
     pool.start(supervisor)
     log.info("extra_model_ready", model=config.model_name, triton_model=config.triton_model, protocol=protocol, max_batch_size=config.max_batch_size)
     return pool
+
+
+def takes_token_prompts(protocol: str) -> bool:
+    """Whether a model takes prompt_token_ids: the step protocol's engine prefills ids as given;
+    Triton's vLLM backend takes only text_input (tests/fixtures/upstream/vllm_backend_interface.json)."""
+    return protocol == "step"
 
 
 def model_info(config: AdapterConfig) -> types_pb2.ModelInfo:
@@ -262,6 +269,7 @@ async def serve(config: AdapterConfig) -> None:
     protocol = await detect_protocol(ready_url, config.triton_model)
     # ListModels says which models report logprobs (the servicer holds these very messages).
     model.logprobs = await reports_logprobs(ready_url, config.triton_model, protocol)
+    model.token_prompts = takes_token_prompts(protocol)
     step_timeouts = StepTimeouts(config.step_timeout_policy(), config.model_name)
     metrics.STEP_TIMEOUT.labels(model=config.model_name).set(step_timeouts.limit())
     backends, make_scheduler, make_backend = build_backends(config, protocol, urls, step_timeouts=step_timeouts)

@@ -65,6 +65,9 @@ class ChatTemplate:
 
     def render(self, prompt: PromptSpec) -> str:
         """The text the model receives: a raw prompt as is, a chat through the template."""
+        if prompt.prompt_token_ids:
+            # The gateway refuses these for a text-only model (ModelInfo.token_prompts): never here.
+            raise ChatTemplateError("this model takes text prompts only, not token ids")
         if not prompt.messages:
             return prompt.prompt
         messages = [{"role": role, "content": content} for role, content in prompt.messages]

@@ -316,7 +316,7 @@ class ReplicaPool:
             metrics.ROUTING_DECISIONS.labels(model=self._model, reason="only_replica" if len(candidates) == 1 else "load").inc()
             metrics.ROUTED_REQUESTS.labels(replica=chosen.name + self._metrics_label).inc()
             return chosen
-        key = self._router.key(prompt.messages, prompt.prompt)
+        key = self._router.key(prompt.messages, prompt.routing_text())
         choice = self._router.choose([Candidate(r.name, r.scheduler.load) for r in candidates], key)
         chosen = next(r for r in candidates if r.name == choice.name)
         self._router.record(chosen.name, key)

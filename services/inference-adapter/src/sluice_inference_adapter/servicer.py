@@ -77,7 +77,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[inference_pb2.GenerateResponse]:
         model = self._model_info(request.model)
-        validate_generation(request.messages, request.prompt, request.sampling, model)
+        validate_generation(request.messages, request.prompt, request.sampling, model, request.prompt_token_ids)
         if request.sampling.n > 1:  # the gateway runs a request's n sequences as n calls
             raise InvalidArgument("sampling.n", f"the adapter runs one sequence per call, got n={request.sampling.n}")
         streamed = False
@@ -88,7 +88,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
                         # Tokens already reached the client: say so, then fail the call.
                         yield inference_pb2.GenerateResponse(finish_reason=types_pb2.FINISH_REASON_ERROR, usage=_usage(event))
                         raise Unavailable(f"the model backend failed mid-stream: {event.error}")
-                    yield _final_response(event, input_field="messages" if request.messages else "prompt")
+                    yield _final_response(event, input_field="messages" if request.messages else "prompt")  # token ids too
                     return
                 streamed = True
                 yield inference_pb2.GenerateResponse(
@@ -105,6 +105,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         self, request: inference_pb2.CountTokensRequest, context: grpc.aio.ServicerContext
     ) -> inference_pb2.CountTokensResponse:
         model = self._model_info(request.model)
+        if request.prompt_token_ids:  # prefilled as given: their count is their length
+            return inference_pb2.CountTokensResponse(prompt_tokens=len(request.prompt_token_ids), context_length=model.context_length)
         prompt = _prompt_spec(request.messages, request.prompt)
         pool = self._pool_of(model.name)
         replica = pool.pick(exclude=set())
@@ -146,15 +148,15 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         return inference_pb2.EmbedResponse(embeddings=embeddings, usage=usage)
 
 
-def _prompt_spec(messages: object, prompt: str) -> PromptSpec:
-    return PromptSpec(messages=tuple((m.role, m.content) for m in messages), prompt=prompt)  # type: ignore[attr-defined]
+def _prompt_spec(messages: object, prompt: str, token_ids: object = ()) -> PromptSpec:
+    return PromptSpec(messages=tuple((m.role, m.content) for m in messages), prompt=prompt, prompt_token_ids=tuple(token_ids))  # type: ignore[attr-defined, call-overload]
 
 
 def _generation_request(request: inference_pb2.GenerateRequest, time_remaining: float | None) -> GenerationRequest:
     return GenerationRequest(
         request_id=request.request_id or current_request_id(),
         tenant=request.tenant,
-        prompt=_prompt_spec(request.messages, request.prompt),
+        prompt=_prompt_spec(request.messages, request.prompt, request.prompt_token_ids),
         sampling=from_proto(request.sampling),
         priority=Priority.BULK if request.priority_class == types_pb2.PRIORITY_CLASS_BULK else Priority.INTERACTIVE,
         deadline=None if time_remaining is None else time.monotonic() + time_remaining,

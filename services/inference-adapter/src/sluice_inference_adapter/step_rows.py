@@ -27,18 +27,30 @@ class Action(enum.IntEnum):
 
 @dataclass(frozen=True)
 class PromptSpec:
-    """Either a chat (the model applies its template) or a raw prompt."""
+    """Either a chat (the model applies its template), a raw prompt, or token ids (prefilled as given)."""
 
     messages: tuple[tuple[str, str], ...] = ()
     prompt: str = ""
+    prompt_token_ids: tuple[int, ...] = ()
 
     def estimated_tokens(self) -> int:
-        """A guess until the model counts it (sluice_common.prompt_tokens, as the gateway guesses)."""
-        return estimate_prompt_tokens(self.messages, self.prompt)
+        """A guess until the model counts it (sluice_common.prompt_tokens, as the gateway guesses);
+        a token-id prompt's is exact."""
+        return estimate_prompt_tokens(self.messages, self.prompt, self.prompt_token_ids)
+
+    def routing_text(self) -> str:
+        """The raw prompt, or token ids spelled as text: prompts that share leading ids share a prefix."""
+        return self.prompt or " ".join(map(str, self.prompt_token_ids))
 
     def to_json(self, sampling: Sampling | None = None, prefill_chunk: int = 0, owner: str = "") -> bytes:
         """A step request's REQUEST: the prompt, and for a prefill the options in their JSON form."""
-        body: dict[str, object] = {"messages": [list(m) for m in self.messages]} if self.messages else {"prompt": self.prompt}
+        body: dict[str, object]
+        if self.messages:
+            body = {"messages": [list(m) for m in self.messages]}
+        elif self.prompt_token_ids:
+            body = {"prompt_token_ids": list(self.prompt_token_ids)}
+        else:
+            body = {"prompt": self.prompt}
         if prefill_chunk:
             body["prefill_chunk"] = prefill_chunk
         if owner:

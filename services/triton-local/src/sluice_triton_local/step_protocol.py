@@ -20,7 +20,10 @@ One Triton request carries one row per sequence, all tensors of shape [rows]:
            REQUEST BYTES   JSON for prefill and count rows, empty otherwise:
                            {"messages": [[role, content], ...]} (content tokenized as text:
                            control tokens come from the chat template alone) or {"prompt": "..."}
-                           (the caller's own template: its control-token strings are parsed),
+                           (the caller's own template: its control-token strings are parsed)
+                           or {"prompt_token_ids": [ids]} (prefilled exactly: no template, no
+                           tokenization; an id outside the vocabulary is "invalid", ERROR
+                           "prompt_token_ids: <reason>"),
                            plus the generation options in their JSON form
                            (sluice_common.sampling.Sampling.to_json: "max_tokens", "temperature",
                            "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
@@ -120,10 +123,23 @@ OnResponse = Callable[[dict[str, np.ndarray], bool], None]
 def _prompt_ids(engine: SharedEngine, request: dict[str, Any]) -> list[int]:
     """A chat's content is tokenized as text: control tokens come from the template alone, so a
     message cannot forge another role's turn. A raw prompt is the caller's own template: its
-    control-token strings are control tokens, as in vLLM's and OpenAI's completions."""
+    control-token strings are control tokens, as in vLLM's and OpenAI's completions. Token ids are
+    the prompt itself (vLLM's prompt_token_ids): checked by _token_problem, never re-tokenized."""
+    if request.get("prompt_token_ids"):
+        return [int(t) for t in request["prompt_token_ids"]]
     if request.get("messages"):
         return engine.encode_chat([(str(role), str(content)) for role, content in request["messages"]])
     return engine.encode(str(request.get("prompt", "")))
+
+
+def _token_problem(request: dict[str, Any], prompt: list[int], vocab_size: int) -> str | None:
+    """Why a token-id prompt cannot be prefilled (an id outside the vocabulary), naming the field."""
+    if not request.get("prompt_token_ids"):
+        return None
+    outside = next((t for t in prompt if not 0 <= t < vocab_size), None)
+    if outside is None:
+        return None
+    return f"prompt_token_ids: token id {outside} is outside the model's vocabulary of {vocab_size} tokens (0 to {vocab_size - 1})"
 
 
 def _invalid(seq_id: int, message: str) -> RowResult:
@@ -144,6 +160,9 @@ def _parse_row(engine: SharedEngine, action: int, seq_id: int, raw: bytes) -> Pr
         request = json.loads(raw or b"{}")
         prompt = _prompt_ids(engine, request)
         prompt_tokens = len(prompt)
+        token_problem = _token_problem(request, prompt, engine.vocab_size)
+        if token_problem is not None:
+            return _invalid(seq_id, token_problem)
         if action == COUNT:
             return RowResult(seq_id, -1, "", "", prompt_tokens, 0)
         try:

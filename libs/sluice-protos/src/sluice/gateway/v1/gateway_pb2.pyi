@@ -9,10 +9,11 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("model", "messages", "prompt", "sampling", "priority_class", "client_request_id", "response_format", "tool_use")
+    __slots__ = ("model", "messages", "prompt", "prompt_token_ids", "sampling", "priority_class", "client_request_id", "response_format", "tool_use")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_CLASS_FIELD_NUMBER: _ClassVar[int]
     CLIENT_REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
@@ -21,12 +22,13 @@ class GenerateRequest(_message.Message):
     model: str
     messages: _containers.RepeatedCompositeFieldContainer[_types_pb2.ChatMessage]
     prompt: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _types_pb2.SamplingParams
     priority_class: _types_pb2.PriorityClass
     client_request_id: str
     response_format: _types_pb2.ResponseFormat
     tool_use: _types_pb2.ToolUse
-    def __init__(self, model: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[_types_pb2.ChatMessage, _Mapping]]] = ..., prompt: _Optional[str] = ..., sampling: _Optional[_Union[_types_pb2.SamplingParams, _Mapping]] = ..., priority_class: _Optional[_Union[_types_pb2.PriorityClass, str]] = ..., client_request_id: _Optional[str] = ..., response_format: _Optional[_Union[_types_pb2.ResponseFormat, str]] = ..., tool_use: _Optional[_Union[_types_pb2.ToolUse, _Mapping]] = ...) -> None: ...
+    def __init__(self, model: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[_types_pb2.ChatMessage, _Mapping]]] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_types_pb2.SamplingParams, _Mapping]] = ..., priority_class: _Optional[_Union[_types_pb2.PriorityClass, str]] = ..., client_request_id: _Optional[str] = ..., response_format: _Optional[_Union[_types_pb2.ResponseFormat, str]] = ..., tool_use: _Optional[_Union[_types_pb2.ToolUse, _Mapping]] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "text", "finish_reason", "usage", "timings", "model", "index", "logprobs", "tool_calls")

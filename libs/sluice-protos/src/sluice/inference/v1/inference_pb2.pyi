@@ -8,12 +8,13 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "tenant", "model", "messages", "prompt", "sampling", "priority_class")
+    __slots__ = ("request_id", "tenant", "model", "messages", "prompt", "prompt_token_ids", "sampling", "priority_class")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_CLASS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
@@ -21,9 +22,10 @@ class GenerateRequest(_message.Message):
     model: str
     messages: _containers.RepeatedCompositeFieldContainer[_types_pb2.ChatMessage]
     prompt: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _types_pb2.SamplingParams
     priority_class: _types_pb2.PriorityClass
-    def __init__(self, request_id: _Optional[str] = ..., tenant: _Optional[str] = ..., model: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[_types_pb2.ChatMessage, _Mapping]]] = ..., prompt: _Optional[str] = ..., sampling: _Optional[_Union[_types_pb2.SamplingParams, _Mapping]] = ..., priority_class: _Optional[_Union[_types_pb2.PriorityClass, str]] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., tenant: _Optional[str] = ..., model: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[_types_pb2.ChatMessage, _Mapping]]] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_types_pb2.SamplingParams, _Mapping]] = ..., priority_class: _Optional[_Union[_types_pb2.PriorityClass, str]] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("text", "token_count", "finish_reason", "usage", "timings", "logprobs")
@@ -74,14 +76,16 @@ class ListModelsResponse(_message.Message):
     def __init__(self, models: _Optional[_Iterable[_Union[_types_pb2.ModelInfo, _Mapping]]] = ...) -> None: ...
 
 class CountTokensRequest(_message.Message):
-    __slots__ = ("model", "messages", "prompt")
+    __slots__ = ("model", "messages", "prompt", "prompt_token_ids")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     model: str
     messages: _containers.RepeatedCompositeFieldContainer[_types_pb2.ChatMessage]
     prompt: str
-    def __init__(self, model: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[_types_pb2.ChatMessage, _Mapping]]] = ..., prompt: _Optional[str] = ...) -> None: ...
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, model: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[_types_pb2.ChatMessage, _Mapping]]] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class CountTokensResponse(_message.Message):
     __slots__ = ("prompt_tokens", "context_length")
