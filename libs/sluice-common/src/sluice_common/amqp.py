@@ -173,7 +173,7 @@ class OutgoingMessage:
     headers: dict[str, str] = field(default_factory=dict)
 
     def to_aio_pika(self) -> aio_pika.Message:
-        headers: dict[str, str] = dict(self.headers)
+        headers: dict[str, aio_pika.abc.FieldValue] = dict(self.headers)
         if self.request_id:
             headers[REQUEST_ID_KEY] = self.request_id
         return aio_pika.Message(
@@ -520,7 +520,7 @@ async def replay_dead_letters(
             key = routing_key or str(headers.get("x-sluice-original-routing-key") or message.routing_key or "")
             for name in (DEAD_REASON_HEADER, "x-sluice-dead-at", "x-sluice-original-routing-key", "x-sluice-original-exchange", "x-death"):
                 headers.pop(name, None)
-            headers["x-sluice-replayed"] = int(headers.get("x-sluice-replayed", 0) or 0) + 1
+            headers["x-sluice-replayed"] = int(str(headers.get("x-sluice-replayed") or 0)) + 1
             copy = aio_pika.Message(
                 message.body,
                 content_type=message.content_type,

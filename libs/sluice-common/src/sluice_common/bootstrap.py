@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Coroutine
 from typing import TypeVar
 
 from sluice_common.config import ConfigError, ServerConfig, load_config
@@ -14,7 +14,7 @@ from sluice_common.tracing import TracingConfigError, configure_tracing
 C = TypeVar("C", bound=ServerConfig)
 
 
-def run_service(service: str, config_cls: type[C], prefix: str, main: Callable[[C], Awaitable[None]]) -> None:
+def run_service(service: str, config_cls: type[C], prefix: str, main: Callable[[C], Coroutine[object, object, None]]) -> None:
     """Loads config (exit 2 with a clear message when it is wrong), sets up logging, runs `main`."""
     try:
         config = load_config(config_cls, prefix)

@@ -75,10 +75,10 @@ def cpu_limit(root: Path = DEFAULT_CGROUP_ROOT, self_cgroup: Path = DEFAULT_SELF
         if raw_quota is None or raw_period is None:
             continue
         try:
-            quota, period = int(raw_quota), int(raw_period)
+            v1_quota, v1_period = int(raw_quota), int(raw_period)
         except ValueError:
             continue
-        return None if quota <= 0 or period <= 0 else quota / period
+        return None if v1_quota <= 0 or v1_period <= 0 else v1_quota / v1_period
     return None
 
 

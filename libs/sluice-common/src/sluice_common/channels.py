@@ -53,7 +53,7 @@ def open_channel(target: str, tls: ClientTLS | None = None) -> grpc.aio.Channel:
     interceptors = client_interceptors() or None
     if tls is None:
         return grpc.aio.insecure_channel(target, options=_OPTIONS, interceptors=interceptors)
-    options = _OPTIONS
+    options: tuple[tuple[str, int | str], ...] = _OPTIONS
     if tls.server_name:
         options = (*options, ("grpc.ssl_target_name_override", tls.server_name))
     return grpc.aio.secure_channel(target, channel_credentials(tls), options=options, interceptors=interceptors)

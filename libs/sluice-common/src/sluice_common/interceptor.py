@@ -22,8 +22,8 @@ import contextlib
 import inspect
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
-from typing import Any
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterable
+from typing import Any, cast
 
 import grpc
 import structlog
@@ -242,7 +242,7 @@ def _wrap_stream(method: str, behavior: Callable[..., AsyncIterator[Any]], quiet
             # aclosing: when the call ends while the handler waits at a yield (the client went
             # away), the handler is closed here, while the call still exists, not later by the
             # garbage collector (a handler of a client stream still holds grpc's request iterator).
-            async with contextlib.aclosing(behavior(request, context)) as responses:
+            async with contextlib.aclosing(cast(AsyncGenerator[Any, None], behavior(request, context))) as responses:
                 async for response in responses:
                     yield response
         except BaseException as error:  # noqa: BLE001 - mapped, then re-raised as a status

@@ -12,6 +12,7 @@ import logging
 import sys
 
 import structlog
+from structlog.types import EventDict
 
 from sluice_common.tracing import add_trace_ids
 
@@ -64,14 +65,14 @@ def configure_logging(service: str, level: str = "INFO", json: bool | None = Non
 
 
 def _add_service(service: str) -> structlog.types.Processor:
-    def add(_logger: object, _name: str, event: dict) -> dict:
+    def add(_logger: object, _name: str, event: EventDict) -> EventDict:
         event.setdefault("service", service)
         return event
 
     return add
 
 
-def _identity(_logger: object, _name: str, event: dict) -> dict:
+def _identity(_logger: object, _name: str, event: EventDict) -> EventDict:
     return event
 
 

@@ -9,7 +9,7 @@ token generated. One translation for both, so they never disagree on what is sup
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, cast
 
 import llguidance
 
@@ -34,7 +34,7 @@ def llguidance_grammar(constraint: StructuredOutputs) -> str:
     kind, value = constraint.kind, constraint.value
     try:
         if kind in ("json", "json_object"):
-            return llguidance.LLMatcher.grammar_from_json_schema(constraint.schema(), overrides=_JSON_OPTIONS)
+            return llguidance.LLMatcher.grammar_from_json_schema(constraint.schema(), overrides=cast(Any, _JSON_OPTIONS))
         if kind == "regex":
             return llguidance.LLMatcher.grammar_from_regex(str(value))
         if kind == "choice":

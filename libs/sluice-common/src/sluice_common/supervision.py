@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import os
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 import structlog
 from prometheus_client import Counter
@@ -133,7 +134,7 @@ class Supervisor:
             await self._report(f"task:{name}", up)
 
 
-async def stop_tasks(*tasks: asyncio.Future[object] | None, retry_s: float = 1.0) -> None:
+async def stop_tasks(*tasks: asyncio.Future[Any] | None, retry_s: float = 1.0) -> None:
     """Cancels the tasks and waits until each has ended, cancelling again every `retry_s`: on
     Python 3.11 a cancel that lands as `asyncio.wait_for` times out can be swallowed, and a loop
     that only a cancel ends would then run on and hang its service's shutdown."""

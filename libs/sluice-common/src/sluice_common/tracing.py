@@ -29,11 +29,12 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, MutableMapping
 from typing import Any
 
 from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
+from opentelemetry.propagators.textmap import Getter
 from opentelemetry.trace import Link, NonRecordingSpan, Span, SpanContext, SpanKind, Status, StatusCode
 
 _enabled = False
@@ -122,7 +123,7 @@ def client_interceptors() -> list[Any]:
     return list(aio_client_interceptors(filter_=negate(health_check())))
 
 
-class _MetadataGetter:
+class _MetadataGetter(Getter[Any]):
     """The propagator's view of grpc.aio invocation metadata (a tuple of key/value pairs)."""
 
     def get(self, carrier: Any, key: str) -> list[str] | None:
@@ -287,7 +288,7 @@ def wall_ns(monotonic_s: float, now_monotonic: float | None = None) -> int:
 # -- logs --------------------------------------------------------------------------------------------
 
 
-def add_trace_ids(_logger: object, _name: str, event: dict) -> dict:
+def add_trace_ids(_logger: object, _name: str, event: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
     """structlog processor: `trace_id` and `span_id` of the current span on every line."""
     if _enabled and "trace_id" not in event:
         trace_id, span_id = current_ids()
