@@ -94,6 +94,8 @@ class EvalLogServicer(evallog_pb2_grpc.EvalLogServiceServicer):
                 )
                 for t in request.score_thresholds
             ),
+            user=request.user,
+            metadata=tuple(sorted(request.metadata.items())),
         )
         rows, token = await self._queries.query_records(self._caller(context), where, request.page_size, request.page_token)
         return evallog_pb2.QueryRecordsResponse(records=[_record(row) for row in rows], next_page_token=token)
