@@ -44,6 +44,7 @@ from sluice_common.sampling import StructuredOutputs, StructuredOutputsError
 from sluice_common.sampling_proto import structured_outputs_to_proto
 from sluice_common.structured_outputs import check
 from sluice_common.utf8 import invalid_json_text
+from sluice_common.validation import MAX_METADATA_KEY, MAX_METADATA_PAIRS, MAX_METADATA_VALUE, MAX_USER
 from sluice_gateway.openai_choices import ChoiceState, chat_logprobs, parse_chat_choices, parse_completion_choices, tool_call_objects
 
 # OpenAI's defaults for sampling (https://platform.openai.com/docs/api-reference/chat/create).
@@ -124,11 +125,6 @@ _NEUTRAL: dict[str, tuple[Any, ...]] = {
 # OpenAI's metadata of a request (they change nothing about the output): recorded on the
 # completion's evaluation record (GenerateRequest.user and metadata), where it can be queried.
 _RECORDED = ("user", "metadata")
-# OpenAI's limits on metadata; `user` has none in OpenAI's reference: Sluice's own bound.
-MAX_METADATA_PAIRS = 16
-MAX_METADATA_KEY = 64
-MAX_METADATA_VALUE = 512
-MAX_USER = 256
 
 # OpenAI's sampling params and vLLM's extensions of them (its OpenAI server takes them in the body).
 _SAMPLING_FIELDS = {
