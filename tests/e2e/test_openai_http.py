@@ -98,6 +98,8 @@ def test_user_and_metadata_are_recorded_and_queryable(client: openai.OpenAI, eva
     assert found(metadata={"run": run}) == [request_id]
     assert found(user=user, metadata={"run": run, "team": "e2e"}) == [request_id]
     assert found(metadata={"run": run, "team": "other"}) == []
+    summary = evallog.Summarize(evallog_pb2.SummarizeRequest(user=user, metadata={"run": run}), metadata=auth(DEMO_KEY), timeout=30)
+    assert [(s.model, s.count) for s in summary.summaries] == [(MODEL, 1)]
     # The CLI's filters: the same record, as JSON.
     env = {**os.environ, "SLUICE_EVALLOG_URL": stack.evallog_address, "SLUICE_API_KEY": DEMO_KEY}
     logs = subprocess.run(
@@ -108,6 +110,7 @@ def test_user_and_metadata_are_recorded_and_queryable(client: openai.OpenAI, eva
     listed = [json.loads(line) for line in logs.stdout.splitlines() if line.startswith("{")]
     assert [r["event"]["request_id"] for r in listed] == [request_id]
     assert listed[0]["event"]["user"] == user and listed[0]["event"]["metadata"] == {"run": run, "team": "e2e"}
+    assert re.search(rf"^{re.escape(MODEL)}\s+demo\s+1\s", logs.stdout, re.M), logs.stdout  # the summary: that one too
     # Beyond OpenAI's limits: a 400 naming the param, before anything runs.
     with pytest.raises(openai.BadRequestError) as refused:
         client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=4, metadata={str(i): "v" for i in range(17)})

@@ -262,7 +262,7 @@ class _LogsClient:
         return found
 
     def summaries(self, start: float | None) -> list[evallog_pb2.Summary]:
-        request = evallog_pb2.SummarizeRequest(tenant=self.tenant, model=self.model)
+        request = evallog_pb2.SummarizeRequest(tenant=self.tenant, model=self.model, user=self.user, metadata=self.pairs)
         if start is not None:
             request.start_time.CopyFrom(_stamp(start))
         return list(self.stub.Summarize(request, metadata=self.metadata, timeout=30).summaries)

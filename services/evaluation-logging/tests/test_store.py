@@ -251,6 +251,14 @@ async def test_the_end_user_and_metadata_are_stored_filtered_on_and_returned(sto
     assert await found(metadata=(("team", "eval-7"),)) == set()
     assert await found(user="carol") == set()
     assert len(await found()) == 4  # no filter: every record of the tenant, with or without either
+    with pytest.raises(InvalidArgument):
+        await found(metadata=(("", "eval-7"),))
+    # Summaries take the same filters.
+    (summary,) = await queries.summarize("demo", RecordFilter(user="alice"))
+    assert summary.count == 2
+    (summary,) = await queries.summarize("demo", RecordFilter(metadata=(("run", "eval-7"),)))
+    assert summary.count == 2
+    assert await queries.summarize("demo", RecordFilter(user="alice", metadata=(("run", "none"),))) == []
     record = _record(await queries.get_record("demo", alice_eval.event_id))
     assert (record.event.user, dict(record.event.metadata)) == ("alice", {"run": "eval-7", "team": "search"})
     page, _ = await queries.query_records("demo", RecordFilter(user="bob"), 0, "")

@@ -15,6 +15,7 @@ import pytest
 from sluice.evallog.v1 import events_pb2
 
 from sluice_gateway import openai_requests
+from sluice_gateway.jobs import generate_request
 from sluice_gateway.openai_batches import job_row, parse_batch_file
 from test_openai_http import AUTH, CHAT, setup  # noqa: F401 - the fixture, shared
 
@@ -136,3 +137,6 @@ def test_a_batch_lines_user_and_metadata_ride_on_its_job_row() -> None:
     (parsed,) = parse_batch_file(json.dumps(line).encode(), 10)
     row = job_row(parsed).generate
     assert (row.user, dict(row.metadata)) == (RECORDED["user"], RECORDED["metadata"])
+    # ... and on the request the worker runs for it (whose CompletionEvent the path publishes).
+    request = generate_request(row)
+    assert (request.user, dict(request.metadata)) == (RECORDED["user"], RECORDED["metadata"])

@@ -108,6 +108,8 @@ class EvalLogServicer(evallog_pb2_grpc.EvalLogServiceServicer):
             model=request.model,
             start=_seconds(request.start_time, request.HasField("start_time")),
             end=_seconds(request.end_time, request.HasField("end_time")),
+            user=request.user,
+            metadata=tuple(sorted(request.metadata.items())),
         )
         groups = await self._queries.summarize(self._caller(context), where)
         return evallog_pb2.SummarizeResponse(summaries=[_summary(group) for group in groups])

@@ -4,7 +4,7 @@ Pure domain code (no HTTP, no grpc): the HTTP front (openai_http) parses with th
 they build. Every refusal is an `OpenAIError` in OpenAI's shape, naming the offending param:
 
 - a field Sluice does not know: 400 "Unrecognized request argument supplied: <name>";
-- a field OpenAI defines that Sluice cannot honour (tools, best_of, ...): accepted at its default
+- a field OpenAI defines that Sluice cannot honour (best_of, audio, ...): accepted at its default
   (null, or OpenAI's neutral value), otherwise 400 naming it; n, logprobs, top_logprobs (chat) and
   echo (completions) are honoured (openai_choices);
 - a wrong type or value: 400 naming the param ("messages[1].content", "temperature", ...);
