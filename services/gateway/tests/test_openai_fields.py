@@ -140,3 +140,13 @@ def test_a_batch_lines_user_and_metadata_ride_on_its_job_row() -> None:
     # ... and on the request the worker runs for it (whose CompletionEvent the path publishes).
     request = generate_request(row)
     assert (request.user, dict(request.metadata)) == (RECORDED["user"], RECORDED["metadata"])
+
+
+async def test_a_prompt_lists_event_records_user_and_metadata(setup) -> None:  # type: ignore[no-untyped-def]  # noqa: F811
+    """Several prompts are one request and one event (its first prompt standing for it): it carries them."""
+    client, adapter, _, publisher = setup
+    body = {"model": "g", "prompt": ["Once", "Twice"], **RECORDED}
+    assert (await client.post("/v1/completions", json=body, headers=AUTH)).status == 200
+    assert len(adapter.requests) == 2 and len(publisher.bodies) == 1
+    event = events_pb2.CompletionEvent.FromString(publisher.bodies[0])
+    assert (event.user, dict(event.metadata)) == (RECORDED["user"], RECORDED["metadata"])
