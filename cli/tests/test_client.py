@@ -106,3 +106,12 @@ def test_the_aio_channel_takes_the_same_tls(tls_server: tuple[str, Path]) -> Non
         return reply.status
 
     assert asyncio.run(check()) == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_logs_filters_by_user_and_metadata_pairs(capsys) -> None:  # type: ignore[no-untyped-def]
+    args = build_parser().parse_args(["logs", "--user", "u-7", "--metadata", "run=eval-3", "--metadata", "expr=a=b"])
+    assert (args.user, args.metadata) == ("u-7", [("run", "eval-3"), ("expr", "a=b")])
+    for bad in ("run", "=eval-3"):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["logs", "--metadata", bad])
+        assert "expected KEY=VALUE" in capsys.readouterr().err

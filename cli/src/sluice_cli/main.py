@@ -240,6 +240,8 @@ class _LogsClient:
         self.stub = evallog_pb2_grpc.EvalLogServiceStub(self.channel)
         self.model = args.model or ""
         self.tenant = args.tenant or ""
+        self.user = args.user
+        self.pairs = dict(args.metadata)
 
     def records(self, start: float | None, limit: int) -> list[evallog_pb2.Record]:
         """Up to `limit` records finished at or after `start`, newest first (pages through QueryRecords)."""
@@ -247,7 +249,8 @@ class _LogsClient:
         token = ""
         while len(found) < limit:
             request = evallog_pb2.QueryRecordsRequest(
-                tenant=self.tenant, model=self.model, page_size=min(1000, limit - len(found)), page_token=token
+                tenant=self.tenant, model=self.model, page_size=min(1000, limit - len(found)), page_token=token,
+                user=self.user, metadata=self.pairs,
             )
             if start is not None:
                 request.start_time.CopyFrom(_stamp(start))
@@ -259,10 +262,17 @@ class _LogsClient:
         return found
 
     def summaries(self, start: float | None) -> list[evallog_pb2.Summary]:
-        request = evallog_pb2.SummarizeRequest(tenant=self.tenant, model=self.model)
+        request = evallog_pb2.SummarizeRequest(tenant=self.tenant, model=self.model, user=self.user, metadata=self.pairs)
         if start is not None:
             request.start_time.CopyFrom(_stamp(start))
         return list(self.stub.Summarize(request, metadata=self.metadata, timeout=30).summaries)
+
+
+def _pair(text: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    return key, value
 
 
 def cmd_logs(args: argparse.Namespace) -> int:
@@ -338,6 +348,9 @@ def build_parser() -> argparse.ArgumentParser:
     logs.add_argument("--tenant-key", default="", help="API key of the tenant to read (default: --api-key / SLUICE_API_KEY)")
     logs.add_argument("--tenant", default="", help="tenant name (default: the key's own; another tenant is refused)")
     logs.add_argument("--model", default="", help="only this model")
+    logs.add_argument("--user", default="", help="only completions whose request had this OpenAI `user`")
+    logs.add_argument("--metadata", type=_pair, action="append", default=[], metavar="KEY=VALUE",
+                      help="only completions whose request's metadata has KEY=VALUE (repeatable: all must match)")  # fmt: skip
     logs.add_argument("-n", "--limit", type=_positive_int, default=20, help="how many recent completions to list (default 20)")
     logs.add_argument("--since", type=_duration_s, default=3600.0,
                       help="window for the list and the summary, like 90s, 15m, 2h, 7d; 0 for all (default 1h)")

@@ -42,6 +42,8 @@ def make_event(tenant: str = "demo", output: str = "Paris is the capital of Fran
     for name, value in fields.items():
         if isinstance(value, list):
             getattr(event, name).extend(value)
+        elif isinstance(value, dict):  # a map field
+            getattr(event, name).update(value)
         elif hasattr(value, "CopyFrom"):
             getattr(event, name).CopyFrom(value)
         else:

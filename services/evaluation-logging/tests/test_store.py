@@ -166,7 +166,7 @@ async def test_a_database_of_an_older_schema_opens_migrated_with_its_records(bac
     store: Store = PostgresStore(dsn, schema) if dsn else SqliteStore(path)
     await store.open()
     try:
-        assert await store.schema_version() == LATEST_VERSION == 4
+        assert await store.schema_version() == LATEST_VERSION == 5
         kept = await store.get(old_event.event_id)
         assert kept is not None and (kept.input_tokens, kept.cached_tokens) == (12, 0)
         new_event = make_event(usage=cached_usage(40, 32))
@@ -210,7 +210,7 @@ async def test_migration_4_adds_trace_ids(backend: str, tmp_path: Path) -> None:
     store: Store = PostgresStore(dsn, schema) if dsn else SqliteStore(path)
     await store.open()
     try:
-        assert await store.schema_version() == LATEST_VERSION == 4
+        assert await store.schema_version() == LATEST_VERSION == 5
         kept = await store.get(old_event.event_id)
         assert kept is not None and kept.trace_id == ""
         new_event = make_event()
@@ -221,6 +221,87 @@ async def test_migration_4_adds_trace_ids(backend: str, tmp_path: Path) -> None:
         assert stored is not None and stored.trace_id == trace_id
         page, _ = await store.query(RecordFilter(tenant="demo"), 10, "")
         assert {r.event_id: r.trace_id for r in page} == {old_event.event_id: "", new_event.event_id: trace_id}
+    finally:
+        await store.close()
+        if dsn:
+            connection = await asyncpg.connect(PG_DSN)
+            await connection.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+            await connection.close()
+
+
+async def test_the_end_user_and_metadata_are_stored_filtered_on_and_returned(store) -> None:  # type: ignore[no-untyped-def]
+    alice_eval = make_event(user="alice", metadata={"run": "eval-7", "team": "search"})
+    alice_prod = make_event(user="alice", metadata={"run": "prod"})
+    bob = make_event(user="bob", metadata={"run": "eval-7"})
+    nobody = make_event()
+    private = make_event(tenant="private", user="alice", metadata={"run": "eval-7"})
+    assert await store.insert_batch(await rows(alice_eval, alice_prod, bob, nobody, private)) == 5
+    queries = EvalLogQueries(store)
+
+    async def found(**where: object) -> set[str]:
+        page, _ = await queries.query_records("demo", RecordFilter(**where), 0, "")  # type: ignore[arg-type]
+        return {row.event_id for row in page}
+
+    assert await found(user="alice") == {alice_eval.event_id, alice_prod.event_id}
+    assert await found(metadata=(("run", "eval-7"),)) == {alice_eval.event_id, bob.event_id}
+    assert await found(user="alice", metadata=(("run", "eval-7"),)) == {alice_eval.event_id}
+    # Every pair must match: a key=value the record lacks (or has with another value) excludes it.
+    assert await found(metadata=(("run", "eval-7"), ("team", "search"))) == {alice_eval.event_id}
+    assert await found(metadata=(("run", "eval-7"), ("team", "ads"))) == set()
+    assert await found(metadata=(("team", "eval-7"),)) == set()
+    assert await found(user="carol") == set()
+    assert len(await found()) == 4  # no filter: every record of the tenant, with or without either
+    with pytest.raises(InvalidArgument):
+        await found(metadata=(("", "eval-7"),))
+    # Summaries take the same filters.
+    (summary,) = await queries.summarize("demo", RecordFilter(user="alice"))
+    assert summary.count == 2
+    (summary,) = await queries.summarize("demo", RecordFilter(metadata=(("run", "eval-7"),)))
+    assert summary.count == 2
+    assert await queries.summarize("demo", RecordFilter(user="alice", metadata=(("run", "none"),))) == []
+    record = _record(await queries.get_record("demo", alice_eval.event_id))
+    assert (record.event.user, dict(record.event.metadata)) == ("alice", {"run": "eval-7", "team": "search"})
+    page, _ = await queries.query_records("demo", RecordFilter(user="bob"), 0, "")
+    assert [(_record(r).event.user, dict(_record(r).event.metadata)) for r in page] == [("bob", {"run": "eval-7"})]
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
+async def test_migration_5_adds_end_users_and_metadata(backend: str, tmp_path: Path) -> None:
+    """A store written before migration 5 opens with its records (no user, no metadata: matched by
+    no such filter) and stores, filters on and returns those of new ones."""
+    dsn = PG_DSN if backend == "postgresql" else ""
+    schema = f"evallog_test_{uuid.uuid4().hex[:10]}"
+    path = tmp_path / "evallog.sqlite3"
+    old_event = make_event()
+    old = open_sql_db(dsn, path, schema, MIGRATIONS[:4])
+    await old.open()
+    try:
+        async with old.transaction() as tx:
+            columns = (
+                "event_id, tenant, model, priority_class, request_id, finish_reason, error_code, input_tokens, output_tokens,"
+                " latency_ms, ttft_ms, started_at, finished_at, stored_at, text_logged, event, cached_tokens, trace_id"
+            )
+            await tx.execute(
+                f"INSERT INTO records ({columns}) VALUES (?, 'demo', 'smollm2-135m-instruct', 1, 'r', 1, '', 12, 8, 600.0, 120.0, ?, ?, ?, ?, ?, 0, '')",
+                old_event.event_id, time.time() - 10, time.time() - 10, time.time() - 10, True, old_event.SerializeToString(),
+            )  # fmt: skip
+    finally:
+        await old.close()
+
+    store: Store = PostgresStore(dsn, schema) if dsn else SqliteStore(path)
+    await store.open()
+    try:
+        assert await store.schema_version() == LATEST_VERSION == 5
+        kept = await store.get(old_event.event_id)
+        assert kept is not None and kept.user == ""
+        new_event = make_event(user="u-1", metadata={"k": "v"})
+        assert await store.insert_batch(await rows(new_event)) == 1
+        for where in (RecordFilter(tenant="demo", user="u-1"), RecordFilter(tenant="demo", metadata=(("k", "v"),))):
+            page, _ = await store.query(where, 10, "")
+            assert [r.event_id for r in page] == [new_event.event_id]
+            assert dict(_record(page[0]).event.metadata) == {"k": "v"} and page[0].user == "u-1"
+        page, _ = await store.query(RecordFilter(tenant="demo"), 10, "")
+        assert {r.event_id for r in page} == {old_event.event_id, new_event.event_id}
     finally:
         await store.close()
         if dsn:

@@ -177,3 +177,26 @@ async def test_response_format_json_object_is_enforced_not_only_scored(gateway) 
         pass
     assert adapter.requests[-1].sampling.structured_outputs.json == '{"type": "object"}'
 
+
+
+@pytest.mark.parametrize(
+    ("recorded", "field"),
+    [
+        ({"user": "u" * 257}, "user"),
+        ({"metadata": {str(i): "v" for i in range(17)}}, "metadata"),
+        ({"metadata": {"k" * 65: "v"}}, "metadata." + "k" * 65),
+        ({"metadata": {"k": "v" * 513}}, "metadata.k"),
+        ({"metadata": {"": "v"}}, "metadata."),
+    ],
+)
+async def test_user_and_metadata_beyond_openais_bounds_are_invalid_argument_naming_them(gateway, recorded, field) -> None:  # type: ignore[no-untyped-def]
+    """gRPC's GenerateRequest.user and metadata have the OpenAI front's bounds (they ride on every
+    evaluation record)."""
+    channel, adapter = gateway
+    stub = gateway_pb2_grpc.GatewayServiceStub(channel)
+    request = gateway_pb2.GenerateRequest(model="g", prompt="x", sampling=types_pb2.SamplingParams(max_tokens=2), **recorded)
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        async for _ in stub.Generate(request, metadata=AUTH):
+            pass
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT and _violation(caught.value) == field
+    assert adapter.requests == []

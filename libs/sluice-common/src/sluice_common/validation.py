@@ -6,7 +6,7 @@ request without reading server logs.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from sluice.common.v1 import types_pb2
 
@@ -20,6 +20,23 @@ MAX_STOP_SEQUENCES = 4
 MAX_STOP_LENGTH = 64
 MAX_EMBED_INPUTS = 256
 MAX_EMBED_INPUT_CHARS = 16384
+# OpenAI's bounds on a request's metadata; OpenAI sets none on `user`: Sluice's own.
+MAX_METADATA_PAIRS = 16
+MAX_METADATA_KEY = 64
+MAX_METADATA_VALUE = 512
+MAX_USER = 256
+
+
+def validate_recorded(user: str, metadata: Mapping[str, str]) -> None:
+    """A request's end user and metadata (recorded on its evaluation record, never sent to the
+    model) within those bounds, whichever front they came from."""
+    if len(user) > MAX_USER:
+        raise InvalidArgument("user", f"must be at most {MAX_USER} characters, got {len(user)}")
+    if len(metadata) > MAX_METADATA_PAIRS:
+        raise InvalidArgument("metadata", f"at most {MAX_METADATA_PAIRS} key-value pairs, got {len(metadata)}")
+    for key, value in metadata.items():
+        if not key or len(key) > MAX_METADATA_KEY or len(value) > MAX_METADATA_VALUE:
+            raise InvalidArgument(f"metadata.{key}", f"keys are 1 to {MAX_METADATA_KEY} characters, values at most {MAX_METADATA_VALUE}")
 
 
 def validate_generation(

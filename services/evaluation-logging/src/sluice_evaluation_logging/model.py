@@ -38,6 +38,9 @@ class RecordRow:
     cached_tokens: int = 0
     # The W3C trace id the event's message carried (empty: none).
     trace_id: str = ""
+    # The request's end user and metadata pairs (CompletionEvent.user and metadata), queryable.
+    user: str = ""
+    metadata: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -68,6 +71,9 @@ class RecordFilter:
     end: float | None = None
     finish_reason: int = 0
     thresholds: tuple[Threshold, ...] = ()
+    # Only the records of this end user (non-empty), and whose metadata has every one of these pairs.
+    user: str = ""
+    metadata: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass

@@ -27,6 +27,9 @@ def _filter(caller: str, asked: RecordFilter) -> RecordFilter:
     for index, threshold in enumerate(asked.thresholds):
         if not threshold.name:
             raise InvalidArgument(f"score_thresholds[{index}].name", "must name a score, such as 'repetition'")
+    for key, _ in asked.metadata:
+        if not key:
+            raise InvalidArgument("metadata", "a metadata filter's keys must not be empty")
     return replace(asked, tenant=scoped_tenant(caller, asked.tenant))
 
 

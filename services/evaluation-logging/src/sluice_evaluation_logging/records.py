@@ -92,6 +92,8 @@ def to_row(
         scores=tuple(stored),
         pending=tuple(pending),
         trace_id=trace_id,
+        user=event.user,
+        metadata=tuple(sorted(event.metadata.items())),
     )
 
 

@@ -94,6 +94,8 @@ class EvalLogServicer(evallog_pb2_grpc.EvalLogServiceServicer):
                 )
                 for t in request.score_thresholds
             ),
+            user=request.user,
+            metadata=tuple(sorted(request.metadata.items())),
         )
         rows, token = await self._queries.query_records(self._caller(context), where, request.page_size, request.page_token)
         return evallog_pb2.QueryRecordsResponse(records=[_record(row) for row in rows], next_page_token=token)
@@ -106,6 +108,8 @@ class EvalLogServicer(evallog_pb2_grpc.EvalLogServiceServicer):
             model=request.model,
             start=_seconds(request.start_time, request.HasField("start_time")),
             end=_seconds(request.end_time, request.HasField("end_time")),
+            user=request.user,
+            metadata=tuple(sorted(request.metadata.items())),
         )
         groups = await self._queries.summarize(self._caller(context), where)
         return evallog_pb2.SummarizeResponse(summaries=[_summary(group) for group in groups])

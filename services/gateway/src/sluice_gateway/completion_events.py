@@ -110,6 +110,8 @@ class CompletionTracker:
             finished_at=_timestamp(finished_wall),
             job_id=self.job_id,
             custom_id=self.custom_id,
+            user=request.user,
+            metadata=request.metadata,
         )
         if self._tenant.text_logging:
             event.messages.extend(request.messages)

@@ -284,6 +284,8 @@ def generate_request(row: jobs_pb2.GenerateRow) -> gateway_pb2.GenerateRequest:
         response_format=row.response_format,
         priority_class=types_pb2.PRIORITY_CLASS_BULK,
         tool_use=row.tool_use if row.HasField("tool_use") else None,
+        user=row.user,
+        metadata=row.metadata,
     )
 
 

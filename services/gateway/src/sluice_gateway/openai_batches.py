@@ -31,6 +31,7 @@ from sluice_gateway.openai_requests import (
     EmbeddingCall,
     GenerationCall,
     OpenAIError,
+    check_metadata,
     check_text,
     embeddings_reply,
     invalid,
@@ -49,8 +50,6 @@ PARSERS: dict[str, Callable[[dict[str, Any]], Call]] = {
 COMPLETION_WINDOWS = {"24h": 86400}
 _LINE_FIELDS = {"custom_id", "method", "url", "body"}
 _CREATE_FIELDS = {"input_file_id", "endpoint", "completion_window", "metadata"}
-# OpenAI's metadata bounds: 16 pairs, keys up to 64 characters, values up to 512.
-MAX_METADATA_PAIRS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512
 
 _STATES = {
     jobs_pb2.JOB_STATE_VALIDATING: "validating",
@@ -161,20 +160,7 @@ def parse_create(body: dict[str, Any]) -> CreateBatch:
     window = body.get("completion_window")
     if window not in COMPLETION_WINDOWS:
         raise invalid("completion_window", f"completion_window must be one of {', '.join(COMPLETION_WINDOWS)}, got {window!r}", "invalid_value")
-    return CreateBatch(input_file_id, endpoint, window, _metadata(body.get("metadata")))
-
-
-def _metadata(metadata: Any) -> dict[str, str] | None:
-    if metadata is None:
-        return None
-    if not isinstance(metadata, dict) or len(metadata) > MAX_METADATA_PAIRS:
-        raise invalid("metadata", f"metadata must be an object of at most {MAX_METADATA_PAIRS} string pairs", "invalid_type")
-    for key, value in metadata.items():
-        if len(key) > MAX_METADATA_KEY or not isinstance(value, str) or len(value) > MAX_METADATA_VALUE:
-            raise invalid(
-                f"metadata.{key}", f"metadata keys are at most {MAX_METADATA_KEY} characters, values strings of at most {MAX_METADATA_VALUE}", "invalid_value"
-            )
-    return dict(metadata)
+    return CreateBatch(input_file_id, endpoint, window, check_metadata(body.get("metadata")))
 
 
 def check_endpoint(lines: Iterable[BatchLine], endpoint: str) -> None:
@@ -200,6 +186,7 @@ def job_row(line: BatchLine) -> jobs_pb2.JobRow:
         jobs_pb2.GenerateRow(
             model=request.model, messages=request.messages, prompt=request.prompt, prompt_token_ids=request.prompt_token_ids, sampling=request.sampling,
             response_format=request.response_format, tool_use=request.tool_use if request.HasField("tool_use") else None,
+            user=request.user, metadata=request.metadata,
         )  # fmt: skip
     )
     return row

@@ -4,10 +4,13 @@ Pure domain code (no HTTP, no grpc): the HTTP front (openai_http) parses with th
 they build. Every refusal is an `OpenAIError` in OpenAI's shape, naming the offending param:
 
 - a field Sluice does not know: 400 "Unrecognized request argument supplied: <name>";
-- a field OpenAI defines that Sluice cannot honour (tools, best_of, ...): accepted at its default
+- a field OpenAI defines that Sluice cannot honour (best_of, audio, ...): accepted at its default
   (null, or OpenAI's neutral value), otherwise 400 naming it; n, logprobs, top_logprobs (chat) and
   echo (completions) are honoured (openai_choices);
-- a wrong type or value: 400 naming the param ("messages[1].content", "temperature", ...).
+- a wrong type or value: 400 naming the param ("messages[1].content", "temperature", ...);
+- OpenAI's request metadata, `user` and `metadata` (chat and completions): checked against
+  OpenAI's limits and carried on the request to the completion's evaluation record, queryable
+  there; nothing is accepted and dropped. docs/developers/openai-http.md tabulates every field.
 
 Sampling options honoured: OpenAI's temperature, top_p, seed, stop, presence_penalty,
 frequency_penalty and logit_bias ({"<token id>": bias}), and vLLM's extensions top_k (-1 or 0: no
@@ -41,6 +44,7 @@ from sluice_common.sampling import StructuredOutputs, StructuredOutputsError
 from sluice_common.sampling_proto import structured_outputs_to_proto
 from sluice_common.structured_outputs import check
 from sluice_common.utf8 import invalid_json_text
+from sluice_common.validation import MAX_METADATA_KEY, MAX_METADATA_PAIRS, MAX_METADATA_VALUE, MAX_USER
 from sluice_gateway.openai_choices import ChoiceState, chat_logprobs, parse_chat_choices, parse_completion_choices, tool_call_objects
 
 # OpenAI's defaults for sampling (https://platform.openai.com/docs/api-reference/chat/create).
@@ -111,9 +115,16 @@ _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "audio": (None,),
     "reasoning_effort": (None,),
     "web_search_options": (None,),
+    "safety_identifier": (None,),
+    "prompt_cache_key": (None,),
+    "prompt_cache_retention": (None,),
+    "prompt_cache_options": (None,),
+    "verbosity": (None,),
+    "moderation": (None,),
 }
-# Accepted and ignored: they change nothing about the output.
-_IGNORED = ("user", "metadata")
+# OpenAI's metadata of a request (they change nothing about the output): recorded on the
+# completion's evaluation record (GenerateRequest.user and metadata), where it can be queried.
+_RECORDED = ("user", "metadata")
 
 # OpenAI's sampling params and vLLM's extensions of them (its OpenAI server takes them in the body).
 _SAMPLING_FIELDS = {
@@ -121,11 +132,11 @@ _SAMPLING_FIELDS = {
     "top_k", "min_p", "repetition_penalty", "structured_outputs",
 }  # fmt: skip
 _CHAT_FIELDS = {
-    "model", "messages", "max_completion_tokens", "stream", "stream_options", "response_format", *_SAMPLING_FIELDS,
+    *_RECORDED, "model", "messages", "max_completion_tokens", "stream", "stream_options", "response_format", *_SAMPLING_FIELDS,
     "n", "logprobs", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls",
 }  # fmt: skip
-_COMPLETION_FIELDS = {"model", "prompt", "stream", "stream_options", "response_format", *_SAMPLING_FIELDS, "n", "logprobs", "echo"}
-_EMBEDDING_FIELDS = {"model", "input", "encoding_format", "dimensions"}
+_COMPLETION_FIELDS = {*_RECORDED, "model", "prompt", "stream", "stream_options", "response_format", *_SAMPLING_FIELDS, "n", "logprobs", "echo"}
+_EMBEDDING_FIELDS = {"model", "input", "encoding_format", "dimensions", "user"}
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 
 
@@ -146,7 +157,7 @@ def _same(value: Any, neutral: Any) -> bool:
 
 def _check_fields(body: dict[str, Any], known: set[str]) -> None:
     for name, value in body.items():
-        if name in known or name in _IGNORED:
+        if name in known:
             continue
         if name in _NEUTRAL:
             neutral = _NEUTRAL[name]
@@ -156,6 +167,33 @@ def _check_fields(body: dict[str, Any], known: set[str]) -> None:
                 continue  # an empty list or map of tools, logit biases: nothing asked
             raise invalid(name, f"{name}={value!r} is not supported by Sluice; omit it or send {neutral[-1]!r}", "unsupported_parameter")
         raise invalid(name, f"Unrecognized request argument supplied: {name}", "unknown_parameter")
+
+
+def _recorded(body: dict[str, Any], request: gateway_pb2.GenerateRequest) -> None:
+    """OpenAI's `user` and `metadata`, checked against OpenAI's limits, onto the request."""
+    user = body.get("user")
+    if user is not None:
+        if not isinstance(user, str):
+            raise invalid("user", f"user must be a string, got {user!r}", "invalid_type")
+        if len(user) > MAX_USER:
+            raise invalid("user", f"user must be at most {MAX_USER} characters, got {len(user)}", "invalid_value")
+        request.user = user
+    request.metadata.update(check_metadata(body.get("metadata")) or {})
+
+
+def check_metadata(metadata: Any) -> dict[str, str] | None:
+    """OpenAI's `metadata` (a request's, a batch's): None, or at most 16 string pairs, keys at most
+    64 characters, values at most 512; a violation is a 400 naming metadata or metadata.<key>."""
+    if metadata is None:
+        return None
+    if not isinstance(metadata, dict) or len(metadata) > MAX_METADATA_PAIRS:
+        raise invalid("metadata", f"metadata must be an object of at most {MAX_METADATA_PAIRS} string pairs, got {metadata!r}", "invalid_type")
+    for key, value in metadata.items():
+        if len(key) > MAX_METADATA_KEY or not isinstance(value, str) or len(value) > MAX_METADATA_VALUE:
+            raise invalid(
+                f"metadata.{key}", f"metadata keys are at most {MAX_METADATA_KEY} characters, values strings of at most {MAX_METADATA_VALUE}", "invalid_value"
+            )
+    return dict(metadata)
 
 
 def _model(body: dict[str, Any]) -> str:
@@ -366,6 +404,7 @@ def parse_chat(body: dict[str, Any]) -> GenerationCall:
     parse_chat_choices(body, request.sampling)
     _response_format(body.get("response_format"), request)
     _tool_use(body, request)
+    _recorded(body, request)
     return GenerationCall(request, _stream_options(body), chat=True)
 
 
@@ -488,6 +527,7 @@ def parse_completion(body: dict[str, Any]) -> GenerationCall:
     request.sampling.CopyFrom(_sampling(body))
     _response_format(body.get("response_format"), request)
     echo = parse_completion_choices(body, request.sampling)
+    _recorded(body, request)  # before the fan-out: every prompt's request (and event) carries them
     if echo and any(isinstance(prompt, list) for prompt in prompts):
         # The gateway holds no tokenizer to spell the ids back as text.
         raise invalid("echo", "echo is not supported with a prompt of token ids; send the prompt as text", "unsupported_parameter")
@@ -512,6 +552,9 @@ class EmbeddingCall:
 
 def parse_embeddings(body: dict[str, Any]) -> EmbeddingCall:
     _check_fields(body, _EMBEDDING_FIELDS)
+    if body.get("user") not in (None, ""):
+        # An embedding has no evaluation record to carry it: refused rather than dropped.
+        raise invalid("user", "user is not supported on embeddings (they have no evaluation record to carry it); omit it", "unsupported_parameter")
     request = gateway_pb2.EmbedRequest(model=_model(body))
     inputs = body.get("input")
     if isinstance(inputs, str):

@@ -8,12 +8,12 @@ from collections.abc import Sequence
 
 from sluice_common.sqlstore import PostgresDb
 from sluice_evaluation_logging.model import PendingItem, RecordRow
-from sluice_evaluation_logging.store.schema import MIGRATIONS, PENDING_COLUMNS, RECORD_COLUMNS, SCORE_COLUMNS
-from sluice_evaluation_logging.store.sql import SqlStore, record_params, score_params
+from sluice_evaluation_logging.store.schema import METADATA_COLUMNS, MIGRATIONS, PENDING_COLUMNS, RECORD_COLUMNS, SCORE_COLUMNS
+from sluice_evaluation_logging.store.sql import SqlStore, metadata_params, record_params, score_params
 
 # The records columns' types, in RECORD_COLUMNS order, for unnest's arrays.
 _RECORD_TYPES = ("text", "text", "text", "int4", "text", "int4", "text", "int4", "int4",
-                 "float8", "float8", "float8", "float8", "float8", "bool", "bytea", "int4", "text")  # fmt: skip
+                 "float8", "float8", "float8", "float8", "float8", "bool", "bytea", "int4", "text", "text")  # fmt: skip
 _SCORE_TYPES = ("text", "text", "float8", "bool", "bool", "text")
 
 
@@ -55,6 +55,13 @@ class PostgresStore(SqlStore):
                     f"INSERT INTO scores ({SCORE_COLUMNS}) SELECT * FROM {_unnest(_SCORE_TYPES)}"
                     " ON CONFLICT (event_id, name) DO NOTHING",
                     *[list(column) for column in zip(*scores, strict=True)],
+                )
+            metadata = [pair for row in rows if row.event_id in fresh for pair in metadata_params(row)]
+            if metadata:
+                await tx.execute(
+                    f"INSERT INTO record_metadata ({METADATA_COLUMNS}) SELECT * FROM {_unnest(('text', 'text', 'text'))}"
+                    " ON CONFLICT (event_id, name) DO NOTHING",
+                    *[list(column) for column in zip(*metadata, strict=True)],
                 )
             pending = [(row.event_id, name) for row in rows if row.event_id in fresh for name in row.pending]
             if pending:

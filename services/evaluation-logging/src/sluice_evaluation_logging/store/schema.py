@@ -81,6 +81,23 @@ MIGRATIONS: tuple[tuple[int, str, tuple[str, ...]], ...] = (
         # Records stored before tracing have none.
         ("ALTER TABLE records ADD COLUMN trace_id TEXT NOT NULL DEFAULT ''",),
     ),
+    (
+        5,
+        "the request's end user and metadata (OpenAI's user and metadata), queryable",
+        (
+            # Records stored before have neither ("user" is reserved in PostgreSQL: end_user).
+            "ALTER TABLE records ADD COLUMN end_user TEXT NOT NULL DEFAULT ''",
+            "CREATE INDEX records_tenant_user_time ON records (tenant, end_user, finished_at)",
+            # One row per pair: a filter on key=value is an indexed lookup on both backends alike.
+            """CREATE TABLE record_metadata (
+                event_id TEXT NOT NULL REFERENCES records (event_id) ON DELETE CASCADE,
+                name TEXT NOT NULL,
+                value TEXT NOT NULL,
+                PRIMARY KEY (event_id, name)
+            )""",
+            "CREATE INDEX record_metadata_pair ON record_metadata (name, value)",
+        ),
+    ),
 )
 
 LATEST_VERSION = MIGRATIONS[-1][0]
@@ -88,7 +105,8 @@ LATEST_VERSION = MIGRATIONS[-1][0]
 # The records table's columns in the order RecordRow is read and written (sql.record_params, sql.row_from).
 RECORD_COLUMNS = (
     "event_id, tenant, model, priority_class, request_id, finish_reason, error_code, input_tokens, output_tokens,"
-    " latency_ms, ttft_ms, started_at, finished_at, stored_at, text_logged, event, cached_tokens, trace_id"
+    " latency_ms, ttft_ms, started_at, finished_at, stored_at, text_logged, event, cached_tokens, trace_id, end_user"
 )
 SCORE_COLUMNS = "event_id, name, value, passed, skipped, detail"
 PENDING_COLUMNS = "event_id, name, queued_at, not_before, attempts"
+METADATA_COLUMNS = "event_id, name, value"

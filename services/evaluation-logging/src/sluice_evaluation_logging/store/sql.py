@@ -22,7 +22,7 @@ from sluice_evaluation_logging.model import PendingItem, RecordFilter, RecordRow
 from sluice_evaluation_logging.store.schema import RECORD_COLUMNS, SCORE_COLUMNS
 
 # Rows (or ids) per multi-row statement: SQLite binds at most 32766 parameters per statement,
-# PostgreSQL 32767; 256 records of 17 columns stay well below both.
+# PostgreSQL 32767; 256 records of 19 columns stay well below both.
 CHUNK = 256
 SCORE_VALUES = "(?, ?, ?, ?, ?, ?)"
 
@@ -39,6 +39,11 @@ def marks(count: int) -> str:
 def multi_insert_sql(head: str, values: str, count: int, conflict: str) -> str:
     """`head VALUES values, values, ... ON CONFLICT (conflict) DO NOTHING`, `count` rows."""
     return f"{head} VALUES {', '.join([values] * count)} ON CONFLICT ({conflict}) DO NOTHING"
+
+
+def metadata_params(row: RecordRow) -> list[tuple[str, str, str]]:
+    """A row's metadata pairs in METADATA_COLUMNS order."""
+    return [(row.event_id, name, value) for name, value in row.metadata]
 
 
 def score_params(event_id: str, score: ScoreResult) -> tuple[Any, ...]:
@@ -66,12 +71,13 @@ def record_params(row: RecordRow, stored_at: float) -> tuple[Any, ...]:
         row.event,
         row.cached_tokens,
         row.trace_id,
+        row.user,
     )
 
 
 def row_from(values: Sequence[Any], scores: tuple[ScoreResult, ...] = ()) -> RecordRow:
     """A row from its values in RECORD_COLUMNS order (either backend's types)."""
-    (eid, tenant, model, pclass, rid, finish, err, tin, tout, lat, ttft, started, finished, stored, logged, event, tcached, tid) = values
+    (eid, tenant, model, pclass, rid, finish, err, tin, tout, lat, ttft, started, finished, stored, logged, event, tcached, tid, user) = values
     return RecordRow(
         event_id=eid,
         tenant=tenant,
@@ -92,6 +98,7 @@ def row_from(values: Sequence[Any], scores: tuple[ScoreResult, ...] = ()) -> Rec
         scores=scores,
         cached_tokens=int(tcached),
         trace_id=str(tid),
+        user=str(user),
     )
 
 
@@ -110,6 +117,12 @@ def where_sql(where: RecordFilter, alias: str = "records") -> tuple[str, list[An
     if where.finish_reason:
         clauses.append(f"{alias}.finish_reason = ?")
         params.append(where.finish_reason)
+    if where.user:
+        clauses.append(f"{alias}.end_user = ?")
+        params.append(where.user)
+    for name, value in where.metadata:
+        clauses.append(f"EXISTS (SELECT 1 FROM record_metadata m WHERE m.event_id = {alias}.event_id AND m.name = ? AND m.value = ?)")
+        params.extend([name, value])
     for threshold in where.thresholds:
         parts = ["s.event_id = " + f"{alias}.event_id", "s.name = ?", "s.skipped = ?"]
         params.extend([threshold.name, False])

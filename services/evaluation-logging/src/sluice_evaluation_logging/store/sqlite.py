@@ -10,19 +10,20 @@ from typing import Any
 
 from sluice_common.sqlstore import SqliteDb
 from sluice_evaluation_logging.model import PendingItem, RecordRow
-from sluice_evaluation_logging.store.schema import MIGRATIONS, PENDING_COLUMNS, RECORD_COLUMNS, SCORE_COLUMNS
+from sluice_evaluation_logging.store.schema import METADATA_COLUMNS, MIGRATIONS, PENDING_COLUMNS, RECORD_COLUMNS, SCORE_COLUMNS
 from sluice_evaluation_logging.store.sql import (
     CHUNK,
     SCORE_VALUES,
     SqlStore,
     chunks,
     marks,
+    metadata_params,
     multi_insert_sql,
     record_params,
     score_params,
 )
 
-_RECORD_VALUES = "(" + marks(18) + ")"
+_RECORD_VALUES = "(" + marks(19) + ")"
 _PENDING_VALUES = "(?, ?, ?, ?, 0)"
 
 
@@ -79,6 +80,7 @@ def _insert_batch(db: sqlite3.Connection, rows: list[RecordRow]) -> int:
     records: list[tuple[Any, ...]] = []
     scores: list[tuple[Any, ...]] = []
     pending: list[tuple[Any, ...]] = []
+    metadata: list[tuple[Any, ...]] = []
     for row in rows:
         eid = row.event_id
         if eid in seen:
@@ -87,7 +89,9 @@ def _insert_batch(db: sqlite3.Connection, rows: list[RecordRow]) -> int:
         records.append(record_params(row, stored_at))
         scores.extend(score_params(eid, s) for s in row.scores)
         pending.extend((eid, name, stored_at, stored_at) for name in row.pending)
+        metadata.extend(metadata_params(row))
     _insert_chunks(db, f"INSERT INTO records ({RECORD_COLUMNS})", _RECORD_VALUES, "event_id", records)
     _insert_chunks(db, f"INSERT INTO scores ({SCORE_COLUMNS})", SCORE_VALUES, "event_id, name", scores)
+    _insert_chunks(db, f"INSERT INTO record_metadata ({METADATA_COLUMNS})", "(?, ?, ?)", "event_id, name", metadata)
     _insert_chunks(db, f"INSERT INTO pending_scores ({PENDING_COLUMNS})", _PENDING_VALUES, "event_id, name", pending)
     return len(records)

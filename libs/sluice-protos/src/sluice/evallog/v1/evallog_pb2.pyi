@@ -62,7 +62,14 @@ class ScoreThreshold(_message.Message):
     def __init__(self, name: _Optional[str] = ..., min_value: _Optional[float] = ..., max_value: _Optional[float] = ..., passed: _Optional[bool] = ...) -> None: ...
 
 class QueryRecordsRequest(_message.Message):
-    __slots__ = ("tenant", "model", "start_time", "end_time", "finish_reason", "score_thresholds", "page_size", "page_token")
+    __slots__ = ("tenant", "model", "start_time", "end_time", "finish_reason", "score_thresholds", "page_size", "page_token", "user", "metadata")
+    class MetadataEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     TENANT_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     START_TIME_FIELD_NUMBER: _ClassVar[int]
@@ -71,6 +78,8 @@ class QueryRecordsRequest(_message.Message):
     SCORE_THRESHOLDS_FIELD_NUMBER: _ClassVar[int]
     PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
     PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    USER_FIELD_NUMBER: _ClassVar[int]
+    METADATA_FIELD_NUMBER: _ClassVar[int]
     tenant: str
     model: str
     start_time: _timestamp_pb2.Timestamp
@@ -79,7 +88,9 @@ class QueryRecordsRequest(_message.Message):
     score_thresholds: _containers.RepeatedCompositeFieldContainer[ScoreThreshold]
     page_size: int
     page_token: str
-    def __init__(self, tenant: _Optional[str] = ..., model: _Optional[str] = ..., start_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., end_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., finish_reason: _Optional[_Union[_types_pb2.FinishReason, str]] = ..., score_thresholds: _Optional[_Iterable[_Union[ScoreThreshold, _Mapping]]] = ..., page_size: _Optional[int] = ..., page_token: _Optional[str] = ...) -> None: ...
+    user: str
+    metadata: _containers.ScalarMap[str, str]
+    def __init__(self, tenant: _Optional[str] = ..., model: _Optional[str] = ..., start_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., end_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., finish_reason: _Optional[_Union[_types_pb2.FinishReason, str]] = ..., score_thresholds: _Optional[_Iterable[_Union[ScoreThreshold, _Mapping]]] = ..., page_size: _Optional[int] = ..., page_token: _Optional[str] = ..., user: _Optional[str] = ..., metadata: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class QueryRecordsResponse(_message.Message):
     __slots__ = ("records", "next_page_token")
@@ -90,16 +101,27 @@ class QueryRecordsResponse(_message.Message):
     def __init__(self, records: _Optional[_Iterable[_Union[Record, _Mapping]]] = ..., next_page_token: _Optional[str] = ...) -> None: ...
 
 class SummarizeRequest(_message.Message):
-    __slots__ = ("tenant", "model", "start_time", "end_time")
+    __slots__ = ("tenant", "model", "start_time", "end_time", "user", "metadata")
+    class MetadataEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     TENANT_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     START_TIME_FIELD_NUMBER: _ClassVar[int]
     END_TIME_FIELD_NUMBER: _ClassVar[int]
+    USER_FIELD_NUMBER: _ClassVar[int]
+    METADATA_FIELD_NUMBER: _ClassVar[int]
     tenant: str
     model: str
     start_time: _timestamp_pb2.Timestamp
     end_time: _timestamp_pb2.Timestamp
-    def __init__(self, tenant: _Optional[str] = ..., model: _Optional[str] = ..., start_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., end_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+    user: str
+    metadata: _containers.ScalarMap[str, str]
+    def __init__(self, tenant: _Optional[str] = ..., model: _Optional[str] = ..., start_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., end_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., user: _Optional[str] = ..., metadata: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class LatencySummary(_message.Message):
     __slots__ = ("p50_ms", "p95_ms", "p99_ms")

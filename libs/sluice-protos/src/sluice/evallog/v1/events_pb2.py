@@ -26,13 +26,17 @@ from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__
 from sluice.common.v1 import types_pb2 as sluice_dot_common_dot_v1_dot_types__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1esluice/evallog/v1/events.proto\x12\x11sluice.evallog.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x1csluice/common/v1/types.proto\"\xa2\x05\n\x0f\x43ompletionEvent\x12\x10\n\x08\x65vent_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x19\n\x11\x63lient_request_id\x18\x03 \x01(\t\x12\x0e\n\x06tenant\x18\x04 \x01(\t\x12\r\n\x05model\x18\x05 \x01(\t\x12\x37\n\x0epriority_class\x18\x06 \x01(\x0e\x32\x1f.sluice.common.v1.PriorityClass\x12/\n\x08messages\x18\x07 \x03(\x0b\x32\x1d.sluice.common.v1.ChatMessage\x12\x0e\n\x06prompt\x18\x08 \x01(\t\x12\x0e\n\x06output\x18\t \x01(\t\x12\x13\n\x0btext_logged\x18\n \x01(\x08\x12\x32\n\x08sampling\x18\x0b \x01(\x0b\x32 .sluice.common.v1.SamplingParams\x12\x39\n\x0fresponse_format\x18\x0c \x01(\x0e\x32 .sluice.common.v1.ResponseFormat\x12\x35\n\rfinish_reason\x18\r \x01(\x0e\x32\x1e.sluice.common.v1.FinishReason\x12&\n\x05usage\x18\x0e \x01(\x0b\x32\x17.sluice.common.v1.Usage\x12*\n\x07timings\x18\x0f \x01(\x0b\x32\x19.sluice.common.v1.Timings\x12.\n\nstarted_at\x18\x10 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12/\n\x0b\x66inished_at\x18\x11 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0e\n\x06job_id\x18\x12 \x01(\t\x12\x11\n\tcustom_id\x18\x13 \x01(\t\x12\x12\n\nerror_code\x18\x14 \x01(\tb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1esluice/evallog/v1/events.proto\x12\x11sluice.evallog.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x1csluice/common/v1/types.proto\"\xa5\x06\n\x0f\x43ompletionEvent\x12\x10\n\x08\x65vent_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x19\n\x11\x63lient_request_id\x18\x03 \x01(\t\x12\x0e\n\x06tenant\x18\x04 \x01(\t\x12\r\n\x05model\x18\x05 \x01(\t\x12\x37\n\x0epriority_class\x18\x06 \x01(\x0e\x32\x1f.sluice.common.v1.PriorityClass\x12/\n\x08messages\x18\x07 \x03(\x0b\x32\x1d.sluice.common.v1.ChatMessage\x12\x0e\n\x06prompt\x18\x08 \x01(\t\x12\x0e\n\x06output\x18\t \x01(\t\x12\x13\n\x0btext_logged\x18\n \x01(\x08\x12\x32\n\x08sampling\x18\x0b \x01(\x0b\x32 .sluice.common.v1.SamplingParams\x12\x39\n\x0fresponse_format\x18\x0c \x01(\x0e\x32 .sluice.common.v1.ResponseFormat\x12\x35\n\rfinish_reason\x18\r \x01(\x0e\x32\x1e.sluice.common.v1.FinishReason\x12&\n\x05usage\x18\x0e \x01(\x0b\x32\x17.sluice.common.v1.Usage\x12*\n\x07timings\x18\x0f \x01(\x0b\x32\x19.sluice.common.v1.Timings\x12.\n\nstarted_at\x18\x10 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12/\n\x0b\x66inished_at\x18\x11 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0e\n\x06job_id\x18\x12 \x01(\t\x12\x11\n\tcustom_id\x18\x13 \x01(\t\x12\x12\n\nerror_code\x18\x14 \x01(\t\x12\x0c\n\x04user\x18\x15 \x01(\t\x12\x42\n\x08metadata\x18\x16 \x03(\x0b\x32\x30.sluice.evallog.v1.CompletionEvent.MetadataEntry\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'sluice.evallog.v1.events_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_COMPLETIONEVENT_METADATAENTRY']._loaded_options = None
+  _globals['_COMPLETIONEVENT_METADATAENTRY']._serialized_options = b'8\001'
   _globals['_COMPLETIONEVENT']._serialized_start=117
-  _globals['_COMPLETIONEVENT']._serialized_end=791
+  _globals['_COMPLETIONEVENT']._serialized_end=922
+  _globals['_COMPLETIONEVENT_METADATAENTRY']._serialized_start=875
+  _globals['_COMPLETIONEVENT_METADATAENTRY']._serialized_end=922
 # @@protoc_insertion_point(module_scope)

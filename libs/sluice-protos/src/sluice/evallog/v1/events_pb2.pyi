@@ -11,7 +11,14 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class CompletionEvent(_message.Message):
-    __slots__ = ("event_id", "request_id", "client_request_id", "tenant", "model", "priority_class", "messages", "prompt", "output", "text_logged", "sampling", "response_format", "finish_reason", "usage", "timings", "started_at", "finished_at", "job_id", "custom_id", "error_code")
+    __slots__ = ("event_id", "request_id", "client_request_id", "tenant", "model", "priority_class", "messages", "prompt", "output", "text_logged", "sampling", "response_format", "finish_reason", "usage", "timings", "started_at", "finished_at", "job_id", "custom_id", "error_code", "user", "metadata")
+    class MetadataEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     EVENT_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     CLIENT_REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
@@ -32,6 +39,8 @@ class CompletionEvent(_message.Message):
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     CUSTOM_ID_FIELD_NUMBER: _ClassVar[int]
     ERROR_CODE_FIELD_NUMBER: _ClassVar[int]
+    USER_FIELD_NUMBER: _ClassVar[int]
+    METADATA_FIELD_NUMBER: _ClassVar[int]
     event_id: str
     request_id: str
     client_request_id: str
@@ -52,4 +61,6 @@ class CompletionEvent(_message.Message):
     job_id: str
     custom_id: str
     error_code: str
-    def __init__(self, event_id: _Optional[str] = ..., request_id: _Optional[str] = ..., client_request_id: _Optional[str] = ..., tenant: _Optional[str] = ..., model: _Optional[str] = ..., priority_class: _Optional[_Union[_types_pb2.PriorityClass, str]] = ..., messages: _Optional[_Iterable[_Union[_types_pb2.ChatMessage, _Mapping]]] = ..., prompt: _Optional[str] = ..., output: _Optional[str] = ..., text_logged: _Optional[bool] = ..., sampling: _Optional[_Union[_types_pb2.SamplingParams, _Mapping]] = ..., response_format: _Optional[_Union[_types_pb2.ResponseFormat, str]] = ..., finish_reason: _Optional[_Union[_types_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_types_pb2.Usage, _Mapping]] = ..., timings: _Optional[_Union[_types_pb2.Timings, _Mapping]] = ..., started_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., finished_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., job_id: _Optional[str] = ..., custom_id: _Optional[str] = ..., error_code: _Optional[str] = ...) -> None: ...
+    user: str
+    metadata: _containers.ScalarMap[str, str]
+    def __init__(self, event_id: _Optional[str] = ..., request_id: _Optional[str] = ..., client_request_id: _Optional[str] = ..., tenant: _Optional[str] = ..., model: _Optional[str] = ..., priority_class: _Optional[_Union[_types_pb2.PriorityClass, str]] = ..., messages: _Optional[_Iterable[_Union[_types_pb2.ChatMessage, _Mapping]]] = ..., prompt: _Optional[str] = ..., output: _Optional[str] = ..., text_logged: _Optional[bool] = ..., sampling: _Optional[_Union[_types_pb2.SamplingParams, _Mapping]] = ..., response_format: _Optional[_Union[_types_pb2.ResponseFormat, str]] = ..., finish_reason: _Optional[_Union[_types_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_types_pb2.Usage, _Mapping]] = ..., timings: _Optional[_Union[_types_pb2.Timings, _Mapping]] = ..., started_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., finished_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., job_id: _Optional[str] = ..., custom_id: _Optional[str] = ..., error_code: _Optional[str] = ..., user: _Optional[str] = ..., metadata: _Optional[_Mapping[str, str]] = ...) -> None: ...
