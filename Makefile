@@ -22,14 +22,17 @@ SERVICES := services/gateway services/inference-adapter services/triton-local se
 LIBS := libs/sluice-protos libs/sluice-common libs/sluice-stack
 # The `sluice` command (bin/sluice runs it): a client of the suite, not a service.
 CLI := cli
-PROJECTS := $(LIBS) $(SERVICES) $(CLI) tests bench deploy/tests docs
+PROJECTS := $(LIBS) $(SERVICES) $(CLI) tests bench deploy/tests docs tools/lint
+# What `make lint` type-checks, each in its own environment.
+TYPED := libs/sluice-common libs/sluice-stack $(SERVICES) $(CLI)
+LINT := $(CURDIR)/tools/lint
 UNIT_TESTED := libs/sluice-common $(SERVICES) $(CLI) bench
 
-.PHONY: help docs setup prometheus-tools deploy-requirements uv node protos protos-check proto-lint run test test-unit test-e2e test-deploy bench-path bench-tracing bench-adapter bench-evallog bench-ratelimit bench-jobs bench-jobs-interactive bench-engine bench-colocated bench-threads bench-gpu bench-gpu-kit bench-load bench-rolling bench-embed-cache bench-openai bench-peer bench-prefix bench-transport bench-structured llama-server clean
+.PHONY: help docs lint setup prometheus-tools deploy-requirements uv node protos protos-check proto-lint run test test-unit test-e2e test-deploy bench-path bench-tracing bench-adapter bench-evallog bench-ratelimit bench-jobs bench-jobs-interactive bench-engine bench-colocated bench-threads bench-gpu bench-gpu-kit bench-load bench-rolling bench-embed-cache bench-openai bench-peer bench-prefix bench-transport bench-structured llama-server clean
 
 help:
 	@echo "make run        start the whole suite locally and stream a demo completion (Ctrl-C stops it)"
-	@echo "make test       the docs site, proto checks, each service's unit tests, then end-to-end tests on the real stack"
+	@echo "make test       lint (ruff, mypy, import contracts), the docs site, proto checks, each service's unit tests, then end-to-end tests on the real stack"
 	@echo "make docs       build the documentation site (docs/, MkDocs --strict) into build/docs-site; check README.md's links"
 	@echo "make bench-engine the step engine vs llama.cpp's own batched decode: prefill and decode tok/s"
 	@echo "make bench-colocated two engines on one host: cores split between them vs every core each (tok/s, step p99)"
@@ -127,7 +130,21 @@ docs: uv
 	docs/.venv/bin/mkdocs build --strict
 	docs/.venv/bin/python tools/check_readme_links.py README.md
 
-test: docs proto-lint protos-check test-deploy test-unit test-e2e
+# The checks that keep the code as it is meant to be (tools/lint's own environment): ruff's rules and
+# its formatter's style (ruff.toml), mypy over every project's src (tools/lint/mypy.ini), and the
+# import contracts (tools/lint/importlinter.ini: services never import each other, the libraries no
+# service, each service's layers in order).
+lint: setup
+	$(LINT)/.venv/bin/ruff check .
+	$(LINT)/.venv/bin/ruff format --check .
+	@for project in $(TYPED); do \
+		echo "== mypy $$project"; \
+		(cd $$project && $(LINT)/.venv/bin/mypy --config-file $(LINT)/mypy.ini --python-executable .venv/bin/python src) || exit 1; \
+	done
+	PYTHONPATH=$$(ls -d services/*/src libs/sluice-common/src libs/sluice-stack/src $(CLI)/src | paste -sd:) \
+		$(LINT)/.venv/bin/lint-imports --no-cache --config $(LINT)/importlinter.ini
+
+test: lint docs proto-lint protos-check test-deploy test-unit test-e2e
 
 bench-engine: setup
 	bench/.venv/bin/python bench/bench_engine.py

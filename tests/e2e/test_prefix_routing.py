@@ -8,7 +8,6 @@ instead of piling up on one."""
 from __future__ import annotations
 
 import threading
-import time
 import uuid
 from collections.abc import Iterator
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import subprocess
 import threading
-import time
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass

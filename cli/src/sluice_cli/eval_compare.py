@@ -31,7 +31,13 @@ ONE_SIDE_ONLY = "one side only"
 
 # The options `--sampling-a/-b` may set: every field of the sampling contract, with its type (stop
 # repeats; logit_bias is written id:bias and repeats).
-SAMPLING_FIELDS: dict[str, type] = {f.name: int if f.name == "seed" else str if isinstance(f.default, tuple) else type(f.default) for f in fields(Sampling)}
+# Options a --sampling string can set: every Sampling field but the structured-output constraint
+# (a schema does not fit name=value); the optional integers by name, as their default is None.
+SAMPLING_FIELDS: dict[str, type] = {
+    f.name: int if f.name in ("seed", "logprobs") else str if isinstance(f.default, tuple) else type(f.default)
+    for f in fields(Sampling)
+    if f.name != "structured_outputs"
+}
 
 
 class DatasetError(ValueError):
@@ -114,7 +120,9 @@ def parse_sampling(text: str) -> dict[str, object]:
         except ValueError:
             raise ValueError(f"{part!r}: {name} must be a {SAMPLING_FIELDS[name].__name__}") from None
         if name == "stop":
-            settings.setdefault("stop", []).append(parsed)  # type: ignore[union-attr]
+            stops = settings.setdefault("stop", [])
+            assert isinstance(stops, list)
+            stops.append(parsed)
         else:
             settings[name] = parsed
     return settings

@@ -20,7 +20,8 @@ from sluice.common.v1 import types_pb2
 from sluice.inference.v1 import inference_pb2
 
 from sluice_common.sampling import Sampling
-from sluice_inference_adapter.passthrough import GeneratedChunk, PassthroughLimits, PassthroughScheduler
+from sluice_inference_adapter.generated_chunk import GeneratedChunk
+from sluice_inference_adapter.passthrough import PassthroughLimits, PassthroughScheduler
 from sluice_inference_adapter.replica_pool import ReplicaPool
 from sluice_inference_adapter.scheduler import GenerationRequest, Scheduler, SchedulerLimits
 from sluice_inference_adapter.servicer import InferenceServicer

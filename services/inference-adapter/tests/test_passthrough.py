@@ -15,7 +15,8 @@ from conftest import StepReplica, collect, run_through
 
 from sluice_common.sampling import Sampling, split_field_error
 from sluice_inference_adapter.backend_errors import RequestRejected
-from sluice_inference_adapter.passthrough import GeneratedChunk, PassthroughLimits, PassthroughScheduler
+from sluice_inference_adapter.generated_chunk import GeneratedChunk
+from sluice_inference_adapter.passthrough import PassthroughLimits, PassthroughScheduler
 from sluice_inference_adapter.replica_pool import ReplicaPool
 from sluice_inference_adapter.scheduler import Finish, FinishEvent, GenerationRequest
 from sluice_inference_adapter.step_rows import PromptSpec

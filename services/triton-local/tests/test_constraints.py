@@ -99,7 +99,7 @@ def assert_valid(kind: str, output: str) -> None:
         (StructuredOutputs.grammar('start: item\nitem: "a" | undefined_rule'), "undefined_rule"),
     ],
 )
-def test_a_constraint_the_library_cannot_compile_is_refused_naming_what(engine: StepEngine, constraint: Constraint, named: str) -> None:
+def test_a_constraint_the_library_cannot_compile_is_refused_naming_what(engine: StepEngine, constraint: StructuredOutputs, named: str) -> None:
     with pytest.raises(StructuredOutputsError, match=re.escape(named)):
         engine.compile_constraint(constraint)
     with pytest.raises(StructuredOutputsError, match=re.escape(named)):

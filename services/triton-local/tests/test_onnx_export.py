@@ -8,7 +8,6 @@ from pathlib import Path
 import numpy as np
 import onnx
 import onnxruntime as ort
-import pytest
 
 from sluice_triton_local.embeddings import EMBEDDING_DIM, MiniLMEncoder
 from sluice_triton_local.embeddings.interface import ENCODER_INPUTS

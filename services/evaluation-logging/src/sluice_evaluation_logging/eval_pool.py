@@ -124,7 +124,7 @@ class EvalPool:
     async def evaluate(self, serialized: Sequence[bytes], settings: EvalSettings) -> HeavyScores:
         """The CPU-heavy scores of the serialized events, in order, from one task per chunk."""
         size = -(-len(serialized) // self.processes)  # ceil: one chunk per worker
-        chunks = [serialized[i : i + size] for i in range(0, len(serialized), size)]
+        chunks = [list(serialized[i : i + size]) for i in range(0, len(serialized), size)]
         for attempt in range(1, self._max_attempts + 1):
             executor = await self._ensure_executor()
             started = time.perf_counter()

@@ -67,7 +67,7 @@ def to_row(
     stored: list[ScoreResult] = []
     pending: list[str] = []
     for s in scores:
-        if type(s) is Deferred:
+        if isinstance(s, Deferred):
             pending.append(s.name)
         else:
             stored.append(s)

@@ -30,7 +30,7 @@ async def _peek(url: str, queue_name: str, limit: int) -> list[str]:
             if message is None:
                 break
             held.append(message)
-            reason = (message.headers or {}).get(DEAD_REASON_HEADER, "(no reason: dead-lettered by the broker)")
+            reason = str((message.headers or {}).get(DEAD_REASON_HEADER, "(no reason: dead-lettered by the broker)"))
             lines.append(f"{message.message_id or '-'}\t{reason}")
         for message in held:
             await message.nack(requeue=True)

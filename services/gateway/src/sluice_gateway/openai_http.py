@@ -282,7 +282,7 @@ class OpenAIFront:
         if response is None:
             raise OpenAIError(500, "The generation ended without any output.", "server_error", code="generation_failed")
         finish = FINISH_REASONS.get(final.finish_reason) if final is not None else None
-        if finish is None:
+        if final is None or finish is None:
             reason = types_pb2.FinishReason.Name(final.finish_reason) if final is not None else "no final chunk"
             await self._fail_stream(
                 response, OpenAIError(500, f"The generation failed after it started ({reason}).", "server_error", code="generation_failed")

@@ -264,7 +264,7 @@ class JobWorker:
             ROWS.labels("dead_lettered").inc()
             return
         structlog.contextvars.bind_contextvars(job_id=task.job_id, custom_id=task.row.custom_id)
-        deliveries = int((message.headers or {}).get("x-delivery-count", 0) or 0) + 1
+        deliveries = int(str((message.headers or {}).get("x-delivery-count") or 0)) + 1
         await self.concurrency.acquire()
         IN_FLIGHT.set(self.concurrency.in_flight)
         holding = True
@@ -327,8 +327,9 @@ class JobWorker:
                 if job is None or job.state != states.IN_PROGRESS or overdue:
                     await self._release(0.0, "skipped")
                     # Waiting to retry is not running: past the window the row is reported EXPIRED.
-                    past_window = job is not None and (job.state == states.EXPIRED or overdue)
-                    return expired_result(task, job.window_s) if past_window else None
+                    if job is not None and (job.state == states.EXPIRED or overdue):
+                        return expired_result(task, job.window_s)
+                    return None
             first = False
             too_long = await self._too_long_for_window(task, job, cut_at_s)
             if too_long is not None:

@@ -80,6 +80,7 @@ def build_backends(
     `step_timeouts`: the model's adaptive step timeout, one for the whole pool (step_timeout.py
     says why)."""
     make_backend: Callable[[str], Backend]
+    make_scheduler: SchedulerFactory
     if protocol == "step":
         limits = SchedulerLimits(
             max_batch_size=config.max_batch_size,

@@ -23,10 +23,10 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 import structlog
 
@@ -36,26 +36,12 @@ from sluice_inference_adapter import metrics
 from sluice_inference_adapter.sequence_trace import traced_request
 from sluice_inference_adapter.backend_errors import RequestRejected
 from sluice_inference_adapter.chat_template import ChatTemplateError
+from sluice_inference_adapter.generated_chunk import GeneratedChunk
 from sluice_inference_adapter.scheduler import Finish, ReplicaWork, Sequence
 from sluice_inference_adapter.step_rows import PromptSpec
 from sluice_inference_adapter.step_timeout import StepTimeouts
 
 log = structlog.stdlib.get_logger("sluice.passthrough")
-
-
-@dataclass(frozen=True)
-class GeneratedChunk:
-    """One streamed response of the engine."""
-
-    text: str
-    # Tokens generated since the previous response.
-    output_tokens: int
-    # The prompt's tokens, as the engine counted them (None when this response does not say).
-    input_tokens: int | None
-    # None while the sequence runs; then the engine's reason: "stop", "length" or "abort".
-    finish_reason: str | None
-    # The tokens' log-probabilities in the chat shape (sluice_common.logprobs), when asked for.
-    logprobs: tuple[dict[str, Any], ...] = ()
 
 
 # vLLM's other reason, "abort", only reaches us when the engine aborted by itself (we close the
@@ -66,7 +52,7 @@ _FINISHES = {"stop": Finish.STOP, "length": Finish.LENGTH}
 class GenerateBackend(Protocol):
     """A Triton model with the vLLM backend's streaming interface."""
 
-    def stream(self, text: str, sampling: Sampling) -> AsyncIterator[GeneratedChunk]:
+    def stream(self, text: str, sampling: Sampling) -> AsyncGenerator[GeneratedChunk, None]:
         """Responses until the engine ends the sequence (raises RequestRejected for a request it
         refuses); closing the iterator cancels it."""
         ...
@@ -132,14 +118,14 @@ class PassthroughScheduler(ReplicaWork):
             for sequence in self._waiting.remove_if(lambda s: s.abandon_reason(now) is not None):
                 sequence.finish(sequence.abandon_reason(now) or Finish.CANCELLED, now)
             while len(self._in_flight) < self._limits.max_in_flight:
-                sequence = self._waiting.pop()
-                if sequence is None:
+                admitted = self._waiting.pop()
+                if admitted is None:
                     break
-                sequence.prefilled_at = now
-                if sequence.trace is not None:
-                    sequence.trace.admitted()
-                metrics.QUEUE_SECONDS.labels(replica=self._replica).observe(now - sequence.submitted_at)
-                self._in_flight[sequence] = asyncio.create_task(self._stream(sequence))
+                admitted.prefilled_at = now
+                if admitted.trace is not None:
+                    admitted.trace.admitted()
+                metrics.QUEUE_SECONDS.labels(replica=self._replica).observe(now - admitted.submitted_at)
+                self._in_flight[admitted] = asyncio.create_task(self._stream(admitted))
             metrics.SLOTS_IN_USE.labels(replica=self._replica).set(len(self._in_flight))
 
     async def _stream(self, sequence: Sequence) -> None:
@@ -171,7 +157,7 @@ class PassthroughScheduler(ReplicaWork):
             self._in_flight.pop(sequence, None)
             self._wakeup.set()
 
-    async def _bounded(self, chunks: AsyncIterator[GeneratedChunk], prompt_tokens: int) -> AsyncIterator[GeneratedChunk]:
+    async def _bounded(self, chunks: AsyncIterator[GeneratedChunk], prompt_tokens: int) -> AsyncGenerator[GeneratedChunk, None]:
         """The engine's responses, each awaited within the adaptive timeout (see the module)."""
         timeouts = self._timeouts
         if timeouts is None:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -327,7 +327,7 @@ class ReplicaPool:
         metrics.PREFIX_RECORD_PROMPTS.labels(replica=chosen.name + self._metrics_label).set(self._router.remembered(chosen.name))
         return chosen
 
-    async def generate(self, request: GenerationRequest) -> AsyncIterator[Event]:
+    async def generate(self, request: GenerationRequest) -> AsyncGenerator[Event, None]:
         """The request's events from the first replica that serves it."""
         tried: set[str] = set()
         while True:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from contextlib import aclosing
 
 import grpc
@@ -148,8 +148,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         return inference_pb2.EmbedResponse(embeddings=embeddings, usage=usage)
 
 
-def _prompt_spec(messages: object, prompt: str, token_ids: object = ()) -> PromptSpec:
-    return PromptSpec(messages=tuple((m.role, m.content) for m in messages), prompt=prompt, prompt_token_ids=tuple(token_ids))  # type: ignore[attr-defined, call-overload]
+def _prompt_spec(messages: Iterable[types_pb2.ChatMessage], prompt: str, token_ids: Iterable[int] = ()) -> PromptSpec:
+    return PromptSpec(messages=tuple((m.role, m.content) for m in messages), prompt=prompt, prompt_token_ids=tuple(token_ids))
 
 
 def _generation_request(request: inference_pb2.GenerateRequest, time_remaining: float | None) -> GenerationRequest:

@@ -27,7 +27,7 @@ from sluice_common.sampling import Sampling, vllm_sampling_parameters
 from sluice_inference_adapter import metrics
 from sluice_inference_adapter.backend_errors import RequestRejected, engine_message, is_request_fault
 from sluice_inference_adapter.embed_batcher import Embeddings
-from sluice_inference_adapter.passthrough import GeneratedChunk
+from sluice_inference_adapter.generated_chunk import GeneratedChunk
 from sluice_inference_adapter.step_rows import FINISH_BUSY, Action, PromptSpec, StepOutcome, StepRow
 from sluice_inference_adapter.step_timeout import StepTimeouts
 
@@ -225,7 +225,7 @@ class TritonGenerateBackend(_TritonEndpoint):
     num_output_tokens), so usage and finish reasons are what the engine reports, not estimates.
     """
 
-    async def stream(self, text: str, sampling: Sampling) -> AsyncIterator[GeneratedChunk]:
+    async def stream(self, text: str, sampling: Sampling) -> AsyncGenerator[GeneratedChunk, None]:
         inputs = [
             _tensor("text_input", np.array([text.encode()], dtype=np.object_), "BYTES"),
             _tensor("sampling_parameters", np.array([json.dumps(vllm_sampling_parameters(sampling)).encode()], dtype=np.object_), "BYTES"),

@@ -48,7 +48,7 @@ from sluice_common.sampling import Sampling
 from sluice_triton_local.engine.step_engine import DecodeRow, PrefillRow, ReleaseRow, RowResult, TokenLogprob
 from sluice_triton_local.shared_engine import SharedEngine
 
-OnResult = Callable[[RowResult], None]
+OnResult = Callable[[RowResult], object]
 _FULL_RETRY_S = 0.05
 
 

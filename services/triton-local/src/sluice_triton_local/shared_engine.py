@@ -66,7 +66,7 @@ class SharedEngine:
         # reason above (one OpenMP team; the two models' steps take turns), counts its tokens
         # apart and leaves the slot gauges, which describe the main model, alone.
         self._variant = variant_of is not None
-        self._owner = variant_of._owner if variant_of is not None else EngineThread()
+        self._owner: EngineThread = variant_of._owner if variant_of is not None else EngineThread()
         self._owners: set[str] = set()
         self._reclaimed = 0
         self._prefills, self._prefix_hits, self._reused_tokens = 0, 0, 0

@@ -117,7 +117,7 @@ OUTPUTS: tuple[tuple[str, type], ...] = (
     ("ROUND_END", np.bool_),
 )
 # Told each response of a round (output name -> tensor), and whether it is the last.
-OnResponse = Callable[[dict[str, np.ndarray], bool], None]
+OnResponse = Callable[[dict[str, np.ndarray], bool], object]
 
 
 def _prompt_ids(engine: SharedEngine, request: dict[str, Any]) -> list[int]:

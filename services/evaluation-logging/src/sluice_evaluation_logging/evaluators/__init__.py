@@ -198,7 +198,7 @@ async def _evaluate(
     return [[s for s in (scores[e.NAME] for e in EVALUATORS) if s is not None] for scores in by_name]
 
 
-async def evaluate_all(event: CompletionEvent, ctx: EvalContext) -> list[ScoreResult]:
+async def evaluate_all(event: CompletionEvent, ctx: EvalContext) -> list[ScoreResult | Deferred]:
     """Every applicable evaluator's score for one event (see evaluate_batch)."""
     return (await evaluate_batch([event], ctx))[0]
 

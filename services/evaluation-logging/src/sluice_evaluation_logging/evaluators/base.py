@@ -7,9 +7,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from sluice.common.v1 import types_pb2
-from sluice.evallog.v1 import events_pb2
-
-CompletionEvent = events_pb2.CompletionEvent
+from sluice.evallog.v1.events_pb2 import CompletionEvent
 
 FINISHED = (types_pb2.FINISH_REASON_STOP, types_pb2.FINISH_REASON_LENGTH)
 

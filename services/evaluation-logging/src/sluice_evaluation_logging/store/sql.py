@@ -18,7 +18,7 @@ from typing import Any
 from sluice_common.errors import InvalidArgument
 from sluice_common.sqlstore import SqlDb, Tx
 from sluice_evaluation_logging.evaluators.base import ScoreResult
-from sluice_evaluation_logging.model import PendingItem, RecordFilter, RecordRow, SummaryData
+from sluice_evaluation_logging.model import RecordFilter, RecordRow, SummaryData
 from sluice_evaluation_logging.store.schema import RECORD_COLUMNS, SCORE_COLUMNS
 
 # Rows (or ids) per multi-row statement: SQLite binds at most 32766 parameters per statement,

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+from typing import Any
 from pathlib import Path
 
 import numpy as np
@@ -70,12 +71,12 @@ class _GraphBuilder:
         self._consts[name] = value
         return name
 
-    def op(self, op_type: str, *inputs: str, out: str | None = None, **attrs: object) -> str:
+    def op(self, op_type: str, *inputs: str, out: str | None = None, **attrs: Any) -> str:
         output = out or self._name(op_type.lower())
         self.nodes.append(helper.make_node(op_type, list(inputs), [output], name=f"{op_type}_{output}", **attrs))
         return output
 
-    def ops(self, op_type: str, *inputs: str, outputs: int, **attrs: object) -> list[str]:
+    def ops(self, op_type: str, *inputs: str, outputs: int, **attrs: Any) -> list[str]:
         names = [self._name(op_type.lower()) for _ in range(outputs)]
         self.nodes.append(helper.make_node(op_type, list(inputs), names, name=f"{op_type}_{names[0]}", **attrs))
         return names

@@ -326,9 +326,9 @@ class StepEngine:
                 emitting = [p for p in live if not p.seq.uncached_prompt] + siblings
                 index = [row_of[id(p)] if p.item is not None else row_of[id(p.leader)] for p in emitting]
                 slots = np.array([p.seq.slot for p in emitting], dtype=np.int64)
-                rows = logits[index]
-                self._constrain(emitting, rows)  # a sibling's constraint too, on its copy of the leader's row
-                tokens = self._sampler.sample(rows, slots) if emitting else []
+                emitted = logits[index]
+                self._constrain(emitting, emitted)  # a sibling's constraint too, on its copy of the leader's row
+                tokens: np.ndarray | list[int] = self._sampler.sample(emitted, slots) if emitting else []
                 for p, token, lp in zip(emitting, tokens, self._sampler.last_logprobs if emitting else []):
                     results[p.row_index] = self._emit(p.seq, int(token), self._token_logprob(int(token), lp))
                 for p in live:
@@ -555,7 +555,6 @@ class StepEngine:
 
     def _emit(self, seq: _Seq, tok: int, logprob: TokenLogprob | None = None) -> RowResult:
         """The sequence's sampled token: its text, and whether it ends the sequence."""
-        prm = seq.params
         self.tokens_generated_total += 1
         seq.completion_tokens += 1
         seq.last_token = tok

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import codecs
 from collections.abc import Sequence
+from typing import SupportsInt, cast
 from functools import lru_cache
 
 import gguf
@@ -57,7 +58,7 @@ class GGUFTokenizer:
         self.chat_template: str = field_value(reader, "tokenizer.chat_template", "") or ""
 
         vocab = {tok: i for i, tok in enumerate(tokens)}
-        bpe = models.BPE(vocab=vocab, merges=[tuple(m.split(" ", 1)) for m in merges], fuse_unk=False)
+        bpe = models.BPE(vocab=vocab, merges=[(left, right) for left, _, right in (m.partition(" ") for m in merges)], fuse_unk=False)
         tk = Tokenizer(bpe)
         # Matches SmolLM2's tokenizer.json: digits split one by one, then GPT-2 byte level.
         tk.pre_tokenizer = pre_tokenizers.Sequence(
@@ -182,4 +183,4 @@ class IncrementalDetokenizer:
 
 
 def _opt_int(value: object) -> int | None:
-    return None if value is None else int(value)  # type: ignore[arg-type]
+    return None if value is None else int(cast(SupportsInt, value))
