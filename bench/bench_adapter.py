@@ -106,7 +106,11 @@ def in_process_decode_rate(batch: int) -> float:
     env = {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}
     out = subprocess.run(
         [str(python), str(REPO_ROOT / "bench" / "engine" / "decode.py"), str(batch)],
-        capture_output=True, text=True, check=True, env=env, cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+        env=env,
+        cwd=REPO_ROOT,
     ).stdout
     measured = json.loads(out.strip().splitlines()[-1])
     return float(measured[f"batch{batch}_tok_s"])
@@ -224,9 +228,7 @@ async def part_c(stub, args: argparse.Namespace) -> list[str]:
 def start_no_delay_adapter(stack: Stack) -> tuple[ServiceProcess, str]:
     """A second inference-adapter on the same Triton, configured like the stack's one except for
     SLUICE_ADAPTER_EMBED_MAX_DELAY_S=0 (a batch leaves as soon as its first text is waiting)."""
-    process, address, _ = stack.add_adapter(
-        "inference-adapter-no-embed-delay", timeout_s=120, env={"SLUICE_ADAPTER_EMBED_MAX_DELAY_S": "0"}
-    )
+    process, address, _ = stack.add_adapter("inference-adapter-no-embed-delay", timeout_s=120, env={"SLUICE_ADAPTER_EMBED_MAX_DELAY_S": "0"})
     return process, address
 
 
@@ -279,7 +281,8 @@ def main() -> None:
                 # The embedding cache off: part (d) sends the same texts round after round, and
                 # measures batching, not the cache (make bench-embed-cache measures that).
                 "inference-adapter": {
-                    "SLUICE_ADAPTER_MAX_BATCH_SIZE": "32", "SLUICE_ADAPTER_MAX_BATCH_TOKENS": "65536",
+                    "SLUICE_ADAPTER_MAX_BATCH_SIZE": "32",
+                    "SLUICE_ADAPTER_MAX_BATCH_TOKENS": "65536",
                     "SLUICE_ADAPTER_EMBED_CACHE_BYTES": "0",
                 },
             },

@@ -54,12 +54,17 @@ def main() -> int:
         for side in order:
             result = measure(SIDES[side])
             runs[side].append(result)
-            print(f"round {round_index + 1} {side:<9} ({SIDES[side]} threads each): {result['tokens_per_s']:7.1f} tok/s,"
-                  f" step p50 {result['p50_ms']:7.1f} ms, p99 {result['p99_ms']:7.1f} ms", flush=True)
+            print(
+                f"round {round_index + 1} {side:<9} ({SIDES[side]} threads each): {result['tokens_per_s']:7.1f} tok/s,"
+                f" step p50 {result['p50_ms']:7.1f} ms, p99 {result['p99_ms']:7.1f} ms",
+                flush=True,
+            )
     median = {side: {key: statistics.median(r[key] for r in results) for key in results[0]} for side, results in runs.items()}
     split, every = median["split"], median["all_cores"]
     ratio = split["tokens_per_s"] / every["tokens_per_s"] if every["tokens_per_s"] else float("inf")
-    print(f"BENCH colocated_split_vs_all_cores_tokens_per_s {ratio:.2f} x (target >= 1.0; {split['tokens_per_s']:.1f} vs {every['tokens_per_s']:.1f} tok/s)")
+    print(
+        f"BENCH colocated_split_vs_all_cores_tokens_per_s {ratio:.2f} x (target >= 1.0; {split['tokens_per_s']:.1f} vs {every['tokens_per_s']:.1f} tok/s)"
+    )
     print(f"BENCH colocated_step_p99_ms split {split['p99_ms']:.1f} all_cores {every['p99_ms']:.1f}")
     return 0 if ratio >= 1.0 else 1
 

@@ -109,15 +109,10 @@ def scrape(url: str, names: tuple[str, ...]) -> dict[str, float]:
     return values
 
 
-CACHE_METRICS = tuple(
-    f"sluice_adapter_embed_cache_{name}"
-    for name in ("hits_total", "misses_total", "evictions_total", "bytes", "capacity_bytes")
-)
+CACHE_METRICS = tuple(f"sluice_adapter_embed_cache_{name}" for name in ("hits_total", "misses_total", "evictions_total", "bytes", "capacity_bytes"))
 
 
-async def measure(
-    off_address: str, on_address: str, off_pid: int, on_pid: int, metrics_url: str, args: argparse.Namespace
-) -> dict[str, float]:
+async def measure(off_address: str, on_address: str, off_pid: int, on_pid: int, metrics_url: str, args: argparse.Namespace) -> dict[str, float]:
     requests, repeat_rate = make_workload(args)
     warm_up = [[f"Warm-up sentence {i} outside the pool." for i in range(args.batch)]] * 2
     async with grpc.aio.insecure_channel(off_address) as off_channel, grpc.aio.insecure_channel(on_address) as on_channel:
@@ -136,7 +131,10 @@ async def measure(
             for side in ("off", "on") if number % 2 == 0 else ("on", "off"):
                 elapsed[side] += await drive(stubs[side], segment, args.concurrency)
             done = offset + len(segment)
-            print(f"  {done}/{len(requests)} requests: off {done * args.batch / elapsed['off']:.1f} texts/s, on {done * args.batch / elapsed['on']:.1f} texts/s", flush=True)
+            print(
+                f"  {done}/{len(requests)} requests: off {done * args.batch / elapsed['off']:.1f} texts/s, on {done * args.batch / elapsed['on']:.1f} texts/s",
+                flush=True,
+            )
     texts = sum(len(t) for t in requests)
     off, on = texts / elapsed["off"], texts / elapsed["on"]
     rss |= {"off_after": rss_mb(off_pid), "on_after": rss_mb(on_pid)}
@@ -166,14 +164,10 @@ def main() -> None:
         print("starting the stack ...", flush=True)
         stack.start()
         try:
-            cached, on_address, metrics_url = stack.add_adapter(
-                "inference-adapter-cached", env={"SLUICE_ADAPTER_EMBED_CACHE_BYTES": str(budget)}
-            )
+            cached, on_address, metrics_url = stack.add_adapter("inference-adapter-cached", env={"SLUICE_ADAPTER_EMBED_CACHE_BYTES": str(budget)})
             off = stack.service("inference-adapter")
             assert off.process is not None and cached.process is not None
-            result = asyncio.run(
-                measure(stack.adapter_address, on_address, off.process.pid, cached.process.pid, metrics_url, args)
-            )
+            result = asyncio.run(measure(stack.adapter_address, on_address, off.process.pid, cached.process.pid, metrics_url, args))
         finally:
             stack.stop()
     hits = result["workload_sluice_adapter_embed_cache_hits_total"]

@@ -129,9 +129,7 @@ async def run(stack: Stack, limits: Path) -> None:
         exchange = await channel.get_exchange(f"{stack.amqp_prefix}.jobs")
         body = json.dumps({"job_id": job_id, "api_key": JOB_KEY, "reply_to": reply_to, "rows": rows}).encode()
         started = time.monotonic()
-        await exchange.publish(
-            aio_pika.Message(body, content_type="application/json", delivery_mode=aio_pika.DeliveryMode.PERSISTENT), "job"
-        )
+        await exchange.publish(aio_pika.Message(body, content_type="application/json", delivery_mode=aio_pika.DeliveryMode.PERSISTENT), "job")
         succeeded: dict[str, float] = {}  # custom_id -> when its result came (s since publish)
         failed: dict[str, str] = {}  # custom_id -> its error code
         summary: dict | None = None

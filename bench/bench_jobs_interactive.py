@@ -38,6 +38,7 @@ MODEL = "smollm2-135m-instruct"
 def auth() -> tuple[tuple[str, str], ...]:
     return (("authorization", f"Bearer {DEMO_KEY}"),)
 
+
 ROUNDS = 4
 STREAMS = 2  # interactive clients at once
 # Requests per client per phase: 4 x 2 x 8 = 64 samples per phase, so that the p99 is not simply
@@ -117,9 +118,7 @@ def publish(stack: Stack, job_id: str) -> None:
             channel = await connection.channel(publisher_confirms=True)
             exchange = await channel.get_exchange(f"{stack.amqp_prefix}.jobs")
             body = json.dumps({"job_id": job_id, "api_key": DEMO_KEY, "rows": rows}).encode()
-            await exchange.publish(
-                aio_pika.Message(body, content_type="application/json", delivery_mode=aio_pika.DeliveryMode.PERSISTENT), "job"
-            )
+            await exchange.publish(aio_pika.Message(body, content_type="application/json", delivery_mode=aio_pika.DeliveryMode.PERSISTENT), "job")
 
     asyncio.run(go())
 

@@ -123,9 +123,7 @@ async def stack_run(address: str, n: int) -> tuple[list[Outcome], float, int]:
 
 def engine_run(n: int, max_batch: int) -> dict[str, float]:
     python = REPO_ROOT / "services" / "triton-local" / ".venv" / "bin" / "python"
-    script = ENGINE_SIDE.format(
-        prompts=json.dumps(prompts(n)), max_tokens=MAX_TOKENS, temperature=TEMPERATURE, max_batch=max_batch
-    )
+    script = ENGINE_SIDE.format(prompts=json.dumps(prompts(n)), max_tokens=MAX_TOKENS, temperature=TEMPERATURE, max_batch=max_batch)
     env = {**os.environ, **STACK_ENV.get("triton-local", {})}
     proc = subprocess.run([str(python), "-c", script], env=env, capture_output=True, text=True, timeout=1800, check=False)
     if proc.returncode != 0:
@@ -206,9 +204,7 @@ def main() -> int:
                 before = step_times(stack)
                 ok, wall, failed = asyncio.run(stack_run(stack.gateway_address, n))
                 after = step_times(stack)
-                (engine_s, steps), (round_trip_s, _) = (
-                    (after[k][0] - before[k][0], after[k][1] - before[k][1]) for k in ("engine", "adapter")
-                )
+                (engine_s, steps), (round_trip_s, _) = ((after[k][0] - before[k][0], after[k][1] - before[k][1]) for k in ("engine", "adapter"))
                 tokens = sum(r.completion_tokens for r in ok)
                 ttfts = [r.ttft_s for r in ok]
                 retries = sum(r.retries for r in ok)

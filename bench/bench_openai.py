@@ -385,7 +385,11 @@ def report(phases: dict[tuple[str, str], list[Phase]]) -> None:
             f" {load.max_tokens}): succeeded http {http.ok} grpc {grpc_.ok}; completion tokens http {http.tokens}"
             f" grpc {grpc_.tokens}; gateway CPU per token http {http.gateway_cpu_us_per_token:.0f} us"
             f" grpc {grpc_.gateway_cpu_us_per_token:.0f} us"
-            + (f"; front time (client TTFT - adapter TTFT, means) http {http.front_ms:.1f} ms grpc {grpc_.front_ms:.1f} ms" if load.name == "latency" else "")
+            + (
+                f"; front time (client TTFT - adapter TTFT, means) http {http.front_ms:.1f} ms grpc {grpc_.front_ms:.1f} ms"
+                if load.name == "latency"
+                else ""
+            )
         )
     print()
     latency = {side: figures[("latency", side)] for side in ("http", "grpc")}

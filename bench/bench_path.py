@@ -77,18 +77,14 @@ def triton_chunks(client: triton.InferenceServerClient, max_tokens: int) -> Iter
 
 def adapter_chunks(stub: inference_pb2_grpc.InferenceServiceStub, max_tokens: int) -> Iterable[str]:
     # A generator, like triton_chunks: nothing is built or sent until `measure` iterates it.
-    request = inference_pb2.GenerateRequest(
-        model=MODEL, tenant="bench", prompt=PROMPT, sampling=types_pb2.SamplingParams(max_tokens=max_tokens)
-    )
+    request = inference_pb2.GenerateRequest(model=MODEL, tenant="bench", prompt=PROMPT, sampling=types_pb2.SamplingParams(max_tokens=max_tokens))
     for response in stub.Generate(request, timeout=120):
         yield response.text
 
 
 def gateway_chunks(stub: gateway_pb2_grpc.GatewayServiceStub, max_tokens: int) -> Iterable[str]:
     # A generator, like triton_chunks: nothing is built or sent until `measure` iterates it.
-    request = gateway_pb2.GenerateRequest(
-        model=MODEL, prompt=PROMPT, sampling=types_pb2.SamplingParams(max_tokens=max_tokens)
-    )
+    request = gateway_pb2.GenerateRequest(model=MODEL, prompt=PROMPT, sampling=types_pb2.SamplingParams(max_tokens=max_tokens))
     for response in stub.Generate(request, metadata=AUTH, timeout=120):
         yield response.text
 

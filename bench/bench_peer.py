@@ -263,9 +263,7 @@ def table(by_side: dict[str, dict[str, Figures]]) -> list[str]:
     for load in LOADS:
         for side in SIDES:
             f = by_side[side][load.name]
-            lines.append(
-                f"{load.name:<10} {side:<22} {f.tokens_per_s:7.1f} {f.ttft_p50_ms:8.1f} ms {f.ttft_p99_ms:7.1f} ms {f.ok:>4} {f.failed:>6}"
-            )
+            lines.append(f"{load.name:<10} {side:<22} {f.tokens_per_s:7.1f} {f.ttft_p50_ms:8.1f} ms {f.ttft_p99_ms:7.1f} ms {f.ok:>4} {f.failed:>6}")
     return lines
 
 
@@ -331,6 +329,7 @@ def servers(stack: Stack, uncached: Stack, peer_port: int) -> dict[str, Server]:
 
 def two_stacks(run_dir: Path, bench: str) -> tuple[Stack, Stack]:
     """The stack as `make run` starts it, and the same with triton-local's prefix cache off."""
+
     def one(name: str, extra_env: dict[str, dict[str, str]]) -> Stack:
         return Stack(run_dir=run_dir / name, ports=StackPorts.ephemeral(), amqp_prefix=f"sluice-{bench}-{uuid.uuid4().hex[:8]}", extra_env=extra_env)
 

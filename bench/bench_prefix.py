@@ -238,7 +238,10 @@ def run_routing(run_dir: Path) -> tuple[dict[str, list[Phase]], dict[str, float]
                 phase = asyncio.run(routing(servers[router], round_))
                 phases[router].append(phase)
                 f = figures([phase])
-                print(f"round {round_} routing {router:<9} {f.ok} ok, {f.failed} failed, TTFT p50 {f.ttft_p50_ms:.0f} ms, cached {f.cached_share:.0%}", flush=True)
+                print(
+                    f"round {round_} routing {router:<9} {f.ok} ok, {f.failed} failed, TTFT p50 {f.ttft_p50_ms:.0f} ms, cached {f.cached_share:.0%}",
+                    flush=True,
+                )
         shares = {router: busiest_share(before[router], routed_requests(stack)) for router, stack in stacks.items()}
     return phases, shares
 
@@ -310,7 +313,10 @@ def main() -> int:
                     for load, phase in (("shared_prompt", shared), ("multiturn_turn1", first), ("multiturn_turns2+", later)):
                         phases.setdefault((load, side), []).append(phase)
                         f = figures([phase])
-                        print(f"round {round_} {load:<18} {side:<9} {f.ok} ok, {f.failed} failed, TTFT p50 {f.ttft_p50_ms:.0f} ms, cached {f.cached_share:.0%}", flush=True)
+                        print(
+                            f"round {round_} {load:<18} {side:<9} {f.ok} ok, {f.failed} failed, TTFT p50 {f.ttft_p50_ms:.0f} ms, cached {f.cached_share:.0%}",
+                            flush=True,
+                        )
         routed, busiest = run_routing(run_dir)
     by_load = {load: {side: figures(phases[(load, side)]) for side in SIDES} for load in ("shared_prompt", "multiturn_turn1", "multiturn_turns2+")}
     by_load["routing"] = {router: figures(routed[router]) for router in ROUTERS}

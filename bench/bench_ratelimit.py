@@ -158,8 +158,11 @@ def main() -> int:
         for round_index in range(2):
             for kind, address in (("echo", f"127.0.0.1:{echo_port}"), ("memory", memory_address), ("redis", redis_address)):
                 rate, latencies = asyncio.run(drive(address, kind))
-                print(f"round {round_index + 1} {kind:<6} {rate:8.0f} decisions/s  p50 {percentile(latencies, 50) * 1000:.2f} ms"
-                      f"  p99 {percentile(latencies, 99) * 1000:.2f} ms", flush=True)
+                print(
+                    f"round {round_index + 1} {kind:<6} {rate:8.0f} decisions/s  p50 {percentile(latencies, 50) * 1000:.2f} ms"
+                    f"  p99 {percentile(latencies, 99) * 1000:.2f} ms",
+                    flush=True,
+                )
                 best = results.get(kind)
                 if best is None or rate > best[0]:
                     results[kind] = (rate, latencies)

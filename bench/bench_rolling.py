@@ -238,7 +238,10 @@ def report(streams: list[Stream], rolling: tuple[float, float], missing: set[str
             continue
         failed = [s for s in mine if s.failed]
         ttfts = [s.ttft_s for s in mine if s.finished and s.ttft_s is not None]
-        print(f"{phase:>6}: {len(mine)} streams, {len(failed)} failed, TTFT p50 {percentile(ttfts, 50) * 1000:.0f} ms p99 {percentile(ttfts, 99) * 1000:.0f} ms", flush=True)
+        print(
+            f"{phase:>6}: {len(mine)} streams, {len(failed)} failed, TTFT p50 {percentile(ttfts, 50) * 1000:.0f} ms p99 {percentile(ttfts, 99) * 1000:.0f} ms",
+            flush=True,
+        )
         for error in sorted({s.error for s in failed})[:5]:
             print(f"        {error}", flush=True)
     if by_restart := failures_by_restart(phases["during"], took):

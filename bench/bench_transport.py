@@ -269,7 +269,9 @@ def report(results: dict[tuple[str, int], list[Result]]) -> list[str]:
     for batch in BATCHES:
         for side, name in (("pytriton", "pytriton"), ("python-backend", "python_backend")):
             lines.append(f"BENCH transport_{name}_vs_engine_batch{batch} {best(side, batch) / best('engine', batch):.2f} x tokens/s")
-            lines.append(f"BENCH transport_{name}_cpu_ms_per_token_batch{batch} {cpu(side, batch) - cpu('engine', batch):+.2f} ms over the engine's {cpu('engine', batch):.2f}")
+            lines.append(
+                f"BENCH transport_{name}_cpu_ms_per_token_batch{batch} {cpu(side, batch) - cpu('engine', batch):+.2f} ms over the engine's {cpu('engine', batch):.2f}"
+            )
     return lines
 
 
@@ -296,7 +298,10 @@ def main() -> int:
                     for side in SIDES if round_ % 2 else SIDES[::-1]:
                         result = sides[side](batch, TOKENS, STEPS)
                         results[(side, batch)].append(result)
-                        print(f"round {round_} batch {batch} {side:<15} {result.tokens_per_s:6.1f} tok/s {result.cpu_ms_per_token:6.2f} CPU ms/token", flush=True)
+                        print(
+                            f"round {round_} batch {batch} {side:<15} {result.tokens_per_s:6.1f} tok/s {result.cpu_ms_per_token:6.2f} CPU ms/token",
+                            flush=True,
+                        )
         finally:
             for process in started:
                 process.terminate()

@@ -68,9 +68,7 @@ def _engine_process(threads: int, seconds: float, batch: int, loaded: Queue, sta
 def run(processes: int, threads: int, seconds: float, batch: int) -> list[dict[str, float]]:
     context = multiprocessing.get_context("spawn")
     loaded, results, start = context.Queue(), context.Queue(), context.Event()
-    workers = [
-        context.Process(target=_engine_process, args=(threads, seconds, batch, loaded, start, results)) for _ in range(processes)
-    ]
+    workers = [context.Process(target=_engine_process, args=(threads, seconds, batch, loaded, start, results)) for _ in range(processes)]
     for worker in workers:
         worker.start()
     for _ in workers:

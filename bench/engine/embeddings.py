@@ -21,9 +21,7 @@ OBJECTS = ["the quiet river.", "a broken bicycle near the station.", "the rain o
 
 
 def sample_texts(n: int) -> list[str]:
-    return [
-        f"{SUBJECTS[i % 5]} {VERBS[(i // 5) % 5]} {OBJECTS[(i // 25) % 5]} ({i})" for i in range(n)
-    ]
+    return [f"{SUBJECTS[i % 5]} {VERBS[(i // 5) % 5]} {OBJECTS[(i // 25) % 5]} ({i})" for i in range(n)]
 
 
 def sentences_per_second(encoder: MiniLMEncoder, texts: list[str], batch: int, repeats: int = 3) -> float:

@@ -49,14 +49,28 @@ DRY_RUN = os.environ.get("BENCH_GPU_DRY_RUN", "") not in ("", "0")
 PROMPT_ROOM = 192  # positions a slot keeps for its templated prompt (the longest of PROMPTS: 44 tokens)
 
 _TOPICS = (
-    "a dragon and a knight", "the printing press", "how bread rises", "a lighthouse keeper's year",
-    "the water cycle", "a journey across the Sahara", "the steam engine", "the life of honeybees",
-    "a city on Mars", "the first computers", "a storm at sea", "how vaccines work",
-    "a chess tournament", "the migration of whales", "an old clockmaker", "how volcanoes form",
+    "a dragon and a knight",
+    "the printing press",
+    "how bread rises",
+    "a lighthouse keeper's year",
+    "the water cycle",
+    "a journey across the Sahara",
+    "the steam engine",
+    "the life of honeybees",
+    "a city on Mars",
+    "the first computers",
+    "a storm at sea",
+    "how vaccines work",
+    "a chess tournament",
+    "the migration of whales",
+    "an old clockmaker",
+    "how volcanoes form",
 )
 _ASKS = (
-    "Write a long story about {}.", "Explain {} in detail, step by step.",
-    "Write a long essay on {}.", "Describe {} to a curious child, at length.",
+    "Write a long story about {}.",
+    "Explain {} in detail, step by step.",
+    "Write a long essay on {}.",
+    "Describe {} to a curious child, at length.",
 )
 PROMPTS = [ask.format(topic) for ask in _ASKS for topic in _TOPICS]  # 64, one per row
 

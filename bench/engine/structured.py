@@ -154,7 +154,10 @@ def measure(schemas_path: str, threads: int, rounds: int) -> dict[str, Any]:
     masks_before, seconds_before = engine.constraint_masks_total, engine.constraint_mask_seconds_total
     sampled, _ = run_waves(
         engine,
-        [Job(p, Sampling(max_tokens=MAX_TOKENS, temperature=1.0, seed=i), StructuredOutputs.json_schema(s)) for i, (p, s) in enumerate(zip(prompts, schemas))],
+        [
+            Job(p, Sampling(max_tokens=MAX_TOKENS, temperature=1.0, seed=i), StructuredOutputs.json_schema(s))
+            for i, (p, s) in enumerate(zip(prompts, schemas))
+        ],
         max(BATCHES),
     )
     masks = engine.constraint_masks_total - masks_before

@@ -53,7 +53,15 @@ MODEL = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Their dependencies that the engine never imports (huggingface-hub for tokenizers, requests for gguf)
 # stay out: the kit installs with --no-deps, and `run` imports the engine before it benchmarks.
 ENGINE_WHEELS = (
-    "diskcache", "gguf", "jinja2", "markupsafe", "numpy", "pyyaml", "tokenizers", "tqdm", "typing-extensions",
+    "diskcache",
+    "gguf",
+    "jinja2",
+    "markupsafe",
+    "numpy",
+    "pyyaml",
+    "tokenizers",
+    "tqdm",
+    "typing-extensions",
 )
 ENGINE_SOURCES = ("services/triton-local/src", "libs/sluice-common/src")
 GPU_BENCH = "bench/engine/gpu.py"  # what `run` runs (make bench-gpu's script), from the carried checkout
@@ -239,8 +247,23 @@ def download_engine_wheels(python: str, out: Path) -> None:
     pins = [f"{n}=={v}" for n, v in lock_versions(list(ENGINE_WHEELS)).items()]
     platform_args = [a for tag in ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64") for a in ("--platform", tag)]
     subprocess.run(
-        [python, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:", "--python-version", "{}.{}".format(*PYTHON),
-         "--implementation", "cp", *platform_args, "-d", str(out), *pins],
+        [
+            python,
+            "-m",
+            "pip",
+            "download",
+            "-q",
+            "--no-deps",
+            "--only-binary=:all:",
+            "--python-version",
+            "{}.{}".format(*PYTHON),
+            "--implementation",
+            "cp",
+            *platform_args,
+            "-d",
+            str(out),
+            *pins,
+        ],
         check=True,
     )
 
@@ -280,8 +303,13 @@ def build(args: argparse.Namespace) -> int:
             files.append({"name": part.name, "size": part.size, "load": part.load, "sha256": sha256(dest), "kind": "model-part"})
     loads = max(f["load"] for f in files)
     manifest = {
-        "loads": loads, "python": list(PYTHON), "cuda_arch": CUDA_ARCH, "cmake_args": CMAKE_ARGS, "cuda_sonames": list(CUDA_SONAMES),
-        "model": {"name": MODEL, "size": model.stat().st_size, "sha256": sha256(model)}, "files": files,
+        "loads": loads,
+        "python": list(PYTHON),
+        "cuda_arch": CUDA_ARCH,
+        "cmake_args": CMAKE_ARGS,
+        "cuda_sonames": list(CUDA_SONAMES),
+        "model": {"name": MODEL, "size": model.stat().st_size, "sha256": sha256(model)},
+        "files": files,
     }
     for k in range(1, loads + 1):
         (KIT / f"load-{k}" / MANIFEST).write_text(json.dumps(manifest, indent=1))
@@ -289,7 +317,7 @@ def build(args: argparse.Namespace) -> int:
     for k in range(1, loads + 1):
         size = sum(f["size"] for f in files if f["load"] == k)
         last = " && python3 bench/gpu/kit.py run" if k == loads else ""
-        say(f"  device run {k}: carry [\".gpukit/load-{k}\"] ({size / 2**20:.1f} MiB), command: python3 bench/gpu/kit.py stage {k}{last}")
+        say(f'  device run {k}: carry [".gpukit/load-{k}"] ({size / 2**20:.1f} MiB), command: python3 bench/gpu/kit.py stage {k}{last}')
     return prove(args) if args.prove else 0
 
 
@@ -355,8 +383,12 @@ def cuda_library_dirs(sonames: list[str], extra: list[str]) -> list[str]:
     import site
     import sysconfig
 
-    roots = [*extra, "/usr/local/cuda/lib64", *sorted(map(str, Path("/usr/local").glob("cuda*/lib64"))),
-             *sorted(map(str, Path("/usr/local").glob("cuda*/targets/x86_64-linux/lib")))]
+    roots = [
+        *extra,
+        "/usr/local/cuda/lib64",
+        *sorted(map(str, Path("/usr/local").glob("cuda*/lib64"))),
+        *sorted(map(str, Path("/usr/local").glob("cuda*/targets/x86_64-linux/lib"))),
+    ]
     for packages in {*site.getsitepackages(), sysconfig.get_paths()["purelib"]}:
         roots += sorted(map(str, Path(packages).glob("nvidia/*/lib")))
     found: dict[str, str] = {}
@@ -379,7 +411,9 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.monotonic()
     manifest = json.loads((HOME / MANIFEST).read_text()) if (HOME / MANIFEST).exists() else None
     if manifest is None or (missing := missing_loads(manifest)):
-        raise SystemExit(f"gpukit: loads not staged yet: {missing if manifest else 'all'} (python3 bench/gpu/kit.py stage K, carrying .gpukit/load-K)")
+        raise SystemExit(
+            f"gpukit: loads not staged yet: {missing if manifest else 'all'} (python3 bench/gpu/kit.py stage K, carrying .gpukit/load-K)"
+        )
     model = assemble_model(manifest)
     venv = install(manifest)
     extra = [d for d in os.environ.get("SLUICE_GPUKIT_CUDA_LIBS", "").split(":") if d]
@@ -395,7 +429,9 @@ def run(args: argparse.Namespace) -> int:
         env.setdefault("BENCH_BATCHES", "1,8")
         env.setdefault("BENCH_STEPS", "16")
         env["BENCH_GPU_DRY_RUN"] = "1"
-    say(f"model reassembled, {len(manifest['files'])} files checked, wheels installed in {venv} ({time.monotonic() - t0:.0f} s); CUDA libraries from {libs or 'ldconfig'}")
+    say(
+        f"model reassembled, {len(manifest['files'])} files checked, wheels installed in {venv} ({time.monotonic() - t0:.0f} s); CUDA libraries from {libs or 'ldconfig'}"
+    )
     bench = subprocess.run([str(venv / "bin/python"), str(REPO / GPU_BENCH)], env=env, cwd=REPO, check=False)
     say(f"bench_gpu exited {bench.returncode} after {time.monotonic() - t0:.0f} s in all")
     return bench.returncode

@@ -87,7 +87,9 @@ def test_the_stream_says_the_text_and_the_cached_prompt_tokens() -> None:
     state = StreamState()
     state.feed(data({"choices": [{"delta": {"content": "Hel"}}]}), now=1.0)
     state.feed(data({"choices": [{"delta": {"content": "lo"}, "finish_reason": "stop"}]}), now=1.1)
-    state.feed(data({"choices": [], "usage": {"prompt_tokens": 1030, "completion_tokens": 2, "prompt_tokens_details": {"cached_tokens": 1000}}}), now=1.1)
+    state.feed(
+        data({"choices": [], "usage": {"prompt_tokens": 1030, "completion_tokens": 2, "prompt_tokens_details": {"cached_tokens": 1000}}}), now=1.1
+    )
     assert (state.text, state.prompt_tokens, state.cached_tokens) == ("Hello", 1030, 1000)
 
 

@@ -308,15 +308,11 @@ def test_triton_out_of_kv_slots_is_named_when_prefills_were_refused_busy() -> No
     adapter_window = windows[d.ADAPTER]
     adapter.metric(Counter, "sluice_adapter_engine_full", ("replica",)).labels("r").inc(12)  # type: ignore[attr-defined]
     busy = window(adapter, adapter_before)
-    merged = [
-        d.Scrape(a.at, {**a.samples, **b.samples}) for a, b in zip((adapter_window.scrapes[0], adapter_window.scrapes[-1]), busy.scrapes)
-    ]
+    merged = [d.Scrape(a.at, {**a.samples, **b.samples}) for a, b in zip((adapter_window.scrapes[0], adapter_window.scrapes[-1]), busy.scrapes)]
     windows[d.ADAPTER] = ServiceWindow(tuple(merged))
     report = d.analyze(windows)
     assert report.verdict.hop == d.TRITON
-    assert report.verdict.text == (
-        "triton-local serializes: 4.0 of its 4 KV slots in use (100%); 12 prefills were refused busy and waited"
-    )
+    assert report.verdict.text == ("triton-local serializes: 4.0 of its 4 KV slots in use (100%); 12 prefills were refused busy and waited")
     assert "prefills refused busy 12" in d.render(report)
 
 

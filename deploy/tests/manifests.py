@@ -19,9 +19,7 @@ WORKLOAD_KINDS = ("Deployment", "StatefulSet")
 
 @functools.cache
 def _rendered(overlay: str) -> str:
-    result = subprocess.run(
-        [str(BIN / "kubectl"), "kustomize", str(DEPLOY / "k8s" / "overlays" / overlay)], capture_output=True, text=True
-    )
+    result = subprocess.run([str(BIN / "kubectl"), "kustomize", str(DEPLOY / "k8s" / "overlays" / overlay)], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     return result.stdout
 

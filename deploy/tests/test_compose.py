@@ -165,9 +165,7 @@ def test_the_job_worker_runs_the_gateway_image_as_its_worker_role(compose) -> No
 def test_every_path_setting_is_known_as_written_or_read() -> None:
     for service in config_vars.services_with_config():
         prefix = next(iter(config_vars.service_variables(service))).removesuffix("HOST")
-        fields = {
-            v.removeprefix(prefix).lower() for v in config_vars.service_variables(service) if v.endswith(("_PATH", "_FILE", "_DIR"))
-        }
+        fields = {v.removeprefix(prefix).lower() for v in config_vars.service_variables(service) if v.endswith(("_PATH", "_FILE", "_DIR"))}
         # TLS material is read only (every service has it, from sluice_common).
         fields = {f for f in fields if "tls_" not in f}
         unknown = fields - WRITTEN.get(service, set()) - READ[service]

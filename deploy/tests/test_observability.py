@@ -127,9 +127,15 @@ def test_every_alert_is_unit_tested_firing_and_silent() -> None:
     assert alerts - firing == set(), "alerts no test shows firing"
     assert alerts - silent == set(), "alerts no test shows silent"
     operator_pages = {
-        "SluiceTimeToFirstTokenP99High", "SluiceGatewayErrorRatioHigh", "SluiceAdapterQueueSaturated",
-        "SluiceTritonReplicasUnhealthy", "SluiceEventsWaitingInOutbox", "SluiceRowsDeadLettered",
-        "SluiceEventsDeadLettered", "SluiceEvaluationLoggingLagHigh", "SluiceTargetDown",
+        "SluiceTimeToFirstTokenP99High",
+        "SluiceGatewayErrorRatioHigh",
+        "SluiceAdapterQueueSaturated",
+        "SluiceTritonReplicasUnhealthy",
+        "SluiceEventsWaitingInOutbox",
+        "SluiceRowsDeadLettered",
+        "SluiceEventsDeadLettered",
+        "SluiceEvaluationLoggingLagHigh",
+        "SluiceTargetDown",
     }
     assert operator_pages <= alerts
 
@@ -157,11 +163,16 @@ def test_vllm_named_records_cover_the_figures_vllm_dashboards_read() -> None:
     use (deploy/README.md, "Metrics"), published by recording rules; recording rule names may hold
     colons (level:metric:operations), which is why vLLM's names have them."""
     recorded = recorded_names()
-    for histogram in ("time_to_first_token_seconds", "time_per_output_token_seconds", "inter_token_latency_seconds",
-                      "request_queue_time_seconds"):
+    for histogram in ("time_to_first_token_seconds", "time_per_output_token_seconds", "inter_token_latency_seconds", "request_queue_time_seconds"):
         assert {f"vllm:{histogram}_{suffix}" for suffix in ("bucket", "sum", "count")} <= recorded, histogram
-    assert {"vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc",
-            "vllm:gpu_cache_usage_perc", "vllm:generation_tokens_total", "vllm:prompt_tokens_total"} <= recorded
+    assert {
+        "vllm:num_requests_waiting",
+        "vllm:num_requests_running",
+        "vllm:kv_cache_usage_perc",
+        "vllm:gpu_cache_usage_perc",
+        "vllm:generation_tokens_total",
+        "vllm:prompt_tokens_total",
+    } <= recorded
 
 
 def test_the_dashboard_covers_the_suite() -> None:
@@ -172,13 +183,16 @@ def test_the_dashboard_covers_the_suite() -> None:
     series = {name for _, expr in dashboard_queries() for name in named_series(expr)}
     for needed in (
         "sluice_rpc_requests_total",  # request rate
-        "sluice_adapter_time_to_first_token_seconds_bucket", "sluice_adapter_inter_token_seconds_bucket",
+        "sluice_adapter_time_to_first_token_seconds_bucket",
+        "sluice_adapter_inter_token_seconds_bucket",
         "sluice_adapter_generation_tokens_total",  # tokens/s
-        "sluice_adapter_waiting_requests", "sluice_adapter_kv_slots_in_use",  # queue and batch per replica
+        "sluice_adapter_waiting_requests",
+        "sluice_adapter_kv_slots_in_use",  # queue and batch per replica
         "sluice_triton_local_active_slots",  # slots
         "sluice_ratelimit_tenant_denials_total",  # denials per tenant
         "sluice_jobs_rows_total",  # job progress
-        "sluice_evallog_score_results_total", "sluice_evallog_score_sum",  # evaluation scores
+        "sluice_evallog_score_results_total",
+        "sluice_evallog_score_sum",  # evaluation scores
     ):
         assert needed in series, needed
     ids = [panel["id"] for panel in dashboard["panels"]]
@@ -248,6 +262,4 @@ def test_podmonitors_scrape_every_metrics_port_as_the_compose_job(overlay: str) 
                 job = relabel["replacement"]
                 assert relabel["targetLabel"] == "job" and JOB_PORTS[job] == port["containerPort"], where
                 dropped = [(r["source_labels"], r["regex"], r["action"]) for r in jobs[job].get("metric_relabel_configs", [])]
-                assert dropped == [
-                    (r["sourceLabels"], r["regex"], r["action"]) for r in endpoints[0].get("metricRelabelings", [])
-                ], where
+                assert dropped == [(r["sourceLabels"], r["regex"], r["action"]) for r in endpoints[0].get("metricRelabelings", [])], where

@@ -96,7 +96,9 @@ class Server:
             "--model-control-mode=explicit",
             f"--backend-directory={backends}",
             *(f"--{kind}-address=127.0.0.1" for kind in ("http", "grpc", "metrics")),
-            f"--http-port={self.http}", f"--grpc-port={self.grpc}", f"--metrics-port={self.metrics}",
+            f"--http-port={self.http}",
+            f"--grpc-port={self.grpc}",
+            f"--metrics-port={self.metrics}",
             *extra,
         ]
         with log.open("w") as out:
@@ -204,10 +206,12 @@ def _round(client: grpcclient.InferenceServerClient, rows: list[tuple[int, int, 
             result, error = answers.get(timeout=120)
             assert error is None, error
             columns = {name: result.as_numpy(name) for name in STEP_OUTPUTS}
-            responses.append([
-                {k: (bytes(v[i]).decode() if isinstance(v[i], (bytes, np.bytes_)) else int(v[i])) for k, v in columns.items()}
-                for i in range(len(columns["ROW_SEQ_ID"]))
-            ])
+            responses.append(
+                [
+                    {k: (bytes(v[i]).decode() if isinstance(v[i], (bytes, np.bytes_)) else int(v[i])) for k, v in columns.items()}
+                    for i in range(len(columns["ROW_SEQ_ID"]))
+                ]
+            )
             if bool(result.as_numpy("ROUND_END")[0]):
                 return responses
     finally:
@@ -393,7 +397,10 @@ def test_step_model_on_kind_gpu_fails_to_load_on_a_cpu_build_and_names_the_fix(t
     assert "kind: KIND_GPU" in config.read_text()
     done = subprocess.run(
         [str(VENV_PYTHON), "-c", GPU_SELECTION, str(_pytriton_dir() / "backends" / "python"), str(MODELS / "smollm2_step" / "1"), str(config_file)],
-        capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(PACKAGE_ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(PACKAGE_ROOT)},
     )
     assert done.returncode == 0, done.stderr[-3000:]
     out = json.loads(done.stdout.strip().splitlines()[-1])

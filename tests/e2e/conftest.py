@@ -43,9 +43,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory, otlp_receiver: OtlpReceiver)
     # Tracing on, but only requests that bring a sampled traceparent are recorded (otlp_receiver).
     extra_env = {service: tracing_env(otlp_receiver.endpoint) for service in TRACED_SERVICES}
     # Its own exchange and queue names, so that parallel runs never consume each other's events.
-    stack = Stack(
-        run_dir=run_dir, ports=StackPorts.ephemeral(), amqp_prefix=f"sluice-e2e-{uuid.uuid4().hex[:8]}", extra_env=extra_env
-    )
+    stack = Stack(run_dir=run_dir, ports=StackPorts.ephemeral(), amqp_prefix=f"sluice-e2e-{uuid.uuid4().hex[:8]}", extra_env=extra_env)
     stack.start(timeout_s=300)
     yield stack
     stack.stop()

@@ -35,9 +35,7 @@ def stack_targets(stack: Stack) -> dict[str, list[str]]:
         return urllib.parse.urlsplit(stack.metrics_url(service)).netloc
 
     # The session's job workers as they are now: test_jobs kills the first and starts others.
-    job_workers = [
-        s.name for s in stack.services if s.name.startswith("job-worker") and s.process is not None and s.process.poll() is None
-    ]
+    job_workers = [s.name for s in stack.services if s.name.startswith("job-worker") and s.process is not None and s.process.poll() is None]
     return {
         "gateway": [address("gateway")],
         "job-worker": [address(name) for name in job_workers],
@@ -137,8 +135,4 @@ def named_series(expr: str) -> set[str]:
 def dashboard_queries(rate_interval: str) -> list[tuple[str, str]]:
     """(panel title, PromQL) of every panel's queries, Grafana's $__rate_interval given a value."""
     panels = json.loads(DASHBOARD.read_text())["panels"]
-    return [
-        (panel["title"], target["expr"].replace("$__rate_interval", rate_interval))
-        for panel in panels
-        for target in panel.get("targets", [])
-    ]
+    return [(panel["title"], target["expr"].replace("$__rate_interval", rate_interval)) for panel in panels for target in panel.get("targets", [])]

@@ -30,9 +30,7 @@ def start_ratelimit(run_dir: Path, name: str, limits_file: Path, **env: str) -> 
         "SLUICE_RATELIMIT_LOG_LEVEL": "WARNING",
         **{f"SLUICE_RATELIMIT_{key.upper()}": value for key, value in env.items()},
     }
-    process = ServiceProcess(
-        name, "sluice_rate_limit", settings, run_dir / f"{name}.log", project="rate-limit", port_env=RATELIMIT_PORT_ENV
-    )
+    process = ServiceProcess(name, "sluice_rate_limit", settings, run_dir / f"{name}.log", project="rate-limit", port_env=RATELIMIT_PORT_ENV)
     process.start_ready(60)
     return process, process.address
 

@@ -139,7 +139,9 @@ def _multipart(purpose: str | None, filename: bytes, content: bytes) -> tuple[by
     boundary = "sluice-fuzz-boundary"
     parts = []
     if purpose is not None:
-        parts.append(f'--{boundary}\r\nContent-Disposition: form-data; name="purpose"\r\n\r\n'.encode() + purpose.encode("utf-8", "surrogatepass") + b"\r\n")
+        parts.append(
+            f'--{boundary}\r\nContent-Disposition: form-data; name="purpose"\r\n\r\n'.encode() + purpose.encode("utf-8", "surrogatepass") + b"\r\n"
+        )
     parts.append(
         f'--{boundary}\r\nContent-Disposition: form-data; name="file"; filename="'.encode()
         + filename
@@ -237,7 +239,9 @@ def test_every_http_route_answers_arbitrary_input_without_a_5xx(stack: Stack) ->
         answers_without_a_5xx()
     # The surrogate case of the issue, whatever the examples held.
     body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "\ud800"}], "max_tokens": 1}).encode()
-    status, reply = send(port, "POST", "/v1/chat/completions", body, {"Authorization": f"Bearer {DEMO_KEY}".encode(), "Content-Type": b"application/json"})
+    status, reply = send(
+        port, "POST", "/v1/chat/completions", body, {"Authorization": f"Bearer {DEMO_KEY}".encode(), "Content-Type": b"application/json"}
+    )
     assert status == 400 and json.loads(reply)["error"]["param"] == "messages[0].content", reply
     _assert_still_serving(stack)
 
@@ -439,4 +443,3 @@ def _assert_still_serving(stack: Stack) -> None:
             assert reply.status == health_pb2.HealthCheckResponse.SERVING, name
     status, reply = send(stack.service("gateway").ports["http"], "GET", "/v1/models", b"", {"Authorization": f"Bearer {DEMO_KEY}".encode()})
     assert status == 200 and MODEL in reply.decode(), reply
-

@@ -44,9 +44,7 @@ def serial_path(stack: Stack) -> Iterator[tuple[str, str, str]]:
     env = {"SLUICE_ADAPTER_MAX_BATCH_SIZE": "1", "SLUICE_ADAPTER_INTERACTIVE_RESERVED_SLOTS": "0"}
     adapter, adapter_address, adapter_metrics = stack.add_adapter("adapter-batch-1", env=env)
     try:
-        gateway, gateway_address, gateway_metrics = stack.add_gateway(
-            "gateway-batch-1", env={"SLUICE_GATEWAY_ADAPTER_URL": adapter_address}
-        )
+        gateway, gateway_address, gateway_metrics = stack.add_gateway("gateway-batch-1", env={"SLUICE_GATEWAY_ADAPTER_URL": adapter_address})
         try:
             yield gateway_address, gateway_metrics, adapter_metrics
         finally:
@@ -55,9 +53,7 @@ def serial_path(stack: Stack) -> Iterator[tuple[str, str, str]]:
         adapter.stop()
 
 
-def test_an_adapter_batch_of_one_is_the_hop_the_verdict_names(
-    stack: Stack, serial_path: tuple[str, str, str], tmp_path: Path
-) -> None:
+def test_an_adapter_batch_of_one_is_the_hop_the_verdict_names(stack: Stack, serial_path: tuple[str, str, str], tmp_path: Path) -> None:
     gateway, gateway_metrics, adapter_metrics = serial_path
     output = diagnose(
         gateway,
@@ -72,7 +68,9 @@ def test_an_adapter_batch_of_one_is_the_hop_the_verdict_names(
     )
     said = verdict(output)
     assert said.startswith("inference-adapter serializes: effective concurrency "), output
-    match = re.search(r"effective concurrency ([0-9.]+) of configured 1 \(MAX_BATCH_SIZE\); ([0-9.]+) requests in flight there; queue wait (\d+)% of its time", said)
+    match = re.search(
+        r"effective concurrency ([0-9.]+) of configured 1 \(MAX_BATCH_SIZE\); ([0-9.]+) requests in flight there; queue wait (\d+)% of its time", said
+    )
     assert match is not None, output
     effective, in_flight, queued = float(match.group(1)), float(match.group(2)), int(match.group(3))
     # One sequence at a time while four streams wait their turn: most of a stream's time is queue.
@@ -109,9 +107,7 @@ def ratelimited_path(stack: Stack, tmp_path: Path) -> Iterator[tuple[str, str, s
     limits.write_text("[tenants.demo]\nrequests_in_flight = 1\n")
     ratelimit, ratelimit_address, ratelimit_metrics = stack.add_ratelimit("rate-limit-in-flight-1", limits)
     try:
-        gateway, gateway_address, gateway_metrics = stack.add_gateway(
-            "gateway-in-flight-1", env={"SLUICE_GATEWAY_RATELIMIT_URL": ratelimit_address}
-        )
+        gateway, gateway_address, gateway_metrics = stack.add_gateway("gateway-in-flight-1", env={"SLUICE_GATEWAY_RATELIMIT_URL": ratelimit_address})
         try:
             yield gateway_address, gateway_metrics, ratelimit_address, ratelimit_metrics
         finally:

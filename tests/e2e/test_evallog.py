@@ -119,9 +119,7 @@ def records_by_request(evallog, key: str, request_ids: set[str], timeout_s: floa
         found: dict[str, list] = {}
         token = ""
         while True:
-            page = evallog.QueryRecords(
-                evallog_pb2.QueryRecordsRequest(page_size=1000, page_token=token), metadata=auth(key), timeout=10
-            )
+            page = evallog.QueryRecords(evallog_pb2.QueryRecordsRequest(page_size=1000, page_token=token), metadata=auth(key), timeout=10)
             for record in page.records:
                 if record.event.request_id in request_ids:
                     found.setdefault(record.event.request_id, []).append(record)
@@ -183,7 +181,10 @@ def test_cli_logs_lists_recent_completions_and_a_summary_table(stack, gateway, e
     (expected,) = evallog.Summarize(evallog_pb2.SummarizeRequest(model=MODEL), metadata=auth(PRIVATE_KEY)).summaries
     logs = subprocess.run(
         [*sluice, "logs", "--tenant-key", PRIVATE_KEY, "--since", "1h", "-n", "50"],
-        env=env, capture_output=True, text=True, timeout=60,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert logs.returncode == 0, logs.stdout + logs.stderr
     for request_id in request_ids:
@@ -202,7 +203,10 @@ def test_cli_logs_lists_recent_completions_and_a_summary_table(stack, gateway, e
     # --follow prints a completion that finishes while it runs, and Ctrl-C ends it with the summary.
     follow = subprocess.Popen(
         [*sluice, "logs", "--tenant-key", PRIVATE_KEY, "-n", "1", "--follow", "--interval", "0.3"],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     lines: queue.Queue[str] = queue.Queue()
     reader = threading.Thread(target=lambda: [lines.put(line) for line in follow.stdout], daemon=True)  # type: ignore[union-attr]
@@ -319,9 +323,7 @@ def stored_counts(stack, event_ids: list[str]) -> tuple[int, int]:  # type: igno
     with read_store(stack, "evallog.sqlite3") as db:
         db.execute("CREATE TEMP TABLE wanted (event_id TEXT PRIMARY KEY)")
         db.executemany("INSERT INTO wanted VALUES (?)", [(e,) for e in event_ids])
-        return db.execute(
-            "SELECT COUNT(*), COUNT(DISTINCT records.event_id) FROM records JOIN wanted USING (event_id)"
-        ).fetchone()
+        return db.execute("SELECT COUNT(*), COUNT(DISTINCT records.event_id) FROM records JOIN wanted USING (event_id)").fetchone()
 
 
 def test_evaluation_logging_killed_mid_batch_loses_and_duplicates_nothing(stack, topology) -> None:  # type: ignore[no-untyped-def]
@@ -333,8 +335,12 @@ def test_evaluation_logging_killed_mid_batch_loses_and_duplicates_nothing(stack,
         await asyncio.gather(
             *(
                 exchange.publish(
-                    aio_pika.Message(e.SerializeToString(), message_id=e.event_id, content_type="application/x-protobuf",
-                                     delivery_mode=aio_pika.DeliveryMode.PERSISTENT),
+                    aio_pika.Message(
+                        e.SerializeToString(),
+                        message_id=e.event_id,
+                        content_type="application/x-protobuf",
+                        delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
+                    ),
                     "completion.v1",
                 )
                 for e in events

@@ -43,7 +43,10 @@ def test_cli_generate_and_health(stack) -> None:
     sluice = str(REPO_ROOT / "bin" / "sluice")
     generated = subprocess.run(
         [sluice, "generate", "Which city is the capital of France?", "--max-tokens", "20", "-v"],
-        env=env, capture_output=True, text=True, timeout=120,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert generated.returncode == 0, generated.stderr
     assert "Paris" in generated.stdout

@@ -120,9 +120,7 @@ def all_results(gateway: Any, job_id: str) -> list[jobs_pb2.RowResult]:
     results: list[jobs_pb2.RowResult] = []
     token = ""
     while True:
-        reply = gateway.ListJobResults(
-            gateway_pb2.ListJobResultsRequest(job_id=job_id, page_size=200, page_token=token), metadata=auth(), timeout=10
-        )
+        reply = gateway.ListJobResults(gateway_pb2.ListJobResultsRequest(job_id=job_id, page_size=200, page_token=token), metadata=auth(), timeout=10)
         results += reply.results
         token = reply.next_page_token
         if not token:

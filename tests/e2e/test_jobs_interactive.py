@@ -25,10 +25,7 @@ def publish_job(stack: Stack, job_id: str, rows: int) -> None:
     body = {
         "job_id": job_id,
         "api_key": DEMO_KEY,
-        "rows": [
-            {"custom_id": f"r{i}", "generate": {"model": MODEL, "prompt": f"Count: {i},", "sampling": {"max_tokens": 4}}}
-            for i in range(rows)
-        ],
+        "rows": [{"custom_id": f"r{i}", "generate": {"model": MODEL, "prompt": f"Count: {i},", "sampling": {"max_tokens": 4}}} for i in range(rows)],
     }
 
     async def go() -> None:

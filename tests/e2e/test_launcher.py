@@ -89,7 +89,9 @@ def held_gateway(stack: Stack, adapter: ServiceProcess, request: pytest.FixtureR
         gateway.kill()
 
 
-def test_stop_waits_the_service_drain_grace_before_it_kills(held_gateway: tuple[ServiceProcess, HeldStream], record_property: Callable[[str, object], None]) -> None:
+def test_stop_waits_the_service_drain_grace_before_it_kills(
+    held_gateway: tuple[ServiceProcess, HeldStream], record_property: Callable[[str, object], None]
+) -> None:
     gateway, stream = held_gateway
     assert gateway.process is not None
     started = time.monotonic()
@@ -103,7 +105,9 @@ def test_stop_waits_the_service_drain_grace_before_it_kills(held_gateway: tuple[
     assert stream.ended.wait(30)
 
 
-def test_a_second_sigterm_cuts_the_http_front_drain(held_gateway: tuple[ServiceProcess, HeldStream], record_property: Callable[[str, object], None]) -> None:
+def test_a_second_sigterm_cuts_the_http_front_drain(
+    held_gateway: tuple[ServiceProcess, HeldStream], record_property: Callable[[str, object], None]
+) -> None:
     gateway, stream = held_gateway
     assert gateway.process is not None
     gateway.terminate()

@@ -77,9 +77,7 @@ def test_every_service_is_scraped_up_and_the_rules_evaluate(prometheus: Promethe
 
     def all_up() -> bool:
         targets = active_targets(prometheus)
-        return {(t["labels"]["job"], t["labels"]["instance"]) for t in targets} == expected and all(
-            t["health"] == "up" for t in targets
-        )
+        return {(t["labels"]["job"], t["labels"]["instance"]) for t in targets} == expected and all(t["health"] == "up" for t in targets)
 
     try:
         wait_for(all_up, "every target up", timeout_s=30, poll_s=0.5)
@@ -88,8 +86,12 @@ def test_every_service_is_scraped_up_and_the_rules_evaluate(prometheus: Promethe
         raise AssertionError(f"targets not up: {down}") from None
     assert {s["metric"]["job"] for s in prometheus.query("up == 1")} == {job for job, _ in expected}
     # Every rule group of deploy/prometheus/rules loaded and evaluates without error.
-    wait_for(lambda: all(r.get("lastEvaluation", "").startswith("20") for g in prometheus.api("rules")["groups"] for r in g["rules"]),
-             "every rule evaluated once", timeout_s=15, poll_s=0.5)
+    wait_for(
+        lambda: all(r.get("lastEvaluation", "").startswith("20") for g in prometheus.api("rules")["groups"] for r in g["rules"]),
+        "every rule evaluated once",
+        timeout_s=15,
+        poll_s=0.5,
+    )
     groups = prometheus.api("rules")["groups"]
     assert {g["name"] for g in groups} == {"sluice-vllm-names", "sluice-slo", "sluice-alerts"}
     broken = [(r["name"], r.get("lastError")) for g in groups for r in g["rules"] if r["health"] != "ok"]
@@ -121,7 +123,7 @@ def test_every_dashboard_query_returns_data_after_a_short_load(prometheus: Prome
     # Two rounds a few scrapes apart: the first also creates the labelled series that appear only on
     # first use (scores per evaluator, a tenant's denials), the second makes them move while scraped.
     one_round_of_load(stack, gateway)
-    wait_for(lambda: bool(prometheus.query('sluice_evallog_score_results_total')), "scores scraped", timeout_s=30, poll_s=0.5)
+    wait_for(lambda: bool(prometheus.query("sluice_evallog_score_results_total")), "scores scraped", timeout_s=30, poll_s=0.5)
     one_round_of_load(stack, gateway)
     queries = dashboard_queries(RATE_INTERVAL)
 
@@ -140,9 +142,7 @@ def test_every_dashboard_query_returns_data_after_a_short_load(prometheus: Prome
     missing = sorted(name for name in names if not prometheus.query(f'count({{__name__="{name}"}})'))
     assert not missing, f"named in the dashboard or the rules but not in Prometheus: {missing}"
     # The vLLM-named records read the same figures: a vLLM dashboard's TTFT quantile has a value.
-    assert prometheus.finite_values(
-        f"histogram_quantile(0.99, sum by (le) (rate(vllm:time_to_first_token_seconds_bucket[{RATE_INTERVAL}])))"
-    )
+    assert prometheus.finite_values(f"histogram_quantile(0.99, sum by (le) (rate(vllm:time_to_first_token_seconds_bucket[{RATE_INTERVAL}])))")
     # The vLLM-named token counter is the adapter's own (the totals, not a window's increase: the
     # checks above can outlast a minute on a busy machine).
     generated = prometheus.finite_values("sum(vllm:generation_tokens_total)")
@@ -151,5 +151,7 @@ def test_every_dashboard_query_returns_data_after_a_short_load(prometheus: Prome
     # Both rounds' refusals, counted for their tenant (the next scrape brings the second).
     wait_for(
         lambda: prometheus.finite_values('sluice_ratelimit_tenant_denials_total{tenant="observability-e2e"} >= 2') != [],
-        "both refusals counted for the tenant", timeout_s=10, poll_s=0.5,
+        "both refusals counted for the tenant",
+        timeout_s=10,
+        poll_s=0.5,
     )

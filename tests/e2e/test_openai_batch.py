@@ -53,9 +53,7 @@ def test_a_batch_runs_on_the_job_workers_and_answers_as_the_endpoint(client: ope
     lines.append(chat_line("unknown-model", "Hi.", model="no-such-model"))  # valid JSON, fails when run
     uploaded = client.files.create(file=("questions.jsonl", jsonl(lines)), purpose="batch")
     assert uploaded.purpose == "batch" and uploaded.bytes == len(jsonl(lines))
-    created = client.batches.create(
-        input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h", metadata={"suite": "e2e"}
-    )
+    created = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h", metadata={"suite": "e2e"})
     assert created.status in ("validating", "in_progress") and created.metadata == {"suite": "e2e"}
     assert created.request_counts is not None and created.request_counts.total == 4
 

@@ -246,9 +246,7 @@ def test_rate_limited_is_429_with_retry_after_and_ratelimit_headers(stack: Stack
 def test_no_adapter_to_serve_is_503_with_retry_after(stack: Stack, tmp_path: Path) -> None:
     """A gateway whose only adapter has died: OpenAI's 503 (its SDK retries those), not a 500 or a hang."""
     adapter, adapter_address, _ = stack.add_adapter("adapter-openai-503")
-    gateway, _ = start_gateway(
-        stack, tmp_path, "gateway-openai-503", stack.ratelimit_address, http_port=ANY_PORT, adapter_url=adapter_address
-    )
+    gateway, _ = start_gateway(stack, tmp_path, "gateway-openai-503", stack.ratelimit_address, http_port=ANY_PORT, adapter_url=adapter_address)
     try:
         served = openai.OpenAI(base_url=f"http://127.0.0.1:{gateway.ports['http']}/v1", api_key=DEMO_KEY, max_retries=0, timeout=60)
         assert served.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=2).choices[0].finish_reason

@@ -17,7 +17,6 @@ from conftest import DEMO_KEY, EMBEDDING_MODEL, MODEL
 from sluice_stack import REPO_ROOT, Stack
 
 
-
 def honour_nullable(node: Any) -> Any:
     """OpenAI's document says `nullable: true` (OpenAPI 3.0's keyword, which JSON Schema ignores):
     allow null there, as OpenAPI means, and nowhere else. An optional property that is not nullable
@@ -193,10 +192,14 @@ def upload(stack: Stack, name: str, content: bytes) -> tuple[int, bytes]:
     """POST /v1/files as multipart/form-data, the way OpenAI's clients send it."""
     boundary = "sluice-schema-test"
     parts = (
-        f'--{boundary}\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch\r\n'
-        f'--{boundary}\r\nContent-Disposition: form-data; name="file"; filename="{name}"\r\n'
-        "Content-Type: application/jsonl\r\n\r\n"
-    ).encode() + content + f"\r\n--{boundary}--\r\n".encode()
+        (
+            f'--{boundary}\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch\r\n'
+            f'--{boundary}\r\nContent-Disposition: form-data; name="file"; filename="{name}"\r\n'
+            "Content-Type: application/jsonl\r\n\r\n"
+        ).encode()
+        + content
+        + f"\r\n--{boundary}--\r\n".encode()
+    )
     headers = {"Authorization": f"Bearer {DEMO_KEY}", "Content-Type": f"multipart/form-data; boundary={boundary}"}
     request = urllib.request.Request(f"{stack.openai_base_url}/files", data=parts, headers=headers, method="POST")
     with urllib.request.urlopen(request, timeout=60) as reply:

@@ -139,7 +139,9 @@ def test_every_sampling_option_is_honoured_as_on_the_step_path(stub, gateway) ->
     assert seeded and seeded == text(gateway, sampling)
     assert text(stub, types_pb2.SamplingParams(max_tokens=3, logit_bias={21285: 100.0})) == " banana" * 3
     # structured_outputs as the backend reads it (JSON text of StructuredOutputsParams), as on the step path.
-    pick = types_pb2.SamplingParams(max_tokens=8, temperature=1.0, seed=3, structured_outputs=types_pb2.StructuredOutputs(choice=types_pb2.ChoiceList(options=["tide", "reef"])))
+    pick = types_pb2.SamplingParams(
+        max_tokens=8, temperature=1.0, seed=3, structured_outputs=types_pb2.StructuredOutputs(choice=types_pb2.ChoiceList(options=["tide", "reef"]))
+    )
     assert text(stub, pick) in ("tide", "reef") and text(stub, pick) == text(gateway, pick)
 
 
@@ -242,7 +244,9 @@ def test_in_flight_bound_and_priority_order(stub, passthrough: Stack) -> None:
     threads.append(start("interactive", chat("Say hi.", 3)))
     # One scrape showing all four waiting at once: from here the adapter's choice, not arrival order,
     # decides who goes next. If a long stream ended first this never shows: make them longer.
-    wait_for(lambda: waiting_requests(adapter) == {"interactive": 1, "bulk": 3}, "all four later requests waiting together", timeout_s=30, poll_s=0.02)
+    wait_for(
+        lambda: waiting_requests(adapter) == {"interactive": 1, "bulk": 3}, "all four later requests waiting together", timeout_s=30, poll_s=0.02
+    )
     for thread in threads:
         thread.join(timeout=180)
     stop_sampling.set()
@@ -250,7 +254,6 @@ def test_in_flight_bound_and_priority_order(stub, passthrough: Stack) -> None:
     assert peak["slots"] <= IN_FLIGHT
     assert [finish[f"long{i}"].usage.completion_tokens for i in range(2)] == [96, 256], "a long stream stopped early"
     assert all(first_token_at["interactive"] < first_token_at[f"bulk{i}"] for i in range(3))
-
 
 
 def test_logprobs_through_the_vllm_interface_are_the_step_paths(stub, gateway) -> None:
@@ -261,7 +264,11 @@ def test_logprobs_through_the_vllm_interface_are_the_step_paths(stub, gateway) -
     request.sampling.logprobs = 3
 
     def entries(client):  # type: ignore[no-untyped-def]
-        return [(e.token, round(e.logprob, 4), [t.token for t in e.top_logprobs]) for r in client.Generate(request, metadata=auth(), timeout=120) for e in r.logprobs]
+        return [
+            (e.token, round(e.logprob, 4), [t.token for t in e.top_logprobs])
+            for r in client.Generate(request, metadata=auth(), timeout=120)
+            for e in r.logprobs
+        ]
 
     through_vllm = entries(stub)
     assert through_vllm and all(len(top) == 3 and top[0] == token for token, _, top in through_vllm)

@@ -93,9 +93,7 @@ def test_too_many_prompts_are_400_naming_prompt(client: openai.OpenAI) -> None:
 
 
 def test_grpc_takes_token_ids_and_refuses_an_id_outside_the_vocabulary(gateway) -> None:  # type: ignore[no-untyped-def]
-    request = gateway_pb2.GenerateRequest(
-        model=MODEL, prompt_token_ids=FRANCE_IDS, sampling=types_pb2.SamplingParams(max_tokens=8, temperature=0.0)
-    )
+    request = gateway_pb2.GenerateRequest(model=MODEL, prompt_token_ids=FRANCE_IDS, sampling=types_pb2.SamplingParams(max_tokens=8, temperature=0.0))
     responses = list(gateway.Generate(request, metadata=auth(), timeout=120))
     assert responses[-1].finish_reason in (types_pb2.FINISH_REASON_STOP, types_pb2.FINISH_REASON_LENGTH)
     assert responses[-1].usage.prompt_tokens == len(FRANCE_IDS)

@@ -146,7 +146,8 @@ def _http_stream(gateway: ServiceProcess) -> None:
     HTTPError on a 429)."""
     body = {"model": MODEL, "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 2, "stream": True}
     sent = urllib.request.Request(
-        f"http://127.0.0.1:{gateway.ports['http']}/v1/chat/completions", data=json.dumps(body).encode(),
+        f"http://127.0.0.1:{gateway.ports['http']}/v1/chat/completions",
+        data=json.dumps(body).encode(),
         headers={"Content-Type": "application/json", "Authorization": f"Bearer {DEMO_KEY}"},
     )
     with urllib.request.urlopen(sent, timeout=60) as response:
@@ -240,7 +241,9 @@ def test_embed_past_the_requests_per_minute_is_resource_exhausted_with_retry_inf
     assert_denied_by_requests_per_minute(caught.value, EMBEDDING_MODEL)
 
 
-def test_an_unreachable_rate_limit_fails_closed_within_the_deadline(stack: Stack, tmp_path: Path, record_property: Callable[[str, object], None]) -> None:
+def test_an_unreachable_rate_limit_fails_closed_within_the_deadline(
+    stack: Stack, tmp_path: Path, record_property: Callable[[str, object], None]
+) -> None:
     # A port this test holds bound but not listening: connections to it are refused, and no other
     # process can start serving on it meanwhile.
     held = socket.socket()

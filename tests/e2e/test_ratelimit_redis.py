@@ -33,9 +33,7 @@ def test_two_replicas_on_redis_hold_one_global_limit(tmp_path: Path) -> None:
     # On this shared 2-core machine a starved event loop now and then sees a Redis call pass the
     # 100 ms timeout; a breaker that opens after 3 of them would make this a test of the outage
     # policy (the next test's subject) instead of the global limit.
-    settings = dict(
-        backend="redis", redis_url=SHARED_REDIS, redis_prefix=prefix, replicas="2", window_s=str(WINDOW_S), breaker_failures="50"
-    )
+    settings = dict(backend="redis", redis_url=SHARED_REDIS, redis_prefix=prefix, replicas="2", window_s=str(WINDOW_S), breaker_failures="50")
     first, address_1 = start_ratelimit(tmp_path, "rate-limit-a", limits, **settings)
     try:
         second, address_2 = start_ratelimit(tmp_path, "rate-limit-b", limits, **settings)

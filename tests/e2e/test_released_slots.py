@@ -68,7 +68,9 @@ def question(name: str, max_tokens: int) -> inference_pb2.GenerateRequest:
     )
 
 
-def test_after_a_timed_out_step_under_a_full_batch_the_next_request_is_served_within_2s(stack: Stack, record_property: Callable[[str, object], None]) -> None:
+def test_after_a_timed_out_step_under_a_full_batch_the_next_request_is_served_within_2s(
+    stack: Stack, record_property: Callable[[str, object], None]
+) -> None:
     channel = grpc.insecure_channel(stack.adapter_address)
     stub = inference_pb2_grpc.InferenceServiceStub(channel)
     for index in range(12):  # enough decode and prefill steps for the step timeout to leave its ceiling

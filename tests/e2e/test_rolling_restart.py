@@ -143,7 +143,9 @@ def faulty_adapter(stack: Stack) -> Iterator[tuple[ServiceProcess, str]]:
     stack.services.remove(service)
 
 
-def test_a_scheduler_killed_by_a_fault_turns_health_not_serving_and_fails_its_calls(faulty_adapter, record_property: Callable[[str, object], None]) -> None:  # type: ignore[no-untyped-def]
+def test_a_scheduler_killed_by_a_fault_turns_health_not_serving_and_fails_its_calls(
+    faulty_adapter, record_property: Callable[[str, object], None]
+) -> None:  # type: ignore[no-untyped-def]
     service, address = faulty_adapter
     outcomes: list[str] = []
     first_tokens = threading.Semaphore(0)

@@ -106,7 +106,9 @@ def test_greedy_text_through_the_stack_equals_the_engine_alone_at_every_round_le
             assert rounds_longer_than_one(metrics) > 0, f"MAX_ROUND_STEPS {steps} never ran a round of several steps"
 
 
-def test_a_stream_cancelled_mid_round_leaves_the_engine_within_one_step(adapters, stack: Stack, record_property: Callable[[str, object], None]) -> None:  # type: ignore[no-untyped-def]
+def test_a_stream_cancelled_mid_round_leaves_the_engine_within_one_step(
+    adapters, stack: Stack, record_property: Callable[[str, object], None]
+) -> None:  # type: ignore[no-untyped-def]
     """The cancel crosses the adapter and Triton as a release request that reaches the engine while
     the round runs (not after it): the round releases the sequence at its next step. Counted from the
     client's cancel, the steps include the ones made while the cancel travels (two processes and

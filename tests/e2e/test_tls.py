@@ -71,9 +71,7 @@ async def _status_or_code(target: str, tls: ClientTLS | None) -> object:
 
 def test_bootstrap_mutual_tls_serves_a_client_with_a_certificate_and_refuses_others(pki) -> None:
     async def scenario() -> list[object]:
-        running = await create_server(
-            "127.0.0.1", 0, -1, lambda server: [], tls=ServerTLS(pki["adapter_cert"], pki["adapter_key"], pki["ca"])
-        )
+        running = await create_server("127.0.0.1", 0, -1, lambda server: [], tls=ServerTLS(pki["adapter_cert"], pki["adapter_key"], pki["ca"]))
         target = f"127.0.0.1:{running.port}"
         try:
             return [
@@ -131,9 +129,7 @@ def test_bootstrap_serves_renewed_certificate_files_without_a_restart(pki, tmp_p
 def test_tls_settings_are_off_by_default_and_checked_when_set(pki) -> None:
     assert load_config(ServerConfig, "EX_", environ={}).server_tls("EX_") is None
     environ = {"EX_TLS_CERT_FILE": pki["adapter_cert"], "EX_TLS_KEY_FILE": pki["adapter_key"], "EX_TLS_CLIENT_CA_FILE": pki["ca"]}
-    assert load_config(ServerConfig, "EX_", environ=environ).server_tls("EX_") == ServerTLS(
-        pki["adapter_cert"], pki["adapter_key"], pki["ca"]
-    )
+    assert load_config(ServerConfig, "EX_", environ=environ).server_tls("EX_") == ServerTLS(pki["adapter_cert"], pki["adapter_key"], pki["ca"])
     with pytest.raises(ConfigError, match="EX_TLS_KEY_FILE must be set"):
         load_config(ServerConfig, "EX_", environ={"EX_TLS_CERT_FILE": pki["adapter_cert"]}).server_tls("EX_")
     with pytest.raises(ConfigError, match="EX_TLS_CLIENT_CA_FILE=/nope is not a readable file"):

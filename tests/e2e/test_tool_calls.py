@@ -58,7 +58,11 @@ def test_a_two_turn_tool_conversation(client: openai.OpenAI, stream: bool) -> No
     [call] = choice.message.tool_calls or []
     assert call.function.name == "get_weather" and call.id  # type: ignore[union-attr]
     jsonschema.validate(json.loads(call.function.arguments), WEATHER_PARAMETERS)  # type: ignore[union-attr]
-    history = [*QUESTION, choice.message.model_dump(exclude_none=True), {"role": "tool", "tool_call_id": call.id, "content": "-3 degrees and snowing"}]
+    history = [
+        *QUESTION,
+        choice.message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": "-3 degrees and snowing"},
+    ]
     answer = client.chat.completions.create(model=MODEL, messages=history, tools=TOOLS, tool_choice="none", max_tokens=24)  # type: ignore[arg-type]
     assert answer.choices[0].finish_reason in ("stop", "length") and answer.choices[0].message.content
     assert not answer.choices[0].message.tool_calls

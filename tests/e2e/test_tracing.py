@@ -38,18 +38,18 @@ def rpc(spans: list[ReceivedSpan], service: str, kind: int, method: str) -> list
     return [s for s in spans if s.service == service and s.kind == kind and s.attributes.get("rpc.method") == method]
 
 
-def test_a_streamed_chat_with_a_traceparent_is_one_trace_across_every_service(
-    stack: Stack, gateway: Any, otlp_receiver: OtlpReceiver
-) -> None:
+def test_a_streamed_chat_with_a_traceparent_is_one_trace_across_every_service(stack: Stack, gateway: Any, otlp_receiver: OtlpReceiver) -> None:
     traceparent, trace_id, parent_id = new_traceparent()
     chunks = list(gateway.Generate(chat("Name a colour.", max_tokens=6), metadata=(*auth(), ("traceparent", traceparent)), timeout=60))
     usage = chunks[-1].usage
 
     def complete(spans: list[ReceivedSpan]) -> bool:
         services = {s.service for s in spans}
-        return {"gateway", "rate-limit", "inference-adapter", "evaluation-logging"} <= services and any(
-            s.name == "triton.step_round" for s in spans
-        ) and len(rpc(spans, "rate-limit", SERVER, "Commit")) == 1
+        return (
+            {"gateway", "rate-limit", "inference-adapter", "evaluation-logging"} <= services
+            and any(s.name == "triton.step_round" for s in spans)
+            and len(rpc(spans, "rate-limit", SERVER, "Commit")) == 1
+        )
 
     spans = otlp_receiver.wait_for(trace_id, complete)
     by_id = {s.span_id: s for s in spans}
@@ -131,9 +131,7 @@ def test_a_job_of_three_rows_is_one_trace_with_a_span_per_row(stack: Stack, gate
     assert wait_job(gateway, job_id).completed_rows == 3
 
     def complete(spans: list[ReceivedSpan]) -> bool:
-        return sum(1 for s in spans if s.name == "sluice.job.row") == 3 and sum(
-            1 for s in spans if s.name == "chat smollm2-135m-instruct"
-        ) == 3
+        return sum(1 for s in spans if s.name == "sluice.job.row") == 3 and sum(1 for s in spans if s.name == "chat smollm2-135m-instruct") == 3
 
     spans = otlp_receiver.wait_for(trace_id, complete)
     (job,) = [s for s in spans if s.service == "gateway-worker" and s.kind == CONSUMER and s.name.startswith("process ")]

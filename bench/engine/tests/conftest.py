@@ -16,9 +16,7 @@ def run_script(script: str, *args: str, **env: str) -> subprocess.CompletedProce
     """One of this folder's scripts in a fresh process of this interpreter, with one BLAS thread
     (BLAS threads are fixed at numpy's import)."""
     environ = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", **env)
-    return subprocess.run(
-        [sys.executable, str(SCRIPTS / script), *args], env=environ, capture_output=True, text=True, timeout=600, check=False
-    )
+    return subprocess.run([sys.executable, str(SCRIPTS / script), *args], env=environ, capture_output=True, text=True, timeout=600, check=False)
 
 
 def run_bench(script: str, *args: str) -> dict[str, Any]:

@@ -165,8 +165,7 @@ class ServiceWindow:
         extras = set(self.extra_models())
         return ServiceWindow(
             tuple(
-                Scrape(scrape.at, {key: value for key, value in scrape.samples.items() if _keeps(key[1], model, extras)})
-                for scrape in self.scrapes
+                Scrape(scrape.at, {key: value for key, value in scrape.samples.items() if _keeps(key[1], model, extras)}) for scrape in self.scrapes
             )
         )
 
@@ -649,9 +648,7 @@ def render(report: Report) -> str:
     """The table, the event-loop lag of every service, and the verdict."""
     rows = [COLUMNS]
     for hop in report.hops:
-        shares = ", ".join(
-            [f"{name} {value:.0%}" for name, value in hop.shares.items()] + [f"{name} {n:.0f}" for name, n in hop.events.items()]
-        )
+        shares = ", ".join([f"{name} {value:.0%}" for name, value in hop.shares.items()] + [f"{name} {n:.0f}" for name, n in hop.events.items()])
         rows.append(
             (
                 hop.name,

@@ -163,7 +163,11 @@ class Probe:
 
 
 async def collect(
-    urls: dict[str, str], duration_s: float, interval_s: float, probe: Probe | None, ratelimit: str | None,
+    urls: dict[str, str],
+    duration_s: float,
+    interval_s: float,
+    probe: Probe | None,
+    ratelimit: str | None,
     record: Path | None = None,
 ) -> d.Report:
     """Scrapes every `interval_s` for `duration_s` (under the probe's load, when there is one)."""
@@ -193,11 +197,7 @@ async def collect(
             await channel.close()
     if record is not None:
         d.save_recording(record, texts, budgets, probe.stats if probe is not None else None)
-    windows = {
-        name: d.ServiceWindow(tuple(d.parse_scrape(text, at) for at, text in scraped))
-        for name, scraped in texts.items()
-        if len(scraped) >= 2
-    }
+    windows = {name: d.ServiceWindow(tuple(d.parse_scrape(text, at) for at, text in scraped)) for name, scraped in texts.items() if len(scraped) >= 2}
     unreachable = [name for name in urls if name not in windows]
     return d.analyze(windows, budgets, probe.stats if probe is not None else None, unreachable)
 
@@ -244,21 +244,29 @@ def _print(report: d.Report, as_json: bool) -> int:
 
 
 def add_diagnose_parser(commands: Any) -> None:
-    diagnose = commands.add_parser(
-        "diagnose", help="where a fan-out serializes: configured vs effective concurrency per hop (Little's law)"
+    diagnose = commands.add_parser("diagnose", help="where a fan-out serializes: configured vs effective concurrency per hop (Little's law)")
+    diagnose.add_argument(
+        "--probe",
+        type=int,
+        default=0,
+        metavar="N",
+        help=f"drive N concurrent Generate streams through the gateway during the window (at most {MAX_PROBE}; default 0: observe live traffic)",
     )
-    diagnose.add_argument("--probe", type=int, default=0, metavar="N",
-                          help=f"drive N concurrent Generate streams through the gateway during the window (at most {MAX_PROBE}; default 0: observe live traffic)")
-    diagnose.add_argument("--duration", type=float, default=10.0,
-                          help=f"the measured window in seconds (at most {MAX_DURATION_S:.0f}; default 10)")
+    diagnose.add_argument("--duration", type=float, default=10.0, help=f"the measured window in seconds (at most {MAX_DURATION_S:.0f}; default 10)")
     diagnose.add_argument("--interval", type=float, default=0.5, help="seconds between scrapes (gauge samples; default 0.5)")
     diagnose.add_argument("--model", default="smollm2-135m-instruct", help="the probe's model")
     diagnose.add_argument("--max-tokens", type=int, default=16, help="the probe's max_tokens per stream (default 16)")
-    diagnose.add_argument("--metrics", action="append", metavar="NAME=HOST:PORT",
-                          help="a service's metrics endpoint, repeatable; given, it replaces the defaults"
-                               " (every service on 127.0.0.1 at its default metrics port)")
-    diagnose.add_argument("--ratelimit", default=os.environ.get("SLUICE_RATELIMIT_URL", "127.0.0.1:50071"),
-                          help="rate-limit's gRPC address, asked for its budgets (GetUsage); empty: not asked")
+    diagnose.add_argument(
+        "--metrics",
+        action="append",
+        metavar="NAME=HOST:PORT",
+        help="a service's metrics endpoint, repeatable; given, it replaces the defaults (every service on 127.0.0.1 at its default metrics port)",
+    )
+    diagnose.add_argument(
+        "--ratelimit",
+        default=os.environ.get("SLUICE_RATELIMIT_URL", "127.0.0.1:50071"),
+        help="rate-limit's gRPC address, asked for its budgets (GetUsage); empty: not asked",
+    )
     diagnose.add_argument("--json", action="store_true", help="the report as JSON")
     diagnose.add_argument("--record", default="", metavar="DIR", help="also write every scrape to DIR (for --replay)")
     diagnose.add_argument("--replay", default="", metavar="DIR", help="analyze what --record wrote to DIR; scrape nothing")

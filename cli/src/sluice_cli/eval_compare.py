@@ -73,7 +73,7 @@ def _row(number: int, data: object, source: str) -> DatasetRow:
         if not isinstance(messages, list) or not all(
             isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in messages
         ):
-            raise DatasetError(f"{where}: messages must be a list of {{\"role\": ..., \"content\": ...}}")
+            raise DatasetError(f'{where}: messages must be a list of {{"role": ..., "content": ...}}')
     return DatasetRow(custom_id, prompt, tuple((m["role"], m["content"]) for m in messages), reference)
 
 
@@ -258,10 +258,7 @@ def _n(stats: SideStats) -> str:
 
 def render(report: Report, a: Side, b: Side) -> str:
     """The side-by-side table and the verdict line."""
-    head = (
-        f"{'EVALUATOR':<22} {'BETTER':<6} {'MEAN A':>10} {'MEAN B':>10} {'PASS A':>7} {'PASS B':>7}"
-        f" {'DELTA':>7} {'N A':>6} {'N B':>6}  VERDICT"
-    )
+    head = f"{'EVALUATOR':<22} {'BETTER':<6} {'MEAN A':>10} {'MEAN B':>10} {'PASS A':>7} {'PASS B':>7} {'DELTA':>7} {'N A':>6} {'N B':>6}  VERDICT"
     out = [f"A: {a.describe()}", f"B: {b.describe()}", "", head]
     for line in report.lines:
         both = line.comparable

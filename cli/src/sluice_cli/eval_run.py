@@ -224,7 +224,11 @@ def run_eval(args: argparse.Namespace) -> int:
     print(render(report, a, b))
     if args.output:
         Path(args.output).write_text("".join(json.dumps(per_row[r.custom_id], sort_keys=True) + "\n" for r in rows if r.custom_id in per_row))
-    unsettled = [f"{side.label} ({job_id}: {jobs_pb2.JobState.Name(job.state)})" for (side, job_id), job in zip(sides, states, strict=True) if job.state != jobs_pb2.JOB_STATE_COMPLETED]
+    unsettled = [
+        f"{side.label} ({job_id}: {jobs_pb2.JobState.Name(job.state)})"
+        for (side, job_id), job in zip(sides, states, strict=True)
+        if job.state != jobs_pb2.JOB_STATE_COMPLETED
+    ]
     if unsettled:
         raise EvalFailed(f"job(s) did not complete: {', '.join(unsettled)}; the table counts their missing rows as failed")
     return report.exit_code
@@ -263,13 +267,19 @@ def add_eval_parser(commands: Any) -> None:
     command.add_argument("--dataset", required=True, help='JSON lines: {"id"?, "prompt" | "messages", "reference"?}')
     command.add_argument("--model-a", default=DEFAULT_MODEL, help=f"side A's model (default {DEFAULT_MODEL})")
     command.add_argument("--model-b", default="", help="side B's model (default: --model-a, to compare configurations)")
-    command.add_argument("--sampling-a", default="", help="side A's sampling, like temperature=0.7,top_p=0.9,seed=7,max_tokens=32,stop=X (any SamplingParams option; logit_bias=ID:BIAS)")
+    command.add_argument(
+        "--sampling-a",
+        default="",
+        help="side A's sampling, like temperature=0.7,top_p=0.9,seed=7,max_tokens=32,stop=X (any SamplingParams option; logit_bias=ID:BIAS)",
+    )
     command.add_argument("--sampling-b", default="", help="side B's sampling (same form)")
     command.add_argument("--max-tokens", type=int, default=64, help="max_tokens of both sides unless their --sampling sets it (default 64)")
-    command.add_argument("--threshold", type=_threshold, default=0.05,
-                         help="largest drop of B's pass rate below A's that is not a regression (default 0.05)")
-    command.add_argument("--evallog", default=os.environ.get("SLUICE_EVALLOG_URL", DEFAULT_EVALLOG),
-                         help="evaluation-logging's gRPC address (SLUICE_EVALLOG_URL)")
+    command.add_argument(
+        "--threshold", type=_threshold, default=0.05, help="largest drop of B's pass rate below A's that is not a regression (default 0.05)"
+    )
+    command.add_argument(
+        "--evallog", default=os.environ.get("SLUICE_EVALLOG_URL", DEFAULT_EVALLOG), help="evaluation-logging's gRPC address (SLUICE_EVALLOG_URL)"
+    )
     command.add_argument("--timeout", type=float, default=3600.0, help="how long to wait for each job, in seconds (default 3600)")
     command.add_argument("-o", "--output", default="", help="write each row's outputs and scores, both sides, as JSON lines")
     command.add_argument("-q", "--quiet", action="store_true", help="no progress bars")

@@ -1,11 +1,11 @@
 """`sluice jobs ...`: bulk jobs from a terminal (registered by main.build_parser).
 
-    sluice jobs submit rows.jsonl        one JobRow per line (JSON, as in the producer contract);
-                                         shows a progress bar, then writes <file>.results.jsonl and
-                                         <file>.errors.jsonl (override with --results/--errors)
-    sluice jobs status JOB_ID
-    sluice jobs results JOB_ID [-o FILE] every RowResult as JSON lines
-    sluice jobs cancel JOB_ID
+sluice jobs submit rows.jsonl        one JobRow per line (JSON, as in the producer contract);
+                                     shows a progress bar, then writes <file>.results.jsonl and
+                                     <file>.errors.jsonl (override with --results/--errors)
+sluice jobs status JOB_ID
+sluice jobs results JOB_ID [-o FILE] every RowResult as JSON lines
+sluice jobs cancel JOB_ID
 """
 
 from __future__ import annotations

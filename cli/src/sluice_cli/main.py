@@ -190,8 +190,7 @@ def record_line(record: evallog_pb2.Record) -> str:
         f"{when}  {event.model:<24} {outcome:<10} {event.timings.total_time_ms:>8.0f} ms"
         f"  ttft {event.timings.time_to_first_token_ms:>6.0f} ms"
         f"  {event.usage.prompt_tokens:>5}+{event.usage.completion_tokens:<5} tok"
-        f"  {('failed: ' + ','.join(failed)) if failed else 'ok':<24}  {event.request_id}"
-        + (f"  trace {record.trace_id}" if record.trace_id else "")
+        f"  {('failed: ' + ','.join(failed)) if failed else 'ok':<24}  {event.request_id}" + (f"  trace {record.trace_id}" if record.trace_id else "")
     )
 
 
@@ -249,8 +248,12 @@ class _LogsClient:
         token = ""
         while len(found) < limit:
             request = evallog_pb2.QueryRecordsRequest(
-                tenant=self.tenant, model=self.model, page_size=min(1000, limit - len(found)), page_token=token,
-                user=self.user, metadata=self.pairs,
+                tenant=self.tenant,
+                model=self.model,
+                page_size=min(1000, limit - len(found)),
+                page_token=token,
+                user=self.user,
+                metadata=self.pairs,
             )
             if start is not None:
                 request.start_time.CopyFrom(_stamp(start))
@@ -343,8 +346,9 @@ def build_parser() -> argparse.ArgumentParser:
     commands.add_parser("models", help="list the models").set_defaults(func=cmd_models)
     commands.add_parser("health", help="show every service's health").set_defaults(func=cmd_health)
     logs = commands.add_parser("logs", help="recent completions and a summary table (from evaluation-logging)")
-    logs.add_argument("--evallog", default=os.environ.get("SLUICE_EVALLOG_URL", DEFAULT_EVALLOG),
-                      help="evaluation-logging's gRPC address (SLUICE_EVALLOG_URL)")
+    logs.add_argument(
+        "--evallog", default=os.environ.get("SLUICE_EVALLOG_URL", DEFAULT_EVALLOG), help="evaluation-logging's gRPC address (SLUICE_EVALLOG_URL)"
+    )
     logs.add_argument("--tenant-key", default="", help="API key of the tenant to read (default: --api-key / SLUICE_API_KEY)")
     logs.add_argument("--tenant", default="", help="tenant name (default: the key's own; another tenant is refused)")
     logs.add_argument("--model", default="", help="only this model")
@@ -352,8 +356,9 @@ def build_parser() -> argparse.ArgumentParser:
     logs.add_argument("--metadata", type=_pair, action="append", default=[], metavar="KEY=VALUE",
                       help="only completions whose request's metadata has KEY=VALUE (repeatable: all must match)")  # fmt: skip
     logs.add_argument("-n", "--limit", type=_positive_int, default=20, help="how many recent completions to list (default 20)")
-    logs.add_argument("--since", type=_duration_s, default=3600.0,
-                      help="window for the list and the summary, like 90s, 15m, 2h, 7d; 0 for all (default 1h)")
+    logs.add_argument(
+        "--since", type=_duration_s, default=3600.0, help="window for the list and the summary, like 90s, 15m, 2h, 7d; 0 for all (default 1h)"
+    )
     logs.add_argument("-f", "--follow", action="store_true", help="keep printing new completions until Ctrl-C")
     logs.add_argument("--interval", type=float, default=1.0, help="--follow polling interval in seconds (default 1)")
     logs.add_argument("--follow-for", type=float, default=0.0, help=argparse.SUPPRESS)  # tests: stop following after N s

@@ -32,9 +32,7 @@ def test_cgroup_v2_max_is_no_memory_limit(tmp_path: Path) -> None:
 
 
 def test_the_process_own_cgroup_v2_is_read_first(tmp_path: Path) -> None:
-    root, proc = cgroup(
-        tmp_path, {"memory.max": "max\n", "kubepods/pod1/memory.max": str(512 << 20)}, self_line="0::/kubepods/pod1\n"
-    )
+    root, proc = cgroup(tmp_path, {"memory.max": "max\n", "kubepods/pod1/memory.max": str(512 << 20)}, self_line="0::/kubepods/pod1\n")
     assert memory_limit(root, proc) == 512 << 20
 
 

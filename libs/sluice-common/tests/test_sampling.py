@@ -211,7 +211,12 @@ def test_a_malformed_structured_outputs_object_is_refused_naming_why(body: objec
 
 
 def test_a_constraint_set_by_hand_is_checked_by_problem() -> None:
-    for bad, named in ((StructuredOutputs("xml", "<a/>"), "must set one of"), (StructuredOutputs.choice([]), "non-empty list"), (StructuredOutputs.regex(""), "non-empty string"), (StructuredOutputs("json", "{"), "not valid JSON")):
+    for bad, named in (
+        (StructuredOutputs("xml", "<a/>"), "must set one of"),
+        (StructuredOutputs.choice([]), "non-empty list"),
+        (StructuredOutputs.regex(""), "non-empty string"),
+        (StructuredOutputs("json", "{"), "not valid JSON"),
+    ):
         found = problem(Sampling(max_tokens=1, structured_outputs=bad))
         assert found is not None and found[0] == "structured_outputs" and named in found[1], (bad, found)
 

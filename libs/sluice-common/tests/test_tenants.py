@@ -80,4 +80,3 @@ async def test_authorization_is_read_from_the_call_metadata() -> None:
 )
 def test_bearer_key(value: str | None, key: str) -> None:
     assert bearer_key(value) == key
-

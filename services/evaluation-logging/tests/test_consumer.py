@@ -45,9 +45,7 @@ def message(event) -> OutgoingMessage:  # type: ignore[no-untyped-def]
 async def test_publish_consume_store_dead_letter_and_replay(topology, tmp_path) -> None:  # type: ignore[no-untyped-def]
     metrics = PublisherMetrics.get("test_unit_publisher")
     # A tiny outbox: most of the 300 events take the spill-file path and come back from it.
-    publisher = ConfirmingPublisher(
-        AMQP_URL, topology.events_exchange, topology.declare, metrics, outbox_max=20, spill_path=tmp_path / "spill"
-    )
+    publisher = ConfirmingPublisher(AMQP_URL, topology.events_exchange, topology.declare, metrics, outbox_max=20, spill_path=tmp_path / "spill")
     events = [make_event() for _ in range(300)]
     for event in events:
         publisher.submit(message(event))
@@ -64,6 +62,7 @@ async def test_publish_consume_store_dead_letter_and_replay(topology, tmp_path) 
     )
     consumer.start()
     try:
+
         async def all_stored() -> bool:
             return await store.count() == 300
 

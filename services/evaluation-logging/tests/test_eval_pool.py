@@ -26,9 +26,7 @@ SETTINGS = EvalSettings(latency_slo_ms=1000, ttft_slo_ms=200, repetition_ngram=3
 
 def varied_events() -> list:  # type: ignore[type-arg]
     json_format = {"response_format": types_pb2.RESPONSE_FORMAT_JSON_OBJECT}
-    events = [
-        make_event(output=realistic_output(4000, seed)) for seed in range(20)
-    ] + [
+    events = [make_event(output=realistic_output(4000, seed)) for seed in range(20)] + [
         make_event(output="Call +44 20 7946 0958 or mail a.b@example.org; card 4111-1111-1111-1111, not 4111 1111 1111 1112."),
         make_event(output="again and again and again and again and again " * 40),
         make_event(output=json.dumps({"items": list(range(300)), "ok": True}), **json_format),

@@ -151,7 +151,9 @@ async def test_loop_lag_p99_stays_under_10_ms_with_the_pool_and_not_inline(tmp_p
     pooled = min(attempts, key=lambda run: run.p99_s)
     inline = await consume_measuring_lag(0, tmp_path)
     with capsys.disabled():
-        print(f"\nevent-loop lag while consuming {EVENTS} events of {OUTPUT_CHARS} chars:\n  pool (1 process): {pooled}\n  inline:           {inline}")
+        print(
+            f"\nevent-loop lag while consuming {EVENTS} events of {OUTPUT_CHARS} chars:\n  pool (1 process): {pooled}\n  inline:           {inline}"
+        )
     # The work is heavy: inline, the CPU-heavy evaluators take 100+ ms of the loop per batch.
     assert inline.heavy_s_per_batch >= 0.1, inline
     assert pooled.p99_s < P99_LIMIT_S, pooled

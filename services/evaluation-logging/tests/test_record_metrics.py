@@ -11,9 +11,22 @@ from sluice_evaluation_logging.model import RecordRow
 
 def row(finished_at: float, *scores: ScoreResult) -> RecordRow:
     return RecordRow(
-        event_id="e", tenant="t", model="m", priority_class=1, request_id="r", finish_reason=1, error_code="",
-        input_tokens=1, output_tokens=1, latency_ms=1.0, ttft_ms=1.0, started_at=finished_at, finished_at=finished_at,
-        text_logged=False, event=b"", scores=scores,
+        event_id="e",
+        tenant="t",
+        model="m",
+        priority_class=1,
+        request_id="r",
+        finish_reason=1,
+        error_code="",
+        input_tokens=1,
+        output_tokens=1,
+        latency_ms=1.0,
+        ttft_ms=1.0,
+        started_at=finished_at,
+        finished_at=finished_at,
+        text_logged=False,
+        event=b"",
+        scores=scores,
     )
 
 

@@ -65,9 +65,7 @@ class StandInAdapter(inference_pb2_grpc.InferenceServiceServicer):
         if self.mode == "unavailable":
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the embedding backend is down")
         assert request.priority_class == types_pb2.PRIORITY_CLASS_BULK
-        return inference_pb2.EmbedResponse(
-            embeddings=[types_pb2.Embedding(values=histogram(text)) for text in request.inputs]
-        )
+        return inference_pb2.EmbedResponse(embeddings=[types_pb2.Embedding(values=histogram(text)) for text in request.inputs])
 
     async def start(self) -> None:
         self.server = grpc.aio.server()
@@ -228,6 +226,7 @@ async def test_unavailable_embed_backs_off_and_keeps_the_markers(store, adapter)
     worker = worker_for(store, adapter, min_backoff_s=0.1, max_backoff_s=0.4)
     worker.start()
     try:
+
         async def tried_a_few_times() -> bool:
             return len(adapter.calls) >= 3
 
@@ -252,7 +251,10 @@ async def test_unavailable_embed_backs_off_and_keeps_the_markers(store, adapter)
 async def test_consumer_and_worker_over_rabbitmq_store_each_event_and_score_once(tmp_path, adapter) -> None:  # type: ignore[no-untyped-def]
     topology = EventTopology(f"sluice-unit-{uuid.uuid4().hex[:8]}")
     publisher = ConfirmingPublisher(
-        AMQP_URL, topology.events_exchange, topology.declare, PublisherMetrics.get("test_unit_similarity_publisher"),
+        AMQP_URL,
+        topology.events_exchange,
+        topology.declare,
+        PublisherMetrics.get("test_unit_similarity_publisher"),
         spill_path=tmp_path / "spill",
     )
     events = [make_event() for _ in range(120)]
@@ -271,6 +273,7 @@ async def test_consumer_and_worker_over_rabbitmq_store_each_event_and_score_once
     consumer.start()
     worker.start()
     try:
+
         async def all_scored() -> bool:
             return await store.count() == 120 and await store.pending_count() == 0
 
@@ -293,12 +296,16 @@ async def test_the_worker_gives_way_to_a_busy_consumer_but_still_progresses(stor
     await store.insert_batch(await consume_path_rows(events, adapter))
     busy = True
     worker = SimilarityWorker(
-        store, adapter.embedder, SETTINGS,  # type: ignore[attr-defined]
-        WorkerSettings(batch_max=2, poll_s=0.05, max_pause_s=0.4), busy=lambda: busy,
+        store,
+        adapter.embedder,
+        SETTINGS,  # type: ignore[attr-defined]
+        WorkerSettings(batch_max=2, poll_s=0.05, max_pause_s=0.4),
+        busy=lambda: busy,
     )
     started = asyncio.get_running_loop().time()
     worker.start()
     try:
+
         async def first_batch() -> bool:
             return await store.pending_count() < 3
 

@@ -51,9 +51,7 @@ def test_reservations_carry_model_priority_and_tokens() -> None:
     generate = generation_reservation(request("Hello there", max_tokens=16))
     prompt = prompt_estimate(request("Hello there"))
     assert generate == Reservation("m", types_pb2.PRIORITY_CLASS_INTERACTIVE, prompt, prompt + 16)
-    embed = embedding_reservation(
-        gateway_pb2.EmbedRequest(model="e", inputs=["abcdef"], priority_class=types_pb2.PRIORITY_CLASS_BULK)
-    )
+    embed = embedding_reservation(gateway_pb2.EmbedRequest(model="e", inputs=["abcdef"], priority_class=types_pb2.PRIORITY_CLASS_BULK))
     # Embeddings generate nothing: the reservation is the input estimate alone.
     assert embed == Reservation("e", types_pb2.PRIORITY_CLASS_BULK, 4, 4)
 
@@ -146,9 +144,7 @@ async def test_an_embedding_lease_reserves_its_estimate_and_commits_the_real_usa
     embed = gateway_pb2.EmbedRequest(model="e", inputs=["abcdef"] * 3, priority_class=types_pb2.PRIORITY_CLASS_BULK)
     ticket = await admission.admit("t", embedding_reservation(embed), time_remaining=10.0)
     acquired = stub.acquired[-1]
-    assert (acquired.model, acquired.priority_class, acquired.requests, acquired.reserved_tokens) == (
-        "e", types_pb2.PRIORITY_CLASS_BULK, 1, 12
-    )
+    assert (acquired.model, acquired.priority_class, acquired.requests, acquired.reserved_tokens) == ("e", types_pb2.PRIORITY_CLASS_BULK, 1, 12)
     assert acquired.lease_ttl.ToNanoseconds() > 0  # the caller's deadline bounds the lease
     ticket.record(types_pb2.Usage(prompt_tokens=9, total_tokens=9))
     ticket.settle()
@@ -180,9 +176,7 @@ class _TooLargeStub(_FakeStub):
     async def Acquire(self, request, timeout=None, metadata=None):  # noqa: N802 - the stub's name
         self.acquired.append(request)
         tokens = ratelimit_pb2.BudgetStatus(budget=ratelimit_pb2.BUDGET_TOKENS_PER_MINUTE, limit=200000, remaining=200000)
-        return ratelimit_pb2.AcquireResponse(
-            allowed=False, denied_by=ratelimit_pb2.BUDGET_TOKENS_PER_MINUTE, exceeds_limit=True, budgets=[tokens]
-        )
+        return ratelimit_pb2.AcquireResponse(allowed=False, denied_by=ratelimit_pb2.BUDGET_TOKENS_PER_MINUTE, exceeds_limit=True, budgets=[tokens])
 
 
 async def test_a_request_larger_than_the_whole_allowance_is_refused_without_a_retry_time() -> None:

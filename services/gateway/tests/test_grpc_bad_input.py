@@ -157,7 +157,11 @@ async def test_a_constraint_the_library_cannot_compile_is_invalid_argument_namin
 async def test_a_regex_choice_or_grammar_reaches_the_adapter_as_sent(gateway) -> None:  # type: ignore[no-untyped-def]
     channel, adapter = gateway
     stub = gateway_pb2_grpc.GatewayServiceStub(channel)
-    for sampling in (_constrained(regex="[0-9]+"), _constrained(choice=types_pb2.ChoiceList(options=["yes", "no"])), _constrained(grammar='start: "a"+')):
+    for sampling in (
+        _constrained(regex="[0-9]+"),
+        _constrained(choice=types_pb2.ChoiceList(options=["yes", "no"])),
+        _constrained(grammar='start: "a"+'),
+    ):
         async for _ in stub.Generate(gateway_pb2.GenerateRequest(model="g", prompt="x", sampling=sampling), metadata=AUTH):
             pass
         assert adapter.requests[-1].sampling == sampling
@@ -167,7 +171,9 @@ async def test_response_format_json_object_is_enforced_not_only_scored(gateway) 
     """A gRPC (or job) request asking for a JSON object is decoded under one, as OpenAI's is."""
     channel, adapter = gateway
     stub = gateway_pb2_grpc.GatewayServiceStub(channel)
-    request = gateway_pb2.GenerateRequest(model="g", prompt="x", sampling=types_pb2.SamplingParams(max_tokens=2), response_format=types_pb2.RESPONSE_FORMAT_JSON_OBJECT)
+    request = gateway_pb2.GenerateRequest(
+        model="g", prompt="x", sampling=types_pb2.SamplingParams(max_tokens=2), response_format=types_pb2.RESPONSE_FORMAT_JSON_OBJECT
+    )
     async for _ in stub.Generate(request, metadata=AUTH):
         pass
     assert adapter.requests[-1].sampling.structured_outputs == types_pb2.StructuredOutputs(json_object=True)
@@ -176,7 +182,6 @@ async def test_response_format_json_object_is_enforced_not_only_scored(gateway) 
     async for _ in stub.Generate(request, metadata=AUTH):
         pass
     assert adapter.requests[-1].sampling.structured_outputs.json == '{"type": "object"}'
-
 
 
 @pytest.mark.parametrize(

@@ -130,8 +130,14 @@ async def test_a_batch_is_a_job_and_its_results_become_files(setup: Setup) -> No
     progress = Batch.model_validate(await (await setup.client.get(f"/v1/batches/{batch.id}", headers=DEMO)).json())
     assert progress.status == "in_progress"
     for custom_id in ("one", "two"):
-        await setup.store.finish_row(jobs_pb2.RowResult(job_id=batch.id, custom_id=custom_id, output=f"hi {custom_id}", finish_reason=types_pb2.FINISH_REASON_STOP, usage=USAGE))
-    await setup.store.finish_row(jobs_pb2.RowResult(job_id=batch.id, custom_id="bad", error=jobs_pb2.RowError(code="INVALID_ARGUMENT", message="unknown model 'nope'")))
+        await setup.store.finish_row(
+            jobs_pb2.RowResult(
+                job_id=batch.id, custom_id=custom_id, output=f"hi {custom_id}", finish_reason=types_pb2.FINISH_REASON_STOP, usage=USAGE
+            )
+        )
+    await setup.store.finish_row(
+        jobs_pb2.RowResult(job_id=batch.id, custom_id="bad", error=jobs_pb2.RowError(code="INVALID_ARGUMENT", message="unknown model 'nope'"))
+    )
     await setup.store.summary_told(batch.id)
 
     done = Batch.model_validate(await (await setup.client.get(f"/v1/batches/{batch.id}", headers=DEMO)).json())
@@ -142,7 +148,9 @@ async def test_a_batch_is_a_job_and_its_results_become_files(setup: Setup) -> No
     records = [json.loads(x) for x in output.splitlines()]
     assert [r["custom_id"] for r in records] == ["one", "two"]
     assert ChatCompletion.model_validate(records[0]["response"]["body"]).choices[0].message.content == "hi one"
-    errors = [json.loads(x) for x in (await (await setup.client.get(f"/v1/files/{done.error_file_id}/content", headers=DEMO)).read()).decode().splitlines()]
+    errors = [
+        json.loads(x) for x in (await (await setup.client.get(f"/v1/files/{done.error_file_id}/content", headers=DEMO)).read()).decode().splitlines()
+    ]
     assert [(e["custom_id"], e["response"], e["error"]["code"]) for e in errors] == [("bad", None, "invalid_argument")]
     assert (await setup.client.get(f"/v1/files/{done.output_file_id}", headers=PRIVATE)).status == 404
     again = Batch.model_validate(await (await setup.client.get(f"/v1/batches/{batch.id}", headers=DEMO)).json())

@@ -145,7 +145,9 @@ def job(state: int, total: int = 2, completed: int = 0, failed: int = 0) -> jobs
 
 def test_batch_object_has_openais_shape_and_states() -> None:
     upstream = json.loads((UPSTREAM / "openai_batch_object.json").read_text())
-    reply = batch_object("batch_1", "/v1/chat/completions", "file-1", "24h", {"k": "v"}, 999.5, None, job(jobs_pb2.JOB_STATE_COMPLETED, 2, 1, 1), "file-o", "file-e")
+    reply = batch_object(
+        "batch_1", "/v1/chat/completions", "file-1", "24h", {"k": "v"}, 999.5, None, job(jobs_pb2.JOB_STATE_COMPLETED, 2, 1, 1), "file-o", "file-e"
+    )
     # OpenAI's example object's fields, less those not set in this state (optional, not nullable
     # in OpenAI's schema: omitted rather than null) and the per-state times the store does not keep.
     unset = {"errors", "in_progress_at", "finalizing_at", "failed_at", "expired_at", "cancelling_at", "cancelled_at"}
@@ -153,7 +155,11 @@ def test_batch_object_has_openais_shape_and_states() -> None:
     parsed = Batch.model_validate(reply)
     assert parsed.status == "completed" and parsed.completed_at == 1100 and parsed.created_at == 999
     assert parsed.expires_at == 1000 + 86400 and parsed.output_file_id == "file-o" and parsed.error_file_id == "file-e"
-    assert parsed.request_counts is not None and (parsed.request_counts.total, parsed.request_counts.completed, parsed.request_counts.failed) == (2, 1, 1)
+    assert parsed.request_counts is not None and (parsed.request_counts.total, parsed.request_counts.completed, parsed.request_counts.failed) == (
+        2,
+        1,
+        1,
+    )
     failed = job(jobs_pb2.JOB_STATE_FAILED)
     failed.error = "rows: a job needs at least one row"
     failed_reply = Batch.model_validate(batch_object("batch_1", "/v1/embeddings", "f", "24h", None, 1.0, None, failed))
@@ -183,7 +189,12 @@ def test_results_become_output_and_error_lines_as_the_endpoints_answer() -> None
     )
     lines = parse_batch_file(content.encode(), 10)
     results = [
-        jobs_pb2.RowResult(job_id="batch_1", custom_id="emb", embeddings=[types_pb2.Embedding(values=[0.5, 1.0])], usage=types_pb2.Usage(prompt_tokens=2, total_tokens=2)),
+        jobs_pb2.RowResult(
+            job_id="batch_1",
+            custom_id="emb",
+            embeddings=[types_pb2.Embedding(values=[0.5, 1.0])],
+            usage=types_pb2.Usage(prompt_tokens=2, total_tokens=2),
+        ),
         jobs_pb2.RowResult(job_id="batch_1", custom_id="chat", output="Hi!", finish_reason=types_pb2.FINISH_REASON_STOP, usage=USAGE),
         jobs_pb2.RowResult(job_id="batch_1", custom_id="bad", error=jobs_pb2.RowError(code="INVALID_ARGUMENT", message="unknown model")),
         jobs_pb2.RowResult(job_id="batch_1", custom_id="cut", output="Hi", finish_reason=types_pb2.FINISH_REASON_CANCELLED),

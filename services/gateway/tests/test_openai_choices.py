@@ -68,7 +68,11 @@ async def test_chat_n_with_logprobs_whole(per_choice) -> None:  # type: ignore[n
     assert [(t.token, t.logprob, t.bytes) for t in content] == [("A1", -0.5, list(b"A1")), (" b", -0.25, list(b" b"))]
     assert [t.token for t in content[0].top_logprobs] == ["A1", "Z"]
     # n calls of n = 1, choice i seeded 10 + i, each asking for 2 alternatives.
-    assert [(r.sampling.HasField("n"), r.sampling.seed, r.sampling.logprobs) for r in adapter.requests] == [(False, 10, 2), (False, 11, 2), (False, 12, 2)]
+    assert [(r.sampling.HasField("n"), r.sampling.seed, r.sampling.logprobs) for r in adapter.requests] == [
+        (False, 10, 2),
+        (False, 11, 2),
+        (False, 12, 2),
+    ]
 
 
 async def test_chat_n_streamed_interleaves_choices_with_their_index(per_choice) -> None:  # type: ignore[no-untyped-def]

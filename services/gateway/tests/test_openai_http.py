@@ -377,7 +377,12 @@ async def test_a_token_the_engine_does_not_know_is_a_400_naming_logit_bias(setup
         assert "49152" in error["message"]
 
 
-PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer", "minimum": 0}}, "required": ["name", "age"], "additionalProperties": False}
+PERSON = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "age": {"type": "integer", "minimum": 0}},
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
 
 
 @pytest.mark.parametrize(
@@ -394,7 +399,9 @@ PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"
         ({"structured_outputs": {"grammar": 'start: "a"+'}}, StructuredOutputs.grammar('start: "a"+'), types_pb2.RESPONSE_FORMAT_UNSPECIFIED),
     ],
 )
-async def test_structured_output_reaches_the_adapter_as_a_constraint(setup, changes: dict[str, Any], expected: StructuredOutputs, response_format: int) -> None:  # type: ignore[no-untyped-def]
+async def test_structured_output_reaches_the_adapter_as_a_constraint(
+    setup, changes: dict[str, Any], expected: StructuredOutputs, response_format: int
+) -> None:  # type: ignore[no-untyped-def]
     """json_object is enforced while decoding, not only scored afterwards (and the completion event
     still says a JSON object was asked for, for the evaluators)."""
     from sluice.evallog.v1 import events_pb2
@@ -409,11 +416,19 @@ async def test_structured_output_reaches_the_adapter_as_a_constraint(setup, chan
 @pytest.mark.parametrize(
     ("changes", "param", "named"),
     [
-        ({"response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": {"type": "object", "if": {}, "then": {}}}}}, "response_format", "if"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": {"type": "object", "if": {}, "then": {}}}}},
+            "response_format",
+            "if",
+        ),
         ({"response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": {"type": "strin"}}}}, "response_format", "strin"),
         ({"response_format": {"type": "json_schema", "json_schema": {"schema": PERSON}}}, "response_format.json_schema.name", "name"),
         ({"response_format": {"type": "json_schema", "json_schema": {"name": "p"}}}, "response_format.json_schema.schema", "schema"),
-        ({"response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON, "extra": 1}}}, "response_format.json_schema.extra", "extra"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON, "extra": 1}}},
+            "response_format.json_schema.extra",
+            "extra",
+        ),
         ({"response_format": {"type": "xml"}}, "response_format", "xml"),
         ({"structured_outputs": {"regex": "(unclosed"}}, "structured_outputs", "unclosed"),
         ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs", "exactly one"),
@@ -429,7 +444,14 @@ async def test_a_constraint_that_cannot_be_compiled_is_a_400_naming_it(setup, ch
     assert not adapter.requests  # refused before any lease or adapter call
 
 
-WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "description": "Weather now", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather now",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
 
 
 async def test_a_named_tool_choice_is_constrained_and_answered_as_tool_calls(setup) -> None:  # type: ignore[no-untyped-def]
@@ -469,7 +491,11 @@ async def test_a_tool_conversation_is_rendered_for_the_model(setup) -> None:  # 
     client, adapter, _, _ = setup
     messages = [
         {"role": "user", "content": "Weather in Oslo?"},
-        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}],
+        },
         {"role": "tool", "tool_call_id": "call_1", "content": "-3 C and snow"},
     ]
     reply = await client.post("/v1/chat/completions", json={"model": "g", "messages": messages, "tools": [WEATHER_TOOL]}, headers=AUTH)

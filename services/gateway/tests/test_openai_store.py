@@ -66,7 +66,9 @@ async def test_batches_cancelling_time_and_result_files_once(stores: tuple[JobSt
     jobs, store = stores
     for i, batch_id in enumerate(("batch_a", "batch_b")):
         await jobs.record_submitted(batch_id, "demo", 1, "", 86400.0)
-        await store.create_batch(StoredBatch(batch_id, "demo", "/v1/embeddings", "file-1", "24h", {"k": "v"} if i else None, 10.0 + i, None, None, None, False))
+        await store.create_batch(
+            StoredBatch(batch_id, "demo", "/v1/embeddings", "file-1", "24h", {"k": "v"} if i else None, 10.0 + i, None, None, None, False)
+        )
     batch = await store.get_batch("demo", "batch_a")
     assert batch is not None and batch.metadata is None and not batch.files_made and batch.output_file_id is None
     assert await store.get_batch("private", "batch_a") is None

@@ -72,17 +72,23 @@ def test_a_constrained_tool_choice_and_structured_outputs_are_refused_together()
 def test_the_rendering_shows_the_tools_the_calls_and_the_results_in_hermes_form() -> None:
     history = [
         types_pb2.ChatMessage(role="user", content="Weather in Oslo and Rome?"),
-        types_pb2.ChatMessage(role="assistant", tool_calls=[
-            types_pb2.ToolCall(id="c1", name="get_weather", arguments='{"city": "Oslo"}'),
-            types_pb2.ToolCall(id="c2", name="get_weather", arguments='{"city": "Rome"}'),
-        ]),  # fmt: skip
+        types_pb2.ChatMessage(
+            role="assistant",
+            tool_calls=[
+                types_pb2.ToolCall(id="c1", name="get_weather", arguments='{"city": "Oslo"}'),
+                types_pb2.ToolCall(id="c2", name="get_weather", arguments='{"city": "Rome"}'),
+            ],
+        ),  # fmt: skip
         types_pb2.ChatMessage(role="tool", tool_call_id="c1", content="-3 C"),
         types_pb2.ChatMessage(role="tool", tool_call_id="c2", content="18 C"),
     ]
     rendered = render(history, plan(tool_use(), types_pb2.SamplingParams()))
     assert [m.role for m in rendered] == ["system", "user", "assistant", "user"]
     assert "<tools>" in rendered[0].content and '"name": "get_weather"' in rendered[0].content and "<tool_call>" in rendered[0].content
-    assert rendered[2].content == f'{OPEN}\n{{"name": "get_weather", "arguments": {{"city": "Oslo"}}}}\n{CLOSE}\n{OPEN}\n{{"name": "get_weather", "arguments": {{"city": "Rome"}}}}\n{CLOSE}'
+    assert (
+        rendered[2].content
+        == f'{OPEN}\n{{"name": "get_weather", "arguments": {{"city": "Oslo"}}}}\n{CLOSE}\n{OPEN}\n{{"name": "get_weather", "arguments": {{"city": "Rome"}}}}\n{CLOSE}'
+    )
     assert rendered[3].content == "<tool_response>\n-3 C\n</tool_response>\n<tool_response>\n18 C\n</tool_response>"
     # A system prompt of the client's own comes first, the tools after it; tool_choice none hides them.
     with_system = render([types_pb2.ChatMessage(role="system", content="Be brief."), history[0]], plan(tool_use(), types_pb2.SamplingParams()))
@@ -91,7 +97,9 @@ def test_the_rendering_shows_the_tools_the_calls_and_the_results_in_hermes_form(
     assert [m.role for m in hidden] == ["user"]
 
 
-def _run(mode: int, pieces: list[str], finish: int = types_pb2.FINISH_REASON_STOP, function: str = "") -> tuple[str, str, int, list[types_pb2.ToolCall]]:
+def _run(
+    mode: int, pieces: list[str], finish: int = types_pb2.FINISH_REASON_STOP, function: str = ""
+) -> tuple[str, str, int, list[types_pb2.ToolCall]]:
     tool_plan = plan(tool_use(mode, function), types_pb2.SamplingParams())
     assert tool_plan is not None
     parser = tool_plan.parser()

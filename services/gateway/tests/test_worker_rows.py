@@ -106,4 +106,3 @@ async def test_a_row_that_cannot_fit_what_is_left_of_its_window_fails_without_ru
     # The same row in a job whose window leaves it room runs.
     fits = await attempts(job_worker, await row_task(store, max_tokens=20, window_s=10.0, job_id="j2"))
     assert isinstance(fits, jobs_pb2.RowResult) and not fits.HasField("error"), fits
-

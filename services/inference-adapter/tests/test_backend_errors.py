@@ -65,7 +65,7 @@ def test_tensorrt_llm_is_refused_with_the_reason() -> None:
 
 def test_a_python_traceback_gives_its_last_line() -> None:
     message = (
-        "[StatusCode.INTERNAL] Traceback (most recent call last):\n  File \"model.py\", line 3, in __call__\n"
+        '[StatusCode.INTERNAL] Traceback (most recent call last):\n  File "model.py", line 3, in __call__\n'
         "    raise ValueError(...)\nValueError: Error generating stream: The decoder prompt (length 9) is longer"
         " than the maximum model length of 8.\n"
     )

@@ -61,7 +61,9 @@ def test_a_jinja_file_is_the_template(tmp_path: Path) -> None:
 
 
 def test_raise_exception_in_the_template_is_a_clear_error(tmp_path: Path) -> None:
-    (tmp_path / "chat.jinja").write_text("{% if messages[0]['role'] != 'system' %}{{ raise_exception('a system message must come first') }}{% endif %}")
+    (tmp_path / "chat.jinja").write_text(
+        "{% if messages[0]['role'] != 'system' %}{{ raise_exception('a system message must come first') }}{% endif %}"
+    )
     with pytest.raises(ChatTemplateError, match="a system message must come first"):
         load_chat_template(str(tmp_path / "chat.jinja")).render(QUESTION)
 

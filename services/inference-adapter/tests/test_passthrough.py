@@ -135,7 +135,10 @@ async def test_a_refused_request_is_invalid_and_the_replica_stays_healthy() -> N
 async def test_a_refused_option_is_named_as_the_step_engine_names_it() -> None:
     finish, backend_failed, steps = await run_one(RejectingOption())
     assert finish.finish is Finish.INVALID and not backend_failed and steps == [True]
-    assert split_field_error(finish.error) == ("sampling.logit_bias", "token_id(s) [49152] in logit_bias contain out-of-vocab token ids. Vocabulary size: 49152")
+    assert split_field_error(finish.error) == (
+        "sampling.logit_bias",
+        "token_id(s) [49152] in logit_bias contain out-of-vocab token ids. Vocabulary size: 49152",
+    )
 
 
 async def test_a_failed_stream_counts_against_the_replica() -> None:

@@ -106,9 +106,7 @@ def test_an_extra_models_pool_on_the_same_replica_keeps_its_own_health_series() 
     main_backend, extra_backend = StepReplica("10.9.9.9:8001"), StepReplica("10.9.9.9:8001")
     limits = SchedulerLimits(max_batch_size=4)
     main = ReplicaPool([main_backend], lambda backend, on_step: Scheduler(backend, limits, on_step=on_step), 1, 0.05)
-    extra = ReplicaPool(
-        [extra_backend], lambda backend, on_step: Scheduler(backend, limits, on_step=on_step), 1, 0.05, metrics_label="#m-q4"
-    )
+    extra = ReplicaPool([extra_backend], lambda backend, on_step: Scheduler(backend, limits, on_step=on_step), 1, 0.05, metrics_label="#m-q4")
     main.record(main.replicas[0], ok=False)
     extra.record(extra.replicas[0], ok=True)
     assert healthy("10.9.9.9:8001") == 0 and healthy("10.9.9.9:8001#m-q4") == 1

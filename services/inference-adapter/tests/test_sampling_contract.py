@@ -69,8 +69,12 @@ def test_each_constraint_is_one_of_vllms_structured_outputs_fields() -> None:
         fields_set = json.loads(sent)
         assert list(fields_set) == [kind] and kind in VLLM_STRUCTURED["constraints"]
     # json is a dict (the backend refuses anything else), choice a list of strings.
-    assert json.loads(vllm_sampling_parameters(Sampling(max_tokens=1, structured_outputs=samples["json"]))["structured_outputs"]) == {"json": {"type": "object"}}
-    assert json.loads(vllm_sampling_parameters(Sampling(max_tokens=1, structured_outputs=samples["choice"]))["structured_outputs"]) == {"choice": ["yes", "no"]}
+    assert json.loads(vllm_sampling_parameters(Sampling(max_tokens=1, structured_outputs=samples["json"]))["structured_outputs"]) == {
+        "json": {"type": "object"}
+    }
+    assert json.loads(vllm_sampling_parameters(Sampling(max_tokens=1, structured_outputs=samples["choice"]))["structured_outputs"]) == {
+        "choice": ["yes", "no"]
+    }
 
 
 def test_the_step_request_carries_every_option() -> None:

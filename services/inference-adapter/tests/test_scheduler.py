@@ -82,9 +82,7 @@ class RecordingStepModel:
             await asyncio.sleep(0.005)
 
 
-def request(
-    max_tokens: int = 3, priority: Priority = Priority.INTERACTIVE, deadline: float | None = None, prompt: str = "p"
-) -> GenerationRequest:
+def request(max_tokens: int = 3, priority: Priority = Priority.INTERACTIVE, deadline: float | None = None, prompt: str = "p") -> GenerationRequest:
     return GenerationRequest("rid", "tenant", PromptSpec(prompt=prompt), Sampling(max_tokens=max_tokens), priority, deadline)
 
 

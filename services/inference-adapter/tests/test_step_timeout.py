@@ -160,7 +160,9 @@ async def test_a_replica_whose_steps_stall_is_ejected_and_its_requests_go_elsewh
         elapsed = time.monotonic() - started
     finally:
         await pool.stop()
-    assert all(finish.finish is Finish.LENGTH and tokens == 20 for tokens, finish in results), [(t, f.finish, f.completion_tokens, f.error) for t, f in results]
+    assert all(finish.finish is Finish.LENGTH and tokens == 20 for tokens, finish in results), [
+        (t, f.finish, f.completion_tokens, f.error) for t, f in results
+    ]
     replica_a = next(r for r in pool.replicas if r.name == "a")
     assert not replica_a.healthy  # two timed-out steps in a row: out of the rotation
     assert elapsed < 5.0
@@ -219,7 +221,12 @@ async def test_a_passthrough_stream_whose_engine_stops_answering_is_cut_off_and_
     timeouts = StepTimeouts(policy(min_samples=5), model="m")
     reports: list[bool] = []
     scheduler = PassthroughScheduler(
-        engine, PassthroughLimits(), lambda prompt: prompt.prompt, on_step=reports.append, replica="vllm-a", timeouts=timeouts  # type: ignore[arg-type]
+        engine,
+        PassthroughLimits(),
+        lambda prompt: prompt.prompt,
+        on_step=reports.append,
+        replica="vllm-a",
+        timeouts=timeouts,  # type: ignore[arg-type]
     )
     scheduler.start()
     fired_before = sample("sluice_adapter_timeouts_total", {"kind": "stream_gap"})

@@ -39,10 +39,7 @@ async def test_denials_are_counted_per_tenant_and_budget_shadow_ones_not() -> No
         labels = {"tenant": tenant, "budget": "requests_per_minute"}
         return REGISTRY.get_sample_value("sluice_ratelimit_tenant_denials_total", labels) or 0.0
 
-    rl = limiter(
-        "[tenants.counted]\nrequests_per_minute = 1\nburst = 1.0\n"
-        "[tenants.shadowed]\nrequests_per_minute = 1\nburst = 1.0\nshadow = true\n"
-    )
+    rl = limiter("[tenants.counted]\nrequests_per_minute = 1\nburst = 1.0\n[tenants.shadowed]\nrequests_per_minute = 1\nburst = 1.0\nshadow = true\n")
     before = denials("counted"), denials("shadowed")
     for tenant in ("counted", "shadowed"):
         for _ in range(3):

@@ -57,7 +57,7 @@ def test_tenants_inherit_defaults_and_models_add_capacity() -> None:
         ("[defaults]\nrequests_per_minit = 3\n", "unknown field"),
         ("[defaults]\ntokens_per_minute = -1\n", "integer >= 0"),
         ("[defaults]\ninteractive_floor = 1.5\n", "[0, 1)"),
-        ("[failure_policy]\ntokens_per_minute = \"maybe\"\n", "\"open\" or \"closed\""),
+        ('[failure_policy]\ntokens_per_minute = "maybe"\n', '"open" or "closed"'),
         ("limit = 3\n", "unknown top-level"),
     ],
 )

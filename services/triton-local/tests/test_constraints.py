@@ -136,7 +136,9 @@ def test_compiled_constraints_are_cached(engine: StepEngine) -> None:
 def test_every_constraint_kind_generates_valid_output(engine: StepEngine, temperature: float, seed: int | None) -> None:
     kinds = list(BOUNDED)
     rows = [
-        PrefillRow(i, engine.encode_chat([("user", prompt)]), Sampling(max_tokens=MAX_TOKENS, temperature=temperature, seed=seed, structured_outputs=c))
+        PrefillRow(
+            i, engine.encode_chat([("user", prompt)]), Sampling(max_tokens=MAX_TOKENS, temperature=temperature, seed=seed, structured_outputs=c)
+        )
         for i, (c, prompt) in enumerate(BOUNDED.values())
     ]
     results = run_batch(engine, rows)
@@ -148,7 +150,16 @@ def test_every_constraint_kind_generates_valid_output(engine: StepEngine, temper
 
 
 def test_a_complete_constraint_ends_the_sequence_without_sampling_the_end(engine: StepEngine) -> None:
-    [results] = run_batch(engine, [PrefillRow(1, engine.encode_chat([("user", "Name a color.")]), Sampling(max_tokens=MAX_TOKENS, structured_outputs=StructuredOutputs.choice(["purple"])))]).values()
+    [results] = run_batch(
+        engine,
+        [
+            PrefillRow(
+                1,
+                engine.encode_chat([("user", "Name a color.")]),
+                Sampling(max_tokens=MAX_TOKENS, structured_outputs=StructuredOutputs.choice(["purple"])),
+            )
+        ],
+    ).values()
     assert text(results) == "purple" and results[-1].finish_reason == "stop"
     # The last token is the constraint's last, not an end-of-sequence token the constraint forced.
     assert results[-1].token_id not in engine.tokenizer.stop_ids
@@ -175,7 +186,9 @@ def test_json_object_output_is_an_object_or_says_length(engine: StepEngine) -> N
 
 
 def test_a_constraint_never_runs_past_max_tokens(engine: StepEngine) -> None:
-    long_string = StructuredOutputs.json_schema({"type": "object", "properties": {"essay": {"type": "string", "minLength": 200}}, "required": ["essay"]})
+    long_string = StructuredOutputs.json_schema(
+        {"type": "object", "properties": {"essay": {"type": "string", "minLength": 200}}, "required": ["essay"]}
+    )
     prompt = engine.encode_chat([("user", "Write an essay as JSON.")])
     [results] = run_batch(engine, [PrefillRow(1, prompt, Sampling(max_tokens=12, structured_outputs=long_string))]).values()
     assert [r.finish_reason for r in results] == [""] * 11 + ["length"]
@@ -222,7 +235,10 @@ def test_apply_masks_removes_exactly_the_disallowed_tokens_of_the_masked_rows() 
 
 
 def test_a_hand_built_constraint_with_a_bad_value_is_an_error_row_not_an_exception(engine: StepEngine) -> None:
-    cases = [(StructuredOutputs("json", "{not json"), "the JSON Schema is not valid JSON"), (StructuredOutputs("xml", "<a/>"), "must set one of json, json_object")]
+    cases = [
+        (StructuredOutputs("json", "{not json"), "the JSON Schema is not valid JSON"),
+        (StructuredOutputs("xml", "<a/>"), "must set one of json, json_object"),
+    ]
     for bad, named in cases:
         [result] = engine.step([PrefillRow(1, engine.encode_chat([("user", "hi")]), Sampling(max_tokens=8, structured_outputs=bad))])
         assert result.finish_reason == "error" and result.error.startswith(f"sampling.structured_outputs: {named}")

@@ -242,8 +242,7 @@ def test_a_sequence_not_stepped_within_the_lease_is_released(engine: StepEngine)
     engine._slot_lease_s = 5.0  # noqa: SLF001
     try:
         prompt = "<|im_start|>user\nWrite a long story about a dragon.<|im_end|>\n<|im_start|>assistant\n"
-        engine.step([PrefillRow(1, prompt, Sampling(max_tokens=60), owner="dead"),
-                     PrefillRow(2, prompt, Sampling(max_tokens=60), owner="alive")])
+        engine.step([PrefillRow(1, prompt, Sampling(max_tokens=60), owner="dead"), PrefillRow(2, prompt, Sampling(max_tokens=60), owner="alive")])
         now[0] += 6.0  # past the lease, but no other step ran: a live adapter's step may just be late
         (late,) = engine.step([DecodeRow(1)])
         assert late.token_id >= 0

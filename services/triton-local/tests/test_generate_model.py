@@ -35,8 +35,15 @@ def request(sampling: dict[str, object] | None = None, **flags: bool) -> dict[st
 
 
 def test_reads_sampling_parameters_and_the_requested_outputs() -> None:
-    parsed = parse_request(request({"max_tokens": 5, "temperature": 0, "seed": 3, "stop": ["."]}, stream=True,
-                                   exclude_input_in_output=True, return_finish_reason=True, return_num_output_tokens=True))
+    parsed = parse_request(
+        request(
+            {"max_tokens": 5, "temperature": 0, "seed": 3, "stop": ["."]},
+            stream=True,
+            exclude_input_in_output=True,
+            return_finish_reason=True,
+            return_num_output_tokens=True,
+        )
+    )
     assert (parsed.params.max_tokens, parsed.params.temperature, parsed.params.seed, parsed.params.stop) == (5, 0.0, 3, (".",))
     assert parsed.stream and not parsed.prepend_input
     assert parsed.outputs == {"finish_reason", "num_output_tokens"}

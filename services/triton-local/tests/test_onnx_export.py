@@ -16,6 +16,7 @@ from sluice_triton_local.embeddings.minilm import TokenBatch
 from conftest import MINILM_TEXTS as TEXTS
 from conftest import ONNX_MAX_ABS_DIFF as MAX_ABS_DIFF
 
+
 def run(session: ort.InferenceSession, batch: TokenBatch) -> np.ndarray:
     feeds = {name: getattr(batch, name) for name in ENCODER_INPUTS}
     (vectors,) = session.run([OUTPUT_NAME], feeds)
@@ -46,9 +47,7 @@ def test_padded_batch_matches_the_numpy_encoder(minilm_encoder: MiniLMEncoder, m
     assert batch.counts.tolist() == counts.tolist()
 
 
-def test_each_text_alone_gives_its_row_of_the_padded_batch(
-    minilm_encoder: MiniLMEncoder, minilm_onnx_session: ort.InferenceSession
-) -> None:
+def test_each_text_alone_gives_its_row_of_the_padded_batch(minilm_encoder: MiniLMEncoder, minilm_onnx_session: ort.InferenceSession) -> None:
     """Padding must not leak into a text's vector: the mask works inside the graph."""
     together = run(minilm_onnx_session, minilm_encoder.tokenizer.batch(TEXTS))
     for i, text in enumerate(TEXTS):

@@ -159,7 +159,10 @@ def _metric(name: str, labels: dict[str, str] | None = None) -> float:
 
 def test_a_prompt_seen_before_reports_its_cached_tokens_and_the_metrics_count_them(shared: SharedEngine) -> None:
     request = {"messages": [["system", "You are a lighthouse keeper who answers in rhymes."], ["user", "How is the sea?"]], "max_tokens": 4}
-    hits, misses = _metric("sluice_triton_local_prefix_cache_lookups_total", {"result": "hit"}), _metric("sluice_triton_local_prefix_cache_lookups_total", {"result": "miss"})
+    hits, misses = (
+        _metric("sluice_triton_local_prefix_cache_lookups_total", {"result": "hit"}),
+        _metric("sluice_triton_local_prefix_cache_lookups_total", {"result": "miss"}),
+    )
     reused = _metric("sluice_triton_local_prefix_cache_reused_tokens_total")
     (cold,) = _round(shared, [(PREFILL, 61, request)], steps=1)
     assert int(cold["CACHED_TOKENS"][0]) == 0
@@ -188,7 +191,11 @@ def test_a_step_request_carries_its_constraint_and_one_that_cannot_compile_is_in
             finished = response["FINISH"][0]
         rows = [(DECODE, 71, None)]
     assert finished == b"stop" and text in ("banana", "cherry")
-    for bad, named in (({"regex": "(unclosed"}, "unclosed"), ({"json": {"type": "object", "if": {}}}, "if"), ({"regex": "a", "choice": ["b"]}, "exactly one")):
+    for bad, named in (
+        ({"regex": "(unclosed"}, "unclosed"),
+        ({"json": {"type": "object", "if": {}}}, "if"),
+        ({"regex": "a", "choice": ["b"]}, "exactly one"),
+    ):
         [response] = _round(shared, [(PREFILL, 72, {"prompt": "x", "max_tokens": 4, "structured_outputs": bad})], 1)
         assert response["FINISH"][0] == b"invalid", bad
         error = bytes(response["ERROR"][0]).decode()

@@ -446,9 +446,7 @@ class ConfirmingPublisher:
         failed: asyncio.Future[BaseException],
     ) -> None:
         try:
-            confirmation = await exchange.publish(
-                message.to_aio_pika(), message.routing_key, timeout=self._confirm_timeout_s
-            )
+            confirmation = await exchange.publish(message.to_aio_pika(), message.routing_key, timeout=self._confirm_timeout_s)
             if not isinstance(confirmation, aiormq.spec.Basic.Ack):
                 raise ConnectionError(f"the broker did not confirm the message: {confirmation!r}")
         except asyncio.CancelledError:

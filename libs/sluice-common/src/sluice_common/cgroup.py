@@ -82,9 +82,7 @@ def cpu_limit(root: Path = DEFAULT_CGROUP_ROOT, self_cgroup: Path = DEFAULT_SELF
     return None
 
 
-def usable_cpus(
-    root: Path = DEFAULT_CGROUP_ROOT, self_cgroup: Path = DEFAULT_SELF_CGROUP, affinity: int | None = None
-) -> tuple[int, str]:
+def usable_cpus(root: Path = DEFAULT_CGROUP_ROOT, self_cgroup: Path = DEFAULT_SELF_CGROUP, affinity: int | None = None) -> tuple[int, str]:
     """(the CPUs this process can keep busy at once, where that figure comes from): the cores it
     may run on, lowered by a CPU quota (rounded down, at least 1). In a pod with `limits.cpu: 2` on
     a 64-core node the affinity says 64 and the quota 2: 64 busy threads would be throttled."""

@@ -117,9 +117,7 @@ class ServerConfig:
 
     def server_tls(self, prefix: str = "") -> ServerTLS | None:
         """The TLS settings of this server, None when TLS is off; ConfigError when they do not fit."""
-        return ServerTLS.from_settings(
-            self.tls_cert_file, self.tls_key_file, self.tls_client_ca_file, f"{prefix}TLS_"
-        )
+        return ServerTLS.from_settings(self.tls_cert_file, self.tls_key_file, self.tls_client_ca_file, f"{prefix}TLS_")
 
 
 def _check_files(settings: Mapping[str, str]) -> list[str]:
@@ -170,9 +168,7 @@ class ClientTLS:
         problems = []
         if bool(cert_file) != bool(key_file):
             problems.append(f"{env_prefix}CERT_FILE and {env_prefix}KEY_FILE go together")
-        problems += _check_files(
-            {f"{env_prefix}CA_FILE": ca_file, f"{env_prefix}CERT_FILE": cert_file, f"{env_prefix}KEY_FILE": key_file}
-        )
+        problems += _check_files({f"{env_prefix}CA_FILE": ca_file, f"{env_prefix}CERT_FILE": cert_file, f"{env_prefix}KEY_FILE": key_file})
         if problems:
             raise ConfigError("invalid TLS configuration: " + "; ".join(problems))
         return cls(ca_file, cert_file, key_file, server_name)

@@ -49,9 +49,7 @@ RPC_DURATION = Histogram(
     buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120),
 )
 
-RPC_IN_FLIGHT = Gauge(
-    "sluice_rpc_in_flight", "RPCs being handled now, by method (a streaming RPC until its stream ends).", ["method"]
-)
+RPC_IN_FLIGHT = Gauge("sluice_rpc_in_flight", "RPCs being handled now, by method (a streaming RPC until its stream ends).", ["method"])
 
 # Health and reflection calls are frequent and uninteresting: when they succeed they are counted
 # and logged at debug. A service adds its own high-rate internal methods (rate-limit's Acquire
@@ -145,11 +143,7 @@ class _CallRecord:
         bind_request_id(self.request_id)
         structlog.contextvars.bind_contextvars(rpc=method)
         # The SERVER span (while tracing is on; not for health and reflection), current for the call.
-        self.span = (
-            tracing.server_span(method, context.invocation_metadata(), self.peer)
-            if tracing.enabled() and not quiet_prefix(method)
-            else None
-        )
+        self.span = tracing.server_span(method, context.invocation_metadata(), self.peer) if tracing.enabled() and not quiet_prefix(method) else None
         # Last, after everything that can raise: `finish` (which takes it back) runs only once
         # this constructor has returned.
         _in_flight_of(method).inc()

@@ -44,9 +44,7 @@ def configure_logging(service: str, level: str = "INFO", json: bool | None = Non
         wrapper_class=structlog.stdlib.BoundLogger,
         cache_logger_on_first_use=True,
     )
-    renderer: structlog.types.Processor = (
-        structlog.processors.JSONRenderer() if render_json else structlog.dev.ConsoleRenderer(colors=True)
-    )
+    renderer: structlog.types.Processor = structlog.processors.JSONRenderer() if render_json else structlog.dev.ConsoleRenderer(colors=True)
     formatter = structlog.stdlib.ProcessorFormatter(
         foreign_pre_chain=shared,
         processors=[

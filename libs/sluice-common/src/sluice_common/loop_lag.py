@@ -32,7 +32,24 @@ from prometheus_client import Histogram
 
 # Fine-grained from 0.5 ms to 100 ms (where "fine" turns into "users notice"), coarse above.
 LAG_BUCKETS = (
-    0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+    0.0005,
+    0.001,
+    0.002,
+    0.003,
+    0.005,
+    0.0075,
+    0.01,
+    0.015,
+    0.02,
+    0.03,
+    0.05,
+    0.075,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
 )
 LOOP_LAG = Histogram(
     "sluice_event_loop_lag_seconds",

@@ -52,7 +52,7 @@ def _register_reflection_v1_descriptor() -> None:
     for message in file.message_type:
         for message_field in message.field:
             if message_field.type_name:
-                    message_field.type_name = message_field.type_name.replace(".grpc.reflection.v1alpha.", ".grpc.reflection.v1.")
+                message_field.type_name = message_field.type_name.replace(".grpc.reflection.v1alpha.", ".grpc.reflection.v1.")
     for method in file.service[0].method:
         method.input_type = method.input_type.replace(".grpc.reflection.v1alpha.", ".grpc.reflection.v1.")
         method.output_type = method.output_type.replace(".grpc.reflection.v1alpha.", ".grpc.reflection.v1.")
@@ -74,10 +74,10 @@ def _enable_reflection(service_names: tuple[str, ...], server: grpc.aio.Server) 
     )
     server.add_generic_rpc_handlers(
         tuple(
-            grpc.method_handlers_generic_handler(name, {"ServerReflectionInfo": handler})
-            for name in (reflection.SERVICE_NAME, REFLECTION_V1_SERVICE)
+            grpc.method_handlers_generic_handler(name, {"ServerReflectionInfo": handler}) for name in (reflection.SERVICE_NAME, REFLECTION_V1_SERVICE)
         )
     )
+
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -144,9 +144,7 @@ async def create_server(
     service_names = tuple(register(server))
     health = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
-    _enable_reflection(
-        (*service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server
-    )
+    _enable_reflection((*service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server)
     address = f"{host}:{port}"
     bound_port = server.add_insecure_port(address) if tls is None else server.add_secure_port(address, server_credentials(tls))
     if bound_port == 0:
@@ -204,9 +202,7 @@ def server_credentials(tls: ServerTLS) -> grpc.ServerCredentials:
         log.info("tls_reloaded", cert_file=tls.cert_file)
         return config
 
-    return grpc.dynamic_ssl_server_credentials(
-        initial, fetch, require_client_authentication=bool(tls.client_ca_file)
-    )
+    return grpc.dynamic_ssl_server_credentials(initial, fetch, require_client_authentication=bool(tls.client_ca_file))
 
 
 def _start_metrics(host: str, port: int) -> int:

@@ -229,9 +229,7 @@ class PostgresDb:
             await migrate_postgres(bootstrap, self.schema, self._migrations, f"sluice:{self.schema}")
         finally:
             await bootstrap.close()
-        self._pool = await asyncpg.create_pool(
-            self.dsn, min_size=1, max_size=self._pool_size, server_settings={"search_path": self.schema}
-        )
+        self._pool = await asyncpg.create_pool(self.dsn, min_size=1, max_size=self._pool_size, server_settings={"search_path": self.schema})
 
     async def close(self) -> None:
         if self._pool is not None:

@@ -48,9 +48,7 @@ def fault_injection_from_env() -> tuple[str, ...]:
 
 
 class Supervisor:
-    def __init__(
-        self, report: HealthReport | None = None, restart_delay_s: float = 1.0, fault_injection: tuple[str, ...] = ()
-    ) -> None:
+    def __init__(self, report: HealthReport | None = None, restart_delay_s: float = 1.0, fault_injection: tuple[str, ...] = ()) -> None:
         self._report = report
         self._restart_delay_s = restart_delay_s
         self._down: set[str] = set()
@@ -74,9 +72,7 @@ class Supervisor:
         """Runs `run()` under supervision; cancel the returned task to stop it."""
         return asyncio.create_task(self._watch(name, run, on_death, restart), name=name)
 
-    async def _watch(
-        self, name: str, run: Callable[[], Awaitable[None]], on_death: Callable[[BaseException], None] | None, restart: bool
-    ) -> None:
+    async def _watch(self, name: str, run: Callable[[], Awaitable[None]], on_death: Callable[[BaseException], None] | None, restart: bool) -> None:
         while True:
             try:
                 await self._run_once(name, run)

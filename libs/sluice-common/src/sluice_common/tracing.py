@@ -215,9 +215,7 @@ def current_context() -> otel_context.Context | None:
 
 
 @contextlib.contextmanager
-def producer_span(
-    name: str, parent: otel_context.Context | None, attributes: Mapping[str, Any] | None = None
-) -> Iterator[Span | None]:
+def producer_span(name: str, parent: otel_context.Context | None, attributes: Mapping[str, Any] | None = None) -> Iterator[Span | None]:
     """A PRODUCER span (a message handed to the broker), child of `parent` (None: the current
     context), current inside the block so that `inject_headers` there carries it."""
     if not _enabled:

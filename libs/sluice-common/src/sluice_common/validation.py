@@ -83,9 +83,7 @@ def _validate_structured_outputs(message: types_pb2.StructuredOutputs, model: ty
         raise InvalidArgument("sampling.structured_outputs", str(exc)) from None
 
 
-def _validate_input(
-    messages: Sequence[types_pb2.ChatMessage], prompt: str, prompt_token_ids: Sequence[int], model: types_pb2.ModelInfo
-) -> None:
+def _validate_input(messages: Sequence[types_pb2.ChatMessage], prompt: str, prompt_token_ids: Sequence[int], model: types_pb2.ModelInfo) -> None:
     if sum(map(bool, (messages, prompt, prompt_token_ids))) > 1:
         raise InvalidArgument("prompt", "give exactly one of messages, prompt or prompt_token_ids")
     if not messages and not prompt and not prompt_token_ids:

@@ -510,9 +510,7 @@ class Stack:
         service, _, _ = self._start_extra(self.job_worker_spec(name, 0, 0), worker_env, timeout_s)
         return service
 
-    def add_adapter(
-        self, name: str, timeout_s: float = 300.0, env: dict[str, str] | None = None
-    ) -> tuple[ServiceProcess, str, str]:
+    def add_adapter(self, name: str, timeout_s: float = 300.0, env: dict[str, str] | None = None) -> tuple[ServiceProcess, str, str]:
         """Starts one more inference-adapter on the same Triton replicas (it shares their slots),
         with `env` on top of the stack's adapter settings; stopped with the stack. Returns it,
         its gRPC address and its metrics URL."""
@@ -532,9 +530,7 @@ class Stack:
         }
         return self._start_extra((name, "sluice_rate_limit", service_env, RATELIMIT_PORT_ENV), env, timeout_s)
 
-    def add_gateway(
-        self, name: str, timeout_s: float = 120.0, env: dict[str, str] | None = None
-    ) -> tuple[ServiceProcess, str, str]:
+    def add_gateway(self, name: str, timeout_s: float = 120.0, env: dict[str, str] | None = None) -> tuple[ServiceProcess, str, str]:
         """Starts one more gateway beside the stack's (the same rate-limit, tenants and RabbitMQ),
         with `env` on top (e.g. SLUICE_GATEWAY_ADAPTER_URL of an adapter from `add_adapter`, so a
         test routes through a differently configured adapter); stopped with the stack. Returns

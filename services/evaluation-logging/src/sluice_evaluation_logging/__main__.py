@@ -83,17 +83,13 @@ async def serve(config: EvalLogConfig) -> None:
         ),
         busy=consumer.busy,
     )
-    servicer = EvalLogServicer(
-        tenants, EvalLogQueries(store), EvalContext(settings, embedder), offload=pool.evaluate if pool is not None else None
-    )
+    servicer = EvalLogServicer(tenants, EvalLogQueries(store), EvalContext(settings, embedder), offload=pool.evaluate if pool is not None else None)
 
     def register(server):  # type: ignore[no-untyped-def]
         evallog_pb2_grpc.add_EvalLogServiceServicer_to_server(servicer, server)
         return [SERVICE_NAME]
 
-    running = await create_server(
-        config.host, config.port, config.metrics_port, register, serving=False, tls=config.server_tls(ENV_PREFIX)
-    )
+    running = await create_server(config.host, config.port, config.metrics_port, register, serving=False, tls=config.server_tls(ENV_PREFIX))
     running.supervisor.start("event-loop-lag", monitor_loop_lag)
     consumer.start(running.supervisor)
     worker.start(running.supervisor)

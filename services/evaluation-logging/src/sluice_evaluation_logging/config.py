@@ -87,16 +87,13 @@ class EvalLogConfig(ServerConfig):
         )
         require(
             self.similarity_lease_s > self.embed_timeout_s,
-            f"{ENV_PREFIX}SIMILARITY_LEASE_S must be longer than EMBED_TIMEOUT_S ({self.embed_timeout_s}),"
-            f" got {self.similarity_lease_s}",
+            f"{ENV_PREFIX}SIMILARITY_LEASE_S must be longer than EMBED_TIMEOUT_S ({self.embed_timeout_s}), got {self.similarity_lease_s}",
         )
         require(
             0 <= self.similarity_max_pause_s <= 60,
             f"{ENV_PREFIX}SIMILARITY_MAX_PAUSE_S must be in [0, 60], got {self.similarity_max_pause_s}",
         )
-        require(
-            0 <= self.eval_processes <= 64, f"{ENV_PREFIX}EVAL_PROCESSES must be in 0..64, got {self.eval_processes}"
-        )
+        require(0 <= self.eval_processes <= 64, f"{ENV_PREFIX}EVAL_PROCESSES must be in 0..64, got {self.eval_processes}")
         require(self.repetition_ngram >= 1, f"{ENV_PREFIX}REPETITION_NGRAM must be >= 1, got {self.repetition_ngram}")
         require(
             self.database_url == "" or self.database_url.startswith(("postgres://", "postgresql://")),

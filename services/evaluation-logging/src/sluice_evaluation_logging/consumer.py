@@ -46,9 +46,7 @@ _stdlib_log = logging.getLogger("sluice.evallog.consumer")
 
 EVENTS = Counter("sluice_evallog_events_total", "Events consumed, by outcome.", ["outcome"])
 BATCH_SIZE = Histogram("sluice_evallog_batch_size", "Events per stored batch.", buckets=(1, 4, 16, 64, 128, 256, 512, 1024))
-BATCH_SECONDS = Histogram(
-    "sluice_evallog_batch_seconds", "Evaluate + store + ack of one batch.", buckets=(0.001, 0.005, 0.02, 0.05, 0.1, 0.5, 1, 5)
-)
+BATCH_SECONDS = Histogram("sluice_evallog_batch_seconds", "Evaluate + store + ack of one batch.", buckets=(0.001, 0.005, 0.02, 0.05, 0.1, 0.5, 1, 5))
 
 # Per-event work on the loop (decoding, the cheap evaluators, building rows) costs ~5-20 us an
 # event: a batch of 256 in one go held the loop ~10 ms; this many at a time holds it ~1 ms.
@@ -225,7 +223,11 @@ class CompletionConsumer:
         self._committing = asyncio.create_task(self._commit(batch, rows, dead_lettered, started, spans), name="evallog-commit")
 
     async def _commit(
-        self, batch: Sequence[AbstractIncomingMessage], rows: list[RecordRow], dead_lettered: int, started: float,
+        self,
+        batch: Sequence[AbstractIncomingMessage],
+        rows: list[RecordRow],
+        dead_lettered: int,
+        started: float,
         spans: list[Any] | None = None,
     ) -> None:
         inserted = await self._store_until_done(rows)

@@ -27,7 +27,9 @@ class AdapterEmbedder:
 
     async def embed(self, texts: Sequence[str]) -> list[list[float]]:
         request = inference_pb2.EmbedRequest(
-            request_id="evallog-similarity", tenant="sluice-evallog", model=self._model,
+            request_id="evallog-similarity",
+            tenant="sluice-evallog",
+            model=self._model,
             inputs=list(texts),
             priority_class=types_pb2.PRIORITY_CLASS_BULK,  # background work: never ahead of users
         )

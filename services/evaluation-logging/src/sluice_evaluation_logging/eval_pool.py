@@ -88,9 +88,7 @@ class EvalPool:
 
     def _new_executor(self) -> tuple[concurrent.futures.ProcessPoolExecutor, tuple[int, ...]]:
         # Runs in a thread: ProcessPoolExecutor spawns its processes from the submitting thread.
-        executor = concurrent.futures.ProcessPoolExecutor(
-            self.processes, mp_context=multiprocessing.get_context("spawn"), initializer=_init_worker
-        )
+        executor = concurrent.futures.ProcessPoolExecutor(self.processes, mp_context=multiprocessing.get_context("spawn"), initializer=_init_worker)
         # As many warm-up tasks at once as workers: each is spawned and imports what chunks need.
         warm = [executor.submit(evaluate_heavy_chunk, [], EvalSettings()) for _ in range(self.processes)]
         for future in warm:

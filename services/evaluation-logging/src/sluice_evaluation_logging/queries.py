@@ -46,9 +46,7 @@ class EvalLogQueries:
             raise NotFound(f"no record with event id {event_id!r}")
         return row
 
-    async def query_records(
-        self, caller: str, where: RecordFilter, page_size: int, page_token: str
-    ) -> tuple[list[RecordRow], str]:
+    async def query_records(self, caller: str, where: RecordFilter, page_size: int, page_token: str) -> tuple[list[RecordRow], str]:
         if page_size < 0 or page_size > MAX_PAGE_SIZE:
             raise InvalidArgument("page_size", f"must be in 0..{MAX_PAGE_SIZE} (0 means {DEFAULT_PAGE_SIZE})")
         return await self._store.query(_filter(caller, where), page_size or DEFAULT_PAGE_SIZE, page_token)

@@ -24,7 +24,8 @@ EVENT_LAG = Histogram(
 # and pass/fail counts for a pass ratio.
 SCORE = Summary("sluice_evallog_score", "Scores stored with their records, by evaluator (mean = sum / count).", ["evaluator"])
 SCORE_RESULTS = Counter(
-    "sluice_evallog_score_results_total", "Scores stored with their records, by evaluator and result (passed, failed).",
+    "sluice_evallog_score_results_total",
+    "Scores stored with their records, by evaluator and result (passed, failed).",
     ["evaluator", "result"],
 )
 

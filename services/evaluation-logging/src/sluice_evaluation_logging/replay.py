@@ -49,9 +49,7 @@ def main() -> None:
         for line in asyncio.run(_peek(args.amqp_url, topology.completions_dead_queue, args.limit or 100)):
             print(line)
         return
-    count = asyncio.run(
-        replay_dead_letters(args.amqp_url, topology.completions_dead_queue, topology.events_exchange, limit=args.limit)
-    )
+    count = asyncio.run(replay_dead_letters(args.amqp_url, topology.completions_dead_queue, topology.events_exchange, limit=args.limit))
     print(f"replayed {count} message(s) from {topology.completions_dead_queue} to {topology.events_exchange}")
 
 

@@ -24,9 +24,7 @@ def _record(row: RecordRow) -> evallog_pb2.Record:
     event.ParseFromString(row.event)
     stored_at = timestamp_pb2.Timestamp()
     stored_at.FromNanoseconds(int(row.stored_at * 1e9))
-    scores = [
-        evallog_pb2.Score(name=s.name, value=s.value, passed=s.passed, detail=s.detail, skipped=s.skipped) for s in row.scores
-    ]
+    scores = [evallog_pb2.Score(name=s.name, value=s.value, passed=s.passed, detail=s.detail, skipped=s.skipped) for s in row.scores]
     return evallog_pb2.Record(event=event, scores=scores, stored_at=stored_at, trace_id=row.trace_id)
 
 
@@ -58,9 +56,7 @@ def _summary(group: GroupSummary) -> evallog_pb2.Summary:
 
 
 class EvalLogServicer(evallog_pb2_grpc.EvalLogServiceServicer):
-    def __init__(
-        self, tenants: TenantDirectory, queries: EvalLogQueries, scoring: EvalContext, offload: Offload | None = None
-    ) -> None:
+    def __init__(self, tenants: TenantDirectory, queries: EvalLogQueries, scoring: EvalContext, offload: Offload | None = None) -> None:
         self._tenants = tenants
         self._queries = queries
         # ScoreCompletions: the evaluators' settings and embedder, and the CPU-heavy ones' pool.
@@ -70,15 +66,11 @@ class EvalLogServicer(evallog_pb2_grpc.EvalLogServiceServicer):
     def _caller(self, context: grpc.aio.ServicerContext) -> str:
         return self._tenants.authenticate(authorization(context)).name
 
-    async def GetRecord(
-        self, request: evallog_pb2.GetRecordRequest, context: grpc.aio.ServicerContext
-    ) -> evallog_pb2.GetRecordResponse:
+    async def GetRecord(self, request: evallog_pb2.GetRecordRequest, context: grpc.aio.ServicerContext) -> evallog_pb2.GetRecordResponse:
         row = await self._queries.get_record(self._caller(context), request.event_id)
         return evallog_pb2.GetRecordResponse(record=_record(row))
 
-    async def QueryRecords(
-        self, request: evallog_pb2.QueryRecordsRequest, context: grpc.aio.ServicerContext
-    ) -> evallog_pb2.QueryRecordsResponse:
+    async def QueryRecords(self, request: evallog_pb2.QueryRecordsRequest, context: grpc.aio.ServicerContext) -> evallog_pb2.QueryRecordsResponse:
         where = RecordFilter(
             tenant=request.tenant,
             model=request.model,
@@ -100,9 +92,7 @@ class EvalLogServicer(evallog_pb2_grpc.EvalLogServiceServicer):
         rows, token = await self._queries.query_records(self._caller(context), where, request.page_size, request.page_token)
         return evallog_pb2.QueryRecordsResponse(records=[_record(row) for row in rows], next_page_token=token)
 
-    async def Summarize(
-        self, request: evallog_pb2.SummarizeRequest, context: grpc.aio.ServicerContext
-    ) -> evallog_pb2.SummarizeResponse:
+    async def Summarize(self, request: evallog_pb2.SummarizeRequest, context: grpc.aio.ServicerContext) -> evallog_pb2.SummarizeResponse:
         where = RecordFilter(
             tenant=request.tenant,
             model=request.model,
@@ -123,15 +113,11 @@ class EvalLogServicer(evallog_pb2_grpc.EvalLogServiceServicer):
         return evallog_pb2.ScoreCompletionsResponse(
             items=[
                 evallog_pb2.ScoredItem(
-                    scores=[
-                        evallog_pb2.Score(name=s.name, value=s.value, passed=s.passed, detail=s.detail, skipped=s.skipped)
-                        for s in scores
-                    ]
+                    scores=[evallog_pb2.Score(name=s.name, value=s.value, passed=s.passed, detail=s.detail, skipped=s.skipped) for s in scores]
                 )
                 for scores in scored
             ],
             evaluators=[
-                evallog_pb2.EvaluatorInfo(name=i.name, higher_is_better=i.higher_is_better, description=i.description)
-                for i in evaluator_infos()
+                evallog_pb2.EvaluatorInfo(name=i.name, higher_is_better=i.higher_is_better, description=i.description) for i in evaluator_infos()
             ],
         )

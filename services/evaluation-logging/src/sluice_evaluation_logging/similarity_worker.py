@@ -45,7 +45,8 @@ log = structlog.stdlib.get_logger("sluice.evallog.similarity")
 SCORED = Counter("sluice_evallog_deferred_scores_total", "Deferred scores written, by outcome.", ["name", "outcome"])
 RETRIES = Counter("sluice_evallog_deferred_retries_total", "Deferred batches released to retry, by reason.", ["name", "reason"])
 BATCH_SECONDS = Histogram(
-    "sluice_evallog_deferred_batch_seconds", "Claim + Embed + store of one deferred batch.",
+    "sluice_evallog_deferred_batch_seconds",
+    "Claim + Embed + store of one deferred batch.",
     buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
 )
 
@@ -184,8 +185,7 @@ class SimilarityWorker:
         SCORED.labels(self.name, "skipped").inc(skipped_count)
         elapsed = asyncio.get_running_loop().time() - started
         BATCH_SECONDS.observe(elapsed)
-        log.info("deferred_scores_stored", score=self.name, claimed=len(items), stored=cleared, skipped=skipped_count,
-                 seconds=round(elapsed, 4))
+        log.info("deferred_scores_stored", score=self.name, claimed=len(items), stored=cleared, skipped=skipped_count, seconds=round(elapsed, 4))
         return max(cleared, 1)  # something was settled: look again at once
 
     async def _retry(self, items: Sequence[PendingItem], reason: str, count_attempt: bool) -> int:

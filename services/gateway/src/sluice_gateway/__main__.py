@@ -35,9 +35,7 @@ async def serve(config: GatewayConfig) -> None:
         gateway_pb2_grpc.add_GatewayServiceServicer_to_server(servicer, server)
         return [SERVICE_NAME]
 
-    running = await create_server(
-        config.host, config.port, config.metrics_port, register, serving=False, tls=config.server_tls(ENV_PREFIX)
-    )
+    running = await create_server(config.host, config.port, config.metrics_port, register, serving=False, tls=config.server_tls(ENV_PREFIX))
     running.supervisor.start("event-loop-lag", monitor_loop_lag)
     await core.start(config, running.supervisor)
     job_publisher.start(running.supervisor)

@@ -215,9 +215,7 @@ class Ticket:
 
 
 class Admission:
-    def __init__(
-        self, stub: ratelimit_pb2_grpc.RateLimitServiceStub | None, policy: str = "closed", timeout_s: float = 0.5
-    ) -> None:
+    def __init__(self, stub: ratelimit_pb2_grpc.RateLimitServiceStub | None, policy: str = "closed", timeout_s: float = 0.5) -> None:
         self._stub = stub
         self._policy = policy
         self._timeout_s = timeout_s

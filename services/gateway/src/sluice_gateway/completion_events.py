@@ -201,12 +201,16 @@ class CompletionEvents:
         if self._publisher is None:
             return
         headers = {"x-sluice-tenant": event.tenant}
-        with tracing.producer_span(f"publish {self._topology.events_exchange}", trace_context, {
-            "messaging.system": "rabbitmq",
-            "messaging.operation": "publish",
-            "messaging.destination.name": self._topology.events_exchange,
-            "messaging.message.id": event.event_id,
-        }):
+        with tracing.producer_span(
+            f"publish {self._topology.events_exchange}",
+            trace_context,
+            {
+                "messaging.system": "rabbitmq",
+                "messaging.operation": "publish",
+                "messaging.destination.name": self._topology.events_exchange,
+                "messaging.message.id": event.event_id,
+            },
+        ):
             tracing.inject_headers(headers)
         self._publisher.submit(
             OutgoingMessage(

@@ -142,9 +142,7 @@ class AdaptiveConcurrency:
         included): only then does a success argue for a larger bound."""
         return in_flight >= self.in_use_share * self.limit
 
-    def observe(
-        self, latency_s: float, outcome: str, allowed_rate_per_s: float | None = None, in_flight: int | None = None
-    ) -> None:
+    def observe(self, latency_s: float, outcome: str, allowed_rate_per_s: float | None = None, in_flight: int | None = None) -> None:
         """One completion. `in_flight`: rows in flight at it, the completing one included
         (default: the gate's count, which `release` reads before freeing the slot)."""
         now = time.monotonic()

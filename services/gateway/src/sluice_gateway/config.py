@@ -121,9 +121,7 @@ class GatewayConfig(ServerConfig):
 
     def worker_row_timeout_policy(self) -> TimeoutPolicy:
         """The default deadline's multiplier, window and warm-up, with the row timeout's bounds."""
-        return replace(
-            self.default_deadline_policy(), floor_s=self.worker_row_timeout_floor_s, ceiling_s=self.worker_row_timeout_ceiling_s
-        )
+        return replace(self.default_deadline_policy(), floor_s=self.worker_row_timeout_floor_s, ceiling_s=self.worker_row_timeout_ceiling_s)
 
     def adapter_channel_tls(self) -> ClientTLS | None:
         return ClientTLS.for_peer(self, "adapter", ENV_PREFIX)
@@ -137,7 +135,16 @@ class GatewayConfig(ServerConfig):
         names = [f"{ENV_PREFIX}DEFAULT_DEADLINE_{n}" for n in ("MULTIPLIER", "FLOOR_S", "CEILING_S", "WINDOW", "MIN_SAMPLES")]
         problems = self.default_deadline_policy().problems(*names)
         require(not problems, "; ".join(problems))
-        row_names = [f"{ENV_PREFIX}{n}" for n in ("DEFAULT_DEADLINE_MULTIPLIER", "WORKER_ROW_TIMEOUT_FLOOR_S", "WORKER_ROW_TIMEOUT_CEILING_S", "DEFAULT_DEADLINE_WINDOW", "DEFAULT_DEADLINE_MIN_SAMPLES")]
+        row_names = [
+            f"{ENV_PREFIX}{n}"
+            for n in (
+                "DEFAULT_DEADLINE_MULTIPLIER",
+                "WORKER_ROW_TIMEOUT_FLOOR_S",
+                "WORKER_ROW_TIMEOUT_CEILING_S",
+                "DEFAULT_DEADLINE_WINDOW",
+                "DEFAULT_DEADLINE_MIN_SAMPLES",
+            )
+        ]
         row_problems = self.worker_row_timeout_policy().problems(*row_names)
         require(not row_problems, "; ".join(row_problems))
         require(str(self.tenants_file) not in ("", "."), f"{ENV_PREFIX}TENANTS_FILE is required: the TOML file of tenants")
@@ -180,6 +187,4 @@ class GatewayConfig(ServerConfig):
             f"{ENV_PREFIX}WORKER_RETRY_BASE_S must be > 0 and <= WORKER_RETRY_CAP_S, got {self.worker_retry_base_s}",
         )
         require(self.worker_delivery_limit >= 1, f"{ENV_PREFIX}WORKER_DELIVERY_LIMIT must be >= 1, got {self.worker_delivery_limit}")
-        require(
-            self.events_max_in_flight >= 1, f"{ENV_PREFIX}EVENTS_MAX_IN_FLIGHT must be >= 1, got {self.events_max_in_flight}"
-        )
+        require(self.events_max_in_flight >= 1, f"{ENV_PREFIX}EVENTS_MAX_IN_FLIGHT must be >= 1, got {self.events_max_in_flight}")

@@ -65,7 +65,6 @@ def start_generation(request: gateway_pb2.GenerateRequest, tenant: str, row: tup
     return GenerationTrace(request, tenant, row) if tracing.enabled() else None
 
 
-
 def instrument_http_front() -> None:
     """The aiohttp-server instrumentation on the HTTP front (a SERVER span per request, the client's
     `traceparent` header honoured), while tracing is on. Its documented use: `instrument()` before

@@ -468,8 +468,7 @@ class InferencePath:
         if remaining <= 0:
             raise InvalidArgument(
                 "messages" if request.messages else "prompt",
-                f"the prompt is {prompt_tokens} tokens: it leaves no room to generate in the model's context of"
-                f" {context_length} tokens",
+                f"the prompt is {prompt_tokens} tokens: it leaves no room to generate in the model's context of {context_length} tokens",
             )
         request.sampling.max_tokens = min(cap, remaining)
         return counted
@@ -488,9 +487,7 @@ class InferencePath:
             return None
         return int(reply.prompt_tokens)
 
-    async def check_context(
-        self, request: gateway_pb2.GenerateRequest, time_remaining: float | None, prompt_tokens: int | None = None
-    ) -> int | None:
+    async def check_context(self, request: gateway_pb2.GenerateRequest, time_remaining: float | None, prompt_tokens: int | None = None) -> int | None:
         """INVALID_ARGUMENT when the prompt plus max_tokens cannot fit the model's context.
         `prompt_tokens`: the prompt's exact length when already counted (no second CountTokens).
         Returns the exact count when there is one (None when the bound fits: nothing was counted)."""

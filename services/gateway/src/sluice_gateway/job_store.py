@@ -199,9 +199,7 @@ class JobRecord:
         return job
 
 
-_INSERT_COLUMNS = (
-    "job_id, tenant, state, total_rows, completed_rows, failed_rows, reply_to, split_done, error, created_at, updated_at"
-)
+_INSERT_COLUMNS = "job_id, tenant, state, total_rows, completed_rows, failed_rows, reply_to, split_done, error, created_at, updated_at"
 _JOB_COLUMNS = f"{_INSERT_COLUMNS}, expires_at, reply_content_type, summary_sent"
 
 # A row a claim may change: pending, or running when the claim takes it over (one bound parameter).
@@ -321,9 +319,7 @@ class JobStore:
             existing = {cid for (cid,) in await tx.fetchall("SELECT custom_id FROM job_rows WHERE job_id = ?", job_id)}
             for seq, custom_id in enumerate(custom_ids):
                 if custom_id not in existing:
-                    await tx.execute(
-                        "INSERT INTO job_rows (job_id, custom_id, seq, state) VALUES (?, ?, ?, ?)", job_id, custom_id, seq, "pending"
-                    )
+                    await tx.execute("INSERT INTO job_rows (job_id, custom_id, seq, state) VALUES (?, ?, ?, ?)", job_id, custom_id, seq, "pending")
             open_rows = {
                 cid for (cid,) in await tx.fetchall("SELECT custom_id FROM job_rows WHERE job_id = ? AND state IN ('pending', 'running')", job_id)
             }

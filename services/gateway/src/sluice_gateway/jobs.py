@@ -153,7 +153,7 @@ def validate_job(job: jobs_pb2.JobRequest, tenants: TenantDirectory, max_rows: i
     if len((job.job_id + SUMMARY_SUFFIX).encode()) > MAX_MESSAGE_ID_BYTES:
         raise reject(
             f"job_id is over {MAX_MESSAGE_ID_BYTES - len(SUMMARY_SUFFIX)} bytes (UTF-8); the job's summary carries"
-            f" \"<job_id>{SUMMARY_SUFFIX}\" as its AMQP message id"
+            f' "<job_id>{SUMMARY_SUFFIX}" as its AMQP message id'
         )
     try:
         tenant = tenants.authenticate(f"Bearer {job.api_key}")
@@ -172,7 +172,7 @@ def validate_job(job: jobs_pb2.JobRequest, tenants: TenantDirectory, max_rows: i
         if len(f"{job.job_id}/{row.custom_id}".encode()) > MAX_MESSAGE_ID_BYTES:
             raise reject(
                 f"rows[{index}].custom_id: job_id and custom_id together are over {MAX_MESSAGE_ID_BYTES - 1} bytes"
-                " (UTF-8); results carry \"<job_id>/<custom_id>\" as their AMQP message id",
+                ' (UTF-8); results carry "<job_id>/<custom_id>" as their AMQP message id',
                 tenant.name,
             )
         seen.add(row.custom_id)
@@ -180,7 +180,7 @@ def validate_job(job: jobs_pb2.JobRequest, tenants: TenantDirectory, max_rows: i
     if not 0 < window <= MAX_COMPLETION_WINDOW_S:
         raise reject(
             f"completion_window: {window:g}s; it must be more than 0s and at most {MAX_COMPLETION_WINDOW_S:.0f}s"
-            f" ({format_duration(MAX_COMPLETION_WINDOW_S)}), e.g. \"86400s\"",
+            f' ({format_duration(MAX_COMPLETION_WINDOW_S)}), e.g. "86400s"',
             tenant.name,
         )
     return tenant
@@ -190,7 +190,11 @@ def row_tasks(job: jobs_pb2.JobRequest, tenant: Tenant, content_type: str, only:
     reply_type = JSON if (content_type or "").split(";")[0].strip().lower() == JSON else PROTOBUF
     return [
         jobs_pb2.RowTask(
-            job_id=job.job_id, tenant=tenant.name, row=row, reply_to=job.reply_to, text_logging=tenant.text_logging,
+            job_id=job.job_id,
+            tenant=tenant.name,
+            row=row,
+            reply_to=job.reply_to,
+            text_logging=tenant.text_logging,
             reply_content_type=reply_type,
         )  # fmt: skip
         for row in job.rows
@@ -329,9 +333,7 @@ async def run_row(
             result.usage.CopyFrom(final.usage)
         return RowRun(result, time.perf_counter() - started, rate, RowTiming(*stream.timing()))
     if body == "embed":
-        request_embed = gateway_pb2.EmbedRequest(
-            model=row.embed.model, inputs=row.embed.inputs, priority_class=types_pb2.PRIORITY_CLASS_BULK
-        )
+        request_embed = gateway_pb2.EmbedRequest(model=row.embed.model, inputs=row.embed.inputs, priority_class=types_pb2.PRIORITY_CLASS_BULK)
         reply, ticket = await path.embed_with_ticket(task.tenant, request_embed, request_id, timeout_s)
         result = jobs_pb2.RowResult(
             job_id=task.job_id, custom_id=row.custom_id, embeddings=reply.embeddings, usage=reply.usage, request_id=request_id
@@ -355,5 +357,3 @@ def is_paced(exc: BaseException) -> bool:
 
 def retry_after_of(exc: BaseException) -> float:
     return float(getattr(exc, "retry_after_s", 1.0) or 1.0)
-
-

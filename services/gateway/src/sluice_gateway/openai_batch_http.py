@@ -93,7 +93,9 @@ class BatchFront:
     async def create_file(self, request: web.Request) -> web.Response:
         tenant = self.front._tenant(request)
         if not request.content_type.startswith("multipart/"):
-            raise OpenAIError(400, "Upload a file as multipart/form-data with the fields purpose and file.", param="file", code="invalid_content_type")
+            raise OpenAIError(
+                400, "Upload a file as multipart/form-data with the fields purpose and file.", param="file", code="invalid_content_type"
+            )
         try:
             purpose, filename, content = await self._read_upload(request)
         except (HttpProcessingError, ValueError) as exc:
@@ -103,7 +105,12 @@ class BatchFront:
         if purpose is None:
             raise OpenAIError(400, "Missing required parameter: 'purpose'.", param="purpose", code="missing_required_parameter")
         if purpose not in PURPOSES:
-            raise OpenAIError(400, f"purpose must be one of {', '.join(PURPOSES)} (Sluice stores batch input files only), got {purpose!r}", param="purpose", code="invalid_value")
+            raise OpenAIError(
+                400,
+                f"purpose must be one of {', '.join(PURPOSES)} (Sluice stores batch input files only), got {purpose!r}",
+                param="purpose",
+                code="invalid_value",
+            )
         if content is None:
             raise OpenAIError(400, "Missing required parameter: 'file'.", param="file", code="missing_required_parameter")
         lines = parse_batch_file(content, self.max_rows)  # a bad line: 400 naming it
@@ -138,7 +145,12 @@ class BatchFront:
         while chunk := await part.read_chunk(_CHUNK):
             size += len(chunk)
             if size > self.files_max_bytes:
-                raise OpenAIError(413, f"The file is larger than the limit of {self.files_max_bytes} bytes (SLUICE_GATEWAY_FILES_MAX_BYTES).", param="file", code="file_too_large")
+                raise OpenAIError(
+                    413,
+                    f"The file is larger than the limit of {self.files_max_bytes} bytes (SLUICE_GATEWAY_FILES_MAX_BYTES).",
+                    param="file",
+                    code="file_too_large",
+                )
             chunks.append(chunk)
         return b"".join(chunks)
 
@@ -183,7 +195,12 @@ class BatchFront:
         if source is None or content is None:
             raise OpenAIError(404, f"No such File object: {create.input_file_id}", param="input_file_id", code="not_found")
         if source.purpose != "batch":
-            raise OpenAIError(400, f"File {source.file_id} has purpose {source.purpose}; a batch needs a file uploaded with purpose batch.", param="input_file_id", code="invalid_value")
+            raise OpenAIError(
+                400,
+                f"File {source.file_id} has purpose {source.purpose}; a batch needs a file uploaded with purpose batch.",
+                param="input_file_id",
+                code="invalid_value",
+            )
         lines = parse_batch_file(content, self.max_rows)
         check_endpoint(lines, create.endpoint)
         self._check_dimensions(lines)

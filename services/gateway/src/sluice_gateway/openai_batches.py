@@ -96,7 +96,7 @@ def _parse_line(number: int, text: str) -> BatchLine:
     if not isinstance(custom_id, str) or not custom_id:
         raise _line_error(number, "custom_id must be a non-empty string", "custom_id")
     if document.get("method") != "POST":
-        raise _line_error(number, f"method must be \"POST\", got {document.get('method')!r}", "method")
+        raise _line_error(number, f'method must be "POST", got {document.get("method")!r}', "method")
     url = document.get("url")
     if url not in PARSERS:
         raise _line_error(number, f"url must be one of {', '.join(PARSERS)}, got {url!r}", "url")
@@ -128,11 +128,15 @@ def parse_batch_file(content: bytes, max_lines: int) -> list[BatchLine]:
             continue
         line = _parse_line(number, raw)
         if line.custom_id in seen:
-            raise _line_error(number, f"custom_id {line.custom_id!r} is already used on line {seen[line.custom_id]}; custom ids are unique", "custom_id")
+            raise _line_error(
+                number, f"custom_id {line.custom_id!r} is already used on line {seen[line.custom_id]}; custom ids are unique", "custom_id"
+            )
         seen[line.custom_id] = number
         lines.append(line)
         if len(lines) > max_lines:
-            raise OpenAIError(400, f"The batch file has more than {max_lines} requests, the most one batch may hold.", param="file", code="too_many_requests")
+            raise OpenAIError(
+                400, f"The batch file has more than {max_lines} requests, the most one batch may hold.", param="file", code="too_many_requests"
+            )
     if not lines:
         raise OpenAIError(400, "The batch file has no requests: one JSON object per line.", param="file", code="empty_file")
     return lines
@@ -184,9 +188,15 @@ def job_row(line: BatchLine) -> jobs_pb2.JobRow:
     request = line.call.request
     row.generate.CopyFrom(
         jobs_pb2.GenerateRow(
-            model=request.model, messages=request.messages, prompt=request.prompt, prompt_token_ids=request.prompt_token_ids, sampling=request.sampling,
-            response_format=request.response_format, tool_use=request.tool_use if request.HasField("tool_use") else None,
-            user=request.user, metadata=request.metadata,
+            model=request.model,
+            messages=request.messages,
+            prompt=request.prompt,
+            prompt_token_ids=request.prompt_token_ids,
+            sampling=request.sampling,
+            response_format=request.response_format,
+            tool_use=request.tool_use if request.HasField("tool_use") else None,
+            user=request.user,
+            metadata=request.metadata,
         )  # fmt: skip
     )
     return row
@@ -321,7 +331,12 @@ def result_files(batch_id: str, lines: list[BatchLine], results: Iterable[jobs_p
         request_id = result.request_id or stable_request_id
         body = None if result.HasField("error") else response_body(line.call, result, request_id, created)
         if body is not None:
-            record = {"id": line_id, "custom_id": result.custom_id, "response": {"status_code": 200, "request_id": request_id, "body": body}, "error": None}
+            record = {
+                "id": line_id,
+                "custom_id": result.custom_id,
+                "response": {"status_code": 200, "request_id": request_id, "body": body},
+                "error": None,
+            }
             outputs[result.custom_id] = json.dumps(record)
             continue
         if result.HasField("error"):

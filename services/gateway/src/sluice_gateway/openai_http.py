@@ -175,9 +175,7 @@ class OpenAIFront:
     def _tenant(self, request: web.Request) -> Tenant:
         authorization = request.headers.get("Authorization")
         if not authorization:
-            raise OpenAIError(
-                401, "You didn't provide an API key. Send it as `Authorization: Bearer <api key>`.", code="missing_api_key"
-            )
+            raise OpenAIError(401, "You didn't provide an API key. Send it as `Authorization: Bearer <api key>`.", code="missing_api_key")
         return self.tenants.authenticate(authorization)  # Unauthenticated: openai_error answers 401
 
     async def _body(self, request: web.Request) -> dict[str, Any]:
@@ -190,9 +188,7 @@ class OpenAIFront:
         try:
             body = json.loads(raw)
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise OpenAIError(
-                400, f"We could not parse the JSON body of your request: {exc}. Send a JSON object.", code="invalid_json"
-            ) from None
+            raise OpenAIError(400, f"We could not parse the JSON body of your request: {exc}. Send a JSON object.", code="invalid_json") from None
         except RecursionError:
             raise OpenAIError(400, "The JSON body of your request is nested too deeply.", code="invalid_json") from None
         if not isinstance(body, dict):
@@ -240,9 +236,7 @@ class OpenAIFront:
                     state.tool_calls = stream.tool_calls(stream.index)
                     final = chunk
             if final is None or any(state.finish_reason is None for state in states):
-                raise OpenAIError(
-                    500, "The generation failed before it finished; retry the request.", "server_error", code="generation_failed"
-                )
+                raise OpenAIError(500, "The generation failed before it finished; retry the request.", "server_error", code="generation_failed")
             usage = final.usage if final.HasField("usage") else None
             return _json_response(answer.whole(states, None, usage), headers=headers)
 
@@ -428,9 +422,7 @@ class RunningHttp:
             connection.force_close()
 
 
-async def start_http(
-    front: OpenAIFront, host: str, port: int, max_body_bytes: int, grace_s: float, batches: BatchFront | None = None
-) -> RunningHttp:
+async def start_http(front: OpenAIFront, host: str, port: int, max_body_bytes: int, grace_s: float, batches: BatchFront | None = None) -> RunningHttp:
     """Starts the HTTP listener on the running loop; port 0 binds a free one (tests)."""
     runner = web.AppRunner(build_app(front, max_body_bytes, batches), handler_cancellation=True, shutdown_timeout=grace_s, access_log=None)
     await runner.setup()

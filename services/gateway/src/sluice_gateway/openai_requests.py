@@ -191,7 +191,9 @@ def check_metadata(metadata: Any) -> dict[str, str] | None:
     for key, value in metadata.items():
         if len(key) > MAX_METADATA_KEY or not isinstance(value, str) or len(value) > MAX_METADATA_VALUE:
             raise invalid(
-                f"metadata.{key}", f"metadata keys are at most {MAX_METADATA_KEY} characters, values strings of at most {MAX_METADATA_VALUE}", "invalid_value"
+                f"metadata.{key}",
+                f"metadata keys are at most {MAX_METADATA_KEY} characters, values strings of at most {MAX_METADATA_VALUE}",
+                "invalid_value",
             )
     return dict(metadata)
 
@@ -314,13 +316,21 @@ def _response_format(value: Any, request: gateway_pb2.GenerateRequest) -> None:
         raise invalid("response_format.json_schema", "response_format.json_schema must be an object with name and schema", "invalid_type")
     for name in spec:
         if name not in ("name", "schema", "strict", "description"):
-            raise invalid(f"response_format.json_schema.{name}", f"Unrecognized request argument supplied: response_format.json_schema.{name}", "unknown_parameter")
+            raise invalid(
+                f"response_format.json_schema.{name}",
+                f"Unrecognized request argument supplied: response_format.json_schema.{name}",
+                "unknown_parameter",
+            )
     name = spec.get("name")
     if not isinstance(name, str) or not _SCHEMA_NAME.fullmatch(name):
-        raise invalid("response_format.json_schema.name", f"name must be 1 to 64 letters, digits, underscores or dashes, got {name!r}", "invalid_value")
+        raise invalid(
+            "response_format.json_schema.name", f"name must be 1 to 64 letters, digits, underscores or dashes, got {name!r}", "invalid_value"
+        )
     schema = spec.get("schema")
     if not isinstance(schema, dict):
-        raise invalid("response_format.json_schema.schema", f"response_format.json_schema.schema must be a JSON Schema object, got {schema!r}", "invalid_type")
+        raise invalid(
+            "response_format.json_schema.schema", f"response_format.json_schema.schema must be a JSON Schema object, got {schema!r}", "invalid_type"
+        )
     if spec.get("strict") not in (None, True, False):
         raise invalid("response_format.json_schema.strict", f"strict must be a boolean, got {spec.get('strict')!r}", "invalid_type")
     _constrain(request.sampling, StructuredOutputs.json_schema(schema), "response_format")
@@ -362,7 +372,7 @@ def _content(value: Any, param: str) -> str:
         texts = []
         for index, part in enumerate(value):
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise invalid(f"{param}[{index}]", "only text content parts ({\"type\": \"text\", \"text\": ...}) are supported", "invalid_value")
+                raise invalid(f"{param}[{index}]", 'only text content parts ({"type": "text", "text": ...}) are supported', "invalid_value")
             texts.append(part["text"])
         return "".join(texts)
     raise invalid(param, f"content must be a string or an array of text parts, got {value!r}", "invalid_type")
@@ -425,7 +435,11 @@ def _message(message: Any, param: str) -> types_pb2.ChatMessage:
         raise invalid(f"{param}.role", f"role must be one of {', '.join(_ROLES)}, got {role!r}", "invalid_value")
     for name in message:
         if name not in _MESSAGE_FIELDS[role]:
-            raise invalid(f"{param}.{name}", f"Unrecognized message field: {name} (a {role} message takes {', '.join(sorted(_MESSAGE_FIELDS[role]))})", "unknown_parameter")
+            raise invalid(
+                f"{param}.{name}",
+                f"Unrecognized message field: {name} (a {role} message takes {', '.join(sorted(_MESSAGE_FIELDS[role]))})",
+                "unknown_parameter",
+            )
     calls = message.get("tool_calls") or []
     if role == "assistant" and calls and message.get("content") is None:
         content = ""  # a turn that only called tools
@@ -447,7 +461,7 @@ def _message(message: Any, param: str) -> types_pb2.ChatMessage:
 def _tool_call(call: Any, param: str) -> types_pb2.ToolCall:
     function = call.get("function") if isinstance(call, dict) else None
     if not isinstance(function, dict) or call.get("type", "function") != "function":
-        raise invalid(param, "a tool call must be {\"id\", \"type\": \"function\", \"function\": {\"name\", \"arguments\"}}", "invalid_type")
+        raise invalid(param, 'a tool call must be {"id", "type": "function", "function": {"name", "arguments"}}', "invalid_type")
     name, arguments, call_id = function.get("name"), function.get("arguments", ""), call.get("id", "")
     if not isinstance(name, str) or not isinstance(arguments, str) or not isinstance(call_id, str):
         raise invalid(param, "a tool call's id, function.name and function.arguments must be strings", "invalid_type")
@@ -464,25 +478,36 @@ def _tool_use(body: dict[str, Any], request: gateway_pb2.GenerateRequest) -> Non
         return
     tool_use = request.tool_use
     if tools is not None and not isinstance(tools, list):
-        raise invalid("tools", "tools must be an array of {\"type\": \"function\", \"function\": {...}}", "invalid_type")
+        raise invalid("tools", 'tools must be an array of {"type": "function", "function": {...}}', "invalid_type")
     for index, tool in enumerate(tools or []):
         function = tool.get("function") if isinstance(tool, dict) and tool.get("type") == "function" else None
         if not isinstance(function, dict):
-            raise invalid(f"tools[{index}]", "a tool must be {\"type\": \"function\", \"function\": {\"name\", \"description\", \"parameters\"}}", "invalid_type")
+            raise invalid(f"tools[{index}]", 'a tool must be {"type": "function", "function": {"name", "description", "parameters"}}', "invalid_type")
         for name in function:
             if name not in ("name", "description", "parameters", "strict"):
-                raise invalid(f"tools[{index}].function.{name}", f"Unrecognized request argument supplied: tools[{index}].function.{name}", "unknown_parameter")
+                raise invalid(
+                    f"tools[{index}].function.{name}", f"Unrecognized request argument supplied: tools[{index}].function.{name}", "unknown_parameter"
+                )
         name, description, parameters = function.get("name"), function.get("description") or "", function.get("parameters")
         if not isinstance(name, str) or not isinstance(description, str) or not (parameters is None or isinstance(parameters, dict)):
             raise invalid(f"tools[{index}].function", "name and description must be strings, parameters a JSON Schema object", "invalid_type")
         tool_use.tools.append(types_pb2.Tool(name=name, description=description, parameters=json.dumps(parameters) if parameters is not None else ""))
     if isinstance(choice, str) and choice in _TOOL_CHOICES:
         tool_use.choice.mode = _TOOL_CHOICES[choice]
-    elif isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict) and isinstance(choice["function"].get("name"), str):
+    elif (
+        isinstance(choice, dict)
+        and choice.get("type") == "function"
+        and isinstance(choice.get("function"), dict)
+        and isinstance(choice["function"].get("name"), str)
+    ):
         tool_use.choice.mode = types_pb2.TOOL_CHOICE_MODE_FUNCTION
         tool_use.choice.function = choice["function"]["name"]
     elif choice is not None:
-        raise invalid("tool_choice", f"tool_choice must be none, auto, required or {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}, got {choice!r}", "invalid_value")
+        raise invalid(
+            "tool_choice",
+            f'tool_choice must be none, auto, required or {{"type": "function", "function": {{"name": ...}}}}, got {choice!r}',
+            "invalid_value",
+        )
     if parallel is not None:
         if not isinstance(parallel, bool):
             raise invalid("parallel_tool_calls", f"parallel_tool_calls must be a boolean, got {parallel!r}", "invalid_type")
@@ -663,7 +688,9 @@ class Completion:
     def tool_calls_chunk(self, index: int, calls: list[types_pb2.ToolCall]) -> dict[str, Any]:
         """A chat stream's chunk carrying choice `index`'s calls, each whole."""
         reply = self._base("chat.completion.chunk")
-        reply["choices"] = [{"index": index, "delta": {"tool_calls": tool_call_objects(calls, streamed=True)}, "logprobs": None, "finish_reason": None}]
+        reply["choices"] = [
+            {"index": index, "delta": {"tool_calls": tool_call_objects(calls, streamed=True)}, "logprobs": None, "finish_reason": None}
+        ]
         if self.call.options.include_usage:
             reply["usage"] = None
         return reply

@@ -65,8 +65,7 @@ class StoredBatch:
 
 _FILE_COLUMNS = "file_id, tenant, purpose, filename, bytes, created_at"
 _BATCH_COLUMNS = (
-    "batch_id, tenant, endpoint, input_file_id, completion_window, metadata, created_at, cancelling_at, output_file_id,"
-    " error_file_id, files_made"
+    "batch_id, tenant, endpoint, input_file_id, completion_window, metadata, created_at, cancelling_at, output_file_id, error_file_id, files_made"
 )
 
 
@@ -167,9 +166,7 @@ class OpenAIStore:
                 output_file_id, error_file_id, batch_id,
             )  # fmt: skip
 
-    async def _page(
-        self, table: str, columns: str, id_column: str, where: str, args: list[Any], limit: int, after: str | None, build: Any
-    ) -> Page:
+    async def _page(self, table: str, columns: str, id_column: str, where: str, args: list[Any], limit: int, after: str | None, build: Any) -> Page:
         """Newest first (created_at, then id, descending); `after`: the items after that id."""
         async with self.db.transaction() as tx:
             if after:

@@ -32,9 +32,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
     def _tenant(self, context: grpc.aio.ServicerContext) -> Tenant:
         return self._tenants.authenticate(authorization(context))
 
-    async def Generate(
-        self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[gateway_pb2.GenerateResponse]:
+    async def Generate(self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[gateway_pb2.GenerateResponse]:
         tenant = self._tenant(context)
         structlog.contextvars.bind_contextvars(tenant=tenant.name, model=request.model)
         request_id = current_request_id()
@@ -59,9 +57,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
                     tool_calls=stream.tool_calls(stream.index) if chunk.finish_reason else None,
                 )
 
-    async def ListModels(
-        self, request: gateway_pb2.ListModelsRequest, context: grpc.aio.ServicerContext
-    ) -> gateway_pb2.ListModelsResponse:
+    async def ListModels(self, request: gateway_pb2.ListModelsRequest, context: grpc.aio.ServicerContext) -> gateway_pb2.ListModelsResponse:
         self._tenant(context)
         return gateway_pb2.ListModelsResponse(models=self._models.models)
 
@@ -78,9 +74,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             raise Unimplemented("bulk jobs are not configured on this gateway")
         return self._jobs_api
 
-    async def SubmitJob(
-        self, request: gateway_pb2.SubmitJobRequest, context: grpc.aio.ServicerContext
-    ) -> gateway_pb2.SubmitJobResponse:
+    async def SubmitJob(self, request: gateway_pb2.SubmitJobRequest, context: grpc.aio.ServicerContext) -> gateway_pb2.SubmitJobResponse:
         tenant = self._tenant(context)
         api_key = bearer_key(authorization(context))
         job = jobs_pb2.JobRequest()
@@ -90,21 +84,15 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
     async def GetJob(self, request: gateway_pb2.GetJobRequest, context: grpc.aio.ServicerContext) -> gateway_pb2.GetJobResponse:
         return gateway_pb2.GetJobResponse(job=await self._jobs().get(self._tenant(context), request.job_id))
 
-    async def WatchJob(
-        self, request: gateway_pb2.WatchJobRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[gateway_pb2.WatchJobResponse]:
+    async def WatchJob(self, request: gateway_pb2.WatchJobRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[gateway_pb2.WatchJobResponse]:
         async for job in self._jobs().watch(self._tenant(context), request.job_id):
             yield gateway_pb2.WatchJobResponse(job=job)
 
-    async def CancelJob(
-        self, request: gateway_pb2.CancelJobRequest, context: grpc.aio.ServicerContext
-    ) -> gateway_pb2.CancelJobResponse:
+    async def CancelJob(self, request: gateway_pb2.CancelJobRequest, context: grpc.aio.ServicerContext) -> gateway_pb2.CancelJobResponse:
         return gateway_pb2.CancelJobResponse(job=await self._jobs().cancel(self._tenant(context), request.job_id))
 
     async def ListJobResults(
         self, request: gateway_pb2.ListJobResultsRequest, context: grpc.aio.ServicerContext
     ) -> gateway_pb2.ListJobResultsResponse:
-        results, token = await self._jobs().list_results(
-            self._tenant(context), request.job_id, request.page_size, request.page_token
-        )
+        results, token = await self._jobs().list_results(self._tenant(context), request.job_id, request.page_size, request.page_token)
         return gateway_pb2.ListJobResultsResponse(results=results, next_page_token=token)

@@ -99,7 +99,9 @@ def plan(tool_use: types_pb2.ToolUse, sampling: types_pb2.SamplingParams) -> Too
     parallel = tool_use.parallel_tool_calls if tool_use.HasField("parallel_tool_calls") else True
     found = ToolPlan(mode, tools, descriptions, tool_use.choice.function, parallel)
     if found.constraint() is not None and sampling.HasField("structured_outputs"):
-        raise InvalidArgument("sampling.structured_outputs", "a tool call's arguments are constrained already: drop structured_outputs or use tool_choice auto")
+        raise InvalidArgument(
+            "sampling.structured_outputs", "a tool call's arguments are constrained already: drop structured_outputs or use tool_choice auto"
+        )
     return found
 
 
@@ -161,7 +163,7 @@ def _instructions(tool_plan: ToolPlan) -> str:
         "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n"
         + "\n".join(lines)
         + "\n</tools>\n\nFor each function call, return a json object with function name and arguments within"
-        " <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call>"
+        ' <tool_call></tool_call> XML tags:\n<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'
     )
 
 

@@ -121,9 +121,7 @@ class JobWorker:
         self.store = store
         self.topology = JobTopology(config.amqp_prefix)
         self.worker_id = f"worker-{uuid.uuid4().hex[:12]}"
-        self.concurrency = AdaptiveConcurrency(
-            initial=config.worker_concurrency_initial, maximum=config.worker_concurrency_max
-        )
+        self.concurrency = AdaptiveConcurrency(initial=config.worker_concurrency_initial, maximum=config.worker_concurrency_max)
         self.row_deadlines = RowDeadlines.for_config(config)
         self._tasks: set[asyncio.Task[None]] = set()
         self._connection: Any = None
@@ -383,9 +381,7 @@ class JobWorker:
             await self._release(run.latency_s, OK, run.allowed_rate_per_s)
             return run.result
 
-    async def _too_long_for_window(
-        self, task: jobs_pb2.RowTask, job: JobRecord | None, cut_at_s: float | None
-    ) -> jobs_pb2.RowResult | None:
+    async def _too_long_for_window(self, task: jobs_pb2.RowTask, job: JobRecord | None, cut_at_s: float | None) -> jobs_pb2.RowResult | None:
         """The row's failed result (TOO_LONG_FOR_WINDOW) when it is expected to end more than
         WORKER_ROW_TIMEOUT_FLOOR_S after its job's completion window; None when it fits or nothing
         is known."""

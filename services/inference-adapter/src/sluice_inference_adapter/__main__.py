@@ -100,7 +100,14 @@ def build_backends(
         passthrough = PassthroughLimits(max_in_flight=config.max_in_flight, max_waiting=config.max_waiting)
         template = passthrough_chat_template(config)
         make_backend = lambda url: TritonGenerateBackend(url, config.triton_model)  # noqa: E731
-        make_scheduler = lambda backend, on_step: PassthroughScheduler(backend, passthrough, template.render, on_step=on_step, replica=backend.url + label, timeouts=step_timeouts)  # type: ignore[arg-type]  # noqa: E731
+        make_scheduler = lambda backend, on_step: PassthroughScheduler(  # noqa: E731
+            backend,  # type: ignore[arg-type]  # a TritonGenerateBackend: make_backend's
+            passthrough,
+            template.render,
+            on_step=on_step,
+            replica=backend.url + label,
+            timeouts=step_timeouts,
+        )
     return [make_backend(url) for url in urls], make_scheduler, make_backend  # type: ignore[return-value]
 
 
@@ -261,9 +268,7 @@ async def serve(config: AdapterConfig) -> None:
         return [SERVICE_NAME]
 
     # Health answers NOT_SERVING until a Triton replica has the model ready.
-    running = await create_server(
-        config.host, config.port, config.metrics_port, register, serving=False, tls=config.server_tls(ENV_PREFIX)
-    )
+    running = await create_server(config.host, config.port, config.metrics_port, register, serving=False, tls=config.server_tls(ENV_PREFIX))
     running.supervisor.start("event-loop-lag", monitor_loop_lag)
     discovery = Discovery([parse_target(entry) for entry in config.triton_urls])
     urls, ready_url = await wait_for_a_ready_replica(config, discovery)

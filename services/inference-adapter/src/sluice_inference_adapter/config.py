@@ -106,22 +106,16 @@ class AdapterConfig(ServerConfig):
         return [parse_extra_model(entry, self.max_batch_size) for entry in self.extra_models]
 
     def step_timeout_policy(self) -> TimeoutPolicy:
-        return TimeoutPolicy(
-            self.timeout_multiplier, self.step_timeout_floor_s, self.step_timeout_s, self.timeout_window, self.timeout_min_samples
-        )
+        return TimeoutPolicy(self.timeout_multiplier, self.step_timeout_floor_s, self.step_timeout_s, self.timeout_window, self.timeout_min_samples)
 
     def embed_timeout_policy(self) -> TimeoutPolicy:
-        return TimeoutPolicy(
-            self.timeout_multiplier, self.embed_timeout_floor_s, self.embed_timeout_s, self.timeout_window, self.timeout_min_samples
-        )
+        return TimeoutPolicy(self.timeout_multiplier, self.embed_timeout_floor_s, self.embed_timeout_s, self.timeout_window, self.timeout_min_samples)
 
     def __post_init__(self) -> None:
         shared = (f"{ENV_PREFIX}TIMEOUT_MULTIPLIER", f"{ENV_PREFIX}TIMEOUT_WINDOW", f"{ENV_PREFIX}TIMEOUT_MIN_SAMPLES")
         problems: list[str] = []
         for kind, policy in (("STEP", self.step_timeout_policy()), ("EMBED", self.embed_timeout_policy())):
-            for problem in policy.problems(
-                shared[0], f"{ENV_PREFIX}{kind}_TIMEOUT_FLOOR_S", f"{ENV_PREFIX}{kind}_TIMEOUT_S", shared[1], shared[2]
-            ):
+            for problem in policy.problems(shared[0], f"{ENV_PREFIX}{kind}_TIMEOUT_FLOOR_S", f"{ENV_PREFIX}{kind}_TIMEOUT_S", shared[1], shared[2]):
                 if problem not in problems:  # the shared settings' problems once, not per kind
                     problems.append(problem)
         require(not problems, "; ".join(problems))
@@ -133,7 +127,9 @@ class AdapterConfig(ServerConfig):
         )
         require(self.max_batch_size >= 1, f"{ENV_PREFIX}MAX_BATCH_SIZE must be >= 1, got {self.max_batch_size}")
         # The step protocol's own bound (triton-local step_protocol.MAX_ROUND_STEPS).
-        require(1 <= self.max_round_steps <= 64, f"{ENV_PREFIX}MAX_ROUND_STEPS must be in 1..64 (1: a round trip per token), got {self.max_round_steps}")
+        require(
+            1 <= self.max_round_steps <= 64, f"{ENV_PREFIX}MAX_ROUND_STEPS must be in 1..64 (1: a round trip per token), got {self.max_round_steps}"
+        )
         require(self.round_target_s > 0, f"{ENV_PREFIX}ROUND_TARGET_S must be > 0, got {self.round_target_s}")
         require(len(self.triton_urls) >= 1, f"{ENV_PREFIX}TRITON_URLS needs at least one host:port")
         for entry in self.triton_urls:

@@ -250,14 +250,10 @@ class EmbedBatcher:
             answer = await self._backend.embed(texts)
             vectors = np.asarray(answer.vectors, dtype=np.float32)
             if vectors.ndim != 2 or vectors.shape[0] != len(texts):
-                raise Unavailable(
-                    f"the embedding backend answered shape {vectors.shape} for {len(texts)} texts"
-                )
+                raise Unavailable(f"the embedding backend answered shape {vectors.shape} for {len(texts)} texts")
             tokens = None if answer.tokens is None else np.asarray(answer.tokens, dtype=np.int64)
             if tokens is not None and tokens.shape != (len(texts),):
-                raise Unavailable(
-                    f"the embedding backend answered token counts of shape {tokens.shape} for {len(texts)} texts"
-                )
+                raise Unavailable(f"the embedding backend answered token counts of shape {tokens.shape} for {len(texts)} texts")
         except asyncio.CancelledError:
             self._fail_batch(batch, Unavailable("the adapter is shutting down"))
             raise

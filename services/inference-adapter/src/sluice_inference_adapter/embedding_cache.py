@@ -176,9 +176,7 @@ class EmbeddingCache:
 # -- the budget -----------------------------------------------------------------------------
 
 
-def cache_budget(
-    budget_bytes: int, memory_share: float, read_memory_limit: Callable[[], int | None] = memory_limit
-) -> tuple[int, str]:
+def cache_budget(budget_bytes: int, memory_share: float, read_memory_limit: Callable[[], int | None] = memory_limit) -> tuple[int, str]:
     """(the cache's budget in bytes, 0 for no cache; how it was chosen).
 
     `budget_bytes` (0: off) is the ceiling; a `memory_share` > 0 of the container's memory limit

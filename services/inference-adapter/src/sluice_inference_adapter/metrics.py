@@ -15,9 +15,7 @@ ENGINE_FULL = Counter(
     ["replica"],
 )
 # Not labelled by replica (yet): tests/e2e/test_batching.py reads its unlabelled _count sample.
-BATCH_SIZE = Histogram(
-    "sluice_adapter_batch_size", "Token-producing rows per step.", buckets=(1, 2, 4, 8, 16, 32, 64, 128)
-)
+BATCH_SIZE = Histogram("sluice_adapter_batch_size", "Token-producing rows per step.", buckets=(1, 2, 4, 8, 16, 32, 64, 128))
 STEP_SECONDS = Histogram(
     "sluice_adapter_step_seconds",
     "Time from a round's request (or its previous step's answer) to one engine step's answer from a Triton replica.",
@@ -32,12 +30,8 @@ ROUND_STEPS = Histogram(
 QUEUE_SECONDS = Histogram(
     "sluice_adapter_queue_seconds", "Time from arrival to prefill, in a replica's waiting queue.", ["replica"], buckets=_LATENCY_BUCKETS
 )
-TIME_TO_FIRST_TOKEN = Histogram(
-    "sluice_adapter_time_to_first_token_seconds", "Time from arrival to the first token.", buckets=_LATENCY_BUCKETS
-)
-INTER_TOKEN = Histogram(
-    "sluice_adapter_inter_token_seconds", "Gap between consecutive tokens of a sequence.", buckets=_LATENCY_BUCKETS
-)
+TIME_TO_FIRST_TOKEN = Histogram("sluice_adapter_time_to_first_token_seconds", "Time from arrival to the first token.", buckets=_LATENCY_BUCKETS)
+INTER_TOKEN = Histogram("sluice_adapter_inter_token_seconds", "Gap between consecutive tokens of a sequence.", buckets=_LATENCY_BUCKETS)
 # The configured bound `sluice diagnose` compares each model's batch (its kv_slots_in_use series:
 # '<address>' for the main model, '<address>#<model>' for an extra one) with.
 CONCURRENCY_LIMIT = Gauge(
@@ -102,7 +96,9 @@ ROUTED_MATCHED_CHARS = Counter(
     ["model"],
 )
 PREFIX_RECORD_PROMPTS = Gauge(
-    "sluice_adapter_prefix_record_prompts", "Prompts remembered per replica for prefix routing (bounded; a failed replica's are forgotten).", ["replica"]
+    "sluice_adapter_prefix_record_prompts",
+    "Prompts remembered per replica for prefix routing (bounded; a failed replica's are forgotten).",
+    ["replica"],
 )
 PROMPT_TOKENS = Counter("sluice_adapter_prompt_tokens_total", "Prompt tokens of finished sequences, per replica that served them.", ["replica"])
 # vLLM's vllm:generation_tokens_total (deploy/prometheus/rules publishes it under that name): what
@@ -125,13 +121,28 @@ DISCOVERY_FAILURES = Counter(
 def forget_replica(replica: str, priorities: Iterable[str]) -> None:
     """Drops a removed replica's series, so that pod churn does not grow them for ever (a counter
     that ends is fine for rate())."""
-    for metric in (SLOTS_IN_USE, ENGINE_FULL, STEP_SECONDS, QUEUE_SECONDS, BATCH_TOKENS, BACKEND_READY, REPLICA_HEALTHY, REPLICA_LOAD,
-                   PREFIX_RECORD_PROMPTS, PROMPT_TOKENS, GENERATION_TOKENS, CACHED_PROMPT_TOKENS, ROUTED_REQUESTS):
+    for metric in (
+        SLOTS_IN_USE,
+        ENGINE_FULL,
+        STEP_SECONDS,
+        QUEUE_SECONDS,
+        BATCH_TOKENS,
+        BACKEND_READY,
+        REPLICA_HEALTHY,
+        REPLICA_LOAD,
+        PREFIX_RECORD_PROMPTS,
+        PROMPT_TOKENS,
+        GENERATION_TOKENS,
+        CACHED_PROMPT_TOKENS,
+        ROUTED_REQUESTS,
+    ):
         with suppress(KeyError):
             metric.remove(replica)
     for priority in priorities:
         with suppress(KeyError):
             WAITING.remove(priority, replica)
+
+
 _EMBED_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
 EMBED_WAITING = Gauge("sluice_adapter_embed_waiting_texts", "Texts waiting for an embedding batch.")
 EMBED_BATCH_TEXTS = Histogram(
@@ -143,9 +154,7 @@ EMBED_QUEUE_SECONDS = Histogram(
 EMBED_BATCH_SECONDS = Histogram(
     "sluice_adapter_embed_batch_seconds", "Round trip of one embedding batch to the backend.", buckets=_EMBED_LATENCY_BUCKETS
 )
-EMBED_CACHE_HITS = Counter(
-    "sluice_adapter_embed_cache_hits_total", "Distinct texts of an Embed request answered from the embedding cache."
-)
+EMBED_CACHE_HITS = Counter("sluice_adapter_embed_cache_hits_total", "Distinct texts of an Embed request answered from the embedding cache.")
 EMBED_CACHE_MISSES = Counter(
     "sluice_adapter_embed_cache_misses_total", "Distinct texts of an Embed request the embedding cache did not hold (sent to Triton)."
 )
@@ -155,6 +164,4 @@ EMBED_CACHE_EVICTIONS = Counter(
 EMBED_CACHE_BYTES = Gauge(
     "sluice_adapter_embed_cache_bytes", "Bytes the embedding cache's entries are charged (vector row, text key, index overhead)."
 )
-EMBED_CACHE_CAPACITY_BYTES = Gauge(
-    "sluice_adapter_embed_cache_capacity_bytes", "The embedding cache's budget in bytes (0: no cache)."
-)
+EMBED_CACHE_CAPACITY_BYTES = Gauge("sluice_adapter_embed_cache_capacity_bytes", "The embedding cache's budget in bytes (0: no cache).")

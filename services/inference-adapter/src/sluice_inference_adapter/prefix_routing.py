@@ -163,9 +163,7 @@ class PrefixRouter:
     sequence would wait there) is passed over while another has a free slot. `load_bound`: how many
     more waiting plus running sequences than the least loaded replica a matching one may have."""
 
-    def __init__(
-        self, slots: int, load_bound: int, prompts_per_slot: int = PROMPTS_PER_SLOT, block_chars: int = BLOCK_CHARS
-    ) -> None:
+    def __init__(self, slots: int, load_bound: int, prompts_per_slot: int = PROMPTS_PER_SLOT, block_chars: int = BLOCK_CHARS) -> None:
         if slots < 1 or load_bound < 0 or prompts_per_slot < 1 or block_chars < 1:
             raise ValueError("slots, prompts_per_slot and block_chars must be >= 1 and load_bound >= 0")
         self.slots = slots

@@ -368,9 +368,7 @@ class PooledEmbedBackend:
     of batch round trips across the pool): its callers get UNAVAILABLE naming the replica. A batch
     cut off or failed by its replica (UNAVAILABLE) counts against the replica as a failed step does."""
 
-    def __init__(
-        self, pool: ReplicaPool, make_backend: Callable[[str], ClosableEmbedBackend], timeout: AdaptiveTimeout | None = None
-    ) -> None:
+    def __init__(self, pool: ReplicaPool, make_backend: Callable[[str], ClosableEmbedBackend], timeout: AdaptiveTimeout | None = None) -> None:
         self._pool = pool
         self._make_backend = make_backend
         self._by_url: dict[str, ClosableEmbedBackend] = {}

@@ -209,9 +209,7 @@ class Sequence:
             self.trace.finish(finish.value, self.prompt_tokens, self.completion_tokens, self.cached_tokens, error)
         if finish in (Finish.CANCELLED, Finish.DEADLINE):
             metrics.CANCELLATIONS.labels(reason=finish.value).inc()
-        self.events.put_nowait(
-            FinishEvent(finish, self.prompt_tokens, self.completion_tokens, self._timings(now), error, self.cached_tokens)
-        )
+        self.events.put_nowait(FinishEvent(finish, self.prompt_tokens, self.completion_tokens, self._timings(now), error, self.cached_tokens))
 
     def _timings(self, now: float) -> Timings:
         start, first, last = self.submitted_at, self.first_token_at, self.last_token_at
@@ -476,12 +474,7 @@ class Scheduler(ReplicaWork):
         """A request waiting during a long round need not wait for its end: when the batch has room
         for it (it arrived, or a sequence finished), the round is asked to end after its current
         step (once per round), and the next round admits it."""
-        if (
-            self._round_steps_asked > 1
-            and not self._round_end_asked
-            and self.waiting_count
-            and len(self._running) < self._limits.max_batch_size
-        ):
+        if self._round_steps_asked > 1 and not self._round_end_asked and self.waiting_count and len(self._running) < self._limits.max_batch_size:
             self._round_end_asked = True
             self._send_in_background([StepRow(Action.END_ROUND, 0)], "end_round_failed")
 
@@ -649,9 +642,7 @@ class Scheduler(ReplicaWork):
                 break
             # Interactive sequences come first, so a bulk head means only bulk ones wait.
             if head.priority is Priority.BULK and (
-                interactive_admitted
-                or (limits.max_bulk_prefill_rows and bulk_prefilling >= limits.max_bulk_prefill_rows)
-                or len(bulk) >= bulk_slots
+                interactive_admitted or (limits.max_bulk_prefill_rows and bulk_prefilling >= limits.max_bulk_prefill_rows) or len(bulk) >= bulk_slots
             ):
                 break
             # An oversized request still runs when it would be alone, or it would starve.

@@ -95,15 +95,11 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
                     text=event.text, token_count=event.token_count, logprobs=[token_logprob(entry) for entry in event.logprobs]
                 )
 
-    async def ListModels(
-        self, request: inference_pb2.ListModelsRequest, context: grpc.aio.ServicerContext
-    ) -> inference_pb2.ListModelsResponse:
+    async def ListModels(self, request: inference_pb2.ListModelsRequest, context: grpc.aio.ServicerContext) -> inference_pb2.ListModelsResponse:
         models = list(self._models.values()) + ([self._embedding_model] if self._embedding_model else [])
         return inference_pb2.ListModelsResponse(models=models)
 
-    async def CountTokens(
-        self, request: inference_pb2.CountTokensRequest, context: grpc.aio.ServicerContext
-    ) -> inference_pb2.CountTokensResponse:
+    async def CountTokens(self, request: inference_pb2.CountTokensRequest, context: grpc.aio.ServicerContext) -> inference_pb2.CountTokensResponse:
         model = self._model_info(request.model)
         if request.prompt_token_ids:  # prefilled as given: their count is their length
             return inference_pb2.CountTokensResponse(prompt_tokens=len(request.prompt_token_ids), context_length=model.context_length)

@@ -109,4 +109,3 @@ class StepBackend(Protocol):
         outcomes answer `rows` in order; each later step decodes the sequences still running (those
         that have not finished) and answers each of them by seq_id, until none is left."""
         ...
-

@@ -123,9 +123,7 @@ class _TritonEndpoint:
 
     async def is_ready(self) -> bool:
         try:
-            ready = await self._client.is_server_ready(client_timeout=2.0) and await self._client.is_model_ready(
-                self.model, client_timeout=2.0
-            )
+            ready = await self._client.is_server_ready(client_timeout=2.0) and await self._client.is_model_ready(self.model, client_timeout=2.0)
         except InferenceServerException:
             ready = False
         metrics.BACKEND_READY.labels(replica=self.url).set(1 if ready else 0)

@@ -25,9 +25,7 @@ SERVICE_NAME = ratelimit_pb2.DESCRIPTOR.services_by_name["RateLimitService"].ful
 def build_backend(config: RateLimitConfig):  # type: ignore[no-untyped-def]
     if config.backend == "memory":
         return MemoryBackend(config.window_s, on_expired=on_expired)
-    primary = RedisBackend(
-        config.redis_url, config.redis_prefix, config.window_s, config.redis_timeout_s, on_expired
-    )
+    primary = RedisBackend(config.redis_url, config.redis_prefix, config.window_s, config.redis_timeout_s, on_expired)
     breaker = CircuitBreaker(config.breaker_failures, config.breaker_open_s)
     return FailoverBackend(primary, breaker, config.replicas, config.redis_timeout_s)
 
@@ -48,9 +46,7 @@ async def serve(config: RateLimitConfig) -> None:
     # counted (sluice_rpc_*, sluice_ratelimit_decisions_total) and logged at debug; denials and
     # errors are logged.
     quiet = [f"/{SERVICE_NAME}/Acquire", f"/{SERVICE_NAME}/Commit"]
-    running = await create_server(
-        config.host, config.port, config.metrics_port, register, tls=config.server_tls(ENV_PREFIX), quiet_methods=quiet
-    )
+    running = await create_server(config.host, config.port, config.metrics_port, register, tls=config.server_tls(ENV_PREFIX), quiet_methods=quiet)
     running.supervisor.start("event-loop-lag", monitor_loop_lag)
     limiter.start_reloading(config.reload_interval_s, running.supervisor)
     log.info(

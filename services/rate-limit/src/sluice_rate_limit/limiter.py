@@ -45,9 +45,7 @@ class RateLimiter:
     def limits(self) -> Limits:
         return self._limits()
 
-    async def acquire(
-        self, tenant: str, model: str, interactive: bool, requests: int, tokens: int, lease_ttl_s: float | None = None
-    ) -> Decision:
+    async def acquire(self, tenant: str, model: str, interactive: bool, requests: int, tokens: int, lease_ttl_s: float | None = None) -> Decision:
         if not tenant:
             raise InvalidArgument("tenant", "must not be empty")
         if not model:
@@ -90,7 +88,11 @@ class RateLimiter:
         # Allowed decisions are only counted (the server logs OK Acquire calls at debug): a
         # denial is what an operator looks for, so it gets its own line.
         log.info(
-            "denied", tenant=tenant, model=model, budget=decision.denied_name, retry_after_s=round(decision.retry_after_s, 3),
+            "denied",
+            tenant=tenant,
+            model=model,
+            budget=decision.denied_name,
+            retry_after_s=round(decision.retry_after_s, 3),
             exceeds_limit=decision.exceeds_limit,
         )
         return decision
@@ -166,9 +168,7 @@ def _larger_than_a_limit(checks: list[Check]) -> Decision | None:
         if check.limit > 0 and check.cost > check.limit:
             reason = f"this request costs {check.cost} against {check.name}, whose whole limit is {check.limit}"
             state = BudgetState(check.budget, check.limit, check.limit, 0.0, check.name)
-            return Decision(
-                allowed=False, states=[state], denied_by=check.budget, denied_name=check.name, exceeds_limit=True, reason=reason
-            )
+            return Decision(allowed=False, states=[state], denied_by=check.budget, denied_name=check.name, exceeds_limit=True, reason=reason)
     return None
 
 

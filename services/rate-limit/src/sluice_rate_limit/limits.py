@@ -141,21 +141,23 @@ def _budget_checks(limits: BudgetLimits, scope: str, budget: Budget | None, poli
         if limit <= 0:
             continue
         own_budget, kind, short, tokens_based = _KIND[name]
-        checks.append((
-            Check(
-                budget=budget or own_budget,
-                kind=kind,
-                key=f"{scope}:{short}",
-                limit=limit,
-                cost=0,
-                floor=int(limit * limits.interactive_floor),
-                burst=max(1, int(limit * limits.burst)) if kind is Kind.WINDOW and limits.burst < 1.0 else 0,
-                refundable=tokens_based and kind is Kind.WINDOW,
-                policy=policy["model_capacity" if budget else name],
-                name=f"model_capacity.{name}" if budget else name,
-            ),
-            tokens_based,
-        ))
+        checks.append(
+            (
+                Check(
+                    budget=budget or own_budget,
+                    kind=kind,
+                    key=f"{scope}:{short}",
+                    limit=limit,
+                    cost=0,
+                    floor=int(limit * limits.interactive_floor),
+                    burst=max(1, int(limit * limits.burst)) if kind is Kind.WINDOW and limits.burst < 1.0 else 0,
+                    refundable=tokens_based and kind is Kind.WINDOW,
+                    policy=policy["model_capacity" if budget else name],
+                    name=f"model_capacity.{name}" if budget else name,
+                ),
+                tokens_based,
+            )
+        )
     return checks
 
 
@@ -202,7 +204,7 @@ def parse_limits(text: str) -> Limits:
         if key not in POLICY_FIELDS:
             raise LimitsError(f"failure_policy.{key}: unknown budget (known: {', '.join(POLICY_FIELDS)})")
         if value not in ("open", "closed"):
-            raise LimitsError(f"failure_policy.{key} must be \"open\" or \"closed\", got {value!r}")
+            raise LimitsError(f'failure_policy.{key} must be "open" or "closed", got {value!r}')
         policy[key] = Policy(value)
     defaults = _budget_limits("defaults", document.get("defaults", {}), BudgetLimits())
     tenants: dict[str, TenantLimits] = {}
@@ -216,10 +218,7 @@ def parse_limits(text: str) -> Limits:
             for model, sub in (table.get("models", {}) if isinstance(table, dict) else {}).items()
         }
         tenants[name] = TenantLimits(base, per_model)
-    models = {
-        name: _budget_limits(f"models.{name}", table, BudgetLimits())
-        for name, table in document.get("models", {}).items()
-    }
+    models = {name: _budget_limits(f"models.{name}", table, BudgetLimits()) for name, table in document.get("models", {}).items()}
     version = hashlib.sha256(text.encode()).hexdigest()[:16]
     return Limits(TenantLimits(defaults), tenants, models, policy, shadow, version)
 

@@ -97,9 +97,7 @@ class MemoryBackend:
             used, reset = store.total, 0.0
         return BudgetState(check.budget, check.limit, max(0, check.limit - used), reset, check.name)
 
-    async def acquire(
-        self, checks: list[Check], interactive: bool, ttl_s: float, shadow: bool, tag: str = ""
-    ) -> Decision:
+    async def acquire(self, checks: list[Check], interactive: bool, ttl_s: float, shadow: bool, tag: str = "") -> Decision:
         now = self._clock()
         self._sweep(now)
         stores = [self._store(tag, check) for check in checks]

@@ -12,15 +12,12 @@ DECISIONS = Counter(
 # Per tenant, denials only: tenants are the configured few that the gateway authenticates, and
 # allowed decisions (the hot path) stay unlabelled. Dashboards show who is being refused.
 TENANT_DENIALS = Counter(
-    "sluice_ratelimit_tenant_denials_total", "Acquire calls denied (enforced, not shadow), by tenant and the budget that refused.",
+    "sluice_ratelimit_tenant_denials_total",
+    "Acquire calls denied (enforced, not shadow), by tenant and the budget that refused.",
     ["tenant", "budget"],
 )
-NEAR_LIMIT = Counter(
-    "sluice_ratelimit_near_limit_total", "Admissions that left less than 10% of a budget remaining.", ["budget"]
-)
-SHADOW_DENIALS = Counter(
-    "sluice_ratelimit_shadow_denials_total", "Requests shadow mode admitted that enforcement would have refused.", ["budget"]
-)
+NEAR_LIMIT = Counter("sluice_ratelimit_near_limit_total", "Admissions that left less than 10% of a budget remaining.", ["budget"])
+SHADOW_DENIALS = Counter("sluice_ratelimit_shadow_denials_total", "Requests shadow mode admitted that enforcement would have refused.", ["budget"])
 BACKEND_SECONDS = Histogram(
     "sluice_ratelimit_backend_seconds",
     "Time of one backend operation (one Redis round trip for the redis backend).",

@@ -162,7 +162,9 @@ end
 # ARGV: window_ms, interactive, ttl_ms, lease_id, gauge_retry_ms, count, then per check kind,
 # log key (windows) or gauge field, totals key (windows), limit, cost, floor, refundable, budget, burst.
 # Returns allowed, denied index, retry ms, expiry ms, expired leases, then per check used, reset ms.
-ACQUIRE = _COMMON + r"""
+ACQUIRE = (
+    _COMMON
+    + r"""
 local interactive, ttl, lease_id = tonumber(ARGV[2]), tonumber(ARGV[3]), ARGV[4]
 local gauge_retry, count = tonumber(ARGV[5]), tonumber(ARGV[6])
 local expired = sweep()
@@ -219,10 +221,13 @@ for _, c in ipairs(checks) do
 end
 return out
 """
+)
 
 # ARGV: window_ms, lease_id, used tokens (-1: release, refund everything). Returns found, then per
 # entry of the lease budget, limit, used, reset ms: any replica can settle any lease.
-SETTLE = _COMMON + r"""
+SETTLE = (
+    _COMMON
+    + r"""
 local lease_id, used = ARGV[2], tonumber(ARGV[3])
 sweep()
 local raw = redis.call('HGET', leases, lease_id)
@@ -260,9 +265,12 @@ for _, e in ipairs(lease.e) do
 end
 return out
 """
+)
 
 # ARGV: window_ms, then triples kind, log key or gauge field, totals key. Returns per check used, reset ms.
-PEEK = _COMMON + r"""
+PEEK = (
+    _COMMON
+    + r"""
 sweep()
 local out = {}
 for a = 2, #ARGV, 3 do
@@ -272,6 +280,7 @@ for a = 2, #ARGV, 3 do
 end
 return out
 """
+)
 
 
 def _tag(model: str) -> str:
@@ -382,8 +391,7 @@ class RedisBackend:
             args += [check.kind.value, *self._fields(base, check)]
         reply = await self._peek(keys=self._keys(base), args=args)
         return [
-            BudgetState(c.budget, c.limit, max(0, c.limit - int(reply[2 * i])), int(reply[1 + 2 * i]) / 1000.0, c.name)
-            for i, c in enumerate(checks)
+            BudgetState(c.budget, c.limit, max(0, c.limit - int(reply[2 * i])), int(reply[1 + 2 * i]) / 1000.0, c.name) for i, c in enumerate(checks)
         ]
 
     def owns(self, lease_id: str) -> bool:

@@ -58,7 +58,14 @@ def main() -> None:
     variant = start_variant(config, gguf_path, engine)
     encoder = MiniLMEncoder()
     encoder.encode(["warm-up"])
-    log.info("model_loaded", gguf=gguf_path, engine=config.engine, threads=config.engine_threads(), seconds=round(time.perf_counter() - started, 1), warmup_answer=answer)
+    log.info(
+        "model_loaded",
+        gguf=gguf_path,
+        engine=config.engine,
+        threads=config.engine_threads(),
+        seconds=round(time.perf_counter() - started, 1),
+        warmup_answer=answer,
+    )
     MAX_SLOTS.set(config.max_slots)
     start_http_server(config.metrics_port, addr=config.host)
 
@@ -133,13 +140,24 @@ def start_variant(config: TritonLocalConfig, gguf_path: str, main: SharedEngine)
         path, made = ensure_variant(Path(gguf_path), config.variant_quantization, config.variant_cache_dir(), config.engine_threads())
     except (OSError, QuantizeError) as exc:
         # Refuse to start rather than serve without a model the adapter is configured to route to.
-        print(f"triton-local: cannot make the {config.variant_quantization} variant in {config.variant_cache_dir()}"
-              f" ({ENV_PREFIX}CACHE_DIR; {ENV_PREFIX}VARIANT_MODEL_NAME= turns it off): {exc}", file=sys.stderr)
+        print(
+            f"triton-local: cannot make the {config.variant_quantization} variant in {config.variant_cache_dir()}"
+            f" ({ENV_PREFIX}CACHE_DIR; {ENV_PREFIX}VARIANT_MODEL_NAME= turns it off): {exc}",
+            file=sys.stderr,
+        )
         raise SystemExit(2) from None
     engine = SharedEngine(step_engine_for(config, str(path), config.variant_slots), variant_of=main)
     answer = warm_up(engine)
-    log.info("variant_loaded", model=config.variant_model_name, gguf=str(path), made=made, quantization=config.variant_quantization,
-             slots=config.variant_slots, seconds=round(time.perf_counter() - started, 1), warmup_answer=answer)
+    log.info(
+        "variant_loaded",
+        model=config.variant_model_name,
+        gguf=str(path),
+        made=made,
+        quantization=config.variant_quantization,
+        slots=config.variant_slots,
+        seconds=round(time.perf_counter() - started, 1),
+        warmup_answer=answer,
+    )
     return engine
 
 

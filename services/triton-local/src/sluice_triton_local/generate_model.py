@@ -240,7 +240,9 @@ def vllm_logprobs(entries: list[TokenLogprob] | None) -> bytes:
         return b"null"
     positions = []
     for entry in entries:
-        position = {str(top.token_id): {"logprob": top.logprob, "rank": rank, "decoded_token": top.token} for rank, top in enumerate(entry.top_logprobs, 1)}
+        position = {
+            str(top.token_id): {"logprob": top.logprob, "rank": rank, "decoded_token": top.token} for rank, top in enumerate(entry.top_logprobs, 1)
+        }
         position.setdefault(str(entry.token_id), {"logprob": entry.logprob, "rank": entry.rank, "decoded_token": entry.token})
         positions.append(position)
     return json.dumps(positions).encode()

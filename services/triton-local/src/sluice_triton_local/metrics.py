@@ -12,12 +12,8 @@ MAX_SLOTS = Gauge("sluice_triton_local_max_slots", "KV-cache slots the engine ha
 # Engine threads against the CPUs the process can keep busy: more threads than CPUs stalls every step.
 ENGINE_THREADS = Gauge("sluice_triton_local_engine_threads", "Threads the engine computes a step with (SLUICE_TRITON_LOCAL_THREADS).")
 USABLE_CPUS = Gauge("sluice_triton_local_usable_cpus", "CPUs this process can keep busy: its cores, lowered by a container CPU limit.")
-SLOTS_BY_OWNER = Gauge(
-    "sluice_triton_local_slots_by_owner", "KV-cache slots held, per adapter instance that drives them.", ["owner"]
-)
-SLOTS_RECLAIMED = Counter(
-    "sluice_triton_local_slots_reclaimed_total", "Sequences released because nobody stepped them within the slot lease."
-)
+SLOTS_BY_OWNER = Gauge("sluice_triton_local_slots_by_owner", "KV-cache slots held, per adapter instance that drives them.", ["owner"])
+SLOTS_RECLAIMED = Counter("sluice_triton_local_slots_reclaimed_total", "Sequences released because nobody stepped them within the slot lease.")
 # The prefix cache: hit ratio = rate of lookups{result="hit"} / rate of all lookups.
 PREFIX_CACHE_LOOKUPS = Counter(
     "sluice_triton_local_prefix_cache_lookups_total",
@@ -27,9 +23,7 @@ PREFIX_CACHE_LOOKUPS = Counter(
 PREFIX_CACHE_REUSED_TOKENS = Counter(
     "sluice_triton_local_prefix_cache_reused_tokens_total", "Prompt tokens taken from the prefix cache instead of prefilled."
 )
-PREFIX_CACHE_SLOTS = Gauge(
-    "sluice_triton_local_prefix_cache_slots", "Free KV-cache slots holding a finished sequence's cells for reuse."
-)
+PREFIX_CACHE_SLOTS = Gauge("sluice_triton_local_prefix_cache_slots", "Free KV-cache slots holding a finished sequence's cells for reuse.")
 # Powers of two up to the largest batch and the longest round (step_protocol.MAX_ROUND_STEPS).
 _COUNT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 STEP_ROWS = Histogram("sluice_triton_local_step_rows", "Rows (sequences) per engine step.", buckets=_COUNT_BUCKETS)

@@ -179,7 +179,12 @@ def _parse_row(engine: SharedEngine, action: int, seq_id: int, raw: bytes) -> Pr
                 return _invalid(seq_id, field_error("structured_outputs", str(exc)))
         if prompt_tokens + sampling.max_tokens > engine.context_length:
             return RowResult(
-                seq_id, -1, "", "invalid", prompt_tokens, 0,
+                seq_id,
+                -1,
+                "",
+                "invalid",
+                prompt_tokens,
+                0,
                 f"the prompt is {prompt_tokens} tokens and max_tokens is {sampling.max_tokens}; together they"
                 f" exceed the model's context of {engine.context_length} tokens",
             )

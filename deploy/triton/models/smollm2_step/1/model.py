@@ -25,8 +25,7 @@ from sluice_triton_local.shared_engine import SharedEngine, warm_up
 from sluice_triton_local.step_protocol import INPUTS, OPTIONAL_INPUTS, OUTPUTS, RoundRejected, start_round
 
 GPU_IMAGE_FIX = (
-    "build the image with llama.cpp's CUDA build:"
-    " docker build -f deploy/triton/Dockerfile --build-arg LLAMA_BUILD=cuda -t sluice/triton ."
+    "build the image with llama.cpp's CUDA build: docker build -f deploy/triton/Dockerfile --build-arg LLAMA_BUILD=cuda -t sluice/triton ."
 )
 
 

@@ -210,9 +210,7 @@ def _run_reference(evaluator: ModuleType, event: CompletionEvent, reference: str
         return _failed(evaluator, exc)
 
 
-async def evaluate_references(
-    items: Sequence[tuple[CompletionEvent, str]], ctx: EvalContext
-) -> list[list[ScoreResult]]:
+async def evaluate_references(items: Sequence[tuple[CompletionEvent, str]], ctx: EvalContext) -> list[list[ScoreResult]]:
     """The reference-based evaluators' scores for each (event, reference), in REFERENCE_EVALUATORS
     order; the asynchronous ones (reference_similarity: an Embed call) of all items awaited together."""
     by_item: list[dict[str, Any]] = []

@@ -44,16 +44,14 @@ class PostgresStore(SqlStore):
         columns = [list(column) for column in zip(*(record_params(row, stored_at) for row in rows), strict=True)]
         async with self.db.transaction() as tx:
             inserted = await tx.fetchall(
-                f"INSERT INTO records ({RECORD_COLUMNS}) SELECT * FROM {_unnest(_RECORD_TYPES)}"
-                " ON CONFLICT (event_id) DO NOTHING RETURNING event_id",
+                f"INSERT INTO records ({RECORD_COLUMNS}) SELECT * FROM {_unnest(_RECORD_TYPES)} ON CONFLICT (event_id) DO NOTHING RETURNING event_id",
                 *columns,
             )
             fresh = {eid for (eid,) in inserted}
             scores = [score_params(row.event_id, s) for row in rows if row.event_id in fresh for s in row.scores]
             if scores:
                 await tx.execute(
-                    f"INSERT INTO scores ({SCORE_COLUMNS}) SELECT * FROM {_unnest(_SCORE_TYPES)}"
-                    " ON CONFLICT (event_id, name) DO NOTHING",
+                    f"INSERT INTO scores ({SCORE_COLUMNS}) SELECT * FROM {_unnest(_SCORE_TYPES)} ON CONFLICT (event_id, name) DO NOTHING",
                     *[list(column) for column in zip(*scores, strict=True)],
                 )
             metadata = [pair for row in rows if row.event_id in fresh for pair in metadata_params(row)]

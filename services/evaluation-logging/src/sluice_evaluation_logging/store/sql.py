@@ -158,10 +158,7 @@ def page_sql(where: RecordFilter, page_size: int, page_token: str) -> tuple[str,
         finished_at, event_id = decode_page_token(page_token)
         clause += " AND (records.finished_at < ? OR (records.finished_at = ? AND records.event_id < ?))"
         params.extend([finished_at, finished_at, event_id])
-    sql = (
-        f"SELECT {RECORD_COLUMNS} FROM records WHERE {clause}"
-        " ORDER BY records.finished_at DESC, records.event_id DESC LIMIT ?"
-    )
+    sql = f"SELECT {RECORD_COLUMNS} FROM records WHERE {clause} ORDER BY records.finished_at DESC, records.event_id DESC LIMIT ?"
     return sql, [*params, page_size + 1]
 
 

@@ -87,10 +87,7 @@ def erf(x: np.ndarray) -> np.ndarray:
     sign = np.sign(x)
     a = np.abs(x)
     t = 1.0 / (1.0 + _F32(0.3275911) * a)
-    poly = t * (
-        _F32(0.254829592)
-        + t * (_F32(-0.284496736) + t * (_F32(1.421413741) + t * (_F32(-1.453152027) + t * _F32(1.061405429))))
-    )
+    poly = t * (_F32(0.254829592) + t * (_F32(-0.284496736) + t * (_F32(1.421413741) + t * (_F32(-1.453152027) + t * _F32(1.061405429)))))
     return sign * (1.0 - poly * np.exp(-a * a))
 
 
@@ -204,9 +201,7 @@ def load_bert_weights(model_dir: Path, config: BertConfig) -> BertWeights:
         p = f"encoder.layer.{i}"
         att = f"{p}.attention.self"
         return BertLayer(
-            qkv_w=np.ascontiguousarray(
-                np.concatenate([linear_t(f"{att}.query"), linear_t(f"{att}.key"), linear_t(f"{att}.value")], axis=1)
-            ),
+            qkv_w=np.ascontiguousarray(np.concatenate([linear_t(f"{att}.query"), linear_t(f"{att}.key"), linear_t(f"{att}.value")], axis=1)),
             qkv_b=np.concatenate([get(f"{att}.query.bias"), get(f"{att}.key.bias"), get(f"{att}.value.bias")]),
             attn_out_w=linear_t(f"{p}.attention.output.dense"),
             attn_out_b=get(f"{p}.attention.output.dense.bias"),

@@ -87,9 +87,7 @@ class _GraphBuilder:
 
     def layer_norm(self, x: str, weight: np.ndarray, bias: np.ndarray, eps: float, hint: str) -> str:
         """LayerNorm over a hidden state [batch, sequence, hidden]."""
-        out = self.op(
-            "LayerNormalization", x, self.weight(f"{hint}_w", weight), self.weight(f"{hint}_b", bias), axis=-1, epsilon=eps
-        )
+        out = self.op("LayerNormalization", x, self.weight(f"{hint}_w", weight), self.weight(f"{hint}_b", bias), axis=-1, epsilon=eps)
         # Declared shapes: onnxruntime's shape inference loses the sequence dimension's name at
         # the position Slice, and without provably equal shapes it fuses no residual Add into
         # SkipLayerNormalization.
@@ -174,9 +172,7 @@ def build_model(weights: BertWeights, config: BertConfig) -> onnx.ModelProto:
 
     inputs = [helper.make_tensor_value_info(name, TensorProto.INT64, ["batch", "sequence"]) for name in ENCODER_INPUTS]
     output = helper.make_tensor_value_info(OUTPUT_NAME, TensorProto.FLOAT, ["batch", config.hidden_size])
-    graph = helper.make_graph(
-        g.nodes, "all_minilm_l6_v2", inputs, [output], initializer=g.initializers, value_info=g.value_info
-    )
+    graph = helper.make_graph(g.nodes, "all_minilm_l6_v2", inputs, [output], initializer=g.initializers, value_info=g.value_info)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)], producer_name="sluice")
     model.ir_version = IR_VERSION
     onnx.checker.check_model(model, full_check=True)

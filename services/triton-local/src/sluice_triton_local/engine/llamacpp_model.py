@@ -150,9 +150,7 @@ class LlamaCppModel:
             raise ValueError("every batch item needs at least one token")
         for it in items:
             if it.start_pos + len(it.token_ids) > self.max_context:
-                raise ValueError(
-                    f"sequence needs {it.start_pos + len(it.token_ids)} positions; the context holds {self.max_context}"
-                )
+                raise ValueError(f"sequence needs {it.start_pos + len(it.token_ids)} positions; the context holds {self.max_context}")
         order, filler_slots = contiguous_plan([it.slot for it in items])
         fillers = self._fillers(filler_slots)
         batch = sorted([(items[i].slot, i) for i in order] + [(f.slot, -1) for f in fillers])

@@ -104,10 +104,7 @@ def row_logprobs(logits: np.ndarray, tokens: np.ndarray, top: np.ndarray) -> lis
     values = np.take_along_axis(lp, ids, axis=1)
     order = np.argsort(-values, axis=1, kind="stable")
     ids, values = np.take_along_axis(ids, order, axis=1), np.take_along_axis(values, order, axis=1)
-    return [
-        RowLogprobs(float(chosen[i]), tuple(zip(ids[i, : top[i]].tolist(), values[i, : top[i]].tolist())), int(ranks[i]))
-        for i in rows
-    ]
+    return [RowLogprobs(float(chosen[i]), tuple(zip(ids[i, : top[i]].tolist(), values[i, : top[i]].tolist())), int(ranks[i])) for i in rows]
 
 
 class BatchSampler:

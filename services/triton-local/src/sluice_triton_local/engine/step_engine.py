@@ -379,7 +379,12 @@ class StepEngine:
                 self._refused[row.owner] = self._clock()
             if not self._slots and self._all_held_unstepped():
                 return RowResult(
-                    row.seq_id, -1, "", "stale", n, 0,
+                    row.seq_id,
+                    -1,
+                    "",
+                    "stale",
+                    n,
+                    0,
                     f"every slot (max_slots={self.max_slots}) is held by sequences nobody has stepped for"
                     f" {LEASE_MIN_STEPS} steps (their adapter stopped or dropped them) until the slot lease frees them",
                 )
@@ -526,8 +531,7 @@ class StepEngine:
         if self._slot_lease_s <= 0:
             return
         expired = [
-            s for s in self._seqs.values()
-            if now - s.last_stepped_at > self._slot_lease_s and self._steps - s.last_stepped_step > LEASE_MIN_STEPS
+            s for s in self._seqs.values() if now - s.last_stepped_at > self._slot_lease_s and self._steps - s.last_stepped_step > LEASE_MIN_STEPS
         ]
         for seq in expired:
             self._free(seq)
@@ -580,9 +584,7 @@ class StepEngine:
                 finish = "stop" if hit else ended
         if finish:
             self._free(seq)
-        return RowResult(
-            seq.seq_id, tok, text, finish, seq.prompt_tokens, seq.completion_tokens, cached_tokens=seq.cached_tokens, logprobs=logprob
-        )
+        return RowResult(seq.seq_id, tok, text, finish, seq.prompt_tokens, seq.completion_tokens, cached_tokens=seq.cached_tokens, logprobs=logprob)
 
     def _ended(self, seq: _Seq) -> str:
         """Why a sequence that sampled an ordinary token ends now, or "" if it goes on."""

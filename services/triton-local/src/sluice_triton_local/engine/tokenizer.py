@@ -32,11 +32,7 @@ DEFAULT_SYSTEM_PROMPT = "You are a helpful AI assistant named SmolLM, trained by
 @lru_cache(maxsize=1)
 def _byte_decoder() -> dict[str, int]:
     """Inverse of GPT-2's bytes_to_unicode: printable char -> raw byte."""
-    printable = (
-        list(range(ord("!"), ord("~") + 1))
-        + list(range(ord("¡"), ord("¬") + 1))
-        + list(range(ord("®"), ord("ÿ") + 1))
-    )
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
     chars = printable[:]
     n = 0
     for b in range(256):
@@ -71,9 +67,7 @@ class GGUFTokenizer:
         self._special_ids = {i for i, t in enumerate(types) if t == _TYPE_CONTROL}
         # Control and user-defined tokens must match as whole units in raw text
         # (e.g. "<|im_start|>"), not be split by BPE.
-        tk.add_special_tokens(
-            [AddedToken(tokens[i], special=True, normalized=False) for i in sorted(self._special_ids)]
-        )
+        tk.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False) for i in sorted(self._special_ids)])
         user = [tokens[i] for i, t in enumerate(types) if t == _TYPE_USER_DEFINED]
         if user:
             tk.add_tokens([AddedToken(t, special=False, normalized=False) for t in user])
