@@ -9,11 +9,13 @@ gateway started with SLUICE_GATEWAY_TLS_CERT_FILE.
 
 from __future__ import annotations
 
+import argparse
 import os
 from collections.abc import Callable, Mapping
 from typing import TypeVar
 
 import grpc
+from sluice.gateway.v1 import gateway_pb2_grpc
 
 from sluice_common.channels import channel_credentials
 from sluice_common.config import ClientTLS
@@ -32,6 +34,19 @@ def bearer_metadata(api_key: str, how_to_give_one: str = "pass --api-key or set 
     if not api_key:
         raise NoAPIKey(f"no API key: {how_to_give_one}")
     return (("authorization", f"Bearer {api_key}"),)
+
+
+def command_metadata(args: argparse.Namespace) -> Metadata:
+    """A gateway command's metadata from its --api-key; no key ends the command saying how to give one."""
+    try:
+        return bearer_metadata(args.api_key)
+    except NoAPIKey as missing:
+        raise SystemExit(f"sluice: {missing}") from None
+
+
+def gateway_stub(args: argparse.Namespace) -> gateway_pb2_grpc.GatewayServiceStub:
+    """The gateway at the command's --gateway."""
+    return stub(gateway_pb2_grpc.GatewayServiceStub, args.gateway)
 
 
 def tls_from_env(env: Mapping[str, str] = os.environ) -> ClientTLS | None:

@@ -18,21 +18,10 @@ from typing import Any
 
 import grpc
 from google.protobuf import json_format
-from sluice.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+from sluice.gateway.v1 import gateway_pb2
 from sluice.jobs.v1 import jobs_pb2
 
-from sluice_cli.client import NoAPIKey, bearer_metadata, stub
-
-
-def _stub(args: argparse.Namespace) -> gateway_pb2_grpc.GatewayServiceStub:
-    return stub(gateway_pb2_grpc.GatewayServiceStub, args.gateway)
-
-
-def _metadata(args: argparse.Namespace) -> tuple[tuple[str, str], ...]:
-    try:
-        return bearer_metadata(args.api_key)
-    except NoAPIKey as missing:
-        raise SystemExit(f"sluice: {missing}") from None
+from sluice_cli.client import command_metadata, gateway_stub
 
 
 def _state(job: jobs_pb2.Job) -> str:
@@ -77,8 +66,8 @@ def _all_results(args: argparse.Namespace, job_id: str) -> list[jobs_pb2.RowResu
     results: list[jobs_pb2.RowResult] = []
     token = ""
     while True:
-        reply = _stub(args).ListJobResults(
-            gateway_pb2.ListJobResultsRequest(job_id=job_id, page_size=1000, page_token=token), metadata=_metadata(args), timeout=30
+        reply = gateway_stub(args).ListJobResults(
+            gateway_pb2.ListJobResultsRequest(job_id=job_id, page_size=1000, page_token=token), metadata=command_metadata(args), timeout=30
         )
         results += reply.results
         token = reply.next_page_token
@@ -95,12 +84,12 @@ def cmd_submit(args: argparse.Namespace) -> int:
     path = Path(args.rows)
     job = jobs_pb2.JobRequest(job_id=args.job_id or f"cli-{uuid.uuid4().hex[:12]}", rows=read_rows(path))
     try:
-        submitted = _stub(args).SubmitJob(gateway_pb2.SubmitJobRequest(job=job), metadata=_metadata(args), timeout=30).job
+        submitted = gateway_stub(args).SubmitJob(gateway_pb2.SubmitJobRequest(job=job), metadata=command_metadata(args), timeout=30).job
         print(f"job {submitted.job_id}: {submitted.total_rows} rows", file=sys.stderr)
         last = submitted
         # WatchJob ends once the job is settled (for an expired job: every row stored), so the
         # results listed next are all there.
-        for update in _stub(args).WatchJob(gateway_pb2.WatchJobRequest(job_id=job.job_id), metadata=_metadata(args)):
+        for update in gateway_stub(args).WatchJob(gateway_pb2.WatchJobRequest(job_id=job.job_id), metadata=command_metadata(args)):
             last = update.job
             print("\r" + progress_line(last), end="", file=sys.stderr, flush=True)
         print(file=sys.stderr)
@@ -116,7 +105,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
 
 def cmd_status(args: argparse.Namespace) -> int:
     try:
-        job = _stub(args).GetJob(gateway_pb2.GetJobRequest(job_id=args.job_id), metadata=_metadata(args), timeout=10).job
+        job = gateway_stub(args).GetJob(gateway_pb2.GetJobRequest(job_id=args.job_id), metadata=command_metadata(args), timeout=10).job
     except grpc.RpcError as error:
         return _fail(error)
     print(progress_line(job) + (f"  error: {job.error}" if job.error else ""))
@@ -138,7 +127,7 @@ def cmd_results(args: argparse.Namespace) -> int:
 
 def cmd_cancel(args: argparse.Namespace) -> int:
     try:
-        job = _stub(args).CancelJob(gateway_pb2.CancelJobRequest(job_id=args.job_id), metadata=_metadata(args), timeout=10).job
+        job = gateway_stub(args).CancelJob(gateway_pb2.CancelJobRequest(job_id=args.job_id), metadata=command_metadata(args), timeout=10).job
     except grpc.RpcError as error:
         return _fail(error)
     print(progress_line(job))

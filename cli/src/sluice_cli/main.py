@@ -27,9 +27,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from google.protobuf import json_format, timestamp_pb2
 from sluice.common.v1 import types_pb2
 from sluice.evallog.v1 import evallog_pb2, evallog_pb2_grpc
-from sluice.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+from sluice.gateway.v1 import gateway_pb2
 
-from sluice_cli.client import NoAPIKey, bearer_metadata, channel, stub
+from sluice_cli.client import NoAPIKey, bearer_metadata, channel, command_metadata, gateway_stub
 from sluice_cli.diagnose_collect import add_diagnose_parser
 from sluice_cli.eval_run import add_eval_parser
 from sluice_cli.jobs import add_jobs_parser
@@ -46,17 +46,6 @@ GRPC_SERVICES = {
     "evaluation-logging": ("SLUICE_EVALLOG_URL", DEFAULT_EVALLOG),
 }
 TRITON_HTTP = ("SLUICE_TRITON_HTTP_URL", "127.0.0.1:8000")
-
-
-def _gateway_stub(args: argparse.Namespace) -> gateway_pb2_grpc.GatewayServiceStub:
-    return stub(gateway_pb2_grpc.GatewayServiceStub, args.gateway)
-
-
-def _metadata(args: argparse.Namespace) -> tuple[tuple[str, str], ...]:
-    try:
-        return bearer_metadata(args.api_key)
-    except NoAPIKey as missing:
-        raise SystemExit(f"sluice: {missing}") from None
 
 
 def _fail(error: grpc.RpcError) -> int:
@@ -78,7 +67,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     first_token_at = None
     try:
-        for response in _gateway_stub(args).Generate(request, metadata=_metadata(args), timeout=args.timeout):
+        for response in gateway_stub(args).Generate(request, metadata=command_metadata(args), timeout=args.timeout):
             if response.text and first_token_at is None:
                 first_token_at = time.perf_counter()
             print(response.text, end="", flush=True)
@@ -100,7 +89,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def cmd_models(args: argparse.Namespace) -> int:
     try:
-        response = _gateway_stub(args).ListModels(gateway_pb2.ListModelsRequest(), metadata=_metadata(args), timeout=10)
+        response = gateway_stub(args).ListModels(gateway_pb2.ListModelsRequest(), metadata=command_metadata(args), timeout=10)
     except grpc.RpcError as error:
         return _fail(error)
     for model in response.models:

@@ -11,6 +11,7 @@ from pathlib import Path
 import asyncpg
 import pytest
 from sluice.common.v1 import types_pb2
+from sluice.evallog.v1 import events_pb2
 
 from conftest import PG_DSN, make_event
 from sluice_common.errors import InvalidArgument, NotFound, PermissionDenied
@@ -188,25 +189,7 @@ async def test_a_database_of_an_older_schema_opens_migrated_with_its_records(bac
 async def test_migration_4_adds_trace_ids(backend: str, tmp_path: Path) -> None:
     """A store written before migration 4 opens with its records (no trace id) and stores and
     returns the trace id of new ones."""
-    dsn = PG_DSN if backend == "postgresql" else ""
-    schema = f"evallog_test_{uuid.uuid4().hex[:10]}"
-    path = tmp_path / "evallog.sqlite3"
-    old_event = make_event()
-    old = open_sql_db(dsn, path, schema, MIGRATIONS[:3])
-    await old.open()
-    try:
-        async with old.transaction() as tx:
-            columns = (
-                "event_id, tenant, model, priority_class, request_id, finish_reason, error_code, input_tokens, output_tokens,"
-                " latency_ms, ttft_ms, started_at, finished_at, stored_at, text_logged, event, cached_tokens"
-            )
-            await tx.execute(
-                f"INSERT INTO records ({columns}) VALUES (?, 'demo', 'smollm2-135m-instruct', 1, 'r', 1, '', 12, 8, 600.0, 120.0, ?, ?, ?, ?, ?, 0)",
-                old_event.event_id, time.time() - 10, time.time() - 10, time.time() - 10, True, old_event.SerializeToString(),
-            )  # fmt: skip
-    finally:
-        await old.close()
-
+    dsn, schema, path, old_event = await _a_record_stored_at(3, backend, tmp_path)
     store: Store = PostgresStore(dsn, schema) if dsn else SqliteStore(path)
     await store.open()
     try:
@@ -269,25 +252,7 @@ async def test_the_end_user_and_metadata_are_stored_filtered_on_and_returned(sto
 async def test_migration_5_adds_end_users_and_metadata(backend: str, tmp_path: Path) -> None:
     """A store written before migration 5 opens with its records (no user, no metadata: matched by
     no such filter) and stores, filters on and returns those of new ones."""
-    dsn = PG_DSN if backend == "postgresql" else ""
-    schema = f"evallog_test_{uuid.uuid4().hex[:10]}"
-    path = tmp_path / "evallog.sqlite3"
-    old_event = make_event()
-    old = open_sql_db(dsn, path, schema, MIGRATIONS[:4])
-    await old.open()
-    try:
-        async with old.transaction() as tx:
-            columns = (
-                "event_id, tenant, model, priority_class, request_id, finish_reason, error_code, input_tokens, output_tokens,"
-                " latency_ms, ttft_ms, started_at, finished_at, stored_at, text_logged, event, cached_tokens, trace_id"
-            )
-            await tx.execute(
-                f"INSERT INTO records ({columns}) VALUES (?, 'demo', 'smollm2-135m-instruct', 1, 'r', 1, '', 12, 8, 600.0, 120.0, ?, ?, ?, ?, ?, 0, '')",
-                old_event.event_id, time.time() - 10, time.time() - 10, time.time() - 10, True, old_event.SerializeToString(),
-            )  # fmt: skip
-    finally:
-        await old.close()
-
+    dsn, schema, path, old_event = await _a_record_stored_at(4, backend, tmp_path)
     store: Store = PostgresStore(dsn, schema) if dsn else SqliteStore(path)
     await store.open()
     try:
@@ -308,3 +273,28 @@ async def test_migration_5_adds_end_users_and_metadata(backend: str, tmp_path: P
             connection = await asyncpg.connect(PG_DSN)
             await connection.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
             await connection.close()
+
+
+async def _a_record_stored_at(version: int, backend: str, tmp_path: Path) -> tuple[str, str, Path, events_pb2.CompletionEvent]:
+    """A store at schema `version` (3 or 4) holding one record written as that version wrote it:
+    (dsn, schema, SQLite path, the record's event)."""
+    dsn = PG_DSN if backend == "postgresql" else ""
+    schema = f"evallog_test_{uuid.uuid4().hex[:10]}"
+    path = tmp_path / "evallog.sqlite3"
+    old_event = make_event()
+    old = open_sql_db(dsn, path, schema, MIGRATIONS[:version])
+    await old.open()
+    try:
+        async with old.transaction() as tx:
+            columns = (
+                "event_id, tenant, model, priority_class, request_id, finish_reason, error_code, input_tokens, output_tokens,"
+                " latency_ms, ttft_ms, started_at, finished_at, stored_at, text_logged, event, cached_tokens"
+            ) + (", trace_id" if version >= 4 else "")
+            values = "?, 'demo', 'smollm2-135m-instruct', 1, 'r', 1, '', 12, 8, 600.0, 120.0, ?, ?, ?, ?, ?, 0" + (", ''" if version >= 4 else "")
+            then = time.time() - 10
+            await tx.execute(
+                f"INSERT INTO records ({columns}) VALUES ({values})", old_event.event_id, then, then, then, True, old_event.SerializeToString()
+            )
+    finally:
+        await old.close()
+    return dsn, schema, path, old_event

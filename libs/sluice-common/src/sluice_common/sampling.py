@@ -111,10 +111,7 @@ class StructuredOutputs:
         `structured_outputs` so). Exactly one field must be set; fields vLLM has and Sluice does not
         honour (whitespace_pattern, structural_tag, ...) are refused by name."""
         if isinstance(body, str):
-            try:
-                body = json.loads(body)
-            except json.JSONDecodeError as exc:
-                raise StructuredOutputsError(f"structured_outputs is not valid JSON: {exc}") from None
+            body = _parse_json(body, "structured_outputs")
         if not isinstance(body, dict):
             raise StructuredOutputsError(f"structured_outputs must be an object, got {body!r}")
         given = {key: value for key, value in body.items() if value not in (None, False)}
@@ -139,12 +136,16 @@ class StructuredOutputs:
         return cls(kind, value)
 
 
+def _parse_json(text: str, what: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise StructuredOutputsError(f"{what} is not valid JSON: {exc}") from None
+
+
 def _schema_object(schema: dict[str, Any] | str) -> dict[str, Any]:
     if isinstance(schema, str):
-        try:
-            schema = json.loads(schema)
-        except json.JSONDecodeError as exc:
-            raise StructuredOutputsError(f"the JSON Schema is not valid JSON: {exc}") from None
+        schema = _parse_json(schema, "the JSON Schema")
     if not isinstance(schema, dict):
         raise StructuredOutputsError(f"the JSON Schema must be a JSON object, got {type(schema).__name__}")
     return schema
