@@ -50,27 +50,6 @@ class FakePublisher:
         self.submitted.append(message)
 
 
-class FakeContext:
-    """What the tracker reads from a grpc.aio ServicerContext once the call is over."""
-
-    def __init__(self, code: grpc.StatusCode | None = None, cancelled: bool = False) -> None:
-        self._code, self._cancelled = code, cancelled
-        self.callbacks: list[Any] = []
-
-    def add_done_callback(self, callback: Any) -> None:
-        self.callbacks.append(callback)
-
-    def code(self) -> grpc.StatusCode | None:
-        return self._code
-
-    def cancelled(self) -> bool:
-        return self._cancelled
-
-    def close(self) -> None:
-        for callback in self.callbacks:
-            callback(self)
-
-
 def tracker(tenant: Tenant = LOGGED, **extra: Any) -> CompletionTracker:
     return CompletionTracker(CompletionEvents(None, EventTopology("t")), tenant, request(**extra), "req-1")
 
@@ -153,16 +132,16 @@ def test_text_is_left_out_for_a_tenant_without_text_logging() -> None:
     assert t._parts == []  # noqa: SLF001
 
 
-def test_the_event_is_submitted_only_when_the_call_is_done() -> None:
+def test_the_event_is_submitted_only_when_published() -> None:
+    """The path publishes a stream's tracker once the stream has closed (the front's done-callback);
+    nothing goes out before, whatever the chunks."""
     publisher = FakePublisher()
     events = CompletionEvents(publisher, EventTopology("t"))  # type: ignore[arg-type]
-    context = FakeContext()
-    t = events.track(LOGGED, request(), "req-1", context)  # type: ignore[arg-type]
-    assert t is not None and len(context.callbacks) == 1
+    t = CompletionTracker(events, LOGGED, request(), "req-1")
     t.add(chunk("Paris"))
     t.add(final_chunk("."))
     assert publisher.submitted == []
-    context.close()
+    t.publish()
     (message,) = publisher.submitted
     assert message.routing_key == EventTopology("t").completion_routing_key
     assert message.type == EVENT_TYPE and message.request_id == "req-1"
@@ -171,32 +150,26 @@ def test_the_event_is_submitted_only_when_the_call_is_done() -> None:
     assert event.output == "Paris." and message.message_id == event.event_id
 
 
-def test_a_cancelled_call_is_reported_from_the_done_callback() -> None:
+def test_a_cancelled_call_is_reported_as_cancelled() -> None:
     publisher = FakePublisher()
     events = CompletionEvents(publisher, EventTopology("t"))  # type: ignore[arg-type]
-    context = FakeContext(grpc.StatusCode.CANCELLED, cancelled=True)
-    t = events.track(PRIVATE, request(), "req-2", context)  # type: ignore[arg-type]
-    assert t is not None
+    t = CompletionTracker(events, PRIVATE, request(), "req-2")
     t.add(chunk("half"))
-    context.close()
+    t.publish(grpc.StatusCode.CANCELLED, cancelled=True)
     event = events_pb2.CompletionEvent.FromString(publisher.submitted[0].body)
     assert event.finish_reason == types_pb2.FINISH_REASON_CANCELLED and not event.text_logged and not event.output
 
 
-def test_the_done_callback_never_raises() -> None:
+def test_publishing_never_raises() -> None:
     class Broken(FakePublisher):
         def submit(self, message: OutgoingMessage) -> None:
             raise RuntimeError("outbox exploded")
 
-    context = FakeContext()
     events = CompletionEvents(Broken(), EventTopology("t"))  # type: ignore[arg-type]
-    assert events.track(LOGGED, request(), "req-3", context) is not None  # type: ignore[arg-type]
-    context.close()  # logged, not raised
+    CompletionTracker(events, LOGGED, request(), "req-3").publish()  # logged, not raised
 
 
-def test_no_tracker_when_logging_is_off() -> None:
-    context = FakeContext()
+def test_nothing_is_published_when_logging_is_off() -> None:
     events = CompletionEvents(None, EventTopology("t"))
-    assert not events.enabled
-    assert events.track(LOGGED, request(), "req-4", context) is None  # type: ignore[arg-type]
-    assert context.callbacks == []
+    assert not events.enabled  # the path then makes no tracker at all
+    CompletionTracker(events, LOGGED, request(), "req-4").publish()  # and a stray one sends nothing

@@ -23,6 +23,7 @@ from sluice.inference.v1 import inference_pb2, inference_pb2_grpc
 from sluice_common.adaptive_timeout import TimeoutPolicy
 from sluice_common.config import ConfigError, load_config
 from sluice_common.errors import DeadlineExceeded
+from sluice_common.tenants import Tenant
 from sluice_gateway.admission import Admission
 from sluice_gateway.config import ENV_PREFIX, GatewayConfig
 from sluice_gateway.default_deadline import DefaultDeadline
@@ -109,7 +110,7 @@ def request(max_tokens: int) -> gateway_pb2.GenerateRequest:
 
 async def stream(path: InferencePath, max_tokens: int, time_remaining: float | None) -> int:
     tokens = 0
-    async with path.generate("t", request(max_tokens), "rid", time_remaining) as chunks:
+    async with path.generate(Tenant("t"), request(max_tokens), "rid", time_remaining) as chunks:
         async for chunk in chunks:
             tokens += chunk.token_count
     return tokens

@@ -11,6 +11,7 @@ from sluice.inference.v1 import inference_pb2
 from sluice.ratelimit.v1 import ratelimit_pb2
 
 from sluice_common.errors import ResourceExhausted
+from sluice_common.tenants import Tenant
 from sluice_gateway.admission import Admission
 from sluice_gateway.inference_path import InferencePath
 from sluice_gateway.model_catalog import ModelCatalog
@@ -141,7 +142,7 @@ async def test_a_prompt_beyond_the_context_is_refused_before_any_lease() -> None
     adapter, ratelimit = _CountingAdapter(prompt_tokens=1_000_000), _RateLimit()
     path, _ = await _path(adapter, ratelimit)
     with pytest.raises(InvalidArgument) as caught:
-        async with path.generate("t", _generate("1" * 1_000_000), "rid", 10.0):
+        async with path.generate(Tenant("t"), _generate("1" * 1_000_000), "rid", 10.0):
             pass
     assert "the prompt is 1000000 tokens and max_tokens is 100" in str(caught.value) and "context of 2048" in str(caught.value)
     assert ratelimit.acquired == [] and adapter.counted == 1
@@ -184,7 +185,7 @@ async def test_max_tokens_omitted_defaults_to_the_remaining_context_capped_by_th
 async def test_a_long_prompt_without_max_tokens_is_counted_once_for_its_default_and_its_fit() -> None:
     adapter = _CountingAdapter(prompt_tokens=1500)
     path, _ = await _path(adapter, _RateLimit())
-    async with path.generate("t", _generate("word " * 1500, max_tokens=0), "rid", 10.0):
+    async with path.generate(Tenant("t"), _generate("word " * 1500, max_tokens=0), "rid", 10.0):
         pass
     assert adapter.generated.sampling.max_tokens == 2048 - 1500 and adapter.counted == 1
 
@@ -225,7 +226,7 @@ async def test_a_prompt_the_estimate_under_counts_is_counted_against_the_context
     with pytest.raises(InvalidArgument, match="the prompt is 1530 tokens and max_tokens is 1000"):
         await path.check_context(_generate(DIGITS, max_tokens=1000), 10.0)
     # 512 fits the engine's count (2,042 of 2,048) but not the bound (2,052): it is counted.
-    async with path.generate("t", _generate(DIGITS, max_tokens=512), "rid", 10.0):
+    async with path.generate(Tenant("t"), _generate(DIGITS, max_tokens=512), "rid", 10.0):
         pass
     assert adapter.counted == 2
     # The lease reserves the engine's count, not the estimate.
@@ -296,25 +297,25 @@ async def test_the_path_tracks_every_front_the_same_way() -> None:
 
     # A front without a close hook (HTTP): published when the `async with` ends, with the defaults applied.
     path, adapter, publisher = await _tracking_path()
-    async with path.generate("acme", _generate("Hello", max_tokens=0), "r1", 10.0) as stream:
+    async with path.generate(Tenant("acme"), _generate("Hello", max_tokens=0), "r1", 10.0) as stream:
         assert "".join([chunk.text async for chunk in stream]) == "Hi!"
     [event] = _events(publisher)
     assert (event.tenant, event.output, event.finish_reason, event.usage.total_tokens) == ("acme", "Hi!", types_pb2.FINISH_REASON_STOP, 5)
     assert event.sampling.max_tokens == 64 and adapter.requests[0].sampling.max_tokens == 64
     # A refused request is an event too.
     with pytest.raises(InvalidArgument):
-        async with path.generate("acme", _generate("Hello", max_tokens=-1), "r2", 10.0):
+        async with path.generate(Tenant("acme"), _generate("Hello", max_tokens=-1), "r2", 10.0):
             pass
     assert _events(publisher)[1].error_code == "INVALID_ARGUMENT"
     # gRPC: published when the front says its stream has closed, not before.
     closers: list = []  # type: ignore[type-arg]
-    async with path.generate("acme", _generate("Hello"), "r3", 10.0, when_closed=closers.append) as stream:
+    async with path.generate(Tenant("acme"), _generate("Hello"), "r3", 10.0, when_closed=closers.append) as stream:
         [chunk async for chunk in stream]
     assert len(publisher.bodies) == 2
     closers[0](None, False)
     assert _events(publisher)[2].request_id == "r3"
     # A bulk row: published at its final chunk, with its job and custom ids.
-    async with path.generate("acme", _generate("Hello"), "r4", 10.0, row=("job-1", "row-1")) as stream:
+    async with path.generate(Tenant("acme"), _generate("Hello"), "r4", 10.0, row=("job-1", "row-1")) as stream:
         [chunk async for chunk in stream]
     assert (_events(publisher)[3].job_id, _events(publisher)[3].custom_id) == ("job-1", "row-1")
     assert len(publisher.bodies) == 4

@@ -1,10 +1,10 @@
 """CompletionEvents: accumulated while a stream runs, published only after it has closed.
 
-`CompletionEvents.track()` starts a `CompletionTracker` for one Generate call and registers a
-gRPC done-callback on the call's context. The servicer feeds it each adapter chunk. The event is
-built and handed to the background publisher from that callback, i.e. after the client's stream
-has finished, been cancelled or failed: logging never delays a token or the stream's end, and the
-publisher is never awaited on the request path (sluice_common.amqp.ConfirmingPublisher: pipelined
+The InferencePath starts a `CompletionTracker` for each generation and feeds it each adapter chunk;
+the front publishes it once the client's stream has closed (the gRPC call's done-callback, the HTTP
+response's end; a job row when it finishes), so the event is built and handed to the background
+publisher after the stream has finished, been cancelled or failed: logging never delays a token or
+the stream's end, and the publisher is never awaited on the request path (sluice_common.amqp.ConfirmingPublisher: pipelined
 confirms, bounded outbox, retry until confirmed, spill file, drop counter).
 
 A tenant with `text_logging = false` gets only metadata published: no prompt, messages or output
@@ -79,10 +79,6 @@ class CompletionTracker:
                 self._parts.append(chunk.text)
         if chunk.finish_reason:
             self._final = chunk
-
-    def on_done(self, context: grpc.aio.ServicerContext) -> None:
-        """gRPC's done-callback: the client's stream is over. Must not raise or block."""
-        self.publish(context.code(), context.cancelled())
 
     def publish(self, code: grpc.StatusCode | None = None, cancelled: bool = False) -> None:
         """Builds the event for the call as it ended and hands it to the publisher. Never raises."""
@@ -185,16 +181,6 @@ class CompletionEvents:
     async def stop(self, timeout_s: float) -> None:
         if self._publisher is not None:
             await self._publisher.stop(timeout_s)
-
-    def track(
-        self, tenant: Tenant, request: gateway_pb2.GenerateRequest, request_id: str, context: grpc.aio.ServicerContext
-    ) -> CompletionTracker | None:
-        """A tracker whose event is published when the call ends; None when logging is off."""
-        if self._publisher is None:
-            return None
-        tracker = CompletionTracker(self, tenant, request, request_id)
-        context.add_done_callback(tracker.on_done)
-        return tracker
 
     def submit(self, event: events_pb2.CompletionEvent, trace_context: Any = None) -> None:
         """`trace_context`: the request's (None: the current one), carried in the message's headers."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,9 +35,9 @@ class GatewayCore:
     # Held here, not by the path: every front's requests feed one set of rolling p99s.
     default_deadline: DefaultDeadline | None = None
 
-    @property
+    @functools.cached_property
     def path(self) -> InferencePath:
-        """The one path every front (gRPC, HTTP, job worker) sends its requests through."""
+        """The one path every front (gRPC, HTTP, job worker) sends its requests through, built once."""
         return InferencePath(
             self.adapter, self.models, self.admission, self.completion_events, self.default_max_tokens, self.default_deadline,
             self.channel,

@@ -322,7 +322,7 @@ class InferencePath:
     @contextlib.asynccontextmanager
     async def generate(
         self,
-        tenant: Tenant | str,
+        tenant: Tenant,
         request: gateway_pb2.GenerateRequest | list[gateway_pb2.GenerateRequest],
         request_id: str,
         time_remaining: float | None,
@@ -333,7 +333,6 @@ class InferencePath:
         """Defaults, validates, takes a lease (or raises RESOURCE_EXHAUSTED / UNAVAILABLE), opens the
         adapter stream, and tracks the CompletionEvent (see the module's docstring). A list: several
         prompts answered as one (the first stands for the request in the event and the trace)."""
-        tenant = tenant if isinstance(tenant, Tenant) else Tenant(tenant)
         requests = request if isinstance(request, list) else [request]
         request = requests[0]
         span = start_generation(request, tenant.name, row)  # first: the tracker keeps its context
