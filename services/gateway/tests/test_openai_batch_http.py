@@ -70,7 +70,7 @@ async def setup(tmp_path: Path) -> AsyncIterator[Setup]:
     models = ModelCatalog(_Models())  # type: ignore[arg-type]
     await models.refresh()
     front = OpenAIFront(TENANTS, None)  # type: ignore[arg-type]  # the batch routes never run a request inline
-    batches = BatchFront(front, OpenAIStore(store.db), jobs, models, files_max_bytes=2048, max_rows=10)
+    batches = BatchFront(front.tenants, OpenAIStore(store.db), jobs, models, files_max_bytes=2048, max_rows=10)
     client = TestClient(TestServer(build_app(front, 4096, batches)))
     await client.start_server()
     yield Setup(client, store, published)

@@ -44,7 +44,7 @@ async def serve(config: GatewayConfig) -> None:
     if config.http_port:
         front = OpenAIFront(core.tenants, path)
         # OpenAI's Files and Batch APIs: their tables are in the job store's database.
-        batches = BatchFront(front, OpenAIStore(job_store.db), jobs, core.models, config.files_max_bytes, config.jobs_max_rows)
+        batches = BatchFront(front.tenants, OpenAIStore(job_store.db), jobs, core.models, config.files_max_bytes, config.jobs_max_rows)
         http_port = 0 if config.http_port == ANY_HTTP_PORT else config.http_port
         http = await start_http(front, config.host, http_port, config.http_max_body_bytes, config.shutdown_grace_s, batches)
     await running.set_serving(True)

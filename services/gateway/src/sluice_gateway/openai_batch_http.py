@@ -6,8 +6,8 @@
                                      worker fleet, states and counts as gRPC SubmitJob)
     GET    /v1/batches, /v1/batches/{id};  POST /v1/batches/{id}/cancel
 
-Thin: authentication and error shapes are the OpenAI front's (OpenAIFront._tenant, the _errors
-middleware); the mapping is openai_batches, the state openai_store (in the job store's database).
+Thin: authentication and the body are openai_http_input's, as for the other routes; the error shapes the _errors
+middleware's (openai_http); the mapping is openai_batches, the state openai_store (in the job store's database).
 A batch's output and error files are made from its stored RowResults the first time it is read
 settled, then served like any file.
 """
@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import structlog
 from aiohttp import BodyPartReader, web
@@ -40,11 +40,9 @@ from sluice_gateway.openai_batches import (
 )
 from sluice_gateway.openai_requests import EmbeddingCall, OpenAIError, check_dimensions
 from sluice_gateway.openai_store import MAX_LIST_LIMIT, OpenAIStore, StoredBatch, new_id
-from sluice_common.tenants import Tenant
+from sluice_common.tenants import Tenant, TenantDirectory
+from sluice_gateway.openai_http_input import authenticate, json_body
 from sluice_common.utf8 import is_valid_text
-
-if TYPE_CHECKING:
-    from sluice_gateway.openai_http import OpenAIFront
 
 log = structlog.stdlib.get_logger("sluice.gateway.http")
 
@@ -81,7 +79,7 @@ def _api_key(request: web.Request) -> str:
 
 @dataclass
 class BatchFront:
-    front: OpenAIFront
+    tenants: TenantDirectory
     store: OpenAIStore
     jobs: JobsApi
     models: ModelCatalog
@@ -91,7 +89,7 @@ class BatchFront:
     # ---- files
 
     async def create_file(self, request: web.Request) -> web.Response:
-        tenant = self.front._tenant(request)
+        tenant = authenticate(self.tenants, request)
         if not request.content_type.startswith("multipart/"):
             raise OpenAIError(
                 400, "Upload a file as multipart/form-data with the fields purpose and file.", param="file", code="invalid_content_type"
@@ -161,11 +159,11 @@ class BatchFront:
         return stored
 
     async def get_file(self, request: web.Request) -> web.Response:
-        tenant = self.front._tenant(request)
+        tenant = authenticate(self.tenants, request)
         return _json((await self._file(tenant, request.match_info["file_id"])).to_openai())
 
     async def file_content(self, request: web.Request) -> web.Response:
-        tenant = self.front._tenant(request)
+        tenant = authenticate(self.tenants, request)
         file_id = request.match_info["file_id"]
         content = await self.store.file_content(tenant.name, file_id)
         if content is None:
@@ -173,12 +171,12 @@ class BatchFront:
         return web.Response(body=content, content_type="application/octet-stream")
 
     async def list_files(self, request: web.Request) -> web.Response:
-        tenant = self.front._tenant(request)
+        tenant = authenticate(self.tenants, request)
         page = await self.store.list_files(tenant.name, _limit(request, MAX_LIST_LIMIT), request.query.get("after"), request.query.get("purpose"))
         return _json(_list([f.to_openai() for f in page.items], page.has_more))
 
     async def delete_file(self, request: web.Request) -> web.Response:
-        tenant = self.front._tenant(request)
+        tenant = authenticate(self.tenants, request)
         file_id = request.match_info["file_id"]
         if not await self.store.delete_file(tenant.name, file_id):
             raise OpenAIError(404, f"No such File object: {file_id}", param="id", code="not_found")
@@ -187,8 +185,8 @@ class BatchFront:
     # ---- batches
 
     async def create_batch(self, request: web.Request) -> web.Response:
-        tenant = self.front._tenant(request)
-        create = parse_create(await self.front._body(request))
+        tenant = authenticate(self.tenants, request)
+        create = parse_create(await json_body(request))
         structlog.contextvars.bind_contextvars(tenant=tenant.name)
         source = await self.store.get_file(tenant.name, create.input_file_id)
         content = await self.store.file_content(tenant.name, create.input_file_id)
@@ -273,16 +271,16 @@ class BatchFront:
         log.info("batch_files_made", batch_id=batch.batch_id, output_lines=output.count(b"\n"), error_lines=errors.count(b"\n"))
 
     async def get_batch(self, request: web.Request) -> web.Response:
-        tenant = self.front._tenant(request)
+        tenant = authenticate(self.tenants, request)
         return _json(await self._current(tenant, await self._batch(tenant, request.match_info["batch_id"])))
 
     async def list_batches(self, request: web.Request) -> web.Response:
-        tenant = self.front._tenant(request)
+        tenant = authenticate(self.tenants, request)
         page = await self.store.list_batches(tenant.name, _limit(request), request.query.get("after"))
         return _json(_list([await self._current(tenant, batch) for batch in page.items], page.has_more))
 
     async def cancel_batch(self, request: web.Request) -> web.Response:
-        tenant = self.front._tenant(request)
+        tenant = authenticate(self.tenants, request)
         batch = await self._batch(tenant, request.match_info["batch_id"])
         status = status_of(await self.jobs.get(tenant, batch.batch_id))
         if status in ("completed", "failed", "expired", "finalizing"):

@@ -54,7 +54,6 @@ from sluice_gateway.openai_requests import (
     Completion,
     GenerationCall,
     check_dimensions,
-    check_text,
     OpenAIError,
     embeddings_reply,
     model_object,
@@ -63,6 +62,7 @@ from sluice_gateway.openai_requests import (
     parse_embeddings,
 )
 from sluice_common.tenants import Tenant, TenantDirectory
+from sluice_gateway.openai_http_input import authenticate, json_body
 from sluice_common.utf8 import is_valid_text
 
 if TYPE_CHECKING:
@@ -173,28 +173,10 @@ class OpenAIFront:
     path: InferencePath
 
     def _tenant(self, request: web.Request) -> Tenant:
-        authorization = request.headers.get("Authorization")
-        if not authorization:
-            raise OpenAIError(401, "You didn't provide an API key. Send it as `Authorization: Bearer <api key>`.", code="missing_api_key")
-        return self.tenants.authenticate(authorization)  # Unauthenticated: openai_error answers 401
+        return authenticate(self.tenants, request)
 
     async def _body(self, request: web.Request) -> dict[str, Any]:
-        try:
-            raw = await request.read()
-        except web.HTTPRequestEntityTooLarge:
-            raise OpenAIError(
-                413, f"The request body is larger than the limit of {request.client_max_size} bytes.", code="request_too_large"
-            ) from None
-        try:
-            body = json.loads(raw)
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise OpenAIError(400, f"We could not parse the JSON body of your request: {exc}. Send a JSON object.", code="invalid_json") from None
-        except RecursionError:
-            raise OpenAIError(400, "The JSON body of your request is nested too deeply.", code="invalid_json") from None
-        if not isinstance(body, dict):
-            raise OpenAIError(400, "The request body must be a JSON object.", code="invalid_json")
-        check_text(body)
-        return body
+        return await json_body(request)
 
     def _client_request_id(self, request: web.Request) -> str:
         value = request.headers.get(CLIENT_REQUEST_ID_HEADER, "")[:128]
