@@ -28,12 +28,7 @@ from typing import Any
 from sluice.common.v1 import types_pb2
 
 from sluice_common.sampling import MAX_LOGPROBS, MAX_N
-
-
-def _invalid(param: str, message: str, code: str) -> Exception:
-    from sluice_gateway.openai_requests import invalid  # the one OpenAIError builder
-
-    return invalid(param, message, code)
+from sluice_gateway.openai_errors import invalid
 
 
 def _is_int(value: Any) -> bool:
@@ -45,9 +40,9 @@ def _n(body: dict[str, Any], sampling: types_pb2.SamplingParams) -> None:
     if n is None:
         return
     if not _is_int(n):
-        raise _invalid("n", f"n must be an integer, got {n!r}", "invalid_type")
+        raise invalid("n", f"n must be an integer, got {n!r}", "invalid_type")
     if not 1 <= n <= MAX_N:  # the contract's range, checked here too: an int32 must carry it
-        raise _invalid("n", f"n must be an integer from 1 to {MAX_N}, got {n}", "invalid_value")
+        raise invalid("n", f"n must be an integer from 1 to {MAX_N}, got {n}", "invalid_value")
     sampling.n = n
 
 
@@ -55,12 +50,12 @@ def parse_chat_choices(body: dict[str, Any], sampling: types_pb2.SamplingParams)
     _n(body, sampling)
     asked, top = body.get("logprobs"), body.get("top_logprobs")
     if asked is not None and not isinstance(asked, bool):
-        raise _invalid("logprobs", f"logprobs must be a boolean, got {asked!r}", "invalid_type")
+        raise invalid("logprobs", f"logprobs must be a boolean, got {asked!r}", "invalid_type")
     if top is not None:
         if not _is_int(top) or not 0 <= top <= MAX_LOGPROBS:
-            raise _invalid("top_logprobs", f"top_logprobs must be an integer from 0 to {MAX_LOGPROBS}, got {top!r}", "invalid_value")
+            raise invalid("top_logprobs", f"top_logprobs must be an integer from 0 to {MAX_LOGPROBS}, got {top!r}", "invalid_value")
         if not asked:
-            raise _invalid("top_logprobs", "top_logprobs needs logprobs set to true", "invalid_value")
+            raise invalid("top_logprobs", "top_logprobs needs logprobs set to true", "invalid_value")
     if asked:
         sampling.logprobs = top or 0
 
@@ -71,12 +66,12 @@ def parse_completion_choices(body: dict[str, Any], sampling: types_pb2.SamplingP
     count, echo = body.get("logprobs"), body.get("echo")
     if count is not None:
         if not _is_int(count) or not 0 <= count <= MAX_LOGPROBS:
-            raise _invalid("logprobs", f"logprobs must be an integer from 0 to {MAX_LOGPROBS}, got {count!r}", "invalid_value")
+            raise invalid("logprobs", f"logprobs must be an integer from 0 to {MAX_LOGPROBS}, got {count!r}", "invalid_value")
         sampling.logprobs = count
     if echo is not None and not isinstance(echo, bool):
-        raise _invalid("echo", f"echo must be a boolean, got {echo!r}", "invalid_type")
+        raise invalid("echo", f"echo must be a boolean, got {echo!r}", "invalid_type")
     if echo and count is not None:
-        raise _invalid(
+        raise invalid(
             "echo",
             "echo with logprobs is not supported: the prompt tokens' logprobs are not computed (the engine"
             " makes logits for a prompt's last position only); ask for one or the other",

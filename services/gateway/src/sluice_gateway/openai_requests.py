@@ -45,6 +45,7 @@ from sluice_common.sampling_proto import structured_outputs_to_proto
 from sluice_common.structured_outputs import check
 from sluice_common.utf8 import invalid_json_text
 from sluice_common.validation import MAX_METADATA_KEY, MAX_METADATA_PAIRS, MAX_METADATA_VALUE, MAX_USER
+from sluice_gateway.openai_errors import OpenAIError, invalid
 from sluice_gateway.openai_choices import ChoiceState, chat_logprobs, parse_chat_choices, parse_completion_choices, tool_call_objects
 
 # OpenAI's defaults for sampling (https://platform.openai.com/docs/api-reference/chat/create).
@@ -58,34 +59,6 @@ _SCHEMA_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 MAX_INT32 = (1 << 31) - 1
 
 FINISH_REASONS = {types_pb2.FINISH_REASON_STOP: "stop", types_pb2.FINISH_REASON_LENGTH: "length", types_pb2.FINISH_REASON_TOOL_CALLS: "tool_calls"}
-
-
-class OpenAIError(Exception):
-    """An error answered as OpenAI does: `{"error": {"message", "type", "param", "code"}}` with its status."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        type_: str = "invalid_request_error",
-        param: str | None = None,
-        code: str | None = None,
-        headers: dict[str, str] | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.type = type_
-        self.param = param
-        self.code = code
-        self.headers = headers or {}
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-
-def invalid(param: str, message: str, code: str | None = None) -> OpenAIError:
-    return OpenAIError(400, message, param=param, code=code)
 
 
 def check_text(document: dict[str, Any]) -> None:
