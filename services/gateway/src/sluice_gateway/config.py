@@ -54,9 +54,9 @@ class SharedSettings:
     events_max_in_flight: int = 256
     # Empty: <temp dir>/sluice-gateway-<port>-events.spill.
     events_spill_file: str = ""
-    # TLS to the adapter (ADAPTER_TLS_*), off by default: on when ADAPTER_TLS is true or any file is set. The CA
-    # verifies the adapter (empty: system roots); cert and key are the gateway's identity for mutual
-    # TLS; the server name overrides the name checked against the adapter's certificate.
+    # TLS to the adapter (ADAPTER_TLS_*), off by default: on when ADAPTER_TLS is true or any file is
+    # set. The CA verifies the adapter (empty: system roots); cert and key are the gateway's identity
+    # for mutual TLS; the server name overrides the name checked against the adapter's certificate.
     adapter_tls: ClientTLS = nested(ClientTLS)
     # The rate-limit service asked for a lease before each Generate; empty: no rate limiting.
     ratelimit_url: str = "127.0.0.1:50071"
