@@ -1,7 +1,10 @@
 """Every service's configuration variables, read from its config.py without importing it.
 
 `load_config(cls, prefix)` reads `<ENV_PREFIX><FIELD_NAME_UPPER>` for each dataclass field,
-including the fields inherited from sluice-common's ServerConfig; this module applies the same
+including the fields inherited from sluice-common's ServerConfig; a field that is a block
+(`= nested(Block)` or `= nested(Block, env="...")`) reads the block's fields from
+`<ENV_PREFIX><FIELD_NAME_UPPER>_` (or `<ENV_PREFIX><env>`), and a block's switch
+(`= block_switch(...)`) is the block's own name without the "_". This module applies the same
 naming to the source (ast), so no service environment is needed to know the variables.
 """
 
@@ -32,16 +35,33 @@ SHARED_VARIABLES = {"shutdown_grace_s": "SLUICE_SHUTDOWN_GRACE_S"}
 
 @dataclass(frozen=True)
 class Field:
-    name: str
+    name: str  # the variable's name after the prefix, upper-case
     default: str | None  # source text of the default, None when required
 
 
-def _dataclass_fields(cls: ast.ClassDef) -> list[Field]:
-    return [
-        Field(node.target.id, None if node.value is None else ast.unparse(node.value))
-        for node in cls.body
-        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
-    ]
+def _keyword(call: ast.Call, name: str) -> ast.expr | None:
+    return next((k.value for k in call.keywords if k.arg == name), None)
+
+
+def _dataclass_fields(cls: ast.ClassDef, classes: dict[str, ast.ClassDef]) -> list[Field]:
+    """The variables of one dataclass, a block's (see the module) spelled out in its place."""
+    fields: list[Field] = []
+    for node in cls.body:
+        if not (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)):
+            continue
+        name, value = node.target.id.upper(), node.value
+        call = value if isinstance(value, ast.Call) else None
+        how = ast.unparse(call.func) if call is not None else ""
+        if call is not None and how == "nested":
+            env = _keyword(call, "env")
+            prefix = f"{name}_" if env is None else ast.literal_eval(env)
+            block = classes[ast.unparse(call.args[0])]
+            fields += [Field(f"{prefix}{f.name}".removesuffix("_"), f.default) for f in _dataclass_fields(block, classes)]
+        elif call is not None and how == "block_switch":
+            fields.append(Field("", ast.unparse(call.args[0]) if call.args else "False"))
+        else:
+            fields.append(Field(name, None if value is None else ast.unparse(value)))
+    return fields
 
 
 def _classes(path: Path) -> dict[str, ast.ClassDef]:
@@ -50,7 +70,8 @@ def _classes(path: Path) -> dict[str, ast.ClassDef]:
 
 
 def server_config_fields() -> list[Field]:
-    return _dataclass_fields(_classes(COMMON_CONFIG)["ServerConfig"])
+    classes = _classes(COMMON_CONFIG)
+    return _dataclass_fields(classes["ServerConfig"], classes)
 
 
 def config_path(service: str) -> Path:
@@ -67,29 +88,33 @@ def _prefix_and_fields(service: str) -> tuple[str, dict[str, str | None]]:
         and any(isinstance(t, ast.Name) and t.id == "ENV_PREFIX" for t in node.targets)
         and isinstance(node.value, ast.Constant)
     )
-    (cls,) = [
+    classes = {**_classes(COMMON_CONFIG), **_classes(path)}
+    # The config load_config is given: the dataclass that subclasses ServerConfig, else the only one.
+    dataclasses = [
         node
         for node in tree.body
         if isinstance(node, ast.ClassDef)
         and any(isinstance(d, ast.Call) and ast.unparse(d.func) == "dataclass" or ast.unparse(d) == "dataclass" for d in node.decorator_list)
     ]
+    servers = [cls for cls in dataclasses if any(ast.unparse(base) == "ServerConfig" for base in cls.bases)]
+    (cls,) = servers or dataclasses
     fields: dict[str, str | None] = {}
-    if any(ast.unparse(base) == "ServerConfig" for base in cls.bases):
+    if servers:
         fields.update({f.name: f.default for f in server_config_fields()})
-    fields.update({f.name: f.default for f in _dataclass_fields(cls)})
+    fields.update({f.name: f.default for f in _dataclass_fields(cls, classes)})
     return prefix, fields
 
 
 def service_variables(service: str) -> dict[str, str | None]:
     """{VARIABLE: default source or None} for one service, in declaration order (inherited first)."""
     prefix, fields = _prefix_and_fields(service)
-    return {f"{prefix}{name.upper()}": default for name, default in fields.items()}
+    return {f"{prefix}{name}": default for name, default in fields.items()}
 
 
 def shared_variables(service: str) -> dict[str, str]:
     """{the service's own variable: the shared variable that sets it too} for the fields it has."""
     prefix, fields = _prefix_and_fields(service)
-    return {f"{prefix}{name.upper()}": shared for name, shared in SHARED_VARIABLES.items() if name in fields}
+    return {f"{prefix}{name.upper()}": shared for name, shared in SHARED_VARIABLES.items() if name.upper() in fields}
 
 
 def services_with_config() -> list[str]:

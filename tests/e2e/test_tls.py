@@ -135,7 +135,7 @@ def test_tls_settings_are_off_by_default_and_checked_when_set(pki) -> None:
     with pytest.raises(ConfigError, match="EX_TLS_CLIENT_CA_FILE=/nope is not a readable file"):
         ServerTLS.from_settings(pki["adapter_cert"], pki["adapter_key"], "/nope", "EX_TLS_")
     assert ClientTLS.from_settings("", "", "") is None
-    assert ClientTLS.from_settings("", "", "", enabled=True) == ClientTLS()
+    assert ClientTLS.from_settings("", "", "", enabled=True) == ClientTLS(enabled=True)
     with pytest.raises(ConfigError, match="X_CERT_FILE and X_KEY_FILE go together"):
         ClientTLS.from_settings(pki["ca"], pki["client_cert"], "", env_prefix="X_")
 

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from sluice_common.config import ConfigError, ServerConfig, load_config, require
+from sluice_common.config import ClientTLS, ConfigError, ServerConfig, load_config, nested, require
 
 
 @dataclass(frozen=True)
@@ -86,3 +86,64 @@ def test_shared_shutdown_grace_sets_every_service_and_a_service_variable_overrid
 def test_a_bad_shared_value_is_reported_under_its_own_name() -> None:
     with pytest.raises(ConfigError, match="SLUICE_SHUTDOWN_GRACE_S='soon'"):
         load_config(ExampleConfig, "EX_", environ={"SLUICE_SHUTDOWN_GRACE_S": "soon"})
+
+
+# ---- blocks: nested settings, each from its own prefix
+
+
+@dataclass(frozen=True)
+class Limits:
+    window: int = 10
+    ratio: float = 0.5
+
+    def __post_init__(self) -> None:
+        require(self.window >= 1, f"NEST_LIMITS_WINDOW must be >= 1, got {self.window}")
+
+
+@dataclass(frozen=True)
+class NestedConfig:
+    url: str = "127.0.0.1:1"
+    peer_tls: ClientTLS = nested(ClientTLS)
+    limits: Limits = nested(Limits)
+    flat: Limits = nested(Limits, env="FLAT_")
+
+
+def test_a_block_reads_its_fields_from_its_prefix_and_its_switch_from_its_name() -> None:
+    assert load_config(NestedConfig, "NEST_", environ={}).peer_tls.for_channel() is None
+    config = load_config(
+        NestedConfig,
+        "NEST_",
+        environ={"NEST_PEER_TLS": "yes", "NEST_PEER_TLS_SERVER_NAME": "peer.svc", "NEST_LIMITS_WINDOW": "3", "NEST_FLAT_RATIO": "0.1"},
+    )
+    assert config.peer_tls == ClientTLS(server_name="peer.svc", enabled=True) and config.peer_tls.for_channel() is config.peer_tls
+    assert (config.limits.window, config.limits.ratio, config.flat.window, config.flat.ratio) == (3, 0.5, 10, 0.1)
+
+
+def test_a_bad_value_in_a_block_is_named_by_its_full_variable() -> None:
+    with pytest.raises(ConfigError, match="NEST_PEER_TLS_CA_FILE=/no/such/ca.pem is not a readable file"):
+        load_config(NestedConfig, "NEST_", environ={"NEST_PEER_TLS_CA_FILE": "/no/such/ca.pem"})
+    with pytest.raises(ConfigError, match="NEST_PEER_TLS='maybe' is not a boolean"):
+        load_config(NestedConfig, "NEST_", environ={"NEST_PEER_TLS": "maybe"})
+
+
+def test_the_problems_of_every_block_are_listed_at_once(tmp_path: Path) -> None:
+    cert = tmp_path / "cert.pem"
+    cert.write_text("not checked here")
+    environ = {
+        "NEST_PEER_TLS_CERT_FILE": str(cert),  # without its key
+        "NEST_LIMITS_WINDOW": "0",  # the block's own range check
+        "NEST_FLAT_RATIO": "half",  # not a number
+        "NEST_LIMITS_RATIO": "x",
+    }
+    with pytest.raises(ConfigError) as caught:
+        load_config(NestedConfig, "NEST_", environ=environ)
+    message = str(caught.value)
+    assert "NEST_PEER_TLS_CERT_FILE and NEST_PEER_TLS_KEY_FILE go together" in message
+    assert "NEST_FLAT_RATIO='half' is not a number" in message
+    assert "NEST_LIMITS_RATIO='x' is not a number" in message
+    environ["NEST_LIMITS_RATIO"] = "0.2"
+    with pytest.raises(ConfigError) as caught:
+        load_config(NestedConfig, "NEST_", environ=environ)
+    message = str(caught.value)
+    assert "NEST_LIMITS_WINDOW must be >= 1, got 0" in message and "NEST_PEER_TLS_CERT_FILE and NEST_PEER_TLS_KEY_FILE go together" in message
+    assert "NEST_FLAT_RATIO='half' is not a number" in message

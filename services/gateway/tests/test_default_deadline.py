@@ -175,7 +175,7 @@ async def test_an_embed_without_a_deadline_gets_twice_the_p99_of_embeds(stand_in
 def test_the_settings_are_validated_naming_the_variable() -> None:
     tenants = str(Path(__file__).resolve().parents[3] / "config" / "tenants.toml")
     config = load_config(GatewayConfig, ENV_PREFIX, {f"{ENV_PREFIX}TENANTS_FILE": tenants})
-    assert config.default_deadline_policy() == TimeoutPolicy(2.0, 30.0, 3600.0, 1000, 50)
+    assert config.shared.default_deadline_policy() == TimeoutPolicy(2.0, 30.0, 3600.0, 1000, 50)
     for name, value in (("MULTIPLIER", "0.5"), ("FLOOR_S", "7200"), ("MIN_SAMPLES", "5000"), ("WINDOW", "0")):
         with pytest.raises(ConfigError, match=f"{ENV_PREFIX}DEFAULT_DEADLINE_{name}"):
             load_config(GatewayConfig, ENV_PREFIX, {f"{ENV_PREFIX}TENANTS_FILE": tenants, f"{ENV_PREFIX}DEFAULT_DEADLINE_{name}": value})

@@ -10,7 +10,7 @@ import pytest
 from sluice.jobs.v1 import jobs_pb2
 
 from sluice_common.errors import ResourceExhausted, Unavailable
-from sluice_gateway.config import GatewayConfig
+from sluice_gateway.config import SharedSettings
 from sluice_gateway.jobs import (
     EXPIRED_CODE,
     JSON,
@@ -182,10 +182,10 @@ def test_the_summary_is_told_as_json_or_protobuf() -> None:
 
 
 def test_the_default_window_is_checked_at_start() -> None:
-    assert GatewayConfig(tenants_file=TENANTS_FILE).jobs_completion_window_s == 86400.0
+    assert SharedSettings(tenants_file=TENANTS_FILE).jobs_completion_window_s == 86400.0
     for bad in (0.0, -1.0, 604801.0):
         with pytest.raises(ValueError, match="JOBS_COMPLETION_WINDOW_S"):
-            GatewayConfig(tenants_file=TENANTS_FILE, jobs_completion_window_s=bad)
+            SharedSettings(tenants_file=TENANTS_FILE, jobs_completion_window_s=bad)
 
 
 def test_only_exhaustion_with_a_retry_time_is_waited_out() -> None:

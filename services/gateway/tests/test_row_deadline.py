@@ -35,7 +35,8 @@ def deadlines(floor_s: float = 0.05, default_max_tokens: int = 100) -> RowDeadli
 def configured(**env: str) -> RowDeadlines:
     """As the worker builds them, from the settings (their defaults unless given)."""
     environ = {f"{ENV_PREFIX}TENANTS_FILE": TENANTS, **{f"{ENV_PREFIX}{name}": value for name, value in env.items()}}
-    return RowDeadlines.for_config(load_config(GatewayConfig, ENV_PREFIX, environ))
+    config = load_config(GatewayConfig, ENV_PREFIX, environ)
+    return RowDeadlines.for_settings(config.shared, config.worker)
 
 
 def observe_rows(rows: RowDeadlines, count: int, first_token_s: float, per_token_s: float, tokens: int = 11) -> None:
@@ -97,8 +98,8 @@ async def test_an_attempt_reports_its_timing_and_carries_its_deadline_to_the_ada
 
 def test_the_row_timeout_settings_are_validated_naming_both_bounds() -> None:
     config = load_config(GatewayConfig, ENV_PREFIX, {f"{ENV_PREFIX}TENANTS_FILE": TENANTS})
-    assert config.worker_row_timeout_policy() == TimeoutPolicy(2.0, 30.0, 3600.0, 1000, 50)
-    assert (config.worker_row_timeout_s, config.worker_row_warmup_per_token_s) == (120.0, 0.25)
+    assert config.worker.row_timeout_policy(config.shared.default_deadline_policy()) == TimeoutPolicy(2.0, 30.0, 3600.0, 1000, 50)
+    assert (config.worker.row_timeout_s, config.worker.row_warmup_per_token_s) == (120.0, 0.25)
     env = {f"{ENV_PREFIX}TENANTS_FILE": TENANTS, f"{ENV_PREFIX}WORKER_ROW_TIMEOUT_CEILING_S": "20"}
     with pytest.raises(ConfigError, match=f"{ENV_PREFIX}WORKER_ROW_TIMEOUT_FLOOR_S must be > 0 and <= {ENV_PREFIX}WORKER_ROW_TIMEOUT_CEILING_S"):
         load_config(GatewayConfig, ENV_PREFIX, env)

@@ -33,7 +33,7 @@ def worker(store: JobStore, path: object, **env: str) -> JobWorker:
         **env,
     }  # fmt: skip
     config = load_config(GatewayConfig, ENV_PREFIX, {f"{ENV_PREFIX}{name}": value for name, value in settings.items()})
-    return JobWorker(config, types.SimpleNamespace(path=path), store)  # type: ignore[arg-type]
+    return JobWorker(config.shared, config.worker, types.SimpleNamespace(path=path), store)  # type: ignore[arg-type]
 
 
 def generate_row(max_tokens: int) -> jobs_pb2.JobRow:

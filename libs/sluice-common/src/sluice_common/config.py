@@ -58,36 +58,80 @@ def env_name(prefix: str, field_name: str) -> str:
     return f"{prefix}{field_name.upper()}"
 
 
+# A field's metadata key naming its variable (or, for a block, its variables' prefix) after the
+# parent's prefix, where the field's name does not say it.
+ENV = "env"
+
+
+def nested(cls: type[T], env: str | None = None) -> T:
+    """A block of settings inside a config: its fields read from `<prefix><env><FIELD>`, `env`
+    being the field's name upper-cased with "_" unless given ("" keeps the parent's prefix)."""
+    return dataclasses.field(default_factory=cls, metadata={ENV: env})  # type: ignore[return-value]
+
+
+def block_switch(default: bool = False) -> bool:
+    """A block's on/off flag, read from the block's own name: ADAPTER_TLS for ADAPTER_TLS_*."""
+    return dataclasses.field(default=default, metadata={ENV: ""})  # type: ignore[return-value]
+
+
 # Settings one variable sets for every service at once (a per-service variable still overrides):
 # the drain grace must agree with the pods' terminationGracePeriodSeconds, so it is set in one place.
 SHARED_SETTINGS = {"shutdown_grace_s": "SLUICE_SHUTDOWN_GRACE_S"}
 
 
 def load_config(cls: type[T], prefix: str, environ: Mapping[str, str] | None = None) -> T:
-    """Builds `cls` from the environment; raises ConfigError naming every bad variable."""
+    """Builds `cls` from the environment; raises ConfigError naming every bad variable.
+
+    A field whose type is a dataclass is a block (see `nested`), loaded from its own prefix. Every
+    block is checked, each by its `__post_init__` and, when it has one, `env_problems(prefix)`
+    (for checks whose messages need the variables' names), so the problems of every block are
+    listed at once; a block with a problem leaves the blocks around it unbuilt and their own
+    cross-block checks for the next start."""
     environ = os.environ if environ is None else environ
+    problems: list[str] = []
+    config = _load(cls, prefix, environ, problems)
+    if problems or config is None:
+        raise ConfigError("invalid configuration: " + "; ".join(problems))
+    return config
+
+
+def _load(cls: type[T], prefix: str, environ: Mapping[str, str], problems: list[str]) -> T | None:
     hints = typing.get_type_hints(cls)
     values: dict[str, Any] = {}
-    problems: list[str] = []
+    complete = True
     for field in dataclasses.fields(cls):  # type: ignore[arg-type]
-        name = env_name(prefix, field.name)
+        kind = hints[field.name]
+        env = field.metadata.get(ENV)
+        if dataclasses.is_dataclass(kind):
+            block = _load(kind, prefix + (f"{field.name.upper()}_" if env is None else env), environ, problems)  # type: ignore[arg-type]
+            complete = complete and block is not None
+            values[field.name] = block
+            continue
+        name = env_name(prefix, field.name) if env is None else f"{prefix}{env}".removesuffix("_")
         if name not in environ and environ.get(SHARED_SETTINGS.get(field.name, "")) is not None:
             name = SHARED_SETTINGS[field.name]
         raw = environ.get(name)
         if raw is None:
             if field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING:
                 problems.append(f"{name} is required but not set")
+                complete = False
             continue
         try:
-            values[field.name] = _parse(raw, hints[field.name])
+            values[field.name] = _parse(raw, kind)
         except ValueError as exc:
-            problems.append(f"{name}={raw!r} is not {_describe(hints[field.name])} ({exc})")
-    if problems:
-        raise ConfigError("invalid configuration: " + "; ".join(problems))
+            problems.append(f"{name}={raw!r} is not {_describe(kind)} ({exc})")
+            complete = False
+    if not complete:
+        return None
     try:
-        return cls(**values)
+        config = cls(**values)
     except ValueError as exc:  # __post_init__ checks of ranges and combinations
-        raise ConfigError(f"invalid configuration: {exc}") from exc
+        problems.append(str(exc))
+        return None
+    check = getattr(config, "env_problems", None)
+    more: list[str] = check(prefix) if check is not None else []
+    problems.extend(more)
+    return None if more else config
 
 
 def require(condition: bool, message: str) -> None:
@@ -146,43 +190,45 @@ class ServerTLS:
 
 @dataclasses.dataclass(frozen=True)
 class ClientTLS:
-    """PEM files for a TLS channel to another service.
+    """PEM files for a TLS channel to another service; a config's block per peer (see `nested`).
 
     `ca_file` verifies the server (empty: the system's roots); `cert_file` and `key_file` are this
     service's identity for mutual TLS; `server_name` overrides the name checked against the server's
-    certificate (when the address is not a name the certificate carries).
+    certificate (when the address is not a name the certificate carries). TLS is on when `enabled`
+    (the block's own variable, e.g. ADAPTER_TLS) or any file is set.
     """
 
     ca_file: str = ""
     cert_file: str = ""
     key_file: str = ""
     server_name: str = ""
+    enabled: bool = block_switch()
+
+    @property
+    def in_use(self) -> bool:
+        return bool(self.enabled or self.ca_file or self.cert_file or self.key_file)
+
+    def for_channel(self) -> ClientTLS | None:
+        """What `open_channel` takes: these settings when TLS is on, None (plaintext) when off."""
+        return self if self.in_use else None
+
+    def env_problems(self, env_prefix: str = "") -> list[str]:
+        """What does not fit, each naming its variable `<env_prefix>CA_FILE`... (none when off)."""
+        if not self.in_use:
+            return []
+        problems = []
+        if bool(self.cert_file) != bool(self.key_file):
+            problems.append(f"{env_prefix}CERT_FILE and {env_prefix}KEY_FILE go together")
+        files = {f"{env_prefix}CA_FILE": self.ca_file, f"{env_prefix}CERT_FILE": self.cert_file, f"{env_prefix}KEY_FILE": self.key_file}
+        return problems + _check_files(files)
 
     @classmethod
     def from_settings(
         cls, ca_file: str, cert_file: str, key_file: str, server_name: str = "", env_prefix: str = "", enabled: bool = False
     ) -> ClientTLS | None:
         """None (plaintext) unless `enabled` or any file is set; ConfigError when they do not fit."""
-        if not (enabled or ca_file or cert_file or key_file):
-            return None
-        problems = []
-        if bool(cert_file) != bool(key_file):
-            problems.append(f"{env_prefix}CERT_FILE and {env_prefix}KEY_FILE go together")
-        problems += _check_files({f"{env_prefix}CA_FILE": ca_file, f"{env_prefix}CERT_FILE": cert_file, f"{env_prefix}KEY_FILE": key_file})
+        tls = cls(ca_file, cert_file, key_file, server_name, enabled)
+        problems = tls.env_problems(env_prefix)
         if problems:
             raise ConfigError("invalid TLS configuration: " + "; ".join(problems))
-        return cls(ca_file, cert_file, key_file, server_name)
-
-    @classmethod
-    def for_peer(cls, config: object, peer: str, env_prefix: str) -> ClientTLS | None:
-        """The channel TLS a config declares for one peer with the fields `<peer>_tls`,
-        `<peer>_tls_ca_file`, `<peer>_tls_cert_file`, `<peer>_tls_key_file`, `<peer>_tls_server_name`."""
-        field = lambda name: getattr(config, f"{peer}_tls{name}")  # noqa: E731
-        return cls.from_settings(
-            field("_ca_file"),
-            field("_cert_file"),
-            field("_key_file"),
-            field("_server_name"),
-            env_prefix=f"{env_prefix}{peer.upper()}_TLS_",
-            enabled=field(""),
-        )
+        return tls.for_channel()

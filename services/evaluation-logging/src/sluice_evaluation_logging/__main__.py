@@ -48,7 +48,7 @@ async def serve(config: EvalLogConfig) -> None:
     except Exception as exc:  # noqa: BLE001 - refuse to start without a store, with the reason
         where = "PostgreSQL (DATABASE_URL)" if config.database_url else f"SQLite at {config.sqlite_path}"
         raise SystemExit(f"evaluation-logging: cannot open the store, {where}: {exc}") from None
-    embedder = AdapterEmbedder(config.adapter_url, config.embedding_model, config.embed_timeout_s, config.adapter_channel_tls())
+    embedder = AdapterEmbedder(config.adapter_url, config.embedding_model, config.embed_timeout_s, config.adapter_tls.for_channel())
     settings = eval_settings(config)
     # The CPU-heavy evaluators in worker processes, started (and warmed up) before consuming.
     pool = EvalPool(config.eval_processes) if config.eval_processes > 0 else None

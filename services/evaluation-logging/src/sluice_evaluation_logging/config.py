@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from sluice_common.amqp import DEFAULT_AMQP_URL
-from sluice_common.config import ClientTLS, ServerConfig, require
+from sluice_common.config import ClientTLS, ServerConfig, nested, require
 
 ENV_PREFIX = "SLUICE_EVALLOG_"
 
@@ -41,12 +41,8 @@ class EvalLogConfig(ServerConfig):
     repetition_max_ratio: float = 0.5
     # The adapter's Embed serves the prompt-to-answer similarity evaluator.
     adapter_url: str = "127.0.0.1:50061"
-    # TLS to the adapter, off by default (as the gateway's ADAPTER_TLS_* settings).
-    adapter_tls: bool = False
-    adapter_tls_ca_file: str = ""
-    adapter_tls_cert_file: str = ""
-    adapter_tls_key_file: str = ""
-    adapter_tls_server_name: str = ""
+    # TLS to the adapter, off by default: ADAPTER_TLS and ADAPTER_TLS_* (as the gateway's).
+    adapter_tls: ClientTLS = nested(ClientTLS)
     embedding_model: str = "all-minilm-l6-v2"
     similarity_sample_rate: float = 0.1
     similarity_min: float = 0.2
@@ -60,11 +56,7 @@ class EvalLogConfig(ServerConfig):
     # While the consumer has a backlog, the similarity task waits up to this long before each batch.
     similarity_max_pause_s: float = 2.0
 
-    def adapter_channel_tls(self) -> ClientTLS | None:
-        return ClientTLS.for_peer(self, "adapter", ENV_PREFIX)
-
     def __post_init__(self) -> None:
-        self.adapter_channel_tls()
         require(str(self.tenants_file) not in ("", "."), f"{ENV_PREFIX}TENANTS_FILE is required: the TOML file of tenants")
         require(self.tenants_file.is_file(), f"{ENV_PREFIX}TENANTS_FILE={self.tenants_file} does not exist")
         require(self.prefetch >= 1, f"{ENV_PREFIX}PREFETCH must be >= 1, got {self.prefetch}")

@@ -23,11 +23,12 @@ SERVICE_NAME = gateway_pb2.DESCRIPTOR.services_by_name["GatewayService"].full_na
 
 
 async def serve(config: GatewayConfig) -> None:
-    core = GatewayCore.build(config, config.port)
-    job_store = JobStore.create(config.jobs_postgres_dsn, config.jobs_sqlite_path)
+    settings = config.shared
+    core = GatewayCore.build(settings, config.port)
+    job_store = JobStore.create(settings.jobs_postgres_dsn, settings.jobs_sqlite_path)
     await job_store.open()
-    job_publisher = job_request_publisher(config)
-    jobs = JobsApi(job_store, core.tenants, job_publisher.submit_job, config.jobs_max_rows, config.jobs_completion_window_s)
+    job_publisher = job_request_publisher(settings, config.port)
+    jobs = JobsApi(job_store, core.tenants, job_publisher.submit_job, settings.jobs_max_rows, settings.jobs_completion_window_s)
     path = core.path
     servicer = GatewayServicer(core.tenants, path, jobs=jobs)
 
@@ -37,22 +38,22 @@ async def serve(config: GatewayConfig) -> None:
 
     running = await create_server(config.host, config.port, config.metrics_port, register, serving=False, tls=config.server_tls(ENV_PREFIX))
     running.supervisor.start("event-loop-lag", monitor_loop_lag)
-    await core.start(config, running.supervisor)
+    await core.start(settings, running.supervisor)
     job_publisher.start(running.supervisor)
     # The HTTP front on this same loop, over the same InferencePath (0: off).
     http: RunningHttp | None = None
-    if config.http_port:
+    if config.front.http_port:
         front = OpenAIFront(core.tenants, path)
         # OpenAI's Files and Batch APIs: their tables are in the job store's database.
-        batches = BatchFront(front.tenants, OpenAIStore(job_store.db), jobs, core.models, config.files_max_bytes, config.jobs_max_rows)
-        http_port = 0 if config.http_port == ANY_HTTP_PORT else config.http_port
-        http = await start_http(front, config.host, http_port, config.http_max_body_bytes, config.shutdown_grace_s, batches)
+        batches = BatchFront(front.tenants, OpenAIStore(job_store.db), jobs, core.models, config.front.files_max_bytes, settings.jobs_max_rows)
+        http_port = 0 if config.front.http_port == ANY_HTTP_PORT else config.front.http_port
+        http = await start_http(front, config.host, http_port, config.front.http_max_body_bytes, config.shutdown_grace_s, batches)
     await running.set_serving(True)
-    log.info("ready", adapter=config.adapter_url, models=[m.name for m in core.models.models], http_port=http.port if http else None)
+    log.info("ready", adapter=settings.adapter_url, models=[m.name for m in core.models.models], http_port=http.port if http else None)
 
     async def on_stop() -> None:
         await job_publisher.stop(config.shutdown_grace_s)
-        await core.close(config)
+        await core.close(config.shutdown_grace_s)
         await job_store.close()
 
     # The HTTP listener drains beside the gRPC port (no new requests from the signal on), not after it.

@@ -1,4 +1,9 @@
-"""gateway settings, from SLUICE_GATEWAY_* environment variables."""
+"""gateway settings, from SLUICE_GATEWAY_* environment variables.
+
+One set of variables for the gateway's two roles, in blocks: `SharedSettings` (what both the
+gateway front and its job worker use: tenants, peers, events, jobs), `FrontSettings` (the HTTP
+front beside the gRPC port) and `WorkerSettings` (the job worker, WORKER_*). Each role's code is
+handed the blocks it uses."""
 
 from __future__ import annotations
 
@@ -6,7 +11,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from sluice_common.adaptive_timeout import TimeoutPolicy
-from sluice_common.config import ClientTLS, ServerConfig, require
+from sluice_common.config import ClientTLS, ServerConfig, nested, require
 
 ENV_PREFIX = "SLUICE_GATEWAY_"
 # SLUICE_GATEWAY_HTTP_PORT's "bind a free port and say which" (0 is "off").
@@ -17,25 +22,15 @@ MAX_COMPLETION_WINDOW_S = 7 * 24 * 3600.0
 
 
 @dataclass(frozen=True)
-class GatewayConfig(ServerConfig):
-    port: int = 50051
-    metrics_port: int = 9101
+class SharedSettings:
+    """What the gateway front and its job worker both use (variables without a block prefix)."""
+
     adapter_url: str = "127.0.0.1:50061"
     # TOML file of tenants and their hashed API keys (see config/tenants.example.toml).
     tenants_file: Path = Path("")
     # max_tokens when a request omits it (gRPC 0, HTTP absent): the model's remaining context after
     # the prompt, capped by this (and by the model's max_output_tokens).
     default_max_tokens: int = 1024
-    # The OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/embeddings,
-    # /v1/models) on this port, on the gateway's event loop beside gRPC; 0 (the default): off, so
-    # that every gateway already deployed or started by a script keeps its ports; `make run` and the
-    # test stack set 8080 or ANY_HTTP_PORT (-1: a free port, named in the log line `ports_bound`).
-    # Request bodies larger than HTTP_MAX_BODY_BYTES get 413.
-    http_port: int = 0
-    http_max_body_bytes: int = 4 * 1024 * 1024
-    # The largest file POST /v1/files stores (a batch input file, JSONL; kept in the job store's
-    # database); larger uploads get 413. OpenAI's own bound is 200 MB.
-    files_max_bytes: int = 100 * 1024 * 1024
     # The deadline of a request whose client set none (gRPC without a timeout; every HTTP request):
     # DEFAULT_DEADLINE_MULTIPLIER x (p99 time to first token + max_tokens x p99 time per token), or x
     # the p99 of Embed calls, over the last DEFAULT_DEADLINE_WINDOW requests, within FLOOR_S and
@@ -59,14 +54,10 @@ class GatewayConfig(ServerConfig):
     events_max_in_flight: int = 256
     # Empty: <temp dir>/sluice-gateway-<port>-events.spill.
     events_spill_file: str = ""
-    # TLS to the adapter, off by default: on when ADAPTER_TLS is true or any file is set. The CA
-    # verifies the adapter (empty: system roots); cert and key are the gateway's identity for mutual
-    # TLS; the server name overrides the name checked against the adapter's certificate.
-    adapter_tls: bool = False
-    adapter_tls_ca_file: str = ""
-    adapter_tls_cert_file: str = ""
-    adapter_tls_key_file: str = ""
-    adapter_tls_server_name: str = ""
+    # TLS to the adapter (ADAPTER_TLS_*), off by default: on when ADAPTER_TLS is true or any file is
+    # set. The CA verifies the adapter (empty: system roots); cert and key are the gateway's identity
+    # for mutual TLS; the server name overrides the name checked against the adapter's certificate.
+    adapter_tls: ClientTLS = nested(ClientTLS)
     # The rate-limit service asked for a lease before each Generate; empty: no rate limiting.
     ratelimit_url: str = "127.0.0.1:50071"
     # When it cannot be reached within RATELIMIT_TIMEOUT_S (and the request's deadline):
@@ -74,11 +65,7 @@ class GatewayConfig(ServerConfig):
     ratelimit_policy: str = "closed"
     ratelimit_timeout_s: float = 0.5
     # TLS to rate-limit, as for the adapter above.
-    ratelimit_tls: bool = False
-    ratelimit_tls_ca_file: str = ""
-    ratelimit_tls_cert_file: str = ""
-    ratelimit_tls_key_file: str = ""
-    ratelimit_tls_server_name: str = ""
+    ratelimit_tls: ClientTLS = nested(ClientTLS)
     # Bulk jobs (issue 6). Their state: SQLite at JOBS_SQLITE_PATH (shared by the gateway and the job
     # workers of one host), or PostgreSQL (schema "jobs") when JOBS_POSTGRES_DSN is set.
     jobs_sqlite_path: Path = Path("sluice-jobs.sqlite3")
@@ -87,28 +74,6 @@ class GatewayConfig(ServerConfig):
     # A job's completion window when its JobRequest sets none (OpenAI's is 24 h): rows not started
     # when it ends are reported failed with code EXPIRED.
     jobs_completion_window_s: float = 86400.0
-    # The job-worker role (`python -m sluice_gateway.worker`): its health/metrics ports, rows unacked
-    # at once (prefetch), the adaptive concurrency's start and ceiling, one row's deadline, transient
-    # errors retried in-process (capped exponential backoff with jitter) before the row goes back to
-    # the broker, and deliveries after which a row is dead-lettered.
-    worker_port: int = 50052
-    worker_metrics_port: int = 9106
-    worker_prefetch: int = 128
-    worker_concurrency_initial: int = 4
-    worker_concurrency_max: int = 64
-    # A row attempt's deadline follows this worker's rolling p99s and the row's own max_tokens
-    # (row_deadline.py), between the floor and the ceiling; the ceiling is for long work (a
-    # 1,024-token row on a busy CPU replica takes minutes). Until enough rows have been seen: at
-    # least WORKER_ROW_TIMEOUT_S, longer for a long row (max_tokens x WORKER_ROW_WARMUP_PER_TOKEN_S,
-    # about a CPU replica's pace per stream with its batch full, times the multiplier).
-    worker_row_timeout_s: float = 120.0
-    worker_row_timeout_floor_s: float = 30.0
-    worker_row_timeout_ceiling_s: float = 3600.0
-    worker_row_warmup_per_token_s: float = 0.25
-    worker_row_attempts: int = 4
-    worker_retry_base_s: float = 0.25
-    worker_retry_cap_s: float = 10.0
-    worker_delivery_limit: int = 5
 
     def default_deadline_policy(self) -> TimeoutPolicy:
         return TimeoutPolicy(
@@ -119,34 +84,10 @@ class GatewayConfig(ServerConfig):
             self.default_deadline_min_samples,
         )
 
-    def worker_row_timeout_policy(self) -> TimeoutPolicy:
-        """The default deadline's multiplier, window and warm-up, with the row timeout's bounds."""
-        return replace(self.default_deadline_policy(), floor_s=self.worker_row_timeout_floor_s, ceiling_s=self.worker_row_timeout_ceiling_s)
-
-    def adapter_channel_tls(self) -> ClientTLS | None:
-        return ClientTLS.for_peer(self, "adapter", ENV_PREFIX)
-
-    def ratelimit_channel_tls(self) -> ClientTLS | None:
-        return ClientTLS.for_peer(self, "ratelimit", ENV_PREFIX)
-
     def __post_init__(self) -> None:
-        self.adapter_channel_tls()
-        self.ratelimit_channel_tls()
         names = [f"{ENV_PREFIX}DEFAULT_DEADLINE_{n}" for n in ("MULTIPLIER", "FLOOR_S", "CEILING_S", "WINDOW", "MIN_SAMPLES")]
         problems = self.default_deadline_policy().problems(*names)
         require(not problems, "; ".join(problems))
-        row_names = [
-            f"{ENV_PREFIX}{n}"
-            for n in (
-                "DEFAULT_DEADLINE_MULTIPLIER",
-                "WORKER_ROW_TIMEOUT_FLOOR_S",
-                "WORKER_ROW_TIMEOUT_CEILING_S",
-                "DEFAULT_DEADLINE_WINDOW",
-                "DEFAULT_DEADLINE_MIN_SAMPLES",
-            )
-        ]
-        row_problems = self.worker_row_timeout_policy().problems(*row_names)
-        require(not row_problems, "; ".join(row_problems))
         require(str(self.tenants_file) not in ("", "."), f"{ENV_PREFIX}TENANTS_FILE is required: the TOML file of tenants")
         require(self.tenants_file.is_file(), f"{ENV_PREFIX}TENANTS_FILE={self.tenants_file} does not exist")
         require(
@@ -155,36 +96,108 @@ class GatewayConfig(ServerConfig):
         )
         require(self.ratelimit_timeout_s > 0, f"{ENV_PREFIX}RATELIMIT_TIMEOUT_S must be > 0, got {self.ratelimit_timeout_s}")
         require(self.default_max_tokens >= 1, f"{ENV_PREFIX}DEFAULT_MAX_TOKENS must be >= 1, got {self.default_max_tokens}")
+        require(self.events_outbox_size >= 1, f"{ENV_PREFIX}EVENTS_OUTBOX_SIZE must be >= 1, got {self.events_outbox_size}")
+        require(self.events_max_in_flight >= 1, f"{ENV_PREFIX}EVENTS_MAX_IN_FLIGHT must be >= 1, got {self.events_max_in_flight}")
+        require(self.jobs_max_rows >= 1, f"{ENV_PREFIX}JOBS_MAX_ROWS must be >= 1, got {self.jobs_max_rows}")
+        require(
+            0 < self.jobs_completion_window_s <= MAX_COMPLETION_WINDOW_S,
+            f"{ENV_PREFIX}JOBS_COMPLETION_WINDOW_S must be > 0 and <= {MAX_COMPLETION_WINDOW_S:.0f}, got {self.jobs_completion_window_s}",
+        )
+
+
+@dataclass(frozen=True)
+class FrontSettings:
+    """The gateway front's HTTP API beside its gRPC port (the gRPC port, metrics port and server TLS
+    are GatewayConfig's own, from ServerConfig)."""
+
+    # The OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/embeddings,
+    # /v1/models) on this port, on the gateway's event loop beside gRPC; 0 (the default): off, so
+    # that every gateway already deployed or started by a script keeps its ports; `make run` and the
+    # test stack set 8080 or ANY_HTTP_PORT (-1: a free port, named in the log line `ports_bound`).
+    # Request bodies larger than HTTP_MAX_BODY_BYTES get 413.
+    http_port: int = 0
+    http_max_body_bytes: int = 4 * 1024 * 1024
+    # The largest file POST /v1/files stores (a batch input file, JSONL; kept in the job store's
+    # database); larger uploads get 413. OpenAI's own bound is 200 MB.
+    files_max_bytes: int = 100 * 1024 * 1024
+
+    def __post_init__(self) -> None:
         require(
             ANY_HTTP_PORT <= self.http_port <= 65535,
             f"{ENV_PREFIX}HTTP_PORT must be in [-1, 65535] (0: off; -1: any free port), got {self.http_port}",
         )
         require(self.http_max_body_bytes >= 1024, f"{ENV_PREFIX}HTTP_MAX_BODY_BYTES must be >= 1024, got {self.http_max_body_bytes}")
         require(self.files_max_bytes >= 1024, f"{ENV_PREFIX}FILES_MAX_BYTES must be >= 1024, got {self.files_max_bytes}")
-        require(self.events_outbox_size >= 1, f"{ENV_PREFIX}EVENTS_OUTBOX_SIZE must be >= 1, got {self.events_outbox_size}")
-        require(self.jobs_max_rows >= 1, f"{ENV_PREFIX}JOBS_MAX_ROWS must be >= 1, got {self.jobs_max_rows}")
+
+
+@dataclass(frozen=True)
+class WorkerSettings:
+    """The job-worker role's own settings, from WORKER_*."""
+
+    # The job-worker role (`python -m sluice_gateway.worker`): its health/metrics ports, rows unacked
+    # at once (prefetch), the adaptive concurrency's start and ceiling, one row's deadline, transient
+    # errors retried in-process (capped exponential backoff with jitter) before the row goes back to
+    # the broker, and deliveries after which a row is dead-lettered.
+    port: int = 50052
+    metrics_port: int = 9106
+    prefetch: int = 128
+    concurrency_initial: int = 4
+    concurrency_max: int = 64
+    # A row attempt's deadline follows this worker's rolling p99s and the row's own max_tokens
+    # (row_deadline.py), between the floor and the ceiling; the ceiling is for long work (a
+    # 1,024-token row on a busy CPU replica takes minutes). Until enough rows have been seen: at
+    # least WORKER_ROW_TIMEOUT_S, longer for a long row (max_tokens x WORKER_ROW_WARMUP_PER_TOKEN_S,
+    # about a CPU replica's pace per stream with its batch full, times the multiplier).
+    row_timeout_s: float = 120.0
+    row_timeout_floor_s: float = 30.0
+    row_timeout_ceiling_s: float = 3600.0
+    row_warmup_per_token_s: float = 0.25
+    row_attempts: int = 4
+    retry_base_s: float = 0.25
+    retry_cap_s: float = 10.0
+    delivery_limit: int = 5
+
+    def row_timeout_policy(self, default_deadline: TimeoutPolicy) -> TimeoutPolicy:
+        """The default deadline's multiplier, window and warm-up, with the row timeout's bounds."""
+        return replace(default_deadline, floor_s=self.row_timeout_floor_s, ceiling_s=self.row_timeout_ceiling_s)
+
+    def __post_init__(self) -> None:
+        # The row timeout policy's other values are the default deadline's, checked with it.
         require(
-            0 < self.jobs_completion_window_s <= MAX_COMPLETION_WINDOW_S,
-            f"{ENV_PREFIX}JOBS_COMPLETION_WINDOW_S must be > 0 and <= {MAX_COMPLETION_WINDOW_S:.0f}, got {self.jobs_completion_window_s}",
+            0 < self.row_timeout_floor_s <= self.row_timeout_ceiling_s,
+            f"{ENV_PREFIX}WORKER_ROW_TIMEOUT_FLOOR_S must be > 0 and <= {ENV_PREFIX}WORKER_ROW_TIMEOUT_CEILING_S,"
+            f" got {self.row_timeout_floor_s} and {self.row_timeout_ceiling_s}",
         )
-        require(self.worker_prefetch >= 1, f"{ENV_PREFIX}WORKER_PREFETCH must be >= 1, got {self.worker_prefetch}")
+        require(self.prefetch >= 1, f"{ENV_PREFIX}WORKER_PREFETCH must be >= 1, got {self.prefetch}")
         require(
-            1 <= self.worker_concurrency_initial <= self.worker_concurrency_max,
-            f"{ENV_PREFIX}WORKER_CONCURRENCY_INITIAL must be in [1, WORKER_CONCURRENCY_MAX], got {self.worker_concurrency_initial}",
+            1 <= self.concurrency_initial <= self.concurrency_max,
+            f"{ENV_PREFIX}WORKER_CONCURRENCY_INITIAL must be in [1, WORKER_CONCURRENCY_MAX], got {self.concurrency_initial}",
         )
         require(
-            0 < self.worker_row_timeout_s <= self.worker_row_timeout_ceiling_s,
+            0 < self.row_timeout_s <= self.row_timeout_ceiling_s,
             f"{ENV_PREFIX}WORKER_ROW_TIMEOUT_S must be > 0 and <= {ENV_PREFIX}WORKER_ROW_TIMEOUT_CEILING_S,"
-            f" got {self.worker_row_timeout_s} and {self.worker_row_timeout_ceiling_s}",
+            f" got {self.row_timeout_s} and {self.row_timeout_ceiling_s}",
         )
         require(
-            self.worker_row_warmup_per_token_s > 0,
-            f"{ENV_PREFIX}WORKER_ROW_WARMUP_PER_TOKEN_S must be > 0, got {self.worker_row_warmup_per_token_s}",
+            self.row_warmup_per_token_s > 0,
+            f"{ENV_PREFIX}WORKER_ROW_WARMUP_PER_TOKEN_S must be > 0, got {self.row_warmup_per_token_s}",
         )
-        require(self.worker_row_attempts >= 1, f"{ENV_PREFIX}WORKER_ROW_ATTEMPTS must be >= 1, got {self.worker_row_attempts}")
+        require(self.row_attempts >= 1, f"{ENV_PREFIX}WORKER_ROW_ATTEMPTS must be >= 1, got {self.row_attempts}")
         require(
-            0 < self.worker_retry_base_s <= self.worker_retry_cap_s,
-            f"{ENV_PREFIX}WORKER_RETRY_BASE_S must be > 0 and <= WORKER_RETRY_CAP_S, got {self.worker_retry_base_s}",
+            0 < self.retry_base_s <= self.retry_cap_s,
+            f"{ENV_PREFIX}WORKER_RETRY_BASE_S must be > 0 and <= WORKER_RETRY_CAP_S, got {self.retry_base_s}",
         )
-        require(self.worker_delivery_limit >= 1, f"{ENV_PREFIX}WORKER_DELIVERY_LIMIT must be >= 1, got {self.worker_delivery_limit}")
-        require(self.events_max_in_flight >= 1, f"{ENV_PREFIX}EVENTS_MAX_IN_FLIGHT must be >= 1, got {self.events_max_in_flight}")
+        require(self.delivery_limit >= 1, f"{ENV_PREFIX}WORKER_DELIVERY_LIMIT must be >= 1, got {self.delivery_limit}")
+
+
+@dataclass(frozen=True)
+class GatewayConfig(ServerConfig):
+    """Both roles' settings, loaded whole by each (one set of variables, checked at every start).
+    ServerConfig's own (host, logs, shutdown grace; the gRPC and metrics ports and server TLS, which
+    only the front serves) and the blocks."""
+
+    port: int = 50051
+    metrics_port: int = 9101
+    shared: SharedSettings = nested(SharedSettings, env="")
+    front: FrontSettings = nested(FrontSettings, env="")
+    worker: WorkerSettings = nested(WorkerSettings)

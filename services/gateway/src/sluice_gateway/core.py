@@ -15,7 +15,7 @@ from sluice_common.channels import open_channel
 from sluice_common.supervision import Supervisor
 from sluice_gateway.admission import Admission
 from sluice_gateway.completion_events import CompletionEvents
-from sluice_gateway.config import ENV_PREFIX, GatewayConfig
+from sluice_gateway.config import ENV_PREFIX, SharedSettings
 from sluice_gateway.default_deadline import DefaultDeadline
 from sluice_gateway.inference_path import InferencePath
 from sluice_gateway.model_catalog import ModelCatalog
@@ -44,18 +44,18 @@ class GatewayCore:
         )  # fmt: skip
 
     @classmethod
-    def build(cls, config: GatewayConfig, spill_port: int) -> GatewayCore:
+    def build(cls, config: SharedSettings, spill_port: int) -> GatewayCore:
         try:
             tenants = TenantDirectory.from_file(config.tenants_file)
         except (OSError, ValueError) as exc:
             raise SystemExit(f"gateway: cannot load {ENV_PREFIX}TENANTS_FILE: {exc}") from None
-        channel = open_channel(config.adapter_url, config.adapter_channel_tls())
+        channel = open_channel(config.adapter_url, config.adapter_tls.for_channel())
         adapter = inference_pb2_grpc.InferenceServiceStub(channel)
         spill_file = Path(config.events_spill_file or Path(tempfile.gettempdir()) / f"sluice-gateway-{spill_port}-events.spill")
         completion_events = CompletionEvents.create(
             config.amqp_url, config.amqp_prefix, config.events_outbox_size, config.events_max_in_flight, spill_file
         )
-        ratelimit_channel = open_channel(config.ratelimit_url, config.ratelimit_channel_tls()) if config.ratelimit_url else None
+        ratelimit_channel = open_channel(config.ratelimit_url, config.ratelimit_tls.for_channel()) if config.ratelimit_url else None
         admission = Admission(
             ratelimit_pb2_grpc.RateLimitServiceStub(ratelimit_channel) if ratelimit_channel else None,
             config.ratelimit_policy,
@@ -73,13 +73,13 @@ class GatewayCore:
             DefaultDeadline(config.default_deadline_policy()),
         )
 
-    async def start(self, config: GatewayConfig, supervisor: Supervisor) -> None:
+    async def start(self, config: SharedSettings, supervisor: Supervisor) -> None:
         await self.models.wait_first_load(config.adapter_wait_s)
         self.models.start_refreshing(config.models_refresh_s, supervisor)
         self.completion_events.start(supervisor)
 
-    async def close(self, config: GatewayConfig) -> None:
-        await self.completion_events.stop(config.shutdown_grace_s)
+    async def close(self, grace_s: float) -> None:
+        await self.completion_events.stop(grace_s)
         await self.admission.drain()
         if self.ratelimit_channel is not None:
             await self.ratelimit_channel.close()

@@ -18,7 +18,7 @@ from sluice_gateway.job_trace import with_trace_context
 from sluice_common.amqp import ConfirmingPublisher, JobTopology, OutgoingMessage, PublisherMetrics
 from sluice_common.errors import InvalidArgument, NotFound, PermissionDenied, Unavailable
 from sluice_common.supervision import Supervisor
-from sluice_gateway.config import GatewayConfig
+from sluice_gateway.config import SharedSettings
 from sluice_gateway.job_store import JobRecord, JobStore
 from sluice_gateway.jobs import JobRejected, completion_window_s, validate_job
 from sluice_common.tenants import Tenant, TenantDirectory
@@ -130,7 +130,7 @@ class JobRequestPublisher:
             await self._publisher.stop(timeout_s)
 
 
-def job_request_publisher(config: GatewayConfig) -> JobRequestPublisher:
+def job_request_publisher(config: SharedSettings, port: int) -> JobRequestPublisher:
     topology = JobTopology(config.amqp_prefix)
     if not config.amqp_url:
         return JobRequestPublisher(None, topology)
@@ -139,6 +139,6 @@ def job_request_publisher(config: GatewayConfig) -> JobRequestPublisher:
         topology.exchange,
         topology.declare,
         PublisherMetrics.get("sluice_gateway_job_requests", "JobRequests"),
-        spill_path=Path(tempfile.gettempdir()) / f"sluice-gateway-{config.port}-jobs.spill",
+        spill_path=Path(tempfile.gettempdir()) / f"sluice-gateway-{port}-jobs.spill",
     )
     return JobRequestPublisher(publisher, topology)

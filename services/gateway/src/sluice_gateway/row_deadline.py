@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from sluice.jobs.v1 import jobs_pb2
 
 from sluice_common.adaptive_timeout import TimeoutPolicy
-from sluice_gateway.config import GatewayConfig
+from sluice_gateway.config import SharedSettings, WorkerSettings
 from sluice_gateway.default_deadline import DefaultDeadline
 
 
@@ -67,9 +67,9 @@ class RowDeadlines:
         self._warm_up = warm_up
 
     @classmethod
-    def for_config(cls, config: GatewayConfig) -> RowDeadlines:
-        warm_up = WarmUp(config.worker_row_timeout_s, config.worker_row_warmup_per_token_s)
-        return cls(config.worker_row_timeout_policy(), config.default_max_tokens, warm_up)
+    def for_settings(cls, shared: SharedSettings, worker: WorkerSettings) -> RowDeadlines:
+        warm_up = WarmUp(worker.row_timeout_s, worker.row_warmup_per_token_s)
+        return cls(worker.row_timeout_policy(shared.default_deadline_policy()), shared.default_max_tokens, warm_up)
 
     @property
     def policy(self) -> TimeoutPolicy:

@@ -52,7 +52,7 @@ from sluice_common.server import create_server, serve_until_signal
 from sluice_common.supervision import Supervisor, stop_tasks
 from sluice_gateway import job_store as states
 from sluice_gateway.concurrency import FAILED, OK, THROTTLED, AdaptiveConcurrency
-from sluice_gateway.config import ENV_PREFIX, GatewayConfig
+from sluice_gateway.config import ENV_PREFIX, GatewayConfig, SharedSettings, WorkerSettings
 from sluice_gateway.core import GatewayCore
 from sluice_gateway.job_store import JobRecord, JobStore
 from sluice_gateway.job_trace import attempt_span, job_span, row_span, with_trace_context
@@ -115,14 +115,15 @@ SUMMARY_GRACE_S = 5.0
 
 
 class JobWorker:
-    def __init__(self, config: GatewayConfig, core: GatewayCore, store: JobStore) -> None:
+    def __init__(self, shared: SharedSettings, config: WorkerSettings, core: GatewayCore, store: JobStore) -> None:
+        self.shared = shared
         self.config = config
         self.core = core
         self.store = store
-        self.topology = JobTopology(config.amqp_prefix)
+        self.topology = JobTopology(shared.amqp_prefix)
         self.worker_id = f"worker-{uuid.uuid4().hex[:12]}"
-        self.concurrency = AdaptiveConcurrency(initial=config.worker_concurrency_initial, maximum=config.worker_concurrency_max)
-        self.row_deadlines = RowDeadlines.for_config(config)
+        self.concurrency = AdaptiveConcurrency(initial=config.concurrency_initial, maximum=config.concurrency_max)
+        self.row_deadlines = RowDeadlines.for_settings(shared, config)
         self._tasks: set[asyncio.Task[None]] = set()
         self._connection: Any = None
         self._rows_channel: Any = None
@@ -133,12 +134,12 @@ class JobWorker:
     # ---- lifecycle
 
     async def start(self, supervisor: Supervisor | None = None) -> None:
-        self._connection = await aio_pika.connect_robust(self.config.amqp_url, timeout=10)
+        self._connection = await aio_pika.connect_robust(self.shared.amqp_url, timeout=10)
         jobs_channel = await self._connection.channel(publisher_confirms=True)
         await self.topology.declare(jobs_channel)
         await jobs_channel.set_qos(prefetch_count=2)
         self._rows_channel = await self._connection.channel(publisher_confirms=True)
-        await self._rows_channel.set_qos(prefetch_count=self.config.worker_prefetch)
+        await self._rows_channel.set_qos(prefetch_count=self.config.prefetch)
         self._exchange = await jobs_channel.get_exchange(self.topology.exchange)
         self._dead = await self._rows_channel.get_exchange(self.topology.dead_exchange)
         requests = await jobs_channel.get_queue(self.topology.requests_queue)
@@ -147,7 +148,7 @@ class JobWorker:
         await rows.consume(self._spawn(self._on_row))
         self._sweeper = (supervisor or Supervisor()).start("job-sweeper", self._sweep_forever)
         LIMIT.set(self.concurrency.limit)
-        log.info("job_worker_started", worker=self.worker_id, prefix=self.config.amqp_prefix)
+        log.info("job_worker_started", worker=self.worker_id, prefix=self.shared.amqp_prefix)
 
     def _spawn(self, handler: Any) -> Any:
         async def consume(message: aio_pika.abc.AbstractIncomingMessage) -> None:
@@ -184,8 +185,8 @@ class JobWorker:
         content_type = message.content_type or ""
         try:
             job = parse_job(message.body, content_type, message.reply_to or "")
-            tenant = validate_job(job, self.core.tenants, self.config.jobs_max_rows)
-            window_s = completion_window_s(job, self.config.jobs_completion_window_s)
+            tenant = validate_job(job, self.core.tenants, self.shared.jobs_max_rows)
+            window_s = completion_window_s(job, self.shared.jobs_completion_window_s)
             custom_ids = [r.custom_id for r in job.rows]
             record, open_rows = await self.store.accept(job.job_id, tenant.name, job.reply_to, custom_ids, window_s, _reply_type(content_type))
         except (JobRejected, InvalidArgument) as exc:
@@ -279,7 +280,7 @@ class JobWorker:
             if claim != states.CLAIMED:
                 await message.ack()
                 return
-            if deliveries > self.config.worker_delivery_limit:
+            if deliveries > self.config.delivery_limit:
                 reason = f"dead-lettered after {deliveries - 1} deliveries"
                 await self._dead_letter(task, message, reason)
                 return
@@ -359,7 +360,7 @@ class JobWorker:
                         return cut_at_ceiling_result(task, timeout_s, current_request_id())
                     cut_at_s = timeout_s
                     RETRIES.labels(code).inc()
-                    await asyncio.sleep(backoff_s(1, self.config.worker_retry_base_s, self.config.worker_retry_cap_s))
+                    await asyncio.sleep(backoff_s(1, self.config.retry_base_s, self.config.retry_cap_s))
                     continue
                 if is_paced(exc):
                     await self._release(latency, THROTTLED)
@@ -370,10 +371,10 @@ class JobWorker:
                 if code in TRANSIENT:
                     attempt += 1
                     RETRIES.labels(code).inc()
-                    if attempt >= self.config.worker_row_attempts:
+                    if attempt >= self.config.row_attempts:
                         log.warning("row_given_back", code=code, attempts=attempt, error=message_of(exc))
                         return GIVE_BACK
-                    await asyncio.sleep(backoff_s(attempt, self.config.worker_retry_base_s, self.config.worker_retry_cap_s))
+                    await asyncio.sleep(backoff_s(attempt, self.config.retry_base_s, self.config.retry_cap_s))
                     continue
                 return failed_result(task, code, message_of(exc), current_request_id())
             if run.timing is not None:
@@ -393,7 +394,7 @@ class JobWorker:
             return None
         # Grace: a row expected to end within the floor of the window's end runs (rows running when
         # the window ends finish anyway).
-        grace_s = self.config.worker_row_timeout_floor_s
+        grace_s = self.config.row_timeout_floor_s
         result = too_long_for_window(task, expected_s, job.expires_at, time.time(), job.window_s, grace_s)
         if result is not None:
             log.warning("row_too_long_for_window", expected_s=round(expected_s, 2), left_s=round((job.expires_at or 0) - time.time(), 2))
@@ -488,20 +489,21 @@ def _reply_type(content_type: str) -> str:
 
 
 async def serve(config: GatewayConfig) -> None:
-    core = GatewayCore.build(config, config.worker_port)
-    store = JobStore.create(config.jobs_postgres_dsn, config.jobs_sqlite_path)
+    shared, settings = config.shared, config.worker
+    core = GatewayCore.build(shared, settings.port)
+    store = JobStore.create(shared.jobs_postgres_dsn, shared.jobs_sqlite_path)
     await store.open()
-    running = await create_server(config.host, config.worker_port, config.worker_metrics_port, lambda server: [], serving=False)
+    running = await create_server(config.host, settings.port, settings.metrics_port, lambda server: [], serving=False)
     running.supervisor.start("event-loop-lag", monitor_loop_lag)
-    await core.start(config, running.supervisor)
-    worker = JobWorker(config, core, store)
+    await core.start(shared, running.supervisor)
+    worker = JobWorker(shared, settings, core, store)
     await worker.start(running.supervisor)
     await running.set_serving(True)
     log.info("ready", role="job-worker", store=store.db.backend)
 
     async def on_stop() -> None:
         await worker.stop(config.shutdown_grace_s)
-        await core.close(config)
+        await core.close(config.shutdown_grace_s)
         await store.close()
 
     await serve_until_signal(running, config.shutdown_grace_s, on_stop)
