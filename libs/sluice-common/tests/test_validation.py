@@ -73,3 +73,14 @@ def test_a_constraint_is_checked_and_needs_a_model_that_enforces_constraints() -
     with pytest.raises(InvalidArgument) as caught:
         validate_generation(HELLO, "", types_pb2.SamplingParams(max_tokens=4, structured_outputs=constraint), plain)
     assert caught.value.field_name == "sampling.structured_outputs" and "plain does not enforce" in caught.value.reason
+
+
+def test_a_priority_class_outside_the_enum_is_refused_naming_it() -> None:
+    from sluice_common.validation import validate_priority_class
+
+    for value in (types_pb2.PRIORITY_CLASS_UNSPECIFIED, types_pb2.PRIORITY_CLASS_INTERACTIVE, types_pb2.PRIORITY_CLASS_BULK):
+        validate_priority_class(value)
+    for value in (-1, 3, 1 << 20):
+        with pytest.raises(InvalidArgument) as caught:
+            validate_priority_class(value)
+        assert caught.value.field_name == "priority_class" and str(value) in caught.value.reason

@@ -205,3 +205,19 @@ async def test_user_and_metadata_beyond_openais_bounds_are_invalid_argument_nami
             pass
     assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT and _violation(caught.value) == field
     assert adapter.requests == []
+
+
+async def test_a_priority_class_outside_the_enum_is_invalid_argument_not_internal(gateway) -> None:  # type: ignore[no-untyped-def]
+    """Found by e2e test_bad_input's fuzzing: priority_class -1 (an unknown enum value, which proto3
+    keeps) made the tracing span's enum name raise, an INTERNAL."""
+    channel, adapter = gateway
+    stub = gateway_pb2_grpc.GatewayServiceStub(channel)
+    request = gateway_pb2.GenerateRequest(model="g", prompt="x", sampling=types_pb2.SamplingParams(max_tokens=2), priority_class=-1)  # type: ignore[arg-type]
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        async for _ in stub.Generate(request, metadata=AUTH):
+            pass
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT and _violation(caught.value) == "priority_class"
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await stub.Embed(gateway_pb2.EmbedRequest(model="e", inputs=["a"], priority_class=7), metadata=AUTH)  # type: ignore[arg-type]
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT and _violation(caught.value) == "priority_class"
+    assert adapter.requests == []

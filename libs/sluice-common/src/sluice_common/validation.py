@@ -102,6 +102,14 @@ def _validate_input(messages: Sequence[types_pb2.ChatMessage], prompt: str, prom
             raise InvalidArgument(f"messages[{index}].content", "must not be empty")
 
 
+def validate_priority_class(value: int) -> None:
+    """An enum value the proto does not define (a client's newer enum, or junk) is refused, not read as
+    interactive and never as a crash."""
+    if value not in types_pb2.PriorityClass.values():
+        names = ", ".join(types_pb2.PriorityClass.keys())
+        raise InvalidArgument("priority_class", f"must be one of {names}, got {value}")
+
+
 def validate_embedding(inputs: Sequence[str]) -> None:
     if not inputs:
         raise InvalidArgument("inputs", "no texts to embed")

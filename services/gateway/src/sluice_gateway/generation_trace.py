@@ -31,7 +31,8 @@ class GenerationTrace:
             "gen_ai.operation.name": operation,
             "gen_ai.request.model": request.model,
             "sluice.tenant": tenant,
-            "sluice.priority_class": types_pb2.PriorityClass.Name(request.priority_class or types_pb2.PRIORITY_CLASS_INTERACTIVE),
+            # The span starts before validation: a value outside the enum is recorded as its number.
+            "sluice.priority_class": _enum_name(types_pb2.PriorityClass, request.priority_class or types_pb2.PRIORITY_CLASS_INTERACTIVE),
         }
         if sampling.max_tokens:
             attributes["gen_ai.request.max_tokens"] = sampling.max_tokens
@@ -76,3 +77,7 @@ def instrument_http_front() -> None:
     instrumentor = AioHttpServerInstrumentor()
     if not instrumentor.is_instrumented_by_opentelemetry:
         instrumentor.instrument()
+
+
+def _enum_name(enum: Any, value: int) -> str:
+    return enum.Name(value) if value in enum.values() else str(value)

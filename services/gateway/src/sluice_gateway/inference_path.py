@@ -70,7 +70,7 @@ from sluice_common.prompt_tokens import prompt_token_bound
 from sluice_common.sampling import choice_seed
 from sluice_common.sampling_proto import structured_outputs_to_proto
 from sluice_common.request_context import outgoing_metadata
-from sluice_common.validation import validate_embedding, validate_generation, validate_recorded
+from sluice_common.validation import validate_embedding, validate_generation, validate_priority_class, validate_recorded
 from sluice_gateway.admission import (
     Admission, Ticket, combined, embedding_reservation, generation_reservation, message_pairs, prompt_estimate,
 )  # fmt: skip
@@ -311,6 +311,7 @@ class InferencePath:
 
     def validate_generate(self, request: gateway_pb2.GenerateRequest) -> None:
         validate_generation(request.messages, request.prompt, request.sampling, self.models.get(request.model), request.prompt_token_ids)
+        validate_priority_class(request.priority_class)
         validate_recorded(request.user, request.metadata)
 
     def _tracker(self, tenant: Tenant, request: gateway_pb2.GenerateRequest, request_id: str) -> CompletionTracker | None:
@@ -513,6 +514,7 @@ class InferencePath:
         the ticket carries the lease's x-ratelimit-* headers and requests-per-minute limit."""
         self.models.get(request.model, types_pb2.MODEL_KIND_EMBEDDING)
         validate_embedding(request.inputs)
+        validate_priority_class(request.priority_class)
         downstream = inference_pb2.EmbedRequest(
             request_id=request_id,
             tenant=tenant,
