@@ -137,3 +137,22 @@ def test_constrained_modes_hold_everything_and_parse_the_calls() -> None:
 def test_a_call_cut_by_max_tokens_is_returned_as_text_with_length() -> None:
     shown, rest, reason, calls = _run(Mode.TOOL_CHOICE_MODE_FUNCTION, ['{"city": "Ro'], types_pb2.FINISH_REASON_LENGTH, function="get_weather")
     assert (shown, rest, reason, calls) == ("", '{"city": "Ro', types_pb2.FINISH_REASON_LENGTH, [])
+
+
+def test_an_unknown_tool_choice_mode_is_refused_naming_it() -> None:
+    use = tool_use()
+    use.choice.mode = 9  # type: ignore[assignment]
+    with pytest.raises(InvalidArgument) as caught:
+        plan(use, types_pb2.SamplingParams())
+    assert caught.value.field_name == "tool_use.choice.mode" and "9" in caught.value.reason
+
+
+def test_auto_without_parallel_calls_keeps_the_first_call_only() -> None:
+    two = '<tool_call>{"name": "get_time", "arguments": {}}</tool_call><tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>'
+    for parallel, names in ((True, ["get_time", "get_weather"]), (False, ["get_time"])):
+        tool_plan = plan(tool_use(parallel=parallel), types_pb2.SamplingParams())
+        assert tool_plan is not None
+        parser = tool_plan.parser()
+        parser.feed(two)
+        assert parser.finish(types_pb2.FINISH_REASON_STOP) == ("", types_pb2.FINISH_REASON_TOOL_CALLS)
+        assert [c.name for c in parser.calls] == names

@@ -79,6 +79,8 @@ class ToolPlan:
 
 def plan(tool_use: types_pb2.ToolUse, sampling: types_pb2.SamplingParams) -> ToolPlan | None:
     """The request's plan, None when it has no tools. Raises InvalidArgument naming the field."""
+    if tool_use.choice.mode not in Mode.values():  # proto3 keeps an enum value it does not know
+        raise InvalidArgument("tool_use.choice.mode", f"must be one of {', '.join(Mode.keys())}, got {tool_use.choice.mode}")
     mode = tool_use.choice.mode or Mode.TOOL_CHOICE_MODE_AUTO
     if not tool_use.tools:
         if mode in (Mode.TOOL_CHOICE_MODE_REQUIRED, Mode.TOOL_CHOICE_MODE_FUNCTION):
@@ -225,7 +227,8 @@ class ToolCallParser:
             calls.append(call)
         if not calls:
             return text, finish_reason
-        self.calls = calls
+        # parallel_tool_calls false: the model was asked for one call at most; the first is it.
+        self.calls = calls if self.tool_plan.parallel else calls[:1]
         return _CALL.sub("", text).strip(), types_pb2.FINISH_REASON_TOOL_CALLS
 
 
