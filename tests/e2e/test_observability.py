@@ -143,11 +143,16 @@ def test_every_dashboard_query_returns_data_after_a_short_load(prometheus: Prome
     assert not missing, f"named in the dashboard or the rules but not in Prometheus: {missing}"
     # The vLLM-named records read the same figures: a vLLM dashboard's TTFT quantile has a value.
     assert prometheus.finite_values(f"histogram_quantile(0.99, sum by (le) (rate(vllm:time_to_first_token_seconds_bucket[{RATE_INTERVAL}])))")
+
     # The vLLM-named token counter is the adapter's own (the totals, not a window's increase: the
     # checks above can outlast a minute on a busy machine).
-    generated = prometheus.finite_values("sum(vllm:generation_tokens_total)")
-    assert generated and generated[0] > 0
-    assert generated == prometheus.finite_values("sum(sluice_adapter_generation_tokens_total)")
+    # The record is the rule's evaluation of the counter a moment ago: equal once both have caught
+    # up with the last scrape (waited on, not read at one instant).
+    def same() -> bool:
+        generated = prometheus.finite_values("sum(vllm:generation_tokens_total)")
+        return bool(generated) and generated[0] > 0 and generated == prometheus.finite_values("sum(sluice_adapter_generation_tokens_total)")
+
+    wait_for(same, "vllm:generation_tokens_total to read the adapter's own token total", timeout_s=45, poll_s=1.0)
     # Both rounds' refusals, counted for their tenant (the next scrape brings the second).
     wait_for(
         lambda: prometheus.finite_values('sluice_ratelimit_tenant_denials_total{tenant="observability-e2e"} >= 2') != [],
