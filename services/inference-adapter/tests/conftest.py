@@ -61,9 +61,11 @@ class RoundsOfSteps:
     still running, up to `steps` steps. The double calls `note` with every request's rows as it
     arrives: a sequence a release request names meanwhile is released at the round's next step
     instead, and an end-round request ends the round after its current step. Outcomes carry their
-    row's seq_id, as ROW_SEQ_ID does."""
+    row's seq_id, as ROW_SEQ_ID does. With `shared_steps` > 1 the steps after the first share
+    responses, that many a response (and the round's last), as STREAM_INTERVAL_MS makes them."""
 
-    def __init__(self) -> None:
+    def __init__(self, shared_steps: int = 1) -> None:
+        self.shared_steps = shared_steps
         self.released: set[int] = set()
         self.end_asked = False
         self.asked: list[int] = []  # the steps each round asked for
@@ -77,17 +79,22 @@ class RoundsOfSteps:
     ) -> AsyncIterator[list[StepOutcome]]:
         self.asked.append(steps)
         self.end_asked = False
+        held: list[StepOutcome] = []
         for done in range(1, steps + 1):
             outcomes = [replace(outcome, seq_id=row.seq_id) for row, outcome in zip(rows, await step(rows))]
-            yield outcomes
-            await asyncio.sleep(0)  # a request sent meanwhile arrives before the next step
-            if self.end_asked:
+            held.extend(outcomes)
+            running = [o.seq_id for row, o in zip(rows, outcomes) if row.action is not Action.RELEASE and not o.finish]
+            final = not running or done == steps
+            if final or done == 1 or (done - 1) % self.shared_steps == 0 or self.end_asked:
+                yield held
+                held = []
+                await asyncio.sleep(0)  # a request sent meanwhile arrives before the next step
+            if self.end_asked or final:
+                if held:
+                    yield held
                 self.end_asked = False
                 return
-            running = [o.seq_id for row, o in zip(rows, outcomes) if row.action is not Action.RELEASE and not o.finish]
             rows = [StepRow(Action.RELEASE if s in self.released else Action.DECODE, s) for s in running]
-            if not rows or done == steps:
-                return
 
 
 class StepReplica:

@@ -10,7 +10,7 @@ import time
 from conftest import collect
 from test_scheduler import RecordingStepModel, request
 
-from sluice_inference_adapter.scheduler import Finish, Scheduler, SchedulerLimits
+from sluice_inference_adapter.scheduler import Finish, FinishEvent, Scheduler, SchedulerLimits
 from sluice_inference_adapter.step_rows import Action
 
 
@@ -49,6 +49,27 @@ async def test_a_steady_batch_asks_for_as_many_steps_as_fit_the_round_target() -
     # 32 is not what bounds them); several fit as long as a step takes under 25 ms.
     assert all(steps <= 5 for steps in asked), asked
     assert max(asked) >= 2, asked
+
+
+async def test_steps_sharing_a_response_reach_the_caller_as_one_event_in_order() -> None:
+    """A response that several steps share (STREAM_INTERVAL_MS) gives the caller one event with its
+    tokens in order and their count, and the round length still comes from the time of one step."""
+    model = RecordingStepModel(step_delay_s=0.01)
+    model.rounds.shared_steps = 4
+    scheduler = Scheduler(model, SchedulerLimits(max_round_steps=32, round_target_s=0.2))
+    scheduler.start()
+    try:
+        events = [event async for event in scheduler.submit(request(max_tokens=30)).events()]
+    finally:
+        await scheduler.stop()
+    tokens, finish = events[:-1], events[-1]
+    assert isinstance(finish, FinishEvent) and finish.completion_tokens == 30
+    assert "".join(e.text for e in tokens) == "".join(f"t{i} " for i in range(1, 31))
+    assert sum(e.token_count for e in tokens) == 30
+    assert tokens[0].token_count == 1, "the first token alone"
+    assert max(e.token_count for e in tokens) == 4 and len(tokens) < 15
+    # A shared response takes ~4 steps' time; counted as one step's, 20 steps fit 200 ms (else 5).
+    assert max(model.rounds.asked) >= 12, model.rounds.asked
 
 
 async def test_max_round_steps_1_is_one_round_trip_per_token() -> None:

@@ -17,7 +17,17 @@ from prometheus_client import REGISTRY
 from sluice_triton_local.model_files import gguf_path
 from sluice_triton_local.engine.step_engine import StepEngine
 from sluice_triton_local.shared_engine import SharedEngine
-from sluice_triton_local.step_protocol import COUNT, DECODE, END_ROUND, MAX_ROUND_STEPS, PREFILL, RELEASE, RoundRejected, start_round
+from sluice_triton_local.step_protocol import (
+    COUNT,
+    DECODE,
+    END_ROUND,
+    MAX_ROUND_STEPS,
+    MAX_STREAM_INTERVAL_MS,
+    PREFILL,
+    RELEASE,
+    RoundRejected,
+    start_round,
+)
 
 QUESTION = [["user", "Write a short poem about rivers."]]
 
@@ -27,7 +37,7 @@ def shared() -> Iterator[SharedEngine]:
     yield SharedEngine(StepEngine(gguf_path(), max_slots=4, threads=2))
 
 
-def _inputs(rows: list[tuple[int, int, dict[str, Any] | None]], steps: int | None = None) -> dict[str, np.ndarray]:
+def _inputs(rows: list[tuple[int, int, dict[str, Any] | None]], steps: int | None = None, interval_ms: int | None = None) -> dict[str, np.ndarray]:
     inputs = {
         "ACTION": np.array([a for a, _, _ in rows], dtype=np.int32),
         "SEQ_ID": np.array([s for _, s, _ in rows], dtype=np.int64),
@@ -35,10 +45,14 @@ def _inputs(rows: list[tuple[int, int, dict[str, Any] | None]], steps: int | Non
     }
     if steps is not None:
         inputs["STEPS"] = np.array([steps], dtype=np.int32)
+    if interval_ms is not None:
+        inputs["STREAM_INTERVAL_MS"] = np.array([interval_ms], dtype=np.int32)
     return inputs
 
 
-def _round(shared: SharedEngine, rows: list[tuple[int, int, dict[str, Any] | None]], steps: int, on_each: Any = None) -> list[dict[str, np.ndarray]]:
+def _round(
+    shared: SharedEngine, rows: list[tuple[int, int, dict[str, Any] | None]], steps: int, on_each: Any = None, interval_ms: int | None = None
+) -> list[dict[str, np.ndarray]]:
     responses: list[dict[str, np.ndarray]] = []
 
     def on_response(response: dict[str, np.ndarray], last: bool) -> None:
@@ -47,7 +61,7 @@ def _round(shared: SharedEngine, rows: list[tuple[int, int, dict[str, Any] | Non
         if on_each is not None:
             on_each(len(responses))
 
-    start_round(shared, _inputs(rows, steps), on_response).result(timeout=60)
+    start_round(shared, _inputs(rows, steps, interval_ms), on_response).result(timeout=60)
     return responses
 
 
@@ -127,6 +141,35 @@ def test_an_end_round_request_ends_the_round_after_its_current_step(shared: Shar
     # The sequence runs on in the next round.
     assert _round(shared, [(DECODE, 41, None)], steps=2)[-1]["TOKEN_ID"][0] >= 0
     _round(shared, [(RELEASE, 41, None)], steps=1)
+
+
+def test_a_stream_interval_lets_later_steps_share_a_response_with_the_same_text(shared: SharedEngine) -> None:
+    """STREAM_INTERVAL_MS: the first token and the finish are answered at once, the steps between
+    share responses (a sequence's rows in token order), and the text is the same as step by step."""
+    prefill = (PREFILL, 61, {"messages": QUESTION, "max_tokens": 24})
+    apart = _round(shared, [prefill], steps=24)
+    shared_ = _round(shared, [(PREFILL, 62, {"messages": QUESTION, "max_tokens": 24})], steps=24, interval_ms=MAX_STREAM_INTERVAL_MS)
+    assert len(apart) == 24 and all(len(r["ROW_SEQ_ID"]) == 1 for r in apart)
+    # The first token at once; 22 steps held (no step of these 2 cores takes a second); the last
+    # (a finish, and the round's end) answered with them.
+    assert [len(r["ROW_SEQ_ID"]) for r in shared_] == [1, 23]
+    assert list(shared_[1]["ROW_SEQ_ID"]) == [62] * 23
+    assert list(shared_[1]["COMPLETION_TOKENS"]) == list(range(2, 25))
+    assert shared_[1]["FINISH"][-1] == b"length" and not any(shared_[1]["FINISH"][:-1])
+    text = lambda responses: "".join(bytes(t).decode() for r in responses for t in r["TEXT"])  # noqa: E731
+    assert text(shared_) == text(apart)
+    assert shared.active_slots == 0
+
+
+def test_an_interval_of_zero_answers_every_step(shared: SharedEngine) -> None:
+    responses = _round(shared, [(PREFILL, 63, {"messages": QUESTION, "max_tokens": 5})], steps=5, interval_ms=0)
+    assert [list(r["COMPLETION_TOKENS"]) for r in responses] == [[1], [2], [3], [4], [5]]
+
+
+@pytest.mark.parametrize("interval", [-1, MAX_STREAM_INTERVAL_MS + 1])
+def test_a_stream_interval_out_of_range_rejects_the_request(shared: SharedEngine, interval: int) -> None:
+    with pytest.raises(RoundRejected, match=f"STREAM_INTERVAL_MS must be between 0 and {MAX_STREAM_INTERVAL_MS}, got {interval}"):
+        start_round(shared, _inputs([(DECODE, 1, None)], 4, interval), lambda *_: None)
 
 
 @pytest.mark.parametrize("steps", [0, -1, MAX_ROUND_STEPS + 1])

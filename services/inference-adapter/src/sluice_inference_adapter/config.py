@@ -69,6 +69,11 @@ class AdapterConfig(ServerConfig):
     # round trip per token.
     max_round_steps: int = 8
     round_target_s: float = 1.0
+    # How long a round's later steps may wait to share one response from Triton (and so one
+    # message to the gateway and one chunk to the client): each response costs every process on
+    # the way CPU, which a small box takes from the engine and a GPU from its feeding. A first
+    # token, a finish and a round's end never wait. 0: one response per engine step.
+    stream_interval_s: float = 0.05
     # Bulk beside interactive (scheduler.SchedulerLimits): bulk sequences caching their prompts
     # at once (0: no cap), prompt tokens a bulk sequence caches per step (0: its whole prompt),
     # and batch slots bulk sequences leave to interactive ones. The chunk bounds how long a step
@@ -131,6 +136,10 @@ class AdapterConfig(ServerConfig):
             1 <= self.max_round_steps <= 64, f"{ENV_PREFIX}MAX_ROUND_STEPS must be in 1..64 (1: a round trip per token), got {self.max_round_steps}"
         )
         require(self.round_target_s > 0, f"{ENV_PREFIX}ROUND_TARGET_S must be > 0, got {self.round_target_s}")
+        require(
+            0 <= self.stream_interval_s <= 1,
+            f"{ENV_PREFIX}STREAM_INTERVAL_S must be in 0..1 seconds (0: one response per engine step), got {self.stream_interval_s}",
+        )
         require(len(self.triton_urls) >= 1, f"{ENV_PREFIX}TRITON_URLS needs at least one host:port")
         for entry in self.triton_urls:
             try:

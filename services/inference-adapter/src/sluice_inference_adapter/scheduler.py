@@ -44,6 +44,7 @@ from sluice_inference_adapter.step_rows import (
     StepBackend,
     StepOutcome,
     StepRow,
+    steps_in,
 )
 from sluice_inference_adapter import sequence_trace
 from sluice_inference_adapter.sequence_trace import SequenceTrace
@@ -448,7 +449,7 @@ class Scheduler(ReplicaWork):
                 if first:
                     self._unreleased.difference_update(row.seq_id for row in rows if row.action is Action.RELEASE)
                 if not prefill_tokens:
-                    self._observe_decode_step(elapsed)
+                    self._observe_decode_step(elapsed / steps_in(outcomes))
                 if self._timeouts is not None:
                     self._timeouts.observe(elapsed, prefill_tokens)
                     metrics.STEP_TIMEOUT.labels(model=self._timeouts.model).set(self._timeouts.limit())
@@ -672,9 +673,11 @@ class Scheduler(ReplicaWork):
             sequence.finish(sequence.abandon_reason(now) or Finish.CANCELLED, now)
 
     def _apply(self, outcomes: list[StepOutcome]) -> None:
-        """One step's outcomes for the round's sequences (release rows and sequences that already
-        ended answer too: they are skipped)."""
+        """One response's outcomes for the round's sequences, in step order (release rows and
+        sequences that already ended answer too: they are skipped). A sequence's tokens of one
+        response reach its caller as one event: the steps shared the response to save its costs."""
         now = self._clock()
+        tokens: dict[int, list[StepOutcome]] = {}
         for outcome in outcomes:
             sequence = self._in_round.get(outcome.seq_id)
             if sequence is None or sequence.done or sequence.seq_id not in self._running:
@@ -689,13 +692,16 @@ class Scheduler(ReplicaWork):
             sequence.cached_tokens = outcome.cached_tokens or sequence.cached_tokens
             sequence.completion_tokens = outcome.completion_tokens
             if outcome.token_id >= 0 and not sequence.cancelled:
-                sequence.emit_text(outcome.text, now, logprobs=() if outcome.logprobs is None else (outcome.logprobs,))
+                tokens.setdefault(sequence.seq_id, []).append(outcome)
             if sequence.trace is not None:
                 sequence.trace.step(len(self._in_round), outcome.completion_tokens, outcome.finish)
             if outcome.finish:
                 self._running.pop(sequence.seq_id, None)
+                _emit_tokens(sequence, tokens.pop(sequence.seq_id, []), now)
                 sequence.finish(_finish_of(outcome.finish), now, error=outcome.error)
                 self._engine_full_until = 0.0  # a slot is free now: prefills may try again
+        for seq_id, made in tokens.items():
+            _emit_tokens(self._in_round[seq_id], made, now)
         metrics.SLOTS_IN_USE.labels(replica=self._replica).set(len(self._running))
 
     def _observe_queue_wait(self, sequence: Sequence) -> None:
@@ -715,6 +721,12 @@ class Scheduler(ReplicaWork):
         self._waiting.push_front(sequence)
         self._engine_full_until = now + self._limits.engine_full_retry_s
         metrics.ENGINE_FULL.labels(replica=self._replica).inc()
+
+
+def _emit_tokens(sequence: Sequence, made: list[StepOutcome], now: float) -> None:
+    if made:
+        logprobs = tuple(o.logprobs for o in made if o.logprobs is not None)
+        sequence.emit_text("".join(o.text for o in made), now, tokens=len(made), logprobs=logprobs)
 
 
 def _finish_of(value: str) -> Finish:

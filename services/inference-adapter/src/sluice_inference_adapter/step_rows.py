@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 import json
+from collections import Counter
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
@@ -96,6 +97,15 @@ class StepOutcome:
     logprobs: dict[str, Any] | None = None
 
 
+def steps_in(outcomes: list[StepOutcome]) -> int:
+    """Engine steps one response answers: each step answers each sequence it stepped once, so a
+    response that several steps share (step_protocol's STREAM_INTERVAL_MS) repeats a sequence once
+    per step."""
+    if not outcomes:
+        return 1
+    return max(Counter(outcome.seq_id for outcome in outcomes).values())
+
+
 @runtime_checkable
 class StepBackend(Protocol):
     """One Triton request per call."""
@@ -105,7 +115,8 @@ class StepBackend(Protocol):
         ...
 
     def round(self, rows: list[StepRow], steps: int) -> AsyncGenerator[list[StepOutcome], None]:
-        """Up to `steps` engine steps, each step's outcomes as they are made: the first step's
-        outcomes answer `rows` in order; each later step decodes the sequences still running (those
-        that have not finished) and answers each of them by seq_id, until none is left."""
+        """Up to `steps` engine steps, their outcomes as they are made: the first step's outcomes
+        answer `rows` in order; each later step decodes the sequences still running (those that
+        have not finished) and answers each of them by seq_id, until none is left. One yielded list
+        may hold several steps' outcomes in step order (a sequence once per step: `steps_in`)."""
         ...

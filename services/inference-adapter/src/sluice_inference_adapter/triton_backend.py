@@ -28,7 +28,7 @@ from sluice_inference_adapter import metrics
 from sluice_inference_adapter.backend_errors import RequestRejected, engine_message, is_request_fault
 from sluice_inference_adapter.embed_batcher import Embeddings
 from sluice_inference_adapter.generated_chunk import GeneratedChunk
-from sluice_inference_adapter.step_rows import FINISH_BUSY, Action, PromptSpec, StepOutcome, StepRow
+from sluice_inference_adapter.step_rows import FINISH_BUSY, Action, PromptSpec, StepOutcome, StepRow, steps_in
 from sluice_inference_adapter.step_timeout import StepTimeouts
 
 Protocol = Literal["step", "generate"]
@@ -49,6 +49,8 @@ _CACHED_TOKENS = "CACHED_TOKENS"
 _LOGPROBS = "LOGPROBS"
 # Triton's vLLM backend's per-token log-probabilities (asked per request, only when the request wants them).
 _VLLM_RETURN_LOGPROBS, _VLLM_LOGPROBS = "return_logprobs", "logprobs"
+# How long a round's steps may wait to share one response; sent only to a model that declares it.
+_STREAM_INTERVAL = "STREAM_INTERVAL_MS"
 _PROBE_PROMPT = PromptSpec(prompt="ping")
 # How long a fully answered round's stream may take to end on Triton's side before it is cancelled.
 _STREAM_END_S = 2.0
@@ -136,19 +138,27 @@ class _TritonEndpoint:
 class TritonStepBackend(_TritonEndpoint):
     """The step protocol: one Triton request per scheduler step."""
 
-    def __init__(self, url: str, model: str, step_timeout_s: float = 60.0, timeouts: StepTimeouts | None = None) -> None:
+    def __init__(
+        self, url: str, model: str, step_timeout_s: float = 60.0, timeouts: StepTimeouts | None = None, stream_interval_s: float = 0.0
+    ) -> None:
         super().__init__(url, model)
         # The fixed bound of every call (the adaptive timeout's ceiling); the scheduler cuts a step
         # off sooner by the adaptive one (step_timeout.py), which bounds the probes here too.
         self._timeout_s = step_timeout_s
         self._timeouts = timeouts
-        # Read from the model's metadata on the first round (whether it declares CACHED_TOKENS).
+        # How long a round's steps may wait to share a response (step_protocol's STREAM_INTERVAL_MS).
+        self._stream_interval_ms = round(stream_interval_s * 1000)
+        # Read from the model's metadata on the first round (whether it declares CACHED_TOKENS, and
+        # STREAM_INTERVAL_MS: Triton refuses an input its model lacks, and an older step model keeps
+        # answering one response per step).
         self._outputs: list[InferRequestedOutput] | None = None
+        self._takes_interval = False
 
     async def _requested_outputs(self) -> list[InferRequestedOutput]:
         if self._outputs is None:
             metadata = await self._client.get_model_metadata(self.model, as_json=True)
             declared = {tensor["name"] for tensor in metadata.get("outputs", [])}
+            self._takes_interval = _STREAM_INTERVAL in {tensor["name"] for tensor in metadata.get("inputs", [])}
             self._outputs = [InferRequestedOutput(name) for name in step_output_names(declared)]
         return self._outputs
 
@@ -173,6 +183,8 @@ class TritonStepBackend(_TritonEndpoint):
             outputs = await self._requested_outputs()
         except InferenceServerException as exc:
             raise Unavailable(f"Triton at {self.url} did not describe {self.model}: {exc.message()}") from exc
+        if steps > 1 and self._stream_interval_ms and self._takes_interval:
+            inputs.append(_tensor(_STREAM_INTERVAL, np.array([self._stream_interval_ms], dtype=np.int32), "INT32"))
 
         async def requests() -> AsyncIterator[dict[str, object]]:
             yield {"model_name": self.model, "inputs": inputs, "outputs": outputs}
@@ -185,8 +197,11 @@ class TritonStepBackend(_TritonEndpoint):
             async for result, error in responses:
                 if error is not None:
                     raise Unavailable(f"Triton at {self.url} failed a step of {self.model}: {error.message()}")
-                metrics.STEP_SECONDS.labels(replica=self.url).observe(time.perf_counter() - started)
+                elapsed = time.perf_counter() - started
                 outcomes, answered = _step_outcomes(result)
+                steps_answered = steps_in(outcomes)
+                for _ in range(steps_answered):
+                    metrics.STEP_SECONDS.labels(replica=self.url).observe(elapsed / steps_answered)
                 yield outcomes
                 if answered:
                     return

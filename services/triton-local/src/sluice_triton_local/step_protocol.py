@@ -2,7 +2,12 @@
 
 The model is decoupled: one request runs a round of up to STEPS engine steps and answers one
 response per step, as each step is made, so the caller pays one round trip per round rather than
-per token. The request's rows make the first step; each later step decodes the request's sequences
+per token. A request that gives STREAM_INTERVAL_MS lets later steps' rows wait and share one
+response until that long has passed since the round's previous response (vLLM's stream_interval,
+in time): a response costs the serving processes CPU (Triton, its proxy, the adapter, the gateway,
+the client), taken from the engine on a small box and from its feeding on a GPU, while a reader
+cannot tell tokens 50 ms apart from tokens as they are made. A step that holds a sequence's first
+token, a finish, a row without a token or the round's end is answered at once with what waited. The request's rows make the first step; each later step decodes the request's sequences
 still running (a sequence that finished, by a stop, max_tokens or an error, leaves the round), and
 the round ends early when none is left. A release request sent while a round runs (another request
 on the model) releases its sequences at the round's next step instead: a cancelled stream stops
@@ -39,10 +44,15 @@ One Triton request carries one row per sequence, all tensors of shape [rows]:
                            chunk and answers TOKEN_ID -1 with FINISH "".
            STEPS   INT32   optional, shape [1]: engine steps in the round (1 to MAX_ROUND_STEPS;
                            absent: 1)
+           STREAM_INTERVAL_MS INT32 optional, shape [1]: how long the round's steps may wait to
+                           share a response (0 to MAX_STREAM_INTERVAL_MS; absent or 0: one
+                           response per step)
 
-Each response carries one row per row of its step, all tensors of shape [rows] but ROUND_END:
-the first response answers the request's rows in their order; a later one the sequences it
-stepped (and any a release request named), in their order in the request.
+Each response carries one row per row of each step it answers, in step order, all tensors of
+shape [rows] but ROUND_END: the first step answers the request's rows in their order; a later
+one the sequences it stepped (and any a release request named), in their order in the request.
+A sequence has one row per step of the response, so a response that answers several steps
+repeats its SEQ_ID, in the order its tokens were made.
 
   outputs  ROW_SEQ_ID        INT64  the row's SEQ_ID
            TOKEN_ID          INT32  sampled token, -1 when none
@@ -78,6 +88,7 @@ This module knows numpy and the engine, not Triton, so it is tested directly.
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
@@ -101,9 +112,11 @@ PREFILL, DECODE, RELEASE, COUNT, END_ROUND = 1, 2, 3, 4, 5
 # A round longer than this would hold a new arrival's first token back too long (and a caller
 # asking for more is likely confused about the unit).
 MAX_ROUND_STEPS = 64
+# Tokens held back longer than this would read as a stall.
+MAX_STREAM_INTERVAL_MS = 1000
 
 INPUTS: tuple[tuple[str, type], ...] = (("ACTION", np.int32), ("SEQ_ID", np.int64), ("REQUEST", bytes))
-OPTIONAL_INPUTS: tuple[tuple[str, type], ...] = (("STEPS", np.int32),)
+OPTIONAL_INPUTS: tuple[tuple[str, type], ...] = (("STEPS", np.int32), ("STREAM_INTERVAL_MS", np.int32))
 OUTPUTS: tuple[tuple[str, type], ...] = (
     ("ROW_SEQ_ID", np.int64),
     ("TOKEN_ID", np.int32),
@@ -200,22 +213,56 @@ class RoundRejected(ValueError):
     """The request as a whole is malformed (not one of its rows): the caller's fault."""
 
 
-def round_steps(inputs: dict[str, np.ndarray]) -> int:
-    steps = inputs.get("STEPS")
-    if steps is None or steps.size == 0:
-        return 1
-    if steps.size != 1:
-        raise RoundRejected(f"STEPS must hold one value, got {steps.size}")
-    value = int(steps.reshape(-1)[0])
-    if not 1 <= value <= MAX_ROUND_STEPS:
-        raise RoundRejected(f"STEPS must be between 1 and {MAX_ROUND_STEPS}, got {value}")
+def _scalar(inputs: dict[str, np.ndarray], name: str, absent: int, low: int, high: int) -> int:
+    tensor = inputs.get(name)
+    if tensor is None or tensor.size == 0:
+        return absent
+    if tensor.size != 1:
+        raise RoundRejected(f"{name} must hold one value, got {tensor.size}")
+    value = int(tensor.reshape(-1)[0])
+    if not low <= value <= high:
+        raise RoundRejected(f"{name} must be between {low} and {high}, got {value}")
     return value
+
+
+def round_steps(inputs: dict[str, np.ndarray]) -> int:
+    return _scalar(inputs, "STEPS", 1, 1, MAX_ROUND_STEPS)
+
+
+def stream_interval_s(inputs: dict[str, np.ndarray]) -> float:
+    return _scalar(inputs, "STREAM_INTERVAL_MS", 0, 0, MAX_STREAM_INTERVAL_MS) / 1000
+
+
+class _Responses:
+    """A round's steps into responses: each step at once, or, with an interval, later steps' rows
+    held until the interval has passed since the previous response (see the module's docstring)."""
+
+    def __init__(self, interval_s: float, on_response: OnResponse) -> None:
+        self._interval_s = interval_s
+        self._on_response = on_response
+        self._held: list[RowResult] = []
+        self._sent_at = time.perf_counter()
+
+    def add(self, results: list[RowResult], last: bool) -> None:
+        self._held.extend(results)
+        now = time.perf_counter()
+        if last or now - self._sent_at >= self._interval_s or any(_answer_at_once(r) for r in results):
+            self._on_response(encode_results(self._held, last), last)
+            self._held = []
+            self._sent_at = now
+
+
+def _answer_at_once(result: RowResult) -> bool:
+    """A first token (time to first token), a finish (the caller's slot frees) or a row without a
+    token (a prefill chunk, a release, an error) is not held back."""
+    return result.completion_tokens <= 1 or bool(result.finish_reason) or result.token_id < 0
 
 
 def start_round(engine: SharedEngine, inputs: dict[str, np.ndarray], on_response: OnResponse) -> Future[None]:
     """Starts a request's round on the engine's thread; `on_response` is called there with each
     step's response (or here, at once, when no row needs the engine). Raises RoundRejected."""
     steps = round_steps(inputs)
+    responses = _Responses(stream_interval_s(inputs), on_response)
     actions = inputs["ACTION"].reshape(-1)
     seq_ids = inputs["SEQ_ID"].reshape(-1)
     requests = inputs["REQUEST"].reshape(-1)
@@ -238,7 +285,7 @@ def start_round(engine: SharedEngine, inputs: dict[str, np.ndarray], on_response
             first[0] = False
             stepped = iter(results)
             results = [row if isinstance(row, RowResult) else next(stepped) for row in parsed]
-        on_response(encode_results(results, last), last)
+        responses.add(results, last)
 
     # A release request needs no round of its own in the engine's line: the round in flight applies it.
     releases_only = all(isinstance(row, ReleaseRow) for row in engine_rows)
