@@ -12,8 +12,8 @@ from sluice.jobs.v1 import jobs_pb2
 
 from sluice_common.errors import Unimplemented
 from sluice_common.request_context import REQUEST_ID_KEY, current_request_id
-from sluice_gateway.inference_path import InferencePath
-from sluice_gateway.jobs_api import JobsApi
+from sluice_gateway.path.inference_path import InferencePath
+from sluice_gateway.jobs.api import JobsApi
 from sluice_common.tenants import Tenant, TenantDirectory, authorization, bearer_key
 
 

@@ -14,13 +14,13 @@ from pathlib import Path
 
 from sluice.jobs.v1 import jobs_pb2
 
-from sluice_gateway.job_trace import with_trace_context
+from sluice_gateway.jobs.trace import with_trace_context
 from sluice_common.amqp import ConfirmingPublisher, JobTopology, OutgoingMessage, PublisherMetrics
 from sluice_common.errors import InvalidArgument, NotFound, PermissionDenied, Unavailable
 from sluice_common.supervision import Supervisor
 from sluice_gateway.config import SharedSettings
-from sluice_gateway.job_store import JobRecord, JobStore
-from sluice_gateway.jobs import JobRejected, completion_window_s, validate_job
+from sluice_gateway.jobs.store import JobRecord, JobStore
+from sluice_gateway.jobs.job import JobRejected, completion_window_s, validate_job
 from sluice_common.tenants import Tenant, TenantDirectory
 
 MAX_PAGE_SIZE = 1000
