@@ -2,7 +2,7 @@
 
     POST   /v1/files                 multipart (purpose "batch", file: JSONL), each line checked
     GET    /v1/files, /v1/files/{id}, /v1/files/{id}/content;  DELETE /v1/files/{id}
-    POST   /v1/batches               a bulk job through JobsApi.submit (same validation, store,
+    POST   /v1/batches               a bulk job through the JobsPort's submit (JobsApi: same validation, store,
                                      worker fleet, states and counts as gRPC SubmitJob)
     GET    /v1/batches, /v1/batches/{id};  POST /v1/batches/{id}/cancel
 
@@ -24,7 +24,7 @@ from aiohttp import BodyPartReader, web
 from aiohttp.http_exceptions import HttpProcessingError
 from sluice.common.v1 import types_pb2
 
-from sluice_gateway.jobs.api import MAX_PAGE_SIZE, JobsApi
+from sluice_gateway.jobs_port import MAX_PAGE_SIZE, JobsPort
 from sluice_gateway.path.model_catalog import ModelCatalog, UnknownModel
 from sluice_gateway.openai_front.batches import (
     BatchLine,
@@ -81,7 +81,7 @@ def _api_key(request: web.Request) -> str:
 class BatchFront:
     tenants: TenantDirectory
     store: OpenAIStore
-    jobs: JobsApi
+    jobs: JobsPort
     models: ModelCatalog
     files_max_bytes: int
     max_rows: int
@@ -203,7 +203,7 @@ class BatchFront:
         check_endpoint(lines, create.endpoint)
         self._check_dimensions(lines)
         batch_id = new_id("batch_")
-        # JobsApi.submit: validate_job, the job store, the exchange the job workers consume.
+        # JobsPort.submit (JobsApi's): validate_job, the job store, the exchange the job workers consume.
         job = await self.jobs.submit(tenant, _api_key(request), job_request(batch_id, _api_key(request), lines, create.completion_window))
         batch = StoredBatch(
             batch_id, tenant.name, create.endpoint, create.input_file_id, create.completion_window, create.metadata,

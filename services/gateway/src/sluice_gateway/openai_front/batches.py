@@ -3,7 +3,7 @@
 - a batch input file (JSONL, one `{"custom_id", "method": "POST", "url", "body"}` per line) is
   checked line by line with the HTTP front's own converters (requests.parse_chat,
   parse_completion, parse_embeddings): a bad line is a 400 naming its line number;
-- its lines become one JobRequest (a JobRow per line: GenerateRow / EmbedRow), which JobsApi.submit
+- its lines become one JobRequest (a JobRow per line: GenerateRow / EmbedRow), which the JobsPort's submit
   validates, records and hands to the job workers like any other job;
 - the job (jobs_pb2.Job) is answered as OpenAI's Batch object (same state names: the job's states
   mirror OpenAI's);
