@@ -146,7 +146,7 @@ def job_worker_spec_variables() -> set[str]:
 def test_the_job_worker_runs_the_gateway_image_as_its_worker_role(compose) -> None:
     worker, gateway = compose["services"]["job-worker"], compose["services"]["gateway"]
     assert worker["image"] == gateway["image"] and worker["build"] == gateway["build"]
-    assert worker["entrypoint"] == ["python", "-m", "sluice_gateway.worker"]
+    assert worker["entrypoint"] == ["python", "-m", "sluice_gateway.jobs.worker"]
     environment = worker["environment"]
     missing = job_worker_spec_variables() - set(environment)
     assert not missing, f"the job worker lacks what the launcher gives it: {sorted(missing)}"

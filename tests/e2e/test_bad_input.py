@@ -160,7 +160,7 @@ def http_routes(stack: Stack) -> list[tuple[str, str]]:
     gateway's own environment, with placeholder handlers)."""
     script = (
         "import json\n"
-        "from sluice_gateway.openai_http import build_app\n"
+        "from sluice_gateway.openai_front.http import build_app\n"
         "class Handlers:\n"
         "    def __getattr__(self, name):\n"
         "        async def handler(request): ...\n"

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from sluice_gateway.job_store import JobStore
+from sluice_gateway.jobs.store import JobStore
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ from sluice.ratelimit.v1 import ratelimit_pb2, ratelimit_pb2_grpc
 
 from sluice_common.errors import Unavailable
 from sluice_common.errors import ResourceExhausted
-from sluice_gateway.admission import (
+from sluice_gateway.path.admission import (
     Admission,
     Reservation,
     embedding_reservation,

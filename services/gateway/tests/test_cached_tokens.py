@@ -16,12 +16,12 @@ from sluice.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from sluice.jobs.v1 import jobs_pb2
 
 from sluice_common.amqp import EventTopology
-from sluice_gateway.admission import Admission
-from sluice_gateway.completion_events import CompletionEvents
-from sluice_gateway.inference_path import InferencePath
-from sluice_gateway.jobs import JSON, encode_reply, run_row
-from sluice_gateway.model_catalog import ModelCatalog
-from sluice_gateway.openai_requests import usage_object
+from sluice_gateway.path.admission import Admission
+from sluice_gateway.path.completion_events import CompletionEvents
+from sluice_gateway.path.inference_path import InferencePath
+from sluice_gateway.jobs.job import JSON, encode_reply, run_row
+from sluice_gateway.path.model_catalog import ModelCatalog
+from sluice_gateway.openai_front.requests import usage_object
 from test_grpc_bad_input import AUTH as GRPC_AUTH
 from test_grpc_bad_input import gateway  # noqa: F401 - the fixture
 from test_openai_http import AUTH, CHAT, USAGE, _Adapter, _Publisher, setup  # noqa: F401 - the fixture

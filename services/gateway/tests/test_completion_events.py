@@ -12,7 +12,7 @@ from sluice.gateway.v1 import gateway_pb2
 from sluice.inference.v1 import inference_pb2
 
 from sluice_common.amqp import EventTopology, OutgoingMessage
-from sluice_gateway.completion_events import EVENT_TYPE, CompletionEvents, CompletionTracker
+from sluice_gateway.path.completion_events import EVENT_TYPE, CompletionEvents, CompletionTracker
 from sluice_common.tenants import Tenant
 
 LOGGED = Tenant("acme", text_logging=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
-from sluice_gateway.concurrency import FAILED, OK, THROTTLED, AdaptiveConcurrency
+from sluice_gateway.jobs.concurrency import FAILED, OK, THROTTLED, AdaptiveConcurrency
 
 
 def ok(c: AdaptiveConcurrency, latency_s: float) -> None:

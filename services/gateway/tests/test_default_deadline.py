@@ -24,11 +24,11 @@ from sluice_common.adaptive_timeout import TimeoutPolicy
 from sluice_common.config import ConfigError, load_config
 from sluice_common.errors import DeadlineExceeded
 from sluice_common.tenants import Tenant
-from sluice_gateway.admission import Admission
+from sluice_gateway.path.admission import Admission
 from sluice_gateway.config import ENV_PREFIX, GatewayConfig
-from sluice_gateway.default_deadline import DefaultDeadline
-from sluice_gateway.inference_path import InferencePath
-from sluice_gateway.model_catalog import ModelCatalog
+from sluice_gateway.path.default_deadline import DefaultDeadline
+from sluice_gateway.path.inference_path import InferencePath
+from sluice_gateway.path.model_catalog import ModelCatalog
 
 MODEL = types_pb2.ModelInfo(name="m", kind=types_pb2.MODEL_KIND_GENERATION, context_length=2048, max_output_tokens=1024)
 EMBEDDING = types_pb2.ModelInfo(name="e", kind=types_pb2.MODEL_KIND_EMBEDDING)

@@ -16,11 +16,11 @@ from sluice.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from sluice_common.amqp import EventTopology
 from sluice_common.server import RunningServer, create_server
 from sluice_common.tenants import TenantDirectory
-from sluice_gateway.admission import Admission
-from sluice_gateway.completion_events import CompletionEvents
-from sluice_gateway.inference_path import InferencePath
-from sluice_gateway.model_catalog import ModelCatalog
-from sluice_gateway.servicer import GatewayServicer
+from sluice_gateway.path.admission import Admission
+from sluice_gateway.path.completion_events import CompletionEvents
+from sluice_gateway.path.inference_path import InferencePath
+from sluice_gateway.path.model_catalog import ModelCatalog
+from sluice_gateway.grpc_front.servicer import GatewayServicer
 from test_openai_http import KEY, _Adapter, _Publisher, _RateLimit, _tenants_file
 
 SERVICE = "/sluice.gateway.v1.GatewayService"

@@ -12,9 +12,9 @@ from sluice.ratelimit.v1 import ratelimit_pb2
 
 from sluice_common.errors import ResourceExhausted
 from sluice_common.tenants import Tenant
-from sluice_gateway.admission import Admission
-from sluice_gateway.inference_path import InferencePath
-from sluice_gateway.model_catalog import ModelCatalog
+from sluice_gateway.path.admission import Admission
+from sluice_gateway.path.inference_path import InferencePath
+from sluice_gateway.path.model_catalog import ModelCatalog
 
 EMBEDDING = types_pb2.ModelInfo(name="e", kind=types_pb2.MODEL_KIND_EMBEDDING)
 HEADERS = [ratelimit_pb2.BudgetStatus(budget=ratelimit_pb2.BUDGET_REQUESTS_PER_MINUTE, limit=60, remaining=59)]
@@ -277,7 +277,7 @@ class _Publisher:
 
 async def _tracking_path() -> tuple[InferencePath, _GeneratingAdapter, _Publisher]:
     from sluice_common.amqp import EventTopology
-    from sluice_gateway.completion_events import CompletionEvents
+    from sluice_gateway.path.completion_events import CompletionEvents
 
     adapter, publisher = _GeneratingAdapter(), _Publisher()
     catalog = ModelCatalog(adapter)  # type: ignore[arg-type]

@@ -15,9 +15,9 @@ from sluice.jobs.v1 import jobs_pb2
 
 from sluice_common.errors import InvalidArgument
 from sluice_common.sqlstore import open_sql_db
-from sluice_gateway import job_store as s
-from sluice_gateway.job_store import JobStore
-from sluice_gateway.jobs import expired_result
+from sluice_gateway.jobs import store as s
+from sluice_gateway.jobs.store import JobStore
+from sluice_gateway.jobs.job import expired_result
 
 PG_DSN = "postgresql://postgres@127.0.0.1:5432/test"
 DAY = 86400.0

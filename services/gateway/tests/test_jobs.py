@@ -11,7 +11,7 @@ from sluice.jobs.v1 import jobs_pb2
 
 from sluice_common.errors import ResourceExhausted, Unavailable
 from sluice_gateway.config import SharedSettings
-from sluice_gateway.jobs import (
+from sluice_gateway.jobs.job import (
     EXPIRED_CODE,
     JSON,
     PACED,
@@ -190,7 +190,7 @@ def test_the_default_window_is_checked_at_start() -> None:
 
 def test_only_exhaustion_with_a_retry_time_is_waited_out() -> None:
     from sluice_common.errors import ResourceExhausted
-    from sluice_gateway.jobs import is_paced
+    from sluice_gateway.jobs.job import is_paced
 
     assert is_paced(ResourceExhausted("later", retry_after_s=3.0))
     assert not is_paced(ResourceExhausted("never: larger than the allowance", retry_after_s=None))

@@ -11,9 +11,9 @@ from google.protobuf import duration_pb2
 from sluice.jobs.v1 import jobs_pb2
 
 from sluice_common.errors import InvalidArgument
-from sluice_gateway.job_store import JobStore
-from sluice_gateway.jobs import expired_result
-from sluice_gateway.jobs_api import JobsApi
+from sluice_gateway.jobs.store import JobStore
+from sluice_gateway.jobs.job import expired_result
+from sluice_gateway.jobs.api import JobsApi
 from sluice_common.tenants import TenantDirectory
 
 TENANTS = TenantDirectory.from_file(Path(__file__).resolve().parents[3] / "config" / "tenants.toml")

@@ -18,12 +18,12 @@ from sluice.common.v1 import types_pb2
 from sluice.inference.v1 import inference_pb2
 from sluice.jobs.v1 import jobs_pb2
 
-from sluice_gateway.job_store import JobStore
-from sluice_gateway.jobs_api import JobsApi
-from sluice_gateway.model_catalog import ModelCatalog
-from sluice_gateway.openai_batch_http import BatchFront
-from sluice_gateway.openai_http import OpenAIFront, build_app
-from sluice_gateway.openai_store import OpenAIStore
+from sluice_gateway.jobs.store import JobStore
+from sluice_gateway.jobs.api import JobsApi
+from sluice_gateway.path.model_catalog import ModelCatalog
+from sluice_gateway.openai_front.batch_http import BatchFront
+from sluice_gateway.openai_front.http import OpenAIFront, build_app
+from sluice_gateway.openai_front.store import OpenAIStore
 from sluice_common.tenants import TenantDirectory
 
 TENANTS = TenantDirectory.from_file(Path(__file__).resolve().parents[3] / "config" / "tenants.toml")

@@ -1,4 +1,4 @@
-"""The Batch API mapping (openai_batches): input lines checked and converted with the HTTP front's
+"""The Batch API mapping (openai_front.batches): input lines checked and converted with the HTTP front's
 own converters, jobs_pb2.Job as OpenAI's Batch object, RowResults as output/error lines; shapes
 checked against OpenAI's documented examples (tests/fixtures/upstream) and the openai package's types."""
 
@@ -15,7 +15,7 @@ from openai.types.completion import Completion
 from sluice.common.v1 import types_pb2
 from sluice.jobs.v1 import jobs_pb2
 
-from sluice_gateway.openai_batches import (
+from sluice_gateway.openai_front.batches import (
     batch_object,
     check_endpoint,
     job_request,
@@ -26,8 +26,8 @@ from sluice_gateway.openai_batches import (
     settled,
     status_of,
 )
-from sluice_gateway.jobs import generate_request
-from sluice_gateway.openai_requests import OpenAIError
+from sluice_gateway.jobs.job import generate_request
+from sluice_gateway.openai_front.requests import OpenAIError
 
 UPSTREAM = Path(__file__).resolve().parents[3] / "tests" / "fixtures" / "upstream"
 USAGE = types_pb2.Usage(prompt_tokens=7, completion_tokens=2, total_tokens=9, cached_tokens=4)
@@ -51,7 +51,7 @@ def test_the_mapping_modules_import_no_grpc() -> None:
     # The domain modules are plain: grpc is the servicer's (checked in a fresh interpreter).
     import subprocess
 
-    code = "import sys, sluice_gateway.openai_batches, sluice_gateway.openai_store; print('grpc' in sys.modules)"
+    code = "import sys, sluice_gateway.openai_front.batches, sluice_gateway.openai_front.store; print('grpc' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "False"
 
 

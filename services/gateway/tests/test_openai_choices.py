@@ -14,7 +14,7 @@ from sluice.common.v1 import types_pb2
 from sluice.gateway.v1 import gateway_pb2
 from sluice.inference.v1 import inference_pb2
 
-from sluice_gateway.admission import generation_reservation
+from sluice_gateway.path.admission import generation_reservation
 from test_openai_http import AUTH, CHAT, GENERATION, _Call, _error, setup  # noqa: F401  # the fixture
 
 PROMPT = "Once"

@@ -14,9 +14,9 @@ from typing import Any
 import pytest
 from sluice.evallog.v1 import events_pb2
 
-from sluice_gateway import openai_requests
-from sluice_gateway.jobs import generate_request
-from sluice_gateway.openai_batches import job_row, parse_batch_file
+from sluice_gateway.openai_front import requests as openai_requests
+from sluice_gateway.jobs.job import generate_request
+from sluice_gateway.openai_front.batches import job_row, parse_batch_file
 from test_openai_http import AUTH, CHAT, setup  # noqa: F401 - the fixture, shared
 
 ROOT = Path(__file__).resolve().parents[3]

@@ -23,11 +23,11 @@ from sluice_common.errors import InvalidArgument
 from sluice_common.interceptor import status_for
 from sluice_common.sampling import Sampling, StructuredOutputs
 from sluice_common.sampling_proto import from_proto
-from sluice_gateway.admission import Admission
-from sluice_gateway.completion_events import CompletionEvents
-from sluice_gateway.inference_path import InferencePath
-from sluice_gateway.model_catalog import ModelCatalog
-from sluice_gateway.openai_http import OpenAIFront, build_app
+from sluice_gateway.path.admission import Admission
+from sluice_gateway.path.completion_events import CompletionEvents
+from sluice_gateway.path.inference_path import InferencePath
+from sluice_gateway.path.model_catalog import ModelCatalog
+from sluice_gateway.openai_front.http import OpenAIFront, build_app
 from sluice_common.tenants import TenantDirectory, hash_api_key
 
 KEY = "sk-test"

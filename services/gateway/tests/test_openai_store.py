@@ -10,8 +10,8 @@ from pathlib import Path
 import asyncpg
 import pytest
 
-from sluice_gateway.job_store import JobStore
-from sluice_gateway.openai_store import OpenAIStore, StoredBatch
+from sluice_gateway.jobs.store import JobStore
+from sluice_gateway.openai_front.store import OpenAIStore, StoredBatch
 
 PG_DSN = "postgresql://postgres@127.0.0.1:5432/test"
 

@@ -19,8 +19,8 @@ from test_default_deadline import stand_in  # noqa: F401 - the fixture
 from sluice_common.adaptive_timeout import TimeoutPolicy
 from sluice_common.config import ConfigError, load_config
 from sluice_gateway.config import ENV_PREFIX, GatewayConfig
-from sluice_gateway.jobs import TOO_LONG_CODE, run_row, too_long_for_window
-from sluice_gateway.row_deadline import RowDeadlines, RowTiming, WarmUp
+from sluice_gateway.jobs.job import TOO_LONG_CODE, run_row, too_long_for_window
+from sluice_gateway.jobs.row_deadline import RowDeadlines, RowTiming, WarmUp
 
 CEILING_S = 60.0
 WARM_UP_S = 45.0

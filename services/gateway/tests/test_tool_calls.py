@@ -11,7 +11,7 @@ from sluice.common.v1 import types_pb2
 from sluice_common.errors import InvalidArgument
 from sluice_common.sampling import StructuredOutputs
 from sluice_common.structured_outputs import check
-from sluice_gateway.tool_calls import CLOSE, OPEN, plan, render
+from sluice_gateway.path.tool_calls import CLOSE, OPEN, plan, render
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 Mode = types_pb2.ToolChoiceMode

@@ -11,7 +11,7 @@ from sluice.gateway.v1 import gateway_pb2
 from sluice.inference.v1 import inference_pb2
 
 from sluice_common import tracing
-from sluice_gateway.generation_trace import start_generation
+from sluice_gateway.path.generation_trace import start_generation
 
 
 @pytest.fixture

@@ -18,11 +18,11 @@ from test_default_deadline import stand_in  # noqa: F401 - the fixture
 
 from sluice_common.config import load_config
 from sluice_gateway.config import ENV_PREFIX, GatewayConfig
-from sluice_gateway.job_store import JobStore
-from sluice_gateway import worker as worker_module
-from sluice_gateway.jobs import TOO_LONG_CODE, run_row
-from sluice_gateway.row_deadline import RowTiming
-from sluice_gateway.worker import GIVE_BACK, JobWorker
+from sluice_gateway.jobs.store import JobStore
+from sluice_gateway.jobs import worker as worker_module
+from sluice_gateway.jobs.job import TOO_LONG_CODE, run_row
+from sluice_gateway.jobs.row_deadline import RowTiming
+from sluice_gateway.jobs.worker import GIVE_BACK, JobWorker
 
 TENANTS = str(Path(__file__).resolve().parents[3] / "config" / "tenants.toml")
 

@@ -3,7 +3,7 @@
 An engine reports a generated token's entry in OpenAI's chat shape ({"token", "logprob", "bytes":
 [ints], "top_logprobs": [{"token", "logprob", "bytes"}, ...]}, triton-local's step protocol
 LOGPROBS output); the adapter carries it as that dict and turns it into the proto here; the gateway
-turns the proto into OpenAI's chat or completions shape (sluice_gateway.openai_logprobs). Triton's
+turns the proto into OpenAI's chat or completions shape (sluice_gateway.openai_front.choices). Triton's
 vLLM backend reports vLLM's own shape instead, which `from_vllm` turns into the same entries.
 """
 

@@ -35,7 +35,7 @@ SHARED_GRACE_ENV = "SLUICE_SHUTDOWN_GRACE_S"
 # Each service module's settings prefix (its config.ENV_PREFIX): where its own grace is set.
 ENV_PREFIXES = {
     "sluice_gateway": "SLUICE_GATEWAY_",
-    "sluice_gateway.worker": "SLUICE_GATEWAY_",
+    "sluice_gateway.jobs.worker": "SLUICE_GATEWAY_",
     "sluice_inference_adapter": "SLUICE_ADAPTER_",
     "sluice_evaluation_logging": "SLUICE_EVALLOG_",
     "sluice_rate_limit": "SLUICE_RATELIMIT_",
@@ -262,7 +262,7 @@ def http_ok(url: str) -> Callable[[], bool]:
 # The services/ folder whose environment runs each module.
 MODULE_PROJECTS = {
     "sluice_gateway": "gateway",
-    "sluice_gateway.worker": "gateway",
+    "sluice_gateway.jobs.worker": "gateway",
     "sluice_inference_adapter": "inference-adapter",
     "sluice_evaluation_logging": "evaluation-logging",
     "sluice_rate_limit": "rate-limit",
@@ -420,8 +420,8 @@ class Stack:
             self.run_dir / f"{name}.log",
             ready,
             project=MODULE_PROJECTS[module],
-            # The job worker's health port speaks no TLS (worker.py's create_server).
-            credentials=None if module == "sluice_gateway.worker" else self.grpc_credentials,
+            # The job worker's health port speaks no TLS (jobs/worker.py's create_server).
+            credentials=None if module == "sluice_gateway.jobs.worker" else self.grpc_credentials,
             port_env=port_env,
         )
 
@@ -501,7 +501,7 @@ class Stack:
             "SLUICE_GATEWAY_WORKER_METRICS_PORT": str(self.ports.job_worker_metrics if metrics_port is None else metrics_port),
             **self._gateway_role_env(name),
         }
-        return name, "sluice_gateway.worker", env, WORKER_PORT_ENV
+        return name, "sluice_gateway.jobs.worker", env, WORKER_PORT_ENV
 
     def add_job_worker(self, name: str, timeout_s: float = 120.0, env: dict[str, str] | None = None) -> ServiceProcess:
         """Starts one more job worker (for failover tests), with `env` on top of the stack's worker

@@ -9,13 +9,13 @@ from sluice_common.bootstrap import run_service
 from sluice_common.loop_lag import monitor_loop_lag
 from sluice_common.server import create_server, serve_until_signal
 from sluice_gateway.config import ANY_HTTP_PORT, ENV_PREFIX, GatewayConfig
-from sluice_gateway.core import GatewayCore
-from sluice_gateway.job_store import JobStore
-from sluice_gateway.jobs_api import JobsApi, job_request_publisher
-from sluice_gateway.openai_batch_http import BatchFront
-from sluice_gateway.openai_http import OpenAIFront, RunningHttp, start_http
-from sluice_gateway.openai_store import OpenAIStore
-from sluice_gateway.servicer import GatewayServicer
+from sluice_gateway.path.core import GatewayCore
+from sluice_gateway.jobs.store import JobStore
+from sluice_gateway.jobs.api import JobsApi, job_request_publisher
+from sluice_gateway.openai_front.batch_http import BatchFront
+from sluice_gateway.openai_front.http import OpenAIFront, RunningHttp, start_http
+from sluice_gateway.openai_front.store import OpenAIStore
+from sluice_gateway.grpc_front.servicer import GatewayServicer
 
 log = structlog.stdlib.get_logger("sluice.gateway")
 

@@ -134,7 +134,7 @@ class FrontSettings:
 class WorkerSettings:
     """The job-worker role's own settings, from WORKER_*."""
 
-    # The job-worker role (`python -m sluice_gateway.worker`): its health/metrics ports, rows unacked
+    # The job-worker role (`python -m sluice_gateway.jobs.worker`): its health/metrics ports, rows unacked
     # at once (prefetch), the adaptive concurrency's start and ceiling, one row's deadline, transient
     # errors retried in-process (capped exponential backoff with jitter) before the row goes back to
     # the broker, and deliveries after which a row is dead-lettered.

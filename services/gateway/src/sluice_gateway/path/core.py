@@ -13,12 +13,12 @@ from sluice.ratelimit.v1 import ratelimit_pb2_grpc
 
 from sluice_common.channels import open_channel
 from sluice_common.supervision import Supervisor
-from sluice_gateway.admission import Admission
-from sluice_gateway.completion_events import CompletionEvents
+from sluice_gateway.path.admission import Admission
+from sluice_gateway.path.completion_events import CompletionEvents
 from sluice_gateway.config import ENV_PREFIX, SharedSettings
-from sluice_gateway.default_deadline import DefaultDeadline
-from sluice_gateway.inference_path import InferencePath
-from sluice_gateway.model_catalog import ModelCatalog
+from sluice_gateway.path.default_deadline import DefaultDeadline
+from sluice_gateway.path.inference_path import InferencePath
+from sluice_gateway.path.model_catalog import ModelCatalog
 from sluice_common.tenants import TenantDirectory
 
 

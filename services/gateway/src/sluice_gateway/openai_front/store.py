@@ -1,6 +1,6 @@
 """The OpenAI Batch API's durable state: files (uploads and batch output) and batches.
 
-Lives in the job store's database (the tables come with job_store's migration 3), so that a batch,
+Lives in the job store's database (the tables come with jobs.store's migration 3), so that a batch,
 its job, its rows and its files are one SQLite file or one PostgreSQL schema: a gateway restart
 loses none of them, and several gateways behind one PostgreSQL see the same files. Every lookup is
 by (id, tenant): another tenant's id reads as absent (the HTTP front answers 404).

@@ -1,13 +1,13 @@
-"""OpenAI's Files and Batch APIs on the HTTP front (routes registered in openai_http.build_app).
+"""OpenAI's Files and Batch APIs on the HTTP front (routes registered in http.build_app).
 
     POST   /v1/files                 multipart (purpose "batch", file: JSONL), each line checked
     GET    /v1/files, /v1/files/{id}, /v1/files/{id}/content;  DELETE /v1/files/{id}
-    POST   /v1/batches               a bulk job through JobsApi.submit (same validation, store,
+    POST   /v1/batches               a bulk job through the JobsPort's submit (JobsApi: same validation, store,
                                      worker fleet, states and counts as gRPC SubmitJob)
     GET    /v1/batches, /v1/batches/{id};  POST /v1/batches/{id}/cancel
 
-Thin: authentication and the body are openai_http_input's, as for the other routes; the error shapes the _errors
-middleware's (openai_http); the mapping is openai_batches, the state openai_store (in the job store's database).
+Thin: authentication and the body are http_input's, as for the other routes; the error shapes the _errors
+middleware's (http); the mapping is batches, the state store (in the job store's database).
 A batch's output and error files are made from its stored RowResults the first time it is read
 settled, then served like any file.
 """
@@ -24,9 +24,9 @@ from aiohttp import BodyPartReader, web
 from aiohttp.http_exceptions import HttpProcessingError
 from sluice.common.v1 import types_pb2
 
-from sluice_gateway.jobs_api import MAX_PAGE_SIZE, JobsApi
-from sluice_gateway.model_catalog import ModelCatalog, UnknownModel
-from sluice_gateway.openai_batches import (
+from sluice_gateway.jobs_port import MAX_PAGE_SIZE, JobsPort
+from sluice_gateway.path.model_catalog import ModelCatalog, UnknownModel
+from sluice_gateway.openai_front.batches import (
     BatchLine,
     batch_object,
     check_endpoint,
@@ -38,10 +38,10 @@ from sluice_gateway.openai_batches import (
     settled,
     status_of,
 )
-from sluice_gateway.openai_requests import EmbeddingCall, OpenAIError, check_dimensions
-from sluice_gateway.openai_store import MAX_LIST_LIMIT, OpenAIStore, StoredBatch, new_id
+from sluice_gateway.openai_front.requests import EmbeddingCall, OpenAIError, check_dimensions
+from sluice_gateway.openai_front.store import MAX_LIST_LIMIT, OpenAIStore, StoredBatch, new_id
 from sluice_common.tenants import Tenant, TenantDirectory
-from sluice_gateway.openai_http_input import authenticate, json_body
+from sluice_gateway.openai_front.http_input import authenticate, json_body
 from sluice_common.utf8 import is_valid_text
 
 log = structlog.stdlib.get_logger("sluice.gateway.http")
@@ -81,7 +81,7 @@ def _api_key(request: web.Request) -> str:
 class BatchFront:
     tenants: TenantDirectory
     store: OpenAIStore
-    jobs: JobsApi
+    jobs: JobsPort
     models: ModelCatalog
     files_max_bytes: int
     max_rows: int
@@ -203,7 +203,7 @@ class BatchFront:
         check_endpoint(lines, create.endpoint)
         self._check_dimensions(lines)
         batch_id = new_id("batch_")
-        # JobsApi.submit: validate_job, the job store, the exchange the job workers consume.
+        # JobsPort.submit (JobsApi's): validate_job, the job store, the exchange the job workers consume.
         job = await self.jobs.submit(tenant, _api_key(request), job_request(batch_id, _api_key(request), lines, create.completion_window))
         batch = StoredBatch(
             batch_id, tenant.name, create.endpoint, create.input_file_id, create.completion_window, create.metadata,

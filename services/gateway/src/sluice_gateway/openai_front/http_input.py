@@ -1,7 +1,7 @@
 """What both HTTP fronts read off a request: its tenant (the Authorization header) and its JSON body.
 
-The chat, completions and embeddings routes (openai_http) and the Files and Batch routes
-(openai_batch_http) import these; neither front imports the other's handlers.
+The chat, completions and embeddings routes (http) and the Files and Batch routes
+(batch_http) import these; neither front imports the other's handlers.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Any
 from aiohttp import web
 
 from sluice_common.tenants import Tenant, TenantDirectory
-from sluice_gateway.openai_requests import OpenAIError, check_text
+from sluice_gateway.openai_front.requests import OpenAIError, check_text
 
 
 def authenticate(tenants: TenantDirectory, request: web.Request) -> Tenant:

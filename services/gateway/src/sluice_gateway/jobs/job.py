@@ -22,8 +22,8 @@ from sluice.jobs.v1 import jobs_pb2
 from sluice_common.amqp import PROTOBUF
 from sluice_common.errors import Unauthenticated
 from sluice_gateway.config import MAX_COMPLETION_WINDOW_S
-from sluice_gateway.inference_path import InferencePath
-from sluice_gateway.row_deadline import RowTiming
+from sluice_gateway.path.inference_path import InferencePath
+from sluice_gateway.jobs.row_deadline import RowTiming
 from sluice_common.tenants import Tenant, TenantDirectory
 
 JSON = "application/json"

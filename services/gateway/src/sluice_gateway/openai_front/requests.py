@@ -1,12 +1,12 @@
 """OpenAI request bodies -> Sluice's requests, and Sluice's replies -> OpenAI's response objects.
 
-Pure domain code (no HTTP, no grpc): the HTTP front (openai_http) parses with these and sends what
+Pure domain code (no HTTP, no grpc): the HTTP front (http) parses with these and sends what
 they build. Every refusal is an `OpenAIError` in OpenAI's shape, naming the offending param:
 
 - a field Sluice does not know: 400 "Unrecognized request argument supplied: <name>";
 - a field OpenAI defines that Sluice cannot honour (best_of, audio, ...): accepted at its default
   (null, or OpenAI's neutral value), otherwise 400 naming it; n, logprobs, top_logprobs (chat) and
-  echo (completions) are honoured (openai_choices);
+  echo (completions) are honoured (choices);
 - a wrong type or value: 400 naming the param ("messages[1].content", "temperature", ...);
 - OpenAI's request metadata, `user` and `metadata` (chat and completions): checked against
   OpenAI's limits and carried on the request to the completion's evaluation record, queryable
@@ -45,8 +45,8 @@ from sluice_common.sampling_proto import structured_outputs_to_proto
 from sluice_common.structured_outputs import check
 from sluice_common.utf8 import invalid_json_text
 from sluice_common.validation import MAX_METADATA_KEY, MAX_METADATA_PAIRS, MAX_METADATA_VALUE, MAX_USER
-from sluice_gateway.openai_errors import OpenAIError, invalid
-from sluice_gateway.openai_choices import ChoiceState, chat_logprobs, parse_chat_choices, parse_completion_choices, tool_call_objects
+from sluice_gateway.openai_front.errors import OpenAIError, invalid
+from sluice_gateway.openai_front.choices import ChoiceState, chat_logprobs, parse_chat_choices, parse_completion_choices, tool_call_objects
 
 # OpenAI's defaults for sampling (https://platform.openai.com/docs/api-reference/chat/create).
 DEFAULT_TEMPERATURE = 1.0

@@ -1,4 +1,4 @@
-"""`python -m sluice_gateway.worker`: the gateway's job-worker role (bulk jobs from RabbitMQ).
+"""`python -m sluice_gateway.jobs.worker`: the gateway's job-worker role (bulk jobs from RabbitMQ).
 
 Two consumers on one robust connection (queues and exchange: sluice_common.amqp.JobTopology):
 
@@ -50,13 +50,13 @@ from sluice_common.loop_lag import monitor_loop_lag
 from sluice_common.request_context import bind_request_id, current_request_id, new_request_id
 from sluice_common.server import create_server, serve_until_signal
 from sluice_common.supervision import Supervisor, stop_tasks
-from sluice_gateway import job_store as states
-from sluice_gateway.concurrency import FAILED, OK, THROTTLED, AdaptiveConcurrency
+from sluice_gateway.jobs import store as states
+from sluice_gateway.jobs.concurrency import FAILED, OK, THROTTLED, AdaptiveConcurrency
 from sluice_gateway.config import ENV_PREFIX, GatewayConfig, SharedSettings, WorkerSettings
-from sluice_gateway.core import GatewayCore
-from sluice_gateway.job_store import JobRecord, JobStore
-from sluice_gateway.job_trace import attempt_span, job_span, row_span, with_trace_context
-from sluice_gateway.jobs import (
+from sluice_gateway.path.core import GatewayCore
+from sluice_gateway.jobs.store import JobRecord, JobStore
+from sluice_gateway.jobs.trace import attempt_span, job_span, row_span, with_trace_context
+from sluice_gateway.jobs.job import (
     EXPIRED_CODE,
     JSON,
     SUMMARY_SUFFIX,
@@ -80,7 +80,7 @@ from sluice_gateway.jobs import (
     too_long_for_window,
     validate_job,
 )
-from sluice_gateway.row_deadline import RowDeadlines, RowTiming
+from sluice_gateway.jobs.row_deadline import RowDeadlines, RowTiming
 
 log = structlog.stdlib.get_logger("sluice.gateway.worker")
 

@@ -3,6 +3,7 @@
 SubmitJob is the gRPC twin of publishing to `<prefix>.jobs`: it validates the job the way the
 worker will, records it as validating, and hands the JobRequest to the same exchange through the
 confirming publisher (retried until the broker confirms it). A job is visible only to its tenant.
+JobsApi is the jobs_port.JobsPort the fronts are handed (they never import this room).
 """
 
 from __future__ import annotations
@@ -14,16 +15,16 @@ from pathlib import Path
 
 from sluice.jobs.v1 import jobs_pb2
 
-from sluice_gateway.job_trace import with_trace_context
+from sluice_gateway.jobs.trace import with_trace_context
 from sluice_common.amqp import ConfirmingPublisher, JobTopology, OutgoingMessage, PublisherMetrics
 from sluice_common.errors import InvalidArgument, NotFound, PermissionDenied, Unavailable
 from sluice_common.supervision import Supervisor
 from sluice_gateway.config import SharedSettings
-from sluice_gateway.job_store import JobRecord, JobStore
-from sluice_gateway.jobs import JobRejected, completion_window_s, validate_job
+from sluice_gateway.jobs.store import JobRecord, JobStore
+from sluice_gateway.jobs.job import JobRejected, completion_window_s, validate_job
+from sluice_gateway.jobs_port import MAX_PAGE_SIZE
 from sluice_common.tenants import Tenant, TenantDirectory
 
-MAX_PAGE_SIZE = 1000
 DEFAULT_PAGE_SIZE = 100
 
 

@@ -12,8 +12,8 @@ from sluice.jobs.v1 import jobs_pb2
 
 from sluice_common.errors import Unimplemented
 from sluice_common.request_context import REQUEST_ID_KEY, current_request_id
-from sluice_gateway.inference_path import InferencePath
-from sluice_gateway.jobs_api import JobsApi
+from sluice_gateway.path.inference_path import InferencePath
+from sluice_gateway.jobs_port import JobsPort
 from sluice_common.tenants import Tenant, TenantDirectory, authorization, bearer_key
 
 
@@ -22,7 +22,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         self,
         tenants: TenantDirectory,
         path: InferencePath,
-        jobs: JobsApi | None = None,
+        jobs: JobsPort | None = None,
     ) -> None:
         self._tenants = tenants
         self._models = path.models
@@ -69,7 +69,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         await context.send_initial_metadata(((REQUEST_ID_KEY, request_id), *ticket.metadata))
         return reply
 
-    def _jobs(self) -> JobsApi:
+    def _jobs(self) -> JobsPort:
         if self._jobs_api is None:
             raise Unimplemented("bulk jobs are not configured on this gateway")
         return self._jobs_api

@@ -28,7 +28,7 @@ from typing import Any
 from sluice.common.v1 import types_pb2
 
 from sluice_common.sampling import MAX_LOGPROBS, MAX_N
-from sluice_gateway.openai_errors import invalid
+from sluice_gateway.openai_front.errors import invalid
 
 
 def _is_int(value: Any) -> bool:

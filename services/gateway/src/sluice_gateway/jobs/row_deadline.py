@@ -32,7 +32,7 @@ from sluice.jobs.v1 import jobs_pb2
 
 from sluice_common.adaptive_timeout import TimeoutPolicy
 from sluice_gateway.config import SharedSettings, WorkerSettings
-from sluice_gateway.default_deadline import DefaultDeadline
+from sluice_gateway.path.default_deadline import DefaultDeadline
 
 
 # A cut-off row's next deadline over the one that cut it: doubling reaches the ceiling in a few

@@ -5,7 +5,7 @@
     POST /v1/completions        the same, for a raw prompt
     POST /v1/embeddings         encoding_format float or base64
     GET  /v1/models, /v1/models/{id}
-    /v1/files, /v1/batches          OpenAI's Files and Batch APIs over bulk jobs (openai_batch_http)
+    /v1/files, /v1/batches          OpenAI's Files and Batch APIs over bulk jobs (batch_http)
 
 Why aiohttp's server: it runs on the asyncio loop it is started from (AppRunner + TCPSite, no
 thread, no process, no signal handlers of its own, unlike uvicorn's Server), so the HTTP handlers
@@ -45,11 +45,11 @@ from sluice.common.v1 import types_pb2
 from sluice_common.errors import InvalidArgument, ResourceExhausted, SluiceError, Unauthenticated
 from sluice_common.log import PORTS_LOGGER
 from sluice_common.request_context import REQUEST_ID_KEY, bind_request_id, current_request_id, new_request_id
-from sluice_gateway.generation_trace import instrument_http_front
-from sluice_gateway.inference_path import InferencePath
-from sluice_gateway.model_catalog import UnknownModel
-from sluice_gateway.openai_choices import ChoiceState, chat_logprobs
-from sluice_gateway.openai_requests import (
+from sluice_gateway.path.generation_trace import instrument_http_front
+from sluice_gateway.path.inference_path import InferencePath
+from sluice_gateway.path.model_catalog import UnknownModel
+from sluice_gateway.openai_front.choices import ChoiceState, chat_logprobs
+from sluice_gateway.openai_front.requests import (
     FINISH_REASONS,
     Completion,
     GenerationCall,
@@ -62,11 +62,11 @@ from sluice_gateway.openai_requests import (
     parse_embeddings,
 )
 from sluice_common.tenants import Tenant, TenantDirectory
-from sluice_gateway.openai_http_input import authenticate, json_body
+from sluice_gateway.openai_front.http_input import authenticate, json_body
 from sluice_common.utf8 import is_valid_text
 
 if TYPE_CHECKING:
-    from sluice_gateway.openai_batch_http import BatchFront
+    from sluice_gateway.openai_front.batch_http import BatchFront
 
 log = structlog.stdlib.get_logger("sluice.gateway.http")
 

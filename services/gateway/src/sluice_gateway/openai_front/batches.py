@@ -1,9 +1,9 @@
 """OpenAI's Batch API <-> Sluice's bulk jobs: the plain mapping (no HTTP, no grpc).
 
 - a batch input file (JSONL, one `{"custom_id", "method": "POST", "url", "body"}` per line) is
-  checked line by line with the HTTP front's own converters (openai_requests.parse_chat,
+  checked line by line with the HTTP front's own converters (requests.parse_chat,
   parse_completion, parse_embeddings): a bad line is a 400 naming its line number;
-- its lines become one JobRequest (a JobRow per line: GenerateRow / EmbedRow), which JobsApi.submit
+- its lines become one JobRequest (a JobRow per line: GenerateRow / EmbedRow), which the JobsPort's submit
   validates, records and hands to the job workers like any other job;
 - the job (jobs_pb2.Job) is answered as OpenAI's Batch object (same state names: the job's states
   mirror OpenAI's);
@@ -24,8 +24,8 @@ from sluice.common.v1 import types_pb2
 from sluice.gateway.v1 import gateway_pb2
 from sluice.jobs.v1 import jobs_pb2
 
-from sluice_gateway.openai_choices import ChoiceState
-from sluice_gateway.openai_requests import (
+from sluice_gateway.openai_front.choices import ChoiceState
+from sluice_gateway.openai_front.requests import (
     FINISH_REASONS,
     Completion,
     EmbeddingCall,

@@ -71,14 +71,14 @@ from sluice_common.sampling import choice_seed
 from sluice_common.sampling_proto import structured_outputs_to_proto
 from sluice_common.request_context import outgoing_metadata
 from sluice_common.validation import validate_embedding, validate_generation, validate_priority_class, validate_recorded
-from sluice_gateway.admission import (
+from sluice_gateway.path.admission import (
     Admission, Ticket, combined, embedding_reservation, generation_reservation, message_pairs, prompt_estimate,
 )  # fmt: skip
-from sluice_gateway.completion_events import CompletionEvents, CompletionTracker
-from sluice_gateway.default_deadline import DefaultDeadline
-from sluice_gateway.generation_trace import start_generation
-from sluice_gateway.model_catalog import ModelCatalog
-from sluice_gateway.tool_calls import ToolCallParser, ToolPlan, plan, render
+from sluice_gateway.path.completion_events import CompletionEvents, CompletionTracker
+from sluice_gateway.path.default_deadline import DefaultDeadline
+from sluice_gateway.path.generation_trace import start_generation
+from sluice_gateway.path.model_catalog import ModelCatalog
+from sluice_gateway.path.tool_calls import ToolCallParser, ToolPlan, plan, render
 from sluice_common.tenants import Tenant
 
 # max_tokens when a request omits it and no configuration says otherwise (SLUICE_GATEWAY_DEFAULT_MAX_TOKENS).
