@@ -162,3 +162,33 @@ async def test_a_stream_without_usage_commits_and_logs_the_same_counted_tokens()
     assert event.usage.completion_tokens == 4 and event.output == "Hi there you"
     assert event.finish_reason == types_pb2.FINISH_REASON_ERROR
     assert event.timings.total_time_ms >= event.timings.time_to_first_token_ms > 0
+
+
+class _Choices(_Adapter):
+    """n = 2: each Generate call is one choice, answered in turn."""
+
+    def __init__(self, *choices: list[inference_pb2.GenerateResponse]) -> None:
+        super().__init__([])
+        self.choices = list(choices)
+
+    def Generate(self, request, timeout=None, metadata=None):  # noqa: N802
+        return _Call(self.choices.pop(0))
+
+
+async def test_choice_0s_last_text_is_logged_when_another_choice_ends_the_request() -> None:
+    """The event records choice 0's text, all of it: its final chunk's too, though the request
+    ends only with the other choice's."""
+    adapter, publisher = _Choices([chunk("A"), chunk(" end", finish_reason=types_pb2.FINISH_REASON_STOP, usage=USAGE)],
+                                  [chunk("B"), chunk(".", finish_reason=types_pb2.FINISH_REASON_STOP, usage=USAGE)]), _Publisher()  # fmt: skip
+    catalog = ModelCatalog(adapter)  # type: ignore[arg-type]
+    await catalog.refresh()
+    path = InferencePath(adapter, catalog, Admission(None), CompletionEvents(publisher, EventTopology("t")))  # type: ignore[arg-type]
+    request = gateway_pb2.GenerateRequest(
+        model="g", messages=[types_pb2.ChatMessage(role="user", content="Hello")], sampling=types_pb2.SamplingParams(max_tokens=16, n=2)
+    )
+    async with path.generate(Tenant("acme", text_logging=True), request, "r1", 10.0) as stream:
+        seen = [(stream.index, one.text) async for one in stream]
+    assert seen == [(0, "A"), (0, " end"), (1, "B"), (1, ".")]
+    (event,) = publisher.events
+    assert event.output == "A end"  # choice 0's, not choice 1's
+    assert event.usage.completion_tokens == 10  # both choices' (the request's usage)

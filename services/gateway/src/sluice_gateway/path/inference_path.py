@@ -181,9 +181,8 @@ class GenerateStream:
             if choices is not None:
                 chunk = choices.final(index, chunk) if chunk.finish_reason else chunk
             done = bool(chunk.finish_reason) and (choices is None or choices.left == 0)
-            # The event records choice 0's text (a choice's final chunk only when it ends the request).
-            logged = chunk.text if index == 0 and (done or not chunk.finish_reason) else ""
-            self.record.observe(chunk, text=logged, done=done)
+            # The event records choice 0's text, all of it (its final chunk's too, whichever choice ends the request).
+            self.record.observe(chunk, text=chunk.text if index == 0 else "", done=done)
             self.finished |= done
             if done and self.trace is not None:
                 self.trace.finish(chunk)
