@@ -13,6 +13,7 @@ from sluice.inference.v1 import inference_pb2
 
 from sluice_common.amqp import EventTopology, OutgoingMessage
 from sluice_gateway.path.completion_events import EVENT_TYPE, CompletionEvents, CompletionTracker
+from sluice_gateway.path.stream_record import StreamRecord
 from sluice_common.tenants import Tenant
 
 LOGGED = Tenant("acme", text_logging=True)
@@ -50,15 +51,20 @@ class FakePublisher:
         self.submitted.append(message)
 
 
+def record(tenant: Tenant) -> StreamRecord:
+    """The stream's record, as the path makes it for a tenant (its text kept only when logged)."""
+    return StreamRecord(keep_text=tenant.text_logging)
+
+
 def tracker(tenant: Tenant = LOGGED, **extra: Any) -> CompletionTracker:
-    return CompletionTracker(CompletionEvents(None, EventTopology("t")), tenant, request(**extra), "req-1")
+    return CompletionTracker(CompletionEvents(None, EventTopology("t")), tenant, request(**extra), "req-1", record(tenant))
 
 
 def test_a_finished_stream_carries_text_usage_timings_and_ids() -> None:
     t = tracker(response_format=types_pb2.RESPONSE_FORMAT_JSON_OBJECT)
     for piece in ("The", " capital", " is"):
-        t.add(chunk(piece))
-    t.add(final_chunk(" Paris."))
+        t.record.observe(chunk(piece))
+    t.record.observe(final_chunk(" Paris."))
     t.job_id, t.custom_id = "job-1", "row-9"
     event = t.build()
     assert event.event_id and len(event.event_id) == 32
@@ -82,8 +88,8 @@ def test_a_finished_stream_carries_text_usage_timings_and_ids() -> None:
 
 def test_a_cancelled_stream_is_cancelled_with_the_gateways_own_timings() -> None:
     t = tracker()
-    t.add(chunk("The"))
-    t.add(chunk(" capital"))
+    t.record.observe(chunk("The"))
+    t.record.observe(chunk(" capital"))
     event = t.build(grpc.StatusCode.CANCELLED, cancelled=True)
     assert event.finish_reason == types_pb2.FINISH_REASON_CANCELLED
     assert not event.error_code
@@ -105,7 +111,7 @@ def test_a_deadline_is_a_cancellation_with_its_code() -> None:
 
 def test_a_failed_stream_is_an_error_with_its_status_code() -> None:
     t = tracker()
-    t.add(chunk("The"))
+    t.record.observe(chunk("The"))
     event = t.build(grpc.StatusCode.UNAVAILABLE)
     assert event.finish_reason == types_pb2.FINISH_REASON_ERROR
     assert event.error_code == "UNAVAILABLE"
@@ -118,8 +124,8 @@ def test_a_failed_stream_is_an_error_with_its_status_code() -> None:
 
 def test_text_is_left_out_for_a_tenant_without_text_logging() -> None:
     t = tracker(PRIVATE, prompt="a raw prompt with a secret")
-    t.add(chunk("secret"))
-    t.add(final_chunk(" answer"))
+    t.record.observe(chunk("secret"))
+    t.record.observe(final_chunk(" answer"))
     event = t.build()
     assert event.tenant == "hush" and not event.text_logged
     assert event.output == "" and event.prompt == "" and len(event.messages) == 0
@@ -129,7 +135,7 @@ def test_text_is_left_out_for_a_tenant_without_text_logging() -> None:
     assert event.usage.completion_tokens == 3 and event.timings.total_time_ms == 70
     assert event.sampling.max_tokens == 16
     # The output is not even accumulated.
-    assert t._parts == []  # noqa: SLF001
+    assert t.record.parts == []
 
 
 def test_the_event_is_submitted_only_when_published() -> None:
@@ -137,9 +143,9 @@ def test_the_event_is_submitted_only_when_published() -> None:
     nothing goes out before, whatever the chunks."""
     publisher = FakePublisher()
     events = CompletionEvents(publisher, EventTopology("t"))  # type: ignore[arg-type]
-    t = CompletionTracker(events, LOGGED, request(), "req-1")
-    t.add(chunk("Paris"))
-    t.add(final_chunk("."))
+    t = CompletionTracker(events, LOGGED, request(), "req-1", record(LOGGED))
+    t.record.observe(chunk("Paris"))
+    t.record.observe(final_chunk("."))
     assert publisher.submitted == []
     t.publish()
     (message,) = publisher.submitted
@@ -153,8 +159,8 @@ def test_the_event_is_submitted_only_when_published() -> None:
 def test_a_cancelled_call_is_reported_as_cancelled() -> None:
     publisher = FakePublisher()
     events = CompletionEvents(publisher, EventTopology("t"))  # type: ignore[arg-type]
-    t = CompletionTracker(events, PRIVATE, request(), "req-2")
-    t.add(chunk("half"))
+    t = CompletionTracker(events, PRIVATE, request(), "req-2", record(PRIVATE))
+    t.record.observe(chunk("half"))
     t.publish(grpc.StatusCode.CANCELLED, cancelled=True)
     event = events_pb2.CompletionEvent.FromString(publisher.submitted[0].body)
     assert event.finish_reason == types_pb2.FINISH_REASON_CANCELLED and not event.text_logged and not event.output
@@ -166,10 +172,10 @@ def test_publishing_never_raises() -> None:
             raise RuntimeError("outbox exploded")
 
     events = CompletionEvents(Broken(), EventTopology("t"))  # type: ignore[arg-type]
-    CompletionTracker(events, LOGGED, request(), "req-3").publish()  # logged, not raised
+    CompletionTracker(events, LOGGED, request(), "req-3", record(LOGGED)).publish()  # logged, not raised
 
 
 def test_nothing_is_published_when_logging_is_off() -> None:
     events = CompletionEvents(None, EventTopology("t"))
     assert not events.enabled  # the path then makes no tracker at all
-    CompletionTracker(events, LOGGED, request(), "req-4").publish()  # and a stray one sends nothing
+    CompletionTracker(events, LOGGED, request(), "req-4", record(LOGGED)).publish()  # and a stray one sends nothing

@@ -1,8 +1,8 @@
 """Admission: a lease from the rate-limit service before dispatch, real usage committed after.
 
     reservation = generation_reservation(request)        # or embedding_reservation(request)
-    ticket = await admission.admit(tenant, reservation, context.time_remaining())   # may raise
-    ... stream, calling ticket.observe(chunk) for each adapter chunk (Embed: ticket.record(usage)) ...
+    ticket = await admission.admit(tenant, reservation, context.time_remaining(), record)   # may raise
+    ... stream, the GenerateStream updating the record with each adapter chunk (Embed: ticket.record(usage)) ...
     ticket.settle()                                                                  # in `finally`
 
 Every call costs one request. Tokens reserved: the estimated input + max_tokens (0 for Embed). The
@@ -13,7 +13,9 @@ framing: for a chat, 4 tokens per message (ChatML) and 32 for what a chat templa
 [SEP]). Commit sends the real usage (Generate: the final chunk's prompt + completion tokens;
 Embed: the reply's usage), so the difference is refunded at once; a call that ends without usage
 (cancelled, failed, or an adapter that reports none) commits the input estimate plus the tokens
-the chunks carried.
+the chunks carried. The ticket keeps no count of its own: it reads the stream's StreamRecord
+(stream_record.py), the one account of the stream that the CompletionEvent and the default
+deadline read too.
 
 Failures: Acquire is bounded by SLUICE_GATEWAY_RATELIMIT_TIMEOUT_S and by the request's deadline,
 so a call never hangs on an unreachable rate-limit. Then the policy applies: "closed" (default)
@@ -36,12 +38,12 @@ from google.protobuf import duration_pb2
 from prometheus_client import Counter, Histogram
 from sluice.common.v1 import types_pb2
 from sluice.gateway.v1 import gateway_pb2
-from sluice.inference.v1 import inference_pb2
 from sluice.ratelimit.v1 import ratelimit_pb2, ratelimit_pb2_grpc
 
 from sluice_common.errors import ResourceExhausted, Unavailable
 from sluice_common.prompt_tokens import estimate_prompt_tokens, guess_text_tokens
 from sluice_common.request_context import current_request_id, outgoing_metadata
+from sluice_gateway.path.stream_record import StreamRecord
 
 log = structlog.stdlib.get_logger("sluice.gateway.admission")
 
@@ -169,32 +171,24 @@ def _seconds(duration: duration_pb2.Duration) -> float:
 
 @dataclass
 class Ticket:
-    """One admitted call: its lease, the headers to send, and what the call really used."""
+    """One admitted call: its lease, the headers to send, and the record of what the call used."""
 
     admission: Admission | None = None
     lease_id: str = ""
     metadata: tuple[tuple[str, str], ...] = ()
     # The estimated input (prompt, or Embed's inputs): committed, plus the chunks' tokens, without usage.
     estimated_input_tokens: int = 0
-    completion_tokens: int = 0
-    used_tokens: int | None = None
     # The requests-per-minute budget's limit, when the lease has one (x-ratelimit-limit-requests
     # holds the in-flight limit when the tenant has no per-minute budget): the job worker's rate.
     requests_per_minute: float | None = None
+    # What the call used, read when the lease is settled: a Generate's stream record (its
+    # GenerateStream updates it), or an Embed's, which holds only the reply's usage (`record`).
+    stream: StreamRecord = field(default_factory=StreamRecord)
     _settled: bool = field(default=False, repr=False)
 
-    def observe(self, chunk: inference_pb2.GenerateResponse) -> None:
-        self.completion_tokens += chunk.token_count
-        if chunk.HasField("usage"):
-            self.record(chunk.usage)
-
     def record(self, usage: types_pb2.Usage) -> None:
-        """The real usage of the call, committed by `settle`. An empty one (an adapter that does
-        not count) is ignored: every call uses at least one token, and committing 0 would refund
-        the whole reservation of work that was done."""
-        used = usage.total_tokens or usage.prompt_tokens + usage.completion_tokens
-        if used > 0:
-            self.used_tokens = used
+        """An Embed reply's usage, committed by `settle` (an empty one commits the estimate)."""
+        self.stream.usage = usage
 
     def settle(self) -> asyncio.Task[None] | None:
         """Commits the real usage in the background; safe to call more than once and when cancelled.
@@ -202,8 +196,7 @@ class Ticket:
         if self._settled or not self.lease_id or self.admission is None:
             return None
         self._settled = True
-        used = self.used_tokens if self.used_tokens is not None else self.estimated_input_tokens + self.completion_tokens
-        return self.admission.commit_later(self.lease_id, used)
+        return self.admission.commit_later(self.lease_id, self.stream.used_tokens(self.estimated_input_tokens))
 
     async def settle_before_end(self, wait_s: float = END_COMMIT_WAIT_S) -> None:
         """Settles, and waits (at most `wait_s`) for the commit to be answered: a client that sends
@@ -221,10 +214,12 @@ class Admission:
         self._timeout_s = timeout_s
         self._pending: set[asyncio.Task[None]] = set()
 
-    async def admit(self, tenant: str, reservation: Reservation, time_remaining: float | None) -> Ticket:
-        """A lease for one call (Generate or Embed), or RESOURCE_EXHAUSTED / UNAVAILABLE."""
+    async def admit(self, tenant: str, reservation: Reservation, time_remaining: float | None, record: StreamRecord | None = None) -> Ticket:
+        """A lease for one call (Generate or Embed), or RESOURCE_EXHAUSTED / UNAVAILABLE. `record`:
+        the stream's, which the commit reads (None: an Embed's, which `Ticket.record` fills)."""
+        record = StreamRecord() if record is None else record
         if self._stub is None:
-            return Ticket()
+            return Ticket(stream=record)
         model = reservation.model
         timeout = self._timeout_s if time_remaining is None else max(0.0, min(self._timeout_s, time_remaining))
         acquire = ratelimit_pb2.AcquireRequest(
@@ -241,7 +236,7 @@ class Admission:
         try:
             reply = await self._stub.Acquire(acquire, timeout=timeout, metadata=outgoing_metadata())
         except grpc.aio.AioRpcError as exc:
-            return self._unreachable(exc)
+            return self._unreachable(exc, record)
         finally:
             WAIT_SECONDS.observe(time.perf_counter() - started)
         if not reply.allowed:
@@ -263,13 +258,13 @@ class Admission:
         DECISIONS.labels("shadow" if reply.shadow else "allowed").inc()
         per_minute = next((b.limit for b in reply.budgets if b.budget == _B.BUDGET_REQUESTS_PER_MINUTE and b.limit > 0), None)
         headers = ratelimit_headers(list(reply.budgets))
-        return Ticket(self, reply.lease_id, headers, reservation.estimated_input_tokens, requests_per_minute=per_minute)
+        return Ticket(self, reply.lease_id, headers, reservation.estimated_input_tokens, requests_per_minute=per_minute, stream=record)
 
-    def _unreachable(self, exc: grpc.aio.AioRpcError) -> Ticket:
+    def _unreachable(self, exc: grpc.aio.AioRpcError, record: StreamRecord) -> Ticket:
         log.warning("ratelimit_unreachable", code=exc.code().name, details=exc.details(), policy=self._policy)
         if self._policy == "open":
             DECISIONS.labels("unreachable_open").inc()
-            return Ticket()
+            return Ticket(stream=record)
         DECISIONS.labels("unreachable_closed").inc()
         raise Unavailable(f"the rate-limit service is unreachable ({exc.code().name}); retry later")
 

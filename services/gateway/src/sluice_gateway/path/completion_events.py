@@ -1,14 +1,24 @@
-"""CompletionEvents: accumulated while a stream runs, published only after it has closed.
+"""CompletionEvents: built from a stream's record, published only after the stream has ended.
 
-The InferencePath starts a `CompletionTracker` for each generation and feeds it each adapter chunk;
-the front publishes it once the client's stream has closed (the gRPC call's done-callback, the HTTP
-response's end; a job row when it finishes), so the event is built and handed to the background
-publisher after the stream has finished, been cancelled or failed: logging never delays a token or
-the stream's end, and the publisher is never awaited on the request path (sluice_common.amqp.ConfirmingPublisher: pipelined
-confirms, bounded outbox, retry until confirmed, spill file, drop counter).
+For each generation (when events are on) the InferencePath makes a `CompletionTracker` over the
+stream's StreamRecord (stream_record.py: the one account of its timings, token counts, text and
+final chunk, which its GenerateStream updates as the chunks come) and publishes it when the stream
+is over, however its front learns that (inference_path.InferencePath.generate):
+
+- gRPC: when the front reports that the client's stream has closed (the call's done-callback, which
+  the servicer hands the path as `when_closed`), with the status it closed with;
+- a bulk row: when the row's final chunk arrives (a failed attempt publishes nothing: the worker
+  retries it);
+- HTTP: when the path's `async with` ends, with the status of the exception that ended it;
+- a request refused before its stream (validation, admission): at once, as an error.
+
+The event is built and handed to the background publisher only then, after the stream has finished,
+been cancelled or failed: logging never delays a token or the stream's end, and the publisher is
+never awaited on the request path (sluice_common.amqp.ConfirmingPublisher: pipelined confirms,
+bounded outbox, retry until confirmed, spill file, drop counter).
 
 A tenant with `text_logging = false` gets only metadata published: no prompt, messages or output
-ever leave the gateway (and the output is not even accumulated).
+ever leave the gateway (and the output is not even kept: its record keeps no text).
 """
 
 from __future__ import annotations
@@ -29,6 +39,7 @@ from sluice_common import tracing
 from sluice_common.amqp import ConfirmingPublisher, EventTopology, OutgoingMessage, PublisherMetrics
 from sluice_common.supervision import Supervisor
 from sluice_common.tenants import Tenant
+from sluice_gateway.path.stream_record import StreamRecord
 
 log = structlog.stdlib.get_logger("sluice.gateway.events")
 
@@ -42,43 +53,21 @@ def _timestamp(epoch_s: float) -> timestamp_pb2.Timestamp:
 
 
 class CompletionTracker:
-    """What one Generate call produced, gathered while it streams."""
+    """One Generate call's event: the request, and the record its stream keeps (read at `build`)."""
 
-    __slots__ = (
-        "_events", "_tenant", "_request", "_request_id", "_parts", "_started_wall", "_started",
-        "_first_token", "_last_token", "_chunks", "_final", "job_id", "custom_id", "_trace_context",
-    )  # fmt: skip
+    __slots__ = ("_events", "_tenant", "_request", "_request_id", "record", "job_id", "custom_id", "_trace_context")
 
-    def __init__(self, events: CompletionEvents, tenant: Tenant, request: gateway_pb2.GenerateRequest, request_id: str) -> None:
+    def __init__(self, events: CompletionEvents, tenant: Tenant, request: gateway_pb2.GenerateRequest, request_id: str, record: StreamRecord) -> None:
         self._events = events
         self._tenant = tenant
         self._request = request
         self._request_id = request_id
-        self._parts: list[str] = []
-        self._started_wall = time.time()
-        self._started = time.perf_counter()
-        self._first_token: float | None = None
-        self._last_token: float | None = None
-        self._chunks = 0
-        self._final: Any = None
+        self.record = record
         self.job_id = ""
         self.custom_id = ""
         # The request's trace context, for the event's message: the event is published from a
         # done-callback, where the request's context is no longer current.
         self._trace_context = tracing.current_context()
-
-    def add(self, chunk: Any) -> None:
-        """One adapter response (text delta; usage, timings and finish reason on the last)."""
-        if chunk.text:
-            now = time.perf_counter()
-            if self._first_token is None:
-                self._first_token = now
-            self._last_token = now
-            self._chunks += 1
-            if self._tenant.text_logging:
-                self._parts.append(chunk.text)
-        if chunk.finish_reason:
-            self._final = chunk
 
     def publish(self, code: grpc.StatusCode | None = None, cancelled: bool = False) -> None:
         """Builds the event for the call as it ended and hands it to the publisher. Never raises."""
@@ -90,7 +79,8 @@ class CompletionTracker:
     def build(self, code: grpc.StatusCode | None = None, cancelled: bool = False) -> events_pb2.CompletionEvent:
         """The event for the call as it ended: `code` is the status the call closed with (None or OK
         when it finished) and `cancelled` whether the client cancelled it. Plain domain logic: no I/O."""
-        request, final = self._request, self._final
+        request, record = self._request, self.record
+        final = record.final
         finished_wall = time.time()
         event = events_pb2.CompletionEvent(
             event_id=uuid.uuid4().hex,
@@ -102,7 +92,7 @@ class CompletionTracker:
             text_logged=self._tenant.text_logging,
             sampling=request.sampling,
             response_format=request.response_format,
-            started_at=_timestamp(self._started_wall),
+            started_at=_timestamp(record.started_wall),
             finished_at=_timestamp(finished_wall),
             job_id=self.job_id,
             custom_id=self.custom_id,
@@ -112,7 +102,7 @@ class CompletionTracker:
         if self._tenant.text_logging:
             event.messages.extend(request.messages)
             event.prompt = request.prompt
-            event.output = "".join(self._parts)
+            event.output = "".join(record.parts)
         if final is not None:
             event.finish_reason = final.finish_reason
             event.usage.CopyFrom(final.usage)
@@ -125,14 +115,15 @@ class CompletionTracker:
             else:
                 event.finish_reason = types_pb2.FINISH_REASON_ERROR
                 event.error_code = code.name if isinstance(code, grpc.StatusCode) else "UNKNOWN"
-            # Without the adapter's final message, the gateway's own clock is the best account.
-            event.usage.completion_tokens = self._chunks
-            end = self._last_token or time.perf_counter()
-            event.timings.total_time_ms = (end - self._started) * 1000
-            if self._first_token is not None:
-                event.timings.time_to_first_token_ms = (self._first_token - self._started) * 1000
-                if self._chunks > 1 and self._last_token is not None:
-                    event.timings.mean_inter_token_ms = (self._last_token - self._first_token) * 1000 / (self._chunks - 1)
+            # Without the adapter's final message, the gateway's own account: the record's clock
+            # (from arrival) and the tokens the chunks carried.
+            first_s, tokens, total_s = record.timing()
+            event.usage.completion_tokens = tokens
+            event.timings.total_time_ms = total_s * 1000
+            if first_s is not None:
+                event.timings.time_to_first_token_ms = first_s * 1000
+                if tokens > 1:
+                    event.timings.mean_inter_token_ms = (total_s - first_s) * 1000 / (tokens - 1)
         return event
 
 

@@ -28,7 +28,10 @@ completion tokens. This is the one fan-out: gRPC's Generate takes one prompt.
 
     reply, ticket = await path.embed_with_ticket(tenant, request, request_id, time_remaining)
 
-The CompletionEvent (when events are on) is gathered while the stream runs and published:
+Each stream keeps one account of itself, a StreamRecord (stream_record.py) made at its arrival and
+updated once per chunk: its timings (one clock), completion tokens, final usage, text and final chunk.
+The lease's commit, the CompletionEvent and the default deadline's p99s all read it. The
+CompletionEvent (when events are on) is built from it and published:
 - `when_closed` given (gRPC): when the front reports that its client's stream has closed, with the
   status it closed with (the servicer passes the call context's done-callback);
 - `row` given (a bulk row: job id, custom id): when the row's final chunk arrives; a failed attempt
@@ -78,6 +81,7 @@ from sluice_gateway.path.completion_events import CompletionEvents, CompletionTr
 from sluice_gateway.path.default_deadline import DefaultDeadline
 from sluice_gateway.path.generation_trace import start_generation
 from sluice_gateway.path.model_catalog import ModelCatalog
+from sluice_gateway.path.stream_record import StreamRecord
 from sluice_gateway.path.tool_calls import ToolCallParser, ToolPlan, plan, render
 from sluice_common.tenants import Tenant
 
@@ -126,13 +130,16 @@ def status_of(exc: BaseException | None) -> tuple[Any, bool]:
 
 @dataclass
 class GenerateStream:
-    """An admitted adapter stream (n of them merged for n > 1); iterating it records each chunk's
-    usage on the ticket and feeds the CompletionEvent (choice 0's text, the request's usage)."""
+    """An admitted adapter stream (n of them merged for n > 1); iterating it updates the stream's
+    record with each chunk (stream_record.py), which the lease's commit, the CompletionEvent
+    (choice 0's text, the request's usage) and the default deadline read."""
 
     ticket: Ticket
     call: Any
-    tracker: CompletionTracker | None = None
-    on_chunk: Callable[[Any], None] | None = None
+    # The one account of the stream: its timings, tokens, text and final chunk (the ticket's too).
+    record: StreamRecord
+    # Called once, when the request's final chunk has come (a bulk row publishes its event then).
+    on_end: Callable[[], None] | None = None
     # Every adapter call of the request (choice i is calls[i]); empty: `call` alone.
     calls: list[Any] = field(default_factory=list)
     # The choice (0..n-1; with several prompts, prompt i's choice j is i x n + j) of the chunk the
@@ -140,11 +147,6 @@ class GenerateStream:
     index: int = 0
     # n: the calls are consecutive groups of n choices, one group per prompt.
     choices_per_prompt: int = 0
-    # For the default deadline's p99s: monotonic times of arrival, first token and last chunk.
-    arrived_at: float = 0.0
-    first_token_at: float | None = None
-    last_chunk_at: float | None = None
-    tokens: int = 0
     finished: bool = False
     trace: Any = None  # generation_trace.GenerationTrace while tracing is on
     # The request's tools: each choice's text parsed for calls (the client sees the calls, the
@@ -170,36 +172,26 @@ class GenerateStream:
         return shown
 
     def timing(self, cut: bool = False) -> tuple[float | None, int, float]:
-        """(seconds from arrival to the first token, None when none came; tokens; seconds from
-        arrival to the last chunk, or to now when the stream was cut off or sent nothing)."""
-        end = time.monotonic() if cut or self.last_chunk_at is None else self.last_chunk_at
-        first = None if self.first_token_at is None else self.first_token_at - self.arrived_at
-        return first, self.tokens, end - self.arrived_at
+        """The record's (first token, tokens, total) seconds from arrival: StreamRecord.timing."""
+        return self.record.timing(cut)
 
     async def __aiter__(self) -> AsyncIterator[inference_pb2.GenerateResponse]:
         choices = _Choices(len(self.calls), self.choices_per_prompt or len(self.calls)) if len(self.calls) > 1 else None
         async for index, chunk in _merge(self.calls) if choices is not None else _single(self.call):
             if choices is not None:
                 chunk = choices.final(index, chunk) if chunk.finish_reason else chunk
-            now = time.monotonic()
-            self.last_chunk_at = now
-            if self.first_token_at is None and (chunk.text or chunk.token_count):
-                self.first_token_at = now
-            self.tokens = chunk.usage.completion_tokens if chunk.HasField("usage") else self.tokens + chunk.token_count
             done = bool(chunk.finish_reason) and (choices is None or choices.left == 0)
+            # The event records choice 0's text, all of it (its final chunk's too, whichever choice ends the request).
+            self.record.observe(chunk, text=chunk.text if index == 0 else "", done=done)
             self.finished |= done
             if done and self.trace is not None:
                 self.trace.finish(chunk)
-            self.ticket.observe(chunk)
             self.index = index
             if done:
                 # Committed, and answered, before the client hears the end (Ticket.settle_before_end).
                 await self.ticket.settle_before_end()
-            tracked = chunk if choices is None else choices.tracked(index, chunk, done)
-            if self.tracker is not None and tracked is not None:
-                self.tracker.add(tracked)
-            if self.on_chunk is not None and tracked is not None:
-                self.on_chunk(tracked)
+                if self.on_end is not None:
+                    self.on_end()
             yield self._for_client(index, chunk)
 
 
@@ -269,18 +261,6 @@ class _Choices:
             ))  # fmt: skip
         return merged
 
-    def tracked(self, index: int, chunk: Any, done: bool) -> Any | None:
-        """What the CompletionEvent sees: choice 0's text, and the request's final chunk."""
-        if index == 0 and not chunk.finish_reason:
-            return chunk
-        if not done:
-            return None
-        final = type(chunk)()
-        final.CopyFrom(chunk)
-        if index != 0:
-            final.text = ""
-        return final
-
 
 class InferencePath:
     def __init__(
@@ -314,12 +294,6 @@ class InferencePath:
         validate_priority_class(request.priority_class)
         validate_recorded(request.user, request.metadata)
 
-    def _tracker(self, tenant: Tenant, request: gateway_pb2.GenerateRequest, request_id: str) -> CompletionTracker | None:
-        events = self.completion_events
-        if events is None or not events.enabled:
-            return None
-        return CompletionTracker(events, tenant, request, request_id)
-
     @contextlib.asynccontextmanager
     async def generate(
         self,
@@ -337,21 +311,21 @@ class InferencePath:
         requests = request if isinstance(request, list) else [request]
         request = requests[0]
         span = start_generation(request, tenant.name, row)  # first: the tracker keeps its context
-        tracker = self._tracker(tenant, request, request_id)
-        on_chunk = None
-        if tracker is not None and row is not None:
+        events = self.completion_events if self.completion_events is not None and self.completion_events.enabled else None
+        # The stream's one account, from its arrival: the commit, the event and the deadlines read it.
+        record = StreamRecord(keep_text=events is not None and tenant.text_logging)
+        arrived_at = record.arrived_at
+        tracker = None if events is None else CompletionTracker(events, tenant, request, request_id, record)
+        on_end = None
+        if events is not None and tracker is not None and row is not None:
             tracker.job_id, tracker.custom_id = row
-            events = self.completion_events
-            assert events is not None
 
-            def on_chunk(chunk: Any) -> None:
-                if chunk.finish_reason:
-                    events.submit(tracker.build(None))
+            def on_end() -> None:
+                events.submit(tracker.build(None))
 
         elif tracker is not None and when_closed is not None:
             when_closed(lambda code, cancelled: tracker.publish(code, cancelled))
         ended: BaseException | None = None
-        arrived_at = time.monotonic()
         default_s: float | None = None
         if time_remaining is None and self.default_deadline is not None:
             # max_tokens omitted: the most the defaults below can give it (a longer deadline, not a shorter one).
@@ -381,15 +355,13 @@ class InferencePath:
                 for index in range(n)
             ]
             # A lease from rate-limit (or RESOURCE_EXHAUSTED / UNAVAILABLE); settled in `finally`.
-            ticket = await self.admission.admit(tenant.name, combined(reservations), time_remaining)
+            ticket = await self.admission.admit(tenant.name, combined(reservations), time_remaining, record)
             if default_s is not None:  # the default runs from arrival: what admission took is spent
                 time_remaining = max(0.001, arrived_at + default_s - time.monotonic())
             # The caller's deadline bounds the adapter's work; cancelling this call stops it there.
             await self._adapter_replica(time_remaining)
             calls = [self.adapter.Generate(d, timeout=time_remaining, metadata=outgoing_metadata()) for d in downstream]
-            stream = GenerateStream(
-                ticket, calls[0], tracker, on_chunk, calls=calls, arrived_at=arrived_at, trace=span, tools=tools, choices_per_prompt=n
-            )
+            stream = GenerateStream(ticket, calls[0], record, on_end, calls=calls, trace=span, tools=tools, choices_per_prompt=n)
             try:
                 yield stream
             except grpc.aio.AioRpcError as exc:
@@ -399,7 +371,7 @@ class InferencePath:
                 DEFAULT_DEADLINES_EXCEEDED.labels(kind="generate").inc()
                 raise DeadlineExceeded(
                     f"the request set no deadline and ran past the gateway's default of {default_s:.1f}s"
-                    f" ({self._basis('generate', request.sampling.max_tokens)}) after {stream.tokens} tokens;"
+                    f" ({self._basis('generate', request.sampling.max_tokens)}) after {record.tokens} tokens;"
                     " set a deadline (gRPC timeout) to choose your own"
                 ) from exc
             else:
@@ -421,7 +393,7 @@ class InferencePath:
     def _observe_stream(self, stream: GenerateStream, cut: bool) -> None:
         if self.default_deadline is None:
             return
-        self.default_deadline.observe_stream(*stream.timing(cut))
+        self.default_deadline.observe_stream(*stream.record.timing(cut))
         self._publish_p99s()
 
     def _publish_p99s(self) -> None:
