@@ -16,23 +16,35 @@ from sluice_gateway.jobs.job import (
     JSON,
     PACED,
     TRANSIENT,
+    ADMITTED_TYPE,
+    REQUEST_TYPE,
     JobRejected,
+    authenticate_job,
     backoff_s,
     code_of,
     completion_window_s,
     encode_reply,
     expired_result,
     format_duration,
+    job_message_type,
     paced_delay_s,
+    parse_admitted,
     parse_job,
     row_tasks,
     validate_job,
 )
-from sluice_common.tenants import TenantDirectory
+from sluice_common.tenants import Tenant, TenantDirectory
 
 TENANTS_FILE = Path(__file__).resolve().parents[3] / "config" / "tenants.toml"
 TENANTS = TenantDirectory.from_file(TENANTS_FILE)
 KEY = "sk-sluice-demo"
+
+
+def intake(job: jobs_pb2.JobRequest, max_rows: int = 100) -> Tenant:
+    """What the worker does with a producer's JobRequest: its key checked once, then the rest."""
+    tenant = authenticate_job(job, TENANTS)
+    validate_job(job, tenant.name, max_rows)
+    return tenant
 
 
 def job_json(**overrides: object) -> bytes:
@@ -58,7 +70,7 @@ def job_json(**overrides: object) -> bytes:
 
 def test_the_readme_json_parses_and_validates() -> None:
     job = parse_job(job_json(), "application/json")
-    tenant = validate_job(job, TENANTS, 100)
+    tenant = intake(job)
     assert tenant.name == "demo"
     assert [r.custom_id for r in job.rows] == ["a", "b"]
     assert job.rows[0].generate.sampling.max_tokens == 4
@@ -111,14 +123,72 @@ def test_unparsable_bodies_are_rejected_with_what_can_be_salvaged(body: bytes, r
 def test_malformed_jobs_are_rejected_with_a_reason(overrides: dict[str, object], reason: str) -> None:
     job = parse_job(job_json(**overrides), "application/json")
     with pytest.raises(JobRejected) as caught:
-        validate_job(job, TENANTS, 100)
+        intake(job)
     assert reason in caught.value.reason
     assert caught.value.reply_to == "my-results"
 
 
 def test_too_many_rows() -> None:
     with pytest.raises(JobRejected, match="at most 1 per job"):
-        validate_job(parse_job(job_json(), JSON), TENANTS, 1)
+        intake(parse_job(job_json(), JSON), max_rows=1)
+
+
+def test_a_bad_key_is_rejected_with_what_the_producer_needs_and_no_tenant() -> None:
+    with pytest.raises(JobRejected) as caught:
+        intake(parse_job(job_json(api_key="sk-wrong"), JSON))
+    rejection = caught.value
+    assert (rejection.reason, rejection.job_id, rejection.reply_to, rejection.tenant) == ("api_key: invalid API key", "job-1", "my-results", "")
+
+
+def test_the_job_checks_but_the_key_name_the_tenant_in_their_rejection_and_ids_do_not() -> None:
+    job = parse_job(job_json(rows=[]), JSON)
+    with pytest.raises(JobRejected) as caught:
+        validate_job(job, "demo", 100)
+    assert caught.value.tenant == "demo"  # so the worker records the job as failed for it
+    job = parse_job(job_json(job_id=""), JSON)
+    with pytest.raises(JobRejected) as caught:
+        validate_job(job, "demo", 100)
+    assert caught.value.tenant == ""  # no usable id: nothing to record
+
+
+@pytest.mark.parametrize(
+    ("message_type", "kind"),
+    [
+        ("", REQUEST_TYPE),  # the producer contract never asked for a type
+        ("sluice.jobs.v1.JobRequest", REQUEST_TYPE),
+        ("my-app.job", REQUEST_TYPE),  # a producer's own label: still a JobRequest
+        ("sluice.jobs.v1.AdmittedJob", ADMITTED_TYPE),
+        ("sluice.jobs.v1.RowTask", None),  # Sluice's, but not for this queue
+        ("sluice.jobs.v2.AdmittedJob", None),  # a newer gateway's: dead-lettered, never misread
+    ],
+)
+def test_job_messages_are_told_apart_by_their_amqp_type(message_type: str, kind: str | None) -> None:
+    assert job_message_type(message_type) == kind
+
+
+def test_an_admitted_job_names_its_tenant_and_carries_no_key() -> None:
+    job = parse_job(job_json(api_key=""), JSON)
+    admitted = jobs_pb2.AdmittedJob(job=job, tenant="private", text_logging=False)
+    parsed, tenant = parse_admitted(admitted.SerializeToString(), "application/x-protobuf")
+    assert parsed == job and tenant == Tenant("private", text_logging=False)
+    validate_job(parsed, tenant.name, 100)
+    # The reply_to property stands in for an empty one, as for a JobRequest.
+    job.reply_to = ""
+    parsed, _ = parse_admitted(jobs_pb2.AdmittedJob(job=job, tenant="demo").SerializeToString(), "", "from-property")
+    assert parsed.reply_to == "from-property"
+
+
+@pytest.mark.parametrize(
+    ("body", "content_type", "reason"),
+    [
+        (jobs_pb2.AdmittedJob(job=jobs_pb2.JobRequest(job_id="j", reply_to="q")).SerializeToString(), "application/x-protobuf", "names its tenant"),
+        (b"\xff\xff not protobuf", "application/x-protobuf", "not an AdmittedJob"),
+        (b"{}", "application/json", "unsupported content type"),
+    ],
+)
+def test_a_malformed_admitted_job_is_rejected(body: bytes, content_type: str, reason: str) -> None:
+    with pytest.raises(JobRejected, match=reason):
+        parse_admitted(body, content_type)
 
 
 def test_replies_are_json_with_proto_field_names_or_protobuf() -> None:
@@ -142,7 +212,7 @@ def test_error_classes_and_backoff() -> None:
 
 def test_the_completion_window_is_a_json_duration_or_the_default() -> None:
     job = parse_job(job_json(completion_window="3600s"), JSON)
-    validate_job(job, TENANTS, 100)
+    intake(job)
     assert completion_window_s(job, 86400.0) == 3600.0
     assert completion_window_s(parse_job(job_json(completion_window="0.5s"), JSON), 86400.0) == 0.5
     assert completion_window_s(parse_job(job_json(), JSON), 86400.0) == 86400.0
@@ -153,9 +223,9 @@ def test_the_completion_window_is_a_json_duration_or_the_default() -> None:
 @pytest.mark.parametrize("window", ["0s", "-5s", "604801s"])
 def test_a_completion_window_out_of_range_is_rejected(window: str) -> None:
     with pytest.raises(JobRejected, match="completion_window") as caught:
-        validate_job(parse_job(job_json(completion_window=window), JSON), TENANTS, 100)
+        intake(parse_job(job_json(completion_window=window), JSON))
     assert caught.value.tenant == "demo"  # recorded as a failed job of the tenant
-    validate_job(parse_job(job_json(completion_window="604800s"), JSON), TENANTS, 100)  # the longest allowed
+    intake(parse_job(job_json(completion_window="604800s"), JSON))  # the longest allowed
 
 
 def test_a_completion_window_that_is_not_a_duration_is_rejected() -> None:

@@ -30,16 +30,16 @@ def job_request(job_id: str, rows: int, window: duration_pb2.Duration | None = N
 
 
 async def test_submit_sets_the_window_and_rejects_a_bad_one(store: JobStore) -> None:
-    published: list[jobs_pb2.JobRequest] = []
+    published: list[jobs_pb2.AdmittedJob] = []
     api = JobsApi(store, TENANTS, published.append, max_rows=10, completion_window_s=86400.0)
     tenant = TENANTS.authenticate(f"Bearer {KEY}")
-    default = await api.submit(tenant, KEY, job_request("d", 1))
+    default = await api.submit(tenant, job_request("d", 1))
     assert default.expires_at.ToSeconds() - default.created_at.ToSeconds() in (86399, 86400)
-    short = await api.submit(tenant, KEY, job_request("s", 1, duration_pb2.Duration(seconds=60)))
+    short = await api.submit(tenant, job_request("s", 1, duration_pb2.Duration(seconds=60)))
     assert short.expires_at.ToSeconds() - short.created_at.ToSeconds() in (59, 60)
     with pytest.raises(InvalidArgument, match="completion_window"):
-        await api.submit(tenant, KEY, job_request("bad", 1, duration_pb2.Duration(seconds=0)))
-    assert [j.job_id for j in published] == ["d", "s"]
+        await api.submit(tenant, job_request("bad", 1, duration_pb2.Duration(seconds=0)))
+    assert [a.job.job_id for a in published] == ["d", "s"]
 
 
 async def test_watch_follows_finalizing_and_ends_on_completed(store: JobStore) -> None:

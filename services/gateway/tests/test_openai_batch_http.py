@@ -45,7 +45,7 @@ class _Models:
 
 
 class Setup:
-    def __init__(self, client: TestClient, store: JobStore, published: list[jobs_pb2.JobRequest]) -> None:
+    def __init__(self, client: TestClient, store: JobStore, published: list[jobs_pb2.AdmittedJob]) -> None:
         self.client = client
         self.store = store
         self.published = published
@@ -65,7 +65,7 @@ class Setup:
 async def setup(tmp_path: Path) -> AsyncIterator[Setup]:
     store = JobStore.create("", tmp_path / "jobs.sqlite3")
     await store.open()
-    published: list[jobs_pb2.JobRequest] = []
+    published: list[jobs_pb2.AdmittedJob] = []
     jobs = JobsApi(store, TENANTS, published.append, max_rows=10, completion_window_s=86400.0)
     models = ModelCatalog(_Models())  # type: ignore[arg-type]
     await models.refresh()
@@ -121,8 +121,10 @@ async def test_a_batch_is_a_job_and_its_results_become_files(setup: Setup) -> No
     batch = Batch.model_validate(await created.json())
     assert created.status == 200 and batch.status == "validating" and batch.input_file_id == file_id and batch.metadata == {"run": "t"}
     assert batch.request_counts is not None and batch.request_counts.total == 3 and batch.output_file_id is None
-    [job] = setup.published
-    assert job.job_id == batch.id and job.api_key == "sk-sluice-demo" and [r.custom_id for r in job.rows] == ["one", "two", "bad"]
+    [admitted] = setup.published
+    job = admitted.job  # under its tenant's name, without the key it was created with
+    assert (admitted.tenant, admitted.text_logging, job.api_key) == ("demo", True, "")
+    assert job.job_id == batch.id and [r.custom_id for r in job.rows] == ["one", "two", "bad"]
     assert (await setup.client.get(f"/v1/batches/{batch.id}", headers=PRIVATE)).status == 404
 
     # What the job worker does with it.

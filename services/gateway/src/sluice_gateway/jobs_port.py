@@ -19,8 +19,10 @@ MAX_PAGE_SIZE = 1000
 
 
 class JobsPort(Protocol):
-    async def submit(self, tenant: Tenant, api_key: str, job: jobs_pb2.JobRequest) -> jobs_pb2.Job:
-        """Validates the job, records it for `tenant` and hands it to the job workers."""
+    async def submit(self, tenant: Tenant, job: jobs_pb2.JobRequest) -> jobs_pb2.Job:
+        """Validates the job, records it for `tenant` (the caller, authenticated by the front) and
+        hands it to the job workers under the tenant's name: never with a key (a key in the job
+        itself must be the same tenant's, and is dropped)."""
         ...
 
     async def get(self, tenant: Tenant, job_id: str) -> jobs_pb2.Job: ...

@@ -8,13 +8,12 @@ from typing import Any
 import grpc
 import structlog
 from sluice.gateway.v1 import gateway_pb2, gateway_pb2_grpc
-from sluice.jobs.v1 import jobs_pb2
 
 from sluice_common.errors import Unimplemented
 from sluice_common.request_context import REQUEST_ID_KEY, current_request_id
 from sluice_gateway.path.inference_path import InferencePath
 from sluice_gateway.jobs_port import JobsPort
-from sluice_common.tenants import Tenant, TenantDirectory, authorization, bearer_key
+from sluice_common.tenants import Tenant, TenantDirectory, authorization
 
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
@@ -76,10 +75,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
 
     async def SubmitJob(self, request: gateway_pb2.SubmitJobRequest, context: grpc.aio.ServicerContext) -> gateway_pb2.SubmitJobResponse:
         tenant = self._tenant(context)
-        api_key = bearer_key(authorization(context))
-        job = jobs_pb2.JobRequest()
-        job.CopyFrom(request.job)
-        return gateway_pb2.SubmitJobResponse(job=await self._jobs().submit(tenant, api_key, job))
+        return gateway_pb2.SubmitJobResponse(job=await self._jobs().submit(tenant, request.job))
 
     async def GetJob(self, request: gateway_pb2.GetJobRequest, context: grpc.aio.ServicerContext) -> gateway_pb2.GetJobResponse:
         return gateway_pb2.GetJobResponse(job=await self._jobs().get(self._tenant(context), request.job_id))

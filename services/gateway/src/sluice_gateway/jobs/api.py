@@ -1,8 +1,9 @@
 """The job RPCs' logic (SubmitJob, GetJob, WatchJob, CancelJob, ListJobResults), without gRPC.
 
 SubmitJob is the gRPC twin of publishing to `<prefix>.jobs`: it validates the job the way the
-worker will, records it as validating, and hands the JobRequest to the same exchange through the
-confirming publisher (retried until the broker confirms it). A job is visible only to its tenant.
+worker will, records it as validating, and hands it to the same exchange through the confirming
+publisher (retried until the broker confirms it) as an AdmittedJob: under the tenant's name the
+front authenticated, without any key. A job is visible only to its tenant.
 JobsApi is the jobs_port.JobsPort the fronts are handed (they never import this room).
 """
 
@@ -21,7 +22,7 @@ from sluice_common.errors import InvalidArgument, NotFound, PermissionDenied, Un
 from sluice_common.supervision import Supervisor
 from sluice_gateway.config import SharedSettings
 from sluice_gateway.jobs.store import JobRecord, JobStore
-from sluice_gateway.jobs.job import JobRejected, completion_window_s, validate_job
+from sluice_gateway.jobs.job import JobRejected, authenticate_job, completion_window_s, validate_job
 from sluice_gateway.jobs_port import MAX_PAGE_SIZE
 from sluice_common.tenants import Tenant, TenantDirectory
 
@@ -33,7 +34,7 @@ class JobsApi:
         self,
         store: JobStore,
         tenants: TenantDirectory,
-        publish: Callable[[jobs_pb2.JobRequest], None],
+        publish: Callable[[jobs_pb2.AdmittedJob], None],
         max_rows: int,
         completion_window_s: float,
         watch_poll_s: float = 0.2,
@@ -45,21 +46,24 @@ class JobsApi:
         self._completion_window_s = completion_window_s
         self._watch_poll_s = watch_poll_s
 
-    async def submit(self, tenant: Tenant, api_key: str, job: jobs_pb2.JobRequest) -> jobs_pb2.Job:
-        if not job.api_key:
-            job.api_key = api_key
+    async def submit(self, tenant: Tenant, job: jobs_pb2.JobRequest) -> jobs_pb2.Job:
+        """`tenant` is the caller's, authenticated by the front. A key in the job itself must be
+        the same tenant's; it is dropped all the same: the job goes to the workers as an
+        AdmittedJob, under the tenant's name, and no key crosses the broker."""
         try:
-            owner = validate_job(job, self._tenants, self._max_rows)
+            if job.api_key and authenticate_job(job, self._tenants).name != tenant.name:
+                raise PermissionDenied("job.api_key belongs to another tenant than the authorization metadata")
+            validate_job(job, tenant.name, self._max_rows)
         except JobRejected as exc:
             raise InvalidArgument("job", exc.reason) from None
-        if owner.name != tenant.name:
-            raise PermissionDenied("job.api_key belongs to another tenant than the authorization metadata")
         window_s = completion_window_s(job, self._completion_window_s)
         record = await self._store.record_submitted(job.job_id, tenant.name, len(job.rows), job.reply_to, window_s)
         if record.tenant != tenant.name:
             raise InvalidArgument("job.job_id", "already used by another tenant")
         if record.state == "validating":
-            self._publish(job)
+            admitted = jobs_pb2.AdmittedJob(job=job, tenant=tenant.name, text_logging=tenant.text_logging)
+            admitted.job.ClearField("api_key")
+            self._publish(admitted)
         return record.to_proto()
 
     async def _owned(self, tenant: Tenant, job_id: str) -> JobRecord:
@@ -103,21 +107,22 @@ class JobsApi:
 
 class JobRequestPublisher:
     """SubmitJob's way to the exchange `<prefix>.jobs`: the confirming publisher (retried until
-    confirmed, spilled to a file past its outbox), never awaited on the request path."""
+    confirmed, spilled to a file past its outbox), never awaited on the request path. It publishes
+    AdmittedJobs (AMQP type sluice.jobs.v1.AdmittedJob) to the queue producers' JobRequests go to."""
 
     def __init__(self, publisher: ConfirmingPublisher | None, topology: JobTopology) -> None:
         self._publisher = publisher
         self._topology = topology
 
-    def submit_job(self, job: jobs_pb2.JobRequest) -> None:
+    def submit_job(self, admitted: jobs_pb2.AdmittedJob) -> None:
         if self._publisher is None:
             raise Unavailable("bulk jobs need RabbitMQ: SLUICE_GATEWAY_AMQP_URL is empty")
         self._publisher.submit(
             OutgoingMessage(
-                body=job.SerializeToString(),
+                body=admitted.SerializeToString(),
                 routing_key=self._topology.job_routing_key,
-                message_id=job.job_id,
-                type=jobs_pb2.JobRequest.DESCRIPTOR.full_name,
+                message_id=admitted.job.job_id,
+                type=jobs_pb2.AdmittedJob.DESCRIPTOR.full_name,
                 headers=with_trace_context({}),  # the job's trace continues SubmitJob's
             )
         )

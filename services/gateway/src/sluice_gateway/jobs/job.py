@@ -3,7 +3,9 @@
 No AMQP and no gRPC server here (the worker and the servicer are the transports); unit-tested
 directly. A producer publishes a JobRequest to the exchange `<prefix>.jobs` with routing key `job`,
 as protobuf (`application/x-protobuf`) or as its JSON mapping (`application/json`, field names
-either as in the .proto or lowerCamelCase). Results go to `reply_to` in the same content type.
+either as in the .proto or lowerCamelCase); its api_key is checked once, at intake
+(authenticate_job). The gateway publishes the jobs it admitted there too, as AdmittedJob: the
+tenant's name, no key. Both then pass validate_job. Results go to `reply_to` in the same content type.
 """
 
 from __future__ import annotations
@@ -122,6 +124,43 @@ def parse_job(body: bytes, content_type: str, reply_to_property: str = "") -> jo
     return job
 
 
+# The AMQP message types of the job queue. Sluice's own start with SLUICE_TYPES; a producer's
+# JobRequest may carry any other type, or none (the producer contract never asked for one).
+REQUEST_TYPE = jobs_pb2.JobRequest.DESCRIPTOR.full_name
+ADMITTED_TYPE = jobs_pb2.AdmittedJob.DESCRIPTOR.full_name
+SLUICE_TYPES = "sluice."
+_PROTOBUF_TYPES = (PROTOBUF, "application/protobuf", "application/octet-stream", "")
+
+
+def job_message_type(message_type: str) -> str | None:
+    """What a message on the job queue is, by its AMQP type: ADMITTED_TYPE (the gateway's),
+    REQUEST_TYPE (a producer's JobRequest), or None: a Sluice type this worker does not know (a
+    newer gateway's, or a misrouted message), which must be neither misread nor dropped."""
+    if message_type == ADMITTED_TYPE:
+        return ADMITTED_TYPE
+    if message_type == REQUEST_TYPE or not message_type.startswith(SLUICE_TYPES):
+        return REQUEST_TYPE
+    return None
+
+
+def parse_admitted(body: bytes, content_type: str, reply_to_property: str = "") -> tuple[jobs_pb2.JobRequest, Tenant]:
+    """The job and tenant of an AdmittedJob (protobuf, as the gateway publishes it); JobRejected
+    otherwise. Not authenticated: the gateway did that, and the broker is inside the trust boundary
+    (as for RowTasks, which name their tenant too)."""
+    if (content_type or "").split(";")[0].strip().lower() not in _PROTOBUF_TYPES:
+        raise JobRejected(f"unsupported content type {content_type!r} for an AdmittedJob: use {PROTOBUF}", reply_to=reply_to_property)
+    try:
+        admitted = jobs_pb2.AdmittedJob.FromString(body)
+    except DecodeError as exc:
+        raise JobRejected(f"the body is not an AdmittedJob: {exc}", reply_to=reply_to_property) from None
+    job = admitted.job
+    if not job.reply_to:
+        job.reply_to = reply_to_property
+    if not admitted.tenant:
+        raise JobRejected("tenant: an AdmittedJob names its tenant", job.job_id, job.reply_to)
+    return job, Tenant(admitted.tenant, admitted.text_logging)
+
+
 def format_duration(seconds: float) -> str:
     """For messages people read: 3600 -> "1h", 5400 -> "1h30m", 1.5 -> "1.5s", 86400 -> "1d"."""
     if seconds < 60:
@@ -141,9 +180,18 @@ def completion_window_s(job: jobs_pb2.JobRequest, default_s: float) -> float:
     return job.completion_window.seconds + job.completion_window.nanos / 1e9
 
 
-def validate_job(job: jobs_pb2.JobRequest, tenants: TenantDirectory, max_rows: int) -> Tenant:
-    """The job's tenant, or JobRejected: no id, bad key, no rows, too many, custom ids missing or
-    repeated, a completion window not in (0, 7 days]."""
+def authenticate_job(job: jobs_pb2.JobRequest, tenants: TenantDirectory) -> Tenant:
+    """The tenant whose key a JobRequest carries, or JobRejected. A producer's key is checked
+    here once, at intake; it never goes further (RowTasks and AdmittedJobs carry the tenant's name)."""
+    try:
+        return tenants.authenticate(f"Bearer {job.api_key}")
+    except Unauthenticated as exc:
+        raise JobRejected(f"api_key: {exc.message}", job.job_id, job.reply_to) from None
+
+
+def validate_job(job: jobs_pb2.JobRequest, tenant: str, max_rows: int) -> None:
+    """Every check but the key's, for a job of `tenant` (already authenticated), or JobRejected:
+    no id, no rows, too many, custom ids missing or repeated, a completion window not in (0, 7 days]."""
 
     def reject(reason: str, tenant: str = "") -> JobRejected:
         return JobRejected(reason, job.job_id, job.reply_to, tenant)
@@ -155,25 +203,21 @@ def validate_job(job: jobs_pb2.JobRequest, tenants: TenantDirectory, max_rows: i
             f"job_id is over {MAX_MESSAGE_ID_BYTES - len(SUMMARY_SUFFIX)} bytes (UTF-8); the job's summary carries"
             f' "<job_id>{SUMMARY_SUFFIX}" as its AMQP message id'
         )
-    try:
-        tenant = tenants.authenticate(f"Bearer {job.api_key}")
-    except Unauthenticated as exc:
-        raise reject(f"api_key: {exc.message}") from None
     if not job.rows:
-        raise reject("rows: a job needs at least one row", tenant.name)
+        raise reject("rows: a job needs at least one row", tenant)
     if len(job.rows) > max_rows:
-        raise reject(f"rows: {len(job.rows)} rows, at most {max_rows} per job", tenant.name)
+        raise reject(f"rows: {len(job.rows)} rows, at most {max_rows} per job", tenant)
     seen: set[str] = set()
     for index, row in enumerate(job.rows):
         if not row.custom_id or len(row.custom_id) > MAX_ID_LENGTH:
-            raise reject(f"rows[{index}].custom_id is required (1 to {MAX_ID_LENGTH} characters)", tenant.name)
+            raise reject(f"rows[{index}].custom_id is required (1 to {MAX_ID_LENGTH} characters)", tenant)
         if row.custom_id in seen:
-            raise reject(f"rows[{index}].custom_id {row.custom_id!r} is repeated: custom ids are unique in a job", tenant.name)
+            raise reject(f"rows[{index}].custom_id {row.custom_id!r} is repeated: custom ids are unique in a job", tenant)
         if len(f"{job.job_id}/{row.custom_id}".encode()) > MAX_MESSAGE_ID_BYTES:
             raise reject(
                 f"rows[{index}].custom_id: job_id and custom_id together are over {MAX_MESSAGE_ID_BYTES - 1} bytes"
                 ' (UTF-8); results carry "<job_id>/<custom_id>" as their AMQP message id',
-                tenant.name,
+                tenant,
             )
         seen.add(row.custom_id)
     window = completion_window_s(job, default_s=MAX_COMPLETION_WINDOW_S)
@@ -181,9 +225,8 @@ def validate_job(job: jobs_pb2.JobRequest, tenants: TenantDirectory, max_rows: i
         raise reject(
             f"completion_window: {window:g}s; it must be more than 0s and at most {MAX_COMPLETION_WINDOW_S:.0f}s"
             f' ({format_duration(MAX_COMPLETION_WINDOW_S)}), e.g. "86400s"',
-            tenant.name,
+            tenant,
         )
-    return tenant
 
 
 def row_tasks(job: jobs_pb2.JobRequest, tenant: Tenant, content_type: str, only: set[str] | None = None) -> list[jobs_pb2.RowTask]:

@@ -2,8 +2,12 @@
 
 Two consumers on one robust connection (queues and exchange: sluice_common.amqp.JobTopology):
 
-- `<prefix>.jobs.requests`: a JobRequest (JSON or protobuf). Malformed: a JobRejection to its
-  reply_to, acked. Accepted: the job and its rows are recorded, one RowTask per row is published
+- `<prefix>.jobs.requests`: a producer's JobRequest (JSON or protobuf; its api_key is checked
+  here, once), or an AdmittedJob (AMQP type sluice.jobs.v1.AdmittedJob: a job the gateway admitted,
+  under its tenant's name, no key; not authenticated again). Another `sluice.` type (a newer
+  gateway's) is dead-lettered to `<prefix>.jobs.dead` with its reason, to replay once the workers
+  know it. Malformed: a JobRejection to its reply_to, acked. Accepted: the job and its rows are
+  recorded, one RowTask per row is published
   to `<prefix>.jobs.rows` (pipelined confirms), and only then is the job message acked. A worker
   killed mid-split gets the job redelivered to someone, who republishes the rows not yet finished.
 - `<prefix>.jobs.rows`: each row takes a slot of the adaptive concurrency bound, is claimed in the
@@ -61,8 +65,10 @@ from sluice_gateway.jobs.job import (
     JSON,
     SUMMARY_SUFFIX,
     TRANSIENT,
+    ADMITTED_TYPE,
     JobRejected,
     PoisonRow,
+    authenticate_job,
     backoff_s,
     code_of,
     completion_window_s,
@@ -71,8 +77,10 @@ from sluice_gateway.jobs.job import (
     expired_result,
     failed_result,
     is_paced,
+    job_message_type,
     message_of,
     paced_delay_s,
+    parse_admitted,
     parse_job,
     retry_after_of,
     row_tasks,
@@ -85,7 +93,7 @@ from sluice_gateway.jobs.row_deadline import RowDeadlines, RowTiming
 log = structlog.stdlib.get_logger("sluice.gateway.worker")
 
 ROWS = Counter("sluice_jobs_rows_total", "Rows finished by this worker, by outcome.", ["outcome"])
-JOBS = Counter("sluice_jobs_accepted_total", "Job messages handled, by outcome (accepted, rejected).", ["outcome"])
+JOBS = Counter("sluice_jobs_accepted_total", "Job messages handled, by outcome (accepted, rejected, dead_lettered).", ["outcome"])
 LIMIT = Gauge("sluice_jobs_concurrency_limit", "The adaptive bound on rows in flight.")
 IN_FLIGHT = Gauge("sluice_jobs_rows_in_flight", "Rows running now.")
 RETRIES = Counter("sluice_jobs_row_retries_total", "Row attempts retried, by status code.", ["code"])
@@ -183,9 +191,17 @@ class JobWorker:
 
     async def _job(self, message: aio_pika.abc.AbstractIncomingMessage) -> None:
         content_type = message.content_type or ""
+        kind = job_message_type(message.type or "")
+        if kind is None:
+            await self._dead_letter_job(message, f"unknown message type {message.type!r}: this job worker does not know it")
+            return
         try:
-            job = parse_job(message.body, content_type, message.reply_to or "")
-            tenant = validate_job(job, self.core.tenants, self.shared.jobs_max_rows)
+            if kind == ADMITTED_TYPE:  # the gateway authenticated its caller: no key, the tenant's name
+                job, tenant = parse_admitted(message.body, content_type, message.reply_to or "")
+            else:  # a producer's JobRequest: its key is checked here, once
+                job = parse_job(message.body, content_type, message.reply_to or "")
+                tenant = authenticate_job(job, self.core.tenants)
+            validate_job(job, tenant.name, self.shared.jobs_max_rows)
             window_s = completion_window_s(job, self.shared.jobs_completion_window_s)
             custom_ids = [r.custom_id for r in job.rows]
             record, open_rows = await self.store.accept(job.job_id, tenant.name, job.reply_to, custom_ids, window_s, _reply_type(content_type))
@@ -201,7 +217,19 @@ class JobWorker:
         await self.store.mark_split(job.job_id)
         await message.ack()
         JOBS.labels("accepted").inc()
-        log.info("job_accepted", job_id=job.job_id, tenant=tenant.name, rows=len(job.rows), published=len(open_rows), state=record.state)
+        log.info(
+            "job_accepted", job_id=job.job_id, tenant=tenant.name, rows=len(job.rows), published=len(open_rows), state=record.state,
+            admitted=kind == ADMITTED_TYPE,
+        )  # fmt: skip
+
+    async def _dead_letter_job(self, message: aio_pika.abc.AbstractIncomingMessage, reason: str) -> None:
+        """A job message this worker cannot read (e.g. a type from a newer gateway during an upgrade
+        done in the wrong order): kept in `<prefix>.jobs.dead` with its reason, to be replayed once
+        the workers know it, rather than misread or dropped."""
+        JOBS.labels("dead_lettered").inc()
+        log.error("job_message_dead_lettered", reason=reason, message_type=message.type, message_id=message.message_id)
+        await dead_letter(self._dead, self.topology.job_routing_key, message, reason)
+        await message.ack()
 
     async def _publish_row(self, task: jobs_pb2.RowTask) -> None:
         await self._exchange.publish(

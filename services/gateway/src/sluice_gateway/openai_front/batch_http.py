@@ -73,7 +73,8 @@ def _list(data: list[dict[str, Any]], has_more: bool) -> dict[str, Any]:
 
 
 def _api_key(request: web.Request) -> str:
-    """The key the tenant authenticated with: the job carries it, and validate_job checks it again."""
+    """The key the tenant authenticated with: the job carries it to JobsPort.submit, which checks it
+    is the tenant's and drops it (no key crosses the broker)."""
     return request.headers.get("Authorization", "")[len("Bearer ") :].strip()
 
 
@@ -204,7 +205,7 @@ class BatchFront:
         self._check_dimensions(lines)
         batch_id = new_id("batch_")
         # JobsPort.submit (JobsApi's): validate_job, the job store, the exchange the job workers consume.
-        job = await self.jobs.submit(tenant, _api_key(request), job_request(batch_id, _api_key(request), lines, create.completion_window))
+        job = await self.jobs.submit(tenant, job_request(batch_id, _api_key(request), lines, create.completion_window))
         batch = StoredBatch(
             batch_id, tenant.name, create.endpoint, create.input_file_id, create.completion_window, create.metadata,
             time.time(), None, None, None, False,

@@ -27,7 +27,7 @@ from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__
 from sluice.common.v1 import types_pb2 as sluice_dot_common_dot_v1_dot_types__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19sluice/jobs/v1/jobs.proto\x12\x0esluice.jobs.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x1csluice/common/v1/types.proto\"\x8f\x03\n\x0bGenerateRow\x12\r\n\x05model\x18\x01 \x01(\t\x12/\n\x08messages\x18\x02 \x03(\x0b\x32\x1d.sluice.common.v1.ChatMessage\x12\x0e\n\x06prompt\x18\x03 \x01(\t\x12\x32\n\x08sampling\x18\x04 \x01(\x0b\x32 .sluice.common.v1.SamplingParams\x12\x39\n\x0fresponse_format\x18\x05 \x01(\x0e\x32 .sluice.common.v1.ResponseFormat\x12+\n\x08tool_use\x18\x06 \x01(\x0b\x32\x19.sluice.common.v1.ToolUse\x12\x18\n\x10prompt_token_ids\x18\x07 \x03(\x05\x12\x0c\n\x04user\x18\x08 \x01(\t\x12;\n\x08metadata\x18\t \x03(\x0b\x32).sluice.jobs.v1.GenerateRow.MetadataEntry\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\")\n\x08\x45mbedRow\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06inputs\x18\x02 \x03(\t\"\x7f\n\x06JobRow\x12\x11\n\tcustom_id\x18\x01 \x01(\t\x12/\n\x08generate\x18\x02 \x01(\x0b\x32\x1b.sluice.jobs.v1.GenerateRowH\x00\x12)\n\x05\x65mbed\x18\x03 \x01(\x0b\x32\x18.sluice.jobs.v1.EmbedRowH\x00\x42\x06\n\x04\x62ody\"\x9b\x01\n\nJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61pi_key\x18\x02 \x01(\t\x12$\n\x04rows\x18\x03 \x03(\x0b\x32\x16.sluice.jobs.v1.JobRow\x12\x10\n\x08reply_to\x18\x04 \x01(\t\x12\x34\n\x11\x63ompletion_window\x18\x05 \x01(\x0b\x32\x19.google.protobuf.Duration\"\xae\x02\n\x03Job\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\x12\'\n\x05state\x18\x03 \x01(\x0e\x32\x18.sluice.jobs.v1.JobState\x12\x12\n\ntotal_rows\x18\x04 \x01(\x05\x12\x16\n\x0e\x63ompleted_rows\x18\x05 \x01(\x05\x12\x13\n\x0b\x66\x61iled_rows\x18\x06 \x01(\x05\x12.\n\ncreated_at\x18\x07 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12.\n\nupdated_at\x18\x08 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\r\n\x05\x65rror\x18\t \x01(\t\x12.\n\nexpires_at\x18\n \x01(\x0b\x32\x1a.google.protobuf.Timestamp\")\n\x08RowError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\"\xe7\x02\n\tRowResult\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x11\n\tcustom_id\x18\x02 \x01(\t\x12\x0e\n\x06output\x18\x03 \x01(\t\x12/\n\nembeddings\x18\x04 \x03(\x0b\x32\x1b.sluice.common.v1.Embedding\x12\x35\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1e.sluice.common.v1.FinishReason\x12&\n\x05usage\x18\x06 \x01(\x0b\x32\x17.sluice.common.v1.Usage\x12\'\n\x05\x65rror\x18\x07 \x01(\x0b\x32\x18.sluice.jobs.v1.RowError\x12\x12\n\nrequest_id\x18\x08 \x01(\t\x12*\n\x07\x63hoices\x18\t \x03(\x0b\x32\x19.sluice.jobs.v1.RowChoice\x12.\n\ntool_calls\x18\n \x03(\x0b\x32\x1a.sluice.common.v1.ToolCall\"\xc1\x01\n\tRowChoice\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x35\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x1e.sluice.common.v1.FinishReason\x12\x30\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1e.sluice.common.v1.TokenLogprob\x12.\n\ntool_calls\x18\x05 \x03(\x0b\x32\x1a.sluice.common.v1.ToolCall\".\n\x0cJobRejection\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\x92\x01\n\x07RowTask\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\x12#\n\x03row\x18\x03 \x01(\x0b\x32\x16.sluice.jobs.v1.JobRow\x12\x10\n\x08reply_to\x18\x04 \x01(\t\x12\x14\n\x0ctext_logging\x18\x05 \x01(\x08\x12\x1a\n\x12reply_content_type\x18\x06 \x01(\t*\xed\x01\n\x08JobState\x12\x19\n\x15JOB_STATE_UNSPECIFIED\x10\x00\x12\x18\n\x14JOB_STATE_VALIDATING\x10\x01\x12\x19\n\x15JOB_STATE_IN_PROGRESS\x10\x02\x12\x18\n\x14JOB_STATE_FINALIZING\x10\x03\x12\x17\n\x13JOB_STATE_COMPLETED\x10\x04\x12\x14\n\x10JOB_STATE_FAILED\x10\x05\x12\x15\n\x11JOB_STATE_EXPIRED\x10\x06\x12\x18\n\x14JOB_STATE_CANCELLING\x10\x07\x12\x17\n\x13JOB_STATE_CANCELLED\x10\x08\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19sluice/jobs/v1/jobs.proto\x12\x0esluice.jobs.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x1csluice/common/v1/types.proto\"\x8f\x03\n\x0bGenerateRow\x12\r\n\x05model\x18\x01 \x01(\t\x12/\n\x08messages\x18\x02 \x03(\x0b\x32\x1d.sluice.common.v1.ChatMessage\x12\x0e\n\x06prompt\x18\x03 \x01(\t\x12\x32\n\x08sampling\x18\x04 \x01(\x0b\x32 .sluice.common.v1.SamplingParams\x12\x39\n\x0fresponse_format\x18\x05 \x01(\x0e\x32 .sluice.common.v1.ResponseFormat\x12+\n\x08tool_use\x18\x06 \x01(\x0b\x32\x19.sluice.common.v1.ToolUse\x12\x18\n\x10prompt_token_ids\x18\x07 \x03(\x05\x12\x0c\n\x04user\x18\x08 \x01(\t\x12;\n\x08metadata\x18\t \x03(\x0b\x32).sluice.jobs.v1.GenerateRow.MetadataEntry\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\")\n\x08\x45mbedRow\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06inputs\x18\x02 \x03(\t\"\x7f\n\x06JobRow\x12\x11\n\tcustom_id\x18\x01 \x01(\t\x12/\n\x08generate\x18\x02 \x01(\x0b\x32\x1b.sluice.jobs.v1.GenerateRowH\x00\x12)\n\x05\x65mbed\x18\x03 \x01(\x0b\x32\x18.sluice.jobs.v1.EmbedRowH\x00\x42\x06\n\x04\x62ody\"\x9b\x01\n\nJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61pi_key\x18\x02 \x01(\t\x12$\n\x04rows\x18\x03 \x03(\x0b\x32\x16.sluice.jobs.v1.JobRow\x12\x10\n\x08reply_to\x18\x04 \x01(\t\x12\x34\n\x11\x63ompletion_window\x18\x05 \x01(\x0b\x32\x19.google.protobuf.Duration\"\\\n\x0b\x41\x64mittedJob\x12\'\n\x03job\x18\x01 \x01(\x0b\x32\x1a.sluice.jobs.v1.JobRequest\x12\x0e\n\x06tenant\x18\x02 \x01(\t\x12\x14\n\x0ctext_logging\x18\x03 \x01(\x08\"\xae\x02\n\x03Job\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\x12\'\n\x05state\x18\x03 \x01(\x0e\x32\x18.sluice.jobs.v1.JobState\x12\x12\n\ntotal_rows\x18\x04 \x01(\x05\x12\x16\n\x0e\x63ompleted_rows\x18\x05 \x01(\x05\x12\x13\n\x0b\x66\x61iled_rows\x18\x06 \x01(\x05\x12.\n\ncreated_at\x18\x07 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12.\n\nupdated_at\x18\x08 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\r\n\x05\x65rror\x18\t \x01(\t\x12.\n\nexpires_at\x18\n \x01(\x0b\x32\x1a.google.protobuf.Timestamp\")\n\x08RowError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\"\xe7\x02\n\tRowResult\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x11\n\tcustom_id\x18\x02 \x01(\t\x12\x0e\n\x06output\x18\x03 \x01(\t\x12/\n\nembeddings\x18\x04 \x03(\x0b\x32\x1b.sluice.common.v1.Embedding\x12\x35\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1e.sluice.common.v1.FinishReason\x12&\n\x05usage\x18\x06 \x01(\x0b\x32\x17.sluice.common.v1.Usage\x12\'\n\x05\x65rror\x18\x07 \x01(\x0b\x32\x18.sluice.jobs.v1.RowError\x12\x12\n\nrequest_id\x18\x08 \x01(\t\x12*\n\x07\x63hoices\x18\t \x03(\x0b\x32\x19.sluice.jobs.v1.RowChoice\x12.\n\ntool_calls\x18\n \x03(\x0b\x32\x1a.sluice.common.v1.ToolCall\"\xc1\x01\n\tRowChoice\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x35\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x1e.sluice.common.v1.FinishReason\x12\x30\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1e.sluice.common.v1.TokenLogprob\x12.\n\ntool_calls\x18\x05 \x03(\x0b\x32\x1a.sluice.common.v1.ToolCall\".\n\x0cJobRejection\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\x92\x01\n\x07RowTask\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\x12#\n\x03row\x18\x03 \x01(\x0b\x32\x16.sluice.jobs.v1.JobRow\x12\x10\n\x08reply_to\x18\x04 \x01(\t\x12\x14\n\x0ctext_logging\x18\x05 \x01(\x08\x12\x1a\n\x12reply_content_type\x18\x06 \x01(\t*\xed\x01\n\x08JobState\x12\x19\n\x15JOB_STATE_UNSPECIFIED\x10\x00\x12\x18\n\x14JOB_STATE_VALIDATING\x10\x01\x12\x19\n\x15JOB_STATE_IN_PROGRESS\x10\x02\x12\x18\n\x14JOB_STATE_FINALIZING\x10\x03\x12\x17\n\x13JOB_STATE_COMPLETED\x10\x04\x12\x14\n\x10JOB_STATE_FAILED\x10\x05\x12\x15\n\x11JOB_STATE_EXPIRED\x10\x06\x12\x18\n\x14JOB_STATE_CANCELLING\x10\x07\x12\x17\n\x13JOB_STATE_CANCELLED\x10\x08\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,8 +36,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_GENERATEROW_METADATAENTRY']._loaded_options = None
   _globals['_GENERATEROW_METADATAENTRY']._serialized_options = b'8\001'
-  _globals['_JOBSTATE']._serialized_start=1976
-  _globals['_JOBSTATE']._serialized_end=2213
+  _globals['_JOBSTATE']._serialized_start=2070
+  _globals['_JOBSTATE']._serialized_end=2307
   _globals['_GENERATEROW']._serialized_start=141
   _globals['_GENERATEROW']._serialized_end=540
   _globals['_GENERATEROW_METADATAENTRY']._serialized_start=493
@@ -48,16 +48,18 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_JOBROW']._serialized_end=712
   _globals['_JOBREQUEST']._serialized_start=715
   _globals['_JOBREQUEST']._serialized_end=870
-  _globals['_JOB']._serialized_start=873
-  _globals['_JOB']._serialized_end=1175
-  _globals['_ROWERROR']._serialized_start=1177
-  _globals['_ROWERROR']._serialized_end=1218
-  _globals['_ROWRESULT']._serialized_start=1221
-  _globals['_ROWRESULT']._serialized_end=1580
-  _globals['_ROWCHOICE']._serialized_start=1583
-  _globals['_ROWCHOICE']._serialized_end=1776
-  _globals['_JOBREJECTION']._serialized_start=1778
-  _globals['_JOBREJECTION']._serialized_end=1824
-  _globals['_ROWTASK']._serialized_start=1827
-  _globals['_ROWTASK']._serialized_end=1973
+  _globals['_ADMITTEDJOB']._serialized_start=872
+  _globals['_ADMITTEDJOB']._serialized_end=964
+  _globals['_JOB']._serialized_start=967
+  _globals['_JOB']._serialized_end=1269
+  _globals['_ROWERROR']._serialized_start=1271
+  _globals['_ROWERROR']._serialized_end=1312
+  _globals['_ROWRESULT']._serialized_start=1315
+  _globals['_ROWRESULT']._serialized_end=1674
+  _globals['_ROWCHOICE']._serialized_start=1677
+  _globals['_ROWCHOICE']._serialized_end=1870
+  _globals['_JOBREJECTION']._serialized_start=1872
+  _globals['_JOBREJECTION']._serialized_end=1918
+  _globals['_ROWTASK']._serialized_start=1921
+  _globals['_ROWTASK']._serialized_end=2067
 # @@protoc_insertion_point(module_scope)

@@ -94,6 +94,16 @@ class JobRequest(_message.Message):
     completion_window: _duration_pb2.Duration
     def __init__(self, job_id: _Optional[str] = ..., api_key: _Optional[str] = ..., rows: _Optional[_Iterable[_Union[JobRow, _Mapping]]] = ..., reply_to: _Optional[str] = ..., completion_window: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
 
+class AdmittedJob(_message.Message):
+    __slots__ = ("job", "tenant", "text_logging")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    TEXT_LOGGING_FIELD_NUMBER: _ClassVar[int]
+    job: JobRequest
+    tenant: str
+    text_logging: bool
+    def __init__(self, job: _Optional[_Union[JobRequest, _Mapping]] = ..., tenant: _Optional[str] = ..., text_logging: _Optional[bool] = ...) -> None: ...
+
 class Job(_message.Message):
     __slots__ = ("job_id", "tenant", "state", "total_rows", "completed_rows", "failed_rows", "created_at", "updated_at", "error", "expires_at")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]

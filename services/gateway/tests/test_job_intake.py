@@ -1,0 +1,213 @@
+"""A job's way in: SubmitJob publishes an AdmittedJob (its tenant's name, no key) that the job
+worker accepts without authenticating; a producer's JobRequest is authenticated by the worker, once;
+a job message of a Sluice type the worker does not know is dead-lettered, never dropped.
+
+JobsApi and the worker's job consumer over a real SQLite job store; the broker is replaced by what
+the gateway's confirming publisher is handed (OutgoingMessage) and stand-ins for the worker's
+incoming message and exchanges."""
+
+from __future__ import annotations
+
+import json
+import types
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+from sluice.jobs.v1 import jobs_pb2
+
+from sluice_common.amqp import DEAD_REASON_HEADER, JobTopology, OutgoingMessage
+from sluice_common.config import load_config
+from sluice_common.errors import InvalidArgument, PermissionDenied
+from sluice_common.tenants import TenantDirectory
+from sluice_gateway.config import ENV_PREFIX, GatewayConfig
+from sluice_gateway.jobs import store as states
+from sluice_gateway.jobs.api import JobRequestPublisher, JobsApi
+from sluice_gateway.jobs.job import JSON
+from sluice_gateway.jobs.store import JobStore
+from sluice_gateway.jobs.worker import JobWorker
+
+TENANTS_FILE = Path(__file__).resolve().parents[3] / "config" / "tenants.toml"
+TENANTS = TenantDirectory.from_file(TENANTS_FILE)
+DEMO_KEY = "sk-sluice-demo"
+PRIVATE_KEY = "sk-sluice-private"  # tenant "private", text_logging off
+PRIVATE = TENANTS.authenticate(f"Bearer {PRIVATE_KEY}")
+
+
+class CapturingPublisher:
+    """What the gateway's ConfirmingPublisher is handed."""
+
+    def __init__(self) -> None:
+        self.messages: list[OutgoingMessage] = []
+
+    def submit(self, message: OutgoingMessage) -> None:
+        self.messages.append(message)
+
+
+@dataclass
+class Incoming:
+    """The part of aio_pika's AbstractIncomingMessage the job consumer reads."""
+
+    body: bytes
+    content_type: str | None = None
+    type: str | None = None
+    reply_to: str | None = None
+    message_id: str | None = None
+    headers: dict[str, Any] = field(default_factory=dict)
+    routing_key: str = "job"
+    exchange: str = "sluice.jobs"
+    timestamp: Any = None
+    redelivered: bool = False
+    acked: bool = False
+
+    @classmethod
+    def of(cls, message: OutgoingMessage) -> Incoming:
+        """The message the worker receives for one the gateway published."""
+        sent = message.to_aio_pika()
+        return cls(sent.body, sent.content_type, sent.type, sent.reply_to, sent.message_id, dict(sent.headers or {}))
+
+    async def ack(self) -> None:
+        self.acked = True
+
+    async def nack(self, requeue: bool = True) -> None:
+        raise AssertionError("a job message the worker can handle is acked, never given back")
+
+
+class Exchange:
+    def __init__(self) -> None:
+        self.published: list[tuple[Any, str]] = []
+
+    async def publish(self, message: Any, routing_key: str) -> None:
+        self.published.append((message, routing_key))
+
+
+def job_worker(store: JobStore, **env: str) -> JobWorker:
+    settings = {"TENANTS_FILE": str(TENANTS_FILE), **env}
+    config = load_config(GatewayConfig, ENV_PREFIX, {f"{ENV_PREFIX}{name}": value for name, value in settings.items()})
+    worker = JobWorker(config.shared, config.worker, types.SimpleNamespace(tenants=TENANTS), store)  # type: ignore[arg-type]
+    # Instead of a connection (start()): rows, replies and dead letters are kept here.
+    worker._exchange = Exchange()
+    worker._rows_channel = types.SimpleNamespace(default_exchange=Exchange())
+    worker._dead = Exchange()
+    return worker
+
+
+def rows_published(worker: JobWorker) -> list[jobs_pb2.RowTask]:
+    return [jobs_pb2.RowTask.FromString(message.body) for message, _ in worker._exchange.published]
+
+
+def replies(worker: JobWorker) -> list[tuple[Any, str]]:
+    return worker._rows_channel.default_exchange.published
+
+
+def job_request(job_id: str, api_key: str = "") -> jobs_pb2.JobRequest:
+    job = jobs_pb2.JobRequest(job_id=job_id, api_key=api_key, reply_to="results")
+    for custom_id in ("a", "b"):
+        job.rows.add(custom_id=custom_id).embed.inputs.append("x")
+    return job
+
+
+def gateway(store: JobStore) -> tuple[JobsApi, CapturingPublisher]:
+    captured = CapturingPublisher()
+    publisher = JobRequestPublisher(captured, JobTopology("sluice"))  # type: ignore[arg-type]
+    return JobsApi(store, TENANTS, publisher.submit_job, max_rows=10, completion_window_s=3600.0), captured
+
+
+@pytest.mark.parametrize("own_key", ["", PRIVATE_KEY])
+async def test_the_api_path_publishes_the_tenant_and_no_key(store: JobStore, own_key: str) -> None:
+    api, captured = gateway(store)
+    submitted = await api.submit(PRIVATE, job_request("j1", own_key))
+    assert (submitted.tenant, submitted.state) == ("private", jobs_pb2.JOB_STATE_VALIDATING)
+    [message] = captured.messages
+    assert (message.type, message.routing_key, message.message_id) == ("sluice.jobs.v1.AdmittedJob", "job", "j1")
+    # No key anywhere in what crosses the broker: not the metadata's, not the job's own.
+    assert PRIVATE_KEY.encode() not in message.body and DEMO_KEY.encode() not in message.body
+    admitted = jobs_pb2.AdmittedJob.FromString(message.body)
+    assert (admitted.tenant, admitted.text_logging, admitted.job.api_key) == ("private", False, "")
+    assert admitted.job.job_id == "j1" and [r.custom_id for r in admitted.job.rows] == ["a", "b"]
+
+
+async def test_a_key_in_the_job_must_be_the_callers_tenants(store: JobStore) -> None:
+    api, captured = gateway(store)
+    with pytest.raises(PermissionDenied, match="another tenant"):
+        await api.submit(PRIVATE, job_request("j1", DEMO_KEY))
+    with pytest.raises(InvalidArgument, match="api_key: invalid API key"):
+        await api.submit(PRIVATE, job_request("j2", "sk-wrong"))
+    assert captured.messages == [] and await store.get_job("j1") is None and await store.get_job("j2") is None
+
+
+async def test_the_worker_accepts_an_admitted_job_under_its_tenant(store: JobStore) -> None:
+    api, captured = gateway(store)
+    await api.submit(PRIVATE, job_request("j1"))
+    worker = job_worker(store)
+    message = Incoming.of(captured.messages[0])
+    await worker._job(message)  # type: ignore[arg-type]
+    assert message.acked and replies(worker) == [] and worker._dead.published == []
+    record = await store.get_job("j1")
+    assert record is not None and (record.tenant, record.state, record.total_rows) == ("private", states.IN_PROGRESS, 2)
+    rows = rows_published(worker)
+    assert sorted(t.row.custom_id for t in rows) == ["a", "b"]
+    assert all((t.tenant, t.text_logging, t.reply_to, t.reply_content_type) == ("private", False, "results", "application/x-protobuf") for t in rows)
+    # Redelivered (the worker died before its ack): the same job, its rows not doubled.
+    again = Incoming.of(captured.messages[0])
+    again.redelivered = True
+    await worker._job(again)  # type: ignore[arg-type]
+    record = await store.get_job("j1")
+    assert again.acked and record is not None and (record.tenant, record.total_rows) == ("private", 2)
+    assert await store.row_states("j1") == {"pending": 2}
+
+
+async def test_an_admitted_job_is_checked_like_any_other_but_for_its_key(store: JobStore) -> None:
+    """A gateway allowing more rows than the worker: the worker's rule holds, and the job (recorded
+    by the gateway as validating) is failed for its tenant rather than left waiting."""
+    worker = job_worker(store, JOBS_MAX_ROWS="2")
+    job = jobs_pb2.JobRequest(job_id="big", reply_to="results")
+    for index in range(worker.shared.jobs_max_rows + 1):
+        job.rows.add(custom_id=f"r{index}").embed.inputs.append("x")
+    await store.record_submitted("big", "private", len(job.rows), "results", 3600.0)
+    admitted = jobs_pb2.AdmittedJob(job=job, tenant="private")
+    message = Incoming(admitted.SerializeToString(), "application/x-protobuf", "sluice.jobs.v1.AdmittedJob")
+    await worker._job(message)  # type: ignore[arg-type]
+    assert message.acked and rows_published(worker) == []
+    record = await store.get_job("big")
+    assert record is not None and record.state == states.FAILED and "per job" in record.error
+    [(reply, reply_to)] = replies(worker)
+    assert reply_to == "results" and reply.type == "sluice.jobs.v1.JobRejection"
+
+
+def producer_message(api_key: str) -> Incoming:
+    """A producer's JobRequest as the docs publish it: JSON, no AMQP type."""
+    job = {"job_id": "ext", "api_key": api_key, "reply_to": "my-results", "rows": [{"custom_id": "q", "embed": {"inputs": ["x"]}}]}
+    return Incoming(json.dumps(job).encode(), JSON)
+
+
+async def test_a_producers_job_request_is_authenticated_by_the_worker(store: JobStore) -> None:
+    worker = job_worker(store)
+    message = producer_message(DEMO_KEY)
+    await worker._job(message)  # type: ignore[arg-type]
+    record = await store.get_job("ext")
+    assert message.acked and record is not None and (record.tenant, record.state) == ("demo", states.IN_PROGRESS)
+    [task] = rows_published(worker)
+    assert (task.tenant, task.text_logging, task.reply_content_type) == ("demo", True, JSON)
+    assert DEMO_KEY.encode() not in worker._exchange.published[0][0].body  # the key goes no further
+
+
+async def test_a_producers_bad_key_is_still_rejected(store: JobStore) -> None:
+    worker = job_worker(store)
+    message = producer_message("sk-wrong")
+    await worker._job(message)  # type: ignore[arg-type]
+    assert message.acked and rows_published(worker) == [] and await store.get_job("ext") is None
+    [(reply, reply_to)] = replies(worker)
+    assert (reply_to, reply.type, reply.content_type, reply.message_id) == ("my-results", "sluice.jobs.v1.JobRejection", JSON, "ext/rejected")
+    assert json.loads(reply.body) == {"job_id": "ext", "reason": "api_key: invalid API key"}
+
+
+async def test_an_unknown_sluice_type_is_dead_lettered_with_its_reason(store: JobStore) -> None:
+    worker = job_worker(store)
+    message = Incoming(b"\x0a\x02j9", "application/x-protobuf", "sluice.jobs.v2.AdmittedJob", "results", "j9")
+    await worker._job(message)  # type: ignore[arg-type]
+    assert message.acked and rows_published(worker) == [] and replies(worker) == [] and await store.get_job("j9") is None
+    [(copy, routing_key)] = worker._dead.published
+    assert routing_key == "job" and copy.body == message.body and copy.type == "sluice.jobs.v2.AdmittedJob"
+    assert "unknown message type 'sluice.jobs.v2.AdmittedJob'" in copy.headers[DEAD_REASON_HEADER]
