@@ -27,10 +27,10 @@ ROUNDS rounds; each load runs every side in turn, the order reversed in even rou
 of a shared machine falls on all of them alike. Each side is warmed with one request first.
 BENCH_RUN_DIR keeps the services' and llama-server's logs (a temporary folder otherwise).
 
-Thread waits: triton-local sets GOMP_SPINCOUNT=100 (a brief spin, then sleep) unless the environment
+Thread waits: triton-local sets GOMP_SPINCOUNT=1000 (a brief spin, then sleep) unless the environment
 sets it or OMP_WAIT_POLICY, while llama-server runs with libgomp's default (a ~3 ms spin, then
 sleep), as its users run it. Beside a busy process its spinning threads collapse (2 tok/s per stream
-seen here while another stack ran); `GOMP_SPINCOUNT=100 make bench-peer` gives both sides the same wait.
+seen here while another stack ran); `GOMP_SPINCOUNT=1000 make bench-peer` gives both sides the same wait.
 """
 
 from __future__ import annotations

@@ -152,7 +152,7 @@ def start_python_backend(run_dir: Path) -> tuple[subprocess.Popen[bytes], str]:
     env.update(
         PATH=f"{PYTHON.parent}:{env['PATH']}",  # the stub's interpreter: triton-local's environment
         LD_LIBRARY_PATH=":".join([info["libdir"], str(server_dir.parent.parent / "nvidia_pytriton.libs")]),
-        OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", GOMP_SPINCOUNT="100",  # as triton-local sets them
+        OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", GOMP_SPINCOUNT="1000",  # as triton-local sets them
     )  # fmt: skip
     command = [
         str(server_dir / "bin" / "tritonserver"), f"--model-repository={run_dir / 'models'}", f"--backend-directory={run_dir / 'backends'}",

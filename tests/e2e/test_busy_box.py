@@ -5,7 +5,7 @@ while first, ACTIVE until released) lets one descheduled thread stall the step f
 the adapter's step timeout (a few seconds at its floor) reads as a failed replica: with either, every
 stream of `make bench-threads` failed beside one busy process (and with llama.cpp's own polling
 thread pool too), and this test, run with libgomp's default, was still stuck at pytest's 300 s
-timeout. triton-local's threads spin briefly and then sleep (GOMP_SPINCOUNT=100; passive waits
+timeout. triton-local's threads spin briefly and then sleep (GOMP_SPINCOUNT=1000; passive waits
 before it): the streams are slower beside the busy process but all of them finish.
 """
 

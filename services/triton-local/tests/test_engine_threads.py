@@ -39,7 +39,7 @@ def test_threads_within_the_cpus_are_logged_without_a_warning(monkeypatch: pytes
 @pytest.mark.parametrize(
     ("environ", "expected"),
     [
-        ({}, {"GOMP_SPINCOUNT": "100"}),  # a brief spin, then sleep
+        ({}, {"GOMP_SPINCOUNT": "1000"}),  # a brief spin, then sleep
         ({"GOMP_SPINCOUNT": "5000"}, {"GOMP_SPINCOUNT": "5000"}),  # the operator's spin
         ({"OMP_WAIT_POLICY": "ACTIVE"}, {"OMP_WAIT_POLICY": "ACTIVE"}),  # the operator's policy alone
         ({"OMP_WAIT_POLICY": "PASSIVE"}, {"OMP_WAIT_POLICY": "PASSIVE"}),

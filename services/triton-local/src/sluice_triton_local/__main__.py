@@ -20,6 +20,9 @@ from sluice_triton_local.config import ENV_PREFIX, TritonLocalConfig
 from sluice_triton_local.metrics import ENGINE_THREADS, MAX_SLOTS, USABLE_CPUS
 from sluice_triton_local.model_files import smollm2_gguf
 
+# Rounds a llama.cpp thread spins at a barrier before it sleeps (default_thread_waits says why).
+DEFAULT_SPINCOUNT = 1000
+
 if TYPE_CHECKING:
     from sluice_triton_local.engine.step_engine import StepEngine
     from sluice_triton_local.shared_engine import SharedEngine
@@ -97,13 +100,16 @@ def default_thread_waits(environ: MutableMapping[str, str]) -> None:
 
     Spinning there for long (OpenMP's default, ~3 ms) stalls every step once anything else wants a
     core: beside one busy process a stack of 2 spinning threads failed all 32 streams of `make
-    bench-threads`. Sleeping at once (OMP_WAIT_POLICY=PASSIVE) survives that but pays a wake-up at
-    every barrier: a batch-1 decode step took 18.3 ms instead of 11.9 spinning. A spin of 100 rounds
-    (about a microsecond) before sleeping kept both: 13.0 ms quiet, 25.5 beside a busy process
-    (passive 24.1). libgomp reads these when llama.cpp first loads it, after this call.
+    bench-threads`. Sleeping at once pays a wake-up at every barrier, which on a VM whose wake-ups
+    are slow costs a batch-1 step more than its second thread gains. A spin of 1,000 rounds (a few
+    microseconds) keeps both, measured on this project's 2-core VMs (engine alone, batch 1, decode
+    ms/step, quiet / beside one busy process): 1,000 spins 11.2-13.0 / 35; 100 spins 17.5-19.9 / 24;
+    libgomp's default 9.5-11.6 / 37; 10,000 spins 9.0-11.6 / 61-88; one thread 16.4 quiet. Through
+    the whole stack at one stream, 1,000 spins decoded 51.5 tok/s against 39.6 with 100 (llama-server
+    61.5, alternated in one run). libgomp reads this when llama.cpp first loads it, after this call.
     """
     if "OMP_WAIT_POLICY" not in environ:
-        environ.setdefault("GOMP_SPINCOUNT", "100")
+        environ.setdefault("GOMP_SPINCOUNT", str(DEFAULT_SPINCOUNT))
 
 
 def report_threads(config: TritonLocalConfig) -> None:
