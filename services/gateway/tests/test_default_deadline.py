@@ -157,18 +157,18 @@ async def test_an_embed_without_a_deadline_gets_twice_the_p99_of_embeds(stand_in
     adapter, path = stand_in
     embed = gateway_pb2.EmbedRequest(model="e", inputs=["a"])
     for _ in range(5):
-        await path.embed_with_ticket("t", embed, "rid", None)
+        await path.embed_with_ticket(Tenant("t"), embed, "rid", None)
     expected = path.default_deadline.for_embed()
     assert 0.05 <= expected < 1.0
     adapter.stalled = True
     started = time.monotonic()
     with pytest.raises(DeadlineExceeded, match="set a deadline"):
-        await path.embed_with_ticket("t", embed, "rid", None)
+        await path.embed_with_ticket(Tenant("t"), embed, "rid", None)
     assert time.monotonic() - started < expected + 1.0
     assert adapter.deadlines[-1] == pytest.approx(expected, abs=0.05)
     # With a client deadline a stall is the client's to end: the client's status, not ours.
     with pytest.raises(grpc.aio.AioRpcError) as raised:
-        await path.embed_with_ticket("t", embed, "rid", 0.2)
+        await path.embed_with_ticket(Tenant("t"), embed, "rid", 0.2)
     assert raised.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
 
 

@@ -67,7 +67,7 @@ def _request() -> gateway_pb2.EmbedRequest:
 async def test_embed_takes_a_lease_and_commits_the_replys_usage() -> None:
     adapter, ratelimit = _Adapter(types_pb2.Usage(prompt_tokens=5, total_tokens=5)), _RateLimit()
     path, admission = await _path(adapter, ratelimit)
-    reply, ticket = await path.embed_with_ticket("t", _request(), "r1", 10.0)
+    reply, ticket = await path.embed_with_ticket(Tenant("t"), _request(), "r1", 10.0)
     await admission.drain()
     assert reply.usage.total_tokens == 5 and len(reply.embeddings) == 1
     assert [(a.model, a.requests, a.reserved_tokens) for a in ratelimit.acquired] == [("e", 1, 7)]
@@ -80,7 +80,7 @@ async def test_a_denied_embed_never_reaches_the_adapter() -> None:
     adapter = _Adapter()
     path, _ = await _path(adapter, _RateLimit(allowed=False))
     with pytest.raises(ResourceExhausted):
-        await path.embed_with_ticket("t", _request(), "r1", 10.0)
+        await path.embed_with_ticket(Tenant("t"), _request(), "r1", 10.0)
     assert adapter.calls == 0
 
 
@@ -89,7 +89,7 @@ async def test_a_failed_or_uncounted_embed_commits_the_estimate() -> None:
         ratelimit = _RateLimit()
         path, admission = await _path(adapter, ratelimit)
         with contextlib.suppress(RuntimeError):
-            await path.embed_with_ticket("t", _request(), "r1", 10.0)
+            await path.embed_with_ticket(Tenant("t"), _request(), "r1", 10.0)
         await admission.drain()
         assert ratelimit.committed == [7]
 

@@ -64,7 +64,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         tenant = self._tenant(context)
         structlog.contextvars.bind_contextvars(tenant=tenant.name, model=request.model)
         request_id = current_request_id()
-        reply, ticket = await self._path.embed_with_ticket(tenant.name, request, request_id, context.time_remaining())
+        reply, ticket = await self._path.embed_with_ticket(tenant, request, request_id, context.time_remaining())
         await context.send_initial_metadata(((REQUEST_ID_KEY, request_id), *ticket.metadata))
         return reply
 

@@ -347,12 +347,12 @@ async def run_row(
     row = task.row
     body = row.WhichOneof("body")
     started = time.perf_counter()
+    tenant = Tenant(task.tenant, task.text_logging)
     if body == "generate":
         request = generate_request(row.generate)
         parts: list[str] = []
         rate = None
         final = None
-        tenant = Tenant(task.tenant, task.text_logging)
         async with path.generate(tenant, request, request_id, timeout_s, row=(task.job_id, row.custom_id)) as stream:
             rate = _allowed_rate(stream.ticket.requests_per_minute)
             sampling = request.sampling
@@ -377,7 +377,7 @@ async def run_row(
         return RowRun(result, time.perf_counter() - started, rate, RowTiming(*stream.timing()))
     if body == "embed":
         request_embed = gateway_pb2.EmbedRequest(model=row.embed.model, inputs=row.embed.inputs, priority_class=types_pb2.PRIORITY_CLASS_BULK)
-        reply, ticket = await path.embed_with_ticket(task.tenant, request_embed, request_id, timeout_s)
+        reply, ticket = await path.embed_with_ticket(tenant, request_embed, request_id, timeout_s)
         result = jobs_pb2.RowResult(
             job_id=task.job_id, custom_id=row.custom_id, embeddings=reply.embeddings, usage=reply.usage, request_id=request_id
         )

@@ -285,7 +285,7 @@ class OpenAIFront:
         if call.dimensions is not None:
             check_dimensions(call, self.path.models.get(call.request.model, types_pb2.MODEL_KIND_EMBEDDING))
         request_id = current_request_id()
-        reply, ticket = await self.path.embed_with_ticket(tenant.name, call.request, request_id, None)
+        reply, ticket = await self.path.embed_with_ticket(tenant, call.request, request_id, None)
         return _json_response(embeddings_reply(call, reply), headers=self._headers(request_id, ticket.metadata))
 
     async def models(self, request: web.Request) -> web.Response:

@@ -480,7 +480,7 @@ class InferencePath:
         return prompt_tokens
 
     async def embed_with_ticket(
-        self, tenant: str, request: gateway_pb2.EmbedRequest, request_id: str, time_remaining: float | None
+        self, tenant: Tenant, request: gateway_pb2.EmbedRequest, request_id: str, time_remaining: float | None
     ) -> tuple[gateway_pb2.EmbedResponse, Ticket]:
         """Validates, takes a lease (or raises RESOURCE_EXHAUSTED / UNAVAILABLE), calls the adapter;
         the ticket carries the lease's x-ratelimit-* headers and requests-per-minute limit."""
@@ -489,7 +489,7 @@ class InferencePath:
         validate_priority_class(request.priority_class)
         downstream = inference_pb2.EmbedRequest(
             request_id=request_id,
-            tenant=tenant,
+            tenant=tenant.name,
             model=request.model,
             inputs=request.inputs,
             priority_class=request.priority_class,
@@ -499,7 +499,7 @@ class InferencePath:
         if time_remaining is None and self.default_deadline is not None:
             default_s = time_remaining = self.default_deadline.for_embed()
             DEFAULT_DEADLINE.labels(kind="embed").set(default_s)
-        ticket = await self.admission.admit(tenant, embedding_reservation(request), time_remaining)
+        ticket = await self.admission.admit(tenant.name, embedding_reservation(request), time_remaining)
         try:
             if default_s is not None:
                 time_remaining = max(0.001, arrived_at + default_s - time.monotonic())
