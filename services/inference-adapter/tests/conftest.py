@@ -62,7 +62,8 @@ class RoundsOfSteps:
     arrives: a sequence a release request names meanwhile is released at the round's next step
     instead, and an end-round request ends the round after its current step. Outcomes carry their
     row's seq_id, as ROW_SEQ_ID does. With `shared_steps` > 1 the steps after the first share
-    responses, that many a response (and the round's last), as STREAM_INTERVAL_MS makes them."""
+    responses, that many a response (a first token, a row without a token and the round's last at
+    once), as STREAM_INTERVAL_MS makes them."""
 
     def __init__(self, shared_steps: int = 1) -> None:
         self.shared_steps = shared_steps
@@ -85,7 +86,9 @@ class RoundsOfSteps:
             held.extend(outcomes)
             running = [o.seq_id for row, o in zip(rows, outcomes) if row.action is not Action.RELEASE and not o.finish]
             final = not running or done == steps
-            if final or done == 1 or (done - 1) % self.shared_steps == 0 or self.end_asked:
+            # As step_protocol: a first token or a row without a token is answered at once.
+            at_once = any(o.completion_tokens <= 1 or o.token_id < 0 for o in outcomes)
+            if final or at_once or done % self.shared_steps == 0 or self.end_asked:
                 yield held
                 held = []
                 await asyncio.sleep(0)  # a request sent meanwhile arrives before the next step

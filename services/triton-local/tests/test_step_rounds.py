@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import threading
 from concurrent.futures import Future
+from types import SimpleNamespace
 from collections.abc import Iterator
 from typing import Any
 
@@ -16,6 +17,7 @@ from prometheus_client import REGISTRY
 
 from sluice_triton_local.model_files import gguf_path
 from sluice_triton_local.engine.step_engine import StepEngine
+from sluice_triton_local import step_protocol
 from sluice_triton_local.shared_engine import SharedEngine
 from sluice_triton_local.step_protocol import (
     COUNT,
@@ -143,15 +145,17 @@ def test_an_end_round_request_ends_the_round_after_its_current_step(shared: Shar
     _round(shared, [(RELEASE, 41, None)], steps=1)
 
 
-def test_a_stream_interval_lets_later_steps_share_a_response_with_the_same_text(shared: SharedEngine) -> None:
+def test_a_stream_interval_lets_later_steps_share_a_response_with_the_same_text(shared: SharedEngine, monkeypatch: pytest.MonkeyPatch) -> None:
     """STREAM_INTERVAL_MS: the first token and the finish are answered at once, the steps between
     share responses (a sequence's rows in token order), and the text is the same as step by step."""
     prefill = (PREFILL, 61, {"messages": QUESTION, "max_tokens": 24})
     apart = _round(shared, [prefill], steps=24)
+    # The interval's clock stands still: however slow a busy box makes the steps, none crosses it.
+    monkeypatch.setattr(step_protocol, "time", SimpleNamespace(perf_counter=lambda: 0.0))
     shared_ = _round(shared, [(PREFILL, 62, {"messages": QUESTION, "max_tokens": 24})], steps=24, interval_ms=MAX_STREAM_INTERVAL_MS)
     assert len(apart) == 24 and all(len(r["ROW_SEQ_ID"]) == 1 for r in apart)
-    # The first token at once; 22 steps held (no step of these 2 cores takes a second); the last
-    # (a finish, and the round's end) answered with them.
+    # The first token at once; 22 steps held; the last (a finish, and the round's end) answered
+    # with them.
     assert [len(r["ROW_SEQ_ID"]) for r in shared_] == [1, 23]
     assert list(shared_[1]["ROW_SEQ_ID"]) == [62] * 23
     assert list(shared_[1]["COMPLETION_TOKENS"]) == list(range(2, 25))
