@@ -17,6 +17,7 @@ from contextlib import aclosing
 from typing import Any, Literal
 
 import numpy as np
+import structlog
 from tritonclient.grpc import InferInput, InferRequestedOutput
 from tritonclient.grpc.aio import InferenceServerClient
 from tritonclient.utils import InferenceServerException
@@ -32,6 +33,8 @@ from sluice_inference_adapter.step_rows import FINISH_BUSY, Action, PromptSpec, 
 from sluice_inference_adapter.step_timeout import StepTimeouts
 
 Protocol = Literal["step", "generate"]
+
+log = structlog.stdlib.get_logger("sluice.triton_backend")
 
 # The vLLM backend's additional outputs the adapter reports usage and finish reasons from
 # (triton-inference-server/vllm_backend docs/additional_outputs.md).
@@ -159,6 +162,13 @@ class TritonStepBackend(_TritonEndpoint):
             metadata = await self._client.get_model_metadata(self.model, as_json=True)
             declared = {tensor["name"] for tensor in metadata.get("outputs", [])}
             self._takes_interval = _STREAM_INTERVAL in {tensor["name"] for tensor in metadata.get("inputs", [])}
+            if self._stream_interval_ms and not self._takes_interval:
+                log.warning(
+                    "stream_interval_not_supported",
+                    replica=self.url,
+                    model=self.model,
+                    hint=f"the model does not declare {_STREAM_INTERVAL}: it answers one response per engine step (upgrade the step model)",
+                )
             self._outputs = [InferRequestedOutput(name) for name in step_output_names(declared)]
         return self._outputs
 
