@@ -44,11 +44,16 @@ def test_a_streamed_chat_with_a_traceparent_is_one_trace_across_every_service(st
     usage = chunks[-1].usage
 
     def complete(spans: list[ReceivedSpan]) -> bool:
+        # Each service exports in batches of its own, so wait for every span asserted on below: the
+        # gateway's server span ends last (after the stream's last message) and may come in a later batch.
         services = {s.service for s in spans}
         return (
             {"gateway", "rate-limit", "inference-adapter", "evaluation-logging"} <= services
             and any(s.name == "triton.step_round" for s in spans)
             and len(rpc(spans, "rate-limit", SERVER, "Commit")) == 1
+            and len(rpc(spans, "gateway", SERVER, "Generate")) == 1
+            and any(s.service == "gateway" and s.kind == PRODUCER for s in spans)
+            and any(s.service == "evaluation-logging" and s.kind == CONSUMER for s in spans)
         )
 
     spans = otlp_receiver.wait_for(trace_id, complete)
@@ -131,7 +136,11 @@ def test_a_job_of_three_rows_is_one_trace_with_a_span_per_row(stack: Stack, gate
     assert wait_job(gateway, job_id).completed_rows == 3
 
     def complete(spans: list[ReceivedSpan]) -> bool:
-        return sum(1 for s in spans if s.name == "sluice.job.row") == 3 and sum(1 for s in spans if s.name == "chat smollm2-135m-instruct") == 3
+        return (
+            sum(1 for s in spans if s.name == "sluice.job.row") == 3
+            and sum(1 for s in spans if s.name == "chat smollm2-135m-instruct") == 3
+            and any(s.service == "gateway-worker" and s.kind == CONSUMER for s in spans)  # ends last, may come in a later batch
+        )
 
     spans = otlp_receiver.wait_for(trace_id, complete)
     (job,) = [s for s in spans if s.service == "gateway-worker" and s.kind == CONSUMER and s.name.startswith("process ")]
