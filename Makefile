@@ -113,7 +113,7 @@ test-unit: setup
 	@cd bench/engine && ../../services/triton-local/.venv/bin/python -m pytest -q
 
 test-e2e: setup prometheus-tools
-	cd tests && .venv/bin/python -m pytest -q
+	cd tests && .venv/bin/python -m pytest -q --durations=40
 
 # deploy/ without Docker or a cluster: hadolint, kustomize renders validated against Kubernetes
 # schemas, the compose file, every config variable set in the manifests, deploy/triton's model
