@@ -223,25 +223,28 @@ def test_step_model_config_matches_the_step_protocol(config: str) -> None:
     assert 'backend: "python"' in text and "max_batch_size: 0" in text
 
 
-def test_step_model_gpu_variant_differs_only_in_its_instance_group_and_slots() -> None:
+def test_step_model_gpu_variant_differs_only_in_its_instance_group_slots_and_prefill_budget() -> None:
     """configs/gpu.pbtxt (tritonserver --model-config-name=gpu) must not drift from config.pbtxt;
-    only where it runs and how many sequences it holds (a GPU holds the adapters' batch of 32)."""
+    only where it runs, how many sequences it holds (a GPU holds the adapters' batch of 32) and the
+    prompt tokens a step computes (a GPU computes a batch of prompts about as fast as one)."""
 
-    def settings(path: Path) -> tuple[list[str], list[str], list[str]]:
+    def settings(path: Path) -> tuple[list[str], list[str], list[str], list[str]]:
         lines = [line for line in path.read_text().splitlines() if line.strip() and not line.lstrip().startswith("#")]
-        own = ("instance_group", 'parameters: { key: "MAX_SLOTS"')
+        own = ("instance_group", 'parameters: { key: "MAX_SLOTS"', 'parameters: { key: "PREFILL_TOKENS_PER_STEP"')
         return (
             [line for line in lines if not line.startswith(own)],
             [line for line in lines if line.startswith("instance_group")],
             [line for line in lines if line.startswith(own[1])],
+            [line for line in lines if line.startswith(own[2])],
         )
 
-    cpu, cpu_group, cpu_slots = settings(STEP_MODEL / "config.pbtxt")
-    gpu, gpu_group, gpu_slots = settings(STEP_MODEL / "configs" / "gpu.pbtxt")
+    cpu, cpu_group, cpu_slots, cpu_budget = settings(STEP_MODEL / "config.pbtxt")
+    gpu, gpu_group, gpu_slots, gpu_budget = settings(STEP_MODEL / "configs" / "gpu.pbtxt")
     assert cpu == gpu
     assert cpu_group == ["instance_group [ { count: 1, kind: KIND_CPU } ]"]
     assert gpu_group == ["instance_group [ { count: 1, kind: KIND_GPU, gpus: [ 0 ] } ]"], "one instance: one KV cache"
     assert len(cpu_slots) == len(gpu_slots) == 1
+    assert len(cpu_budget) == len(gpu_budget) == 1
 
 
 def test_image_installs_exactly_the_requirements_list() -> None:

@@ -35,7 +35,7 @@ from sluice_inference_adapter.scheduler import (
     SchedulerLimits,
     TokenEvent,
 )
-from sluice_inference_adapter.step_rows import Action, PromptSpec
+from sluice_inference_adapter.step_rows import Action, PromptSpec, StepOutcome, StepRow
 from sluice_inference_adapter.step_timeout import StepTimeouts
 
 CEILING_S = 30.0
@@ -113,6 +113,54 @@ async def test_a_stalled_step_times_out_at_twice_the_p99_and_fails_the_replica()
     assert fired_at - 0.01 <= waited < 1.0  # about 2x p99, nowhere near the 30 s ceiling
     assert reports[-1] is False and all(reports[:-1])
     assert sample("sluice_adapter_timeouts_total", {"kind": "step"}) == fired_before + 1
+
+
+class DeferringReplica(StepReplica):
+    """As triton-local over its per-step prefill budget: with `defer` set, a prefill answers no token
+    and so does the sequence's next step (the budget went to earlier prompts again); the step after
+    computes its prompt (`prompt_s` longer than a decode) and answers its first token. The prefill's
+    round is one step (an interactive prefill's always is), so that step is the next round's second."""
+
+    def __init__(self, url: str, prompt_s: float) -> None:
+        super().__init__(url, delay_s=0.02)
+        self.prompt_s = prompt_s
+        self.defer = False
+        self.steps_to_wait: dict[int, int] = {}
+
+    async def step(self, rows: list[StepRow]) -> list[StepOutcome]:
+        waiting = {row.seq_id for row in rows if row.action is Action.DECODE and row.seq_id in self.steps_to_wait}
+        for seq_id in waiting:
+            self.steps_to_wait[seq_id] -= 1
+        computing = {seq_id for seq_id in waiting if self.steps_to_wait[seq_id] == 0}
+        if computing:
+            await asyncio.sleep(self.prompt_s)
+        outcomes = await super().step(rows)
+        for index, row in enumerate(rows):
+            if (row.action is Action.PREFILL and self.defer) or row.seq_id in waiting - computing:
+                self.steps_to_wait.setdefault(row.seq_id, 2)
+                self.generated[row.seq_id] = 0
+                outcomes[index] = StepOutcome(-1, "", "", 2, 0)
+        for seq_id in computing:
+            del self.steps_to_wait[seq_id]
+        return outcomes
+
+
+async def test_a_later_step_of_a_round_that_computes_a_deferred_prompt_is_timed_as_a_prefill() -> None:
+    model = DeferringReplica("triton-a:8001", prompt_s=0.5)
+    timeouts = StepTimeouts(policy(), model="m")
+    scheduler = Scheduler(model, SchedulerLimits(max_batch_size=4, max_round_steps=8), replica=model.url, timeouts=timeouts)
+    scheduler.start()
+    try:
+        _, finish = await collect(scheduler.submit(request()))  # 20 steps of ~20 ms: decodes get ~0.04-0.2 s
+        assert finish.finish is Finish.LENGTH and timeouts.limit() < 0.25
+        model.defer = True
+        rounds_before = len(model.rounds.asked)
+        text, finish = await collect(scheduler.submit(request()))
+    finally:
+        await scheduler.stop()
+    assert model.rounds.asked[rounds_before : rounds_before + 2][-1] > 1, "the prompt's step must be a later step of a round"
+    # The step computing the prompt took 0.5 s: as a decode it would have been cut off at ~0.1 s.
+    assert finish.finish is Finish.LENGTH and len(text) == 20, finish.error
 
 
 async def test_the_ceiling_bounds_steps_until_enough_are_seen() -> None:

@@ -320,6 +320,38 @@ def test_chunked_prefill_matches_whole_prefill(engine: StepEngine) -> None:
     assert engine.active_slots == 0
 
 
+def test_prompts_beyond_the_step_prefill_budget_wait_whole_for_a_later_step(engine: StepEngine) -> None:
+    prompts = [engine.apply_chat_template(p) for p in PROMPTS]
+    counts = [engine.count_tokens(p) for p in prompts]
+    params = Sampling(max_tokens=6)
+    alone = [ids(run_alone(engine, 1400 + i, p, params)) for i, p in enumerate(prompts)]
+    deferred_before = engine.prefills_deferred_total
+    engine.prefill_tokens_per_step = counts[0] + counts[1]  # the first two prompts fit, the third does not
+    try:
+        first = engine.step([PrefillRow(1410 + i, p, params) for i, p in enumerate(prompts)])
+        assert [r.token_id >= 0 for r in first] == [True, True, False]
+        waiting = first[2]
+        assert (waiting.finish_reason, waiting.completion_tokens, waiting.prompt_tokens, waiting.text) == ("", 0, counts[2], "")
+        assert engine.prefills_deferred_total == deferred_before + 1
+        # The next step computes the third prompt whole beside the others' decodes (one token each,
+        # outside the budget): it answers its first token, and every text is the one made alone.
+        made = {1410 + i: [r] for i, r in enumerate(first)}
+        while any(not rs[-1].finish_reason for rs in made.values()):
+            live = [s for s, rs in made.items() if not rs[-1].finish_reason]
+            for r in engine.step([DecodeRow(s) for s in live]):
+                made[r.seq_id].append(r)
+        assert [ids([r for r in made[1410 + i] if r.token_id >= 0]) for i in range(3)] == alone
+        assert engine.prefills_deferred_total == deferred_before + 1
+        # A step's first prompt goes whatever its length: a budget below it does not starve it.
+        engine.prefill_tokens_per_step = 1
+        (solo,) = engine.step([PrefillRow(1420, prompts[2], params)])
+        assert solo.token_id == alone[2][0]
+        engine.step([ReleaseRow(1420)])
+    finally:
+        engine.prefill_tokens_per_step = 0
+    assert engine.active_slots == 0
+
+
 def test_chunked_prefill_released_midway_frees_its_slot(engine: StepEngine) -> None:
     prompt = engine.apply_chat_template(CHAT)
     first = engine.step([PrefillRow(1300, prompt, Sampling(max_tokens=4), chunk=4)])[0]

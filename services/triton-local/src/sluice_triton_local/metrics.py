@@ -23,6 +23,10 @@ PREFIX_CACHE_LOOKUPS = Counter(
 PREFIX_CACHE_REUSED_TOKENS = Counter(
     "sluice_triton_local_prefix_cache_reused_tokens_total", "Prompt tokens taken from the prefix cache instead of prefilled."
 )
+PREFILLS_DEFERRED = Counter(
+    "sluice_triton_local_prefills_deferred_total",
+    "Prompts a step left for a later step, as beyond its prefill budget (SLUICE_TRITON_LOCAL_PREFILL_TOKENS_PER_STEP); once per step each waits.",
+)
 PREFIX_CACHE_SLOTS = Gauge("sluice_triton_local_prefix_cache_slots", "Free KV-cache slots holding a finished sequence's cells for reuse.")
 # Powers of two up to the largest batch and the longest round (step_protocol.MAX_ROUND_STEPS).
 _COUNT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)

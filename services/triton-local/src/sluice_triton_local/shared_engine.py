@@ -176,12 +176,13 @@ class SharedEngine:
             with self._asks_lock:
                 self._releasing.difference_update(released)
         started = time.perf_counter()
-        before = self._engine.tokens_generated_total
+        before, deferred = self._engine.tokens_generated_total, self._engine.prefills_deferred_total
         results = self._engine.step(rows)
         if self._variant:
             metrics.VARIANT_TOKENS_GENERATED.inc(self._engine.tokens_generated_total - before)
             return results
         metrics.TOKENS_GENERATED.inc(self._engine.tokens_generated_total - before)
+        metrics.PREFILLS_DEFERRED.inc(self._engine.prefills_deferred_total - deferred)
         metrics.ACTIVE_SLOTS.set(self._engine.active_slots)
         self._report_owners()
         self._report_prefix_cache()

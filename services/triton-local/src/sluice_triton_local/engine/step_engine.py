@@ -13,6 +13,11 @@ grows with the tokens it carries, so a long prompt cut into chunks stalls the
 other sequences of the batch (and whoever waits for the step to end) for one
 chunk at a time instead of for the whole prompt.
 
+Prefill budget (`prefill_tokens_per_step`): a step computes at most that many prompt tokens; prompts
+beyond wait, whole, for a later step (answering no token meanwhile, like a chunk), so a burst of
+prompts answers its first tokens one step after another instead of all when the last is in. Decode
+tokens do not count, and a step's first prompt always goes.
+
 Shared slots: several schedulers (adapters) may drive one engine. A prefill that finds every
 slot taken answers finish "busy" and changes nothing: the caller retries it later; it is
 backpressure, not an error. A sequence not stepped (decoded, prefilled or released) for
@@ -158,6 +163,8 @@ class _Pending:
     item: BatchItem | None  # None: a sibling, fed from its leader's forward pass
     cancelled: bool = field(default=False)
     leader: _Pending | None = None  # a sibling's leader (same prompt, same step)
+    prompt: bool = False  # its item carries prompt tokens (a prefill or its next chunk), not a decode
+    deferred: bool = False  # a prompt left for a later step by the step's prefill budget
 
 
 class StepEngine:
@@ -174,6 +181,7 @@ class StepEngine:
         low_memory: bool = False,
         slot_lease_s: float = 0.0,
         prefix_cache: bool = True,
+        prefill_tokens_per_step: int = 0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """engine "llamacpp" runs the forward pass on llama.cpp (threads, gpu_layers, main_gpu apply);
@@ -181,9 +189,13 @@ class StepEngine:
         low_memory keeps one copy of each weight matrix (~0.6 GB instead of ~1.1 GB for
         SmolLM2-135M) at the cost of slower small-batch decode. slot_lease_s > 0: a sequence
         not stepped for that long is released at the next step (0: never). prefix_cache: free
-        slots keep their KV cells for prompts that begin with the same tokens."""
+        slots keep their KV cells for prompts that begin with the same tokens.
+        prefill_tokens_per_step > 0: the prompt tokens one step computes (see `step`); 0: no bound."""
         if max_slots < 1:
             raise ValueError("max_slots must be >= 1")
+        if prefill_tokens_per_step < 0:
+            raise ValueError("prefill_tokens_per_step must be >= 0 (0: no bound)")
+        self.prefill_tokens_per_step = prefill_tokens_per_step
         reader = open_reader(gguf_path)
         self.config = read_config(reader)
         self.tokenizer = GGUFTokenizer(reader)
@@ -204,6 +216,8 @@ class StepEngine:
         self.slots_reclaimed_total = 0
         # The prefix cache's effect: prefills, those that started from cached tokens, and those tokens.
         self.prefills_total = 0
+        # Prompts a step's prefill budget left for a later step (each time one is).
+        self.prefills_deferred_total = 0
         self.prefix_hits_total = 0
         self.cached_tokens_total = 0
         # This step's whole-prompt prefills by prompt: a later prefill of the same prompt is their sibling.
@@ -301,7 +315,8 @@ class StepEngine:
                 p.cancelled = True
                 self._free(p.seq, keep_cells=False)
                 results[p.row_index] = _error(p.seq.seq_id, "its prompt's leader was released in the same step", p.seq)
-        live = [p for p in pending if not p.cancelled and p.item is not None]
+        self._defer_over_prefill_budget(pending, results)
+        live = [p for p in pending if not p.cancelled and not p.deferred and p.item is not None]
         siblings = [p for p in pending if not p.cancelled and p.item is None]
         if live:
             try:
@@ -335,6 +350,32 @@ class StepEngine:
                     if p.seq.uncached_prompt:
                         results[p.row_index] = _prefilling(p.seq)
         return results  # type: ignore[return-value]
+
+    def _defer_over_prefill_budget(self, pending: list[_Pending], results: list[RowResult | None]) -> None:
+        """Prompts beyond the step's prefill budget wait for a later step (whole: a prompt is not cut
+        to fill the budget). On a compute-bound engine a prompt costs about its tokens wherever it
+        goes, so computing every waiting prompt in one step only holds every first token back until
+        the last prompt is in; within a budget the first prompts answer a step earlier each, as one
+        after another would. The step's first prompt always goes, however long; a leader whose
+        siblings copy its cells this step goes too. A deferred sequence keeps its slot and answers
+        no token (finish ""), and its next decode row computes its prompt (the next step of a round
+        too)."""
+        budget = self.prefill_tokens_per_step
+        if not budget:
+            return
+        leaders = {id(p.leader) for p in pending if p.leader is not None}
+        spent = 0
+        for p in pending:
+            if not p.prompt or p.cancelled or p.item is None:
+                continue
+            tokens = len(p.item.token_ids)
+            if spent and spent + tokens > budget and id(p) not in leaders:
+                p.deferred = True
+                p.seq.uncached_prompt = list(p.item.token_ids) + p.seq.uncached_prompt
+                results[p.row_index] = _prefilling(p.seq)
+                self.prefills_deferred_total += 1
+            else:
+                spent += tokens
 
     def _token_logprob(self, token: int, found: RowLogprobs | None) -> TokenLogprob | None:
         if found is None:
@@ -402,7 +443,7 @@ class StepEngine:
             self.prefix_hits_total += 1
             self.cached_tokens_total += reused
         seq = self._start_seq(row, slot, ids, matcher, pos=reused, uncached_prompt=ids[reused:], cells=cells, cached_tokens=reused)
-        pending = _Pending(index, seq, BatchItem(seq.slot, _next_chunk(seq), reused))
+        pending = _Pending(index, seq, BatchItem(seq.slot, _next_chunk(seq), reused), prompt=True)
         if whole and not seq.uncached_prompt:
             self._leaders.setdefault(tuple(ids), pending)
         return pending
@@ -499,8 +540,9 @@ class StepEngine:
             return _error(seq_id, f"seq_id {seq_id} is not running (never started, finished or released)")
         if any(p.seq is seq and not p.cancelled for p in pending):
             return _error(seq_id, f"seq_id {seq_id} already advances in this step", seq)
-        tokens = _next_chunk(seq) if seq.uncached_prompt else [seq.last_token]
-        return _Pending(index, seq, BatchItem(seq.slot, tokens, seq.pos))
+        if seq.uncached_prompt:
+            return _Pending(index, seq, BatchItem(seq.slot, _next_chunk(seq), seq.pos), prompt=True)
+        return _Pending(index, seq, BatchItem(seq.slot, [seq.last_token], seq.pos))
 
     def _release(self, seq_id: int, pending: list[_Pending]) -> RowResult:
         seq = self._seqs.get(seq_id)
