@@ -22,7 +22,9 @@ Four sides, every server up the whole run, in two pairs that reuse prompt prefix
 stack with its prefix cache off (SLUICE_TRITON_LOCAL_PREFIX_CACHE=false) against llama-server
 with `"cache_prompt": false` in every request (the transport and batching figures: neither side
 reuses a prefix), and the stack as `make run` starts it (prefix cache on) against llama-server
-with its prompt cache on (both as their users run them: the `_cached` figures).
+with its prompt cache on (both as their users run them: the `_cached` figures). Each side is a
+server process of its own (two stacks, two llama-servers), so each cache holds only its own
+side's earlier requests.
 ROUNDS rounds; each load runs every side in turn, the order reversed in even rounds, so the noise
 of a shared machine falls on all of them alike. Each side is warmed with one request first.
 BENCH_RUN_DIR keeps the services' and llama-server's logs (a temporary folder otherwise).
@@ -316,14 +318,13 @@ def start_llama_server(binary: Path, port: int, log_path: Path) -> subprocess.Po
     raise SystemExit(f"llama-server not ready after 120 s; its log: {log_path}")
 
 
-def servers(stack: Stack, uncached: Stack, peer_port: int) -> dict[str, Server]:
-    peer_url = f"http://127.0.0.1:{peer_port}/v1/chat/completions"
+def servers(stack: Stack, uncached: Stack, peer_port: int, cached_peer_port: int) -> dict[str, Server]:
     demo = {"Authorization": f"Bearer {DEMO_KEY}"}
     return {
         STACK: Server(f"{stack.openai_base_url}/chat/completions", demo),
         STACK_UNCACHED: Server(f"{uncached.openai_base_url}/chat/completions", demo),
-        PEER: Server(peer_url, extra={"cache_prompt": False}),
-        PEER_CACHED: Server(peer_url),
+        PEER: Server(f"http://127.0.0.1:{peer_port}/v1/chat/completions", extra={"cache_prompt": False}),
+        PEER_CACHED: Server(f"http://127.0.0.1:{cached_peer_port}/v1/chat/completions"),
     }
 
 
@@ -366,14 +367,21 @@ def main() -> int:
         run_dir.mkdir(parents=True, exist_ok=True)
         stack, uncached = two_stacks(run_dir, "bench-peer")
         print(f"starting llama-server ({binary}) and the stack as `make run` does, with and without its prefix cache ...", flush=True)
-        peer_port = free_port()
-        peer = start_llama_server(binary, peer_port, run_dir / "llama-server.log")
+        # One llama-server per side, as the stack has one stack per side: a server's prompt cache
+        # holds only what its own side sent (one server for both would warm the cached side's slots
+        # with the uncached side's run of the same prompts).
+        peer_port, cached_peer_port = free_port(), free_port()
+        peers = [
+            start_llama_server(binary, peer_port, run_dir / "llama-server.log"),
+            start_llama_server(binary, cached_peer_port, run_dir / "llama-server-cached.log"),
+        ]
         try:
             with running(stack), running(uncached):
-                phases = run_rounds(servers(stack, uncached, peer_port))
+                phases = run_rounds(servers(stack, uncached, peer_port, cached_peer_port))
         finally:
-            peer.terminate()
-            peer.wait(timeout=30)
+            for peer in peers:
+                peer.terminate()
+                peer.wait(timeout=30)
     print()
     print("\n".join(report(phases)))
     return 0
