@@ -8,6 +8,7 @@ import asyncio
 import time
 
 from conftest import collect
+from prometheus_client import REGISTRY
 from test_scheduler import RecordingStepModel, request
 
 from sluice_inference_adapter.scheduler import Finish, FinishEvent, Scheduler, SchedulerLimits
@@ -141,6 +142,28 @@ async def test_a_cancel_mid_round_releases_the_sequence_at_the_next_step() -> No
     assert len(decodes_after) <= 1, rows[-5:]  # the step in progress, at most one more
     assert rows[-1][1] is Action.RELEASE
     assert scheduler.running_count == 0
+
+
+async def test_a_cancel_landing_in_a_rounds_last_step_leaves_no_slot_counted_in_use() -> None:
+    """One-step rounds: the cancelled sequence leaves with the round's only response, and no later
+    step would correct the slots-in-use gauge (it read 1 with nothing running)."""
+    model = RecordingStepModel(step_delay_s=0.05)
+    scheduler = Scheduler(model, SchedulerLimits(max_round_steps=1), replica="cancel-gauge")
+    scheduler.start()
+    try:
+        handle = scheduler.submit(request(max_tokens=500))
+        events = handle.events()
+        await anext(events)  # the first token
+        await _until(lambda: len(model.steps) >= 2)  # the next round's step in flight (50 ms)
+        handle.cancel()
+        finish = [event async for event in events][-1]
+        await model.wait_released(handle.seq_id)
+        await asyncio.sleep(0.1)
+        assert isinstance(finish, FinishEvent) and finish.finish is Finish.CANCELLED
+        assert scheduler.running_count == 0
+        assert REGISTRY.get_sample_value("sluice_adapter_kv_slots_in_use", {"replica": "cancel-gauge"}) == 0
+    finally:
+        await scheduler.stop()
 
 
 async def test_a_deadline_passing_mid_round_ends_and_releases_the_sequence() -> None:

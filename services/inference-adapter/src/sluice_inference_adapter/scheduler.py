@@ -503,6 +503,8 @@ class Scheduler(ReplicaWork):
                 sequence.finish(reason, now)
                 if reason is not Finish.CANCELLED:  # a cancel's release went out when it came
                     abandoned.append(sequence.seq_id)
+        # The round may end with this response (its last sequence gone): no later step would set it.
+        metrics.SLOTS_IN_USE.labels(replica=self._replica).set(len(self._running))
         if abandoned:
             self._release_now(abandoned)
 
