@@ -23,10 +23,14 @@ both backends.
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Callable
+from typing import Any
 
 import redis.asyncio as aioredis
+from redis.connection import HiredisRespSerializer
+from redis.utils import HIREDIS_AVAILABLE
+
+from sluice_common.request_context import new_unique_id
 
 from sluice_rate_limit.budgets import BUDGET_NAMES, Budget, BudgetState, Check, Decision, Kind, LeaseNotFound
 from sluice_rate_limit.memory_backend import GAUGE_RETRY_S
@@ -283,6 +287,26 @@ return out
 )
 
 
+class _HiredisPacking:
+    """Packs commands with hiredis (C) instead of redis-py's asyncio connection's Python packer,
+    which costs about 1 us per argument: an Acquire's script call has 67, twice the rest of the
+    backend's Python per decision. redis-py's sync connection already packs with hiredis; the
+    bytes are the same."""
+
+    _packer = HiredisRespSerializer()
+
+    def pack_command(self, *args: Any) -> list[bytes]:
+        return self._packer.pack(*args)
+
+
+def _with_hiredis_packing(client: aioredis.Redis) -> None:
+    """The client's connections (TCP, TLS or unix socket, whichever its URL chose) pack with hiredis."""
+    pool = client.connection_pool
+    if HIREDIS_AVAILABLE and not issubclass(pool.connection_class, _HiredisPacking):
+        base = pool.connection_class
+        pool.connection_class = type(f"Hiredis{base.__name__}", (_HiredisPacking, base), {})
+
+
 def _tag(model: str) -> str:
     return model.replace("{", "(").replace("}", ")") or "_"
 
@@ -309,6 +333,7 @@ class RedisBackend:
             retry_on_timeout=False,
             health_check_interval=0,
         )
+        _with_hiredis_packing(self.client)
         self._acquire = self.client.register_script(ACQUIRE)
         self._settle = self.client.register_script(SETTLE)
         self._peek = self.client.register_script(PEEK)
@@ -327,7 +352,7 @@ class RedisBackend:
 
     async def acquire(self, checks: list[Check], interactive: bool, ttl_s: float, shadow: bool, tag: str = "") -> Decision:
         base = self._base(tag)
-        lease_id = f"{uuid.uuid4().hex}.{tag}"
+        lease_id = f"{new_unique_id()}.{tag}"
         args: list[object] = [
             self._window_ms,
             int(interactive),
