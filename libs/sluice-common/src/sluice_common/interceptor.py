@@ -126,27 +126,74 @@ def _check_decoded(request: Any) -> None:
         raise request.error
 
 
+class _InFlight:
+    """A method's calls in flight: a plain count that sluice_rpc_in_flight reads when it is scraped
+    (set_function), so a call pays an increment and a decrement of an int instead of two locked
+    gauge updates. Every call of a grpc.aio server runs on its event loop's thread, the only writer.
+    One per method for the whole process, as the gauge's child is (several servers in one process
+    add up)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, method: str) -> None:
+        self.value = 0
+        RPC_IN_FLIGHT.labels(method).set_function(self.get)
+
+    def get(self) -> float:
+        return self.value
+
+
+_in_flight: dict[str, _InFlight] = {}
+
+
+def _in_flight_of(method: str) -> _InFlight:
+    found = _in_flight.get(method)
+    if found is None:
+        found = _in_flight[method] = _InFlight(method)
+    return found
+
+
+class _MethodMetrics:
+    """One method's metrics, looked up once when its handler is wrapped: labels() validates and
+    locks, and rate-limit handles thousands of RPCs a second, each of which would pay it per metric."""
+
+    __slots__ = ("in_flight", "duration", "_method", "_counts")
+
+    def __init__(self, method: str) -> None:
+        self._method = method
+        self.in_flight = _in_flight_of(method)
+        self.duration = RPC_DURATION.labels(method)
+        self._counts: dict[str, Any] = {}
+
+    def count(self, code: str) -> None:
+        child = self._counts.get(code)
+        if child is None:
+            child = self._counts[code] = RPC_REQUESTS.labels(self._method, code)
+        child.inc()
+
+
 class _CallRecord:
     """Bookkeeping for one RPC: request id, outcome and the summary line."""
 
-    def __init__(self, method: str, context: grpc.aio.ServicerContext, quiet: bool) -> None:
+    def __init__(self, method: str, context: grpc.aio.ServicerContext, quiet: bool, metrics: _MethodMetrics) -> None:
         self.method = method
         self.quiet = quiet
         self.context = context
+        self.metrics = metrics
         self.code = "OK"
         self.started = time.perf_counter()
         # Read now: once a cancelled stream has ended, grpc.aio's context.peer() reads a freed call
         # and crashes the process (SIGSEGV in cygrpc, seen at a bidirectional stream's end).
         self.peer = context.peer()
         structlog.contextvars.clear_contextvars()
-        self.request_id = request_id_from_metadata(context.invocation_metadata()) or new_request_id()
-        bind_request_id(self.request_id)
-        structlog.contextvars.bind_contextvars(rpc=method)
+        metadata = context.invocation_metadata()
+        self.request_id = request_id_from_metadata(metadata) or new_request_id()
+        bind_request_id(self.request_id, rpc=method)
         # The SERVER span (while tracing is on; not for health and reflection), current for the call.
-        self.span = tracing.server_span(method, context.invocation_metadata(), self.peer) if tracing.enabled() and not quiet_prefix(method) else None
+        self.span = tracing.server_span(method, metadata, self.peer) if tracing.enabled() and not quiet_prefix(method) else None
         # Last, after everything that can raise: `finish` (which takes it back) runs only once
         # this constructor has returned.
-        _in_flight_of(method).inc()
+        metrics.in_flight.value += 1
 
     async def fail(self, error: BaseException) -> None:
         if isinstance(error, SluiceError):
@@ -173,9 +220,10 @@ class _CallRecord:
 
     def finish(self) -> None:
         elapsed = time.perf_counter() - self.started
-        _in_flight_of(self.method).dec()
-        _count(self.method, self.code)
-        _duration_of(self.method).observe(elapsed)
+        metrics = self.metrics
+        metrics.in_flight.value -= 1
+        metrics.count(self.code)
+        metrics.duration.observe(elapsed)
         tracing.end_server_span(self.span, self.code)
         # A health watch ends CANCELLED whenever its client closes: that is its normal end.
         if self.quiet and self.code in ("OK", "CANCELLED"):
@@ -186,37 +234,11 @@ class _CallRecord:
         log.info("rpc", code=self.code, duration_ms=round(elapsed * 1000, 2), peer=self.peer)
 
 
-# The metrics' children by label values: `labels()` validates and locks on every call, and rate-limit
-# handles thousands of RPCs a second, each of which would pay it twice.
-_counters: dict[tuple[str, str], Any] = {}
-_durations: dict[str, Any] = {}
-_in_flight: dict[str, Any] = {}
-
-
-def _count(method: str, code: str) -> None:
-    child = _counters.get((method, code))
-    if child is None:
-        child = _counters[(method, code)] = RPC_REQUESTS.labels(method, code)
-    child.inc()
-
-
-def _duration_of(method: str) -> Any:
-    child = _durations.get(method)
-    if child is None:
-        child = _durations[method] = RPC_DURATION.labels(method)
-    return child
-
-
-def _in_flight_of(method: str) -> Any:
-    child = _in_flight.get(method)
-    if child is None:
-        child = _in_flight[method] = RPC_IN_FLIGHT.labels(method)
-    return child
-
-
 def _wrap_unary(method: str, behavior: Callable[..., Awaitable[Any]], quiet: bool) -> Callable[..., Awaitable[Any]]:
+    metrics = _MethodMetrics(method)
+
     async def handle(request: Any, context: grpc.aio.ServicerContext) -> Any:
-        record = _CallRecord(method, context, quiet)
+        record = _CallRecord(method, context, quiet, metrics)
         try:
             _check_decoded(request)
             return await behavior(request, context)
@@ -229,8 +251,10 @@ def _wrap_unary(method: str, behavior: Callable[..., Awaitable[Any]], quiet: boo
 
 
 def _wrap_stream(method: str, behavior: Callable[..., AsyncIterator[Any]], quiet: bool) -> Callable[..., AsyncIterator[Any]]:
+    metrics = _MethodMetrics(method)
+
     async def handle(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-        record = _CallRecord(method, context, quiet)
+        record = _CallRecord(method, context, quiet, metrics)
         try:
             _check_decoded(request)
             # aclosing: when the call ends while the handler waits at a yield (the client went

@@ -35,17 +35,22 @@ def _new_process_part() -> None:
 os.register_at_fork(after_in_child=_new_process_part)
 
 
-def new_request_id() -> str:
+def new_unique_id() -> str:
+    """32 hex digits, unique across processes and restarts: request ids, rate-limit lease ids."""
     return f"{_PROCESS_PART}{next(_sequence) & 0xFFFFFFFFFFFFFFFF:016x}"
+
+
+new_request_id = new_unique_id
 
 
 def current_request_id() -> str:
     return _request_id.get()
 
 
-def bind_request_id(request_id: str) -> None:
+def bind_request_id(request_id: str, **also: str) -> None:
+    """Binds the request id (and `also`, more log context, in the same call) for this context."""
     _request_id.set(request_id)
-    structlog.contextvars.bind_contextvars(request_id=request_id)
+    structlog.contextvars.bind_contextvars(request_id=request_id, **also)
 
 
 def outgoing_metadata(*extra: tuple[str, str]) -> tuple[tuple[str, str], ...]:

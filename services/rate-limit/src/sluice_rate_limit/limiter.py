@@ -40,6 +40,13 @@ class RateLimiter:
         self.max_lease_ttl_s = max_lease_ttl_s
         self._seen: set[tuple[str, str]] = set()
         self._reloader: asyncio.Task[None] | None = None
+        # The children every decision touches, resolved once. The redis backend times its own
+        # round trips (sluice_ratelimit_backend_seconds{backend="redis"}); the memory one is timed here.
+        self._allowed = metrics.child(metrics.DECISIONS, "allowed", "")
+        self._timed = backend.name == "memory"
+        ops = ("acquire", "commit", "release") if self._timed else ()
+        self._backend_seconds = {op: metrics.child(metrics.BACKEND_SECONDS, "memory", op) for op in ops}
+        self._settled = {how: metrics.child(metrics.LEASES_SETTLED, how) for how in ("commit", "release")}
 
     @property
     def limits(self) -> Limits:
@@ -59,14 +66,14 @@ class RateLimiter:
         checks, shadow = self.limits.checks(tenant, model, interactive, requests, tokens)
         self._seen.add((tenant, model))
         if not checks:
-            metrics.child(metrics.DECISIONS, "allowed", "").inc()
+            self._allowed.inc()
             return Decision(allowed=True)
         started = time.perf_counter()
         decision = _larger_than_a_limit(checks) or await self.backend.acquire(checks, interactive, ttl, shadow, model)
-        if self.backend.name == "memory":
-            metrics.child(metrics.BACKEND_SECONDS, "memory", "acquire").observe(time.perf_counter() - started)
+        if self._timed:
+            self._backend_seconds["acquire"].observe(time.perf_counter() - started)
         if decision.allowed:
-            metrics.child(metrics.DECISIONS, "allowed", "").inc()
+            self._allowed.inc()
             for state in decision.states:
                 if state.remaining < state.limit * NEAR_LIMIT_SHARE:
                     metrics.child(metrics.NEAR_LIMIT, state.name).inc()
@@ -116,9 +123,9 @@ class RateLimiter:
             raise NotFound(f"lease {lease_id} is unknown: already settled, or expired") from None
         except BackendUnavailable as exc:
             raise Unavailable(f"cannot settle lease {lease_id}: {exc}; it frees its capacity at expiry") from None
-        if self.backend.name == "memory":
-            metrics.child(metrics.BACKEND_SECONDS, "memory", how).observe(time.perf_counter() - started)
-        metrics.child(metrics.LEASES_SETTLED, how).inc()
+        if self._timed:
+            self._backend_seconds[how].observe(time.perf_counter() - started)
+        self._settled[how].inc()
         return states
 
     async def usage(self, tenant: str = "") -> list[tuple[str, str, list[BudgetState]]]:

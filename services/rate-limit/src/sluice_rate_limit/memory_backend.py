@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import heapq
 import time
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from sluice_common.request_context import new_unique_id
 from sluice_rate_limit.budgets import BudgetState, Check, Decision, Kind, LeaseNotFound
 from sluice_rate_limit.sliding_window import Entry, SlidingWindow, admits
 
@@ -49,16 +49,21 @@ class MemoryBackend:
         self._clock = clock
         self._on_expired = on_expired
         self._prefix = lease_prefix
-        # (tag, key) -> window or gauge
-        self._stores: dict[tuple[str, str], SlidingWindow | _Gauge] = {}
+        # tag -> key -> window or gauge
+        self._stores: dict[str, dict[str, SlidingWindow | _Gauge]] = {}
         self._leases: dict[str, _Lease] = {}
         self._expiries: list[tuple[float, str]] = []
 
-    def _store(self, tag: str, check: Check) -> SlidingWindow | _Gauge:
-        store = self._stores.get((tag, check.key))
+    def _stores_of(self, tag: str) -> dict[str, SlidingWindow | _Gauge]:
+        stores = self._stores.get(tag)
+        if stores is None:
+            stores = self._stores[tag] = {}
+        return stores
+
+    def _store(self, stores: dict[str, SlidingWindow | _Gauge], check: Check) -> SlidingWindow | _Gauge:
+        store = stores.get(check.key)
         if store is None:
-            store = SlidingWindow(self.window_s) if check.kind is Kind.WINDOW else _Gauge()
-            self._stores[(tag, check.key)] = store
+            store = stores[check.key] = SlidingWindow(self.window_s) if check.kind is Kind.WINDOW else _Gauge()
         return store
 
     def _sweep(self, now: float) -> None:
@@ -81,12 +86,6 @@ class MemoryBackend:
                 if lease.interactive:
                     store.interactive = max(0, store.interactive - check.cost)
 
-    @staticmethod
-    def _usage(store: SlidingWindow | _Gauge, now: float) -> tuple[int, int]:
-        if isinstance(store, SlidingWindow):
-            return store.usage(now)
-        return store.total, store.interactive
-
     def _state(self, check: Check, store: SlidingWindow | _Gauge, now: float) -> BudgetState:
         # Runs for every budget of every decision (12 times per Acquire + Commit): one trim, no more.
         if isinstance(store, SlidingWindow):
@@ -100,14 +99,16 @@ class MemoryBackend:
     async def acquire(self, checks: list[Check], interactive: bool, ttl_s: float, shadow: bool, tag: str = "") -> Decision:
         now = self._clock()
         self._sweep(now)
-        stores = [self._store(tag, check) for check in checks]
+        mine = self._stores_of(tag)
+        stores = [self._store(mine, check) for check in checks]
         denied: Check | None = None
         retry = 0.0
         for check, store in zip(checks, stores):
-            used, interactive_used = self._usage(store, now)
-            pace = 0.0
             if isinstance(store, SlidingWindow):
+                used, interactive_used = store.usage(now)
                 pace = store.pace_wait(now, check.cost, check.limit, check.burst, check.floor, interactive)
+            else:
+                used, interactive_used, pace = store.total, store.interactive, 0.0
             if pace <= 0.0 and admits(used, interactive_used, check.cost, check.limit, check.floor, interactive):
                 continue
             if isinstance(store, SlidingWindow):
@@ -128,26 +129,39 @@ class MemoryBackend:
                 shadow=shadow,
             )
         lease = _Lease(interactive=interactive, expires_at=now + ttl_s)
+        entries = lease.entries
         for check, store in zip(checks, stores):
-            entry = None
             if isinstance(store, SlidingWindow):
-                entry = store.add(now, check.cost, interactive)
+                entries.append((check, store, store.add(now, check.cost, interactive)))
                 if 0 < check.burst < check.limit:
                     store.pace(now, check.cost, check.limit)
             else:
                 store.total += check.cost
                 if interactive:
                     store.interactive += check.cost
-            lease.entries.append((check, store, entry))
-        lease_id = self._prefix + uuid.uuid4().hex
+                entries.append((check, store, None))
+        # Every window was trimmed at `now` above and the last entry of each is the one just
+        # added: the states are read off the charged totals, not by a second trim per budget.
+        states = [
+            BudgetState(c.budget, c.limit, max(0, c.limit - s.total), now + s.window_s - now if isinstance(s, SlidingWindow) else 0.0, c.name)
+            for c, s in zip(checks, stores)
+        ]
+        # Not uuid4: os.urandom per decision; a random per-process prefix and a counter are as unique.
+        lease_id = self._prefix + new_unique_id()
         self._leases[lease_id] = lease
-        heapq.heappush(self._expiries, (lease.expires_at, lease_id))
-        return Decision(
-            allowed=True,
-            lease_id=lease_id,
-            lease_expires_at=lease.expires_at,
-            states=[self._state(c, s, now) for c, s in zip(checks, stores)],
-        )
+        self._expire_at(lease.expires_at, lease_id)
+        return Decision(allowed=True, lease_id=lease_id, lease_expires_at=lease.expires_at, states=states)
+
+    def _expire_at(self, at: float, lease_id: str) -> None:
+        expiries = self._expiries
+        # A settled lease leaves its entry in the heap until its expiry (up to max_lease_ttl_s
+        # later): at a thousand decisions a second that is most of a million stale entries.
+        # Rebuilt from the live leases once the stale ones outnumber them, so the heap stays the
+        # size of what is in flight (amortized: one rebuild per as many pushes as it drops).
+        if len(expiries) > 2 * len(self._leases) + 1024:
+            expiries = self._expiries = [(lease.expires_at, lid) for lid, lease in self._leases.items() if lid != lease_id]
+            heapq.heapify(expiries)
+        heapq.heappush(expiries, (at, lease_id))
 
     async def settle(self, lease_id: str, used_tokens: int | None) -> list[BudgetState]:
         """Commit (used_tokens known) or release (None: refund the whole reservation)."""
@@ -158,7 +172,7 @@ class MemoryBackend:
             raise LeaseNotFound(lease_id)
         self._free_gauges(lease)
         for check, store, entry in lease.entries:
-            if isinstance(store, SlidingWindow) and check.refundable and entry is not None:
+            if entry is not None and check.refundable and isinstance(store, SlidingWindow):
                 delta = check.cost - (used_tokens or 0)
                 if delta > 0:
                     store.refund(now, entry, delta)
@@ -171,7 +185,8 @@ class MemoryBackend:
     async def peek(self, checks: list[Check], tag: str = "") -> list[BudgetState]:
         now = self._clock()
         self._sweep(now)
-        return [self._state(c, self._store(tag, c), now) for c in checks]
+        mine = self._stores_of(tag)
+        return [self._state(c, self._store(mine, c), now) for c in checks]
 
     def owns(self, lease_id: str) -> bool:
         return lease_id.startswith(self._prefix) if self._prefix else True
