@@ -113,10 +113,28 @@ def test_a_stream_cancelled_mid_round_leaves_the_engine_within_one_step(
     the round runs (not after it): the round releases the sequence at its next step. Counted from the
     client's cancel, the steps include the ones made while the cancel travels (two processes and
     Triton's proxy, a few milliseconds each, longer on a busy box), against the 40-odd the round of
-    64 had left."""
+    64 had left. Another adapter's work (a health probe is a one-token prefill) ends a round after its
+    current step by design; when that happens just as the cancel travels, the release reaches the
+    engine between rounds and is applied by the next one: the slot is still freed within the bound,
+    and the scenario is run again (at most three times) to see the release arrive mid-round."""
     address, metrics = adapters[LONGEST]
     triton = stack.metrics_url("triton-local")
-    wait_for(lambda: scrape(triton, "sluice_triton_local_active_slots") == 0, "earlier tests' sequences to end", timeout_s=60)
+    mid_round = 0
+    for attempt in range(1, 4):
+        wait_for(lambda: scrape(triton, "sluice_triton_local_active_slots") == 0, "earlier sequences to end", timeout_s=60)
+        steps_after_cancel, released = _cancel_in_a_long_round(address, metrics, triton)
+        record_property(f"steps_after_cancel_{attempt}", steps_after_cancel)
+        # Measured 4 twice (once beside a compiling build): twice that, against the 40-odd steps left.
+        assert steps_after_cancel <= 8, steps_after_cancel
+        if released == 1:
+            mid_round += 1
+            break
+    assert mid_round == 1, "in three tries the release request never reached the engine during the round"
+
+
+def _cancel_in_a_long_round(address: str, metrics: str, triton: str) -> tuple[float, float]:
+    """Cancels a long stream once a round of several steps runs: the engine steps made from the cancel
+    to the freed slot, and the sequences released mid-round meanwhile."""
     with grpc.insecure_channel(address) as channel:
         call = inference_pb2_grpc.InferenceServiceStub(channel).Generate(request("Write a long story about a dragon.", 1000), timeout=180)
         rounds_before = rounds_longer_than_one(metrics)
@@ -132,7 +150,4 @@ def test_a_stream_cancelled_mid_round_leaves_the_engine_within_one_step(
         call.cancel()
         wait_for(lambda: scrape(triton, "sluice_triton_local_active_slots") == 0, "the cancelled sequence's slot to be freed", poll_s=0.005)
     steps, released = scrape_samples(triton, ("sluice_triton_local_step_seconds_count", ""), ("sluice_triton_local_released_mid_round_total", ""))
-    record_property("steps_after_cancel", steps - steps_at_cancel)
-    assert released - released_mid_round == 1, "the release request did not reach the engine during the round"
-    # Measured 4 twice (once beside a compiling build): twice that, against the 40-odd steps left.
-    assert steps - steps_at_cancel <= 8, steps - steps_at_cancel
+    return steps - steps_at_cancel, released - released_mid_round
