@@ -311,30 +311,6 @@ async def test_bulk_prefills_go_one_per_step_never_beside_an_interactive_one_and
     assert model.rows_of(interactive.seq_id)[0][0] == 0
 
 
-async def test_at_most_max_bulk_sequences_run_and_interactive_ones_take_the_rest_of_the_batch() -> None:
-    model = RecordingStepModel()
-    limits = SchedulerLimits(max_batch_size=8, max_waiting=20, max_bulk_prefill_rows=0, interactive_reserved_slots=1, max_bulk_sequences=2)
-    scheduler = Scheduler(model, limits)
-    bulk = [scheduler.submit(request(max_tokens=200, priority=Priority.BULK)) for _ in range(5)]
-    scheduler.start()
-    try:
-        while scheduler.running_count < 2:
-            await asyncio.sleep(0.001)
-        await asyncio.sleep(0.02)
-        # Two bulk sequences run; the other three wait although five of the batch's slots are free.
-        assert scheduler.running_count == 2 and scheduler.waiting_count == 3
-        interactive = [scheduler.submit(request(max_tokens=40)) for _ in range(4)]
-        while scheduler.running_count < 6:
-            await asyncio.sleep(0.001)
-        assert scheduler.waiting_count == 3
-        for h in bulk + interactive:
-            h.cancel()
-    finally:
-        await scheduler.stop()
-    bulk_ids = {h.seq_id for h in bulk}
-    assert max(sum(r.seq_id in bulk_ids and r.action is Action.DECODE for r in rows) for rows in model.steps) == 2
-
-
 async def test_bulk_prompts_are_cached_in_chunks_one_bulk_sequence_at_a_time() -> None:
     model = RecordingStepModel()
     limits = SchedulerLimits(max_batch_size=4, max_waiting=20, max_bulk_prefill_rows=1, bulk_prefill_chunk=4)

@@ -82,11 +82,6 @@ class AdapterConfig(ServerConfig):
     max_bulk_prefill_rows: int = 1
     bulk_prefill_chunk: int = 16
     interactive_reserved_slots: int = 1
-    # Bulk sequences running at once (0: as many as the batch leaves them). Every step carries one
-    # row per running sequence, and an interactive first token waits for the step in progress: on a
-    # CPU engine a step costs about its rows (~7 ms each here), so a cap bounds that wait at little
-    # cost to bulk throughput; on a GPU a step of 32 rows costs about one row's, so leave it 0.
-    max_bulk_sequences: int = 0
     # Prefix-aware routing (prefix_routing.py): a generation request goes to the replica this
     # adapter sent the longest prefix of its prompt (its engine's prefix cache likely holds it),
     # unless that replica has more than PREFIX_ROUTING_LOAD_BOUND waiting plus running sequences
@@ -131,7 +126,6 @@ class AdapterConfig(ServerConfig):
         require(not problems, "; ".join(problems))
         require(self.max_bulk_prefill_rows >= 0, f"{ENV_PREFIX}MAX_BULK_PREFILL_ROWS must be >= 0, got {self.max_bulk_prefill_rows}")
         require(self.bulk_prefill_chunk >= 0, f"{ENV_PREFIX}BULK_PREFILL_CHUNK must be >= 0 (0: whole prompts), got {self.bulk_prefill_chunk}")
-        require(self.max_bulk_sequences >= 0, f"{ENV_PREFIX}MAX_BULK_SEQUENCES must be >= 0 (0: no cap), got {self.max_bulk_sequences}")
         require(
             0 <= self.interactive_reserved_slots < self.max_batch_size,
             f"{ENV_PREFIX}INTERACTIVE_RESERVED_SLOTS must be in [0, MAX_BATCH_SIZE), got {self.interactive_reserved_slots}",

@@ -130,9 +130,6 @@ class SchedulerLimits:
     max_bulk_prefill_rows: int = 0
     bulk_prefill_chunk: int = 0
     interactive_reserved_slots: int = 0
-    # - at most `max_bulk_sequences` bulk sequences run at once (0: no cap beyond the reserved
-    #   slots): each adds a row to every step an interactive first token may have to wait for.
-    max_bulk_sequences: int = 0
     # After a prefill found the engine full (its slots shared with other adapters), how long
     # before prefills are tried again, unless one of ours ends first.
     engine_full_retry_s: float = 0.05
@@ -641,8 +638,6 @@ class Scheduler(ReplicaWork):
         limits = self._limits
         bulk = [s for s in self._running.values() if s.priority is Priority.BULK]
         bulk_slots = max(1, limits.max_batch_size - limits.interactive_reserved_slots)
-        if limits.max_bulk_sequences:
-            bulk_slots = min(bulk_slots, limits.max_bulk_sequences)
         # Bulk sequences still caching their prompts count against the prefill cap like new ones.
         bulk_prefilling = sum(1 for s in bulk if s.prefilling)
         interactive_admitted = False
