@@ -85,7 +85,7 @@ class LlamaCppAlone:
     def __init__(self, ids: list[int], threads: int) -> None:
         import llama_cpp as lc
 
-        from .llamacpp_model import init_backend_once
+        from sluice_triton_local.engine.llamacpp_model import init_backend_once
 
         init_backend_once()
         self.lc, self.ids, self.threads = lc, ids, threads
@@ -102,7 +102,7 @@ class LlamaCppAlone:
         }
 
     def _context_run(self, batch: int, unified: bool) -> Figures:
-        from .llamacpp_model import context_params
+        from sluice_triton_local.engine.llamacpp_model import context_params
 
         lc = self.lc
         params = context_params(batch, 1024, max(2048, batch * len(self.ids)), self.threads, unified=unified)

@@ -67,3 +67,12 @@ def test_counting_helpers() -> None:
     ]
     assert bench.prefilled_tokens(results) == 24
     assert bench.decoded_tokens(results) == 2
+
+
+def test_llama_cpp_alone_runs_a_batch_and_reports_its_figures() -> None:
+    """The baseline side itself, on the real GGUF: it loads through triton-local's llama.cpp setup (an
+    import left relative when the benchmark moved out of the engine package broke `make bench-engine`)."""
+    alone = bench.LlamaCppAlone([1, 2, 3, 4, 5, 6, 7, 8], threads=2)
+    figures = alone.run(2)
+    assert figures["prefill_tok_s"] > 0 and figures["decode_tok_s"] > 0
+    assert len(figures["tokens"]) == bench.DECODE_STEPS + 1
