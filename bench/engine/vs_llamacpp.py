@@ -158,7 +158,8 @@ def best(runs: list[Figures]) -> Figures:
 
 
 def compare(threads: int, rounds: int, batches: list[int]) -> dict[str, Any]:
-    engine = StepEngine(gguf_path(), max_slots=max(batches), max_context=1024, engine="llamacpp", threads=threads)
+    # No prefix cache: every run prefills the same prompt, which the cache would serve from the first run on.
+    engine = StepEngine(gguf_path(), max_slots=max(batches), max_context=1024, engine="llamacpp", threads=threads, prefix_cache=False)
     ids = engine.tokenizer.encode(engine.apply_chat_template([("user", PROMPT)]))
     alone = LlamaCppAlone(ids, threads)
     engine_run(engine, 1), alone.run(1)  # warm both up
@@ -175,7 +176,7 @@ def compare(threads: int, rounds: int, batches: list[int]) -> dict[str, Any]:
 
 
 def numpy_reference(threads: int, batches: list[int]) -> dict[str, Any]:
-    engine = StepEngine(gguf_path(), max_slots=max(batches), max_context=1024, engine="numpy", threads=threads)
+    engine = StepEngine(gguf_path(), max_slots=max(batches), max_context=1024, engine="numpy", threads=threads, prefix_cache=False)
     engine_run(engine, 1)
     return {"numpy": {str(b): best([engine_run(engine, b)]) for b in batches}}
 
