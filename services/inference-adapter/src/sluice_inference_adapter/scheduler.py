@@ -457,6 +457,8 @@ class Scheduler(ReplicaWork):
                 self._report_step(ok=not any(outcome.finish == FINISH_STALE for outcome in outcomes))
                 self._apply(outcomes)
                 self._abandon_mid_round()
+                # After both: the round may end with this response, and no later step would set it.
+                metrics.SLOTS_IN_USE.labels(replica=self._replica).set(len(self._running))
                 self._end_round_for_waiting()
                 # The engine may leave prompts beyond its per-step prefill budget to the round's
                 # later steps: those steps are timed as prefills until every prompt is in.
@@ -500,8 +502,6 @@ class Scheduler(ReplicaWork):
                 sequence.finish(reason, now)
                 if reason is not Finish.CANCELLED:  # a cancel's release went out when it came
                     abandoned.append(sequence.seq_id)
-        # The round may end with this response (its last sequence gone): no later step would set it.
-        metrics.SLOTS_IN_USE.labels(replica=self._replica).set(len(self._running))
         if abandoned:
             self._release_now(abandoned)
 
@@ -706,7 +706,6 @@ class Scheduler(ReplicaWork):
                 self._engine_full_until = 0.0  # a slot is free now: prefills may try again
         for seq_id, made in tokens.items():
             _emit_tokens(self._in_round[seq_id], made, now)
-        metrics.SLOTS_IN_USE.labels(replica=self._replica).set(len(self._running))
 
     def _observe_queue_wait(self, sequence: Sequence) -> None:
         """A sequence's whole wait, arrival to the prefill the engine took, observed once: at
