@@ -163,8 +163,12 @@ class _Pending:
     item: BatchItem | None  # None: a sibling, fed from its leader's forward pass
     cancelled: bool = field(default=False)
     leader: _Pending | None = None  # a sibling's leader (same prompt, same step)
-    prompt: bool = False  # its item carries prompt tokens (a prefill or its next chunk), not a decode
     deferred: bool = False  # a prompt left for a later step by the step's prefill budget
+
+    @property
+    def prompt(self) -> bool:
+        """Its item carries prompt tokens (a prefill or its next chunk): no token made yet."""
+        return self.item is not None and self.seq.completion_tokens == 0
 
 
 class StepEngine:
@@ -366,7 +370,7 @@ class StepEngine:
         leaders = {id(p.leader) for p in pending if p.leader is not None}
         spent = 0
         for p in pending:
-            if not p.prompt or p.cancelled or p.item is None:
+            if p.cancelled or p.item is None or not p.prompt:
                 continue
             tokens = len(p.item.token_ids)
             if spent and spent + tokens > budget and id(p) not in leaders:
@@ -443,7 +447,7 @@ class StepEngine:
             self.prefix_hits_total += 1
             self.cached_tokens_total += reused
         seq = self._start_seq(row, slot, ids, matcher, pos=reused, uncached_prompt=ids[reused:], cells=cells, cached_tokens=reused)
-        pending = _Pending(index, seq, BatchItem(seq.slot, _next_chunk(seq), reused), prompt=True)
+        pending = _Pending(index, seq, BatchItem(seq.slot, _next_chunk(seq), reused))
         if whole and not seq.uncached_prompt:
             self._leaders.setdefault(tuple(ids), pending)
         return pending
@@ -540,9 +544,8 @@ class StepEngine:
             return _error(seq_id, f"seq_id {seq_id} is not running (never started, finished or released)")
         if any(p.seq is seq and not p.cancelled for p in pending):
             return _error(seq_id, f"seq_id {seq_id} already advances in this step", seq)
-        if seq.uncached_prompt:
-            return _Pending(index, seq, BatchItem(seq.slot, _next_chunk(seq), seq.pos), prompt=True)
-        return _Pending(index, seq, BatchItem(seq.slot, [seq.last_token], seq.pos))
+        tokens = _next_chunk(seq) if seq.uncached_prompt else [seq.last_token]
+        return _Pending(index, seq, BatchItem(seq.slot, tokens, seq.pos))
 
     def _release(self, seq_id: int, pending: list[_Pending]) -> RowResult:
         seq = self._seqs.get(seq_id)
