@@ -12,6 +12,7 @@ import json
 import os
 import signal
 import socket
+import subprocess
 import threading
 import time
 import urllib.request
@@ -181,7 +182,10 @@ class _StartedTriton(Exception):
 
 def test_a_triton_port_taken_after_its_probe_starts_triton_local_on_others(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """tritonserver binds what it is told, so the launcher probes its ports free; when another
-    process takes one between the probe and the bind, triton-local is started again on new ones."""
+    process takes one between the probe and the bind, tritonserver exits, triton-local exits with
+    it at once (not after PyTriton's minute-long readiness wait) and is started again on new ports.
+    A tritonserver that dies later takes triton-local down too, rather than leaving it up serving
+    nothing."""
     taker = socket.socket()
     taker.bind(("0.0.0.0", 0))
     taker.listen()
@@ -192,19 +196,35 @@ def test_a_triton_port_taken_after_its_probe_starts_triton_local_on_others(tmp_p
     stack = Stack(tmp_path, ports=StackPorts.ephemeral(), serve_variant=False)
     assert stack.ports.triton_http == taken
     started: list[ServiceProcess] = []
+    exit_codes: list[int | None] = []
 
-    def stop_after_triton(service: ServiceProcess) -> None:
+    def kill_tritonserver_then_stop(service: ServiceProcess) -> None:
         started.append(service)
+        assert service.process is not None
+        (tritonserver,) = _children_named(service.process.pid, "tritonserver")
+        os.kill(tritonserver, signal.SIGKILL)
+        try:
+            exit_codes.append(service.process.wait(timeout=20))
+        except subprocess.TimeoutExpired:
+            exit_codes.append(None)
         raise _StartedTriton
 
     try:
         with pytest.raises(_StartedTriton):
-            stack.start(timeout_s=240, on_ready=stop_after_triton)
+            stack.start(timeout_s=240, on_ready=kill_tritonserver_then_stop)
     finally:
         taker.close()
     assert [s.name for s in started] == ["triton-local"]
     moved = stack.triton_ports["triton-local"]
     assert moved.http not in (0, taken) and stack.ports.triton_http == moved.http
     assert started[0].env["SLUICE_TRITON_LOCAL_HTTP_PORT"] == str(moved.http)
-    first_try = (tmp_path / "triton-local.tritonserver.log").read_text(errors="replace")
-    assert f":{taken}' already in use" in first_try, first_try[-2000:]
+    triton_log = (tmp_path / "triton-local.tritonserver.log").read_text(errors="replace")
+    assert f":{taken}' already in use" in triton_log, triton_log[-2000:]
+    service_log = (tmp_path / "triton-local.log").read_text(errors="replace")
+    assert service_log.count("tritonserver_exited") == 2, service_log[-3000:]  # the taken port, then the kill
+    assert exit_codes == [1], service_log[-3000:]
+
+
+def _children_named(pid: int, name: str) -> list[int]:
+    found = subprocess.run(["pgrep", "-P", str(pid), "-x", name], capture_output=True, text=True, check=False)
+    return [int(line) for line in found.stdout.split()]

@@ -47,7 +47,7 @@ def main() -> None:
     from sluice_triton_local.embeddings import MiniLMEncoder
     from sluice_triton_local.embeddings.triton_binding import bind_embedding_model
     from sluice_triton_local.generate_model import SelfBatchingGenerator, bind_generate_model
-    from sluice_triton_local.server import bind_step_model, fix_python_backend_library_path, triton_config
+    from sluice_triton_local.server import bind_step_model, exit_when_tritonserver_exits, fix_python_backend_library_path, triton_config
     from sluice_triton_local.shared_engine import SharedEngine, warm_up
 
     fix_python_backend_library_path()
@@ -75,7 +75,9 @@ def main() -> None:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    with Triton(config=triton_config(config)) as triton:
+    triton = Triton(config=triton_config(config))
+    exit_when_tritonserver_exits(triton, stop, config.triton_log_file)
+    with triton:
         bind_step_model(triton, config.step_model_name, engine)
         bind_generate_model(triton, config.generate_model_name, SelfBatchingGenerator(engine, config.max_slots, owner=config.generate_model_name))
         bind_embedding_model(triton, config.embedding_model_name, encoder)

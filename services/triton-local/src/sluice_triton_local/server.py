@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import os
+import sys
 import sysconfig
+import threading
 from collections.abc import AsyncIterator
 from typing import Any
 
 import numpy as np
 import structlog
 
-from sluice_triton_local.config import TritonLocalConfig
+from sluice_triton_local.config import ENV_PREFIX, TritonLocalConfig
 from sluice_triton_local.shared_engine import SharedEngine
 from sluice_triton_local.step_protocol import INPUTS, OPTIONAL_INPUTS, OUTPUTS, start_round
 
@@ -52,6 +54,37 @@ class StepModel:
             if last:
                 return
         await asyncio.wrap_future(done)  # raises the round's failure: the request fails with it
+
+
+def exit_when_tritonserver_exits(triton: Any, stopping: threading.Event, triton_log: str) -> None:
+    """Ends this process (exit status 1) when tritonserver exits while it is not stopping: a port
+    taken between its probe and its bind, a crash. PyTriton alone would wait a minute on its
+    readiness check for a server that is gone, then keep this process up serving nothing; a process
+    that exits is restarted by whoever runs it (the launcher on other ports, an orchestrator).
+    Call it before `with Triton(...)`, whose entry starts tritonserver and waits for it."""
+
+    def watch() -> None:
+        while not stopping.wait(0.25):
+            # Polled through PyTriton's internals (its version is locked): it has no public handle on
+            # its server process, and its exit callbacks skip the one registered after its own (its
+            # own unregisters itself while the list is being iterated).
+            server = getattr(triton, "_triton_server", None)
+            if server is None or server._tritonserver_running_cmd is None or server.is_alive() or stopping.is_set():
+                continue
+            log.error(
+                "tritonserver_exited",
+                hint=f"Triton's own log says why: {triton_log or 'stderr'} ({ENV_PREFIX}TRITON_LOG_FILE); this process exits so that it is restarted",
+            )
+            # PyTriton's proxies and workspace, where it can: its stop waits on a lock its start
+            # holds while it waits for the server, so not for long.
+            cleanup = threading.Thread(target=triton.stop, name="pytriton-stop", daemon=True)
+            cleanup.start()
+            cleanup.join(timeout=5)
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(1)
+
+    threading.Thread(target=watch, name="tritonserver-watch", daemon=True).start()
 
 
 def triton_config(config: TritonLocalConfig) -> Any:
