@@ -8,7 +8,7 @@ import re
 import pytest
 
 from sluice_common.sampling import StructuredOutputs, StructuredOutputsError
-from sluice_common.structured_outputs import check, llguidance_grammar
+from sluice_common.structured_outputs import check, closed_objects, llguidance_grammar
 
 
 @pytest.mark.parametrize(
@@ -41,3 +41,28 @@ def test_what_the_library_supports_passes_the_check(constraint: StructuredOutput
 def test_what_it_cannot_compile_is_refused_naming_the_construct(constraint: StructuredOutputs, named: str) -> None:
     with pytest.raises(StructuredOutputsError, match=re.escape(named)):
         check(constraint)
+
+
+def test_objects_that_list_their_properties_are_closed_as_vllm_decodes_them() -> None:
+    item = {"type": "object", "properties": {"sku": {"type": "string"}}}
+    schema = {
+        "type": "object",
+        "properties": {
+            "items": {"type": "array", "items": item},
+            "open": {"type": "object", "properties": {"a": {"type": "string"}}, "additionalProperties": True},
+            "any": {"type": "object"},
+            "either": {"anyOf": [item, {"type": "null"}]},
+            "fixed": {"const": {"properties": {"x": 1}}},  # a value, not a schema: left as it is
+        },
+        "$defs": {"ref": item},
+    }
+    closed = closed_objects(schema)
+    assert closed["additionalProperties"] is False
+    props = closed["properties"]
+    assert props["items"]["items"]["additionalProperties"] is False
+    assert props["open"]["additionalProperties"] is True
+    assert "additionalProperties" not in props["any"]
+    assert props["either"]["anyOf"][0]["additionalProperties"] is False
+    assert props["fixed"] == {"const": {"properties": {"x": 1}}}
+    assert closed["$defs"]["ref"]["additionalProperties"] is False
+    assert "additionalProperties" not in schema and "additionalProperties" not in item  # the caller's schema is not changed

@@ -149,6 +149,28 @@ def test_every_constraint_kind_generates_valid_output(engine: StepEngine, temper
     assert engine.active_slots == 0
 
 
+def test_an_object_that_lists_its_properties_takes_no_others(engine: StepEngine) -> None:
+    """As vLLM decodes a schema (sluice_common.structured_outputs.closed_objects): without it, a
+    sampled 135M model added keys of its own to this object in about one answer in five and ran
+    out of max_tokens (seen through the stack at seeds 7, 12, 15, 17 and 21 of 60)."""
+    city = {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 24},
+            "country": {"type": "string", "maxLength": 24},
+            "population": {"type": "integer", "minimum": 0, "maximum": 50_000_000},
+        },
+        "required": ["name", "country", "population"],
+    }
+    prompt = engine.encode_chat([("user", "Describe Paris as JSON with its name, its country and its population.")])
+    constraint = StructuredOutputs.json_schema(city)
+    seeds = (7, 12, 15, 17, 21, 33, 37, 38)
+    rows = [PrefillRow(i, prompt, Sampling(max_tokens=80, temperature=1.0, seed=seed, structured_outputs=constraint)) for i, seed in enumerate(seeds)]
+    for results in run_batch(engine, rows).values():
+        assert results[-1].finish_reason == "stop", text(results)
+        assert set(json.loads(text(results))) == {"name", "country", "population"}, text(results)
+
+
 def test_a_complete_constraint_ends_the_sequence_without_sampling_the_end(engine: StepEngine) -> None:
     [results] = run_batch(
         engine,

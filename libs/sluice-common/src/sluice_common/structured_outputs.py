@@ -33,7 +33,9 @@ def llguidance_grammar(constraint: StructuredOutputs) -> str:
         raise StructuredOutputsError(reason)
     kind, value = constraint.kind, constraint.value
     try:
-        if kind in ("json", "json_object"):
+        if kind == "json":
+            return llguidance.LLMatcher.grammar_from_json_schema(closed_objects(constraint.schema()), overrides=cast(Any, _JSON_OPTIONS))
+        if kind == "json_object":
             return llguidance.LLMatcher.grammar_from_json_schema(constraint.schema(), overrides=cast(Any, _JSON_OPTIONS))
         if kind == "regex":
             return llguidance.LLMatcher.grammar_from_regex(str(value))
@@ -42,6 +44,36 @@ def llguidance_grammar(constraint: StructuredOutputs) -> str:
         return llguidance.grammar_from("grammar", str(value))
     except (ValueError, TypeError) as exc:
         raise StructuredOutputsError(f"{kind}: {exc}") from None
+
+
+# Where a JSON Schema holds subschemas: one, a list of them, or a map of names to them. Only these
+# are walked, so that a const, an enum or a default that happens to hold "properties" is left as is.
+_SUBSCHEMA = ("additionalProperties", "items", "not", "if", "then", "else", "contains", "propertyNames", "unevaluatedItems", "unevaluatedProperties")
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems", "items")
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
+def closed_objects(schema: Any) -> Any:
+    """The schema with every object that lists its properties closed to others (additionalProperties
+    false) unless it says otherwise, as vLLM decodes it: xgrammar, its default backend, does so, and
+    its llguidance backend likewise (disable_additional_properties). JSON Schema leaves such objects
+    open, and a small model then fills max_tokens with keys nobody asked for; OpenAI's strict mode
+    requires them closed. {"type": "object"} alone (json_object) stays any object."""
+    if not isinstance(schema, dict):
+        return schema
+    closed = dict(schema)
+    for key in _SUBSCHEMA:
+        if isinstance(closed.get(key), dict):
+            closed[key] = closed_objects(closed[key])
+    for key in _SUBSCHEMA_LISTS:
+        if isinstance(closed.get(key), list):
+            closed[key] = [closed_objects(item) for item in closed[key]]
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(closed.get(key), dict):
+            closed[key] = {name: closed_objects(sub) for name, sub in closed[key].items()}
+    if "additionalProperties" not in closed and ("properties" in closed or "patternProperties" in closed):
+        closed["additionalProperties"] = False
+    return closed
 
 
 def raise_if_invalid(constraint: StructuredOutputs, grammar: str, tokenizer: llguidance.LLTokenizer | None = None) -> None:
