@@ -64,15 +64,30 @@ def test_reuse_stops_where_a_cold_prefill_would_compute_attention_otherwise() ->
 def test_free_slots_go_empty_first_then_least_recently_cached() -> None:
     cache = PrefixCache(range(3))
     assert [cache.take_any() for _ in range(3)] == [(0, False), (1, False), (2, False)]
-    cache.free(2, cells([7, 8, 9]))
-    cache.free(0, cells([7, 8]))
+    long, short = list(range(7, 17)), list(range(7, 16))
+    cache.free(2, cells(long))
+    cache.free(0, cells(short))
     cache.free(1, None)  # cells not to be trusted: an empty slot
     assert len(cache) == 3 and cache.cached_slots == 2
-    assert cache.longest([7, 8, 9, 10], limit=3) == (2, 3)
-    assert cache.longest([7, 8, 9, 10], limit=2) == (2, 2)
+    assert cache.longest(long + [99], limit=10) == (2, 10)
+    assert cache.longest(long + [99], limit=9) == (2, 9)
     assert cache.take_any() == (1, False)
     assert cache.take_any() == (2, True)  # cached first: the least recently used goes
-    assert cache.cells(0).tokens == [7, 8] and cache.take(0).tokens == [7, 8] and len(cache) == 0
+    assert cache.cells(0).tokens == short and cache.take(0).tokens == short and len(cache) == 0
+
+
+def test_cells_too_short_to_be_reused_leave_their_slot_empty() -> None:
+    """A health probe's one-word prompt every few seconds took the least recently used cached
+    prefix each time, and cached its own few tokens, which no prompt can reuse."""
+    cache = PrefixCache(range(2))
+    cache.take_any(), cache.take_any()
+    cache.free(0, cells(list(range(MIN_REUSED_TOKENS))))
+    cache.free(1, cells(list(range(MIN_REUSED_TOKENS - 1))))
+    assert cache.cached_slots == 1 and cache.has_empty
+    for _ in range(5):  # probe after probe takes the empty slot and gives it back empty
+        assert cache.take_any() == (1, False)
+        cache.free(1, cells([3, 4]))
+    assert cache.cached_slots == 1 and cache.longest(list(range(MIN_REUSED_TOKENS)) + [9], MIN_REUSED_TOKENS) == (0, MIN_REUSED_TOKENS)
 
 
 def test_a_disabled_cache_keeps_nothing() -> None:
@@ -204,6 +219,21 @@ def test_cached_slots_give_way_to_live_work_and_never_answer_busy(engines: tuple
     evicting = run(cached, 32, chat(cached, QUESTIONS[1]))
     assert evicting[0].cached_tokens == 0
     assert tokens(evicting) == tokens(run(reference, 32, chat(reference, QUESTIONS[1])))
+
+
+def test_health_probes_evict_one_cached_prefix_not_one_each(engines: tuple[StepEngine, StepEngine]) -> None:
+    cached, reference = engines
+    forget_everything(cached)
+    for i in range(cached.max_slots):
+        run(cached, 10 + i, chat(cached, QUESTIONS[i], system=f"{i} is your number. {SYSTEM}"))
+    assert cached.cached_slots == cached.max_slots
+    ping = tuple(cached.encode("ping"))  # the adapter's probe: a one-word prompt, one token
+    for i in range(5):
+        run(cached, 40 + i, ping, Sampling(max_tokens=1))
+    assert cached.cached_slots == cached.max_slots - 1
+    # The slot the probes used was cleared: a cold prompt there generates what it does without a cache.
+    cold = chat(cached, "Name a river.", system="Unrelated persona.")
+    assert tokens(run(cached, 50, cold)) == tokens(run(reference, 50, cold))
 
 
 def test_a_conversations_next_turn_reuses_the_previous_turn(engines: tuple[StepEngine, StepEngine]) -> None:

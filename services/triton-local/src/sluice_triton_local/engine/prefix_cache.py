@@ -100,9 +100,16 @@ class PrefixCache:
         """What a cached slot holds."""
         return self._cached[slot]
 
+    def worth_keeping(self, cells: Cells) -> bool:
+        """Whether a finished sequence's cells could ever be reused: fewer than MIN_REUSED_TOKENS
+        never are, and kept they would take the place of a prefix that can (a health probe's
+        one-word prompt, every few seconds, evicted a cached prompt each time)."""
+        return self.enabled and len(cells.tokens) >= MIN_REUSED_TOKENS
+
     def free(self, slot: int, cells: Cells | None) -> None:
-        """A slot whose sequence ended, and what its KV cells hold (None: forgotten)."""
-        if self.enabled and cells is not None and cells.tokens:
+        """A slot whose sequence ended, and what its KV cells hold (None: forgotten, and cleared by
+        the caller). Cells not worth keeping must be cleared by the caller too."""
+        if cells is not None and self.worth_keeping(cells):
             self._cached[slot] = cells
         else:
             self._empty.append(slot)

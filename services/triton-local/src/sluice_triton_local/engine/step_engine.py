@@ -585,7 +585,7 @@ class StepEngine:
     def _free(self, seq: _Seq, keep_cells: bool = True) -> None:
         """Frees a sequence's slot; its KV cells stay for the prefix cache unless they are not to be trusted."""
         if self._seqs.pop(seq.seq_id, None) is not None:
-            kept = seq.cells if keep_cells and self._slots.enabled and seq.cells.tokens else None
+            kept = seq.cells if keep_cells and self._slots.worth_keeping(seq.cells) else None
             if kept is None:
                 self._model.release(seq.slot)
             self._slots.free(seq.slot, kept)
