@@ -7,6 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from sluice_triton_local.engine.host_prefix_store import HostPrefixStore
 from sluice_triton_local.engine.prefix_cache import MIN_REUSED_TOKENS, Cells, PrefixCache, common_prefix, exact_reuse
 from sluice_common.sampling import Sampling
 from sluice_triton_local.engine.step_engine import DecodeRow, PrefillRow, ReleaseRow, RowResult, StepEngine
@@ -63,7 +64,7 @@ def test_reuse_stops_where_a_cold_prefill_would_compute_attention_otherwise() ->
 
 def test_free_slots_go_empty_first_then_least_recently_cached() -> None:
     cache = PrefixCache(range(3))
-    assert [cache.take_any() for _ in range(3)] == [(0, False), (1, False), (2, False)]
+    assert [cache.take_any() for _ in range(3)] == [(0, None), (1, None), (2, None)]
     long, short = list(range(7, 17)), list(range(7, 16))
     cache.free(2, cells(long))
     cache.free(0, cells(short))
@@ -71,8 +72,9 @@ def test_free_slots_go_empty_first_then_least_recently_cached() -> None:
     assert len(cache) == 3 and cache.cached_slots == 2
     assert cache.longest(long + [99], limit=10) == (2, 10)
     assert cache.longest(long + [99], limit=9) == (2, 9)
-    assert cache.take_any() == (1, False)
-    assert cache.take_any() == (2, True)  # cached first: the least recently used goes
+    assert cache.take_any() == (1, None)
+    slot, evicted = cache.take_any()  # cached next: the least recently used goes
+    assert slot == 2 and evicted is not None and evicted.tokens == long
     assert cache.cells(0).tokens == short and cache.take(0).tokens == short and len(cache) == 0
 
 
@@ -85,7 +87,7 @@ def test_cells_too_short_to_be_reused_leave_their_slot_empty() -> None:
     cache.free(1, cells(list(range(MIN_REUSED_TOKENS - 1))))
     assert cache.cached_slots == 1 and cache.has_empty
     for _ in range(5):  # probe after probe takes the empty slot and gives it back empty
-        assert cache.take_any() == (1, False)
+        assert cache.take_any() == (1, None)
         cache.free(1, cells([3, 4]))
     assert cache.cached_slots == 1 and cache.longest(list(range(MIN_REUSED_TOKENS)) + [9], MIN_REUSED_TOKENS) == (0, MIN_REUSED_TOKENS)
 
@@ -234,6 +236,47 @@ def test_health_probes_evict_one_cached_prefix_not_one_each(engines: tuple[StepE
     # The slot the probes used was cleared: a cold prompt there generates what it does without a cache.
     cold = chat(cached, "Name a river.", system="Unrelated persona.")
     assert tokens(run(cached, 50, cold)) == tokens(run(reference, 50, cold))
+
+
+def test_the_host_store_keeps_evicted_prefixes_least_recently_used_first_out() -> None:
+    store = HostPrefixStore(capacity_bytes=10)
+    store.put(cells(list(range(10))), b"aaaa")
+    store.put(cells(list(range(5, 15))), b"bbbb")
+    assert store.longest(list(range(12)), limit=11) == (0, 10)
+    store.put(cells(list(range(20, 30))), b"cccc")  # 12 bytes > 10: the oldest goes
+    assert len(store) == 2 and store.bytes == 8 and store.longest(list(range(12)), 11) == (None, 0)
+    entry, shared = store.longest(list(range(20, 40)), 19)
+    assert shared == 10
+    taken_cells, state = store.take(entry)
+    assert taken_cells.tokens == list(range(20, 30)) and state == b"cccc" and store.bytes == 4
+    store.put(cells([1]), b"x" * 11)  # larger than the whole budget: not kept, nothing dropped for it
+    assert len(store) == 1 and store.bytes == 4
+
+
+def test_a_prefix_evicted_under_a_full_batch_is_restored_from_host_memory(engines: tuple[StepEngine, StepEngine]) -> None:
+    """Under a full batch the slot that frees first goes to the next arrival, whatever prefix it
+    held: kept in host memory, that prefix serves its prompt's next request without a prefill."""
+    _, reference = engines
+    cached = StepEngine(gguf_path(), max_slots=3, max_context=512, threads=2, prefix_cache=True, host_prefix_bytes=64 * 2**20)
+    first = chat(cached, QUESTIONS[0], system=f"Zero is your number. {SYSTEM}")
+    run(cached, 10, first)
+    others = [chat(cached, f"Question {i}?", system=f"Persona number {i}.") for i in range(cached.max_slots)]
+    cached.step([PrefillRow(20 + i, prompt, Sampling(max_tokens=50)) for i, prompt in enumerate(others)])  # takes every slot
+    assert cached.cached_slots == 0 and cached.host_prefix_bytes > 0
+    cached.step([ReleaseRow(20 + i) for i in range(cached.max_slots)])
+    again = run(cached, 30, first)
+    assert again[0].cached_tokens == reusable(cached, len(first) - 1, first) and cached.host_restores_total == 1
+    assert tokens(again) == tokens(run(reference, 30, first))
+    cached.clear_prefix_cache()
+    assert cached.host_prefix_bytes == 0
+
+
+def test_the_numpy_model_keeps_no_host_store() -> None:
+    """Its cells cannot be serialized: the setting is a no-op there, not an error at the first eviction."""
+    engine = StepEngine(gguf_path(), max_slots=1, max_context=64, engine="numpy", prefix_cache=True, host_prefix_bytes=2**20)
+    for seq_id, question in enumerate(QUESTIONS[:2]):
+        run(engine, seq_id, chat(engine, question), Sampling(max_tokens=2))
+    assert engine.host_prefix_bytes == 0
 
 
 def test_a_conversations_next_turn_reuses_the_previous_turn(engines: tuple[StepEngine, StepEngine]) -> None:

@@ -179,6 +179,7 @@ def step_engine_for(config: TritonLocalConfig, gguf_path: str, slots: int) -> St
         max_context=config.max_context,
         slot_lease_s=config.slot_lease_s,
         prefix_cache=config.prefix_cache,
+        host_prefix_bytes=config.prefix_cache_host_mib * 2**20,
         prefill_tokens_per_step=config.prefill_tokens_per_step,
         engine=config.engine,
         threads=config.engine_threads(),

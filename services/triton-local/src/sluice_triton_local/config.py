@@ -43,6 +43,9 @@ class TritonLocalConfig:
     # A finished sequence's slot keeps its KV cells (until live work needs the slot) for a prompt
     # that begins with the same tokens: a shared system prompt is prefilled once, not per request.
     prefix_cache: bool = True
+    # Cached prefixes evicted from their KV slot are kept in host memory up to this many MiB, for a
+    # later prompt to restore instead of prefilling (llama-server's --cache-ram). 0: none kept.
+    prefix_cache_host_mib: int = 512
     # Prompt tokens one engine step computes; prompts beyond wait for the next step (the step's
     # first prompt always goes). Prefill on these 2 cores is compute-bound (~300 tokens/s alone or
     # batched), so a burst of prompts computed in one step holds every first token back until the
@@ -68,6 +71,7 @@ class TritonLocalConfig:
     def __post_init__(self) -> None:
         require(self.engine in ENGINES, f"{ENV_PREFIX}ENGINE must be one of {', '.join(ENGINES)}, got {self.engine!r}")
         require(self.threads >= 0, f"{ENV_PREFIX}THREADS must be >= 0 (0: every core), got {self.threads}")
+        require(self.prefix_cache_host_mib >= 0, f"{ENV_PREFIX}PREFIX_CACHE_HOST_MIB must be >= 0 (0: none kept), got {self.prefix_cache_host_mib}")
         require(self.gpu_layers >= -1, f"{ENV_PREFIX}GPU_LAYERS must be >= -1 (-1: all), got {self.gpu_layers}")
         require(1 <= self.max_slots <= 256, f"{ENV_PREFIX}MAX_SLOTS must be in 1..256, got {self.max_slots}")
         require(

@@ -28,6 +28,13 @@ PREFILLS_DEFERRED = Counter(
     "Prompts a step left for a later step, as beyond its prefill budget (SLUICE_TRITON_LOCAL_PREFILL_TOKENS_PER_STEP); once per step each waits.",
 )
 PREFIX_CACHE_SLOTS = Gauge("sluice_triton_local_prefix_cache_slots", "Free KV-cache slots holding a finished sequence's cells for reuse.")
+PREFIX_CACHE_HOST_BYTES = Gauge(
+    "sluice_triton_local_prefix_cache_host_bytes",
+    "Bytes of KV cells evicted from their slot and kept in host memory for reuse (PREFIX_CACHE_HOST_MIB).",
+)
+PREFIX_CACHE_HOST_RESTORES = Counter(
+    "sluice_triton_local_prefix_cache_host_restores_total", "Prefills that started from a prefix restored from host memory into a slot."
+)
 # Powers of two up to the largest batch and the longest round (step_protocol.MAX_ROUND_STEPS).
 _COUNT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 STEP_ROWS = Histogram("sluice_triton_local_step_rows", "Rows (sequences) per engine step.", buckets=_COUNT_BUCKETS)

@@ -69,7 +69,7 @@ class SharedEngine:
         self._owner: EngineThread = variant_of._owner if variant_of is not None else EngineThread()
         self._owners: set[str] = set()
         self._reclaimed = 0
-        self._prefills, self._prefix_hits, self._reused_tokens = 0, 0, 0
+        self._prefills, self._prefix_hits, self._reused_tokens, self._host_restores = 0, 0, 0, 0
         # Sequences a release request named while a round may be stepping them, and whether a
         # caller asked the round in flight to end after its current step (see round()).
         self._releasing: set[int] = set()
@@ -120,6 +120,9 @@ class SharedEngine:
         metrics.PREFIX_CACHE_LOOKUPS.labels(result="miss").inc(prefills - hits)
         metrics.PREFIX_CACHE_REUSED_TOKENS.inc(engine.cached_tokens_total - self._reused_tokens)
         metrics.PREFIX_CACHE_SLOTS.set(engine.cached_slots)
+        metrics.PREFIX_CACHE_HOST_BYTES.set(engine.host_prefix_bytes)
+        metrics.PREFIX_CACHE_HOST_RESTORES.inc(engine.host_restores_total - self._host_restores)
+        self._host_restores = engine.host_restores_total
         self._prefills, self._prefix_hits, self._reused_tokens = engine.prefills_total, engine.prefix_hits_total, engine.cached_tokens_total
 
     def step(self, rows: list[Row]) -> list[RowResult]:

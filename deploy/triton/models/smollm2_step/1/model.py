@@ -79,6 +79,7 @@ class TritonPythonModel:
             slot_lease_s=float(params.get("SLOT_LEASE_S", "30")),
             prefix_cache=_flag(params, "PREFIX_CACHE", "true"),
             prefill_tokens_per_step=int(params.get("PREFILL_TOKENS_PER_STEP", "0")),
+            host_prefix_bytes=int(params.get("PREFIX_CACHE_HOST_MIB", "0")) * 2**20,
             engine=engine,
             # 0: the CPUs the instance can keep busy, a container CPU limit included (more spinning
             # threads than CPUs stall every step: TritonLocalConfig.engine_threads).

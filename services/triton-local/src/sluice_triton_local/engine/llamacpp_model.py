@@ -199,6 +199,21 @@ class LlamaCppModel:
     def truncate(self, slot: int, keep: int) -> None:
         lc.llama_memory_seq_rm(self._memory, slot, keep, -1)
 
+    def save_state(self, slot: int) -> bytes:
+        """The slot's KV cells, serialized (host_prefix_store.py)."""
+        size = lc.llama_state_seq_get_size(self._ctx, slot)
+        buffer = (ctypes.c_uint8 * size)()
+        written = lc.llama_state_seq_get_data(self._ctx, buffer, size, slot)
+        if written != size:
+            raise RuntimeError(f"llama_state_seq_get_data wrote {written} of {size} bytes for slot {slot}")
+        return bytes(buffer)
+
+    def restore_state(self, slot: int, state: bytes) -> None:
+        """Writes cells that save_state serialized into an empty slot."""
+        source = (ctypes.c_uint8 * len(state)).from_buffer_copy(state)
+        if lc.llama_state_seq_set_data(self._ctx, source, len(state), slot) != len(state):
+            raise RuntimeError(f"llama_state_seq_set_data could not restore {len(state)} bytes into slot {slot}")
+
     def close(self) -> None:
         if self._ctx:
             lc.llama_free(self._ctx)

@@ -127,12 +127,11 @@ class PrefixCache:
         """Takes a cached slot for a sequence that continues from its cells; returns them."""
         return self._cached.pop(slot)
 
-    def take_any(self) -> tuple[int, bool]:
-        """A free slot for a new sequence, empty first; and whether it held a cached prefix (evicted)."""
+    def take_any(self) -> tuple[int, Cells | None]:
+        """A free slot for a new sequence, empty first; and the cached prefix it held (evicted), if any."""
         if self._empty:
-            return self._empty.pop(), False
-        slot, _ = self._cached.popitem(last=False)
-        return slot, True
+            return self._empty.pop(), None
+        return self._cached.popitem(last=False)
 
     def clear(self) -> list[int]:
         """Forgets every cached prefix; returns the slots whose cells must be cleared."""

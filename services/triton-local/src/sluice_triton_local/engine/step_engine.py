@@ -63,6 +63,7 @@ from sluice_common.sampling import Sampling, StructuredOutputs, StructuredOutput
 from .constraints import CompiledConstraint, ConstraintCompiler, Matcher, apply_masks, compute_masks
 from .gguf_fast import open_reader
 from .gguf_weights import load_weights, read_config
+from .host_prefix_store import HostPrefixStore
 from .model import BatchItem, LlamaModel
 from .prefix_cache import MIN_REUSED_TOKENS, Cells, PrefixCache, common_prefix, exact_reuse
 from .sampling import BatchSampler, RowLogprobs
@@ -186,6 +187,7 @@ class StepEngine:
         slot_lease_s: float = 0.0,
         prefix_cache: bool = True,
         prefill_tokens_per_step: int = 0,
+        host_prefix_bytes: int = 0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """engine "llamacpp" runs the forward pass on llama.cpp (threads, gpu_layers, main_gpu apply);
@@ -194,7 +196,9 @@ class StepEngine:
         SmolLM2-135M) at the cost of slower small-batch decode. slot_lease_s > 0: a sequence
         not stepped for that long is released at the next step (0: never). prefix_cache: free
         slots keep their KV cells for prompts that begin with the same tokens.
-        prefill_tokens_per_step > 0: the prompt tokens one step computes (see `step`); 0: no bound."""
+        prefill_tokens_per_step > 0: the prompt tokens one step computes (see `step`); 0: no bound.
+        host_prefix_bytes > 0: cached prefixes evicted from their slot are kept in host memory up
+        to that many bytes, for a later prompt to restore (host_prefix_store.py; llama.cpp only)."""
         if max_slots < 1:
             raise ValueError("max_slots must be >= 1")
         if prefill_tokens_per_step < 0:
@@ -211,6 +215,9 @@ class StepEngine:
         self.engine = engine
         self._model = _forward_model(engine, reader, gguf_path, max_slots, ctx, threads, gpu_layers, main_gpu, low_memory)
         self._slots = PrefixCache(range(max_slots), enabled=prefix_cache)
+        can_save = prefix_cache and hasattr(self._model, "save_state")
+        self._host = HostPrefixStore(host_prefix_bytes if can_save else 0)
+        self.host_restores_total = 0
         self._sampler = BatchSampler(max_slots, self.vocab_size)
         self._seqs: dict[int, _Seq] = {}
         self.tokens_generated_total = 0
@@ -251,10 +258,16 @@ class StepEngine:
         """Free slots that still hold a finished sequence's KV cells."""
         return self._slots.cached_slots
 
+    @property
+    def host_prefix_bytes(self) -> int:
+        """Bytes of evicted prefixes held in host memory."""
+        return self._host.bytes
+
     def clear_prefix_cache(self) -> None:
-        """Forgets every cached prefix (their slots stay free): the next prompts prefill cold."""
+        """Forgets every cached prefix (their slots stay free, the host store empty): the next prompts prefill cold."""
         for slot in self._slots.clear():
             self._model.release(slot)
+        self._host.clear()
 
     def slots_by_owner(self) -> dict[str, int]:
         return dict(Counter(seq.owner for seq in self._seqs.values()))
@@ -495,8 +508,13 @@ class StepEngine:
         live, from_live = self._longest_live(prompt, limit)
         if live is not None:
             from_live = self._exact(from_live, live.cells, prompt, chunk)
-        if max(from_cache, from_live) < MIN_REUSED_TOKENS:
+        stored, from_host = self._host.longest(prompt, limit) if self._host.enabled else (None, 0)
+        if stored is not None:
+            from_host = self._exact(from_host, self._host.cells(stored), prompt, chunk)
+        if max(from_cache, from_live, from_host) < MIN_REUSED_TOKENS:
             return self._take_free_slot(), 0, Cells()
+        if from_host > max(from_cache, from_live):
+            return self._restore(stored, from_host)  # type: ignore[arg-type]
         if cached_slot is not None and from_cache >= from_live and self._reuse_in_place(cached_slot, from_cache):
             cells = self._slots.take(cached_slot)
             self._model.truncate(cached_slot, from_cache)
@@ -508,6 +526,16 @@ class StepEngine:
         slot = self._take_free_slot()
         self._model.copy(source, slot)  # type: ignore[arg-type]
         self._model.truncate(slot, reused)
+        return slot, reused, cells.prefix(reused)
+
+    def _restore(self, stored: int, reused: int) -> tuple[int, int, Cells]:
+        """A free slot holding a prefix from the host store (taken out of it first, so that the
+        slot's own eviction cannot drop it)."""
+        cells, state = self._host.take(stored)
+        slot = self._take_free_slot()
+        self._model.restore_state(slot, state)  # type: ignore[attr-defined]
+        self._model.truncate(slot, reused)
+        self.host_restores_total += 1
         return slot, reused, cells.prefix(reused)
 
     def _exact(self, shared: int, cells: Cells, prompt: list[int], chunk: int) -> int:
@@ -534,7 +562,9 @@ class StepEngine:
 
     def _take_free_slot(self) -> int:
         slot, evicted = self._slots.take_any()
-        if evicted:
+        if evicted is not None:
+            if self._host.enabled:
+                self._host.put(evicted, self._model.save_state(slot))  # type: ignore[attr-defined]
             self._model.release(slot)
         return slot
 
