@@ -37,7 +37,9 @@ def test_cached_slots_give_way_to_a_full_batch_of_live_requests(stack: Stack, ga
     finished = [request(f"{i}-{run} is this conversation's number. You answer briefly.", "Say yes.", 2) for i in range(slots)]
     with ThreadPoolExecutor(max_workers=8) as pool:
         list(pool.map(lambda m: generate(gateway, m), finished))
-    assert scrape(engine, "sluice_triton_local_prefix_cache_slots") == slots
+    # An adapter's health probe (a one-word prompt every 2 s) may take one of them meanwhile: it
+    # leaves that slot empty (its few tokens are not worth a cached prefix's place).
+    assert slots - 1 <= scrape(engine, "sluice_triton_local_prefix_cache_slots") <= slots
     busy_before = scrape_total(adapter, "sluice_adapter_engine_full_total")
 
     # As many live requests as there are slots, none sharing a prefix with what the slots hold.
