@@ -8,6 +8,7 @@ import sys
 import sysconfig
 import threading
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -67,9 +68,12 @@ def exit_when_tritonserver_exits(triton: Any, stopping: threading.Event, triton_
         while not stopping.wait(0.25):
             # Polled through PyTriton's internals (its version is locked): it has no public handle on
             # its server process, and its exit callbacks skip the one registered after its own (its
-            # own unregisters itself while the list is being iterated).
+            # own unregisters itself while the list is being iterated). The process is asked of the
+            # OS: sh's is_alive() answers True while another thread holds its wait lock, as PyTriton's
+            # exit callback does while it waits for the readiness check to give up.
             server = getattr(triton, "_triton_server", None)
-            if server is None or server._tritonserver_running_cmd is None or server.is_alive() or stopping.is_set():
+            command = server._tritonserver_running_cmd if server is not None else None
+            if command is None or not _exited(command.pid) or stopping.is_set():
                 continue
             log.error(
                 "tritonserver_exited",
@@ -85,6 +89,15 @@ def exit_when_tritonserver_exits(triton: Any, stopping: threading.Event, triton_
             os._exit(1)
 
     threading.Thread(target=watch, name="tritonserver-watch", daemon=True).start()
+
+
+def _exited(pid: int) -> bool:
+    """Whether a child process has ended: gone, or a zombie not yet reaped (Linux's /proc)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return True
+    return stat[stat.rindex(")") + 2] == "Z"
 
 
 def triton_config(config: TritonLocalConfig) -> Any:
