@@ -33,10 +33,8 @@ def llguidance_grammar(constraint: StructuredOutputs) -> str:
         raise StructuredOutputsError(reason)
     kind, value = constraint.kind, constraint.value
     try:
-        if kind == "json":
+        if kind in ("json", "json_object"):
             return llguidance.LLMatcher.grammar_from_json_schema(closed_objects(constraint.schema()), overrides=cast(Any, _JSON_OPTIONS))
-        if kind == "json_object":
-            return llguidance.LLMatcher.grammar_from_json_schema(constraint.schema(), overrides=cast(Any, _JSON_OPTIONS))
         if kind == "regex":
             return llguidance.LLMatcher.grammar_from_regex(str(value))
         if kind == "choice":
