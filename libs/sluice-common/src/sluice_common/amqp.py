@@ -16,7 +16,9 @@ broker; a background task publishes with pipelined publisher confirms (up to `ma
 unconfirmed at once), keeps a bounded in-memory outbox, republishes anything not confirmed after
 a reconnect (a broker restart loses nothing; delivery is at least once, consumers dedupe by
 message id), spills to a local file when the outbox is full, reads the file back when there is
-room, and counts what it had to drop.
+room, and counts what it had to drop. The spill file is written and read by the publisher's own
+tasks through one disk thread, never on the caller's path: a slow disk delays the spill, not the
+event loop that serves streams.
 """
 
 from __future__ import annotations
@@ -29,8 +31,10 @@ import json
 import os
 import time
 from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import aio_pika
 import aiormq
@@ -262,30 +266,46 @@ class ConfirmingPublisher:
         self._reconnect_max_s = reconnect_max_s
         self._outbox: collections.deque[OutgoingMessage] = collections.deque()
         self._in_flight: dict[int, OutgoingMessage] = {}
+        # Beyond the outbox, waiting for the spill task to write them to the spill file.
+        self._to_spill: collections.deque[OutgoingMessage] = collections.deque()
+        self._spilling = 0  # taken from _to_spill, being written
+        # One thread does every spill-file operation, in order: a write and a read never overlap.
+        self._disk = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"spill:{exchange}")
+        # Whether the spill file may hold messages (unknown at start: a previous run may have left some).
+        self._spilled_on_disk = spill_path is not None
         self._wakeup = asyncio.Event()
+        self._spill_wakeup = asyncio.Event()
         self._idle = asyncio.Event()
         self._idle.set()
         self._task: asyncio.Task[None] | None = None
+        self._spill_task: asyncio.Task[None] | None = None
         self._closing = False
 
-    # ---- the caller's side: never blocks
+    # ---- the caller's side: never blocks, never touches the disk
 
     def submit(self, message: OutgoingMessage) -> None:
-        if len(self._outbox) >= self._outbox_max:
-            self._spill([message])
-        else:
+        if len(self._outbox) < self._outbox_max:
             self._outbox.append(message)
+        elif self._spill_path is None:
+            self._metrics.dropped.inc()
+            log.error("publisher_dropped", count=1, reason="outbox full and no spill file")
+        else:
+            self._to_spill.append(message)
+            self._spill_wakeup.set()
         self._changed()
 
     @property
     def pending(self) -> int:
-        """Messages not yet confirmed and still in memory."""
-        return len(self._outbox) + len(self._in_flight)
+        """Messages not yet confirmed and still in memory (those waiting to be spilled too)."""
+        return len(self._outbox) + len(self._in_flight) + len(self._to_spill) + self._spilling
 
     def start(self, supervisor: Supervisor | None = None) -> None:
         # Restarted when it dies: its outbox (and spill file) still hold what it owes.
+        supervisor = supervisor or Supervisor()
         if self._task is None:
-            self._task = (supervisor or Supervisor()).start(f"publisher:{self._exchange_name}", self._run)
+            self._task = supervisor.start(f"publisher:{self._exchange_name}", self._run)
+        if self._spill_task is None and self._spill_path is not None:
+            self._spill_task = supervisor.start(f"publisher-spill:{self._exchange_name}", self._spill_loop)
 
     async def wait_idle(self, timeout_s: float) -> bool:
         """True once everything in memory is confirmed (the spill file may still hold messages)."""
@@ -303,14 +323,21 @@ class ConfirmingPublisher:
         # The loops see _closing and end on their own; the cancel is for a session stuck in a call.
         self._closing = True
         self._wakeup.set()
-        await stop_tasks(self._task)
-        self._task = None
-        leftovers = list(self._in_flight.values()) + list(self._outbox)
+        await stop_tasks(self._task, self._spill_task)
+        self._task = self._spill_task = None
+        leftovers = list(self._in_flight.values()) + list(self._outbox) + list(self._to_spill)
         self._in_flight.clear()
         self._outbox.clear()
+        self._to_spill.clear()
+        # Queued after any write the stopped spill task left in the disk thread, so stop returns
+        # with everything owed on disk, in one file, in order.
         if leftovers:
             log.warning("publisher_unsent_at_stop", count=len(leftovers), spill=str(self._spill_path))
-            self._spill(leftovers)
+            await self._on_disk(self._spill, leftovers)
+            self._spilled_on_disk = True
+        else:
+            await self._on_disk(lambda: None)
+        self._spilling = 0
         self._changed()
 
     # ---- the background side
@@ -323,7 +350,25 @@ class ConfirmingPublisher:
             self._idle.set()
         self._wakeup.set()
 
+    async def _on_disk(self, work: Callable[..., Any], *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._disk, work, *args)
+
+    async def _spill_loop(self) -> None:
+        """Writes what `submit` could not fit in the outbox to the spill file, a batch at a time."""
+        while True:
+            await self._spill_wakeup.wait()
+            self._spill_wakeup.clear()
+            while self._to_spill:
+                batch = list(self._to_spill)
+                self._to_spill.clear()
+                self._spilling = len(batch)  # still pending until on disk: wait_idle means written
+                await self._on_disk(self._spill, batch)
+                self._spilling = 0
+                self._spilled_on_disk = True
+                self._changed()
+
     def _spill(self, messages: list[OutgoingMessage]) -> None:
+        """The disk thread's: appends the messages to the spill file (fsynced), or counts them dropped."""
         if self._spill_path is None:
             self._metrics.dropped.inc(len(messages))
             log.error("publisher_dropped", count=len(messages), reason="outbox full and no spill file")
@@ -343,24 +388,38 @@ class ConfirmingPublisher:
             self._metrics.dropped.inc(len(messages))
             log.error("publisher_dropped", count=len(messages), reason=str(exc))
 
-    def _unspill(self) -> None:
+    async def _unspill(self) -> None:
         """Moves spilled messages back into the outbox while it has room; the rest stay on disk."""
-        path = self._spill_path
-        if path is None or not path.exists() or len(self._outbox) >= self._outbox_max // 2:
+        if not self._spilled_on_disk or len(self._outbox) >= self._outbox_max // 2:
             return
+        loaded, left_on_disk = await self._on_disk(self._read_spill, self._outbox_max - len(self._outbox))
+        self._outbox.extend(loaded)
+        # The disk thread runs one operation at a time, in order, and each continuation resumes in that
+        # order: a spill written after this read sets the flag again when it resumes.
+        self._spilled_on_disk = left_on_disk > 0
+        if loaded:
+            log.info("publisher_unspilled", count=len(loaded), left_on_disk=left_on_disk)
+        self._changed()
+
+    def _read_spill(self, room: int) -> tuple[list[OutgoingMessage], int]:
+        """The disk thread's: up to `room` messages from the spill file, the rest written back; (the
+        messages, how many are left on disk)."""
+        path = self._spill_path
+        assert path is not None
         loading = path.with_name(path.name + ".loading")
         if not loading.exists():
+            if not path.exists():
+                return [], 0
             os.replace(path, loading)
         keep: list[str] = []
-        loaded = 0
+        loaded: list[OutgoingMessage] = []
         with loading.open(encoding="utf-8") as handle:
             for line in handle:
                 if not line.strip():
                     continue
-                if len(self._outbox) < self._outbox_max:
+                if len(loaded) < room:
                     try:
-                        self._outbox.append(OutgoingMessage.from_json_line(line))
-                        loaded += 1
+                        loaded.append(OutgoingMessage.from_json_line(line))
                     except (ValueError, KeyError):
                         self._metrics.dropped.inc()
                         log.error("publisher_dropped", count=1, reason="unreadable spill line")
@@ -372,9 +431,7 @@ class ConfirmingPublisher:
                 handle.flush()
                 os.fsync(handle.fileno())
         loading.unlink()
-        if loaded:
-            log.info("publisher_unspilled", count=loaded, left_on_disk=len(keep))
-        self._changed()
+        return loaded, len(keep)
 
     async def _run(self) -> None:
         backoff = 0.1
@@ -417,7 +474,7 @@ class ConfirmingPublisher:
                     if connection.is_closed or channel.is_closed:
                         raise ConnectionError("the broker connection closed")
                     if not self._outbox:
-                        self._unspill()
+                        await self._unspill()
                     if not self._outbox or len(self._in_flight) >= self._max_in_flight:
                         self._wakeup.clear()
                         with contextlib.suppress(TimeoutError):

@@ -1,0 +1,100 @@
+"""ConfirmingPublisher's spill file is written and read off the event loop: a slow disk delays the
+spill, never the loop that serves streams, and nothing submitted is lost."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+from prometheus_client import Histogram
+
+from sluice_common import amqp
+from sluice_common.amqp import ConfirmingPublisher, OutgoingMessage, PublisherMetrics
+from sluice_common.loop_lag import LAG_BUCKETS, LoopLagMonitor
+from sluice_common.supervision import Supervisor, stop_tasks
+
+SLOW_FSYNC_S = 0.3
+NO_BROKER = "amqp://guest:guest@127.0.0.1:1/"  # refused: the publisher keeps reconnecting, the spill goes on
+
+
+async def _no_topology(channel: object) -> None:
+    return None
+
+
+def _publisher(spill: Path | None, outbox_max: int = 2) -> tuple[ConfirmingPublisher, PublisherMetrics]:
+    metrics = PublisherMetrics.get(f"test_spill_{uuid.uuid4().hex[:8]}")
+    return ConfirmingPublisher(NO_BROKER, "sluice-test.events", _no_topology, metrics, outbox_max=outbox_max, spill_path=spill), metrics
+
+
+def _message(i: int) -> OutgoingMessage:
+    return OutgoingMessage(f"event {i}".encode(), "completion.v1", f"event-{i}")
+
+
+@pytest.fixture
+def slow_disk(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """fsync takes SLOW_FSYNC_S, as on a loaded disk; records the thread each one ran on."""
+    threads: list[str] = []
+    real_fsync = os.fsync
+
+    def slow_fsync(fd: int) -> None:
+        threads.append(threading.current_thread().name)
+        time.sleep(SLOW_FSYNC_S)
+        real_fsync(fd)
+
+    monkeypatch.setattr(amqp.os, "fsync", slow_fsync)
+    return threads
+
+
+async def test_a_slow_disk_does_not_stall_the_loop_and_every_message_reaches_the_file(tmp_path: Path, slow_disk: list[str]) -> None:
+    spill = tmp_path / "events.spill"
+    publisher, metrics = _publisher(spill)
+    monitor = LoopLagMonitor(0.005, Histogram("test_spill_loop_lag_seconds", "test", buckets=LAG_BUCKETS, registry=None), keep=10_000)
+    supervisor = Supervisor()
+    lag = supervisor.start("loop-lag", monitor.run)
+    publisher.start(supervisor)
+    try:
+        for i in range(40):  # beyond the outbox of 2, while earlier spills are still on the slow disk
+            t0 = time.perf_counter()
+            publisher.submit(_message(i))
+            assert time.perf_counter() - t0 < 0.05, "submit waited for the disk"
+            await asyncio.sleep(0.01)
+        deadline = time.monotonic() + 30
+        while metrics.spilled._value.get() < 38:
+            assert time.monotonic() < deadline, f"spilled {metrics.spilled._value.get()} of 38"
+            await asyncio.sleep(0.05)
+        assert publisher.pending == 2  # the outbox's two wait for a broker; nothing else is in memory
+        assert slow_disk and all(name.startswith("spill:") for name in slow_disk), slow_disk
+        # The spills took SLOW_FSYNC_S each on the disk thread; the loop meanwhile ran on time.
+        assert len(slow_disk) * SLOW_FSYNC_S >= 0.6
+        assert monitor.quantile(1.0) < 0.1, f"loop lag max {monitor.quantile(1.0) * 1000:.0f} ms while the disk was slow"
+    finally:
+        await publisher.stop(0.1)
+        await stop_tasks(lag)
+    lines = spill.read_text().splitlines()
+    assert sorted(OutgoingMessage.from_json_line(line).message_id for line in lines) == sorted(f"event-{i}" for i in range(40))
+    assert metrics.dropped._value.get() == 0
+
+
+async def test_stop_writes_what_is_still_owed_after_the_spill_in_progress(tmp_path: Path, slow_disk: list[str]) -> None:
+    spill = tmp_path / "events.spill"
+    publisher, metrics = _publisher(spill)
+    publisher.start()
+    for i in range(6):
+        publisher.submit(_message(i))
+    await asyncio.sleep(0.05)  # the spill task has taken its batch to the disk thread
+    await publisher.stop(0.1)
+    ids = [OutgoingMessage.from_json_line(line).message_id for line in spill.read_text().splitlines()]
+    assert sorted(ids) == sorted(f"event-{i}" for i in range(6)) and len(ids) == 6
+    assert publisher.pending == 0 and metrics.dropped._value.get() == 0
+
+
+async def test_without_a_spill_file_what_the_outbox_cannot_hold_is_counted_dropped(tmp_path: Path) -> None:
+    publisher, metrics = _publisher(None)
+    for i in range(5):
+        publisher.submit(_message(i))
+    assert publisher.pending == 2 and metrics.dropped._value.get() == 3
