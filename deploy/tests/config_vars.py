@@ -96,12 +96,16 @@ def _prefix_and_fields(service: str) -> tuple[str, dict[str, str | None]]:
         if isinstance(node, ast.ClassDef)
         and any(isinstance(d, ast.Call) and ast.unparse(d.func) == "dataclass" or ast.unparse(d) == "dataclass" for d in node.decorator_list)
     ]
+    # A service of several roles (the gateway's front and job worker) has one per role: its
+    # variables are those of every role.
     servers = [cls for cls in dataclasses if any(ast.unparse(base) == "ServerConfig" for base in cls.bases)]
-    (cls,) = servers or dataclasses
+    if not servers:
+        (only,) = dataclasses
     fields: dict[str, str | None] = {}
     if servers:
         fields.update({f.name: f.default for f in server_config_fields()})
-    fields.update({f.name: f.default for f in _dataclass_fields(cls, classes)})
+    for cls in servers or [only]:
+        fields.update({f.name: f.default for f in _dataclass_fields(cls, classes)})
     return prefix, fields
 
 

@@ -147,3 +147,30 @@ def test_the_problems_of_every_block_are_listed_at_once(tmp_path: Path) -> None:
     message = str(caught.value)
     assert "NEST_LIMITS_WINDOW must be >= 1, got 0" in message and "NEST_PEER_TLS_CERT_FILE and NEST_PEER_TLS_KEY_FILE go together" in message
     assert "NEST_FLAT_RATIO='half' is not a number" in message
+
+
+@dataclass(frozen=True)
+class Checked:
+    low: int = 1
+    high: int = 10
+    step: float = 0.5
+
+    def __post_init__(self) -> None:
+        require(self.low >= 1, f"CHK_LOW must be >= 1, got {self.low}")
+        require(self.low <= self.high, f"CHK_LOW must be <= CHK_HIGH, got {self.low} and {self.high}")
+        require(self.step > 0, f"CHK_STEP must be > 0, got {self.step}")
+        object.__setattr__(self, "steps", int((self.high - self.low) / self.step))  # trusts the checks: step 0 divides by zero
+
+
+def test_every_range_check_of_a_block_is_listed_at_once() -> None:
+    assert load_config(Checked, "CHK_", environ={}).steps == 18  # type: ignore[attr-defined]
+    with pytest.raises(ConfigError) as caught:
+        load_config(Checked, "CHK_", environ={"CHK_LOW": "0", "CHK_HIGH": "-1", "CHK_STEP": "0"})
+    assert str(caught.value) == (
+        "invalid configuration: CHK_LOW must be >= 1, got 0; CHK_LOW must be <= CHK_HIGH, got 0 and -1; CHK_STEP must be > 0, got 0.0"
+    )
+
+
+def test_outside_load_config_a_failed_check_raises_at_once() -> None:
+    with pytest.raises(ValueError, match=r"^CHK_LOW must be >= 1, got 0$"):
+        Checked(low=0)

@@ -21,7 +21,7 @@ from sluice_common.amqp import DEAD_REASON_HEADER, JobTopology, OutgoingMessage
 from sluice_common.config import load_config
 from sluice_common.errors import InvalidArgument, PermissionDenied
 from sluice_common.tenants import TenantDirectory
-from sluice_gateway.config import ENV_PREFIX, GatewayConfig
+from sluice_gateway.config import ENV_PREFIX, WorkerConfig
 from sluice_gateway.jobs import store as states
 from sluice_gateway.jobs.api import JobRequestPublisher, JobsApi
 from sluice_gateway.jobs.job import JSON
@@ -84,7 +84,7 @@ class Exchange:
 
 def job_worker(store: JobStore, **env: str) -> JobWorker:
     settings = {"TENANTS_FILE": str(TENANTS_FILE), **env}
-    config = load_config(GatewayConfig, ENV_PREFIX, {f"{ENV_PREFIX}{name}": value for name, value in settings.items()})
+    config = load_config(WorkerConfig, ENV_PREFIX, {f"{ENV_PREFIX}{name}": value for name, value in settings.items()})
     worker = JobWorker(config.shared, config.worker, types.SimpleNamespace(tenants=TENANTS), store)  # type: ignore[arg-type]
     # Instead of a connection (start()): rows, replies and dead letters are kept here.
     worker._exchange = Exchange()

@@ -18,7 +18,7 @@ from test_default_deadline import stand_in  # noqa: F401 - the fixture
 
 from sluice_common.adaptive_timeout import TimeoutPolicy
 from sluice_common.config import ConfigError, load_config
-from sluice_gateway.config import ENV_PREFIX, GatewayConfig
+from sluice_gateway.config import ENV_PREFIX, WorkerConfig
 from sluice_gateway.jobs.job import TOO_LONG_CODE, run_row, too_long_for_window
 from sluice_gateway.jobs.row_deadline import RowDeadlines, RowTiming, WarmUp
 
@@ -35,7 +35,7 @@ def deadlines(floor_s: float = 0.05, default_max_tokens: int = 100) -> RowDeadli
 def configured(**env: str) -> RowDeadlines:
     """As the worker builds them, from the settings (their defaults unless given)."""
     environ = {f"{ENV_PREFIX}TENANTS_FILE": TENANTS, **{f"{ENV_PREFIX}{name}": value for name, value in env.items()}}
-    config = load_config(GatewayConfig, ENV_PREFIX, environ)
+    config = load_config(WorkerConfig, ENV_PREFIX, environ)
     return RowDeadlines.for_settings(config.shared, config.worker)
 
 
@@ -97,18 +97,18 @@ async def test_an_attempt_reports_its_timing_and_carries_its_deadline_to_the_ada
 
 
 def test_the_row_timeout_settings_are_validated_naming_both_bounds() -> None:
-    config = load_config(GatewayConfig, ENV_PREFIX, {f"{ENV_PREFIX}TENANTS_FILE": TENANTS})
+    config = load_config(WorkerConfig, ENV_PREFIX, {f"{ENV_PREFIX}TENANTS_FILE": TENANTS})
     assert config.worker.row_timeout_policy(config.shared.default_deadline_policy()) == TimeoutPolicy(2.0, 30.0, 3600.0, 1000, 50)
     assert (config.worker.row_timeout_s, config.worker.row_warmup_per_token_s) == (120.0, 0.25)
     env = {f"{ENV_PREFIX}TENANTS_FILE": TENANTS, f"{ENV_PREFIX}WORKER_ROW_TIMEOUT_CEILING_S": "20"}
     with pytest.raises(ConfigError, match=f"{ENV_PREFIX}WORKER_ROW_TIMEOUT_FLOOR_S must be > 0 and <= {ENV_PREFIX}WORKER_ROW_TIMEOUT_CEILING_S"):
-        load_config(GatewayConfig, ENV_PREFIX, env)
+        load_config(WorkerConfig, ENV_PREFIX, env)
     env = {f"{ENV_PREFIX}TENANTS_FILE": TENANTS, f"{ENV_PREFIX}WORKER_ROW_TIMEOUT_S": "7200"}
     with pytest.raises(ConfigError, match=f"{ENV_PREFIX}WORKER_ROW_TIMEOUT_S must be > 0 and <= {ENV_PREFIX}WORKER_ROW_TIMEOUT_CEILING_S"):
-        load_config(GatewayConfig, ENV_PREFIX, env)
+        load_config(WorkerConfig, ENV_PREFIX, env)
     env = {f"{ENV_PREFIX}TENANTS_FILE": TENANTS, f"{ENV_PREFIX}WORKER_ROW_WARMUP_PER_TOKEN_S": "0"}
     with pytest.raises(ConfigError, match=f"{ENV_PREFIX}WORKER_ROW_WARMUP_PER_TOKEN_S must be > 0"):
-        load_config(GatewayConfig, ENV_PREFIX, env)
+        load_config(WorkerConfig, ENV_PREFIX, env)
 
 
 # ---- long rows (issue 22): the deadline grows with the row's own max_tokens, up to a ceiling for long work

@@ -17,7 +17,7 @@ from sluice.jobs.v1 import jobs_pb2
 from test_default_deadline import stand_in  # noqa: F401 - the fixture
 
 from sluice_common.config import load_config
-from sluice_gateway.config import ENV_PREFIX, GatewayConfig
+from sluice_gateway.config import ENV_PREFIX, WorkerConfig
 from sluice_gateway.jobs.store import JobStore
 from sluice_gateway.jobs import worker as worker_module
 from sluice_gateway.jobs.job import TOO_LONG_CODE, run_row
@@ -32,7 +32,7 @@ def worker(store: JobStore, path: object, **env: str) -> JobWorker:
         "TENANTS_FILE": TENANTS, "WORKER_RETRY_BASE_S": "0.01", "WORKER_RETRY_CAP_S": "0.02", "DEFAULT_DEADLINE_MIN_SAMPLES": "5",
         **env,
     }  # fmt: skip
-    config = load_config(GatewayConfig, ENV_PREFIX, {f"{ENV_PREFIX}{name}": value for name, value in settings.items()})
+    config = load_config(WorkerConfig, ENV_PREFIX, {f"{ENV_PREFIX}{name}": value for name, value in settings.items()})
     return JobWorker(config.shared, config.worker, types.SimpleNamespace(path=path), store)  # type: ignore[arg-type]
 
 

@@ -11,6 +11,7 @@ import dataclasses
 import os
 import typing
 from collections.abc import Mapping
+from contextvars import ContextVar
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -74,6 +75,11 @@ def block_switch(default: bool = False) -> bool:
     return dataclasses.field(default=default, metadata={ENV: ""})  # type: ignore[return-value]
 
 
+# While load_config builds a block, `require` adds each failed check here instead of raising at the
+# first, so that every range problem of a block is listed at once too.
+_failed_checks: ContextVar[list[str] | None] = ContextVar("failed_checks", default=None)
+
+
 # Settings one variable sets for every service at once (a per-service variable still overrides):
 # the drain grace must agree with the pods' terminationGracePeriodSeconds, so it is set in one place.
 SHARED_SETTINGS = {"shutdown_grace_s": "SLUICE_SHUTDOWN_GRACE_S"}
@@ -123,10 +129,20 @@ def _load(cls: type[T], prefix: str, environ: Mapping[str, str], problems: list[
             complete = False
     if not complete:
         return None
+    failed: list[str] = []
+    collecting = _failed_checks.set(failed)
     try:
         config = cls(**values)
-    except ValueError as exc:  # __post_init__ checks of ranges and combinations
-        problems.append(str(exc))
+    except Exception as exc:  # __post_init__ checks of ranges and combinations
+        # After a failed check, code that trusted it may fail in its own way: the checks say why.
+        if not failed and not isinstance(exc, ValueError):
+            raise
+        problems.extend(failed or [str(exc)])
+        return None
+    finally:
+        _failed_checks.reset(collecting)
+    if failed:
+        problems.extend(failed)
         return None
     check = getattr(config, "env_problems", None)
     more: list[str] = check(prefix) if check is not None else []
@@ -135,9 +151,14 @@ def _load(cls: type[T], prefix: str, environ: Mapping[str, str], problems: list[
 
 
 def require(condition: bool, message: str) -> None:
-    """For __post_init__ range checks; the message names the variable and the allowed range."""
+    """For __post_init__ range checks; the message names the variable and the allowed range. Raises
+    ValueError, except while load_config builds the block: then the check is listed with the
+    block's others and load_config raises once, naming them all."""
     if not condition:
-        raise ValueError(message)
+        failed = _failed_checks.get()
+        if failed is None:
+            raise ValueError(message)
+        failed.append(message)
 
 
 @dataclasses.dataclass(frozen=True)

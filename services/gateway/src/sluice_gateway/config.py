@@ -2,8 +2,8 @@
 
 One set of variables for the gateway's two roles, in blocks: `SharedSettings` (what both the
 gateway front and its job worker use: tenants, peers, events, jobs), `FrontSettings` (the HTTP
-front beside the gRPC port) and `WorkerSettings` (the job worker, WORKER_*). Each role's code is
-handed the blocks it uses."""
+front beside the gRPC port) and `WorkerSettings` (the job worker, WORKER_*). Each role loads its
+own config (`GatewayConfig`, `WorkerConfig`): the shared block and its own, nothing of the other's."""
 
 from __future__ import annotations
 
@@ -192,12 +192,20 @@ class WorkerSettings:
 
 @dataclass(frozen=True)
 class GatewayConfig(ServerConfig):
-    """Both roles' settings, loaded whole by each (one set of variables, checked at every start).
-    ServerConfig's own (host, logs, shutdown grace; the gRPC and metrics ports and server TLS, which
-    only the front serves) and the blocks."""
+    """The gateway front's settings: ServerConfig's own (host, logs, drain grace, the gRPC and
+    metrics ports and server TLS) and the blocks it uses."""
 
     port: int = 50051
     metrics_port: int = 9101
     shared: SharedSettings = nested(SharedSettings, env="")
     front: FrontSettings = nested(FrontSettings, env="")
+
+
+@dataclass(frozen=True)
+class WorkerConfig(ServerConfig):
+    """The job worker's settings: ServerConfig's host, logs and drain grace (its own ports are
+    WORKER_PORT and WORKER_METRICS_PORT), the shared block and its own. The front's settings are
+    neither read nor checked here, nor the worker's by the front."""
+
+    shared: SharedSettings = nested(SharedSettings, env="")
     worker: WorkerSettings = nested(WorkerSettings)

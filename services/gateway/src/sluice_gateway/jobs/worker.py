@@ -56,7 +56,7 @@ from sluice_common.server import create_server, serve_until_signal
 from sluice_common.supervision import Supervisor, stop_tasks
 from sluice_gateway.jobs import store as states
 from sluice_gateway.jobs.concurrency import FAILED, OK, THROTTLED, AdaptiveConcurrency
-from sluice_gateway.config import ENV_PREFIX, GatewayConfig, SharedSettings, WorkerSettings
+from sluice_gateway.config import ENV_PREFIX, SharedSettings, WorkerConfig, WorkerSettings
 from sluice_gateway.path.core import GatewayCore
 from sluice_gateway.jobs.store import JobRecord, JobStore
 from sluice_gateway.jobs.trace import attempt_span, job_span, row_span, with_trace_context
@@ -516,7 +516,7 @@ def _reply_type(content_type: str) -> str:
     return JSON if (content_type or "").split(";")[0].strip().lower() == JSON else PROTOBUF
 
 
-async def serve(config: GatewayConfig) -> None:
+async def serve(config: WorkerConfig) -> None:
     shared, settings = config.shared, config.worker
     core = GatewayCore.build(shared, settings.port)
     store = JobStore.create(shared.jobs_postgres_dsn, shared.jobs_sqlite_path)
@@ -538,7 +538,7 @@ async def serve(config: GatewayConfig) -> None:
 
 
 def main() -> None:
-    run_service("gateway-worker", GatewayConfig, ENV_PREFIX, serve)
+    run_service("gateway-worker", WorkerConfig, ENV_PREFIX, serve)
 
 
 if __name__ == "__main__":
