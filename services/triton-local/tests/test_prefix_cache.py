@@ -258,6 +258,7 @@ def test_a_prefix_evicted_under_a_full_batch_is_restored_from_host_memory(engine
     held: kept in host memory, that prefix serves its prompt's next request without a prefill."""
     _, reference = engines
     cached = StepEngine(gguf_path(), max_slots=3, max_context=512, threads=2, prefix_cache=True, host_prefix_bytes=64 * 2**20)
+    assert cached.host_store_capacity_bytes == 64 * 2**20
     first = chat(cached, QUESTIONS[0], system=f"Zero is your number. {SYSTEM}")
     run(cached, 10, first)
     others = [chat(cached, f"Question {i}?", system=f"Persona number {i}.") for i in range(cached.max_slots)]
@@ -276,7 +277,7 @@ def test_the_numpy_model_keeps_no_host_store() -> None:
     engine = StepEngine(gguf_path(), max_slots=1, max_context=64, engine="numpy", prefix_cache=True, host_prefix_bytes=2**20)
     for seq_id, question in enumerate(QUESTIONS[:2]):
         run(engine, seq_id, chat(engine, question), Sampling(max_tokens=2))
-    assert engine.host_prefix_bytes == 0
+    assert engine.host_prefix_bytes == 0 and engine.host_store_capacity_bytes == 0  # what triton-local's start log reports
 
 
 def test_a_conversations_next_turn_reuses_the_previous_turn(engines: tuple[StepEngine, StepEngine]) -> None:

@@ -66,9 +66,15 @@ def main() -> None:
         gguf=gguf_path,
         engine=config.engine,
         threads=config.engine_threads(),
+        prefix_cache_host_mib=step_engine.host_store_capacity_bytes // 2**20,
         seconds=round(time.perf_counter() - started, 1),
         warmup_answer=answer,
     )
+    if config.prefix_cache and f"{ENV_PREFIX}PREFIX_CACHE_HOST_MIB" in os.environ and config.prefix_cache_host_mib and not step_engine.host_store_capacity_bytes:
+        log.warning(
+            "prefix_cache_host_store_ignored",
+            reason=f"the {config.engine} engine cannot save a slot's cells: {ENV_PREFIX}PREFIX_CACHE_HOST_MIB={config.prefix_cache_host_mib} keeps nothing",
+        )
     MAX_SLOTS.set(config.max_slots)
     start_http_server(config.metrics_port, addr=config.host)
 

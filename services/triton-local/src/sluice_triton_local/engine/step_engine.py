@@ -263,6 +263,12 @@ class StepEngine:
         """Bytes of evicted prefixes held in host memory."""
         return self._host.bytes
 
+    @property
+    def host_store_capacity_bytes(self) -> int:
+        """The host store's bound: 0 when off (asked for none, no prefix cache, or a forward pass
+        that cannot save a slot's cells: the numpy engine)."""
+        return self._host.capacity_bytes
+
     def clear_prefix_cache(self) -> None:
         """Forgets every cached prefix (their slots stay free, the host store empty): the next prompts prefill cold."""
         for slot in self._slots.clear():
