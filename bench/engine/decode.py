@@ -27,13 +27,16 @@ def measure(engine: StepEngine, batch: int, decode_steps: int = 32) -> float:
     return greedy_decode(engine, [prompt] * batch, decode_steps)[0]
 
 
-def greedy_decode(engine: StepEngine, prompts: list[str], decode_steps: int) -> tuple[float, list[list[int]]]:
+def greedy_decode(engine: StepEngine, prompts: list[str], decode_steps: int) -> tuple[float, list[list[int]], float]:
     """Prefills one sequence per (templated) prompt in one step, then runs up to `decode_steps`
     greedy decode steps over the sequences still live. Returns decode tokens/s (the clock runs
-    around the decode steps alone) and each sequence's token ids, the prefill's token first."""
+    around the decode steps alone), each sequence's token ids, the prefill's token first, and the
+    prefill step's prompt tokens/s (its tokens computed, the prefix cache's excluded)."""
     params = Sampling(max_tokens=decode_steps + 1, temperature=0.0)
     ids = list(range(10_000, 10_000 + len(prompts)))
+    t0 = time.perf_counter()
     first = engine.step([PrefillRow(i, prompt, params) for i, prompt in zip(ids, prompts)])
+    prefill_s = time.perf_counter() - t0
     if failed := [r for r in first if r.finish_reason == "error"]:
         raise RuntimeError(f"prefill failed: {failed[0].error}")
     tokens = {r.seq_id: [r.token_id] for r in first}
@@ -51,7 +54,8 @@ def greedy_decode(engine: StepEngine, prompts: list[str], decode_steps: int) -> 
         live = [r.seq_id for r in results if not r.finish_reason]
     elapsed = time.perf_counter() - t0
     engine.step([ReleaseRow(i) for i in ids])
-    return done / max(elapsed, 1e-9), [tokens[i] for i in ids]
+    prefilled = sum(r.prompt_tokens - r.cached_tokens for r in first)
+    return done / max(elapsed, 1e-9), [tokens[i] for i in ids], prefilled / max(prefill_s, 1e-9)
 
 
 def main(argv: list[str]) -> None:

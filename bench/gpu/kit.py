@@ -56,8 +56,10 @@ ENGINE_WHEELS = (
     "diskcache",
     "gguf",
     "jinja2",
+    "llguidance",  # the engine's structured outputs (engine/constraints.py)
     "markupsafe",
     "numpy",
+    "prometheus-client",  # shared_engine's metrics: the step protocol's side of bench_gpu
     "pyyaml",
     "tokenizers",
     "tqdm",
@@ -245,7 +247,9 @@ def lock_versions(names: list[str]) -> dict[str, str]:
 
 def download_engine_wheels(python: str, out: Path) -> None:
     pins = [f"{n}=={v}" for n, v in lock_versions(list(ENGINE_WHEELS)).items()]
-    platform_args = [a for tag in ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64") for a in ("--platform", tag)]
+    # pip matches each manylinux version exactly: the device (glibc 2.39) runs wheels up to 2_39 (llguidance is 2_31).
+    tags = ("manylinux_2_31_x86_64", "manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64")
+    platform_args = [a for tag in tags for a in ("--platform", tag)]
     subprocess.run(
         [
             python,
@@ -371,9 +375,14 @@ def install(manifest: dict) -> Path:
     if sys.version_info[:2] != tuple(manifest["python"]):
         raise SystemExit(f"gpukit: the wheels are for Python {manifest['python']}, this is {sys.version.split()[0]}: run with python3.12")
     venv = HOME / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--clear", str(venv)], check=True)
     wheels = [str(HOME / f["name"]) for f in manifest["files"] if f["kind"] == "wheel"]
-    subprocess.run([str(venv / "bin/python"), "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-cache-dir", *wheels], check=True)
+    pip_args = ["install", "-q", "--no-index", "--no-deps", "--no-cache-dir", *wheels]
+    if subprocess.run([sys.executable, "-m", "venv", "--clear", str(venv)], check=False).returncode == 0:
+        subprocess.run([str(venv / "bin/python"), "-m", "pip", *pip_args], check=True)
+    else:  # an interpreter without ensurepip (a distribution's python3 without its venv package)
+        say("venv with pip failed: a venv without pip, filled by this interpreter's pip (--python)")
+        subprocess.run([sys.executable, "-m", "venv", "--clear", "--without-pip", str(venv)], check=True)
+        subprocess.run([sys.executable, "-m", "pip", "--python", str(venv / "bin/python"), *pip_args], check=True)
     return venv
 
 

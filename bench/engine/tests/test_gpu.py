@@ -20,7 +20,7 @@ def test_comparison_with_both_sides_on_the_cpu_is_identical() -> None:
         assert [len(row) for row in result.gpu.tokens] == [7] * batch  # the prefill's token and 6 steps
         assert re.fullmatch(
             rf"BENCH gpu batch={batch} decode_tok_s=\d+\.\d cpu_decode_tok_s=\d+\.\d ratio=\d+\.\d\d "
-            rf"greedy_identical=true \({batch}/{batch} rows\)",
+            rf"greedy_identical=true \({batch}/{batch} rows\) prefill_tok_s=[1-9]\d* cpu_prefill_tok_s=[1-9]\d*",
             result.line(),
         ), result.line()
     assert gpu.active_slots == cpu.active_slots == 0
@@ -30,7 +30,7 @@ def test_divergence_names_each_row_and_its_first_differing_token() -> None:
     same, other = bench_gpu.Side(10.0, [[1, 2, 3], [4, 5, 6], [7, 8]]), bench_gpu.Side(5.0, [[1, 2, 3], [4, 9, 6], [7, 8, 0]])
     result = bench_gpu.Comparison(3, same, other)
     assert result.divergence() == {1: 1, 2: 2}
-    assert result.line().endswith("ratio=2.00 greedy_identical=false (1/3 rows)")
+    assert result.line().endswith("ratio=2.00 greedy_identical=false (1/3 rows) prefill_tok_s=0 cpu_prefill_tok_s=0")
 
 
 def test_without_a_gpu_it_says_why_and_exits_no_gpu() -> None:
@@ -44,3 +44,24 @@ def test_without_a_gpu_it_says_why_and_exits_no_gpu() -> None:
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("bench-gpu: llama-cpp-python here is a CPU build"), lines
     assert 'CMAKE_ARGS="-DGGML_CUDA=on"' in lines[0]
+
+
+def test_the_step_protocol_gives_the_engines_own_greedy_tokens_at_every_round_length() -> None:
+    gpu, cpu = bench_gpu.engines([2], steps=6, threads=2, gpu_layers=0)
+    alone = bench_gpu.compare(gpu, cpu, 2, steps=6, rounds=1).gpu
+    shared = bench_gpu.SharedEngine(gpu)
+    for round_steps in (1, 4, 8):
+        run = bench_gpu.protocol_run(shared, alone, 2, round_steps, steps=6, rounds=1)
+        assert run.protocol.tokens == alone.tokens, round_steps
+        assert re.fullmatch(
+            rf"BENCH gpu_protocol batch=2 round_steps={round_steps} tok_s=\d+\.\d engine_tok_s=\d+\.\d ratio=\d+\.\d\d "
+            r"greedy_identical=true \(2/2 rows\)",
+            run.line(),
+        ), run.line()
+    assert gpu.active_slots == 0  # every protocol sequence released
+
+
+def test_a_protocol_row_that_differs_is_counted() -> None:
+    alone = bench_gpu.Side(10.0, [[1, 2], [3, 4]])
+    run = bench_gpu.ProtocolRun(2, 8, bench_gpu.Side(8.0, [[1, 2], [3, 5]]), alone)
+    assert run.line().endswith("ratio=0.80 greedy_identical=false (1/2 rows)")
