@@ -70,7 +70,12 @@ def main() -> None:
         seconds=round(time.perf_counter() - started, 1),
         warmup_answer=answer,
     )
-    if config.prefix_cache and f"{ENV_PREFIX}PREFIX_CACHE_HOST_MIB" in os.environ and config.prefix_cache_host_mib and not step_engine.host_store_capacity_bytes:
+    if (
+        config.prefix_cache
+        and f"{ENV_PREFIX}PREFIX_CACHE_HOST_MIB" in os.environ
+        and config.prefix_cache_host_mib
+        and not step_engine.host_store_capacity_bytes
+    ):
         log.warning(
             "prefix_cache_host_store_ignored",
             reason=f"the {config.engine} engine cannot save a slot's cells: {ENV_PREFIX}PREFIX_CACHE_HOST_MIB={config.prefix_cache_host_mib} keeps nothing",

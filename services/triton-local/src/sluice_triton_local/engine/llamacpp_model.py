@@ -169,10 +169,12 @@ class LlamaCppModel:
             for start in range(0, len(tokens), self.batch_tokens):
                 end = min(len(tokens), start + self.batch_tokens)
                 self._decode(tokens[start:end], positions[start:end], seq_ids[start:end], want_logits[start:end])
-                for index in np.flatnonzero(want_logits[start:end]):
-                    logits = lc.llama_get_logits_ith(self._ctx, int(index))
-                    out[answer_rows[row]] = np.ctypeslib.as_array(logits, shape=(self._vocab,))
-                    row += 1
+                # The call's output rows, in batch order (llama_get_logits reorders them so), in one copy.
+                rows = int(want_logits[start:end].sum())
+                if rows:
+                    block = np.ctypeslib.as_array(lc.llama_get_logits(self._ctx), shape=(rows, self._vocab))
+                    out[answer_rows[row : row + rows]] = block
+                    row += rows
         finally:
             for filler in fillers:
                 self.truncate(filler.slot, filler.start_pos)

@@ -170,14 +170,17 @@ class BatchSampler:
         self.adjust(logits, slots)
         tokens = np.empty(len(slots), dtype=np.int64)
         greedy = self._temperature[slots] <= 0.0
-        if greedy.any():
+        # A masked or indexed selection copies each row's vocabulary: taken only for a mixed batch.
+        if greedy.all():
+            tokens[:] = np.argmax(logits, axis=1)
+        elif greedy.any():
             tokens[greedy] = np.argmax(logits[greedy], axis=1)
         sampled = np.flatnonzero(~greedy)
         if len(sampled):
             rows = slots[sampled]
             u = uniforms(self._keys[rows], self._draws[rows])
             self._draws[rows] += np.uint64(1)
-            tokens[sampled] = self._draw(logits[sampled], rows, u)
+            tokens[sampled] = self._draw(logits if len(sampled) == len(slots) else logits[sampled], rows, u)
         if self._counts is not None:
             penalized = self._penalized[slots]
             self._counts[slots[penalized], tokens[penalized]] += 1
