@@ -98,3 +98,40 @@ async def test_without_a_spill_file_what_the_outbox_cannot_hold_is_counted_dropp
     for i in range(5):
         publisher.submit(_message(i))
     assert publisher.pending == 2 and metrics.dropped._value.get() == 3
+
+
+BROKER = os.environ.get("SLUICE_TEST_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/")
+
+
+async def test_a_stop_during_a_slow_read_of_the_spill_file_puts_every_message_back(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The session reads the spill file back (off the loop) when the broker is up; a stop that cancels
+    it mid-read must not lose what the read took off the disk."""
+    import aio_pika
+
+    spill = tmp_path / "events.spill"
+    spill.write_text("".join(_message(i).to_json_line() for i in range(20)))
+    exchange = f"sluice-test-spill-{uuid.uuid4().hex[:8]}"
+
+    async def declare(channel: aio_pika.abc.AbstractChannel) -> None:
+        await channel.declare_exchange(exchange, aio_pika.ExchangeType.DIRECT, auto_delete=True)
+
+    reading = threading.Event()
+    read_spill = ConfirmingPublisher._read_spill
+
+    def slow_read(self: ConfirmingPublisher, room: int) -> tuple[list[OutgoingMessage], int]:
+        reading.set()
+        time.sleep(0.5)  # a slow disk: the stop below lands while this runs
+        return read_spill(self, room)
+
+    monkeypatch.setattr(ConfirmingPublisher, "_read_spill", slow_read)
+    metrics = PublisherMetrics.get(f"test_spill_{uuid.uuid4().hex[:8]}")
+    publisher = ConfirmingPublisher(BROKER, exchange, declare, metrics, outbox_max=100, spill_path=spill)
+    publisher.start()
+    deadline = time.monotonic() + 20
+    while not reading.is_set():
+        assert time.monotonic() < deadline, "the publisher never read its spill file (is RabbitMQ up?)"
+        await asyncio.sleep(0.01)
+    await publisher.stop(0)
+    ids = sorted(OutgoingMessage.from_json_line(line).message_id for line in spill.read_text().splitlines())
+    assert ids == sorted(f"event-{i}" for i in range(20))
+    assert metrics.dropped._value.get() == 0 and publisher.pending == 0

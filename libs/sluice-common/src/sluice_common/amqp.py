@@ -325,18 +325,17 @@ class ConfirmingPublisher:
         self._wakeup.set()
         await stop_tasks(self._task, self._spill_task)
         self._task = self._spill_task = None
+        # What the stopped tasks left in the disk thread ends first: a write lands, a read's messages
+        # return to the outbox (its callback), and then what is owed is spilled after them, in order.
+        await self._on_disk(lambda: None)
         leftovers = list(self._in_flight.values()) + list(self._outbox) + list(self._to_spill)
         self._in_flight.clear()
         self._outbox.clear()
         self._to_spill.clear()
-        # Queued after any write the stopped spill task left in the disk thread, so stop returns
-        # with everything owed on disk, in one file, in order.
         if leftovers:
             log.warning("publisher_unsent_at_stop", count=len(leftovers), spill=str(self._spill_path))
             await self._on_disk(self._spill, leftovers)
             self._spilled_on_disk = True
-        else:
-            await self._on_disk(lambda: None)
         self._spilling = 0
         self._changed()
 
@@ -392,10 +391,20 @@ class ConfirmingPublisher:
         """Moves spilled messages back into the outbox while it has room; the rest stay on disk."""
         if not self._spilled_on_disk or len(self._outbox) >= self._outbox_max // 2:
             return
-        loaded, left_on_disk = await self._on_disk(self._read_spill, self._outbox_max - len(self._outbox))
+        reading = asyncio.get_running_loop().run_in_executor(self._disk, self._read_spill, self._outbox_max - len(self._outbox))
+        # The messages read are off the disk: they join the outbox from the read's own callback, so
+        # that a session cancelled meanwhile (a stop, a broken connection) loses none of them.
+        reading.add_done_callback(self._take_unspilled)
+        await asyncio.shield(reading)
+
+    def _take_unspilled(self, reading: asyncio.Future[tuple[list[OutgoingMessage], int]]) -> None:
+        if reading.cancelled() or reading.exception() is not None:
+            log.error("publisher_unspill_failed", error=repr(None if reading.cancelled() else reading.exception()))
+            return
+        loaded, left_on_disk = reading.result()
         self._outbox.extend(loaded)
-        # The disk thread runs one operation at a time, in order, and each continuation resumes in that
-        # order: a spill written after this read sets the flag again when it resumes.
+        # The disk thread runs one operation at a time, in order, and their callbacks run in that
+        # order: a spill written after this read sets the flag again when it completes.
         self._spilled_on_disk = left_on_disk > 0
         if loaded:
             log.info("publisher_unspilled", count=len(loaded), left_on_disk=left_on_disk)
