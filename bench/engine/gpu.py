@@ -55,7 +55,7 @@ from sluice_common.cgroup import usable_cpus
 from sluice_triton_local.engine.step_engine import StepEngine
 from sluice_triton_local.model_files import gguf_path
 from sluice_triton_local.shared_engine import SharedEngine
-from sluice_triton_local.step_protocol import DECODE, PREFILL, RELEASE, start_round
+from sluice_triton_local.step_protocol import DECODE, PREFILL, RELEASE, round_inputs, start_round
 
 NO_GPU = 3
 BATCHES = [int(b) for b in os.environ.get("BENCH_BATCHES", "1,8,32,64").split(",")]
@@ -160,15 +160,6 @@ class ProtocolRun:
 _protocol_seq_ids = count(50_000)
 
 
-def _round_request(action: int, seq_ids: list[int], bodies: list[bytes], round_steps: int) -> dict[str, np.ndarray]:
-    return {
-        "ACTION": np.full(len(seq_ids), action, np.int32),
-        "SEQ_ID": np.array(seq_ids, np.int64),
-        "REQUEST": np.array(bodies, dtype=object),
-        "STEPS": np.array([round_steps], np.int32),
-    }
-
-
 def protocol_decode(engine: SharedEngine, prompts: list[str], decode_steps: int, round_steps: int) -> Side:
     """greedy_decode's load (one prefill, then up to `decode_steps` greedy tokens a row) through the
     step protocol in rounds of `round_steps` engine steps, each round asked for when the last ended."""
@@ -176,7 +167,7 @@ def protocol_decode(engine: SharedEngine, prompts: list[str], decode_steps: int,
     answer = lambda outputs, last: responses.put((outputs, last))  # noqa: E731
     ids = [next(_protocol_seq_ids) for _ in prompts]
     bodies = [json.dumps({"messages": [["user", p]], "max_tokens": decode_steps + 1, "temperature": 0}).encode() for p in prompts]
-    start_round(engine, _round_request(PREFILL, ids, bodies, round_steps), answer)
+    start_round(engine, round_inputs(PREFILL, ids, bodies, round_steps), answer)
     tokens: dict[int, list[int]] = {i: [] for i in ids}
     live, started = set(ids), 0.0
     while live:
@@ -190,9 +181,9 @@ def protocol_decode(engine: SharedEngine, prompts: list[str], decode_steps: int,
             if finish:
                 live.discard(int(seq_id))
         if last and live:
-            start_round(engine, _round_request(DECODE, sorted(live), [b""] * len(live), round_steps), answer)
+            start_round(engine, round_inputs(DECODE, sorted(live), [b""] * len(live), round_steps), answer)
     elapsed = time.perf_counter() - started
-    start_round(engine, _round_request(RELEASE, ids, [b""] * len(ids), 1), lambda *_: None).result(timeout=60)
+    start_round(engine, round_inputs(RELEASE, ids, [b""] * len(ids), 1), lambda *_: None).result(timeout=60)
     decoded = sum(len(row) - 1 for row in tokens.values())  # the prefill's token is before the clock
     return Side(decoded / max(elapsed, 1e-9), [tokens[i] for i in ids])
 

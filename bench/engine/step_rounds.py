@@ -26,18 +26,9 @@ import numpy as np  # noqa: E402  (after the thread settings above)
 from sluice_triton_local.engine.step_engine import StepEngine  # noqa: E402
 from sluice_triton_local.model_files import gguf_path  # noqa: E402
 from sluice_triton_local.shared_engine import SharedEngine, warm_up  # noqa: E402
-from sluice_triton_local.step_protocol import DECODE, PREFILL, RELEASE, start_round  # noqa: E402
+from sluice_triton_local.step_protocol import DECODE, PREFILL, RELEASE, round_inputs, start_round  # noqa: E402
 
 PROMPT = "Write a long story about a dragon and a knight who become friends."
-
-
-def _request(action: int, seq_ids: list[int], bodies: list[bytes], steps: int) -> dict[str, np.ndarray]:
-    return {
-        "ACTION": np.full(len(seq_ids), action, np.int32),
-        "SEQ_ID": np.array(seq_ids, np.int64),
-        "REQUEST": np.array(bodies, dtype=object),
-        "STEPS": np.array([steps], np.int32),
-    }
 
 
 def _cpu_seconds() -> float:
@@ -50,7 +41,7 @@ def run_load(engine: SharedEngine, seq_ids: list[int], tokens: int, steps: int) 
     answer = lambda outputs, last: responses.put((outputs, last))  # noqa: E731
     body = json.dumps({"messages": [["user", PROMPT]], "max_tokens": tokens, "temperature": 0}).encode()
     cpu = _cpu_seconds()
-    start_round(engine, _request(PREFILL, seq_ids, [body] * len(seq_ids), steps), answer)
+    start_round(engine, round_inputs(PREFILL, seq_ids, [body] * len(seq_ids), steps), answer)
     live, started, decoded = set(seq_ids), None, 0
     while live:
         outputs, last = responses.get(timeout=120)
@@ -60,10 +51,10 @@ def run_load(engine: SharedEngine, seq_ids: list[int], tokens: int, steps: int) 
             decoded += int((outputs["TOKEN_ID"] >= 0).sum())
         live -= {int(s) for s, finish in zip(outputs["ROW_SEQ_ID"], outputs["FINISH"]) if finish}
         if last and live:
-            start_round(engine, _request(DECODE, sorted(live), [b""] * len(live), steps), answer)
+            start_round(engine, round_inputs(DECODE, sorted(live), [b""] * len(live), steps), answer)
     seconds = time.perf_counter() - (started or time.perf_counter())
     cpu = _cpu_seconds() - cpu
-    start_round(engine, _request(RELEASE, seq_ids, [b""] * len(seq_ids), 1), lambda *_: None)
+    start_round(engine, round_inputs(RELEASE, seq_ids, [b""] * len(seq_ids), 1), lambda *_: None)
     return {"tokens": decoded, "seconds": seconds, "cpu_seconds": cpu}
 
 

@@ -133,6 +133,17 @@ OUTPUTS: tuple[tuple[str, type], ...] = (
 OnResponse = Callable[[dict[str, np.ndarray], bool], object]
 
 
+def round_inputs(action: int, seq_ids: list[int], bodies: list[bytes], steps: int = 1) -> dict[str, np.ndarray]:
+    """A request's input tensors, one row per sequence, all of one action, for `steps` engine steps:
+    what a caller in process (the benchmarks) passes to `start_round`."""
+    return {
+        "ACTION": np.full(len(seq_ids), action, np.int32),
+        "SEQ_ID": np.array(seq_ids, np.int64),
+        "REQUEST": np.array(bodies, dtype=object),
+        "STEPS": np.array([steps], np.int32),
+    }
+
+
 def _prompt_ids(engine: SharedEngine, request: dict[str, Any]) -> list[int]:
     """A chat's content is tokenized as text: control tokens come from the template alone, so a
     message cannot forge another role's turn. A raw prompt is the caller's own template: its
