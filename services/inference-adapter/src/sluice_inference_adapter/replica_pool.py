@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import random
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -96,6 +97,14 @@ class Replica:
     @property
     def name(self) -> str:
         return self.backend.url
+
+
+def least_loaded(candidates: list[Replica]) -> Replica:
+    """The replica with the fewest waiting and running sequences, ties broken at random: the first in
+    the list on every tie would take nearly every request of a light load (and that replica's cache
+    would look like an affinity that least-loaded routing does not have)."""
+    least = min(r.scheduler.load for r in candidates)
+    return random.choice([r for r in candidates if r.scheduler.load == least])
 
 
 class ReplicaPool:
@@ -310,9 +319,9 @@ class ReplicaPool:
         for replica in self.replicas:
             metrics.REPLICA_LOAD.labels(replica=replica.name + self._metrics_label).set(replica.scheduler.load)
         if prompt is None:
-            return min(candidates, key=lambda r: r.scheduler.load)
+            return least_loaded(candidates)
         if self._router is None:
-            chosen = min(candidates, key=lambda r: r.scheduler.load)
+            chosen = least_loaded(candidates)
             metrics.ROUTING_DECISIONS.labels(model=self._model, reason="only_replica" if len(candidates) == 1 else "load").inc()
             metrics.ROUTED_REQUESTS.labels(replica=chosen.name + self._metrics_label).inc()
             return chosen
