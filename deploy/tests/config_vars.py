@@ -99,12 +99,14 @@ def _prefix_and_fields(service: str) -> tuple[str, dict[str, str | None]]:
     # A service of several roles (the gateway's front and job worker) has one per role: its
     # variables are those of every role.
     servers = [cls for cls in dataclasses if any(ast.unparse(base) == "ServerConfig" for base in cls.bases)]
-    if not servers:
-        (only,) = dataclasses
     fields: dict[str, str | None] = {}
     if servers:
         fields.update({f.name: f.default for f in server_config_fields()})
-    for cls in servers or [only]:
+        roles = servers
+    else:
+        (only,) = dataclasses
+        roles = [only]
+    for cls in roles:
         fields.update({f.name: f.default for f in _dataclass_fields(cls, classes)})
     return prefix, fields
 

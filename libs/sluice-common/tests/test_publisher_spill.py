@@ -18,7 +18,10 @@ from sluice_common.amqp import ConfirmingPublisher, OutgoingMessage, PublisherMe
 from sluice_common.loop_lag import LAG_BUCKETS, LoopLagMonitor
 from sluice_common.supervision import Supervisor, stop_tasks
 
-SLOW_FSYNC_S = 0.3
+SLOW_FSYNC_S = 0.5
+# A submit or a loop that waited for the disk would take a whole fsync: half of one bounds what a
+# busy 2-core machine's scheduling adds, far from what the disk would.
+ON_TIME_S = SLOW_FSYNC_S / 2
 NO_BROKER = "amqp://guest:guest@127.0.0.1:1/"  # refused: the publisher keeps reconnecting, the spill goes on
 
 
@@ -61,7 +64,7 @@ async def test_a_slow_disk_does_not_stall_the_loop_and_every_message_reaches_the
         for i in range(40):  # beyond the outbox of 2, while earlier spills are still on the slow disk
             t0 = time.perf_counter()
             publisher.submit(_message(i))
-            assert time.perf_counter() - t0 < 0.05, "submit waited for the disk"
+            assert time.perf_counter() - t0 < ON_TIME_S, "submit waited for the disk"
             await asyncio.sleep(0.01)
         deadline = time.monotonic() + 30
         while metrics.spilled._value.get() < 38:
@@ -70,8 +73,8 @@ async def test_a_slow_disk_does_not_stall_the_loop_and_every_message_reaches_the
         assert publisher.pending == 2  # the outbox's two wait for a broker; nothing else is in memory
         assert slow_disk and all(name.startswith("spill:") for name in slow_disk), slow_disk
         # The spills took SLOW_FSYNC_S each on the disk thread; the loop meanwhile ran on time.
-        assert len(slow_disk) * SLOW_FSYNC_S >= 0.6
-        assert monitor.quantile(1.0) < 0.1, f"loop lag max {monitor.quantile(1.0) * 1000:.0f} ms while the disk was slow"
+        assert len(slow_disk) >= 2
+        assert monitor.quantile(1.0) < ON_TIME_S, f"loop lag max {monitor.quantile(1.0) * 1000:.0f} ms while the disk was slow"
     finally:
         await publisher.stop(0.1)
         await stop_tasks(lag)

@@ -287,8 +287,7 @@ class ConfirmingPublisher:
         if len(self._outbox) < self._outbox_max:
             self._outbox.append(message)
         elif self._spill_path is None:
-            self._metrics.dropped.inc()
-            log.error("publisher_dropped", count=1, reason="outbox full and no spill file")
+            self._spill([message])  # no file: counted as dropped, no disk touched
         else:
             self._to_spill.append(message)
             self._spill_wakeup.set()
@@ -367,7 +366,8 @@ class ConfirmingPublisher:
                 self._changed()
 
     def _spill(self, messages: list[OutgoingMessage]) -> None:
-        """The disk thread's: appends the messages to the spill file (fsynced), or counts them dropped."""
+        """Appends the messages to the spill file (fsynced; the disk thread's work), or counts them
+        dropped when there is no file or it cannot take them."""
         if self._spill_path is None:
             self._metrics.dropped.inc(len(messages))
             log.error("publisher_dropped", count=len(messages), reason="outbox full and no spill file")
