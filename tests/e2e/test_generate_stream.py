@@ -21,7 +21,7 @@ def chat(question: str, max_tokens: int = 24, **sampling: object) -> gateway_pb2
     )
 
 
-def test_streams_paris_token_by_token(gateway) -> None:
+def test_streams_paris_as_it_is_made(gateway) -> None:
     started = time.perf_counter()
     arrivals, texts, responses = [], [], []
     for response in gateway.Generate(chat("Which city is the capital of France?"), metadata=auth(), timeout=120):
@@ -31,8 +31,9 @@ def test_streams_paris_token_by_token(gateway) -> None:
             texts.append(response.text)
     answer = "".join(texts)
     assert "Paris" in answer
-    # Tokens arrive as they are made, not in one piece at the end.
-    assert len(arrivals) >= 3
+    # The first token comes ahead of the rest, not in one piece at the end (a short greedy answer
+    # from a cached prompt can be made within two stream intervals, so it may come in two pieces).
+    assert len(arrivals) >= 2
     assert arrivals[-1] - arrivals[0] > 0.02
     final = responses[-1]
     assert final.finish_reason in (types_pb2.FINISH_REASON_STOP, types_pb2.FINISH_REASON_LENGTH)
@@ -42,6 +43,19 @@ def test_streams_paris_token_by_token(gateway) -> None:
     assert final.usage.total_tokens == final.usage.prompt_tokens + final.usage.completion_tokens
     assert 0 < final.timings.time_to_first_token_ms <= final.timings.total_time_ms
     assert len({r.request_id for r in responses}) == 1 and responses[0].request_id
+
+
+def test_a_long_answer_streams_in_pieces(gateway) -> None:
+    """Steps of a round share a response for up to the adapter's stream interval (50 ms): 48
+    tokens take several intervals even on a quiet box (an engine step is 7 ms or more here), so
+    they arrive in several pieces, not in one at the end."""
+    started = time.perf_counter()
+    arrivals = []
+    for response in gateway.Generate(chat("Write a long essay about the history of Rome.", max_tokens=48), metadata=auth(), timeout=120):
+        if response.text:
+            arrivals.append(time.perf_counter() - started)
+    assert len(arrivals) >= 3
+    assert arrivals[-1] - arrivals[0] > 0.1
 
 
 def test_max_tokens_ends_with_length(gateway) -> None:
