@@ -17,9 +17,10 @@ seed per request).
   Only requests that ended with a finish_reason count; the others are printed and counted.
 
 Then two stacks of two triton-local replicas each (one engine thread each, as the launcher splits
-the cores) behind one adapter, the prefix cache on in both, with small engines (ROUTING_SLOTS slots,
-the adapter's batch as large) so that a replica cannot keep every prompt's cells: one routes by
-prefix (SLUICE_ADAPTER_PREFIX_ROUTING=true, its default), the other by load alone (false).
+the cores) behind one adapter, the prefix cache on in both, with small caches (ROUTING_SLOTS slots,
+the adapter's batch as large, a host store of ROUTING_HOST_MIB) so that a replica cannot keep every
+prompt's cells but two replicas can: one routes by prefix (SLUICE_ADAPTER_PREFIX_ROUTING=true, its
+default), the other by load alone (false).
 
   routing        ROUTING_REQUESTS requests over ROUTING_PROMPTS distinct system prompts (about 300
                  tokens each), in turn, one every ROUTING_ARRIVAL_S seconds: TTFT p50/p99, the
@@ -61,9 +62,14 @@ MAX_TOKENS = int(os.environ.get("BENCH_MAX_TOKENS", "32"))
 ROUTING_REQUESTS = int(os.environ.get("BENCH_ROUTING_REQUESTS", "48"))
 ROUTING_PROMPTS = int(os.environ.get("BENCH_ROUTING_PROMPTS", "6"))
 ROUTING_ARRIVAL_S = float(os.environ.get("BENCH_ROUTING_ARRIVAL_S", "1.0"))
-# Slots per engine: room for its share of the prompts (3 of 6) beside the requests in flight, not
-# for all of them.
-ROUTING_SLOTS = int(os.environ.get("BENCH_ROUTING_SLOTS", "6"))
+# Each engine's cache is its free slots and its host store of evicted prefixes. Routing can only
+# pay where a replica's cache cannot hold every prompt a fleet sends (a fleet's applications and
+# conversations outnumber it): with its default host store (512 MiB, some 60 of these prompts) a
+# replica soon holds all 6, and routing by load misses only each prompt's first visit to each
+# replica. So each engine here keeps about 4 prompts: 5 slots, one or two of them live, and no host
+# store; the 6 prompts fit two replicas' caches, not one.
+ROUTING_SLOTS = int(os.environ.get("BENCH_ROUTING_SLOTS", "5"))
+ROUTING_HOST_MIB = os.environ.get("BENCH_ROUTING_HOST_MIB", "0")
 ROUNDS = int(os.environ.get("BENCH_ROUNDS", "2"))
 CACHED, UNCACHED = "cache on", "cache off"
 SIDES = (CACHED, UNCACHED)
@@ -204,6 +210,8 @@ def busiest_share(before: dict[str, float], after: dict[str, float]) -> float:
 
 
 def routing_stacks(run_dir: Path) -> dict[str, Stack]:
+    engine = {"SLUICE_TRITON_LOCAL_MAX_SLOTS": str(ROUTING_SLOTS), "SLUICE_TRITON_LOCAL_PREFIX_CACHE_HOST_MIB": ROUTING_HOST_MIB}
+
     def one(name: str, prefix_routing: bool) -> Stack:
         return Stack(
             run_dir=run_dir / name,
@@ -212,8 +220,8 @@ def routing_stacks(run_dir: Path) -> dict[str, Stack]:
             extra_triton_replicas=1,
             serve_variant=False,
             extra_env={
-                "triton-local": {"SLUICE_TRITON_LOCAL_MAX_SLOTS": str(ROUTING_SLOTS)},
-                "triton-local-2": {"SLUICE_TRITON_LOCAL_MAX_SLOTS": str(ROUTING_SLOTS)},
+                "triton-local": engine,
+                "triton-local-2": engine,
                 "inference-adapter": {
                     "SLUICE_ADAPTER_MAX_BATCH_SIZE": str(ROUTING_SLOTS),
                     "SLUICE_ADAPTER_PREFIX_ROUTING": str(prefix_routing).lower(),
