@@ -1,7 +1,7 @@
 """Every service's configuration variables, read from its config.py without importing it.
 
 `load_config(cls, prefix)` reads `<ENV_PREFIX><FIELD_NAME_UPPER>` for each dataclass field,
-including the fields inherited from sluice-common's ServerConfig; a field that is a block
+including the fields inherited from sluice-common's ServiceConfig or ServerConfig; a field that is a block
 (`= nested(Block)` or `= nested(Block, env="...")`) reads the block's fields from
 `<ENV_PREFIX><FIELD_NAME_UPPER>_` (or `<ENV_PREFIX><env>`), and a block's switch
 (`= block_switch(...)`) is the block's own name without the "_". This module applies the same
@@ -69,9 +69,13 @@ def _classes(path: Path) -> dict[str, ast.ClassDef]:
     return {node.name: node for node in tree.body if isinstance(node, ast.ClassDef)}
 
 
-def server_config_fields() -> list[Field]:
+# sluice-common's base configs -> the bases whose fields they inherit, in order.
+BASE_CONFIGS = {"ServiceConfig": ("ServiceConfig",), "ServerConfig": ("ServiceConfig", "ServerConfig")}
+
+
+def base_config_fields(base: str) -> list[Field]:
     classes = _classes(COMMON_CONFIG)
-    return _dataclass_fields(classes["ServerConfig"], classes)
+    return [field for name in BASE_CONFIGS[base] for field in _dataclass_fields(classes[name], classes)]
 
 
 def config_path(service: str) -> Path:
@@ -89,7 +93,7 @@ def _prefix_and_fields(service: str) -> tuple[str, dict[str, str | None]]:
         and isinstance(node.value, ast.Constant)
     )
     classes = {**_classes(COMMON_CONFIG), **_classes(path)}
-    # The config load_config is given: the dataclass that subclasses ServerConfig, else the only one.
+    # The config load_config is given: the dataclass that subclasses a base config, else the only one.
     dataclasses = [
         node
         for node in tree.body
@@ -98,14 +102,13 @@ def _prefix_and_fields(service: str) -> tuple[str, dict[str, str | None]]:
     ]
     # A service of several roles (the gateway's front and job worker) has one per role: its
     # variables are those of every role.
-    servers = [cls for cls in dataclasses if any(ast.unparse(base) == "ServerConfig" for base in cls.bases)]
-    fields: dict[str, str | None] = {}
-    if servers:
-        fields.update({f.name: f.default for f in server_config_fields()})
-        roles = servers
-    else:
+    roles = {cls: base for cls in dataclasses for base in map(ast.unparse, cls.bases) if base in BASE_CONFIGS}
+    if not roles:
         (only,) = dataclasses
-        roles = [only]
+        roles = {only: ""}
+    fields: dict[str, str | None] = {}
+    for base in dict.fromkeys(roles.values()):  # inherited first
+        fields.update({f.name: f.default for f in (base_config_fields(base) if base else [])})
     for cls in roles:
         fields.update({f.name: f.default for f in _dataclass_fields(cls, classes)})
     return prefix, fields

@@ -67,3 +67,15 @@ def test_the_problems_of_every_block_are_listed_at_once() -> None:
     message = str(caught.value)
     names = ("WORKER_PREFETCH", "WORKER_ROW_ATTEMPTS", "WORKER_DELIVERY_LIMIT", "JOBS_MAX_ROWS", "RATELIMIT_TIMEOUT_S")
     assert all(f"{ENV_PREFIX}{name} must be" in message for name in names), message
+
+
+def test_the_fronts_ports_and_server_tls_are_not_the_workers() -> None:
+    """The worker's ports are WORKER_PORT and WORKER_METRICS_PORT and its health server has no TLS:
+    the front's PORT, METRICS_PORT and TLS_* (which a shared environment sets for both roles) are
+    neither read nor checked by it."""
+    fronts = dict(PORT="not a port", METRICS_PORT="-", TLS_CERT_FILE="/no/cert.pem")
+    with pytest.raises(ConfigError, match=f"{ENV_PREFIX}PORT='not a port' is not an integer"):
+        load(**fronts)
+    worker = load_worker(**fronts, WORKER_PORT="6000")
+    assert worker.worker.port == 6000
+    assert not any(hasattr(worker, name) for name in ("port", "metrics_port", "tls_cert_file", "server_tls"))

@@ -162,17 +162,25 @@ def require(condition: bool, message: str) -> None:
 
 
 @dataclasses.dataclass(frozen=True)
-class ServerConfig:
-    """Settings every gRPC service has; each service's config subclasses it."""
+class ServiceConfig:
+    """Settings every long-running process has: where it binds, its logs and its drain grace. A
+    role whose ports are settings of its own (the gateway's job worker) subclasses this one."""
 
     host: str = "127.0.0.1"
-    port: int = 0
-    metrics_port: int = 0
     log_level: str = "INFO"
     log_json: bool | None = None
     # On SIGTERM: NOT_SERVING at once, then accepted streams and rows get this long to finish
     # (a p99 stream fits), then what is owed is flushed. SLUICE_SHUTDOWN_GRACE_S sets every service's.
     shutdown_grace_s: float = 60.0
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerConfig(ServiceConfig):
+    """Settings every gRPC service has beside those: its ports and server TLS; each service's
+    config subclasses it."""
+
+    port: int = 0
+    metrics_port: int = 0
     # TLS, off by default. Cert and key (PEM files) turn TLS on for this server's clients; a client
     # CA on top makes it mutual: a client must present a certificate signed by that CA.
     # The files are re-read when they change (certificate rotation without a restart).

@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from sluice_common.adaptive_timeout import TimeoutPolicy
-from sluice_common.config import ClientTLS, ServerConfig, nested, require
+from sluice_common.config import ClientTLS, ServerConfig, ServiceConfig, nested, require
 
 ENV_PREFIX = "SLUICE_GATEWAY_"
 # SLUICE_GATEWAY_HTTP_PORT's "bind a free port and say which" (0 is "off").
@@ -202,10 +202,11 @@ class GatewayConfig(ServerConfig):
 
 
 @dataclass(frozen=True)
-class WorkerConfig(ServerConfig):
-    """The job worker's settings: ServerConfig's host, logs and drain grace (its own ports are
-    WORKER_PORT and WORKER_METRICS_PORT), the shared block and its own. The front's settings are
-    neither read nor checked here, nor the worker's by the front."""
+class WorkerConfig(ServiceConfig):
+    """The job worker's settings: ServiceConfig's host, logs and drain grace (its ports are
+    WORKER_PORT and WORKER_METRICS_PORT, and its health server has no TLS), the shared block and its
+    own. The front's settings (its ports and server TLS among them) are neither read nor checked
+    here, nor the worker's by the front."""
 
     shared: SharedSettings = nested(SharedSettings, env="")
     worker: WorkerSettings = nested(WorkerSettings)
