@@ -74,8 +74,9 @@ BASE_CONFIGS = {"ServiceConfig": ("ServiceConfig",), "ServerConfig": ("ServiceCo
 
 
 def base_config_fields(base: str) -> list[Field]:
+    """The fields inherited from sluice-common's base config `base` (none for another name)."""
     classes = _classes(COMMON_CONFIG)
-    return [field for name in BASE_CONFIGS[base] for field in _dataclass_fields(classes[name], classes)]
+    return [field for name in BASE_CONFIGS.get(base, ()) for field in _dataclass_fields(classes[name], classes)]
 
 
 def config_path(service: str) -> Path:
@@ -108,7 +109,7 @@ def _prefix_and_fields(service: str) -> tuple[str, dict[str, str | None]]:
         roles = {only: ""}
     fields: dict[str, str | None] = {}
     for base in dict.fromkeys(roles.values()):  # inherited first
-        fields.update({f.name: f.default for f in (base_config_fields(base) if base else [])})
+        fields.update({f.name: f.default for f in base_config_fields(base)})
     for cls in roles:
         fields.update({f.name: f.default for f in _dataclass_fields(cls, classes)})
     return prefix, fields
