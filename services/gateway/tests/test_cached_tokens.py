@@ -21,7 +21,7 @@ from sluice_gateway.path.completion_events import CompletionEvents
 from sluice_gateway.path.inference_path import InferencePath
 from sluice_gateway.jobs.job import JSON, encode_reply, run_row
 from sluice_gateway.path.model_catalog import ModelCatalog
-from sluice_gateway.openai_front.requests import usage_object
+from sluice_gateway.openai_front.replies import usage_object
 from test_grpc_bad_input import AUTH as GRPC_AUTH
 from test_grpc_bad_input import gateway  # noqa: F401 - the fixture
 from test_openai_http import AUTH, CHAT, USAGE, _Adapter, _Publisher, setup  # noqa: F401 - the fixture

@@ -27,7 +27,7 @@ from sluice_gateway.openai_front.batches import (
     status_of,
 )
 from sluice_gateway.jobs.job import generate_request
-from sluice_gateway.openai_front.requests import OpenAIError
+from sluice_gateway.openai_front.errors import OpenAIError
 
 UPSTREAM = Path(__file__).resolve().parents[3] / "tests" / "fixtures" / "upstream"
 USAGE = types_pb2.Usage(prompt_tokens=7, completion_tokens=2, total_tokens=9, cached_tokens=4)

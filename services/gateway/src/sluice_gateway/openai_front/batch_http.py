@@ -38,7 +38,9 @@ from sluice_gateway.openai_front.batches import (
     settled,
     status_of,
 )
-from sluice_gateway.openai_front.requests import EmbeddingCall, OpenAIError, check_dimensions
+from sluice_gateway.openai_front.errors import OpenAIError
+from sluice_gateway.openai_front.replies import check_dimensions
+from sluice_gateway.openai_front.requests import EmbeddingCall
 from sluice_gateway.openai_front.store import MAX_LIST_LIMIT, OpenAIStore, StoredBatch, new_id
 from sluice_common.tenants import Tenant, TenantDirectory
 from sluice_gateway.openai_front.http_input import authenticate, json_body

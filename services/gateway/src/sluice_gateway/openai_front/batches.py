@@ -25,16 +25,13 @@ from sluice.gateway.v1 import gateway_pb2
 from sluice.jobs.v1 import jobs_pb2
 
 from sluice_gateway.openai_front.choices import ChoiceState
+from sluice_gateway.openai_front.errors import OpenAIError, invalid
+from sluice_gateway.openai_front.replies import FINISH_REASONS, Completion, embeddings_reply
 from sluice_gateway.openai_front.requests import (
-    FINISH_REASONS,
-    Completion,
     EmbeddingCall,
     GenerationCall,
-    OpenAIError,
     check_metadata,
     check_text,
-    embeddings_reply,
-    invalid,
     parse_chat,
     parse_completion,
     parse_embeddings,

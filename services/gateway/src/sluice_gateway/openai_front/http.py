@@ -49,18 +49,9 @@ from sluice_gateway.path.generation_trace import instrument_http_front
 from sluice_gateway.path.inference_path import InferencePath
 from sluice_gateway.path.model_catalog import UnknownModel
 from sluice_gateway.openai_front.choices import ChoiceState, chat_logprobs
-from sluice_gateway.openai_front.requests import (
-    FINISH_REASONS,
-    Completion,
-    GenerationCall,
-    check_dimensions,
-    OpenAIError,
-    embeddings_reply,
-    model_object,
-    parse_chat,
-    parse_completion,
-    parse_embeddings,
-)
+from sluice_gateway.openai_front.errors import OpenAIError
+from sluice_gateway.openai_front.replies import FINISH_REASONS, Completion, check_dimensions, embeddings_reply, model_object
+from sluice_gateway.openai_front.requests import GenerationCall, parse_chat, parse_completion, parse_embeddings
 from sluice_common.tenants import Tenant, TenantDirectory
 from sluice_gateway.openai_front.http_input import authenticate, json_body
 from sluice_common.utf8 import is_valid_text

@@ -12,7 +12,8 @@ from typing import Any
 from aiohttp import web
 
 from sluice_common.tenants import Tenant, TenantDirectory
-from sluice_gateway.openai_front.requests import OpenAIError, check_text
+from sluice_gateway.openai_front.errors import OpenAIError
+from sluice_gateway.openai_front.requests import check_text
 
 
 def authenticate(tenants: TenantDirectory, request: web.Request) -> Tenant:

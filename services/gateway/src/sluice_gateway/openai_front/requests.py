@@ -1,7 +1,7 @@
-"""OpenAI request bodies -> Sluice's requests, and Sluice's replies -> OpenAI's response objects.
+"""OpenAI request bodies -> Sluice's requests (replies.py builds the answers).
 
-Pure domain code (no HTTP, no grpc): the HTTP front (http) parses with these and sends what
-they build. Every refusal is an `OpenAIError` in OpenAI's shape, naming the offending param:
+Pure domain code (no HTTP, no grpc): the HTTP fronts parse with these. Every refusal is an
+`OpenAIError` in OpenAI's shape, naming the offending param:
 
 - a field Sluice does not know: 400 "Unrecognized request argument supplied: <name>";
 - a field OpenAI defines that Sluice cannot honour (best_of, audio, ...): accepted at its default
@@ -28,12 +28,9 @@ remaining context capped by SLUICE_GATEWAY_DEFAULT_MAX_TOKENS, as on gRPC.
 
 from __future__ import annotations
 
-import base64
 import json
 import math
 import re
-import struct
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,8 +42,8 @@ from sluice_common.sampling_proto import structured_outputs_to_proto
 from sluice_common.structured_outputs import check
 from sluice_common.utf8 import invalid_json_text
 from sluice_common.validation import MAX_METADATA_KEY, MAX_METADATA_PAIRS, MAX_METADATA_VALUE, MAX_USER
-from sluice_gateway.openai_front.errors import OpenAIError, invalid
-from sluice_gateway.openai_front.choices import ChoiceState, chat_logprobs, parse_chat_choices, parse_completion_choices, tool_call_objects
+from sluice_gateway.openai_front.errors import invalid
+from sluice_gateway.openai_front.choices import parse_chat_choices, parse_completion_choices
 
 # OpenAI's defaults for sampling (https://platform.openai.com/docs/api-reference/chat/create).
 DEFAULT_TEMPERATURE = 1.0
@@ -57,8 +54,6 @@ _SCHEMA_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 # SamplingParams.max_tokens is an int32: anything larger cannot be carried, let alone served.
 MAX_INT32 = (1 << 31) - 1
-
-FINISH_REASONS = {types_pb2.FINISH_REASON_STOP: "stop", types_pb2.FINISH_REASON_LENGTH: "length", types_pb2.FINISH_REASON_TOOL_CALLS: "tool_calls"}
 
 
 def check_text(document: dict[str, Any]) -> None:
@@ -570,143 +565,3 @@ def parse_embeddings(body: dict[str, Any]) -> EmbeddingCall:
     if dimensions is not None and (not _is_int(dimensions) or dimensions < 1):
         raise invalid("dimensions", f"dimensions must be a positive integer, got {dimensions!r}", "invalid_type")
     return EmbeddingCall(request, encoding == "base64", dimensions)
-
-
-# ---- replies
-
-
-def usage_object(usage: types_pb2.Usage | None) -> dict[str, Any] | None:
-    """Usage exactly as Sluice counted it; None when the adapter reported none (never estimated).
-    The prompt tokens the engine took from its prefix cache are OpenAI's CompletionUsage
-    prompt_tokens_details.cached_tokens (part of prompt_tokens), sent even when 0, as OpenAI does."""
-    if usage is None or not (usage.prompt_tokens or usage.completion_tokens or usage.total_tokens):
-        return None
-    total = usage.total_tokens or usage.prompt_tokens + usage.completion_tokens
-    return {
-        "prompt_tokens": usage.prompt_tokens,
-        "completion_tokens": usage.completion_tokens,
-        "total_tokens": total,
-        "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
-    }
-
-
-@dataclass
-class Completion:
-    """The shapes of one chat or text completion's answers (whole, or as stream chunks)."""
-
-    call: GenerationCall
-    request_id: str
-    created: int = field(default_factory=lambda: int(time.time()))
-
-    @property
-    def id(self) -> str:
-        return f"{'chatcmpl' if self.call.chat else 'cmpl'}-{self.request_id}"
-
-    def _base(self, object_: str) -> dict[str, Any]:
-        return {"id": self.id, "object": object_, "created": self.created, "model": self.call.request.model}
-
-    def whole(self, text: str | list[ChoiceState], finish_reason: str | None, usage: types_pb2.Usage | None) -> dict[str, Any]:
-        """One choice's text and finish reason, or every choice's state (n, logprobs)."""
-        states = text if isinstance(text, list) else [ChoiceState(0, [text], finish_reason)]
-        reply = self._base("chat.completion" if self.call.chat else "text_completion")
-        reply["choices"] = [self._whole_choice(state) for state in states]
-        counted = usage_object(usage)
-        if counted is not None:  # optional and not nullable in OpenAI's schema: absent when not counted
-            reply["usage"] = counted
-        return reply
-
-    def _whole_choice(self, state: ChoiceState) -> dict[str, Any]:
-        asked = self.call.request.sampling.HasField("logprobs")
-        if self.call.chat:
-            message: dict[str, Any] = {"role": "assistant", "content": state.text, "refusal": None}
-            if state.tool_calls:
-                message.update(content=state.text or None, tool_calls=tool_call_objects(state.tool_calls))
-            choice: dict[str, Any] = {"index": state.index, "message": message}
-            logprobs = chat_logprobs(state.chat_entries) if asked else None
-        else:
-            echoed = self.call.prompt_text(state.index) if self.call.echo else ""
-            choice = {"index": state.index, "text": echoed + state.text}
-            logprobs = state.completion.body() if asked else None
-        choice.update(logprobs=logprobs, finish_reason=state.finish_reason)
-        return choice
-
-    def chunk(
-        self,
-        text: str | None,
-        finish_reason: str | None = None,
-        first: bool = False,
-        index: int = 0,
-        logprobs: dict[str, Any] | None = None,
-    ) -> dict[str, Any]:
-        """A stream chunk of choice `index`; `logprobs` already in the endpoint's shape (those of
-        the tokens this chunk covers). A completion's first chunk carries the echoed prompt."""
-        if self.call.chat:
-            reply = self._base("chat.completion.chunk")
-            delta: dict[str, Any] = {"role": "assistant", "content": text or ""} if first else {}
-            if text and not first:
-                delta["content"] = text
-            choice: dict[str, Any] = {"index": index, "delta": delta}
-        else:
-            reply = self._base("text_completion")
-            echoed = self.call.prompt_text(index) if first and self.call.echo else ""
-            choice = {"index": index, "text": echoed + (text or "")}
-        choice.update(logprobs=logprobs, finish_reason=finish_reason)
-        reply["choices"] = [choice]
-        if self.call.options.include_usage and self.call.chat:
-            # Null until the usage chunk, as OpenAI's chunk schema has it; a text completion's
-            # chunk (CreateCompletionResponse) has usage optional and not nullable: omitted.
-            reply["usage"] = None
-        return reply
-
-    def tool_calls_chunk(self, index: int, calls: list[types_pb2.ToolCall]) -> dict[str, Any]:
-        """A chat stream's chunk carrying choice `index`'s calls, each whole."""
-        reply = self._base("chat.completion.chunk")
-        reply["choices"] = [
-            {"index": index, "delta": {"tool_calls": tool_call_objects(calls, streamed=True)}, "logprobs": None, "finish_reason": None}
-        ]
-        if self.call.options.include_usage:
-            reply["usage"] = None
-        return reply
-
-    def usage_chunk(self, usage: types_pb2.Usage | None) -> dict[str, Any]:
-        reply = self._base("chat.completion.chunk" if self.call.chat else "text_completion")
-        reply["choices"] = []
-        counted = usage_object(usage)
-        if counted is not None or self.call.chat:
-            reply["usage"] = counted
-        return reply
-
-
-def check_dimensions(call: EmbeddingCall, model: types_pb2.ModelInfo, param: str = "dimensions", line: int | None = None) -> None:
-    """OpenAI's `dimensions` cannot shorten Sluice's embeddings: only the model's own is accepted."""
-    if call.dimensions is None or call.dimensions == model.embedding_dimensions:
-        return
-    where = f"Line {line}: " if line is not None else ""
-    raise OpenAIError(
-        400,
-        f"{where}{model.name} makes {model.embedding_dimensions}-dimensional embeddings; dimensions={call.dimensions} is not supported",
-        param=param,
-        code="invalid_value",
-    )
-
-
-def embedding_object(index: int, values: Any, as_base64: bool) -> dict[str, Any]:
-    if as_base64:
-        data: Any = base64.b64encode(struct.pack(f"<{len(values)}f", *values)).decode()
-    else:
-        data = list(values)
-    return {"object": "embedding", "index": index, "embedding": data}
-
-
-def embeddings_reply(call: EmbeddingCall, reply: gateway_pb2.EmbedResponse) -> dict[str, Any]:
-    usage = usage_object(reply.usage) if reply.HasField("usage") else None
-    return {
-        "object": "list",
-        "data": [embedding_object(i, e.values, call.base64) for i, e in enumerate(reply.embeddings)],
-        "model": call.request.model,
-        "usage": None if usage is None else {"prompt_tokens": usage["prompt_tokens"], "total_tokens": usage["total_tokens"]},
-    }
-
-
-def model_object(model: types_pb2.ModelInfo) -> dict[str, Any]:
-    return {"id": model.name, "object": "model", "created": 0, "owned_by": "sluice"}
