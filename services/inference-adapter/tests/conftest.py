@@ -9,7 +9,7 @@ from contextlib import aclosing
 from dataclasses import replace
 
 from sluice_inference_adapter.replica_pool import ReplicaPool
-from sluice_inference_adapter.scheduler import FinishEvent, GenerationRequest, SequenceHandle, TokenEvent
+from sluice_inference_adapter.sequence import FinishEvent, GenerationRequest, SequenceHandle, TokenEvent
 from sluice_inference_adapter.step_rows import FINISH_BUSY, Action, StepOutcome, StepRow
 
 

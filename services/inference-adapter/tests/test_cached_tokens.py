@@ -23,7 +23,8 @@ from sluice_common.sampling import Sampling
 from sluice_inference_adapter.generated_chunk import GeneratedChunk
 from sluice_inference_adapter.passthrough import PassthroughLimits, PassthroughScheduler
 from sluice_inference_adapter.replica_pool import ReplicaPool
-from sluice_inference_adapter.scheduler import GenerationRequest, Scheduler, SchedulerLimits
+from sluice_inference_adapter.sequence import GenerationRequest
+from sluice_inference_adapter.scheduler import Scheduler, SchedulerLimits
 from sluice_inference_adapter.servicer import InferenceServicer
 from sluice_inference_adapter.step_rows import Action, PromptSpec, StepRow
 from sluice_inference_adapter.triton_backend import TritonStepBackend, _step_outcomes, step_output_names

@@ -18,7 +18,7 @@ from sluice_inference_adapter.backend_errors import RequestRejected
 from sluice_inference_adapter.generated_chunk import GeneratedChunk
 from sluice_inference_adapter.passthrough import PassthroughLimits, PassthroughScheduler
 from sluice_inference_adapter.replica_pool import ReplicaPool
-from sluice_inference_adapter.scheduler import Finish, FinishEvent, GenerationRequest
+from sluice_inference_adapter.sequence import Finish, FinishEvent, GenerationRequest
 from sluice_inference_adapter.step_rows import PromptSpec
 from sluice_inference_adapter.waiting_queue import Priority
 

@@ -29,7 +29,8 @@ from sluice_inference_adapter.replica_discovery import (
     system_resolver,
 )
 from sluice_inference_adapter.replica_pool import ReplicaPool
-from sluice_inference_adapter.scheduler import Finish, FinishEvent, GenerationRequest, Scheduler, SchedulerLimits
+from sluice_inference_adapter.sequence import Finish, FinishEvent, GenerationRequest
+from sluice_inference_adapter.scheduler import Scheduler, SchedulerLimits
 from sluice_inference_adapter.step_rows import Action, PromptSpec
 
 

@@ -18,7 +18,8 @@ from sluice_common.sampling import Sampling
 from sluice_inference_adapter.embed_batcher import Embeddings
 from sluice_inference_adapter.prefix_routing import PrefixRouter
 from sluice_inference_adapter.replica_pool import PooledEmbedBackend, ReplicaPool
-from sluice_inference_adapter.scheduler import Finish, FinishEvent, GenerationRequest, Scheduler, SchedulerLimits
+from sluice_inference_adapter.sequence import Finish, FinishEvent, GenerationRequest
+from sluice_inference_adapter.scheduler import Scheduler, SchedulerLimits
 from sluice_inference_adapter.step_rows import PromptSpec
 
 

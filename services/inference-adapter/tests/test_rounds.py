@@ -11,7 +11,8 @@ from conftest import collect
 from prometheus_client import REGISTRY
 from test_scheduler import RecordingStepModel, request
 
-from sluice_inference_adapter.scheduler import Finish, FinishEvent, Scheduler, SchedulerLimits
+from sluice_inference_adapter.sequence import Finish, FinishEvent
+from sluice_inference_adapter.scheduler import Scheduler, SchedulerLimits
 from sluice_inference_adapter.step_rows import Action
 
 

@@ -13,7 +13,7 @@ from sluice.common.v1 import types_pb2
 from sluice_common.errors import InvalidArgument
 from sluice_common.sampling import STRUCTURED_KINDS, FIELD_NAMES, Sampling, StructuredOutputs, field_error, vllm_sampling_parameters
 from sluice_common.sampling_proto import from_proto
-from sluice_inference_adapter.scheduler import Finish, FinishEvent, Timings
+from sluice_inference_adapter.sequence import Finish, FinishEvent, Timings
 from sluice_inference_adapter.servicer import _final_response
 from sluice_inference_adapter.step_rows import PromptSpec
 

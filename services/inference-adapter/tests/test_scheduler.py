@@ -17,7 +17,9 @@ from conftest import PrefixCache, RoundsOfSteps, StepReplica, collect
 
 from sluice_common.errors import ResourceExhausted
 from sluice_common.sampling import Sampling
-from sluice_inference_adapter.scheduler import Finish, GenerationRequest, Priority, Scheduler, SchedulerLimits
+from sluice_inference_adapter.scheduler import Scheduler, SchedulerLimits
+from sluice_inference_adapter.sequence import Finish, GenerationRequest
+from sluice_inference_adapter.waiting_queue import Priority
 from sluice_inference_adapter.step_rows import Action, PromptSpec, StepOutcome, StepRow
 
 

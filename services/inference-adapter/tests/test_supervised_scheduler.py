@@ -17,7 +17,8 @@ from test_scheduler import RecordingStepModel, request
 
 from sluice_common.server import create_server
 from sluice_common.supervision import Supervisor
-from sluice_inference_adapter.scheduler import Finish, Scheduler, SchedulerLimits
+from sluice_inference_adapter.scheduler import Scheduler, SchedulerLimits
+from sluice_inference_adapter.sequence import Finish
 
 
 class FaultyOnce(RecordingStepModel):

@@ -37,7 +37,8 @@ from sluice_inference_adapter.sequence_trace import traced_request
 from sluice_inference_adapter.backend_errors import RequestRejected
 from sluice_inference_adapter.chat_template import ChatTemplateError
 from sluice_inference_adapter.generated_chunk import GeneratedChunk
-from sluice_inference_adapter.scheduler import Finish, ReplicaWork, Sequence
+from sluice_inference_adapter.sequence import Finish, Sequence
+from sluice_inference_adapter.replica_work import ReplicaWork
 from sluice_inference_adapter.step_rows import PromptSpec
 from sluice_inference_adapter.step_timeout import StepTimeouts
 

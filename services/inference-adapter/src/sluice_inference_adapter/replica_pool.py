@@ -34,14 +34,7 @@ from sluice_common.supervision import Supervisor, stop_tasks
 from sluice_inference_adapter import metrics
 from sluice_inference_adapter.embed_batcher import EmbedBackend, Embeddings
 from sluice_inference_adapter.prefix_routing import Candidate, PrefixRouter
-from sluice_inference_adapter.scheduler import (
-    Event,
-    Finish,
-    FinishEvent,
-    GenerationRequest,
-    SequenceHandle,
-    TokenEvent,
-)
+from sluice_inference_adapter.sequence import Event, Finish, FinishEvent, GenerationRequest, SequenceHandle, TokenEvent
 from sluice_inference_adapter.step_rows import PromptSpec
 from sluice_inference_adapter.waiting_queue import Priority
 

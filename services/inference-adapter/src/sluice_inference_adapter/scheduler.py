@@ -18,20 +18,15 @@ the engine applies at the round's next step.
 from __future__ import annotations
 
 import asyncio
-import enum
 import os
-import random
 import socket
 import time
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import structlog
 
-from sluice_common.errors import ResourceExhausted
-from sluice_common.sampling import Sampling
-from sluice_common.supervision import Supervisor, stop_tasks
+from sluice_common.supervision import stop_tasks
 from sluice_inference_adapter import metrics
 from sluice_inference_adapter.step_timeout import StepTimeouts
 from sluice_inference_adapter.step_rows import (
@@ -40,70 +35,20 @@ from sluice_inference_adapter.step_rows import (
     FINISH_INVALID,
     FINISH_STALE,
     Action,
-    PromptSpec,
     StepBackend,
     StepOutcome,
     StepRow,
     steps_in,
 )
 from sluice_inference_adapter import sequence_trace
-from sluice_inference_adapter.sequence_trace import SequenceTrace
-from sluice_inference_adapter.waiting_queue import FairWaitingQueue, Priority
+from sluice_inference_adapter.replica_work import ReplicaWork
+from sluice_inference_adapter.sequence import Finish, Sequence
+from sluice_inference_adapter.waiting_queue import Priority
 
 log = structlog.stdlib.get_logger("sluice.scheduler")
 
 # Who drives our sequences at Triton (the step model's per-owner slot metrics).
 ADAPTER_ID = f"{socket.gethostname()}/{os.getpid()}"
-
-
-class Finish(enum.Enum):
-    STOP = "stop"
-    LENGTH = "length"
-    CANCELLED = "cancelled"
-    DEADLINE = "deadline"
-    INVALID = "invalid"
-    ERROR = "error"
-
-
-@dataclass(frozen=True)
-class GenerationRequest:
-    request_id: str
-    tenant: str
-    prompt: PromptSpec
-    sampling: Sampling
-    priority: Priority = Priority.INTERACTIVE
-    # time.monotonic() value after which the sequence is abandoned; None for no deadline.
-    deadline: float | None = None
-
-
-@dataclass(frozen=True)
-class TokenEvent:
-    text: str
-    token_count: int
-    # One entry per token, in OpenAI's chat logprobs shape, when the request asked for logprobs.
-    logprobs: tuple[dict[str, Any], ...] = ()
-
-
-@dataclass(frozen=True)
-class Timings:
-    queue_s: float
-    time_to_first_token_s: float
-    mean_inter_token_s: float
-    total_s: float
-
-
-@dataclass(frozen=True)
-class FinishEvent:
-    finish: Finish
-    prompt_tokens: int
-    completion_tokens: int
-    timings: Timings
-    error: str = ""
-    # The part of prompt_tokens the engine served from its prefix cache.
-    cached_tokens: int = 0
-
-
-Event = TokenEvent | FinishEvent
 
 
 @dataclass(frozen=True)
@@ -143,199 +88,6 @@ class SchedulerLimits:
     # is asked to end early when a request arrives or a slot frees for one that waits).
     max_round_steps: int = 8
     round_target_s: float = 1.0
-
-
-@dataclass(eq=False)
-class Sequence:
-    """A request's life inside the scheduler; its events are read through `SequenceHandle`."""
-
-    seq_id: int
-    request: GenerationRequest
-    submitted_at: float
-    events: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
-    cancelled: bool = False
-    prefilled_at: float | None = None
-    first_token_at: float | None = None
-    last_token_at: float | None = None
-    prompt_tokens: int = 0
-    # Of prompt_tokens, those the engine took from its prefix cache (0 from engines that do not say).
-    cached_tokens: int = 0
-    completion_tokens: int = 0
-    waited_steps: int = 0
-    # Set once its queue wait is in sluice_adapter_queue_seconds (a busy requeue waits on).
-    queue_wait_observed: bool = False
-    done: bool = False
-    # Set when the sequence failed because its backend did: a caller may retry it elsewhere.
-    backend_failed: bool = False
-    # Its spans while its request is traced and sampled (sequence_trace), else None.
-    trace: SequenceTrace | None = None
-
-    @property
-    def tenant(self) -> str:
-        return self.request.tenant
-
-    @property
-    def priority(self) -> Priority:
-        return self.request.priority
-
-    @property
-    def prefilling(self) -> bool:
-        """Running, its prompt not yet all cached (no token yet)."""
-        return self.prefilled_at is not None and self.first_token_at is None
-
-    @property
-    def reserved_tokens(self) -> int:
-        """KV tokens this sequence may come to hold; the prompt is estimated until prefill counts it."""
-        prompt = self.prompt_tokens or self.request.prompt.estimated_tokens()
-        return prompt + self.request.sampling.max_tokens
-
-    def emit_text(self, text: str, now: float, tokens: int = 1, logprobs: tuple[dict[str, Any], ...] = ()) -> None:
-        """Generated tokens (one per step; a self-batching engine may send several at once), whose
-        text may be empty while bytes are held back."""
-        if self.first_token_at is None:
-            self.first_token_at = now
-            metrics.TIME_TO_FIRST_TOKEN.observe(now - self.submitted_at)
-        elif self.last_token_at is not None:
-            metrics.INTER_TOKEN.observe(now - self.last_token_at)
-        self.last_token_at = now
-        if text or logprobs:  # a token whose bytes are held back still has its logprob
-            self.events.put_nowait(TokenEvent(text, tokens, logprobs))
-
-    def finish(self, finish: Finish, now: float, error: str = "") -> None:
-        """Ends the stream once; later calls are ignored."""
-        if self.done:
-            return
-        self.done = True
-        if self.trace is not None:
-            self.trace.finish(finish.value, self.prompt_tokens, self.completion_tokens, self.cached_tokens, error)
-        if finish in (Finish.CANCELLED, Finish.DEADLINE):
-            metrics.CANCELLATIONS.labels(reason=finish.value).inc()
-        self.events.put_nowait(FinishEvent(finish, self.prompt_tokens, self.completion_tokens, self._timings(now), error, self.cached_tokens))
-
-    def _timings(self, now: float) -> Timings:
-        start, first, last = self.submitted_at, self.first_token_at, self.last_token_at
-        gaps = self.completion_tokens - 1
-        return Timings(
-            queue_s=(self.prefilled_at or now) - start,
-            time_to_first_token_s=(first - start) if first is not None else 0.0,
-            mean_inter_token_s=((last - first) / gaps) if first is not None and last is not None and gaps > 0 else 0.0,
-            total_s=now - start,
-        )
-
-    def abandon_reason(self, now: float) -> Finish | None:
-        """Why the scheduler should drop this sequence now, if it should."""
-        if self.cancelled:
-            return Finish.CANCELLED
-        if self.request.deadline is not None and now >= self.request.deadline:
-            return Finish.DEADLINE
-        return None
-
-
-class SequenceHandle:
-    def __init__(self, sequence: Sequence, wake: Callable[[], None]) -> None:
-        self._sequence = sequence
-        self._wake = wake
-
-    @property
-    def seq_id(self) -> int:
-        return self._sequence.seq_id
-
-    @property
-    def backend_failed(self) -> bool:
-        return self._sequence.backend_failed
-
-    def cancel(self) -> None:
-        """Idempotent; the slot is released at the next step."""
-        if not self._sequence.done and not self._sequence.cancelled:
-            self._sequence.cancelled = True
-            self._wake()
-
-    async def events(self) -> AsyncIterator[Event]:
-        while True:
-            event = await self._sequence.events.get()
-            yield event
-            if isinstance(event, FinishEvent):
-                return
-
-
-class ReplicaWork:
-    """What both ways of feeding a replica share: the bounded fair waiting queue in front of it,
-    the wake-up of the task that owns the replica's work, and its health reports."""
-
-    def __init__(
-        self,
-        max_waiting: int,
-        retry_after_s: float,
-        clock: Callable[[], float],
-        on_step: Callable[[bool], None] | None,
-        replica: str = "",
-    ) -> None:
-        self._replica = replica
-        self._max_waiting = max_waiting
-        self._retry_after_s = retry_after_s
-        self._clock = clock
-        # Told whether each step (or stream) reached the backend, for replica health.
-        self._on_step = on_step
-        self._waiting: FairWaitingQueue[Sequence] = FairWaitingQueue(replica)
-        self._wakeup = asyncio.Event()
-        self._task: asyncio.Task[None] | None = None
-
-    def submit(self, request: GenerationRequest) -> SequenceHandle:
-        """Queues the request, or RESOURCE_EXHAUSTED with RetryInfo when the queue is full."""
-        if len(self._waiting) >= self._max_waiting:
-            metrics.REJECTIONS.labels(reason="queue_full").inc()
-            raise ResourceExhausted(
-                f"the generation queue is full ({self._max_waiting} waiting); retry later",
-                retry_after_s=self._retry_after_s,
-                quota_subject="adapter.waiting_queue",
-            )
-        # Random ids: several adapters may share one Triton, and ids must not collide there.
-        sequence = Sequence(seq_id=random.getrandbits(62) + 1, request=request, submitted_at=self._clock())
-        sequence.trace = sequence_trace.start(request)
-        self._waiting.push(sequence)
-        self._wakeup.set()
-        self._on_arrival()
-        return SequenceHandle(sequence, lambda: self._on_cancel(sequence))
-
-    def _on_arrival(self) -> None:
-        """A request joined the waiting queue (the owner loop was woken)."""
-
-    def _on_cancel(self, sequence: Sequence) -> None:
-        """A caller cancelled `sequence`: the owner loop drops it at its next step."""
-        self._wakeup.set()
-
-    @property
-    def waiting_count(self) -> int:
-        return len(self._waiting)
-
-    @property
-    def running_count(self) -> int:
-        raise NotImplementedError
-
-    @property
-    def load(self) -> int:
-        """What least-loaded routing compares: waiting plus running sequences."""
-        return len(self._waiting) + self.running_count
-
-    def _report_step(self, ok: bool) -> None:
-        if self._on_step is not None:
-            self._on_step(ok)
-
-    # -- lifecycle -----------------------------------------------------------------
-
-    task_name = "replica-work"
-
-    def start(self, supervisor: Supervisor | None = None) -> None:
-        """Runs the owner loop under supervision: if it dies its callers fail at once (on_death)
-        and it starts over with an empty batch."""
-        name = f"{self.task_name}@{self._replica}" if self._replica else self.task_name
-        self._task = (supervisor or Supervisor()).start(name, self._run, on_death=self._on_death)
-
-    async def _run(self) -> None:
-        raise NotImplementedError
-
-    def _on_death(self, error: BaseException) -> None:
-        raise NotImplementedError
 
 
 class Scheduler(ReplicaWork):

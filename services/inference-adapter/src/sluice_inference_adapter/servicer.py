@@ -20,7 +20,7 @@ from sluice_common.validation import validate_generation
 from sluice_inference_adapter import metrics
 from sluice_inference_adapter.embedding_cache import TextEmbedder
 from sluice_inference_adapter.replica_pool import ReplicaPool
-from sluice_inference_adapter.scheduler import Finish, FinishEvent, GenerationRequest
+from sluice_inference_adapter.sequence import Finish, FinishEvent, GenerationRequest
 from sluice_inference_adapter.step_rows import Action, PromptSpec, StepBackend, StepRow
 from sluice_inference_adapter.step_timeout import StepTimeouts
 from sluice_inference_adapter.waiting_queue import Priority

@@ -1,0 +1,95 @@
+"""What both ways of feeding a replica share (the batching scheduler, scheduler.py, and the
+passthrough, passthrough.py): the bounded fair waiting queue, the owner task's wake-up and
+supervision, and the replica's health reports."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Callable
+
+from sluice_common.errors import ResourceExhausted
+from sluice_common.supervision import Supervisor
+from sluice_inference_adapter import metrics, sequence_trace
+from sluice_inference_adapter.sequence import GenerationRequest, Sequence, SequenceHandle
+from sluice_inference_adapter.waiting_queue import FairWaitingQueue
+
+
+class ReplicaWork:
+    """What both ways of feeding a replica share: the bounded fair waiting queue in front of it,
+    the wake-up of the task that owns the replica's work, and its health reports."""
+
+    def __init__(
+        self,
+        max_waiting: int,
+        retry_after_s: float,
+        clock: Callable[[], float],
+        on_step: Callable[[bool], None] | None,
+        replica: str = "",
+    ) -> None:
+        self._replica = replica
+        self._max_waiting = max_waiting
+        self._retry_after_s = retry_after_s
+        self._clock = clock
+        # Told whether each step (or stream) reached the backend, for replica health.
+        self._on_step = on_step
+        self._waiting: FairWaitingQueue[Sequence] = FairWaitingQueue(replica)
+        self._wakeup = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    def submit(self, request: GenerationRequest) -> SequenceHandle:
+        """Queues the request, or RESOURCE_EXHAUSTED with RetryInfo when the queue is full."""
+        if len(self._waiting) >= self._max_waiting:
+            metrics.REJECTIONS.labels(reason="queue_full").inc()
+            raise ResourceExhausted(
+                f"the generation queue is full ({self._max_waiting} waiting); retry later",
+                retry_after_s=self._retry_after_s,
+                quota_subject="adapter.waiting_queue",
+            )
+        # Random ids: several adapters may share one Triton, and ids must not collide there.
+        sequence = Sequence(seq_id=random.getrandbits(62) + 1, request=request, submitted_at=self._clock())
+        sequence.trace = sequence_trace.start(request)
+        self._waiting.push(sequence)
+        self._wakeup.set()
+        self._on_arrival()
+        return SequenceHandle(sequence, lambda: self._on_cancel(sequence))
+
+    def _on_arrival(self) -> None:
+        """A request joined the waiting queue (the owner loop was woken)."""
+
+    def _on_cancel(self, sequence: Sequence) -> None:
+        """A caller cancelled `sequence`: the owner loop drops it at its next step."""
+        self._wakeup.set()
+
+    @property
+    def waiting_count(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def running_count(self) -> int:
+        raise NotImplementedError
+
+    @property
+    def load(self) -> int:
+        """What least-loaded routing compares: waiting plus running sequences."""
+        return len(self._waiting) + self.running_count
+
+    def _report_step(self, ok: bool) -> None:
+        if self._on_step is not None:
+            self._on_step(ok)
+
+    # -- lifecycle -----------------------------------------------------------------
+
+    task_name = "replica-work"
+
+    def start(self, supervisor: Supervisor | None = None) -> None:
+        """Runs the owner loop under supervision: if it dies its callers fail at once (on_death)
+        and it starts over with an empty batch."""
+        name = f"{self.task_name}@{self._replica}" if self._replica else self.task_name
+        self._task = (supervisor or Supervisor()).start(name, self._run, on_death=self._on_death)
+
+    async def _run(self) -> None:
+        raise NotImplementedError
+
+    def _on_death(self, error: BaseException) -> None:
+        raise NotImplementedError
