@@ -29,7 +29,8 @@ LOAD_TIMEOUT_S = 300
 def _engine_process(threads: int, seconds: float, batch: int, loaded: Queue, start: Event, results: Queue) -> None:
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
     from sluice_common.sampling import Sampling
-    from sluice_triton_local.engine.step_engine import DecodeRow, PrefillRow, ReleaseRow, StepEngine
+    from sluice_triton_local.engine.step_engine import StepEngine
+    from sluice_triton_local.engine.rows import DecodeRow, PrefillRow, ReleaseRow
     from sluice_triton_local.model_files import smollm2_gguf
 
     engine = StepEngine(str(smollm2_gguf()), max_slots=batch, max_context=512, threads=threads)

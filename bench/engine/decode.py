@@ -16,7 +16,8 @@ import sys
 import time
 
 from sluice_common.sampling import Sampling
-from sluice_triton_local.engine.step_engine import DecodeRow, PrefillRow, ReleaseRow, StepEngine
+from sluice_triton_local.engine.step_engine import StepEngine
+from sluice_triton_local.engine.rows import DecodeRow, PrefillRow, ReleaseRow
 from sluice_triton_local.model_files import gguf_path
 
 

@@ -33,7 +33,8 @@ from typing import Any
 from sluice_common.sampling import Sampling
 from sluice_common.sampling import StructuredOutputs
 from sluice_triton_local.engine.constraints import ConstraintCompiler
-from sluice_triton_local.engine.step_engine import DecodeRow, PrefillRow, RowResult, StepEngine
+from sluice_triton_local.engine.step_engine import StepEngine
+from sluice_triton_local.engine.rows import DecodeRow, PrefillRow, RowResult
 from sluice_triton_local.model_files import gguf_path
 
 BATCHES = (1, 8)

@@ -28,7 +28,8 @@ import time
 from typing import Any
 
 from sluice_common.sampling import Sampling
-from sluice_triton_local.engine.step_engine import DecodeRow, PrefillRow, ReleaseRow, RowResult, StepEngine
+from sluice_triton_local.engine.step_engine import StepEngine
+from sluice_triton_local.engine.rows import DecodeRow, PrefillRow, ReleaseRow, RowResult
 from sluice_triton_local.model_files import gguf_path
 
 DECODE_STEPS = 48

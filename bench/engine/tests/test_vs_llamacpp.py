@@ -4,7 +4,7 @@ or error did no work, and a sequence that stopped early is stepped no more."""
 from __future__ import annotations
 
 import vs_llamacpp as bench
-from sluice_triton_local.engine.step_engine import DecodeRow, PrefillRow, ReleaseRow, RowResult
+from sluice_triton_local.engine.rows import DecodeRow, PrefillRow, ReleaseRow, RowResult
 
 PROMPT_TOKENS = 10
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from sluice_common.logprobs import from_vllm
-from sluice_triton_local.engine.step_engine import RowResult, TokenLogprob, TopLogprob
+from sluice_triton_local.engine.rows import RowResult, TokenLogprob, TopLogprob
 from sluice_triton_local.generate_model import VLLM_INPUTS, VLLM_OUTPUTS, _Progress, _response, fit_to_context, parse_request, vllm_logprobs
 
 UPSTREAM = json.loads((Path(__file__).parents[3] / "tests" / "fixtures" / "upstream" / "vllm_backend_interface.json").read_text())

@@ -10,7 +10,8 @@ import pytest
 from sluice_triton_local.engine.host_prefix_store import HostPrefixStore
 from sluice_triton_local.engine.prefix_cache import MIN_REUSED_TOKENS, Cells, PrefixCache, common_prefix, exact_reuse
 from sluice_common.sampling import Sampling
-from sluice_triton_local.engine.step_engine import DecodeRow, PrefillRow, ReleaseRow, RowResult, StepEngine
+from sluice_triton_local.engine.step_engine import StepEngine
+from sluice_triton_local.engine.rows import DecodeRow, PrefillRow, ReleaseRow, RowResult
 from sluice_triton_local.model_files import gguf_path
 
 SYSTEM = (

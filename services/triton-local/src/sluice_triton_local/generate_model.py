@@ -45,7 +45,7 @@ from typing import Any
 import numpy as np
 
 from sluice_common.sampling import Sampling
-from sluice_triton_local.engine.step_engine import DecodeRow, PrefillRow, ReleaseRow, RowResult, TokenLogprob
+from sluice_triton_local.engine.rows import DecodeRow, PrefillRow, ReleaseRow, RowResult, TokenLogprob
 from sluice_triton_local.shared_engine import SharedEngine
 
 OnResult = Callable[[RowResult], object]

@@ -11,7 +11,8 @@ from typing import Any
 
 from sluice_triton_local import metrics
 from sluice_common.sampling import Sampling
-from sluice_triton_local.engine.step_engine import DecodeRow, PrefillRow, ReleaseRow, Row, RowResult, StepEngine
+from sluice_triton_local.engine.step_engine import StepEngine
+from sluice_triton_local.engine.rows import DecodeRow, PrefillRow, ReleaseRow, Row, RowResult
 
 WARMUP_QUESTION = "Which city is the capital of France?"
 

@@ -97,14 +97,7 @@ import numpy as np
 
 from sluice_common.sampling import Sampling, StructuredOutputsError, field_error, problem
 from sluice_common.structured_outputs import check
-from sluice_triton_local.engine.step_engine import (
-    DecodeRow,
-    PrefillRow,
-    ReleaseRow,
-    Row,
-    RowResult,
-    TokenLogprob,
-)
+from sluice_triton_local.engine.rows import DecodeRow, PrefillRow, ReleaseRow, Row, RowResult, TokenLogprob
 from sluice_triton_local.shared_engine import SharedEngine
 
 PREFILL, DECODE, RELEASE, COUNT, END_ROUND = 1, 2, 3, 4, 5

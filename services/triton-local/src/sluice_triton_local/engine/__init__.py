@@ -2,14 +2,9 @@
 
 from sluice_common.sampling import Sampling, StructuredOutputs, StructuredOutputsError
 
-from .step_engine import (
-    DecodeRow,
-    PrefillRow,
-    ReleaseRow,
-    Row,
-    RowResult,
-    StepEngine,
-)
+from .step_engine import StepEngine
+
+from .rows import DecodeRow, PrefillRow, ReleaseRow, Row, RowResult
 
 __all__ = [
     "DecodeRow",
