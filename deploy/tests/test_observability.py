@@ -86,7 +86,7 @@ def code_metric_names() -> set[str]:
                     names.update(f"{name}_{suffix}" for suffix in ("sum", "count"))
             publisher_suffixes.update(re.findall(r'(?:Counter|Gauge)\(f"\{prefix\}(_\w+)"', text))
             prefixes.update(re.findall(r'PublisherMetrics\.get\(\s*"(sluice_\w+)"', text))
-    assert publisher_suffixes and prefixes, "the publisher metrics (sluice_common.amqp.PublisherMetrics) were not found"
+    assert publisher_suffixes and prefixes, "the publisher metrics (sluice_common.amqp_publisher.PublisherMetrics) were not found"
     names.update(prefix + suffix for prefix in prefixes for suffix in publisher_suffixes)
     return names
 

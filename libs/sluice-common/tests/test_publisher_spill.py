@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 from prometheus_client import Histogram
 
-from sluice_common import amqp
-from sluice_common.amqp import ConfirmingPublisher, OutgoingMessage, PublisherMetrics
+from sluice_common import amqp_publisher
+from sluice_common.amqp_publisher import ConfirmingPublisher, OutgoingMessage, PublisherMetrics
 from sluice_common.loop_lag import LAG_BUCKETS, LoopLagMonitor
 from sluice_common.supervision import Supervisor, stop_tasks
 
@@ -49,7 +49,7 @@ def slow_disk(monkeypatch: pytest.MonkeyPatch) -> list[str]:
         time.sleep(SLOW_FSYNC_S)
         real_fsync(fd)
 
-    monkeypatch.setattr(amqp.os, "fsync", slow_fsync)
+    monkeypatch.setattr(amqp_publisher.os, "fsync", slow_fsync)
     return threads
 
 

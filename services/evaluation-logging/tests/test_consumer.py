@@ -9,14 +9,8 @@ import aio_pika
 import pytest
 
 from conftest import AMQP_URL, make_event
-from sluice_common.amqp import (
-    DEAD_REASON_HEADER,
-    ConfirmingPublisher,
-    EventTopology,
-    OutgoingMessage,
-    PublisherMetrics,
-    replay_dead_letters,
-)
+from sluice_common.amqp import DEAD_REASON_HEADER, EventTopology, replay_dead_letters
+from sluice_common.amqp_publisher import ConfirmingPublisher, OutgoingMessage, PublisherMetrics
 from sluice_evaluation_logging.consumer import CompletionConsumer, ConsumerSettings
 from sluice_evaluation_logging.evaluators.base import EvalContext, EvalSettings
 from sluice_evaluation_logging.store import SqliteStore

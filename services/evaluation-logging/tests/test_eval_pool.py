@@ -14,7 +14,8 @@ from google.protobuf import json_format
 from sluice.common.v1 import types_pb2
 
 from conftest import AMQP_URL, make_event, realistic_output
-from sluice_common.amqp import ConfirmingPublisher, EventTopology, OutgoingMessage, PublisherMetrics
+from sluice_common.amqp import EventTopology
+from sluice_common.amqp_publisher import ConfirmingPublisher, OutgoingMessage, PublisherMetrics
 from sluice_evaluation_logging.consumer import CompletionConsumer, ConsumerSettings
 from sluice_evaluation_logging.eval_pool import CRASHED_DETAIL, POOL_PENDING, POOL_RESTARTS, EvalPool
 from sluice_evaluation_logging.evaluators import CPU_HEAVY, EVALUATORS, evaluate_batch

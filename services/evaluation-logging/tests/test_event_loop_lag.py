@@ -19,7 +19,8 @@ import pytest
 from prometheus_client import Histogram
 
 from conftest import AMQP_URL, make_event, realistic_output
-from sluice_common.amqp import ConfirmingPublisher, EventTopology, OutgoingMessage, PublisherMetrics
+from sluice_common.amqp import EventTopology
+from sluice_common.amqp_publisher import ConfirmingPublisher, OutgoingMessage, PublisherMetrics
 from sluice_common.loop_lag import LAG_BUCKETS, LoopLagMonitor
 from sluice_common.supervision import Supervisor, stop_tasks
 from sluice_evaluation_logging.consumer import BATCH_SIZE, CompletionConsumer, ConsumerSettings

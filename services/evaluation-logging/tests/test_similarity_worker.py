@@ -21,7 +21,8 @@ from sluice.common.v1 import types_pb2
 from sluice.inference.v1 import inference_pb2, inference_pb2_grpc
 
 from conftest import AMQP_URL, make_event
-from sluice_common.amqp import ConfirmingPublisher, EventTopology, OutgoingMessage, PublisherMetrics
+from sluice_common.amqp import EventTopology
+from sluice_common.amqp_publisher import ConfirmingPublisher, OutgoingMessage, PublisherMetrics
 from sluice_evaluation_logging.consumer import CompletionConsumer, ConsumerSettings
 from sluice_evaluation_logging.embeddings import AdapterEmbedder
 from sluice_evaluation_logging.evaluators import evaluate_batch

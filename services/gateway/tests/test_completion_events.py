@@ -11,7 +11,9 @@ from sluice.evallog.v1 import events_pb2
 from sluice.gateway.v1 import gateway_pb2
 from sluice.inference.v1 import inference_pb2
 
-from sluice_common.amqp import EventTopology, OutgoingMessage
+from sluice_common.amqp import EventTopology
+
+from sluice_common.amqp_publisher import OutgoingMessage
 from sluice_gateway.path.completion_events import EVENT_TYPE, CompletionEvents, CompletionTracker
 from sluice_gateway.path.stream_record import StreamRecord
 from sluice_common.tenants import Tenant

@@ -17,7 +17,9 @@ from typing import Any
 import pytest
 from sluice.jobs.v1 import jobs_pb2
 
-from sluice_common.amqp import DEAD_REASON_HEADER, JobTopology, OutgoingMessage
+from sluice_common.amqp import DEAD_REASON_HEADER, JobTopology
+
+from sluice_common.amqp_publisher import OutgoingMessage
 from sluice_common.config import load_config
 from sluice_common.errors import InvalidArgument, PermissionDenied
 from sluice_common.tenants import TenantDirectory

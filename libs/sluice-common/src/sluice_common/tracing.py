@@ -18,7 +18,7 @@ What the helpers cover that no maintained instrumentation does for Sluice:
   the span is the one it would make (name, kind, rpc.* attributes, W3C `traceparent` from the
   metadata through the global propagator).
 - `inject_headers`/`extract_context`: W3C trace context in AMQP message headers. The publishers
-  (sluice_common.amqp.ConfirmingPublisher) publish from a background task, out of an outbox that
+  (sluice_common.amqp_publisher.ConfirmingPublisher) publish from a background task, out of an outbox that
   may even be spilled to disk and replayed by another process, so aio-pika's instrumentation,
   which takes the context current at `publish`, would see the wrong one (none): the context is
   captured when the message is made and carried in its headers.

@@ -17,7 +17,8 @@ from pathlib import Path
 from sluice.jobs.v1 import jobs_pb2
 
 from sluice_gateway.jobs.trace import with_trace_context
-from sluice_common.amqp import ConfirmingPublisher, JobTopology, OutgoingMessage, PublisherMetrics
+from sluice_common.amqp import JobTopology
+from sluice_common.amqp_publisher import ConfirmingPublisher, OutgoingMessage, PublisherMetrics
 from sluice_common.errors import InvalidArgument, NotFound, PermissionDenied, Unavailable
 from sluice_common.supervision import Supervisor
 from sluice_gateway.config import SharedSettings

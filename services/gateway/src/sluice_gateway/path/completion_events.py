@@ -14,7 +14,7 @@ is over, however its front learns that (inference_path.InferencePath.generate):
 
 The event is built and handed to the background publisher only then, after the stream has finished,
 been cancelled or failed: logging never delays a token or the stream's end, and the publisher is
-never awaited on the request path (sluice_common.amqp.ConfirmingPublisher: pipelined confirms,
+never awaited on the request path (sluice_common.amqp_publisher.ConfirmingPublisher: pipelined confirms,
 bounded outbox, retry until confirmed, spill file, drop counter).
 
 A tenant with `text_logging = false` gets only metadata published: no prompt, messages or output
@@ -36,7 +36,8 @@ from sluice.evallog.v1 import events_pb2
 from sluice.gateway.v1 import gateway_pb2
 
 from sluice_common import tracing
-from sluice_common.amqp import ConfirmingPublisher, EventTopology, OutgoingMessage, PublisherMetrics
+from sluice_common.amqp import EventTopology
+from sluice_common.amqp_publisher import ConfirmingPublisher, OutgoingMessage, PublisherMetrics
 from sluice_common.supervision import Supervisor
 from sluice_common.tenants import Tenant
 from sluice_gateway.path.stream_record import StreamRecord
