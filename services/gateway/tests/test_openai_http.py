@@ -28,6 +28,7 @@ from sluice_gateway.path.completion_events import CompletionEvents
 from sluice_gateway.path.inference_path import InferencePath
 from sluice_gateway.path.model_catalog import ModelCatalog
 from sluice_gateway.openai_front.http import OpenAIFront, build_app
+from sluice_gateway.openai_front.replies import OBFUSCATION_BLOCK
 from sluice_common.tenants import TenantDirectory, hash_api_key
 
 KEY = "sk-test"
@@ -156,6 +157,32 @@ async def test_chat_completion_streams_sse_with_usage_and_done(setup) -> None:  
     assert chunks[-1].choices == [] and chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 2
     assert json.loads(events[-2])["usage"]["prompt_tokens_details"] == {"cached_tokens": 4}
     assert all(c.usage is None for c in chunks[:-1])
+
+
+async def test_chat_stream_chunks_carry_obfuscation_padding_unless_turned_off(setup) -> None:  # type: ignore[no-untyped-def]
+    """OpenAI's stream obfuscation, on by default: each chat chunk's `obfuscation` pads its text to a
+    multiple of OBFUSCATION_BLOCK characters; `include_obfuscation: false` leaves the field out; a
+    text completion's chunk (upstream has no such field there) never has it."""
+    client, *_ = setup
+
+    async def chunks(path: str, body: dict) -> list[dict]:
+        reply = await client.post(path, json={**body, "stream": True, "max_tokens": 5, "temperature": 0}, headers=AUTH)
+        assert reply.status == 200
+        events = [line[len("data: ") :] for line in (await reply.text()).split("\n\n") if line]
+        return [json.loads(e) for e in events[:-1]]
+
+    padded = await chunks("/v1/chat/completions", {**CHAT, "stream_options": {"include_usage": True}})
+    assert all("obfuscation" in c for c in padded)
+    for chunk in padded:
+        text = chunk["choices"][0]["delta"].get("content") or "" if chunk["choices"] else ""
+        assert (len(text) + len(chunk["obfuscation"])) % OBFUSCATION_BLOCK == 0 and len(chunk["obfuscation"]) < OBFUSCATION_BLOCK
+    assert any(chunk["obfuscation"] for chunk in padded)
+    plain = await chunks("/v1/chat/completions", {**CHAT, "stream_options": {"include_obfuscation": False}})
+    assert plain and not any("obfuscation" in c for c in plain)
+    completion = await chunks("/v1/completions", {"model": CHAT["model"], "prompt": "Hi", "stream_options": {"include_obfuscation": True}})
+    assert completion and not any("obfuscation" in c for c in completion)
+    reply = await client.post("/v1/chat/completions", json={**CHAT, "stream": True, "stream_options": {"include_obfuscation": "yes"}}, headers=AUTH)
+    assert reply.status == 400 and (await reply.json())["error"]["param"] == "stream_options.include_obfuscation"
 
 
 async def test_a_stream_failing_after_its_first_chunk_ends_with_an_error_event(setup) -> None:  # type: ignore[no-untyped-def]

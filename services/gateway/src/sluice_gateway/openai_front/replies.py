@@ -4,6 +4,8 @@ chunks; embeddings; models). Pure domain code: the HTTP fronts send what these b
 from __future__ import annotations
 
 import base64
+import random
+import string
 import struct
 import time
 from dataclasses import dataclass, field
@@ -17,6 +19,18 @@ from sluice_gateway.openai_front.errors import OpenAIError
 from sluice_gateway.openai_front.requests import EmbeddingCall, GenerationCall
 
 FINISH_REASONS = {types_pb2.FINISH_REASON_STOP: "stop", types_pb2.FINISH_REASON_LENGTH: "length", types_pb2.FINISH_REASON_TOOL_CALLS: "tool_calls"}
+
+
+# Stream obfuscation pads a chunk's text to a multiple of this many characters.
+OBFUSCATION_BLOCK = 16
+_OBFUSCATION_ALPHABET = string.ascii_letters + string.digits
+
+
+def obfuscation(padded: int) -> str:
+    """OpenAI's `obfuscation` field of a chat stream chunk: random characters that round the
+    chunk's `padded` characters of text up to a multiple of OBFUSCATION_BLOCK, so that a chunk's
+    size says less about the tokens it carries (a mitigation of size side channels)."""
+    return "".join(random.choices(_OBFUSCATION_ALPHABET, k=-padded % OBFUSCATION_BLOCK))
 
 
 def usage_object(usage: types_pb2.Usage | None) -> dict[str, Any] | None:
@@ -100,7 +114,7 @@ class Completion:
             # Null until the usage chunk, as OpenAI's chunk schema has it; a text completion's
             # chunk (CreateCompletionResponse) has usage optional and not nullable: omitted.
             reply["usage"] = None
-        return reply
+        return self._obfuscated(reply, len(text or ""))
 
     def tool_calls_chunk(self, index: int, calls: list[types_pb2.ToolCall]) -> dict[str, Any]:
         """A chat stream's chunk carrying choice `index`'s calls, each whole."""
@@ -110,7 +124,7 @@ class Completion:
         ]
         if self.call.options.include_usage:
             reply["usage"] = None
-        return reply
+        return self._obfuscated(reply, sum(len(call.name) + len(call.arguments) for call in calls))
 
     def usage_chunk(self, usage: types_pb2.Usage | None) -> dict[str, Any]:
         reply = self._base("chat.completion.chunk" if self.call.chat else "text_completion")
@@ -118,6 +132,13 @@ class Completion:
         counted = usage_object(usage)
         if counted is not None or self.call.chat:
             reply["usage"] = counted
+        return self._obfuscated(reply, 0)
+
+    def _obfuscated(self, reply: dict[str, Any], padded: int) -> dict[str, Any]:
+        """A chat chunk with its `obfuscation` field, unless stream_options.include_obfuscation is
+        false (CreateChatCompletionStreamResponse has it; a text completion's chunk has none)."""
+        if self.call.chat and self.call.options.include_obfuscation:
+            reply["obfuscation"] = obfuscation(padded)
         return reply
 
 

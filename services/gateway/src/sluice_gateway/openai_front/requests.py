@@ -310,6 +310,8 @@ def _response_format(value: Any, request: gateway_pb2.GenerateRequest) -> None:
 class StreamOptions:
     stream: bool = False
     include_usage: bool = False
+    # OpenAI pads chat stream chunks (their `obfuscation` field) unless this is false.
+    include_obfuscation: bool = True
 
 
 def _stream_options(body: dict[str, Any]) -> StreamOptions:
@@ -326,10 +328,11 @@ def _stream_options(body: dict[str, Any]) -> StreamOptions:
     for name in options:
         if name not in ("include_usage", "include_obfuscation"):
             raise invalid(f"stream_options.{name}", f"Unrecognized request argument supplied: stream_options.{name}", "unknown_parameter")
-    include_usage = options.get("include_usage")
-    if include_usage is not None and not isinstance(include_usage, bool):
-        raise invalid("stream_options.include_usage", f"include_usage must be a boolean, got {include_usage!r}", "invalid_type")
-    return StreamOptions(True, bool(include_usage))
+    flags = {name: options.get(name) for name in ("include_usage", "include_obfuscation")}
+    for name, value in flags.items():
+        if value is not None and not isinstance(value, bool):
+            raise invalid(f"stream_options.{name}", f"{name} must be a boolean, got {value!r}", "invalid_type")
+    return StreamOptions(True, bool(flags["include_usage"]), flags["include_obfuscation"] is not False)
 
 
 def _content(value: Any, param: str) -> str:
