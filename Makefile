@@ -28,7 +28,7 @@ TYPED := libs/sluice-common libs/sluice-stack $(SERVICES) $(CLI)
 LINT := $(CURDIR)/tools/lint
 UNIT_TESTED := libs/sluice-common $(SERVICES) $(CLI) bench
 
-.PHONY: help docs lint setup prometheus-tools deploy-requirements uv node protos protos-check proto-lint run test test-unit test-e2e test-deploy bench-path bench-tracing bench-adapter bench-evallog bench-ratelimit bench-jobs bench-jobs-interactive bench-engine bench-colocated bench-threads bench-gpu bench-gpu-kit bench-load bench-rolling bench-embed-cache bench-openai bench-peer bench-prefix bench-transport bench-structured llama-server clean
+.PHONY: help docs lint setup prometheus-tools deploy-requirements uv node protos protos-check proto-lint run test test-unit test-e2e test-deploy bench-path bench-tracing bench-adapter bench-evallog bench-ratelimit bench-jobs bench-jobs-interactive bench-engine bench-colocated bench-threads bench-gpu bench-gpu-kit bench-load bench-rolling bench-embed-cache bench-openai bench-peer bench-prefix bench-transport bench-rounds-ahead bench-structured llama-server clean
 
 help:
 	@echo "make run        start the whole suite locally and stream a demo completion (Ctrl-C stops it)"
@@ -45,6 +45,7 @@ help:
 	@echo "make bench-peer the stack vs llama.cpp's own llama-server on the same GGUF, 2 threads: tok/s and TTFT at 1 and 32 streams"
 	@echo "make bench-prefix triton-local's prefix cache on vs off: a shared 1,000-token system prompt, 5-turn chats (TTFT, tok/s)"
 	@echo "make bench-transport the step protocol through PyTriton vs Triton's Python backend vs the engine alone (tok/s, CPU per token)"
+	@echo "make bench-rounds-ahead the adapter's rounds sent ahead (SLUICE_ADAPTER_ROUNDS_AHEAD) vs after, two stacks side by side"
 	@echo "make bench-structured the step engine with a JSON schema constraint vs free generation (tok/s at batch 1 and 8), compile ms, validity over 32 schemas"
 	@echo "make llama-server build llama.cpp's llama-server (bench-peer's peer) into .llama-server/ from the bindings' sdist (~8 min)"
 	@echo "make bench-path time to first token and tokens/s through each hop"
@@ -191,6 +192,9 @@ bench-prefix: setup
 # The step protocol's round trip: PyTriton (triton-local) vs Triton's Python backend (deploy/triton) vs none.
 bench-transport: setup
 	bench/.venv/bin/python bench/bench_transport.py
+
+bench-rounds-ahead: setup
+	bench/.venv/bin/python bench/bench_rounds_ahead.py
 
 bench-structured: setup
 	bench/.venv/bin/python bench/bench_structured.py

@@ -147,11 +147,13 @@ class ProtocolRun:
     round_steps: int
     protocol: Side
     engine: Side  # the same rows stepped directly (Comparison.gpu)
+    ahead: bool = False  # each round sent at the first response of the one before, to follow it
 
     def line(self) -> str:
         same = sum(p == e for p, e in zip(self.protocol.tokens, self.engine.tokens))
         return (
-            f"BENCH gpu_protocol batch={self.batch} round_steps={self.round_steps} tok_s={self.protocol.decode_tok_s:.1f} "
+            f"BENCH gpu_protocol batch={self.batch} round_steps={self.round_steps} ahead={str(self.ahead).lower()} "
+            f"tok_s={self.protocol.decode_tok_s:.1f} "
             f"engine_tok_s={self.engine.decode_tok_s:.1f} ratio={self.protocol.decode_tok_s / self.engine.decode_tok_s:.2f} "
             f"greedy_identical={str(same == self.batch).lower()} ({same}/{self.batch} rows)"
         )
@@ -160,27 +162,36 @@ class ProtocolRun:
 _protocol_seq_ids = count(50_000)
 
 
-def protocol_decode(engine: SharedEngine, prompts: list[str], decode_steps: int, round_steps: int) -> Side:
+def protocol_decode(engine: SharedEngine, prompts: list[str], decode_steps: int, round_steps: int, ahead: bool = False) -> Side:
     """greedy_decode's load (one prefill, then up to `decode_steps` greedy tokens a row) through the
-    step protocol in rounds of `round_steps` engine steps, each round asked for when the last ended."""
+    step protocol in rounds of `round_steps` engine steps, each round asked for when the last ended,
+    or (`ahead`) sent at the first response of the round before to follow it (FOLLOWS_ROUND), as the
+    adapter's SLUICE_ADAPTER_ROUNDS_AHEAD does."""
     responses: queue.Queue[tuple[dict[str, np.ndarray], bool]] = queue.Queue()
     answer = lambda outputs, last: responses.put((outputs, last))  # noqa: E731
     ids = [next(_protocol_seq_ids) for _ in prompts]
     bodies = [json.dumps({"messages": [["user", p]], "max_tokens": decode_steps + 1, "temperature": 0}).encode() for p in prompts]
     start_round(engine, round_inputs(PREFILL, ids, bodies, round_steps), answer)
     tokens: dict[int, list[int]] = {i: [] for i in ids}
-    live, started = set(ids), 0.0
+    live, started, followed = set(ids), 0.0, False
     while live:
         outputs, last = responses.get(timeout=300)
         started = started or time.perf_counter()
         for seq_id, token, finish, error in zip(outputs["ROW_SEQ_ID"], outputs["TOKEN_ID"], outputs["FINISH"], outputs["ERROR"]):
+            if int(seq_id) not in live:  # a round sent ahead answers "not running" for one that ended
+                continue
             if finish not in (b"", b"stop", b"length"):
                 raise RuntimeError(f"sequence {seq_id} ended {finish.decode()}: {error.decode()}")
             if token >= 0:
                 tokens[int(seq_id)].append(int(token))
             if finish:
                 live.discard(int(seq_id))
-        if last and live:
+        if ahead and not last and live and not followed:
+            start_round(engine, round_inputs(DECODE, sorted(live), [b""] * len(live), round_steps, follows=True), answer)
+            followed = True
+        elif last and followed:
+            followed = False  # the round sent ahead runs now
+        elif last and live:
             start_round(engine, round_inputs(DECODE, sorted(live), [b""] * len(live), round_steps), answer)
     elapsed = time.perf_counter() - started
     start_round(engine, round_inputs(RELEASE, ids, [b""] * len(ids), 1), lambda *_: None).result(timeout=60)
@@ -188,10 +199,12 @@ def protocol_decode(engine: SharedEngine, prompts: list[str], decode_steps: int,
     return Side(decoded / max(elapsed, 1e-9), [tokens[i] for i in ids])
 
 
-def protocol_run(engine: SharedEngine, alone: Side, batch: int, round_steps: int, steps: int = DECODE_STEPS, rounds: int = ROUNDS) -> ProtocolRun:
-    runs = [protocol_decode(engine, PROMPTS[:batch], steps, round_steps) for _ in range(rounds)]
+def protocol_run(
+    engine: SharedEngine, alone: Side, batch: int, round_steps: int, steps: int = DECODE_STEPS, rounds: int = ROUNDS, ahead: bool = False
+) -> ProtocolRun:
+    runs = [protocol_decode(engine, PROMPTS[:batch], steps, round_steps, ahead) for _ in range(rounds)]
     best = max(runs, key=lambda side: side.decode_tok_s)
-    return ProtocolRun(batch, round_steps, best, alone)
+    return ProtocolRun(batch, round_steps, best, alone, ahead)
 
 
 def engines(batches: list[int], steps: int, threads: int, gpu_layers: int = -1) -> tuple[StepEngine, StepEngine]:
@@ -321,7 +334,10 @@ def main() -> int:
     print(f"the step protocol on the GPU engine in process (no Triton hop), rounds of {ROUND_STEPS} steps ...", flush=True)
     for batch in (b for b in BATCHES if b <= PROTOCOL_MAX_BATCH):
         for round_steps in ROUND_STEPS:
-            print(protocol_run(shared, alone[batch], batch, round_steps).line() + (" (dry run: on the CPU)" if DRY_RUN else ""), flush=True)
+            # A round of one step has no later step to send the next one during.
+            for ahead in (False, True) if round_steps > 1 else (False,):
+                run = protocol_run(shared, alone[batch], batch, round_steps, ahead=ahead)
+                print(run.line() + (" (dry run: on the CPU)" if DRY_RUN else ""), flush=True)
     return 0
 
 

@@ -1,14 +1,17 @@
 """Multi-step rounds (issue 23) through the real Triton and engine: greedy text through the stack
-equals the engine's alone at every round length, and a stream cancelled mid-round leaves the
-engine within one step. Two more adapters share the session stack's Triton: one with a round trip
-per token (MAX_ROUND_STEPS=1), one with the longest rounds the protocol allows."""
+equals the engine's alone at every round length (rounds sent ahead to follow the one in flight
+included), and a stream cancelled mid-round leaves the engine within one step. Two more adapters
+share the session stack's Triton: one with a round trip per token (MAX_ROUND_STEPS=1), one with
+the longest rounds the protocol allows, each next one sent ahead (ROUNDS_AHEAD=true)."""
 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import threading
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 
 import grpc
@@ -55,7 +58,8 @@ def adapters(stack: Stack) -> Iterator[dict[str, tuple[str, str]]]:
     """Round length -> (gRPC address, metrics URL) of an adapter on the stack's Triton."""
     _, one_address, one_metrics = stack.add_adapter("adapter-rounds-1", env={"SLUICE_ADAPTER_MAX_ROUND_STEPS": "1"})
     _, long_address, long_metrics = stack.add_adapter(
-        "adapter-rounds-64", env={"SLUICE_ADAPTER_MAX_ROUND_STEPS": LONGEST, "SLUICE_ADAPTER_ROUND_TARGET_S": "30"}
+        "adapter-rounds-64",
+        env={"SLUICE_ADAPTER_MAX_ROUND_STEPS": LONGEST, "SLUICE_ADAPTER_ROUND_TARGET_S": "30", "SLUICE_ADAPTER_ROUNDS_AHEAD": "true"},
     )
     yield {
         "1": (one_address, one_metrics),
@@ -84,6 +88,13 @@ def rounds_longer_than_one(metrics: str) -> float:
     return rounds - of_one
 
 
+def rounds_sent_ahead(metrics: str) -> float:
+    """Rounds the adapter sent to follow the one in flight (FOLLOWS_ROUND), over its replicas."""
+    with urllib.request.urlopen(metrics, timeout=5) as reply:
+        text = reply.read().decode()
+    return sum(float(v) for v in re.findall(r"^sluice_adapter_rounds_sent_ahead_total\{[^}]*\}\s+(\S+)$", text, re.M))
+
+
 def test_greedy_text_through_the_stack_equals_the_engine_alone_at_every_round_length(adapters) -> None:  # type: ignore[no-untyped-def]
     alone = engine_alone(PROMPTS, MAX_TOKENS)
     for steps, (address, metrics) in adapters.items():
@@ -104,6 +115,10 @@ def test_greedy_text_through_the_stack_equals_the_engine_alone_at_every_round_le
             assert rounds_longer_than_one(metrics) == 0
         else:
             assert rounds_longer_than_one(metrics) > 0, f"MAX_ROUND_STEPS {steps} never ran a round of several steps"
+        if steps == LONGEST:  # its texts came through rounds that followed the one before at the engine
+            assert rounds_sent_ahead(metrics) > 0, "ROUNDS_AHEAD=true never sent a round ahead"
+        else:
+            assert rounds_sent_ahead(metrics) == 0, f"MAX_ROUND_STEPS {steps} sent a round ahead with ROUNDS_AHEAD off"
 
 
 def test_a_stream_cancelled_mid_round_leaves_the_engine_within_one_step(

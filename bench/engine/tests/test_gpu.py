@@ -50,12 +50,12 @@ def test_the_step_protocol_gives_the_engines_own_greedy_tokens_at_every_round_le
     gpu, cpu = bench_gpu.engines([2], steps=6, threads=2, gpu_layers=0)
     alone = bench_gpu.compare(gpu, cpu, 2, steps=6, rounds=1).gpu
     shared = bench_gpu.SharedEngine(gpu)
-    for round_steps in (1, 4, 8):
-        run = bench_gpu.protocol_run(shared, alone, 2, round_steps, steps=6, rounds=1)
-        assert run.protocol.tokens == alone.tokens, round_steps
+    for round_steps, ahead in ((1, False), (4, False), (8, False), (2, True), (4, True)):
+        run = bench_gpu.protocol_run(shared, alone, 2, round_steps, steps=6, rounds=1, ahead=ahead)
+        assert run.protocol.tokens == alone.tokens, (round_steps, ahead)
         assert re.fullmatch(
-            rf"BENCH gpu_protocol batch=2 round_steps={round_steps} tok_s=\d+\.\d engine_tok_s=\d+\.\d ratio=\d+\.\d\d "
-            r"greedy_identical=true \(2/2 rows\)",
+            rf"BENCH gpu_protocol batch=2 round_steps={round_steps} ahead={str(ahead).lower()} tok_s=\d+\.\d engine_tok_s=\d+\.\d "
+            r"ratio=\d+\.\d\d greedy_identical=true \(2/2 rows\)",
             run.line(),
         ), run.line()
     assert gpu.active_slots == 0  # every protocol sequence released

@@ -10,7 +10,7 @@ from dataclasses import replace
 
 from sluice_inference_adapter.replica_pool import ReplicaPool
 from sluice_inference_adapter.sequence import FinishEvent, GenerationRequest, SequenceHandle, TokenEvent
-from sluice_inference_adapter.step_rows import FINISH_BUSY, Action, StepOutcome, StepRow
+from sluice_inference_adapter.step_rows import FINISH_BUSY, FINISH_ERROR, Action, StepOutcome, StepRow
 
 
 class PrefixCache:
@@ -63,23 +63,47 @@ class RoundsOfSteps:
     instead, and an end-round request ends the round after its current step. Outcomes carry their
     row's seq_id, as ROW_SEQ_ID does. With `shared_steps` > 1 the steps after the first share
     responses, that many a response (a first token, a row without a token and the round's last at
-    once), as STREAM_INTERVAL_MS makes them."""
+    once), as STREAM_INTERVAL_MS makes them. Rounds run one at a time, in the order they came, as
+    on the engine's one thread; a round that `follows` (FOLLOWS_ROUND) waits for the one in flight
+    without ending it, releases at its first step a sequence a release request named, and ends
+    after its first step when an end-round ask ended the round before it."""
 
     def __init__(self, shared_steps: int = 1) -> None:
         self.shared_steps = shared_steps
         self.released: set[int] = set()
         self.end_asked = False
         self.asked: list[int] = []  # the steps each round asked for
+        self.followed: list[bool] = []  # whether each round came as a following one
+        self.opening: list[list[StepRow]] = []  # each round's rows, as it came
+        self.came_while_one_ran: list[bool] = []  # whether each round's request came while another ran
+        self._turn = asyncio.Lock()
+
+    def steps_of(self, seq_id: int) -> list[int]:
+        """The steps asked by each round that came with a row of the sequence."""
+        return [steps for steps, rows in zip(self.asked, self.opening) if any(row.seq_id == seq_id for row in rows)]
 
     def note(self, rows: list[StepRow]) -> None:
         self.released.update(row.seq_id for row in rows if row.action is Action.RELEASE)
         self.end_asked = self.end_asked or any(row.action is Action.END_ROUND for row in rows)
 
     async def round(
-        self, step: Callable[[list[StepRow]], Awaitable[list[StepOutcome]]], rows: list[StepRow], steps: int
+        self, step: Callable[[list[StepRow]], Awaitable[list[StepOutcome]]], rows: list[StepRow], steps: int, follows: bool = False
+    ) -> AsyncIterator[list[StepOutcome]]:
+        came_while_one_ran = self._turn.locked()
+        async with self._turn:
+            self.came_while_one_ran.append(came_while_one_ran)
+            async for outcomes in self._round(step, rows, steps, follows):
+                yield outcomes
+
+    async def _round(
+        self, step: Callable[[list[StepRow]], Awaitable[list[StepOutcome]]], rows: list[StepRow], steps: int, follows: bool
     ) -> AsyncIterator[list[StepOutcome]]:
         self.asked.append(steps)
-        self.end_asked = False
+        self.followed.append(follows)
+        self.opening.append(rows)
+        if not follows:
+            self.end_asked = False
+        rows = [StepRow(Action.RELEASE, row.seq_id) if row.action is Action.DECODE and row.seq_id in self.released else row for row in rows]
         held: list[StepOutcome] = []
         for done in range(1, steps + 1):
             outcomes = [replace(outcome, seq_id=row.seq_id) for row, outcome in zip(rows, await step(rows))]
@@ -95,7 +119,6 @@ class RoundsOfSteps:
             if self.end_asked or final:
                 if held:
                     yield held
-                self.end_asked = False
                 return
             rows = [StepRow(Action.RELEASE if s in self.released else Action.DECODE, s) for s in running]
 
@@ -132,8 +155,10 @@ class StepReplica:
         self.prefix_cache = PrefixCache()
         self._ends_at: dict[int, int] = {}
 
-    def round(self, rows: list[StepRow], steps: int) -> AsyncIterator[list[StepOutcome]]:
-        return self.rounds.round(self.step, rows, steps)
+    follows_rounds = True
+
+    def round(self, rows: list[StepRow], steps: int, follows: bool = False) -> AsyncIterator[list[StepOutcome]]:
+        return self.rounds.round(self.step, rows, steps, follows)
 
     async def step(self, rows: list[StepRow]) -> list[StepOutcome]:
         self.rounds.note(rows)
@@ -161,6 +186,8 @@ class StepReplica:
             self.prefix_cache.prefill(row, 2)
             self.generated[row.seq_id] = 0
             self._ends_at[row.seq_id] = self.tokens if self.tokens is not None else json.loads(row.request)["max_tokens"]
+        elif row.seq_id not in self.held:  # as the engine answers a round sent ahead of a finish
+            return StepOutcome(-1, "", FINISH_ERROR, 0, 0, f"seq_id {row.seq_id} is not running (never started, finished or released)")
         count = self.generated.get(row.seq_id, 0) + 1
         self.generated[row.seq_id] = count
         finished = count >= self._ends_at.get(row.seq_id, count)

@@ -23,10 +23,10 @@ async def _until(condition, within_s: float = 2.0) -> None:  # type: ignore[no-u
         await asyncio.sleep(0.001)
 
 
-def long_rounds(max_batch_size: int = 8) -> tuple[RecordingStepModel, Scheduler]:
+def long_rounds(max_batch_size: int = 8, rounds_ahead: bool = False) -> tuple[RecordingStepModel, Scheduler]:
     """A started scheduler allowed rounds of up to 32 steps of ~10 ms."""
     model = RecordingStepModel(step_delay_s=0.01)
-    scheduler = Scheduler(model, SchedulerLimits(max_batch_size=max_batch_size, max_round_steps=32, round_target_s=1.0))
+    scheduler = Scheduler(model, SchedulerLimits(max_batch_size=max_batch_size, max_round_steps=32, round_target_s=1.0, rounds_ahead=rounds_ahead))
     scheduler.start()
     return model, scheduler
 
@@ -201,3 +201,87 @@ async def test_a_slot_freed_mid_round_ends_the_round_for_a_waiting_request() -> 
     assert finish.finish is Finish.LENGTH and model.end_asks == 1
     joined_at = model.rows_of(waiting.seq_id)[0][0]
     assert joined_at <= freed_at_step + 1, (joined_at, freed_at_step)
+
+
+def _sent_ahead(replica: str) -> float:
+    return REGISTRY.get_sample_value("sluice_adapter_rounds_sent_ahead_total", {"replica": replica}) or 0.0
+
+
+async def test_the_next_round_is_sent_while_one_runs_and_goes_on_where_it_ended() -> None:
+    """Rounds sent ahead (round_ahead.py): in a steady batch each next round's request comes while
+    the round before it runs, follows it rather than ending it, and the tokens come once, in order."""
+    model = RecordingStepModel(step_delay_s=0.01)
+    scheduler = Scheduler(model, SchedulerLimits(max_round_steps=4, round_target_s=1.0, rounds_ahead=True), replica="ahead")
+    before = _sent_ahead("ahead")
+    scheduler.start()
+    try:
+        text, finish = await collect(scheduler.submit(request(max_tokens=30)))
+    finally:
+        await scheduler.stop()
+    assert finish.finish is Finish.LENGTH and text == "".join(f"t{i} " for i in range(1, 31))
+    rounds = model.rounds
+    assert rounds.followed[0] is False, "the prefill's round is sent as rounds always were"
+    assert sum(rounds.followed) >= 5, rounds.followed
+    assert all(came for came, followed in zip(rounds.came_while_one_ran, rounds.followed) if followed), rounds.came_while_one_ran
+    # Each round sent ahead ran, but the one sent during the last round may not have before the stop.
+    assert sum(rounds.followed) <= _sent_ahead("ahead") - before <= sum(rounds.followed) + 1
+    # A round of 4 steps ran whole: the one sent ahead did not end it.
+    assert all(len(rows) == 1 for rows in model.steps) and len(model.steps) <= 31
+
+
+async def test_with_rounds_ahead_off_each_round_is_sent_after_the_one_before_ended() -> None:
+    model = RecordingStepModel(step_delay_s=0.005)
+    scheduler = Scheduler(model, SchedulerLimits(max_round_steps=4, round_target_s=1.0))  # the default
+    scheduler.start()
+    try:
+        text, _ = await collect(scheduler.submit(request(max_tokens=20)))
+    finally:
+        await scheduler.stop()
+    assert text == "".join(f"t{i} " for i in range(1, 21))
+    assert not any(model.rounds.followed) and not any(model.rounds.came_while_one_ran)
+
+
+async def test_no_round_is_sent_ahead_while_a_request_waits_to_be_admitted() -> None:
+    """An arrival's prefill goes in a round of its own that ends the one in flight: a round sent
+    ahead would be planned without it, and wait its turn behind the round in flight."""
+    model, scheduler = long_rounds(rounds_ahead=True)
+    try:
+        long = scheduler.submit(request(max_tokens=200))
+        await until_a_long_round(model)
+        newcomer = scheduler.submit(request(max_tokens=2))
+        _, finish = await collect(newcomer)
+        long.cancel()
+        text, _ = await collect(long)
+    finally:
+        await scheduler.stop()
+    assert finish.finish is Finish.LENGTH
+    rounds = model.rounds
+    (joined,) = [i for i, rows in enumerate(rounds.opening) if any(r.seq_id == newcomer.seq_id and r.action is Action.PREFILL for r in rows)]
+    assert any(rounds.followed[:joined]), "rounds were sent ahead before it came"
+    assert rounds.followed[joined] is False
+    made = text.split()
+    assert made == [f"t{i}" for i in range(1, len(made) + 1)], "the long sequence's tokens once each, in order"
+
+
+async def test_a_cancel_while_a_round_is_sent_ahead_stops_the_sequence_within_one_step() -> None:
+    """Rounds of 2 steps: the next round is on its way for most of each; the cancelled sequence is
+    released by the round in flight or, when that one has ended, by the round sent ahead."""
+    model = RecordingStepModel(step_delay_s=0.02)
+    scheduler = Scheduler(model, SchedulerLimits(max_round_steps=2, round_target_s=1.0, rounds_ahead=True))
+    scheduler.start()
+    try:
+        handle = scheduler.submit(request(max_tokens=500))
+        await _until(lambda: sum(model.rounds.followed) >= 3)
+        cancelled_at_step = len(model.steps)
+        handle.cancel()
+        _, finish = await collect(handle)
+        await model.wait_released(handle.seq_id)
+        await asyncio.sleep(0.1)
+    finally:
+        await scheduler.stop()
+    assert finish.finish is Finish.CANCELLED
+    rows = model.rows_of(handle.seq_id)
+    decodes_after = [index for index, action in rows if action is Action.DECODE and index > cancelled_at_step]
+    assert len(decodes_after) <= 1, rows[-5:]
+    assert Action.RELEASE in [action for _, action in rows]
+    assert scheduler.running_count == 0

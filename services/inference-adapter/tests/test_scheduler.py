@@ -20,7 +20,7 @@ from sluice_common.sampling import Sampling
 from sluice_inference_adapter.scheduler import Scheduler, SchedulerLimits
 from sluice_inference_adapter.sequence import Finish, GenerationRequest
 from sluice_inference_adapter.waiting_queue import Priority
-from sluice_inference_adapter.step_rows import Action, PromptSpec, StepOutcome, StepRow
+from sluice_inference_adapter.step_rows import FINISH_ERROR, Action, PromptSpec, StepOutcome, StepRow
 
 
 class RecordingStepModel:
@@ -36,8 +36,10 @@ class RecordingStepModel:
         self.end_asks = 0
         self.delay = step_delay_s
 
-    def round(self, rows: list[StepRow], steps: int):  # type: ignore[no-untyped-def]
-        return self.rounds.round(self.step, rows, steps)
+    follows_rounds = True
+
+    def round(self, rows: list[StepRow], steps: int, follows: bool = False):  # type: ignore[no-untyped-def]
+        return self.rounds.round(self.step, rows, steps, follows)
 
     async def step(self, rows: list[StepRow]) -> list[StepOutcome]:
         self.rounds.note(rows)
@@ -62,6 +64,8 @@ class RecordingStepModel:
             prompt_tokens = len(body.get("prompt", "")) or 1
             self.uncached[row.seq_id] = (prompt_tokens, body.get("prefill_chunk", 0) or prompt_tokens)
             self.prefix_cache.prefill(row, 3)
+        elif row.seq_id not in self.max_tokens:  # as the engine answers a round sent ahead of a finish
+            return StepOutcome(-1, "", FINISH_ERROR, 0, 0, f"seq_id {row.seq_id} is not running (never started, finished or released)")
         cached = self.prefix_cache.of(row.seq_id)
         uncached, chunk = self.uncached.get(row.seq_id, (0, 1))
         if uncached:
@@ -71,6 +75,8 @@ class RecordingStepModel:
         self.generated[row.seq_id] += 1
         count = self.generated[row.seq_id]
         finish = "length" if count >= self.max_tokens[row.seq_id] else ""
+        if finish:  # the engine frees a finished sequence's slot
+            del self.max_tokens[row.seq_id]
         return StepOutcome(count, f"t{count} ", finish, 3, count, cached_tokens=cached)
 
     def rows_of(self, seq_id: int) -> list[tuple[int, Action]]:

@@ -147,11 +147,12 @@ async def test_a_later_step_of_a_round_that_computes_a_deferred_prompt_is_timed_
         _, finish = await collect(scheduler.submit(request()))  # 20 steps of ~20 ms: decodes get ~0.04-0.2 s
         assert finish.finish is Finish.LENGTH and timeouts.limit() < 0.25
         model.defer = True
-        rounds_before = len(model.rounds.asked)
-        text, finish = await collect(scheduler.submit(request()))
+        handle = scheduler.submit(request())
+        text, finish = await collect(handle)
     finally:
         await scheduler.stop()
-    assert model.rounds.asked[rounds_before : rounds_before + 2][-1] > 1, "the prompt's step must be a later step of a round"
+    # Its prefill's round, then the round whose second step computed the prompt.
+    assert model.rounds.steps_of(handle.seq_id)[1] > 1, "the prompt's step must be a later step of a round"
     # The step computing the prompt took 0.5 s: as a decode it would have been cut off at ~0.1 s.
     assert finish.finish is Finish.LENGTH and len(text) == 20, finish.error
 

@@ -39,7 +39,9 @@ def shared() -> Iterator[SharedEngine]:
     yield SharedEngine(StepEngine(gguf_path(), max_slots=4, threads=2))
 
 
-def _inputs(rows: list[tuple[int, int, dict[str, Any] | None]], steps: int | None = None, interval_ms: int | None = None) -> dict[str, np.ndarray]:
+def _inputs(
+    rows: list[tuple[int, int, dict[str, Any] | None]], steps: int | None = None, interval_ms: int | None = None, follows: int | None = None
+) -> dict[str, np.ndarray]:
     inputs = {
         "ACTION": np.array([a for a, _, _ in rows], dtype=np.int32),
         "SEQ_ID": np.array([s for _, s, _ in rows], dtype=np.int64),
@@ -49,6 +51,8 @@ def _inputs(rows: list[tuple[int, int, dict[str, Any] | None]], steps: int | Non
         inputs["STEPS"] = np.array([steps], dtype=np.int32)
     if interval_ms is not None:
         inputs["STREAM_INTERVAL_MS"] = np.array([interval_ms], dtype=np.int32)
+    if follows is not None:
+        inputs["FOLLOWS_ROUND"] = np.array([follows], dtype=np.int32)
     return inputs
 
 
@@ -218,6 +222,73 @@ def test_a_round_ends_after_its_current_step_when_another_request_waits_for_the_
     queued[0].result(timeout=60)
     assert second[-1]["FINISH"][0] == b"length" and len(second) == 3
     _round(shared, [(RELEASE, 51, None)], steps=1)
+
+
+def _follow(shared: SharedEngine, rows: list[tuple[int, int, dict[str, Any] | None]], steps: int, into: list[dict[str, np.ndarray]]) -> Future[None]:
+    """Queues a caller's next round behind the one in flight (FOLLOWS_ROUND), its responses into `into`."""
+    return start_round(shared, _inputs(rows, steps, follows=1), lambda response, _last: into.append(response))
+
+
+def test_a_following_round_waits_for_the_round_in_flight_and_starts_where_it_ended(shared: SharedEngine) -> None:
+    """The next round sent ahead does not end the one in flight (as another request would): the
+    round runs its steps, and the following one decodes on from its last token."""
+    following: list[dict[str, np.ndarray]] = []
+    queued: list[Future[None]] = []
+
+    def next_round_at_second(count: int) -> None:
+        if count == 2:
+            queued.append(_follow(shared, [(DECODE, 91, None)], 3, following))
+
+    first = _round(shared, [(PREFILL, 91, {"messages": QUESTION, "max_tokens": 200})], steps=6, on_each=next_round_at_second)
+    queued[0].result(timeout=60)
+    assert [int(r["COMPLETION_TOKENS"][0]) for r in first] == [1, 2, 3, 4, 5, 6]
+    assert [int(r["COMPLETION_TOKENS"][0]) for r in following] == [7, 8, 9]
+    _round(shared, [(RELEASE, 91, None)], steps=1)
+    assert shared.active_slots == 0
+
+
+def test_an_end_round_ask_ends_the_following_round_after_its_first_step_too(shared: SharedEngine) -> None:
+    """An arrival's end-round ask came while the caller's next round waited behind the one in
+    flight: that round was planned without the arrival, so it ends after one step as well; the
+    caller's next preempting round is not ended by the old ask."""
+    following: list[dict[str, np.ndarray]] = []
+    queued: list[Future[None]] = []
+
+    def next_round_then_end_at_second(count: int) -> None:
+        if count == 2:
+            queued.append(_follow(shared, [(DECODE, 92, None)], 8, following))
+            start_round(shared, _inputs([(END_ROUND, 0, None)]), lambda *_: None)
+
+    first = _round(shared, [(PREFILL, 92, {"messages": QUESTION, "max_tokens": 200})], steps=32, on_each=next_round_then_end_at_second)
+    queued[0].result(timeout=60)
+    assert len(first) == 3
+    assert [int(r["COMPLETION_TOKENS"][0]) for r in following] == [4]
+    assert [int(r["COMPLETION_TOKENS"][0]) for r in _round(shared, [(DECODE, 92, None)], steps=3)] == [5, 6, 7]
+    _round(shared, [(RELEASE, 92, None)], steps=1)
+
+
+def test_a_following_rounds_decode_row_of_a_sequence_released_meanwhile_releases_it(shared: SharedEngine) -> None:
+    """A stream cancelled after its caller sent the next round ahead stops within one step: the
+    round in flight ended before it could apply the release, so the following round does."""
+    following: list[dict[str, np.ndarray]] = []
+    queued: list[Future[None]] = []
+
+    def next_round_then_release_at_first(count: int) -> None:
+        if count == 1:  # the round's second and last step is planned already
+            queued.append(_follow(shared, [(DECODE, 93, None)], 4, following))
+            start_round(shared, _inputs([(RELEASE, 93, None)]), lambda *_: None)
+
+    first = _round(shared, [(PREFILL, 93, {"messages": QUESTION, "max_tokens": 200})], steps=2, on_each=next_round_then_release_at_first)
+    queued[0].result(timeout=60)
+    assert [int(r["TOKEN_ID"][0]) >= 0 for r in first] == [True, True]
+    assert len(following) == 1 and following[0]["TOKEN_ID"][0] == -1 and following[0]["FINISH"][0] == b""
+    assert shared.active_slots == 0
+
+
+@pytest.mark.parametrize("follows", [-1, 2])
+def test_follows_round_out_of_range_rejects_the_request(shared: SharedEngine, follows: int) -> None:
+    with pytest.raises(RoundRejected, match=f"FOLLOWS_ROUND must be between 0 and 1, got {follows}"):
+        start_round(shared, _inputs([(DECODE, 1, None)], 4, follows=follows), lambda *_: None)
 
 
 def _metric(name: str, labels: dict[str, str] | None = None) -> float:

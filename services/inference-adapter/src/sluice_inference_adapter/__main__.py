@@ -90,6 +90,7 @@ def build_backends(
             max_waiting_steps=config.max_waiting_steps,
             max_round_steps=config.max_round_steps,
             round_target_s=config.round_target_s,
+            rounds_ahead=config.rounds_ahead,
             max_bulk_prefill_rows=config.max_bulk_prefill_rows,
             bulk_prefill_chunk=config.bulk_prefill_chunk,
             interactive_reserved_slots=config.interactive_reserved_slots,

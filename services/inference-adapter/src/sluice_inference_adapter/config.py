@@ -69,6 +69,12 @@ class AdapterConfig(ServerConfig):
     # round trip per token.
     max_round_steps: int = 8
     round_target_s: float = 1.0
+    # While a round runs, plan the next and send it to follow it at the engine, which then starts
+    # it without waiting a round trip (round_ahead.py). Off by default: the request's way in then
+    # costs CPU while the engine computes instead of while it waits, which on a box whose cores the
+    # engine shares with the stack slowed 1-stream decoding (0.93x, `make bench-rounds-ahead`); on
+    # when the engine has its own (a GPU) and the round trip is a larger share of a step.
+    rounds_ahead: bool = False
     # How long a round's later steps may wait to share one response from Triton (and so one
     # message to the gateway and one chunk to the client): each response costs every process on
     # the way CPU, which a small box takes from the engine and a GPU from its feeding. A first

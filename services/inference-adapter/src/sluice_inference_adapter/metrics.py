@@ -27,6 +27,11 @@ ROUND_STEPS = Histogram(
     "Engine steps asked for per round trip (multi-step rounds; 1 while requests wait to be admitted).",
     buckets=(1, 2, 4, 8, 16, 32, 64),
 )
+ROUNDS_SENT_AHEAD = Counter(
+    "sluice_adapter_rounds_sent_ahead_total",
+    "Rounds sent while the previous one ran, to follow it at the engine without a round trip between (step protocol's FOLLOWS_ROUND).",
+    ["replica"],
+)
 QUEUE_SECONDS = Histogram(
     "sluice_adapter_queue_seconds", "Time from arrival to prefill, in a replica's waiting queue.", ["replica"], buckets=_LATENCY_BUCKETS
 )

@@ -12,7 +12,9 @@ must not wait for a long round) and otherwise as many steps as fit `round_target
 request arrives mid-round, or a sequence finishes while one waits, and the batch has room,
 the round is asked to end after the step in progress (an end-round request); a sequence
 cancelled or past its deadline mid-round is released at once, by a request of its own that
-the engine applies at the round's next step.
+the engine applies at the round's next step. With `rounds_ahead`, while a round runs the next
+one is planned and sent to follow it (round_ahead.py), so that the engine does not wait a round
+trip between them.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from sluice_inference_adapter.step_rows import (
 )
 from sluice_inference_adapter import sequence_trace
 from sluice_inference_adapter.replica_work import ReplicaWork
+from sluice_inference_adapter.round_ahead import RoundAhead, SentResponses
 from sluice_inference_adapter.sequence import Finish, Sequence
 from sluice_inference_adapter.waiting_queue import Priority
 
@@ -88,6 +91,8 @@ class SchedulerLimits:
     # is asked to end early when a request arrives or a slot frees for one that waits).
     max_round_steps: int = 8
     round_target_s: float = 1.0
+    # Send the next round while one runs, to follow it (round_ahead.py), where the backend can.
+    rounds_ahead: bool = False
 
 
 class Scheduler(ReplicaWork):
@@ -121,6 +126,8 @@ class Scheduler(ReplicaWork):
         self._decode_step_s: float | None = None
         # Requests sent beside the round in flight (releases, end-round asks), held until done.
         self._sent_aside: set[asyncio.Task[None]] = set()
+        # The next round, sent while the one in flight runs (None: none sent).
+        self._ahead: RoundAhead | None = None
 
     @property
     def running_count(self) -> int:
@@ -141,6 +148,7 @@ class Scheduler(ReplicaWork):
     async def stop(self) -> None:
         if self._task is not None:
             await stop_tasks(self._task)
+        await self._discard_ahead()
         self._fail_everything("the adapter is shutting down")
         await self._release_dropped()
 
@@ -148,23 +156,32 @@ class Scheduler(ReplicaWork):
 
     async def _run(self) -> None:
         await self._release_dropped()  # what a previous loop held when it died
-        while True:
-            if not self._running and not self.waiting_count:
-                self._wakeup.clear()
-                await self._wakeup.wait()
-            rows, stepped = self._plan_step()
-            if not rows:
-                # Only prefills wait, and the engine is full of other adapters' sequences.
-                await asyncio.sleep(max(0.0, self._engine_full_until - self._clock()))
-                continue
-            steps = self._round_steps()
-            metrics.ROUND_STEPS.observe(steps)
-            self._in_round = {s.seq_id: s for s in stepped}
-            self._round_steps_asked, self._round_end_asked = steps, False
-            try:
-                await self._run_round(rows, stepped, steps)
-            finally:
-                self._in_round = {}
+        try:
+            while True:
+                ahead, self._ahead = self._ahead, None
+                if ahead is not None:
+                    rows, stepped, steps, responses = ahead.rows, ahead.stepped, ahead.steps, ahead.responses
+                else:
+                    if not self._running and not self.waiting_count:
+                        self._wakeup.clear()
+                        await self._wakeup.wait()
+                    rows, stepped = self._plan_step()
+                    if not rows:
+                        # Only prefills wait, and the engine is full of other adapters' sequences.
+                        await asyncio.sleep(max(0.0, self._engine_full_until - self._clock()))
+                        continue
+                    steps = self._round_steps()
+                    metrics.ROUND_STEPS.observe(steps)
+                    responses = None
+                self._in_round = {s.seq_id: s for s in stepped}
+                # An end asked of the round before ends the round sent ahead of it too (step_protocol).
+                self._round_steps_asked, self._round_end_asked = steps, ahead is not None and self._round_end_asked
+                try:
+                    await self._run_round(rows, stepped, steps, responses)
+                finally:
+                    self._in_round = {}
+        finally:
+            await self._discard_ahead()
 
     def _round_steps(self) -> int:
         """Steps for the next round: 1 while anything waits to be admitted or bulk sat this step out
@@ -174,11 +191,12 @@ class Scheduler(ReplicaWork):
             return 1
         return max(1, min(limits.max_round_steps, int(limits.round_target_s / max(self._decode_step_s, 1e-4))))
 
-    async def _run_round(self, rows: list[StepRow], stepped: list[Sequence], steps: int) -> None:
+    async def _run_round(self, rows: list[StepRow], stepped: list[Sequence], steps: int, sent: SentResponses | None) -> None:
+        """One round, read to its end; `sent`: its request already went out, ahead of its turn."""
         prefill_tokens = self._prefill_tokens(stepped)
         round_span = sequence_trace.start_round((s.trace for s in stepped), len(rows), steps, self._replica)
-        responses = self._backend.round(rows, steps)
-        first = True
+        responses = sent if sent is not None else self._backend.round(rows, steps)
+        first, failed, steps_answered = True, False, 0
         try:
             while True:
                 limit = self._timeouts.limit(prefill_tokens) if self._timeouts is not None else None
@@ -193,16 +211,22 @@ class Scheduler(ReplicaWork):
                         self._step_failed(exc, len(rows))
                     else:
                         self._step_timed_out(limit, prefill_tokens, len(rows))
+                    failed = True
                     break
                 except Exception as exc:  # noqa: BLE001 - the backend failed: its KV state is unknown
                     self._step_failed(exc, len(rows))
+                    failed = True
                     break
                 elapsed = time.perf_counter() - started
+                steps_answered += steps_in(outcomes)
                 if first:
                     self._unreleased.difference_update(row.seq_id for row in rows if row.action is Action.RELEASE)
-                if not prefill_tokens:
+                # A round sent ahead may have stepped before it was read: its first answer is not
+                # a step's time.
+                timed = not (first and sent is not None)
+                if not prefill_tokens and timed:
                     self._observe_decode_step(elapsed / steps_in(outcomes))
-                if self._timeouts is not None:
+                if self._timeouts is not None and timed:
                     self._timeouts.observe(elapsed, prefill_tokens)
                     metrics.STEP_TIMEOUT.labels(model=self._timeouts.model).set(self._timeouts.limit())
                 # A replica whose slots are all held by sequences nobody steps answers, but cannot serve.
@@ -212,13 +236,44 @@ class Scheduler(ReplicaWork):
                 # After both: the round may end with this response, and no later step would set it.
                 metrics.SLOTS_IN_USE.labels(replica=self._replica).set(len(self._running))
                 self._end_round_for_waiting()
+                self._send_next_round_ahead(stepped, steps_answered, steps)
                 # The engine may leave prompts beyond its per-step prefill budget to the round's
                 # later steps: those steps are timed as prefills until every prompt is in.
                 first, prefill_tokens = False, self._prefill_tokens([s for s in stepped if s.seq_id in self._running])
         finally:
             await responses.aclose()
             sequence_trace.end_round(round_span)
+            if failed:  # planned on sequences the failure ended
+                await self._discard_ahead()
         await self._release_dropped()
+
+    def _send_next_round_ahead(self, stepped: list[Sequence], steps_answered: int, steps: int) -> None:
+        """Plans the next round and sends it to follow this one, once per round, while this one has
+        steps to run and its sequences do: not while requests wait (the next round must admit
+        them, and preempts this one to do it) nor after a failure dropped the batch."""
+        if (
+            not self._limits.rounds_ahead
+            or self._ahead is not None
+            or steps_answered >= steps
+            or self.waiting_count
+            or self._round_end_asked
+            or self._unreleased
+            or not any(s.seq_id in self._running for s in stepped)
+            or not self._backend.follows_rounds
+        ):
+            return
+        rows, ahead = self._plan_step()
+        if not rows:
+            return
+        steps_ahead = self._round_steps()
+        metrics.ROUND_STEPS.observe(steps_ahead)
+        metrics.ROUNDS_SENT_AHEAD.labels(replica=self._replica).inc()
+        self._ahead = RoundAhead(rows, ahead, steps_ahead, SentResponses(self._backend.round(rows, steps_ahead, follows=True)))
+
+    async def _discard_ahead(self) -> None:
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            await ahead.responses.aclose()
 
     def _observe_decode_step(self, seconds: float) -> None:
         previous = self._decode_step_s
@@ -237,8 +292,9 @@ class Scheduler(ReplicaWork):
 
     def _on_cancel(self, sequence: Sequence) -> None:
         """Mid-round the engine steps on without us: release the sequence now, so that it stops
-        within one step; the loop ends its stream when the round's next step comes back."""
-        if sequence.seq_id in self._in_round:
+        within one step (or the round sent ahead releases it at its first); the loop ends its stream
+        when the round's next step comes back."""
+        if sequence.seq_id in self._in_round or (self._ahead is not None and sequence.seq_id in self._ahead.seq_ids):
             self._release_now([sequence.seq_id])
         self._wakeup.set()
 

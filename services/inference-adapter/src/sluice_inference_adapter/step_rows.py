@@ -114,9 +114,17 @@ class StepBackend(Protocol):
         """One engine step: rows in, one outcome per row out (same order)."""
         ...
 
-    def round(self, rows: list[StepRow], steps: int) -> AsyncGenerator[list[StepOutcome], None]:
+    @property
+    def follows_rounds(self) -> bool:
+        """Whether `round(..., follows=True)` may be sent while another round runs."""
+        ...
+
+    def round(self, rows: list[StepRow], steps: int, follows: bool = False) -> AsyncGenerator[list[StepOutcome], None]:
         """Up to `steps` engine steps, their outcomes as they are made: the first step's outcomes
         answer `rows` in order; each later step decodes the sequences still running (those that
         have not finished) and answers each of them by seq_id, until none is left. One yielded list
-        may hold several steps' outcomes in step order (a sequence once per step: `steps_in`)."""
+        may hold several steps' outcomes in step order (a sequence once per step: `steps_in`).
+        A round that `follows` is the caller's next, sent while its current one runs: it starts
+        when that one ends (not ending it early), its first step releasing, not decoding, a
+        sequence the caller released meanwhile."""
         ...

@@ -54,6 +54,7 @@ _LOGPROBS = "LOGPROBS"
 _VLLM_RETURN_LOGPROBS, _VLLM_LOGPROBS = "return_logprobs", "logprobs"
 # How long a round's steps may wait to share one response; sent only to a model that declares it.
 _STREAM_INTERVAL = "STREAM_INTERVAL_MS"
+_FOLLOWS_ROUND = "FOLLOWS_ROUND"
 _PROBE_PROMPT = PromptSpec(prompt="ping")
 # How long a fully answered round's stream may take to end on Triton's side before it is cancelled.
 _STREAM_END_S = 2.0
@@ -156,12 +157,14 @@ class TritonStepBackend(_TritonEndpoint):
         # answering one response per step).
         self._outputs: list[InferRequestedOutput] | None = None
         self._takes_interval = False
+        self._takes_follows = False
 
     async def _requested_outputs(self) -> list[InferRequestedOutput]:
         if self._outputs is None:
             metadata = await self._client.get_model_metadata(self.model, as_json=True)
             declared = {tensor["name"] for tensor in metadata.get("outputs", [])}
-            self._takes_interval = _STREAM_INTERVAL in {tensor["name"] for tensor in metadata.get("inputs", [])}
+            inputs = {tensor["name"] for tensor in metadata.get("inputs", [])}
+            self._takes_interval, self._takes_follows = _STREAM_INTERVAL in inputs, _FOLLOWS_ROUND in inputs
             if self._stream_interval_ms and not self._takes_interval:
                 log.warning(
                     "stream_interval_not_supported",
@@ -179,9 +182,17 @@ class TritonStepBackend(_TritonEndpoint):
                 return outcomes
         raise Unavailable(f"Triton at {self.url} closed a step of {self.model} without an answer")
 
-    async def round(self, rows: list[StepRow], steps: int) -> AsyncGenerator[list[StepOutcome], None]:
+    @property
+    def follows_rounds(self) -> bool:
+        """Whether a round may be sent while another runs, to follow it (step_protocol's
+        FOLLOWS_ROUND): known once a round has read the model's metadata; an older step model
+        would end the round in flight instead."""
+        return self._takes_follows
+
+    async def round(self, rows: list[StepRow], steps: int, follows: bool = False) -> AsyncGenerator[list[StepOutcome], None]:
         """Up to `steps` engine steps (a multi-step round), each step's outcomes as they are made:
-        the first answers `rows` in order, a later one the sequences still running (step_protocol)."""
+        the first answers `rows` in order, a later one the sequences still running (step_protocol).
+        A round that `follows` waits for the round in flight to end (`follows_rounds` only)."""
         inputs = [
             _tensor("ACTION", np.array([int(r.action) for r in rows], dtype=np.int32), "INT32"),
             _tensor("SEQ_ID", np.array([r.seq_id for r in rows], dtype=np.int64), "INT64"),
@@ -195,6 +206,8 @@ class TritonStepBackend(_TritonEndpoint):
             raise Unavailable(f"Triton at {self.url} did not describe {self.model}: {exc.message()}") from exc
         if steps > 1 and self._stream_interval_ms and self._takes_interval:
             inputs.append(_tensor(_STREAM_INTERVAL, np.array([self._stream_interval_ms], dtype=np.int32), "INT32"))
+        if follows and self._takes_follows:
+            inputs.append(_tensor(_FOLLOWS_ROUND, np.array([1], dtype=np.int32), "INT32"))
 
         async def requests() -> AsyncIterator[dict[str, object]]:
             yield {"model_name": self.model, "inputs": inputs, "outputs": outputs}

@@ -138,8 +138,10 @@ class SharedEngine:
         `end_round_soon` the round ends with its current step, so that new arrivals join; and it
         ends there too when other work waits for the engine (another adapter's round, the generate
         model's step), which so waits one step, not a whole round. A round that does not `preempt`
-        (a release request, which the round in flight applies itself) waits without ending one."""
-        return self._owner.submit(self._round, rows, steps, on_step, counted=preempts)
+        (a release request, which the round in flight applies itself, or a caller's next round sent
+        while its current one runs) waits without ending one; an end-round ask that ended the round
+        before it ends it too, after its first step, as it was meant for whatever that caller ran."""
+        return self._owner.submit(self._round, rows, steps, on_step, preempts, counted=preempts)
 
     def release_soon(self, seq_ids: list[int]) -> None:
         """Marks sequences a release request is about to release, for a round now stepping them."""
@@ -151,9 +153,12 @@ class SharedEngine:
         with self._asks_lock:
             self._end_round = True
 
-    def _round(self, rows: list[Row], steps: int, on_step: OnStep) -> None:
+    def _round(self, rows: list[Row], steps: int, on_step: OnStep, preempts: bool) -> None:
         with self._asks_lock:
-            self._end_round = False  # an ask that came between rounds was for one that has ended
+            if preempts:
+                self._end_round = False  # an ask that came before it was for a round that has ended
+            # A following round was sent before its caller released some of its sequences.
+            rows = [ReleaseRow(row.seq_id) if isinstance(row, DecodeRow) and row.seq_id in self._releasing else row for row in rows]
         for done in range(1, steps + 1):
             results = self._step(rows)
             rows = self._next_rows(rows, results) if done < steps else []
@@ -165,9 +170,9 @@ class SharedEngine:
     def _next_rows(self, rows: list[Row], results: list[RowResult]) -> list[Row]:
         running = [r.seq_id for row, r in zip(rows, results) if not isinstance(row, ReleaseRow) and not r.finish_reason]
         with self._asks_lock:
-            # Release requests still queued release theirs after the round.
+            # Release requests still queued release theirs after the round. The ask stays until
+            # a preempting round starts: a following round queued behind this one ends too.
             if self._end_round or self._owner.waiting:
-                self._end_round = False
                 return []
             released = self._releasing.intersection(running)
             self._releasing -= released

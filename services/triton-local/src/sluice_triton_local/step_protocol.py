@@ -14,7 +14,9 @@ on the model) releases its sequences at the round's next step instead: a cancell
 within one step. An end-round request ends the round in flight after its current step, so that
 a request that arrived meanwhile joins at the next step rather than at the round's end; so does
 any other request that waits for the engine (another adapter's, or another model's on the same
-engine): it waits one step, not a round.
+engine): it waits one step, not a round. A request marked FOLLOWS_ROUND does not: it is the
+caller's next round, sent while this one runs so that the engine starts it the moment this one
+ends instead of waiting a round trip for it.
 
 One Triton request carries one row per sequence, all tensors of shape [rows]:
 
@@ -47,6 +49,12 @@ One Triton request carries one row per sequence, all tensors of shape [rows]:
            STREAM_INTERVAL_MS INT32 optional, shape [1]: how long the round's steps may wait to
                            share a response (0 to MAX_STREAM_INTERVAL_MS; absent or 0: one
                            response per step)
+           FOLLOWS_ROUND INT32 optional, shape [1]: 1: the request follows the round in flight
+                           (the caller's next round, sent before this one ends so that the engine
+                           does not wait for it): it waits for that round's end instead of ending
+                           it, and a first-step DECODE row of a sequence released meanwhile is a
+                           release; an end-round ask pending when it starts ends it after its
+                           first step (absent or 0: the request ends the round in flight)
 
 Each response carries one row per row of each step it answers, in step order, all tensors of
 shape [rows] but ROUND_END: the first step answers the request's rows in their order; a later
@@ -109,7 +117,7 @@ MAX_ROUND_STEPS = 64
 MAX_STREAM_INTERVAL_MS = 1000
 
 INPUTS: tuple[tuple[str, type], ...] = (("ACTION", np.int32), ("SEQ_ID", np.int64), ("REQUEST", bytes))
-OPTIONAL_INPUTS: tuple[tuple[str, type], ...] = (("STEPS", np.int32), ("STREAM_INTERVAL_MS", np.int32))
+OPTIONAL_INPUTS: tuple[tuple[str, type], ...] = (("STEPS", np.int32), ("STREAM_INTERVAL_MS", np.int32), ("FOLLOWS_ROUND", np.int32))
 OUTPUTS: tuple[tuple[str, type], ...] = (
     ("ROW_SEQ_ID", np.int64),
     ("TOKEN_ID", np.int32),
@@ -126,15 +134,19 @@ OUTPUTS: tuple[tuple[str, type], ...] = (
 OnResponse = Callable[[dict[str, np.ndarray], bool], object]
 
 
-def round_inputs(action: int, seq_ids: list[int], bodies: list[bytes], steps: int = 1) -> dict[str, np.ndarray]:
-    """A request's input tensors, one row per sequence, all of one action, for `steps` engine steps:
-    what a caller in process (the benchmarks) passes to `start_round`."""
-    return {
+def round_inputs(action: int, seq_ids: list[int], bodies: list[bytes], steps: int = 1, follows: bool = False) -> dict[str, np.ndarray]:
+    """A request's input tensors, one row per sequence, all of one action, for `steps` engine steps
+    (`follows`: sent to follow the round in flight): what a caller in process (the benchmarks)
+    passes to `start_round`."""
+    inputs: dict[str, np.ndarray] = {
         "ACTION": np.full(len(seq_ids), action, np.int32),
         "SEQ_ID": np.array(seq_ids, np.int64),
         "REQUEST": np.array(bodies, dtype=object),
         "STEPS": np.array([steps], np.int32),
     }
+    if follows:
+        inputs["FOLLOWS_ROUND"] = np.array([1], np.int32)
+    return inputs
 
 
 def _prompt_ids(engine: SharedEngine, request: dict[str, Any]) -> list[int]:
@@ -237,6 +249,10 @@ def stream_interval_s(inputs: dict[str, np.ndarray]) -> float:
     return _scalar(inputs, "STREAM_INTERVAL_MS", 0, 0, MAX_STREAM_INTERVAL_MS) / 1000
 
 
+def follows_round(inputs: dict[str, np.ndarray]) -> bool:
+    return _scalar(inputs, "FOLLOWS_ROUND", 0, 0, 1) == 1
+
+
 class _Responses:
     """A round's steps into responses: each step at once, or, with an interval, later steps' rows
     held until the interval has passed since the previous response (see the module's docstring)."""
@@ -266,6 +282,7 @@ def start_round(engine: SharedEngine, inputs: dict[str, np.ndarray], on_response
     """Starts a request's round on the engine's thread; `on_response` is called there with each
     step's response (or here, at once, when no row needs the engine). Raises RoundRejected."""
     steps = round_steps(inputs)
+    follows = follows_round(inputs)
     responses = _Responses(stream_interval_s(inputs), on_response)
     actions = inputs["ACTION"].reshape(-1)
     seq_ids = inputs["SEQ_ID"].reshape(-1)
@@ -291,9 +308,10 @@ def start_round(engine: SharedEngine, inputs: dict[str, np.ndarray], on_response
             results = [row if isinstance(row, RowResult) else next(stepped) for row in parsed]
         responses.add(results, last)
 
-    # A release request needs no round of its own in the engine's line: the round in flight applies it.
+    # A release request needs no round of its own in the engine's line: the round in flight
+    # applies it; a following round waits its turn.
     releases_only = all(isinstance(row, ReleaseRow) for row in engine_rows)
-    return engine.round(engine_rows, steps, on_step, preempts=not releases_only)
+    return engine.round(engine_rows, steps, on_step, preempts=not (releases_only or follows))
 
 
 def encode_results(results: list[RowResult], last: bool = True) -> dict[str, np.ndarray]:
