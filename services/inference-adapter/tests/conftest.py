@@ -65,17 +65,20 @@ class RoundsOfSteps:
     responses, that many a response (a first token, a row without a token and the round's last at
     once), as STREAM_INTERVAL_MS makes them. Rounds run one at a time, in the order they came, as
     on the engine's one thread; a round that `follows` (FOLLOWS_ROUND) waits for the one in flight
-    without ending it, releases at its first step a sequence a release request named, and ends
-    after its first step when an end-round ask ended the round before it."""
+    without ending it and releases at its first step a sequence a release request named; an
+    end-round ask ends the rounds that came before it (a following one queued behind the round in
+    flight included) after their current step, not a round that came after it."""
 
     def __init__(self, shared_steps: int = 1) -> None:
         self.shared_steps = shared_steps
         self.released: set[int] = set()
-        self.end_asked = False
+        self.submitted = 0  # rounds numbered as they came
+        self.end_through = 0  # rounds numbered up to this end after their current step (an end-round ask)
         self.asked: list[int] = []  # the steps each round asked for
         self.followed: list[bool] = []  # whether each round came as a following one
         self.opening: list[list[StepRow]] = []  # each round's rows, as it came
         self.came_while_one_ran: list[bool] = []  # whether each round's request came while another ran
+        self.ran: list[int] = []  # the steps each round ran
         self._turn = asyncio.Lock()
 
     def steps_of(self, seq_id: int) -> list[int]:
@@ -84,39 +87,45 @@ class RoundsOfSteps:
 
     def note(self, rows: list[StepRow]) -> None:
         self.released.update(row.seq_id for row in rows if row.action is Action.RELEASE)
-        self.end_asked = self.end_asked or any(row.action is Action.END_ROUND for row in rows)
+        if any(row.action is Action.END_ROUND for row in rows):
+            self.end_through = self.submitted
 
     async def round(
         self, step: Callable[[list[StepRow]], Awaitable[list[StepOutcome]]], rows: list[StepRow], steps: int, follows: bool = False
     ) -> AsyncIterator[list[StepOutcome]]:
         came_while_one_ran = self._turn.locked()
+        self.submitted += 1
+        number = self.submitted
         async with self._turn:
             self.came_while_one_ran.append(came_while_one_ran)
-            async for outcomes in self._round(step, rows, steps, follows):
+            async for outcomes in self._round(step, rows, steps, follows, number):
                 yield outcomes
 
     async def _round(
-        self, step: Callable[[list[StepRow]], Awaitable[list[StepOutcome]]], rows: list[StepRow], steps: int, follows: bool
+        self, step: Callable[[list[StepRow]], Awaitable[list[StepOutcome]]], rows: list[StepRow], steps: int, follows: bool, number: int
     ) -> AsyncIterator[list[StepOutcome]]:
         self.asked.append(steps)
         self.followed.append(follows)
         self.opening.append(rows)
-        if not follows:
-            self.end_asked = False
+        if not follows:  # an ask before it was for rounds that have ended
+            self.end_through = min(self.end_through, number - 1)
         rows = [StepRow(Action.RELEASE, row.seq_id) if row.action is Action.DECODE and row.seq_id in self.released else row for row in rows]
         held: list[StepOutcome] = []
+        self.ran.append(0)
         for done in range(1, steps + 1):
             outcomes = [replace(outcome, seq_id=row.seq_id) for row, outcome in zip(rows, await step(rows))]
+            self.ran[-1] = done
             held.extend(outcomes)
             running = [o.seq_id for row, o in zip(rows, outcomes) if row.action is not Action.RELEASE and not o.finish]
             final = not running or done == steps
             # As step_protocol: a first token or a row without a token is answered at once.
             at_once = any(o.completion_tokens <= 1 or o.token_id < 0 for o in outcomes)
-            if final or at_once or done % self.shared_steps == 0 or self.end_asked:
+            ended = number <= self.end_through
+            if final or at_once or done % self.shared_steps == 0 or ended:
                 yield held
                 held = []
                 await asyncio.sleep(0)  # a request sent meanwhile arrives before the next step
-            if self.end_asked or final:
+            if ended or final:
                 if held:
                     yield held
                 return

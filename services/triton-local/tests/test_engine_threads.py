@@ -48,3 +48,15 @@ def test_threads_within_the_cpus_are_logged_without_a_warning(monkeypatch: pytes
 def test_thread_waits_default_to_a_brief_spin_unless_the_operator_set_them(environ: dict[str, str], expected: dict[str, str]) -> None:
     entry.default_thread_waits(environ)
     assert environ == expected
+
+
+@pytest.mark.parametrize(
+    ("environ", "expected"),
+    [
+        ({}, {"PYTRITON_NO_TENSORSTORE": "1"}),  # tensors inline in PyTriton's messages
+        ({"PYTRITON_NO_TENSORSTORE": ""}, {"PYTRITON_NO_TENSORSTORE": ""}),  # the operator's shared-memory store
+    ],
+)
+def test_tensors_travel_inline_unless_the_operator_set_the_transport(environ: dict[str, str], expected: dict[str, str]) -> None:
+    entry.default_tensor_transport(environ)
+    assert environ == expected

@@ -267,6 +267,26 @@ def test_an_end_round_ask_ends_the_following_round_after_its_first_step_too(shar
     _round(shared, [(RELEASE, 92, None)], steps=1)
 
 
+def test_a_round_sent_after_an_end_round_ask_runs_its_steps(shared: SharedEngine) -> None:
+    """An ask ends the rounds sent before it, not a following round sent after it (the caller's next,
+    planned with what the ask was for): else every following round after it would end at its first
+    step, one round trip per token, until a preempting round came."""
+    following: list[dict[str, np.ndarray]] = []
+    queued: list[Future[None]] = []
+
+    def end_then_follow(count: int) -> None:
+        if count == 1:  # the second step is planned already: the round ends after it
+            start_round(shared, _inputs([(END_ROUND, 0, None)]), lambda *_: None)
+        if count == 2:
+            queued.append(_follow(shared, [(DECODE, 94, None)], 4, following))
+
+    first = _round(shared, [(PREFILL, 94, {"messages": QUESTION, "max_tokens": 200})], steps=32, on_each=end_then_follow)
+    queued[0].result(timeout=60)
+    assert len(first) == 2
+    assert [int(r["COMPLETION_TOKENS"][0]) for r in following] == [3, 4, 5, 6]
+    _round(shared, [(RELEASE, 94, None)], steps=1)
+
+
 def test_a_following_rounds_decode_row_of_a_sequence_released_meanwhile_releases_it(shared: SharedEngine) -> None:
     """A stream cancelled after its caller sent the next round ahead stops within one step: the
     round in flight ended before it could apply the release, so the following round does."""

@@ -71,11 +71,14 @@ class SharedEngine:
         self._owners: set[str] = set()
         self._reclaimed = 0
         self._prefills, self._prefix_hits, self._reused_tokens, self._host_restores = 0, 0, 0, 0
-        # Sequences a release request named while a round may be stepping them, and whether a
-        # caller asked the round in flight to end after its current step (see round()).
+        # Sequences a release request named while a round may be stepping them, and the rounds
+        # (numbered as submitted) that end after their current step because a caller asked the
+        # round in flight to (see round()): those submitted before the ask, the one in flight and
+        # the following rounds queued behind it.
         self._releasing: set[int] = set()
         self._asks_lock = threading.Lock()
-        self._end_round = False
+        self._rounds_submitted = 0
+        self._end_through = 0
 
     @property
     def active_slots(self) -> int:
@@ -139,9 +142,13 @@ class SharedEngine:
         ends there too when other work waits for the engine (another adapter's round, the generate
         model's step), which so waits one step, not a whole round. A round that does not `preempt`
         (a release request, which the round in flight applies itself, or a caller's next round sent
-        while its current one runs) waits without ending one; an end-round ask that ended the round
-        before it ends it too, after its first step, as it was meant for whatever that caller ran."""
-        return self._owner.submit(self._round, rows, steps, on_step, preempts, counted=preempts)
+        while its current one runs) waits without ending one; an end-round ask made before it
+        started ends it too, after its first step (it was planned without what the ask was for),
+        while a preempting round is planned after such an ask and runs on."""
+        with self._asks_lock:
+            self._rounds_submitted += 1
+            number = self._rounds_submitted
+        return self._owner.submit(self._round, number, rows, steps, on_step, preempts, counted=preempts)
 
     def release_soon(self, seq_ids: list[int]) -> None:
         """Marks sequences a release request is about to release, for a round now stepping them."""
@@ -151,28 +158,27 @@ class SharedEngine:
     def end_round_soon(self) -> None:
         """Asks the round in flight, if any, to end after its current step (prefills wait)."""
         with self._asks_lock:
-            self._end_round = True
+            self._end_through = self._rounds_submitted
 
-    def _round(self, rows: list[Row], steps: int, on_step: OnStep, preempts: bool) -> None:
+    def _round(self, number: int, rows: list[Row], steps: int, on_step: OnStep, preempts: bool) -> None:
         with self._asks_lock:
-            if preempts:
-                self._end_round = False  # an ask that came before it was for a round that has ended
+            if preempts:  # an ask that came before it was for rounds that have ended
+                self._end_through = min(self._end_through, number - 1)
             # A following round was sent before its caller released some of its sequences.
             rows = [ReleaseRow(row.seq_id) if isinstance(row, DecodeRow) and row.seq_id in self._releasing else row for row in rows]
         for done in range(1, steps + 1):
             results = self._step(rows)
-            rows = self._next_rows(rows, results) if done < steps else []
+            rows = self._next_rows(number, rows, results) if done < steps else []
             on_step(results, not rows)
             if not rows:
                 metrics.ROUND_STEPS.observe(done)
                 return
 
-    def _next_rows(self, rows: list[Row], results: list[RowResult]) -> list[Row]:
+    def _next_rows(self, number: int, rows: list[Row], results: list[RowResult]) -> list[Row]:
         running = [r.seq_id for row, r in zip(rows, results) if not isinstance(row, ReleaseRow) and not r.finish_reason]
         with self._asks_lock:
-            # Release requests still queued release theirs after the round. The ask stays until
-            # a preempting round starts: a following round queued behind this one ends too.
-            if self._end_round or self._owner.waiting:
+            # Release requests still queued release theirs after the round.
+            if number <= self._end_through or self._owner.waiting:
                 return []
             released = self._releasing.intersection(running)
             self._releasing -= released
