@@ -53,8 +53,9 @@ One Triton request carries one row per sequence, all tensors of shape [rows]:
                            (the caller's next round, sent before this one ends so that the engine
                            does not wait for it): it waits for that round's end instead of ending
                            it, and a first-step DECODE row of a sequence released meanwhile is a
-                           release; an end-round ask pending when it starts ends it after its
-                           first step (absent or 0: the request ends the round in flight)
+                           release; an end-round ask made while it waits ends it after its
+                           first step, as it ends the round in flight (one made before it was
+                           sent does not); absent or 0: the request ends the round in flight
 
 Each response carries one row per row of each step it answers, in step order, all tensors of
 shape [rows] but ROUND_END: the first step answers the request's rows in their order; a later
