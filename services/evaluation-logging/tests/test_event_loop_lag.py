@@ -74,7 +74,9 @@ async def consume_measuring_lag(processes: int, tmp_path) -> Run:  # type: ignor
     assert await publisher.wait_idle(20)
     await publisher.stop(2)
 
-    store = SqliteStore(tmp_path / f"evallog-{processes}.sqlite3")
+    # A store of its own per run: a retried run that reopened the last one's found its rows there,
+    # counted them as consumed before the consumer started, and measured nothing.
+    store = SqliteStore(tmp_path / f"evallog-{processes}-{uuid.uuid4().hex[:8]}.sqlite3")
     await store.open()
     pool = EvalPool(processes) if processes else None
     if pool is not None:

@@ -237,7 +237,10 @@ class CompletionConsumer:
         if self._on_pending is not None and inserted and any(row.pending for row in rows):
             self._on_pending()
         elapsed = time.perf_counter() - started
-        observe_stored(rows)
+        for start in range(0, len(rows), YIELD_EVERY):  # the loop's other work between chunks
+            if start:
+                await asyncio.sleep(0)
+            observe_stored(rows[start : start + YIELD_EVERY])
         EVENTS.labels("stored").inc(inserted)
         EVENTS.labels("duplicate").inc(len(rows) - inserted)
         EVENTS.labels("dead_lettered").inc(dead_lettered)

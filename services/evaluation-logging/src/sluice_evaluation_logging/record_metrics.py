@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from typing import Any
 
 from prometheus_client import Counter, Histogram, Summary
 
@@ -31,13 +32,23 @@ SCORE_RESULTS = Counter(
 
 
 def observe_stored(rows: Sequence[RecordRow], now: float | None = None) -> None:
-    """Lag and scores of rows just stored; skipped scores (the evaluator did not apply) are left out."""
+    """Lag and scores of rows just stored; skipped scores (the evaluator did not apply) are left out.
+    Each evaluator's metric children are looked up once per call: a `labels()` per score was most of
+    the ~17 ms a batch of 256 rows held the event loop here."""
     now = time.time() if now is None else now
+    children: dict[str, tuple[Any, Any, Any]] = {}  # evaluator -> (score, passed, failed)
     for row in rows:
         if row.finished_at > 0:
             EVENT_LAG.observe(max(0.0, now - row.finished_at))
         for score in row.scores:
             if score.skipped:
                 continue
-            SCORE.labels(score.name).observe(score.value)
-            SCORE_RESULTS.labels(score.name, "passed" if score.passed else "failed").inc()
+            of = children.get(score.name)
+            if of is None:
+                of = children[score.name] = (
+                    SCORE.labels(score.name),
+                    SCORE_RESULTS.labels(score.name, "passed"),
+                    SCORE_RESULTS.labels(score.name, "failed"),
+                )
+            of[0].observe(score.value)
+            (of[1] if score.passed else of[2]).inc()
