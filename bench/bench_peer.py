@@ -346,13 +346,17 @@ def running(stack: Stack) -> Iterator[Stack]:
         stack.stop()
 
 
-def run_rounds(by_side: dict[str, Server]) -> dict[tuple[str, str], list[Phase]]:
+def run_rounds(
+    by_side: dict[str, Server], sides: tuple[str, ...] = SIDES, loads: tuple[Load, ...] = LOADS, rounds: int = ROUNDS
+) -> dict[tuple[str, str], list[Phase]]:
+    """Every side warmed once, then each load on each side per round, the sides' order reversed every
+    other round (also bench-rounds-ahead's loop)."""
     for side, server in by_side.items():  # warm every side once: connections, first allocations
         asyncio.run(run_load(server, [("Say hi.", 0)], 1))
-    phases: dict[tuple[str, str], list[Phase]] = {(side, load.name): [] for side in SIDES for load in LOADS}
-    for round_ in range(1, ROUNDS + 1):
-        for load in LOADS:
-            for side in SIDES if round_ % 2 else SIDES[::-1]:
+    phases: dict[tuple[str, str], list[Phase]] = {(side, load.name): [] for side in sides for load in loads}
+    for round_ in range(1, rounds + 1):
+        for load in loads:
+            for side in sides if round_ % 2 else sides[::-1]:
                 done = phase(side, by_side[side], load)
                 phases[(side, load.name)].append(done)
                 tps = done.tokens / done.wall_s if done.ok else float("nan")

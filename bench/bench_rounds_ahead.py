@@ -16,7 +16,6 @@ steps where they share the cores.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import os
 import sys
@@ -24,7 +23,7 @@ import tempfile
 import uuid
 from pathlib import Path
 
-from bench_peer import DEMO_KEY, Load, Phase, Server, figures, phase, run_load, running
+from bench_peer import DEMO_KEY, Load, Phase, Server, figures, run_rounds, running
 from sluice_stack import Stack, StackPorts
 
 ROUNDS = int(os.environ.get("BENCH_ROUNDS", "4"))
@@ -67,18 +66,7 @@ def main() -> int:
             exits.enter_context(running(each))
         demo = {"Authorization": f"Bearer {DEMO_KEY}"}
         servers = {side: Server(f"{each.openai_base_url}/chat/completions", demo) for side, each in stacks.items()}
-        for server in servers.values():  # warm each side once: connections, first allocations
-            asyncio.run(run_load(server, [("Say hi.", 0)], 1))
-        phases: dict[tuple[str, str], list[Phase]] = {(side, load.name): [] for side in servers for load in LOADS}
-        for round_ in range(1, ROUNDS + 1):
-            for load in LOADS:
-                for side in (AHEAD, AFTER) if round_ % 2 else (AFTER, AHEAD):
-                    done = phase(side, servers[side], load)
-                    phases[(side, load.name)].append(done)
-                    print(
-                        f"round {round_} {load.name:>9} {side:<6} {len(done.ok)} ok, {done.failed} failed, {done.tokens / done.wall_s:.1f} tok/s",
-                        flush=True,
-                    )
+        phases = run_rounds(servers, (AHEAD, AFTER), LOADS, ROUNDS)
         for line in report(phases):
             print(line, flush=True)
     return 0

@@ -9,6 +9,7 @@ import time
 
 from conftest import collect
 from prometheus_client import REGISTRY
+from structlog.testing import capture_logs
 from test_scheduler import RecordingStepModel, request
 
 from sluice_inference_adapter.sequence import Finish, FinishEvent
@@ -290,3 +291,20 @@ async def test_a_cancel_while_a_round_is_sent_ahead_stops_the_sequence_within_on
     assert len(decodes_after) <= 1, rows[-5:]
     assert Action.RELEASE in [action for _, action in rows]
     assert scheduler.running_count == 0
+
+
+async def test_rounds_ahead_asked_of_a_step_model_without_follows_round_is_said_once_and_not_sent() -> None:
+    """An older step model would read a round sent ahead as one that ends the round in flight: the
+    setting is not silently dropped, it is logged, and each round goes when the one before has ended."""
+    model = RecordingStepModel(step_delay_s=0.005)
+    model.follows_rounds = False  # type: ignore[misc]
+    scheduler = Scheduler(model, SchedulerLimits(max_round_steps=4, round_target_s=1.0, rounds_ahead=True), replica="old-model")
+    scheduler.start()
+    try:
+        with capture_logs() as logs:
+            text, _ = await collect(scheduler.submit(request(max_tokens=20)))
+    finally:
+        await scheduler.stop()
+    assert text == "".join(f"t{i} " for i in range(1, 21))
+    assert not any(model.rounds.followed) and not any(model.rounds.came_while_one_ran)
+    assert [entry["event"] for entry in logs if entry["event"] == "rounds_ahead_not_supported"] == ["rounds_ahead_not_supported"]

@@ -11,7 +11,6 @@ which the scheduler skips as it skips any answer for a sequence that has ended.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 
@@ -44,8 +43,9 @@ class SentResponses:
         if self._first is not None:
             first, self._first = self._first, None
             first.cancel()
-            with contextlib.suppress(BaseException):
-                await first
+            await asyncio.wait([first])  # a cancel of the caller's own still reaches it
+            if not first.cancelled():
+                first.exception()  # discarded with the round, whatever it raised
         await self._responses.aclose()
 
 

@@ -128,6 +128,7 @@ class Scheduler(ReplicaWork):
         self._sent_aside: set[asyncio.Task[None]] = set()
         # The next round, sent while the one in flight runs (None: none sent).
         self._ahead: RoundAhead | None = None
+        self._said_no_follow = False  # rounds_ahead asked of a step model without FOLLOWS_ROUND, logged once
 
     @property
     def running_count(self) -> int:
@@ -259,8 +260,16 @@ class Scheduler(ReplicaWork):
             or self._round_end_asked
             or self._unreleased
             or not any(s.seq_id in self._running for s in stepped)
-            or not self._backend.follows_rounds
         ):
+            return
+        if not self._backend.follows_rounds:
+            if not self._said_no_follow:
+                self._said_no_follow = True
+                log.warning(
+                    "rounds_ahead_not_supported",
+                    replica=self._replica,
+                    hint="the step model does not declare FOLLOWS_ROUND: each round is sent when the one before has ended (upgrade the step model)",
+                )
             return
         rows, ahead = self._plan_step()
         if not rows:
