@@ -21,10 +21,12 @@ other orders, so a near-tie between two tokens can go either way and the rows pa
 Then the same greedy rows through the step protocol on the GPU engine (step_protocol.start_round on a
 SharedEngine, as both Triton models call it, the responses taken from a queue: what the adapter
 drives, less the Triton hop, which `make bench-transport` measures) in rounds of k engine steps, for
-each k of BENCH_ROUND_STEPS (1: a round trip per token; 8: the adapter's MAX_ROUND_STEPS default)
-and each batch of BATCHES up to 32, against the engine stepped directly at the same batch:
+each k of BENCH_ROUND_STEPS (1: a round trip per token; 64: the adapter's MAX_ROUND_STEPS default),
+a round's steps sharing a response for up to BENCH_STREAM_INTERVAL_MS (50: the adapter's
+STREAM_INTERVAL_S default; 0: a response per step), and each batch of BATCHES up to 32, against
+the engine stepped directly at the same batch:
 
-  BENCH gpu_protocol batch=8 round_steps=8 tok_s=... engine_tok_s=... ratio=... greedy_identical=true (8/8 rows)
+  BENCH gpu_protocol batch=8 round_steps=64 ahead=false interval_ms=50 tok_s=... engine_tok_s=... ratio=... greedy_identical=true (8/8 rows)
 
 The clock runs from the first response (the prefill's) to the last token; greedy_identical says
 whether every row's tokens equal the engine's own at that batch.
@@ -65,7 +67,8 @@ ROUNDS = int(os.environ.get("BENCH_ROUNDS", "2"))
 # than that spin at every barrier and would handicap the CPU side of the comparison.
 THREADS = int(os.environ.get("BENCH_THREADS", "0")) or usable_cpus()[0]
 DRY_RUN = os.environ.get("BENCH_GPU_DRY_RUN", "") not in ("", "0")
-ROUND_STEPS = [int(k) for k in os.environ.get("BENCH_ROUND_STEPS", "1,8").split(",")]
+ROUND_STEPS = [int(k) for k in os.environ.get("BENCH_ROUND_STEPS", "1,8,64").split(",")]
+STREAM_INTERVAL_MS = int(os.environ.get("BENCH_STREAM_INTERVAL_MS", "50"))
 PROTOCOL_MAX_BATCH = 32
 PROMPT_ROOM = 192  # positions a slot keeps for its templated prompt (the longest of PROMPTS: 44 tokens)
 
@@ -148,11 +151,12 @@ class ProtocolRun:
     protocol: Side
     engine: Side  # the same rows stepped directly (Comparison.gpu)
     ahead: bool = False  # each round sent at the first response of the one before, to follow it
+    interval_ms: int = 0  # how long a round's steps may wait to share a response
 
     def line(self) -> str:
         same = sum(p == e for p, e in zip(self.protocol.tokens, self.engine.tokens))
         return (
-            f"BENCH gpu_protocol batch={self.batch} round_steps={self.round_steps} ahead={str(self.ahead).lower()} "
+            f"BENCH gpu_protocol batch={self.batch} round_steps={self.round_steps} ahead={str(self.ahead).lower()} interval_ms={self.interval_ms} "
             f"tok_s={self.protocol.decode_tok_s:.1f} "
             f"engine_tok_s={self.engine.decode_tok_s:.1f} ratio={self.protocol.decode_tok_s / self.engine.decode_tok_s:.2f} "
             f"greedy_identical={str(same == self.batch).lower()} ({same}/{self.batch} rows)"
@@ -162,7 +166,7 @@ class ProtocolRun:
 _protocol_seq_ids = count(50_000)
 
 
-def protocol_decode(engine: SharedEngine, prompts: list[str], decode_steps: int, round_steps: int, ahead: bool = False) -> Side:
+def protocol_decode(engine: SharedEngine, prompts: list[str], decode_steps: int, round_steps: int, ahead: bool = False, interval_ms: int = 0) -> Side:
     """greedy_decode's load (one prefill, then up to `decode_steps` greedy tokens a row) through the
     step protocol in rounds of `round_steps` engine steps, each round asked for when the last ended,
     or (`ahead`) sent at the first response of the round before to follow it (FOLLOWS_ROUND), as the
@@ -171,7 +175,7 @@ def protocol_decode(engine: SharedEngine, prompts: list[str], decode_steps: int,
     answer = lambda outputs, last: responses.put((outputs, last))  # noqa: E731
     ids = [next(_protocol_seq_ids) for _ in prompts]
     bodies = [json.dumps({"messages": [["user", p]], "max_tokens": decode_steps + 1, "temperature": 0}).encode() for p in prompts]
-    start_round(engine, round_inputs(PREFILL, ids, bodies, round_steps), answer)
+    start_round(engine, round_inputs(PREFILL, ids, bodies, round_steps, stream_interval_ms=interval_ms), answer)
     tokens: dict[int, list[int]] = {i: [] for i in ids}
     live, started, followed = set(ids), 0.0, False
     while live:
@@ -187,12 +191,12 @@ def protocol_decode(engine: SharedEngine, prompts: list[str], decode_steps: int,
             if finish:
                 live.discard(int(seq_id))
         if ahead and not last and live and not followed:
-            start_round(engine, round_inputs(DECODE, sorted(live), [b""] * len(live), round_steps, follows=True), answer)
+            start_round(engine, round_inputs(DECODE, sorted(live), [b""] * len(live), round_steps, True, interval_ms), answer)
             followed = True
         elif last and followed:
             followed = False  # the round sent ahead runs now
         elif last and live:
-            start_round(engine, round_inputs(DECODE, sorted(live), [b""] * len(live), round_steps), answer)
+            start_round(engine, round_inputs(DECODE, sorted(live), [b""] * len(live), round_steps, stream_interval_ms=interval_ms), answer)
     elapsed = time.perf_counter() - started
     start_round(engine, round_inputs(RELEASE, ids, [b""] * len(ids), 1), lambda *_: None).result(timeout=60)
     decoded = sum(len(row) - 1 for row in tokens.values())  # the prefill's token is before the clock
@@ -200,11 +204,18 @@ def protocol_decode(engine: SharedEngine, prompts: list[str], decode_steps: int,
 
 
 def protocol_run(
-    engine: SharedEngine, alone: Side, batch: int, round_steps: int, steps: int = DECODE_STEPS, rounds: int = ROUNDS, ahead: bool = False
+    engine: SharedEngine,
+    alone: Side,
+    batch: int,
+    round_steps: int,
+    steps: int = DECODE_STEPS,
+    rounds: int = ROUNDS,
+    ahead: bool = False,
+    interval_ms: int = 0,
 ) -> ProtocolRun:
-    runs = [protocol_decode(engine, PROMPTS[:batch], steps, round_steps, ahead) for _ in range(rounds)]
+    runs = [protocol_decode(engine, PROMPTS[:batch], steps, round_steps, ahead, interval_ms) for _ in range(rounds)]
     best = max(runs, key=lambda side: side.decode_tok_s)
-    return ProtocolRun(batch, round_steps, best, alone, ahead)
+    return ProtocolRun(batch, round_steps, best, alone, ahead, interval_ms)
 
 
 def engines(batches: list[int], steps: int, threads: int, gpu_layers: int = -1) -> tuple[StepEngine, StepEngine]:
@@ -331,12 +342,16 @@ def main() -> int:
             rows = ", ".join(f"row {row} at token {index}" for row, index in sorted(diverged.items()))
             print(f"  GPU and CPU greedy tokens part: {rows}", flush=True)
     shared = SharedEngine(gpu)
-    print(f"the step protocol on the GPU engine in process (no Triton hop), rounds of {ROUND_STEPS} steps ...", flush=True)
+    print(
+        f"the step protocol on the GPU engine in process (no Triton hop), rounds of {ROUND_STEPS} steps,"
+        f" a response at most every {STREAM_INTERVAL_MS} ms ...",
+        flush=True,
+    )
     for batch in (b for b in BATCHES if b <= PROTOCOL_MAX_BATCH):
         for round_steps in ROUND_STEPS:
             # A round of one step has no later step to send the next one during.
             for ahead in (False, True) if round_steps > 1 else (False,):
-                run = protocol_run(shared, alone[batch], batch, round_steps, ahead=ahead)
+                run = protocol_run(shared, alone[batch], batch, round_steps, ahead=ahead, interval_ms=STREAM_INTERVAL_MS)
                 print(run.line() + (" (dry run: on the CPU)" if DRY_RUN else ""), flush=True)
     return 0
 

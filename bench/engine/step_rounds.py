@@ -19,7 +19,10 @@ from itertools import count
 
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-os.environ.setdefault("GOMP_SPINCOUNT", "100")  # as triton-local sets it (default_thread_waits)
+
+from sluice_triton_local.__main__ import default_thread_waits  # noqa: E402
+
+default_thread_waits(os.environ)  # llama.cpp's threads wait at barriers as triton-local's do
 
 import numpy as np  # noqa: E402  (after the thread settings above)
 

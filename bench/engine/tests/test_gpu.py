@@ -50,11 +50,12 @@ def test_the_step_protocol_gives_the_engines_own_greedy_tokens_at_every_round_le
     gpu, cpu = bench_gpu.engines([2], steps=6, threads=2, gpu_layers=0)
     alone = bench_gpu.compare(gpu, cpu, 2, steps=6, rounds=1).gpu
     shared = bench_gpu.SharedEngine(gpu)
-    for round_steps, ahead in ((1, False), (4, False), (8, False), (2, True), (4, True)):
-        run = bench_gpu.protocol_run(shared, alone, 2, round_steps, steps=6, rounds=1, ahead=ahead)
-        assert run.protocol.tokens == alone.tokens, (round_steps, ahead)
+    # Steps sharing responses (interval_ms, as the adapter asks) give the same tokens as a response per step.
+    for round_steps, ahead, interval_ms in ((1, False, 0), (4, False, 0), (8, False, 50), (64, False, 50), (2, True, 0), (4, True, 50)):
+        run = bench_gpu.protocol_run(shared, alone, 2, round_steps, steps=6, rounds=1, ahead=ahead, interval_ms=interval_ms)
+        assert run.protocol.tokens == alone.tokens, (round_steps, ahead, interval_ms)
         assert re.fullmatch(
-            rf"BENCH gpu_protocol batch=2 round_steps={round_steps} ahead={str(ahead).lower()} tok_s=\d+\.\d engine_tok_s=\d+\.\d "
+            rf"BENCH gpu_protocol batch=2 round_steps={round_steps} ahead={str(ahead).lower()} interval_ms={interval_ms} tok_s=\d+\.\d engine_tok_s=\d+\.\d "
             r"ratio=\d+\.\d\d greedy_identical=true \(2/2 rows\)",
             run.line(),
         ), run.line()

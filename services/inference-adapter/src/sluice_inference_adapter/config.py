@@ -66,8 +66,10 @@ class AdapterConfig(ServerConfig):
     # Multi-step rounds: engine steps per round trip to Triton, at most MAX_ROUND_STEPS and no more
     # than fit ROUND_TARGET_S at the recent step time; 1 while requests wait to be admitted, and a
     # round is asked to end early when one arrives or a slot frees for it. MAX_ROUND_STEPS=1: one
-    # round trip per token.
-    max_round_steps: int = 8
+    # round trip per token. 64 (the protocol's most) rather than 8: arrivals end a round anyway, and
+    # each round boundary costs a request's way in and the engine's idle wait for it; at 1 stream on
+    # 2 cores 64 decoded 1.047x the tokens/s of 8 (4 alternated rounds, docs/contributors/benchmarks.md).
+    max_round_steps: int = 64
     round_target_s: float = 1.0
     # While a round runs, plan the next and send it to follow it at the engine, which then starts
     # it without waiting a round trip (round_ahead.py). Off by default: the request's way in then

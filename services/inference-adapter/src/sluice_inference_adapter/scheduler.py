@@ -89,7 +89,7 @@ class SchedulerLimits:
     # Multi-step rounds: at most `max_round_steps` engine steps per round trip (1: one step per
     # round trip), and no more than fit `round_target_s` at the recent decode step time (a round
     # is asked to end early when a request arrives or a slot frees for one that waits).
-    max_round_steps: int = 8
+    max_round_steps: int = 64
     round_target_s: float = 1.0
     # Send the next round while one runs, to follow it (round_ahead.py), where the backend can.
     rounds_ahead: bool = False

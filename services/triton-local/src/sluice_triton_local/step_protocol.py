@@ -135,10 +135,12 @@ OUTPUTS: tuple[tuple[str, type], ...] = (
 OnResponse = Callable[[dict[str, np.ndarray], bool], object]
 
 
-def round_inputs(action: int, seq_ids: list[int], bodies: list[bytes], steps: int = 1, follows: bool = False) -> dict[str, np.ndarray]:
+def round_inputs(
+    action: int, seq_ids: list[int], bodies: list[bytes], steps: int = 1, follows: bool = False, stream_interval_ms: int = 0
+) -> dict[str, np.ndarray]:
     """A request's input tensors, one row per sequence, all of one action, for `steps` engine steps
-    (`follows`: sent to follow the round in flight): what a caller in process (the benchmarks)
-    passes to `start_round`."""
+    (`follows`: sent to follow the round in flight; `stream_interval_ms`: STREAM_INTERVAL_MS, 0 for
+    none): what a caller in process (the benchmarks) passes to `start_round`."""
     inputs: dict[str, np.ndarray] = {
         "ACTION": np.full(len(seq_ids), action, np.int32),
         "SEQ_ID": np.array(seq_ids, np.int64),
@@ -147,6 +149,8 @@ def round_inputs(action: int, seq_ids: list[int], bodies: list[bytes], steps: in
     }
     if follows:
         inputs["FOLLOWS_ROUND"] = np.array([1], np.int32)
+    if stream_interval_ms:
+        inputs["STREAM_INTERVAL_MS"] = np.array([stream_interval_ms], np.int32)
     return inputs
 
 
