@@ -1,7 +1,9 @@
 """make bench-path: one stream at a time, through each hop, side by side in one run.
 
 For the same greedy request it measures time to first token (TTFT) and decode tokens/s
-  triton   the step protocol driven directly over tritonclient (no Sluice service),
+  triton   the step protocol driven directly over tritonclient (no Sluice service), as the adapter
+           drives it by default: a prefill round of one step, then rounds of up to 64 decode steps
+           whose steps share a response for up to 50 ms (its MAX_ROUND_STEPS, STREAM_INTERVAL_S),
   adapter  sluice.inference.v1.InferenceService/Generate,
   gateway  sluice.gateway.v1.GatewayService/Generate (auth + validation + adapter),
 interleaving the three in every round so that noise on this shared machine hits all alike.
@@ -9,11 +11,12 @@ interleaving the three in every round so that noise on this shared machine hits 
 Where the clocks run (the same on every path):
   start  immediately before the request is built: `measure` reads the clock, then calls the path,
          and each path builds its request (the step protocol's inputs, or the GenerateRequest)
-         and creates its call (`client.infer`, or the streaming `stub.Generate`) only after that.
+         and creates its call (the step model's stream, or the streaming `stub.Generate`) only after that.
          The clients and channels are made, and warmed with one request each, before any clock.
   first  the first chunk that carries text arrives: time to first token (TTFT).
-  stop   the last chunk that carries text arrives: decode tokens/s = (text chunks - 1) over the
-         time from the first text chunk to the last, chunks counted alike on every path.
+  stop   the last chunk that carries text arrives: decode tokens/s = the completion's tokens after
+         the first (the engine's count: its rows on the triton path, the usage on the others) over
+         the time from the first text chunk to the last.
 Ends with `BENCH <name> <value> <unit>` lines. Target: gateway + adapter add <= 5 ms to TTFT p50.
 """
 
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import queue
 import random
 import statistics
 import tempfile
@@ -45,48 +49,79 @@ PROMPT = "<|im_start|>user\nHi!<|im_end|>\n<|im_start|>assistant\n"
 AUTH = (("authorization", "Bearer sk-sluice-demo"),)
 
 Sample = tuple[float, float]  # (ttft seconds, decode tokens per second)
+# A chunk's text, and on the last chunk the completion's tokens (None before).
+Chunk = tuple[str, int | None]
+PREFILL, DECODE = 1, 2
+# The adapter's defaults: rounds of up to MAX_ROUND_STEPS (the 1 s round target allows all 64 at
+# this engine's pace), steps sharing a response for up to STREAM_INTERVAL_S.
+ROUND_STEPS, STREAM_INTERVAL_MS = 64, 50
 
 
-def measure(path: Callable[[], Iterable[str]]) -> Sample:
+def measure(path: Callable[[], Iterable[Chunk]]) -> Sample:
     """Times one request of `path`: the clock starts before the path builds and sends anything."""
     started = time.perf_counter()
     arrivals: list[float] = []
-    for text in path():  # every path builds its request and starts its call in here, on the clock
+    tokens = 0
+    for text, completion_tokens in path():  # every path builds its request and starts its call in here, on the clock
         if text:
             arrivals.append(time.perf_counter() - started)
+        tokens = completion_tokens or tokens
     decode_s = arrivals[-1] - arrivals[0]
-    return arrivals[0], (len(arrivals) - 1) / decode_s if decode_s > 0 else 0.0
+    return arrivals[0], (tokens - 1) / decode_s if decode_s > 0 else 0.0
 
 
-def triton_chunks(client: triton.InferenceServerClient, max_tokens: int) -> Iterable[str]:
-    # A generator: the request is built and sent only when `measure` iterates it.
+def _step_inputs(action: int, seq_id: int, request: bytes, steps: int) -> list[triton.InferInput]:
+    arrays = [
+        ("ACTION", "INT32", np.array([action], np.int32)),
+        ("SEQ_ID", "INT64", np.array([seq_id], np.int64)),
+        ("REQUEST", "BYTES", np.array([request], np.object_)),
+        ("STEPS", "INT32", np.array([steps], np.int32)),
+        ("STREAM_INTERVAL_MS", "INT32", np.array([STREAM_INTERVAL_MS], np.int32)),
+    ]
+    inputs = []
+    for name, datatype, array in arrays:
+        tensor = triton.InferInput(name, list(array.shape), datatype)
+        tensor.set_data_from_numpy(array)
+        inputs.append(tensor)
+    return inputs
+
+
+def triton_chunks(client: triton.InferenceServerClient, max_tokens: int) -> Iterable[Chunk]:
+    # A generator: the stream is opened and the request built and sent only when `measure` iterates it.
     seq_id = random.getrandbits(62) + 1
-    body = json.dumps({"prompt": PROMPT, "max_tokens": max_tokens}).encode()
-    action, request = 1, body
-    while True:
-        inputs = [triton.InferInput("ACTION", [1], "INT32"), triton.InferInput("SEQ_ID", [1], "INT64"), triton.InferInput("REQUEST", [1], "BYTES")]
-        inputs[0].set_data_from_numpy(np.array([action], dtype=np.int32))
-        inputs[1].set_data_from_numpy(np.array([seq_id], dtype=np.int64))
-        inputs[2].set_data_from_numpy(np.array([request], dtype=np.object_))
-        result = client.infer(STEP_MODEL, inputs)
-        yield bytes(result.as_numpy("TEXT")[0]).decode()
-        if bytes(result.as_numpy("FINISH")[0]):
-            return
-        action, request = 2, b""
+    responses: queue.Queue[tuple[triton.InferResult | None, Exception | None]] = queue.Queue()
+    client.start_stream(callback=lambda result, error: responses.put((result, error)))
+    try:
+        body = json.dumps({"prompt": PROMPT, "max_tokens": max_tokens}).encode()
+        client.async_stream_infer(STEP_MODEL, _step_inputs(PREFILL, seq_id, body, 1))
+        tokens = 0
+        while True:
+            result, error = responses.get(timeout=120)
+            if result is None:
+                raise SystemExit(f"the step model failed: {error}")
+            tokens += int((result.as_numpy("TOKEN_ID") >= 0).sum())
+            finished = any(bytes(f) for f in result.as_numpy("FINISH"))
+            yield "".join(bytes(t).decode() for t in result.as_numpy("TEXT")), tokens if finished else None
+            if finished:
+                return
+            if bool(result.as_numpy("ROUND_END")[0]):
+                client.async_stream_infer(STEP_MODEL, _step_inputs(DECODE, seq_id, b"", ROUND_STEPS))
+    finally:
+        client.stop_stream()
 
 
-def adapter_chunks(stub: inference_pb2_grpc.InferenceServiceStub, max_tokens: int) -> Iterable[str]:
+def adapter_chunks(stub: inference_pb2_grpc.InferenceServiceStub, max_tokens: int) -> Iterable[Chunk]:
     # A generator, like triton_chunks: nothing is built or sent until `measure` iterates it.
     request = inference_pb2.GenerateRequest(model=MODEL, tenant="bench", prompt=PROMPT, sampling=types_pb2.SamplingParams(max_tokens=max_tokens))
     for response in stub.Generate(request, timeout=120):
-        yield response.text
+        yield response.text, response.usage.completion_tokens if response.HasField("usage") else None
 
 
-def gateway_chunks(stub: gateway_pb2_grpc.GatewayServiceStub, max_tokens: int) -> Iterable[str]:
+def gateway_chunks(stub: gateway_pb2_grpc.GatewayServiceStub, max_tokens: int) -> Iterable[Chunk]:
     # A generator, like triton_chunks: nothing is built or sent until `measure` iterates it.
     request = gateway_pb2.GenerateRequest(model=MODEL, prompt=PROMPT, sampling=types_pb2.SamplingParams(max_tokens=max_tokens))
     for response in stub.Generate(request, metadata=AUTH, timeout=120):
-        yield response.text
+        yield response.text, response.usage.completion_tokens if response.HasField("usage") else None
 
 
 def p50(values: list[float]) -> float:
@@ -111,7 +146,7 @@ def main() -> None:
             client = triton.InferenceServerClient(stack.triton_grpc_address)
             adapter = inference_pb2_grpc.InferenceServiceStub(grpc.insecure_channel(stack.adapter_address))
             gateway = gateway_pb2_grpc.GatewayServiceStub(grpc.insecure_channel(stack.gateway_address))
-            paths: dict[str, Callable[[], Iterable[str]]] = {
+            paths: dict[str, Callable[[], Iterable[Chunk]]] = {
                 "triton": lambda: triton_chunks(client, args.max_tokens),
                 "adapter": lambda: adapter_chunks(adapter, args.max_tokens),
                 "gateway": lambda: gateway_chunks(gateway, args.max_tokens),

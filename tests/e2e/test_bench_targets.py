@@ -7,6 +7,7 @@ before anyone waits on a stack for it."""
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 from dataclasses import dataclass
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from sluice_stack import REPO_ROOT
+from sluice_stack import REPO_ROOT, Stack
 
 MAKEFILE = REPO_ROOT / "Makefile"
 # A recipe line that runs Python from a project's environment: a script or a module.
@@ -112,3 +113,26 @@ def test_every_bench_script_imports_and_parses_its_arguments() -> None:
         if process.returncode != 0:
             failed.append(f"{what} (exit {process.returncode}):\n{output[-2000:]}")
     assert not failed, "\n\n".join(failed)
+
+
+def test_bench_path_drives_the_session_stacks_step_model_as_the_adapter_does(stack: Stack) -> None:
+    """bench-path's Triton path speaks the step protocol to the real step model (it once called a
+    decoupled model with client.infer, which Triton refuses, and nothing caught it): one greedy
+    request through it, in bench's own environment, gives a first token and its decode tokens."""
+    script = (
+        "import json, sys\n"
+        "sys.path.insert(0, 'bench')\n"
+        "import bench_path, tritonclient.grpc as triton\n"
+        "client = triton.InferenceServerClient(sys.argv[1])\n"
+        "chunks = list(bench_path.triton_chunks(client, 8))\n"
+        "ttft, tokens_per_s = bench_path.measure(lambda: bench_path.triton_chunks(client, 8))\n"
+        "print(json.dumps({'chunks': chunks, 'ttft': ttft, 'tokens_per_s': tokens_per_s}))\n"
+    )
+    python = REPO_ROOT / "bench" / ".venv" / "bin" / "python"
+    done = subprocess.run([str(python), "-c", script, stack.triton_grpc_address], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout)
+    texts, finals = [text for text, _ in result["chunks"]], [tokens for _, tokens in result["chunks"] if tokens is not None]
+    assert "".join(texts), result
+    assert finals == [8], result  # the last chunk carries the engine's count: max_tokens, greedy from "Hi!"
+    assert result["ttft"] > 0 and result["tokens_per_s"] > 0, result
