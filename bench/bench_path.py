@@ -39,6 +39,7 @@ from sluice.common.v1 import types_pb2
 from sluice.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from sluice.inference.v1 import inference_pb2, inference_pb2_grpc
 
+from bench_transport import DECODE, PREFILL, step_inputs
 from sluice_stack import Stack, StackPorts
 
 MODEL = "smollm2-135m-instruct"
@@ -51,7 +52,6 @@ AUTH = (("authorization", "Bearer sk-sluice-demo"),)
 Sample = tuple[float, float]  # (ttft seconds, decode tokens per second)
 # A chunk's text, and on the last chunk the completion's tokens (None before).
 Chunk = tuple[str, int | None]
-PREFILL, DECODE = 1, 2
 # The adapter's defaults: rounds of up to MAX_ROUND_STEPS (the 1 s round target allows all 64 at
 # this engine's pace), steps sharing a response for up to STREAM_INTERVAL_S.
 ROUND_STEPS, STREAM_INTERVAL_MS = 64, 50
@@ -70,22 +70,6 @@ def measure(path: Callable[[], Iterable[Chunk]]) -> Sample:
     return arrivals[0], (tokens - 1) / decode_s if decode_s > 0 else 0.0
 
 
-def _step_inputs(action: int, seq_id: int, request: bytes, steps: int) -> list[triton.InferInput]:
-    arrays = [
-        ("ACTION", "INT32", np.array([action], np.int32)),
-        ("SEQ_ID", "INT64", np.array([seq_id], np.int64)),
-        ("REQUEST", "BYTES", np.array([request], np.object_)),
-        ("STEPS", "INT32", np.array([steps], np.int32)),
-        ("STREAM_INTERVAL_MS", "INT32", np.array([STREAM_INTERVAL_MS], np.int32)),
-    ]
-    inputs = []
-    for name, datatype, array in arrays:
-        tensor = triton.InferInput(name, list(array.shape), datatype)
-        tensor.set_data_from_numpy(array)
-        inputs.append(tensor)
-    return inputs
-
-
 def triton_chunks(client: triton.InferenceServerClient, max_tokens: int) -> Iterable[Chunk]:
     # A generator: the stream is opened and the request built and sent only when `measure` iterates it.
     seq_id = random.getrandbits(62) + 1
@@ -93,7 +77,7 @@ def triton_chunks(client: triton.InferenceServerClient, max_tokens: int) -> Iter
     client.start_stream(callback=lambda result, error: responses.put((result, error)))
     try:
         body = json.dumps({"prompt": PROMPT, "max_tokens": max_tokens}).encode()
-        client.async_stream_infer(STEP_MODEL, _step_inputs(PREFILL, seq_id, body, 1))
+        client.async_stream_infer(STEP_MODEL, step_inputs(PREFILL, [seq_id], [body], 1, STREAM_INTERVAL_MS))
         tokens = 0
         while True:
             result, error = responses.get(timeout=120)
@@ -105,7 +89,7 @@ def triton_chunks(client: triton.InferenceServerClient, max_tokens: int) -> Iter
             if finished:
                 return
             if bool(result.as_numpy("ROUND_END")[0]):
-                client.async_stream_infer(STEP_MODEL, _step_inputs(DECODE, seq_id, b"", ROUND_STEPS))
+                client.async_stream_infer(STEP_MODEL, step_inputs(DECODE, [seq_id], [b""], ROUND_STEPS, STREAM_INTERVAL_MS))
     finally:
         client.stop_stream()
 

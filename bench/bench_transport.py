@@ -191,13 +191,17 @@ def wait_ready(process: subprocess.Popen[bytes], url: str, log: Path) -> grpccli
 # --- the client ----------------------------------------------------------------------------------
 
 
-def _inputs(action: int, seq_ids: list[int], bodies: list[bytes], steps: int) -> list[grpcclient.InferInput]:
+def step_inputs(action: int, seq_ids: list[int], bodies: list[bytes], steps: int, stream_interval_ms: int = 0) -> list[grpcclient.InferInput]:
+    """A step-protocol request's tensors over tritonclient (also bench-path's); STREAM_INTERVAL_MS
+    only when given."""
     arrays = [
         ("ACTION", "INT32", np.full(len(seq_ids), action, np.int32)),
         ("SEQ_ID", "INT64", np.array(seq_ids, np.int64)),
         ("REQUEST", "BYTES", np.array(bodies, dtype=object)),
         ("STEPS", "INT32", np.array([steps], np.int32)),
     ]
+    if stream_interval_ms:
+        arrays.append(("STREAM_INTERVAL_MS", "INT32", np.array([stream_interval_ms], np.int32)))
     inputs = []
     for name, dtype, array in arrays:
         tensor = grpcclient.InferInput(name, list(array.shape), dtype)
@@ -215,7 +219,7 @@ class TritonSide:
         self.client.start_stream(callback=lambda result, error: responses.put((result, error)))
         seq_ids = [next(self.ids) for _ in range(batch)]
         body = json.dumps({"messages": [["user", PROMPT]], "max_tokens": tokens, "temperature": 0}).encode()
-        send = lambda action, ids, bodies, k: self.client.async_stream_infer(STEP_MODEL, _inputs(action, ids, bodies, k))  # noqa: E731
+        send = lambda action, ids, bodies, k: self.client.async_stream_infer(STEP_MODEL, step_inputs(action, ids, bodies, k))  # noqa: E731
         cpu = tree_cpu_seconds(self.process.pid)
         send(PREFILL, seq_ids, [body] * batch, steps)
         live, started, decoded = set(seq_ids), None, 0
