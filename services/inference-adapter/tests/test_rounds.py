@@ -89,6 +89,21 @@ async def test_max_round_steps_1_is_one_round_trip_per_token() -> None:
     assert model.rounds.asked == [1] * 10
 
 
+async def test_an_arrival_as_a_finished_round_closes_asks_no_round_to_end() -> None:
+    """A round whose sequences have all finished ends by itself: an end-round ask then would reach
+    the engine after the arrival's own round and end that one instead."""
+    model = RecordingStepModel(step_delay_s=0.005)
+    scheduler = Scheduler(model, SchedulerLimits(max_round_steps=32, round_target_s=1.0))
+    scheduler.start()
+    try:
+        for _ in range(3):  # each arrives as the round of the one before closes
+            await collect(scheduler.submit(request(max_tokens=12)))
+    finally:
+        await scheduler.stop()
+    assert max(model.rounds.asked) > 1  # long rounds ran, so an ask was possible
+    assert model.end_asks == 0
+
+
 async def test_one_step_rounds_while_requests_wait_to_be_admitted() -> None:
     model = RecordingStepModel(step_delay_s=0.005)
     scheduler = Scheduler(model, SchedulerLimits(max_batch_size=1, max_round_steps=8, round_target_s=1.0))
