@@ -39,11 +39,10 @@ from sluice.common.v1 import types_pb2
 from sluice.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from sluice.inference.v1 import inference_pb2, inference_pb2_grpc
 
-from bench_transport import DECODE, PREFILL, step_inputs
+from bench_transport import DECODE, PREFILL, STEP_MODEL, step_inputs
 from sluice_stack import Stack, StackPorts
 
 MODEL = "smollm2-135m-instruct"
-STEP_MODEL = "smollm2_step"
 # A short raw prompt: prefill time varies by tens of ms on a shared CPU, so a long prompt would
 # drown the few milliseconds each hop adds. The same text goes through every path.
 PROMPT = "<|im_start|>user\nHi!<|im_end|>\n<|im_start|>assistant\n"

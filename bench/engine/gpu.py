@@ -191,7 +191,9 @@ def protocol_decode(engine: SharedEngine, prompts: list[str], decode_steps: int,
             if finish:
                 live.discard(int(seq_id))
         if ahead and not last and live and not followed:
-            start_round(engine, round_inputs(DECODE, sorted(live), [b""] * len(live), round_steps, True, interval_ms), answer)
+            start_round(
+                engine, round_inputs(DECODE, sorted(live), [b""] * len(live), round_steps, follows=True, stream_interval_ms=interval_ms), answer
+            )
             followed = True
         elif last and followed:
             followed = False  # the round sent ahead runs now
