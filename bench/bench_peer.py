@@ -29,10 +29,10 @@ ROUNDS rounds; each load runs every side in turn, the order reversed in even rou
 of a shared machine falls on all of them alike. Each side is warmed with one request first.
 BENCH_RUN_DIR keeps the services' and llama-server's logs (a temporary folder otherwise).
 
-Thread waits: triton-local sets GOMP_SPINCOUNT=1000 (a brief spin, then sleep) unless the environment
-sets it or OMP_WAIT_POLICY, while llama-server runs with libgomp's default (a ~3 ms spin, then
-sleep), as its users run it. Beside a busy process its spinning threads collapse (2 tok/s per stream
-seen here while another stack ran); `GOMP_SPINCOUNT=1000 make bench-peer` gives both sides the same wait.
+Thread waits: both sides wait at llama.cpp's barriers as libgomp does by default (a ~3 ms spin, then
+sleep), as their users run them; triton-local also steps with fewer threads while another process
+takes cores (SLUICE_TRITON_LOCAL_ADAPTIVE_THREADS), which llama-server does not: beside a busy
+process its spinning threads collapse (2 tok/s per stream seen here while another stack ran).
 """
 
 from __future__ import annotations

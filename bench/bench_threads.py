@@ -6,8 +6,12 @@ llama.cpp's CPU threads meet at each of the hundreds of barriers in a step. Buil
 default build) they spin there; a thread that loses its core holds up the others until it runs
 again, so a step on a shared box can take seconds. The policies, each on a stack of its own:
 
-  default   every usable CPU, libgomp's default wait: spin about 3 ms at a barrier (GOMP_SPINCOUNT
-            300,000), then sleep; triton-local's default before this benchmark (an empty
+  adaptive  triton-local's default: libgomp's default wait, and fewer threads while another process
+            takes cores (SLUICE_TRITON_LOCAL_ADAPTIVE_THREADS, engine/thread_governor.py)
+  brief     every usable CPU always, a spin of 1,000 rounds then sleep (GOMP_SPINCOUNT=1000): the
+            default before adaptive threads
+  default   every usable CPU always, libgomp's default wait: spin about 3 ms at a barrier
+            (GOMP_SPINCOUNT 300,000), then sleep; the default before this benchmark (an empty
             OMP_WAIT_POLICY is libgomp's "not set", and keeps triton-local from setting it)
   spin      every usable CPU, OMP_WAIT_POLICY=ACTIVE: threads spin at a barrier until released
   passive   every usable CPU, OMP_WAIT_POLICY=PASSIVE: threads sleep at a barrier at once
@@ -38,15 +42,18 @@ from sluice_stack import Stack, StackPorts
 
 STREAMS = int(os.environ.get("BENCH_STREAMS", "32"))
 CPUS = len(os.sched_getaffinity(0))
+FIXED = {"SLUICE_TRITON_LOCAL_THREADS": str(CPUS), "SLUICE_TRITON_LOCAL_ADAPTIVE_THREADS": "false"}
 POLICIES: dict[str, dict[str, str]] = {
-    "default": {"SLUICE_TRITON_LOCAL_THREADS": str(CPUS), "OMP_WAIT_POLICY": ""},
-    "spin": {"SLUICE_TRITON_LOCAL_THREADS": str(CPUS), "OMP_WAIT_POLICY": "ACTIVE"},
-    "passive": {"SLUICE_TRITON_LOCAL_THREADS": str(CPUS), "OMP_WAIT_POLICY": "PASSIVE"},
+    "adaptive": {"SLUICE_TRITON_LOCAL_THREADS": str(CPUS)},
+    "brief": {**FIXED, "GOMP_SPINCOUNT": "1000"},
+    "default": {**FIXED, "OMP_WAIT_POLICY": ""},
+    "spin": {**FIXED, "OMP_WAIT_POLICY": "ACTIVE"},
+    "passive": {**FIXED, "OMP_WAIT_POLICY": "PASSIVE"},
     "one": {"SLUICE_TRITON_LOCAL_THREADS": "1"},
 }
 if os.environ.get("BENCH_GGML_POOL_LIB"):
-    POLICIES["pool"] = {"SLUICE_TRITON_LOCAL_THREADS": str(CPUS), "LLAMA_CPP_LIB_PATH": os.environ["BENCH_GGML_POOL_LIB"]}
-# BENCH_POLICIES=default,passive measures some of them.
+    POLICIES["pool"] = {**FIXED, "LLAMA_CPP_LIB_PATH": os.environ["BENCH_GGML_POOL_LIB"]}
+# BENCH_POLICIES=adaptive,brief measures some of them.
 if os.environ.get("BENCH_POLICIES"):
     POLICIES = {name: POLICIES[name] for name in os.environ["BENCH_POLICIES"].split(",")}
 

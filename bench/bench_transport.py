@@ -124,6 +124,8 @@ def start_pytriton(run_dir: Path) -> tuple[subprocess.Popen[bytes], str]:
         SLUICE_TRITON_LOCAL_TRITON_METRICS_PORT=str(triton_metrics), SLUICE_TRITON_LOCAL_METRICS_PORT=str(metrics),
         SLUICE_TRITON_LOCAL_VARIANT_MODEL_NAME="", SLUICE_TRITON_LOCAL_THREADS=str(THREADS),
         SLUICE_TRITON_LOCAL_PREFIX_CACHE="false",
+        # A fixed team of threads with a brief spin, as on the other two sides: the transport is measured.
+        SLUICE_TRITON_LOCAL_ADAPTIVE_THREADS="false",
     )  # fmt: skip
     with (run_dir / "triton-local.log").open("wb") as log:
         process = subprocess.Popen([str(PYTHON), "-m", "sluice_triton_local"], env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -152,7 +154,7 @@ def start_python_backend(run_dir: Path) -> tuple[subprocess.Popen[bytes], str]:
     env.update(
         PATH=f"{PYTHON.parent}:{env['PATH']}",  # the stub's interpreter: triton-local's environment
         LD_LIBRARY_PATH=":".join([info["libdir"], str(server_dir.parent.parent / "nvidia_pytriton.libs")]),
-        OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", GOMP_SPINCOUNT="1000",  # as triton-local sets them
+        OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", GOMP_SPINCOUNT="1000",  # as triton-local sets them without adaptive threads
     )  # fmt: skip
     command = [
         str(server_dir / "bin" / "tritonserver"), f"--model-repository={run_dir / 'models'}", f"--backend-directory={run_dir / 'backends'}",

@@ -22,7 +22,9 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from sluice_triton_local.__main__ import default_thread_waits  # noqa: E402
 
-default_thread_waits(os.environ)  # llama.cpp's threads wait at barriers as triton-local's do
+# Every side a fixed team of threads, waiting at barriers as triton-local's do without adaptive
+# threads (bench_transport starts it so): the transport is measured, not the waits.
+default_thread_waits(os.environ, adaptive_threads=False)
 
 import numpy as np  # noqa: E402  (after the thread settings above)
 

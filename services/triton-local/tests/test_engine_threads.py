@@ -37,16 +37,20 @@ def test_threads_within_the_cpus_are_logged_without_a_warning(monkeypatch: pytes
 
 
 @pytest.mark.parametrize(
-    ("environ", "expected"),
+    ("environ", "adaptive", "expected"),
     [
-        ({}, {"GOMP_SPINCOUNT": "1000"}),  # a brief spin, then sleep
-        ({"GOMP_SPINCOUNT": "5000"}, {"GOMP_SPINCOUNT": "5000"}),  # the operator's spin
-        ({"OMP_WAIT_POLICY": "ACTIVE"}, {"OMP_WAIT_POLICY": "ACTIVE"}),  # the operator's policy alone
-        ({"OMP_WAIT_POLICY": "PASSIVE"}, {"OMP_WAIT_POLICY": "PASSIVE"}),
+        ({}, True, {}),  # libgomp's own wait: the governor steps with fewer threads on a busy box
+        ({}, False, {"GOMP_SPINCOUNT": "1000"}),  # every thread always: a brief spin, then sleep
+        ({"GOMP_SPINCOUNT": "5000"}, False, {"GOMP_SPINCOUNT": "5000"}),  # the operator's spin
+        ({"GOMP_SPINCOUNT": "5000"}, True, {"GOMP_SPINCOUNT": "5000"}),
+        ({"OMP_WAIT_POLICY": "ACTIVE"}, False, {"OMP_WAIT_POLICY": "ACTIVE"}),  # the operator's policy alone
+        ({"OMP_WAIT_POLICY": "PASSIVE"}, False, {"OMP_WAIT_POLICY": "PASSIVE"}),
     ],
 )
-def test_thread_waits_default_to_a_brief_spin_unless_the_operator_set_them(environ: dict[str, str], expected: dict[str, str]) -> None:
-    entry.default_thread_waits(environ)
+def test_thread_waits_are_libgomps_with_adaptive_threads_else_a_brief_spin_unless_the_operator_set_them(
+    environ: dict[str, str], adaptive: bool, expected: dict[str, str]
+) -> None:
+    entry.default_thread_waits(environ, adaptive)
     assert environ == expected
 
 

@@ -20,7 +20,8 @@ from sluice_triton_local.config import ENV_PREFIX, TritonLocalConfig
 from sluice_triton_local.metrics import ENGINE_THREADS, MAX_SLOTS, USABLE_CPUS
 from sluice_triton_local.model_files import smollm2_gguf
 
-# Rounds a llama.cpp thread spins at a barrier before it sleeps (default_thread_waits says why).
+# Rounds a llama.cpp thread spins at a barrier before it sleeps, without adaptive threads
+# (default_thread_waits says why).
 DEFAULT_SPINCOUNT = 1000
 
 if TYPE_CHECKING:
@@ -41,7 +42,7 @@ def main() -> None:
     # reads this when numpy is first imported: hence the imports below, not at the top.
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    default_thread_waits(os.environ)
+    default_thread_waits(os.environ, config.adaptive_threads)
     default_tensor_transport(os.environ)
     from pytriton.triton import Triton
 
@@ -109,20 +110,21 @@ def main() -> None:
     log.info("stopped")
 
 
-def default_thread_waits(environ: MutableMapping[str, str]) -> None:
+def default_thread_waits(environ: MutableMapping[str, str], adaptive_threads: bool) -> None:
     """How llama.cpp's OpenMP threads wait at a step's barriers, unless the operator said.
 
-    Spinning there for long (OpenMP's default, ~3 ms) stalls every step once anything else wants a
-    core: beside one busy process a stack of 2 spinning threads failed all 32 streams of `make
-    bench-threads`. Sleeping at once pays a wake-up at every barrier, which on a VM whose wake-ups
-    are slow costs a batch-1 step more than its second thread gains. A spin of 1,000 rounds (a few
-    microseconds) keeps both, measured on this project's 2-core VMs (engine alone, batch 1, decode
-    ms/step, quiet / beside one busy process): 1,000 spins 11.2-13.0 / 35; 100 spins 17.5-19.9 / 24;
-    libgomp's default 9.5-11.6 / 37; 10,000 spins 9.0-11.6 / 61-88; one thread 16.4 quiet. Through
-    the whole stack at one stream, 1,000 spins decoded 51.5 tok/s against 39.6 with 100 (llama-server
-    61.5, alternated in one run). libgomp reads this when llama.cpp first loads it, after this call.
+    With adaptive threads (the default): libgomp's own wait, as llama-server's, spinning ~ms before
+    it sleeps. That is the fastest on a quiet box, and the governor (engine/thread_governor.py) steps
+    with fewer threads while another process takes cores, where a long spin would stall every step.
+    On one 2-core VM (engine alone, batch 1, ms a token): libgomp's default 13.6, 1,000 spins 16.8,
+    10,000 16.4, 100 40; on an earlier one 9.5-11.6, 11.2-13.0, -, 17.5-19.9.
+
+    Without them, every thread steps always, and a spin of 1,000 rounds (a few microseconds) keeps a
+    busy box from stalling the steps: spinning long there failed all 32 streams of `make
+    bench-threads` beside one busy process, and sleeping at once pays a wake-up at every barrier.
+    libgomp reads this when llama.cpp first loads it, after this call.
     """
-    if "OMP_WAIT_POLICY" not in environ:
+    if not adaptive_threads and "OMP_WAIT_POLICY" not in environ:
         environ.setdefault("GOMP_SPINCOUNT", str(DEFAULT_SPINCOUNT))
 
 
@@ -205,6 +207,7 @@ def step_engine_for(config: TritonLocalConfig, gguf_path: str, slots: int) -> St
         prefix_cache=config.prefix_cache,
         host_prefix_bytes=config.prefix_cache_host_mib * 2**20,
         prefill_tokens_per_step=config.prefill_tokens_per_step,
+        adaptive_threads=config.adaptive_threads,
         engine=config.engine,
         threads=config.engine_threads(),
         gpu_layers=config.gpu_layers,

@@ -32,6 +32,11 @@ class TritonLocalConfig:
     # Engine threads; 0: the CPUs this process may keep busy (its cores, lowered by a container
     # CPU limit). Replicas sharing a host must split its cores between them (engine_threads says why).
     threads: int = 0
+    # Step with fewer of those threads while another process takes cores, and with all of them again
+    # once the box has them idle (engine/thread_governor.py); their barrier waits are then libgomp's
+    # default, llama-server's. False: always every thread, waiting at a barrier with a brief spin
+    # (GOMP_SPINCOUNT=1000) so that a busy box slows the steps instead of stalling them.
+    adaptive_threads: bool = True
     # Layers llama.cpp offloads to a GPU (needs a CUDA build of llama-cpp-python; -1: all).
     gpu_layers: int = 0
     # 32 slots (and the adapter's batch of 32): measured with make bench-load on 2 cores against

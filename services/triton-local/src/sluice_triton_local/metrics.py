@@ -11,6 +11,11 @@ ACTIVE_SLOTS = Gauge("sluice_triton_local_active_slots", "KV-cache slots held by
 MAX_SLOTS = Gauge("sluice_triton_local_max_slots", "KV-cache slots the engine has: sequences it can run at once.")
 # Engine threads against the CPUs the process can keep busy: more threads than CPUs stalls every step.
 ENGINE_THREADS = Gauge("sluice_triton_local_engine_threads", "Threads the engine computes a step with (SLUICE_TRITON_LOCAL_THREADS).")
+ENGINE_THREADS_IN_USE = Gauge(
+    "sluice_triton_local_engine_threads_in_use",
+    "Threads the engine computes its steps with now: fewer than sluice_triton_local_engine_threads while another process takes cores"
+    " (SLUICE_TRITON_LOCAL_ADAPTIVE_THREADS).",
+)
 USABLE_CPUS = Gauge("sluice_triton_local_usable_cpus", "CPUs this process can keep busy: its cores, lowered by a container CPU limit.")
 SLOTS_BY_OWNER = Gauge("sluice_triton_local_slots_by_owner", "KV-cache slots held, per adapter instance that drives them.", ["owner"])
 SLOTS_RECLAIMED = Counter("sluice_triton_local_slots_reclaimed_total", "Sequences released because nobody stepped them within the slot lease.")

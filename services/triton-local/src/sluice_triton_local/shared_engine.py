@@ -199,6 +199,7 @@ class SharedEngine:
         metrics.TOKENS_GENERATED.inc(self._engine.tokens_generated_total - before)
         metrics.PREFILLS_DEFERRED.inc(self._engine.prefills_deferred_total - deferred)
         metrics.ACTIVE_SLOTS.set(self._engine.active_slots)
+        metrics.ENGINE_THREADS_IN_USE.set(self._engine.threads_in_use)
         self._report_owners()
         self._report_prefix_cache()
         metrics.STEP_ROWS.observe(len(rows))

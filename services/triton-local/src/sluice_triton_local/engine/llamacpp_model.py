@@ -16,8 +16,10 @@ rather than quietly running on the CPU.
 from __future__ import annotations
 
 import ctypes
+import logging
 import sys
 import threading
+import time
 from collections.abc import Sequence
 
 import numpy as np
@@ -25,10 +27,13 @@ import numpy as np
 import llama_cpp as lc
 
 from .model import BatchItem
+from .thread_governor import ThreadGovernor
 
 _backend_lock = threading.Lock()
 _backend_initialised = False
 _GGML_LOG_WARN, _GGML_LOG_ERROR = 3, 4
+# Standard logging: Triton's image runs this module without structlog (triton-local renders it).
+log = logging.getLogger("sluice.triton_local.engine")
 
 
 @lc.llama_log_callback
@@ -113,9 +118,12 @@ class LlamaCppModel:
         batch_tokens: int = 2048,
         gpu_layers: int = 0,
         main_gpu: int | None = None,
+        adaptive_threads: bool = False,
     ) -> None:
         """gpu_layers: layers offloaded to the GPU (-1: all). main_gpu: the one GPU (its index among
-        the visible devices) that holds them; None lets llama.cpp split the layers over every GPU."""
+        the visible devices) that holds them; None lets llama.cpp split the layers over every GPU.
+        adaptive_threads: on the CPU, step with fewer of the threads while another process takes
+        cores (thread_governor.py)."""
         require_gpu_offload(gpu_layers)
         init_backend_once()
         model_params = lc.llama_model_default_params()
@@ -143,6 +151,13 @@ class LlamaCppModel:
         self._vocab = lc.llama_vocab_n_tokens(lc.llama_model_get_vocab(self._model))
         self.max_context = max_context
         self.batch_tokens = batch_tokens
+        self._governor = ThreadGovernor(threads) if adaptive_threads and gpu_layers == 0 and threads > 1 else None
+        self._threads = threads
+
+    @property
+    def threads_in_use(self) -> int:
+        """The threads the next step computes with (fewer than configured while the box is busy)."""
+        return self._threads
 
     def forward(self, items: list[BatchItem]) -> np.ndarray:
         """[len(items), vocab] logits of each item's last new token."""
@@ -224,6 +239,12 @@ class LlamaCppModel:
             lc.llama_model_free(self._model)
             self._model = None
 
+    def _use_threads(self, governor: ThreadGovernor, threads: int) -> None:
+        if threads != self._threads:
+            lc.llama_set_n_threads(self._ctx, threads, threads)
+            log.info("engine_threads_changed: %d -> %d of %d (%s)", self._threads, threads, governor.configured, governor.last_reason)
+            self._threads = threads
+
     def _decode(self, tokens: np.ndarray, positions: np.ndarray, seq_ids: np.ndarray, want_logits: np.ndarray) -> None:
         """One llama_decode over arrays we own: a llama_batch only points at them, so building
         it costs a few numpy operations instead of a Python loop over every token."""
@@ -240,7 +261,14 @@ class LlamaCppModel:
             seq_id=seq_id_ptrs.ctypes.data_as(ctypes.POINTER(ctypes.POINTER(lc.llama_seq_id))),
             logits=want_logits.ctypes.data_as(ctypes.POINTER(ctypes.c_int8)),
         )
-        status = lc.llama_decode(self._ctx, batch)
+        governor = self._governor
+        if governor is None:
+            status = lc.llama_decode(self._ctx, batch)
+        else:
+            self._use_threads(governor, governor.before_decode())
+            started, cpu_started = time.perf_counter(), time.thread_time()
+            status = lc.llama_decode(self._ctx, batch)
+            self._use_threads(governor, governor.after_decode(time.perf_counter() - started, time.thread_time() - cpu_started))
         if status != 0:
             # 1: no KV room for the batch; 2: aborted; < 0: error. Nothing of the batch was kept.
             raise RuntimeError(f"llama_decode failed with status {status} for {n} tokens")

@@ -132,6 +132,7 @@ class StepEngine:
         prefix_cache: bool = True,
         prefill_tokens_per_step: int = 0,
         host_prefix_bytes: int = 0,
+        adaptive_threads: bool = False,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """engine "llamacpp" runs the forward pass on llama.cpp (threads, gpu_layers, main_gpu apply);
@@ -142,7 +143,9 @@ class StepEngine:
         slots keep their KV cells for prompts that begin with the same tokens.
         prefill_tokens_per_step > 0: the prompt tokens one step computes (see `step`); 0: no bound.
         host_prefix_bytes > 0: cached prefixes evicted from their slot are kept in host memory up
-        to that many bytes, for a later prompt to restore (host_prefix_store.py; llama.cpp only)."""
+        to that many bytes, for a later prompt to restore (host_prefix_store.py; llama.cpp only).
+        adaptive_threads: llama.cpp on the CPU steps with fewer of its threads while another process
+        takes cores (thread_governor.py)."""
         if max_slots < 1:
             raise ValueError("max_slots must be >= 1")
         if prefill_tokens_per_step < 0:
@@ -157,7 +160,8 @@ class StepEngine:
         self._ctx = ctx
         self.max_slots = max_slots
         self.engine = engine
-        self._model = _forward_model(engine, reader, gguf_path, max_slots, ctx, threads, gpu_layers, main_gpu, low_memory)
+        self._model = _forward_model(engine, reader, gguf_path, max_slots, ctx, threads, gpu_layers, main_gpu, low_memory, adaptive_threads)
+        self._threads = threads
         self._slots = PrefixCache(range(max_slots), enabled=prefix_cache)
         can_save = prefix_cache and hasattr(self._model, "save_state")
         self._host = HostPrefixStore(host_prefix_bytes if can_save else 0)
@@ -196,6 +200,12 @@ class StepEngine:
     @property
     def active_slots(self) -> int:
         return len(self._seqs)
+
+    @property
+    def threads_in_use(self) -> int:
+        """The threads the next step computes with: fewer than configured while adaptive threads
+        find the box busy (thread_governor.py)."""
+        return getattr(self._model, "threads_in_use", self._threads)
 
     @property
     def cached_slots(self) -> int:
@@ -650,11 +660,12 @@ def _forward_model(
     gpu_layers: int,
     main_gpu: int | None,
     low_memory: bool,
+    adaptive_threads: bool = False,
 ) -> ForwardModel:
     if engine == "llamacpp":
         from .llamacpp_model import LlamaCppModel  # imports llama.cpp's shared library
 
-        return LlamaCppModel(gguf_path, max_slots, ctx, threads=threads, gpu_layers=gpu_layers, main_gpu=main_gpu)
+        return LlamaCppModel(gguf_path, max_slots, ctx, threads=threads, gpu_layers=gpu_layers, main_gpu=main_gpu, adaptive_threads=adaptive_threads)
     if engine == "numpy":
         return LlamaModel(load_weights(reader, dual_layout=not low_memory), max_slots, ctx)
     raise ValueError(f"engine must be 'llamacpp' or 'numpy' (got {engine!r})")
