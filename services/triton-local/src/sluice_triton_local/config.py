@@ -35,7 +35,8 @@ class TritonLocalConfig:
     # Step with fewer of those threads while another process takes cores, and with all of them again
     # once the box has them idle (engine/thread_governor.py); their barrier waits are then libgomp's
     # default, llama-server's. False: always every thread, waiting at a barrier with a brief spin
-    # (GOMP_SPINCOUNT=1000) so that a busy box slows the steps instead of stalling them.
+    # (GOMP_SPINCOUNT=1000) so that a busy box slows the steps instead of stalling them. llama.cpp on
+    # the CPU with 2 threads or more only: a GPU, one thread or the numpy engine has no team to adapt.
     adaptive_threads: bool = True
     # Layers llama.cpp offloads to a GPU (needs a CUDA build of llama-cpp-python; -1: all).
     gpu_layers: int = 0

@@ -113,12 +113,12 @@ class ThreadGovernor:
     def after_decode(self, wall_s: float, cpu_s: float) -> int:
         """Records a decode's wall time and its calling thread's CPU time; the threads from now on."""
         now = self._clock()
-        idle_now = self._idle_seconds()
         self._last_end = now
         self._wall += wall_s
         self._cpu += cpu_s
         if self._wall < self._window_s:
             return self.current
+        idle_now = self._idle_seconds()  # /proc/stat once a window, not once a decode
         share = self._cpu / self._wall
         started_at, idle_then = self._window_start
         idle_cores = (idle_now - idle_then) / max(now - started_at, 1e-9)
