@@ -17,7 +17,7 @@ from conftest import PrefixCache, RoundsOfSteps, StepReplica, collect
 
 from sluice_common.errors import ResourceExhausted
 from sluice_common.sampling import Sampling
-from sluice_inference_adapter.scheduler import Scheduler, SchedulerLimits
+from sluice_inference_adapter.scheduler import INTERACTIVE_RECENT_S, Scheduler, SchedulerLimits
 from sluice_inference_adapter.sequence import Finish, GenerationRequest
 from sluice_inference_adapter.waiting_queue import Priority
 from sluice_inference_adapter.step_rows import FINISH_ERROR, Action, PromptSpec, StepOutcome, StepRow
@@ -380,6 +380,46 @@ async def test_an_interactive_prefill_step_carries_no_bulk_rows_but_bulk_never_s
     assert [i in bulk_steps for i in prefill_steps] == [False, True] * 3
     # An interactive prompt is never chunked.
     assert all("prefill_chunk" not in json.loads(model.steps[i][-1].request) for i in prefill_steps)
+
+
+def most_bulk_rows_in_a_step(model: RecordingStepModel, bulk_ids: set[int]) -> int:
+    return max(sum(row.seq_id in bulk_ids for row in rows) for rows in model.steps)
+
+
+@pytest.mark.parametrize(("target_s", "most_bulk"), [(0.01, 1), (0.0, 4)])
+async def test_while_interactive_requests_run_bulk_joins_only_while_steps_stay_under_the_target(target_s: float, most_bulk: int) -> None:
+    # Steps of 20 ms: over a 10 ms target, so beside a running interactive sequence bulk runs one
+    # sequence at a time; with no target (0) all four run together.
+    model = RecordingStepModel(step_delay_s=0.02)
+    scheduler = Scheduler(model, SchedulerLimits(max_batch_size=8, max_waiting=20, bulk_step_target_s=target_s))
+    interactive = scheduler.submit(request(max_tokens=40))
+    bulk = [scheduler.submit(request(max_tokens=3, priority=Priority.BULK)) for _ in range(4)]
+    scheduler.start()
+    try:
+        for handle in bulk:
+            _, finish = await collect(handle)
+            assert finish.finish is Finish.LENGTH  # bulk still progresses
+        interactive.cancel()
+        await collect(interactive)
+    finally:
+        await scheduler.stop()
+    assert most_bulk_rows_in_a_step(model, {h.seq_id for h in bulk}) == most_bulk
+
+
+async def test_a_job_alone_or_long_after_the_last_interactive_request_fills_the_batch() -> None:
+    now = [1000.0]
+    model = RecordingStepModel(step_delay_s=0.02)
+    scheduler = Scheduler(model, SchedulerLimits(max_batch_size=8, max_waiting=20, bulk_step_target_s=0.01), clock=lambda: now[0])
+    scheduler.start()
+    try:
+        await collect(scheduler.submit(request(max_tokens=3)))  # its steps took 20 ms each: over the target
+        now[0] += INTERACTIVE_RECENT_S + 1
+        bulk = [scheduler.submit(request(max_tokens=3, priority=Priority.BULK)) for _ in range(4)]
+        for handle in bulk:
+            await collect(handle)
+    finally:
+        await scheduler.stop()
+    assert most_bulk_rows_in_a_step(model, {h.seq_id for h in bulk}) == 4
 
 
 class SharedSlotsModel(RecordingStepModel):

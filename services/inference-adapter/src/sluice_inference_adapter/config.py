@@ -90,6 +90,10 @@ class AdapterConfig(ServerConfig):
     max_bulk_prefill_rows: int = 1
     bulk_prefill_chunk: int = 16
     interactive_reserved_slots: int = 1
+    # No bulk sequence joins a batch that already runs one while the recent step time is above
+    # this (0: no bound): an interactive first token waits for the step in progress, and on this
+    # CPU engine every bulk row adds ~5 ms to it (31 rows ~200 ms); a GPU's steps stay under it.
+    bulk_step_target_s: float = 0.05
     # Prefix-aware routing (prefix_routing.py): a generation request goes to the replica this
     # adapter sent the longest prefix of its prompt (its engine's prefix cache likely holds it),
     # unless that replica has more than PREFIX_ROUTING_LOAD_BOUND waiting plus running sequences
@@ -133,6 +137,7 @@ class AdapterConfig(ServerConfig):
                     problems.append(problem)
         require(not problems, "; ".join(problems))
         require(self.max_bulk_prefill_rows >= 0, f"{ENV_PREFIX}MAX_BULK_PREFILL_ROWS must be >= 0, got {self.max_bulk_prefill_rows}")
+        require(self.bulk_step_target_s >= 0, f"{ENV_PREFIX}BULK_STEP_TARGET_S must be >= 0 (0: no bound), got {self.bulk_step_target_s}")
         require(self.bulk_prefill_chunk >= 0, f"{ENV_PREFIX}BULK_PREFILL_CHUNK must be >= 0 (0: whole prompts), got {self.bulk_prefill_chunk}")
         require(
             0 <= self.interactive_reserved_slots < self.max_batch_size,

@@ -54,6 +54,10 @@ log = structlog.stdlib.get_logger("sluice.scheduler")
 # Who drives our sequences at Triton (the step model's per-owner slot metrics).
 ADAPTER_ID = f"{socket.gethostname()}/{os.getpid()}"
 
+# How long after an interactive sequence last ran bulk admission still keeps steps short for the
+# next one (SchedulerLimits.bulk_step_target_s).
+INTERACTIVE_RECENT_S = 5.0
+
 
 @dataclass(frozen=True)
 class SchedulerLimits:
@@ -75,10 +79,17 @@ class SchedulerLimits:
     # - a step that an interactive prefill joins starts no bulk prefill, and carries no bulk row
     #   at all (no decode, no prompt chunk) unless bulk sat out the step before (so bulk always
     #   advances at least every other step);
-    # - bulk sequences leave `interactive_reserved_slots` of the batch free for interactive ones.
+    # - bulk sequences leave `interactive_reserved_slots` of the batch free for interactive ones;
+    # - while interactive requests come (one ran within INTERACTIVE_RECENT_S), no bulk sequence
+    #   joins a batch that already runs one while the recent step time is above
+    #   `bulk_step_target_s` (0: no bound): every bulk row lengthens each step, and an interactive
+    #   arrival waits for the step in progress (on this CPU engine 8-12 bulk rows made steps of
+    #   100-250 ms; a GPU's stay at a few ms, so a time and not a row count). A job alone fills
+    #   the batch as before.
     max_bulk_prefill_rows: int = 0
     bulk_prefill_chunk: int = 0
     interactive_reserved_slots: int = 0
+    bulk_step_target_s: float = 0.0
     # After a prefill found the engine full (its slots shared with other adapters), how long
     # before prefills are tried again, unless one of ours ends first.
     engine_full_retry_s: float = 0.05
@@ -125,6 +136,9 @@ class Scheduler(ReplicaWork):
         self._round_steps_asked = 0
         self._round_end_asked = False
         self._decode_step_s: float | None = None
+        # The recent time of any step, prompt chunks included: what an arrival waits for.
+        self._step_s: float | None = None
+        self._interactive_at = float("-inf")  # when an interactive sequence last ran
         # Requests sent beside the round in flight (releases, end-round asks), held until done.
         self._sent_aside: set[asyncio.Task[None]] = set()
         # The next round, sent while the one in flight runs (None: none sent).
@@ -226,8 +240,8 @@ class Scheduler(ReplicaWork):
                 # A round sent ahead may have stepped before it was read: its first answer is not
                 # a step's time.
                 timed = not (first and sent is not None)
-                if not prefill_tokens and timed:
-                    self._observe_decode_step(elapsed / steps_in(outcomes))
+                if timed:
+                    self._observe_step(elapsed / steps_in(outcomes), decode=not prefill_tokens)
                 if self._timeouts is not None and timed:
                     self._timeouts.observe(elapsed, prefill_tokens)
                     metrics.STEP_TIMEOUT.labels(model=self._timeouts.model).set(self._timeouts.limit())
@@ -285,9 +299,10 @@ class Scheduler(ReplicaWork):
         if ahead is not None:
             await ahead.responses.aclose()
 
-    def _observe_decode_step(self, seconds: float) -> None:
-        previous = self._decode_step_s
-        self._decode_step_s = seconds if previous is None else 0.8 * previous + 0.2 * seconds
+    def _observe_step(self, seconds: float, decode: bool) -> None:
+        self._step_s = _moving_average(self._step_s, seconds)
+        if decode:
+            self._decode_step_s = _moving_average(self._decode_step_s, seconds)
 
     def _on_arrival(self) -> None:
         self._end_round_for_waiting()
@@ -430,6 +445,8 @@ class Scheduler(ReplicaWork):
                 sequence.finish(reason, now)
         self._drop_abandoned_waiting(now)
         stepped: list[Sequence] = list(self._running.values())
+        if any(s.priority is Priority.INTERACTIVE for s in stepped):
+            self._interactive_at = now
         admitted = self._admit(now)
         if any(s.priority is Priority.INTERACTIVE for s in admitted) and not self._bulk_sat_out:
             # An interactive first token waits for this step: bulk sequences sit it out, and the
@@ -476,7 +493,10 @@ class Scheduler(ReplicaWork):
                 break
             # Interactive sequences come first, so a bulk head means only bulk ones wait.
             if head.priority is Priority.BULK and (
-                interactive_admitted or (limits.max_bulk_prefill_rows and bulk_prefilling >= limits.max_bulk_prefill_rows) or len(bulk) >= bulk_slots
+                interactive_admitted
+                or (limits.max_bulk_prefill_rows and bulk_prefilling >= limits.max_bulk_prefill_rows)
+                or len(bulk) >= bulk_slots
+                or (bulk and self._steps_over_bulk_target(now))
             ):
                 break
             # An oversized request still runs when it would be alone, or it would starve.
@@ -492,7 +512,15 @@ class Scheduler(ReplicaWork):
                 bulk_prefilling += 1
             else:
                 interactive_admitted = True
+                self._interactive_at = now
         return admitted
+
+    def _steps_over_bulk_target(self, now: float) -> bool:
+        """Whether another bulk sequence would make interactive arrivals wait on long steps."""
+        target = self._limits.bulk_step_target_s
+        if not target or self._step_s is None or now - self._interactive_at > INTERACTIVE_RECENT_S:
+            return False
+        return self._step_s > target
 
     def _prefill_due(self) -> bool:
         if not len(self._waiting):
@@ -553,6 +581,10 @@ class Scheduler(ReplicaWork):
         self._waiting.push_front(sequence)
         self._engine_full_until = now + self._limits.engine_full_retry_s
         metrics.ENGINE_FULL.labels(replica=self._replica).inc()
+
+
+def _moving_average(previous: float | None, value: float) -> float:
+    return value if previous is None else 0.8 * previous + 0.2 * value
 
 
 def _emit_tokens(sequence: Sequence, made: list[StepOutcome], now: float) -> None:
