@@ -26,7 +26,12 @@ with its prompt cache on (both as their users run them: the `_cached` figures). 
 server process of its own (two stacks, two llama-servers), so each cache holds only its own
 side's earlier requests.
 ROUNDS rounds; each load runs every side in turn, the order reversed in even rounds, so the noise
-of a shared machine falls on all of them alike. Each side is warmed with one request first.
+of a shared machine falls on all of them alike. Each side is warmed with one request first, and each
+phase starts SETTLE_S after the one before ended, off every clock: a side's tail (the stack's
+completion events, evaluations and releases) would otherwise run beside the next side's first
+requests, and triton-local, whose engine steps with fewer threads after a pause when the box was
+busy just before (engine/thread_governor.py), would prefill the first request of every phase on one
+thread because the other side had just had both cores.
 BENCH_RUN_DIR keeps the services' and llama-server's logs (a temporary folder otherwise).
 
 Thread waits: both sides wait at llama.cpp's barriers as libgomp does by default (a ~3 ms spin, then
@@ -70,6 +75,7 @@ SEQUENTIAL_REQUESTS = int(os.environ.get("BENCH_SEQUENTIAL_REQUESTS", "8"))
 CONCURRENCY = int(os.environ.get("BENCH_CONCURRENCY", "32"))
 CONCURRENT_REQUESTS = int(os.environ.get("BENCH_CONCURRENT_REQUESTS", "64"))
 ROUNDS = int(os.environ.get("BENCH_ROUNDS", "2"))
+SETTLE_S = float(os.environ.get("BENCH_SETTLE_S", "1.0"))
 STACK_UNCACHED, PEER, STACK, PEER_CACHED = "stack cache off", "llama-server", "stack", "llama-server cache on"
 SIDES = (PEER, STACK_UNCACHED, PEER_CACHED, STACK)
 
@@ -357,6 +363,7 @@ def run_rounds(
     for round_ in range(1, rounds + 1):
         for load in loads:
             for side in sides if round_ % 2 else sides[::-1]:
+                time.sleep(SETTLE_S)  # the previous phase's tail ends off the clock (module docstring)
                 done = phase(side, by_side[side], load)
                 phases[(side, load.name)].append(done)
                 tps = done.tokens / done.wall_s if done.ok else float("nan")
