@@ -316,6 +316,19 @@ def test_triton_out_of_kv_slots_is_named_when_prefills_were_refused_busy() -> No
     assert "prefills refused busy 12" in d.render(report)
 
 
+def test_bulk_held_back_for_interactive_first_tokens_is_shown_on_the_adapter_hop() -> None:
+    windows = fan_out(batch=32, in_flight=8, completed=27, mean_s=3.0, queue_s=0.5, slots_in_use=4)
+    adapter = Service()
+    adapter_before = adapter.scrape(0.0)
+    adapter.metric(Counter, "sluice_adapter_bulk_held", ("replica",)).labels("r").inc(7)  # type: ignore[attr-defined]
+    held = window(adapter, adapter_before)
+    adapter_window = windows[d.ADAPTER]
+    merged = [d.Scrape(a.at, {**a.samples, **b.samples}) for a, b in zip((adapter_window.scrapes[0], adapter_window.scrapes[-1]), held.scrapes)]
+    windows[d.ADAPTER] = ServiceWindow(tuple(merged))
+    assert "steps that held bulk back 7" in d.render(d.analyze(windows))
+    assert "held bulk back" not in d.render(d.analyze(fan_out(batch=32, in_flight=8, completed=27, mean_s=3.0, queue_s=0.5, slots_in_use=4)))
+
+
 def test_streams_longer_than_the_window_are_judged_by_the_sampled_queue_and_batch() -> None:
     # 8 streams of minutes each, a batch of 1: none ends within the window, so no completions.
     adapter = Service()

@@ -463,6 +463,9 @@ def adapter_hop(window: ServiceWindow) -> Hop:
             hop.shares["service"] = 1.0 - hop.shares["queue"]
     if running is not None:
         hop.notes.append(f"sequences in KV slots (sampled) {running:.1f}")
+    held = window.delta("sluice_adapter_bulk_held_total")
+    if held > 0:  # a job slowed for interactive first tokens (BULK_STEP_TARGET_S), not a fault
+        hop.events["steps that held bulk back"] = held
     return hop
 
 

@@ -13,6 +13,7 @@ import json
 import time
 
 import pytest
+from prometheus_client import REGISTRY
 from conftest import PrefixCache, RoundsOfSteps, StepReplica, collect
 
 from sluice_common.errors import ResourceExhausted
@@ -391,7 +392,8 @@ async def test_while_interactive_requests_run_bulk_joins_only_while_steps_stay_u
     # Steps of 20 ms: over a 10 ms target, so beside a running interactive sequence bulk runs one
     # sequence at a time; with no target (0) all four run together.
     model = RecordingStepModel(step_delay_s=0.02)
-    scheduler = Scheduler(model, SchedulerLimits(max_batch_size=8, max_waiting=20, bulk_step_target_s=target_s))
+    replica = f"held-{target_s}"
+    scheduler = Scheduler(model, SchedulerLimits(max_batch_size=8, max_waiting=20, bulk_step_target_s=target_s), replica=replica)
     interactive = scheduler.submit(request(max_tokens=40))
     bulk = [scheduler.submit(request(max_tokens=3, priority=Priority.BULK)) for _ in range(4)]
     scheduler.start()
@@ -404,6 +406,9 @@ async def test_while_interactive_requests_run_bulk_joins_only_while_steps_stay_u
     finally:
         await scheduler.stop()
     assert most_bulk_rows_in_a_step(model, {h.seq_id for h in bulk}) == most_bulk
+    # An operator sees why the job slowed: the steps that left a bulk sequence waiting.
+    held = REGISTRY.get_sample_value("sluice_adapter_bulk_held_total", {"replica": replica}) or 0
+    assert (held > 0) == bool(target_s)
 
 
 async def test_a_job_alone_or_long_after_the_last_interactive_request_fills_the_batch() -> None:

@@ -14,6 +14,11 @@ ENGINE_FULL = Counter(
     "Prefills a replica's step model answered busy (every slot taken, by this or another adapter): retried later.",
     ["replica"],
 )
+BULK_HELD = Counter(
+    "sluice_adapter_bulk_held_total",
+    "Steps planned with a bulk sequence left waiting because interactive requests run and the recent step time is over BULK_STEP_TARGET_S.",
+    ["replica"],
+)
 # Not labelled by replica (yet): tests/e2e/test_batching.py reads its unlabelled _count sample.
 BATCH_SIZE = Histogram("sluice_adapter_batch_size", "Token-producing rows per step.", buckets=(1, 2, 4, 8, 16, 32, 64, 128))
 STEP_SECONDS = Histogram(
@@ -129,6 +134,7 @@ def forget_replica(replica: str, priorities: Iterable[str]) -> None:
     for metric in (
         SLOTS_IN_USE,
         ENGINE_FULL,
+        BULK_HELD,
         STEP_SECONDS,
         QUEUE_SECONDS,
         BATCH_TOKENS,

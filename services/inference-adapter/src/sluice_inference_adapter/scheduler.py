@@ -492,13 +492,16 @@ class Scheduler(ReplicaWork):
             if head is None:
                 break
             # Interactive sequences come first, so a bulk head means only bulk ones wait.
-            if head.priority is Priority.BULK and (
-                interactive_admitted
-                or (limits.max_bulk_prefill_rows and bulk_prefilling >= limits.max_bulk_prefill_rows)
-                or len(bulk) >= bulk_slots
-                or (bulk and self._steps_over_bulk_target(now))
-            ):
-                break
+            if head.priority is Priority.BULK:
+                if (
+                    interactive_admitted
+                    or (limits.max_bulk_prefill_rows and bulk_prefilling >= limits.max_bulk_prefill_rows)
+                    or len(bulk) >= bulk_slots
+                ):
+                    break
+                if bulk and self._steps_over_bulk_target(now):
+                    metrics.BULK_HELD.labels(replica=self._replica).inc()
+                    break
             # An oversized request still runs when it would be alone, or it would starve.
             if self._running and tokens + head.reserved_tokens > limits.max_batch_tokens:
                 break
