@@ -55,8 +55,10 @@ log = structlog.stdlib.get_logger("sluice.scheduler")
 ADAPTER_ID = f"{socket.gethostname()}/{os.getpid()}"
 
 # How long after an interactive sequence last ran bulk admission still keeps steps short for the
-# next one (SchedulerLimits.bulk_step_target_s).
-INTERACTIVE_RECENT_S = 5.0
+# next one (SchedulerLimits.bulk_step_target_s): a chat's next message comes tens of seconds after
+# the last answer, and with 5 s a job refilled the batch in between (bench-jobs-interactive's
+# first requests of a phase met it).
+INTERACTIVE_RECENT_S = 30.0
 
 
 @dataclass(frozen=True)
