@@ -90,9 +90,10 @@ class AdapterConfig(ServerConfig):
     max_bulk_prefill_rows: int = 1
     bulk_prefill_chunk: int = 16
     interactive_reserved_slots: int = 1
-    # No bulk sequence joins a batch that already runs one while the recent step time is above
-    # this (0: no bound): an interactive first token waits for the step in progress, and on this
-    # CPU engine every bulk row adds ~5 ms to it (31 rows ~200 ms); a GPU's steps stay under it.
+    # While interactive requests come (one ran in the last 30 s), no bulk sequence joins a batch
+    # that already runs one while the recent step time is above this (0: no bound): an interactive
+    # first token waits for the step in progress, and on this CPU engine 8-12 bulk rows made steps
+    # of 100-250 ms; a GPU's steps stay under it.
     bulk_step_target_s: float = 0.05
     # Prefix-aware routing (prefix_routing.py): a generation request goes to the replica this
     # adapter sent the longest prefix of its prompt (its engine's prefix cache likely holds it),
