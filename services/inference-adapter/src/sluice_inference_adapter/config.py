@@ -93,8 +93,9 @@ class AdapterConfig(ServerConfig):
     # While interactive requests come (one ran in the last 30 s), no bulk sequence joins a batch
     # that already runs one while the recent step time is above this (0: no bound): an interactive
     # first token waits for the step in progress, and on this CPU engine 8-12 bulk rows made steps
-    # of 100-250 ms; a GPU's steps stay under it.
-    bulk_step_target_s: float = 0.05
+    # of 100-250 ms; a GPU's steps stay under it. 0.1 s keeps most of a job's pace there (0.05 s
+    # kept a fifth, and a job stalled beside a burst of interactive requests in e2e).
+    bulk_step_target_s: float = 0.1
     # Prefix-aware routing (prefix_routing.py): a generation request goes to the replica this
     # adapter sent the longest prefix of its prompt (its engine's prefix cache likely holds it),
     # unless that replica has more than PREFIX_ROUTING_LOAD_BOUND waiting plus running sequences
