@@ -447,9 +447,9 @@ class Scheduler(ReplicaWork):
                 sequence.finish(reason, now)
         self._drop_abandoned_waiting(now)
         stepped: list[Sequence] = list(self._running.values())
-        if any(s.priority is Priority.INTERACTIVE for s in stepped):
-            self._interactive_at = now
         admitted = self._admit(now)
+        if any(s.priority is Priority.INTERACTIVE for s in (*stepped, *admitted)):
+            self._interactive_at = now
         if any(s.priority is Priority.INTERACTIVE for s in admitted) and not self._bulk_sat_out:
             # An interactive first token waits for this step: bulk sequences sit it out, and the
             # round is one step whether or not bulk runs: the first token then travels out while
@@ -517,7 +517,6 @@ class Scheduler(ReplicaWork):
                 bulk_prefilling += 1
             else:
                 interactive_admitted = True
-                self._interactive_at = now
         return admitted
 
     def _steps_over_bulk_target(self, now: float) -> bool:
