@@ -67,10 +67,15 @@ class RoundsOfSteps:
     on the engine's one thread; a round that `follows` (FOLLOWS_ROUND) waits for the one in flight
     without ending it and releases at its first step a sequence a release request named; an
     end-round ask ends the rounds that came before it (a following one queued behind the round in
-    flight included) after their current step, not a round that came after it."""
+    flight included) after their current step, not a round that came after it. With
+    `end_asks_lost` > 0, that many end-round asks are taken for an earlier round's and do nothing,
+    as when an ask reaches the engine before the round it was for (they travel apart); `on_round`
+    is called with each round's steps as it starts, before its first step."""
 
     def __init__(self, shared_steps: int = 1) -> None:
         self.shared_steps = shared_steps
+        self.end_asks_lost = 0
+        self.on_round: Callable[[int], None] | None = None
         self.released: set[int] = set()
         self.submitted = 0  # rounds numbered as they came
         self.end_through = 0  # rounds numbered up to this end after their current step (an end-round ask)
@@ -88,7 +93,10 @@ class RoundsOfSteps:
     def note(self, rows: list[StepRow]) -> None:
         self.released.update(row.seq_id for row in rows if row.action is Action.RELEASE)
         if any(row.action is Action.END_ROUND for row in rows):
-            self.end_through = self.submitted
+            if self.end_asks_lost:
+                self.end_asks_lost -= 1
+            else:
+                self.end_through = self.submitted
 
     async def round(
         self, step: Callable[[list[StepRow]], Awaitable[list[StepOutcome]]], rows: list[StepRow], steps: int, follows: bool = False
@@ -104,6 +112,8 @@ class RoundsOfSteps:
     async def _round(
         self, step: Callable[[list[StepRow]], Awaitable[list[StepOutcome]]], rows: list[StepRow], steps: int, follows: bool, number: int
     ) -> AsyncIterator[list[StepOutcome]]:
+        if self.on_round is not None:
+            self.on_round(steps)
         self.asked.append(steps)
         self.followed.append(follows)
         self.opening.append(rows)

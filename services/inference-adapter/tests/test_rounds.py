@@ -12,7 +12,7 @@ from prometheus_client import REGISTRY
 from structlog.testing import capture_logs
 from test_scheduler import RecordingStepModel, request
 
-from sluice_inference_adapter.sequence import Finish, FinishEvent
+from sluice_inference_adapter.sequence import Finish, FinishEvent, SequenceHandle
 from sluice_inference_adapter.scheduler import Scheduler, SchedulerLimits
 from sluice_inference_adapter.step_rows import Action
 
@@ -24,10 +24,11 @@ async def _until(condition, within_s: float = 2.0) -> None:  # type: ignore[no-u
         await asyncio.sleep(0.001)
 
 
-def long_rounds(max_batch_size: int = 8, rounds_ahead: bool = False) -> tuple[RecordingStepModel, Scheduler]:
+def long_rounds(max_batch_size: int = 8, rounds_ahead: bool = False, replica: str = "") -> tuple[RecordingStepModel, Scheduler]:
     """A started scheduler allowed rounds of up to 32 steps of ~10 ms."""
     model = RecordingStepModel(step_delay_s=0.01)
-    scheduler = Scheduler(model, SchedulerLimits(max_batch_size=max_batch_size, max_round_steps=32, round_target_s=1.0, rounds_ahead=rounds_ahead))
+    limits = SchedulerLimits(max_batch_size=max_batch_size, max_round_steps=32, round_target_s=1.0, rounds_ahead=rounds_ahead)
+    scheduler = Scheduler(model, limits, replica=replica)
     scheduler.start()
     return model, scheduler
 
@@ -139,6 +140,36 @@ async def test_an_arrival_mid_round_ends_the_round_and_joins_at_the_next_step() 
     assert joined_at[1] is Action.PREFILL
     # The step in progress when it arrived ends the round; the next one carries its prefill.
     assert joined_at[0] <= arrived_at_step + 1, (joined_at, arrived_at_step)
+
+
+async def test_an_end_ask_sent_before_the_round_answered_is_sent_again_with_its_first_response() -> None:
+    """The ask travels apart from the round: one sent before the round reached the engine can get
+    there first and end nothing, and the round would run on for up to round_target_s."""
+    model, scheduler = long_rounds(replica="ask-again")
+    arrivals: list[SequenceHandle] = []
+    arrived_at_step: list[int] = []
+
+    def arrive_as_a_long_round_starts(steps: int) -> None:
+        if steps > 1 and not arrivals and len(model.steps) > 4:
+            model.rounds.end_asks_lost = 1  # the ask this arrival makes gets to the engine first
+            arrived_at_step.append(len(model.steps))
+            arrivals.append(scheduler.submit(request(max_tokens=2)))
+
+    model.rounds.on_round = arrive_as_a_long_round_starts
+    try:
+        long = scheduler.submit(request(max_tokens=200))
+        await _until(lambda: bool(arrivals))
+        _, finish = await collect(arrivals[0])
+        long.cancel()
+        await collect(long)
+    finally:
+        await scheduler.stop()
+    assert finish.finish is Finish.LENGTH
+    assert model.end_asks == 2
+    assert REGISTRY.get_sample_value("sluice_adapter_round_end_asked_again_total", {"replica": "ask-again"}) == 1
+    # The round's first step, the one the second ask reaches, then the arrival's prefill.
+    joined_at = model.rows_of(arrivals[0].seq_id)[0][0]
+    assert joined_at <= arrived_at_step[0] + 2, (joined_at, arrived_at_step)
 
 
 async def test_a_cancel_mid_round_releases_the_sequence_at_the_next_step() -> None:

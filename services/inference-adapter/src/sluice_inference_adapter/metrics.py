@@ -32,6 +32,11 @@ ROUND_STEPS = Histogram(
     "Engine steps asked for per round trip (multi-step rounds; 1 while requests wait to be admitted).",
     buckets=(1, 2, 4, 8, 16, 32, 64),
 )
+ROUND_END_ASKED_AGAIN = Counter(
+    "sluice_adapter_round_end_asked_again_total",
+    "End-round asks sent again with the round's first response: the first was sent before the round answered and may have reached the engine before the round did.",
+    ["replica"],
+)
 ROUNDS_SENT_AHEAD = Counter(
     "sluice_adapter_rounds_sent_ahead_total",
     "Rounds sent while the previous one ran, to follow it at the engine without a round trip between (step protocol's FOLLOWS_ROUND).",
@@ -135,6 +140,8 @@ def forget_replica(replica: str, priorities: Iterable[str]) -> None:
         SLOTS_IN_USE,
         ENGINE_FULL,
         BULK_HELD,
+        ROUND_END_ASKED_AGAIN,
+        ROUNDS_SENT_AHEAD,
         STEP_SECONDS,
         QUEUE_SECONDS,
         BATCH_TOKENS,

@@ -137,6 +137,10 @@ class Scheduler(ReplicaWork):
         self._in_round: dict[int, Sequence] = {}
         self._round_steps_asked = 0
         self._round_end_asked = False
+        # Whether the round in flight has answered, and whether its end was asked before it had
+        # (that ask may have reached the engine before the round did: _end_round_for_waiting).
+        self._round_answered = False
+        self._end_asked_early = False
         self._decode_step_s: float | None = None
         # The recent time of any step, prompt chunks included: what an arrival waits for.
         self._step_s: float | None = None
@@ -194,6 +198,7 @@ class Scheduler(ReplicaWork):
                 self._in_round = {s.seq_id: s for s in stepped}
                 # An end asked of the round before ends the round sent ahead of it too (step_protocol).
                 self._round_steps_asked, self._round_end_asked = steps, ahead is not None and self._round_end_asked
+                self._round_answered, self._end_asked_early = False, self._round_end_asked
                 try:
                     await self._run_round(rows, stepped, steps, responses)
                 finally:
@@ -253,6 +258,7 @@ class Scheduler(ReplicaWork):
                 self._abandon_mid_round()
                 # After both: the round may end with this response, and no later step would set it.
                 metrics.SLOTS_IN_USE.labels(replica=self._replica).set(len(self._running))
+                self._round_answered = True
                 self._end_round_for_waiting()
                 self._send_next_round_ahead(stepped, steps_answered, steps)
                 # The engine may leave prompts beyond its per-step prefill budget to the round's
@@ -314,16 +320,28 @@ class Scheduler(ReplicaWork):
         for it (it arrived, or a sequence finished), the round is asked to end after its current
         step (once per round), and the next round admits it. Only while the round has sequences
         running: one whose sequences have all finished ends by itself, and an ask then would reach
-        the engine after the next round, the arrival's own, and end that one after its first step."""
-        if (
+        the engine after the next round, the arrival's own, and end that one after its first step.
+
+        The ask travels apart from the round (a request of its own), so one sent before the round
+        answered can reach the engine before the round does, and the engine takes it for an
+        earlier round's: such an ask is sent again with the round's first response, when the
+        round is surely there (one step later, not the round's whole length). So is an ask that a
+        round sent ahead inherits."""
+        if not (
             any(seq_id in self._running for seq_id in self._in_round)
             and self._round_steps_asked > 1
-            and not self._round_end_asked
             and self.waiting_count
             and len(self._running) < self._limits.max_batch_size
         ):
-            self._round_end_asked = True
-            self._send_in_background([StepRow(Action.END_ROUND, 0)], "end_round_failed")
+            return
+        if not self._round_end_asked:
+            self._round_end_asked, self._end_asked_early = True, not self._round_answered
+        elif self._end_asked_early and self._round_answered:
+            self._end_asked_early = False
+            metrics.ROUND_END_ASKED_AGAIN.labels(replica=self._replica).inc()
+        else:
+            return
+        self._send_in_background([StepRow(Action.END_ROUND, 0)], "end_round_failed")
 
     def _on_cancel(self, sequence: Sequence) -> None:
         """Mid-round the engine steps on without us: release the sequence now, so that it stops
