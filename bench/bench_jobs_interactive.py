@@ -29,6 +29,7 @@ from sluice.common.v1 import types_pb2
 from sluice.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from sluice.jobs.v1 import jobs_pb2
 
+from bench_load import counter_total
 from sluice_stack import Stack, StackPorts
 
 DEMO_KEY = "sk-sluice-demo"
@@ -161,6 +162,9 @@ def measure(stack: Stack, gateway: Any) -> None:
         progress.append((before, after.completed_rows if after else before))
         settle_cancel(gateway, job_id)
     print(f"job rows completed during each phase (before, after): {progress}")
+    adapter = stack.metrics_url("inference-adapter")
+    for counter in ("sluice_adapter_bulk_held_total", "sluice_adapter_round_end_asked_again_total"):
+        print(f"{counter}: {counter_total(adapter, counter):.0f}")
     # Where the time went: the adapter's own view (queue + prefill step), the rest is the hops.
     for name, pick in (("adapter ttft", lambda x: x.adapter_ttft_s), ("adapter queue", lambda x: x.adapter_queue_s)):
         for label, samples in (("without job", baseline), ("with job", with_job)):

@@ -171,6 +171,12 @@ def histogram_totals(url: str, name: str) -> tuple[float, float]:
     return total, count
 
 
+def counter_total(url: str, name: str) -> float:
+    """A Prometheus counter's value, all label sets together."""
+    with urllib.request.urlopen(url, timeout=5) as response:
+        return sum(float(line.rsplit(" ", 1)[1]) for line in response.read().decode().splitlines() if line.startswith((f"{name} ", f"{name}{{")))
+
+
 def step_times(stack: Stack) -> dict[str, tuple[float, float]]:
     """Where a step's time goes: the engine's own step, and the adapter's round trip to Triton."""
     return {
