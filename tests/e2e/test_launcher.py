@@ -228,3 +228,17 @@ def test_a_triton_port_taken_after_its_probe_starts_triton_local_on_others(tmp_p
 def _children_named(pid: int, name: str) -> list[int]:
     found = subprocess.run(["pgrep", "-P", str(pid), "-x", name], capture_output=True, text=True, check=False)
     return [int(line) for line in found.stdout.split()]
+
+
+def test_a_service_with_a_ready_event_is_ready_only_once_it_logged_it(tmp_path: Path) -> None:
+    """triton-local's Triton answers ready after its first model's load, before the others': the
+    launcher also waits for the "ready" line triton-local logs once every model is in (a stack that
+    went on earlier sent a test's requests to a replica whose probes then failed)."""
+    log = tmp_path / "triton-local.log"
+    service = ServiceProcess("triton-local", "sluice_triton_local", {}, log, ready=lambda: True, ready_event=launcher.TRITON_LOCAL_READY)
+    log.write_text(json.dumps({"event": "model_loaded"}) + "\nnot json\n")
+    assert not service.is_ready()
+    with log.open("a") as out:
+        out.write(json.dumps({"event": "ready", "models": ["smollm2_step"]}) + "\n")
+    assert service.is_ready()
+    assert not ServiceProcess("other", "sluice_triton_local", {}, log, ready=lambda: False, ready_event="ready").is_ready()

@@ -26,7 +26,7 @@ from sluice.inference.v1 import inference_pb2, inference_pb2_grpc
 
 from conftest import MODEL, scrape, wait_for
 from sluice_stack import ServiceProcess, free_port
-from sluice_stack.launcher import ADAPTER_PORT_ENV, http_ok
+from sluice_stack.launcher import ADAPTER_PORT_ENV, TRITON_LOCAL_READY, http_ok
 
 NAME = "sluice-triton-pods"
 POD_IPS = ("127.0.0.1", "127.0.0.2")
@@ -107,7 +107,7 @@ def pods(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pods]:
                 "SLUICE_TRITON_LOCAL_TRITON_LOG_FILE": str(run_dir / f"pod-{index}.tritonserver.log"),
             }
             pod = ServiceProcess(f"pod-{index}", "sluice_triton_local", env, run_dir / f"pod-{index}.log",
-                                 http_ok(f"http://{ip}:{http}/v2/health/ready"), project="triton-local")  # fmt: skip
+                                 http_ok(f"http://{ip}:{http}/v2/health/ready"), project="triton-local", ready_event=TRITON_LOCAL_READY)  # fmt: skip
             tritons[ip] = pod
             model_metrics[ip] = f"http://{ip}:{metrics}/metrics"
             pod.start()  # both load their models at once

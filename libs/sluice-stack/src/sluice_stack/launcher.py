@@ -12,6 +12,7 @@ import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -44,6 +45,9 @@ ENV_PREFIXES = {
 # The log line in which a service says which ports it bound, by role (sluice_common.server's and
 # the gateway HTTP front's `ports_bound`, logged at any log level).
 PORTS_EVENT = "ports_bound"
+# What triton-local logs once Triton serves every model it binds (its server answers ready after the
+# first model's load, before the others': a request for them then fails).
+TRITON_LOCAL_READY = "ready"
 PORT_ROLES = ("grpc", "metrics", "http")
 
 
@@ -112,6 +116,9 @@ class ServiceProcess:
     port_env: dict[str, str] = field(default_factory=dict)
     # The ports it bound, by role, read from its log (JSON lines) once it is ready.
     ports: dict[str, int] = field(default_factory=dict)
+    # An event the service logs once it serves, which readiness waits for too (triton-local's
+    # "ready": Triton answers ready between its models' loads, with only some of them loaded).
+    ready_event: str = ""
     _log_offset: int = 0
 
     @property
@@ -142,26 +149,34 @@ class ServiceProcess:
                 start_new_session=True,
             )
 
-    def reported_ports(self) -> dict[str, int]:
-        """The ports this run of the service says it bound (its JSON log lines since `start`)."""
-        ports: dict[str, int] = {}
+    def _logged(self, event: str) -> list[dict[str, Any]]:
+        """The records of `event` this run of the service logged (its JSON log lines since `start`)."""
         try:
             with self.log_path.open("rb") as log:
                 log.seek(self._log_offset)
                 lines = log.read().splitlines()
         except OSError:
-            return ports
+            return []
+        records = []
         for line in lines:
             try:
                 record = json.loads(line)
             except ValueError:
                 continue
-            if not isinstance(record, dict) or record.get("event") != PORTS_EVENT:
-                continue
+            if isinstance(record, dict) and record.get("event") == event:
+                records.append(record)
+        return records
+
+    def reported_ports(self) -> dict[str, int]:
+        """The ports this run of the service says it bound."""
+        ports: dict[str, int] = {}
+        for record in self._logged(PORTS_EVENT):
             ports.update({role: record[role] for role in PORT_ROLES if isinstance(record.get(role), int) and record[role] > 0})
         return ports
 
     def is_ready(self) -> bool:
+        if self.ready_event and not self._logged(self.ready_event):
+            return False
         if self.ready is not None:
             return self.ready()
         port = self.reported_ports().get("grpc")
@@ -400,9 +415,8 @@ class Stack:
             **({} if self.serve_variant else {"SLUICE_TRITON_LOCAL_VARIANT_MODEL_NAME": ""}),
             **self._triton_threads(),
         }
-        # Server readiness: every model loaded (the step model alone is ready before the others).
         ready = http_ok(f"http://{LOCALHOST}:{ports.http}/v2/health/ready")
-        return self._service((name, "sluice_triton_local", env, {}), ready)
+        return self._service((name, "sluice_triton_local", env, {}), ready, ready_event=TRITON_LOCAL_READY)
 
     def _triton_threads(self) -> dict[str, str]:
         """Several replicas on this one machine split its cores, as an operator co-locating them
@@ -411,7 +425,7 @@ class Stack:
             return {}
         return {"SLUICE_TRITON_LOCAL_THREADS": str(max(1, len(os.sched_getaffinity(0)) // len(self.triton_ports)))}
 
-    def _service(self, spec: Spec, ready: Callable[[], bool] | None = None) -> ServiceProcess:
+    def _service(self, spec: Spec, ready: Callable[[], bool] | None = None, ready_event: str = "") -> ServiceProcess:
         name, module, env, port_env = spec
         return ServiceProcess(
             name,
@@ -423,6 +437,7 @@ class Stack:
             # The job worker's health port speaks no TLS (jobs/worker.py's create_server).
             credentials=None if module == "sluice_gateway.jobs.worker" else self.grpc_credentials,
             port_env=port_env,
+            ready_event=ready_event,
         )
 
     def _plan(self) -> list[Callable[[], ServiceProcess]]:
