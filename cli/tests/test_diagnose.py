@@ -164,6 +164,22 @@ def test_a_requests_in_flight_budget_of_one_is_named_at_rate_limit() -> None:
     )
 
 
+def test_clients_that_waited_to_retry_most_of_their_time_name_rate_limit_however_few_acquires_were_denied() -> None:
+    """4 clients on a budget of 1 with 0.1 s calls retry seldom next to the calls admitted: 29% of
+    the Acquires denied, yet the clients waited to retry 75% of their time (an e2e run measured it)."""
+    budgets = [[BudgetSample("demo", "smollm2-135m-instruct", "requests_in_flight", 1, 1)] for _ in range(5)]
+    probe = ProbeStats(clients=4, seconds=8, completed=71, denied=30, retry_wait_s=24.0, call_s=8.0)
+    report = d.analyze(ratelimit_windows(denied=30, allowed=71), budgets, probe)
+    assert report.verdict.hop == d.RATELIMIT
+    assert report.verdict.text.startswith("rate-limit serializes: 30% of Acquires denied (denied by requests_in_flight 30)")
+    assert report.verdict.text.endswith("the probe's clients waited to retry 75% of their time")
+
+
+def test_without_a_probe_the_share_of_acquires_denied_decides() -> None:
+    assert d.analyze(ratelimit_windows(denied=40, allowed=5), [], None).verdict.hop == d.RATELIMIT
+    assert d.analyze(ratelimit_windows(denied=20, allowed=80), [], None).verdict.hop is None
+
+
 def test_a_few_denials_that_cost_the_clients_little_are_not_a_serialization() -> None:
     probe = ProbeStats(clients=8, seconds=10, completed=50, denied=20, retry_wait_s=2.0, call_s=78.0)
     report = d.analyze(ratelimit_windows(denied=20, allowed=30), [], probe)

@@ -139,8 +139,10 @@ def test_a_requests_in_flight_budget_of_one_is_the_hop_the_verdict_names(
         said,
     )
     assert match is not None, output
-    # One of the four probe streams admitted at a time, the others told to come back in a second.
-    assert int(match.group(1)) >= 30, output
+    # One of the four probe streams admitted at a time, the others told to come back in a second:
+    # three denials a second beside the ~10 calls admitted (fewer denied the shorter the calls), and
+    # the clients wait to retry most of their time.
+    assert int(match.group(1)) >= 10, output
     assert 0.5 <= float(match.group(2)) <= 1.0, output
     assert int(match.group(3)) >= 50, output
     assert re.search(r"^probe: 4 concurrent Generate streams, [1-9]\d* completed, [1-9]\d* denied", output, re.M), output
