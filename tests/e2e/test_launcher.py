@@ -190,9 +190,16 @@ def test_a_triton_port_taken_after_its_probe_starts_triton_local_on_others(tmp_p
     taker.bind(("0.0.0.0", 0))
     taker.listen()
     taken = taker.getsockname()[1]
-    probes = iter([taken])  # the first probe (Triton's HTTP port) answers a port already held
-    real_free_port = launcher.free_port
-    monkeypatch.setattr(launcher, "free_port", lambda: next(probes, 0) or real_free_port())
+    first_probe = [True]  # the first probe's first port (Triton's HTTP port) is one already held
+    real_free_ports = launcher.free_ports
+
+    def probe(count: int) -> list[int]:
+        ports = real_free_ports(count)
+        if first_probe.pop() if first_probe else False:
+            ports[0] = taken
+        return ports
+
+    monkeypatch.setattr(launcher, "free_ports", probe)
     stack = Stack(tmp_path, ports=StackPorts.ephemeral(), serve_variant=False)
     assert stack.ports.triton_http == taken
     started: list[ServiceProcess] = []
@@ -242,3 +249,10 @@ def test_a_service_with_a_ready_event_is_ready_only_once_it_logged_it(tmp_path: 
         out.write(json.dumps({"event": "ready", "models": ["smollm2_step"]}) + "\n")
     assert service.is_ready()
     assert not ServiceProcess("other", "sluice_triton_local", {}, log, ready=lambda: False, ready_event="ready").is_ready()
+
+
+def test_probed_ports_picked_together_are_all_different() -> None:
+    """A port released is often handed out again at once: one replica got the same HTTP and metrics
+    port (tritonserver refuses to start so) while each was probed and released in turn."""
+    ports = launcher.free_ports(64)
+    assert len(set(ports)) == 64

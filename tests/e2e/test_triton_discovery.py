@@ -25,7 +25,7 @@ from sluice.common.v1 import types_pb2
 from sluice.inference.v1 import inference_pb2, inference_pb2_grpc
 
 from conftest import MODEL, scrape, wait_for
-from sluice_stack import ServiceProcess, free_port
+from sluice_stack import ServiceProcess, free_ports
 from sluice_stack.launcher import ADAPTER_PORT_ENV, TRITON_LOCAL_READY, http_ok
 
 NAME = "sluice-triton-pods"
@@ -89,13 +89,13 @@ def pods(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pods]:
     if not namespaces_work(hosts_file):
         pytest.skip("no private mount namespace here (unshare -m and a bind mount need CAP_SYS_ADMIN)")
     # Triton's ports are probed: tritonserver binds what it is told and cannot say what it bound.
-    grpc_port = free_port()
+    grpc_port, *pod_ports = free_ports(1 + 3 * len(POD_IPS))
     tritons: dict[str, ServiceProcess] = {}
     model_metrics: dict[str, str] = {}
     started: list[ServiceProcess] = []
     try:
         for index, ip in enumerate(POD_IPS):
-            http, triton_metrics, metrics = free_port(), free_port(), free_port()
+            http, triton_metrics, metrics = pod_ports[3 * index : 3 * index + 3]
             env = {
                 "PYTHONUNBUFFERED": "1",
                 **TRITON_ENV,

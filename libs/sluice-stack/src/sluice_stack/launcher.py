@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -54,9 +55,21 @@ PORT_ROLES = ("grpc", "metrics", "http")
 def free_port() -> int:
     """A port free now, which another process may take before it is used: only for a server that
     cannot bind port 0 and say what it bound (tritonserver), never for one of Sluice's services."""
-    with socket.socket() as sock:
-        sock.bind((LOCALHOST, 0))
-        return int(sock.getsockname()[1])
+    (port,) = free_ports(1)
+    return port
+
+
+def free_ports(count: int) -> list[int]:
+    """`count` different ports free now (as free_port): each held until all are picked, since one
+    released may be handed out again at once (a replica once got the same HTTP and metrics port,
+    which tritonserver refuses)."""
+    with contextlib.ExitStack() as held:
+        ports = []
+        for _ in range(count):
+            sock = held.enter_context(socket.socket())
+            sock.bind((LOCALHOST, 0))
+            ports.append(int(sock.getsockname()[1]))
+        return ports
 
 
 @dataclass(frozen=True)
@@ -332,14 +345,13 @@ class Stack:
         p = self.ports
         self._probed_triton = not (p.triton_http and p.triton_grpc and p.triton_metrics and p.triton_local_metrics)
         if self._probed_triton:
-            self.ports = p = replace(
-                p, triton_http=free_port(), triton_grpc=free_port(), triton_metrics=free_port(), triton_local_metrics=free_port()
-            )
+            http, grpc_port, triton_metrics, local_metrics = free_ports(4)
+            self.ports = p = replace(p, triton_http=http, triton_grpc=grpc_port, triton_metrics=triton_metrics, triton_local_metrics=local_metrics)
         self.triton_ports: dict[str, TritonPorts] = {
             "triton-local": TritonPorts(p.triton_http, p.triton_grpc, p.triton_metrics, p.triton_local_metrics)
         }
         for index in range(self.extra_triton_replicas):
-            self.triton_ports[f"triton-local-{index + 2}"] = TritonPorts(*(free_port() for _ in range(4)))
+            self.triton_ports[f"triton-local-{index + 2}"] = TritonPorts(*free_ports(4))
         # The (gRPC, metrics) ports asked of each replica of the services that have several (0: any).
         self.replica_ports: dict[str, list[tuple[int, int]]] = {
             "gateway": [(p.gateway, p.gateway_metrics)],
@@ -593,7 +605,7 @@ class Stack:
     def _reprobe_triton(self, service: ServiceProcess) -> None:
         """New probed ports for a triton-local whose ports another process took first."""
         service.stop()
-        ports = TritonPorts(*(free_port() for _ in range(4)))
+        ports = TritonPorts(*free_ports(4))
         self.triton_ports[service.name] = ports
         if service.name == "triton-local":
             self.ports = replace(
