@@ -64,7 +64,7 @@ import aiohttp
 from bench_load import prompts  # bench-load's chat prompts of mixed lengths
 from bench_openai import Outcome, Phase, percentile
 from llama_server import build, locked_version
-from sluice_stack import REPO_ROOT, Stack, StackPorts, free_port
+from sluice_stack import REPO_ROOT, Stack, StackPorts, free_ports
 
 MODEL = "smollm2-135m-instruct"
 DEMO_KEY = "sk-sluice-demo"
@@ -381,7 +381,7 @@ def main() -> int:
         # One llama-server per side, as the stack has one stack per side: a server's prompt cache
         # holds only what its own side sent (one server for both would warm the cached side's slots
         # with the uncached side's run of the same prompts).
-        peer_port, cached_peer_port = free_port(), free_port()
+        peer_port, cached_peer_port = free_ports(2)
         peers = [
             start_llama_server(binary, peer_port, run_dir / "llama-server.log"),
             start_llama_server(binary, cached_peer_port, run_dir / "llama-server-cached.log"),
