@@ -190,13 +190,12 @@ def test_a_triton_port_taken_after_its_probe_starts_triton_local_on_others(tmp_p
     taker.bind(("0.0.0.0", 0))
     taker.listen()
     taken = taker.getsockname()[1]
-    first_probe = [True]  # the first probe's first port (Triton's HTTP port) is one already held
+    first_ports = iter([taken])  # the first probe's first port (Triton's HTTP port) is one already held
     real_free_ports = launcher.free_ports
 
     def probe(count: int) -> list[int]:
         ports = real_free_ports(count)
-        if first_probe.pop() if first_probe else False:
-            ports[0] = taken
+        ports[0] = next(first_ports, ports[0])
         return ports
 
     monkeypatch.setattr(launcher, "free_ports", probe)
