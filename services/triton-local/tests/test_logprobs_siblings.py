@@ -104,8 +104,8 @@ def test_greedy_logprobs_are_log_softmax_of_the_models_logits(engine: StepEngine
     seen: list[np.ndarray] = []
     forward = engine._model.forward  # noqa: SLF001
 
-    def spy(items):  # type: ignore[no-untyped-def]
-        out = forward(items)
+    def spy(items, interruptible=False):  # type: ignore[no-untyped-def]
+        out = forward(items, interruptible)
         seen.append(out.copy())
         return out
 
@@ -132,9 +132,9 @@ def test_n_siblings_are_prefilled_once_and_each_seed_reproduces_its_stream(engin
     rows_seen: list[int] = []
     forward = engine._model.forward  # noqa: SLF001
 
-    def spy(items):  # type: ignore[no-untyped-def]
+    def spy(items, interruptible=False):  # type: ignore[no-untyped-def]
         rows_seen.append(sum(len(item.token_ids) for item in items))
-        return forward(items)
+        return forward(items, interruptible)
 
     def choices(base: int, seed: int) -> dict[int, list[RowResult]]:
         rows = [PrefillRow(base + i, ids, Sampling(max_tokens=12, temperature=1.0, seed=seed + i, logprobs=1)) for i in range(3)]

@@ -57,6 +57,17 @@ RELEASED_MID_ROUND = Counter(
     "sluice_triton_local_released_mid_round_total",
     "Sequences a release request stopped inside a round in flight, at the round's next step (cancelled streams).",
 )
+INTERRUPT_ASKS = Counter(
+    "sluice_triton_local_interrupt_asks_total",
+    "Interrupt asks (step protocol ACTION 6) by whether an interruptible step was in progress to stop (found=step) or not (found=none:"
+    " the round in flight only ends after its current step).",
+    ["found"],
+)
+STEPS_INTERRUPTED = Counter(
+    "sluice_triton_local_steps_interrupted_total",
+    "Steps of an interruptible round (bulk work) stopped midway for an interrupt ask (an interactive arrival);"
+    " their rows made no token and were stepped again later.",
+)
 EMBED_TEXTS = Counter("sluice_triton_local_embed_texts_total", "Texts embedded by the embedding model.")
 EMBED_BATCH = Histogram(
     "sluice_triton_local_embed_batch_texts",

@@ -132,7 +132,7 @@ class SharedEngine:
     def step(self, rows: list[Row]) -> list[RowResult]:
         return self._owner.submit(self._step, rows).result()
 
-    def round(self, rows: list[Row], steps: int, on_step: OnStep, preempts: bool = True) -> Future[None]:
+    def round(self, rows: list[Row], steps: int, on_step: OnStep, preempts: bool = True, interruptible: bool = False) -> Future[None]:
         """Up to `steps` engine steps for one request (a multi-step round): the rows given, then one
         decode row for each sequence of theirs still running, until every one has finished or the
         round has run its steps. `on_step` gets each step's results as they are made, on the
@@ -144,11 +144,12 @@ class SharedEngine:
         (a release request, which the round in flight applies itself, or a caller's next round sent
         while its current one runs) waits without ending one; an end-round ask made before it
         started ends it too, after its first step (it was planned without what the ask was for),
-        while a preempting round is planned after such an ask and runs on."""
+        while a preempting round is planned after such an ask and runs on. An `interruptible` round's
+        steps may be stopped midway by `interrupt_soon`."""
         with self._asks_lock:
             self._rounds_submitted += 1
             number = self._rounds_submitted
-        return self._owner.submit(self._round, number, rows, steps, on_step, preempts, counted=preempts)
+        return self._owner.submit(self._round, number, rows, steps, on_step, preempts, interruptible, counted=preempts)
 
     def release_soon(self, seq_ids: list[int]) -> None:
         """Marks sequences a release request is about to release, for a round now stepping them."""
@@ -160,14 +161,22 @@ class SharedEngine:
         with self._asks_lock:
             self._end_through = self._rounds_submitted
 
-    def _round(self, number: int, rows: list[Row], steps: int, on_step: OnStep, preempts: bool) -> None:
+    def interrupt_soon(self) -> None:
+        """As end_round_soon, and the step in progress stops midway when its round is interruptible
+        (StepEngine.step says what its rows answer then).
+        What an interactive arrival asks of a round of bulk work, so that its prefill does not wait
+        for a bulk step (tens of milliseconds on a CPU) to end."""
+        self.end_round_soon()
+        metrics.INTERRUPT_ASKS.labels(found="step" if self._engine.interrupt() else "none").inc()
+
+    def _round(self, number: int, rows: list[Row], steps: int, on_step: OnStep, preempts: bool, interruptible: bool) -> None:
         with self._asks_lock:
             if preempts:  # an ask that came before it was for rounds that have ended
                 self._end_through = min(self._end_through, number - 1)
             # A following round was sent before its caller released some of its sequences.
             rows = [ReleaseRow(row.seq_id) if isinstance(row, DecodeRow) and row.seq_id in self._releasing else row for row in rows]
         for done in range(1, steps + 1):
-            results = self._step(rows)
+            results = self._step(rows, interruptible)
             rows = self._next_rows(number, rows, results) if done < steps else []
             on_step(results, not rows)
             if not rows:
@@ -185,14 +194,16 @@ class SharedEngine:
         metrics.RELEASED_MID_ROUND.inc(len(released))
         return [ReleaseRow(s) if s in released else DecodeRow(s) for s in running]
 
-    def _step(self, rows: list[Row]) -> list[RowResult]:
+    def _step(self, rows: list[Row], interruptible: bool = False) -> list[RowResult]:
         released = [row.seq_id for row in rows if isinstance(row, ReleaseRow)]
         if released:
             with self._asks_lock:
                 self._releasing.difference_update(released)
         started = time.perf_counter()
-        before, deferred = self._engine.tokens_generated_total, self._engine.prefills_deferred_total
-        results = self._engine.step(rows)
+        engine = self._engine
+        before, deferred, interrupted = engine.tokens_generated_total, engine.prefills_deferred_total, engine.steps_interrupted_total
+        results = engine.step(rows, interruptible)
+        metrics.STEPS_INTERRUPTED.inc(engine.steps_interrupted_total - interrupted)
         if self._variant:
             metrics.VARIANT_TOKENS_GENERATED.inc(self._engine.tokens_generated_total - before)
             return results

@@ -22,7 +22,14 @@ One Triton request carries one row per sequence, all tensors of shape [rows]:
 
   inputs   ACTION  INT32   1 prefill, 2 decode, 3 release, 4 count tokens, 5 end round: the
                            round in flight (whoever sent it) ends after its current step,
-                           because requests wait to join; answered at once, SEQ_ID ignored
+                           because requests wait to join; answered at once, SEQ_ID ignored;
+                           6 interrupt: as 5, and when the round in flight is INTERRUPTIBLE,
+                           its current step stops midway (an interactive request waits; on
+                           llama.cpp's CPU backend, between two nodes of its graph) unless it
+                           prefills one prompt for several siblings: its rows answer TOKEN_ID -1
+                           with FINISH "", a decoding sequence is as before the step and a
+                           prefilled one admitted with none of its prompt cached (its next
+                           DECODE row caches it, as for a chunked prefill)
            SEQ_ID  INT64   the adapter's id for the sequence (its KV slot key)
            REQUEST BYTES   JSON for prefill and count rows, empty otherwise:
                            {"messages": [[role, content], ...]} (content tokenized as text:
@@ -56,6 +63,8 @@ One Triton request carries one row per sequence, all tensors of shape [rows]:
                            release; an end-round ask made while it waits ends it after its
                            first step, as it ends the round in flight (one made before it was
                            sent does not); absent or 0: the request ends the round in flight
+           INTERRUPTIBLE INT32 optional, shape [1]: 1: the round's steps may be stopped midway
+                           by an interrupt (ACTION 6): the caller's bulk work; absent or 0: never
 
 Each response carries one row per row of each step it answers, in step order, all tensors of
 shape [rows] but ROUND_END: the first step answers the request's rows in their order; a later
@@ -109,7 +118,7 @@ from sluice_common.structured_outputs import check
 from sluice_triton_local.engine.rows import DecodeRow, PrefillRow, ReleaseRow, Row, RowResult, TokenLogprob
 from sluice_triton_local.shared_engine import SharedEngine
 
-PREFILL, DECODE, RELEASE, COUNT, END_ROUND = 1, 2, 3, 4, 5
+PREFILL, DECODE, RELEASE, COUNT, END_ROUND, INTERRUPT = 1, 2, 3, 4, 5, 6
 
 # A round longer than this would hold a new arrival's first token back too long (and a caller
 # asking for more is likely confused about the unit).
@@ -118,7 +127,12 @@ MAX_ROUND_STEPS = 64
 MAX_STREAM_INTERVAL_MS = 1000
 
 INPUTS: tuple[tuple[str, type], ...] = (("ACTION", np.int32), ("SEQ_ID", np.int64), ("REQUEST", bytes))
-OPTIONAL_INPUTS: tuple[tuple[str, type], ...] = (("STEPS", np.int32), ("STREAM_INTERVAL_MS", np.int32), ("FOLLOWS_ROUND", np.int32))
+OPTIONAL_INPUTS: tuple[tuple[str, type], ...] = (
+    ("STEPS", np.int32),
+    ("STREAM_INTERVAL_MS", np.int32),
+    ("FOLLOWS_ROUND", np.int32),
+    ("INTERRUPTIBLE", np.int32),
+)
 OUTPUTS: tuple[tuple[str, type], ...] = (
     ("ROW_SEQ_ID", np.int64),
     ("TOKEN_ID", np.int32),
@@ -136,11 +150,18 @@ OnResponse = Callable[[dict[str, np.ndarray], bool], object]
 
 
 def round_inputs(
-    action: int, seq_ids: list[int], bodies: list[bytes], steps: int = 1, follows: bool = False, stream_interval_ms: int = 0
+    action: int,
+    seq_ids: list[int],
+    bodies: list[bytes],
+    steps: int = 1,
+    follows: bool = False,
+    stream_interval_ms: int = 0,
+    interruptible: bool = False,
 ) -> dict[str, np.ndarray]:
     """A request's input tensors, one row per sequence, all of one action, for `steps` engine steps
     (`follows`: sent to follow the round in flight; `stream_interval_ms`: STREAM_INTERVAL_MS, 0 for
-    none): what a caller in process (the benchmarks) passes to `start_round`."""
+    none; `interruptible`: INTERRUPTIBLE): what a caller in process (the benchmarks) passes to
+    `start_round`."""
     inputs: dict[str, np.ndarray] = {
         "ACTION": np.full(len(seq_ids), action, np.int32),
         "SEQ_ID": np.array(seq_ids, np.int64),
@@ -151,6 +172,8 @@ def round_inputs(
         inputs["FOLLOWS_ROUND"] = np.array([1], np.int32)
     if stream_interval_ms:
         inputs["STREAM_INTERVAL_MS"] = np.array([stream_interval_ms], np.int32)
+    if interruptible:
+        inputs["INTERRUPTIBLE"] = np.array([1], np.int32)
     return inputs
 
 
@@ -186,10 +209,10 @@ def _parse_row(engine: SharedEngine, action: int, seq_id: int, raw: bytes) -> Pr
         return DecodeRow(seq_id)
     if action == RELEASE:
         return ReleaseRow(seq_id)
-    if action == END_ROUND:
+    if action in (END_ROUND, INTERRUPT):
         return RowResult(seq_id, -1, "", "", 0, 0)
     if action not in (PREFILL, COUNT):
-        return _invalid(seq_id, f"unknown ACTION {action}; expected 1 prefill, 2 decode, 3 release, 4 count or 5 end round")
+        return _invalid(seq_id, f"unknown ACTION {action}; expected 1 prefill, 2 decode, 3 release, 4 count, 5 end round or 6 interrupt")
     try:
         request = json.loads(raw or b"{}")
         prompt = _prompt_ids(engine, request)
@@ -258,6 +281,10 @@ def follows_round(inputs: dict[str, np.ndarray]) -> bool:
     return _scalar(inputs, "FOLLOWS_ROUND", 0, 0, 1) == 1
 
 
+def interruptible_round(inputs: dict[str, np.ndarray]) -> bool:
+    return _scalar(inputs, "INTERRUPTIBLE", 0, 0, 1) == 1
+
+
 class _Responses:
     """A round's steps into responses: each step at once, or, with an interval, later steps' rows
     held until the interval has passed since the previous response (see the module's docstring)."""
@@ -288,13 +315,16 @@ def start_round(engine: SharedEngine, inputs: dict[str, np.ndarray], on_response
     step's response (or here, at once, when no row needs the engine). Raises RoundRejected."""
     steps = round_steps(inputs)
     follows = follows_round(inputs)
+    interruptible = interruptible_round(inputs)
     responses = _Responses(stream_interval_s(inputs), on_response)
     actions = inputs["ACTION"].reshape(-1)
     seq_ids = inputs["SEQ_ID"].reshape(-1)
     requests = inputs["REQUEST"].reshape(-1)
     if not len(actions) == len(seq_ids) == len(requests):
         raise RoundRejected(f"ACTION, SEQ_ID and REQUEST must have one value per row, got {len(actions)}, {len(seq_ids)} and {len(requests)}")
-    if END_ROUND in actions:
+    if INTERRUPT in actions:
+        engine.interrupt_soon()
+    elif END_ROUND in actions:
         engine.end_round_soon()
     parsed = [_parse_row(engine, int(a), int(s), bytes(r)) for a, s, r in zip(actions, seq_ids, requests)]
     engine_rows: list[Row] = [row for row in parsed if not isinstance(row, RowResult)]
@@ -316,7 +346,7 @@ def start_round(engine: SharedEngine, inputs: dict[str, np.ndarray], on_response
     # A release request needs no round of its own in the engine's line: the round in flight
     # applies it; a following round waits its turn.
     releases_only = all(isinstance(row, ReleaseRow) for row in engine_rows)
-    return engine.round(engine_rows, steps, on_step, preempts=not (releases_only or follows))
+    return engine.round(engine_rows, steps, on_step, preempts=not (releases_only or follows), interruptible=interruptible)
 
 
 def encode_results(results: list[RowResult], last: bool = True) -> dict[str, np.ndarray]:

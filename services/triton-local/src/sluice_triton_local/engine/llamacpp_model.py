@@ -26,7 +26,7 @@ import numpy as np
 
 import llama_cpp as lc
 
-from .model import BatchItem
+from .model import BatchItem, StepInterrupted
 from .thread_governor import ThreadGovernor
 
 _backend_lock = threading.Lock()
@@ -36,10 +36,14 @@ _GGML_LOG_WARN, _GGML_LOG_ERROR = 3, 4
 log = logging.getLogger("sluice.triton_local.engine")
 
 
+# What llama.cpp logs when a decode stops because we interrupted it (StepInterrupted): expected, not news.
+_INTERRUPT_LOG_LINES = (b"removing memory module entries", b"failed to decode, ret = 2")
+
+
 @lc.llama_log_callback
 def _log_warnings_only(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
     """llama.cpp logs every tensor and setting at load: pass on warnings and errors only."""
-    if level in (_GGML_LOG_WARN, _GGML_LOG_ERROR):
+    if level in (_GGML_LOG_WARN, _GGML_LOG_ERROR) and not any(line in text for line in _INTERRUPT_LOG_LINES):
         sys.stderr.write(text.decode("utf-8", "replace"))
 
 
@@ -52,10 +56,49 @@ def init_backend_once() -> None:
             _backend_initialised = True
 
 
-def context_params(sequences: int, context_per_sequence: int, batch_tokens: int, threads: int, *, unified: bool) -> object:
+class _InterruptFlag:
+    """A flag llama.cpp's compute thread reads after every node of the graph, in C.
+
+    llama.cpp stops a decode midway when its abort callback returns true, and its CPU backend calls
+    the callback after each of a step's hundreds of graph nodes. A Python callback would take the
+    GIL that often (and wait for it behind Triton's threads), so the callback is libc's `strlen`
+    over a two-byte buffer we own: it returns 0 (false) while the first byte is 0 and 1 (true) once
+    it is set, which is exactly the bool the callback returns, and it runs without Python.
+    Armed only around the forward passes that may be interrupted, under a lock, so that an interrupt
+    asked while one runs can never stop the next one.
+    """
+
+    def __init__(self) -> None:
+        self._buffer = ctypes.create_string_buffer(2)
+        self._lock = threading.Lock()
+        self._armed = False
+        self.callback = ctypes.cast(ctypes.CDLL(None).strlen, lc.ggml_abort_callback)
+        self.data = ctypes.cast(self._buffer, ctypes.c_void_p)
+
+    def arm(self) -> None:
+        with self._lock:
+            self._buffer[0] = b"\x00"
+            self._armed = True
+
+    def disarm(self) -> None:
+        with self._lock:
+            self._armed = False
+            self._buffer[0] = b"\x00"
+
+    def set(self) -> bool:
+        """Stops the armed forward pass, if one runs; whether one did."""
+        with self._lock:
+            if self._armed:
+                self._buffer[0] = b"\x01"
+            return self._armed
+
+
+def context_params(
+    sequences: int, context_per_sequence: int, batch_tokens: int, threads: int, *, unified: bool, interrupt: _InterruptFlag | None = None
+) -> object:
     """llama.cpp context parameters: `sequences` sequences of up to `context_per_sequence` positions
-    each, at most `batch_tokens` tokens per llama_decode. Without a unified cache, n_ctx is divided
-    evenly between the n_seq_max streams."""
+    each, at most `batch_tokens` tokens per llama_decode, stopped midway when `interrupt` is set.
+    Without a unified cache, n_ctx is divided evenly between the n_seq_max streams."""
     params = lc.llama_context_default_params()
     params.n_ctx = sequences * context_per_sequence
     params.n_seq_max = sequences
@@ -65,6 +108,9 @@ def context_params(sequences: int, context_per_sequence: int, batch_tokens: int,
     params.n_threads_batch = threads
     params.kv_unified = unified
     params.no_perf = True
+    if interrupt is not None:
+        params.abort_callback = interrupt.callback
+        params.abort_callback_data = interrupt.data
     return params
 
 
@@ -142,7 +188,8 @@ class LlamaCppModel:
         self._model = lc.llama_model_load_from_file(gguf_path.encode(), model_params)
         if not self._model:
             raise RuntimeError(f"llama.cpp could not load {gguf_path}")
-        params = context_params(max_slots, max_context, batch_tokens, threads, unified=False)
+        self._interrupt = _InterruptFlag()
+        params = context_params(max_slots, max_context, batch_tokens, threads, unified=False, interrupt=self._interrupt)
         self._ctx = lc.llama_init_from_model(self._model, params)
         if not self._ctx:
             lc.llama_model_free(self._model)
@@ -159,8 +206,14 @@ class LlamaCppModel:
         """The threads the next step computes with (fewer than configured while the box is busy)."""
         return self._threads
 
-    def forward(self, items: list[BatchItem]) -> np.ndarray:
-        """[len(items), vocab] logits of each item's last new token."""
+    def interrupt(self) -> bool:
+        """Stops the interruptible forward pass in progress (llama.cpp's CPU backend checks between
+        graph nodes; a GPU graph runs to its end); whether one was in progress."""
+        return self._interrupt.set()
+
+    def forward(self, items: list[BatchItem], interruptible: bool = False) -> np.ndarray:
+        """[len(items), vocab] logits of each item's last new token. `interruptible`: `interrupt()`
+        may stop it midway (StepInterrupted), leaving every item's cells as they were."""
         if any(not it.token_ids for it in items):
             raise ValueError("every batch item needs at least one token")
         for it in items:
@@ -180,6 +233,8 @@ class LlamaCppModel:
         answer_rows = [i for _, i in batch if i >= 0]  # the item each wanted logit row belongs to
         out = np.empty((len(items), self._vocab), dtype=np.float32)
         row = 0
+        if interruptible:
+            self._interrupt.arm()
         try:
             for start in range(0, len(tokens), self.batch_tokens):
                 end = min(len(tokens), start + self.batch_tokens)
@@ -190,7 +245,14 @@ class LlamaCppModel:
                     block = np.ctypeslib.as_array(lc.llama_get_logits(self._ctx), shape=(rows, self._vocab))
                     out[answer_rows[row : row + rows]] = block
                     row += rows
+        except StepInterrupted:
+            # llama.cpp takes back the cells of the ubatch it stopped in, not those of the ubatches before.
+            for item in items:
+                self.truncate(item.slot, item.start_pos)
+            raise
         finally:
+            if interruptible:
+                self._interrupt.disarm()
             for filler in fillers:
                 self.truncate(filler.slot, filler.start_pos)
         return out
@@ -269,6 +331,8 @@ class LlamaCppModel:
             started, cpu_started = time.perf_counter(), time.thread_time()
             status = lc.llama_decode(self._ctx, batch)
             self._use_threads(governor, governor.after_decode(time.perf_counter() - started, time.thread_time() - cpu_started))
+        if status == 2:
+            raise StepInterrupted(f"interrupted: a step of {n} tokens stopped midway")
         if status != 0:
             # 1: no KV room for the batch; 2: aborted; < 0: error. Nothing of the batch was kept.
             raise RuntimeError(f"llama_decode failed with status {status} for {n} tokens")

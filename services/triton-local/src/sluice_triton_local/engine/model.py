@@ -86,6 +86,11 @@ def _rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
     return x * (1.0 / np.sqrt(ms + np.float32(eps))) * w
 
 
+class StepInterrupted(RuntimeError):
+    """An interruptible forward pass stopped midway because the model's `interrupt()` asked it to:
+    none of its tokens stay in the KV cache, and it answers no logits."""
+
+
 class LlamaModel:
     tiled_attention_rows: int | None = None  # attention is one numpy path whatever the batch
 
@@ -109,9 +114,13 @@ class LlamaModel:
     def truncate(self, slot: int, keep: int) -> None:
         """Nothing to do: positions from `keep` on are written again before they are read."""
 
-    def forward(self, items: list[BatchItem]) -> np.ndarray:
+    def interrupt(self) -> bool:
+        """A numpy forward pass runs to its end: nothing to stop."""
+        return False
+
+    def forward(self, items: list[BatchItem], interruptible: bool = False) -> np.ndarray:
         """Run all new tokens through the model; returns [len(items), vocab] logits
-        for the last new position of each item (the only ones sampled)."""
+        for the last new position of each item (the only ones sampled). Never interrupted."""
         cfg = self.cfg
         lens = [len(it.token_ids) for it in items]
         if any(n == 0 for n in lens):

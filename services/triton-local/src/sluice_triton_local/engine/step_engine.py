@@ -64,7 +64,7 @@ from .constraints import CompiledConstraint, ConstraintCompiler, Matcher, apply_
 from .gguf_fast import open_reader
 from .gguf_weights import load_weights, read_config
 from .host_prefix_store import HostPrefixStore
-from .model import BatchItem, LlamaModel
+from .model import BatchItem, LlamaModel, StepInterrupted
 from .prefix_cache import MIN_REUSED_TOKENS, Cells, PrefixCache, common_prefix, exact_reuse
 from .rows import DecodeRow, PrefillRow, ReleaseRow, Row, RowResult, TokenLogprob, TopLogprob
 from .sampling import BatchSampler, RowLogprobs
@@ -173,6 +173,7 @@ class StepEngine:
         self._clock = clock
         self._steps = 0
         self.slots_reclaimed_total = 0
+        self.steps_interrupted_total = 0
         # The prefix cache's effect: prefills, those that started from cached tokens, and those tokens.
         self.prefills_total = 0
         # Prompts a step's prefill budget left for a later step (each time one is).
@@ -252,10 +253,16 @@ class StepEngine:
             self._constraints = ConstraintCompiler(self.tokenizer)
         return self._constraints.compile(constraint)
 
-    def step(self, rows: list[Row]) -> list[RowResult]:
+    def step(self, rows: list[Row], interruptible: bool = False) -> list[RowResult]:
         """One iteration. Rows are applied in order (a release frees its slot
         for a later prefill in the same call); one result per row, same order.
-        Never raises for bad rows: they get finish_reason "error"."""
+        Never raises for bad rows: they get finish_reason "error".
+
+        `interruptible`: the step may be stopped midway by `interrupt()` (unless it prefills one
+        prompt for several siblings). Its rows then answer no token (token_id -1, finish "", as a
+        prompt chunk does) and change nothing but admissions: a decoding sequence stays as it was,
+        and a prefill row's sequence is admitted with none of its prompt cached, which its next
+        decode row caches (its chunk, or the whole prompt) as for a chunked prefill."""
         now = self._clock()
         self._steps += 1
         self._reclaim_expired(now)
@@ -297,7 +304,11 @@ class StepEngine:
         siblings = [p for p in pending if not p.cancelled and p.item is None]
         if live:
             try:
-                logits = self._model.forward([p.item for p in live if p.item is not None])
+                logits = self._model.forward([p.item for p in live if p.item is not None], interruptible=interruptible and not siblings)
+            except StepInterrupted:
+                self.steps_interrupted_total += 1
+                for p in live:
+                    results[p.row_index] = _untouched(p)
             except Exception as exc:  # keep the engine usable; fail only this step's rows
                 for p in live + siblings:
                     self._free(p.seq, keep_cells=False)
@@ -329,6 +340,10 @@ class StepEngine:
                     if p.seq.uncached_prompt:
                         results[p.row_index] = _prefilling(p.seq)
         return results  # type: ignore[return-value]
+
+    def interrupt(self) -> bool:
+        """Stops the interruptible step in progress (called from another thread); whether one was."""
+        return self._model.interrupt()
 
     def _defer_over_prefill_budget(self, pending: list[_Pending], results: list[RowResult | None]) -> None:
         """Prompts beyond the step's prefill budget wait for a later step (whole: a prompt is not cut
@@ -635,7 +650,12 @@ class StepEngine:
 class ForwardModel(Protocol):
     """What the engine needs of a model: logits for a ragged batch, and slots to forget, copy and cut."""
 
-    def forward(self, items: list[BatchItem]) -> np.ndarray: ...
+    def forward(self, items: list[BatchItem], interruptible: bool = False) -> np.ndarray:
+        """`interruptible`: `interrupt()` may stop it midway (StepInterrupted), every item's cells
+        left as they were."""
+
+    def interrupt(self) -> bool:
+        """Stops the interruptible forward pass in progress; whether one was stopped."""
 
     def release(self, slot: int) -> None: ...
 
@@ -676,6 +696,15 @@ def _next_chunk(seq: _Seq) -> list[int]:
     size = seq.chunk or len(seq.uncached_prompt)
     tokens, seq.uncached_prompt = seq.uncached_prompt[:size], seq.uncached_prompt[size:]
     return tokens
+
+
+def _untouched(pending: _Pending) -> RowResult:
+    """A row of an interrupted step: no token, and the sequence as before the step (the prompt
+    tokens it was to cache go back in front of its uncached prompt)."""
+    seq = pending.seq
+    if pending.prompt and pending.item is not None:
+        seq.uncached_prompt = list(pending.item.token_ids) + seq.uncached_prompt
+    return RowResult(seq.seq_id, -1, "", "", seq.prompt_tokens, seq.completion_tokens, cached_tokens=seq.cached_tokens)
 
 
 def _prefilling(seq: _Seq) -> RowResult:

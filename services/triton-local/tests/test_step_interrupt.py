@@ -1,0 +1,157 @@
+"""Interrupting a bulk step midway (llama.cpp's abort callback), on the real SmolLM2 GGUF: the step
+answers no token, every sequence it carried is as before it (KV cells, a prompt chunk it was
+caching) or, for a prefill, admitted with nothing cached, greedy text is the same as without the
+interrupt, and only an interruptible step that prefills no siblings can be stopped."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+from prometheus_client import REGISTRY
+
+from sluice_triton_local.engine import DecodeRow, PrefillRow, RowResult, Sampling, StepEngine
+from sluice_triton_local.model_files import gguf_path
+from sluice_triton_local.shared_engine import SharedEngine
+from sluice_triton_local.step_protocol import DECODE, INTERRUPT, PREFILL, RELEASE, start_round
+
+STORY = "The quick brown fox jumps over the lazy dog. " * 30
+# A chunk this long makes a decode step that caches it last long enough (~0.1-0.5 s on 2 cores)
+# for a thread that polls `interrupt()` to catch it well before its end.
+CHUNK = 256
+
+
+@pytest.fixture(scope="module")
+def engine() -> Iterator[StepEngine]:
+    yield StepEngine(gguf_path(), max_slots=4, threads=2, prefix_cache=False)
+
+
+def _prompt(engine: StepEngine) -> str:
+    return engine.apply_chat_template([("user", STORY + "\nWhat animal jumps?")])
+
+
+def _greedy(engine: StepEngine, seq_id: int, prompt: str, max_tokens: int) -> list[int]:
+    out = engine.step([PrefillRow(seq_id, prompt, Sampling(max_tokens=max_tokens))])
+    while not out[-1].finish_reason:
+        out += engine.step([DecodeRow(seq_id)])
+    return [r.token_id for r in out]
+
+
+def _in_thread(work: Callable[[], list[RowResult]]) -> tuple[threading.Thread, list[list[RowResult]]]:
+    done: list[list[RowResult]] = []
+    thread = threading.Thread(target=lambda: done.append(work()))
+    thread.start()
+    return thread, done
+
+
+def _interrupt_while(thread: threading.Thread, interrupt: Callable[[], bool]) -> bool:
+    """Calls `interrupt` until it stops a step or the thread ends; whether it stopped one."""
+    while thread.is_alive():
+        if interrupt():
+            return True
+        time.sleep(0.0005)
+    return False
+
+
+def test_an_interrupted_decode_step_makes_no_token_and_changes_nothing(engine: StepEngine) -> None:
+    prompt = _prompt(engine)
+    short = engine.apply_chat_template([("user", "Name three colors.")])
+    reference_long, reference_short = _greedy(engine, 1, prompt, 8), _greedy(engine, 2, short, 8)
+
+    # One sequence caching its prompt chunk by chunk, one decoding beside it.
+    opened = engine.step([PrefillRow(11, prompt, Sampling(max_tokens=8), chunk=CHUNK), PrefillRow(12, short, Sampling(max_tokens=8))])
+    thread, done = _in_thread(lambda: engine.step([DecodeRow(11), DecodeRow(12)], interruptible=True))
+    stopped = _interrupt_while(thread, engine.interrupt)
+    thread.join()
+    assert stopped, "the step ended before an interrupt could reach it"
+    chunk_row, decode_row = done[0]
+    assert (chunk_row.token_id, chunk_row.finish_reason, chunk_row.completion_tokens) == (-1, "", 0)
+    assert (decode_row.token_id, decode_row.finish_reason, decode_row.completion_tokens) == (-1, "", 1)
+    assert engine.steps_interrupted_total == 1
+
+    # Both go on from where they were: the same greedy tokens as without the interrupt.
+    made = {r.seq_id: [r.token_id] if r.token_id >= 0 else [] for r in opened}
+    running = {r.seq_id for r in opened if not r.finish_reason}
+    while running:
+        for result in engine.step([DecodeRow(s) for s in sorted(running)]):
+            if result.token_id >= 0:
+                made[result.seq_id].append(result.token_id)
+            if result.finish_reason:
+                running.discard(result.seq_id)
+    assert made == {11: reference_long, 12: reference_short}
+    assert engine.active_slots == 0
+
+
+def test_a_prefill_stopped_midway_is_admitted_and_its_next_decode_caches_the_whole_prompt(engine: StepEngine) -> None:
+    prompt = _prompt(engine)
+    reference = _greedy(engine, 3, prompt, 6)
+    thread, done = _in_thread(lambda: engine.step([PrefillRow(21, prompt, Sampling(max_tokens=6))], interruptible=True))
+    assert _interrupt_while(thread, engine.interrupt), "the step ended before an interrupt could reach it"
+    thread.join()
+    (stopped,) = done[0]
+    assert (stopped.token_id, stopped.finish_reason, stopped.completion_tokens) == (-1, "", 0)
+    assert engine.active_slots == 1, "admitted"
+    made = engine.step([DecodeRow(21)])
+    assert made[0].token_id == reference[0], "the whole prompt cached in one step, and the first token sampled"
+    while not made[-1].finish_reason:
+        made += engine.step([DecodeRow(21)])
+    assert [r.token_id for r in made] == reference
+
+
+def test_a_step_that_is_not_interruptible_or_prefills_siblings_is_never_stopped() -> None:
+    engine = StepEngine(gguf_path(), max_slots=4, threads=2, prefix_cache=True)
+    prompt = _prompt(engine)
+    engine.step([PrefillRow(21, prompt, Sampling(max_tokens=4), chunk=CHUNK)])
+    thread, _ = _in_thread(lambda: engine.step([DecodeRow(21)]))
+    assert not _interrupt_while(thread, engine.interrupt)
+    thread.join()
+    # n siblings: one prompt prefilled once, its cells copied to the others after the pass.
+    siblings = [PrefillRow(22 + i, prompt, Sampling(max_tokens=4)) for i in range(2)]
+    thread, done = _in_thread(lambda: engine.step(siblings, interruptible=True))
+    assert not _interrupt_while(thread, engine.interrupt)
+    thread.join()
+    assert all(r.token_id >= 0 for r in done[0]), "the prefills made their first tokens"
+    assert engine.steps_interrupted_total == 0
+
+
+def _inputs(rows: list[tuple[int, int, dict[str, Any] | None]], steps: int, interruptible: bool) -> dict[str, np.ndarray]:
+    inputs = {
+        "ACTION": np.array([a for a, _, _ in rows], dtype=np.int32),
+        "SEQ_ID": np.array([s for _, s, _ in rows], dtype=np.int64),
+        "REQUEST": np.array([json.dumps(r).encode() if r is not None else b"" for _, _, r in rows], dtype=np.object_),
+        "STEPS": np.array([steps], dtype=np.int32),
+    }
+    if interruptible:
+        inputs["INTERRUPTIBLE"] = np.array([1], dtype=np.int32)
+    return inputs
+
+
+def _interrupted_total() -> float:
+    return REGISTRY.get_sample_value("sluice_triton_local_steps_interrupted_total") or 0.0
+
+
+@pytest.mark.parametrize("interruptible", [True, False])
+def test_an_interrupt_request_stops_only_an_interruptible_rounds_step(interruptible: bool) -> None:
+    shared = SharedEngine(StepEngine(gguf_path(), max_slots=2, threads=2, prefix_cache=False))
+    prompt_request = {"messages": [["user", STORY]], "max_tokens": 4, "prefill_chunk": CHUNK}
+    start_round(shared, _inputs([(PREFILL, 31, prompt_request)], 1, False), lambda *_: None).result(timeout=60)
+    before = _interrupted_total()
+    responses: list[dict[str, np.ndarray]] = []
+    round_done = start_round(shared, _inputs([(DECODE, 31, None)], 8, interruptible), lambda response, _last: responses.append(response))
+    # Asked again and again while the round runs: the first that finds its step in progress stops it.
+    while not round_done.done():
+        start_round(shared, _inputs([(INTERRUPT, 0, None)], 1, False), lambda *_: None)
+        time.sleep(0.002)
+    round_done.result()
+    if interruptible:
+        assert _interrupted_total() == before + 1
+        assert len(responses) == 1 and bool(responses[0]["ROUND_END"][0])
+        assert (responses[0]["TOKEN_ID"][0], responses[0]["FINISH"][0]) == (-1, b"")
+    else:
+        assert _interrupted_total() == before
+    start_round(shared, _inputs([(RELEASE, 31, None)], 1, False), lambda *_: None).result(timeout=60)
