@@ -70,7 +70,10 @@ class RoundsOfSteps:
     flight included) after their current step, not a round that came after it. With
     `end_asks_lost` > 0, that many end-round asks are taken for an earlier round's and do nothing,
     as when an ask reaches the engine before the round it was for (they travel apart); `on_round`
-    is called with each round's steps as it starts, before its first step."""
+    is called with each round's steps as it starts, before its first step. An interrupt ask (an
+    INTERRUPT row) is an end-round ask that also stops the step in progress when its round came
+    `interruptible`: the double's step asks `interrupted()` before it answers, and then answers
+    that step's rows with no token (a prefill admitted with nothing cached, as the engine does)."""
 
     def __init__(self, shared_steps: int = 1) -> None:
         self.shared_steps = shared_steps
@@ -83,6 +86,10 @@ class RoundsOfSteps:
         self.followed: list[bool] = []  # whether each round came as a following one
         self.opening: list[list[StepRow]] = []  # each round's rows, as it came
         self.came_while_one_ran: list[bool] = []  # whether each round's request came while another ran
+        self.interruptible: list[bool] = []  # whether each round came interruptible
+        self.interrupted_steps = 0
+        self._stepping_interruptible = False  # the step in progress may be stopped
+        self._interrupt_asked = False  # and an interrupt ask came while it ran
         self.ran: list[int] = []  # the steps each round ran
         self._turn = asyncio.Lock()
 
@@ -92,25 +99,45 @@ class RoundsOfSteps:
 
     def note(self, rows: list[StepRow]) -> None:
         self.released.update(row.seq_id for row in rows if row.action is Action.RELEASE)
-        if any(row.action is Action.END_ROUND for row in rows):
+        if any(row.action is Action.INTERRUPT for row in rows) and self._stepping_interruptible:
+            self._interrupt_asked = True
+        if any(row.action in (Action.END_ROUND, Action.INTERRUPT) for row in rows):
             if self.end_asks_lost:
                 self.end_asks_lost -= 1
             else:
                 self.end_through = self.submitted
 
+    def interrupted(self) -> bool:
+        """Whether an interrupt stopped the step in progress (asked once by the double's step, before it answers)."""
+        asked, self._interrupt_asked = self._interrupt_asked, False
+        self.interrupted_steps += asked
+        return asked
+
     async def round(
-        self, step: Callable[[list[StepRow]], Awaitable[list[StepOutcome]]], rows: list[StepRow], steps: int, follows: bool = False
+        self,
+        step: Callable[[list[StepRow]], Awaitable[list[StepOutcome]]],
+        rows: list[StepRow],
+        steps: int,
+        follows: bool = False,
+        interruptible: bool = False,
     ) -> AsyncIterator[list[StepOutcome]]:
         came_while_one_ran = self._turn.locked()
         self.submitted += 1
         number = self.submitted
         async with self._turn:
             self.came_while_one_ran.append(came_while_one_ran)
-            async for outcomes in self._round(step, rows, steps, follows, number):
+            self.interruptible.append(interruptible)
+            async for outcomes in self._round(step, rows, steps, follows, number, interruptible):
                 yield outcomes
 
     async def _round(
-        self, step: Callable[[list[StepRow]], Awaitable[list[StepOutcome]]], rows: list[StepRow], steps: int, follows: bool, number: int
+        self,
+        step: Callable[[list[StepRow]], Awaitable[list[StepOutcome]]],
+        rows: list[StepRow],
+        steps: int,
+        follows: bool,
+        number: int,
+        interruptible: bool,
     ) -> AsyncIterator[list[StepOutcome]]:
         if self.on_round is not None:
             self.on_round(steps)
@@ -123,7 +150,12 @@ class RoundsOfSteps:
         held: list[StepOutcome] = []
         self.ran.append(0)
         for done in range(1, steps + 1):
-            outcomes = [replace(outcome, seq_id=row.seq_id) for row, outcome in zip(rows, await step(rows))]
+            self._stepping_interruptible = interruptible
+            try:
+                answers = await step(rows)
+            finally:
+                self._stepping_interruptible = False
+            outcomes = [replace(outcome, seq_id=row.seq_id) for row, outcome in zip(rows, answers)]
             self.ran[-1] = done
             held.extend(outcomes)
             running = [o.seq_id for row, o in zip(rows, outcomes) if row.action is not Action.RELEASE and not o.finish]
@@ -175,9 +207,10 @@ class StepReplica:
         self._ends_at: dict[int, int] = {}
 
     follows_rounds = True
+    interrupts = False
 
-    def round(self, rows: list[StepRow], steps: int, follows: bool = False) -> AsyncIterator[list[StepOutcome]]:
-        return self.rounds.round(self.step, rows, steps, follows)
+    def round(self, rows: list[StepRow], steps: int, follows: bool = False, interruptible: bool = False) -> AsyncIterator[list[StepOutcome]]:
+        return self.rounds.round(self.step, rows, steps, follows, interruptible)
 
     async def step(self, rows: list[StepRow]) -> list[StepOutcome]:
         self.rounds.note(rows)
@@ -192,7 +225,7 @@ class StepReplica:
 
     def _answer(self, row: StepRow) -> StepOutcome:
         self.rows.append((row.action, row.seq_id))
-        if row.action is Action.END_ROUND:
+        if row.action in (Action.END_ROUND, Action.INTERRUPT):
             return StepOutcome(-1, "", "", 0, 0)
         if row.action is Action.RELEASE:
             self.held.discard(row.seq_id)

@@ -18,14 +18,14 @@ from conftest import PrefixCache, RoundsOfSteps, StepReplica, collect
 
 from sluice_common.errors import ResourceExhausted
 from sluice_common.sampling import Sampling
-from sluice_inference_adapter.scheduler import INTERACTIVE_RECENT_S, Scheduler, SchedulerLimits
+from sluice_inference_adapter.scheduler import BULK_MAX_WAIT_S, INTERACTIVE_RECENT_S, Scheduler, SchedulerLimits
 from sluice_inference_adapter.sequence import Finish, GenerationRequest
 from sluice_inference_adapter.waiting_queue import Priority
 from sluice_inference_adapter.step_rows import FINISH_ERROR, Action, PromptSpec, StepOutcome, StepRow
 
 
 class RecordingStepModel:
-    def __init__(self, step_delay_s: float = 0.001) -> None:
+    def __init__(self, step_delay_s: float = 0.001, interrupts: bool = False) -> None:
         self.steps: list[list[StepRow]] = []
         self.max_tokens: dict[int, int] = {}
         self.generated: dict[int, int] = {}
@@ -36,34 +36,53 @@ class RecordingStepModel:
         self.started_at: list[float] = []  # when each of `steps` began
         self.end_asks = 0
         self.delay = step_delay_s
+        self.interrupts = interrupts
+        self.interrupt_asks = 0
+        self.interrupted: list[list[StepRow]] = []  # the rows of each step an interrupt stopped
 
     follows_rounds = True
 
-    def round(self, rows: list[StepRow], steps: int, follows: bool = False):  # type: ignore[no-untyped-def]
-        return self.rounds.round(self.step, rows, steps, follows)
+    def round(self, rows: list[StepRow], steps: int, follows: bool = False, interruptible: bool = False):  # type: ignore[no-untyped-def]
+        return self.rounds.round(self.step, rows, steps, follows, interruptible)
 
     async def step(self, rows: list[StepRow]) -> list[StepOutcome]:
         self.rounds.note(rows)
-        if all(row.action is Action.END_ROUND for row in rows):  # no engine step: counted apart
-            self.end_asks += 1
+        if all(row.action in (Action.END_ROUND, Action.INTERRUPT) for row in rows):  # no engine step: counted apart
+            self.end_asks += sum(row.action is Action.END_ROUND for row in rows)
+            self.interrupt_asks += sum(row.action is Action.INTERRUPT for row in rows)
             return [self._answer(row) for row in rows]
         self.steps.append(rows)
         self.started_at.append(time.monotonic())
         await asyncio.sleep(self.delay)
+        if self.rounds.interrupted():
+            self.interrupted.append(rows)
+            return [self._interrupted(row) for row in rows]
         return [self._answer(row) for row in rows]
 
+    def _interrupted(self, row: StepRow) -> StepOutcome:
+        """A row of a step stopped midway: no token; a release applies, a prefill is admitted with
+        none of its prompt cached (its next decode caches it), a decode changes nothing."""
+        if row.action is Action.RELEASE:
+            return self._answer(row)
+        if row.action is Action.PREFILL:
+            self._admit(row)
+        return StepOutcome(-1, "", "", 3, self.generated.get(row.seq_id, 0))
+
+    def _admit(self, row: StepRow) -> None:
+        body = json.loads(row.request)
+        self.max_tokens[row.seq_id] = body["max_tokens"]
+        self.generated[row.seq_id] = 0
+        prompt_tokens = len(body.get("prompt", "")) or 1
+        self.uncached[row.seq_id] = (prompt_tokens, body.get("prefill_chunk", 0) or prompt_tokens)
+
     def _answer(self, row: StepRow) -> StepOutcome:
-        if row.action is Action.END_ROUND:
+        if row.action in (Action.END_ROUND, Action.INTERRUPT):
             return StepOutcome(-1, "", "", 0, 0)
         if row.action is Action.RELEASE:
             self.max_tokens.pop(row.seq_id, None)
             return StepOutcome(-1, "", "", 0, 0)
         if row.action is Action.PREFILL:
-            body = json.loads(row.request)
-            self.max_tokens[row.seq_id] = body["max_tokens"]
-            self.generated[row.seq_id] = 0
-            prompt_tokens = len(body.get("prompt", "")) or 1
-            self.uncached[row.seq_id] = (prompt_tokens, body.get("prefill_chunk", 0) or prompt_tokens)
+            self._admit(row)
             self.prefix_cache.prefill(row, 3)
         elif row.seq_id not in self.max_tokens:  # as the engine answers a round sent ahead of a finish
             return StepOutcome(-1, "", FINISH_ERROR, 0, 0, f"seq_id {row.seq_id} is not running (never started, finished or released)")
@@ -342,24 +361,27 @@ async def test_bulk_prompts_are_cached_in_chunks_one_bulk_sequence_at_a_time() -
 
 class ArrivalEveryStep(RecordingStepModel):
     """An interactive request arrives during each of six steps once a bulk sequence runs, so each
-    of the next six steps admits an interactive prefill."""
+    of the next six steps admits an interactive prefill. Each engine step takes 0.1 s of `now`."""
 
     def __init__(self) -> None:
         super().__init__()
         self.arrivals: list = []
         self.scheduler: Scheduler | None = None
         self.bulk_id = 0
+        self.now = 1000.0
 
     async def step(self, rows: list[StepRow]) -> list[StepOutcome]:
         engine_step = any(row.action in (Action.PREFILL, Action.DECODE) for row in rows)
         if engine_step and self.scheduler is not None and len(self.arrivals) < 6 and self.rows_of(self.bulk_id):
             self.arrivals.append(self.scheduler.submit(request(max_tokens=1, prompt="a long interactive prompt")))
+        self.now += 0.1 if engine_step else 0.0
         return await super().step(rows)
 
 
-async def test_an_interactive_prefill_step_carries_no_bulk_rows_but_bulk_never_sits_out_twice() -> None:
+async def test_interactive_prefill_steps_carry_no_bulk_rows_until_bulk_has_waited_its_most() -> None:
     model = ArrivalEveryStep()
-    scheduler = model.scheduler = Scheduler(model, SchedulerLimits(max_batch_size=8, max_waiting=20, bulk_prefill_chunk=4))
+    limits = SchedulerLimits(max_batch_size=8, max_waiting=20, bulk_prefill_chunk=4)
+    scheduler = model.scheduler = Scheduler(model, limits, clock=lambda: model.now)
     bulk = scheduler.submit(request(max_tokens=30, priority=Priority.BULK))
     model.bulk_id = bulk.seq_id
     arrivals = model.arrivals
@@ -377,8 +399,10 @@ async def test_an_interactive_prefill_step_carries_no_bulk_rows_but_bulk_never_s
     prefill_steps = [i for i, rows in enumerate(model.steps) if any(r.seq_id in interactive_ids for r in rows)]
     bulk_steps = {index for index, _ in model.rows_of(bulk.seq_id)}
     assert len(prefill_steps) == 6 and prefill_steps == list(range(prefill_steps[0], prefill_steps[0] + 6))
-    # Six interactive prefills in a row: bulk sits out every other one of those steps, never two running.
-    assert [i in bulk_steps for i in prefill_steps] == [False, True] * 3
+    # Six interactive prefills in a row, 0.1 s apart: bulk sits out those planned 0, 0.1 and 0.2 s
+    # after its last step, and joins the one planned 0.3 s after it (BULK_MAX_WAIT_S: 0.25 s).
+    assert BULK_MAX_WAIT_S == 0.25
+    assert [i in bulk_steps for i in prefill_steps] == [False, False, False, True, False, False]
     # An interactive prompt is never chunked.
     assert all("prefill_chunk" not in json.loads(model.steps[i][-1].request) for i in prefill_steps)
 

@@ -28,12 +28,12 @@ class FaultyOnce(RecordingStepModel):
         super().__init__()
         self.faulty = True
 
-    async def round(self, rows, steps, follows=False):  # type: ignore[no-untyped-def]
+    async def round(self, rows, steps, follows=False, interruptible=False):  # type: ignore[no-untyped-def]
         if self.faulty:
             self.faulty = False
             yield [object() for _ in rows]
             return
-        async for answers in super().round(rows, steps, follows):
+        async for answers in super().round(rows, steps, follows, interruptible):
             yield answers
 
 

@@ -95,6 +95,7 @@ def build_backends(
             bulk_prefill_chunk=config.bulk_prefill_chunk,
             interactive_reserved_slots=config.interactive_reserved_slots,
             bulk_step_target_s=config.bulk_step_target_s,
+            interrupt_bulk=config.interrupt_bulk,
         )
         make_backend = lambda url: TritonStepBackend(url, config.triton_model, config.step_timeout_s, step_timeouts, config.stream_interval_s)  # noqa: E731
         make_scheduler = lambda backend, on_step: Scheduler(backend, limits, on_step=on_step, replica=backend.url + label, timeouts=step_timeouts)  # type: ignore[arg-type]  # noqa: E731

@@ -96,6 +96,11 @@ class AdapterConfig(ServerConfig):
     # of 100-250 ms; a GPU's steps stay under it. 0.1 s keeps most of a job's pace there (0.05 s
     # kept a fifth, and a job stalled beside a burst of interactive requests in e2e).
     bulk_step_target_s: float = 0.1
+    # An interactive request that arrives while a round carrying bulk sequences runs asks the engine
+    # to stop that round's step midway (step_protocol's INTERRUPT; its rows are stepped again at a
+    # later round), so that its first token does not wait for a step made long by bulk rows. Costs
+    # the stopped step's work, and a streaming interactive sequence in it one step's wait.
+    interrupt_bulk: bool = True
     # Prefix-aware routing (prefix_routing.py): a generation request goes to the replica this
     # adapter sent the longest prefix of its prompt (its engine's prefix cache likely holds it),
     # unless that replica has more than PREFIX_ROUTING_LOAD_BOUND waiting plus running sequences

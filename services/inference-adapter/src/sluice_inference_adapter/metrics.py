@@ -37,6 +37,12 @@ ROUND_END_ASKED_AGAIN = Counter(
     "End-round asks sent again with the round's first response: the first was sent before the round answered and may have reached the engine before the round did.",
     ["replica"],
 )
+INTERRUPTS_ASKED = Counter(
+    "sluice_adapter_interrupts_asked_total",
+    "Interrupts asked of a round carrying bulk work for an interactive request waiting: the engine stops its step in progress"
+    " (sluice_triton_local_steps_interrupted_total counts those it stopped).",
+    ["replica"],
+)
 ROUNDS_SENT_AHEAD = Counter(
     "sluice_adapter_rounds_sent_ahead_total",
     "Rounds sent while the previous one ran, to follow it at the engine without a round trip between (step protocol's FOLLOWS_ROUND).",
@@ -141,6 +147,7 @@ def forget_replica(replica: str, priorities: Iterable[str]) -> None:
         ENGINE_FULL,
         BULK_HELD,
         ROUND_END_ASKED_AGAIN,
+        INTERRUPTS_ASKED,
         ROUNDS_SENT_AHEAD,
         STEP_SECONDS,
         QUEUE_SECONDS,

@@ -51,13 +51,14 @@ class SentResponses:
 
 @dataclass
 class RoundAhead:
-    """A round sent ahead: its rows, the sequences whose rows make tokens, its steps, and its
-    responses on their way."""
+    """A round sent ahead: its rows, the sequences whose rows make tokens, its steps, its
+    responses on their way, and whether it was sent interruptible."""
 
     rows: list[StepRow]
     stepped: list[Sequence]
     steps: int
     responses: SentResponses
+    interruptible: bool = False
     seq_ids: set[int] = field(init=False)
 
     def __post_init__(self) -> None:

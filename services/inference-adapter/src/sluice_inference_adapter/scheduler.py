@@ -13,7 +13,11 @@ as many steps as fit `round_target_s`; when a
 request arrives mid-round, or a sequence finishes while one waits, and the batch has room,
 the round is asked to end after the step in progress (an end-round request); a sequence
 cancelled or past its deadline mid-round is released at once, by a request of its own that
-the engine applies at the round's next step. With `rounds_ahead`, while a round runs the next
+the engine applies at the round's next step. A round that carries bulk sequences (and no
+interactive prefill) is sent interruptible, and an interactive request that arrives during it asks
+for an interrupt instead: the engine stops the step in progress midway (its rows make no token and
+are stepped again at a later round), so an interactive first token does not wait for a step made
+long by bulk rows. With `rounds_ahead`, while a round runs the next
 one is planned and sent to follow it (round_ahead.py), so that the engine does not wait a round
 trip between them.
 """
@@ -59,6 +63,12 @@ ADAPTER_ID = f"{socket.gethostname()}/{os.getpid()}"
 # the last answer, and with 5 s a job refilled the batch in between (bench-jobs-interactive's
 # first requests of a phase met it).
 INTERACTIVE_RECENT_S = 30.0
+# How long bulk sequences may go without a step (sitting out interactive prefills' steps, or their
+# steps interrupted for interactive arrivals) before they join the next step and their rounds are
+# no longer interrupted: under a steady stream of interactive requests a job still advances, at
+# least every quarter second. Two prefills a few tens of milliseconds apart (two chat clients)
+# both go without bulk rows.
+BULK_MAX_WAIT_S = 0.25
 
 
 @dataclass(frozen=True)
@@ -79,8 +89,8 @@ class SchedulerLimits:
     #   `max_bulk_prefill_rows` bulk sequences cache their prompts at once (0: no cap), which
     #   bounds what any step in progress costs;
     # - a step that an interactive prefill joins starts no bulk prefill, and carries no bulk row
-    #   at all (no decode, no prompt chunk) unless bulk sat out the step before (so bulk always
-    #   advances at least every other step);
+    #   at all (no decode, no prompt chunk) unless bulk has not stepped for BULK_MAX_WAIT_S (so
+    #   bulk always advances);
     # - bulk sequences leave `interactive_reserved_slots` of the batch free for interactive ones;
     # - while interactive requests come (one ran within INTERACTIVE_RECENT_S), no bulk sequence
     #   joins a batch that already runs one while the recent step time is above
@@ -92,6 +102,9 @@ class SchedulerLimits:
     bulk_prefill_chunk: int = 0
     interactive_reserved_slots: int = 0
     bulk_step_target_s: float = 0.0
+    # A round carrying bulk sequences (and no interactive prefill) is sent interruptible, and an
+    # interactive arrival interrupts its step in progress (where the backend `interrupts`).
+    interrupt_bulk: bool = False
     # After a prefill found the engine full (its slots shared with other adapters), how long
     # before prefills are tried again, unless one of ours ends first.
     engine_full_retry_s: float = 0.05
@@ -129,7 +142,8 @@ class Scheduler(ReplicaWork):
         # Sequences dropped on a failure whose slots the engine may still hold: released by a step
         # of their own right after the failure, else by release rows riding with the next step.
         self._unreleased: set[int] = set()
-        self._bulk_sat_out = False
+        self._interactive_prefill = False  # the round planned last admits an interactive prefill
+        self._bulk_stepped_at = float("-inf")  # when a step carrying bulk rows last completed
         # Set when a prefill found the engine full (other adapters share it): no new prefill
         # until one of ours ends or this time passes.
         self._engine_full_until = 0.0
@@ -137,6 +151,10 @@ class Scheduler(ReplicaWork):
         self._in_round: dict[int, Sequence] = {}
         self._round_steps_asked = 0
         self._round_end_asked = False
+        # Whether the round in flight was sent interruptible (it carries bulk work), and whether an
+        # interrupt was asked of it.
+        self._round_interruptible = False
+        self._round_interrupt_asked = False
         # Whether the round in flight has answered, and whether its end was asked before it had
         # (that ask may have reached the engine before the round did: _end_round_for_waiting).
         self._round_answered = False
@@ -183,6 +201,7 @@ class Scheduler(ReplicaWork):
                 ahead, self._ahead = self._ahead, None
                 if ahead is not None:
                     rows, stepped, steps, responses = ahead.rows, ahead.stepped, ahead.steps, ahead.responses
+                    interruptible = ahead.interruptible
                 else:
                     if not self._running and not self.waiting_count:
                         self._wakeup.clear()
@@ -195,30 +214,49 @@ class Scheduler(ReplicaWork):
                     steps = self._round_steps()
                     metrics.ROUND_STEPS.observe(steps)
                     responses = None
+                    interruptible = self._interruptible(stepped)
                 self._in_round = {s.seq_id: s for s in stepped}
+                self._round_interruptible, self._round_interrupt_asked = interruptible, False
                 # An end asked of the round before ends the round sent ahead of it too (step_protocol).
                 self._round_steps_asked, self._round_end_asked = steps, ahead is not None and self._round_end_asked
                 self._round_answered, self._end_asked_early = False, self._round_end_asked
                 try:
-                    await self._run_round(rows, stepped, steps, responses)
+                    await self._run_round(rows, stepped, steps, responses, interruptible)
                 finally:
                     self._in_round = {}
         finally:
             await self._discard_ahead()
 
+    def _interruptible(self, stepped: list[Sequence]) -> bool:
+        """A round that carries bulk sequences and no interactive prefill may be stopped midway for
+        an interactive arrival: bulk rows are what make its steps long, and an interactive
+        sequence already streaming loses one step's wait, less than the arrival gains."""
+        return (
+            self._limits.interrupt_bulk
+            and self._backend.interrupts
+            and any(s.priority is Priority.BULK for s in stepped)
+            and not any(s.priority is Priority.INTERACTIVE and s.first_token_at is None for s in stepped)
+            and not self._bulk_starved(self._clock())
+        )
+
+    def _bulk_starved(self, now: float) -> bool:
+        return now - self._bulk_stepped_at >= BULK_MAX_WAIT_S
+
     def _round_steps(self) -> int:
-        """Steps for the next round: 1 while anything waits to be admitted or bulk sat this step out
-        (they must not wait for a long round), else as many as fit round_target_s."""
+        """Steps for the next round: 1 while anything waits to be admitted or an interactive prefill
+        joins (its first token must not wait for a long round), else as many as fit round_target_s."""
         limits = self._limits
-        if limits.max_round_steps <= 1 or self.waiting_count or self._bulk_sat_out or self._decode_step_s is None:
+        if limits.max_round_steps <= 1 or self.waiting_count or self._interactive_prefill or self._decode_step_s is None:
             return 1
         return max(1, min(limits.max_round_steps, int(limits.round_target_s / max(self._decode_step_s, 1e-4))))
 
-    async def _run_round(self, rows: list[StepRow], stepped: list[Sequence], steps: int, sent: SentResponses | None) -> None:
+    async def _run_round(
+        self, rows: list[StepRow], stepped: list[Sequence], steps: int, sent: SentResponses | None, interruptible: bool = False
+    ) -> None:
         """One round, read to its end; `sent`: its request already went out, ahead of its turn."""
         prefill_tokens = self._prefill_tokens(stepped)
         round_span = sequence_trace.start_round((s.trace for s in stepped), len(rows), steps, self._replica)
-        responses = sent if sent is not None else self._backend.round(rows, steps)
+        responses = sent if sent is not None else self._backend.round(rows, steps, interruptible=interruptible)
         first, failed, steps_answered = True, False, 0
         try:
             while True:
@@ -245,8 +283,9 @@ class Scheduler(ReplicaWork):
                 if first:
                     self._unreleased.difference_update(row.seq_id for row in rows if row.action is Action.RELEASE)
                 # A round sent ahead may have stepped before it was read: its first answer is not
-                # a step's time.
-                timed = not (first and sent is not None)
+                # a step's time; nor is a step an interrupt stopped midway (no token at all).
+                interrupted = self._round_interrupt_asked and all(outcome.token_id < 0 for outcome in outcomes)
+                timed = not (first and sent is not None) and not interrupted
                 if timed:
                     self._observe_step(elapsed / steps_in(outcomes), decode=not prefill_tokens)
                 if self._timeouts is not None and timed:
@@ -255,6 +294,8 @@ class Scheduler(ReplicaWork):
                 # A replica whose slots are all held by sequences nobody steps answers, but cannot serve.
                 self._report_step(ok=not any(outcome.finish == FINISH_STALE for outcome in outcomes))
                 self._apply(outcomes)
+                if not interrupted and any(s.priority is Priority.BULK for s in stepped):
+                    self._bulk_stepped_at = self._clock()
                 self._abandon_mid_round()
                 # After both: the round may end with this response, and no later step would set it.
                 metrics.SLOTS_IN_USE.labels(replica=self._replica).set(len(self._running))
@@ -300,7 +341,9 @@ class Scheduler(ReplicaWork):
         steps_ahead = self._round_steps()
         metrics.ROUND_STEPS.observe(steps_ahead)
         metrics.ROUNDS_SENT_AHEAD.labels(replica=self._replica).inc()
-        self._ahead = RoundAhead(rows, ahead, steps_ahead, SentResponses(self._backend.round(rows, steps_ahead, follows=True)))
+        interruptible = self._interruptible(ahead)
+        responses = SentResponses(self._backend.round(rows, steps_ahead, follows=True, interruptible=interruptible))
+        self._ahead = RoundAhead(rows, ahead, steps_ahead, responses, interruptible)
 
     async def _discard_ahead(self) -> None:
         ahead, self._ahead = self._ahead, None
@@ -321,6 +364,8 @@ class Scheduler(ReplicaWork):
         step (once per round), and the next round admits it. Only while the round has sequences
         running: one whose sequences have all finished ends by itself, and an ask then would reach
         the engine after the next round, the arrival's own, and end that one after its first step.
+        An interactive request waiting during an interruptible round (one carrying bulk work) asks
+        for an interrupt instead, even of a one-step round: the step in progress stops midway.
 
         The ask travels apart from the round (a request of its own), so one sent before the round
         answered can reach the engine before the round does, and the engine takes it for an
@@ -328,20 +373,25 @@ class Scheduler(ReplicaWork):
         round is surely there (one step later, not the round's whole length). So is an ask that a
         round sent ahead inherits."""
         if not (
-            any(seq_id in self._running for seq_id in self._in_round)
-            and self._round_steps_asked > 1
-            and self.waiting_count
-            and len(self._running) < self._limits.max_batch_size
+            any(seq_id in self._running for seq_id in self._in_round) and self.waiting_count and len(self._running) < self._limits.max_batch_size
         ):
             return
-        if not self._round_end_asked:
+        interrupt = self._round_interruptible and self._waiting.count(Priority.INTERACTIVE) > 0
+        if interrupt and self._round_answered and self._round_steps_asked == 1:
+            return  # a one-step round that has answered is over: an interrupt would reach the next
+        if not interrupt and self._round_steps_asked <= 1:
+            return
+        if not (self._round_interrupt_asked if interrupt else self._round_end_asked):
             self._round_end_asked, self._end_asked_early = True, not self._round_answered
+            self._round_interrupt_asked = self._round_interrupt_asked or interrupt
         elif self._end_asked_early and self._round_answered:
             self._end_asked_early = False
             metrics.ROUND_END_ASKED_AGAIN.labels(replica=self._replica).inc()
         else:
             return
-        self._send_in_background([StepRow(Action.END_ROUND, 0)], "end_round_failed")
+        if interrupt:
+            metrics.INTERRUPTS_ASKED.labels(replica=self._replica).inc()
+        self._send_in_background([StepRow(Action.INTERRUPT if interrupt else Action.END_ROUND, 0)], "end_round_failed")
 
     def _on_cancel(self, sequence: Sequence) -> None:
         """Mid-round the engine steps on without us: release the sequence now, so that it stops
@@ -468,15 +518,14 @@ class Scheduler(ReplicaWork):
         admitted = self._admit(now)
         if any(s.priority is Priority.INTERACTIVE for s in (*stepped, *admitted)):
             self._interactive_at = now
-        if any(s.priority is Priority.INTERACTIVE for s in admitted) and not self._bulk_sat_out:
-            # An interactive first token waits for this step: bulk sequences sit it out, and the
-            # round is one step whether or not bulk runs: the first token then travels out while
-            # the engine waits for the next round, not while its threads take the cores (a round
-            # going on past the prefill made 1-stream TTFT ~25 ms worse on 2 cores, bench-peer).
+        # An interactive first token waits for this step: bulk sequences sit it out (unless they have
+        # waited BULK_MAX_WAIT_S already), and the round is one step whether or not bulk runs: the
+        # first token then travels out while the engine waits for the next round, not while its
+        # threads take the cores (a round going on past the prefill made 1-stream TTFT ~25 ms worse
+        # on 2 cores, bench-peer).
+        self._interactive_prefill = any(s.priority is Priority.INTERACTIVE for s in admitted)
+        if self._interactive_prefill and not self._bulk_starved(now):
             stepped = [s for s in stepped if s.priority is Priority.INTERACTIVE]
-            self._bulk_sat_out = True
-        else:
-            self._bulk_sat_out = False
         decode_rows = [StepRow(Action.DECODE, s.seq_id) for s in stepped]
         prefill_rows = [StepRow(Action.PREFILL, s.seq_id, self._prefill_request(s)) for s in admitted]
         stepped.extend(admitted)

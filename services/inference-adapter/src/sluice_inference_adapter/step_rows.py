@@ -24,6 +24,9 @@ class Action(enum.IntEnum):
     COUNT = 4
     # Ends the round in flight after its current step, so that waiting requests join sooner.
     END_ROUND = 5
+    # As END_ROUND, and an interruptible round's step in progress stops midway (its rows answer no
+    # token and are stepped again later): for an interactive request waiting behind bulk work.
+    INTERRUPT = 6
 
 
 @dataclass(frozen=True)
@@ -119,12 +122,20 @@ class StepBackend(Protocol):
         """Whether `round(..., follows=True)` may be sent while another round runs."""
         ...
 
-    def round(self, rows: list[StepRow], steps: int, follows: bool = False) -> AsyncGenerator[list[StepOutcome], None]:
+    @property
+    def interrupts(self) -> bool:
+        """Whether `round(..., interruptible=True)` and an INTERRUPT row are understood."""
+        ...
+
+    def round(self, rows: list[StepRow], steps: int, follows: bool = False, interruptible: bool = False) -> AsyncGenerator[list[StepOutcome], None]:
         """Up to `steps` engine steps, their outcomes as they are made: the first step's outcomes
         answer `rows` in order; each later step decodes the sequences still running (those that
         have not finished) and answers each of them by seq_id, until none is left. One yielded list
         may hold several steps' outcomes in step order (a sequence once per step: `steps_in`).
         A round that `follows` is the caller's next, sent while its current one runs: it starts
         when that one ends (not ending it early), its first step releasing, not decoding, a
-        sequence the caller released meanwhile."""
+        sequence the caller released meanwhile. An `interruptible` round's step in progress may be
+        stopped midway by an INTERRUPT row (`interrupts` only): its rows then answer no token
+        (token_id -1, finish "": a prefill's sequence is admitted, its prompt cached by its next
+        decode) and the round ends."""
         ...

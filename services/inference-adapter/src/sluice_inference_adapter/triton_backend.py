@@ -55,6 +55,7 @@ _VLLM_RETURN_LOGPROBS, _VLLM_LOGPROBS = "return_logprobs", "logprobs"
 # How long a round's steps may wait to share one response; sent only to a model that declares it.
 _STREAM_INTERVAL = "STREAM_INTERVAL_MS"
 _FOLLOWS_ROUND = "FOLLOWS_ROUND"
+_INTERRUPTIBLE = "INTERRUPTIBLE"
 _PROBE_PROMPT = PromptSpec(prompt="ping")
 # How long a fully answered round's stream may take to end on Triton's side before it is cancelled.
 _STREAM_END_S = 2.0
@@ -158,6 +159,7 @@ class TritonStepBackend(_TritonEndpoint):
         self._outputs: list[InferRequestedOutput] | None = None
         self._takes_interval = False
         self._takes_follows = False
+        self._takes_interruptible = False
 
     async def _requested_outputs(self) -> list[InferRequestedOutput]:
         if self._outputs is None:
@@ -165,6 +167,7 @@ class TritonStepBackend(_TritonEndpoint):
             declared = {tensor["name"] for tensor in metadata.get("outputs", [])}
             inputs = {tensor["name"] for tensor in metadata.get("inputs", [])}
             self._takes_interval, self._takes_follows = _STREAM_INTERVAL in inputs, _FOLLOWS_ROUND in inputs
+            self._takes_interruptible = _INTERRUPTIBLE in inputs
             if self._stream_interval_ms and not self._takes_interval:
                 log.warning(
                     "stream_interval_not_supported",
@@ -189,10 +192,19 @@ class TritonStepBackend(_TritonEndpoint):
         would end the round in flight instead."""
         return self._takes_follows
 
-    async def round(self, rows: list[StepRow], steps: int, follows: bool = False) -> AsyncGenerator[list[StepOutcome], None]:
+    @property
+    def interrupts(self) -> bool:
+        """Whether rounds may be sent INTERRUPTIBLE, and stopped midway by an INTERRUPT row: known
+        once a round has read the model's metadata (an older step model lacks the input)."""
+        return self._takes_interruptible
+
+    async def round(
+        self, rows: list[StepRow], steps: int, follows: bool = False, interruptible: bool = False
+    ) -> AsyncGenerator[list[StepOutcome], None]:
         """Up to `steps` engine steps (a multi-step round), each step's outcomes as they are made:
         the first answers `rows` in order, a later one the sequences still running (step_protocol).
-        A round that `follows` waits for the round in flight to end (`follows_rounds` only)."""
+        A round that `follows` waits for the round in flight to end (`follows_rounds` only); an
+        `interruptible` one may be stopped midway by an INTERRUPT row (`interrupts` only)."""
         inputs = [
             _tensor("ACTION", np.array([int(r.action) for r in rows], dtype=np.int32), "INT32"),
             _tensor("SEQ_ID", np.array([r.seq_id for r in rows], dtype=np.int64), "INT64"),
@@ -208,6 +220,8 @@ class TritonStepBackend(_TritonEndpoint):
             inputs.append(_tensor(_STREAM_INTERVAL, np.array([self._stream_interval_ms], dtype=np.int32), "INT32"))
         if follows and self._takes_follows:
             inputs.append(_tensor(_FOLLOWS_ROUND, np.array([1], dtype=np.int32), "INT32"))
+        if interruptible and self._takes_interruptible:
+            inputs.append(_tensor(_INTERRUPTIBLE, np.array([1], dtype=np.int32), "INT32"))
 
         async def requests() -> AsyncIterator[dict[str, object]]:
             yield {"model_name": self.model, "inputs": inputs, "outputs": outputs}
