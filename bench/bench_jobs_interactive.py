@@ -163,8 +163,11 @@ def measure(stack: Stack, gateway: Any) -> None:
         settle_cancel(gateway, job_id)
     print(f"job rows completed during each phase (before, after): {progress}")
     adapter = stack.metrics_url("inference-adapter")
-    for counter in ("sluice_adapter_bulk_held_total", "sluice_adapter_round_end_asked_again_total"):
+    for counter in ("sluice_adapter_bulk_held_total", "sluice_adapter_round_end_asked_again_total", "sluice_adapter_interrupts_asked_total"):
         print(f"{counter}: {counter_total(adapter, counter):.0f}")
+    engine = stack.metrics_url("triton-local")
+    for counter in ('sluice_triton_local_interrupt_asks_total{found="none"}', "sluice_triton_local_steps_interrupted_total"):
+        print(f"{counter}: {counter_total(engine, counter):.0f}")
     # Where the time went: the adapter's own view (queue + prefill step), the rest is the hops.
     for name, pick in (("adapter ttft", lambda x: x.adapter_ttft_s), ("adapter queue", lambda x: x.adapter_queue_s)):
         for label, samples in (("without job", baseline), ("with job", with_job)):

@@ -17,16 +17,21 @@ from sluice.common.v1 import types_pb2
 from sluice.gateway.v1 import gateway_pb2
 from sluice.jobs.v1 import jobs_pb2
 
-from conftest import DEMO_KEY, MODEL, auth
+from conftest import DEMO_KEY, MODEL, auth, scrape_total
 from sluice_stack import Stack
+from test_jobs import all_results, wait_job
 
 
 def publish_job(stack: Stack, job_id: str, rows: int) -> None:
-    body = {
-        "job_id": job_id,
-        "api_key": DEMO_KEY,
-        "rows": [{"custom_id": f"r{i}", "generate": {"model": MODEL, "prompt": f"Count: {i},", "sampling": {"max_tokens": 4}}} for i in range(rows)],
-    }
+    publish_rows(
+        stack,
+        job_id,
+        [{"custom_id": f"r{i}", "generate": {"model": MODEL, "prompt": f"Count: {i},", "sampling": {"max_tokens": 4}}} for i in range(rows)],
+    )
+
+
+def publish_rows(stack: Stack, job_id: str, rows: list[dict[str, object]]) -> None:
+    body = {"job_id": job_id, "api_key": DEMO_KEY, "rows": rows}
 
     async def go() -> None:
         connection = await aio_pika.connect(stack.amqp_url)
@@ -75,3 +80,37 @@ def test_interactive_streams_are_served_while_a_job_keeps_progressing(stack: Sta
     assert after > before, "the job stalled while interactive streams ran"
     job = gateway.GetJob(gateway_pb2.GetJobRequest(job_id=job_id), metadata=auth(), timeout=10).job
     assert job.state in (jobs_pb2.JOB_STATE_CANCELLING, jobs_pb2.JOB_STATE_CANCELLED)
+
+
+def greedy_question(i: int) -> list[dict[str, str]]:
+    return [{"role": "user", "content": f"Tell me a fact about the number {i}."}]
+
+
+def test_bulk_steps_stopped_midway_for_interactive_requests_lose_and_repeat_no_token(stack: Stack, gateway) -> None:
+    """Interactive requests interrupt the job's steps in the engine (llama.cpp stops them between
+    graph nodes); every greedy row of the job still reads as its prompt alone makes it."""
+    engine_metrics = stack.metrics_url("triton-local")
+    interrupted_before = scrape_total(engine_metrics, "sluice_triton_local_steps_interrupted_total")
+    job_id = f"interrupted-{uuid.uuid4().hex[:6]}"
+    sampling = {"max_tokens": 12, "temperature": 0}
+    rows = [{"custom_id": f"r{i}", "generate": {"model": MODEL, "messages": greedy_question(i), "sampling": sampling}} for i in range(16)]
+    publish_rows(stack, job_id, rows)
+    while completed(gateway, job_id) < 1:
+        time.sleep(0.05)
+
+    def ask(i: int) -> str:
+        request = gateway_pb2.GenerateRequest(
+            model=MODEL,
+            messages=[types_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in greedy_question(i)],
+            sampling=types_pb2.SamplingParams(max_tokens=12, temperature=0),
+        )
+        return "".join(r.text for r in gateway.Generate(request, metadata=auth(), timeout=120))
+
+    # Interactive requests, one after another, while the job runs (each arrival interrupts).
+    alone: dict[str, str] = {}
+    for i in range(16):
+        alone[f"r{i}"] = ask(i)
+    job = wait_job(gateway, job_id)
+    assert job.state == jobs_pb2.JOB_STATE_COMPLETED and job.completed_rows == 16
+    assert scrape_total(engine_metrics, "sluice_triton_local_steps_interrupted_total") > interrupted_before, "no step was interrupted"
+    assert {r.custom_id: r.output for r in all_results(gateway, job_id)} == alone
