@@ -53,6 +53,29 @@ async def test_an_interactive_arrival_stops_the_bulk_step_in_progress_and_no_tok
     assert model.rounds.interruptible[prefill_round] is False
 
 
+async def test_an_interrupt_asked_as_a_round_starts_stops_its_first_step_and_is_not_sent_again() -> None:
+    """An ask sent before the round answered is sent again with its first response, in case it
+    reached the engine first; not when that response shows the ask stopped the step."""
+    model, scheduler = started()
+    arrivals: list = []
+
+    def arrive_as_a_long_bulk_round_starts(steps: int) -> None:
+        if steps > 1 and not arrivals:
+            arrivals.append(scheduler.submit(request(max_tokens=2)))
+
+    model.rounds.on_round = arrive_as_a_long_bulk_round_starts
+    try:
+        bulk = scheduler.submit(request(max_tokens=60, priority=Priority.BULK))
+        await _until(lambda: bool(arrivals))
+        text, _ = await collect(arrivals[0])
+        await collect(bulk)
+    finally:
+        await scheduler.stop()
+    assert text == tokens(2)
+    assert model.rounds.interrupted_steps == 1
+    assert model.interrupt_asks == 1, "not sent again after the response that shows it stopped the step"
+
+
 async def test_a_bulk_prefill_stopped_midway_is_admitted_and_caches_its_prompt_at_its_next_step() -> None:
     model, scheduler = started()
     try:

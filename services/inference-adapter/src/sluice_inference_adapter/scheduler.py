@@ -239,6 +239,20 @@ class Scheduler(ReplicaWork):
             and not self._bulk_starved(self._clock())
         )
 
+    def _stopped_midway(self, outcomes: list[StepOutcome]) -> bool:
+        """Whether a response answers a step an interrupt stopped: no row made a token after we
+        asked, or a sequence already streaming answered none and did not finish (which only a
+        stopped step answers: an ask can also come from another adapter sharing the engine,
+        sent before its own round got there)."""
+        if self._round_interrupt_asked and all(outcome.token_id < 0 for outcome in outcomes):
+            return True
+        for outcome in outcomes:
+            sequence = self._in_round.get(outcome.seq_id)
+            if outcome.token_id < 0 and not outcome.finish and sequence is not None and sequence.seq_id in self._running:
+                if sequence.first_token_at is not None and not sequence.cancelled:
+                    return True
+        return False
+
     def _bulk_starved(self, now: float) -> bool:
         return now - self._bulk_stepped_at >= BULK_MAX_WAIT_S
 
@@ -283,8 +297,10 @@ class Scheduler(ReplicaWork):
                 if first:
                     self._unreleased.difference_update(row.seq_id for row in rows if row.action is Action.RELEASE)
                 # A round sent ahead may have stepped before it was read: its first answer is not
-                # a step's time; nor is a step an interrupt stopped midway (no token at all).
-                interrupted = self._round_interrupt_asked and all(outcome.token_id < 0 for outcome in outcomes)
+                # a step's time; nor is a step an interrupt stopped midway.
+                interrupted = self._stopped_midway(outcomes)
+                if interrupted:  # an ask reached it: sent again, it would reach the next round
+                    self._end_asked_early = False
                 timed = not (first and sent is not None) and not interrupted
                 if timed:
                     self._observe_step(elapsed / steps_in(outcomes), decode=not prefill_tokens)
