@@ -9,7 +9,6 @@ import json
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
 
 import numpy as np
 import pytest
@@ -18,7 +17,7 @@ from prometheus_client import REGISTRY
 from sluice_triton_local.engine import DecodeRow, PrefillRow, RowResult, Sampling, StepEngine
 from sluice_triton_local.model_files import gguf_path
 from sluice_triton_local.shared_engine import SharedEngine
-from sluice_triton_local.step_protocol import DECODE, INTERRUPT, PREFILL, RELEASE, start_round
+from sluice_triton_local.step_protocol import DECODE, INTERRUPT, PREFILL, RELEASE, round_inputs, start_round
 
 STORY = "The quick brown fox jumps over the lazy dog. " * 30
 # A chunk this long makes a decode step that caches it last long enough (~0.1-0.5 s on 2 cores)
@@ -119,18 +118,6 @@ def test_a_step_that_is_not_interruptible_or_prefills_siblings_is_never_stopped(
     assert engine.steps_interrupted_total == 0
 
 
-def _inputs(rows: list[tuple[int, int, dict[str, Any] | None]], steps: int, interruptible: bool) -> dict[str, np.ndarray]:
-    inputs = {
-        "ACTION": np.array([a for a, _, _ in rows], dtype=np.int32),
-        "SEQ_ID": np.array([s for _, s, _ in rows], dtype=np.int64),
-        "REQUEST": np.array([json.dumps(r).encode() if r is not None else b"" for _, _, r in rows], dtype=np.object_),
-        "STEPS": np.array([steps], dtype=np.int32),
-    }
-    if interruptible:
-        inputs["INTERRUPTIBLE"] = np.array([1], dtype=np.int32)
-    return inputs
-
-
 def _interrupted_total() -> float:
     return REGISTRY.get_sample_value("sluice_triton_local_steps_interrupted_total") or 0.0
 
@@ -138,14 +125,15 @@ def _interrupted_total() -> float:
 @pytest.mark.parametrize("interruptible", [True, False])
 def test_an_interrupt_request_stops_only_an_interruptible_rounds_step(interruptible: bool) -> None:
     shared = SharedEngine(StepEngine(gguf_path(), max_slots=2, threads=2, prefix_cache=False))
-    prompt_request = {"messages": [["user", STORY]], "max_tokens": 4, "prefill_chunk": CHUNK}
-    start_round(shared, _inputs([(PREFILL, 31, prompt_request)], 1, False), lambda *_: None).result(timeout=60)
+    prompt_request = json.dumps({"messages": [["user", STORY]], "max_tokens": 4, "prefill_chunk": CHUNK}).encode()
+    start_round(shared, round_inputs(PREFILL, [31], [prompt_request]), lambda *_: None).result(timeout=60)
     before = _interrupted_total()
     responses: list[dict[str, np.ndarray]] = []
-    round_done = start_round(shared, _inputs([(DECODE, 31, None)], 8, interruptible), lambda response, _last: responses.append(response))
+    decode = round_inputs(DECODE, [31], [b""], steps=8, interruptible=interruptible)
+    round_done = start_round(shared, decode, lambda response, _last: responses.append(response))
     # Asked again and again while the round runs: the first that finds its step in progress stops it.
     while not round_done.done():
-        start_round(shared, _inputs([(INTERRUPT, 0, None)], 1, False), lambda *_: None)
+        start_round(shared, round_inputs(INTERRUPT, [0], [b""]), lambda *_: None)
         time.sleep(0.002)
     round_done.result()
     if interruptible:
@@ -154,4 +142,4 @@ def test_an_interrupt_request_stops_only_an_interruptible_rounds_step(interrupti
         assert (responses[0]["TOKEN_ID"][0], responses[0]["FINISH"][0]) == (-1, b"")
     else:
         assert _interrupted_total() == before
-    start_round(shared, _inputs([(RELEASE, 31, None)], 1, False), lambda *_: None).result(timeout=60)
+    start_round(shared, round_inputs(RELEASE, [31], [b""]), lambda *_: None).result(timeout=60)
