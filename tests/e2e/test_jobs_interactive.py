@@ -17,7 +17,7 @@ from sluice.common.v1 import types_pb2
 from sluice.gateway.v1 import gateway_pb2
 from sluice.jobs.v1 import jobs_pb2
 
-from conftest import DEMO_KEY, MODEL, auth, scrape_total
+from conftest import DEMO_KEY, MODEL, auth, scrape_total, wait_for
 from sluice_stack import Stack
 from test_jobs import all_results, wait_job
 
@@ -88,15 +88,14 @@ def greedy_question(i: int) -> list[dict[str, str]]:
 
 def test_bulk_steps_stopped_midway_for_interactive_requests_lose_and_repeat_no_token(stack: Stack, gateway) -> None:
     """Interactive requests interrupt the job's steps in the engine (llama.cpp stops them between
-    graph nodes); every greedy row of the job still reads as its prompt alone makes it."""
+    graph nodes); every greedy row of the job still reads as the same prompt asked through Generate."""
     engine_metrics = stack.metrics_url("triton-local")
     interrupted_before = scrape_total(engine_metrics, "sluice_triton_local_steps_interrupted_total")
     job_id = f"interrupted-{uuid.uuid4().hex[:6]}"
     sampling = {"max_tokens": 12, "temperature": 0}
     rows = [{"custom_id": f"r{i}", "generate": {"model": MODEL, "messages": greedy_question(i), "sampling": sampling}} for i in range(16)]
     publish_rows(stack, job_id, rows)
-    while completed(gateway, job_id) < 1:
-        time.sleep(0.05)
+    wait_for(lambda: completed(gateway, job_id) >= 1, "the job's first row", timeout_s=120)
 
     def ask(i: int) -> str:
         request = gateway_pb2.GenerateRequest(
@@ -107,10 +106,8 @@ def test_bulk_steps_stopped_midway_for_interactive_requests_lose_and_repeat_no_t
         return "".join(r.text for r in gateway.Generate(request, metadata=auth(), timeout=120))
 
     # Interactive requests, one after another, while the job runs (each arrival interrupts).
-    alone: dict[str, str] = {}
-    for i in range(16):
-        alone[f"r{i}"] = ask(i)
+    asked = {f"r{i}": ask(i) for i in range(16)}
     job = wait_job(gateway, job_id)
     assert job.state == jobs_pb2.JOB_STATE_COMPLETED and job.completed_rows == 16
     assert scrape_total(engine_metrics, "sluice_triton_local_steps_interrupted_total") > interrupted_before, "no step was interrupted"
-    assert {r.custom_id: r.output for r in all_results(gateway, job_id)} == alone
+    assert {r.custom_id: r.output for r in all_results(gateway, job_id)} == asked
