@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from prometheus_client import REGISTRY
 
-from sluice_triton_local.engine import DecodeRow, PrefillRow, RowResult, Sampling, StepEngine
+from sluice_triton_local.engine import DecodeRow, PrefillRow, ReleaseRow, RowResult, Sampling, StepEngine, llamacpp_model
 from sluice_triton_local.model_files import gguf_path
 from sluice_triton_local.shared_engine import SharedEngine
 from sluice_triton_local.step_protocol import DECODE, INTERRUPT, PREFILL, RELEASE, round_inputs, start_round
@@ -143,3 +143,64 @@ def test_an_interrupt_request_stops_only_an_interruptible_rounds_step(interrupti
     else:
         assert _interrupted_total() == before
     start_round(shared, round_inputs(RELEASE, [31], [b""]), lambda *_: None).result(timeout=60)
+
+
+def test_an_ask_that_finds_no_step_computing_stops_the_next_interruptible_step_before_it_computes(engine: StepEngine) -> None:
+    """The ask can reach the engine before the round it is for (two requests through Triton): kept,
+    it stops that round's step before it computes; a step that cannot be interrupted forgets it."""
+    short = engine.apply_chat_template([("user", "Name three colors.")])
+    reference = _greedy(engine, 4, short, 6)
+    made = [r.token_id for r in engine.step([PrefillRow(41, short, Sampling(max_tokens=6))])]
+    before = engine.steps_interrupted_total
+
+    assert not engine.interrupt(keep=True), "no step was computing"
+    (stopped,) = engine.step([DecodeRow(41)], interruptible=True)
+    assert (stopped.token_id, stopped.finish_reason) == (-1, "")
+    assert engine.steps_interrupted_total == before + 1
+    (next_one,) = engine.step([DecodeRow(41)], interruptible=True)
+    assert next_one.token_id >= 0, "the kept ask stopped one step, not every one after it"
+    made.append(next_one.token_id)
+
+    engine.interrupt(keep=True)
+    made.append(engine.step([DecodeRow(41)])[0].token_id)  # not interruptible: computes, forgets the ask
+    made.append(engine.step([DecodeRow(41)], interruptible=True)[0].token_id)
+    engine.interrupt()  # without keep: an ask that finds nothing is dropped
+    made.append(engine.step([DecodeRow(41)], interruptible=True)[0].token_id)
+    assert engine.steps_interrupted_total == before + 1
+    while True:
+        (result,) = engine.step([DecodeRow(41)])
+        made.append(result.token_id)
+        if result.finish_reason:
+            break
+    assert made == reference, "the stopped step changed nothing: the same greedy tokens"
+
+
+def test_a_kept_ask_expires(engine: StepEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(llamacpp_model, "ASK_KEPT_S", 0.05)
+    short = engine.apply_chat_template([("user", "Name three colors.")])
+    engine.step([PrefillRow(51, short, Sampling(max_tokens=6))])
+    before = engine.steps_interrupted_total
+    engine.interrupt(keep=True)
+    time.sleep(0.1)
+    (result,) = engine.step([DecodeRow(51)], interruptible=True)
+    assert result.token_id >= 0 and engine.steps_interrupted_total == before
+    engine.step([ReleaseRow(51)])
+
+
+def test_an_interrupt_that_reaches_the_engine_before_its_round_stops_the_rounds_first_step_and_ends_it() -> None:
+    shared = SharedEngine(StepEngine(gguf_path(), max_slots=2, threads=2, prefix_cache=False))
+    prompt_request = json.dumps({"messages": [["user", "Name three colors."]], "max_tokens": 8}).encode()
+    start_round(shared, round_inputs(PREFILL, [61], [prompt_request]), lambda *_: None).result(timeout=60)
+    before = _interrupted_total()
+    start_round(shared, round_inputs(INTERRUPT, [0], [b""]), lambda *_: None).result(timeout=60)
+    responses: list[dict[str, np.ndarray]] = []
+    decode = round_inputs(DECODE, [61], [b""], steps=4, interruptible=True)
+    start_round(shared, decode, lambda response, _last: responses.append(response)).result(timeout=60)
+    assert _interrupted_total() == before + 1
+    assert len(responses) == 1 and bool(responses[0]["ROUND_END"][0]), "the stopped step ended its round"
+    assert (responses[0]["TOKEN_ID"][0], responses[0]["FINISH"][0]) == (-1, b"")
+    # The next round decodes as if nothing had happened.
+    responses.clear()
+    start_round(shared, round_inputs(DECODE, [61], [b""], steps=1, interruptible=True), lambda response, _last: responses.append(response)).result(timeout=60)
+    assert responses[0]["TOKEN_ID"][0] >= 0
+    start_round(shared, round_inputs(RELEASE, [61], [b""]), lambda *_: None).result(timeout=60)

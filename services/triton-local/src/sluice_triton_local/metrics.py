@@ -59,13 +59,14 @@ RELEASED_MID_ROUND = Counter(
 )
 INTERRUPT_ASKS = Counter(
     "sluice_triton_local_interrupt_asks_total",
-    "Interrupt asks (step protocol ACTION 6) by whether an interruptible step was in progress to stop (found=step) or not (found=none:"
-    " the round in flight only ends after its current step).",
+    "Interrupt asks (step protocol ACTION 6) by whether an interruptible step was computing to stop (found=step) or not (found=none:"
+    " the round in flight ends after its current step, and the ask is kept for the next step to start within 0.2 s, which it"
+    " stops before it computes if that step is interruptible: an ask can reach the engine before its round).",
     ["found"],
 )
 STEPS_INTERRUPTED = Counter(
     "sluice_triton_local_steps_interrupted_total",
-    "Steps of an interruptible round (bulk work) stopped midway for an interrupt ask (an interactive arrival);"
+    "Steps of an interruptible round (bulk work) stopped midway, or before they computed, for an interrupt ask (an interactive arrival);"
     " their rows made no token and were stepped again later.",
 )
 EMBED_TEXTS = Counter("sluice_triton_local_embed_texts_total", "Texts embedded by the embedding model.")

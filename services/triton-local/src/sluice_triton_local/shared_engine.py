@@ -163,11 +163,13 @@ class SharedEngine:
 
     def interrupt_soon(self) -> None:
         """As end_round_soon, and the step in progress stops midway when its round is interruptible
-        (StepEngine.step says what its rows answer then).
+        (StepEngine.step says what its rows answer then); when no step is computing, the next one
+        to start stops before it computes if it is interruptible and starts soon (the ask may have
+        come before its round, llamacpp_model.ASK_KEPT_S), and its round ends there.
         What an interactive arrival asks of a round of bulk work, so that its prefill does not wait
         for a bulk step (tens of milliseconds on a CPU) to end."""
         self.end_round_soon()
-        metrics.INTERRUPT_ASKS.labels(found="step" if self._engine.interrupt() else "none").inc()
+        metrics.INTERRUPT_ASKS.labels(found="step" if self._engine.interrupt(keep=True) else "none").inc()
 
     def _round(self, number: int, rows: list[Row], steps: int, on_step: OnStep, preempts: bool, interruptible: bool) -> None:
         with self._asks_lock:
@@ -176,8 +178,12 @@ class SharedEngine:
             # A following round was sent before its caller released some of its sequences.
             rows = [ReleaseRow(row.seq_id) if isinstance(row, DecodeRow) and row.seq_id in self._releasing else row for row in rows]
         for done in range(1, steps + 1):
+            stopped_before = self._engine.steps_interrupted_total
             results = self._step(rows, interruptible)
-            rows = self._next_rows(number, rows, results) if done < steps else []
+            # A stopped step ends its round, as the ask that stopped it asked, also when the ask
+            # reached the engine before the round did (it could not end a round not yet submitted).
+            stopped = self._engine.steps_interrupted_total > stopped_before
+            rows = self._next_rows(number, rows, results) if done < steps and not stopped else []
             on_step(results, not rows)
             if not rows:
                 metrics.ROUND_STEPS.observe(done)

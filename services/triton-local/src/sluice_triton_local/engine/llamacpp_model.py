@@ -56,6 +56,11 @@ def init_backend_once() -> None:
             _backend_initialised = True
 
 
+# How long an interrupt ask that found no forward pass running waits for the next (_InterruptFlag):
+# a round request's way in from the adapter takes a few milliseconds, and a busy box stalls it more.
+ASK_KEPT_S = 0.2
+
+
 class _InterruptFlag:
     """A flag llama.cpp's compute thread reads after every node of the graph, in C.
 
@@ -65,32 +70,57 @@ class _InterruptFlag:
     over a two-byte buffer we own: it returns 0 (false) while the first byte is 0 and 1 (true) once
     it is set, which is exactly the bool the callback returns, and it runs without Python.
     Armed only around the forward passes that may be interrupted, under a lock, so that an interrupt
-    asked while one runs can never stop the next one.
+    asked while one runs can never stop the one after it.
+
+    An ask that finds no forward pass running may be kept for the next one, for ASK_KEPT_S: the ask
+    (a request of its own) can reach the engine before the round it is for, or while that round's
+    step is still being planned, and the step would then run to its end (seen: an interactive
+    arrival waiting 110 ms for a bulk step its ask had missed by a few). The next forward pass
+    takes it: an interruptible one stops before it starts, any other forgets it (the ask was for
+    bulk work that has ended; what follows is the arrival's own step).
     """
 
     def __init__(self) -> None:
         self._buffer = ctypes.create_string_buffer(2)
         self._lock = threading.Lock()
         self._armed = False
+        self._asked_at: float | None = None
         self.callback = ctypes.cast(ctypes.CDLL(None).strlen, lc.ggml_abort_callback)
         self.data = ctypes.cast(self._buffer, ctypes.c_void_p)
 
-    def arm(self) -> None:
+    def arm(self) -> bool:
+        """Arms the flag for an interruptible forward pass; whether an ask already waits for it
+        (then the pass must not start)."""
         with self._lock:
+            asked = self._take_ask()
             self._buffer[0] = b"\x00"
-            self._armed = True
+            self._armed = not asked
+            return asked
+
+    def forget(self) -> None:
+        """A forward pass that cannot be interrupted starts: an ask kept until now was for none."""
+        with self._lock:
+            self._asked_at = None
 
     def disarm(self) -> None:
         with self._lock:
             self._armed = False
             self._buffer[0] = b"\x00"
 
-    def set(self) -> bool:
-        """Stops the armed forward pass, if one runs; whether one did."""
+    def set(self, keep: bool = False) -> bool:
+        """Stops the armed forward pass, if one runs; whether one did. Else, with `keep`, the ask
+        waits for the next forward pass."""
         with self._lock:
             if self._armed:
                 self._buffer[0] = b"\x01"
+            elif keep:
+                self._asked_at = time.monotonic()
             return self._armed
+
+    def _take_ask(self) -> bool:
+        asked = self._asked_at is not None and time.monotonic() - self._asked_at <= ASK_KEPT_S
+        self._asked_at = None
+        return asked
 
 
 def context_params(
@@ -206,10 +236,12 @@ class LlamaCppModel:
         """The threads the next step computes with (fewer than configured while the box is busy)."""
         return self._threads
 
-    def interrupt(self) -> bool:
+    def interrupt(self, keep: bool = False) -> bool:
         """Stops the interruptible forward pass in progress (llama.cpp's CPU backend checks between
-        graph nodes; a GPU graph runs to its end); whether one was in progress."""
-        return self._interrupt.set()
+        graph nodes; a GPU graph runs to its end); whether one was in progress. With `keep`, when
+        none was, the next forward pass to start within ASK_KEPT_S does not start if it is
+        interruptible (StepInterrupted)."""
+        return self._interrupt.set(keep)
 
     def forward(self, items: list[BatchItem], interruptible: bool = False) -> np.ndarray:
         """[len(items), vocab] logits of each item's last new token. `interruptible`: `interrupt()`
@@ -233,8 +265,11 @@ class LlamaCppModel:
         answer_rows = [i for _, i in batch if i >= 0]  # the item each wanted logit row belongs to
         out = np.empty((len(items), self._vocab), dtype=np.float32)
         row = 0
-        if interruptible:
-            self._interrupt.arm()
+        if not interruptible:
+            self._interrupt.forget()
+        elif self._interrupt.arm():
+            self._interrupt.disarm()
+            raise StepInterrupted(f"interrupted: a step of {len(tokens)} tokens stopped before it started")
         try:
             for start in range(0, len(tokens), self.batch_tokens):
                 end = min(len(tokens), start + self.batch_tokens)

@@ -114,7 +114,7 @@ class LlamaModel:
     def truncate(self, slot: int, keep: int) -> None:
         """Nothing to do: positions from `keep` on are written again before they are read."""
 
-    def interrupt(self) -> bool:
+    def interrupt(self, keep: bool = False) -> bool:
         """A numpy forward pass runs to its end: nothing to stop."""
         return False
 

@@ -341,9 +341,11 @@ class StepEngine:
                         results[p.row_index] = _prefilling(p.seq)
         return results  # type: ignore[return-value]
 
-    def interrupt(self) -> bool:
-        """Stops the interruptible step in progress (called from another thread); whether one was."""
-        return self._model.interrupt()
+    def interrupt(self, keep: bool = False) -> bool:
+        """Stops the interruptible step in progress (called from another thread); whether one was.
+        With `keep`, when none was computing, the next step stops before it computes if it is
+        interruptible and starts soon (ForwardModel.interrupt)."""
+        return self._model.interrupt(keep)
 
     def _defer_over_prefill_budget(self, pending: list[_Pending], results: list[RowResult | None]) -> None:
         """Prompts beyond the step's prefill budget wait for a later step (whole: a prompt is not cut
@@ -654,8 +656,10 @@ class ForwardModel(Protocol):
         """`interruptible`: `interrupt()` may stop it midway (StepInterrupted), every item's cells
         left as they were."""
 
-    def interrupt(self) -> bool:
-        """Stops the interruptible forward pass in progress; whether one was stopped."""
+    def interrupt(self, keep: bool = False) -> bool:
+        """Stops the interruptible forward pass in progress; whether one was stopped. With `keep`,
+        when none was in progress, the next one does not start if it is interruptible and starts
+        soon (StepInterrupted); a forward pass that is not interruptible forgets the ask."""
 
     def release(self, slot: int) -> None: ...
 
