@@ -201,6 +201,8 @@ def test_an_interrupt_that_reaches_the_engine_before_its_round_stops_the_rounds_
     assert (responses[0]["TOKEN_ID"][0], responses[0]["FINISH"][0]) == (-1, b"")
     # The next round decodes as if nothing had happened.
     responses.clear()
-    start_round(shared, round_inputs(DECODE, [61], [b""], steps=1, interruptible=True), lambda response, _last: responses.append(response)).result(timeout=60)
+    start_round(shared, round_inputs(DECODE, [61], [b""], steps=1, interruptible=True), lambda response, _last: responses.append(response)).result(
+        timeout=60
+    )
     assert responses[0]["TOKEN_ID"][0] >= 0
     start_round(shared, round_inputs(RELEASE, [61], [b""]), lambda *_: None).result(timeout=60)
