@@ -30,8 +30,8 @@ One Triton request carries one row per sequence, all tensors of shape [rows]:
                            with FINISH "", a decoding sequence is as before the step and a
                            prefilled one admitted with none of its prompt cached (its next
                            DECODE row caches it, as for a chunked prefill); when no step is
-                           computing, the next step to start within 0.2 s stops so before it
-                           computes, if its round is INTERRUPTIBLE (an ask may reach the engine
+                           computing, the next step to start within 0.2 s stops the same way
+                           before it computes, if its round is INTERRUPTIBLE (an ask may reach the engine
                            before its round); a stopped step ends its round
            SEQ_ID  INT64   the adapter's id for the sequence (its KV slot key)
            REQUEST BYTES   JSON for prefill and count rows, empty otherwise:

@@ -267,8 +267,7 @@ class LlamaCppModel:
         row = 0
         if not interruptible:
             self._interrupt.forget()
-        elif self._interrupt.arm():
-            self._interrupt.disarm()
+        elif self._interrupt.arm():  # an ask came first: left unarmed, nothing decoded
             raise StepInterrupted(f"interrupted: a step of {len(tokens)} tokens stopped before it started")
         try:
             for start in range(0, len(tokens), self.batch_tokens):
