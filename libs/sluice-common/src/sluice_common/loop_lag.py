@@ -13,12 +13,16 @@ L - 2*interval, ... while above 0 (HdrHistogram's correction for coordinated omi
 loop takes meanwhile, and a p99 would hide it; with it the histogram is time-weighted: it says
 how long work that arrives at a random moment waits for the loop.
 
-Why 50 ms: the cost is one timer wakeup per interval (tens of microseconds, ~0.05% of a core),
-and 20 samples a second give 1,200 per minute, enough for a p99 over a scrape window; with the
-correction above a stall longer than the interval is counted in full whatever the interval. A
-stall shorter than the interval is caught when it covers a wakeup (with probability about
-stall/interval), recorded at the part of it left after the wakeup, as a random arrival would
-meet it. Tests that need many samples in a few seconds pass a smaller interval and keep the raw
+Why 250 ms: the cost is one timer wakeup per interval, and a wakeup of an asyncio loop costs
+~200 us of CPU on the 2-core VMs this suite is measured on (a bare loop sleeping 50 ms in turn:
+0.40% of a core; 200 ms: 0.15%), not the tens of microseconds first assumed. At 50 ms the five
+services' monitors took ~2% of a core beside an engine whose two threads need both cores, about
+0.25 ms of every token at one stream (bench-peer's streams1). 4 samples a second still give 240 a
+minute, enough for a p99 over a scrape window; with the correction above a stall longer than the
+interval is counted in full whatever the interval. A stall shorter than the interval is caught
+when it covers a wakeup (with probability about stall/interval), recorded at the part of it left
+after the wakeup, as a random arrival would meet it: the histogram stays time-weighted, with fewer
+samples. Tests that need many samples in a few seconds pass a smaller interval and keep the raw
 samples (`keep`).
 """
 
@@ -57,8 +61,8 @@ LOOP_LAG = Histogram(
     buckets=LAG_BUCKETS,
 )
 
-DEFAULT_INTERVAL_S = 0.05
-# At most this many values recorded for one late wakeup (a 50 s stall at 50 ms): bounded work.
+DEFAULT_INTERVAL_S = 0.25
+# At most this many values recorded for one late wakeup (a 250 s stall at 250 ms): bounded work.
 MAX_BACKFILL = 1000
 
 
