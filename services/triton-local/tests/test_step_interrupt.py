@@ -145,9 +145,13 @@ def test_an_interrupt_request_stops_only_an_interruptible_rounds_step(interrupti
     start_round(shared, round_inputs(RELEASE, [31], [b""]), lambda *_: None).result(timeout=60)
 
 
-def test_an_ask_that_finds_no_step_computing_stops_the_next_interruptible_step_before_it_computes(engine: StepEngine) -> None:
+def test_an_ask_that_finds_no_step_computing_stops_the_next_interruptible_step_before_it_computes(
+    engine: StepEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The ask can reach the engine before the round it is for (two requests through Triton): kept,
     it stops that round's step before it computes; a step that cannot be interrupted forgets it."""
+    # Kept well past any stall of a busy box between the ask and the step (expiry: the test below).
+    monkeypatch.setattr(llamacpp_model, "ASK_KEPT_S", 60.0)
     short = engine.apply_chat_template([("user", "Name three colors.")])
     reference = _greedy(engine, 4, short, 6)
     made = [r.token_id for r in engine.step([PrefillRow(41, short, Sampling(max_tokens=6))])]
@@ -187,7 +191,10 @@ def test_a_kept_ask_expires(engine: StepEngine, monkeypatch: pytest.MonkeyPatch)
     engine.step([ReleaseRow(51)])
 
 
-def test_an_interrupt_that_reaches_the_engine_before_its_round_stops_the_rounds_first_step_and_ends_it() -> None:
+def test_an_interrupt_that_reaches_the_engine_before_its_round_stops_the_rounds_first_step_and_ends_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(llamacpp_model, "ASK_KEPT_S", 60.0)  # as above: no stall may expire the ask
     shared = SharedEngine(StepEngine(gguf_path(), max_slots=2, threads=2, prefix_cache=False))
     prompt_request = json.dumps({"messages": [["user", "Name three colors."]], "max_tokens": 8}).encode()
     start_round(shared, round_inputs(PREFILL, [61], [prompt_request]), lambda *_: None).result(timeout=60)
