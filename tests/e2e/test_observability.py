@@ -139,6 +139,7 @@ def test_every_dashboard_query_returns_data_after_a_short_load(prometheus: Prome
     names = {name for _, expr in queries for name in named_series(expr)} | {n for r in rules for n in named_series(r["query"])}
     # ... and every recording rule, the vLLM-named ones included, publishes a series.
     names |= {r["name"] for r in rules if r["type"] == "recording"}
+
     # Waited on, not read at one instant: a record is there once its rule has evaluated after the
     # scrapes it reads, which can run behind them on a busy machine (CI saw one absent at one instant).
     def missing() -> list[str]:
@@ -148,7 +149,12 @@ def test_every_dashboard_query_returns_data_after_a_short_load(prometheus: Prome
         wait_for(lambda: not missing(), "every named series to be in Prometheus", timeout_s=30, poll_s=1.0)
     except AssertionError:
         absent = missing()
-        states = [(r["name"], r["health"], r.get("lastError"), r.get("lastEvaluation")) for g in prometheus.api("rules")["groups"] for r in g["rules"] if r["name"] in absent]
+        states = [
+            (r["name"], r["health"], r.get("lastError"), r.get("lastEvaluation"))
+            for g in prometheus.api("rules")["groups"]
+            for r in g["rules"]
+            if r["name"] in absent
+        ]
         raise AssertionError(f"named in the dashboard or the rules but not in Prometheus: {absent}; their rules: {states}") from None
     # The vLLM-named records read the same figures: a vLLM dashboard's TTFT quantile has a value once
     # the record has evaluated the buckets after the load's scrapes (a rule's evaluation can run behind
