@@ -180,7 +180,8 @@ class StepReplica:
     Each sequence ends ("length") after `tokens` tokens, or after its request's max_tokens when
     `tokens` is None. Every row is recorded. `failing`: steps raise and probes fail (a crashed
     Triton); `stalled`: a step never returns (a wedged one); `hold` cleared: steps wait until it
-    is set again (a pod paused mid-work); `probes_ok` False: probes fail, steps still work.
+    is set again (a pod paused mid-work); `probes_ok` False: probes fail (ready, but no token),
+    steps still work. `token_probes` and `ready_checks` count the probes of each kind.
     With `slots`, the replica holds that many sequences at most, as triton-local's engine does: a
     prefill that finds none free answers "busy", a finish or a release frees one (`held`). A prompt
     prefilled before is served from its prefix cache (`PrefixCache`): 1 of its 2 tokens.
@@ -195,6 +196,8 @@ class StepReplica:
         self.failing = False
         self.stalled = False
         self.probes_ok = True
+        self.token_probes = 0
+        self.ready_checks = 0
         self.closed = False
         self.hold = asyncio.Event()
         self.hold.set()
@@ -247,7 +250,12 @@ class StepReplica:
             self.held.discard(row.seq_id)
         return StepOutcome(count, "x", "length" if finished else "", 2, count, cached_tokens=self.prefix_cache.of(row.seq_id))
 
+    async def is_ready(self) -> bool:
+        self.ready_checks += 1
+        return not self.failing and not self.stalled
+
     async def probe(self) -> bool:
+        self.token_probes += 1
         return self.probes_ok and not self.failing and not self.stalled
 
     async def close(self) -> None:

@@ -13,8 +13,10 @@ import pytest
 from conftest import StepReplica, run_through
 
 from sluice_common.adaptive_timeout import AdaptiveTimeout, TimeoutPolicy
+from sluice_common.config import ConfigError, load_config
 from sluice_common.errors import Unavailable
 from sluice_common.sampling import Sampling
+from sluice_inference_adapter.config import ENV_PREFIX, AdapterConfig
 from sluice_inference_adapter.embed_batcher import Embeddings
 from sluice_inference_adapter.prefix_routing import PrefixRouter
 from sluice_inference_adapter.replica_pool import PooledEmbedBackend, ReplicaPool
@@ -72,6 +74,64 @@ async def test_unhealthy_after_consecutive_failures_and_readmitted_after_a_good_
     a.failing = False
     await pool.probe_once()
     assert replica_a.healthy
+
+
+def token_interval_pool(*models: StepReplica) -> ReplicaPool:
+    """Probes every 50 ms; a healthy replica's probe generates a token only after a minute without one."""
+    limits = SchedulerLimits(max_batch_size=4)
+    return ReplicaPool(list(models), lambda backend, on_step: Scheduler(backend, limits, on_step=on_step), 2, 0.05, probe_token_interval_s=60.0)
+
+
+async def test_a_healthy_idle_replica_gets_ready_checks_and_a_token_only_once_the_token_interval_has_passed() -> None:
+    a = StepReplica("a")
+    pool = token_interval_pool(a)
+    replica = pool.replicas[0]
+    await pool.probe_once()  # a new replica proves itself with a token
+    assert (a.token_probes, a.ready_checks) == (1, 0) and replica.healthy
+    replica.last_success -= 1.0  # idle for a second: due, but within the token interval
+    await pool.probe_once()
+    await pool.probe_once()
+    assert (a.token_probes, a.ready_checks) == (1, 2) and replica.healthy
+    replica.last_success -= 60.0  # a minute without a token
+    await pool.probe_once()
+    assert (a.token_probes, a.ready_checks) == (2, 2)
+    await pool.probe_once()  # that token counts as the proof: not due again yet
+    assert (a.token_probes, a.ready_checks) == (2, 2)
+
+
+async def test_failed_ready_checks_make_a_replica_unhealthy_and_only_a_token_readmits_it() -> None:
+    a, b = StepReplica("a"), StepReplica("b")
+    pool = token_interval_pool(a, b)
+    await pool.probe_once()
+    replica_a = pool.replicas[0]
+    replica_a.last_success -= 1.0
+    a.failing = True  # Triton down: its ready checks fail
+    await pool.probe_once()
+    assert replica_a.healthy and replica_a.consecutive_failures == 1
+    replica_a.last_success -= 1.0
+    await pool.probe_once()
+    assert not replica_a.healthy and a.token_probes == 1  # ready checks alone took it out
+    assert pool.pick(exclude=set()).name == "b"
+    a.failing = False
+    await pool.probe_once()  # unhealthy: probed with a token, readmitted on it
+    assert replica_a.healthy and a.token_probes == 2
+
+
+async def test_a_ready_check_proves_no_generation() -> None:
+    """A replica that answers its ready checks but cannot generate: a passing ready check clears none
+    of its failures, and the token probe once the interval has passed counts against it."""
+    a = StepReplica("a")
+    pool = token_interval_pool(a)
+    replica = pool.replicas[0]
+    await pool.probe_once()
+    pool.record(replica, ok=False)  # a failed step
+    replica.last_success -= 1.0
+    await pool.probe_once()
+    assert a.ready_checks == 1 and replica.consecutive_failures == 1
+    a.probes_ok = False
+    replica.last_success -= 60.0
+    await pool.probe_once()
+    assert a.token_probes == 2 and not replica.healthy
 
 
 async def test_no_healthy_replica_is_unavailable() -> None:
@@ -295,3 +355,13 @@ async def test_engine_reported_cache_hits_are_counted_per_replica() -> None:
     assert REGISTRY.get_sample_value("sluice_adapter_cached_prompt_tokens_total", {"replica": "hits-a"}) == 1
     assert REGISTRY.get_sample_value("sluice_adapter_routed_requests_total", {"replica": "hits-a"}) == 2
     assert decisions("only_replica") >= 2
+
+
+def test_the_probe_intervals_are_checked_when_the_adapter_starts() -> None:
+    config = load_config(AdapterConfig, ENV_PREFIX, {})
+    assert (config.probe_interval_s, config.probe_token_interval_s) == (2.0, 30.0)
+    assert load_config(AdapterConfig, ENV_PREFIX, {f"{ENV_PREFIX}PROBE_TOKEN_INTERVAL_S": "0"}).probe_token_interval_s == 0.0
+    with pytest.raises(ConfigError, match=f"{ENV_PREFIX}PROBE_TOKEN_INTERVAL_S must be >= 0"):
+        load_config(AdapterConfig, ENV_PREFIX, {f"{ENV_PREFIX}PROBE_TOKEN_INTERVAL_S": "-1"})
+    with pytest.raises(ConfigError, match=f"{ENV_PREFIX}PROBE_INTERVAL_S must be > 0"):
+        load_config(AdapterConfig, ENV_PREFIX, {f"{ENV_PREFIX}PROBE_INTERVAL_S": "0"})

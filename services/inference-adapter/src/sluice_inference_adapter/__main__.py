@@ -226,7 +226,7 @@ async def start_extra_pool(
     CONCURRENCY_LIMIT.labels(model=config.model_name).set(concurrency_limit(config, protocol))
     pool = ReplicaPool(
         backends, make_scheduler, config.replica_failure_threshold, config.probe_interval_s, make_backend, metrics_label=label,  # type: ignore[arg-type]
-        router=prefix_router(config, protocol), model=config.model_name,
+        router=prefix_router(config, protocol), model=config.model_name, probe_token_interval_s=config.probe_token_interval_s,
     )  # fmt: skip
     await wait_for_a_healthy_replica(pool, config.backend_wait_s)
     pool.start(supervisor)
@@ -285,7 +285,7 @@ async def serve(config: AdapterConfig) -> None:
     CONCURRENCY_LIMIT.labels(model=config.model_name).set(concurrency_limit(config, protocol))
     pool = ReplicaPool(
         backends, make_scheduler, config.replica_failure_threshold, config.probe_interval_s, make_backend,  # type: ignore[arg-type]
-        router=prefix_router(config, protocol), model=config.model_name,
+        router=prefix_router(config, protocol), model=config.model_name, probe_token_interval_s=config.probe_token_interval_s,
     )  # fmt: skip
     await wait_for_a_healthy_replica(pool, config.backend_wait_s)
     # Every owner task is supervised: if one dies, health turns NOT_SERVING and its callers fail.

@@ -109,7 +109,12 @@ class AdapterConfig(ServerConfig):
     prefix_routing_load_bound: int = 8
     # A replica is unhealthy after this many consecutive failed steps or probes.
     replica_failure_threshold: int = 2
+    # Replicas that have not answered a step for PROBE_INTERVAL_S are probed: Triton's ready checks,
+    # plus one generated token for an unhealthy replica (readmitted on it) or a healthy one that has
+    # generated none for PROBE_TOKEN_INTERVAL_S (0: every probe). A token is a whole forward pass: on
+    # a CPU engine, every 2 s, 3-4% of a core per idle replica, and another adapter's round ended.
     probe_interval_s: float = 2.0
+    probe_token_interval_s: float = 30.0
     # Adaptive timeouts (step_timeout.py, sluice_common.adaptive_timeout): TIMEOUT_MULTIPLIER x the
     # rolling p99 of the last TIMEOUT_WINDOW calls, within a floor and a ceiling; the ceiling until
     # TIMEOUT_MIN_SAMPLES calls have been seen. A call cut off counts as a failure of its replica.
@@ -166,6 +171,11 @@ class AdapterConfig(ServerConfig):
                 parse_target(entry)
             except ValueError as exc:
                 require(False, f"{ENV_PREFIX}TRITON_URLS: {exc}")
+        require(self.probe_interval_s > 0, f"{ENV_PREFIX}PROBE_INTERVAL_S must be > 0, got {self.probe_interval_s}")
+        require(
+            self.probe_token_interval_s >= 0,
+            f"{ENV_PREFIX}PROBE_TOKEN_INTERVAL_S must be >= 0 (0: every probe generates a token), got {self.probe_token_interval_s}",
+        )
         require(self.triton_resolve_interval_s > 0, f"{ENV_PREFIX}TRITON_RESOLVE_INTERVAL_S must be > 0, got {self.triton_resolve_interval_s}")
         require(self.embed_cache_bytes >= 0, f"{ENV_PREFIX}EMBED_CACHE_BYTES must be >= 0 (0: no cache), got {self.embed_cache_bytes}")
         require(

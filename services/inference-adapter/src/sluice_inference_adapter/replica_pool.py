@@ -47,6 +47,10 @@ class ReplicaBackend(Protocol):
     @property
     def url(self) -> str: ...
 
+    async def is_ready(self) -> bool:
+        """Triton's server and model ready checks alone: no forward pass."""
+        ...
+
     async def probe(self) -> bool:
         """Ready checks plus a one-token generation; True when the replica can serve."""
         ...
@@ -112,6 +116,7 @@ class ReplicaPool:
         metrics_label: str = "",
         router: PrefixRouter | None = None,
         model: str = "",
+        probe_token_interval_s: float = 0.0,
     ) -> None:
         if not backends:
             raise ValueError("a replica pool needs at least one replica")
@@ -119,6 +124,7 @@ class ReplicaPool:
         self._make_backend = make_backend
         self._failure_threshold = failure_threshold
         self._probe_interval_s = probe_interval_s
+        self._probe_token_interval_s = probe_token_interval_s
         self._drain_poll_s = drain_poll_s
         # An extra model's pool on the same replicas: its per-replica series are named
         # "<address><label>" (as its schedulers' are), and the replica-state counts stay the
@@ -249,9 +255,14 @@ class ReplicaPool:
         self._publish_states()
 
     async def probe_once(self) -> None:
-        """Probes every replica that has not proved itself by a successful step since the last round."""
+        """Probes every replica that has not proved itself by a successful step since the last round:
+        with a token when it is unhealthy or has generated none for the token interval, else with
+        Triton's ready checks alone, which only a failure counts (they prove no generation)."""
         now = time.monotonic()
-        await self._probe([r for r in self.replicas if not r.healthy or now - r.last_success >= self._probe_interval_s])
+        due = [r for r in self.replicas if not r.healthy or now - r.last_success >= self._probe_interval_s]
+        token = [r for r in due if not r.healthy or now - r.last_success >= self._probe_token_interval_s]
+        ready = [r for r in due if r not in token]
+        await asyncio.gather(self._probe(token), self._check_ready(ready))
 
     async def _probe(self, due: list[Replica]) -> None:
         results = await asyncio.gather(*(r.backend.probe() for r in due), return_exceptions=True)
@@ -260,6 +271,14 @@ class ReplicaPool:
                 reason = str(result) if isinstance(result, BaseException) else "not ready or no token"
                 log.warning("probe_failed", replica=replica.name, reason=reason)
             self.record(replica, result is True)
+
+    async def _check_ready(self, due: list[Replica]) -> None:
+        results = await asyncio.gather(*(r.backend.is_ready() for r in due), return_exceptions=True)
+        for replica, result in zip(due, results):
+            if result is not True:
+                reason = str(result) if isinstance(result, BaseException) else "not ready"
+                log.warning("probe_failed", replica=replica.name, reason=reason)
+                self.record(replica, False)
 
     async def _probe_forever(self) -> None:
         while True:
