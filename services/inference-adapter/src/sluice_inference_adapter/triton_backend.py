@@ -290,19 +290,24 @@ class TritonGenerateBackend(_TritonEndpoint):
             yield {"model_name": self.model, "inputs": inputs}
 
         responses = self._client.stream_infer(requests())
+        # Answered: the backend sent its last response (an error response is its last too).
+        answered = False
         try:
             async for result, error in responses:
                 if error is not None:
+                    answered = True
                     raise _stream_error(self.url, self.model, error.message())
                 chunk = _generated_chunk(result, sampling.logprobs)
+                answered = chunk.finish_reason is not None or _is_final(result)
                 yield chunk
-                if chunk.finish_reason is not None or _is_final(result):
+                if answered:
                     return
         except InferenceServerException as exc:
             raise _stream_error(self.url, self.model, exc.message()) from exc
         finally:
-            # Closing the stream cancels the request at Triton; the vLLM backend then aborts it.
-            responses.cancel()
+            # A stream left unanswered (a cancelled caller, a failure) is cancelled, and the vLLM
+            # backend aborts the request; an answered one ends as Triton ends it (_end_stream).
+            await _end_stream(responses, answered)
 
     async def probe(self) -> bool:
         """Ready checks, then one real token."""
@@ -316,10 +321,11 @@ class TritonGenerateBackend(_TritonEndpoint):
 
 
 async def _end_stream(responses: Any, answered: bool) -> None:
-    """A round that was answered in full is let end as Triton ends it (the request was sent whole
+    """A stream that was answered in full is let end as Triton ends it (the request was sent whole
     and the model's last response is out): cancelling such a stream races tritonserver's own
-    completion of it, which aborted tritonserver ("double free or corruption") once in a test run.
-    Only a round left unanswered (a timeout, a failure, a caller gone) is cancelled."""
+    completion of it, which aborted tritonserver once in a test run of each path (a step round:
+    "double free or corruption"; the vLLM interface, right after a finished stream: signal 11).
+    Only a stream left unanswered (a timeout, a failure, a caller gone) is cancelled."""
     if answered:
         with contextlib.suppress(Exception):
             async with asyncio.timeout(_STREAM_END_S):
