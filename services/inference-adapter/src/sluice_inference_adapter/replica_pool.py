@@ -262,23 +262,17 @@ class ReplicaPool:
         due = [r for r in self.replicas if not r.healthy or now - r.last_success >= self._probe_interval_s]
         token = [r for r in due if not r.healthy or now - r.last_success >= self._probe_token_interval_s]
         ready = [r for r in due if r not in token]
-        await asyncio.gather(self._probe(token), self._check_ready(ready))
+        await asyncio.gather(self._probe(token), self._probe(ready, token=False))
 
-    async def _probe(self, due: list[Replica]) -> None:
-        results = await asyncio.gather(*(r.backend.probe() for r in due), return_exceptions=True)
+    async def _probe(self, due: list[Replica], token: bool = True) -> None:
+        """A token probe's outcome is recorded; of ready checks alone, only a failure."""
+        results = await asyncio.gather(*(r.backend.probe() if token else r.backend.is_ready() for r in due), return_exceptions=True)
         for replica, result in zip(due, results):
             if result is not True:
-                reason = str(result) if isinstance(result, BaseException) else "not ready or no token"
+                reason = str(result) if isinstance(result, BaseException) else "not ready or no token" if token else "not ready"
                 log.warning("probe_failed", replica=replica.name, reason=reason)
-            self.record(replica, result is True)
-
-    async def _check_ready(self, due: list[Replica]) -> None:
-        results = await asyncio.gather(*(r.backend.is_ready() for r in due), return_exceptions=True)
-        for replica, result in zip(due, results):
-            if result is not True:
-                reason = str(result) if isinstance(result, BaseException) else "not ready"
-                log.warning("probe_failed", replica=replica.name, reason=reason)
-                self.record(replica, False)
+            if token or result is not True:
+                self.record(replica, result is True)
 
     async def _probe_forever(self) -> None:
         while True:
