@@ -176,6 +176,21 @@ def test_the_streams_are_uniform_and_independent_of_each_other() -> None:
     assert np.abs(correlation[np.triu_indices(64, 1)]).max() < 0.3
 
 
+def test_a_stream_is_splitmix64_from_its_key() -> None:
+    """Draw n of key k is SplitMix64's output n + 1 from state k (its published sequence from state
+    0 starts 0xE220A8397B1DCDAF, 0x6E789E6AA1B965F4), the top 53 bits as a float: a seed's tokens
+    stay what they were whatever computes the arithmetic."""
+    expected = [0xE220A8397B1DCDAF, 0x6E789E6AA1B965F4]
+    draws = uniforms(np.zeros(2, dtype=np.uint64), np.array([0, 1], dtype=np.uint64))
+    assert draws.tolist() == [(z >> 11) / (1 << 53) for z in expected]
+    # The state wraps at 2**64 as uint64 arithmetic does.
+    top = np.array([2**64 - 1], dtype=np.uint64)
+    assert (
+        uniforms(top, np.array([2**64 - 2], dtype=np.uint64)).tolist()
+        == uniforms(top - np.uint64(2**63), np.array([2**63 - 2], dtype=np.uint64)).tolist()
+    )
+
+
 # -- through the engine, on the real model ----------------------------------------------
 
 

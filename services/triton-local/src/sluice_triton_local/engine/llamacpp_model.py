@@ -15,6 +15,7 @@ rather than quietly running on the CPU.
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 import logging
 import sys
@@ -163,6 +164,43 @@ def contiguous_plan(slots: Sequence[int], max_gap: int = GAP_FILL_MAX) -> tuple[
     return order, fillers
 
 
+class _BatchBuffers:
+    """A llama_batch and the arrays it points at, made once: a step writes its tokens into them
+    instead of building a batch (five ctypes casts and a pointer per token) every llama_decode.
+    A batch-1 step's Python around llama_decode runs on caches the decode has just flushed, where
+    every numpy or ctypes call costs tens of microseconds; llama.cpp reads the arrays only during
+    the call."""
+
+    def __init__(self, capacity: int) -> None:
+        self.tokens = np.zeros(capacity, dtype=np.int32)
+        self.positions = np.zeros(capacity, dtype=np.int32)
+        self.seq_ids = np.zeros(capacity, dtype=np.int32)
+        self.want_logits = np.zeros(capacity, dtype=np.int8)
+        self._n_seq_id = np.ones(capacity, dtype=np.int32)  # one sequence per token, always
+        # seq_id is an array of per-token pointers, each to that token's (one) sequence id.
+        self._seq_id_ptrs = (self.seq_ids.ctypes.data + 4 * np.arange(capacity, dtype=np.uint64)).astype(np.uint64)
+        self.batch = lc.llama_batch(
+            n_tokens=0,
+            token=self.tokens.ctypes.data_as(ctypes.POINTER(lc.llama_token)),
+            embd=None,
+            pos=self.positions.ctypes.data_as(ctypes.POINTER(lc.llama_pos)),
+            n_seq_id=self._n_seq_id.ctypes.data_as(ctypes.POINTER(ctypes.c_int32)),
+            seq_id=self._seq_id_ptrs.ctypes.data_as(ctypes.POINTER(ctypes.POINTER(lc.llama_seq_id))),
+            logits=self.want_logits.ctypes.data_as(ctypes.POINTER(ctypes.c_int8)),
+        )
+
+    def fill(self, tokens: np.ndarray, positions: np.ndarray, seq_ids: np.ndarray, want_logits: np.ndarray) -> object:
+        n = len(tokens)
+        if n > len(self.tokens):
+            raise ValueError(f"a llama_decode of {n} tokens exceeds the batch of {len(self.tokens)}")
+        self.tokens[:n] = tokens
+        self.positions[:n] = positions
+        self.seq_ids[:n] = seq_ids
+        self.want_logits[:n] = want_logits
+        self.batch.n_tokens = n
+        return self.batch
+
+
 class GpuOffloadUnavailable(RuntimeError):
     """Layers were asked to go to a GPU, but this llama.cpp was built for the CPU only."""
 
@@ -228,6 +266,7 @@ class LlamaCppModel:
         self._vocab = lc.llama_vocab_n_tokens(lc.llama_model_get_vocab(self._model))
         self.max_context = max_context
         self.batch_tokens = batch_tokens
+        self._batch = _BatchBuffers(batch_tokens)
         self._governor = ThreadGovernor(threads) if adaptive_threads and gpu_layers == 0 and threads > 1 else None
         self._threads = threads
 
@@ -260,8 +299,9 @@ class LlamaCppModel:
         positions = np.concatenate([np.arange(it.start_pos, it.start_pos + len(it.token_ids), dtype=np.int32) for it in laid_out])
         seq_ids = np.concatenate([np.full(len(it.token_ids), it.slot, dtype=np.int32) for it in laid_out])
         ends = np.cumsum([len(it.token_ids) for it in laid_out]) - 1  # each item's last token
+        wanted_ends = [int(end) for end, (_, i) in zip(ends, batch) if i >= 0]  # ascending
         want_logits = np.zeros(len(tokens), dtype=np.int8)
-        want_logits[[end for end, (_, i) in zip(ends, batch) if i >= 0]] = 1
+        want_logits[wanted_ends] = 1
         answer_rows = [i for _, i in batch if i >= 0]  # the item each wanted logit row belongs to
         out = np.empty((len(items), self._vocab), dtype=np.float32)
         row = 0
@@ -274,10 +314,9 @@ class LlamaCppModel:
                 end = min(len(tokens), start + self.batch_tokens)
                 self._decode(tokens[start:end], positions[start:end], seq_ids[start:end], want_logits[start:end])
                 # The call's output rows, in batch order (llama_get_logits reorders them so), in one copy.
-                rows = int(want_logits[start:end].sum())
+                rows = bisect.bisect_left(wanted_ends, end) - row
                 if rows:
-                    block = np.ctypeslib.as_array(lc.llama_get_logits(self._ctx), shape=(rows, self._vocab))
-                    out[answer_rows[row : row + rows]] = block
+                    out[answer_rows[row : row + rows]] = self._logits(rows)
                     row += rows
         except StepInterrupted:
             # llama.cpp takes back the cells of the ubatch it stopped in, not those of the ubatches before.
@@ -290,6 +329,13 @@ class LlamaCppModel:
             for filler in fillers:
                 self.truncate(filler.slot, filler.start_pos)
         return out
+
+    def _logits(self, rows: int) -> np.ndarray:
+        """The last llama_decode's `rows` logit rows, a view of llama.cpp's own buffer (valid until
+        the next decode: copied out at once): a ctypes array over its address, cheaper than
+        np.ctypeslib.as_array."""
+        address = ctypes.cast(lc.llama_get_logits(self._ctx), ctypes.c_void_p).value
+        return np.frombuffer((ctypes.c_float * (rows * self._vocab)).from_address(address), dtype=np.float32).reshape(rows, self._vocab)
 
     def _fillers(self, slots: list[int]) -> list[BatchItem]:
         """A throwaway token for each slot, after the cells it holds (a cached prefix or a sequence
@@ -342,21 +388,9 @@ class LlamaCppModel:
             self._threads = threads
 
     def _decode(self, tokens: np.ndarray, positions: np.ndarray, seq_ids: np.ndarray, want_logits: np.ndarray) -> None:
-        """One llama_decode over arrays we own: a llama_batch only points at them, so building
-        it costs a few numpy operations instead of a Python loop over every token."""
+        """One llama_decode of at most batch_tokens tokens, through the batch buffers."""
+        batch = self._batch.fill(tokens, positions, seq_ids, want_logits)
         n = len(tokens)
-        n_seq_id = np.ones(n, dtype=np.int32)
-        # seq_id is an array of per-token pointers, each to that token's (one) sequence id.
-        seq_id_ptrs = (seq_ids.ctypes.data + 4 * np.arange(n, dtype=np.uint64)).astype(np.uint64)
-        batch = lc.llama_batch(
-            n_tokens=n,
-            token=tokens.ctypes.data_as(ctypes.POINTER(lc.llama_token)),
-            embd=None,
-            pos=positions.ctypes.data_as(ctypes.POINTER(lc.llama_pos)),
-            n_seq_id=n_seq_id.ctypes.data_as(ctypes.POINTER(ctypes.c_int32)),
-            seq_id=seq_id_ptrs.ctypes.data_as(ctypes.POINTER(ctypes.POINTER(lc.llama_seq_id))),
-            logits=want_logits.ctypes.data_as(ctypes.POINTER(ctypes.c_int8)),
-        )
         governor = self._governor
         if governor is None:
             status = lc.llama_decode(self._ctx, batch)

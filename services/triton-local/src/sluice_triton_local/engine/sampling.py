@@ -45,29 +45,33 @@ _CANDIDATES = 1024
 # over every weight of the row.
 _BLOCK = 256
 
-_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
-_MIX1 = np.uint64(0xBF58476D1CE4E5B9)
-_MIX2 = np.uint64(0x94D049BB133111EB)
+# SplitMix64 on Python ints (mod 2**64): a row's draw is a handful of integer operations, where
+# numpy's uint64 arrays took sixteen calls a step, each slow on the caches a decode has just flushed.
+_GOLDEN = 0x9E3779B97F4A7C15
+_MIX1 = 0xBF58476D1CE4E5B9
+_MIX2 = 0x94D049BB133111EB
+_MASK64 = (1 << 64) - 1
 
 
-def _mix(z: np.ndarray) -> np.ndarray:
+def _mix(z: int) -> int:
     """SplitMix64's output function (uint64 arithmetic wraps, as it must)."""
-    z = (z ^ (z >> np.uint64(30))) * _MIX1
-    z = (z ^ (z >> np.uint64(27))) * _MIX2
-    return z ^ (z >> np.uint64(31))
+    z = ((z ^ (z >> 30)) * _MIX1) & _MASK64
+    z = ((z ^ (z >> 27)) * _MIX2) & _MASK64
+    return z ^ (z >> 31)
 
 
 def seed_key(seed: int | None) -> int:
     """The stream key of a sequence: its seed mixed (nearby seeds give unrelated streams), or fresh entropy."""
     if seed is None:
         return secrets.randbits(64)
-    return int(_mix(np.array([seed], dtype=np.uint64))[0])
+    return _mix(seed & _MASK64)
 
 
 def uniforms(keys: np.ndarray, counters: np.ndarray) -> np.ndarray:
     """Draw number `counters` of the streams `keys`: floats in [0, 1), one per row."""
-    z = _mix(keys.astype(np.uint64) + (counters.astype(np.uint64) + np.uint64(1)) * _GOLDEN)
-    return (z >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
+    scale = 1.0 / (1 << 53)
+    draws = [(_mix((key + (counter + 1) * _GOLDEN) & _MASK64) >> 11) * scale for key, counter in zip(keys.tolist(), counters.tolist())]
+    return np.array(draws, dtype=np.float64)
 
 
 @dataclass(frozen=True)
@@ -212,7 +216,7 @@ class BatchSampler:
 
     def _draw(self, logits: np.ndarray, rows: np.ndarray, u: np.ndarray) -> np.ndarray:
         """Temperature, min_p, top_k and top_p, then the inverse CDF at u, for sampled rows."""
-        z = logits * (np.float32(1.0) / self._temperature[rows])[:, None]
+        z = np.multiply(logits, (np.float32(1.0) / self._temperature[rows])[:, None], out=logits)  # the rows are ours to change
         z -= z.max(axis=1, keepdims=True)
         weights = np.exp(z, out=z)  # the most likely token weighs 1
         min_p = self._min_p[rows]
@@ -273,12 +277,13 @@ def _inverse_cdf(weights: np.ndarray, u: np.ndarray) -> np.ndarray:
         padded = np.zeros((rows, blocks * _BLOCK), dtype=weights.dtype)
         padded[:, :vocab] = weights
     shaped = padded.reshape(rows, blocks, _BLOCK)
-    cum_blocks = np.cumsum(shaped.sum(axis=2, dtype=np.float64), axis=1)
+    # Column b + 1: the weight of blocks 0..b; column 0: none, what comes before block 0.
+    cum_blocks = np.zeros((rows, blocks + 1), dtype=np.float64)
+    np.cumsum(shaped.sum(axis=2, dtype=np.float64), axis=1, out=cum_blocks[:, 1:])
     target = u * cum_blocks[:, -1]
-    block = np.minimum((cum_blocks <= target[:, None]).sum(axis=1), blocks - 1)
+    block = np.minimum((cum_blocks[:, 1:] <= target[:, None]).sum(axis=1), blocks - 1)
     index = np.arange(rows)
-    before = np.where(block > 0, cum_blocks[index, np.maximum(block - 1, 0)], 0.0)
-    inner = np.cumsum(shaped[index, block], axis=1, dtype=np.float64) + before[:, None]
+    inner = np.cumsum(shaped[index, block], axis=1, dtype=np.float64) + cum_blocks[index, block][:, None]
     tokens = block * _BLOCK + np.minimum((inner <= target[:, None]).sum(axis=1), _BLOCK - 1)
     # Rounding at the very end of a row may point past its last kept token: take the most likely.
     dropped = (tokens >= vocab) | (weights[index, np.minimum(tokens, vocab - 1)] <= 0.0)
