@@ -28,6 +28,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     stack = Stack(
         run_dir=tmp_path_factory.mktemp("timeouts"),
         ports=StackPorts.ephemeral(),
+        serve_variant=False,  # sluice eval's second model is test_eval's subject, not this module's
         extra_env={
             "inference-adapter": {
                 "SLUICE_ADAPTER_STEP_TIMEOUT_FLOOR_S": str(STEP_FLOOR_S),

@@ -121,6 +121,7 @@ def overloaded_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack
     stack = Stack(
         run_dir=tmp_path_factory.mktemp("overload"),
         ports=StackPorts.ephemeral(),
+        serve_variant=False,  # sluice eval's second model is test_eval's subject, not this module's
         extra_env={
             "inference-adapter": {
                 "SLUICE_ADAPTER_MAX_BATCH_SIZE": "1",

@@ -37,6 +37,7 @@ def passthrough(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     stack = Stack(
         run_dir=tmp_path_factory.mktemp("passthrough"),
         ports=StackPorts.ephemeral(),
+        serve_variant=False,  # sluice eval's second model is test_eval's subject, not this module's
         extra_env={
             "inference-adapter": {
                 "SLUICE_ADAPTER_TRITON_MODEL": "smollm2_generate",

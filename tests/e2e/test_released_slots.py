@@ -35,6 +35,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     stack = Stack(
         run_dir=tmp_path_factory.mktemp("released-slots"),
         ports=StackPorts.ephemeral(),
+        serve_variant=False,  # sluice eval's second model is test_eval's subject, not this module's
         extra_env={
             # One engine thread: llama.cpp's threads spin at every barrier, and beside another busy process
             # (this box is shared) two of them turned 4-token answers into 30 s ones.

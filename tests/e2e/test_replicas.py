@@ -23,6 +23,7 @@ def two_replicas(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     stack = Stack(
         run_dir=tmp_path_factory.mktemp("replicas"),
         ports=StackPorts.ephemeral(),
+        serve_variant=False,  # sluice eval's second model is test_eval's subject, not this module's
         extra_triton_replicas=1,
         extra_env={"inference-adapter": {"SLUICE_ADAPTER_PROBE_INTERVAL_S": "0.5"}},
     )

@@ -33,6 +33,7 @@ def shared(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Stack, li
     stack = Stack(
         run_dir=tmp_path_factory.mktemp("shared-slots"),
         ports=StackPorts.ephemeral(),
+        serve_variant=False,  # sluice eval's second model is test_eval's subject, not this module's
         extra_triton_replicas=1,
         extra_env={
             "triton-local": TRITON_ENV,

@@ -169,6 +169,7 @@ def tls_stack(pki, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     stack = Stack(
         run_dir=run_dir,
         ports=StackPorts.ephemeral(),
+        serve_variant=False,  # sluice eval's second model is test_eval's subject, not this module's
         extra_env={
             "inference-adapter": {f"SLUICE_ADAPTER_{k}": v for k, v in mutual("adapter").items()},
             "rate-limit": {f"SLUICE_RATELIMIT_{k}": v for k, v in mutual("ratelimit").items()},

@@ -11,6 +11,7 @@ import subprocess
 import time
 import urllib.request
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
@@ -452,9 +453,10 @@ class Stack:
             ready_event=ready_event,
         )
 
-    def _plan(self) -> list[Callable[[], ServiceProcess]]:
-        """What to start, in order; each is made when its turn comes, with the addresses its
-        dependencies, started before it, reported."""
+    def _plan(self) -> list[list[Callable[[], ServiceProcess]]]:
+        """What to start, in waves: the services of a wave start at once (triton-local's replicas
+        load their models side by side), each made when its wave comes, with the addresses its
+        dependencies, started in an earlier wave, reported."""
         p = self.ports
         ratelimit_env = {
             "SLUICE_RATELIMIT_PORT": str(p.ratelimit),
@@ -466,12 +468,16 @@ class Stack:
             for name, ports in zip(self.replica_names(service), self.replica_ports[service], strict=True)
         ]
         return [
-            *((lambda name=name: self._triton_service(name)) for name in self.triton_ports),
-            *replicas("inference-adapter", self._adapter_spec),
-            *replicas("evaluation-logging", self._evallog_spec),
-            lambda: self._service(("rate-limit", "sluice_rate_limit", ratelimit_env, RATELIMIT_PORT_ENV)),
-            *replicas("gateway", self._gateway_spec),
-            lambda: self._service(self.job_worker_spec()),
+            [
+                *((lambda name=name: self._triton_service(name)) for name in self.triton_ports),
+                lambda: self._service(("rate-limit", "sluice_rate_limit", ratelimit_env, RATELIMIT_PORT_ENV)),
+            ],
+            replicas("inference-adapter", self._adapter_spec),
+            [
+                *replicas("evaluation-logging", self._evallog_spec),
+                *replicas("gateway", self._gateway_spec),
+                lambda: self._service(self.job_worker_spec()),
+            ],
         ]
 
     def _adapter_spec(self, name: str, port: int = 0, metrics_port: int = 0) -> Spec:
@@ -576,12 +582,13 @@ class Stack:
     def start(self, timeout_s: float = 300.0, on_ready: Callable[[ServiceProcess], None] | None = None) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         try:
-            for make in self._plan():
-                service = make()
-                self.services.append(service)
-                self._start_service(service, timeout_s)
-                if on_ready is not None:
-                    on_ready(service)
+            for wave in self._plan():
+                services = [make() for make in wave]
+                self.services.extend(services)
+                _each_at_once(lambda service: self._start_service(service, timeout_s), services)
+                for service in services:
+                    if on_ready is not None:
+                        on_ready(service)
         except BaseException:
             self.stop()
             raise
@@ -619,9 +626,27 @@ class Stack:
         return next(s for s in self.services if s.name == name)
 
     def stop(self) -> None:
-        for service in reversed(self.services):
-            service.stop()
+        """Stops the services that call others first (gateways, job workers, evaluation-logging and
+        any unknown module), then the adapters and rate-limit, then triton-local; each tier's at once."""
+        for tier in range(max(STOP_TIERS.values()) + 1):
+            _each_at_once(ServiceProcess.stop, [s for s in reversed(self.services) if STOP_TIERS.get(s.module, 0) == tier])
         self.services.clear()
+
+
+# When `Stack.stop` stops a service, by module (0 first; a module not named here: 0).
+STOP_TIERS = {"sluice_inference_adapter": 1, "sluice_rate_limit": 1, "sluice_triton_local": 2}
+
+
+def _each_at_once(action: Callable[[ServiceProcess], None], services: list[ServiceProcess]) -> None:
+    """`action` on every service in threads of its own; the first error (in the services' order)
+    is raised once all have finished."""
+    if len(services) == 1:
+        action(services[0])
+        return
+    with ThreadPoolExecutor(max_workers=max(1, len(services))) as pool:
+        futures = [pool.submit(action, service) for service in services]
+    for future in futures:
+        future.result()
 
 
 def _port_taken(service: ServiceProcess, startup_error: str) -> bool:
