@@ -72,8 +72,8 @@ node: $(BUF)
 
 # Locked installs: a lock file that no longer matches its pyproject fails here.
 # The environments whose processes the stack and the tests start many times get their bytecode
-# compiled here, their own src/ too: where PYTHONDONTWRITEBYTECODE is set (as on this project's CI
-# machines) every process would otherwise compile each module it imports at each start
+# compiled here, their own src/ too: where PYTHONDONTWRITEBYTECODE is set (as on this project's
+# development machines) every process would otherwise compile each module it imports at each start
 # (triton-local's imports: 2.2-2.6 s of CPU without .pyc files, 1.0-1.3 s with).
 COMPILED := $(LIBS) $(SERVICES) $(CLI) tests
 setup: uv

@@ -13,6 +13,7 @@ import urllib.request
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, fields, replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -463,13 +464,16 @@ class Stack:
             "SLUICE_RATELIMIT_METRICS_PORT": str(p.ratelimit_metrics),
             "SLUICE_RATELIMIT_LIMITS_FILE": str(self.limits_file),
         }
-        replicas = lambda service, spec: [  # noqa: E731
-            (lambda name=name, ports=ports: self._service(spec(name, *ports)))
-            for name, ports in zip(self.replica_names(service), self.replica_ports[service], strict=True)
-        ]
+
+        def replicas(service: str, spec: Callable[[str, int, int], Spec]) -> list[Callable[[], ServiceProcess]]:
+            return [
+                partial(lambda name, ports: self._service(spec(name, *ports)), name, ports)
+                for name, ports in zip(self.replica_names(service), self.replica_ports[service], strict=True)
+            ]
+
         return [
             [
-                *((lambda name=name: self._triton_service(name)) for name in self.triton_ports),
+                *(partial(self._triton_service, name) for name in self.triton_ports),
                 lambda: self._service(("rate-limit", "sluice_rate_limit", ratelimit_env, RATELIMIT_PORT_ENV)),
             ],
             replicas("inference-adapter", self._adapter_spec),
