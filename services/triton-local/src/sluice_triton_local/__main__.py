@@ -44,7 +44,7 @@ def main() -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     default_thread_waits(os.environ, config.adaptive_threads)
     default_tensor_transport(os.environ)
-    from pytriton.triton import Triton
+    from pytriton.triton import Triton, TritonLifecyclePolicy
 
     from sluice_triton_local.embeddings import MiniLMEncoder
     from sluice_triton_local.embeddings.triton_binding import bind_embedding_model
@@ -88,7 +88,11 @@ def main() -> None:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    triton = Triton(config=triton_config(config))
+    # The models go into a local model store and tritonserver loads them all at its start, side by
+    # side, instead of one after another through its repository API (PyTriton's default).
+    triton = Triton(
+        config=triton_config(config), triton_lifecycle_policy=TritonLifecyclePolicy(launch_triton_on_startup=False, local_model_store=True)
+    )
     exit_when_tritonserver_exits(triton, stop, config.triton_log_file)
     with triton:
         bind_step_model(triton, config.step_model_name, engine)
