@@ -67,7 +67,8 @@ def _backends(tmp: Path, server_dir: Path, python_version: str) -> Path:
     python_backend = tmp / "backends" / "python"
     python_backend.mkdir(parents=True)
     for item in (server_dir / "backends" / "python").iterdir():
-        shutil.copy(item, python_backend)
+        if item.is_file():  # not __pycache__, which `make setup` compiles there
+            shutil.copy(item, python_backend)
     stub = server_dir / "python_backend_stubs" / python_version / "triton_python_backend_stub"
     assert stub.is_file(), f"nvidia-pytriton ships no Python backend stub for Python {python_version}"
     shutil.copy(stub, python_backend)
