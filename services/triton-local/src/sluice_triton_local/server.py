@@ -62,7 +62,7 @@ def exit_when_tritonserver_exits(triton: Any, stopping: threading.Event, triton_
     taken between its probe and its bind, a crash. PyTriton alone would wait a minute on its
     readiness check for a server that is gone, then keep this process up serving nothing; a process
     that exits is restarted by whoever runs it (the launcher on other ports, an orchestrator).
-    Call it before `with Triton(...)`, whose entry starts tritonserver and waits for it."""
+    Call it before tritonserver starts (`Triton.run()`, as __main__ has PyTriton keep a local model store)."""
 
     def watch() -> None:
         while not stopping.wait(0.25):
