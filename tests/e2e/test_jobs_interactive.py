@@ -17,7 +17,7 @@ from sluice.common.v1 import types_pb2
 from sluice.gateway.v1 import gateway_pb2
 from sluice.jobs.v1 import jobs_pb2
 
-from conftest import DEMO_KEY, MODEL, auth, scrape_total, wait_for
+from conftest import DEMO_KEY, MODEL, auth, read_store, scrape_total, wait_for
 from sluice_stack import Stack
 from test_jobs import all_results, wait_job
 
@@ -104,6 +104,12 @@ def test_interactive_streams_are_served_while_a_job_keeps_progressing(stack: Sta
     assert job.state in (jobs_pb2.JOB_STATE_CANCELLING, jobs_pb2.JOB_STATE_CANCELLED)
 
 
+def running_rows(stack: Stack, job_id: str) -> int:
+    """How many of the job's rows a worker has claimed and not finished (its SQLite store)."""
+    with read_store(stack, "jobs.sqlite3") as db:
+        return db.execute("SELECT COUNT(*) FROM job_rows WHERE job_id = ? AND state = 'running'", (job_id,)).fetchone()[0]
+
+
 def greedy_question(i: int) -> list[dict[str, str]]:
     return [{"role": "user", "content": f"Tell me a fact about the number {i}."}]
 
@@ -117,7 +123,10 @@ def test_bulk_steps_stopped_midway_for_interactive_requests_lose_and_repeat_no_t
     sampling = {"max_tokens": 12, "temperature": 0}
     rows = [{"custom_id": f"r{i}", "generate": {"model": MODEL, "messages": greedy_question(i), "sampling": sampling}} for i in range(16)]
     publish_rows(stack, job_id, rows)
-    wait_for(lambda: completed(gateway, job_id) >= 1, "the job's first row", timeout_s=120)
+    # Ask from the moment the worker runs the job's rows: once one has completed, the rest may all
+    # be in their last steps (rows run in groups as large as the worker's bound, beside what is left
+    # of the jobs before), leaving no bulk step for an arrival to interrupt.
+    wait_for(lambda: running_rows(stack, job_id) > 0, "the job's first rows to run", timeout_s=120)
 
     def ask(i: int) -> str:
         request = gateway_pb2.GenerateRequest(
