@@ -253,7 +253,7 @@ def test_a_worker_killed_mid_job_loses_no_row_and_reports_none_twice(stack: Stac
                 break
             assert time.monotonic() < deadline
         stack.service("job-worker").kill()  # SIGKILL: rows in flight are unacked
-        stored_at_kill.update(done_rows(stack, job_id))
+        stored_at_kill.update(job_rows_in_state(stack, job_id, "done"))
         await asyncio.to_thread(stack.add_job_worker, f"job-worker-{uuid.uuid4().hex[:4]}")
         return await task
 
@@ -274,10 +274,11 @@ def test_a_worker_killed_mid_job_loses_no_row_and_reports_none_twice(stack: Stac
         assert first == second
 
 
-def done_rows(stack: Stack, job_id: str) -> set[str]:
-    """The custom ids of the job's rows stored as done, read from the worker's SQLite store."""
+def job_rows_in_state(stack: Stack, job_id: str, state: str) -> set[str]:
+    """The custom ids of the job's rows in `state` ('running': claimed by a worker and not finished;
+    'done': stored), read from the worker's SQLite store."""
     with read_store(stack, "jobs.sqlite3") as db:
-        return {row[0] for row in db.execute("SELECT custom_id FROM job_rows WHERE job_id = ? AND state = 'done'", (job_id,))}
+        return {row[0] for row in db.execute("SELECT custom_id FROM job_rows WHERE job_id = ? AND state = ?", (job_id, state))}
 
 
 def test_a_job_past_its_completion_window_expires_and_still_reports_every_row_once(stack: Stack, gateway: Any) -> None:

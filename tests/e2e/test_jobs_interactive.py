@@ -17,9 +17,9 @@ from sluice.common.v1 import types_pb2
 from sluice.gateway.v1 import gateway_pb2
 from sluice.jobs.v1 import jobs_pb2
 
-from conftest import DEMO_KEY, MODEL, auth, read_store, scrape_total, wait_for
+from conftest import DEMO_KEY, MODEL, auth, scrape_total, wait_for
 from sluice_stack import Stack
-from test_jobs import all_results, wait_job
+from test_jobs import all_results, job_rows_in_state, wait_job
 
 
 # Rows the job must complete while interactive streams keep coming.
@@ -104,12 +104,6 @@ def test_interactive_streams_are_served_while_a_job_keeps_progressing(stack: Sta
     assert job.state in (jobs_pb2.JOB_STATE_CANCELLING, jobs_pb2.JOB_STATE_CANCELLED)
 
 
-def running_rows(stack: Stack, job_id: str) -> int:
-    """How many of the job's rows a worker has claimed and not finished (its SQLite store)."""
-    with read_store(stack, "jobs.sqlite3") as db:
-        return db.execute("SELECT COUNT(*) FROM job_rows WHERE job_id = ? AND state = 'running'", (job_id,)).fetchone()[0]
-
-
 def greedy_question(i: int) -> list[dict[str, str]]:
     return [{"role": "user", "content": f"Tell me a fact about the number {i}."}]
 
@@ -126,7 +120,7 @@ def test_bulk_steps_stopped_midway_for_interactive_requests_lose_and_repeat_no_t
     # Ask from the moment the worker runs the job's rows: once one has completed, the rest may all
     # be in their last steps (rows run in groups as large as the worker's bound, beside what is left
     # of the jobs before), leaving no bulk step for an arrival to interrupt.
-    wait_for(lambda: running_rows(stack, job_id) > 0, "the job's first rows to run", timeout_s=120)
+    wait_for(lambda: bool(job_rows_in_state(stack, job_id, "running")), "the job's first rows to run", timeout_s=120)
 
     def ask(i: int) -> str:
         request = gateway_pb2.GenerateRequest(
