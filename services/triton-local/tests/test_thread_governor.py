@@ -3,12 +3,18 @@ fewer threads once the stepping thread loses its core, all of them again once th
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
 import time
 
+import pytest
+
+from sluice_triton_local.engine.llamacpp_model import LlamaCppModel
+from sluice_triton_local.engine.model import BatchItem
 from sluice_triton_local.engine.thread_governor import CONTENDED, FIRST_WINDOW_S, HOLD_S, IDLE_SPELL_S, RECENT_S, WINDOW_S, RecentIdle, ThreadGovernor
+from sluice_triton_local.model_files import smollm2_gguf
 
 
 class Box:
@@ -127,3 +133,21 @@ def test_the_recent_idle_cores_are_read_from_the_box() -> None:
         busy.wait()
     # The busy process kept one of the box's cores from idling.
     assert 0.0 <= idle_cores <= os.cpu_count() - 0.5
+
+
+def test_a_change_reaches_llama_cpp_and_its_log_names_the_model(caplog: pytest.LogCaptureFixture) -> None:
+    """triton-local steps two models in one process (its Q4_0 variant beside the main one), each
+    judged by a governor of its own: the log line says whose threads changed."""
+    model = LlamaCppModel(str(smollm2_gguf()), max_slots=1, max_context=64, threads=2, adaptive_threads=True)
+    try:
+        box = Box()
+        model._governor = governor(box)  # the box advanced by hand, not /proc/stat and the clock
+        model.forward([BatchItem(0, [1, 504, 3458], 0)])
+        box.now += IDLE_SPELL_S  # an idle spell, and no core idle on the box just before the next decode
+        box.recent_idle_cores = 0.0
+        with caplog.at_level(logging.INFO, logger="sluice.triton_local.engine"):
+            model.forward([BatchItem(0, [282], 3)])
+        assert model.threads_in_use == 1
+        assert f"engine_threads_changed: {smollm2_gguf().name} 2 -> 1 of 2 (0.0 cores idle" in caplog.text
+    finally:
+        model.close()

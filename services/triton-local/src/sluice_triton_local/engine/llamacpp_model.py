@@ -18,6 +18,7 @@ from __future__ import annotations
 import bisect
 import ctypes
 import logging
+import os
 import sys
 import threading
 import time
@@ -269,6 +270,9 @@ class LlamaCppModel:
         self._batch = _BatchBuffers(batch_tokens)
         self._governor = ThreadGovernor(threads) if adaptive_threads and gpu_layers == 0 and threads > 1 else None
         self._threads = threads
+        # Named in the thread log: triton-local steps a second model (its Q4_0 variant) in the same
+        # process, whose governor judges the box on its own (its health probes on a busy box).
+        self._model_file = os.path.basename(gguf_path)
 
     @property
     def threads_in_use(self) -> int:
@@ -384,7 +388,9 @@ class LlamaCppModel:
     def _use_threads(self, governor: ThreadGovernor, threads: int) -> None:
         if threads != self._threads:
             lc.llama_set_n_threads(self._ctx, threads, threads)
-            log.info("engine_threads_changed: %d -> %d of %d (%s)", self._threads, threads, governor.configured, governor.last_reason)
+            log.info(
+                "engine_threads_changed: %s %d -> %d of %d (%s)", self._model_file, self._threads, threads, governor.configured, governor.last_reason
+            )
             self._threads = threads
 
     def _decode(self, tokens: np.ndarray, positions: np.ndarray, seq_ids: np.ndarray, want_logits: np.ndarray) -> None:
