@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 
 import pytest
@@ -319,3 +320,37 @@ async def test_the_path_tracks_every_front_the_same_way() -> None:
         [chunk async for chunk in stream]
     assert (_events(publisher)[3].job_id, _events(publisher)[3].custom_id) == ("job-1", "row-1")
     assert len(publisher.bodies) == 4
+
+
+class _ReconnectingChannel:
+    """An adapter channel with no replica to call yet (between one adapter's restart and the next)."""
+
+    def get_state(self, try_to_connect: bool = False):  # type: ignore[no-untyped-def]
+        import grpc
+
+        return grpc.ChannelConnectivity.TRANSIENT_FAILURE
+
+    async def wait_for_state_change(self, state) -> None:  # type: ignore[no-untyped-def]
+        await asyncio.Event().wait()  # no change until the call is cancelled
+
+
+async def test_a_generate_cancelled_while_it_waits_for_a_replica_settles_its_lease() -> None:
+    adapter, ratelimit = _GeneratingAdapter(), _RateLimit()
+    catalog = ModelCatalog(adapter)  # type: ignore[arg-type]
+    await catalog.refresh()
+    admission = Admission(ratelimit, "closed")  # type: ignore[arg-type]
+    path = InferencePath(adapter, catalog, admission, adapter_channel=_ReconnectingChannel())  # type: ignore[arg-type]
+
+    async def generate() -> None:
+        async with path.generate(Tenant("t"), _generate("Hello"), "r1", 3.0) as stream:
+            [chunk async for chunk in stream]
+
+    call = asyncio.create_task(generate())
+    while not ratelimit.acquired:  # admitted, then waiting for the channel
+        await asyncio.sleep(0.01)
+    await asyncio.sleep(0.05)
+    call.cancel()  # the client's deadline or its going away
+    with contextlib.suppress(asyncio.CancelledError):
+        await call
+    await admission.drain()
+    assert adapter.requests == [] and len(ratelimit.committed) == 1

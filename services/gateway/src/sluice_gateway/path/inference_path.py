@@ -354,15 +354,17 @@ class InferencePath:
                 for one in requests
                 for index in range(n)
             ]
-            # A lease from rate-limit (or RESOURCE_EXHAUSTED / UNAVAILABLE); settled in `finally`.
+            # A lease from rate-limit (or RESOURCE_EXHAUSTED / UNAVAILABLE); settled in `finally`,
+            # also when the call is cancelled (a deadline, a client gone) while it waits for a replica.
             ticket = await self.admission.admit(tenant.name, combined(reservations), time_remaining, record)
-            if default_s is not None:  # the default runs from arrival: what admission took is spent
-                time_remaining = max(0.001, arrived_at + default_s - time.monotonic())
-            # The caller's deadline bounds the adapter's work; cancelling this call stops it there.
-            await self._adapter_replica(time_remaining)
-            calls = [self.adapter.Generate(d, timeout=time_remaining, metadata=outgoing_metadata()) for d in downstream]
-            stream = GenerateStream(ticket, calls[0], record, on_end, calls=calls, trace=span, tools=tools, choices_per_prompt=n)
+            calls: list[Any] = []
             try:
+                if default_s is not None:  # the default runs from arrival: what admission took is spent
+                    time_remaining = max(0.001, arrived_at + default_s - time.monotonic())
+                # The caller's deadline bounds the adapter's work; cancelling this call stops it there.
+                await self._adapter_replica(time_remaining)
+                calls = [self.adapter.Generate(d, timeout=time_remaining, metadata=outgoing_metadata()) for d in downstream]
+                stream = GenerateStream(ticket, calls[0], record, on_end, calls=calls, trace=span, tools=tools, choices_per_prompt=n)
                 yield stream
             except grpc.aio.AioRpcError as exc:
                 if default_s is None or exc.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
