@@ -106,3 +106,21 @@ async def test_a_row_that_cannot_fit_what_is_left_of_its_window_fails_without_ru
     # The same row in a job whose window leaves it room runs.
     fits = await attempts(job_worker, await row_task(store, max_tokens=20, window_s=10.0, job_id="j2"))
     assert isinstance(fits, jobs_pb2.RowResult) and not fits.HasField("error"), fits
+
+
+async def test_a_store_error_between_attempts_gives_the_slot_back(stand_in, store, monkeypatch) -> None:  # noqa: F811
+    adapter, path = stand_in
+    job_worker = worker(store, path)
+    for _ in range(5):  # warm: the first attempt reads its job to see whether the row fits its window
+        job_worker.row_deadlines.observe(generate_row(11), RowTiming(0.1, 11, 0.6))
+    task = await row_task(store, max_tokens=10)
+
+    async def unavailable(job_id: str) -> None:
+        raise OSError("database is locked")
+
+    monkeypatch.setattr(store, "get_job", unavailable)
+    for _ in range(job_worker.concurrency.bound + 1):  # more failures than the worker has slots
+        with pytest.raises(OSError, match="locked"):
+            await attempts(job_worker, task)
+        assert job_worker.concurrency.in_flight == 0
+    assert adapter.deadlines == []  # no attempt ran

@@ -39,6 +39,7 @@ import asyncio
 import contextlib
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import aio_pika
@@ -120,6 +121,23 @@ GIVE_BACK = object()
 # a worker takes between storing a job's last row and telling its summary, so as not to race it).
 SWEEP_INTERVAL_S = 2.0
 SUMMARY_GRACE_S = 5.0
+
+
+class _Slot:
+    """A row's concurrency slot: taken, then given back once with its attempt's outcome."""
+
+    def __init__(self, take: Callable[[], Awaitable[None]], give_back: Callable[[float, str, float | None], Awaitable[None]]) -> None:
+        self._take, self._give_back = take, give_back
+        self.held = True  # the row's first attempt runs on the slot its message was taken with
+
+    async def take(self) -> None:
+        await self._take()
+        self.held = True
+
+    async def give_back(self, latency_s: float, outcome: str, rate: float | None = None) -> None:
+        if self.held:
+            self.held = False
+            await self._give_back(latency_s, outcome, rate)
 
 
 class JobWorker:
@@ -341,6 +359,16 @@ class JobWorker:
         with DEADLINE_EXCEEDED), or no longer fits what is left of its job's completion window.
         So a cut row wastes less than twice the ceiling, and does not start again to end long after
         its job's end."""
+        slot = _Slot(self.concurrency.acquire, self._release)
+        try:
+            return await self._attempts_with(task, slot)
+        finally:
+            # Still taken only when an attempt failed outside its own handling (a store error, a
+            # cancel): given back, or the worker would run one row fewer at a time from then on.
+            await slot.give_back(0.0, "skipped")
+
+    async def _attempts_with(self, task: jobs_pb2.RowTask, slot: _Slot) -> Any:
+        """_attempts' loop: each attempt takes the slot (the first has it) and gives it back."""
         attempt = 0
         first = True
         cut_at_s: float | None = None  # the deadline that cut off the last attempt
@@ -348,11 +376,11 @@ class JobWorker:
         number = 0  # attempts made here, for their spans
         while True:
             if not first:
-                await self.concurrency.acquire()
+                await slot.take()
                 job = await self.store.get_job(task.job_id)
                 overdue = job is not None and job.overdue(time.time())
                 if job is None or job.state != states.IN_PROGRESS or overdue:
-                    await self._release(0.0, "skipped")
+                    await slot.give_back(0.0, "skipped")
                     # Waiting to retry is not running: past the window the row is reported EXPIRED.
                     if job is not None and (job.state == states.EXPIRED or overdue):
                         return expired_result(task, job.window_s)
@@ -360,7 +388,7 @@ class JobWorker:
             first = False
             too_long = await self._too_long_for_window(task, job, cut_at_s)
             if too_long is not None:
-                await self._release(0.0, "skipped")
+                await slot.give_back(0.0, "skipped")
                 return too_long
             started = time.perf_counter()
             IN_FLIGHT.set(self.concurrency.in_flight)
@@ -372,7 +400,7 @@ class JobWorker:
                 with attempt_span(task, number, timeout_s):
                     run = await run_row(self.core.path, task, _request_id(), timeout_s)
             except PoisonRow as exc:
-                await self._release(time.perf_counter() - started, FAILED)
+                await slot.give_back(time.perf_counter() - started, FAILED)
                 return exc
             except Exception as exc:  # noqa: BLE001 - classified below
                 latency = time.perf_counter() - started
@@ -383,7 +411,7 @@ class JobWorker:
                     ROW_TIMEOUTS.labels(kind=kind).inc()
                     final = self.row_deadlines.at_ceiling(timeout_s)
                     log.warning("row_timed_out", timeout_s=round(timeout_s, 2), kind=kind, retried=not final)
-                    await self._release(latency, FAILED)
+                    await slot.give_back(latency, FAILED)
                     if final:
                         return cut_at_ceiling_result(task, timeout_s, current_request_id())
                     cut_at_s = timeout_s
@@ -391,11 +419,11 @@ class JobWorker:
                     await asyncio.sleep(backoff_s(1, self.config.retry_base_s, self.config.retry_cap_s))
                     continue
                 if is_paced(exc):
-                    await self._release(latency, THROTTLED)
+                    await slot.give_back(latency, THROTTLED)
                     RETRIES.labels(code).inc()
                     await asyncio.sleep(paced_delay_s(retry_after_of(exc)))
                     continue
-                await self._release(latency, FAILED)
+                await slot.give_back(latency, FAILED)
                 if code in TRANSIENT:
                     attempt += 1
                     RETRIES.labels(code).inc()
@@ -407,7 +435,7 @@ class JobWorker:
                 return failed_result(task, code, message_of(exc), current_request_id())
             if run.timing is not None:
                 self.row_deadlines.observe(task.row, run.timing)
-            await self._release(run.latency_s, OK, run.allowed_rate_per_s)
+            await slot.give_back(run.latency_s, OK, run.allowed_rate_per_s)
             return run.result
 
     async def _too_long_for_window(self, task: jobs_pb2.RowTask, job: JobRecord | None, cut_at_s: float | None) -> jobs_pb2.RowResult | None:
