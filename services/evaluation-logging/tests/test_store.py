@@ -248,6 +248,18 @@ async def test_the_end_user_and_metadata_are_stored_filtered_on_and_returned(sto
     assert [(_record(r).event.user, dict(_record(r).event.metadata)) for r in page] == [("bob", {"run": "eval-7"})]
 
 
+async def test_a_nul_in_the_end_user_metadata_or_output_is_stored_and_found(store) -> None:  # type: ignore[no-untyped-def]
+    """PostgreSQL's text cannot hold NUL: such a value failed its whole batch on every retry, and
+    every later batch waited behind it. Stored there as U+FFFD, and found by the value as sent."""
+    odd = make_event(user="a\x00b", metadata={"k\x00": "v\x00"}, output="before\x00after " * 4)
+    assert await store.insert_batch(await rows(odd, make_event())) == 2
+    queries = EvalLogQueries(store)
+    page, _ = await queries.query_records("demo", RecordFilter(user="a\x00b", metadata=(("k\x00", "v\x00"),)), 0, "")
+    assert [row.event_id for row in page] == [odd.event_id]
+    record = _record(page[0])  # the event as received, NUL and all
+    assert (record.event.user, dict(record.event.metadata), record.event.output) == ("a\x00b", {"k\x00": "v\x00"}, odd.output)
+
+
 @pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
 async def test_migration_5_adds_end_users_and_metadata(backend: str, tmp_path: Path) -> None:
     """A store written before migration 5 opens with its records (no user, no metadata: matched by

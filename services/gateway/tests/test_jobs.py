@@ -118,6 +118,8 @@ def test_unparsable_bodies_are_rejected_with_what_can_be_salvaged(body: bytes, r
         ({"job_id": "j" * 248}, "the job's summary carries"),
         ({"job_id": "é" * 124}, "the job's summary carries"),
         ({"job_id": "j" * 200, "rows": [{"custom_id": "c" * 60}]}, "job_id and custom_id together"),
+        ({"job_id": "j\x00"}, "job_id must not contain U+0000"),
+        ({"rows": [{"custom_id": "a\x00b"}]}, "rows[0].custom_id must not contain U+0000"),
     ],
 )
 def test_malformed_jobs_are_rejected_with_a_reason(overrides: dict[str, object], reason: str) -> None:

@@ -192,20 +192,36 @@ class SqliteDb:
             await asyncio.shield(self.run(lambda c: c.execute("COMMIT")))
 
 
+def postgres_text(args: Sequence[Any]) -> tuple[Any, ...]:
+    """Statement arguments with NUL in text (a str, or the str items of a list for unnest) as
+    U+FFFD. PostgreSQL's text cannot hold NUL ("invalid byte sequence for encoding UTF8: 0x00"), so
+    one in a client's end-user id or a score's detail would fail its whole batch on every retry;
+    queries are asked the same way, so such a value is still found (SQLite keeps NUL as it is)."""
+    return tuple(_without_nul(arg) for arg in args)
+
+
+def _without_nul(value: Any) -> Any:
+    if isinstance(value, str):
+        return value.replace("\x00", "\ufffd") if "\x00" in value else value
+    if isinstance(value, list) and any(isinstance(item, str) and "\x00" in item for item in value):
+        return [_without_nul(item) for item in value]
+    return value
+
+
 class _PostgresTx:
     def __init__(self, connection: Any) -> None:
         self._c = connection
 
     async def execute(self, sql: str, *args: Any) -> int:
-        status = await self._c.execute(dollar(sql), *args)
+        status = await self._c.execute(dollar(sql), *postgres_text(args))
         tail = str(status).rsplit(" ", 1)[-1]
         return int(tail) if tail.isdigit() else 0
 
     async def fetchall(self, sql: str, *args: Any) -> list[tuple[Any, ...]]:
-        return [tuple(r) for r in await self._c.fetch(dollar(sql), *args)]
+        return [tuple(r) for r in await self._c.fetch(dollar(sql), *postgres_text(args))]
 
     async def fetchone(self, sql: str, *args: Any) -> tuple[Any, ...] | None:
-        row = await self._c.fetchrow(dollar(sql), *args)
+        row = await self._c.fetchrow(dollar(sql), *postgres_text(args))
         return None if row is None else tuple(row)
 
 

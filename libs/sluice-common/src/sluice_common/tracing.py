@@ -254,8 +254,15 @@ def extract_context(headers: Mapping[str, Any] | None) -> otel_context.Context |
     """The trace context a message's headers carry (None while tracing is off)."""
     if not _enabled:
         return None
-    carrier = {str(k): v.decode() if isinstance(v, bytes) else str(v) for k, v in (headers or {}).items() if isinstance(v, (str, bytes))}
+    carrier = {str(k): header_text(v) for k, v in (headers or {}).items() if isinstance(v, (str, bytes))}
     return propagate.extract(carrier)
+
+
+def header_text(value: str | bytes) -> str:
+    """A message header's value as text. The AMQP client hands a value that is not UTF-8 over as
+    bytes: decoded with replacement characters, it is an invalid trace context (a new trace), not an
+    error that would fail its message on every delivery."""
+    return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
 
 
 @contextlib.contextmanager

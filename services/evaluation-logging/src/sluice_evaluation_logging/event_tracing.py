@@ -25,8 +25,7 @@ def trace_id_of(headers: Mapping[str, Any] | None) -> str:
     value = (headers or {}).get("traceparent")
     if not value:
         return ""
-    text = value.decode() if isinstance(value, bytes) else str(value)
-    return tracing.trace_id_of(get_current_span(_W3C.extract({"traceparent": text})).get_span_context())
+    return tracing.trace_id_of(get_current_span(_W3C.extract({"traceparent": tracing.header_text(value)})).get_span_context())
 
 
 def start_process_spans(messages: Sequence[Any], queue: str) -> list[Any] | None:

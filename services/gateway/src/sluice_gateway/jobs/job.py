@@ -34,6 +34,10 @@ MAX_ID_LENGTH = 256
 # "<job_id>/summary", so those must fit.
 MAX_MESSAGE_ID_BYTES = 255
 SUMMARY_SUFFIX = "/summary"
+# PostgreSQL's text cannot hold NUL (its store keeps one as U+FFFD): an id with one would not be
+# the id its results and summary are found by.
+NUL = "\x00"
+NUL_IN_ID = "{field} must not contain U+0000 (NUL): the job store cannot keep it"
 # The error code of a row whose job's completion window ended before the row ran.
 EXPIRED_CODE = "EXPIRED"
 # The error code of a row not run because it is expected to take longer than what was left of its
@@ -198,6 +202,8 @@ def validate_job(job: jobs_pb2.JobRequest, tenant: str, max_rows: int) -> None:
 
     if not job.job_id or len(job.job_id) > MAX_ID_LENGTH:
         raise reject(f"job_id is required (1 to {MAX_ID_LENGTH} characters)")
+    if NUL in job.job_id:
+        raise reject(NUL_IN_ID.format(field="job_id"))
     if len((job.job_id + SUMMARY_SUFFIX).encode()) > MAX_MESSAGE_ID_BYTES:
         raise reject(
             f"job_id is over {MAX_MESSAGE_ID_BYTES - len(SUMMARY_SUFFIX)} bytes (UTF-8); the job's summary carries"
@@ -211,6 +217,8 @@ def validate_job(job: jobs_pb2.JobRequest, tenant: str, max_rows: int) -> None:
     for index, row in enumerate(job.rows):
         if not row.custom_id or len(row.custom_id) > MAX_ID_LENGTH:
             raise reject(f"rows[{index}].custom_id is required (1 to {MAX_ID_LENGTH} characters)", tenant)
+        if NUL in row.custom_id:
+            raise reject(NUL_IN_ID.format(field=f"rows[{index}].custom_id"), tenant)
         if row.custom_id in seen:
             raise reject(f"rows[{index}].custom_id {row.custom_id!r} is repeated: custom ids are unique in a job", tenant)
         if len(f"{job.job_id}/{row.custom_id}".encode()) > MAX_MESSAGE_ID_BYTES:
