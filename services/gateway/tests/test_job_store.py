@@ -276,6 +276,21 @@ async def test_an_expired_job_split_by_a_worker_that_died_still_publishes_its_ro
     assert (await store.accept("c", "demo", "q", ["a"], DAY))[1] == set()  # cancelled rows never run
 
 
+async def test_a_submitted_job_that_never_reaches_a_worker_fails_after_its_window(store: JobStore) -> None:
+    lost = await store.record_submitted("lost", "demo", 2, "q", 60.0)
+    await store.record_submitted("waiting", "demo", 1, "q", DAY)
+    assert await store.fail_unadmitted(30.0, now=lost.expires_at + 29) == 0  # within the grace
+    assert await store.fail_unadmitted(30.0, now=lost.expires_at + 31) == 1
+    assert await store.fail_unadmitted(30.0, now=lost.expires_at + 31) == 0  # conditional: never twice
+    failed = await store.get_job("lost")
+    assert failed is not None and failed.state == s.FAILED and "did not reach a job worker" in failed.error
+    waiting = await store.get_job("waiting")
+    assert waiting is not None and waiting.state == s.VALIDATING
+    # Its AdmittedJob arriving after all runs nothing.
+    job, rows = await store.accept("lost", "demo", "q", ["a", "b"], 60.0)
+    assert job.state == s.FAILED and rows == set()
+
+
 async def test_the_window_counts_from_submit_job(store: JobStore) -> None:
     submitted = await store.record_submitted("v", "demo", 1, "q", 3600.0)
     assert submitted.expires_at == pytest.approx(submitted.created_at + 3600.0)

@@ -447,6 +447,19 @@ class JobStore:
         async with self.db.transaction() as tx:
             return await self._expire(tx, time.time() if now is None else now)
 
+    async def fail_unadmitted(self, grace_s: float, now: float | None = None) -> int:
+        """validating -> failed once the job's completion window and then grace_s are over. SubmitJob
+        recorded it, but its AdmittedJob never reached a worker (the gateway died before the broker
+        confirmed it, or the message was dead-lettered): nothing else would ever end it, and WatchJob
+        would wait on it forever. An AdmittedJob that arrives later finds it terminal and runs nothing."""
+        now = time.time() if now is None else now
+        error = "the job did not reach a job worker within its completion window: its message was lost on the way, or no worker consumed it"
+        async with self.db.transaction() as tx:
+            return await tx.execute(
+                "UPDATE jobs SET state = ?, error = ?, updated_at = ? WHERE state = ? AND expires_at + ? <= ?",
+                FAILED, error, now, VALIDATING, grace_s, now,
+            )  # fmt: skip
+
     async def summaries_due(self, grace_s: float, now: float | None = None, limit: int = 100) -> list[JobRecord]:
         """Jobs whose summary is still to be told, untouched for grace_s (so as not to race the
         worker telling it right now): finalizing ones (their worker died before telling it),

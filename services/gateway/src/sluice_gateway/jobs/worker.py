@@ -121,6 +121,9 @@ GIVE_BACK = object()
 # a worker takes between storing a job's last row and telling its summary, so as not to race it).
 SWEEP_INTERVAL_S = 2.0
 SUMMARY_GRACE_S = 5.0
+# How long after its completion window a job SubmitJob recorded may still be waiting for its
+# AdmittedJob to reach a worker (a broker that was slow to deliver) before the sweep fails it.
+UNADMITTED_GRACE_S = 60.0
 
 
 class _Slot:
@@ -514,6 +517,9 @@ class JobWorker:
         expired = await self.store.expire_overdue()
         if expired:
             log.info("jobs_expired", jobs=expired)
+        unadmitted = await self.store.fail_unadmitted(UNADMITTED_GRACE_S)
+        if unadmitted:
+            log.warning("jobs_never_admitted", jobs=unadmitted, hint="their AdmittedJob never reached a worker: see the gateway's publisher_dropped")
         for job in await self.store.summaries_due(SUMMARY_GRACE_S):
             try:
                 await self._summarize(job)
