@@ -42,8 +42,8 @@ def test_a_million_token_prompt_is_invalid_and_takes_no_lease(stack: Stack, gate
         list(gateway.Generate(million_token_chat(), metadata=auth(), timeout=60))
     assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     details = caught.value.details()
-    assert details.startswith("messages: the prompt is ") and "exceed the model's context of 2048 tokens" in details
-    prompt_tokens = int(details.split("the prompt is ")[1].split(" ")[0])
+    assert details.startswith("messages: This model's maximum context length is 2048 tokens. However, you requested ")
+    prompt_tokens = int(details.split("(")[1].split(" in the messages, 16 in the completion)")[0])
     assert prompt_tokens > 1_000_000  # every digit, plus the chat template's tokens
     assert time.monotonic() - started < 30
     assert scrape(decisions, "sluice_gateway_ratelimit_decisions_total", '{result="allowed"}') == leases_before
@@ -58,6 +58,6 @@ def test_a_million_token_job_row_fails_at_once_and_the_others_run(stack: Stack, 
     replies = asyncio.run(publish_and_collect(stack, job, expect=2, timeout_s=90))
     by_id = {r["custom_id"]: r for r in replies}
     assert by_id["huge"]["error"]["code"] == "INVALID_ARGUMENT"
-    assert "exceed the model's context of 2048 tokens" in by_id["huge"]["error"]["message"]
+    assert "This model's maximum context length is 2048 tokens. However, you requested" in by_id["huge"]["error"]["message"]
     assert "error" not in by_id["ok"] and by_id["ok"]["usage"]["completion_tokens"] >= 1
     assert time.monotonic() - started < 60  # not retried until the job's window (24 h) ends

@@ -69,7 +69,12 @@ VALIDATION_CASES = [
     ("max-tokens-above-limit", dict(sampling=types_pb2.SamplingParams(max_tokens=5000)), "sampling.max_tokens", "above the limit"),
     ("unknown-model", dict(model="gpt-17"), "model", "unknown generation model 'gpt-17'"),
     ("embedding-model", dict(model="all-minilm-l6-v2"), "model", "unknown generation model 'all-minilm-l6-v2'"),
-    ("prompt-too-long", dict(messages=[types_pb2.ChatMessage(role="user", content=LONG_PROMPT)]), "messages", "exceed the model's context"),
+    (
+        "prompt-too-long",
+        dict(messages=[types_pb2.ChatMessage(role="user", content=LONG_PROMPT)]),
+        "messages",
+        "maximum context length is 2048 tokens",
+    ),
     ("bad-role", dict(messages=[types_pb2.ChatMessage(role="robot", content="hi")]), "messages[0].role", "must be one of"),
     ("both-inputs", dict(prompt="raw"), "prompt", "give exactly one of messages, prompt or prompt_token_ids"),
     ("temperature", dict(sampling=types_pb2.SamplingParams(max_tokens=4, temperature=7)), "sampling.temperature", "[0, 2]"),

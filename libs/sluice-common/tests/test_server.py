@@ -116,6 +116,17 @@ def test_exhaustion_that_no_retry_can_end_has_no_retry_info() -> None:
     assert kinds == ["google.rpc.QuotaFailure"]
 
 
+def test_unavailable_with_a_known_wait_sends_retry_info() -> None:
+    from sluice_common.errors import Unavailable
+    from sluice_common.interceptor import status_for
+
+    status = rpc_status.from_call(_Call(status_for(Unavailable("fail-closed; retry after 2.5s", retry_after_s=2.5))))
+    [detail] = status.details
+    info = error_details_pb2.RetryInfo()
+    assert detail.Unpack(info) and info.retry_delay.ToMilliseconds() == 2500
+    assert rpc_status.from_call(_Call(status_for(Unavailable("no replica")))).details == []
+
+
 class _Call:
     """The two things rpc_status.from_call reads from a finished call."""
 

@@ -138,14 +138,19 @@ def _generate(content: str, max_tokens: int = 100) -> gateway_pb2.GenerateReques
 
 
 async def test_a_prompt_beyond_the_context_is_refused_before_any_lease() -> None:
-    from sluice_common.errors import InvalidArgument
+    from sluice_common.errors import ContextLengthExceeded
 
     adapter, ratelimit = _CountingAdapter(prompt_tokens=1_000_000), _RateLimit()
     path, _ = await _path(adapter, ratelimit)
-    with pytest.raises(InvalidArgument) as caught:
+    with pytest.raises(ContextLengthExceeded) as caught:
         async with path.generate(Tenant("t"), _generate("1" * 1_000_000), "rid", 10.0):
             pass
-    assert "the prompt is 1000000 tokens and max_tokens is 100" in str(caught.value) and "context of 2048" in str(caught.value)
+    # OpenAI's wording (and vLLM's), which clients match to trim a conversation.
+    assert caught.value.reason == (
+        "This model's maximum context length is 2048 tokens. However, you requested 1000100 tokens"
+        " (1000000 in the messages, 100 in the completion). Please reduce the length of the messages or completion."
+    )
+    assert caught.value.field_name == "messages" and caught.value.prompt_tokens == 1_000_000
     assert ratelimit.acquired == [] and adapter.counted == 1
 
 
@@ -201,7 +206,10 @@ async def test_max_tokens_omitted_is_capped_by_the_models_limit_and_a_full_promp
     assert short.sampling.max_tokens == 1024  # GENERATION's max_output_tokens
     with pytest.raises(InvalidArgument) as caught:
         await path.apply_defaults(_generate("word " * 2000, max_tokens=0), 10.0)
-    assert caught.value.field_name == "messages" and "leaves no room" in caught.value.reason
+    assert caught.value.field_name == "messages" and caught.value.reason == (
+        "This model's maximum context length is 2048 tokens. However, your messages resulted in 2048 tokens,"
+        " which leaves no room for the completion. Please reduce the length of the messages."
+    )
 
 
 # Digits take a token each (SmolLM2 splits them): 1,500 of them are 1,500 tokens and more, while
@@ -224,7 +232,7 @@ async def test_a_prompt_the_estimate_under_counts_is_counted_against_the_context
 
     adapter, ratelimit = _CountingAdapter(prompt_tokens=DIGITS_COUNTED), _RateLimit()
     path, _ = await _path(adapter, ratelimit)
-    with pytest.raises(InvalidArgument, match="the prompt is 1530 tokens and max_tokens is 1000"):
+    with pytest.raises(InvalidArgument, match=r"you requested 2530 tokens \(1530 in the messages, 1000 in the completion\)"):
         await path.check_context(_generate(DIGITS, max_tokens=1000), 10.0)
     # 512 fits the engine's count (2,042 of 2,048) but not the bound (2,052): it is counted.
     async with path.generate(Tenant("t"), _generate(DIGITS, max_tokens=512), "rid", 10.0):

@@ -60,6 +60,7 @@ class _Call:
 class _Adapter:
     def __init__(self) -> None:
         self.requests: list[Any] = []
+        self.prompt_tokens = 10  # what CountTokens answers
         self.chunks: list[Any] = [
             inference_pb2.GenerateResponse(text="Hello", token_count=1),
             inference_pb2.GenerateResponse(text=" there", token_count=1, finish_reason=types_pb2.FINISH_REASON_STOP, usage=USAGE),
@@ -67,6 +68,9 @@ class _Adapter:
 
     async def ListModels(self, request, timeout=None):  # noqa: N802
         return inference_pb2.ListModelsResponse(models=[GENERATION, EMBEDDING])
+
+    async def CountTokens(self, request, timeout=None, metadata=None):  # noqa: N802
+        return inference_pb2.CountTokensResponse(prompt_tokens=self.prompt_tokens, context_length=GENERATION.context_length)
 
     def Generate(self, request, timeout=None, metadata=None):  # noqa: N802
         self.requests.append(request)
@@ -82,11 +86,14 @@ class _Adapter:
 class _RateLimit:
     def __init__(self) -> None:
         self.allowed = True
+        self.degraded = False  # a denial because the limiter cannot decide (its store down, fail-closed)
 
     async def Acquire(self, request, timeout=None, metadata=None):  # noqa: N802
         budgets = [ratelimit_pb2.BudgetStatus(budget=ratelimit_pb2.BUDGET_REQUESTS_PER_MINUTE, limit=60, remaining=0 if not self.allowed else 59)]
         if not self.allowed:
-            reply = ratelimit_pb2.AcquireResponse(allowed=False, denied_by=ratelimit_pb2.BUDGET_REQUESTS_PER_MINUTE, budgets=budgets)
+            reply = ratelimit_pb2.AcquireResponse(
+                allowed=False, denied_by=ratelimit_pb2.BUDGET_REQUESTS_PER_MINUTE, budgets=budgets, degraded=self.degraded
+            )
             reply.retry_after.FromMilliseconds(2500)
             return reply
         return ratelimit_pb2.AcquireResponse(allowed=True, lease_id="l1", budgets=budgets)
@@ -199,6 +206,44 @@ async def test_a_stream_failing_after_its_first_chunk_ends_with_an_error_event(s
     from sluice.evallog.v1 import events_pb2
 
     assert events_pb2.CompletionEvent.FromString(publisher.bodies[-1]).error_code == "UNAVAILABLE"
+
+
+async def test_a_stream_broken_by_any_error_after_its_first_chunk_ends_with_an_error_event(setup) -> None:  # type: ignore[no-untyped-def]
+    """Not only Sluice's own errors and the adapter's statuses: a bug of ours mid-stream is still an
+    error event the SDK raises on, never a 200 cut short with neither an error nor [DONE]."""
+    client, adapter, _, publisher = setup
+    adapter.chunks = [inference_pb2.GenerateResponse(text="Hel", token_count=1), RuntimeError("a bug")]
+    reply = await client.post("/v1/chat/completions", json={**CHAT, "stream": True}, headers=AUTH)
+    text = await reply.text()
+    assert reply.status == 200 and "[DONE]" not in text and "event: error" in text
+    error = json.loads(text.strip().split("\n")[-1][len("data: ") :])["error"]
+    assert (error["type"], error["code"]) == ("server_error", "internal_error") and "a bug" not in error["message"]
+    from sluice.evallog.v1 import events_pb2
+
+    assert events_pb2.CompletionEvent.FromString(publisher.bodies[-1]).error_code == "UNKNOWN"  # as gRPC names an unhandled error
+
+
+async def test_a_prompt_that_does_not_fit_the_context_is_openais_context_length_exceeded(setup) -> None:  # type: ignore[no-untyped-def]
+    client, adapter, _, _ = setup
+    adapter.prompt_tokens = 1900  # counted by the adapter: 1,900 + 1,024 do not fit 2,048
+    body = {**CHAT, "messages": [{"role": "user", "content": "7" * 1500}], "max_tokens": 1024}
+    for stream in (False, True):
+        status, error = await _error(await client.post("/v1/chat/completions", json={**body, "stream": stream}, headers=AUTH))
+        assert (status, error["code"], error["param"], error["type"]) == (400, "context_length_exceeded", "messages", "invalid_request_error")
+        assert error["message"] == (
+            "This model's maximum context length is 2048 tokens. However, you requested 2924 tokens"
+            " (1900 in the messages, 1024 in the completion). Please reduce the length of the messages or completion."
+        )
+    assert adapter.requests == []
+
+
+async def test_a_fail_closed_rate_limit_is_a_503_that_says_when_to_retry(setup) -> None:  # type: ignore[no-untyped-def]
+    client, _, ratelimit, _ = setup
+    ratelimit.allowed, ratelimit.degraded = False, True
+    reply = await client.post("/v1/chat/completions", json=CHAT, headers=AUTH)
+    status, error = await _error(reply)
+    assert (status, error["type"]) == (503, "service_unavailable") and "fail-closed" in error["message"]
+    assert reply.headers["retry-after"] == "3"  # the limiter's 2.5 s, in whole seconds up
 
 
 async def test_completions_and_embeddings_and_models(setup) -> None:  # type: ignore[no-untyped-def]

@@ -139,6 +139,16 @@ def test_a_call_cut_by_max_tokens_is_returned_as_text_with_length() -> None:
     assert (shown, rest, reason, calls) == ("", '{"city": "Ro', types_pb2.FINISH_REASON_LENGTH, [])
 
 
+def test_a_required_call_list_a_stop_string_cut_short_is_returned_as_text() -> None:
+    # The engine applies stop strings whatever the grammar: the list then ends early, as the
+    # engine's own STOP. It was parsed as JSON all the same, and the stream broke off mid-way.
+    cut = '[{"name": "get_weather", "parameters": {"city": "Os'
+    shown, rest, reason, calls = _run(Mode.TOOL_CHOICE_MODE_REQUIRED, [cut])
+    assert (shown, rest, reason, calls) == ("", cut, types_pb2.FINISH_REASON_STOP, [])
+    shown, rest, reason, calls = _run(Mode.TOOL_CHOICE_MODE_REQUIRED, ['[{"name": "get_weather"}]'])
+    assert (rest, reason, calls) == ('[{"name": "get_weather"}]', types_pb2.FINISH_REASON_STOP, [])
+
+
 def test_an_unknown_tool_choice_mode_is_refused_naming_it() -> None:
     use = tool_use()
     use.choice.mode = 9  # type: ignore[assignment]

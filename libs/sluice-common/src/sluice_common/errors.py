@@ -28,6 +28,29 @@ class InvalidArgument(SluiceError):
         self.reason = reason
 
 
+class ContextLengthExceeded(InvalidArgument):
+    """The prompt, with the tokens asked for, does not fit the model's context. Worded as OpenAI
+    words it (so is vLLM's), which clients and frameworks match to trim a conversation; OpenAI's
+    HTTP error code for it is context_length_exceeded."""
+
+    def __init__(self, field_name: str, context_length: int, prompt_tokens: int, max_tokens: int | None) -> None:
+        where = "messages" if field_name == "messages" else "prompt"
+        if max_tokens is None:  # none asked for: the prompt alone leaves no room
+            reason = (
+                f"This model's maximum context length is {context_length} tokens. However, your {where} resulted in"
+                f" {prompt_tokens} tokens, which leaves no room for the completion. Please reduce the length of the {where}."
+            )
+        else:
+            reason = (
+                f"This model's maximum context length is {context_length} tokens. However, you requested"
+                f" {prompt_tokens + max_tokens} tokens ({prompt_tokens} in the {where}, {max_tokens} in the completion)."
+                f" Please reduce the length of the {where} or completion."
+            )
+        super().__init__(field_name, reason)
+        self.context_length = context_length
+        self.prompt_tokens = prompt_tokens
+
+
 class Unauthenticated(SluiceError):
     code = "UNAUTHENTICATED"
 
@@ -61,7 +84,14 @@ class ResourceExhausted(SluiceError):
 
 
 class Unavailable(SluiceError):
+    """A dependency cannot serve now; `retry_after_s`, when known, is when to try again (sent as
+    RetryInfo on gRPC, Retry-After on HTTP)."""
+
     code = "UNAVAILABLE"
+
+    def __init__(self, message: str, retry_after_s: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
 
 
 class DeadlineExceeded(SluiceError):

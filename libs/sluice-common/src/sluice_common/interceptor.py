@@ -32,7 +32,7 @@ from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
 from prometheus_client import Counter, Gauge, Histogram
 
-from sluice_common.errors import InvalidArgument, ResourceExhausted, SluiceError
+from sluice_common.errors import InvalidArgument, ResourceExhausted, SluiceError, Unavailable
 from sluice_common import tracing
 from sluice_common.request_context import bind_request_id, new_request_id, request_id_from_metadata
 from sluice_common.utf8 import invalid_wire_text
@@ -68,9 +68,9 @@ def status_for(error: SluiceError) -> grpc.Status:
     if isinstance(error, InvalidArgument):
         violation = error_details_pb2.BadRequest.FieldViolation(field=error.field_name, description=error.reason)
         _pack(status, error_details_pb2.BadRequest(field_violations=[violation]))
+    if isinstance(error, (ResourceExhausted, Unavailable)) and error.retry_after_s is not None:
+        _pack(status, error_details_pb2.RetryInfo(retry_delay=_duration(error.retry_after_s)))
     if isinstance(error, ResourceExhausted):
-        if error.retry_after_s is not None:
-            _pack(status, error_details_pb2.RetryInfo(retry_delay=_duration(error.retry_after_s)))
         if error.quota_subject:
             quota = error_details_pb2.QuotaFailure.Violation(subject=error.quota_subject, description=error.message)
             _pack(status, error_details_pb2.QuotaFailure(violations=[quota]))

@@ -42,7 +42,7 @@ from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 from sluice.common.v1 import types_pb2
 
-from sluice_common.errors import InvalidArgument, ResourceExhausted, SluiceError, Unauthenticated
+from sluice_common.errors import ContextLengthExceeded, InvalidArgument, ResourceExhausted, SluiceError, Unauthenticated, Unavailable
 from sluice_common.log import PORTS_LOGGER
 from sluice_common.request_context import REQUEST_ID_KEY, bind_request_id, current_request_id, new_request_id
 from sluice_gateway.path.generation_trace import instrument_http_front
@@ -96,6 +96,8 @@ def openai_error(exc: BaseException) -> OpenAIError:
         return exc
     if isinstance(exc, UnknownModel):
         return OpenAIError(404, exc.reason, param="model", code="model_not_found")
+    if isinstance(exc, ContextLengthExceeded):
+        return OpenAIError(400, exc.reason, param=_param(exc.field_name), code="context_length_exceeded")
     if isinstance(exc, InvalidArgument):
         return OpenAIError(400, exc.message, param=_param(exc.field_name), code="invalid_value")
     if isinstance(exc, Unauthenticated):
@@ -111,7 +113,10 @@ def openai_error(exc: BaseException) -> OpenAIError:
         return OpenAIError(429, exc.message, "requests", code="rate_limit_exceeded", headers=headers)
     if isinstance(exc, SluiceError):
         status, type_ = _STATUS.get(exc.code, (500, "server_error"))
-        return OpenAIError(status, exc.message, type_, code=exc.code.lower())
+        headers = {}
+        if isinstance(exc, Unavailable):  # as the adapter's UNAVAILABLE below: worth a retry, after this
+            headers["retry-after"] = str(max(1, math.ceil(exc.retry_after_s or 1)))
+        return OpenAIError(status, exc.message, type_, code=exc.code.lower(), headers=headers)
     if isinstance(exc, grpc.aio.AioRpcError):
         status, type_ = _STATUS.get(exc.code().name, (500, "server_error"))
         headers = {"retry-after": "1"} if status in (429, 503) else {}
@@ -240,7 +245,7 @@ class OpenAIFront:
                         await response.write(_sse(answer.tool_calls_chunk(state.index, calls)))
                     if len(states) > 1 and any(s.finish_reason is None for s in states):
                         await response.write(_sse(answer.chunk(None, state.finish_reason, index=state.index)))
-        except (SluiceError, grpc.aio.AioRpcError) as exc:
+        except Exception as exc:  # noqa: BLE001 - after the first chunk every failure ends as an error event
             if response is None:
                 raise
             await self._fail_stream(response, openai_error(exc))

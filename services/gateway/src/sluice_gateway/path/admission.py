@@ -244,7 +244,7 @@ class Admission:
             retry_after = _seconds(reply.retry_after)
             if reply.degraded:
                 DECISIONS.labels("degraded").inc()
-                raise Unavailable(f"rate limits cannot be checked now ({budget} is fail-closed); retry after {retry_after:.1f}s")
+                raise Unavailable(f"rate limits cannot be checked now ({budget} is fail-closed); retry after {retry_after:.1f}s", retry_after)
             if reply.exceeds_limit:
                 DECISIONS.labels("too_large").inc()
                 raise _too_large(tenant, reservation, budget, list(reply.budgets))

@@ -68,7 +68,7 @@ from sluice.gateway.v1 import gateway_pb2
 from sluice.inference.v1 import inference_pb2, inference_pb2_grpc
 
 from sluice_common.channels import wait_for_replica
-from sluice_common.errors import DeadlineExceeded, InvalidArgument, SluiceError
+from sluice_common.errors import ContextLengthExceeded, DeadlineExceeded, InvalidArgument, SluiceError
 from sluice_common.prompt_tokens import prompt_token_bound
 from sluice_common.sampling import choice_seed
 from sluice_common.sampling_proto import structured_outputs_to_proto
@@ -440,10 +440,7 @@ class InferencePath:
         prompt_tokens = prompt_estimate(request) if counted is None else counted
         remaining = context_length - prompt_tokens
         if remaining <= 0:
-            raise InvalidArgument(
-                "messages" if request.messages else "prompt",
-                f"the prompt is {prompt_tokens} tokens: it leaves no room to generate in the model's context of {context_length} tokens",
-            )
+            raise ContextLengthExceeded("messages" if request.messages else "prompt", context_length, prompt_tokens, None)
         request.sampling.max_tokens = min(cap, remaining)
         return counted
 
@@ -474,11 +471,7 @@ class InferencePath:
         if prompt_tokens is None:
             return None  # the model cannot count (or the adapter failed): the generation call decides
         if prompt_tokens + max_tokens > context_length:
-            raise InvalidArgument(
-                "messages" if request.messages else "prompt",
-                f"the prompt is {prompt_tokens} tokens and max_tokens is {max_tokens}; together they exceed"
-                f" the model's context of {context_length} tokens",
-            )
+            raise ContextLengthExceeded("messages" if request.messages else "prompt", context_length, prompt_tokens, max_tokens)
         return prompt_tokens
 
     async def embed_with_ticket(

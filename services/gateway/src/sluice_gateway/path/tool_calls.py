@@ -211,10 +211,10 @@ class ToolCallParser:
             self.calls = [types_pb2.ToolCall(id=new_call_id(), name=self.tool_plan.function, arguments=text)]
             return "", types_pb2.FINISH_REASON_TOOL_CALLS
         if mode == Mode.TOOL_CHOICE_MODE_REQUIRED:
-            self.calls = [
-                types_pb2.ToolCall(id=new_call_id(), name=item["name"], arguments=json.dumps(item["parameters"]))
-                for item in json.loads(text)
-            ]  # fmt: skip
+            calls = _required_calls(text)
+            if calls is None:  # the constrained list cut short (a stop string inside it): text as it is
+                return text, finish_reason
+            self.calls = calls
             return "", types_pb2.FINISH_REASON_TOOL_CALLS
         return self._parse_auto(text, finish_reason)
 
@@ -230,6 +230,18 @@ class ToolCallParser:
         # parallel_tool_calls false: the model was asked for one call at most; the first is it.
         self.calls = calls if self.tool_plan.parallel else calls[:1]
         return _CALL.sub("", text).strip(), types_pb2.FINISH_REASON_TOOL_CALLS
+
+
+def _required_calls(text: str) -> list[types_pb2.ToolCall] | None:
+    """tool_choice "required"'s output, the JSON list of {"name", "parameters"} its grammar makes;
+    None when the text is not one (the engine stopped it early)."""
+    try:
+        items = json.loads(text)
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(items, list) or not all(isinstance(item, dict) and "name" in item and "parameters" in item for item in items):
+        return None
+    return [types_pb2.ToolCall(id=new_call_id(), name=item["name"], arguments=json.dumps(item["parameters"])) for item in items]
 
 
 def _parse_call(body: str, tools: dict[str, dict[str, Any]]) -> types_pb2.ToolCall | None:
