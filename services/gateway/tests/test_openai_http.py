@@ -87,13 +87,12 @@ class _RateLimit:
     def __init__(self) -> None:
         self.allowed = True
         self.degraded = False  # a denial because the limiter cannot decide (its store down, fail-closed)
+        self.denied_by = ratelimit_pb2.BUDGET_REQUESTS_PER_MINUTE
 
     async def Acquire(self, request, timeout=None, metadata=None):  # noqa: N802
         budgets = [ratelimit_pb2.BudgetStatus(budget=ratelimit_pb2.BUDGET_REQUESTS_PER_MINUTE, limit=60, remaining=0 if not self.allowed else 59)]
         if not self.allowed:
-            reply = ratelimit_pb2.AcquireResponse(
-                allowed=False, denied_by=ratelimit_pb2.BUDGET_REQUESTS_PER_MINUTE, budgets=budgets, degraded=self.degraded
-            )
+            reply = ratelimit_pb2.AcquireResponse(allowed=False, denied_by=self.denied_by, budgets=budgets, degraded=self.degraded)
             reply.retry_after.FromMilliseconds(2500)
             return reply
         return ratelimit_pb2.AcquireResponse(allowed=True, lease_id="l1", budgets=budgets)
@@ -302,8 +301,11 @@ async def test_errors_in_openais_shape(setup) -> None:  # type: ignore[no-untype
     ratelimit.allowed = False
     reply = await client.post("/v1/chat/completions", json=CHAT, headers=AUTH)
     status, error = await _error(reply)
-    assert status == 429 and error["code"] == "rate_limit_exceeded"
+    assert (status, error["code"], error["type"]) == (429, "rate_limit_exceeded", "requests")
     assert reply.headers["retry-after"] == "3" and reply.headers["x-ratelimit-remaining-requests"] == "0"
+    ratelimit.denied_by = ratelimit_pb2.BUDGET_TOKENS_PER_MINUTE
+    status, error = await _error(await client.post("/v1/chat/completions", json=CHAT, headers=AUTH))
+    assert (status, error["type"]) == (429, "tokens")  # OpenAI's type names the limit hit
 
 
 # JSON's escape of a lone UTF-16 surrogate: valid JSON (RFC 8259), not valid Unicode text.

@@ -104,13 +104,15 @@ def openai_error(exc: BaseException) -> OpenAIError:
         return OpenAIError(401, f"Incorrect API key provided: {exc.message}", code="invalid_api_key")
     if isinstance(exc, ResourceExhausted):
         headers = dict(exc.metadata)
+        # OpenAI's type names the limit hit: "tokens" for a token budget, "requests" for the others.
+        type_ = "tokens" if "tokens" in exc.quota_subject.rsplit("/", 1)[-1] else "requests"
         if exc.retry_after_s is None:
             # Larger than the whole allowance: no wait admits it, and OpenAI's clients must not retry.
             headers["x-should-retry"] = "false"
-            return OpenAIError(429, exc.message, "tokens", code="rate_limit_exceeded", headers=headers)
+            return OpenAIError(429, exc.message, type_, code="rate_limit_exceeded", headers=headers)
         headers["retry-after"] = str(max(1, math.ceil(exc.retry_after_s)))
         headers["retry-after-ms"] = str(max(1, math.ceil(exc.retry_after_s * 1000)))
-        return OpenAIError(429, exc.message, "requests", code="rate_limit_exceeded", headers=headers)
+        return OpenAIError(429, exc.message, type_, code="rate_limit_exceeded", headers=headers)
     if isinstance(exc, SluiceError):
         status, type_ = _STATUS.get(exc.code, (500, "server_error"))
         headers = {}
