@@ -57,3 +57,49 @@ async def test_fail_open_falls_back_to_limit_over_replicas_and_settles_locally()
     await backend.settle(decisions[0].lease_id, 0)
     assert backend.breaker.state == OPEN  # no Redis call was waited for once open
     await backend.close()
+
+
+async def test_a_probe_that_ends_without_a_verdict_never_holds_the_breaker_half_open() -> None:
+    """The half-open probe used to stay taken when it ended neither in success nor in failure: a
+    Commit of a lease already settled (Redis answered, LeaseNotFound) or a caller cancelled at its
+    own deadline. No call reached Redis again, and every fail-closed budget refused until a restart."""
+    import asyncio
+    import uuid
+
+    import pytest
+    import redis.asyncio as aioredis
+    from conftest import REDIS_URL
+
+    from sluice_rate_limit.budgets import LeaseNotFound
+
+    now = [0.0]
+    prefix = f"test:rl:{uuid.uuid4().hex[:8]}"
+    primary = RedisBackend(REDIS_URL, prefix, 10.0, timeout_s=0.1)
+    backend = FailoverBackend(primary, CircuitBreaker(1, 1.0, clock=lambda: now[0]), replicas=1, timeout_s=0.5)
+    try:
+        backend.breaker.failure()  # Redis was unreachable a moment ago
+        now[0] = 2.0
+        with pytest.raises(LeaseNotFound):
+            await backend.settle("a-lease-settled-long-ago.m", 0)  # the probe: Redis answers "unknown lease"
+        assert backend.breaker.state == CLOSED
+
+        backend.breaker.failure()
+        now[0] = 4.0
+
+        async def never_answers() -> None:
+            await asyncio.Event().wait()
+
+        probe = asyncio.create_task(backend._call("acquire", never_answers()))
+        await asyncio.sleep(0.01)
+        probe.cancel()  # the gateway gave up on its Acquire
+        with pytest.raises(asyncio.CancelledError):
+            await probe
+        decision = await backend.acquire([check(Policy.CLOSED)], True, 30, False, "m")  # the next call probes Redis
+        assert decision.allowed and not decision.degraded and backend.breaker.state == CLOSED
+    finally:
+        client = aioredis.Redis.from_url(REDIS_URL)
+        keys = [key async for key in client.scan_iter(f"{prefix}:*")]
+        if keys:
+            await client.delete(*keys)
+        await client.aclose()
+        await backend.close()

@@ -2,7 +2,8 @@
 
 closed: calls go through; `failure_threshold` failures in a row open it. open: calls do not even
 try (the failure policy answers at once) for `open_s`. Then one call probes (half-open): success
-closes it, failure opens it again.
+(any answer from the backend) closes it, failure opens it again, and a probe abandoned without a
+verdict lets the next call probe.
 """
 
 from __future__ import annotations
@@ -38,6 +39,12 @@ class CircuitBreaker:
         self.state = CLOSED
         self._failures = 0
         self._probing = False
+
+    def abandon(self) -> None:
+        """A call that ended with no verdict on the backend (its caller went away): a probe it was
+        is over, and the next call probes instead, so that the breaker never waits on one forever."""
+        if self.state == HALF_OPEN:
+            self._probing = False
 
     def failure(self) -> None:
         self._failures += 1

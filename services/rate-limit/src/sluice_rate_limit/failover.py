@@ -60,13 +60,22 @@ class FailoverBackend:
             if not was_open and self.breaker.state == "open":
                 log.error("redis_circuit_open", error=repr(exc), open_s=self.breaker.open_s)
             raise BackendUnavailable(f"redis: {exc!r}") from exc
+        except asyncio.CancelledError:
+            self.breaker.abandon()  # the caller went away (its own deadline): no verdict on Redis
+            raise
+        except Exception:
+            self._answered()  # Redis answered, with the call's own error (a lease already settled)
+            raise
         finally:
             metrics.child(metrics.BACKEND_SECONDS, "redis", op).observe(time.perf_counter() - started)
+        self._answered()
+        return result
+
+    def _answered(self) -> None:
         if self.breaker.state != "closed":
             log.info("redis_circuit_closed")
         self.breaker.success()
         metrics.CIRCUIT_OPEN.set(0)
-        return result
 
     async def acquire(self, checks: list[Check], interactive: bool, ttl_s: float, shadow: bool, tag: str = "") -> Decision:
         try:
