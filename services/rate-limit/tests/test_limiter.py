@@ -75,6 +75,20 @@ async def test_a_request_larger_than_a_whole_limit_is_refused_as_such() -> None:
     assert not later.allowed and not later.exceeds_limit and later.retry_after_s > 0
 
 
+async def test_bulk_work_larger_than_what_the_floor_leaves_it_is_refused_as_such() -> None:
+    """Bulk is admitted only while it leaves the interactive floor: a bulk request costing more than
+    the limit less the floor could never be admitted, yet was told to retry, and a job row retried
+    it for ever. Interactive work of the same cost is admitted."""
+    rl = limiter("[tenants.a]\ntokens_per_minute = 1000\nburst = 1.0\ninteractive_floor = 0.25\n")
+    never = await rl.acquire("a", "m", False, 1, 751)
+    assert not never.allowed and never.exceeds_limit and never.denied_name == "tokens_per_minute"
+    assert "250 of it kept for interactive traffic: bulk work gets at most 750" in never.reason
+    fits = await rl.acquire("a", "m", False, 1, 750)
+    assert fits.allowed and not fits.exceeds_limit
+    rl = limiter("[tenants.a]\ntokens_per_minute = 1000\nburst = 1.0\ninteractive_floor = 0.25\n")
+    assert (await rl.acquire("a", "m", True, 1, 751)).allowed
+
+
 def test_the_reply_of_a_too_large_request_has_no_retry_after() -> None:
     from sluice_rate_limit.budgets import Budget, Decision
     from sluice_rate_limit.servicer import acquire_response

@@ -69,7 +69,7 @@ class RateLimiter:
             self._allowed.inc()
             return Decision(allowed=True)
         started = time.perf_counter()
-        decision = _larger_than_a_limit(checks) or await self.backend.acquire(checks, interactive, ttl, shadow, model)
+        decision = _larger_than_a_limit(checks, interactive) or await self.backend.acquire(checks, interactive, ttl, shadow, model)
         if self._timed:
             self._backend_seconds["acquire"].observe(time.perf_counter() - started)
         if decision.allowed:
@@ -168,12 +168,16 @@ class RateLimiter:
         await self.backend.close()
 
 
-def _larger_than_a_limit(checks: list[Check]) -> Decision | None:
-    """A denial for a request that costs more than a budget's whole limit: waiting cannot help,
-    so it is refused as such (no retry_after) instead of being told to come back later."""
+def _larger_than_a_limit(checks: list[Check], interactive: bool) -> Decision | None:
+    """A denial for a request that costs more than a budget can ever give it: waiting cannot help,
+    so it is refused as such (no retry_after) instead of being told to come back later. For bulk
+    work that is the limit less the floor kept for interactive traffic (sliding_window.admits)."""
     for check in checks:
-        if check.limit > 0 and check.cost > check.limit:
+        room = check.limit if interactive else check.limit - check.floor
+        if check.limit > 0 and check.cost > room:
             reason = f"this request costs {check.cost} against {check.name}, whose whole limit is {check.limit}"
+            if not interactive and check.floor:
+                reason += f", {check.floor} of it kept for interactive traffic: bulk work gets at most {max(room, 0)}"
             state = BudgetState(check.budget, check.limit, check.limit, 0.0, check.name)
             return Decision(allowed=False, states=[state], denied_by=check.budget, denied_name=check.name, exceeds_limit=True, reason=reason)
     return None
