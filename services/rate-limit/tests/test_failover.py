@@ -103,3 +103,45 @@ async def test_a_probe_that_ends_without_a_verdict_never_holds_the_breaker_half_
             await client.delete(*keys)
         await client.aclose()
         await backend.close()
+
+
+async def test_a_lease_redis_granted_after_the_acquire_timed_out_is_released() -> None:
+    """The timeout cancels the caller, not the script Redis already has: its lease held an
+    in-flight slot for its whole TTL beside the decision made without Redis."""
+    import asyncio
+    import uuid
+
+    import redis.asyncio as aioredis
+    from conftest import REDIS_URL
+
+    from sluice_rate_limit import failover
+    from sluice_rate_limit.budgets import Budget, Kind
+
+    class SlowReply(RedisBackend):
+        """Redis runs the script; its reply comes after the caller's timeout (the pipeline drops it)."""
+
+        async def acquire(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+            granted = asyncio.ensure_future(super().acquire(*args, **kwargs))
+            await asyncio.sleep(0.3)
+            return await granted
+
+    prefix = f"test:rl:{uuid.uuid4().hex[:8]}"
+    primary = SlowReply(REDIS_URL, prefix, 10.0, timeout_s=0.1)
+    backend = FailoverBackend(primary, CircuitBreaker(5, 0.5), replicas=1, timeout_s=0.1)
+    one_in_flight = Check(Budget.REQUESTS_IN_FLIGHT, Kind.GAUGE, "t:a:rif", 1, 1, policy=Policy.CLOSED, name="requests_in_flight")
+    saved = failover.ORPHAN_RELEASE_DELAYS_S
+    failover.ORPHAN_RELEASE_DELAYS_S = (0.4,)
+    try:
+        lost = await backend.acquire([one_in_flight], True, 600, False, "m")
+        assert not lost.allowed and lost.degraded  # decided without Redis: fail-closed
+        await asyncio.sleep(0.6)  # the script ran at Redis; then its lease was settled
+        later = await RedisBackend.acquire(primary, [one_in_flight], True, 600, False, "m")
+        assert later.allowed, later.reason  # the one in-flight slot is free again
+    finally:
+        failover.ORPHAN_RELEASE_DELAYS_S = saved
+        client = aioredis.Redis.from_url(REDIS_URL)
+        keys = [key async for key in client.scan_iter(f"{prefix}:*")]
+        if keys:
+            await client.delete(*keys)
+        await client.aclose()
+        await backend.close()

@@ -97,4 +97,9 @@ class LeaseNotFound(LookupError):
 
 
 class BackendUnavailable(RuntimeError):
-    """The shared backend could not be reached in time."""
+    """The shared backend could not be reached in time. `sent`: the call went out before it failed
+    (a timeout, a connection lost), so the backend may still have done it."""
+
+    def __init__(self, message: str, sent: bool = False) -> None:
+        super().__init__(message)
+        self.sent = sent

@@ -20,7 +20,7 @@ from redis.exceptions import RedisError
 
 from sluice_rate_limit import metrics
 from sluice_rate_limit.breaker import CircuitBreaker
-from sluice_rate_limit.budgets import BackendUnavailable, BudgetState, Check, Decision, Policy
+from sluice_rate_limit.budgets import BackendUnavailable, BudgetState, Check, Decision, LeaseNotFound, Policy
 from sluice_rate_limit.memory_backend import MemoryBackend
 from sluice_rate_limit.redis_backend import RedisBackend
 
@@ -28,6 +28,10 @@ log = structlog.stdlib.get_logger("sluice.ratelimit.failover")
 
 LOCAL_PREFIX = "local-"
 _FAILURES = (RedisError, OSError, asyncio.TimeoutError)
+# When to try settling a lease whose acquire lost its reply (seconds after the loss, then after
+# each try that found Redis unreachable); past them the lease expires at its TTL.
+ORPHAN_RELEASE_DELAYS_S = (0.5, 2.0, 8.0, 30.0)
+ORPHAN_RELEASE_TIMEOUT_S = 1.0
 
 
 class FailoverBackend:
@@ -41,6 +45,7 @@ class FailoverBackend:
         self.replicas = replicas
         self.timeout_s = timeout_s
         self.fallback = fallback or MemoryBackend(primary.window_s, lease_prefix=LOCAL_PREFIX)
+        self._orphans: set[asyncio.Task[None]] = set()
 
     async def _call(self, op: str, coro):  # type: ignore[no-untyped-def]
         if not self.breaker.allow():
@@ -59,7 +64,7 @@ class FailoverBackend:
             metrics.CIRCUIT_OPEN.set(1 if self.breaker.state == "open" else 0)
             if not was_open and self.breaker.state == "open":
                 log.error("redis_circuit_open", error=repr(exc), open_s=self.breaker.open_s)
-            raise BackendUnavailable(f"redis: {exc!r}") from exc
+            raise BackendUnavailable(f"redis: {exc!r}", sent=True) from exc
         except asyncio.CancelledError:
             self.breaker.abandon()  # the caller went away (its own deadline): no verdict on Redis
             raise
@@ -78,10 +83,13 @@ class FailoverBackend:
         metrics.CIRCUIT_OPEN.set(0)
 
     async def acquire(self, checks: list[Check], interactive: bool, ttl_s: float, shadow: bool, tag: str = "") -> Decision:
+        lease_id = self.primary.new_lease_id(tag)
         try:
-            return await self._call("acquire", self.primary.acquire(checks, interactive, ttl_s, shadow, tag))
+            return await self._call("acquire", self.primary.acquire(checks, interactive, ttl_s, shadow, tag, lease_id))
         except BackendUnavailable as exc:
             reason = str(exc)
+            if exc.sent:
+                self._release_later(lease_id)
         closed = [c for c in checks if c.policy is Policy.CLOSED]
         if closed:
             metrics.child(metrics.FALLBACKS, "refused").inc()
@@ -99,6 +107,29 @@ class FailoverBackend:
         metrics.child(metrics.FALLBACKS, "allowed" if decision.allowed else "denied").inc()
         return decision
 
+    def _release_later(self, lease_id: str) -> None:
+        """An acquire whose reply was lost (the timeout cut it after Redis had the script) may have
+        granted a lease nobody knows: it would hold its in-flight slots and tokens for its whole TTL,
+        beside the decision made without Redis. Settled with nothing used, a few times until Redis
+        answers; an unknown lease means the script never ran."""
+        task = asyncio.get_running_loop().create_task(self._release_orphan(lease_id))
+        self._orphans.add(task)
+        task.add_done_callback(self._orphans.discard)
+
+    async def _release_orphan(self, lease_id: str) -> None:
+        for delay_s in ORPHAN_RELEASE_DELAYS_S:
+            await asyncio.sleep(delay_s)
+            try:
+                async with asyncio.timeout(ORPHAN_RELEASE_TIMEOUT_S):
+                    await self.primary.settle(lease_id, 0)
+            except LeaseNotFound:
+                return
+            except _FAILURES:
+                continue
+            metrics.ORPHANED_LEASES.inc()
+            log.warning("orphaned_lease_released", lease_id=lease_id)
+            return
+
     async def settle(self, lease_id: str, used_tokens: int | None) -> list[BudgetState]:
         if lease_id.startswith(LOCAL_PREFIX):
             return await self.fallback.settle(lease_id, used_tokens)
@@ -108,4 +139,7 @@ class FailoverBackend:
         return await self._call("peek", self.primary.peek(checks, tag))
 
     async def close(self) -> None:
+        for task in self._orphans:
+            task.cancel()  # their leases expire at their TTL
+        await asyncio.gather(*self._orphans, return_exceptions=True)
         await self.primary.close()

@@ -25,6 +25,10 @@ BACKEND_SECONDS = Histogram(
     buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25),
 )
 BACKEND_ERRORS = Counter("sluice_ratelimit_backend_errors_total", "Failed or timed-out backend operations.", ["backend", "op"])
+ORPHANED_LEASES = Counter(
+    "sluice_ratelimit_orphaned_leases_released_total",
+    "Leases Redis granted to an acquire whose reply was lost (its timeout), released after Redis answered again.",
+)
 FALLBACKS = Counter(
     "sluice_ratelimit_fallback_decisions_total",
     "Decisions made against the local fail-open limit (limit / replicas) while Redis was unreachable.",

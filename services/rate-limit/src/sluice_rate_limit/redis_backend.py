@@ -366,9 +366,14 @@ class RedisBackend:
             found = fields[check.key] = (f"{base}:w:{check.key}", f"{base}:a:{check.key}") if check.kind is Kind.WINDOW else (check.key, "")
         return found
 
-    async def acquire(self, checks: list[Check], interactive: bool, ttl_s: float, shadow: bool, tag: str = "") -> Decision:
+    @staticmethod
+    def new_lease_id(tag: str) -> str:
+        return f"{new_unique_id()}.{tag}"
+
+    async def acquire(self, checks: list[Check], interactive: bool, ttl_s: float, shadow: bool, tag: str = "", lease_id: str = "") -> Decision:
+        """`lease_id`: the caller's (new_lease_id), to settle the lease by should it lose the reply."""
         lease_keys, fields = self._names_of(tag)
-        lease_id = f"{new_unique_id()}.{tag}"
+        lease_id = lease_id or self.new_lease_id(tag)
         args: list[object] = [
             self._window_ms,
             int(interactive),
