@@ -134,6 +134,12 @@ def test_grpc_refuses_an_uncompilable_constraint_naming_the_field(gateway: Any) 
         _grpc_generate(gateway, types_pb2.StructuredOutputs(grammar='start: "a" | missing_rule'), "hi")
     assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "structured_outputs" in caught.value.details() and "missing_rule" in caught.value.details()
+    # A token the model's vocabulary lacks: only the engine can tell, and it is still the client's error
+    # (it came back UNAVAILABLE, which clients and job rows retry).
+    with pytest.raises(grpc.RpcError) as caught:
+        _grpc_generate(gateway, types_pb2.StructuredOutputs(grammar="start: <|no_such_token|>"), "hi")
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "structured_outputs" in caught.value.details() and "no_such_token" in caught.value.details()
 
 
 def test_a_job_row_is_decoded_under_its_constraint(gateway: Any) -> None:

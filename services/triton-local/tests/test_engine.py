@@ -207,7 +207,7 @@ def test_unknown_and_duplicate_rows(engine: StepEngine) -> None:
     res = engine.step([PrefillRow(800, prompt, Sampling(max_tokens=16)), PrefillRow(800, prompt, Sampling(max_tokens=16))])
     assert res[0].finish_reason == "" and res[1].finish_reason == "error"
     bad = engine.step([PrefillRow(801, prompt, Sampling(max_tokens=16, top_p=0.0))])[0]
-    assert bad.finish_reason == "error" and "top_p" in bad.error
+    assert bad.finish_reason == "invalid" and "top_p" in bad.error  # the request's error, not the engine's
     engine.step([ReleaseRow(800)])
     assert engine.active_slots == 0
 

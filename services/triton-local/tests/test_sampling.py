@@ -259,7 +259,7 @@ def test_penalties_break_a_greedy_loop(engine: StepEngine) -> None:
 def test_an_option_out_of_range_or_a_token_outside_the_vocabulary_is_refused(engine: StepEngine) -> None:
     prompt = engine.apply_chat_template([("user", "Hi")])
     (bad,) = engine.step([PrefillRow(40, prompt, Sampling(max_tokens=4, logit_bias=((engine.vocab_size, 1.0),)))])
-    assert bad.finish_reason == "error" and bad.error.startswith("sampling.logit_bias: ") and str(engine.vocab_size) in bad.error
+    assert bad.finish_reason == "invalid" and bad.error.startswith("sampling.logit_bias: ") and str(engine.vocab_size) in bad.error
     (bad,) = engine.step([PrefillRow(41, prompt, Sampling(max_tokens=4, min_p=2.0))])
     assert bad.error.startswith("sampling.min_p: ")
     assert engine.active_slots == 0

@@ -388,18 +388,19 @@ class StepEngine:
     def _admit(self, index: int, row: PrefillRow) -> _Pending | RowResult:
         found = problem(row.params, self.vocab_size)
         if found is not None:
-            return _error(row.seq_id, field_error(*found))
+            return _invalid(row.seq_id, field_error(*found))
         if row.seq_id in self._seqs:
             return _error(row.seq_id, f"seq_id {row.seq_id} is already running")
         matcher = None
         # What the output must match (constraints.py): each token is sampled from those that keep it
         # matching, and the sequence finishes "stop" once it is complete. Compiled at admission: one the
-        # library cannot compile answers finish "error" before any token.
+        # library cannot compile against this vocabulary (a token it lacks, which no front without the
+        # vocabulary can see) is the client's error: finish "invalid" before any token.
         if row.params.structured_outputs is not None:
             try:
                 matcher = self.compile_constraint(row.params.structured_outputs).matcher()
             except StructuredOutputsError as exc:
-                return _error(row.seq_id, field_error("structured_outputs", str(exc)))
+                return _invalid(row.seq_id, field_error("structured_outputs", str(exc)))
         ids = self.tokenizer.encode(row.prompt) if isinstance(row.prompt, str) else list(row.prompt)
         n = len(ids)
         if n == 0:
@@ -714,6 +715,11 @@ def _untouched(pending: _Pending) -> RowResult:
 def _prefilling(seq: _Seq) -> RowResult:
     """A step that cached part of the prompt: no token yet."""
     return RowResult(seq.seq_id, -1, "", "", seq.prompt_tokens, 0, cached_tokens=seq.cached_tokens)
+
+
+def _invalid(seq_id: int, message: str) -> RowResult:
+    """A row refused for what its request asked (the caller's error, step_protocol's "invalid")."""
+    return RowResult(seq_id=seq_id, token_id=-1, text="", finish_reason="invalid", prompt_tokens=0, completion_tokens=0, error=message)
 
 
 def _error(seq_id: int, message: str, seq: _Seq | None = None, prompt_tokens: int = 0) -> RowResult:
