@@ -82,3 +82,22 @@ async def test_watch_ends_on_expired_only_once_every_row_is_stored(store: JobSto
         await store.finish_row(expired_result(task, 0.05))
     await asyncio.wait_for(watching, 2)
     assert (seen[-1].state, seen[-1].failed_rows, seen[-1].total_rows) == (jobs_pb2.JOB_STATE_EXPIRED, 2, 2)
+
+
+def test_a_submitted_job_carries_submit_jobs_request_id_to_the_worker() -> None:
+    """The worker binds the message's x-request-id: without it, its job_accepted line could not be
+    joined to the SubmitJob call that made the job."""
+    from sluice_common.amqp import JobTopology
+    from sluice_common.request_context import bind_request_id
+    from sluice_gateway.jobs.api import JobRequestPublisher
+
+    sent = []
+
+    class Outbox:
+        def submit(self, message) -> None:  # type: ignore[no-untyped-def]
+            sent.append(message)
+
+    bind_request_id("req-submit-1")
+    JobRequestPublisher(Outbox(), JobTopology("t")).submit_job(jobs_pb2.AdmittedJob(job=job_request("j", 1), tenant="demo"))  # type: ignore[arg-type]
+    [message] = sent
+    assert message.request_id == "req-submit-1" and message.to_aio_pika().headers["x-request-id"] == "req-submit-1"

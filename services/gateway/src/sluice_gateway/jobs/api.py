@@ -20,6 +20,7 @@ from sluice_gateway.jobs.trace import with_trace_context
 from sluice_common.amqp import JobTopology
 from sluice_common.amqp_publisher import ConfirmingPublisher, OutgoingMessage, PublisherMetrics
 from sluice_common.errors import InvalidArgument, NotFound, PermissionDenied, Unavailable
+from sluice_common.request_context import current_request_id
 from sluice_common.supervision import Supervisor
 from sluice_gateway.config import SharedSettings
 from sluice_gateway.jobs.store import JobRecord, JobStore
@@ -123,6 +124,7 @@ class JobRequestPublisher:
                 body=admitted.SerializeToString(),
                 routing_key=self._topology.job_routing_key,
                 message_id=admitted.job.job_id,
+                request_id=current_request_id(),  # the worker's job_accepted line joins SubmitJob's
                 type=jobs_pb2.AdmittedJob.DESCRIPTOR.full_name,
                 headers=with_trace_context({}),  # the job's trace continues SubmitJob's
             )
