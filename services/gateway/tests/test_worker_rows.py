@@ -124,3 +124,39 @@ async def test_a_store_error_between_attempts_gives_the_slot_back(stand_in, stor
             await attempts(job_worker, task)
         assert job_worker.concurrency.in_flight == 0
     assert adapter.deadlines == []  # no attempt ran
+
+
+class _Delivery:
+    """A row message as aio-pika hands it over, recording how it was settled."""
+
+    def __init__(self, task: jobs_pb2.RowTask) -> None:
+        self.body = task.SerializeToString()
+        self.headers: dict[str, object] = {}
+        self.redelivered = False
+        self.settled: list[str] = []
+
+    async def ack(self) -> None:
+        self.settled.append("ack")
+
+    async def nack(self, requeue: bool = True) -> None:
+        self.settled.append(f"nack requeue={requeue}")
+
+
+async def test_a_row_waiting_for_a_slot_when_the_worker_stops_goes_back_unstarted(stand_in, store) -> None:  # noqa: F811
+    """Stopping used to leave the rows queued behind the concurrency bound to take the slots the
+    running rows freed and start generating, only to be cut at the end of the grace."""
+    import asyncio
+
+    adapter, path = stand_in
+    job_worker = worker(store, path)
+    for _ in range(int(job_worker.concurrency.bound)):  # every slot taken by a running row
+        await job_worker.concurrency.acquire()
+    delivery = _Delivery(await row_task(store, max_tokens=4))
+    waiting = asyncio.create_task(job_worker._row(delivery))  # type: ignore[arg-type]
+    await asyncio.sleep(0.05)
+    await job_worker.stop(0.1)
+    await job_worker.concurrency.release(0.0, "skipped")  # a running row ends within the grace
+    await asyncio.wait_for(waiting, 5)
+    assert delivery.settled == ["nack requeue=True"] and adapter.deadlines == []
+    job = await store.get_job("j")
+    assert job is not None and job.completed_rows == job.failed_rows == 0

@@ -154,6 +154,8 @@ class JobWorker:
         self.concurrency = AdaptiveConcurrency(initial=config.concurrency_initial, maximum=config.concurrency_max)
         self.row_deadlines = RowDeadlines.for_settings(shared, config)
         self._tasks: set[asyncio.Task[None]] = set()
+        self._consumers: list[tuple[Any, str]] = []
+        self._stopping = False
         self._connection: Any = None
         self._rows_channel: Any = None
         self._exchange: Any = None
@@ -173,8 +175,10 @@ class JobWorker:
         self._dead = await self._rows_channel.get_exchange(self.topology.dead_exchange)
         requests = await jobs_channel.get_queue(self.topology.requests_queue)
         rows = await self._rows_channel.get_queue(self.topology.rows_queue)
-        await requests.consume(self._spawn(self._on_job))
-        await rows.consume(self._spawn(self._on_row))
+        self._consumers = [
+            (requests, await requests.consume(self._spawn(self._on_job))),
+            (rows, await rows.consume(self._spawn(self._on_row))),
+        ]
         self._sweeper = (supervisor or Supervisor()).start("job-sweeper", self._sweep_forever)
         LIMIT.set(self.concurrency.limit)
         log.info("job_worker_started", worker=self.worker_id, prefix=self.shared.amqp_prefix)
@@ -188,7 +192,12 @@ class JobWorker:
         return consume
 
     async def stop(self, grace_s: float) -> None:
-        """Rows still running after `grace_s` are abandoned unacked: the broker redelivers them."""
+        """No new deliveries, and rows waiting for a slot go back to the broker unstarted; the rows
+        running get `grace_s` to finish, then are abandoned unacked: the broker redelivers them."""
+        self._stopping = True
+        for queue, tag in self._consumers:
+            with contextlib.suppress(Exception):
+                await queue.cancel(tag)
         if self._sweeper is not None:
             await stop_tasks(self._sweeper)
         if self._tasks:
@@ -314,6 +323,10 @@ class JobWorker:
         structlog.contextvars.bind_contextvars(job_id=task.job_id, custom_id=task.row.custom_id)
         deliveries = int(str((message.headers or {}).get("x-delivery-count") or 0)) + 1
         await self.concurrency.acquire()
+        if self._stopping:  # it waited for a slot while the worker began to stop: not started here
+            await self.concurrency.release(0.0, "skipped")
+            await message.nack(requeue=True)
+            return
         IN_FLIGHT.set(self.concurrency.in_flight)
         holding = True
         try:
