@@ -362,3 +362,29 @@ async def test_a_generate_cancelled_while_it_waits_for_a_replica_settles_its_lea
         await call
     await admission.drain()
     assert adapter.requests == [] and len(ratelimit.committed) == 1
+
+
+async def test_the_adapter_is_given_what_is_left_of_the_clients_deadline() -> None:
+    """Admission (and counting, and a wait for a replica) spend the client's time: the adapter's
+    deadline is what is left of it, not the whole again."""
+
+    class SlowRateLimit(_RateLimit):
+        async def Acquire(self, request, timeout=None, metadata=None):  # noqa: N802
+            await asyncio.sleep(0.3)
+            return await super().Acquire(request, timeout, metadata)
+
+    class RecordingAdapter(_GeneratingAdapter):
+        timeouts: list[float] = []
+
+        def Generate(self, request, timeout=None, metadata=None):  # noqa: N802
+            self.timeouts.append(timeout)
+            return super().Generate(request, timeout, metadata)
+
+    adapter = RecordingAdapter()
+    catalog = ModelCatalog(adapter)  # type: ignore[arg-type]
+    await catalog.refresh()
+    path = InferencePath(adapter, catalog, Admission(SlowRateLimit(), "closed", timeout_s=2.0))  # type: ignore[arg-type]
+    async with path.generate(Tenant("t"), _generate("Hello"), "r1", 5.0) as stream:
+        [chunk async for chunk in stream]
+    [given] = adapter.timeouts
+    assert 4.5 < given <= 4.71

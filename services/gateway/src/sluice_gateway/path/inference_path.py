@@ -331,6 +331,7 @@ class InferencePath:
             # max_tokens omitted: the most the defaults below can give it (a longer deadline, not a shorter one).
             default_s = time_remaining = self.default_deadline.for_generate(request.sampling.max_tokens or self.default_max_tokens)
             DEFAULT_DEADLINE.labels(kind="generate").set(default_s)
+        given_s = time_remaining  # the whole call's, from its arrival
         try:
             tools = use_tools(request)  # chats only: a prompt list is a completion's
             reservations = []
@@ -356,13 +357,12 @@ class InferencePath:
             ]
             # A lease from rate-limit (or RESOURCE_EXHAUSTED / UNAVAILABLE); settled in `finally`,
             # also when the call is cancelled (a deadline, a client gone) while it waits for a replica.
-            ticket = await self.admission.admit(tenant.name, combined(reservations), time_remaining, record)
+            ticket = await self.admission.admit(tenant.name, combined(reservations), _left(arrived_at, given_s), record)
             calls: list[Any] = []
             try:
-                if default_s is not None:  # the default runs from arrival: what admission took is spent
-                    time_remaining = max(0.001, arrived_at + default_s - time.monotonic())
                 # The caller's deadline bounds the adapter's work; cancelling this call stops it there.
-                await self._adapter_replica(time_remaining)
+                await self._adapter_replica(_left(arrived_at, given_s))
+                time_remaining = _left(arrived_at, given_s)  # counting, admission and the wait are spent
                 calls = [self.adapter.Generate(d, timeout=time_remaining, metadata=outgoing_metadata()) for d in downstream]
                 stream = GenerateStream(ticket, calls[0], record, on_end, calls=calls, trace=span, tools=tools, choices_per_prompt=n)
                 yield stream
@@ -494,13 +494,12 @@ class InferencePath:
         if time_remaining is None and self.default_deadline is not None:
             default_s = time_remaining = self.default_deadline.for_embed()
             DEFAULT_DEADLINE.labels(kind="embed").set(default_s)
+        given_s = time_remaining  # the whole call's, from its arrival
         ticket = await self.admission.admit(tenant.name, embedding_reservation(request), time_remaining)
         try:
-            if default_s is not None:
-                time_remaining = max(0.001, arrived_at + default_s - time.monotonic())
             try:
-                await self._adapter_replica(time_remaining)
-                reply = await self.adapter.Embed(downstream, timeout=time_remaining, metadata=outgoing_metadata())
+                await self._adapter_replica(_left(arrived_at, given_s))
+                reply = await self.adapter.Embed(downstream, timeout=_left(arrived_at, given_s), metadata=outgoing_metadata())
             except grpc.aio.AioRpcError as exc:
                 if default_s is None or exc.code() != grpc.StatusCode.DEADLINE_EXCEEDED or self.default_deadline is None:
                     raise
@@ -520,6 +519,11 @@ class InferencePath:
             ticket.settle()
         response = gateway_pb2.EmbedResponse(request_id=request_id, model=request.model, embeddings=reply.embeddings, usage=reply.usage)
         return response, ticket
+
+
+def _left(arrived_at: float, given_s: float | None) -> float | None:
+    """What is left of a call's deadline (None: it has none) for its next hop."""
+    return None if given_s is None else max(0.001, arrived_at + given_s - time.monotonic())
 
 
 def use_tools(request: gateway_pb2.GenerateRequest) -> ToolPlan | None:
