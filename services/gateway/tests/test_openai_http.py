@@ -207,6 +207,28 @@ async def test_a_stream_failing_after_its_first_chunk_ends_with_an_error_event(s
     assert events_pb2.CompletionEvent.FromString(publisher.bodies[-1]).error_code == "UNAVAILABLE"
 
 
+async def test_an_engine_failure_mid_stream_is_the_adapters_503_not_a_generic_500(setup) -> None:  # type: ignore[no-untyped-def]
+    """The adapter ends a failed stream with an ERROR chunk, then its status (UNAVAILABLE): the
+    front stopped at the chunk, answered 500 and recorded the stream as completed."""
+    import grpc
+
+    client, adapter, _, publisher = setup
+    failure = grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), "the model backend failed mid-stream")
+    adapter.chunks = [
+        inference_pb2.GenerateResponse(text="Hel", token_count=1),
+        inference_pb2.GenerateResponse(finish_reason=types_pb2.FINISH_REASON_ERROR),
+        failure,
+    ]
+    reply = await client.post("/v1/chat/completions", json={**CHAT, "stream": True}, headers=AUTH)
+    text = await reply.text()
+    error = json.loads(text.strip().split("\n")[-1][len("data: ") :])["error"]
+    assert error["type"] == "service_unavailable" and "failed mid-stream" in error["message"]
+    from sluice.evallog.v1 import events_pb2
+
+    event = events_pb2.CompletionEvent.FromString(publisher.bodies[-1])
+    assert (event.finish_reason, event.error_code) == (types_pb2.FINISH_REASON_ERROR, "UNAVAILABLE")
+
+
 async def test_a_stream_broken_by_any_error_after_its_first_chunk_ends_with_an_error_event(setup) -> None:  # type: ignore[no-untyped-def]
     """Not only Sluice's own errors and the adapter's statuses: a bug of ours mid-stream is still an
     error event the SDK raises on, never a 200 cut short with neither an error nor [DONE]."""

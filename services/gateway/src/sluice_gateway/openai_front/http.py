@@ -241,6 +241,8 @@ class OpenAIFront:
                     final = chunk
                     state.finish_reason = FINISH_REASONS.get(chunk.finish_reason)
                     if state.finish_reason is None:
+                        async for _ in stream:  # a failed finish: the call's status follows, and says why
+                            pass
                         break
                     calls = stream.tool_calls(stream.index)
                     if calls and answer.call.chat:

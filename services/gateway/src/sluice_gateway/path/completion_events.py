@@ -108,6 +108,8 @@ class CompletionTracker:
             event.finish_reason = final.finish_reason
             event.usage.CopyFrom(final.usage)
             event.timings.CopyFrom(final.timings)
+            if final.finish_reason == types_pb2.FINISH_REASON_ERROR and isinstance(code, grpc.StatusCode):
+                event.error_code = code.name  # the status the adapter ended the failed stream with
         else:
             if cancelled or code in (grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED):
                 event.finish_reason = types_pb2.FINISH_REASON_CANCELLED
