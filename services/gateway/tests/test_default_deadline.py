@@ -153,6 +153,32 @@ async def test_no_client_deadline_gets_twice_the_p99s_and_a_stall_ends_there(sta
     assert path.default_deadline.p99s()["ttft"] >= expected * 0.9
 
 
+async def test_a_stream_a_front_answered_itself_is_still_counted_at_its_default_deadline(stand_in) -> None:
+    """The HTTP front answers a stream cut after it started with an error event of its own and
+    hands the path a wrapper (unwrap_cause): such cuts went uncounted, and the next default did
+    not grow with them."""
+    import grpc
+
+    class Answered(Exception):
+        unwrap_cause = True
+
+    adapter, path = stand_in
+    assert path.default_deadline is not None
+    for _ in range(5):
+        assert await stream(path, 10, 30.0) == 10
+    expected = path.default_deadline.for_generate(20)
+    adapter.stalled = True
+    fired_before = sample("sluice_gateway_default_deadlines_exceeded_total", {"kind": "generate"})
+    with pytest.raises(Answered):
+        async with path.generate(Tenant("t"), request(20), "rid", None) as chunks:
+            try:
+                [chunk async for chunk in chunks]
+            except grpc.aio.AioRpcError as exc:
+                raise Answered() from exc
+    assert sample("sluice_gateway_default_deadlines_exceeded_total", {"kind": "generate"}) == fired_before + 1
+    assert path.default_deadline.p99s()["ttft"] >= expected * 0.9
+
+
 async def test_an_embed_without_a_deadline_gets_twice_the_p99_of_embeds(stand_in) -> None:
     adapter, path = stand_in
     embed = gateway_pb2.EmbedRequest(model="e", inputs=["a"])

@@ -113,12 +113,18 @@ DEFAULT_DEADLINES_EXCEEDED = Counter(
 WhenClosed = Callable[[Callable[[Any, bool], None]], None]
 
 
+def _unwrapped(exc: BaseException) -> BaseException:
+    """The failure itself, out of a front's wrapper around a failure it has already answered."""
+    if getattr(exc, "unwrap_cause", False) and exc.__cause__ is not None:
+        return exc.__cause__
+    return exc
+
+
 def status_of(exc: BaseException | None) -> tuple[Any, bool]:
     """(gRPC status code, cancelled) of the exception that ended a stream; (None, False) when none."""
     if exc is None:
         return None, False
-    if getattr(exc, "unwrap_cause", False) and exc.__cause__ is not None:
-        exc = exc.__cause__  # a front's wrapper around the failure it has already answered
+    exc = _unwrapped(exc)
     if isinstance(exc, asyncio.CancelledError):
         return grpc.StatusCode.CANCELLED, True
     if isinstance(exc, grpc.aio.AioRpcError):
@@ -366,11 +372,14 @@ class InferencePath:
                 calls = [self.adapter.Generate(d, timeout=time_remaining, metadata=outgoing_metadata()) for d in downstream]
                 stream = GenerateStream(ticket, calls[0], record, on_end, calls=calls, trace=span, tools=tools, choices_per_prompt=n)
                 yield stream
-            except grpc.aio.AioRpcError as exc:
-                if default_s is None or exc.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
+            except Exception as exc:
+                failure = _unwrapped(exc)
+                if default_s is None or not isinstance(failure, grpc.aio.AioRpcError) or failure.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
                     raise
                 self._observe_stream(stream, cut=True)
                 DEFAULT_DEADLINES_EXCEEDED.labels(kind="generate").inc()
+                if failure is not exc:
+                    raise  # a front that has answered it already (an HTTP stream's error event)
                 raise DeadlineExceeded(
                     f"the request set no deadline and ran past the gateway's default of {default_s:.1f}s"
                     f" ({self._basis('generate', request.sampling.max_tokens)}) after {record.tokens} tokens;"
