@@ -51,7 +51,7 @@ def expected_cosine(prompt: str, output: str) -> float:
 
 
 class StandInAdapter(inference_pb2_grpc.InferenceServiceServicer):
-    """InferenceService.Embed over real gRPC, deterministic; `mode` is "ok", "unimplemented" or "unavailable"."""
+    """InferenceService.Embed over real gRPC, deterministic; `mode` is "ok", "unimplemented", "unavailable" or "invalid"."""
 
     def __init__(self) -> None:
         self.mode = "ok"
@@ -65,6 +65,8 @@ class StandInAdapter(inference_pb2_grpc.InferenceServiceServicer):
             await context.abort(grpc.StatusCode.UNIMPLEMENTED, "this adapter serves no embedding model")
         if self.mode == "unavailable":
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the embedding backend is down")
+        if self.mode == "invalid":  # SLUICE_EVALLOG_EMBEDDING_MODEL naming a model the adapter lacks
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "model: unknown embedding model")
         assert request.priority_class == types_pb2.PRIORITY_CLASS_BULK
         return inference_pb2.EmbedResponse(embeddings=[types_pb2.Embedding(values=histogram(text)) for text in request.inputs])
 
@@ -247,6 +249,22 @@ async def test_unavailable_embed_backs_off_and_keeps_the_markers(store, adapter)
         assert score is not None and not score.skipped
     # Retries while unavailable did not count against the attempts that give up on a broken batch.
     assert len(adapter.calls) < 20
+
+
+async def test_markers_that_keep_failing_are_given_up_while_fresh_ones_keep_arriving(store, adapter) -> None:  # type: ignore[no-untyped-def]
+    """The batch was retried while any marker in it had attempts left: with a sampled event arriving
+    between tries, the oldest markers never reached max_attempts' verdict and piled up for ever."""
+    adapter.mode = "invalid"
+    first = [make_event() for _ in range(3)]
+    await store.insert_batch(await consume_path_rows(first, adapter))
+    worker = worker_for(store, adapter, min_backoff_s=0.01, max_backoff_s=0.02, max_attempts=3)
+    for _ in range(5):
+        await store.insert_batch(await consume_path_rows([make_event()], adapter))  # fresh traffic
+        await worker.run_once()
+    for event in first:
+        score = similarity_of(await store.get(event.event_id))
+        assert score is not None and score.skipped and "evaluator failed" in score.detail, score
+    assert await store.pending_count() <= 3  # only the fresh ones still have tries left
 
 
 async def test_consumer_and_worker_over_rabbitmq_store_each_event_and_score_once(tmp_path, adapter) -> None:  # type: ignore[no-untyped-def]

@@ -169,23 +169,35 @@ class SimilarityWorker:
                 outcome = similarity.unavailable(exc)
                 scores.extend((item.event_id, outcome) for item, _ in embeddable)
             except Exception as exc:  # noqa: BLE001 - bounded retries, then recorded as skipped
+                # Decided per marker: one claimed max_attempts times is recorded as skipped even when
+                # the batch brings fresh markers along (they alone go round again).
                 reason = f"{type(exc).__name__}: {exc}"
-                if min(item.attempts for item, _ in embeddable) < w.max_attempts:
-                    return await self._retry(items, reason, count_attempt=True)
                 failed = skipped(self.name, f"skipped: evaluator failed: {reason}")
-                scores.extend((item.event_id, failed) for item, _ in embeddable)
+                scores.extend((item.event_id, failed) for item, _ in embeddable if item.attempts >= w.max_attempts)
+                again = [item for item, _ in embeddable if item.attempts < w.max_attempts]
+                if again:
+                    if scores:
+                        await self._settle(scores, len(items), started, backed_off=True)
+                    return await self._retry(again, reason, count_attempt=True)
             else:
                 for index, (item, _) in enumerate(embeddable):
                     result = similarity.score(vectors[2 * index], vectors[2 * index + 1], self._settings)
                     scores.append((item.event_id, result))
+        return await self._settle(scores, len(items), started)
+
+    async def _settle(self, scores: list[tuple[str, ScoreResult]], claimed: int, started: float, backed_off: bool = False) -> int:
+        """Stores the batch's decided scores (their markers cleared); how many, at least 1.
+        `backed_off`: the rest of the batch failed, and the backoff goes on growing."""
+        w = self._worker
         cleared = await self._store.complete_pending(self.name, scores)
-        self._backoff = w.min_backoff_s
+        if not backed_off:
+            self._backoff = w.min_backoff_s
         skipped_count = sum(1 for _, s in scores if s.skipped)
         SCORED.labels(self.name, "scored").inc(len(scores) - skipped_count)
         SCORED.labels(self.name, "skipped").inc(skipped_count)
         elapsed = asyncio.get_running_loop().time() - started
         BATCH_SECONDS.observe(elapsed)
-        log.info("deferred_scores_stored", score=self.name, claimed=len(items), stored=cleared, skipped=skipped_count, seconds=round(elapsed, 4))
+        log.info("deferred_scores_stored", score=self.name, claimed=claimed, stored=cleared, skipped=skipped_count, seconds=round(elapsed, 4))
         return max(cleared, 1)  # something was settled: look again at once
 
     async def _retry(self, items: Sequence[PendingItem], reason: str, count_attempt: bool) -> int:
