@@ -115,3 +115,30 @@ def test_logs_filters_by_user_and_metadata_pairs(capsys) -> None:  # type: ignor
         with pytest.raises(SystemExit):
             build_parser().parse_args(["logs", "--metadata", bad])
         assert "expected KEY=VALUE" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [
+        (["logs", "--since", "1e12"], "a duration is 0 (all) up to 100 years"),
+        (["logs", "--since", "inf"], "a duration is 0 (all) up to 100 years"),
+        (["logs", "--since=-5m"], "a duration is 0 (all) up to 100 years"),
+        (["logs", "--follow", "--interval=-1"], "a polling interval is a positive number of seconds"),
+        (["logs", "--interval", "nan"], "a polling interval is a positive number of seconds"),
+    ],
+)
+def test_logs_options_out_of_range_are_refused_by_the_parser_not_a_traceback(capsys, argv: list[str], said: str) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(SystemExit) as stopped:
+        build_parser().parse_args(argv)
+    assert stopped.value.code == 2 and said in capsys.readouterr().err
+
+
+def test_jobs_submit_of_a_file_that_cannot_be_read_says_so(tmp_path: Path) -> None:
+    from sluice_cli.jobs import read_rows
+
+    with pytest.raises(SystemExit, match=r"sluice: cannot read .*missing\.jsonl: No such file or directory"):
+        read_rows(tmp_path / "missing.jsonl")
+    latin1 = tmp_path / "rows.jsonl"
+    latin1.write_bytes(b'{"custom_id": "caf\xe9"}\n')
+    with pytest.raises(SystemExit, match="not UTF-8 text"):
+        read_rows(latin1)

@@ -150,3 +150,25 @@ def test_each_side_becomes_one_job_with_its_own_sampling() -> None:
     sampling = b.rows[1].generate.sampling
     assert (b.rows[1].generate.model, sampling.max_tokens, sampling.seed) == ("m2", 1, 3)
     assert sampling.temperature == pytest.approx(1.5)
+
+
+@pytest.mark.parametrize(
+    ("sampling_b", "dataset", "said"),
+    [
+        ("seed=-1", b'{"prompt": "hi"}\n', "--sampling-b: "),
+        ("max_tokens=9999999999", b'{"prompt": "hi"}\n', "--sampling-b: "),
+        ("", b'{"prompt": "h\xffi"}\n', "not UTF-8 text"),
+    ],
+)
+def test_a_bad_setting_or_dataset_exits_2_with_one_line_not_1_with_a_traceback(tmp_path, capsys, sampling_b: str, dataset: bytes, said: str) -> None:  # type: ignore[no-untyped-def]
+    """Exit 1 means "B regressed" to a CI gate: a typo in a setting must not read as one."""
+    from sluice_cli.eval_compare import EXIT_ERROR
+    from sluice_cli.eval_run import cmd_eval
+    from sluice_cli.main import build_parser
+
+    path = tmp_path / "rows.jsonl"
+    path.write_bytes(dataset)
+    argv = ["--api-key", "sk-x", "eval", "--dataset", str(path), "--model-b", "other"] + (["--sampling-b", sampling_b] if sampling_b else [])
+    assert cmd_eval(build_parser().parse_args(argv)) == EXIT_ERROR
+    err = capsys.readouterr().err
+    assert err.startswith("sluice eval: ") and said in err and "Traceback" not in err

@@ -64,7 +64,10 @@ def _metadata(args: argparse.Namespace) -> tuple[tuple[str, str], ...]:
 
 def _sampling(side: Side, default_max_tokens: int) -> types_pb2.SamplingParams:
     settings = {"max_tokens": default_max_tokens, **side.sampling}
-    return json_format.ParseDict(settings, types_pb2.SamplingParams())
+    try:
+        return json_format.ParseDict(settings, types_pb2.SamplingParams())
+    except json_format.ParseError as exc:  # a value out of its field's range (seed=-1, a 64-bit max_tokens)
+        raise EvalFailed(f"--sampling-{side.label.lower()}: {exc}") from None
 
 
 def job_request(job_id: str, rows: Sequence[DatasetRow], side: Side, max_tokens: int) -> jobs_pb2.JobRequest:
@@ -194,14 +197,16 @@ def _sides(args: argparse.Namespace) -> tuple[Side, Side]:
 
 def run_eval(args: argparse.Namespace) -> int:
     try:
-        rows = parse_dataset(Path(args.dataset).read_text(), args.dataset)
+        rows = parse_dataset(Path(args.dataset).read_text(encoding="utf-8"), args.dataset)
     except (OSError, DatasetError) as exc:
         raise EvalFailed(str(exc)) from None
+    except UnicodeDecodeError as exc:
+        raise EvalFailed(f"{args.dataset}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
     a, b = _sides(args)
+    samplings = [_sampling(side, args.max_tokens) for side in (a, b)]  # a bad setting stops it before any job
     run = EvalRun(args)
     stamp = f"eval-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
     sides = [(a, f"{stamp}-a"), (b, f"{stamp}-b")]
-    samplings = [_sampling(side, args.max_tokens) for side, _ in sides]
     # Both jobs are submitted before either is waited for: they run side by side in the bulk class.
     for side, job_id in sides:
         run.submit(job_request(job_id, rows, side, args.max_tokens))

@@ -40,8 +40,14 @@ def progress_line(job: jobs_pb2.Job, width: int = 30) -> str:
 
 
 def read_rows(path: Path) -> list[jobs_pb2.JobRow]:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise SystemExit(f"sluice: cannot read {path}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        raise SystemExit(f"sluice: {path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
     rows = []
-    for number, line in enumerate(path.read_text().splitlines(), 1):
+    for number, line in enumerate(text.splitlines(), 1):
         if line.strip():
             try:
                 rows.append(json_format.Parse(line, jobs_pb2.JobRow()))
@@ -98,7 +104,11 @@ def cmd_submit(args: argparse.Namespace) -> int:
         return _fail(error)
     ok_path = Path(args.results or f"{path}.results.jsonl")
     errors_path = Path(args.errors or f"{path}.errors.jsonl")
-    ok, bad = write_results(results, ok_path, errors_path)
+    try:
+        ok, bad = write_results(results, ok_path, errors_path)
+    except OSError as exc:
+        print(f"sluice: cannot write the results ({exc}); `sluice jobs results {job.job_id}` lists them", file=sys.stderr)
+        return 1
     print(f"{ok} results in {ok_path}, {bad} errors in {errors_path}; job {_state(last)}", file=sys.stderr)
     return 0 if last.state == jobs_pb2.JOB_STATE_COMPLETED else 1
 

@@ -129,6 +129,10 @@ def cmd_health(args: argparse.Namespace) -> int:
 # ---- sluice logs: recent completions and a summary table, from evaluation-logging
 
 
+# --since's longest window: back to 1970 and then some, never before year 1 (a timestamp's range).
+MAX_SINCE_S = 100 * 365 * 86400.0
+
+
 def _duration_s(text: str) -> float:
     """`90`, `90s`, `15m`, `2h`, `7d` -> seconds; 0 means no limit."""
     units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
@@ -140,8 +144,18 @@ def _duration_s(text: str) -> float:
             value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a duration: {text!r} (like 90s, 15m, 2h, 7d; 0 for all)") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"a duration must not be negative: {text!r}")
+    if not 0 <= value <= MAX_SINCE_S:  # NaN fails both
+        raise argparse.ArgumentTypeError(f"a duration is 0 (all) up to {MAX_SINCE_S / 86400 / 365:.0f} years: {text!r}")
+    return value
+
+
+def _interval_s(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"a polling interval is a positive number of seconds: {text!r}")
     return value
 
 
@@ -279,8 +293,13 @@ def cmd_logs(args: argparse.Namespace) -> int:
             print(show(record), flush=True)
         if args.follow:
             _follow(client, args, {r.event.event_id: _epoch(r.event.finished_at) for r in recent}, show)
-        print()
-        print(summary_table(client.summaries(window_start)))
+        summaries = client.summaries(window_start)
+        if args.json:  # every line JSON (for jq): the records, then {"summary": ...} per model and tenant
+            for summary in summaries:
+                print(json.dumps({"summary": json_format.MessageToDict(summary, preserving_proto_field_name=True)}, sort_keys=True))
+        else:
+            print()
+            print(summary_table(summaries))
     except grpc.RpcError as error:
         return _fail(error)
     except KeyboardInterrupt:
@@ -349,9 +368,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--since", type=_duration_s, default=3600.0, help="window for the list and the summary, like 90s, 15m, 2h, 7d; 0 for all (default 1h)"
     )
     logs.add_argument("-f", "--follow", action="store_true", help="keep printing new completions until Ctrl-C")
-    logs.add_argument("--interval", type=float, default=1.0, help="--follow polling interval in seconds (default 1)")
+    logs.add_argument("--interval", type=_interval_s, default=1.0, help="--follow polling interval in seconds (default 1)")
     logs.add_argument("--follow-for", type=float, default=0.0, help=argparse.SUPPRESS)  # tests: stop following after N s
-    logs.add_argument("--json", action="store_true", help="one JSON object per completion instead of a line")
+    logs.add_argument("--json", action="store_true", help='one JSON object per line: each completion, then each summary as {"summary": ...}')
     logs.set_defaults(func=cmd_logs)
     add_jobs_parser(commands)
     add_diagnose_parser(commands)
