@@ -248,6 +248,32 @@ async def test_the_end_user_and_metadata_are_stored_filtered_on_and_returned(sto
     assert [(_record(r).event.user, dict(_record(r).event.metadata)) for r in page] == [("bob", {"run": "eval-7"})]
 
 
+async def test_a_score_bound_not_set_is_no_bound_so_negative_scores_are_found(store) -> None:  # type: ignore[no-untyped-def]
+    """An unset min_value was read as 0: asking for failed similarity scores left out the negative
+    ones, the worst answers."""
+    from sluice.evallog.v1 import evallog_pb2
+
+    from sluice_evaluation_logging.evaluators.base import ScoreResult
+    from sluice_evaluation_logging.servicer import thresholds
+
+    def with_similarity(value: float) -> tuple[object, object]:
+        event = make_event()
+        return event, to_row(event, [ScoreResult("similarity", value, passed=value >= 0.2)])
+
+    worst, weak, good = with_similarity(-0.08), with_similarity(0.05), with_similarity(0.9)
+    assert await store.insert_batch([worst[1], weak[1], good[1]]) == 3
+    queries = EvalLogQueries(store)
+
+    async def found(*asked: evallog_pb2.ScoreThreshold) -> set[str]:
+        page, _ = await queries.query_records("demo", RecordFilter(thresholds=thresholds(asked)), 0, "")
+        return {row.event_id for row in page}
+
+    failed = evallog_pb2.ScoreThreshold(name="similarity", passed=False)
+    assert await found(failed) == {worst[0].event_id, weak[0].event_id}
+    assert await found(evallog_pb2.ScoreThreshold(name="similarity", max_value=0.0)) == {worst[0].event_id}
+    assert await found(evallog_pb2.ScoreThreshold(name="similarity", min_value=0.0)) == {weak[0].event_id, good[0].event_id}
+
+
 async def test_a_nul_in_the_end_user_metadata_or_output_is_stored_and_found(store) -> None:  # type: ignore[no-untyped-def]
     """PostgreSQL's text cannot hold NUL: such a value failed its whole batch on every retry, and
     every later batch waited behind it. Stored there as U+FFFD, and found by the value as sent."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import grpc
 from google.protobuf import timestamp_pb2
 from sluice.evallog.v1 import evallog_pb2, evallog_pb2_grpc, events_pb2
@@ -17,6 +19,19 @@ from sluice_evaluation_logging.scoring import ScoreInput, evaluator_infos, score
 
 def _seconds(timestamp: timestamp_pb2.Timestamp, present: bool) -> float | None:
     return timestamp.seconds + timestamp.nanos / 1e9 if present else None
+
+
+def thresholds(asked: Iterable[evallog_pb2.ScoreThreshold]) -> tuple[Threshold, ...]:
+    """A request's score bounds; a bound not set is none (a score may be negative, or 0)."""
+    return tuple(
+        Threshold(
+            name=t.name,
+            min_value=t.min_value if t.HasField("min_value") else None,
+            max_value=t.max_value if t.HasField("max_value") else None,
+            passed=t.passed if t.HasField("passed") else None,
+        )
+        for t in asked
+    )
 
 
 def _record(row: RecordRow) -> evallog_pb2.Record:
@@ -77,15 +92,7 @@ class EvalLogServicer(evallog_pb2_grpc.EvalLogServiceServicer):
             start=_seconds(request.start_time, request.HasField("start_time")),
             end=_seconds(request.end_time, request.HasField("end_time")),
             finish_reason=request.finish_reason,
-            thresholds=tuple(
-                Threshold(
-                    name=t.name,
-                    min_value=t.min_value,
-                    max_value=t.max_value if t.max_value != 0 else None,
-                    passed=t.passed if t.HasField("passed") else None,
-                )
-                for t in request.score_thresholds
-            ),
+            thresholds=thresholds(request.score_thresholds),
             user=request.user,
             metadata=tuple(sorted(request.metadata.items())),
         )

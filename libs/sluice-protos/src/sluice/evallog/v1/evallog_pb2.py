@@ -27,7 +27,7 @@ from sluice.common.v1 import types_pb2 as sluice_dot_common_dot_v1_dot_types__pb
 from sluice.evallog.v1 import events_pb2 as sluice_dot_evallog_dot_v1_dot_events__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fsluice/evallog/v1/evallog.proto\x12\x11sluice.evallog.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x1csluice/common/v1/types.proto\x1a\x1esluice/evallog/v1/events.proto\"U\n\x05Score\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01\x12\x0e\n\x06passed\x18\x03 \x01(\x08\x12\x0e\n\x06\x64\x65tail\x18\x04 \x01(\t\x12\x0f\n\x07skipped\x18\x05 \x01(\x08\"\xa6\x01\n\x06Record\x12\x31\n\x05\x65vent\x18\x01 \x01(\x0b\x32\".sluice.evallog.v1.CompletionEvent\x12(\n\x06scores\x18\x02 \x03(\x0b\x32\x18.sluice.evallog.v1.Score\x12-\n\tstored_at\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x10\n\x08trace_id\x18\x04 \x01(\t\"$\n\x10GetRecordRequest\x12\x10\n\x08\x65vent_id\x18\x01 \x01(\t\">\n\x11GetRecordResponse\x12)\n\x06record\x18\x01 \x01(\x0b\x32\x19.sluice.evallog.v1.Record\"d\n\x0eScoreThreshold\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x11\n\tmin_value\x18\x02 \x01(\x01\x12\x11\n\tmax_value\x18\x03 \x01(\x01\x12\x13\n\x06passed\x18\x04 \x01(\x08H\x00\x88\x01\x01\x42\t\n\x07_passed\"\xb4\x03\n\x13QueryRecordsRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12.\n\nstart_time\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12,\n\x08\x65nd_time\x18\x04 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x35\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1e.sluice.common.v1.FinishReason\x12;\n\x10score_thresholds\x18\x06 \x03(\x0b\x32!.sluice.evallog.v1.ScoreThreshold\x12\x11\n\tpage_size\x18\x07 \x01(\x05\x12\x12\n\npage_token\x18\x08 \x01(\t\x12\x0c\n\x04user\x18\t \x01(\t\x12\x46\n\x08metadata\x18\n \x03(\x0b\x32\x34.sluice.evallog.v1.QueryRecordsRequest.MetadataEntry\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"[\n\x14QueryRecordsResponse\x12*\n\x07records\x18\x01 \x03(\x0b\x32\x19.sluice.evallog.v1.Record\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"\x93\x02\n\x10SummarizeRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12.\n\nstart_time\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12,\n\x08\x65nd_time\x18\x04 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0c\n\x04user\x18\x05 \x01(\t\x12\x43\n\x08metadata\x18\x06 \x03(\x0b\x32\x31.sluice.evallog.v1.SummarizeRequest.MetadataEntry\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"@\n\x0eLatencySummary\x12\x0e\n\x06p50_ms\x18\x01 \x01(\x01\x12\x0e\n\x06p95_ms\x18\x02 \x01(\x01\x12\x0e\n\x06p99_ms\x18\x03 \x01(\x01\"}\n\x0cScoreSummary\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x63ount\x18\x02 \x01(\x03\x12\x0c\n\x04mean\x18\x03 \x01(\x01\x12\x11\n\tpass_rate\x18\x04 \x01(\x01\x12\x15\n\rskipped_count\x18\x05 \x01(\x03\x12\x0b\n\x03min\x18\x06 \x01(\x01\x12\x0b\n\x03max\x18\x07 \x01(\x01\"\xd2\x02\n\x07Summary\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\r\n\x05\x63ount\x18\x03 \x01(\x03\x12\x12\n\nerror_rate\x18\x04 \x01(\x01\x12\x32\n\x07latency\x18\x05 \x01(\x0b\x32!.sluice.evallog.v1.LatencySummary\x12>\n\x13time_to_first_token\x18\x06 \x01(\x0b\x32!.sluice.evallog.v1.LatencySummary\x12\x15\n\rprompt_tokens\x18\x07 \x01(\x03\x12\x19\n\x11\x63ompletion_tokens\x18\x08 \x01(\x03\x12/\n\x06scores\x18\t \x03(\x0b\x32\x1f.sluice.evallog.v1.ScoreSummary\x12\x17\n\x0f\x63\x61ncelled_count\x18\n \x01(\x03\x12\x15\n\rcached_tokens\x18\x0b \x01(\x03\"B\n\x11SummarizeResponse\x12-\n\tsummaries\x18\x01 \x03(\x0b\x32\x1a.sluice.evallog.v1.Summary\"Q\n\tScoreItem\x12\x31\n\x05\x65vent\x18\x01 \x01(\x0b\x32\".sluice.evallog.v1.CompletionEvent\x12\x11\n\treference\x18\x02 \x01(\t\"F\n\x17ScoreCompletionsRequest\x12+\n\x05items\x18\x01 \x03(\x0b\x32\x1c.sluice.evallog.v1.ScoreItem\"6\n\nScoredItem\x12(\n\x06scores\x18\x01 \x03(\x0b\x32\x18.sluice.evallog.v1.Score\"L\n\rEvaluatorInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x18\n\x10higher_is_better\x18\x02 \x01(\x08\x12\x13\n\x0b\x64\x65scription\x18\x03 \x01(\t\"~\n\x18ScoreCompletionsResponse\x12,\n\x05items\x18\x01 \x03(\x0b\x32\x1d.sluice.evallog.v1.ScoredItem\x12\x34\n\nevaluators\x18\x02 \x03(\x0b\x32 .sluice.evallog.v1.EvaluatorInfo2\x8e\x03\n\x0e\x45valLogService\x12V\n\tGetRecord\x12#.sluice.evallog.v1.GetRecordRequest\x1a$.sluice.evallog.v1.GetRecordResponse\x12_\n\x0cQueryRecords\x12&.sluice.evallog.v1.QueryRecordsRequest\x1a\'.sluice.evallog.v1.QueryRecordsResponse\x12V\n\tSummarize\x12#.sluice.evallog.v1.SummarizeRequest\x1a$.sluice.evallog.v1.SummarizeResponse\x12k\n\x10ScoreCompletions\x12*.sluice.evallog.v1.ScoreCompletionsRequest\x1a+.sluice.evallog.v1.ScoreCompletionsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fsluice/evallog/v1/evallog.proto\x12\x11sluice.evallog.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x1csluice/common/v1/types.proto\x1a\x1esluice/evallog/v1/events.proto\"U\n\x05Score\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01\x12\x0e\n\x06passed\x18\x03 \x01(\x08\x12\x0e\n\x06\x64\x65tail\x18\x04 \x01(\t\x12\x0f\n\x07skipped\x18\x05 \x01(\x08\"\xa6\x01\n\x06Record\x12\x31\n\x05\x65vent\x18\x01 \x01(\x0b\x32\".sluice.evallog.v1.CompletionEvent\x12(\n\x06scores\x18\x02 \x03(\x0b\x32\x18.sluice.evallog.v1.Score\x12-\n\tstored_at\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x10\n\x08trace_id\x18\x04 \x01(\t\"$\n\x10GetRecordRequest\x12\x10\n\x08\x65vent_id\x18\x01 \x01(\t\">\n\x11GetRecordResponse\x12)\n\x06record\x18\x01 \x01(\x0b\x32\x19.sluice.evallog.v1.Record\"\x8a\x01\n\x0eScoreThreshold\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x16\n\tmin_value\x18\x02 \x01(\x01H\x00\x88\x01\x01\x12\x16\n\tmax_value\x18\x03 \x01(\x01H\x01\x88\x01\x01\x12\x13\n\x06passed\x18\x04 \x01(\x08H\x02\x88\x01\x01\x42\x0c\n\n_min_valueB\x0c\n\n_max_valueB\t\n\x07_passed\"\xb4\x03\n\x13QueryRecordsRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12.\n\nstart_time\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12,\n\x08\x65nd_time\x18\x04 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x35\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1e.sluice.common.v1.FinishReason\x12;\n\x10score_thresholds\x18\x06 \x03(\x0b\x32!.sluice.evallog.v1.ScoreThreshold\x12\x11\n\tpage_size\x18\x07 \x01(\x05\x12\x12\n\npage_token\x18\x08 \x01(\t\x12\x0c\n\x04user\x18\t \x01(\t\x12\x46\n\x08metadata\x18\n \x03(\x0b\x32\x34.sluice.evallog.v1.QueryRecordsRequest.MetadataEntry\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"[\n\x14QueryRecordsResponse\x12*\n\x07records\x18\x01 \x03(\x0b\x32\x19.sluice.evallog.v1.Record\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"\x93\x02\n\x10SummarizeRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12.\n\nstart_time\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12,\n\x08\x65nd_time\x18\x04 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0c\n\x04user\x18\x05 \x01(\t\x12\x43\n\x08metadata\x18\x06 \x03(\x0b\x32\x31.sluice.evallog.v1.SummarizeRequest.MetadataEntry\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"@\n\x0eLatencySummary\x12\x0e\n\x06p50_ms\x18\x01 \x01(\x01\x12\x0e\n\x06p95_ms\x18\x02 \x01(\x01\x12\x0e\n\x06p99_ms\x18\x03 \x01(\x01\"}\n\x0cScoreSummary\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x63ount\x18\x02 \x01(\x03\x12\x0c\n\x04mean\x18\x03 \x01(\x01\x12\x11\n\tpass_rate\x18\x04 \x01(\x01\x12\x15\n\rskipped_count\x18\x05 \x01(\x03\x12\x0b\n\x03min\x18\x06 \x01(\x01\x12\x0b\n\x03max\x18\x07 \x01(\x01\"\xd2\x02\n\x07Summary\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\r\n\x05\x63ount\x18\x03 \x01(\x03\x12\x12\n\nerror_rate\x18\x04 \x01(\x01\x12\x32\n\x07latency\x18\x05 \x01(\x0b\x32!.sluice.evallog.v1.LatencySummary\x12>\n\x13time_to_first_token\x18\x06 \x01(\x0b\x32!.sluice.evallog.v1.LatencySummary\x12\x15\n\rprompt_tokens\x18\x07 \x01(\x03\x12\x19\n\x11\x63ompletion_tokens\x18\x08 \x01(\x03\x12/\n\x06scores\x18\t \x03(\x0b\x32\x1f.sluice.evallog.v1.ScoreSummary\x12\x17\n\x0f\x63\x61ncelled_count\x18\n \x01(\x03\x12\x15\n\rcached_tokens\x18\x0b \x01(\x03\"B\n\x11SummarizeResponse\x12-\n\tsummaries\x18\x01 \x03(\x0b\x32\x1a.sluice.evallog.v1.Summary\"Q\n\tScoreItem\x12\x31\n\x05\x65vent\x18\x01 \x01(\x0b\x32\".sluice.evallog.v1.CompletionEvent\x12\x11\n\treference\x18\x02 \x01(\t\"F\n\x17ScoreCompletionsRequest\x12+\n\x05items\x18\x01 \x03(\x0b\x32\x1c.sluice.evallog.v1.ScoreItem\"6\n\nScoredItem\x12(\n\x06scores\x18\x01 \x03(\x0b\x32\x18.sluice.evallog.v1.Score\"L\n\rEvaluatorInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x18\n\x10higher_is_better\x18\x02 \x01(\x08\x12\x13\n\x0b\x64\x65scription\x18\x03 \x01(\t\"~\n\x18ScoreCompletionsResponse\x12,\n\x05items\x18\x01 \x03(\x0b\x32\x1d.sluice.evallog.v1.ScoredItem\x12\x34\n\nevaluators\x18\x02 \x03(\x0b\x32 .sluice.evallog.v1.EvaluatorInfo2\x8e\x03\n\x0e\x45valLogService\x12V\n\tGetRecord\x12#.sluice.evallog.v1.GetRecordRequest\x1a$.sluice.evallog.v1.GetRecordResponse\x12_\n\x0cQueryRecords\x12&.sluice.evallog.v1.QueryRecordsRequest\x1a\'.sluice.evallog.v1.QueryRecordsResponse\x12V\n\tSummarize\x12#.sluice.evallog.v1.SummarizeRequest\x1a$.sluice.evallog.v1.SummarizeResponse\x12k\n\x10ScoreCompletions\x12*.sluice.evallog.v1.ScoreCompletionsRequest\x1a+.sluice.evallog.v1.ScoreCompletionsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -46,36 +46,36 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GETRECORDREQUEST']._serialized_end=441
   _globals['_GETRECORDRESPONSE']._serialized_start=443
   _globals['_GETRECORDRESPONSE']._serialized_end=505
-  _globals['_SCORETHRESHOLD']._serialized_start=507
-  _globals['_SCORETHRESHOLD']._serialized_end=607
-  _globals['_QUERYRECORDSREQUEST']._serialized_start=610
-  _globals['_QUERYRECORDSREQUEST']._serialized_end=1046
-  _globals['_QUERYRECORDSREQUEST_METADATAENTRY']._serialized_start=999
-  _globals['_QUERYRECORDSREQUEST_METADATAENTRY']._serialized_end=1046
-  _globals['_QUERYRECORDSRESPONSE']._serialized_start=1048
-  _globals['_QUERYRECORDSRESPONSE']._serialized_end=1139
-  _globals['_SUMMARIZEREQUEST']._serialized_start=1142
-  _globals['_SUMMARIZEREQUEST']._serialized_end=1417
-  _globals['_SUMMARIZEREQUEST_METADATAENTRY']._serialized_start=999
-  _globals['_SUMMARIZEREQUEST_METADATAENTRY']._serialized_end=1046
-  _globals['_LATENCYSUMMARY']._serialized_start=1419
-  _globals['_LATENCYSUMMARY']._serialized_end=1483
-  _globals['_SCORESUMMARY']._serialized_start=1485
-  _globals['_SCORESUMMARY']._serialized_end=1610
-  _globals['_SUMMARY']._serialized_start=1613
-  _globals['_SUMMARY']._serialized_end=1951
-  _globals['_SUMMARIZERESPONSE']._serialized_start=1953
-  _globals['_SUMMARIZERESPONSE']._serialized_end=2019
-  _globals['_SCOREITEM']._serialized_start=2021
-  _globals['_SCOREITEM']._serialized_end=2102
-  _globals['_SCORECOMPLETIONSREQUEST']._serialized_start=2104
-  _globals['_SCORECOMPLETIONSREQUEST']._serialized_end=2174
-  _globals['_SCOREDITEM']._serialized_start=2176
-  _globals['_SCOREDITEM']._serialized_end=2230
-  _globals['_EVALUATORINFO']._serialized_start=2232
-  _globals['_EVALUATORINFO']._serialized_end=2308
-  _globals['_SCORECOMPLETIONSRESPONSE']._serialized_start=2310
-  _globals['_SCORECOMPLETIONSRESPONSE']._serialized_end=2436
-  _globals['_EVALLOGSERVICE']._serialized_start=2439
-  _globals['_EVALLOGSERVICE']._serialized_end=2837
+  _globals['_SCORETHRESHOLD']._serialized_start=508
+  _globals['_SCORETHRESHOLD']._serialized_end=646
+  _globals['_QUERYRECORDSREQUEST']._serialized_start=649
+  _globals['_QUERYRECORDSREQUEST']._serialized_end=1085
+  _globals['_QUERYRECORDSREQUEST_METADATAENTRY']._serialized_start=1038
+  _globals['_QUERYRECORDSREQUEST_METADATAENTRY']._serialized_end=1085
+  _globals['_QUERYRECORDSRESPONSE']._serialized_start=1087
+  _globals['_QUERYRECORDSRESPONSE']._serialized_end=1178
+  _globals['_SUMMARIZEREQUEST']._serialized_start=1181
+  _globals['_SUMMARIZEREQUEST']._serialized_end=1456
+  _globals['_SUMMARIZEREQUEST_METADATAENTRY']._serialized_start=1038
+  _globals['_SUMMARIZEREQUEST_METADATAENTRY']._serialized_end=1085
+  _globals['_LATENCYSUMMARY']._serialized_start=1458
+  _globals['_LATENCYSUMMARY']._serialized_end=1522
+  _globals['_SCORESUMMARY']._serialized_start=1524
+  _globals['_SCORESUMMARY']._serialized_end=1649
+  _globals['_SUMMARY']._serialized_start=1652
+  _globals['_SUMMARY']._serialized_end=1990
+  _globals['_SUMMARIZERESPONSE']._serialized_start=1992
+  _globals['_SUMMARIZERESPONSE']._serialized_end=2058
+  _globals['_SCOREITEM']._serialized_start=2060
+  _globals['_SCOREITEM']._serialized_end=2141
+  _globals['_SCORECOMPLETIONSREQUEST']._serialized_start=2143
+  _globals['_SCORECOMPLETIONSREQUEST']._serialized_end=2213
+  _globals['_SCOREDITEM']._serialized_start=2215
+  _globals['_SCOREDITEM']._serialized_end=2269
+  _globals['_EVALUATORINFO']._serialized_start=2271
+  _globals['_EVALUATORINFO']._serialized_end=2347
+  _globals['_SCORECOMPLETIONSRESPONSE']._serialized_start=2349
+  _globals['_SCORECOMPLETIONSRESPONSE']._serialized_end=2475
+  _globals['_EVALLOGSERVICE']._serialized_start=2478
+  _globals['_EVALLOGSERVICE']._serialized_end=2876
 # @@protoc_insertion_point(module_scope)
