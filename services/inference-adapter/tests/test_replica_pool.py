@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 
+import numpy as np
 import pytest
 from conftest import StepReplica, run_through
 
@@ -196,6 +197,49 @@ async def test_embedding_failures_count_against_the_replica_as_step_failures_do(
     assert not pool.replicas[0].healthy
     with pytest.raises(Unavailable, match="no healthy Triton replica"):
         await backend.embed(["x"])
+
+
+class HeldEmbedder:
+    """An embedding replica whose batch waits to be let go; `close` cancels what is in flight, as
+    closing a gRPC channel does."""
+
+    def __init__(self) -> None:
+        self.let_go = asyncio.Event()
+        self.calls: set[asyncio.Task[None]] = set()
+        self.closed_with: list[int] = []  # batches still in flight when it was closed
+
+    async def embed(self, texts: list[str]) -> Embeddings:
+        call = asyncio.ensure_future(self.let_go.wait())
+        self.calls.add(call)
+        try:
+            await call
+        finally:
+            self.calls.discard(call)
+        return Embeddings(vectors=np.ones((len(texts), 3), dtype=np.float32), tokens=None)
+
+    async def close(self) -> None:
+        self.closed_with.append(len(self.calls))
+        for call in self.calls:
+            call.cancel()
+
+
+async def test_a_drained_replica_closes_its_embedding_channel_after_the_batch_on_its_way() -> None:
+    """A replica with no generation load was removed at once when drained, and closing its channel
+    cancelled the embedding batch in flight: every caller in it got UNAVAILABLE."""
+    a = StepReplica("a")
+    pool = make_pool(a)
+    embedder = HeldEmbedder()
+    backend = PooledEmbedBackend(pool, lambda url: embedder)
+    batch = asyncio.create_task(backend.embed(["x", "y"]))
+    await asyncio.sleep(0.01)
+    pool.drain("a")  # its address left DNS; the pod still answers
+    await asyncio.sleep(0.1)
+    assert pool.replicas == [] and embedder.closed_with == []  # out of the pool, its channel still open
+    embedder.let_go.set()
+    vectors = await asyncio.wait_for(batch, 5)
+    assert vectors.vectors.shape == (2, 3)
+    await asyncio.sleep(0.05)
+    assert embedder.closed_with == [0]  # closed once nothing was on its way
 
 
 # -- prefix-aware routing (prefix_routing.py) ---------------------------------------------

@@ -19,6 +19,8 @@ to its end: its KV cache is in that replica), then its scheduler stops and its c
 from __future__ import annotations
 
 import asyncio
+import collections
+import contextlib
 import functools
 import random
 import time
@@ -39,6 +41,10 @@ from sluice_inference_adapter.step_rows import PromptSpec
 from sluice_inference_adapter.waiting_queue import Priority
 
 log = structlog.stdlib.get_logger("sluice.replicas")
+
+# Without an embedding timeout: the longest a removed replica's channel stays open for the batches
+# still on their way to it.
+EMBED_DRAIN_S = 30.0
 
 
 class ReplicaBackend(Protocol):
@@ -388,6 +394,10 @@ class PooledEmbedBackend:
         self._make_backend = make_backend
         self._by_url: dict[str, ClosableEmbedBackend] = {}
         self._timeout = timeout
+        # Batches on their way per replica: a removed replica's channel closes after them, since
+        # closing a gRPC channel cancels its calls (every caller of such a batch got UNAVAILABLE).
+        self._in_flight: collections.Counter[str] = collections.Counter()
+        self._landed = asyncio.Condition()
         pool.on_removed.append(self._forget)
 
     async def embed(self, texts: list[str]) -> Embeddings:
@@ -395,16 +405,22 @@ class PooledEmbedBackend:
         name = replica.name
         if name not in self._by_url:
             self._by_url[name] = self._make_backend(name)
+        backend = self._by_url[name]
+        self._in_flight[name] += 1
         try:
             if self._timeout is None:
-                return await self._by_url[name].embed(texts)
-            return await self._embed_within_timeout(self._by_url[name], name, texts)
+                return await backend.embed(texts)
+            return await self._embed_within_timeout(backend, name, texts)
         except Exception as exc:
             # UNAVAILABLE (the replica failed or cut off the batch) or a transport error counts against
             # the replica as a failed step does; another SluiceError is about the request.
             if isinstance(exc, Unavailable) or not isinstance(exc, SluiceError):
                 self._pool.record(replica, ok=False)
             raise
+        finally:
+            self._in_flight[name] -= 1
+            async with self._landed:
+                self._landed.notify_all()
 
     async def _embed_within_timeout(self, backend: ClosableEmbedBackend, name: str, texts: list[str]) -> Embeddings:
         assert self._timeout is not None
@@ -428,9 +444,17 @@ class PooledEmbedBackend:
         return embeddings
 
     async def _forget(self, name: str) -> None:
+        """A removed replica: no new batch goes to it; its channel closes once the batches on their
+        way have landed (within the embedding timeout's ceiling, EMBED_DRAIN_S without one)."""
         backend = self._by_url.pop(name, None)
-        if backend is not None:
-            await backend.close()
+        if backend is None:
+            return
+        within_s = self._timeout.policy.ceiling_s if self._timeout is not None else EMBED_DRAIN_S
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(within_s), self._landed:
+                await self._landed.wait_for(lambda: self._in_flight[name] <= 0)
+        self._in_flight.pop(name, None)
+        await backend.close()
 
     async def close(self) -> None:
         backends, self._by_url = list(self._by_url.values()), {}
