@@ -8,6 +8,7 @@ tests/e2e/test_replicas.py.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -233,13 +234,21 @@ async def test_a_drained_replica_closes_its_embedding_channel_after_the_batch_on
     batch = asyncio.create_task(backend.embed(["x", "y"]))
     await asyncio.sleep(0.01)
     pool.drain("a")  # its address left DNS; the pod still answers
-    await asyncio.sleep(0.1)
-    assert pool.replicas == [] and embedder.closed_with == []  # out of the pool, its channel still open
+    await _soon(lambda: pool.replicas == [])
+    await asyncio.sleep(0.05)
+    assert embedder.closed_with == []  # out of the pool, its channel still open
     embedder.let_go.set()
     vectors = await asyncio.wait_for(batch, 5)
     assert vectors.vectors.shape == (2, 3)
-    await asyncio.sleep(0.05)
+    await _soon(lambda: embedder.closed_with != [])
     assert embedder.closed_with == [0]  # closed once nothing was on its way
+
+
+async def _soon(condition: Callable[[], bool], within_s: float = 5.0) -> None:
+    deadline = asyncio.get_running_loop().time() + within_s
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, "timed out"
+        await asyncio.sleep(0.01)
 
 
 # -- prefix-aware routing (prefix_routing.py) ---------------------------------------------
