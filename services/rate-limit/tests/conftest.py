@@ -56,9 +56,14 @@ async def harness(request: pytest.FixtureRequest) -> AsyncIterator[Harness]:
     try:
         yield Harness(backend, None)
     finally:
-        client = aioredis.Redis.from_url(REDIS_URL)
-        keys = [key async for key in client.scan_iter(f"{prefix}:*")]
-        if keys:
-            await client.delete(*keys)
-        await client.aclose()
+        await delete_keys(prefix)
         await backend.close()
+
+
+async def delete_keys(prefix: str) -> None:
+    """A test's keys off the shared Redis."""
+    client = aioredis.Redis.from_url(REDIS_URL)
+    keys = [key async for key in client.scan_iter(f"{prefix}:*")]
+    if keys:
+        await client.delete(*keys)
+    await client.aclose()

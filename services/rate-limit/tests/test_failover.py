@@ -67,8 +67,7 @@ async def test_a_probe_that_ends_without_a_verdict_never_holds_the_breaker_half_
     import uuid
 
     import pytest
-    import redis.asyncio as aioredis
-    from conftest import REDIS_URL
+    from conftest import REDIS_URL, delete_keys
 
     from sluice_rate_limit.budgets import LeaseNotFound
 
@@ -97,11 +96,7 @@ async def test_a_probe_that_ends_without_a_verdict_never_holds_the_breaker_half_
         decision = await backend.acquire([check(Policy.CLOSED)], True, 30, False, "m")  # the next call probes Redis
         assert decision.allowed and not decision.degraded and backend.breaker.state == CLOSED
     finally:
-        client = aioredis.Redis.from_url(REDIS_URL)
-        keys = [key async for key in client.scan_iter(f"{prefix}:*")]
-        if keys:
-            await client.delete(*keys)
-        await client.aclose()
+        await delete_keys(prefix)
         await backend.close()
 
 
@@ -111,8 +106,7 @@ async def test_a_lease_redis_granted_after_the_acquire_timed_out_is_released() -
     import asyncio
     import uuid
 
-    import redis.asyncio as aioredis
-    from conftest import REDIS_URL
+    from conftest import REDIS_URL, delete_keys
 
     from sluice_rate_limit import failover
     from sluice_rate_limit.budgets import Budget, Kind
@@ -143,9 +137,5 @@ async def test_a_lease_redis_granted_after_the_acquire_timed_out_is_released() -
         assert later.allowed, later.reason  # the one in-flight slot is free again
     finally:
         failover.ORPHAN_RELEASE_DELAYS_S = saved
-        client = aioredis.Redis.from_url(REDIS_URL)
-        keys = [key async for key in client.scan_iter(f"{prefix}:*")]
-        if keys:
-            await client.delete(*keys)
-        await client.aclose()
+        await delete_keys(prefix)
         await backend.close()
