@@ -30,11 +30,8 @@ class RateLimitConfig(ServerConfig):
     replicas: int = 1
     # The sliding window of the per-minute budgets (60 s; tests shorten it).
     window_s: float = 60.0
-    # The longest a lease lives before it expires and frees its capacity: a lease lives as long as
-    # its call's deadline (and the gateway's 30 s margin) up to this, so it covers the gateway's
-    # longest default deadline (3,600 s, a stream or a bulk row); a stream outliving its lease
-    # would stop counting in flight while it runs.
-    max_lease_ttl_s: float = 3660.0
+    # The longest a lease lives before it expires and frees its capacity.
+    max_lease_ttl_s: float = 600.0
 
     def __post_init__(self) -> None:
         require(str(self.limits_file) not in ("", "."), f"{ENV_PREFIX}LIMITS_FILE is required: the TOML file of limits")

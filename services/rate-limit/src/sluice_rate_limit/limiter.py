@@ -33,7 +33,7 @@ class Backend(Protocol):
 
 
 class RateLimiter:
-    def __init__(self, limits: LimitsFile | Callable[[], Limits], backend: Backend, max_lease_ttl_s: float = 3660.0) -> None:
+    def __init__(self, limits: LimitsFile | Callable[[], Limits], backend: Backend, max_lease_ttl_s: float = 600.0) -> None:
         self._limits_file = limits if isinstance(limits, LimitsFile) else None
         self._limits = (lambda: limits.current) if isinstance(limits, LimitsFile) else limits
         self.backend = backend
