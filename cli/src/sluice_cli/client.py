@@ -22,6 +22,7 @@ from sluice_common.config import ClientTLS
 
 Metadata = tuple[tuple[str, str], ...]
 Stub = TypeVar("Stub")
+T = TypeVar("T")
 ENV_PREFIX = "SLUICE_TLS_"
 
 
@@ -84,3 +85,18 @@ def aio_channel(address: str, tls: ClientTLS | None = None) -> grpc.aio.Channel:
 def stub(make: Callable[[grpc.Channel], Stub], address: str) -> Stub:
     """A stub on a new channel to `address`, e.g. stub(GatewayServiceStub, args.gateway)."""
     return make(channel(address))
+
+
+def bounded(parse: Callable[[str], T], valid: Callable[[T], bool], refusal: str) -> Callable[[str], T]:
+    """An argparse type: the text parsed and checked, else refused with `refusal` naming the text."""
+
+    def convert(text: str) -> T:
+        try:
+            value = parse(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{refusal}, got {text!r}") from None
+        if not valid(value):
+            raise argparse.ArgumentTypeError(f"{refusal}, got {text!r}")
+        return value
+
+    return convert

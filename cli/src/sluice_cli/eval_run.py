@@ -30,7 +30,7 @@ from sluice.evallog.v1 import evallog_pb2, evallog_pb2_grpc, events_pb2
 from sluice.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from sluice.jobs.v1 import jobs_pb2
 
-from sluice_cli.client import NoAPIKey, bearer_metadata, stub
+from sluice_cli.client import NoAPIKey, bearer_metadata, bounded, stub
 from sluice_cli.eval_compare import (
     EXIT_ERROR,
     DatasetError,
@@ -250,14 +250,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         return EXIT_ERROR
 
 
-def _threshold(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not 0.0 <= value <= 1.0:
-        raise argparse.ArgumentTypeError(f"a share of the pass rate in [0, 1] (0.05 = five points), got {text!r}")
-    return value
+_threshold = bounded(float, lambda value: 0.0 <= value <= 1.0, "a share of the pass rate in [0, 1] (0.05 = five points)")
 
 
 def add_eval_parser(commands: Any) -> None:

@@ -29,7 +29,7 @@ from sluice.common.v1 import types_pb2
 from sluice.evallog.v1 import evallog_pb2, evallog_pb2_grpc
 from sluice.gateway.v1 import gateway_pb2
 
-from sluice_cli.client import NoAPIKey, bearer_metadata, channel, command_metadata, gateway_stub
+from sluice_cli.client import NoAPIKey, bearer_metadata, bounded, channel, command_metadata, gateway_stub
 from sluice_cli.diagnose_collect import add_diagnose_parser
 from sluice_cli.eval_run import add_eval_parser
 from sluice_cli.jobs import add_jobs_parser
@@ -149,24 +149,8 @@ def _duration_s(text: str) -> float:
     return value
 
 
-def _interval_s(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"a polling interval is a positive number of seconds: {text!r}")
-    return value
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {text!r}")
-    return value
+_interval_s = bounded(float, lambda value: 0 < value < float("inf"), "a polling interval is a positive number of seconds")
+_positive_int = bounded(int, lambda value: value >= 1, "must be a whole number >= 1")
 
 
 def _stamp(epoch_s: float) -> timestamp_pb2.Timestamp:
