@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import time
 
@@ -12,7 +13,7 @@ from sluice.common.v1 import types_pb2
 from sluice.gateway.v1 import gateway_pb2
 from sluice.ratelimit.v1 import ratelimit_pb2, ratelimit_pb2_grpc
 
-from sluice_common.errors import Unavailable
+from sluice_common.errors import DeadlineExceeded, Unavailable
 from sluice_common.errors import ResourceExhausted
 from sluice_gateway.path.admission import (
     Admission,
@@ -187,3 +188,124 @@ async def test_a_request_larger_than_the_whole_allowance_is_refused_without_a_re
     message = str(caught.value)
     assert "request too large" in message and "tokens_per_minute allowance of 200000" in message
     assert "no retry can admit it" in message and "retry after" not in message
+
+
+class _RenewingStub(_FakeStub):
+    """Grants `granted_s` per lease and renewal, as a rate-limit whose maximum TTL is that short."""
+
+    def __init__(self, granted_s: float, renew_code: grpc.StatusCode | None = None) -> None:
+        super().__init__([])
+        self.granted = duration_pb2.Duration()
+        self.granted.FromNanoseconds(int(granted_s * 1e9))
+        self.renew_code = renew_code
+        self.renewed: list[ratelimit_pb2.RenewRequest] = []
+
+    async def Acquire(self, request, timeout=None, metadata=None):  # noqa: N802 - the stub's name
+        self.acquired.append(request)
+        return ratelimit_pb2.AcquireResponse(allowed=True, lease_id="l1", lease_ttl=self.granted)
+
+    async def Renew(self, request, timeout=None, metadata=None):  # noqa: N802 - the stub's name
+        self.renewed.append(request)
+        if self.renew_code is not None:
+            raise grpc.aio.AioRpcError(self.renew_code, grpc.aio.Metadata(), grpc.aio.Metadata(), details="lease l1 is unknown")
+        return ratelimit_pb2.RenewResponse(lease_ttl=self.granted)
+
+
+async def test_a_call_running_past_its_granted_lease_renews_it_until_settled() -> None:
+    stub = _RenewingStub(granted_s=0.2)  # the server capped the deadline's 10 s + margin at 0.2 s
+    ticket = await Admission(stub, "closed").admit("t", generation_reservation(request()), time_remaining=10.0)  # type: ignore[arg-type]
+    await asyncio.sleep(0.5)
+    renewals = len(stub.renewed)
+    assert 3 <= renewals <= 6  # halfway to each expiry: about every 0.1 s
+    assert {r.lease_id for r in stub.renewed} == {"l1"}
+    # each asks for what the call may still need: its deadline's remainder plus the margin
+    assert 10.0 < stub.renewed[-1].lease_ttl.ToNanoseconds() / 1e9 < 40.0
+    ticket.settle()
+    await asyncio.sleep(0.3)
+    assert len(stub.renewed) == renewals  # settled: no renewal after it
+
+
+async def test_a_lease_granted_the_whole_deadline_is_never_renewed() -> None:
+    stub = _RenewingStub(granted_s=40.0)  # 10 s deadline + 30 s margin fits
+    ticket = await Admission(stub, "closed").admit("t", generation_reservation(request()), time_remaining=10.0)  # type: ignore[arg-type]
+    assert stub.acquired[0].lease_ttl.ToNanoseconds() / 1e9 == pytest.approx(40.0)
+    assert ticket.renewal is None
+    ticket.settle()
+
+
+async def test_a_long_call_asks_for_one_grant_at_a_time_and_renews() -> None:
+    """A gateway that dies leaves its leases for one grant (60 s), not the call's hour."""
+    stub = _RenewingStub(granted_s=60.0)
+    ticket = await Admission(stub, "closed", lease_ttl_s=60.0).admit("t", generation_reservation(request()), time_remaining=3600.0)  # type: ignore[arg-type]
+    assert stub.acquired[0].lease_ttl.seconds == 60
+    assert ticket.renewal is not None and not ticket.renewal.done()
+    ticket.settle()
+    await asyncio.sleep(0)
+    assert ticket.renewal.cancelled()
+
+
+async def test_renewals_stop_once_the_server_no_longer_knows_the_lease() -> None:
+    stub = _RenewingStub(granted_s=0.2, renew_code=grpc.StatusCode.NOT_FOUND)
+    ticket = await Admission(stub, "closed").admit("t", generation_reservation(request()), time_remaining=None)  # type: ignore[arg-type]
+    await asyncio.sleep(0.4)
+    assert len(stub.renewed) == 1
+    assert stub.acquired[0].lease_ttl.seconds == stub.renewed[0].lease_ttl.seconds == 60  # no deadline: a grant at a time
+    assert ticket.renewal is not None and ticket.renewal.done()
+    ticket.settle()
+
+
+async def test_a_failed_renewal_is_tried_again_before_the_lease_expires() -> None:
+    stub = _RenewingStub(granted_s=0.4, renew_code=grpc.StatusCode.UNAVAILABLE)
+    ticket = await Admission(stub, "closed").admit("t", generation_reservation(request()), time_remaining=10.0)  # type: ignore[arg-type]
+    await asyncio.sleep(0.6)
+    # at 0.2, 0.3, 0.35, ... halfway to the expiry each time, then given up once it passed
+    assert len(stub.renewed) >= 3
+    assert ticket.renewal is not None and ticket.renewal.done()  # expired: nothing left to renew
+    ticket.settle()
+
+
+class _SlowGrant(_FakeStub):
+    """Grants after `delay_s`, or fails with `code`; records what is given back."""
+
+    def __init__(self, delay_s: float = 0.0, code: grpc.StatusCode | None = None) -> None:
+        super().__init__([])
+        self.delay_s = delay_s
+        self.code = code
+        self.released: list[str] = []
+
+    async def Acquire(self, request, timeout=None, metadata=None):  # noqa: N802 - the stub's name
+        await asyncio.sleep(self.delay_s)
+        if self.code is not None:
+            raise grpc.aio.AioRpcError(self.code, grpc.aio.Metadata(), grpc.aio.Metadata(), details="Deadline Exceeded")
+        return await super().Acquire(request, timeout, metadata)
+
+    async def Release(self, request, timeout=None, metadata=None):  # noqa: N802 - the stub's name
+        self.released.append(request.lease_id)
+        return ratelimit_pb2.ReleaseResponse()
+
+
+async def test_a_grant_reaching_a_call_cancelled_while_it_waited_is_given_back() -> None:
+    stub = _SlowGrant(delay_s=0.2)
+    admission = Admission(stub, "closed")  # type: ignore[arg-type]
+    waiting = asyncio.ensure_future(admission.admit("t", generation_reservation(request()), time_remaining=10.0))
+    await asyncio.sleep(0.05)
+    waiting.cancel()  # the client went away while rate-limit decided
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+    await asyncio.sleep(0.3)
+    await admission.drain()
+    assert stub.released == ["l1"]  # not held until the lease expired
+
+
+@pytest.mark.parametrize("policy", ["closed", "open"])
+async def test_a_request_whose_own_deadline_ends_during_admission_is_deadline_exceeded(policy: str) -> None:
+    admission = Admission(_SlowGrant(code=grpc.StatusCode.DEADLINE_EXCEEDED), policy, timeout_s=0.5)  # type: ignore[arg-type]
+    with pytest.raises(DeadlineExceeded, match="deadline"):
+        await admission.admit("t", generation_reservation(request()), time_remaining=0.05)
+    # the gateway's own timeout (not the request's deadline) cut it: rate-limit is slow, the policy applies
+    late = Admission(_SlowGrant(code=grpc.StatusCode.DEADLINE_EXCEEDED), policy, timeout_s=0.5)  # type: ignore[arg-type]
+    if policy == "closed":
+        with pytest.raises(Unavailable):
+            await late.admit("t", generation_reservation(request()), time_remaining=10.0)
+    else:
+        assert (await late.admit("t", generation_reservation(request()), time_remaining=10.0)).lease_id == ""

@@ -78,6 +78,29 @@ async def test_an_expired_lease_frees_its_capacity(harness) -> None:
         await backend.settle(lease.lease_id, 0)
 
 
+async def test_a_renewed_lease_holds_its_capacity_past_its_first_expiry(harness) -> None:
+    backend = harness.backend
+    lease = await backend.acquire([rif(1)], True, 0.3, False, "m")
+    await harness.advance(0.15)
+    renewed = await backend.renew(lease.lease_id, 0.6)
+    assert renewed > lease.lease_expires_at + 0.2
+    await harness.advance(0.3)  # past the first expiry, before the renewed one
+    assert not (await backend.acquire([rif(1)], True, 0.3, False, "m")).allowed
+    await harness.advance(0.5)
+    assert (await backend.acquire([rif(1)], True, 30, False, "m")).allowed
+    with pytest.raises(LeaseNotFound):  # expired: a renewal cannot bring it back
+        await backend.renew(lease.lease_id, 0.6)
+
+
+async def test_a_settled_lease_cannot_be_renewed(harness) -> None:
+    backend = harness.backend
+    lease = await backend.acquire([rif(1)], True, 30, False, "m")
+    await backend.settle(lease.lease_id, 0)
+    with pytest.raises(LeaseNotFound):
+        await backend.renew(lease.lease_id, 30)
+    assert (await backend.acquire([rif(1)], True, 30, False, "m")).allowed
+
+
 async def test_window_capacity_comes_back_after_the_window(harness) -> None:
     backend = harness.backend
     assert (await backend.acquire([rpm(1)], True, 30, False, "m")).allowed

@@ -54,6 +54,7 @@ async def test_fail_open_falls_back_to_limit_over_replicas_and_settles_locally()
     assert [d.allowed for d in decisions] == [True] * 5 + [False] * 2  # 10 / 2 replicas
     assert all(d.degraded for d in decisions)
     assert decisions[0].lease_id.startswith("local-")
+    assert await backend.renew(decisions[0].lease_id, 60) > decisions[0].lease_expires_at  # local leases renew locally
     await backend.settle(decisions[0].lease_id, 0)
     assert backend.breaker.state == OPEN  # no Redis call was waited for once open
     await backend.close()
@@ -130,6 +131,47 @@ async def test_a_lease_redis_granted_after_the_acquire_timed_out_is_released() -
         assert not lost.allowed and lost.degraded  # decided without Redis: fail-closed
         deadline = asyncio.get_running_loop().time() + 10
         while True:  # the script ran at Redis; its lease is settled soon after (0.4 s here)
+            later = await RedisBackend.acquire(primary, [one_in_flight], True, 600, False, "m")
+            if later.allowed or asyncio.get_running_loop().time() > deadline:
+                break
+            await asyncio.sleep(0.1)
+        assert later.allowed, later.reason  # the one in-flight slot is free again
+    finally:
+        failover.ORPHAN_RELEASE_DELAYS_S = saved
+        await delete_keys(prefix)
+        await backend.close()
+
+
+async def test_a_lease_redis_granted_to_an_acquire_its_caller_cancelled_is_released() -> None:
+    """The caller gave up (its deadline cancelled the handler) after Redis had the script."""
+    import asyncio
+    import uuid
+
+    from conftest import REDIS_URL, delete_keys
+
+    from sluice_rate_limit import failover
+    from sluice_rate_limit.budgets import Budget, Kind
+
+    class SlowReply(RedisBackend):
+        async def acquire(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+            granted = asyncio.ensure_future(super().acquire(*args, **kwargs))
+            await asyncio.sleep(0.3)
+            return await granted
+
+    prefix = f"test:rl:{uuid.uuid4().hex[:8]}"
+    primary = SlowReply(REDIS_URL, prefix, 10.0, timeout_s=0.1)
+    backend = FailoverBackend(primary, CircuitBreaker(5, 0.5), replicas=1, timeout_s=1.0)
+    one_in_flight = Check(Budget.REQUESTS_IN_FLIGHT, Kind.GAUGE, "t:a:rif", 1, 1, policy=Policy.CLOSED, name="requests_in_flight")
+    saved = failover.ORPHAN_RELEASE_DELAYS_S
+    failover.ORPHAN_RELEASE_DELAYS_S = (0.4,)
+    try:
+        caller = asyncio.ensure_future(backend.acquire([one_in_flight], True, 600, False, "m"))
+        await asyncio.sleep(0.15)  # the script has run at Redis; its reply is on its way
+        caller.cancel()
+        await asyncio.gather(caller, return_exceptions=True)
+        assert backend.breaker.state == CLOSED  # a caller gone says nothing about Redis
+        deadline = asyncio.get_running_loop().time() + 10
+        while True:
             later = await RedisBackend.acquire(primary, [one_in_flight], True, 600, False, "m")
             if later.allowed or asyncio.get_running_loop().time() > deadline:
                 break

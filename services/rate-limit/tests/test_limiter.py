@@ -51,6 +51,10 @@ async def test_lease_ttl_is_capped_and_bad_input_is_rejected() -> None:
     rl = limiter("[defaults]\nrequests_in_flight = 5\n")
     decision = await rl.acquire("a", "m", True, 1, 10, lease_ttl_s=3600)
     assert decision.lease_expires_at - FakeClock().now == pytest.approx(60)
+    assert decision.lease_ttl_s == 60  # the caller learns it was capped, and renews
+    short = await rl.acquire("a", "m", True, 1, 10, lease_ttl_s=5)
+    assert short.lease_ttl_s == 5
+    await rl.release(short.lease_id)
     with pytest.raises(InvalidArgument):
         await rl.acquire("", "m", True, 1, 10)
     with pytest.raises(InvalidArgument):
@@ -97,3 +101,17 @@ def test_the_reply_of_a_too_large_request_has_no_retry_after() -> None:
     assert reply.exceeds_limit and not reply.HasField("retry_after")
     paced = acquire_response(Decision(allowed=False, denied_by=Budget.TOKENS_PER_MINUTE, retry_after_s=2.0))
     assert not paced.exceeds_limit and paced.retry_after.seconds == 2
+
+
+async def test_a_renewal_is_capped_like_an_acquire_and_an_unknown_lease_is_not_found() -> None:
+    rl = limiter("[defaults]\nrequests_in_flight = 5\n")
+    decision = await rl.acquire("a", "m", True, 1, 10, lease_ttl_s=30)
+    expires_at, ttl = await rl.renew(decision.lease_id, 3600)
+    assert ttl == 60 and expires_at - FakeClock().now == pytest.approx(60)
+    assert (await rl.renew(decision.lease_id, 5))[1] == 5
+    assert (await rl.renew(decision.lease_id))[1] == 60  # unset: the maximum
+    await rl.commit(decision.lease_id, 5)
+    with pytest.raises(NotFound, match="already settled, or expired"):
+        await rl.renew(decision.lease_id, 5)
+    with pytest.raises(InvalidArgument):
+        await rl.renew("", 5)

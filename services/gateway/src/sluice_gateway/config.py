@@ -64,6 +64,9 @@ class SharedSettings:
     # "closed" answers UNAVAILABLE, "open" admits without a lease.
     ratelimit_policy: str = "closed"
     ratelimit_timeout_s: float = 0.5
+    # The longest a lease is asked to live at a time: a call that runs longer renews it, and the
+    # leases of a gateway that dies free their capacity within this.
+    ratelimit_lease_ttl_s: float = 60.0
     # TLS to rate-limit, as for the adapter above.
     ratelimit_tls: ClientTLS = nested(ClientTLS)
     # Bulk jobs (issue 6). Their state: SQLite at JOBS_SQLITE_PATH (shared by the gateway and the job
@@ -95,6 +98,7 @@ class SharedSettings:
             f"{ENV_PREFIX}RATELIMIT_POLICY must be closed or open, got {self.ratelimit_policy!r}",
         )
         require(self.ratelimit_timeout_s > 0, f"{ENV_PREFIX}RATELIMIT_TIMEOUT_S must be > 0, got {self.ratelimit_timeout_s}")
+        require(self.ratelimit_lease_ttl_s >= 1, f"{ENV_PREFIX}RATELIMIT_LEASE_TTL_S must be >= 1, got {self.ratelimit_lease_ttl_s}")
         require(self.default_max_tokens >= 1, f"{ENV_PREFIX}DEFAULT_MAX_TOKENS must be >= 1, got {self.default_max_tokens}")
         require(self.events_outbox_size >= 1, f"{ENV_PREFIX}EVENTS_OUTBOX_SIZE must be >= 1, got {self.events_outbox_size}")
         require(self.events_max_in_flight >= 1, f"{ENV_PREFIX}EVENTS_MAX_IN_FLIGHT must be >= 1, got {self.events_max_in_flight}")

@@ -81,6 +81,8 @@ class Decision:
     lease_id: str = ""
     # Unix time, seconds.
     lease_expires_at: float = 0.0
+    # How long the lease lives from the decision: the asked TTL capped at the server's maximum.
+    lease_ttl_s: float = 0.0
     states: list[BudgetState] = field(default_factory=list)
     denied_by: Budget | None = None
     denied_name: str = ""

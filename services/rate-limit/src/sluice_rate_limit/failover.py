@@ -90,6 +90,9 @@ class FailoverBackend:
             reason = str(exc)
             if exc.sent:
                 self._release_later(lease_id)
+        except asyncio.CancelledError:
+            self._release_later(lease_id)  # the caller gave up while Redis may have run the script
+            raise
         closed = [c for c in checks if c.policy is Policy.CLOSED]
         if closed:
             metrics.child(metrics.FALLBACKS, "refused").inc()
@@ -134,6 +137,11 @@ class FailoverBackend:
         if lease_id.startswith(LOCAL_PREFIX):
             return await self.fallback.settle(lease_id, used_tokens)
         return await self._call("settle", self.primary.settle(lease_id, used_tokens))
+
+    async def renew(self, lease_id: str, ttl_s: float) -> float:
+        if lease_id.startswith(LOCAL_PREFIX):
+            return await self.fallback.renew(lease_id, ttl_s)
+        return await self._call("renew", self.primary.renew(lease_id, ttl_s))
 
     async def peek(self, checks: list[Check], tag: str = "") -> list[BudgetState]:
         return await self._call("peek", self.primary.peek(checks, tag))

@@ -28,6 +28,7 @@ class Backend(Protocol):
 
     async def acquire(self, checks: list[Check], interactive: bool, ttl_s: float, shadow: bool, tag: str = "") -> Decision: ...
     async def settle(self, lease_id: str, used_tokens: int | None) -> list[BudgetState]: ...
+    async def renew(self, lease_id: str, ttl_s: float) -> float: ...
     async def peek(self, checks: list[Check], tag: str = "") -> list[BudgetState]: ...
     async def close(self) -> None: ...
 
@@ -62,7 +63,7 @@ class RateLimiter:
         if tokens < 0:
             raise InvalidArgument("reserved_tokens", f"must be >= 0, got {tokens}")
         requests = requests or 1
-        ttl = self.max_lease_ttl_s if not lease_ttl_s or lease_ttl_s <= 0 else min(lease_ttl_s, self.max_lease_ttl_s)
+        ttl = self._ttl(lease_ttl_s)
         checks, shadow = self.limits.checks(tenant, model, interactive, requests, tokens)
         self._seen.add((tenant, model))
         if not checks:
@@ -73,6 +74,7 @@ class RateLimiter:
         if self._timed:
             self._backend_seconds["acquire"].observe(time.perf_counter() - started)
         if decision.allowed:
+            decision.lease_ttl_s = ttl if decision.lease_id else 0.0
             self._allowed.inc()
             for state in decision.states:
                 if state.remaining < state.limit * NEAR_LIMIT_SHARE:
@@ -104,6 +106,24 @@ class RateLimiter:
         )
         return decision
 
+    def _ttl(self, asked_s: float | None) -> float:
+        return self.max_lease_ttl_s if not asked_s or asked_s <= 0 else min(asked_s, self.max_lease_ttl_s)
+
+    async def renew(self, lease_id: str, lease_ttl_s: float | None = None) -> tuple[float, float]:
+        """(new expiry, Unix seconds; the TTL granted) for a live lease, whose call runs on."""
+        if not lease_id:
+            raise InvalidArgument("lease_id", "must not be empty")
+        ttl = self._ttl(lease_ttl_s)
+        try:
+            expires_at = await self.backend.renew(lease_id, ttl)
+        except LeaseNotFound:
+            metrics.child(metrics.LEASES_RENEWED, "unknown").inc()
+            raise NotFound(f"lease {lease_id} is unknown: already settled, or expired") from None
+        except BackendUnavailable as exc:
+            raise Unavailable(f"cannot renew lease {lease_id}: {exc}") from None
+        metrics.child(metrics.LEASES_RENEWED, "renewed").inc()
+        return expires_at, ttl
+
     async def commit(self, lease_id: str, used_tokens: int) -> list[BudgetState]:
         if used_tokens < 0:
             raise InvalidArgument("used_tokens", f"must be >= 0, got {used_tokens}")
@@ -111,6 +131,16 @@ class RateLimiter:
 
     async def release(self, lease_id: str) -> None:
         await self._settle(lease_id, None, "release")
+
+    async def abandon(self, lease_id: str) -> None:
+        """Releases a lease granted to a caller that gave up before hearing of it (its deadline
+        passed while it was decided): nobody else would settle it before its expiry."""
+        try:
+            await self.backend.settle(lease_id, None)
+        except (LeaseNotFound, BackendUnavailable) as exc:
+            log.warning("abandoned_lease_not_released", lease_id=lease_id, error=repr(exc))
+            return
+        metrics.child(metrics.LEASES_SETTLED, "abandoned").inc()
 
     async def _settle(self, lease_id: str, used_tokens: int | None, how: str) -> list[BudgetState]:
         if not lease_id:

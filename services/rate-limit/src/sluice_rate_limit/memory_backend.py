@@ -182,6 +182,18 @@ class MemoryBackend:
                     store.pace(now, -delta, check.limit)
         return [self._state(check, store, now) for check, store, _ in lease.entries]
 
+    async def renew(self, lease_id: str, ttl_s: float) -> float:
+        """A live lease's new expiry, `ttl_s` from now (LeaseNotFound once settled or expired)."""
+        now = self._clock()
+        self._sweep(now)
+        lease = self._leases.get(lease_id)
+        if lease is None:
+            raise LeaseNotFound(lease_id)
+        lease.expires_at = now + ttl_s
+        # The earlier heap entry stays: _sweep skips an entry whose lease now expires later.
+        self._expire_at(lease.expires_at, lease_id)
+        return lease.expires_at
+
     async def peek(self, checks: list[Check], tag: str = "") -> list[BudgetState]:
         now = self._clock()
         self._sweep(now)

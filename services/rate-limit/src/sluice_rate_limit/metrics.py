@@ -36,7 +36,16 @@ FALLBACKS = Counter(
 )
 CIRCUIT_OPEN = Gauge("sluice_ratelimit_circuit_open", "1 while the circuit breaker in front of Redis is open.")
 LEASES_EXPIRED = Counter("sluice_ratelimit_leases_expired_total", "Leases never settled, freed at expiry.")
-LEASES_SETTLED = Counter("sluice_ratelimit_leases_settled_total", "Leases settled, by how.", ["how"])
+LEASES_RENEWED = Counter(
+    "sluice_ratelimit_leases_renewed_total",
+    "Renew calls by result: renewed, or unknown (the lease was settled or had expired: the call stopped counting in flight).",
+    ["result"],
+)
+LEASES_SETTLED = Counter(
+    "sluice_ratelimit_leases_settled_total",
+    "Leases settled, by how: commit, release, abandoned (granted after its caller's deadline had passed), unknown (no such lease).",
+    ["how"],
+)
 REFUNDED_TOKENS = Counter("sluice_ratelimit_refunded_tokens_total", "Reserved tokens given back at commit.")
 RELOADS = Counter("sluice_ratelimit_limits_reloads_total", "Limits file reloads by result (applied, rejected).", ["result"])
 

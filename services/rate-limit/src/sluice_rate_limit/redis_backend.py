@@ -271,6 +271,21 @@ return out
 """
 )
 
+# ARGV: window_ms, lease_id, ttl ms. Returns the new expiry ms (0: no such live lease), expired leases.
+RENEW = (
+    _COMMON
+    + r"""
+local lease_id, ttl = ARGV[2], tonumber(ARGV[3])
+local expired = sweep()
+local at = redis.call('ZSCORE', expiry, lease_id)
+-- past its expiry but beyond this sweep's batch: as good as expired, left to a later sweep
+if not at or tonumber(at) <= now then return {0, expired} end
+local expires = now + ttl
+redis.call('ZADD', expiry, expires, lease_id)
+return {math.floor(expires), expired}
+"""
+)
+
 # ARGV: window_ms, then triples kind, log key or gauge field, totals key. Returns per check used, reset ms.
 PEEK = (
     _COMMON
@@ -340,6 +355,7 @@ class RedisBackend:
         self._acquire = self.client.register_script(ACQUIRE)
         self._settle = self.client.register_script(SETTLE)
         self._peek = self.client.register_script(PEEK)
+        self._renew = self.client.register_script(RENEW)
         self._scripts = ScriptPipeline(self.client)
         # Per tag: the keys of its lease tables, and each budget key's (log or gauge field, totals
         # key), formatted once instead of twice per budget of every decision.
@@ -430,6 +446,17 @@ class RedisBackend:
             limit = int(reply[i + 1])
             states.append(BudgetState(budget, limit, max(0, limit - int(reply[i + 2])), int(reply[i + 3]) / 1000.0, BUDGET_NAMES[budget]))
         return states
+
+    async def renew(self, lease_id: str, ttl_s: float) -> float:
+        """A live lease's new expiry, `ttl_s` from now by Redis's clock (LeaseNotFound once settled or expired)."""
+        _hex, _, tag = lease_id.partition(".")
+        reply = await self._renew(keys=self._names_of(tag)[0], args=[self._window_ms, lease_id, int(ttl_s * 1000)])
+        expires_ms, expired = int(reply[0]), int(reply[1])
+        if expired and self._on_expired is not None:
+            self._on_expired(expired)
+        if not expires_ms:
+            raise LeaseNotFound(lease_id)
+        return expires_ms / 1000.0
 
     async def peek(self, checks: list[Check], tag: str = "") -> list[BudgetState]:
         lease_keys, fields = self._names_of(tag)

@@ -36,6 +36,10 @@ def _add_statuses(budgets: Any, states: list[BudgetState]) -> None:
             reset.seconds, reset.nanos = divmod(nanos, 1_000_000_000)
 
 
+def _set_time(timestamp: Any, unix_s: float) -> None:
+    timestamp.seconds, timestamp.nanos = divmod(int(unix_s * 1e9), 1_000_000_000)
+
+
 def acquire_response(decision: Decision) -> ratelimit_pb2.AcquireResponse:
     response = ratelimit_pb2.AcquireResponse(
         allowed=decision.allowed,
@@ -46,8 +50,8 @@ def acquire_response(decision: Decision) -> ratelimit_pb2.AcquireResponse:
     )
     _add_statuses(response.budgets, decision.states)
     if decision.lease_expires_at:
-        expires = response.lease_expires_at
-        expires.seconds, expires.nanos = divmod(int(decision.lease_expires_at * 1e9), 1_000_000_000)
+        _set_time(response.lease_expires_at, decision.lease_expires_at)
+        response.lease_ttl.CopyFrom(_duration(decision.lease_ttl_s))
     if decision.denied_by is not None:
         response.denied_by = int(decision.denied_by)
         if not decision.exceeds_limit:
@@ -69,6 +73,11 @@ class RateLimitServicer(ratelimit_pb2_grpc.RateLimitServiceServicer):
             request.reserved_tokens,
             ttl,
         )
+        remaining = context.time_remaining()
+        if decision.lease_id and remaining is not None and remaining <= 0:
+            # The caller's deadline passed while this was decided: the answer goes nowhere, and
+            # nobody would settle its lease before the lease's expiry.
+            await self._limiter.abandon(decision.lease_id)
         return acquire_response(decision)
 
     async def Commit(self, request: ratelimit_pb2.CommitRequest, context: grpc.aio.ServicerContext) -> ratelimit_pb2.CommitResponse:
@@ -79,6 +88,13 @@ class RateLimitServicer(ratelimit_pb2_grpc.RateLimitServiceServicer):
     async def Release(self, request: ratelimit_pb2.ReleaseRequest, context: grpc.aio.ServicerContext) -> ratelimit_pb2.ReleaseResponse:
         await self._limiter.release(request.lease_id)
         return ratelimit_pb2.ReleaseResponse()
+
+    async def Renew(self, request: ratelimit_pb2.RenewRequest, context: grpc.aio.ServicerContext) -> ratelimit_pb2.RenewResponse:
+        asked = request.lease_ttl.ToNanoseconds() / 1e9 if request.HasField("lease_ttl") else None
+        expires_at, ttl = await self._limiter.renew(request.lease_id, asked)
+        response = ratelimit_pb2.RenewResponse(lease_ttl=_duration(ttl))
+        _set_time(response.lease_expires_at, expires_at)
+        return response
 
     async def GetUsage(self, request: ratelimit_pb2.GetUsageRequest, context: grpc.aio.ServicerContext) -> ratelimit_pb2.GetUsageResponse:
         rows = await self._limiter.usage(request.tenant)

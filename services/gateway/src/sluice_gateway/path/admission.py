@@ -18,12 +18,16 @@ the chunks carried. The ticket keeps no count of its own: it reads the stream's 
 deadline read too.
 
 Failures: Acquire is bounded by SLUICE_GATEWAY_RATELIMIT_TIMEOUT_S and by the request's deadline,
-so a call never hangs on an unreachable rate-limit. Then the policy applies: "closed" (default)
-answers UNAVAILABLE; "open" admits without a lease. A denial answers RESOURCE_EXHAUSTED with
+so a call never hangs on an unreachable rate-limit. A call whose own deadline ran out while it
+waited answers DEADLINE_EXCEEDED; otherwise the policy applies: "closed" (default) answers
+UNAVAILABLE; "open" admits without a lease. A grant that reaches a call cancelled while it waited
+is given back (Release). A denial answers RESOURCE_EXHAUSTED with
 google.rpc.RetryInfo and QuotaFailure; a request larger than a whole limit (it can never be
 admitted) answers RESOURCE_EXHAUSTED with QuotaFailure and no RetryInfo; a denial by a fail-closed budget whose Redis is unreachable
 (degraded) answers UNAVAILABLE. Commit runs in a background task after the call ended, so it
-never delays the client; if it fails, the lease frees its capacity when it expires.
+never delays the client; if it fails, the lease frees its capacity when it expires. A lease lives
+at most SLUICE_GATEWAY_RATELIMIT_LEASE_TTL_S at a time: a call that runs longer renews it until
+settled (lease_renewal.py).
 """
 
 from __future__ import annotations
@@ -40,9 +44,10 @@ from sluice.common.v1 import types_pb2
 from sluice.gateway.v1 import gateway_pb2
 from sluice.ratelimit.v1 import ratelimit_pb2, ratelimit_pb2_grpc
 
-from sluice_common.errors import ResourceExhausted, Unavailable
+from sluice_common.errors import DeadlineExceeded, ResourceExhausted, Unavailable
 from sluice_common.prompt_tokens import estimate_prompt_tokens, guess_text_tokens
 from sluice_common.request_context import current_request_id, outgoing_metadata
+from sluice_gateway.path.lease_renewal import first_ttl, keep_alive, needs_renewal
 from sluice_gateway.path.stream_record import StreamRecord
 
 log = structlog.stdlib.get_logger("sluice.gateway.admission")
@@ -50,7 +55,7 @@ log = structlog.stdlib.get_logger("sluice.gateway.admission")
 DECISIONS = Counter(
     "sluice_gateway_ratelimit_decisions_total",
     "Admission outcomes: allowed, shadow, denied, too_large (more than a whole limit), degraded (fail-closed "
-    "budget without Redis), unreachable_closed, unreachable_open.",
+    "budget without Redis), deadline (the request's deadline passed while it waited), unreachable_closed, unreachable_open.",
     ["result"],
 )
 # The gateway's share of a request's time spent on admission: `sluice diagnose` sets it beside the
@@ -60,7 +65,11 @@ WAIT_SECONDS = Histogram(
     "Time a call waited for rate-limit's admission decision (the Acquire round trip), whatever the decision.",
     buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0),
 )
-COMMITS = Counter("sluice_gateway_ratelimit_settles_total", "Leases settled after a stream, by outcome.", ["result"])
+COMMITS = Counter(
+    "sluice_gateway_ratelimit_settles_total",
+    "Leases settled after a stream, by outcome: ok, released_unheard (granted to a call cancelled while it waited), or the gRPC code.",
+    ["result"],
+)
 
 # What an embedding tokenizer adds to each input ([CLS] and [SEP] for BERT-style models).
 TOKENS_PER_EMBED_INPUT = 2
@@ -184,6 +193,8 @@ class Ticket:
     # What the call used, read when the lease is settled: a Generate's stream record (its
     # GenerateStream updates it), or an Embed's, which holds only the reply's usage (`record`).
     stream: StreamRecord = field(default_factory=StreamRecord)
+    # Renews the lease while the call runs past the TTL rate-limit granted (lease_renewal.py).
+    renewal: asyncio.Task[None] | None = field(default=None, repr=False)
     _settled: bool = field(default=False, repr=False)
 
     def record(self, usage: types_pb2.Usage) -> None:
@@ -193,6 +204,8 @@ class Ticket:
     def settle(self) -> asyncio.Task[None] | None:
         """Commits the real usage in the background; safe to call more than once and when cancelled.
         Returns the commit's task the first time (None when there is nothing to commit)."""
+        if self.renewal is not None:
+            self.renewal.cancel()
         if self._settled or not self.lease_id or self.admission is None:
             return None
         self._settled = True
@@ -208,10 +221,14 @@ class Ticket:
 
 
 class Admission:
-    def __init__(self, stub: ratelimit_pb2_grpc.RateLimitServiceStub | None, policy: str = "closed", timeout_s: float = 0.5) -> None:
+    def __init__(
+        self, stub: ratelimit_pb2_grpc.RateLimitServiceStub | None, policy: str = "closed", timeout_s: float = 0.5, lease_ttl_s: float = 60.0
+    ) -> None:
         self._stub = stub
         self._policy = policy
         self._timeout_s = timeout_s
+        # The longest a lease is asked to live before its call renews it (lease_renewal.py).
+        self._lease_ttl_s = lease_ttl_s
         self._pending: set[asyncio.Task[None]] = set()
 
     async def admit(self, tenant: str, reservation: Reservation, time_remaining: float | None, record: StreamRecord | None = None) -> Ticket:
@@ -230,12 +247,21 @@ class Admission:
             reserved_tokens=reservation.reserved_tokens,
             request_id=current_request_id(),
         )
-        if time_remaining is not None:
-            acquire.lease_ttl.FromNanoseconds(int((time_remaining + LEASE_MARGIN_S) * 1e9))
+        wanted_s = None if time_remaining is None else time_remaining + LEASE_MARGIN_S
+        acquire.lease_ttl.FromNanoseconds(int(first_ttl(wanted_s, self._lease_ttl_s) * 1e9))
         started = time.perf_counter()
+        # Shielded: a call cancelled (its client gone) while rate-limit decides must still hear a
+        # grant, to give it back; a grant nobody heard would hold its capacity until it expired.
+        acquiring = asyncio.ensure_future(self._stub.Acquire(acquire, timeout=timeout, metadata=outgoing_metadata()))
         try:
-            reply = await self._stub.Acquire(acquire, timeout=timeout, metadata=outgoing_metadata())
+            reply = await asyncio.shield(acquiring)
+        except asyncio.CancelledError:
+            acquiring.add_done_callback(self._give_back_unheard)
+            raise
         except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and time_remaining is not None and time_remaining <= self._timeout_s:
+                DECISIONS.labels("deadline").inc()
+                raise DeadlineExceeded(f"the request's deadline ({time_remaining:.3f}s left) passed while it waited for admission") from None
             return self._unreachable(exc, record)
         finally:
             WAIT_SECONDS.observe(time.perf_counter() - started)
@@ -258,7 +284,14 @@ class Admission:
         DECISIONS.labels("shadow" if reply.shadow else "allowed").inc()
         per_minute = next((b.limit for b in reply.budgets if b.budget == _B.BUDGET_REQUESTS_PER_MINUTE and b.limit > 0), None)
         headers = ratelimit_headers(list(reply.budgets))
-        return Ticket(self, reply.lease_id, headers, reservation.estimated_input_tokens, requests_per_minute=per_minute, stream=record)
+        ticket = Ticket(self, reply.lease_id, headers, reservation.estimated_input_tokens, requests_per_minute=per_minute, stream=record)
+        granted_s = _seconds(reply.lease_ttl)
+        if reply.lease_id and needs_renewal(granted_s, wanted_s):
+            wanted_until = None if wanted_s is None else time.monotonic() + wanted_s
+            ticket.renewal = asyncio.get_running_loop().create_task(
+                keep_alive(self._stub, reply.lease_id, granted_s, wanted_until, self._lease_ttl_s)
+            )
+        return ticket
 
     def _unreachable(self, exc: grpc.aio.AioRpcError, record: StreamRecord) -> Ticket:
         log.warning("ratelimit_unreachable", code=exc.code().name, details=exc.details(), policy=self._policy)
@@ -268,11 +301,30 @@ class Admission:
         DECISIONS.labels("unreachable_closed").inc()
         raise Unavailable(f"the rate-limit service is unreachable ({exc.code().name}); retry later")
 
-    def commit_later(self, lease_id: str, used_tokens: int) -> asyncio.Task[None]:
-        task = asyncio.get_running_loop().create_task(self._commit(lease_id, used_tokens, outgoing_metadata()))
+    def _give_back_unheard(self, acquiring: asyncio.Future[ratelimit_pb2.AcquireResponse]) -> None:
+        if acquiring.cancelled() or acquiring.exception() is not None:
+            return
+        reply = acquiring.result()
+        if reply.allowed and reply.lease_id:
+            self._track(self._release(reply.lease_id, outgoing_metadata()))
+
+    def _track(self, coro) -> asyncio.Task[None]:  # type: ignore[no-untyped-def]
+        task = asyncio.get_running_loop().create_task(coro)
         self._pending.add(task)
         task.add_done_callback(self._pending.discard)
         return task
+
+    async def _release(self, lease_id: str, metadata: tuple[tuple[str, str], ...]) -> None:
+        assert self._stub is not None
+        try:
+            await self._stub.Release(ratelimit_pb2.ReleaseRequest(lease_id=lease_id), timeout=COMMIT_TIMEOUT_S, metadata=metadata)
+            COMMITS.labels("released_unheard").inc()
+        except grpc.aio.AioRpcError as exc:
+            COMMITS.labels(exc.code().name).inc()
+            log.warning("ratelimit_release_failed", lease_id=lease_id, code=exc.code().name, details=exc.details())
+
+    def commit_later(self, lease_id: str, used_tokens: int) -> asyncio.Task[None]:
+        return self._track(self._commit(lease_id, used_tokens, outgoing_metadata()))
 
     async def _commit(self, lease_id: str, used_tokens: int, metadata: tuple[tuple[str, str], ...]) -> None:
         assert self._stub is not None

@@ -60,6 +60,7 @@ class GatewayCore:
             ratelimit_pb2_grpc.RateLimitServiceStub(ratelimit_channel) if ratelimit_channel else None,
             config.ratelimit_policy,
             config.ratelimit_timeout_s,
+            config.ratelimit_lease_ttl_s,
         )
         return cls(
             tenants,

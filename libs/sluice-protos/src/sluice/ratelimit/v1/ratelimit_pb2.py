@@ -27,35 +27,39 @@ from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__
 from sluice.common.v1 import types_pb2 as sluice_dot_common_dot_v1_dot_types__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n#sluice/ratelimit/v1/ratelimit.proto\x12\x13sluice.ratelimit.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x1csluice/common/v1/types.proto\"\x8d\x01\n\x0c\x42udgetStatus\x12+\n\x06\x62udget\x18\x01 \x01(\x0e\x32\x1b.sluice.ratelimit.v1.Budget\x12\r\n\x05limit\x18\x02 \x01(\x03\x12\x11\n\tremaining\x18\x03 \x01(\x03\x12.\n\x0breset_after\x18\x04 \x01(\x0b\x32\x19.google.protobuf.Duration\"\xd5\x01\n\x0e\x41\x63quireRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x37\n\x0epriority_class\x18\x03 \x01(\x0e\x32\x1f.sluice.common.v1.PriorityClass\x12\x10\n\x08requests\x18\x04 \x01(\x05\x12\x17\n\x0freserved_tokens\x18\x05 \x01(\x03\x12\x12\n\nrequest_id\x18\x06 \x01(\t\x12,\n\tlease_ttl\x18\x07 \x01(\x0b\x32\x19.google.protobuf.Duration\"\xb7\x02\n\x0f\x41\x63quireResponse\x12\x0f\n\x07\x61llowed\x18\x01 \x01(\x08\x12\x10\n\x08lease_id\x18\x02 \x01(\t\x12\x34\n\x10lease_expires_at\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x32\n\x07\x62udgets\x18\x04 \x03(\x0b\x32!.sluice.ratelimit.v1.BudgetStatus\x12.\n\tdenied_by\x18\x05 \x01(\x0e\x32\x1b.sluice.ratelimit.v1.Budget\x12.\n\x0bretry_after\x18\x06 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x0e\n\x06shadow\x18\x07 \x01(\x08\x12\x10\n\x08\x64\x65graded\x18\x08 \x01(\x08\x12\x15\n\rexceeds_limit\x18\t \x01(\x08\"6\n\rCommitRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x13\n\x0bused_tokens\x18\x02 \x01(\x03\"D\n\x0e\x43ommitResponse\x12\x32\n\x07\x62udgets\x18\x01 \x03(\x0b\x32!.sluice.ratelimit.v1.BudgetStatus\"\"\n\x0eReleaseRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\"\x11\n\x0fReleaseResponse\"!\n\x0fGetUsageRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\"`\n\x0bTenantUsage\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x32\n\x07\x62udgets\x18\x03 \x03(\x0b\x32!.sluice.ratelimit.v1.BudgetStatus\"q\n\x10GetUsageResponse\x12/\n\x05usage\x18\x01 \x03(\x0b\x32 .sluice.ratelimit.v1.TenantUsage\x12\x16\n\x0elimits_version\x18\x02 \x01(\t\x12\x14\n\x0climits_error\x18\x03 \x01(\t*\xb5\x01\n\x06\x42udget\x12\x16\n\x12\x42UDGET_UNSPECIFIED\x10\x00\x12\x1e\n\x1a\x42UDGET_REQUESTS_PER_MINUTE\x10\x01\x12\x1c\n\x18\x42UDGET_TOKENS_PER_MINUTE\x10\x02\x12\x1d\n\x19\x42UDGET_REQUESTS_IN_FLIGHT\x10\x03\x12\x1b\n\x17\x42UDGET_TOKENS_IN_FLIGHT\x10\x04\x12\x19\n\x15\x42UDGET_MODEL_CAPACITY\x10\x05\x32\xea\x02\n\x10RateLimitService\x12T\n\x07\x41\x63quire\x12#.sluice.ratelimit.v1.AcquireRequest\x1a$.sluice.ratelimit.v1.AcquireResponse\x12Q\n\x06\x43ommit\x12\".sluice.ratelimit.v1.CommitRequest\x1a#.sluice.ratelimit.v1.CommitResponse\x12T\n\x07Release\x12#.sluice.ratelimit.v1.ReleaseRequest\x1a$.sluice.ratelimit.v1.ReleaseResponse\x12W\n\x08GetUsage\x12$.sluice.ratelimit.v1.GetUsageRequest\x1a%.sluice.ratelimit.v1.GetUsageResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n#sluice/ratelimit/v1/ratelimit.proto\x12\x13sluice.ratelimit.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x1csluice/common/v1/types.proto\"\x8d\x01\n\x0c\x42udgetStatus\x12+\n\x06\x62udget\x18\x01 \x01(\x0e\x32\x1b.sluice.ratelimit.v1.Budget\x12\r\n\x05limit\x18\x02 \x01(\x03\x12\x11\n\tremaining\x18\x03 \x01(\x03\x12.\n\x0breset_after\x18\x04 \x01(\x0b\x32\x19.google.protobuf.Duration\"\xd5\x01\n\x0e\x41\x63quireRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x37\n\x0epriority_class\x18\x03 \x01(\x0e\x32\x1f.sluice.common.v1.PriorityClass\x12\x10\n\x08requests\x18\x04 \x01(\x05\x12\x17\n\x0freserved_tokens\x18\x05 \x01(\x03\x12\x12\n\nrequest_id\x18\x06 \x01(\t\x12,\n\tlease_ttl\x18\x07 \x01(\x0b\x32\x19.google.protobuf.Duration\"\xe5\x02\n\x0f\x41\x63quireResponse\x12\x0f\n\x07\x61llowed\x18\x01 \x01(\x08\x12\x10\n\x08lease_id\x18\x02 \x01(\t\x12\x34\n\x10lease_expires_at\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x32\n\x07\x62udgets\x18\x04 \x03(\x0b\x32!.sluice.ratelimit.v1.BudgetStatus\x12.\n\tdenied_by\x18\x05 \x01(\x0e\x32\x1b.sluice.ratelimit.v1.Budget\x12.\n\x0bretry_after\x18\x06 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x0e\n\x06shadow\x18\x07 \x01(\x08\x12\x10\n\x08\x64\x65graded\x18\x08 \x01(\x08\x12\x15\n\rexceeds_limit\x18\t \x01(\x08\x12,\n\tlease_ttl\x18\n \x01(\x0b\x32\x19.google.protobuf.Duration\"6\n\rCommitRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x13\n\x0bused_tokens\x18\x02 \x01(\x03\"D\n\x0e\x43ommitResponse\x12\x32\n\x07\x62udgets\x18\x01 \x03(\x0b\x32!.sluice.ratelimit.v1.BudgetStatus\"\"\n\x0eReleaseRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\"\x11\n\x0fReleaseResponse\"N\n\x0cRenewRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12,\n\tlease_ttl\x18\x02 \x01(\x0b\x32\x19.google.protobuf.Duration\"s\n\rRenewResponse\x12\x34\n\x10lease_expires_at\x18\x01 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12,\n\tlease_ttl\x18\x02 \x01(\x0b\x32\x19.google.protobuf.Duration\"!\n\x0fGetUsageRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\"`\n\x0bTenantUsage\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x32\n\x07\x62udgets\x18\x03 \x03(\x0b\x32!.sluice.ratelimit.v1.BudgetStatus\"q\n\x10GetUsageResponse\x12/\n\x05usage\x18\x01 \x03(\x0b\x32 .sluice.ratelimit.v1.TenantUsage\x12\x16\n\x0elimits_version\x18\x02 \x01(\t\x12\x14\n\x0climits_error\x18\x03 \x01(\t*\xb5\x01\n\x06\x42udget\x12\x16\n\x12\x42UDGET_UNSPECIFIED\x10\x00\x12\x1e\n\x1a\x42UDGET_REQUESTS_PER_MINUTE\x10\x01\x12\x1c\n\x18\x42UDGET_TOKENS_PER_MINUTE\x10\x02\x12\x1d\n\x19\x42UDGET_REQUESTS_IN_FLIGHT\x10\x03\x12\x1b\n\x17\x42UDGET_TOKENS_IN_FLIGHT\x10\x04\x12\x19\n\x15\x42UDGET_MODEL_CAPACITY\x10\x05\x32\xba\x03\n\x10RateLimitService\x12T\n\x07\x41\x63quire\x12#.sluice.ratelimit.v1.AcquireRequest\x1a$.sluice.ratelimit.v1.AcquireResponse\x12Q\n\x06\x43ommit\x12\".sluice.ratelimit.v1.CommitRequest\x1a#.sluice.ratelimit.v1.CommitResponse\x12T\n\x07Release\x12#.sluice.ratelimit.v1.ReleaseRequest\x1a$.sluice.ratelimit.v1.ReleaseResponse\x12N\n\x05Renew\x12!.sluice.ratelimit.v1.RenewRequest\x1a\".sluice.ratelimit.v1.RenewResponse\x12W\n\x08GetUsage\x12$.sluice.ratelimit.v1.GetUsageRequest\x1a%.sluice.ratelimit.v1.GetUsageResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'sluice.ratelimit.v1.ratelimit_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_BUDGET']._serialized_start=1259
-  _globals['_BUDGET']._serialized_end=1440
+  _globals['_BUDGET']._serialized_start=1502
+  _globals['_BUDGET']._serialized_end=1683
   _globals['_BUDGETSTATUS']._serialized_start=156
   _globals['_BUDGETSTATUS']._serialized_end=297
   _globals['_ACQUIREREQUEST']._serialized_start=300
   _globals['_ACQUIREREQUEST']._serialized_end=513
   _globals['_ACQUIRERESPONSE']._serialized_start=516
-  _globals['_ACQUIRERESPONSE']._serialized_end=827
-  _globals['_COMMITREQUEST']._serialized_start=829
-  _globals['_COMMITREQUEST']._serialized_end=883
-  _globals['_COMMITRESPONSE']._serialized_start=885
-  _globals['_COMMITRESPONSE']._serialized_end=953
-  _globals['_RELEASEREQUEST']._serialized_start=955
-  _globals['_RELEASEREQUEST']._serialized_end=989
-  _globals['_RELEASERESPONSE']._serialized_start=991
-  _globals['_RELEASERESPONSE']._serialized_end=1008
-  _globals['_GETUSAGEREQUEST']._serialized_start=1010
-  _globals['_GETUSAGEREQUEST']._serialized_end=1043
-  _globals['_TENANTUSAGE']._serialized_start=1045
-  _globals['_TENANTUSAGE']._serialized_end=1141
-  _globals['_GETUSAGERESPONSE']._serialized_start=1143
-  _globals['_GETUSAGERESPONSE']._serialized_end=1256
-  _globals['_RATELIMITSERVICE']._serialized_start=1443
-  _globals['_RATELIMITSERVICE']._serialized_end=1805
+  _globals['_ACQUIRERESPONSE']._serialized_end=873
+  _globals['_COMMITREQUEST']._serialized_start=875
+  _globals['_COMMITREQUEST']._serialized_end=929
+  _globals['_COMMITRESPONSE']._serialized_start=931
+  _globals['_COMMITRESPONSE']._serialized_end=999
+  _globals['_RELEASEREQUEST']._serialized_start=1001
+  _globals['_RELEASEREQUEST']._serialized_end=1035
+  _globals['_RELEASERESPONSE']._serialized_start=1037
+  _globals['_RELEASERESPONSE']._serialized_end=1054
+  _globals['_RENEWREQUEST']._serialized_start=1056
+  _globals['_RENEWREQUEST']._serialized_end=1134
+  _globals['_RENEWRESPONSE']._serialized_start=1136
+  _globals['_RENEWRESPONSE']._serialized_end=1251
+  _globals['_GETUSAGEREQUEST']._serialized_start=1253
+  _globals['_GETUSAGEREQUEST']._serialized_end=1286
+  _globals['_TENANTUSAGE']._serialized_start=1288
+  _globals['_TENANTUSAGE']._serialized_end=1384
+  _globals['_GETUSAGERESPONSE']._serialized_start=1386
+  _globals['_GETUSAGERESPONSE']._serialized_end=1499
+  _globals['_RATELIMITSERVICE']._serialized_start=1686
+  _globals['_RATELIMITSERVICE']._serialized_end=2128
 # @@protoc_insertion_point(module_scope)

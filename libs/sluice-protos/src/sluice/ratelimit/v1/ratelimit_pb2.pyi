@@ -58,7 +58,7 @@ class AcquireRequest(_message.Message):
     def __init__(self, tenant: _Optional[str] = ..., model: _Optional[str] = ..., priority_class: _Optional[_Union[_types_pb2.PriorityClass, str]] = ..., requests: _Optional[int] = ..., reserved_tokens: _Optional[int] = ..., request_id: _Optional[str] = ..., lease_ttl: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
 
 class AcquireResponse(_message.Message):
-    __slots__ = ("allowed", "lease_id", "lease_expires_at", "budgets", "denied_by", "retry_after", "shadow", "degraded", "exceeds_limit")
+    __slots__ = ("allowed", "lease_id", "lease_expires_at", "budgets", "denied_by", "retry_after", "shadow", "degraded", "exceeds_limit", "lease_ttl")
     ALLOWED_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_EXPIRES_AT_FIELD_NUMBER: _ClassVar[int]
@@ -68,6 +68,7 @@ class AcquireResponse(_message.Message):
     SHADOW_FIELD_NUMBER: _ClassVar[int]
     DEGRADED_FIELD_NUMBER: _ClassVar[int]
     EXCEEDS_LIMIT_FIELD_NUMBER: _ClassVar[int]
+    LEASE_TTL_FIELD_NUMBER: _ClassVar[int]
     allowed: bool
     lease_id: str
     lease_expires_at: _timestamp_pb2.Timestamp
@@ -77,7 +78,8 @@ class AcquireResponse(_message.Message):
     shadow: bool
     degraded: bool
     exceeds_limit: bool
-    def __init__(self, allowed: _Optional[bool] = ..., lease_id: _Optional[str] = ..., lease_expires_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., budgets: _Optional[_Iterable[_Union[BudgetStatus, _Mapping]]] = ..., denied_by: _Optional[_Union[Budget, str]] = ..., retry_after: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., shadow: _Optional[bool] = ..., degraded: _Optional[bool] = ..., exceeds_limit: _Optional[bool] = ...) -> None: ...
+    lease_ttl: _duration_pb2.Duration
+    def __init__(self, allowed: _Optional[bool] = ..., lease_id: _Optional[str] = ..., lease_expires_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., budgets: _Optional[_Iterable[_Union[BudgetStatus, _Mapping]]] = ..., denied_by: _Optional[_Union[Budget, str]] = ..., retry_after: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., shadow: _Optional[bool] = ..., degraded: _Optional[bool] = ..., exceeds_limit: _Optional[bool] = ..., lease_ttl: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
 
 class CommitRequest(_message.Message):
     __slots__ = ("lease_id", "used_tokens")
@@ -102,6 +104,22 @@ class ReleaseRequest(_message.Message):
 class ReleaseResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class RenewRequest(_message.Message):
+    __slots__ = ("lease_id", "lease_ttl")
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_TTL_FIELD_NUMBER: _ClassVar[int]
+    lease_id: str
+    lease_ttl: _duration_pb2.Duration
+    def __init__(self, lease_id: _Optional[str] = ..., lease_ttl: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
+
+class RenewResponse(_message.Message):
+    __slots__ = ("lease_expires_at", "lease_ttl")
+    LEASE_EXPIRES_AT_FIELD_NUMBER: _ClassVar[int]
+    LEASE_TTL_FIELD_NUMBER: _ClassVar[int]
+    lease_expires_at: _timestamp_pb2.Timestamp
+    lease_ttl: _duration_pb2.Duration
+    def __init__(self, lease_expires_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., lease_ttl: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
 
 class GetUsageRequest(_message.Message):
     __slots__ = ("tenant",)

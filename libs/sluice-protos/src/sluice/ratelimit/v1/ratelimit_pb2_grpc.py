@@ -50,6 +50,11 @@ class RateLimitServiceStub:
                 request_serializer=sluice_dot_ratelimit_dot_v1_dot_ratelimit__pb2.ReleaseRequest.SerializeToString,
                 response_deserializer=sluice_dot_ratelimit_dot_v1_dot_ratelimit__pb2.ReleaseResponse.FromString,
                 _registered_method=True)
+        self.Renew = channel.unary_unary(
+                '/sluice.ratelimit.v1.RateLimitService/Renew',
+                request_serializer=sluice_dot_ratelimit_dot_v1_dot_ratelimit__pb2.RenewRequest.SerializeToString,
+                response_deserializer=sluice_dot_ratelimit_dot_v1_dot_ratelimit__pb2.RenewResponse.FromString,
+                _registered_method=True)
         self.GetUsage = channel.unary_unary(
                 '/sluice.ratelimit.v1.RateLimitService/GetUsage',
                 request_serializer=sluice_dot_ratelimit_dot_v1_dot_ratelimit__pb2.GetUsageRequest.SerializeToString,
@@ -82,6 +87,14 @@ class RateLimitServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Renew(self, request, context):
+        """Extends a lease still in use: a call that runs longer than the TTL the server grants (its
+        maximum) renews its lease before it expires, so it keeps counting in flight until settled.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetUsage(self, request, context):
         """Current usage against every budget, for operators.
         """
@@ -106,6 +119,11 @@ def add_RateLimitServiceServicer_to_server(servicer, server):
                     servicer.Release,
                     request_deserializer=sluice_dot_ratelimit_dot_v1_dot_ratelimit__pb2.ReleaseRequest.FromString,
                     response_serializer=sluice_dot_ratelimit_dot_v1_dot_ratelimit__pb2.ReleaseResponse.SerializeToString,
+            ),
+            'Renew': grpc.unary_unary_rpc_method_handler(
+                    servicer.Renew,
+                    request_deserializer=sluice_dot_ratelimit_dot_v1_dot_ratelimit__pb2.RenewRequest.FromString,
+                    response_serializer=sluice_dot_ratelimit_dot_v1_dot_ratelimit__pb2.RenewResponse.SerializeToString,
             ),
             'GetUsage': grpc.unary_unary_rpc_method_handler(
                     servicer.GetUsage,
@@ -195,6 +213,33 @@ class RateLimitService:
             '/sluice.ratelimit.v1.RateLimitService/Release',
             sluice_dot_ratelimit_dot_v1_dot_ratelimit__pb2.ReleaseRequest.SerializeToString,
             sluice_dot_ratelimit_dot_v1_dot_ratelimit__pb2.ReleaseResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Renew(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sluice.ratelimit.v1.RateLimitService/Renew',
+            sluice_dot_ratelimit_dot_v1_dot_ratelimit__pb2.RenewRequest.SerializeToString,
+            sluice_dot_ratelimit_dot_v1_dot_ratelimit__pb2.RenewResponse.FromString,
             options,
             channel_credentials,
             insecure,
