@@ -14,6 +14,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from google.protobuf import duration_pb2
 from sluice.ratelimit.v1 import ratelimit_pb2, ratelimit_pb2_grpc
 
 from conftest import wait_for
@@ -29,6 +30,9 @@ tokens_per_minute = 1000
 burst = 1.0
 
 [tenants.expiry]
+requests_in_flight = 1
+
+[tenants.renewed]
 requests_in_flight = 1
 
 [tenants.mixed]
@@ -91,6 +95,25 @@ def test_an_expired_lease_frees_its_capacity(stub) -> None:
     with pytest.raises(grpc.RpcError) as caught:
         stub.Commit(ratelimit_pb2.CommitRequest(lease_id=held.lease_id, used_tokens=1), timeout=5)
     assert caught.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_a_renewed_lease_keeps_its_place_past_its_first_expiry(stub) -> None:
+    held = stub.Acquire(acquire_request("renewed", "m", 10, ttl_s=1.5), timeout=5)
+    assert held.allowed and held.lease_ttl.ToNanoseconds() == 1_500_000_000
+    for _ in range(3):  # 3 s in all: twice the first TTL
+        time.sleep(1.0)
+        renewed = stub.Renew(
+            ratelimit_pb2.RenewRequest(lease_id=held.lease_id, lease_ttl=duration_pb2.Duration(seconds=1, nanos=500_000_000)), timeout=5
+        )
+        assert renewed.lease_ttl.ToNanoseconds() == 1_500_000_000
+    assert not stub.Acquire(acquire_request("renewed", "m", 10, ttl_s=1), timeout=5).allowed  # still in flight
+    capped = stub.Renew(ratelimit_pb2.RenewRequest(lease_id=held.lease_id, lease_ttl=duration_pb2.Duration(seconds=100_000)), timeout=5)
+    assert capped.lease_ttl.seconds == 600  # the server's maximum
+    stub.Commit(ratelimit_pb2.CommitRequest(lease_id=held.lease_id, used_tokens=10), timeout=5)
+    with pytest.raises(grpc.RpcError) as caught:
+        stub.Renew(ratelimit_pb2.RenewRequest(lease_id=held.lease_id), timeout=5)
+    assert caught.value.code() == grpc.StatusCode.NOT_FOUND
+    assert stub.Acquire(acquire_request("renewed", "m", 10, ttl_s=1), timeout=5).allowed
 
 
 def test_bulk_saturating_a_tenant_leaves_the_interactive_floor(limiter) -> None:
