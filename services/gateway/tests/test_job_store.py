@@ -325,3 +325,27 @@ async def test_migration_2_keeps_old_jobs_and_tells_no_old_summary(tmp_path: Pat
                 connection = await asyncpg.connect(PG_DSN)
                 await connection.execute(f'DROP SCHEMA "{schema}" CASCADE')
                 await connection.close()
+
+
+async def test_rows_no_message_will_end_are_found_after_their_jobs_window(store: JobStore) -> None:
+    """A row whose message the broker dead-lettered unrun (its delivery limit spent in an outage)
+    stays pending; a running row whose worker died and whose message was lost stays running. Without
+    a result each, the expired job's summary would never be due."""
+    await store.accept("j", "demo", "q", ["done", "queued", "lost"], 10.0, "application/json")
+    await store.accept("busy", "demo", "q", ["r"], DAY)  # in its window: nothing of it is stranded
+    await store.claim_row("j", "done", "w", take_over=False)
+    await store.finish_row(result("done"))
+    await store.claim_row("j", "lost", "w-dead", take_over=False)
+    after_window = time.time() + 10
+    await store.expire_overdue(after_window)
+    assert await store.stranded_rows(60.0, 600.0, after_window) == []  # the grace: their messages may still come
+    pending_only = await store.stranded_rows(60.0, 600.0, after_window + 61)
+    assert [(r.job_id, r.custom_id, r.running) for r in pending_only] == [("j", "queued", False)]
+    assert (pending_only[0].reply_to, pending_only[0].reply_content_type) == ("q", "application/json")
+    assert pending_only[0].window_s == pytest.approx(10.0)
+    both = await store.stranded_rows(60.0, 600.0, after_window + 601)
+    assert sorted((r.custom_id, r.running) for r in both) == [("lost", True), ("queued", False)]
+    for row in both:
+        await store.finish_row(expired_result(jobs_pb2.RowTask(job_id="j", row=jobs_pb2.JobRow(custom_id=row.custom_id)), row.window_s))
+    assert await store.stranded_rows(60.0, 600.0, after_window + 601) == []
+    assert [j.job_id for j in await store.summaries_due(0.0, after_window + 601)] == ["j"]  # the job can end

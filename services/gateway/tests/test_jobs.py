@@ -267,3 +267,16 @@ def test_only_exhaustion_with_a_retry_time_is_waited_out() -> None:
     assert is_paced(ResourceExhausted("later", retry_after_s=3.0))
     assert not is_paced(ResourceExhausted("never: larger than the allowance", retry_after_s=None))
     assert not is_paced(ValueError("not a status"))
+
+
+@pytest.mark.parametrize("reply_to", ["q" * 256, "é" * 128])
+def test_a_reply_to_amqp_cannot_route_is_rejected_and_never_replied_to(reply_to: str) -> None:
+    """Publishing to it would fail on every redelivery of each row and of the job's summary."""
+    job = parse_job(job_json(reply_to=reply_to), JSON)
+    with pytest.raises(JobRejected) as caught:
+        intake(job)
+    assert "reply_to is over 255 bytes" in caught.value.reason
+    assert caught.value.reply_to == ""  # the rejection is logged and stored, not published there
+    assert caught.value.tenant == "demo"
+    assert JobRejected("salvaged from a body", "j", reply_to).reply_to == ""
+    assert JobRejected("fits", "j", "q" * 255).reply_to == "q" * 255

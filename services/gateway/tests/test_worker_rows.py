@@ -160,3 +160,54 @@ async def test_a_row_waiting_for_a_slot_when_the_worker_stops_goes_back_unstarte
     assert delivery.settled == ["nack requeue=True"] and adapter.deadlines == []
     job = await store.get_job("j")
     assert job is not None and job.completed_rows == job.failed_rows == 0
+
+
+async def test_a_row_failing_on_the_store_goes_back_to_the_broker_only_after_a_backoff(stand_in, store, monkeypatch) -> None:  # noqa: F811
+    """Given back at once, every row of a short database outage spent the queue's delivery limit in
+    seconds and was dead-lettered by the broker unrun, its job never ending."""
+    import asyncio
+    import time
+
+    adapter, path = stand_in
+    job_worker = worker(store, path)
+    delivery = _Delivery(await row_task(store, max_tokens=4))
+
+    async def unavailable(*args: object) -> str:
+        raise OSError("database is locked")
+
+    monkeypatch.setattr(store, "claim_row", unavailable)
+    monkeypatch.setattr(worker_module, "FAILURE_BACKOFF_S", (0.4, 5.0))
+    started = time.monotonic()
+    await asyncio.wait_for(job_worker._on_row(delivery), 5)  # type: ignore[arg-type]
+    assert delivery.settled == ["nack requeue=True"]
+    assert time.monotonic() - started >= 0.2  # the first backoff, jittered down by at most half
+    assert job_worker.concurrency.in_flight == 0 and adapter.deadlines == []
+
+
+def test_the_failure_backoff_doubles_with_each_delivery_up_to_its_cap() -> None:
+    first, most = worker_module.FAILURE_BACKOFF_S
+    for deliveries, full in ((1, first), (2, 2 * first), (3, 4 * first), (40, most)):
+        for _ in range(20):
+            assert full / 2 <= worker_module.failure_backoff_s(deliveries) <= full
+
+
+async def test_the_sweep_ends_the_rows_of_an_expired_job_that_no_message_will_end(stand_in, store, monkeypatch) -> None:  # noqa: F811
+    """One row's message dead-lettered by the broker (pending for ever), one row's worker killed
+    with its message lost (running for ever): the sweep stores a result for each, so the job ends."""
+    import asyncio
+
+    adapter, path = stand_in
+    job_worker = worker(store, path, WORKER_ROW_TIMEOUT_CEILING_S="0.2", WORKER_ROW_TIMEOUT_FLOOR_S="0.05", WORKER_ROW_TIMEOUT_S="0.1")
+    monkeypatch.setattr(worker_module, "STRANDED_PENDING_GRACE_S", 0.0)
+    await store.accept("j", "t", "", ["queued", "lost"], 0.1)
+    await store.claim_row("j", "lost", "a-dead-worker", take_over=False)
+    await asyncio.sleep(0.15)
+    await job_worker._sweep()  # the running row's grace (the ceiling) is not over yet
+    assert (await store.row_states("j")) == {"done": 1, "running": 1}
+    await asyncio.sleep(0.2)
+    await job_worker._sweep()
+    job = await store.get_job("j")
+    assert job is not None and job.state == "expired" and job.failed_rows == 2
+    codes = {r.custom_id: r.error.code for r in (await store.list_results("j", 10, ""))[0]}
+    assert codes == {"queued": "EXPIRED", "lost": "ABORTED"}
+    assert (await store.summaries_due(0.0)) == []  # its summary was told when its last row was stored

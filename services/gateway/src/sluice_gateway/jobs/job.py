@@ -58,8 +58,14 @@ class JobRejected(Exception):
         super().__init__(reason)
         self.reason = reason
         self.job_id = job_id
-        self.reply_to = reply_to
+        # A name AMQP cannot carry as a routing key is not replied to: publishing to it would fail
+        # on every redelivery. The rejection is still logged, and stored when the job is known.
+        self.reply_to = reply_to if _routable(reply_to) else ""
         self.tenant = tenant
+
+
+def _routable(reply_to: str) -> bool:
+    return len(reply_to.encode()) <= MAX_MESSAGE_ID_BYTES
 
 
 class PoisonRow(Exception):
@@ -200,6 +206,10 @@ def validate_job(job: jobs_pb2.JobRequest, tenant: str, max_rows: int) -> None:
     def reject(reason: str, tenant: str = "") -> JobRejected:
         return JobRejected(reason, job.job_id, job.reply_to, tenant)
 
+    if not _routable(job.reply_to):
+        raise reject(
+            f"reply_to is over {MAX_MESSAGE_ID_BYTES} bytes (UTF-8): AMQP routes a reply by that name, at most {MAX_MESSAGE_ID_BYTES} bytes", tenant
+        )
     if not job.job_id or len(job.job_id) > MAX_ID_LENGTH:
         raise reject(f"job_id is required (1 to {MAX_ID_LENGTH} characters)")
     if NUL in job.job_id:

@@ -209,6 +209,18 @@ _TAKEABLE = "(state = 'pending' OR (state = 'running' AND ?))"
 CLAIMED, DONE, BUSY, SKIPPED, MISSING, OVERDUE = "claimed", "done", "busy", "skipped", "missing", "overdue"
 
 
+@dataclass(frozen=True)
+class StrandedRow:
+    """A row of an expired job that no message will end (JobStore.stranded_rows)."""
+
+    job_id: str
+    custom_id: str
+    running: bool
+    reply_to: str
+    reply_content_type: str
+    window_s: float
+
+
 def _job(values: tuple) -> JobRecord:  # type: ignore[type-arg]
     (job_id, tenant, state, total, completed, failed, reply_to, split_done, error, created, updated, expires, content_type, told) = values
     return JobRecord(
@@ -459,6 +471,24 @@ class JobStore:
                 "UPDATE jobs SET state = ?, error = ?, updated_at = ? WHERE state = ? AND expires_at + ? <= ?",
                 FAILED, error, now, VALIDATING, grace_s, now,
             )  # fmt: skip
+
+    async def stranded_rows(self, pending_grace_s: float, running_grace_s: float, now: float | None = None, limit: int = 500) -> list[StrandedRow]:
+        """Rows of expired jobs that no message will ever end: still pending `pending_grace_s` after
+        the job's window (their message was dead-lettered by the broker, or lost), or still running
+        `running_grace_s` after it (their worker died and their message did not come back; no
+        attempt runs longer than the row deadline's ceiling). Without a result each, the job's
+        summary would never be due."""
+        now = time.time() if now is None else now
+        async with self.db.transaction() as tx:
+            rows = await tx.fetchall(
+                "SELECT r.job_id, r.custom_id, r.state, j.reply_to, j.reply_content_type, j.created_at, j.expires_at"
+                " FROM job_rows r JOIN jobs j ON j.job_id = r.job_id WHERE j.state = ?"
+                " AND ((r.state = 'pending' AND j.expires_at + ? <= ?) OR (r.state = 'running' AND j.expires_at + ? <= ?))"
+                " ORDER BY j.expires_at LIMIT ?",
+                EXPIRED, pending_grace_s, now, running_grace_s, now, limit,
+            )  # fmt: skip
+        return [StrandedRow(job_id, custom_id, state == "running", reply_to, content_type, float(expires) - float(created))
+                for job_id, custom_id, state, reply_to, content_type, created, expires in rows]  # fmt: skip
 
     async def summaries_due(self, grace_s: float, now: float | None = None, limit: int = 100) -> list[JobRecord]:
         """Jobs whose summary is still to be told, untouched for grace_s (so as not to race the

@@ -28,7 +28,11 @@ Two consumers on one robust connection (queues and exchange: sluice_common.amqp.
   job's summary (a Job message, id `<job_id>/summary`) to reply_to, then marks it completed.
 - A sweep every SWEEP_INTERVAL_S: overdue in_progress jobs -> expired, and the summaries still
   due (a finalizing job whose worker died, a cancelled job, an expired one whose rows are all
-  stored) are told; a repeat carries the same message id, for consumers to drop.
+  stored) are told; a repeat carries the same message id, for consumers to drop. Rows of an
+  expired job that no message will end (the broker dead-lettered theirs) get a result there too.
+- A message whose handling fails unexpectedly (the job store unreachable) goes back to the broker
+  after a backoff that doubles with its deliveries (FAILURE_BACKOFF_S), not at once: the queue's
+  delivery limit would dead-letter every message of a short outage unrun.
 
 Health (gRPC) on WORKER_PORT and Prometheus metrics on WORKER_METRICS_PORT.
 """
@@ -37,6 +41,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import random
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -124,6 +129,14 @@ SUMMARY_GRACE_S = 5.0
 # How long after its completion window a job SubmitJob recorded may still be waiting for its
 # AdmittedJob to reach a worker (a broker that was slow to deliver) before the sweep fails it.
 UNADMITTED_GRACE_S = 60.0
+# How long after its job's window a row may stay pending before the sweep ends it as EXPIRED (its
+# message was dead-lettered or lost; one still queued would only be claimed as EXPIRED anyway).
+# A running row waits the row deadline's ceiling more: its attempt may still be running.
+STRANDED_PENDING_GRACE_S = 60.0
+# Before a message whose handling failed unexpectedly (a database outage) goes back to the broker:
+# the broker dead-letters a message at its delivery limit, so retrying at once would spend that
+# limit in seconds.
+FAILURE_BACKOFF_S = (0.5, 30.0)
 
 
 class _Slot:
@@ -216,8 +229,7 @@ class JobWorker:
                 await self._job(message)
         except Exception:  # noqa: BLE001 - unexpected: the broker redelivers (and dead-letters at its limit)
             log.exception("job_message_failed")
-            with contextlib.suppress(Exception):
-                await message.nack(requeue=True)
+            await _give_back_later(message)
 
     async def _job(self, message: aio_pika.abc.AbstractIncomingMessage) -> None:
         content_type = message.content_type or ""
@@ -307,8 +319,7 @@ class JobWorker:
             raise  # stopping: unacked, so the broker redelivers it
         except Exception:  # noqa: BLE001 - unexpected: give it back; the delivery limit stops a loop
             log.exception("row_failed_unexpectedly")
-            with contextlib.suppress(Exception):
-                await message.nack(requeue=True)
+            await _give_back_later(message)
 
     async def _row(self, message: aio_pika.abc.AbstractIncomingMessage) -> None:
         try:
@@ -321,7 +332,7 @@ class JobWorker:
             ROWS.labels("dead_lettered").inc()
             return
         structlog.contextvars.bind_contextvars(job_id=task.job_id, custom_id=task.row.custom_id)
-        deliveries = int(str((message.headers or {}).get("x-delivery-count") or 0)) + 1
+        deliveries = _deliveries(message)
         await self.concurrency.acquire()
         if self._stopping:  # it waited for a slot while the worker began to stop: not started here
             await self.concurrency.release(0.0, "skipped")
@@ -494,17 +505,22 @@ class JobWorker:
     async def _finish(
         self, task: jobs_pb2.RowTask, result: jobs_pb2.RowResult, message: aio_pika.abc.AbstractIncomingMessage, count: bool = True
     ) -> None:
-        finished = await self.store.finish_row(result)
-        if finished is not None:
-            await self._tell(task, result)
-            if count:
-                ROWS.labels(_outcome(result)).inc()
-            if finished.ends_job:
-                try:
-                    await self._summarize(finished.job, task.reply_content_type)
-                except Exception:  # noqa: BLE001 - the row is stored and told; the sweep tells the summary later
-                    log.exception("job_summary_failed", job_id=task.job_id)
+        await self._store_result(task, result, count)
         await message.ack()
+
+    async def _store_result(self, task: jobs_pb2.RowTask, result: jobs_pb2.RowResult, count: bool = True) -> None:
+        """Stores a row's result once, tells it, and the job's summary when it was the last."""
+        finished = await self.store.finish_row(result)
+        if finished is None:
+            return
+        await self._tell(task, result)
+        if count:
+            ROWS.labels(_outcome(result)).inc()
+        if finished.ends_job:
+            try:
+                await self._summarize(finished.job, task.reply_content_type)
+            except Exception:  # noqa: BLE001 - the row is stored and told; the sweep tells the summary later
+                log.exception("job_summary_failed", job_id=task.job_id)
 
     async def _tell(self, task: jobs_pb2.RowTask, result: jobs_pb2.RowResult) -> None:
         if task.reply_to:
@@ -533,11 +549,30 @@ class JobWorker:
         unadmitted = await self.store.fail_unadmitted(UNADMITTED_GRACE_S)
         if unadmitted:
             log.warning("jobs_never_admitted", jobs=unadmitted, hint="their AdmittedJob never reached a worker: see the gateway's publisher_dropped")
+        await self._end_stranded_rows()
         for job in await self.store.summaries_due(SUMMARY_GRACE_S):
             try:
                 await self._summarize(job)
             except Exception:  # noqa: BLE001 - one job's failure must not hold back the others' summaries
                 log.exception("job_summary_failed", job_id=job.job_id)
+
+    async def _end_stranded_rows(self) -> None:
+        """Rows of expired jobs whose message will never come (the broker dead-lettered it at its
+        delivery limit, or it was lost) get their result here, or the job would never end."""
+        running_grace_s = self.row_deadlines.policy.ceiling_s + STRANDED_PENDING_GRACE_S
+        stranded = await self.store.stranded_rows(STRANDED_PENDING_GRACE_S, running_grace_s)
+        for row in stranded:
+            task = jobs_pb2.RowTask(
+                job_id=row.job_id, row=jobs_pb2.JobRow(custom_id=row.custom_id), reply_to=row.reply_to, reply_content_type=row.reply_content_type
+            )
+            result = (
+                failed_result(task, "ABORTED", "its worker stopped while running it and its message never came back; submit the row again")
+                if row.running
+                else expired_result(task, row.window_s)
+            )
+            await self._store_result(task, result)
+        if stranded:
+            log.warning("stranded_rows_ended", rows=len(stranded), hint="their messages never reached a worker again: see the jobs.dead queue")
 
     async def _sweep_forever(self) -> None:
         while True:
@@ -546,6 +581,30 @@ class JobWorker:
                 await self._sweep()
             except Exception:  # noqa: BLE001 - a store or broker hiccup: the next sweep tries again
                 log.exception("job_sweep_failed")
+
+
+def _deliveries(message: aio_pika.abc.AbstractIncomingMessage) -> int:
+    """This delivery's number: 1 the first time (quorum queues count the earlier ones)."""
+    try:
+        return int(str((message.headers or {}).get("x-delivery-count") or 0)) + 1
+    except ValueError:
+        return 1
+
+
+def failure_backoff_s(deliveries: int) -> float:
+    """Doubling from FAILURE_BACKOFF_S[0] with each delivery, up to its [1], jittered down by up to
+    half so that the messages of one outage do not all come back at once."""
+    first, most = FAILURE_BACKOFF_S
+    return min(most, first * 2 ** min(deliveries - 1, 16)) * random.uniform(0.5, 1.0)
+
+
+async def _give_back_later(message: aio_pika.abc.AbstractIncomingMessage) -> None:
+    """Back to the broker after a backoff: during a database outage every message would otherwise
+    spend the queue's delivery limit within seconds and be dead-lettered unrun. Held meanwhile
+    (unacked), so a worker stopping now leaves it to be redelivered."""
+    await asyncio.sleep(failure_backoff_s(_deliveries(message)))
+    with contextlib.suppress(Exception):
+        await message.nack(requeue=True)
 
 
 def _request_id() -> str:
