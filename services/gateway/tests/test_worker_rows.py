@@ -211,3 +211,23 @@ async def test_the_sweep_ends_the_rows_of_an_expired_job_that_no_message_will_en
     codes = {r.custom_id: r.error.code for r in (await store.list_results("j", 10, ""))[0]}
     assert codes == {"queued": "EXPIRED", "lost": "ABORTED"}
     assert (await store.summaries_due(0.0)) == []  # its summary was told when its last row was stored
+
+
+async def test_a_copy_of_a_row_this_worker_is_running_waits_for_it_and_is_never_run_twice(stand_in, store) -> None:  # noqa: F811
+    """After a lost channel the broker redelivers the rows in flight while their runs go on in this
+    process: taking the copy over ran (and billed, and recorded an event for) each row twice."""
+    import asyncio
+
+    adapter, path = stand_in
+    adapter.token_s = 0.02  # 10 tokens: 0.2 s, long enough for the copy to arrive mid-run
+    job_worker = worker(store, path)
+    task = await row_task(store, max_tokens=10)
+    first, copy = _Delivery(task), _Delivery(task)
+    copy.redelivered = True
+    running = asyncio.create_task(job_worker._row(first))  # type: ignore[arg-type]
+    await asyncio.sleep(0.05)
+    await asyncio.wait_for(asyncio.gather(running, job_worker._row(copy)), 10)  # type: ignore[arg-type]
+    assert len(adapter.deadlines) == 1  # one attempt, one adapter call
+    assert first.settled == ["ack"] and copy.settled == ["ack"]
+    job = await store.get_job("j")
+    assert job is not None and job.completed_rows == 1 and job_worker._running == {}

@@ -169,6 +169,8 @@ class JobWorker:
         self._tasks: set[asyncio.Task[None]] = set()
         self._consumers: list[tuple[Any, str]] = []
         self._stopping = False
+        # (job id, custom id) -> set when this process's run of that row ends (_row).
+        self._running: dict[tuple[str, str], asyncio.Event] = {}
         self._connection: Any = None
         self._rows_channel: Any = None
         self._exchange: Any = None
@@ -332,6 +334,22 @@ class JobWorker:
             ROWS.labels("dead_lettered").inc()
             return
         structlog.contextvars.bind_contextvars(job_id=task.job_id, custom_id=task.row.custom_id)
+        key = (task.job_id, task.row.custom_id)
+        # A copy of a row this worker is running now: the broker redelivered it after the channel
+        # was lost (a broker restart, a network blip), while the first run goes on here. Run once:
+        # the copy waits, then finds the row stored (and is acked) or, if the run was given back,
+        # runs it itself.
+        while (running := self._running.get(key)) is not None:
+            log.info("row_copy_waits_for_its_run", redelivered=bool(message.redelivered))
+            await running.wait()
+        self._running[key] = ended = asyncio.Event()
+        try:
+            await self._run_row(task, message)
+        finally:
+            del self._running[key]
+            ended.set()
+
+    async def _run_row(self, task: jobs_pb2.RowTask, message: aio_pika.abc.AbstractIncomingMessage) -> None:
         deliveries = _deliveries(message)
         await self.concurrency.acquire()
         if self._stopping:  # it waited for a slot while the worker began to stop: not started here
