@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -38,23 +39,36 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
 
         # The CompletionEvent is published from the call's done-callback, only after the client's
         # stream has closed (issue 5); defaults, validation, admission and tracking are the path's.
-        def when_closed(publish: Callable[[Any, bool], None]) -> None:
-            context.add_done_callback(lambda done: publish(done.code(), done.cancelled()))
+        # grpc.aio records no status for a call its client cancelled or whose deadline passed (it
+        # cancels this handler): `gone` says which it was, or the event would read as a failure.
+        gone: list[grpc.StatusCode] = []
 
-        async with self._path.generate(tenant, request, request_id, context.time_remaining(), when_closed=when_closed) as stream:
-            await context.send_initial_metadata(((REQUEST_ID_KEY, request_id), *stream.ticket.metadata))
-            async for chunk in stream:
-                yield gateway_pb2.GenerateResponse(
-                    request_id=request_id,
-                    text=chunk.text,
-                    finish_reason=chunk.finish_reason,
-                    usage=chunk.usage if chunk.HasField("usage") else None,
-                    timings=chunk.timings if chunk.HasField("timings") else None,
-                    model=request.model,
-                    index=stream.index,
-                    logprobs=chunk.logprobs,
-                    tool_calls=stream.tool_calls(stream.index) if chunk.finish_reason else None,
-                )
+        def when_closed(publish: Callable[[Any, bool], None]) -> None:
+            def closed(done: grpc.aio.ServicerContext) -> None:
+                code = done.code() or (gone[0] if gone else None)
+                publish(code, done.cancelled() or code == grpc.StatusCode.CANCELLED)
+
+            context.add_done_callback(closed)
+
+        try:
+            async with self._path.generate(tenant, request, request_id, context.time_remaining(), when_closed=when_closed) as stream:
+                await context.send_initial_metadata(((REQUEST_ID_KEY, request_id), *stream.ticket.metadata))
+                async for chunk in stream:
+                    yield gateway_pb2.GenerateResponse(
+                        request_id=request_id,
+                        text=chunk.text,
+                        finish_reason=chunk.finish_reason,
+                        usage=chunk.usage if chunk.HasField("usage") else None,
+                        timings=chunk.timings if chunk.HasField("timings") else None,
+                        model=request.model,
+                        index=stream.index,
+                        logprobs=chunk.logprobs,
+                        tool_calls=stream.tool_calls(stream.index) if chunk.finish_reason else None,
+                    )
+        except asyncio.CancelledError:
+            remaining = context.time_remaining()
+            gone.append(grpc.StatusCode.DEADLINE_EXCEEDED if remaining is not None and remaining <= 0 else grpc.StatusCode.CANCELLED)
+            raise
 
     async def ListModels(self, request: gateway_pb2.ListModelsRequest, context: grpc.aio.ServicerContext) -> gateway_pb2.ListModelsResponse:
         self._tenant(context)

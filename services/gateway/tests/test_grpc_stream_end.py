@@ -1,0 +1,76 @@
+"""What a gRPC stream's CompletionEvent says when its client cancels it or its deadline passes,
+through a real gRPC server: grpc.aio records no status for either (it cancels the handler), and
+the event read them as failures (FINISH_REASON_ERROR, error_code UNKNOWN)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import grpc
+import pytest
+from sluice.common.v1 import types_pb2
+from sluice.evallog.v1 import events_pb2
+from sluice.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+from sluice.inference.v1 import inference_pb2
+
+from sluice_common.amqp import EventTopology
+from sluice_common.server import create_server
+from sluice_common.tenants import TenantDirectory
+from sluice_gateway.path.admission import Admission
+from sluice_gateway.path.completion_events import CompletionEvents
+from sluice_gateway.path.inference_path import InferencePath
+from sluice_gateway.path.model_catalog import ModelCatalog
+from sluice_gateway.grpc_front.servicer import GatewayServicer
+from test_openai_http import KEY, _Adapter, _Call, _Publisher, _RateLimit, _tenants_file
+
+
+class _Stalls(_Call):
+    """One token, then nothing: the client cancels, or its deadline passes."""
+
+    def __aiter__(self):  # type: ignore[no-untyped-def]
+        async def run():  # type: ignore[no-untyped-def]
+            yield inference_pb2.GenerateResponse(text="Hello", token_count=1)
+            await asyncio.sleep(30)
+
+        return run()
+
+
+@pytest.mark.parametrize(("how", "error_code"), [("cancel", ""), ("deadline", "DEADLINE_EXCEEDED")])
+async def test_a_stream_its_client_left_is_recorded_cancelled_not_failed(tmp_path: Any, how: str, error_code: str) -> None:
+    adapter = _Adapter()
+    adapter.Generate = lambda request, timeout=None, metadata=None: _Stalls([])  # type: ignore[method-assign]
+    catalog = ModelCatalog(adapter)  # type: ignore[arg-type]
+    await catalog.refresh()
+    publisher = _Publisher()
+    events = CompletionEvents(publisher, EventTopology("t"))  # type: ignore[arg-type]
+    path = InferencePath(adapter, catalog, Admission(_RateLimit()), events, default_max_tokens=50)  # type: ignore[arg-type]
+    servicer = GatewayServicer(TenantDirectory.from_file(_tenants_file(tmp_path)), path)
+
+    def register(server: grpc.aio.Server) -> list[str]:
+        gateway_pb2_grpc.add_GatewayServiceServicer_to_server(servicer, server)
+        return ["sluice.gateway.v1.GatewayService"]
+
+    running = await create_server("127.0.0.1", 0, 0, register)
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{running.port}") as channel:
+        stub = gateway_pb2_grpc.GatewayServiceStub(channel)
+        request = gateway_pb2.GenerateRequest(model="g", prompt="hi", sampling=types_pb2.SamplingParams(max_tokens=5))
+        call = stub.Generate(request, metadata=(("authorization", f"Bearer {KEY}"),), timeout=0.5 if how == "deadline" else None)
+        async for _chunk in call:
+            break  # the first token
+        if how == "cancel":
+            call.cancel()
+        else:
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                async for _ in call:
+                    pass
+            assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        for _ in range(100):  # published from the call's done-callback, once the server has closed it
+            if publisher.bodies:
+                break
+            await asyncio.sleep(0.02)
+    await running.server.stop(None)
+    (body,) = publisher.bodies
+    event = events_pb2.CompletionEvent.FromString(body)
+    assert (event.finish_reason, event.error_code) == (types_pb2.FINISH_REASON_CANCELLED, error_code)
+    assert event.usage.completion_tokens == 1  # the token it had
