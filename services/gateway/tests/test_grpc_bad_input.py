@@ -136,6 +136,7 @@ def _constrained(**constraint: object) -> types_pb2.SamplingParams:
     [
         (_constrained(json='{"type": "object", "if": {}, "then": {}}'), "if"),
         (_constrained(json="{not json"), "not valid JSON"),
+        (_constrained(json="[" * 5000), "nested too deeply"),
         (_constrained(regex="(unclosed"), "unclosed"),
         (_constrained(grammar='start: "a" | missing_rule'), "missing_rule"),
         (_constrained(choice=types_pb2.ChoiceList()), "non-empty list"),

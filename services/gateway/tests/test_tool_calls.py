@@ -53,6 +53,7 @@ def test_a_named_function_constrains_to_its_parameters_and_required_to_an_array_
         (types_pb2.ToolUse(tools=[types_pb2.Tool(name="a"), types_pb2.Tool(name="a")]), "tool_use.tools[1].name", "twice"),
         (types_pb2.ToolUse(tools=[types_pb2.Tool(name="a", parameters='{"type": "object", "if": {}}')]), "tool_use.tools[0].parameters", "if"),
         (types_pb2.ToolUse(tools=[types_pb2.Tool(name="a", parameters="[1]")]), "tool_use.tools[0].parameters", "JSON object"),
+        (types_pb2.ToolUse(tools=[types_pb2.Tool(name="a", parameters="[" * 5000)]), "tool_use.tools[0].parameters", "nested too deeply"),
     ],
 )
 def test_a_bad_tool_or_choice_is_invalid_naming_the_field(use: types_pb2.ToolUse, field: str, named: str) -> None:
@@ -121,6 +122,17 @@ def test_auto_text_that_only_looks_like_a_call_is_text() -> None:
     assert shown + rest == "a <toolbox> b" and reason == types_pb2.FINISH_REASON_STOP and not calls
     shown, rest, reason, calls = _run(Mode.TOOL_CHOICE_MODE_AUTO, ['<tool_call>{"name": "unknown_tool"}</tool_call>'])
     assert rest == '<tool_call>{"name": "unknown_tool"}</tool_call>' and reason == types_pb2.FINISH_REASON_STOP and not calls
+
+
+@pytest.mark.parametrize("body", ['{"name": ["get_weather"]}', '{"name": {"a": 1}}', '{"name": 7}', "[" * 5000])
+def test_a_call_naming_no_tool_by_a_string_or_too_deep_to_read_is_text(body: str) -> None:
+    """These raised inside the stream after its lease was settled: the client got INTERNAL and no
+    final chunk while the event said the stream had stopped normally."""
+    text = f"<tool_call>{body}</tool_call>"
+    shown, rest, reason, calls = _run(Mode.TOOL_CHOICE_MODE_AUTO, [text])
+    assert shown + rest == text and reason == types_pb2.FINISH_REASON_STOP and not calls
+    shown, rest, reason, calls = _run(Mode.TOOL_CHOICE_MODE_REQUIRED, [f'[{{"name": {body}, "parameters": {{}}}}]'])
+    assert reason != types_pb2.FINISH_REASON_TOOL_CALLS and not calls
 
 
 def test_constrained_modes_hold_everything_and_parse_the_calls() -> None:

@@ -141,6 +141,8 @@ def _parse_json(text: str, what: str) -> Any:
         return json.loads(text)
     except json.JSONDecodeError as exc:
         raise StructuredOutputsError(f"{what} is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise StructuredOutputsError(f"{what} is nested too deeply") from None
 
 
 def _schema_object(schema: dict[str, Any] | str) -> dict[str, Any]:

@@ -150,7 +150,7 @@ def render(messages: Sequence[types_pb2.ChatMessage], tool_plan: ToolPlan | None
 def _call_text(call: types_pb2.ToolCall) -> str:
     try:
         arguments: Any = json.loads(call.arguments or "{}")
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, RecursionError):
         arguments = call.arguments  # as the client sent it back: shown, not judged
     return f"{OPEN}\n{json.dumps({'name': call.name, 'arguments': arguments})}\n{CLOSE}"
 
@@ -237,9 +237,11 @@ def _required_calls(text: str) -> list[types_pb2.ToolCall] | None:
     None when the text is not one (the engine stopped it early)."""
     try:
         items = json.loads(text)
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, RecursionError):
         return None
-    if not isinstance(items, list) or not all(isinstance(item, dict) and "name" in item and "parameters" in item for item in items):
+    if not isinstance(items, list) or not all(
+        isinstance(item, dict) and isinstance(item.get("name"), str) and "parameters" in item for item in items
+    ):
         return None
     return [types_pb2.ToolCall(id=new_call_id(), name=item["name"], arguments=json.dumps(item["parameters"])) for item in items]
 
@@ -247,9 +249,10 @@ def _required_calls(text: str) -> list[types_pb2.ToolCall] | None:
 def _parse_call(body: str, tools: dict[str, dict[str, Any]]) -> types_pb2.ToolCall | None:
     try:
         parsed = json.loads(body)
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, RecursionError):
         return None
-    if not isinstance(parsed, dict) or parsed.get("name") not in tools:
+    # A name the model wrote as a list or an object is no call either (and no dict key).
+    if not isinstance(parsed, dict) or not isinstance(parsed.get("name"), str) or parsed["name"] not in tools:
         return None
     arguments = parsed.get("arguments", {})
     return types_pb2.ToolCall(id=new_call_id(), name=parsed["name"], arguments=json.dumps(arguments))
