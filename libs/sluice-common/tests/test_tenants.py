@@ -80,3 +80,11 @@ async def test_authorization_is_read_from_the_call_metadata() -> None:
 )
 def test_bearer_key(value: str | None, key: str) -> None:
     assert bearer_key(value) == key
+
+
+def test_one_key_for_two_tenants_is_refused_naming_both(tmp_path: Path) -> None:
+    """Collapsed silently, the key logged in as whichever tenant came last."""
+    key = hash_api_key("k-1")
+    body = f'[[tenants]]\nname = "acme"\napi_key_sha256 = "{key}"\n[[tenants]]\nname = "globex"\napi_key_sha256 = "{key.upper()}"\n'
+    with pytest.raises(ValueError, match=r"tenants\[1\] \(globex\) has the api_key_sha256 of tenant acme"):
+        TenantDirectory.from_file(write(tmp_path, body))

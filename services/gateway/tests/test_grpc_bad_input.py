@@ -193,6 +193,7 @@ async def test_response_format_json_object_is_enforced_not_only_scored(gateway) 
         ({"metadata": {"k" * 65: "v"}}, "metadata." + "k" * 65),
         ({"metadata": {"k": "v" * 513}}, "metadata.k"),
         ({"metadata": {"": "v"}}, "metadata."),
+        ({"client_request_id": "c" * 129}, "client_request_id"),  # the HTTP front keeps the first 128
     ],
 )
 async def test_user_and_metadata_beyond_openais_bounds_are_invalid_argument_naming_them(gateway, recorded, field) -> None:  # type: ignore[no-untyped-def]
@@ -222,3 +223,22 @@ async def test_a_priority_class_outside_the_enum_is_invalid_argument_not_interna
         await stub.Embed(gateway_pb2.EmbedRequest(model="e", inputs=["a"], priority_class=7), metadata=AUTH)  # type: ignore[arg-type]
     assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT and _violation(caught.value) == "priority_class"
     assert adapter.requests == []
+
+
+@pytest.mark.parametrize("method", ["GetJob", "WatchJob", "CancelJob", "ListJobResults"])
+async def test_a_job_call_without_a_key_is_unauthenticated_even_where_jobs_are_off(gateway, method: str) -> None:  # type: ignore[no-untyped-def]
+    """This gateway runs no jobs: a caller with a key hears UNIMPLEMENTED, one without hears
+    UNAUTHENTICATED first, as on every other call (it learned what is configured before)."""
+    channel, _adapter = gateway
+    stub = gateway_pb2_grpc.GatewayServiceStub(channel)
+    request = {"GetJob": gateway_pb2.GetJobRequest, "WatchJob": gateway_pb2.WatchJobRequest, "CancelJob": gateway_pb2.CancelJobRequest,
+               "ListJobResults": gateway_pb2.ListJobResultsRequest}[method](job_id="j")  # fmt: skip
+    for metadata, code in (((), grpc.StatusCode.UNAUTHENTICATED), (AUTH, grpc.StatusCode.UNIMPLEMENTED)):
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            call = getattr(stub, method)(request, metadata=metadata)
+            if method == "WatchJob":
+                async for _ in call:
+                    pass
+            else:
+                await call
+        assert caught.value.code() == code, method

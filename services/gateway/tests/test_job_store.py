@@ -93,6 +93,16 @@ async def test_results_page_in_row_order(store: JobStore) -> None:
     assert (await store.row_result("j", "r3")).output == "out r3"  # type: ignore[union-attr]
 
 
+@pytest.mark.parametrize("token", ["x1", "-1", "²", "1" * 5000, "99999999999999999999"])
+async def test_a_page_token_no_response_gave_is_invalid_argument(store: JobStore, token: str) -> None:
+    """ "²" passes str.isdigit and fails int(); 5,000 digits exceed int()'s limit; 20 digits overflow
+    the database's integer: each was INTERNAL."""
+    await store.accept("j", "demo", "", ["r"], DAY)
+    with pytest.raises(InvalidArgument) as caught:
+        await store.list_results("j", 3, token)
+    assert caught.value.field_name == "page_token"
+
+
 async def test_cancel_stops_new_rows_and_settles_when_running_rows_end(store: JobStore) -> None:
     await store.accept("j", "demo", "", ["a", "b", "c"], DAY)
     assert await store.claim_row("j", "a", "w", False) == s.CLAIMED

@@ -69,6 +69,11 @@ class TenantDirectory:
             name, key_hash = entry.get("name"), str(entry.get("api_key_sha256", "")).lower()
             if not name or len(key_hash) != 64:
                 raise ValueError(f"{path}: tenants[{index}] needs a name and a 64-hex-digit api_key_sha256")
+            if key_hash in by_hash:
+                # One key for two tenants would log in as whichever came last, silently.
+                raise ValueError(
+                    f"{path}: tenants[{index}] ({name}) has the api_key_sha256 of tenant {by_hash[key_hash].name}: keys are one per tenant"
+                )
             by_hash[key_hash] = Tenant(name=name, text_logging=bool(entry.get("text_logging", True)))
         if not by_hash:
             raise ValueError(f"{path}: no [[tenants]] entries")

@@ -25,11 +25,15 @@ MAX_METADATA_PAIRS = 16
 MAX_METADATA_KEY = 64
 MAX_METADATA_VALUE = 512
 MAX_USER = 256
+# The HTTP front keeps the first 128 characters of X-Client-Request-Id; gRPC is held to the same.
+MAX_CLIENT_REQUEST_ID = 128
 
 
-def validate_recorded(user: str, metadata: Mapping[str, str]) -> None:
-    """A request's end user and metadata (recorded on its evaluation record, never sent to the
-    model) within those bounds, whichever front they came from."""
+def validate_recorded(user: str, metadata: Mapping[str, str], client_request_id: str = "") -> None:
+    """A request's end user, metadata and client request id (recorded on its evaluation record,
+    never sent to the model) within those bounds, whichever front they came from."""
+    if len(client_request_id) > MAX_CLIENT_REQUEST_ID:
+        raise InvalidArgument("client_request_id", f"must be at most {MAX_CLIENT_REQUEST_ID} characters, got {len(client_request_id)}")
     if len(user) > MAX_USER:
         raise InvalidArgument("user", f"must be at most {MAX_USER} characters, got {len(user)}")
     if len(metadata) > MAX_METADATA_PAIRS:

@@ -242,10 +242,16 @@ def encode_page_token(seq: int) -> str:
     return str(seq)
 
 
+# A row's seq is its index in the job (below jobs_max_rows): a token is at most this many digits.
+_MAX_TOKEN_DIGITS = 18
+
+
 def decode_page_token(token: str) -> int:
+    """isascii too: str.isdigit accepts "²" and other digits int() refuses; bounded, so that int()
+    and the database (a 64-bit integer) take every token it lets through."""
     if not token:
         return -1
-    if not token.isdigit():
+    if not (token.isascii() and token.isdigit() and len(token) <= _MAX_TOKEN_DIGITS):
         raise InvalidArgument("page_token", "not a token from a previous ListJobResults response")
     return int(token)
 

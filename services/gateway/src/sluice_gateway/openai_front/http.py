@@ -55,6 +55,7 @@ from sluice_gateway.openai_front.requests import GenerationCall, parse_chat, par
 from sluice_common.tenants import Tenant, TenantDirectory
 from sluice_gateway.openai_front.http_input import authenticate, json_body
 from sluice_common.utf8 import is_valid_text
+from sluice_common.validation import MAX_CLIENT_REQUEST_ID
 
 if TYPE_CHECKING:
     from sluice_gateway.openai_front.batch_http import BatchFront
@@ -177,7 +178,7 @@ class OpenAIFront:
         return await json_body(request)
 
     def _client_request_id(self, request: web.Request) -> str:
-        value = request.headers.get(CLIENT_REQUEST_ID_HEADER, "")[:128]
+        value = request.headers.get(CLIENT_REQUEST_ID_HEADER, "")[:MAX_CLIENT_REQUEST_ID]
         if not is_valid_text(value):
             raise OpenAIError(400, f"The {CLIENT_REQUEST_ID_HEADER} header is not UTF-8 text.", param=CLIENT_REQUEST_ID_HEADER, code="invalid_value")
         return value

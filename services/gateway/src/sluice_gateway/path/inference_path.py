@@ -298,7 +298,7 @@ class InferencePath:
     def validate_generate(self, request: gateway_pb2.GenerateRequest) -> None:
         validate_generation(request.messages, request.prompt, request.sampling, self.models.get(request.model), request.prompt_token_ids)
         validate_priority_class(request.priority_class)
-        validate_recorded(request.user, request.metadata)
+        validate_recorded(request.user, request.metadata, request.client_request_id)
 
     @contextlib.asynccontextmanager
     async def generate(
@@ -491,6 +491,7 @@ class InferencePath:
         self.models.get(request.model, types_pb2.MODEL_KIND_EMBEDDING)
         validate_embedding(request.inputs)
         validate_priority_class(request.priority_class)
+        validate_recorded("", {}, request.client_request_id)
         downstream = inference_pb2.EmbedRequest(
             request_id=request_id,
             tenant=tenant.name,
