@@ -359,3 +359,18 @@ async def test_rows_no_message_will_end_are_found_after_their_jobs_window(store:
         await store.finish_row(expired_result(jobs_pb2.RowTask(job_id="j", row=jobs_pb2.JobRow(custom_id=row.custom_id)), row.window_s))
     assert await store.stranded_rows(60.0, 600.0, after_window + 601) == []
     assert [j.job_id for j in await store.summaries_due(0.0, after_window + 601)] == ["j"]  # the job can end
+
+
+async def test_a_job_id_reused_for_other_rows_is_refused_before_and_after_the_split(store: JobStore) -> None:
+    """Merged into the first job while it was being split: rows beyond its total, pages skipping
+    rows, the job ending while the others still ran; ignored silently once it was split."""
+    await store.accept("j", "demo", "q", ["a", "b"], DAY)
+    for split in (False, True):
+        if split:
+            await store.mark_split("j")
+        with pytest.raises(InvalidArgument, match="already used by a job of 2 other rows"):
+            await store.accept("j", "demo", "q2", ["c", "d", "e"], DAY)
+        with pytest.raises(InvalidArgument):
+            await store.accept("j", "demo", "q", ["a"], DAY)  # a subset is another job too
+    job, again = await store.accept("j", "demo", "q", ["b", "a"], DAY)  # the same rows: the same job
+    assert again == set() and job.total_rows == 2 and await store.row_states("j") == {"pending": 2}

@@ -332,9 +332,13 @@ class JobStore:
                     " WHERE job_id = ? AND state = ?",
                     IN_PROGRESS, len(custom_ids), now, window_s, reply_content_type, job_id, VALIDATING,
                 )  # fmt: skip
-            elif job.split_done or (job.terminal and job.state != EXPIRED):
-                return job, set()
             existing = {cid for (cid,) in await tx.fetchall("SELECT custom_id FROM job_rows WHERE job_id = ?", job_id)}
+            if existing and existing != set(custom_ids):
+                # A copy of the job (a redelivery, a producer's retry) names the same rows; other rows
+                # under its id would be merged into it, its counts and pages mixed with theirs.
+                raise InvalidArgument("job_id", f"{job_id!r} is already used by a job of {len(existing)} other rows: give this job an id of its own")
+            if job is not None and (job.split_done or (job.terminal and job.state != EXPIRED)):
+                return job, set()
             for seq, custom_id in enumerate(custom_ids):
                 if custom_id not in existing:
                     await tx.execute("INSERT INTO job_rows (job_id, custom_id, seq, state) VALUES (?, ?, ?, ?)", job_id, custom_id, seq, "pending")
