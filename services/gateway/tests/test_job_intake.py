@@ -21,7 +21,7 @@ from sluice_common.amqp import DEAD_REASON_HEADER, JobTopology
 
 from sluice_common.amqp_publisher import OutgoingMessage
 from sluice_common.config import load_config
-from sluice_common.errors import InvalidArgument, PermissionDenied
+from sluice_common.errors import InvalidArgument, PermissionDenied, Unavailable
 from sluice_common.tenants import TenantDirectory
 from sluice_gateway.config import ENV_PREFIX, WorkerConfig
 from sluice_gateway.jobs import store as states
@@ -40,11 +40,14 @@ PRIVATE = TENANTS.authenticate(f"Bearer {PRIVATE_KEY}")
 class CapturingPublisher:
     """What the gateway's ConfirmingPublisher is handed."""
 
-    def __init__(self) -> None:
+    def __init__(self, confirms: bool = True) -> None:
         self.messages: list[OutgoingMessage] = []
+        self.confirms = confirms
 
     def submit(self, message: OutgoingMessage) -> None:
         self.messages.append(message)
+        if message.confirmed is not None and self.confirms:
+            message.confirmed.set_result(None)  # as the broker's confirm does
 
 
 @dataclass
@@ -110,8 +113,8 @@ def job_request(job_id: str, api_key: str = "") -> jobs_pb2.JobRequest:
     return job
 
 
-def gateway(store: JobStore) -> tuple[JobsApi, CapturingPublisher]:
-    captured = CapturingPublisher()
+def gateway(store: JobStore, confirms: bool = True) -> tuple[JobsApi, CapturingPublisher]:
+    captured = CapturingPublisher(confirms)
     publisher = JobRequestPublisher(captured, JobTopology("sluice"))  # type: ignore[arg-type]
     return JobsApi(store, TENANTS, publisher.submit_job, max_rows=10, completion_window_s=3600.0), captured
 
@@ -128,6 +131,21 @@ async def test_the_api_path_publishes_the_tenant_and_no_key(store: JobStore, own
     admitted = jobs_pb2.AdmittedJob.FromString(message.body)
     assert (admitted.tenant, admitted.text_logging, admitted.job.api_key) == ("private", False, "")
     assert admitted.job.job_id == "j1" and [r.custom_id for r in admitted.job.rows] == ["a", "b"]
+
+
+async def test_submit_job_answers_only_once_the_broker_confirmed_the_job(store: JobStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Answered before, a job the gateway died with (unconfirmed, in memory) was lost while its
+    caller had been told it was submitted; it stayed validating for its whole window."""
+    from sluice_gateway.jobs import api as api_module
+
+    monkeypatch.setattr(api_module, "SUBMIT_CONFIRM_WAIT_S", 0.1)
+    api, captured = gateway(store, confirms=False)
+    with pytest.raises(Unavailable, match="submit it again with the same job_id") as caught:
+        await api.submit(PRIVATE, job_request("j1"))
+    assert caught.value.retry_after_s == 1.0
+    captured.confirms = True  # the broker is back: the same job again is published again, and confirmed
+    submitted = await api.submit(PRIVATE, job_request("j1"))
+    assert submitted.state == jobs_pb2.JOB_STATE_VALIDATING and len(captured.messages) == 2
 
 
 async def test_a_key_in_the_job_must_be_the_callers_tenants(store: JobStore) -> None:

@@ -84,7 +84,7 @@ async def test_watch_ends_on_expired_only_once_every_row_is_stored(store: JobSto
     assert (seen[-1].state, seen[-1].failed_rows, seen[-1].total_rows) == (jobs_pb2.JOB_STATE_EXPIRED, 2, 2)
 
 
-def test_a_submitted_job_carries_submit_jobs_request_id_to_the_worker() -> None:
+async def test_a_submitted_job_carries_submit_jobs_request_id_to_the_worker() -> None:
     """The worker binds the message's x-request-id: without it, its job_accepted line could not be
     joined to the SubmitJob call that made the job."""
     from sluice_common.amqp import JobTopology

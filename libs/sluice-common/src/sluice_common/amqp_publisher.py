@@ -46,6 +46,9 @@ class OutgoingMessage:
     type: str = ""
     content_type: str = PROTOBUF
     headers: dict[str, str] = field(default_factory=dict)
+    # Set once the broker confirms this message (a caller that must know it is durable awaits it);
+    # not kept when the message is spilled to the local file.
+    confirmed: asyncio.Future[None] | None = field(default=None, compare=False, repr=False)
 
     def to_aio_pika(self) -> aio_pika.Message:
         headers: dict[str, aio_pika.abc.FieldValue] = dict(self.headers)
@@ -396,3 +399,5 @@ class ConfirmingPublisher:
         if self._in_flight.pop(sequence, None) is not None:
             self._metrics.published.inc()
             self._changed()
+        if message.confirmed is not None and not message.confirmed.done():
+            message.confirmed.set_result(None)

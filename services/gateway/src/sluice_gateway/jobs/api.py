@@ -3,7 +3,9 @@
 SubmitJob is the gRPC twin of publishing to `<prefix>.jobs`: it validates the job the way the
 worker will, records it as validating, and hands it to the same exchange through the confirming
 publisher (retried until the broker confirms it) as an AdmittedJob: under the tenant's name the
-front authenticated, without any key. A job is visible only to its tenant.
+front authenticated, without any key. SubmitJob answers once the broker has confirmed the job
+(UNAVAILABLE after SUBMIT_CONFIRM_WAIT_S: the same job_id may be submitted again). A job is
+visible only to its tenant.
 JobsApi is the jobs_port.JobsPort the fronts are handed (they never import this room).
 """
 
@@ -29,6 +31,8 @@ from sluice_gateway.jobs_port import MAX_PAGE_SIZE
 from sluice_common.tenants import Tenant, TenantDirectory
 
 DEFAULT_PAGE_SIZE = 100
+# How long SubmitJob waits for the broker to confirm the job (milliseconds while it is up).
+SUBMIT_CONFIRM_WAIT_S = 5.0
 
 
 class JobsApi:
@@ -36,7 +40,8 @@ class JobsApi:
         self,
         store: JobStore,
         tenants: TenantDirectory,
-        publish: Callable[[jobs_pb2.AdmittedJob], None],
+        # Publishes an AdmittedJob; returns a future set once the broker confirmed it (None: nothing to wait for).
+        publish: Callable[[jobs_pb2.AdmittedJob], asyncio.Future[None] | None],
         max_rows: int,
         completion_window_s: float,
         watch_poll_s: float = 0.2,
@@ -65,8 +70,23 @@ class JobsApi:
         if record.state == "validating":
             admitted = jobs_pb2.AdmittedJob(job=job, tenant=tenant.name, text_logging=tenant.text_logging)
             admitted.job.ClearField("api_key")
-            self._publish(admitted)
+            await self._confirmed(job.job_id, self._publish(admitted))
         return record.to_proto()
+
+    @staticmethod
+    async def _confirmed(job_id: str, confirmed: asyncio.Future[None] | None) -> None:
+        """Answered only once the broker holds the job: before, a gateway that died lost it while
+        its caller had been told it was submitted (it stayed validating for its whole window)."""
+        if confirmed is None:
+            return
+        try:
+            await asyncio.wait_for(confirmed, SUBMIT_CONFIRM_WAIT_S)
+        except TimeoutError:
+            raise Unavailable(
+                f"job {job_id!r} is recorded but the broker has not confirmed it within {SUBMIT_CONFIRM_WAIT_S:g}s;"
+                " submit it again with the same job_id (it runs once)",
+                retry_after_s=1.0,
+            ) from None
 
     async def _owned(self, tenant: Tenant, job_id: str) -> JobRecord:
         if not job_id:
@@ -116,9 +136,11 @@ class JobRequestPublisher:
         self._publisher = publisher
         self._topology = topology
 
-    def submit_job(self, admitted: jobs_pb2.AdmittedJob) -> None:
+    def submit_job(self, admitted: jobs_pb2.AdmittedJob) -> asyncio.Future[None]:
+        """Hands the job to the publisher; the future is set once the broker has confirmed it."""
         if self._publisher is None:
             raise Unavailable("bulk jobs need RabbitMQ: SLUICE_GATEWAY_AMQP_URL is empty")
+        confirmed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._publisher.submit(
             OutgoingMessage(
                 body=admitted.SerializeToString(),
@@ -127,8 +149,10 @@ class JobRequestPublisher:
                 request_id=current_request_id(),  # the worker's job_accepted line joins SubmitJob's
                 type=jobs_pb2.AdmittedJob.DESCRIPTOR.full_name,
                 headers=with_trace_context({}),  # the job's trace continues SubmitJob's
+                confirmed=confirmed,
             )
         )
+        return confirmed
 
     def start(self, supervisor: Supervisor | None = None) -> None:
         if self._publisher is not None:
