@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import random
+import sqlite3
 import time
 import uuid
 from dataclasses import replace
@@ -22,7 +24,7 @@ from sluice_evaluation_logging.model import RecordFilter, Threshold
 from sluice_evaluation_logging.queries import EvalLogQueries
 from sluice_evaluation_logging.records import otel_attributes, to_row
 from sluice_evaluation_logging.servicer import _record, _summary
-from sluice_evaluation_logging.store import LATEST_VERSION, MIGRATIONS, PostgresStore, SqliteStore, Store
+from sluice_evaluation_logging.store import LATEST_VERSION, MIGRATIONS, PostgresStore, SqliteStore, Store, refused_for_content
 
 CTX = EvalContext(EvalSettings(similarity_sample_rate=0.0))
 
@@ -336,3 +338,22 @@ async def _a_record_stored_at(version: int, backend: str, tmp_path: Path) -> tup
     finally:
         await old.close()
     return dsn, schema, path, old_event
+
+
+async def test_a_record_the_database_cannot_hold_is_a_content_refusal(store) -> None:  # type: ignore[no-untyped-def]
+    # PostgreSQL refuses an index entry over ~8 kB (54000), whatever the retries: the consumer
+    # must dead-letter such an event, not retry its batch for ever.
+    huge = random.Random(7).randbytes(10_000).hex()  # random: no compression brings it under the limit
+    row = (await rows(make_event(user=huge)))[0]
+    if isinstance(store, SqliteStore):
+        assert await store.insert_batch([row]) == 1  # SQLite has no such limit
+    else:
+        with pytest.raises(Exception) as refused:
+            await store.insert_batch([row])
+        assert refused_for_content(refused.value)
+
+
+def test_a_database_failure_is_not_a_content_refusal() -> None:
+    assert not refused_for_content(sqlite3.OperationalError("database is locked"))
+    assert not refused_for_content(ConnectionResetError())
+    assert refused_for_content(sqlite3.IntegrityError("NOT NULL constraint failed: records.latency_ms"))

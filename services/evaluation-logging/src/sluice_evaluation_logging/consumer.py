@@ -5,7 +5,9 @@ after the batch is durably stored. Nothing here waits on a model: an evaluator t
 (similarity) answers Deferred, the record is stored with a durable pending marker, and
 similarity_worker.py computes the score later (`on_pending` tells it there is work). A batch closes at `batch_max` events or `batch_delay_s`
 after its first event. A message that can never become a record is published to the
-dead-letter exchange with its reason (confirmed) and then acked; consumption goes on.
+dead-letter exchange with its reason (confirmed) and then acked; consumption goes on. So is
+an event whose record the database refuses (a constraint, a value it cannot hold): a batch it
+refuses is stored event by event, and only the events still refused are dead-lettered.
 On any broker failure the session is rebuilt; what was unacked is redelivered.
 The CPU-heavy evaluators run in worker processes (`offload`, eval_pool.py) so the event loop
 stays responsive while a batch is evaluated; the batch is acked only after that, as before.
@@ -38,7 +40,7 @@ from sluice_evaluation_logging.evaluators.base import EvalContext, ScoreResult
 from sluice_evaluation_logging.model import RecordRow
 from sluice_evaluation_logging.record_metrics import observe_stored
 from sluice_evaluation_logging.records import PoisonMessage, decode_event, event_bytes, otel_attributes, to_row
-from sluice_evaluation_logging.store import Store
+from sluice_evaluation_logging.store import Store, refused_for_content
 
 log = structlog.stdlib.get_logger("sluice.evallog.consumer")
 # The stdlib logger under `log` (structlog renders through it): asked whether DEBUG is on.
@@ -51,6 +53,12 @@ BATCH_SECONDS = Histogram("sluice_evallog_batch_seconds", "Evaluate + store + ac
 # Per-event work on the loop (decoding, the cheap evaluators, building rows) costs ~5-20 us an
 # event: a batch of 256 in one go held the loop ~10 ms; this many at a time holds it ~1 ms.
 YIELD_EVERY = 64
+
+Stored = list[tuple[AbstractIncomingMessage, RecordRow]]
+
+
+class _Refused(Exception):
+    """The database refused the rows for what they hold: retrying the same rows cannot succeed."""
 
 
 @dataclass(frozen=True)
@@ -191,22 +199,16 @@ class CompletionConsumer:
             try:
                 decoded.append((message, decode_event(message.body, message.content_type)))
             except PoisonMessage as exc:
-                await dead_letter(dead, self._settings.topology.completions_queue, message, str(exc))
+                await self._dead_letter(dead, message, str(exc))
                 dead_lettered += 1
-                log.warning(
-                    "event_dead_lettered",
-                    reason=str(exc),
-                    message_id=message.message_id,
-                    request_id=(message.headers or {}).get(REQUEST_ID_KEY, ""),
-                )
         # Each event's bytes, once: handed to the evaluator pool and stored, both as received.
         serialized = [event_bytes(message.body, message.content_type, event) for message, event in decoded]
         all_scores = await evaluate_batch([event for _, event in decoded], self._context, self._offload, serialized)
-        rows: list[RecordRow] = []
+        to_store: Stored = []
         for index, ((message, event), scores, body) in enumerate(zip(decoded, all_scores, serialized, strict=True)):
             if index and index % YIELD_EVERY == 0:
                 await asyncio.sleep(0)
-            rows.append(to_row(event, scores, body, trace_id_of(message.headers)))
+            to_store.append((message, to_row(event, scores, body, trace_id_of(message.headers))))
         # One line per batch at INFO (in _commit); the per-event line (GenAI attributes, scores)
         # only at DEBUG, where building it is worth its cost: at one line per event it was most of
         # the consumer's CPU.
@@ -220,17 +222,30 @@ class CompletionConsumer:
                     **otel_attributes(event),
                 )
         await self._settle_commit()
-        self._committing = asyncio.create_task(self._commit(batch, rows, dead_lettered, started, spans), name="evallog-commit")
+        commit = self._commit(batch, to_store, dead, dead_lettered, started, spans)
+        self._committing = asyncio.create_task(commit, name="evallog-commit")
+
+    async def _dead_letter(self, dead: aio_pika.abc.AbstractExchange, message: AbstractIncomingMessage, reason: str) -> None:
+        """Confirmed by the broker on return: the message may then be acked."""
+        await dead_letter(dead, self._settings.topology.completions_queue, message, reason)
+        log.warning(
+            "event_dead_lettered",
+            reason=reason,
+            message_id=message.message_id,
+            request_id=(message.headers or {}).get(REQUEST_ID_KEY, ""),
+        )
 
     async def _commit(
         self,
         batch: Sequence[AbstractIncomingMessage],
-        rows: list[RecordRow],
+        to_store: Stored,
+        dead: aio_pika.abc.AbstractExchange,
         dead_lettered: int,
         started: float,
         spans: list[Any] | None = None,
     ) -> None:
-        inserted = await self._store_until_done(rows)
+        rows, inserted = await self._store_batch(to_store, dead)
+        dead_lettered += len(to_store) - len(rows)
         # One multiple-ack covers the whole batch (deliveries on a channel are acked in order).
         await batch[-1].ack(multiple=True)
         end_process_spans(spans, stored=True)
@@ -256,8 +271,29 @@ class CompletionConsumer:
             seconds=round(elapsed, 4),
         )
 
+    async def _store_batch(self, to_store: Stored, dead: aio_pika.abc.AbstractExchange) -> tuple[list[RecordRow], int]:
+        """Stores the batch in one transaction: the rows stored (or already there) and how many
+        were new. A batch the database refuses is stored event by event, and what it still
+        refuses is dead-lettered: retrying it whole would hold the queue for good behind one event."""
+        rows = [row for _, row in to_store]
+        try:
+            return rows, await self._store_until_done(rows)
+        except _Refused as exc:
+            log.warning("batch_refused", error=str(exc), batch=len(rows))
+        kept: list[RecordRow] = []
+        inserted = 0
+        for message, row in to_store:
+            try:
+                inserted += await self._store_until_done([row])
+            except _Refused as exc:
+                await self._dead_letter(dead, message, f"the store refused its record: {exc}")
+                continue
+            kept.append(row)
+        return kept, inserted
+
     async def _store_until_done(self, rows: list[RecordRow]) -> int:
-        """Retries while the database is down: the batch stays unacked with us meanwhile."""
+        """Retries while the database is down: the batch stays unacked with us meanwhile. Raises
+        _Refused when the database refuses these rows themselves, which no retry changes."""
         if not rows:
             return 0
         backoff = 0.2
@@ -265,8 +301,11 @@ class CompletionConsumer:
             try:
                 return await self._store.insert_batch(rows)
             except Exception as exc:  # noqa: BLE001 - a database outage must not lose or ack events
+                error = f"{type(exc).__name__}: {exc}"
+                if refused_for_content(exc):
+                    raise _Refused(error) from exc
                 if self._stopping.is_set():
                     raise
-                log.error("store_failed", error=f"{type(exc).__name__}: {exc}", batch=len(rows))
+                log.error("store_failed", error=error, batch=len(rows))
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 5.0)

@@ -43,7 +43,16 @@ def decode_event(body: bytes, content_type: str | None) -> events_pb2.Completion
         raise PoisonMessage("CompletionEvent without tenant")
     if len(event.event_id) > 200:
         raise PoisonMessage("event_id longer than 200 characters")
+    _check_finite_timings(event)
     return event
+
+
+def _check_finite_timings(event: events_pb2.CompletionEvent) -> None:
+    """Protobuf takes NaN and +-Infinity for a double (JSON "NaN"), but no duration is either, and
+    SQLite stores NaN as NULL, which the NOT NULL latency columns refuse: the batch would never store."""
+    for descriptor, value in event.timings.ListFields():
+        if isinstance(value, float) and not math.isfinite(value):
+            raise PoisonMessage(f"timings.{descriptor.name} is not a finite number ({value})")
 
 
 def _epoch(timestamp: Any) -> float:
@@ -97,12 +106,21 @@ def to_row(
     )
 
 
+def finish_reason_name(number: int) -> str:
+    """The short name ("stop", "length", ...), or the number for a value this build has no name for
+    (a newer gateway's): proto3 keeps unknown enum values, and a log line must not fail on one."""
+    try:
+        return types_pb2.FinishReason.Name(number).removeprefix("FINISH_REASON_").lower()
+    except ValueError:
+        return str(number)
+
+
 def otel_attributes(event: events_pb2.CompletionEvent) -> dict[str, Any]:
     attributes: dict[str, Any] = {
         "gen_ai.operation.name": "chat" if event.messages or not event.prompt else "text_completion",
         "gen_ai.request.model": event.model,
         "gen_ai.response.id": event.request_id,
-        "gen_ai.response.finish_reasons": [types_pb2.FinishReason.Name(event.finish_reason).removeprefix("FINISH_REASON_").lower()],
+        "gen_ai.response.finish_reasons": [finish_reason_name(event.finish_reason)],
         "gen_ai.usage.input_tokens": event.usage.prompt_tokens,
         # Part of input_tokens, as the conventions have it (and Usage.cached_tokens is).
         "gen_ai.usage.cache_read.input_tokens": event.usage.cached_tokens,

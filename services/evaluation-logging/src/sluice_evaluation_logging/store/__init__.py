@@ -15,9 +15,12 @@ rows in one transaction. Until then the score is absent from every query.
 
 from __future__ import annotations
 
+import sqlite3
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Protocol
+
+import asyncpg
 
 from sluice_evaluation_logging.evaluators.base import ScoreResult
 from sluice_evaluation_logging.model import PendingItem, RecordFilter, RecordRow, SummaryData
@@ -25,7 +28,7 @@ from sluice_evaluation_logging.store.postgres import PostgresStore
 from sluice_evaluation_logging.store.schema import LATEST_VERSION, MIGRATIONS
 from sluice_evaluation_logging.store.sqlite import SqliteStore
 
-__all__ = ["LATEST_VERSION", "MIGRATIONS", "PostgresStore", "SqliteStore", "Store", "open_store"]
+__all__ = ["LATEST_VERSION", "MIGRATIONS", "PostgresStore", "SqliteStore", "Store", "open_store", "refused_for_content"]
 
 
 class Store(Protocol):
@@ -50,3 +53,21 @@ def open_store(database_url: str, sqlite_path: Path, pg_schema: str = "evallog")
     if database_url:
         return PostgresStore(database_url, pg_schema)
     return SqliteStore(sqlite_path)
+
+
+# What a database raises when it refuses the rows it was given (a constraint, a value it cannot
+# hold, an index entry too large: PostgreSQL's 54000), not when it is unreachable, locked or out
+# of space: the same rows get the same answer on every retry, other rows may not.
+_CONTENT_REFUSALS: tuple[type[BaseException], ...] = (
+    sqlite3.IntegrityError,
+    sqlite3.DataError,
+    asyncpg.exceptions.IntegrityConstraintViolationError,
+    asyncpg.exceptions.DataError,
+    asyncpg.exceptions.ProgramLimitExceededError,
+)
+
+
+def refused_for_content(error: BaseException) -> bool:
+    """Whether `error` from `insert_batch` is the database refusing what the rows hold (retrying
+    them is useless) rather than the database failing (retrying is what to do)."""
+    return isinstance(error, _CONTENT_REFUSALS)
