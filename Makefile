@@ -28,7 +28,7 @@ TYPED := libs/sluice-common libs/sluice-stack $(SERVICES) $(CLI)
 LINT := $(CURDIR)/tools/lint
 UNIT_TESTED := libs/sluice-common $(SERVICES) $(CLI) bench
 
-.PHONY: help docs lint setup prometheus-tools deploy-requirements uv node protos protos-check proto-lint run test test-unit test-e2e test-deploy bench-path bench-tracing bench-adapter bench-evallog bench-ratelimit bench-jobs bench-jobs-interactive bench-engine bench-colocated bench-threads bench-gpu bench-gpu-kit bench-load bench-rolling bench-embed-cache bench-openai bench-peer bench-prefix bench-transport bench-rounds-ahead bench-structured llama-server clean
+.PHONY: help docs lint setup prometheus-tools deploy-requirements uv node protos protos-check proto-lint run test test-unit test-e2e test-deploy bench-path bench-tracing bench-adapter bench-evallog bench-ratelimit bench-jobs bench-jobs-interactive bench-engine bench-colocated bench-threads bench-gpu bench-gpu-networked bench-gpu-kit bench-load bench-rolling bench-embed-cache bench-openai bench-peer bench-prefix bench-transport bench-rounds-ahead bench-structured llama-server clean
 
 help:
 	@echo "make run        start the whole suite locally and stream a demo completion (Ctrl-C stops it)"
@@ -38,6 +38,8 @@ help:
 	@echo "make bench-colocated two engines on one host: cores split between them vs every core each (tok/s, step p99)"
 	@echo "make bench-threads the local stack's engine thread policies (spin, passive, one thread, ggml pool) quiet and beside a busy process"
 	@echo "make bench-gpu  on an NVIDIA GPU: the step engine's decode tok/s there vs the CPU at batch 1-64, greedy tokens identical?"
+	@echo "                on a borrowed GPU machine with no network: the offline kit's loads, one carried per call (no setup)"
+	@echo "make bench-gpu-networked  bench-gpu on a GPU machine with a network: make setup (with CUDA), then the bench"
 	@echo "make bench-gpu-kit the offline kit that runs bench-gpu on a borrowed GPU machine: built here, then proved here offline"
 	@echo "make bench-load 16, 32 and 64 chat streams through the stack: tok/s, TTFT, vs the engine alone"
 	@echo "make bench-rolling gateway, adapter and evaluation-logging restarted one by one under 32 streams: failed streams, lost events, TTFT"
@@ -157,8 +159,26 @@ test: lint docs proto-lint protos-check test-deploy test-unit test-e2e
 bench-engine: setup
 	bench/.venv/bin/python bench/bench_engine.py
 
-# Needs llama-cpp-python built with CUDA (make bench-gpu-kit builds one to carry); else exits 3, saying so.
+# No setup on the borrowed GPU machine (no network): there it is the offline kit's one command, each
+# call carrying one load (.gpukit/load-K); it stages the loads carried, and the call that completes the
+# kit runs the bench, its log in $$OUT/bench-gpu.log where OUT is set (bench/gpu/kit.py device). The
+# kit's path is taken where loads were carried or staged and the kit was not built (no .gpukit-build/);
+# elsewhere bench-gpu is bench-gpu-networked's path: make setup, then the bench in triton-local's
+# environment, which needs llama-cpp-python built with CUDA (CMAKE_ARGS="-DGGML_CUDA=on" make setup),
+# else it exits 3, saying so.
+GPUKIT_HOME := $(or $(SLUICE_GPUKIT_HOME),/tmp/sluice-gpukit)
+GPUKIT_CARRIED := $(if $(wildcard .gpukit-build),,$(wildcard .gpukit $(GPUKIT_HOME)/kit.json))
+ifneq ($(GPUKIT_CARRIED),)
+bench-gpu:
+	@echo "bench-gpu: the offline kit's loads ($(GPUKIT_CARRIED)); bench-gpu-networked is the path with a network"
+	$(PYTHON) bench/gpu/kit.py device
+else
 bench-gpu: setup
+	services/triton-local/.venv/bin/python bench/engine/gpu.py
+endif
+
+# bench-gpu with a network wherever it runs (make setup first), never the offline kit.
+bench-gpu-networked: setup
 	services/triton-local/.venv/bin/python bench/engine/gpu.py
 
 # The offline kit for a GPU machine with no network (bench/gpu/kit.py): the CUDA wheel for sm_90 (many

@@ -26,10 +26,11 @@ a round's steps sharing a response for up to BENCH_STREAM_INTERVAL_MS (50: the a
 STREAM_INTERVAL_S default; 0: a response per step), and each batch of BATCHES up to 32, against
 the engine stepped directly at the same batch:
 
-  BENCH gpu_protocol batch=8 round_steps=64 ahead=false interval_ms=50 tok_s=... engine_tok_s=... ratio=... greedy_identical=true (8/8 rows)
+  BENCH gpu_protocol_in_process batch=8 round_steps=64 ahead=false interval_ms=50 tok_s=... engine_tok_s=... ratio=... greedy_identical=true (8/8 rows)
 
 The clock runs from the first response (the prefill's) to the last token; greedy_identical says
-whether every row's tokens equal the engine's own at that batch.
+whether every row's tokens equal the engine's own at that batch. In process: these figures leave out
+the Triton hop (deploy/triton's Python backend is not measured on a GPU by this script).
 
 BENCH_GPU_DRY_RUN=1 is the offline kit's proof on a machine with no GPU (bench/gpu/kit.py prove):
 the CUDA build must still be the one loaded, but the "GPU" side offloads no layers, so both sides'
@@ -46,6 +47,7 @@ import shutil
 import subprocess
 import sys
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass
 from itertools import count
 from pathlib import Path
@@ -70,6 +72,7 @@ DRY_RUN = os.environ.get("BENCH_GPU_DRY_RUN", "") not in ("", "0")
 ROUND_STEPS = [int(k) for k in os.environ.get("BENCH_ROUND_STEPS", "1,8,64").split(",")]
 STREAM_INTERVAL_MS = int(os.environ.get("BENCH_STREAM_INTERVAL_MS", "50"))
 PROTOCOL_MAX_BATCH = 32
+RESPONSE_TIMEOUT_S = 300.0  # a protocol round that answers nothing for this long has hung
 PROMPT_ROOM = 192  # positions a slot keeps for its templated prompt (the longest of PROMPTS: 44 tokens)
 
 _TOPICS = (
@@ -156,7 +159,7 @@ class ProtocolRun:
     def line(self) -> str:
         same = sum(p == e for p, e in zip(self.protocol.tokens, self.engine.tokens))
         return (
-            f"BENCH gpu_protocol batch={self.batch} round_steps={self.round_steps} ahead={str(self.ahead).lower()} interval_ms={self.interval_ms} "
+            f"BENCH gpu_protocol_in_process batch={self.batch} round_steps={self.round_steps} ahead={str(self.ahead).lower()} interval_ms={self.interval_ms} "
             f"tok_s={self.protocol.decode_tok_s:.1f} "
             f"engine_tok_s={self.engine.decode_tok_s:.1f} ratio={self.protocol.decode_tok_s / self.engine.decode_tok_s:.2f} "
             f"greedy_identical={str(same == self.batch).lower()} ({same}/{self.batch} rows)"
@@ -171,15 +174,31 @@ def protocol_decode(engine: SharedEngine, prompts: list[str], decode_steps: int,
     step protocol in rounds of `round_steps` engine steps, each round asked for when the last ended,
     or (`ahead`) sent at the first response of the round before to follow it (FOLLOWS_ROUND), as the
     adapter's SLUICE_ADAPTER_ROUNDS_AHEAD does."""
-    responses: queue.Queue[tuple[dict[str, np.ndarray], bool]] = queue.Queue()
+    # A response and whether it is its round's last; or the error of a round that failed before its
+    # last (on the engine's thread, outside a step's rows: held in the round's Future, not answered).
+    responses: queue.Queue[tuple[dict[str, np.ndarray], bool] | BaseException] = queue.Queue()
     answer = lambda outputs, last: responses.put((outputs, last))  # noqa: E731
+
+    def failed(done: Future[None]) -> None:
+        if not done.cancelled() and (error := done.exception()) is not None:
+            responses.put(error)  # else the loop below would wait RESPONSE_TIMEOUT_S for a response that never comes
+
+    def send(inputs: dict[str, np.ndarray]) -> None:
+        start_round(engine, inputs, answer).add_done_callback(failed)
+
     ids = [next(_protocol_seq_ids) for _ in prompts]
     bodies = [json.dumps({"messages": [["user", p]], "max_tokens": decode_steps + 1, "temperature": 0}).encode() for p in prompts]
-    start_round(engine, round_inputs(PREFILL, ids, bodies, round_steps, stream_interval_ms=interval_ms), answer)
+    send(round_inputs(PREFILL, ids, bodies, round_steps, stream_interval_ms=interval_ms))
     tokens: dict[int, list[int]] = {i: [] for i in ids}
     live, started, followed = set(ids), 0.0, False
     while live:
-        outputs, last = responses.get(timeout=300)
+        try:
+            item = responses.get(timeout=RESPONSE_TIMEOUT_S)
+        except queue.Empty:
+            raise TimeoutError(f"no step protocol response in {RESPONSE_TIMEOUT_S:.0f} s ({len(live)} rows still running)") from None
+        if isinstance(item, BaseException):
+            raise item  # the round's own error, with its traceback on the engine's thread
+        outputs, last = item
         started = started or time.perf_counter()
         for seq_id, token, finish, error in zip(outputs["ROW_SEQ_ID"], outputs["TOKEN_ID"], outputs["FINISH"], outputs["ERROR"]):
             if int(seq_id) not in live:  # a round sent ahead answers "not running" for one that ended
@@ -191,14 +210,12 @@ def protocol_decode(engine: SharedEngine, prompts: list[str], decode_steps: int,
             if finish:
                 live.discard(int(seq_id))
         if ahead and not last and live and not followed:
-            start_round(
-                engine, round_inputs(DECODE, sorted(live), [b""] * len(live), round_steps, follows=True, stream_interval_ms=interval_ms), answer
-            )
+            send(round_inputs(DECODE, sorted(live), [b""] * len(live), round_steps, follows=True, stream_interval_ms=interval_ms))
             followed = True
         elif last and followed:
             followed = False  # the round sent ahead runs now
         elif last and live:
-            start_round(engine, round_inputs(DECODE, sorted(live), [b""] * len(live), round_steps, stream_interval_ms=interval_ms), answer)
+            send(round_inputs(DECODE, sorted(live), [b""] * len(live), round_steps, stream_interval_ms=interval_ms))
     elapsed = time.perf_counter() - started
     start_round(engine, round_inputs(RELEASE, ids, [b""] * len(ids), 1), lambda *_: None).result(timeout=60)
     decoded = sum(len(row) - 1 for row in tokens.values())  # the prefill's token is before the clock
@@ -345,8 +362,8 @@ def main() -> int:
             print(f"  GPU and CPU greedy tokens part: {rows}", flush=True)
     shared = SharedEngine(gpu)
     print(
-        f"the step protocol on the GPU engine in process (no Triton hop), rounds of {ROUND_STEPS} steps,"
-        f" a response at most every {STREAM_INTERVAL_MS} ms ...",
+        f"the step protocol on the GPU engine in process (no Triton hop: not the Triton path's cost, which this does not measure),"
+        f" rounds of {ROUND_STEPS} steps, a response at most every {STREAM_INTERVAL_MS} ms ...",
         flush=True,
     )
     for batch in (b for b in BATCHES if b <= PROTOCOL_MAX_BATCH):

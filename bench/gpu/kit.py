@@ -7,16 +7,19 @@ Here (an ordinary machine with nvcc 13, the registry, `make setup` done):
 
 builds llama-cpp-python with CUDA for sm_90 alone (the H200) into a wheel, downloads the wheels the step
 engine imports (versions from triton-local's uv.lock, for the device's Python), and splits the GGUF
-file into parts, packing them all into loads. On the GPU machine, one command per load, back to back
-while it stays warm, each carrying its load (`.gpukit/load-K`):
+file into parts, packing them all into as few loads as fit (three today). On the GPU machine, one command
+per load, back to back while it stays warm, each carrying its load (`.gpukit/load-K`), the same command
+each time:
 
-  python3 bench/gpu/kit.py stage K                                    # K = 1 .. N-1
-  python3 bench/gpu/kit.py stage N && python3 bench/gpu/kit.py run    # the last one
+  make bench-gpu        # runs: python3 bench/gpu/kit.py device
 
-`stage` checks a load's files against the manifest and keeps them outside the checkout; `run`
-reassembles the model, installs every wheel into a clean virtual environment with no index, finds the
-CUDA runtime and cuBLAS the machine has, and runs bench_gpu. Here, `prove` does all of that from the
-loads alone, without a network (its own network namespace where it can), with no layers offloaded:
+`device` stages every load carried with the command (checked against the manifest, kept outside the
+checkout); the command that completes the kit, whichever load it carries, then runs: it reassembles
+the model, installs every wheel into a clean virtual environment with no index, finds the CUDA runtime
+and cuBLAS the machine has, and runs bench_gpu. Where OUT names a folder (the device tool's), the whole
+log goes to $OUT/bench-gpu.log and the BENCH lines alone to $OUT/bench-gpu-BENCH.txt as well. `stage K`
+and `run` are its two halves. Here, `prove` does all of that from the loads alone, without a network
+(its own network namespace where it can), with no layers offloaded:
 
   python3 bench/gpu/kit.py prove
 
@@ -38,6 +41,7 @@ import time
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TextIO
 
 REPO = Path(__file__).resolve().parents[2]
 KIT = REPO / ".gpukit"  # the loads (git-ignored; carried to the device one at a time)
@@ -78,8 +82,34 @@ CMAKE_ARGS = (
 CUDA_SONAMES = ("libcudart.so.13", "libcublas.so.13", "libcublasLt.so.13")
 
 
+LOG_NAME, BENCH_NAME = "bench-gpu.log", "bench-gpu-BENCH.txt"  # under $OUT: what comes back beside the output's tail
+
+
+class Log:
+    """Where OUT names a folder (the device tool empties it before a command and returns its files),
+    every line of a device command: the whole log, and its BENCH lines alone. Written a line at a
+    time, so a command stopped at its time limit still leaves what it printed."""
+
+    def __init__(self) -> None:
+        self.files: list[TextIO] = []  # [the whole log, the BENCH lines]
+
+    def open(self, folder: str) -> None:
+        if folder and not self.files and Path(folder).is_dir():
+            self.files = [(Path(folder) / name).open("a") for name in (LOG_NAME, BENCH_NAME)]
+
+    def write(self, line: str) -> None:
+        for f in self.files[:1] + (self.files[1:] if line.startswith("BENCH ") else []):
+            f.write(line if line.endswith("\n") else line + "\n")
+            f.flush()
+
+
+LOG = Log()
+
+
 def say(*parts: object) -> None:
-    print("gpukit:", *parts, flush=True)
+    line = " ".join(["gpukit:", *map(str, parts)])
+    print(line, flush=True)
+    LOG.write(line)
 
 
 def sha256(path: Path) -> str:
@@ -100,25 +130,39 @@ class Entry:
     load: int = 0
 
 
+MIN_PART = 2**20  # a load's room under this takes no model part (unless the model's rest fits it)
+
+
 def pack(wheels: list[Entry], model_size: int, budget: int) -> tuple[list[Entry], list[Entry]]:
-    """Wheels into loads first (a wheel is never split), then the model in parts that fill each load.
-    Returns (wheels with their load, model parts with theirs): as few loads as the budget allows."""
-    load, used, placed = 1, 0, []
-    for wheel in sorted(wheels, key=lambda w: -w.size):
+    """Wheels first, largest first, each into the first load with room for it (a wheel is never
+    split); then the model in parts that fill every load's room in turn, the wheels' loads first,
+    before a new load starts. Returns (wheels with their load, model parts with theirs, in the
+    model's order): as few loads as the budget allows, each device command's start being minutes."""
+    if budget < MIN_PART:
+        raise SystemExit(f"gpukit: {budget / 2**20:.1f} MiB left for a load: the checkout alone is near the 64 MiB a command carries")
+    used: list[int] = []  # bytes in each load so far
+    placed = []
+    for wheel in sorted(wheels, key=lambda w: (-w.size, w.name)):
         if wheel.size > budget:
             raise SystemExit(f"gpukit: {wheel.name} ({wheel.size / 2**20:.1f} MiB) alone is over a load's {budget / 2**20:.1f} MiB")
-        if used + wheel.size > budget:
-            load, used = load + 1, 0
-        placed.append(Entry(wheel.name, wheel.size, load))
-        used += wheel.size
-    parts, left = [], model_size
+        k = next((k for k, size in enumerate(used) if size + wheel.size <= budget), len(used))
+        if k == len(used):
+            used.append(0)
+        used[k] += wheel.size
+        placed.append(Entry(wheel.name, wheel.size, k + 1))
+    parts, left, k = [], model_size, 0
     while left:
-        room = budget - used
-        if room < 2**20:  # not worth a part: start the next load
-            load, used, room = load + 1, 0, budget
+        if k == len(used):
+            used.append(0)
+        room = budget - used[k]
+        if used[k] and room < min(MIN_PART, left):  # not worth a part: the next load
+            k += 1
+            continue
         size = min(room, left)
-        parts.append(Entry(f"{MODEL}.part{len(parts) + 1}", size, load))
-        used, left = used + size, left - size
+        parts.append(Entry(f"{MODEL}.part{len(parts) + 1}", size, k + 1))
+        used[k] += size
+        left -= size
+        k += 1
     return placed, parts
 
 
@@ -320,8 +364,8 @@ def build(args: argparse.Namespace) -> int:
     say(f"{len(files)} files in {loads} loads under {KIT}, each at most {budget / 2**20:.1f} MiB (64 MiB less the checkout):")
     for k in range(1, loads + 1):
         size = sum(f["size"] for f in files if f["load"] == k)
-        last = " && python3 bench/gpu/kit.py run" if k == loads else ""
-        say(f'  device run {k}: carry [".gpukit/load-{k}"] ({size / 2**20:.1f} MiB), command: python3 bench/gpu/kit.py stage {k}{last}')
+        then = ": the last, it runs the bench too" if k == loads else ""
+        say(f'  device run {k}: carry [".gpukit/load-{k}"] ({size / 2**20:.1f} MiB), command: make bench-gpu{then}')
     return prove(args) if args.prove else 0
 
 
@@ -338,6 +382,9 @@ def manifest_of(load_dir: Path) -> dict:
 def stage(args: argparse.Namespace) -> int:
     source = KIT / f"load-{args.load}"
     manifest = manifest_of(source)
+    if (HOME / MANIFEST).exists() and json.loads((HOME / MANIFEST).read_text()) != manifest:
+        say(f"another kit was staged in {HOME}: cleared")
+        shutil.rmtree(HOME)
     HOME.mkdir(parents=True, exist_ok=True)
     for f in (f for f in manifest["files"] if f["load"] == args.load):
         dest = HOME / f["name"]
@@ -416,6 +463,37 @@ def in_ldconfig(soname: str) -> bool:
     return soname in out
 
 
+def carried_loads() -> list[int]:
+    """The loads that travelled with this command (and any an earlier command on this machine left)."""
+    found = (p.name.removeprefix("load-") for p in KIT.glob("load-*") if (p / MANIFEST).exists())
+    return sorted(int(k) for k in found if k.isdigit())
+
+
+def device(args: argparse.Namespace) -> int:
+    """`make bench-gpu` on the GPU machine: stages each carried load not staged yet, then runs once
+    every load is staged. A command that stages a load and leaves others to come exits 0."""
+    carried = carried_loads()
+    for k in carried:
+        mine = [f for f in manifest_of(KIT / f"load-{k}")["files"] if f["load"] == k]
+        if (HOME / MANIFEST).exists() and manifest_of(KIT / f"load-{k}") == manifest_of(HOME) and all(map(staged_ok, mine)):
+            say(f"load {k} was staged already")
+        else:
+            stage(argparse.Namespace(load=k))
+    if not (HOME / MANIFEST).exists():
+        raise SystemExit(
+            "gpukit: no load carried and none staged: carry .gpukit/load-K with `make bench-gpu`, one a command "
+            "(`make bench-gpu-kit` builds them; bench-gpu-networked is the path with a network and `make setup`)"
+        )
+    manifest = manifest_of(HOME)
+    if missing := missing_loads(manifest):
+        say(
+            f"not run yet: loads {missing} of {manifest['loads']} still to stage: carry .gpukit/load-{missing[0]} with the next "
+            "`make bench-gpu`, at once (the machine goes back 30 s after a command, and the staged loads with it)"
+        )
+        return 0 if carried else 2
+    return run(args)
+
+
 def run(args: argparse.Namespace) -> int:
     t0 = time.monotonic()
     manifest = json.loads((HOME / MANIFEST).read_text()) if (HOME / MANIFEST).exists() else None
@@ -441,21 +519,34 @@ def run(args: argparse.Namespace) -> int:
     say(
         f"model reassembled, {len(manifest['files'])} files checked, wheels installed in {venv} ({time.monotonic() - t0:.0f} s); CUDA libraries from {libs or 'ldconfig'}"
     )
-    bench = subprocess.run([str(venv / "bin/python"), str(REPO / GPU_BENCH)], env=env, cwd=REPO, check=False)
+    # Its output line by line, to the terminal and to the log ($OUT), stderr in with it.
+    with subprocess.Popen(
+        [str(venv / "bin/python"), str(REPO / GPU_BENCH)],
+        env=env,
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        errors="replace",
+    ) as bench:
+        assert bench.stdout is not None
+        for line in bench.stdout:
+            sys.stdout.write(line)
+            sys.stdout.flush()
+            LOG.write(line)
     say(f"bench_gpu exited {bench.returncode} after {time.monotonic() - t0:.0f} s in all")
     return bench.returncode
 
 
 def prove(args: argparse.Namespace) -> int:
-    """Every step short of the GPU, here: stage each load into a fresh home, install and run with no
-    network (a network namespace of its own where `unshare -n` works) and no layers offloaded."""
-    loads = manifest_of(KIT / "load-1")["loads"]
+    """Every step short of the GPU, here: what `make bench-gpu` runs on the device (`device`), into a
+    fresh home: stage each load, install and run with no network (a network namespace of its own
+    where `unshare -n` works) and no layers offloaded."""
+    manifest_of(KIT / "load-1")  # the kit is built
     shutil.rmtree(HOME, ignore_errors=True)
-    for k in range(1, loads + 1):
-        stage(argparse.Namespace(load=k))
     # This machine's cuBLAS is the build's download (the device has its own: PyTorch's, or a toolkit's).
     os.environ.setdefault("SLUICE_GPUKIT_CUDA_LIBS", str(BUILD / "cuda" / "lib64"))
-    cmd = [kit_python(), str(Path(__file__).resolve()), "run", "--dry-run"]
+    cmd = [kit_python(), str(Path(__file__).resolve()), "device", "--dry-run"]
     offline = shutil.which("unshare") and subprocess.run(["unshare", "-n", "true"], capture_output=True).returncode == 0
     say("running with no network: " + ("its own network namespace (unshare -n)" if offline else "pip --no-index only (unshare -n is refused here)"))
     return subprocess.run((["unshare", "-n"] if offline else []) + cmd, check=False).returncode
@@ -473,9 +564,22 @@ def main() -> int:
     running = verbs.add_parser("run", help="device: install from the staged loads and run bench_gpu")
     running.add_argument("--dry-run", action="store_true", help="no layers offloaded (the proof without a GPU)")
     running.set_defaults(func=run)
+    on_device = verbs.add_parser("device", help="device (make bench-gpu): stage the carried loads, then run once all are staged")
+    on_device.add_argument("--dry-run", action="store_true", help="no layers offloaded (the proof without a GPU)")
+    on_device.set_defaults(func=device)
     verbs.add_parser("prove", help="here: every step short of the GPU, offline").set_defaults(func=prove)
     args = parser.parse_args()
-    return args.func(args)
+    if args.verb in ("stage", "run", "device"):
+        LOG.open(os.environ.get("OUT", ""))
+    try:
+        return args.func(args)
+    except SystemExit as stop:
+        if isinstance(stop.code, str):
+            LOG.write(stop.code)
+        raise
+    except subprocess.CalledProcessError as failed:  # pip's own output went to the terminal alone
+        LOG.write(f"gpukit: {failed}")
+        raise
 
 
 if __name__ == "__main__":

@@ -55,7 +55,7 @@ def test_the_step_protocol_gives_the_engines_own_greedy_tokens_at_every_round_le
         run = bench_gpu.protocol_run(shared, alone, 2, round_steps, steps=6, rounds=1, ahead=ahead, interval_ms=interval_ms)
         assert run.protocol.tokens == alone.tokens, (round_steps, ahead, interval_ms)
         assert re.fullmatch(
-            rf"BENCH gpu_protocol batch=2 round_steps={round_steps} ahead={str(ahead).lower()} interval_ms={interval_ms} tok_s=\d+\.\d engine_tok_s=\d+\.\d "
+            rf"BENCH gpu_protocol_in_process batch=2 round_steps={round_steps} ahead={str(ahead).lower()} interval_ms={interval_ms} tok_s=\d+\.\d engine_tok_s=\d+\.\d "
             r"ratio=\d+\.\d\d greedy_identical=true \(2/2 rows\)",
             run.line(),
         ), run.line()
@@ -66,3 +66,17 @@ def test_a_protocol_row_that_differs_is_counted() -> None:
     alone = bench_gpu.Side(10.0, [[1, 2], [3, 4]])
     run = bench_gpu.ProtocolRun(2, 8, bench_gpu.Side(8.0, [[1, 2], [3, 5]]), alone)
     assert run.line().endswith("ratio=0.80 greedy_identical=false (1/2 rows)")
+
+
+def test_a_protocol_round_that_fails_on_the_engine_thread_raises_its_error_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    gpu = bench_gpu.StepEngine(bench_gpu.gguf_path(), 1, 64, engine="llamacpp", threads=2, gpu_layers=0, prefix_cache=False)
+    shared = bench_gpu.SharedEngine(gpu)
+
+    def broken_step(*_: object, **__: object) -> None:
+        raise RuntimeError("the engine's thread broke")
+
+    # Outside the forward pass: the round's Future holds the error and no response is answered.
+    monkeypatch.setattr(shared, "_step", broken_step)
+    monkeypatch.setattr(bench_gpu, "RESPONSE_TIMEOUT_S", 10.0)  # a reader left waiting would end in TimeoutError
+    with pytest.raises(RuntimeError, match="the engine's thread broke"):
+        bench_gpu.protocol_decode(shared, bench_gpu.PROMPTS[:1], 2, 1)
