@@ -176,6 +176,15 @@ async def dead_letter(
     await exchange.publish(copy, routing_key)
 
 
+# What a dead-lettering left on a message, by Sluice or by the broker: a replayed message starts
+# afresh (a stale x-delivery-count could count its earlier deliveries against the queue's limit).
+_DEATH_HEADERS = (
+    DEAD_REASON_HEADER, "x-sluice-dead-at", "x-sluice-original-routing-key", "x-sluice-original-exchange",
+    "x-death", "x-delivery-count", "x-first-death-exchange", "x-first-death-queue", "x-first-death-reason",
+    "x-last-death-exchange", "x-last-death-queue", "x-last-death-reason",
+)  # fmt: skip
+
+
 async def replay_dead_letters(
     url: str,
     dead_queue: str,
@@ -186,21 +195,25 @@ async def replay_dead_letters(
     """Moves messages from `dead_queue` back to `exchange` (each confirmed before its ack).
 
     The routing key is the message's original one unless `routing_key` is given. Stops when the
-    queue is empty or after `limit` messages; returns how many were replayed.
+    queue is empty, after `limit` messages, or after as many as the queue held when it began: a
+    message still bad while its consumer runs comes straight back to this queue, and replaying it
+    again would never end. Returns how many were replayed.
     """
     replayed = 0
     connection = await aio_pika.connect(url, timeout=10)
     async with connection:
         channel = await connection.channel(publisher_confirms=True)
         target = await channel.get_exchange(exchange, ensure=True)
-        queue = await channel.get_queue(dead_queue, ensure=True)
-        while limit is None or replayed < limit:
+        queue = await channel.declare_queue(dead_queue, passive=True)
+        waiting = queue.declaration_result.message_count or 0
+        limit = waiting if limit is None else min(limit, waiting)
+        while replayed < limit:
             message = await queue.get(no_ack=False, fail=False, timeout=10)
             if message is None:
                 break
             headers = dict(message.headers or {})
             key = routing_key or str(headers.get("x-sluice-original-routing-key") or message.routing_key or "")
-            for name in (DEAD_REASON_HEADER, "x-sluice-dead-at", "x-sluice-original-routing-key", "x-sluice-original-exchange", "x-death"):
+            for name in _DEATH_HEADERS:
                 headers.pop(name, None)
             headers["x-sluice-replayed"] = int(str(headers.get("x-sluice-replayed") or 0)) + 1
             copy = aio_pika.Message(
