@@ -41,12 +41,18 @@ class MemoryBackend:
     def __init__(
         self,
         window_s: float,
-        clock: Callable[[], float] = time.time,
+        clock: Callable[[], float] = time.monotonic,
         on_expired: Callable[[int], None] | None = None,
         lease_prefix: str = "",
+        wall_clock: Callable[[], float] | None = None,
     ) -> None:
+        """`clock` times the windows and expiries: monotonic, so a wall clock stepped back (NTP, a VM
+        resumed) does not leave every window's entries in the future and its tenants refused for the
+        step. `wall_clock` only dates the expiries the caller is told (Unix time): time.time with the
+        default clock, else `clock` itself (a test's fake clock is both)."""
         self.window_s = window_s
         self._clock = clock
+        self._wall_clock = wall_clock or (time.time if clock is time.monotonic else clock)
         self._on_expired = on_expired
         self._prefix = lease_prefix
         # tag -> key -> window or gauge
@@ -150,7 +156,11 @@ class MemoryBackend:
         lease_id = self._prefix + new_unique_id()
         self._leases[lease_id] = lease
         self._expire_at(lease.expires_at, lease_id)
-        return Decision(allowed=True, lease_id=lease_id, lease_expires_at=lease.expires_at, states=states)
+        return Decision(allowed=True, lease_id=lease_id, lease_expires_at=self._wall(lease.expires_at, now), states=states)
+
+    def _wall(self, at: float, now: float) -> float:
+        """`at` (this backend's clock) as Unix time."""
+        return self._wall_clock() + (at - now)
 
     def _expire_at(self, at: float, lease_id: str) -> None:
         expiries = self._expiries
@@ -192,7 +202,7 @@ class MemoryBackend:
         lease.expires_at = now + ttl_s
         # The earlier heap entry stays: _sweep skips an entry whose lease now expires later.
         self._expire_at(lease.expires_at, lease_id)
-        return lease.expires_at
+        return self._wall(lease.expires_at, now)
 
     async def peek(self, checks: list[Check], tag: str = "") -> list[BudgetState]:
         now = self._clock()
