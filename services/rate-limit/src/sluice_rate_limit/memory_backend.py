@@ -17,6 +17,9 @@ from sluice_rate_limit.sliding_window import Entry, SlidingWindow, admits
 
 # In-flight budgets free capacity when some lease settles, which cannot be predicted: a retry hint.
 GAUGE_RETRY_S = 1.0
+# A change in wall time less monotonic time beyond this is a step of the wall clock (NTP, a VM
+# resumed), not the two clocks read a few microseconds apart.
+WALL_STEP_S = 0.5
 
 
 class _Gauge:
@@ -53,6 +56,9 @@ class MemoryBackend:
         self.window_s = window_s
         self._clock = clock
         self._wall_clock = wall_clock or (time.time if clock is time.monotonic else clock)
+        # Wall time less this backend's clock: kept while it holds (so that the expiries told are
+        # exactly as far apart as the decisions were), moved when the wall clock is stepped.
+        self._wall_offset = self._wall_clock() - clock()
         self._on_expired = on_expired
         self._prefix = lease_prefix
         # tag -> key -> window or gauge
@@ -156,11 +162,14 @@ class MemoryBackend:
         lease_id = self._prefix + new_unique_id()
         self._leases[lease_id] = lease
         self._expire_at(lease.expires_at, lease_id)
-        return Decision(allowed=True, lease_id=lease_id, lease_expires_at=self._wall(lease.expires_at, now), states=states)
+        return Decision(allowed=True, lease_id=lease_id, lease_expires_at=self._wall(lease.expires_at), states=states)
 
-    def _wall(self, at: float, now: float) -> float:
+    def _wall(self, at: float) -> float:
         """`at` (this backend's clock) as Unix time."""
-        return self._wall_clock() + (at - now)
+        offset = self._wall_clock() - self._clock()
+        if abs(offset - self._wall_offset) > WALL_STEP_S:
+            self._wall_offset = offset
+        return at + self._wall_offset
 
     def _expire_at(self, at: float, lease_id: str) -> None:
         expiries = self._expiries
@@ -202,7 +211,7 @@ class MemoryBackend:
         lease.expires_at = now + ttl_s
         # The earlier heap entry stays: _sweep skips an entry whose lease now expires later.
         self._expire_at(lease.expires_at, lease_id)
-        return self._wall(lease.expires_at, now)
+        return self._wall(lease.expires_at)
 
     async def peek(self, checks: list[Check], tag: str = "") -> list[BudgetState]:
         now = self._clock()
