@@ -168,6 +168,9 @@ async def test_request_id_from_metadata_or_generated(server) -> None:
     await channel.unary_unary(f"/{SERVICE}/Unary")(b"ok")
     assert seen[0] == "rid-1"
     assert len(seen[1]) == 32 and seen[1] != "rid-1"
+    # A caller's 4 KB id (gRPC takes up to 8 KB of metadata) would ride on every log line, call and record.
+    await channel.unary_unary(f"/{SERVICE}/Unary")(b"ok", metadata=(("x-request-id", "r" * 4000),))
+    assert seen[2] == "r" * 64
 
 
 async def test_health_serving_then_not_serving_on_shutdown(server) -> None:

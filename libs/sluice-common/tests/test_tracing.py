@@ -119,5 +119,35 @@ def test_spans_are_exported_over_otlp_http_with_the_callers_trace(receiver: Any)
     assert server.kind == server.SPAN_KIND_SERVER and server.status.code == 2  # INTERNAL is the server's error
     attributes = {a.key: a.value for a in server.attributes}
     assert attributes["rpc.grpc.status_code"].int_value == 13 and attributes["rpc.method"].string_value == "Call"
+    # The semantic conventions' bare address and port, not gRPC's "ipv4:127.0.0.1:1".
+    assert attributes["network.peer.address"].string_value == "127.0.0.1" and attributes["network.peer.port"].int_value == 1
     _, consumer = spans["process q"]
     assert consumer.parent_span_id == server.span_id and [link.span_id for link in consumer.links] == [server.span_id]
+
+
+@pytest.mark.parametrize(
+    ("peer", "attributes"),
+    [
+        ("ipv4:10.0.0.5:43512", {"network.peer.address": "10.0.0.5", "network.peer.port": 43512}),
+        ("ipv6:[::1]:50051", {"network.peer.address": "::1", "network.peer.port": 50051}),
+        ("unix:/run/sluice.sock", {"network.peer.address": "/run/sluice.sock"}),
+        ("", {}),
+    ],
+)
+def test_grpc_peers_become_the_semantic_conventions_address_and_port(peer: str, attributes: dict[str, Any]) -> None:
+    assert tracing.peer_attributes(peer) == attributes
+
+
+@pytest.mark.parametrize(
+    ("env", "named"),
+    [
+        ({}, False),
+        ({"OTEL_SERVICE_NAME": "x"}, True),
+        ({"OTEL_RESOURCE_ATTRIBUTES": "deployment.environment=prod, service.name=x"}, True),
+        ({"OTEL_RESOURCE_ATTRIBUTES": "service.namespace=sluice"}, False),
+    ],
+)
+def test_a_service_name_from_the_environment_wins_over_the_default(env: dict[str, str], named: bool) -> None:
+    """Resource.create merges our default after the environment's attributes: OTEL_RESOURCE_ATTRIBUTES'
+    service.name was replaced by "gateway" whatever the operator set."""
+    assert tracing._names_the_service(env) is named

@@ -231,3 +231,14 @@ async def test_a_copy_of_a_row_this_worker_is_running_waits_for_it_and_is_never_
     assert first.settled == ["ack"] and copy.settled == ["ack"]
     job = await store.get_job("j")
     assert job is not None and job.completed_rows == 1 and job_worker._running == {}
+
+
+def test_every_row_and_job_outcome_is_exported_at_zero_before_it_happens() -> None:
+    """SluiceRowsDeadLettered is increase(...{outcome="dead_lettered"}[15m]) > 0: a series that
+    first appears at 3 increases by 0 and the first burst never paged."""
+    from prometheus_client import REGISTRY
+
+    for outcome in ("completed", "failed", "expired", "dead_lettered", "given_back", "cancelled"):
+        assert REGISTRY.get_sample_value("sluice_jobs_rows_total", {"outcome": outcome}) is not None, outcome
+    for outcome in ("accepted", "rejected", "dead_lettered"):
+        assert REGISTRY.get_sample_value("sluice_jobs_accepted_total", {"outcome": outcome}) is not None, outcome

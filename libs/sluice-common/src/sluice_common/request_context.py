@@ -14,6 +14,9 @@ import secrets
 import structlog
 
 REQUEST_ID_KEY = "x-request-id"
+# A caller's own id is kept to this many characters (ours are 32): it goes into every log line,
+# every downstream call, the AMQP headers and the evaluation records.
+MAX_REQUEST_ID = 64
 
 _request_id: contextvars.ContextVar[str] = contextvars.ContextVar("sluice_request_id", default="")
 
@@ -63,5 +66,5 @@ def outgoing_metadata(*extra: tuple[str, str]) -> tuple[tuple[str, str], ...]:
 def request_id_from_metadata(metadata: object) -> str:
     for key, value in metadata or ():  # type: ignore[attr-defined]
         if key == REQUEST_ID_KEY and value:
-            return str(value)
+            return str(value)[:MAX_REQUEST_ID]
     return ""

@@ -89,7 +89,7 @@ def configure_tracing(service: str, env: Mapping[str, str] = os.environ) -> bool
         if not found:
             raise TracingConfigError(f"OTEL_TRACES_EXPORTER: no trace exporter named {name!r} is installed (otlp, console)")
         exporters.append(found[0].load()())
-    resource = Resource.create({} if env.get("OTEL_SERVICE_NAME") else {SERVICE_NAME: service})
+    resource = Resource.create({} if _names_the_service(env) else {SERVICE_NAME: service})
     provider = TracerProvider(resource=resource)  # the sampler: OTEL_TRACES_SAMPLER, read by the SDK
     for exporter in exporters:
         provider.add_span_processor(BatchSpanProcessor(exporter))
@@ -137,6 +137,28 @@ class _MetadataGetter(Getter[Any]):
 _METADATA = _MetadataGetter()
 
 
+def _names_the_service(env: Mapping[str, str]) -> bool:
+    """Whether the environment names the service (OTEL_SERVICE_NAME, or service.name in
+    OTEL_RESOURCE_ATTRIBUTES): then it wins over the default, as the specification has it."""
+    if env.get("OTEL_SERVICE_NAME"):
+        return True
+    pairs = env.get("OTEL_RESOURCE_ATTRIBUTES", "").split(",")
+    return any(pair.partition("=")[0].strip() == "service.name" for pair in pairs)
+
+
+def peer_attributes(peer: str) -> dict[str, Any]:
+    """gRPC's peer ("ipv4:10.0.0.5:43512", "ipv6:[::1]:43512", "unix:/path") as the semantic
+    conventions' network.peer.address and network.peer.port."""
+    kind, _, rest = peer.partition(":")
+    if kind not in ("ipv4", "ipv6"):
+        return {"network.peer.address": rest or peer} if peer else {}
+    address, _, port = rest.rpartition(":")
+    attributes: dict[str, Any] = {"network.peer.address": address.strip("[]")}
+    if port.isdigit():
+        attributes["network.peer.port"] = int(port)
+    return attributes
+
+
 def server_span(method: str, metadata: Any, peer: str) -> Span | None:
     """A SERVER span for one incoming RPC, child of the caller's `traceparent` (a new trace when
     none came), made current for the rest of the call's task (one task per RPC: nothing to undo).
@@ -149,7 +171,7 @@ def server_span(method: str, metadata: Any, peer: str) -> Span | None:
         method.lstrip("/"),
         context=parent,
         kind=SpanKind.SERVER,
-        attributes={"rpc.system": "grpc", "rpc.service": service, "rpc.method": name, "network.peer.address": peer},
+        attributes={"rpc.system": "grpc", "rpc.service": service, "rpc.method": name, **peer_attributes(peer)},
     )
     otel_context.attach(trace.set_span_in_context(span, parent))
     return span

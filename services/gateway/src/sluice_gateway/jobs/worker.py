@@ -103,6 +103,12 @@ JOBS = Counter("sluice_jobs_accepted_total", "Job messages handled, by outcome (
 LIMIT = Gauge("sluice_jobs_concurrency_limit", "The adaptive bound on rows in flight.")
 IN_FLIGHT = Gauge("sluice_jobs_rows_in_flight", "Rows running now.")
 RETRIES = Counter("sluice_jobs_row_retries_total", "Row attempts retried, by status code.", ["code"])
+# Exported at 0 from the start: increase() over a series that first appears at 3 is 0, and the
+# alert on dead-lettered rows would miss a first burst.
+for _outcome_label in ("completed", "failed", "expired", "dead_lettered", "given_back", "cancelled"):
+    ROWS.labels(_outcome_label)
+for _outcome_label in ("accepted", "rejected", "dead_lettered"):
+    JOBS.labels(_outcome_label)
 ROW_TIMEOUT = Gauge(
     "sluice_jobs_row_timeout_seconds",
     "The deadline last given to a row attempt, by kind (generate: it grows with max_tokens; embed): multiplier x"

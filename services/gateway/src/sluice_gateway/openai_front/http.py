@@ -44,7 +44,7 @@ from sluice.common.v1 import types_pb2
 
 from sluice_common.errors import ContextLengthExceeded, InvalidArgument, ResourceExhausted, SluiceError, Unauthenticated, Unavailable
 from sluice_common.log import PORTS_LOGGER
-from sluice_common.request_context import REQUEST_ID_KEY, bind_request_id, current_request_id, new_request_id
+from sluice_common.request_context import MAX_REQUEST_ID, REQUEST_ID_KEY, bind_request_id, current_request_id, new_request_id
 from sluice_gateway.path.generation_trace import instrument_http_front
 from sluice_gateway.path.inference_path import InferencePath
 from sluice_gateway.path.model_catalog import UnknownModel
@@ -319,7 +319,7 @@ def _record_logprobs(answer: Completion, state: ChoiceState, chunk: Any) -> dict
 @web.middleware
 async def _errors(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
     """A request id per request, one summary log line, and every error in OpenAI's JSON shape."""
-    supplied = request.headers.get(REQUEST_ID_KEY, "")[:64]
+    supplied = request.headers.get(REQUEST_ID_KEY, "")[:MAX_REQUEST_ID]
     # Undecodable bytes in the header (surrogate-escaped by aiohttp) cannot be logged or sent back.
     request_id = supplied if supplied and is_valid_text(supplied) else new_request_id()
     bind_request_id(request_id)
