@@ -23,7 +23,7 @@ MODES = {"gpu": {}, "cpu": CPU_MODE}
 # Settings naming a file or folder (fields ending _path, _file, _dir), by what the service does with
 # it: written state must be writable; the rest (tenants, limits, TLS material, templates) is read.
 WRITTEN = {
-    "gateway": {"events_spill_file", "jobs_sqlite_path"},
+    "gateway": {"events_spill_file", "jobs_spill_file", "jobs_sqlite_path"},
     "evaluation-logging": {"sqlite_path"},
     "triton-local": {"triton_log_file", "cache_dir"},
 }

@@ -255,3 +255,13 @@ def test_probed_ports_picked_together_are_all_different() -> None:
     port (tritonserver refuses to start so) while each was probed and released in turn."""
     ports = launcher.free_ports(64)
     assert len(set(ports)) == 64
+
+
+def test_every_gateway_spills_to_files_of_its_own(stack: Stack) -> None:
+    """With port 0 every gateway spilled SubmitJob's jobs to <temp>/sluice-gateway-0-jobs.spill: one
+    file for all of them (and other stacks'), which a restarted gateway, now on its bound port, never
+    read back."""
+    specs = [stack._gateway_spec(name) for name in ("gateway", "gateway-2")]
+    for kind in ("JOBS", "EVENTS"):
+        files = [env[f"SLUICE_GATEWAY_{kind}_SPILL_FILE"] for _name, _module, env, _port_env in specs]
+        assert len(set(files)) == 2 and all(f.startswith(str(stack.run_dir)) for f in files), files

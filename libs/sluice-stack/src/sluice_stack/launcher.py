@@ -527,6 +527,8 @@ class Stack:
             "SLUICE_GATEWAY_METRICS_PORT": str(metrics_port),
             **self._gateway_role_env(name),
             "SLUICE_GATEWAY_HTTP_PORT": str(http_port or ANY_HTTP_PORT),
+            # SubmitJob's AdmittedJobs past the outbox: one file per gateway, kept across its restarts.
+            "SLUICE_GATEWAY_JOBS_SPILL_FILE": str(self.run_dir / f"{name}-jobs.spill"),
             **self.extra_env.get("gateway", {}),
         }
         return name, "sluice_gateway", env, GATEWAY_PORT_ENV

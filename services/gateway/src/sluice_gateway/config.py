@@ -54,6 +54,10 @@ class SharedSettings:
     events_max_in_flight: int = 256
     # Empty: <temp dir>/sluice-gateway-<port>-events.spill.
     events_spill_file: str = ""
+    # SubmitJob's AdmittedJobs past the job publisher's outbox, read back on the next start. Empty:
+    # <temp dir>/sluice-gateway-<port>-jobs.spill (set it where several gateways share a temp dir,
+    # or where the port is chosen at start, 0: the next start would not find the file).
+    jobs_spill_file: str = ""
     # TLS to the adapter (ADAPTER_TLS_*), off by default: on when ADAPTER_TLS is true or any file is
     # set. The CA verifies the adapter (empty: system roots); cert and key are the gateway's identity
     # for mutual TLS; the server name overrides the name checked against the adapter's certificate.

@@ -172,6 +172,6 @@ def job_request_publisher(config: SharedSettings, port: int) -> JobRequestPublis
         topology.exchange,
         topology.declare,
         PublisherMetrics.get("sluice_gateway_job_requests", "JobRequests"),
-        spill_path=Path(tempfile.gettempdir()) / f"sluice-gateway-{port}-jobs.spill",
+        spill_path=Path(config.jobs_spill_file or Path(tempfile.gettempdir()) / f"sluice-gateway-{port}-jobs.spill"),
     )
     return JobRequestPublisher(publisher, topology)
