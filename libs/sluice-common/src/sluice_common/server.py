@@ -215,6 +215,10 @@ def _start_metrics(host: str, port: int) -> int:
 # Between NOT_SERVING and closing the port: clients that watch health (client-side health
 # checking, the launcher) move new calls to another replica before this one refuses them.
 NOT_SERVING_NOTICE_S = 0.5
+# After the drain, how long a service's publishers wait for the broker in all before they spill
+# what is still owed (run side by side, not one grace each): the manifests give a pod 10 s after
+# its drain grace to flush, and the launcher kills at the grace plus 15 s.
+PUBLISHER_FLUSH_S = 6.0
 
 
 async def drain(

@@ -58,7 +58,7 @@ from sluice_common.bootstrap import run_service
 from sluice_common.errors import InvalidArgument
 from sluice_common.loop_lag import monitor_loop_lag
 from sluice_common.request_context import bind_request_id, current_request_id, new_request_id
-from sluice_common.server import create_server, serve_until_signal
+from sluice_common.server import PUBLISHER_FLUSH_S, create_server, serve_until_signal
 from sluice_common.supervision import Supervisor, stop_tasks
 from sluice_gateway.jobs import store as states
 from sluice_gateway.jobs.concurrency import FAILED, OK, THROTTLED, AdaptiveConcurrency
@@ -660,8 +660,8 @@ async def serve(config: WorkerConfig) -> None:
     log.info("ready", role="job-worker", store=store.db.backend)
 
     async def on_stop() -> None:
-        await worker.stop(config.shutdown_grace_s)
-        await core.close(config.shutdown_grace_s)
+        await worker.stop(config.shutdown_grace_s)  # the rows in flight: the worker's drain
+        await core.close(PUBLISHER_FLUSH_S)
         await store.close()
 
     await serve_until_signal(running, config.shutdown_grace_s, on_stop)

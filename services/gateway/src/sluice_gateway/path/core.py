@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import tempfile
 from dataclasses import dataclass
@@ -79,9 +80,10 @@ class GatewayCore:
         self.models.start_refreshing(config.models_refresh_s, supervisor)
         self.completion_events.start(supervisor)
 
-    async def close(self, grace_s: float) -> None:
-        await self.completion_events.stop(grace_s)
-        await self.admission.drain()
+    async def close(self, flush_s: float) -> None:
+        """The events and lease commits still owed, side by side within `flush_s` (then the events
+        are spilled), then the channels."""
+        await asyncio.gather(self.completion_events.stop(flush_s), self.admission.drain(flush_s))
         if self.ratelimit_channel is not None:
             await self.ratelimit_channel.close()
         await self.models.stop()
