@@ -89,6 +89,11 @@ def test_deployment_has_grpc_probes_resources_and_a_pdb(overlay, service: str) -
     (container,) = deployment["spec"]["template"]["spec"]["containers"]
     for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
         assert container[probe]["grpc"]["port"] == GRPC_SERVICES[service], probe
+    # Liveness asks sluice_common.server's LIVENESS_SERVICE (SERVING while the process can serve at
+    # all); readiness asks "" (NOT_SERVING while starting, draining, or without a Triton replica):
+    # a liveness probe on "" restarted every adapter while Triton was away.
+    assert container["livenessProbe"]["grpc"].get("service") == "liveness"
+    assert container["readinessProbe"]["grpc"].get("service", "") == ""
     assert {"cpu", "memory"} <= set(container["resources"]["requests"]) and {"cpu", "memory"} <= set(container["resources"]["limits"])
     assert deployment["spec"]["template"]["spec"]["securityContext"]["runAsNonRoot"] is True
     (pdb,) = find(docs, "PodDisruptionBudget", service)
@@ -275,3 +280,11 @@ def test_vllm_model_is_decoupled_and_loads_local_weights() -> None:
     assert "decoupled: true" in (folder / "config.pbtxt").read_text()
     engine = yaml.safe_load((folder / "1" / "model.json").read_text())
     assert engine["model"].startswith("/"), "a local path: nothing downloads weights at run time"
+
+
+def test_the_job_worker_is_live_by_its_liveness_service_and_ready_by_its_own() -> None:
+    for overlay in OVERLAYS:
+        (worker,) = find(render(overlay), "Deployment", "job-worker")
+        (container,) = worker["spec"]["template"]["spec"]["containers"]
+        assert container["livenessProbe"]["grpc"].get("service") == "liveness", overlay
+        assert container["readinessProbe"]["grpc"].get("service", "") == "", overlay

@@ -20,7 +20,7 @@ from sluice_stack import REPO_ROOT
 def test_health_reflection_and_metrics(stack, service, full_name) -> None:
     address = stack.gateway_address if service == "gateway" else stack.adapter_address
     with grpc.insecure_channel(address) as channel:
-        for name in ("", full_name):
+        for name in ("", full_name, "liveness"):  # "liveness": what the Kubernetes liveness probes ask
             reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=name), timeout=5)
             assert reply.status == health_pb2.HealthCheckResponse.SERVING
         stub = reflection_pb2_grpc.ServerReflectionStub(channel)

@@ -258,16 +258,22 @@ async def test_health_is_serving_only_while_no_source_reports_a_problem(server) 
         response_deserializer=health_pb2.HealthCheckResponse.FromString,
     )
 
-    async def status() -> int:
-        return (await check(health_pb2.HealthCheckRequest(service=""))).status
+    async def status(service: str = "") -> int:
+        return (await check(health_pb2.HealthCheckRequest(service=service))).status
 
+    serving, not_serving = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+    assert await status("liveness") == serving
     await running.report("task:scheduler", False)
     await running.report("replicas", False)
-    assert await status() == health_pb2.HealthCheckResponse.NOT_SERVING
+    assert (await status(), await status("liveness")) == (not_serving, not_serving)
     await running.report("task:scheduler", True)
-    assert await status() == health_pb2.HealthCheckResponse.NOT_SERVING
+    # No replica to serve with: not ready, but alive (a restart would not bring Triton back).
+    assert (await status(), await status("liveness")) == (not_serving, serving)
+    await running.set_serving(False)  # draining: not ready, alive
+    assert (await status(), await status("liveness")) == (not_serving, serving)
+    await running.set_serving(True)
     await running.report("replicas", True)
-    assert await status() == health_pb2.HealthCheckResponse.SERVING
+    assert (await status(), await status("liveness")) == (serving, serving)
 
 
 async def test_drain_turns_not_serving_refuses_new_calls_finishes_accepted_streams_then_flushes() -> None:

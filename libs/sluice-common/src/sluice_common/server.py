@@ -81,6 +81,11 @@ def _enable_reflection(service_names: tuple[str, ...], server: grpc.aio.Server) 
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+# The health service name for liveness probes (Kubernetes' grpc probe `service`): SERVING while the
+# process can serve at all, whatever its readiness ("" and the service's own names) says.
+LIVENESS_SERVICE = "liveness"
+# The problems a Supervisor reports for its owner tasks are named "task:<name>".
+TASK_PROBLEM = "task:"
 
 
 @dataclass
@@ -111,6 +116,11 @@ class RunningServer:
         status = NOT_SERVING if self.problems else SERVING
         for name in ("", *self.service_names):
             await self.health.set(name, status)
+        # Only what a restart of this process could mend: an owner task down. Not its starting or
+        # draining, nor a dependency (no Triton replica): a liveness probe that followed those would
+        # restart every replica while Triton is away, and each restart waits for it again.
+        alive = not any(problem.startswith(TASK_PROBLEM) for problem in self.problems)
+        await self.health.set(LIVENESS_SERVICE, SERVING if alive else NOT_SERVING)
 
     async def shutdown(self, grace_s: float) -> None:
         await self.health.enter_graceful_shutdown()
