@@ -780,3 +780,22 @@ async def test_a_token_prompt_to_a_text_only_model_is_400_naming_prompt(tmp_path
         assert (await client.post("/v1/completions", json={"model": "g", "prompt": ["a", "b"]}, headers=AUTH)).status == 200
     finally:
         await client.close()
+
+
+async def test_every_request_is_counted_by_method_route_template_and_status(setup) -> None:  # type: ignore[no-untyped-def]
+    """The HTTP front had no metrics: its traffic and 5xx were in neither the gateway's error ratio
+    nor its dashboard. Routes are the templates, never the paths (unbounded label values)."""
+    from prometheus_client import REGISTRY
+
+    def count(method: str, route: str, status: str) -> float:
+        labels = {"http_request_method": method, "http_route": route, "http_response_status_code": status}
+        return REGISTRY.get_sample_value("http_server_request_duration_seconds_count", labels) or 0.0
+
+    client, _adapter, _ratelimit, _publisher = setup
+    before = count("POST", "/v1/chat/completions", "200"), count("GET", "unmatched", "404"), count("POST", "/v1/chat/completions", "401")
+    body = {"model": "g", "messages": [{"role": "user", "content": "Hi"}]}
+    assert (await client.post("/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {KEY}"})).status == 200
+    assert (await client.get("/no/such/path/1234")).status == 404
+    assert (await client.post("/v1/chat/completions", json=body)).status == 401
+    after = count("POST", "/v1/chat/completions", "200"), count("GET", "unmatched", "404"), count("POST", "/v1/chat/completions", "401")
+    assert [a - b for a, b in zip(after, before)] == [1, 1, 1]

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 import structlog
+from prometheus_client import Histogram
 from aiohttp import web
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
@@ -61,6 +62,25 @@ if TYPE_CHECKING:
     from sluice_gateway.openai_front.batch_http import BatchFront
 
 log = structlog.stdlib.get_logger("sluice.gateway.http")
+
+# OpenTelemetry's http.server.request.duration as its Prometheus exporter names it (seconds, its
+# attributes as labels), so that the HTTP front counts in the gateway's error ratio and dashboards
+# beside gRPC's sluice_rpc_*. Its default buckets, and longer ones for streamed completions.
+HTTP_DURATION = Histogram(
+    "http_server_request_duration_seconds",
+    "Duration of HTTP server requests, by method, route (the route's template) and status code.",
+    ["http_request_method", "http_route", "http_response_status_code"],
+    buckets=(0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 7.5, 10, 30, 60, 120, 300),
+)
+_HTTP_METHODS = frozenset(("GET", "HEAD", "POST", "PUT", "DELETE", "CONNECT", "OPTIONS", "TRACE", "PATCH"))
+
+
+def _route(request: web.Request) -> str:
+    """The matched route's template ("/v1/files/{file_id}"), never the path itself: a label value
+    per unknown path would grow without bound."""
+    resource = request.match_info.route.resource
+    return resource.canonical if resource is not None else "unmatched"
+
 
 CLIENT_REQUEST_ID_HEADER = "X-Client-Request-Id"
 
@@ -353,7 +373,10 @@ async def _errors(request: web.Request, handler: Callable[[web.Request], Awaitab
         status = error.status
         return _json_response(error.body(), error.status, {REQUEST_ID_KEY: request_id, **error.headers})
     finally:
-        log.info("http_request", method=request.method, path=request.path, status=status, ms=round((time.perf_counter() - started) * 1000, 1))
+        elapsed = time.perf_counter() - started
+        method = request.method if request.method in _HTTP_METHODS else "_OTHER"
+        HTTP_DURATION.labels(method, _route(request), str(status)).observe(elapsed)
+        log.info("http_request", method=request.method, path=request.path, status=status, ms=round(elapsed * 1000, 1))
         structlog.contextvars.clear_contextvars()
 
 
