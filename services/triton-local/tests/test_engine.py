@@ -258,6 +258,54 @@ def test_a_sequence_not_stepped_within_the_lease_is_released(engine: StepEngine)
         engine.step([ReleaseRow(1), ReleaseRow(2)])
 
 
+def test_a_sequence_stepped_in_the_step_that_would_reclaim_it_is_kept(engine: StepEngine) -> None:
+    """Its adapter is alive after all: the step it names it in must not release it under it."""
+    now = [1000.0]
+    engine._clock = lambda: now[0]  # noqa: SLF001 - the lease's clock, driven by the test
+    engine._slot_lease_s = 5.0  # noqa: SLF001
+    try:
+        prompt = "<|im_start|>user\nWrite a long story about a dragon.<|im_end|>\n<|im_start|>assistant\n"
+        engine.step([PrefillRow(1, prompt, Sampling(max_tokens=60)), PrefillRow(2, prompt, Sampling(max_tokens=60))])
+        reclaimed = engine.slots_reclaimed_total
+        for _ in range(LEASE_MIN_STEPS):  # sequence 1 is left out just short of the lease's steps
+            now[0] += 0.5
+            engine.step([DecodeRow(2)])
+        now[0] += 0.5
+        back, kept = engine.step([DecodeRow(1), DecodeRow(2)])  # past the lease's time and steps
+        assert back.token_id >= 0 and kept.token_id >= 0 and engine.slots_reclaimed_total == reclaimed
+    finally:
+        engine._slot_lease_s = 0.0  # noqa: SLF001
+        engine.step([ReleaseRow(1), ReleaseRow(2)])
+
+
+def test_a_fault_admitting_or_sampling_fails_those_rows_and_keeps_every_slot(engine: StepEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fault outside the forward pass (a library's, or ours) must not leave a sequence half made
+    or a slot held by nobody: its rows answer "error" and the next step runs as before."""
+    prompt = "<|im_start|>user\nWrite a long story about a dragon.<|im_end|>\n<|im_start|>assistant\n"
+    sampler = engine._sampler  # noqa: SLF001
+    start, sample = sampler.start, sampler.sample
+
+    def start_unless_seeded(slot: int, params: Sampling, ids: Any) -> None:
+        if params.seed == 13:
+            raise RuntimeError("sampler fault")
+        start(slot, params, ids)
+
+    monkeypatch.setattr(sampler, "start", start_unless_seeded)
+    first, faulty = engine.step([PrefillRow(1, prompt, Sampling(max_tokens=20)), PrefillRow(2, prompt, Sampling(max_tokens=20, seed=13))])
+    assert first.token_id >= 0 and not first.finish_reason  # admitted before the fault: its prompt went through
+    assert faulty.finish_reason == "error" and "sampler fault" in faulty.error
+    assert engine.slots_by_owner() == {"": 1} and engine.active_slots + len(engine._slots) == engine.max_slots  # noqa: SLF001
+
+    monkeypatch.setattr(sampler, "sample", lambda logits, slots: (_ for _ in ()).throw(RuntimeError("sampling fault")))
+    decoded, joined = engine.step([DecodeRow(1), PrefillRow(3, prompt, Sampling(max_tokens=20))])
+    assert [r.finish_reason for r in (decoded, joined)] == ["error", "error"] and "sampling fault" in decoded.error
+    assert engine.active_slots == 0 and len(engine._slots) == engine.max_slots  # noqa: SLF001
+
+    monkeypatch.setattr(sampler, "sample", sample)
+    assert text(run_alone(engine, 4, prompt, Sampling(max_tokens=5))) == text(run_alone(engine, 5, prompt, Sampling(max_tokens=5)))
+    assert engine.active_slots == 0
+
+
 def test_a_full_engine_nobody_steps_answers_stale_not_busy(engine: StepEngine) -> None:
     """Issue 22: "busy" told a probe the replica was serving (someone else's sequences held the slots),
     so a replica whose slots an adapter had dropped passed its probe for the whole slot lease. A prefill

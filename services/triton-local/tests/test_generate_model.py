@@ -124,6 +124,44 @@ def test_the_stand_ins_turned_away_prefill_gets_the_next_freed_slot() -> None:
     engine.step([ReleaseRow(s) for s in held])
 
 
+def test_the_stand_ins_batcher_answers_a_fault_and_keeps_serving(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An engine step that raises, or a request's callback that does, must not end the batcher's
+    thread: the requests in hand hear the error and later requests are served."""
+    import queue
+
+    from sluice_triton_local.engine import Sampling, StepEngine
+    from sluice_triton_local.model_files import gguf_path
+    from sluice_triton_local.generate_model import SelfBatchingGenerator
+    from sluice_triton_local.shared_engine import SharedEngine
+
+    engine = SharedEngine(StepEngine(gguf_path(), max_slots=2, max_context=256, threads=1))
+    prompt = engine.apply_chat_template([("user", "Name a color.")])
+    step, faults = engine.step, ["engine fault"]
+
+    def step_once_faulty(rows: list[object]) -> list[RowResult]:
+        if faults:
+            raise RuntimeError(faults.pop())
+        return step(rows)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(engine, "step", step_once_faulty)
+    generator = SelfBatchingGenerator(engine, max_running=2)
+    failed: queue.Queue[RowResult] = queue.Queue()
+    generator.submit(prompt, Sampling(max_tokens=3), failed.put)
+    result = failed.get(timeout=30)
+    assert result.finish_reason == "error" and "engine fault" in result.error
+
+    def broken_callback(result: RowResult) -> None:
+        raise RuntimeError("the request's loop is closed")
+
+    generator.submit(prompt, Sampling(max_tokens=3), broken_callback)
+    served: queue.Queue[RowResult] = queue.Queue()
+    generator.submit(prompt, Sampling(max_tokens=3), served.put)
+    answers = [served.get(timeout=30)]
+    while not answers[-1].finish_reason:
+        answers.append(served.get(timeout=30))
+    assert answers[-1].finish_reason == "length" and len(answers) == 3
+
+
 def test_logprobs_come_in_vllms_shape_and_read_back_as_the_engines() -> None:
     """return_logprobs: one {id: {logprob, rank, decoded_token}} object per token of the response, the
     sampled token among them (with its own rank when it is not among the most likely), null when the

@@ -9,14 +9,15 @@ one step are prefilled once (one forward row), their KV copied, each reproducibl
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 
 import numpy as np
 import pytest
 
-from sluice_common.sampling import Sampling
+from sluice_common.sampling import Sampling, StructuredOutputs
 from sluice_triton_local.engine import DecodeRow, PrefillRow, RowResult, StepEngine
-from sluice_triton_local.engine.sampling import BatchSampler, log_softmax
+from sluice_triton_local.engine.sampling import LOGPROB_FLOOR, BatchSampler, log_softmax
 from sluice_triton_local.model_files import gguf_path
 
 VOCAB = 1000
@@ -159,3 +160,16 @@ def test_n_siblings_are_prefilled_once_and_each_seed_reproduces_its_stream(engin
     assert [r.logprobs.logprob for r in alone] == pytest.approx([r.logprobs.logprob for r in first[11]], abs=1e-5)  # type: ignore[union-attr]
     again = choices(30, 100)
     assert [[r.token_id for r in again[30 + i]] for i in range(3)] == streams
+
+
+def test_tokens_a_constraint_rules_out_report_a_finite_floor_not_minus_infinity(engine: StepEngine) -> None:
+    """The constraint masks ruled-out tokens' logits to -inf before the logprobs are taken: JSON has
+    no -Infinity (json.dumps writes it, strict parsers refuse it), so they report vLLM's floor."""
+    choice = Sampling(max_tokens=4, logprobs=5, structured_outputs=StructuredOutputs.choice(["purple"]))
+    out = drive(engine, [PrefillRow(1, prompt(engine), choice)])[1]
+    entries = [r.logprobs for r in out if r.logprobs is not None]
+    assert entries and "".join(r.text for r in out) == "purple"
+    values = [lp.logprob for lp in entries] + [t.logprob for lp in entries for t in lp.top_logprobs]
+    assert all(math.isfinite(v) for v in values)
+    assert LOGPROB_FLOOR in values  # one token allowed at a time: the rest of each top 5 is ruled out
+    assert all(lp.top_logprobs[0].token_id == lp.token_id for lp in entries)  # the allowed token ranks first

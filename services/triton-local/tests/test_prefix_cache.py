@@ -77,6 +77,10 @@ def test_free_slots_go_empty_first_then_least_recently_cached() -> None:
     slot, evicted = cache.take_any()  # cached next: the least recently used goes
     assert slot == 2 and evicted is not None and evicted.tokens == long
     assert cache.cells(0).tokens == short and cache.take(0).tokens == short and len(cache) == 0
+    cache.free(0, cells(short))
+    cache.free(1, cells(long))
+    assert cache.used(0).tokens == short  # a prompt copies from it: now the most recently used
+    assert cache.take_any()[0] == 1
 
 
 def test_cells_too_short_to_be_reused_leave_their_slot_empty() -> None:
@@ -295,3 +299,108 @@ def test_a_conversations_next_turn_reuses_the_previous_turn(engines: tuple[StepE
     else:  # the first turn's prompt was prefilled whole; its answer was decoded row by row
         assert result[0].cached_tokens == min(len(first), len(following) - rows) > 0
     assert tokens(result) == tokens(run(reference, 41, following))
+
+
+FERRY = (
+    "You answer questions for a ferry company that sails between two islands and the mainland."
+    " Crossings leave every hour from six in the morning to ten at night, take forty minutes, and"
+    " carry cars, bicycles and dogs on a lead. Tickets are sold at the harbour and on board."
+)
+
+
+def host_engine(slots: int) -> StepEngine:
+    return StepEngine(gguf_path(), max_slots=slots, max_context=512, threads=2, prefix_cache=True, host_prefix_bytes=64 * 2**20)
+
+
+def finish(engine: StepEngine, results: dict[int, list[RowResult]]) -> dict[int, list[int]]:
+    """Decodes the given sequences together to their end; their tokens."""
+    while live := [DecodeRow(s) for s, out in results.items() if not out[-1].finish_reason]:
+        for result in engine.step(live):
+            results[result.seq_id].append(result)
+    return {seq_id: tokens(out) for seq_id, out in results.items()}
+
+
+def test_a_copy_queued_in_a_step_is_applied_before_its_source_is_evicted_to_host_memory() -> None:
+    """llama.cpp queues a copy between slots (llama_memory_seq_cp: the cells' positions at once, their
+    data at the next llama_decode), while saving and restoring a slot's state is immediate. A prompt
+    copying a cached slot's prefix into the empty slot, then a prompt restored from host memory into
+    that cached slot, in one step: the copy must carry the cached prefix, not the restored one."""
+    cached, reference = host_engine(3), StepEngine(gguf_path(), max_slots=3, max_context=512, threads=2, prefix_cache=False)
+    restored = chat(cached, "Can I take my dog?", system=FERRY)
+    # A live sequence in slot 0 (not between the step's two prefills: a gap between slots is filled
+    # with a throwaway token, and llama.cpp then splits both prefills in row groups that round
+    # otherwise than a cold prefill, whatever the cache does).
+    cached.step([PrefillRow(1, chat(cached, "Question 1?", system="Persona number 1."), Sampling(max_tokens=50))])
+    run(cached, 2, restored)  # slot 1, cached
+    conversation = tuple(
+        cached.encode_chat(
+            [("system", SYSTEM), ("user", QUESTIONS[0]), ("assistant", "Yes, we repair cargo bikes of every make."), ("user", QUESTIONS[1])]
+        )
+    )
+    run(cached, 3, conversation)  # slot 2, cached
+    run(cached, 4, tuple(cached.encode("ping")), Sampling(max_tokens=1))  # evicts slot 1 to host memory, leaves it empty
+    assert (cached.cached_slots, cached.active_slots) == (1, 1) and cached.host_prefix_bytes > 0
+
+    copying = chat(cached, QUESTIONS[2])  # shares the system prompt with the conversation in slot 2
+    first = cached.step([PrefillRow(5, copying, GREEDY), PrefillRow(6, restored, GREEDY)])
+    assert first[0].cached_tokens == reusable(cached, common_prefix(list(conversation), list(copying)), copying) > 0
+    assert first[1].cached_tokens > 0 and cached.host_restores_total == 1
+    got = finish(cached, {5: [first[0]], 6: [first[1]]})
+    assert got == {5: tokens(run(reference, 5, copying)), 6: tokens(run(reference, 6, restored))}
+
+
+def test_a_siblings_copy_is_applied_before_its_leaders_slot_is_evicted_to_host_memory() -> None:
+    """A sibling's copy of its leader's cells is queued after the step's forward pass, and waits for
+    the next step's: evicting the leader's slot (saved to host memory, then restored into) before
+    it must leave the sibling's slot holding the leader's prefix."""
+    cached, reference = host_engine(2), StepEngine(gguf_path(), max_slots=2, max_context=512, threads=2, prefix_cache=False)
+    restored, shared = chat(cached, "Can I take my dog?", system=FERRY), chat(cached, QUESTIONS[2])
+    run(cached, 1, restored)  # slot 0, cached
+    once = Sampling(max_tokens=1)
+    cached.step([PrefillRow(2, shared, once), PrefillRow(3, shared, once)])  # leader in slot 1, sibling evicts slot 0
+    assert cached.cached_slots == 2 and cached.host_prefix_bytes > 0
+    assert tokens(run(cached, 4, restored)) == tokens(run(reference, 4, restored))  # restored into the leader's slot
+    again = run(cached, 5, shared)  # from the sibling's slot
+    assert again[0].cached_tokens > 0 and tokens(again) == tokens(run(reference, 5, shared))
+
+
+def test_a_restore_that_fails_fails_its_row_alone_and_loses_no_slot(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The slot a restore took must come back, and the rows admitted before it in the step go on."""
+    engine = host_engine(3)
+    restored = chat(engine, "Can I take my dog?", system=FERRY)
+    expected = tokens(run(engine, 1, restored))  # slot 0, cached
+    others = [chat(engine, f"Question {i}?", system=f"Persona number {i}.") for i in range(3)]
+    engine.step([PrefillRow(10 + i, prompt, Sampling(max_tokens=50)) for i, prompt in enumerate(others)])  # evicts slot 0 to host memory
+    engine.step([ReleaseRow(10), ReleaseRow(11)])
+
+    def broken(slot: int, state: bytes) -> None:
+        raise RuntimeError("llama_state_seq_set_data could not restore")
+
+    monkeypatch.setattr(engine._model, "restore_state", broken)  # noqa: SLF001
+    admitted, failed = engine.step([PrefillRow(2, others[0], GREEDY), PrefillRow(3, restored, GREEDY)])
+    assert admitted.token_id >= 0 and not admitted.finish_reason
+    assert failed.finish_reason == "error" and "could not restore" in failed.error
+    assert engine.active_slots + len(engine._slots) == engine.max_slots  # noqa: SLF001
+    monkeypatch.undo()
+    assert tokens(run(engine, 4, restored)) == expected  # in the slot the failed restore had taken
+    engine.step([ReleaseRow(2), ReleaseRow(12)])
+    assert engine.active_slots == 0 and len(engine._slots) == engine.max_slots  # noqa: SLF001
+
+
+def test_a_cached_prefix_copied_from_is_the_last_to_be_evicted() -> None:
+    """A system prompt's slot that prompts copy from (never reused in place: it holds a longer
+    conversation) is the hottest cached slot, not the least recently used one."""
+    engine = StepEngine(gguf_path(), max_slots=3, max_context=512, threads=2, prefix_cache=True)
+    turn = [("system", SYSTEM), ("user", QUESTIONS[0]), ("assistant", "Yes, we repair cargo bikes of every make."), ("user", QUESTIONS[1])]
+    conversation = tuple(engine.encode_chat(turn))
+    run(engine, 1, conversation)  # slot 0, cached
+    run(engine, 2, chat(engine, "Question 2?", system="Persona number 2."))  # slot 1, cached after it
+    copying = chat(engine, QUESTIONS[2])
+    (copied,) = engine.step([PrefillRow(3, copying, Sampling(max_tokens=50))])  # copies slot 0 into slot 2
+    assert copied.cached_tokens > 0 and engine.cached_slots == 2
+    engine.step([PrefillRow(4, chat(engine, "Question 4?", system="Persona number 4."), Sampling(max_tokens=50))])  # evicts one
+    # A next turn long enough that the last 64 tokens prefilled again (exact_reuse) leave the whole conversation.
+    question = "My daughter's bike has a flat tyre, a loose chain and squeaky brakes. " * 4 + "Can you fix it this week?"
+    following = tuple(engine.encode_chat([*turn, ("assistant", "No, we are closed on Sundays."), ("user", question)]))
+    (next_turn,) = engine.step([PrefillRow(5, following, Sampling(max_tokens=1))])
+    assert next_turn.cached_tokens >= len(conversation) > common_prefix(list(copying), list(following))  # not the live copy's system prompt

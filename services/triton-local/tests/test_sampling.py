@@ -111,6 +111,16 @@ def test_plain_sampling_follows_the_softmax_at_the_temperature() -> None:
         assert (np.abs(freq - expected) <= 4.5 * sigma + 1e-4).all(), temperature
 
 
+def test_a_temperature_too_small_to_divide_by_is_greedy() -> None:
+    """1 / float32(1e-39) overflows: the weights were NaN and the inverse CDF picked token 0 every time."""
+    logits = logits_row()
+    greedy = int(np.argmax(logits))
+    assert greedy != 0
+    for temperature in (1e-39, 1e-30, 9e-6):
+        sampler = sampler_with(*(Sampling(max_tokens=1, temperature=temperature, seed=seed) for seed in range(8)))
+        assert draw(sampler, np.tile(logits, (8, 1)), list(range(8))).tolist() == [greedy] * 8
+
+
 def test_repetition_penalty_divides_positive_and_multiplies_negative_logits_of_seen_tokens() -> None:
     logits = np.linspace(-3.0, 3.0, VOCAB).astype(np.float32)
     positive, negative, unseen = VOCAB - 1, 0, 500

@@ -35,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import logging
 import queue
 import threading
 import time
@@ -49,6 +50,8 @@ from sluice_triton_local.engine.rows import DecodeRow, PrefillRow, ReleaseRow, R
 from sluice_triton_local.shared_engine import SharedEngine
 
 OnResult = Callable[[RowResult], object]
+# Standard logging: Triton's image runs this module without structlog (triton-local renders it).
+log = logging.getLogger("sluice.triton_local.generate")
 _FULL_RETRY_S = 0.05
 
 
@@ -74,6 +77,8 @@ class SelfBatchingGenerator:
         self._cancel_lock = threading.Lock()
         self._running: dict[int, _Job] = {}
         self._waiting: list[_Job] = []
+        # Sequences a failed step left in the engine's hands, or not: released at the next step.
+        self._abandoned: set[int] = set()
         self._wake = threading.Event()
         # When a prefill last found the engine full (None: it did not): the next try waits
         # _FULL_RETRY_S, or a sequence of ours ending.
@@ -100,31 +105,51 @@ class SelfBatchingGenerator:
                 self._wake.wait(_FULL_RETRY_S)
             self._wake.clear()
             rows = self._plan()
-            if not rows:
+            if rows:
+                self._step(rows)
+
+    def _step(self, rows: list[PrefillRow | DecodeRow | ReleaseRow]) -> None:
+        """One engine step for the running sequences. A fault answers every one of them with an error
+        (the thread goes on: every later request waits on it)."""
+        jobs = {**self._running}
+        try:
+            results = self.engine.step(rows)
+        except Exception as exc:
+            log.exception("generate_step_failed: %d sequences answered with the error", len(jobs))
+            self._fail(jobs, f"engine step failed: {exc!r}")
+            return
+        for row, result in zip(rows, results):
+            job = jobs.get(row.seq_id)
+            if job is None or isinstance(row, ReleaseRow):
                 continue
-            jobs = {**self._running}
-            for row, result in zip(rows, self.engine.step(rows)):
-                job = jobs.get(row.seq_id)
-                if job is None or isinstance(row, ReleaseRow):
-                    continue
-                if result.finish_reason in ("busy", "stale"):  # the shared engine is full: wait for a slot
-                    del self._running[row.seq_id]
-                    self._waiting.insert(0, job)
-                    self._full_at = time.monotonic()
-                    continue
-                if isinstance(row, PrefillRow):
-                    self._full_at = None  # it found a slot
-                job.on_result(result)
-                if result.finish_reason:
-                    del self._running[row.seq_id]
-                    self._full_at = None
+            if result.finish_reason in ("busy", "stale"):  # the shared engine is full: wait for a slot
+                del self._running[row.seq_id]
+                self._waiting.insert(0, job)
+                self._full_at = time.monotonic()
+                continue
+            if isinstance(row, PrefillRow):
+                self._full_at = None  # it found a slot
+            _answer(job, result)
+            if result.finish_reason:
+                del self._running[row.seq_id]
+                self._full_at = None
+
+    def _fail(self, jobs: dict[int, _Job], message: str) -> None:
+        """Ends these jobs with an error; whatever of their sequences the engine holds is released
+        at the next step."""
+        for seq_id, job in jobs.items():
+            self._running.pop(seq_id, None)
+            self._abandoned.add(seq_id)
+            _answer(job, RowResult(seq_id, -1, "", "error", 0, 0, error=message))
+        self._wake.set()  # the releases go now, not with the next request
 
     def _plan(self) -> list[PrefillRow | DecodeRow | ReleaseRow]:
         while not self._incoming.empty():
             self._waiting.append(self._incoming.get_nowait())
         with self._cancel_lock:
             cancelled, self._cancelled = self._cancelled, set()
-        rows: list[PrefillRow | DecodeRow | ReleaseRow] = []
+        rows: list[PrefillRow | DecodeRow | ReleaseRow] = [ReleaseRow(seq_id) for seq_id in self._abandoned]
+        self._abandoned.clear()
         for seq_id in cancelled & set(self._running):
             del self._running[seq_id]
             rows.append(ReleaseRow(seq_id))
@@ -140,6 +165,15 @@ class SelfBatchingGenerator:
         """Not while the engine was full moments ago; but ask again soon, even while sequences of
         ours run: an owner that stops asking loses its place in the engine's line for slots."""
         return self._full_at is None or time.monotonic() - self._full_at >= _FULL_RETRY_S
+
+
+def _answer(job: _Job, result: RowResult) -> None:
+    """Hands a result to its request; a request that cannot take it (its event loop closed) is its
+    own loss, not the batcher's."""
+    try:
+        job.on_result(result)
+    except Exception:
+        log.exception("generate_result_undelivered: seq_id %d", job.seq_id)
 
 
 def _scalar(inputs: dict[str, np.ndarray], name: str, default: Any) -> Any:

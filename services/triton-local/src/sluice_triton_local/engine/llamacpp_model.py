@@ -266,10 +266,13 @@ class LlamaCppModel:
         self._memory = lc.llama_get_memory(self._ctx)
         self._vocab = lc.llama_vocab_n_tokens(lc.llama_model_get_vocab(self._model))
         self.max_context = max_context
+        self._slot_count = max_slots
         self.batch_tokens = batch_tokens
         self._batch = _BatchBuffers(batch_tokens)
         self._governor = ThreadGovernor(threads) if adaptive_threads and gpu_layers == 0 and threads > 1 else None
         self._threads = threads
+        # Slots that a copy queued since the last llama_decode reads or writes (see copy).
+        self._copying: set[int] = set()
         # Named in the thread log: triton-local steps a second model (its Q4_0 variant) in the same
         # process, whose governor judges the box on its own (its health probes on a busy box).
         self._model_file = os.path.basename(gguf_path)
@@ -356,14 +359,17 @@ class LlamaCppModel:
 
     def copy(self, source: int, target: int) -> None:
         # Slots are streams of their own: llama.cpp copies the whole stream's buffers, at the
-        # start of the next llama_decode (before that step's tokens are written anywhere).
+        # start of the next llama_decode (before that step's tokens are written anywhere), while
+        # the target's cell positions change at once.
         lc.llama_memory_seq_cp(self._memory, source, target, -1, -1)
+        self._copying.update((source, target))
 
     def truncate(self, slot: int, keep: int) -> None:
         lc.llama_memory_seq_rm(self._memory, slot, keep, -1)
 
     def save_state(self, slot: int) -> bytes:
         """The slot's KV cells, serialized (host_prefix_store.py)."""
+        self._apply_copies(slot)
         size = lc.llama_state_seq_get_size(self._ctx, slot)
         buffer = (ctypes.c_uint8 * size)()
         written = lc.llama_state_seq_get_data(self._ctx, buffer, size, slot)
@@ -373,9 +379,26 @@ class LlamaCppModel:
 
     def restore_state(self, slot: int, state: bytes) -> None:
         """Writes cells that save_state serialized into an empty slot."""
+        self._apply_copies(slot)
         source = (ctypes.c_uint8 * len(state)).from_buffer_copy(state)
         if lc.llama_state_seq_set_data(self._ctx, source, len(state), slot) != len(state):
             raise RuntimeError(f"llama_state_seq_set_data could not restore {len(state)} bytes into slot {slot}")
+
+    def _apply_copies(self, slot: int) -> None:
+        """Runs the copies still queued when `slot` is one's source or target. State is read and
+        written at once, the queued copy only at the next llama_decode: it would then carry a
+        source's restored cells into its target, or overwrite a target's restored cells, and a
+        target saved before it holds what it held before. llama.cpp applies copies in no other
+        call, so a throwaway token is decoded (and taken out again)."""
+        if slot not in self._copying:
+            return
+        # Its own slot usually has room; any slot's will do (llama_decode applies every copy first).
+        item = next((f for s in (slot, *range(self._slot_count)) for f in self._fillers([s])), None)
+        if item is None:
+            raise RuntimeError(f"no slot has a free position to apply the copies queued for slot {slot}")
+        one = np.ones(1, dtype=np.int32)
+        self._decode(one * FILLER_TOKEN, one * item.start_pos, one * item.slot, np.zeros(1, dtype=np.int8))
+        self.truncate(item.slot, item.start_pos)
 
     def close(self) -> None:
         if self._ctx:
@@ -405,6 +428,8 @@ class LlamaCppModel:
             started, cpu_started = time.perf_counter(), time.thread_time()
             status = lc.llama_decode(self._ctx, batch)
             self._use_threads(governor, governor.after_decode(time.perf_counter() - started, time.thread_time() - cpu_started))
+        if status >= 0:  # llama.cpp applied the queued copies before anything that returns these
+            self._copying.clear()
         if status == 2:
             raise StepInterrupted(f"interrupted: a step of {n} tokens stopped midway")
         if status != 0:

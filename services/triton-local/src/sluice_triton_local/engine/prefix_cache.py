@@ -96,6 +96,9 @@ class PrefixCache:
     def has_empty(self) -> bool:
         return bool(self._empty)
 
+    def is_free(self, slot: int) -> bool:
+        return slot in self._cached or slot in self._empty
+
     def cells(self, slot: int) -> Cells:
         """What a cached slot holds."""
         return self._cached[slot]
@@ -122,6 +125,12 @@ class PrefixCache:
             if shared > best:
                 best_slot, best = slot, shared
         return best_slot, best
+
+    def used(self, slot: int) -> Cells:
+        """What a cached slot holds, for a prompt that copies from it: it becomes the most recently
+        used (a system prompt's slot that prompts only copy from is the one to keep longest)."""
+        self._cached.move_to_end(slot)
+        return self._cached[slot]
 
     def take(self, slot: int) -> Cells:
         """Takes a cached slot for a sequence that continues from its cells; returns them."""

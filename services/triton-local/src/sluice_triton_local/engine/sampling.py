@@ -6,8 +6,8 @@ The options are sluice_common.sampling.Sampling's, applied in vLLM's order (its 
   2. penalties: repetition_penalty divides the positive logits (multiplies the negative ones) of
      every token seen in the prompt or the output so far; then each generated token's logit loses
      frequency_penalty x its count + presence_penalty (OpenAI's formula);
-  3. temperature 0: the most likely token (greedy, after 1 and 2); else the logits are divided by
-     the temperature and turned into weights (exp, max 1);
+  3. temperature 0 (or below 1e-5, as vLLM): the most likely token (greedy, after 1 and 2); else the
+     logits are divided by the temperature and turned into weights (exp, max 1);
   4. min_p drops tokens whose probability is below min_p x the most likely one's;
   5. top_k keeps the k most likely of what is left, top_p the smallest most-likely set whose mass
      (renormalised over what is left) reaches top_p; ties at a cut are kept;
@@ -25,7 +25,8 @@ Log-probabilities (Sampling.logprobs, for the rows that ask only): as vLLM's V1 
 default (logprobs_mode "raw_logprobs"), of the model's own distribution: log_softmax of the logits
 as the forward pass gave them, before logit_bias, the penalties, the temperature and any truncation;
 the sampled token's, and the k most likely tokens' (argpartition, then a sort of those k) by logprob
-descending. A greedy token is therefore always the first of its top list.
+descending. A greedy token is therefore always the first of its top list. A structured output's
+constraint masks the logits first: the tokens it rules out report LOGPROB_FLOOR, as vLLM's do.
 """
 
 from __future__ import annotations
@@ -51,6 +52,12 @@ _GOLDEN = 0x9E3779B97F4A7C15
 _MIX1 = 0xBF58476D1CE4E5B9
 _MIX2 = 0x94D049BB133111EB
 _MASK64 = (1 << 64) - 1
+# The least logprob reported, vLLM's (its OpenAI server's): a token a constraint rules out has a logit
+# of -inf, and JSON has no -Infinity (json.dumps writes it; strict parsers refuse the document).
+LOGPROB_FLOOR = -9999.0
+# Temperatures below this sample greedily, as vLLM's (its _SAMPLING_EPS): 1 / float32(t) overflows
+# to inf for t below ~3e-39 (NaN weights: token 0 every time), and below 1e-5 sampling is all but greedy.
+GREEDY_BELOW_TEMPERATURE = 1e-5
 
 
 def _mix(z: int) -> int:
@@ -95,8 +102,10 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
 
 
 def row_logprobs(logits: np.ndarray, tokens: np.ndarray, top: np.ndarray) -> list[RowLogprobs]:
-    """Per row of raw `logits`: the logprob of `tokens[i]` and the `top[i]` most likely tokens'."""
+    """Per row of raw `logits`: the logprob of `tokens[i]` and the `top[i]` most likely tokens', none
+    below LOGPROB_FLOOR."""
     lp = log_softmax(logits)
+    np.maximum(lp, LOGPROB_FLOOR, out=lp)
     rows = np.arange(len(lp))
     chosen = lp[rows, tokens]
     ranks = 1 + (lp > chosen[:, None]).sum(axis=1)
@@ -137,7 +146,7 @@ class BatchSampler:
 
     def start(self, slot: int, params: Sampling, prompt: Sequence[int]) -> None:
         """A new sequence takes the slot: its options, a fresh stream, no counts."""
-        self._temperature[slot] = params.temperature
+        self._temperature[slot] = params.temperature if params.temperature >= GREEDY_BELOW_TEMPERATURE else 0.0
         self._top_p[slot] = params.top_p
         self._top_k[slot] = params.top_k if 0 < params.top_k < self.vocab else 0
         self._min_p[slot] = params.min_p

@@ -22,8 +22,8 @@ Shared slots: several schedulers (adapters) may drive one engine. A prefill that
 slot taken answers finish "busy" and changes nothing: the caller retries it later; it is
 backpressure, not an error. A sequence not stepped (decoded, prefilled or released) for
 `slot_lease_s`, while the engine ran at least LEASE_MIN_STEPS other steps, is released at the
-next step, so the slots of a scheduler that died come back. (Time alone is not enough: a live
-scheduler's step may wait that long behind another scheduler's large prefill.) Until then, a prefill
+next step unless that step names it, so the slots of a scheduler that died come back. (Time alone
+is not enough: a live scheduler's step may wait that long behind another scheduler's large prefill.) Until then, a prefill
 that finds every slot held by sequences none of which was stepped in the last LEASE_MIN_STEPS steps
 answers finish "stale" instead of "busy": nothing changed either, but nobody is using the engine it
 waits for (a live scheduler steps its sequences at nearly every step), so the replica cannot serve
@@ -265,11 +265,11 @@ class StepEngine:
         decode row caches (its chunk, or the whole prompt) as for a chunked prefill."""
         now = self._clock()
         self._steps += 1
-        self._reclaim_expired(now)
         touched = {row.seq_id for row in rows}
         for seq in self._seqs.values():
             if seq.seq_id in touched:
                 seq.last_stepped_at, seq.last_stepped_step = now, self._steps
+        self._reclaim_expired(now)  # after: a sequence this step names has a live scheduler
         results: list[RowResult | None] = [None] * len(rows)
         pending: list[_Pending] = []
         self._leaders = {}
@@ -277,7 +277,7 @@ class StepEngine:
             if isinstance(row, ReleaseRow):
                 results[i] = self._release(row.seq_id, pending)
             elif isinstance(row, PrefillRow):
-                p = self._admit(i, row)
+                p = self._admit_or_fail(i, row)
                 if isinstance(p, RowResult):
                     results[i] = p
                 else:
@@ -310,36 +310,47 @@ class StepEngine:
                 for p in live:
                     results[p.row_index] = _untouched(p)
             except Exception as exc:  # keep the engine usable; fail only this step's rows
-                for p in live + siblings:
-                    self._free(p.seq, keep_cells=False)
-                    results[p.row_index] = _error(p.seq.seq_id, f"forward pass failed: {exc!r}", p.seq)
+                self._fail(live + siblings, f"forward pass failed: {exc!r}", results)
             else:
-                for p in live:
-                    assert p.item is not None
-                    p.seq.pos = p.item.start_pos + len(p.item.token_ids)
-                    p.seq.cells.append(p.item.token_ids, self._tiled(len(p.item.token_ids)))
-                row_of = {id(p): i for i, p in enumerate(live)}
-                for p in siblings:  # the leader's cells, now that its forward pass made them
-                    assert p.leader is not None
-                    self._model.copy(p.leader.seq.slot, p.seq.slot)
-                    p.seq.pos = p.leader.seq.pos
-                    p.seq.cells = p.leader.seq.cells.prefix(p.leader.seq.pos)
-                # One sampling call for every row that makes a token (a prefill still caching its
-                # prompt's chunks makes none); a sibling samples from a copy of its leader's logits.
-                emitting = [p for p in live if not p.seq.uncached_prompt] + siblings
-                index = [row_of[id(p)] if p.item is not None else row_of[id(p.leader)] for p in emitting]
-                slots = np.array([p.seq.slot for p in emitting], dtype=np.int64)
-                # Usually every row of the step, in order: then the forward pass's own array (a fresh one
-                # each step), not a copy of a vocabulary a row (12.5 MB at 64 rows: a GPU step's third).
-                emitted = logits if index == list(range(len(logits))) else logits[index]
-                self._constrain(emitting, emitted)  # a sibling's constraint too, on its copy of the leader's row
-                tokens: np.ndarray | list[int] = self._sampler.sample(emitted, slots) if emitting else []
-                for p, token, lp in zip(emitting, tokens, self._sampler.last_logprobs if emitting else []):
-                    results[p.row_index] = self._emit(p.seq, int(token), self._token_logprob(int(token), lp))
-                for p in live:
-                    if p.seq.uncached_prompt:
-                        results[p.row_index] = _prefilling(p.seq)
+                try:
+                    self._advance(live, siblings, logits, results)
+                except Exception as exc:  # their sequences are half advanced: fail them as above
+                    self._fail(live + siblings, f"sampling failed: {exc!r}", results)
         return results  # type: ignore[return-value]
+
+    def _advance(self, live: list[_Pending], siblings: list[_Pending], logits: np.ndarray, results: list[RowResult | None]) -> None:
+        """After the forward pass: the rows' cells, the siblings' copies, and a token for every row that makes one."""
+        self._record_cells(live, siblings)
+        self._sample_tokens(live, siblings, logits, results)
+
+    def _record_cells(self, live: list[_Pending], siblings: list[_Pending]) -> None:
+        for p in live:
+            assert p.item is not None
+            p.seq.pos = p.item.start_pos + len(p.item.token_ids)
+            p.seq.cells.append(p.item.token_ids, self._tiled(len(p.item.token_ids)))
+        for p in siblings:  # the leader's cells, now that its forward pass made them
+            assert p.leader is not None
+            self._model.copy(p.leader.seq.slot, p.seq.slot)
+            p.seq.pos = p.leader.seq.pos
+            p.seq.cells = p.leader.seq.cells.prefix(p.leader.seq.pos)
+
+    def _sample_tokens(self, live: list[_Pending], siblings: list[_Pending], logits: np.ndarray, results: list[RowResult | None]) -> None:
+        row_of = {id(p): i for i, p in enumerate(live)}
+        # One sampling call for every row that makes a token (a prefill still caching its
+        # prompt's chunks makes none); a sibling samples from a copy of its leader's logits.
+        emitting = [p for p in live if not p.seq.uncached_prompt] + siblings
+        index = [row_of[id(p)] if p.item is not None else row_of[id(p.leader)] for p in emitting]
+        slots = np.array([p.seq.slot for p in emitting], dtype=np.int64)
+        # Usually every row of the step, in order: then the forward pass's own array (a fresh one
+        # each step), not a copy of a vocabulary a row (12.5 MB at 64 rows: a GPU step's third).
+        emitted = logits if index == list(range(len(logits))) else logits[index]
+        self._constrain(emitting, emitted)  # a sibling's constraint too, on its copy of the leader's row
+        tokens: np.ndarray | list[int] = self._sampler.sample(emitted, slots) if emitting else []
+        for p, token, lp in zip(emitting, tokens, self._sampler.last_logprobs if emitting else []):
+            results[p.row_index] = self._emit(p.seq, int(token), self._token_logprob(int(token), lp))
+        for p in live:
+            if p.seq.uncached_prompt:
+                results[p.row_index] = _prefilling(p.seq)
 
     def interrupt(self, keep: bool = False) -> bool:
         """Stops the interruptible step in progress (called from another thread); whether one was.
@@ -384,6 +395,32 @@ class StepEngine:
         return raw.decode("utf-8", errors="replace"), raw
 
     # -- row handling -------------------------------------------------------
+
+    def _admit_or_fail(self, index: int, row: PrefillRow) -> _Pending | RowResult:
+        """_admit; a fault in it (restoring a slot's state, starting the sampler) fails this row alone,
+        without the sequence it half made or the slot it took."""
+        running = row.seq_id in self._seqs
+        try:
+            return self._admit(index, row)
+        except Exception as exc:
+            if not running and (seq := self._seqs.get(row.seq_id)) is not None:
+                self._free(seq, keep_cells=False)
+            self._recover_slots()
+            return _error(row.seq_id, f"admission failed: {exc!r}")
+
+    def _recover_slots(self) -> None:
+        """Slots neither free nor held by a sequence (taken by an admission that failed): cleared and freed."""
+        held = {seq.slot for seq in self._seqs.values()}
+        for slot in range(self.max_slots):
+            if slot not in held and not self._slots.is_free(slot):
+                self._model.release(slot)
+                self._slots.free(slot, None)
+
+    def _fail(self, rows: list[_Pending], message: str, results: list[RowResult | None]) -> None:
+        """Fails a step's rows: their sequences end, their cells forgotten (they may be half written)."""
+        for p in rows:
+            self._free(p.seq, keep_cells=False)
+            results[p.row_index] = _error(p.seq.seq_id, message, p.seq)
 
     def _admit(self, index: int, row: PrefillRow) -> _Pending | RowResult:
         found = problem(row.params, self.vocab_size)
@@ -500,7 +537,7 @@ class StepEngine:
             self._model.truncate(cached_slot, from_cache)
             return cached_slot, from_cache, cells.prefix(from_cache)
         if from_cache >= from_live:
-            source, reused, cells = cached_slot, from_cache, self._slots.cells(cached_slot)  # type: ignore[arg-type]
+            source, reused, cells = cached_slot, from_cache, self._slots.used(cached_slot)  # type: ignore[arg-type]
         else:
             source, reused, cells = live.slot, from_live, live.cells  # type: ignore[union-attr]
         slot = self._take_free_slot()
