@@ -563,3 +563,24 @@ def test_freed_slots_go_first_to_the_owner_turned_away(engine: StepEngine) -> No
         assert engine.slots_by_owner() == {"a": engine.max_slots - 1, "b": 1}
     finally:
         engine.step([ReleaseRow(r.seq_id) for r in full] + [ReleaseRow(100)])
+
+
+def test_an_owner_holding_no_slot_leaves_the_owner_metric(engine: StepEngine) -> None:
+    """Owners are adapter processes (host/pid): kept at 0, each adapter restart added a series for
+    the life of this process. An owner is also kept to MAX_OWNER characters (it comes in the request)."""
+    from prometheus_client import REGISTRY
+
+    from sluice_triton_local.step_protocol import MAX_OWNER, PREFILL, RELEASE
+
+    def held(owner: str) -> float | None:
+        return REGISTRY.get_sample_value("sluice_triton_local_slots_by_owner", {"owner": owner})
+
+    call = step_call(engine)
+    long_owner = "b" * 1000
+    call(PREFILL, 1601, {"prompt": "Hi", "max_tokens": 2, "owner": "adapter-a/1"})
+    assert held("adapter-a/1") == 1
+    call(RELEASE, 1601)
+    call(PREFILL, 1602, {"prompt": "Hi", "max_tokens": 2, "owner": long_owner})
+    assert held("adapter-a/1") is None and held(long_owner[:MAX_OWNER]) == 1
+    call(RELEASE, 1602)
+    assert held(long_owner[:MAX_OWNER]) is None and engine.active_slots == 0

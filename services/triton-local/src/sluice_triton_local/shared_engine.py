@@ -106,11 +106,13 @@ class SharedEngine:
 
     def _report_owners(self) -> None:
         holding = self._engine.slots_by_owner()
+        # An owner is an adapter process (host/pid): one that holds nothing now is dropped, not kept
+        # at 0, or every adapter restart would leave a series for the life of this process.
         for owner in self._owners - holding.keys():
-            metrics.SLOTS_BY_OWNER.labels(owner=owner).set(0)
+            metrics.SLOTS_BY_OWNER.remove(owner)
         for owner, slots in holding.items():
             metrics.SLOTS_BY_OWNER.labels(owner=owner).set(slots)
-        self._owners |= holding.keys()
+        self._owners = set(holding)
         reclaimed = self._engine.slots_reclaimed_total
         if reclaimed > self._reclaimed:
             log.warning("slots_reclaimed: %d sequences nobody stepped within the lease; slots held now: %s", reclaimed - self._reclaimed, holding)

@@ -128,6 +128,8 @@ PREFILL, DECODE, RELEASE, COUNT, END_ROUND, INTERRUPT = 1, 2, 3, 4, 5, 6
 MAX_ROUND_STEPS = 64
 # Tokens held back longer than this would read as a stall.
 MAX_STREAM_INTERVAL_MS = 1000
+# A prefill's owner (its adapter's host/pid) is a metric label: kept to this many characters.
+MAX_OWNER = 128
 
 INPUTS: tuple[tuple[str, type], ...] = (("ACTION", np.int32), ("SEQ_ID", np.int64), ("REQUEST", bytes))
 OPTIONAL_INPUTS: tuple[tuple[str, type], ...] = (
@@ -251,7 +253,7 @@ def _parse_row(engine: SharedEngine, action: int, seq_id: int, raw: bytes) -> Pr
         chunk = int(request.get("prefill_chunk", 0))
         if chunk < 0:
             return _invalid(seq_id, f"prefill_chunk must be >= 0, got {chunk}")
-        return PrefillRow(seq_id, tuple(prompt), sampling, chunk=chunk, owner=str(request.get("owner", "")))
+        return PrefillRow(seq_id, tuple(prompt), sampling, chunk=chunk, owner=str(request.get("owner", ""))[:MAX_OWNER])
     except (ValueError, TypeError, KeyError) as exc:
         return _invalid(seq_id, f"malformed REQUEST JSON: {exc}")
 
