@@ -242,3 +242,21 @@ async def test_a_job_call_without_a_key_is_unauthenticated_even_where_jobs_are_o
             else:
                 await call
         assert caught.value.code() == code, method
+
+
+async def test_a_bad_message_in_a_chat_with_tools_is_named_at_the_clients_own_index(gateway) -> None:  # type: ignore[no-untyped-def]
+    """Tools insert a system turn before validation ran: the client's messages[1] was reported as
+    messages[2]."""
+    channel, adapter = gateway
+    stub = gateway_pb2_grpc.GatewayServiceStub(channel)
+    tools = types_pb2.ToolUse(tools=[types_pb2.Tool(name="get_time")])
+    for messages, field in (
+        ([types_pb2.ChatMessage(role="user", content="hi"), types_pb2.ChatMessage(role="assistant", content="")], "messages[1].content"),
+        ([types_pb2.ChatMessage(role="user", content="hi"), types_pb2.ChatMessage(role="robot", content="x")], "messages[1].role"),
+    ):
+        request = gateway_pb2.GenerateRequest(model="g", messages=messages, sampling=types_pb2.SamplingParams(max_tokens=2), tool_use=tools)
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            async for _ in stub.Generate(request, metadata=AUTH):
+                pass
+        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT and _violation(caught.value) == field
+    assert adapter.requests == []

@@ -82,7 +82,7 @@ from sluice_gateway.path.default_deadline import DefaultDeadline
 from sluice_gateway.path.generation_trace import start_generation
 from sluice_gateway.path.model_catalog import ModelCatalog
 from sluice_gateway.path.stream_record import StreamRecord
-from sluice_gateway.path.tool_calls import ToolCallParser, ToolPlan, plan, render
+from sluice_gateway.path.tool_calls import ToolCallParser, ToolPlan, check_chat, plan, render
 from sluice_common.tenants import Tenant
 
 # max_tokens when a request omits it and no configuration says otherwise (SLUICE_GATEWAY_DEFAULT_MAX_TOKENS).
@@ -541,6 +541,7 @@ def use_tools(request: gateway_pb2.GenerateRequest) -> ToolPlan | None:
     constrains decoding to the calls tool_choice asks for; the plan parses the answer back."""
     tool_plan = plan(request.tool_use, request.sampling) if request.HasField("tool_use") else None
     if tool_plan is not None or any(m.role == "tool" or m.tool_calls for m in request.messages):
+        check_chat(request.messages)
         rendered = render(request.messages, tool_plan)
         del request.messages[:]
         request.messages.extend(rendered)

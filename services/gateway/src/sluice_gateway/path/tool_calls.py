@@ -31,6 +31,10 @@ from sluice.common.v1 import types_pb2
 from sluice_common.errors import InvalidArgument
 from sluice_common.sampling import StructuredOutputs, StructuredOutputsError
 from sluice_common.structured_outputs import check
+from sluice_common.validation import ROLES
+
+# A chat with tools may also hold the results of calls (role "tool").
+ROLES_WITH_TOOLS = (*ROLES, "tool")
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
@@ -119,6 +123,16 @@ def _parameters(text: str, field_name: str) -> dict[str, Any]:
 
 
 # -- what the model is shown ------------------------------------------------------
+
+
+def check_chat(messages: Sequence[types_pb2.ChatMessage]) -> None:
+    """The client's chat, checked before `render` rewrites it (a system turn inserted, tool results
+    merged): an error then names the message the client sent, at its own index."""
+    for index, message in enumerate(messages):
+        if message.role not in ROLES_WITH_TOOLS:
+            raise InvalidArgument(f"messages[{index}].role", f"must be one of {', '.join(ROLES_WITH_TOOLS)}, got {message.role!r}")
+        if not message.content and not message.tool_calls and message.role != "tool":
+            raise InvalidArgument(f"messages[{index}].content", "must not be empty")
 
 
 def render(messages: Sequence[types_pb2.ChatMessage], tool_plan: ToolPlan | None) -> list[types_pb2.ChatMessage]:
