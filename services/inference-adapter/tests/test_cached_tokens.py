@@ -142,6 +142,7 @@ async def test_the_generate_usage_says_how_many_prompt_tokens_the_engine_took_fr
     model = types_pb2.ModelInfo(name="gen", kind=types_pb2.MODEL_KIND_GENERATION, context_length=2048, max_output_tokens=512)
     servicer = InferenceServicer(model, None)
     servicer.attach(pool, None)
+    await pool.probe_once()  # proven, as the adapter's replicas are before it serves
     pool.start()
     try:
         first = await generate(servicer, "a long system prompt")

@@ -179,6 +179,7 @@ async def test_streams_that_end_without_a_finish_reason_take_the_replica_out_of_
         failure_threshold=2,
         probe_interval_s=60.0,
     )
+    await pool.probe_once()  # proven, as the adapter's replicas are before it serves
     pool.start()
     try:
         for _ in range(2):

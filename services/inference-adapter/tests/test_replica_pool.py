@@ -13,18 +13,22 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 from conftest import StepReplica, run_through
+from sluice.common.v1 import types_pb2
+from sluice.inference.v1 import inference_pb2
 
 from sluice_common.adaptive_timeout import AdaptiveTimeout, TimeoutPolicy
 from sluice_common.config import ConfigError, load_config
 from sluice_common.errors import Unavailable
 from sluice_common.sampling import Sampling
+from sluice_inference_adapter.__main__ import wait_for_a_healthy_replica
 from sluice_inference_adapter.config import ENV_PREFIX, AdapterConfig
 from sluice_inference_adapter.embed_batcher import Embeddings
 from sluice_inference_adapter.prefix_routing import PrefixRouter
 from sluice_inference_adapter.replica_pool import PooledEmbedBackend, ReplicaPool
 from sluice_inference_adapter.sequence import Finish, FinishEvent, GenerationRequest
 from sluice_inference_adapter.scheduler import Scheduler, SchedulerLimits
-from sluice_inference_adapter.step_rows import PromptSpec
+from sluice_inference_adapter.servicer import InferenceServicer
+from sluice_inference_adapter.step_rows import Action, PromptSpec, StepOutcome, StepRow
 
 
 def make_pool(*models: StepReplica, threshold: int = 2) -> ReplicaPool:
@@ -43,6 +47,7 @@ async def run(pool: ReplicaPool) -> tuple[int, FinishEvent]:
 async def test_least_loaded_replica_gets_the_request() -> None:
     a, b = StepReplica("a"), StepReplica("b")
     pool = make_pool(a, b)
+    await pool.probe_once()  # as the adapter does before it serves: no replica gets work unproven
     busy = [pool.replicas[0].scheduler.submit(request()) for _ in range(3)]  # queued on a, not started
     assert pool.pick(exclude=set()).name == "b"
     for handle in busy:
@@ -51,8 +56,9 @@ async def test_least_loaded_replica_gets_the_request() -> None:
 
 async def test_a_failed_replica_is_skipped_and_the_request_retried_elsewhere() -> None:
     a, b = StepReplica("a"), StepReplica("b")
-    a.failing = True
     pool = make_pool(a, b)
+    await pool.probe_once()
+    a.failing = True  # crashed after it had proved itself
     pool.start()
     try:
         results = await asyncio.gather(*(run(pool) for _ in range(6)))
@@ -66,7 +72,9 @@ async def test_unhealthy_after_consecutive_failures_and_readmitted_after_a_good_
     a, b = StepReplica("a"), StepReplica("b")
     pool = make_pool(a, b, threshold=2)
     replica_a = pool.replicas[0]
+    await pool.probe_once()
     a.failing = True
+    await asyncio.sleep(0.06)  # a probe proved it: not due again before the interval
     await pool.probe_once()
     assert replica_a.healthy  # one failure is not enough
     await asyncio.sleep(0.06)
@@ -148,7 +156,7 @@ async def test_no_healthy_replica_is_unavailable() -> None:
 async def test_a_replica_is_proven_only_after_it_answered() -> None:
     a = StepReplica("a")
     pool = make_pool(a)
-    assert pool.any_healthy and not pool.any_proven  # healthy until shown otherwise, not yet proven
+    assert not pool.any_healthy and not pool.any_proven  # no work until a probe has proved it
     await pool.probe_once()
     assert pool.any_proven
     a.failing = True
@@ -156,6 +164,21 @@ async def test_a_replica_is_proven_only_after_it_answered() -> None:
         await asyncio.sleep(0.06)
         await pool.probe_once()
     assert not pool.any_healthy and not pool.any_proven
+
+
+async def test_a_replica_known_at_start_up_gets_no_work_until_it_has_answered_a_probe() -> None:
+    """Start-up waits for one proven replica (wait_for_a_healthy_replica); another one, listed but
+    not ready, was taken as healthy until two probes failed, and least-loaded routing picked it."""
+    a, b = StepReplica("a"), StepReplica("b")
+    b.probes_ok = False  # listed, its model still loading
+    pool = make_pool(a, b)
+    assert not pool.any_healthy
+    await asyncio.wait_for(wait_for_a_healthy_replica(pool, timeout_s=5.0), 1.0)  # serves once a answered
+    assert [r.healthy for r in pool.replicas] == [True, False]
+    assert {pool.pick(exclude=set()).name for _ in range(50)} == {"a"}
+    b.probes_ok = True
+    await pool.probe_once()
+    assert pool.replicas[1].healthy
 
 
 def test_an_extra_models_pool_on_the_same_replica_keeps_its_own_health_series() -> None:
@@ -191,6 +214,7 @@ async def test_embedding_failures_count_against_the_replica_as_step_failures_do(
     to every batch stayed healthy and kept getting them."""
     a = StepReplica("a")
     pool = make_pool(a, threshold=2)
+    await pool.probe_once()
     backend = PooledEmbedBackend(pool, lambda url: FailingEmbedder(), timeout)
     for _ in range(2):
         with pytest.raises(Unavailable, match="failed to embed"):
@@ -229,6 +253,7 @@ async def test_a_drained_replica_closes_its_embedding_channel_after_the_batch_on
     cancelled the embedding batch in flight: every caller in it got UNAVAILABLE."""
     a = StepReplica("a")
     pool = make_pool(a)
+    await pool.probe_once()
     embedder = HeldEmbedder()
     backend = PooledEmbedBackend(pool, lambda url: embedder)
     batch = asyncio.create_task(backend.embed(["x", "y"]))
@@ -242,6 +267,59 @@ async def test_a_drained_replica_closes_its_embedding_channel_after_the_batch_on
     assert vectors.vectors.shape == (2, 3)
     await _soon(lambda: embedder.closed_with != [])
     assert embedder.closed_with == [0]  # closed once nothing was on its way
+
+
+class HeldCountReplica(StepReplica):
+    """A replica whose token count waits to be let go; `close` cancels what is in flight, as
+    closing a gRPC channel does."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(url)
+        self.let_go = asyncio.Event()
+        self.counts: set[asyncio.Future[bool]] = set()
+        self.closed_with: list[int] = []  # counts still in flight when it was closed
+
+    async def step(self, rows: list[StepRow]) -> list[StepOutcome]:
+        if rows[0].action is not Action.COUNT:
+            return await super().step(rows)
+        call = asyncio.ensure_future(self.let_go.wait())
+        self.counts.add(call)
+        try:
+            await call
+        finally:
+            self.counts.discard(call)
+        return [StepOutcome(-1, "", "", 7, 0)]
+
+    async def close(self) -> None:
+        self.closed_with.append(len(self.counts))
+        for call in self.counts:
+            call.cancel()
+        await super().close()
+
+
+class NoDeadline:
+    def time_remaining(self) -> float | None:
+        return None
+
+
+async def test_a_drained_replica_closes_its_channel_after_the_token_count_on_its_way() -> None:
+    """A token count is no sequence of the replica's scheduler: a drained replica with none was
+    removed at once, and closing its channel cancelled the count (the gateway fell back to an estimate)."""
+    a = HeldCountReplica("a")
+    pool = make_pool(a)
+    await pool.probe_once()
+    servicer = InferenceServicer(types_pb2.ModelInfo(name="gen", kind=types_pb2.MODEL_KIND_GENERATION, context_length=2048), None)
+    servicer.attach(pool, None)
+    count = asyncio.create_task(servicer.CountTokens(inference_pb2.CountTokensRequest(model="gen", prompt="p"), NoDeadline()))  # type: ignore[arg-type]
+    await _soon(lambda: bool(a.counts))
+    pool.drain("a")  # its address left DNS; the pod still answers
+    await asyncio.sleep(0.3)  # three drain polls
+    assert a.closed_with == [] and pool.replicas != [], "removed and closed while the count was on its way"
+    a.let_go.set()
+    response = await asyncio.wait_for(count, 5)
+    assert response.prompt_tokens == 7
+    await _soon(lambda: pool.replicas == [] and a.closed_with != [])
+    assert a.closed_with == [0]  # closed once nothing was on its way
 
 
 async def _soon(condition: Callable[[], bool], within_s: float = 5.0) -> None:
@@ -283,6 +361,7 @@ def decisions(reason: str) -> float:
 async def test_requests_sharing_a_system_prompt_go_to_the_replica_that_has_it() -> None:
     a, b = StepReplica("a"), StepReplica("b")
     pool = routed_pool(a, b)
+    await pool.probe_once()
     pool.start()
     prefix_before = decisions("prefix")
     try:
@@ -314,6 +393,7 @@ async def test_requests_sharing_a_system_prompt_go_to_the_replica_that_has_it() 
 async def test_the_load_bound_sends_a_hot_prefix_elsewhere() -> None:
     a, b = StepReplica("a", delay_s=0.02), StepReplica("b", delay_s=0.02)
     pool = routed_pool(a, b, load_bound=2, slots=32)
+    await pool.probe_once()
     pool.start()
     before = {reason: decisions(reason) for reason in ("load", "load_bound", "prefix")}
     try:
@@ -333,6 +413,7 @@ async def test_the_load_bound_sends_a_hot_prefix_elsewhere() -> None:
 async def test_a_full_replica_does_not_queue_a_match_while_another_has_a_free_slot() -> None:
     a, b = StepReplica("a"), StepReplica("b")
     pool = routed_pool(a, b, load_bound=100, slots=2)
+    await pool.probe_once()
     prompt = chat_request(SYSTEM, "q").prompt
     first = pool.pick(exclude=set(), prompt=prompt)
     held = [first.scheduler.submit(request()) for _ in range(2)]  # its batch is full (queued, not started)
@@ -344,6 +425,7 @@ async def test_a_full_replica_does_not_queue_a_match_while_another_has_a_free_sl
 async def test_a_retry_excludes_the_failed_replica_and_forgets_what_it_held() -> None:
     a, b = StepReplica("a"), StepReplica("b")
     pool = routed_pool(a, b, threshold=5)
+    await pool.probe_once()
     pool.start()
     try:
         await run_through(pool, chat_request(SYSTEM, "warm-up"))
@@ -394,6 +476,7 @@ async def test_engine_reported_cache_hits_are_counted_per_replica() -> None:
 
     a = StepReplica("hits-a")
     pool = routed_pool(a)
+    await pool.probe_once()
     pool.start()
     generated = 0
     try:

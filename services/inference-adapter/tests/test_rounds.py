@@ -14,7 +14,7 @@ from test_scheduler import RecordingStepModel, request
 
 from sluice_inference_adapter.sequence import Finish, FinishEvent, SequenceHandle
 from sluice_inference_adapter.scheduler import Scheduler, SchedulerLimits
-from sluice_inference_adapter.step_rows import Action
+from sluice_inference_adapter.step_rows import Action, StepOutcome, StepRow
 
 
 async def _until(condition, within_s: float = 2.0) -> None:  # type: ignore[no-untyped-def]
@@ -354,3 +354,79 @@ async def test_rounds_ahead_asked_of_a_step_model_without_follows_round_is_said_
     assert text == "".join(f"t{i} " for i in range(1, 21))
     assert not any(model.rounds.followed) and not any(model.rounds.came_while_one_ran)
     assert [entry["event"] for entry in logs if entry["event"] == "rounds_ahead_not_supported"] == ["rounds_ahead_not_supported"]
+
+
+class ReleasesFirstModel(RecordingStepModel):
+    """Answers a request of releases alone at once, without the step's sleep: a release sent just
+    after a round is applied before that round's rows, as when Triton takes the release's stream
+    first (nothing orders two gRPC streams) and the prefill after it takes a slot."""
+
+    def __init__(self, step_delay_s: float) -> None:
+        super().__init__(step_delay_s)
+        self.aside_releases: list[int] = []
+
+    async def step(self, rows: list[StepRow]) -> list[StepOutcome]:
+        if rows and all(row.action is Action.RELEASE for row in rows):
+            self.rounds.note(rows)
+            self.aside_releases.extend(row.seq_id for row in rows)
+            return [self._answer(row) for row in rows]
+        return await super().step(rows)
+
+
+async def test_a_cancel_whose_release_overtakes_its_prefill_is_released_again_once_the_prefill_answered() -> None:
+    """The release found nothing to release and the prefill then took a slot: without a second
+    release the engine held it until its slot lease (30 s)."""
+    model = ReleasesFirstModel(step_delay_s=0.01)
+    scheduler = Scheduler(model, SchedulerLimits(max_round_steps=32, round_target_s=1.0))
+    handles: list[SequenceHandle] = []
+
+    def cancel_as_its_round_goes_out(steps: int) -> None:
+        if len(model.rounds.asked) == 0:  # the prefill's round, sent and not yet answered
+            handles[0].cancel()
+
+    model.rounds.on_round = cancel_as_its_round_goes_out
+    scheduler.start()
+    try:
+        handles.append(scheduler.submit(request(max_tokens=500)))
+        _, finish = await collect(handles[0])
+        seq_id = handles[0].seq_id
+        await _until(lambda: model.aside_releases.count(seq_id) >= 2, within_s=1.0)
+    finally:
+        await scheduler.stop()
+    assert finish.finish is Finish.CANCELLED
+    assert model.rows_of(seq_id) == [(0, Action.PREFILL)], "the prefill reached the engine after the first release"
+    assert seq_id not in model.max_tokens, "the engine holds no slot for it"
+
+
+class SlowAsideReleasesModel(RecordingStepModel):
+    """A request of releases alone is answered after `release_s` (a busy engine's next step)."""
+
+    def __init__(self, release_s: float) -> None:
+        super().__init__(step_delay_s=0.01)
+        self.release_s = release_s
+        self.releases_answered: list[int] = []
+
+    async def step(self, rows: list[StepRow]) -> list[StepOutcome]:
+        if rows and all(row.action is Action.RELEASE for row in rows):
+            self.rounds.note(rows)
+            await asyncio.sleep(self.release_s)
+            self.releases_answered.extend(row.seq_id for row in rows)
+            return [self._answer(row) for row in rows]
+        return await super().step(rows)
+
+
+async def test_stop_waits_for_a_release_still_on_its_way() -> None:
+    """A cancel's release goes in a request of its own; stopping without it (the channel closes
+    next) left the slot held until the engine's lease."""
+    model = SlowAsideReleasesModel(release_s=0.2)
+    scheduler = Scheduler(model, SchedulerLimits(max_round_steps=32, round_target_s=1.0, release_timeout_s=1.0))
+    scheduler.start()
+    handle = scheduler.submit(request(max_tokens=500))
+    try:
+        await until_a_long_round(model)
+        handle.cancel()
+        _, finish = await collect(handle)  # ended at the round's next step, its release still on its way
+        assert finish.finish is Finish.CANCELLED and handle.seq_id not in model.releases_answered
+    finally:
+        await scheduler.stop()
+    assert handle.seq_id in model.releases_answered

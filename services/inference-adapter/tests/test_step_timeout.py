@@ -184,6 +184,7 @@ async def test_a_replica_whose_steps_stall_is_ejected_and_its_requests_go_elsewh
         failure_threshold=2,
         probe_interval_s=60.0,
     )
+    await pool.probe_once()  # proven, as the adapter's replicas are before it serves
     pool.start()
     try:
         for _ in range(2):  # warm up on both replicas
@@ -227,6 +228,7 @@ class StallableEmbedder:
 async def test_a_stalled_embedding_batch_is_cut_off_and_counts_against_its_replica() -> None:
     a = StepReplica("a", delay_s=0.02)
     pool = ReplicaPool([a], lambda backend, on_step: Scheduler(backend, SchedulerLimits(), on_step=on_step), 1, 60.0)
+    await pool.probe_once()
     embedder = StallableEmbedder()
     timeout = AdaptiveTimeout(policy(min_samples=5))
     backend = PooledEmbedBackend(pool, lambda url: embedder, timeout)

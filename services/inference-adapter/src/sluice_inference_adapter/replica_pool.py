@@ -6,14 +6,16 @@ PrefixRouter (prefix_routing.py), a generation request goes instead to the repli
 sent the longest prefix of its prompt, as long as that replica's load stays within a bound of
 the least loaded one's, so that its engine's prefix cache is hit. A replica
 is marked unhealthy after `failure_threshold` consecutive failures, counting both
-failed steps and failed probes, and readmitted after one successful probe. A request
+failed steps and failed probes, and readmitted after one successful probe; every replica, those
+listed at start-up too, starts unhealthy and gets work once a probe has proved it. A request
 whose replica failed before it produced a token is moved to another replica; one that
 already streamed tokens cannot be resumed elsewhere and ends with an error.
 
 Replicas come and go while the adapter runs (replica_discovery.py: the pods behind a DNS name).
-A new one is probed before it gets work. One that disappears is drained: it gets no new
+A new one is probed at once. One that disappears is drained: it gets no new
 sequence, those it holds finish there (a sequence lives in one replica's scheduler from prefill
-to its end: its KV cache is in that replica), then its scheduler stops and its channel closes.
+to its end: its KV cache is in that replica) and the token counts on their way are answered,
+then its scheduler stops and its channel closes.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import contextlib
 import functools
 import random
 import time
-from collections.abc import AsyncGenerator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -89,13 +91,18 @@ BackendFactory = Callable[[str], ReplicaBackend]
 class Replica:
     backend: ReplicaBackend
     scheduler: BatchOwner = field(init=False)
-    healthy: bool = True
+    # No work until a probe or step succeeds: a replica listed at start-up may still be loading its
+    # model, and least-loaded routing would send it requests until two probes had failed.
+    healthy: bool = False
     consecutive_failures: int = 0
     # -inf: a new replica is probed at once; it has not proved itself yet.
     last_success: float = float("-inf")
     # Its address left discovery: no new sequences; removed once it holds none.
     draining: bool = False
     removed: bool = False
+    # Calls made on its backend outside its scheduler (token counts) still on their way: not in its
+    # load, yet closing its channel would cancel them, so a drained replica waits for them too.
+    borrowed: int = 0
 
     @property
     def name(self) -> str:
@@ -175,7 +182,7 @@ class ReplicaPool:
         """A replica found while running: unhealthy (no work) until its first probe succeeds."""
         if self._make_backend is None:
             raise RuntimeError("this pool was built without a backend factory: it cannot add replicas")
-        replica = Replica(self._make_backend(url), healthy=False)
+        replica = Replica(self._make_backend(url))
         self._forget_prefixes(replica)  # an address seen before: whatever it held is gone
         self._admit(replica)
         log.info("replica_added", replica=replica.name)
@@ -211,9 +218,19 @@ class ReplicaPool:
 
     async def _remove_when_idle(self, replica: Replica) -> None:
         # Waiting sequences count too: they were routed here, and they are prefilled here.
-        while replica.scheduler.load:
+        while replica.scheduler.load or replica.borrowed:
             await asyncio.sleep(self._drain_poll_s)
         await self._remove(replica)
+
+    @contextlib.contextmanager
+    def borrowed(self, replica: Replica) -> Iterator[None]:
+        """Around a call of the caller's own on the replica's backend (a token count): counted while
+        it runs, so that a drain does not close the channel under it."""
+        replica.borrowed += 1
+        try:
+            yield
+        finally:
+            replica.borrowed -= 1
 
     async def _remove(self, replica: Replica) -> None:
         # Out of the pool first, so no probe or pick sees it while it stops.

@@ -159,6 +159,12 @@ class Scheduler(ReplicaWork):
         # (that ask may have reached the engine before the round did: _end_round_for_waiting).
         self._round_answered = False
         self._end_asked_early = False
+        # The round in flight's prefills, and those of them cancelled before it answered: their
+        # release travels apart from the round and may reach the engine first, where it releases
+        # nothing and the prefill then takes a slot (held until the engine's slot lease), so the
+        # release is sent again once the round has answered (a second release changes nothing).
+        self._round_prefills: set[int] = set()
+        self._released_before_prefill: set[int] = set()
         self._decode_step_s: float | None = None
         # The recent time of any step, prompt chunks included: what an arrival waits for.
         self._step_s: float | None = None
@@ -190,7 +196,16 @@ class Scheduler(ReplicaWork):
             await stop_tasks(self._task)
         await self._discard_ahead()
         self._fail_everything("the adapter is shutting down")
+        await self._land_sent_aside()
         await self._release_dropped()
+
+    async def _land_sent_aside(self) -> None:
+        """Waits, at most `release_timeout_s`, for the requests sent beside the rounds (a cancel's
+        release among them): the backend's channel closes after the stop, cancelling any still on
+        its way, and a release lost so holds its slot until the engine's lease. One that fails
+        joins the releases `_release_dropped` sends next."""
+        if self._sent_aside:
+            await asyncio.wait(set(self._sent_aside), timeout=self._limits.release_timeout_s)
 
     # -- the loop ------------------------------------------------------------------
 
@@ -216,6 +231,7 @@ class Scheduler(ReplicaWork):
                     responses = None
                     interruptible = self._interruptible(stepped)
                 self._in_round = {s.seq_id: s for s in stepped}
+                self._round_prefills = {row.seq_id for row in rows if row.action is Action.PREFILL}
                 self._round_interruptible, self._round_interrupt_asked = interruptible, False
                 # An end asked of the round before ends the round sent ahead of it too (step_protocol).
                 self._round_steps_asked, self._round_end_asked = steps, ahead is not None and self._round_end_asked
@@ -223,7 +239,8 @@ class Scheduler(ReplicaWork):
                 try:
                     await self._run_round(rows, stepped, steps, responses, interruptible)
                 finally:
-                    self._in_round = {}
+                    self._in_round, self._round_prefills = {}, set()
+                    self._released_before_prefill.clear()
         finally:
             await self._discard_ahead()
 
@@ -415,11 +432,16 @@ class Scheduler(ReplicaWork):
         when the round's next step comes back."""
         if sequence.seq_id in self._in_round or (self._ahead is not None and sequence.seq_id in self._ahead.seq_ids):
             self._release_now([sequence.seq_id])
+            if sequence.seq_id in self._round_prefills and not self._round_answered:
+                self._released_before_prefill.add(sequence.seq_id)
         self._wakeup.set()
 
     def _abandon_mid_round(self) -> None:
         """Sequences of the round in flight that were cancelled or ran past their deadline end now,
-        and are released by a request of their own (the engine applies it at its next step)."""
+        and are released by a request of their own (the engine applies it at its next step). A
+        cancel's release went out when it came, but one that may have overtaken its prefill goes
+        again: the response shows the engine has the prefill now (one that finished, was refused or
+        answered busy left the batch in `_apply` and holds no slot)."""
         now = self._clock()
         abandoned = []
         for sequence in self._in_round.values():
@@ -427,8 +449,10 @@ class Scheduler(ReplicaWork):
             if reason is not None:
                 del self._running[sequence.seq_id]
                 sequence.finish(reason, now)
-                if reason is not Finish.CANCELLED:  # a cancel's release went out when it came
+                if reason is not Finish.CANCELLED or sequence.seq_id in self._released_before_prefill:
                     abandoned.append(sequence.seq_id)
+        # After any response every prefill of the round is in: a later cancel's release follows it.
+        self._released_before_prefill.clear()
         if abandoned:
             self._release_now(abandoned)
 

@@ -112,8 +112,9 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         # Counting only tokenizes: a decode step's timeout bounds it.
         limit = self._step_timeouts.limit() if self._step_timeouts is not None else None
         try:
-            async with asyncio.timeout(limit):
-                (outcome,) = await backend.step([StepRow(Action.COUNT, 0, prompt.to_json())])
+            with pool.borrowed(replica):
+                async with asyncio.timeout(limit):
+                    (outcome,) = await backend.step([StepRow(Action.COUNT, 0, prompt.to_json())])
         except TimeoutError:
             metrics.TIMEOUTS.labels(kind="count_tokens").inc()
             pool.record(replica, ok=False)
