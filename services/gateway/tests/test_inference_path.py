@@ -95,6 +95,14 @@ async def test_a_failed_or_uncounted_embed_commits_the_estimate() -> None:
         assert ratelimit.committed == [7]
 
 
+async def test_an_uncounted_embed_answers_no_usage_not_zero_tokens() -> None:
+    """The adapter leaves usage out when the model counted nothing; copied as it was, the unset
+    field was present in the gateway's answer and read as 0 tokens (OpenAI's usage then 0, not null)."""
+    path, _ = await _path(_Adapter(usage=None), _RateLimit())
+    reply, _ticket = await path.embed_with_ticket(Tenant("t"), _request(), "r1", 10.0)
+    assert not reply.HasField("usage") and len(reply.embeddings) == 1
+
+
 GENERATION = types_pb2.ModelInfo(name="g", kind=types_pb2.MODEL_KIND_GENERATION, context_length=2048, max_output_tokens=1024)
 
 

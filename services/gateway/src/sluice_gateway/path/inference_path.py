@@ -527,7 +527,9 @@ class InferencePath:
         finally:
             # The real usage refunds the rest of the reservation; a failed call commits the estimate.
             ticket.settle()
-        response = gateway_pb2.EmbedResponse(request_id=request_id, model=request.model, embeddings=reply.embeddings, usage=reply.usage)
+        # usage only when the model counted: the unset field handed over would read as 0 tokens.
+        usage = reply.usage if reply.HasField("usage") else None
+        response = gateway_pb2.EmbedResponse(request_id=request_id, model=request.model, embeddings=reply.embeddings, usage=usage)
         return response, ticket
 
 
