@@ -6,7 +6,7 @@ from sluice.common.v1 import types_pb2
 from sluice_common.errors import InvalidArgument
 from sluice_common.validation import validate_generation
 
-MODEL = types_pb2.ModelInfo(name="m", context_length=2048, max_output_tokens=1024, logprobs=True, structured_outputs=True)
+MODEL = types_pb2.ModelInfo(name="m", context_length=2048, max_output_tokens=1024, logprobs=True, structured_outputs=True, logit_bias=True)
 HELLO = [types_pb2.ChatMessage(role="user", content="hello")]
 
 
@@ -61,6 +61,17 @@ def test_logprobs_from_a_model_that_reports_none_is_refused_naming_it() -> None:
     with pytest.raises(InvalidArgument) as caught:
         validate_generation(HELLO, "", types_pb2.SamplingParams(max_tokens=4, logprobs=0), silent)
     assert caught.value.field_name == "sampling.logprobs" and "vllm" in caught.value.reason
+
+
+def test_logit_bias_for_a_model_that_does_not_apply_it_is_refused_naming_it() -> None:
+    """Triton's vLLM backend hands vLLM the JSON object's string keys: every such request failed on
+    every replica, each counted as the replica's failure."""
+    vllm = types_pb2.ModelInfo(name="vllm", context_length=2048, max_output_tokens=1024)
+    biased = types_pb2.SamplingParams(max_tokens=4, logit_bias={11: -100.0})
+    with pytest.raises(InvalidArgument) as caught:
+        validate_generation(HELLO, "", biased, vllm)
+    assert caught.value.field_name == "sampling.logit_bias" and "vllm does not apply logit_bias" in caught.value.reason
+    validate_generation(HELLO, "", biased, MODEL)
 
 
 def test_a_constraint_is_checked_and_needs_a_model_that_enforces_constraints() -> None:

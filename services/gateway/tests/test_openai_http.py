@@ -33,7 +33,13 @@ from sluice_common.tenants import TenantDirectory, hash_api_key
 
 KEY = "sk-test"
 GENERATION = types_pb2.ModelInfo(
-    name="g", kind=types_pb2.MODEL_KIND_GENERATION, context_length=2048, max_output_tokens=1024, logprobs=True, structured_outputs=True
+    name="g",
+    kind=types_pb2.MODEL_KIND_GENERATION,
+    context_length=2048,
+    max_output_tokens=1024,
+    logprobs=True,
+    structured_outputs=True,
+    logit_bias=True,
 )
 EMBEDDING = types_pb2.ModelInfo(name="e", kind=types_pb2.MODEL_KIND_EMBEDDING, embedding_dimensions=3)
 USAGE = types_pb2.Usage(prompt_tokens=7, completion_tokens=2, total_tokens=9, cached_tokens=4)

@@ -71,3 +71,14 @@ def test_a_python_traceback_gives_its_last_line() -> None:
     )
     assert is_request_fault(message)
     assert engine_message(message) == "The decoder prompt (length 9) is longer than the maximum model length of 8."
+
+
+def test_sampling_options_the_vllm_backend_cannot_build_are_the_requests_fault_said_plainly() -> None:
+    """vllm_backend's from_dict answers None for any SamplingParams vLLM refuses, and the client
+    read "'NoneType' object has no attribute 'lora_name'" after every replica had been tried (and
+    counted failed): the same request fails the same way everywhere."""
+    message = "Error generating stream: 'NoneType' object has no attribute 'lora_name'"
+    assert is_request_fault(message)
+    rejected = RequestRejected(engine_message(message))
+    assert rejected.field == "sampling" and "could not build vLLM's SamplingParams" in rejected.cause
+    assert "lora_name" not in rejected.cause

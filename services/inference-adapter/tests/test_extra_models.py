@@ -14,7 +14,7 @@ from sluice_inference_adapter.servicer import InferenceServicer
 
 
 def test_entries_name_a_triton_model_and_optionally_a_batch_bound() -> None:
-    assert parse_extra_model("m-q4=smollm2_q4_step:4", 32) == ExtraModel("m-q4", "smollm2_q4_step", 4)
+    assert parse_extra_model("m-q4=smollm2_q4_step:4", 32) == ExtraModel("m-q4", "smollm2_q4_step", 4, bounded=True)
     assert parse_extra_model(" m2 = other_step ", 32) == ExtraModel("m2", "other_step", 32)
     for bad in ("m-q4", "=x", "m=", "m=x:many", "m=x:0"):
         with pytest.raises(ValueError):
@@ -38,6 +38,14 @@ def test_an_extra_model_runs_with_its_own_triton_model_and_bounds() -> None:
     # A batch of one leaves no slot to reserve for interactive traffic.
     assert own.interactive_reserved_slots == 0 and own.extra_models == ()
     assert own.context_length == config.context_length and own.triton_urls == config.triton_urls
+
+
+def test_an_extra_models_bound_bounds_a_passthrough_models_streams_too() -> None:
+    """On Triton's vLLM backend a model runs streams, not a batch of slots: the entry's ":N" was
+    ignored there and the pool ran the main model's MAX_IN_FLIGHT streams."""
+    config = AdapterConfig(max_in_flight=64, extra_models=("llama=llama_vllm:8", "other=other_vllm"))
+    bounded, unbounded = (extra_model_config(config, e) for e in config.extra_model_list())
+    assert bounded.max_in_flight == 8 and unbounded.max_in_flight == 64
 
 
 async def test_models_are_listed_and_routed_by_name() -> None:

@@ -67,6 +67,8 @@ def validate_generation(
     if sampling.HasField("logprobs") and not model.logprobs:
         # Decided from the model's declared capabilities (ListModels), before any lease is taken.
         raise InvalidArgument("sampling.logprobs", f"{model.name} does not report token log-probabilities")
+    if sampling.logit_bias and not model.logit_bias:
+        raise InvalidArgument("sampling.logit_bias", f"{model.name} does not apply logit_bias")
     if sampling.HasField("structured_outputs"):
         _validate_structured_outputs(sampling.structured_outputs, model)
     if len(sampling.stop) > MAX_STOP_SEQUENCES:

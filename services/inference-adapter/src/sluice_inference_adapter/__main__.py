@@ -170,7 +170,7 @@ def build_embedder(
         return None
     timeout = AdaptiveTimeout(config.embed_timeout_policy())
     metrics.REQUEST_TIMEOUT.labels(kind="embed_batch").set(timeout.current())
-    backends = PooledEmbedBackend(pool, lambda url: TritonEmbedBackend(url, config.triton_embedding_model), timeout)
+    backends = PooledEmbedBackend(pool, lambda url: TritonEmbedBackend(url, config.triton_embedding_model), timeout, dim=config.embedding_dimensions)
     embedder = EmbedBatcher(
         backends,
         max_batch=config.embed_max_batch,
@@ -197,12 +197,16 @@ def prefix_router(config: AdapterConfig, protocol: Protocol) -> PrefixRouter | N
 
 def extra_model_config(config: AdapterConfig, extra: ExtraModel) -> AdapterConfig:
     """The settings an extra generation model's pool runs with: the main model's, but its own
-    Triton model and batch bound (and a reserved interactive share that fits that bound)."""
+    Triton model and bound: its batch on the step protocol, its streams in flight on the generate
+    one (a vLLM passthrough), whichever it turns out to speak (and a reserved interactive share that
+    fits that bound). Its chat template, context length and max output tokens are the main model's:
+    an extra model is a variant of it (the same tokenizer and template)."""
     return replace(
         config,
         model_name=extra.name,
         triton_model=extra.triton_model,
         max_batch_size=extra.max_batch_size,
+        max_in_flight=extra.max_batch_size if extra.bounded else config.max_in_flight,
         interactive_reserved_slots=min(config.interactive_reserved_slots, extra.max_batch_size - 1),
         extra_models=(),
     )
@@ -219,6 +223,7 @@ async def start_extra_pool(
     if info is not None:
         info.logprobs = await reports_logprobs(ready_url, config.triton_model, protocol)
         info.token_prompts = takes_token_prompts(protocol)
+        info.logit_bias = applies_logit_bias(protocol)
     step_timeouts = StepTimeouts(config.step_timeout_policy(), config.model_name)
     metrics.STEP_TIMEOUT.labels(model=config.model_name).set(step_timeouts.limit())
     label = f"#{config.model_name}"
@@ -237,6 +242,14 @@ async def start_extra_pool(
 def takes_token_prompts(protocol: str) -> bool:
     """Whether a model takes prompt_token_ids: the step protocol's engine prefills ids as given;
     Triton's vLLM backend takes only text_input (tests/fixtures/upstream/vllm_backend_interface.json)."""
+    return protocol == "step"
+
+
+def applies_logit_bias(protocol: str) -> bool:
+    """Whether a model applies logit_bias: the step engine does; Triton's vLLM backend passes
+    sampling_parameters' JSON to vLLM's SamplingParams as it is (vllm_backend_utils.py's from_dict
+    converts only plain-typed fields), and vLLM then compares the object's string keys with token
+    ids: every such request failed, on every replica."""
     return protocol == "step"
 
 
@@ -279,6 +292,7 @@ async def serve(config: AdapterConfig) -> None:
     # ListModels says which models report logprobs (the servicer holds these very messages).
     model.logprobs = await reports_logprobs(ready_url, config.triton_model, protocol)
     model.token_prompts = takes_token_prompts(protocol)
+    model.logit_bias = applies_logit_bias(protocol)
     step_timeouts = StepTimeouts(config.step_timeout_policy(), config.model_name)
     metrics.STEP_TIMEOUT.labels(model=config.model_name).set(step_timeouts.limit())
     backends, make_scheduler, make_backend = build_backends(config, protocol, urls, step_timeouts=step_timeouts)

@@ -44,6 +44,11 @@ _REQUEST_FAULTS = (
     # triton-inference-server/vllm_backend src/model.py (TritonPythonModel._verify_loras)
     re.compile(r"^LoRA \S+ is not supported, we currently support "),
     re.compile(r"^LoRA feature is not enabled\."),
+    # triton-inference-server/vllm_backend src/utils/vllm_backend_utils.py: from_dict answers None
+    # for any sampling_parameters vLLM's SamplingParams refuses (an option this version does not
+    # take, a value it refuses), then request.py reads .lora_name off it: the request's doing, the
+    # same on every replica.
+    re.compile(r"^'NoneType' object has no attribute 'lora_name'"),
 )
 
 
@@ -51,6 +56,11 @@ _REQUEST_FAULTS = (
 _OPTION_FAULT = re.compile(r"^(temperature|top_p|top_k|min_p|max_tokens|presence_penalty|frequency_penalty|repetition_penalty) must be ")
 _LOGIT_BIAS_FAULT = re.compile(r"^token_id\(s\) .* in logit_bias ")
 _STOP_FAULT = re.compile(r"^stop cannot contain an empty string")
+_UNBUILT_SAMPLING = re.compile(r"^'NoneType' object has no attribute 'lora_name'")
+UNBUILT_SAMPLING_CAUSE = (
+    "the model's vLLM backend could not build vLLM's SamplingParams from this request's sampling options"
+    " (an option its vLLM version does not take, or a value it refuses; the backend's log names it)"
+)
 
 
 class RequestRejected(Exception):
@@ -58,9 +68,11 @@ class RequestRejected(Exception):
     `field` the request's option at fault when the reason names one ("sampling.top_k"), else ""."""
 
     def __init__(self, cause: str) -> None:
+        field = fault_field(cause)
+        cause = UNBUILT_SAMPLING_CAUSE if _UNBUILT_SAMPLING.match(cause) else cause
         super().__init__(cause)
         self.cause = cause
-        self.field = fault_field(cause)
+        self.field = field
 
 
 def fault_field(cause: str) -> str:
@@ -72,6 +84,8 @@ def fault_field(cause: str) -> str:
         return "sampling.logit_bias"
     if _STOP_FAULT.match(cause):
         return "sampling.stop"
+    if _UNBUILT_SAMPLING.match(cause):
+        return "sampling"
     return ""
 
 

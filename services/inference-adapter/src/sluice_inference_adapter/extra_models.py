@@ -14,6 +14,8 @@ class ExtraModel:
     name: str
     triton_model: str
     max_batch_size: int
+    # Whether the entry set the bound (":N"): then it bounds a passthrough model's streams too.
+    bounded: bool = False
 
 
 def parse_extra_model(entry: str, default_batch: int) -> ExtraModel:
@@ -28,4 +30,4 @@ def parse_extra_model(entry: str, default_batch: int) -> ExtraModel:
         raise ValueError(f"{entry!r}: the max batch size after ':' must be a whole number") from None
     if size < 1:
         raise ValueError(f"{entry!r}: the max batch size must be >= 1")
-    return ExtraModel(name.strip(), triton_model.strip(), size)
+    return ExtraModel(name.strip(), triton_model.strip(), size, bounded=bool(batch.strip()))

@@ -224,7 +224,7 @@ class Embedding(_message.Message):
     def __init__(self, values: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "kind", "context_length", "max_output_tokens", "embedding_dimensions", "logprobs", "structured_outputs", "token_prompts")
+    __slots__ = ("name", "kind", "context_length", "max_output_tokens", "embedding_dimensions", "logprobs", "structured_outputs", "token_prompts", "logit_bias")
     NAME_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
@@ -233,6 +233,7 @@ class ModelInfo(_message.Message):
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     STRUCTURED_OUTPUTS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_PROMPTS_FIELD_NUMBER: _ClassVar[int]
+    LOGIT_BIAS_FIELD_NUMBER: _ClassVar[int]
     name: str
     kind: ModelKind
     context_length: int
@@ -241,4 +242,5 @@ class ModelInfo(_message.Message):
     logprobs: bool
     structured_outputs: bool
     token_prompts: bool
-    def __init__(self, name: _Optional[str] = ..., kind: _Optional[_Union[ModelKind, str]] = ..., context_length: _Optional[int] = ..., max_output_tokens: _Optional[int] = ..., embedding_dimensions: _Optional[int] = ..., logprobs: _Optional[bool] = ..., structured_outputs: _Optional[bool] = ..., token_prompts: _Optional[bool] = ...) -> None: ...
+    logit_bias: bool
+    def __init__(self, name: _Optional[str] = ..., kind: _Optional[_Union[ModelKind, str]] = ..., context_length: _Optional[int] = ..., max_output_tokens: _Optional[int] = ..., embedding_dimensions: _Optional[int] = ..., logprobs: _Optional[bool] = ..., structured_outputs: _Optional[bool] = ..., token_prompts: _Optional[bool] = ..., logit_bias: _Optional[bool] = ...) -> None: ...
