@@ -4,7 +4,8 @@ The embeddings come from `StandInAdapter`, a real grpc.aio server in this proces
 sluice.inference.v1.InferenceService.Embed (a stand-in for the inference-adapter, as other unit
 tests here use stand-ins for their neighbours): it embeds deterministically (a character
 histogram, so the expected cosine is computable here), counts calls and texts, and can be told to
-answer UNIMPLEMENTED or UNAVAILABLE. The real adapter and model are exercised in tests/e2e.
+answer UNIMPLEMENTED, UNAVAILABLE or RESOURCE_EXHAUSTED, or to stall past the caller's deadline
+(a slow CPU encoder) on large calls or on one text. The real adapter and model are exercised in tests/e2e.
 Every store test runs on SQLite and on the running PostgreSQL (the `store` fixture).
 """
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import math
 import uuid
+from collections.abc import AsyncIterator, Sequence
 
 import aio_pika
 import grpc
@@ -35,6 +37,9 @@ from sluice_evaluation_logging.store import PostgresStore, SqliteStore, Store
 
 SETTINGS = EvalSettings(similarity_sample_rate=1.0, similarity_min=0.2)
 DIMS = 32
+# A stalled Embed outlasts SHORT_DEADLINE_S, the deadline of the embedder `slow_worker` uses.
+STALL_S = 3.0
+SHORT_DEADLINE_S = 0.3
 
 
 def histogram(text: str) -> list[float]:
@@ -51,11 +56,18 @@ def expected_cosine(prompt: str, output: str) -> float:
 
 
 class StandInAdapter(inference_pb2_grpc.InferenceServiceServicer):
-    """InferenceService.Embed over real gRPC, deterministic; `mode` is "ok", "unimplemented", "unavailable" or "invalid"."""
+    """InferenceService.Embed over real gRPC, deterministic; `mode` is "ok", "unimplemented", "unavailable",
+    "exhausted" or "invalid". A call of more than `stall_above` texts, or with a text containing
+    `stall_on`, outlasts any deadline used here; any other takes `delay_s`."""
 
     def __init__(self) -> None:
         self.mode = "ok"
         self.calls: list[int] = []  # texts per Embed call
+        self.answered: list[int] = []  # texts per Embed call answered with vectors
+        self.stalled: list[int] = []  # texts per Embed call left to time out
+        self.delay_s = 0.0
+        self.stall_above: int | None = None
+        self.stall_on = ""
         self.server: grpc.aio.Server | None = None
         self.address = ""
 
@@ -65,10 +77,21 @@ class StandInAdapter(inference_pb2_grpc.InferenceServiceServicer):
             await context.abort(grpc.StatusCode.UNIMPLEMENTED, "this adapter serves no embedding model")
         if self.mode == "unavailable":
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the embedding backend is down")
+        if self.mode == "exhausted":  # the adapter's backpressure: its embed queue is full
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "embed queue full")
+        if self._stalls(request.inputs):
+            self.stalled.append(len(request.inputs))
+            await asyncio.sleep(STALL_S)  # the caller's deadline passes first
+        await asyncio.sleep(self.delay_s)
         if self.mode == "invalid":  # SLUICE_EVALLOG_EMBEDDING_MODEL naming a model the adapter lacks
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "model: unknown embedding model")
         assert request.priority_class == types_pb2.PRIORITY_CLASS_BULK
+        self.answered.append(len(request.inputs))
         return inference_pb2.EmbedResponse(embeddings=[types_pb2.Embedding(values=histogram(text)) for text in request.inputs])
+
+    def _stalls(self, inputs: Sequence[str]) -> bool:
+        too_many = self.stall_above is not None and len(inputs) > self.stall_above
+        return too_many or (bool(self.stall_on) and any(self.stall_on in text for text in inputs))
 
     async def start(self) -> None:
         self.server = grpc.aio.server()
@@ -93,6 +116,22 @@ async def adapter():  # type: ignore[no-untyped-def]
 def worker_for(store: Store, adapter: StandInAdapter, **settings: float) -> SimilarityWorker:
     defaults = {"batch_max": 64, "poll_s": 0.05, "claim_lease_s": 30.0, "min_backoff_s": 0.05, "max_backoff_s": 0.2}
     return SimilarityWorker(store, adapter.embedder, SETTINGS, WorkerSettings(**{**defaults, **settings}))  # type: ignore[attr-defined, arg-type]
+
+
+@pytest.fixture
+async def short_deadline(adapter) -> AsyncIterator[AdapterEmbedder]:  # type: ignore[no-untyped-def]
+    """An embedder to the stand-in whose calls time out (DEADLINE_EXCEEDED) when it stalls."""
+    embedder = AdapterEmbedder(adapter.address, "all-minilm-l6-v2", timeout_s=SHORT_DEADLINE_S)
+    yield embedder
+    await embedder.close()
+
+
+async def run_until_settled(store: Store, worker: SimilarityWorker, most_runs: int) -> None:
+    for _ in range(most_runs):
+        if await store.pending_count() == 0:
+            return
+        await worker.run_once()
+    assert await store.pending_count() == 0, f"markers still pending after {most_runs} runs"
 
 
 async def consume_path_rows(events, adapter: StandInAdapter):  # type: ignore[no-untyped-def]
@@ -222,8 +261,9 @@ async def test_unimplemented_embed_is_recorded_as_skipped(store, adapter) -> Non
     assert summary.scores["similarity"].skipped == 3 and summary.scores["similarity"].count == 0
 
 
-async def test_unavailable_embed_backs_off_and_keeps_the_markers(store, adapter) -> None:  # type: ignore[no-untyped-def]
-    adapter.mode = "unavailable"
+@pytest.mark.parametrize("mode", ["unavailable", "exhausted"])
+async def test_unavailable_embed_backs_off_and_keeps_the_markers(store, adapter, mode) -> None:  # type: ignore[no-untyped-def]
+    adapter.mode = mode
     events = [make_event() for _ in range(4)]
     await store.insert_batch(await consume_path_rows(events, adapter))
     worker = worker_for(store, adapter, min_backoff_s=0.1, max_backoff_s=0.4)
@@ -249,6 +289,62 @@ async def test_unavailable_embed_backs_off_and_keeps_the_markers(store, adapter)
         assert score is not None and not score.skipped
     # Retries while unavailable did not count against the attempts that give up on a broken batch.
     assert len(adapter.calls) < 20
+    assert set(adapter.calls) == {8}  # waited for, never split: the batch's size was not the problem
+
+
+async def test_a_batch_that_times_out_is_split_until_it_is_stored(store, adapter, short_deadline) -> None:  # type: ignore[no-untyped-def]
+    """A DEADLINE_EXCEEDED released the batch uncounted and it was claimed again whole, for ever:
+    a slow encoder that cannot embed 64 events in time never stored any of them."""
+    adapter.stall_above = 4  # texts: calls of more than two events outlast the deadline
+    events = [make_event(output=f"Paris, answer number {i}.") for i in range(8)]
+    await store.insert_batch(await consume_path_rows(events, adapter))
+    worker = SimilarityWorker(
+        store, short_deadline, SETTINGS, WorkerSettings(batch_max=8, poll_s=0.05, min_backoff_s=0.01, max_backoff_s=0.02, max_attempts=2)
+    )
+    await run_until_settled(store, worker, most_runs=12)
+    for event in events:
+        score = similarity_of(await store.get(event.event_id))
+        assert score is not None and not score.skipped, score  # the split tries did not count as attempts
+        assert score.value == pytest.approx(expected_cosine(prompt_text(event), event.output), rel=1e-5)
+    assert adapter.answered and max(adapter.answered) <= 4 and sum(adapter.answered) == 16
+    assert adapter.calls[0] == 16  # the first try was the whole batch
+
+
+async def test_a_marker_that_times_out_even_alone_is_given_up_and_the_rest_are_stored(store, adapter, short_deadline) -> None:  # type: ignore[no-untyped-def]
+    adapter.stall_on = "POISON"  # never embedded in time, in any call
+    good = [make_event() for _ in range(5)]
+    poison = make_event(output="POISON " * 40)
+    await store.insert_batch(await consume_path_rows([*good, poison], adapter))
+    worker = SimilarityWorker(
+        store, short_deadline, SETTINGS, WorkerSettings(batch_max=8, poll_s=0.05, min_backoff_s=0.01, max_backoff_s=0.02, max_attempts=3)
+    )
+    await run_until_settled(store, worker, most_runs=20)
+    score = similarity_of(await store.get(poison.event_id))
+    assert score is not None and score.skipped and "timed out" in score.detail and "DEADLINE_EXCEEDED" in score.detail, score
+    for event in good:
+        score = similarity_of(await store.get(event.event_id))
+        assert score is not None and not score.skipped, score
+    # Tried alone max_attempts times, then never again.
+    assert adapter.stalled.count(2) == 3
+    calls = len(adapter.calls)
+    assert await worker.run_once() == 0 and len(adapter.calls) == calls
+
+
+async def test_no_call_is_started_that_could_outlast_the_claim(store, adapter, short_deadline) -> None:  # type: ignore[no-untyped-def]
+    """Split calls run one after another: past the lease another replica may claim the same markers."""
+    adapter.stall_above = 2  # one event per call
+    events = [make_event() for _ in range(4)]
+    await store.insert_batch(await consume_path_rows(events, adapter))
+    # The lease leaves time for one call to its deadline, not two.
+    settings = WorkerSettings(batch_max=4, min_backoff_s=0.01, max_backoff_s=0.02, claim_lease_s=0.5, embed_timeout_s=SHORT_DEADLINE_S)
+    worker = SimilarityWorker(store, short_deadline, SETTINGS, settings)
+    while len(adapter.calls) < 3:  # 4 events, then 2, then 1 per call: a timeout each
+        assert await worker.run_once() == 0
+    adapter.stall_above = None
+    adapter.delay_s = 0.25  # after one call, another one to its deadline would end past the lease
+    assert await worker.run_once() == 1  # one call's worth; the rest went back untried ...
+    assert await store.pending_count() == 3
+    await run_until_settled(store, worker, most_runs=5)  # ... and are claimable at once
 
 
 async def test_markers_that_keep_failing_are_given_up_while_fresh_ones_keep_arriving(store, adapter) -> None:  # type: ignore[no-untyped-def]

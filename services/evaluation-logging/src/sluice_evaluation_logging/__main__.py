@@ -80,6 +80,7 @@ async def serve(config: EvalLogConfig) -> None:
             batch_max=config.similarity_batch_max,
             claim_lease_s=config.similarity_lease_s,
             max_pause_s=config.similarity_max_pause_s,
+            embed_timeout_s=config.embed_timeout_s,
         ),
         busy=consumer.busy,
     )

@@ -10,12 +10,14 @@ from sluice.inference.v1 import inference_pb2, inference_pb2_grpc
 
 from sluice_common.channels import open_channel
 from sluice_common.config import ClientTLS
-from sluice_evaluation_logging.evaluators.base import EmbeddingsUnavailable
+from sluice_evaluation_logging.evaluators.base import EmbeddingsTimedOut, EmbeddingsUnavailable
 
 # The adapter does not serve embeddings: waiting would not help.
 _NOT_SERVED = (grpc.StatusCode.UNIMPLEMENTED,)
-# The adapter (or its backend) cannot answer now: try again later.
-_NOT_NOW = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED)
+# The adapter (or its backend) cannot answer now (down, or its queue is full): try again later.
+_NOT_NOW = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
+# No answer within the deadline: maybe later, maybe only for fewer texts per call (the caller decides).
+_TOO_SLOW = (grpc.StatusCode.DEADLINE_EXCEEDED,)
 
 
 class AdapterEmbedder:
@@ -38,6 +40,8 @@ class AdapterEmbedder:
         except grpc.aio.AioRpcError as exc:
             if exc.code() in _NOT_SERVED:
                 raise EmbeddingsUnavailable(exc.code().name, retryable=False) from None
+            if exc.code() in _TOO_SLOW:
+                raise EmbeddingsTimedOut(exc.code().name) from None
             if exc.code() in _NOT_NOW:
                 raise EmbeddingsUnavailable(exc.code().name, retryable=True) from None
             raise

@@ -44,6 +44,14 @@ class EmbeddingsUnavailable(Exception):
         self.retryable = retryable
 
 
+class EmbeddingsTimedOut(EmbeddingsUnavailable):
+    """The backend did not answer within the deadline (DEADLINE_EXCEEDED): retryable, but perhaps
+    only with less to embed per call, so a caller that batches may split before trying again."""
+
+    def __init__(self, reason: str = "") -> None:
+        super().__init__(reason, retryable=True)
+
+
 class Embedder(Protocol):
     async def embed(self, texts: Sequence[str]) -> list[list[float]]: ...
 
