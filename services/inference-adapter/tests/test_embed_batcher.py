@@ -19,8 +19,10 @@ from sluice.common.v1 import types_pb2
 from sluice.inference.v1 import inference_pb2
 
 from sluice_common.errors import InvalidArgument, ResourceExhausted, Unavailable
+from sluice_inference_adapter import embed_batcher
 from sluice_inference_adapter.embed_batcher import EmbedBatcher, Embeddings
 from sluice_inference_adapter.servicer import InferenceServicer
+from sluice_inference_adapter.waiting_queue import Priority
 
 DIM = 8
 
@@ -212,6 +214,64 @@ async def test_a_malformed_backend_answer_fails_the_batch(make) -> None:
             await batcher.embed(["a", "b"])
 
 
+class WidthBackend(RecordingEmbedBackend):
+    """Answers vectors `width` wide for the batches numbered in `wrong` (0 first), as a replica
+    serving another embedding model would; the right width otherwise."""
+
+    def __init__(self, width: int, wrong: set[int]) -> None:
+        super().__init__(delay_s=0.0)
+        self.width = width
+        self.wrong = wrong
+
+    async def embed(self, texts: list[str]) -> Embeddings:
+        answer = await super().embed(texts)
+        if len(self.batches) - 1 not in self.wrong:
+            return answer
+        return Embeddings(np.ones((len(texts), self.width), np.float32), answer.tokens)
+
+
+async def test_a_batch_of_another_width_fails_only_its_callers_and_the_batcher_keeps_serving(make) -> None:
+    """A caller split over two batches whose second came back another width: the hand-out raised
+    outside any try, the batch's task died, and its callers (another request's too) hung."""
+    backend = WidthBackend(width=DIM + 4, wrong={1})
+    batcher = make(backend, max_batch=2, max_delay_s=0.02)
+    # Batches: [a0, a1] [a2, b0] [b1]: the second, shared by a and b, answers the wrong width.
+    a = asyncio.create_task(batcher.embed(["a0", "a1", "a2"]))
+    b = asyncio.create_task(batcher.embed(["b0", "b1"]))
+    results = await asyncio.wait_for(asyncio.gather(a, b, return_exceptions=True), timeout=2.0)
+    for result in results:
+        assert isinstance(result, Unavailable) and f"width {DIM + 4}" in result.message and f"dimension is {DIM}" in result.message
+    assert backend.batches[:2] == [["a0", "a1"], ["a2", "b0"]]
+    assert_embedded(await asyncio.wait_for(batcher.embed(["after"]), timeout=2.0), ["after"])
+
+
+async def test_a_request_answered_wholly_in_another_width_is_refused(make) -> None:
+    """Vectors of another width than the model's dimension went to the caller as if right."""
+    batcher = make(WidthBackend(width=DIM * 2, wrong={0}), max_batch=4, max_delay_s=0.0)
+    with pytest.raises(Unavailable, match=f"width {DIM * 2}"):
+        await asyncio.wait_for(batcher.embed(["a", "b"]), timeout=2.0)
+
+
+async def test_an_error_while_handing_out_a_batch_fails_its_callers_instead_of_stranding_them(make, monkeypatch) -> None:
+    """Whatever goes wrong after the backend answered, no caller of the batch waits for ever. No
+    backend answer reaches the hand-out's errors once shapes are checked, so one is injected."""
+
+    def broken_result(vectors: np.ndarray, tokens: np.ndarray | None) -> Embeddings:
+        if len(vectors) == 3:
+            raise MemoryError("injected")
+        return Embeddings(vectors, tokens)
+
+    batcher = make(RecordingEmbedBackend(delay_s=0.0), max_batch=8, max_delay_s=0.02)
+    monkeypatch.setattr(embed_batcher, "Embeddings", broken_result)
+    a = asyncio.create_task(batcher.embed(["a0", "a1", "a2"]))  # settled first in the batch, and fails
+    b = asyncio.create_task(batcher.embed(["b0"]))
+    ra, rb = await asyncio.wait_for(asyncio.gather(a, b, return_exceptions=True), timeout=2.0)
+    assert isinstance(ra, Unavailable) and "injected" in ra.message
+    assert isinstance(rb, Unavailable)
+    monkeypatch.undo()
+    assert_embedded(await asyncio.wait_for(batcher.embed(["after"]), timeout=2.0), ["after"])
+
+
 async def test_token_counts_sum_per_caller_across_a_shared_batch(make) -> None:
     backend = RecordingEmbedBackend(delay_s=0.0)
     batcher = make(backend, max_batch=4, max_delay_s=0.02)
@@ -250,6 +310,51 @@ async def test_the_queue_bound_rejects_with_resource_exhausted(make) -> None:
     await asyncio.gather(busy, queued, fits)
     with pytest.raises(InvalidArgument):
         await batcher.embed([f"x{i}" for i in range(5)])  # could never fit
+
+
+async def test_interactive_texts_go_before_waiting_bulk_ones(make) -> None:
+    """One FIFO for all: an interactive text waited behind every bulk batch queued before it."""
+    backend = RecordingEmbedBackend(delay_s=0.05)
+    batcher = make(backend, max_batch=2, max_delay_s=0.0)
+    busy = asyncio.create_task(batcher.embed(["busy"]))
+    await asyncio.sleep(0.01)  # at the backend: what follows waits
+    bulk = asyncio.create_task(batcher.embed([f"k{i}" for i in range(4)], Priority.BULK))
+    interactive = asyncio.create_task(batcher.embed(["i0", "i1"]))
+    await asyncio.wait_for(asyncio.gather(busy, bulk, interactive), timeout=2.0)
+    assert backend.batches == [["busy"], ["i0", "i1"], ["k0", "k1"], ["k2", "k3"]]
+
+
+async def test_bulk_texts_keep_a_share_of_each_batch_while_interactive_ones_keep_coming(make) -> None:
+    """Strict priority would starve bulk under steady interactive load: a `bulk_share` of every
+    batch formed while bulk texts wait is theirs."""
+    backend = RecordingEmbedBackend(delay_s=0.02)
+    batcher = make(backend, max_batch=8, max_delay_s=0.0, bulk_share=0.125)  # one slot in 8
+    busy = asyncio.create_task(batcher.embed(["busy"]))
+    await asyncio.sleep(0.01)
+    bulk = asyncio.create_task(batcher.embed(["k0", "k1", "k2"], Priority.BULK))
+    interactive = asyncio.create_task(batcher.embed([f"i{i}" for i in range(40)]))  # five full batches
+    await asyncio.wait_for(asyncio.gather(busy, bulk, interactive), timeout=5.0)
+    bulk_per_batch = [sum(t.startswith("k") for t in batch) for batch in backend.batches[1:]]
+    assert bulk_per_batch[:3] == [1, 1, 1]  # done after three batches, not after the interactive 40
+    assert all(len(batch) == 8 for batch in backend.batches[1:6])
+
+
+async def test_a_bulk_backlog_cannot_refuse_interactive_texts(make) -> None:
+    """Bulk texts filling `max_waiting` made interactive calls RESOURCE_EXHAUSTED; bulk may hold
+    three quarters of it, the rest is kept for interactive texts."""
+    backend = RecordingEmbedBackend(delay_s=0.1)
+    batcher = make(backend, max_batch=2, max_delay_s=0.0, max_waiting=8)
+    busy = asyncio.create_task(batcher.embed(["busy"]))
+    await asyncio.sleep(0.01)
+    backlog = asyncio.create_task(batcher.embed([f"k{i}" for i in range(6)], Priority.BULK))
+    await asyncio.sleep(0)
+    with pytest.raises(ResourceExhausted):
+        await batcher.embed(["k6"], Priority.BULK)
+    with pytest.raises(InvalidArgument, match="at most 6 bulk texts"):
+        await batcher.embed([f"x{i}" for i in range(7)], Priority.BULK)  # could never fit
+    interactive = asyncio.create_task(batcher.embed(["i0", "i1"]))
+    await asyncio.wait_for(asyncio.gather(busy, backlog, interactive), timeout=5.0)
+    assert backend.batches[1] == ["i0", "i1"]
 
 
 async def test_cancelled_caller_texts_are_dropped_before_sending(make) -> None:
@@ -326,3 +431,20 @@ async def test_the_servicer_reports_each_requests_own_usage(make) -> None:
     servicer.attach(None, make(RecordingEmbedBackend(delay_s=0.0, counts=False), max_delay_s=0.0))  # type: ignore[arg-type]
     reply = await servicer.Embed(a, None)  # type: ignore[arg-type]
     assert not reply.HasField("usage") and len(reply.embeddings) == 2
+
+
+async def test_the_servicer_embeds_by_the_requests_priority_class(make) -> None:
+    """Embed never read priority_class: a bulk request's texts went ahead of later interactive ones."""
+    model = types_pb2.ModelInfo(name="gen", kind=types_pb2.MODEL_KIND_GENERATION)
+    embedding_model = types_pb2.ModelInfo(name="emb", kind=types_pb2.MODEL_KIND_EMBEDDING, embedding_dimensions=DIM)
+    backend = RecordingEmbedBackend(delay_s=0.05)
+    batcher = make(backend, max_batch=2, max_delay_s=0.0)
+    servicer = InferenceServicer(model, embedding_model)
+    servicer.attach(None, batcher)  # type: ignore[arg-type]  # Embed needs no pool
+    busy = asyncio.create_task(batcher.embed(["busy"]))
+    await asyncio.sleep(0.01)
+    bulk = inference_pb2.EmbedRequest(model="emb", inputs=["k0", "k1"], priority_class=types_pb2.PRIORITY_CLASS_BULK)
+    unset = inference_pb2.EmbedRequest(model="emb", inputs=["i0", "i1"])  # no class: interactive, as in Generate
+    calls = [servicer.Embed(bulk, None), servicer.Embed(unset, None)]  # type: ignore[arg-type]
+    await asyncio.wait_for(asyncio.gather(busy, *calls), timeout=2.0)
+    assert backend.batches == [["busy"], ["i0", "i1"], ["k0", "k1"]]

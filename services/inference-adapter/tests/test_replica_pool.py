@@ -224,6 +224,91 @@ async def test_embedding_failures_count_against_the_replica_as_step_failures_do(
         await backend.embed(["x"])
 
 
+class AnsweringEmbedder:
+    """A healthy embedding replica: ones, `width` wide."""
+
+    def __init__(self, width: int = 3) -> None:
+        self.width = width
+        self.batches: list[list[str]] = []
+
+    async def embed(self, texts: list[str]) -> Embeddings:
+        self.batches.append(list(texts))
+        return Embeddings(vectors=np.ones((len(texts), self.width), dtype=np.float32), tokens=None)
+
+    async def close(self) -> None:
+        pass
+
+
+class StuckEmbedder(AnsweringEmbedder):
+    """A replica that takes every batch and never answers (a wedged pod)."""
+
+    async def embed(self, texts: list[str]) -> Embeddings:
+        self.batches.append(list(texts))
+        await asyncio.Event().wait()
+        raise AssertionError("unreachable")
+
+
+async def _a_picked_first(*backends: StepReplica) -> tuple[ReplicaPool, list]:
+    """A pool whose least-loaded pick is "a" (the others hold queued sequences); its handles."""
+    pool = make_pool(*backends)
+    await pool.probe_once()
+    busy = [r.scheduler.submit(request()) for r in pool.replicas if r.name != "a"]  # queued, not started
+    return pool, busy
+
+
+async def test_a_failed_embedding_batch_is_retried_once_on_another_replica() -> None:
+    """A batch failing on one replica failed all its callers (of unrelated requests) although
+    embedding is idempotent and a healthy replica was there."""
+    pool, busy = await _a_picked_first(StepReplica("a"), StepReplica("b"))
+    healthy = AnsweringEmbedder()
+    backend = PooledEmbedBackend(pool, lambda url: FailingEmbedder() if url == "a" else healthy)
+    result = await backend.embed(["x", "y"])
+    assert result.vectors.shape == (2, 3) and healthy.batches == [["x", "y"]]
+    a, b = pool.replicas
+    assert (a.consecutive_failures, b.consecutive_failures) == (1, 0)  # the failure still counts against a
+    for handle in busy:
+        handle.cancel()
+
+
+async def test_an_embedding_batch_answered_in_another_width_counts_against_its_replica_and_moves() -> None:
+    """A replica serving another embedding model answered vectors the batcher could not hand out."""
+    pool, busy = await _a_picked_first(StepReplica("a"), StepReplica("b"))
+    other_model, healthy = AnsweringEmbedder(width=8), AnsweringEmbedder(width=3)
+    backend = PooledEmbedBackend(pool, lambda url: other_model if url == "a" else healthy, dim=3)
+    result = await backend.embed(["x"])
+    assert result.vectors.shape == (1, 3) and other_model.batches == healthy.batches == [["x"]]
+    assert pool.replicas[0].consecutive_failures == 1
+    pool.replicas[1].healthy = False  # nowhere else to go: the callers learn what a answered
+    with pytest.raises(Unavailable, match="replica a answered vectors of width 8; the model's dimension is 3"):
+        await backend.embed(["x"])
+    for handle in busy:
+        handle.cancel()
+
+
+async def test_a_batch_cut_off_by_the_timeout_is_retried_within_the_timeout_budget() -> None:
+    """The retry gets the learned limit, and both tries together stay within the ceiling (the
+    most a batch was ever allowed): a batch that used the whole ceiling is not tried again."""
+    pool, busy = await _a_picked_first(StepReplica("a"), StepReplica("b"))
+    timeout = AdaptiveTimeout(TimeoutPolicy(floor_s=0.05, ceiling_s=0.4, min_samples=3))
+    stuck, healthy = StuckEmbedder(), AnsweringEmbedder()
+    backend = PooledEmbedBackend(pool, lambda url: stuck if url == "a" else healthy, timeout)
+    for _ in range(3):
+        timeout.observe(0.01)  # learned: the limit is the 0.05 s floor
+    started = asyncio.get_running_loop().time()
+    result = await asyncio.wait_for(backend.embed(["x"]), 2.0)
+    assert result.vectors.shape == (1, 3) and healthy.batches == [["x"]]
+    assert asyncio.get_running_loop().time() - started < 0.3
+    assert pool.replicas[0].consecutive_failures == 1
+
+    cold = AdaptiveTimeout(TimeoutPolicy(floor_s=0.05, ceiling_s=0.2, min_samples=100))  # not warmed up: the ceiling
+    backend = PooledEmbedBackend(pool, lambda url: stuck if url == "a" else healthy, cold)
+    with pytest.raises(Unavailable, match="replica a did not embed"):
+        await asyncio.wait_for(backend.embed(["y"]), 2.0)
+    assert healthy.batches == [["x"]]  # the ceiling was spent on a: no second try
+    for handle in busy:
+        handle.cancel()
+
+
 class HeldEmbedder:
     """An embedding replica whose batch waits to be let go; `close` cancels what is in flight, as
     closing a gRPC channel does."""

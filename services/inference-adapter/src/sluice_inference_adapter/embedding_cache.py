@@ -42,6 +42,7 @@ from sluice_common.cgroup import memory_limit
 from sluice_common.errors import InvalidArgument
 from sluice_inference_adapter import metrics
 from sluice_inference_adapter.embed_batcher import Embeddings
+from sluice_inference_adapter.waiting_queue import Priority
 
 log = structlog.stdlib.get_logger("sluice.embedding_cache")
 
@@ -198,7 +199,7 @@ def cache_budget(budget_bytes: int, memory_share: float, read_memory_limit: Call
 
 
 class TextEmbedder(Protocol):
-    async def embed(self, texts: Sequence[str]) -> Embeddings: ...
+    async def embed(self, texts: Sequence[str], priority: Priority = Priority.INTERACTIVE) -> Embeddings: ...
 
 
 class CachedEmbedder:
@@ -216,7 +217,7 @@ class CachedEmbedder:
     def cache(self) -> EmbeddingCache | None:
         return self._cache
 
-    async def embed(self, texts: Sequence[str]) -> Embeddings:
+    async def embed(self, texts: Sequence[str], priority: Priority = Priority.INTERACTIVE) -> Embeddings:
         if isinstance(texts, str):
             raise TypeError("embed takes a list of texts, not one string")
         # The limit holds for the request as sent, whatever the cache holds at the moment.
@@ -228,12 +229,12 @@ class CachedEmbedder:
         repeated = len(distinct) < len(texts)
         cache = self._cache
         if cache is None and not repeated:
-            return await self._batcher.embed(texts)
+            return await self._batcher.embed(texts, priority)
         if cache is None:
-            return _expand(await self._batcher.embed(distinct), inverse)
+            return _expand(await self._batcher.embed(distinct, priority), inverse)
         lookup = cache.get_many(self._model, distinct)
         miss_texts = [distinct[i] for i in lookup.misses]
-        computed = await self._batcher.embed(miss_texts) if miss_texts else None
+        computed = await self._batcher.embed(miss_texts, priority) if miss_texts else None
         dim = cache.dim if computed is None else computed.vectors.shape[1]
         if dim != cache.dim:
             # The model answers another size than EMBEDDING_DIMENSIONS: nothing can be cached.
@@ -241,7 +242,7 @@ class CachedEmbedder:
                 self._warned = True
                 log.warning("embedding_not_cached", reason="dimension mismatch", backend_dim=dim, cache_dim=cache.dim)
             if len(lookup.hit_indexes):  # held from before the model changed: compute them again
-                computed = await self._batcher.embed(distinct)
+                computed = await self._batcher.embed(distinct, priority)
                 return _expand(computed, inverse if repeated else None)
         vectors = np.empty((len(distinct), dim), dtype=np.float32)
         tokens = np.zeros(len(distinct), dtype=np.int64)

@@ -30,6 +30,7 @@ from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import numpy as np
 import structlog
 
 from sluice_common.adaptive_timeout import AdaptiveTimeout
@@ -403,14 +404,26 @@ class PooledEmbedBackend:
     of its own per replica, opened on first use and closed when the replica leaves the pool.
 
     With `timeout`, a batch is cut off after the adaptive timeout (multiplier x the rolling p99
-    of batch round trips across the pool): its callers get UNAVAILABLE naming the replica. A batch
-    cut off or failed by its replica (UNAVAILABLE) counts against the replica as a failed step does."""
+    of batch round trips across the pool): its callers get UNAVAILABLE naming the replica. With
+    `dim`, vectors of another width are the replica's failure too (it serves another model). A
+    batch cut off or failed by its replica (UNAVAILABLE) counts against the replica as a failed
+    step does, and is sent once more to another healthy replica: embedding is idempotent, and a
+    batch carries the texts of up to max_batch unrelated requests. Both tries together stay within
+    the timeout's ceiling, the most one batch was ever allowed (callers whose deadline passes
+    meanwhile leave the batcher on their own)."""
 
-    def __init__(self, pool: ReplicaPool, make_backend: Callable[[str], ClosableEmbedBackend], timeout: AdaptiveTimeout | None = None) -> None:
+    def __init__(
+        self,
+        pool: ReplicaPool,
+        make_backend: Callable[[str], ClosableEmbedBackend],
+        timeout: AdaptiveTimeout | None = None,
+        dim: int | None = None,
+    ) -> None:
         self._pool = pool
         self._make_backend = make_backend
         self._by_url: dict[str, ClosableEmbedBackend] = {}
         self._timeout = timeout
+        self._dim = dim
         # Batches on their way per replica: a removed replica's channel closes after them, since
         # closing a gRPC channel cancels its calls (every caller of such a batch got UNAVAILABLE).
         self._in_flight: collections.Counter[str] = collections.Counter()
@@ -418,20 +431,47 @@ class PooledEmbedBackend:
         pool.on_removed.append(self._forget)
 
     async def embed(self, texts: list[str]) -> Embeddings:
-        replica = self._pool.pick(exclude=set())
+        started = time.perf_counter()
+        first = self._pool.pick(exclude=set())
+        try:
+            return await self._embed_on(first, texts, None if self._timeout is None else self._timeout.current())
+        except Exception as exc:
+            retry = self._retry_plan(first, time.perf_counter() - started) if _replica_failed(exc) else None
+            if retry is None:
+                raise
+            log.warning("embed_retrying_on_another_replica", failed=first.name, error=str(exc), texts=len(texts))
+        second, limit = retry
+        return await self._embed_on(second, texts, limit)
+
+    def _retry_plan(self, failed: Replica, elapsed_s: float) -> tuple[Replica, float | None] | None:
+        """Another replica for a batch `failed` failed, and the retry's limit; None when there is
+        none, or when what is left of the ceiling is under the floor (it would cut even a healthy batch)."""
+        limit = None
+        if self._timeout is not None:
+            left = self._timeout.policy.ceiling_s - elapsed_s
+            if left < self._timeout.policy.floor_s:
+                return None
+            limit = min(self._timeout.current(), left)
+        try:
+            return self._pool.pick(exclude={failed.name}), limit
+        except Unavailable:
+            return None  # no other healthy replica: the callers learn what the first one did
+
+    async def _embed_on(self, replica: Replica, texts: list[str], limit: float | None) -> Embeddings:
         name = replica.name
         if name not in self._by_url:
             self._by_url[name] = self._make_backend(name)
         backend = self._by_url[name]
         self._in_flight[name] += 1
         try:
-            if self._timeout is None:
-                return await backend.embed(texts)
-            return await self._embed_within_timeout(backend, name, texts)
+            if limit is None:
+                embeddings = await backend.embed(texts)
+            else:
+                embeddings = await self._embed_within(backend, name, texts, limit)
+            self._check_width(name, embeddings)
+            return embeddings
         except Exception as exc:
-            # UNAVAILABLE (the replica failed or cut off the batch) or a transport error counts against
-            # the replica as a failed step does; another SluiceError is about the request.
-            if isinstance(exc, Unavailable) or not isinstance(exc, SluiceError):
+            if _replica_failed(exc):
                 self._pool.record(replica, ok=False)
             raise
         finally:
@@ -439,9 +479,15 @@ class PooledEmbedBackend:
             async with self._landed:
                 self._landed.notify_all()
 
-    async def _embed_within_timeout(self, backend: ClosableEmbedBackend, name: str, texts: list[str]) -> Embeddings:
+    def _check_width(self, name: str, embeddings: Embeddings) -> None:
+        """Vectors of another width than the model's: this replica serves another model, and the
+        batcher could not put its rows beside a caller's other rows."""
+        shape = np.shape(embeddings.vectors)
+        if self._dim is not None and len(shape) == 2 and shape[1] != self._dim:
+            raise Unavailable(f"Triton replica {name} answered vectors of width {shape[1]}; the model's dimension is {self._dim}")
+
+    async def _embed_within(self, backend: ClosableEmbedBackend, name: str, texts: list[str], limit: float) -> Embeddings:
         assert self._timeout is not None
-        limit = self._timeout.current()
         started = time.perf_counter()
         try:
             async with asyncio.timeout(limit):
@@ -476,3 +522,9 @@ class PooledEmbedBackend:
     async def close(self) -> None:
         backends, self._by_url = list(self._by_url.values()), {}
         await asyncio.gather(*(b.close() for b in backends), return_exceptions=True)
+
+
+def _replica_failed(exc: Exception) -> bool:
+    """UNAVAILABLE (the replica failed, cut off or misanswered the batch) or a transport error is the
+    replica's failure, counted as a failed step is; another SluiceError is about the request."""
+    return isinstance(exc, Unavailable) or not isinstance(exc, SluiceError)

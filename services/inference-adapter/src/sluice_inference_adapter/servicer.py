@@ -136,7 +136,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
             raise Unavailable("the adapter is starting: Triton is not ready yet")
         # Repeated texts are computed once, cached ones never reach Triton; the vectors are the
         # caller's own copies (never views of the cache's arena), turned into protobuf here.
-        result = await self._embedder.embed(list(request.inputs))
+        result = await self._embedder.embed(list(request.inputs), _priority(request.priority_class))
         embeddings = [types_pb2.Embedding(values=row.tolist()) for row in result.vectors]
         if result.tokens is None:  # the model reports no token counts: no usage rather than a wrong one
             return inference_pb2.EmbedResponse(embeddings=embeddings)
@@ -155,9 +155,14 @@ def _generation_request(request: inference_pb2.GenerateRequest, time_remaining: 
         tenant=request.tenant,
         prompt=_prompt_spec(request.messages, request.prompt, request.prompt_token_ids),
         sampling=from_proto(request.sampling),
-        priority=Priority.BULK if request.priority_class == types_pb2.PRIORITY_CLASS_BULK else Priority.INTERACTIVE,
+        priority=_priority(request.priority_class),
         deadline=None if time_remaining is None else time.monotonic() + time_remaining,
     )
+
+
+def _priority(priority_class: int) -> Priority:
+    """Bulk only when asked for: an unset class is a user waiting."""
+    return Priority.BULK if priority_class == types_pb2.PRIORITY_CLASS_BULK else Priority.INTERACTIVE
 
 
 def _final_response(event: FinishEvent, input_field: str) -> inference_pb2.GenerateResponse:
