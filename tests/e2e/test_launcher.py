@@ -1,6 +1,7 @@
 """The local launcher (sluice_stack) honours a service's drain and leaks nothing across restarts
 (issue 22, item 5); the services bind the ports they report, and a Triton port taken after its
-probe moves triton-local to other ones (item 11).
+probe moves triton-local to other ones (item 11); services die with a launcher killed without its
+cleanup (their lifeline), and a second Ctrl-C during a stop still stops every tier.
 
 A stream is held open by freezing (SIGSTOP) the adapter behind a gateway of the test's own after
 its first token: the gateway then waits on the adapter for as long as the drain lets it."""
@@ -13,6 +14,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 import urllib.request
@@ -265,3 +267,117 @@ def test_every_gateway_spills_to_files_of_its_own(stack: Stack) -> None:
     for kind in ("JOBS", "EVENTS"):
         files = [env[f"SLUICE_GATEWAY_{kind}_SPILL_FILE"] for _name, _module, env, _port_env in specs]
         assert len(set(files)) == 2 and all(f.startswith(str(stack.run_dir)) for f in files), files
+
+
+# A launcher of the test's own (a process the test can SIGKILL): triton-local (the main model alone)
+# and two rate-limits, started in one wave, so from the pool threads that Stack.start uses, as `make
+# run` starts its services. triton-local and "rate-limit" run as the launcher runs every service;
+# "rate-limit-by-hand" as `python -m MODULE`, tied by the service's own bootstrap alone (run_service).
+DYING_LAUNCHER = """
+import json, sys, time
+from pathlib import Path
+from sluice_stack.launcher import RATELIMIT_PORT_ENV, REPO_ROOT, ServiceProcess, Stack, StackPorts
+
+class ByHand(ServiceProcess):
+    def command(self):
+        return [str(self.python), "-m", self.module]
+
+class Dying(Stack):
+    def _plan(self):
+        def rate_limit(cls, name):
+            env = {"SLUICE_RATELIMIT_PORT": "0", "SLUICE_RATELIMIT_METRICS_PORT": "0",
+                   "SLUICE_RATELIMIT_LIMITS_FILE": str(REPO_ROOT / "config" / "limits.toml")}
+            return lambda: cls(name, "sluice_rate_limit", env, self.run_dir / f"{name}.log", project="rate-limit", port_env=RATELIMIT_PORT_ENV)
+        return [[lambda: self._triton_service("triton-local"), rate_limit(ServiceProcess, "rate-limit"), rate_limit(ByHand, "rate-limit-by-hand")]]
+
+stack = Dying(Path(sys.argv[1]), ports=StackPorts.ephemeral(), serve_variant=False)
+stack.start(timeout_s=120)
+(stack.run_dir / "pids.json").write_text(json.dumps({s.name: s.process.pid for s in stack.services}))
+time.sleep(600)
+"""
+
+
+def _group(pgid: int) -> list[int]:
+    """The processes of process group `pgid` that run (a zombie, exited but not yet reaped by its new
+    parent, does not): a service started by the launcher leads one, with what it started."""
+    members = []
+    for stat_file in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            state, _ppid, group = stat_file.read_text().rsplit(")", 1)[1].split()[:3]
+        except (OSError, ValueError):
+            continue
+        if int(group) == pgid and state not in ("Z", "X"):
+            members.append(int(stat_file.parent.name))
+    return members
+
+
+def test_services_die_with_a_launcher_killed_without_its_cleanup(tmp_path: Path, record_property: Callable[[str, object], None]) -> None:
+    """A launcher that dies without stopping its services (SIGKILL, a CI timeout's kill) takes them
+    with it: each sees its lifeline close, drains and exits, with what it started (tritonserver),
+    instead of keeping its ports and the model for the next `make run` to trip on."""
+    launcher_process = subprocess.Popen(
+        [sys.executable, "-c", DYING_LAUNCHER, str(tmp_path)], env={**os.environ, "SLUICE_SHUTDOWN_GRACE_S": "5"}, start_new_session=True
+    )
+    pids_file = tmp_path / "pids.json"
+    pids: dict[str, int] = {}
+    try:
+        wait_for(lambda: pids_file.exists() or launcher_process.poll() is not None, "the launcher to start its services", timeout_s=150)
+        assert launcher_process.poll() is None, "the launcher failed to start its services"
+        pids = json.loads(pids_file.read_text())
+        assert set(pids) == {"triton-local", "rate-limit", "rate-limit-by-hand"}
+        assert len(_group(pids["triton-local"])) > 1 and all(_group(pid) for pid in pids.values())  # tritonserver too
+        os.kill(launcher_process.pid, signal.SIGKILL)
+        launcher_process.wait(10)
+        killed = time.monotonic()
+        wait_for(lambda: not any(_group(pid) for pid in pids.values()), "the services to exit after their launcher", timeout_s=30)
+        record_property("services_gone_after_s", round(time.monotonic() - killed, 3))
+        for name in pids:
+            log = (tmp_path / f"{name}.log").read_text(errors="replace")
+            assert '"lifeline_closed"' in log and '"stopped"' in log, log[-2000:]  # a drain, not the bound's SIGKILL
+    finally:
+        if launcher_process.poll() is None:
+            os.kill(launcher_process.pid, signal.SIGKILL)
+            launcher_process.wait()
+        for pid in pids.values():
+            if _group(pid):
+                os.killpg(pid, signal.SIGKILL)
+
+
+def test_a_second_ctrl_c_during_the_stop_still_stops_every_tier(tmp_path: Path) -> None:
+    """Ctrl-C while the stack stops (the gateways draining) left the adapters, rate-limit and
+    triton-local never signalled: now it cuts the drains under way (a second SIGTERM to the
+    services being stopped) and the stop goes on through every tier before the KeyboardInterrupt."""
+    signals: list[str] = []
+
+    class Process:
+        """What ServiceProcess.stop asks of its process, recorded; the gateway's drain is interrupted."""
+
+        def __init__(self, name: str) -> None:
+            self.name, self.returncode = name, None
+
+        def poll(self) -> int | None:
+            return self.returncode
+
+        def send_signal(self, sig: int) -> None:
+            signals.append(f"{signal.Signals(sig).name} {self.name}")
+
+        def wait(self, timeout: float | None = None) -> int:
+            if self.name == "gateway":
+                os.kill(os.getpid(), signal.SIGINT)  # the second Ctrl-C, during the gateway's drain
+            self.returncode = 0
+            return 0
+
+    stack = Stack(tmp_path, ports=StackPorts.ephemeral())
+    modules = {"triton-local": "sluice_triton_local", "rate-limit": "sluice_rate_limit", "inference-adapter": "sluice_inference_adapter"}
+    for name, module in {**modules, "gateway": "sluice_gateway"}.items():
+        stack.services.append(ServiceProcess(name, module, {}, tmp_path / f"{name}.log", process=Process(name)))  # type: ignore[arg-type]
+    inherited = signal.signal(signal.SIGINT, signal.default_int_handler)  # Python's own (a background job's is SIG_IGN)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            stack.stop()
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    finally:
+        signal.signal(signal.SIGINT, inherited)
+    assert signals[:2] == ["SIGTERM gateway", "SIGTERM gateway"], signals
+    assert sorted(signals[2:4]) == ["SIGTERM inference-adapter", "SIGTERM rate-limit"] and signals[4:] == ["SIGTERM triton-local"], signals
+    assert not stack.services

@@ -26,7 +26,7 @@ from sluice.inference.v1 import inference_pb2, inference_pb2_grpc
 
 from conftest import MODEL, scrape, wait_for
 from sluice_stack import ServiceProcess, free_ports
-from sluice_stack.launcher import ADAPTER_PORT_ENV, TRITON_LOCAL_READY, http_ok
+from sluice_stack.launcher import ADAPTER_PORT_ENV, SERVICE_RUNNER, TRITON_LOCAL_READY, http_ok
 
 NAME = "sluice-triton-pods"
 POD_IPS = ("127.0.0.1", "127.0.0.2")
@@ -42,8 +42,9 @@ class NamespacedService(ServiceProcess):
     hosts_file: Path = Path("/dev/null")
 
     def command(self) -> list[str]:
-        # unshare and sh exec into python: the pid (and its process group) is the service's.
-        return ["unshare", "-m", "sh", "-c", 'mount --bind "$0" /etc/hosts && exec "$1" -m "$2"', str(self.hosts_file), str(self.python), self.module]  # fmt: skip
+        # unshare and sh exec into python: the pid (and its process group) is the service's; run as
+        # the launcher runs every service (SERVICE_RUNNER), so that it dies with this test's process.
+        return ["unshare", "-m", "sh", "-c", 'mount --bind "$0" /etc/hosts && exec "$1" -m "$2" "$3"', str(self.hosts_file), str(self.python), SERVICE_RUNNER, self.module]  # fmt: skip
 
 
 @dataclass

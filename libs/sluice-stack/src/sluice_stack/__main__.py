@@ -20,7 +20,10 @@ MODEL = "smollm2-135m-instruct"
 
 
 def say(message: str) -> None:
-    print(f"\033[1m[sluice]\033[0m {message}" if sys.stdout.isatty() else f"[sluice] {message}", flush=True)
+    try:
+        print(f"\033[1m[sluice]\033[0m {message}" if sys.stdout.isatty() else f"[sluice] {message}", flush=True)
+    except OSError:  # the terminal is gone (SIGHUP): the stop goes on without a word
+        pass
 
 
 def stream_demo(gateway: str) -> None:
@@ -71,7 +74,10 @@ def main() -> int:
     except RuntimeError as exc:
         say(f"warning: {exc}")
     stack = Stack(run_dir=run_dir)
-    signal.signal(signal.SIGTERM, _interrupt)
+    # A closed terminal (SIGHUP) stops the suite as Ctrl-C and SIGTERM do. A death that runs no
+    # handler (SIGKILL) is the services' lifeline's to notice (sluice_stack.launcher).
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _interrupt)
 
     def announce(service: ServiceProcess) -> None:
         say(f"{service.name} ready (log: {service.log_path})")
@@ -95,7 +101,10 @@ def main() -> int:
         say("stopping ...")
         return 0
     finally:
-        stack.stop()
+        try:
+            stack.stop()  # every tier, even when a second Ctrl-C lands meanwhile (it cuts their drains)
+        except KeyboardInterrupt:
+            pass
         say("all services stopped")
 
 

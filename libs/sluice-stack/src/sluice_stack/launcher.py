@@ -8,9 +8,10 @@ import os
 import signal
 import socket
 import subprocess
+import threading
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, fields, replace
 from functools import partial
@@ -52,6 +53,46 @@ PORTS_EVENT = "ports_bound"
 # first model's load, before the others': a request for them then fails).
 TRITON_LOCAL_READY = "ready"
 PORT_ROLES = ("grpc", "metrics", "http")
+
+# The lifeline (sluice_common.bootstrap's): this process holds a pipe's write end for its whole life
+# and every service it starts inherits the read end, named by LIFELINE_FD_ENV. However this process
+# dies (SIGKILL, a CI timeout's kill, a closed terminal) the kernel closes the write end; each
+# service then reads end-of-file, sends itself SIGTERM (a drain, as `stop` asks) and is SIGKILLed,
+# with its process group, after LIFELINE_KILL_AFTER_ENV seconds if still there. A pipe, not
+# PR_SET_PDEATHSIG: that fires when the forking *thread* exits, and services are started from
+# `_each_at_once`'s pool threads. The names are sluice_common.bootstrap's (not a dependency here).
+LIFELINE_FD_ENV = "SLUICE_LIFELINE_FD"
+LIFELINE_KILL_AFTER_ENV = "SLUICE_LIFELINE_KILL_AFTER_S"
+# Runs a service's module as `python -m` would, watching its lifeline first: for every service,
+# those whose `__main__` does not go through sluice_common.bootstrap.run_service (triton-local) too.
+SERVICE_RUNNER = "sluice_common.bootstrap"
+_lifeline_lock = threading.Lock()
+_lifeline: tuple[int, int] | None = None
+
+
+def lifeline_fd() -> int:
+    """The lifeline's read end (made on first use, both ends kept open until this process ends;
+    neither inheritable: only `pass_fds` hands the read end to a service)."""
+    global _lifeline
+    with _lifeline_lock:
+        if _lifeline is None:
+            _lifeline = os.pipe()
+        return _lifeline[0]
+
+
+def _drop_lifeline_in_fork_child() -> None:
+    """A forked copy of this process (multiprocessing's workers) must not hold the write end: the
+    services would outlive this process for as long as it lives. It gets its own on first use."""
+    global _lifeline, _lifeline_lock
+    _lifeline_lock = threading.Lock()  # another thread may have held it at the fork
+    if _lifeline is not None:
+        for fd in _lifeline:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        _lifeline = None
+
+
+os.register_at_fork(after_in_child=_drop_lifeline_in_fork_child)
 
 
 def free_port() -> int:
@@ -146,22 +187,26 @@ class ServiceProcess:
         return f"{LOCALHOST}:{self.ports['grpc']}"
 
     def command(self) -> list[str]:
-        return [str(self.python), "-m", self.module]
+        """`python -m MODULE`, through SERVICE_RUNNER so that the service watches its lifeline."""
+        return [str(self.python), "-m", SERVICE_RUNNER, self.module]
 
     def start(self) -> None:
         if not self.python.exists():
             raise StartupError(f"{self.python} is missing: run `make setup` first")
         self._log_offset = self.log_path.stat().st_size if self.log_path.exists() else 0
+        lifeline = lifeline_fd()
+        tie = {LIFELINE_FD_ENV: str(lifeline), LIFELINE_KILL_AFTER_ENV: str(self.shutdown_grace_s + STOP_MARGIN_S)}
         # The child gets its own copy of the descriptor; ours is closed at once, not left to the
         # garbage collector (one per start, a restart loop's worth).
         with self.log_path.open("ab") as log:
             self.process = subprocess.Popen(
                 self.command(),
-                env={**os.environ, **self.env},
+                env={**os.environ, **self.env, **tie},
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 cwd=REPO_ROOT,
                 start_new_session=True,
+                pass_fds=(lifeline,),
             )
 
     def _logged(self, event: str) -> list[dict[str, Any]]:
@@ -633,14 +678,66 @@ class Stack:
 
     def stop(self) -> None:
         """Stops the services that call others first (gateways, job workers, evaluation-logging and
-        any unknown module), then the adapters and rate-limit, then triton-local; each tier's at once."""
-        for tier in range(max(STOP_TIERS.values()) + 1):
-            _each_at_once(ServiceProcess.stop, [s for s in reversed(self.services) if STOP_TIERS.get(s.module, 0) == tier])
-        self.services.clear()
+        any unknown module), then the adapters and rate-limit, then triton-local; each tier's at once.
+
+        Every tier is stopped whatever happens on the way: a SIGINT, SIGTERM or SIGHUP meanwhile (a
+        second Ctrl-C) sends the services being stopped another SIGTERM, which cuts their drain, and
+        its own handler (KeyboardInterrupt) runs once all are down; a tier's error is raised then too."""
+        signalled: list[ServiceProcess] = []
+
+        def hurry() -> None:
+            for service in signalled:
+                service.terminate()
+
+        first_error: BaseException | None = None
+        with _signals_deferred(hurry):
+            for tier in range(max(STOP_TIERS.values()) + 1):
+                services = [s for s in reversed(self.services) if STOP_TIERS.get(s.module, 0) == tier]
+                signalled.extend(services)
+                try:
+                    _each_at_once(ServiceProcess.stop, services)
+                except BaseException as exc:  # noqa: BLE001 - the next tiers are stopped all the same
+                    first_error = first_error or exc
+            self.services.clear()
+        if first_error is not None:
+            raise first_error
 
 
 # When `Stack.stop` stops a service, by module (0 first; a module not named here: 0).
 STOP_TIERS = {"sluice_inference_adapter": 1, "sluice_rate_limit": 1, "sluice_triton_local": 2}
+
+
+# What `Stack.stop` defers while it stops (when their handler is Python code, as KeyboardInterrupt's).
+DEFERRED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+@contextlib.contextmanager
+def _signals_deferred(on_signal: Callable[[], None]) -> Iterator[None]:
+    """In the main thread: DEFERRED_SIGNALS whose handler is a Python callable call `on_signal`
+    instead, and the first one's own handler runs on the way out (raising its KeyboardInterrupt
+    there). Elsewhere (signals are the main thread's) or with default handlers: nothing changes."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    received: list[int] = []
+
+    def note(signum: int, _frame: object) -> None:
+        received.append(signum)
+        on_signal()
+
+    previous: dict[int, Callable[[int, Any], Any]] = {}
+    for sig in DEFERRED_SIGNALS:
+        handler = signal.getsignal(sig)
+        if callable(handler):
+            previous[sig] = handler
+            signal.signal(sig, note)
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    if received:
+        previous[received[0]](received[0], None)
 
 
 def _each_at_once(action: Callable[[ServiceProcess], None], services: list[ServiceProcess]) -> None:
