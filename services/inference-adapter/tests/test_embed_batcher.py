@@ -22,7 +22,7 @@ from sluice_common.errors import InvalidArgument, ResourceExhausted, Unavailable
 from sluice_inference_adapter import embed_batcher
 from sluice_inference_adapter.embed_batcher import EmbedBatcher, Embeddings
 from sluice_inference_adapter.servicer import InferenceServicer
-from sluice_inference_adapter.waiting_queue import Priority
+from sluice_inference_adapter.priority import Priority
 
 DIM = 8
 

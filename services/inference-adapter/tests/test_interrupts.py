@@ -14,7 +14,7 @@ from test_scheduler import RecordingStepModel, request
 from sluice_inference_adapter.scheduler import Scheduler, SchedulerLimits
 from sluice_inference_adapter.sequence import Finish
 from sluice_inference_adapter.step_rows import Action
-from sluice_inference_adapter.waiting_queue import Priority
+from sluice_inference_adapter.priority import Priority
 
 
 def started(interrupt_bulk: bool = True, interrupts: bool = True, replica: str = "") -> tuple[RecordingStepModel, Scheduler]:

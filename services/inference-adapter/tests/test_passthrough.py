@@ -20,7 +20,7 @@ from sluice_inference_adapter.passthrough import PassthroughLimits, PassthroughS
 from sluice_inference_adapter.replica_pool import ReplicaPool
 from sluice_inference_adapter.sequence import Finish, FinishEvent, GenerationRequest
 from sluice_inference_adapter.step_rows import PromptSpec
-from sluice_inference_adapter.waiting_queue import Priority
+from sluice_inference_adapter.priority import Priority
 
 
 PROMPT_TOKENS = 7

@@ -20,7 +20,7 @@ from sluice_common.errors import ResourceExhausted
 from sluice_common.sampling import Sampling
 from sluice_inference_adapter.scheduler import BULK_MAX_WAIT_S, INTERACTIVE_RECENT_S, Scheduler, SchedulerLimits
 from sluice_inference_adapter.sequence import Finish, GenerationRequest
-from sluice_inference_adapter.waiting_queue import Priority
+from sluice_inference_adapter.priority import Priority
 from sluice_inference_adapter.step_rows import FINISH_ERROR, Action, PromptSpec, StepOutcome, StepRow
 
 

@@ -26,7 +26,7 @@ from sluice_inference_adapter.generated_chunk import GeneratedChunk
 from sluice_inference_adapter.passthrough import PassthroughLimits, PassthroughScheduler
 from sluice_inference_adapter.replica_pool import PooledEmbedBackend, ReplicaPool
 from sluice_inference_adapter.sequence import Event, Finish, FinishEvent, GenerationRequest, TokenEvent
-from sluice_inference_adapter.waiting_queue import Priority
+from sluice_inference_adapter.priority import Priority
 from sluice_inference_adapter.scheduler import Scheduler, SchedulerLimits
 from sluice_inference_adapter.step_rows import Action, PromptSpec, StepOutcome, StepRow
 from sluice_inference_adapter.step_timeout import StepTimeouts

@@ -43,7 +43,7 @@ import structlog
 from sluice_common.errors import InvalidArgument, ResourceExhausted, SluiceError, Unavailable
 from sluice_common.supervision import Supervisor, stop_tasks
 from sluice_inference_adapter import metrics
-from sluice_inference_adapter.waiting_queue import Priority
+from sluice_inference_adapter.priority import Priority
 
 log = structlog.stdlib.get_logger("sluice.embed_batcher")
 

@@ -42,7 +42,7 @@ from sluice_common.cgroup import memory_limit
 from sluice_common.errors import InvalidArgument
 from sluice_inference_adapter import metrics
 from sluice_inference_adapter.embed_batcher import Embeddings
-from sluice_inference_adapter.waiting_queue import Priority
+from sluice_inference_adapter.priority import Priority
 
 log = structlog.stdlib.get_logger("sluice.embedding_cache")
 

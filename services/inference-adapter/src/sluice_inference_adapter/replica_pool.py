@@ -41,7 +41,7 @@ from sluice_inference_adapter.embed_batcher import EmbedBackend, Embeddings
 from sluice_inference_adapter.prefix_routing import Candidate, PrefixRouter
 from sluice_inference_adapter.sequence import Event, Finish, FinishEvent, GenerationRequest, SequenceHandle, TokenEvent
 from sluice_inference_adapter.step_rows import PromptSpec
-from sluice_inference_adapter.waiting_queue import Priority
+from sluice_inference_adapter.priority import Priority
 
 log = structlog.stdlib.get_logger("sluice.replicas")
 

@@ -51,7 +51,7 @@ from sluice_inference_adapter import sequence_trace
 from sluice_inference_adapter.replica_work import ReplicaWork
 from sluice_inference_adapter.round_ahead import RoundAhead, SentResponses
 from sluice_inference_adapter.sequence import Finish, Sequence
-from sluice_inference_adapter.waiting_queue import Priority
+from sluice_inference_adapter.priority import Priority
 
 log = structlog.stdlib.get_logger("sluice.scheduler")
 

@@ -14,7 +14,7 @@ from sluice_common.sampling import Sampling
 from sluice_inference_adapter import metrics
 from sluice_inference_adapter.sequence_trace import SequenceTrace
 from sluice_inference_adapter.step_rows import PromptSpec
-from sluice_inference_adapter.waiting_queue import Priority
+from sluice_inference_adapter.priority import Priority
 
 
 class Finish(enum.Enum):

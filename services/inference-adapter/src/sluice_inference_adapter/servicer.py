@@ -23,7 +23,7 @@ from sluice_inference_adapter.replica_pool import ReplicaPool
 from sluice_inference_adapter.sequence import Finish, FinishEvent, GenerationRequest
 from sluice_inference_adapter.step_rows import Action, PromptSpec, StepBackend, StepRow
 from sluice_inference_adapter.step_timeout import StepTimeouts
-from sluice_inference_adapter.waiting_queue import Priority
+from sluice_inference_adapter.priority import Priority
 
 _FINISH_REASONS = {
     Finish.STOP: types_pb2.FINISH_REASON_STOP,

@@ -6,17 +6,12 @@ so the single request waits for at most one of the 500, not all of them.
 
 from __future__ import annotations
 
-import enum
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator
 from typing import Generic, Protocol, TypeVar
 
 from sluice_inference_adapter import metrics
-
-
-class Priority(enum.IntEnum):
-    INTERACTIVE = 0
-    BULK = 1
+from sluice_inference_adapter.priority import Priority
 
 
 class Queued(Protocol):
