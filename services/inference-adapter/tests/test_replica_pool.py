@@ -309,28 +309,38 @@ async def test_a_batch_cut_off_by_the_timeout_is_retried_within_the_timeout_budg
         handle.cancel()
 
 
-class HeldEmbedder:
-    """An embedding replica whose batch waits to be let go; `close` cancels what is in flight, as
-    closing a gRPC channel does."""
+class HeldCalls:
+    """Calls that wait to be let go, and a close that cancels those in flight, as closing a gRPC
+    channel does (recording how many there were)."""
 
     def __init__(self) -> None:
         self.let_go = asyncio.Event()
-        self.calls: set[asyncio.Task[None]] = set()
-        self.closed_with: list[int] = []  # batches still in flight when it was closed
+        self.calls: set[asyncio.Future[bool]] = set()
+        self.closed_with: list[int] = []  # calls still in flight when it was closed
 
-    async def embed(self, texts: list[str]) -> Embeddings:
+    async def held(self) -> None:
         call = asyncio.ensure_future(self.let_go.wait())
         self.calls.add(call)
         try:
             await call
         finally:
             self.calls.discard(call)
-        return Embeddings(vectors=np.ones((len(texts), 3), dtype=np.float32), tokens=None)
 
-    async def close(self) -> None:
+    def cut(self) -> None:
         self.closed_with.append(len(self.calls))
         for call in self.calls:
             call.cancel()
+
+
+class HeldEmbedder(HeldCalls):
+    """An embedding replica whose batches wait to be let go."""
+
+    async def embed(self, texts: list[str]) -> Embeddings:
+        await self.held()
+        return Embeddings(vectors=np.ones((len(texts), 3), dtype=np.float32), tokens=None)
+
+    async def close(self) -> None:
+        self.cut()
 
 
 async def test_a_drained_replica_closes_its_embedding_channel_after_the_batch_on_its_way() -> None:
@@ -355,30 +365,20 @@ async def test_a_drained_replica_closes_its_embedding_channel_after_the_batch_on
 
 
 class HeldCountReplica(StepReplica):
-    """A replica whose token count waits to be let go; `close` cancels what is in flight, as
-    closing a gRPC channel does."""
+    """A replica whose token counts wait to be let go (its `held`)."""
 
     def __init__(self, url: str) -> None:
         super().__init__(url)
-        self.let_go = asyncio.Event()
-        self.counts: set[asyncio.Future[bool]] = set()
-        self.closed_with: list[int] = []  # counts still in flight when it was closed
+        self.held = HeldCalls()
 
     async def step(self, rows: list[StepRow]) -> list[StepOutcome]:
         if rows[0].action is not Action.COUNT:
             return await super().step(rows)
-        call = asyncio.ensure_future(self.let_go.wait())
-        self.counts.add(call)
-        try:
-            await call
-        finally:
-            self.counts.discard(call)
+        await self.held.held()
         return [StepOutcome(-1, "", "", 7, 0)]
 
     async def close(self) -> None:
-        self.closed_with.append(len(self.counts))
-        for call in self.counts:
-            call.cancel()
+        self.held.cut()
         await super().close()
 
 
@@ -396,15 +396,15 @@ async def test_a_drained_replica_closes_its_channel_after_the_token_count_on_its
     servicer = InferenceServicer(types_pb2.ModelInfo(name="gen", kind=types_pb2.MODEL_KIND_GENERATION, context_length=2048), None)
     servicer.attach(pool, None)
     count = asyncio.create_task(servicer.CountTokens(inference_pb2.CountTokensRequest(model="gen", prompt="p"), NoDeadline()))  # type: ignore[arg-type]
-    await _soon(lambda: bool(a.counts))
+    await _soon(lambda: bool(a.held.calls))
     pool.drain("a")  # its address left DNS; the pod still answers
     await asyncio.sleep(0.3)  # three drain polls
-    assert a.closed_with == [] and pool.replicas != [], "removed and closed while the count was on its way"
-    a.let_go.set()
+    assert a.held.closed_with == [] and pool.replicas != [], "removed and closed while the count was on its way"
+    a.held.let_go.set()
     response = await asyncio.wait_for(count, 5)
     assert response.prompt_tokens == 7
-    await _soon(lambda: pool.replicas == [] and a.closed_with != [])
-    assert a.closed_with == [0]  # closed once nothing was on its way
+    await _soon(lambda: pool.replicas == [] and a.held.closed_with != [])
+    assert a.held.closed_with == [0]  # closed once nothing was on its way
 
 
 async def _soon(condition: Callable[[], bool], within_s: float = 5.0) -> None:

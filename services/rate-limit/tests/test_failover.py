@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import time
+import uuid
+from collections.abc import AsyncIterator
 
-from conftest import free_port
+from conftest import REDIS_URL, delete_keys, free_port
 
+from sluice_rate_limit import failover
 from sluice_rate_limit.breaker import CLOSED, HALF_OPEN, OPEN, CircuitBreaker
 from sluice_rate_limit.budgets import Budget, Check, Kind, Policy
 from sluice_rate_limit.failover import FailoverBackend
@@ -101,83 +106,60 @@ async def test_a_probe_that_ends_without_a_verdict_never_holds_the_breaker_half_
         await backend.close()
 
 
-async def test_a_lease_redis_granted_after_the_acquire_timed_out_is_released() -> None:
-    """The timeout cancels the caller, not the script Redis already has: its lease held an
-    in-flight slot for its whole TTL beside the decision made without Redis."""
-    import asyncio
-    import uuid
+class SlowReply(RedisBackend):
+    """Redis runs the script; its reply comes 0.3 s later, after the caller's timeout or cancel
+    (the pipeline drops it)."""
 
-    from conftest import REDIS_URL, delete_keys
+    async def acquire(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        granted = asyncio.ensure_future(super().acquire(*args, **kwargs))
+        await asyncio.sleep(0.3)
+        return await granted
 
-    from sluice_rate_limit import failover
-    from sluice_rate_limit.budgets import Budget, Kind
 
-    class SlowReply(RedisBackend):
-        """Redis runs the script; its reply comes after the caller's timeout (the pipeline drops it)."""
+ONE_IN_FLIGHT = Check(Budget.REQUESTS_IN_FLIGHT, Kind.GAUGE, "t:a:rif", 1, 1, policy=Policy.CLOSED, name="requests_in_flight")
 
-        async def acquire(self, *args, **kwargs):  # type: ignore[no-untyped-def]
-            granted = asyncio.ensure_future(super().acquire(*args, **kwargs))
-            await asyncio.sleep(0.3)
-            return await granted
 
+@contextlib.asynccontextmanager
+async def slow_replies(timeout_s: float) -> AsyncIterator[tuple[SlowReply, FailoverBackend]]:
+    """A failover backend over SlowReply on the real Redis, orphaned leases released 0.4 s on."""
     prefix = f"test:rl:{uuid.uuid4().hex[:8]}"
     primary = SlowReply(REDIS_URL, prefix, 10.0, timeout_s=0.1)
-    backend = FailoverBackend(primary, CircuitBreaker(5, 0.5), replicas=1, timeout_s=0.1)
-    one_in_flight = Check(Budget.REQUESTS_IN_FLIGHT, Kind.GAUGE, "t:a:rif", 1, 1, policy=Policy.CLOSED, name="requests_in_flight")
+    backend = FailoverBackend(primary, CircuitBreaker(5, 0.5), replicas=1, timeout_s=timeout_s)
     saved = failover.ORPHAN_RELEASE_DELAYS_S
     failover.ORPHAN_RELEASE_DELAYS_S = (0.4,)
     try:
-        lost = await backend.acquire([one_in_flight], True, 600, False, "m")
-        assert not lost.allowed and lost.degraded  # decided without Redis: fail-closed
-        deadline = asyncio.get_running_loop().time() + 10
-        while True:  # the script ran at Redis; its lease is settled soon after (0.4 s here)
-            later = await RedisBackend.acquire(primary, [one_in_flight], True, 600, False, "m")
-            if later.allowed or asyncio.get_running_loop().time() > deadline:
-                break
-            await asyncio.sleep(0.1)
-        assert later.allowed, later.reason  # the one in-flight slot is free again
+        yield primary, backend
     finally:
         failover.ORPHAN_RELEASE_DELAYS_S = saved
         await delete_keys(prefix)
         await backend.close()
+
+
+async def freed_again(primary: SlowReply) -> bool:
+    """Whether the one in-flight slot is free again within 10 s (the orphan released at Redis)."""
+    deadline = asyncio.get_running_loop().time() + 10
+    while True:
+        later = await RedisBackend.acquire(primary, [ONE_IN_FLIGHT], True, 600, False, "m")
+        if later.allowed or asyncio.get_running_loop().time() > deadline:
+            return later.allowed
+        await asyncio.sleep(0.1)
+
+
+async def test_a_lease_redis_granted_after_the_acquire_timed_out_is_released() -> None:
+    """The timeout cancels the caller, not the script Redis already has: its lease held an
+    in-flight slot for its whole TTL beside the decision made without Redis."""
+    async with slow_replies(timeout_s=0.1) as (primary, backend):
+        lost = await backend.acquire([ONE_IN_FLIGHT], True, 600, False, "m")
+        assert not lost.allowed and lost.degraded  # decided without Redis: fail-closed
+        assert await freed_again(primary)
 
 
 async def test_a_lease_redis_granted_to_an_acquire_its_caller_cancelled_is_released() -> None:
     """The caller gave up (its deadline cancelled the handler) after Redis had the script."""
-    import asyncio
-    import uuid
-
-    from conftest import REDIS_URL, delete_keys
-
-    from sluice_rate_limit import failover
-    from sluice_rate_limit.budgets import Budget, Kind
-
-    class SlowReply(RedisBackend):
-        async def acquire(self, *args, **kwargs):  # type: ignore[no-untyped-def]
-            granted = asyncio.ensure_future(super().acquire(*args, **kwargs))
-            await asyncio.sleep(0.3)
-            return await granted
-
-    prefix = f"test:rl:{uuid.uuid4().hex[:8]}"
-    primary = SlowReply(REDIS_URL, prefix, 10.0, timeout_s=0.1)
-    backend = FailoverBackend(primary, CircuitBreaker(5, 0.5), replicas=1, timeout_s=1.0)
-    one_in_flight = Check(Budget.REQUESTS_IN_FLIGHT, Kind.GAUGE, "t:a:rif", 1, 1, policy=Policy.CLOSED, name="requests_in_flight")
-    saved = failover.ORPHAN_RELEASE_DELAYS_S
-    failover.ORPHAN_RELEASE_DELAYS_S = (0.4,)
-    try:
-        caller = asyncio.ensure_future(backend.acquire([one_in_flight], True, 600, False, "m"))
+    async with slow_replies(timeout_s=1.0) as (primary, backend):
+        caller = asyncio.ensure_future(backend.acquire([ONE_IN_FLIGHT], True, 600, False, "m"))
         await asyncio.sleep(0.15)  # the script has run at Redis; its reply is on its way
         caller.cancel()
         await asyncio.gather(caller, return_exceptions=True)
         assert backend.breaker.state == CLOSED  # a caller gone says nothing about Redis
-        deadline = asyncio.get_running_loop().time() + 10
-        while True:
-            later = await RedisBackend.acquire(primary, [one_in_flight], True, 600, False, "m")
-            if later.allowed or asyncio.get_running_loop().time() > deadline:
-                break
-            await asyncio.sleep(0.1)
-        assert later.allowed, later.reason  # the one in-flight slot is free again
-    finally:
-        failover.ORPHAN_RELEASE_DELAYS_S = saved
-        await delete_keys(prefix)
-        await backend.close()
+        assert await freed_again(primary)

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -236,13 +237,24 @@ def test_no_free_slot_is_busy_and_changes_nothing(engine: StepEngine) -> None:
     engine.step([ReleaseRow(rows[-1].seq_id)])
 
 
-def test_a_sequence_not_stepped_within_the_lease_is_released(engine: StepEngine) -> None:
+@contextlib.contextmanager
+def a_leased_pair(engine: StepEngine, **owners: str) -> Iterator[list[float]]:
+    """Sequences 1 and 2 on a long prompt under a 5 s slot lease, on a clock the test drives
+    (yielded: its one value); released and the lease turned off afterwards."""
     now = [1000.0]
     engine._clock = lambda: now[0]  # noqa: SLF001 - the lease's clock, driven by the test
     engine._slot_lease_s = 5.0  # noqa: SLF001
+    prompt = "<|im_start|>user\nWrite a long story about a dragon.<|im_end|>\n<|im_start|>assistant\n"
     try:
-        prompt = "<|im_start|>user\nWrite a long story about a dragon.<|im_end|>\n<|im_start|>assistant\n"
-        engine.step([PrefillRow(1, prompt, Sampling(max_tokens=60), owner="dead"), PrefillRow(2, prompt, Sampling(max_tokens=60), owner="alive")])
+        engine.step([PrefillRow(seq_id, prompt, Sampling(max_tokens=60), owner=owners.get(f"owner{seq_id}", "")) for seq_id in (1, 2)])
+        yield now
+    finally:
+        engine._slot_lease_s = 0.0  # noqa: SLF001
+        engine.step([ReleaseRow(1), ReleaseRow(2)])
+
+
+def test_a_sequence_not_stepped_within_the_lease_is_released(engine: StepEngine) -> None:
+    with a_leased_pair(engine, owner1="dead", owner2="alive") as now:
         now[0] += 6.0  # past the lease, but no other step ran: a live adapter's step may just be late
         (late,) = engine.step([DecodeRow(1)])
         assert late.token_id >= 0
@@ -253,19 +265,11 @@ def test_a_sequence_not_stepped_within_the_lease_is_released(engine: StepEngine)
         assert engine.slots_by_owner() == {"alive": 1}
         (gone,) = engine.step([DecodeRow(1)])
         assert gone.finish_reason == "error" and "not running" in gone.error
-    finally:
-        engine._slot_lease_s = 0.0  # noqa: SLF001
-        engine.step([ReleaseRow(1), ReleaseRow(2)])
 
 
 def test_a_sequence_stepped_in_the_step_that_would_reclaim_it_is_kept(engine: StepEngine) -> None:
     """Its adapter is alive after all: the step it names it in must not release it under it."""
-    now = [1000.0]
-    engine._clock = lambda: now[0]  # noqa: SLF001 - the lease's clock, driven by the test
-    engine._slot_lease_s = 5.0  # noqa: SLF001
-    try:
-        prompt = "<|im_start|>user\nWrite a long story about a dragon.<|im_end|>\n<|im_start|>assistant\n"
-        engine.step([PrefillRow(1, prompt, Sampling(max_tokens=60)), PrefillRow(2, prompt, Sampling(max_tokens=60))])
+    with a_leased_pair(engine) as now:
         reclaimed = engine.slots_reclaimed_total
         for _ in range(LEASE_MIN_STEPS):  # sequence 1 is left out just short of the lease's steps
             now[0] += 0.5
@@ -273,9 +277,6 @@ def test_a_sequence_stepped_in_the_step_that_would_reclaim_it_is_kept(engine: St
         now[0] += 0.5
         back, kept = engine.step([DecodeRow(1), DecodeRow(2)])  # past the lease's time and steps
         assert back.token_id >= 0 and kept.token_id >= 0 and engine.slots_reclaimed_total == reclaimed
-    finally:
-        engine._slot_lease_s = 0.0  # noqa: SLF001
-        engine.step([ReleaseRow(1), ReleaseRow(2)])
 
 
 def test_a_fault_admitting_or_sampling_fails_those_rows_and_keeps_every_slot(engine: StepEngine, monkeypatch: pytest.MonkeyPatch) -> None:

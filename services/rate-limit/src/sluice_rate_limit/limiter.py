@@ -6,9 +6,10 @@ No grpc here: the servicer translates messages, this module raises SluiceErrors.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
-from collections.abc import Callable
-from typing import Protocol
+from collections.abc import Callable, Iterator
+from typing import Any, Protocol
 
 import structlog
 
@@ -114,13 +115,8 @@ class RateLimiter:
         if not lease_id:
             raise InvalidArgument("lease_id", "must not be empty")
         ttl = self._ttl(lease_ttl_s)
-        try:
+        with _lease_errors(lease_id, "renew", metrics.child(metrics.LEASES_RENEWED, "unknown")):
             expires_at = await self.backend.renew(lease_id, ttl)
-        except LeaseNotFound:
-            metrics.child(metrics.LEASES_RENEWED, "unknown").inc()
-            raise NotFound(f"lease {lease_id} is unknown: already settled, or expired") from None
-        except BackendUnavailable as exc:
-            raise Unavailable(f"cannot renew lease {lease_id}: {exc}") from None
         metrics.child(metrics.LEASES_RENEWED, "renewed").inc()
         return expires_at, ttl
 
@@ -146,13 +142,8 @@ class RateLimiter:
         if not lease_id:
             raise InvalidArgument("lease_id", "must not be empty")
         started = time.perf_counter()
-        try:
+        with _lease_errors(lease_id, "settle", metrics.child(metrics.LEASES_SETTLED, "unknown"), "; it frees its capacity at expiry"):
             states = await self.backend.settle(lease_id, used_tokens)
-        except LeaseNotFound:
-            metrics.child(metrics.LEASES_SETTLED, "unknown").inc()
-            raise NotFound(f"lease {lease_id} is unknown: already settled, or expired") from None
-        except BackendUnavailable as exc:
-            raise Unavailable(f"cannot settle lease {lease_id}: {exc}; it frees its capacity at expiry") from None
         if self._timed:
             self._backend_seconds[how].observe(time.perf_counter() - started)
         self._settled[how].inc()
@@ -196,6 +187,18 @@ class RateLimiter:
             self._reloader.cancel()
             await asyncio.gather(self._reloader, return_exceptions=True)
         await self.backend.close()
+
+
+@contextlib.contextmanager
+def _lease_errors(lease_id: str, verb: str, unknown: Any, consequence: str = "") -> Iterator[None]:
+    """A backend's lease errors as the service's: NotFound (counted in `unknown`) or Unavailable."""
+    try:
+        yield
+    except LeaseNotFound:
+        unknown.inc()
+        raise NotFound(f"lease {lease_id} is unknown: already settled, or expired") from None
+    except BackendUnavailable as exc:
+        raise Unavailable(f"cannot {verb} lease {lease_id}: {exc}{consequence}") from None
 
 
 def _larger_than_a_limit(checks: list[Check], interactive: bool) -> Decision | None:
