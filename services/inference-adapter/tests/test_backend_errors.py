@@ -12,6 +12,7 @@ from sluice_inference_adapter.triton_backend import protocol_of
 
 MESSAGES = json.loads((Path(__file__).parent / "fixtures" / "vllm_errors.json").read_text())
 # The upstream interface, kept once for the adapter and triton-local's stand-in.
+TRTLLM_CONFIG = json.loads((Path(__file__).parents[3] / "tests" / "fixtures" / "upstream" / "tensorrtllm_ensemble_interface.json").read_text())
 VLLM_CONFIG = json.loads((Path(__file__).parents[3] / "tests" / "fixtures" / "upstream" / "vllm_backend_interface.json").read_text())
 
 
@@ -59,8 +60,11 @@ def test_a_vllm_backend_without_usage_outputs_is_refused_at_start() -> None:
 
 
 def test_tensorrt_llm_is_refused_with_the_reason() -> None:
-    with pytest.raises(SystemExit, match="neither token counts nor finish reasons"):
-        protocol_of("m", {"text_input", "max_tokens", "stream", "end_id"})
+    """Upstream's ensemble reports token counts (num_input_tokens, num_output_tokens) but no finish reason."""
+    assert {"num_input_tokens", "num_output_tokens"} <= set(TRTLLM_CONFIG["outputs"])
+    assert not any("finish" in name for name in TRTLLM_CONFIG["outputs"])
+    with pytest.raises(SystemExit, match="report no finish reason"):
+        protocol_of("m", set(TRTLLM_CONFIG["inputs"]))
 
 
 def test_a_python_traceback_gives_its_last_line() -> None:

@@ -38,6 +38,8 @@ _REQUEST_FAULTS = (
     re.compile(r"^The prompt \(total length \d+\) is too long to fit into the model \(context length \d+\)"),
     # vllm/entrypoints/openai/serving_engine.py
     re.compile(r"^This model's maximum context length is \d+ tokens"),
+    # vllm/v1/engine/input_processor.py (InputProcessor._validate_logprobs): an operator's max_logprobs below Sluice's 20
+    re.compile(r"^Requested sample logprobs of \d+, which is greater than max allowed: \d+"),
     # vllm/sampling_params.py (SamplingParams._verify_args)
     re.compile(r"^(n|temperature|top_p|top_k|min_p|max_tokens|min_tokens|presence_penalty|frequency_penalty|repetition_penalty) must be "),
     re.compile(r"^stop cannot contain an empty string"),
@@ -56,6 +58,7 @@ _REQUEST_FAULTS = (
 _OPTION_FAULT = re.compile(r"^(temperature|top_p|top_k|min_p|max_tokens|presence_penalty|frequency_penalty|repetition_penalty) must be ")
 _LOGIT_BIAS_FAULT = re.compile(r"^token_id\(s\) .* in logit_bias ")
 _STOP_FAULT = re.compile(r"^stop cannot contain an empty string")
+_LOGPROBS_FAULT = re.compile(r"^Requested sample logprobs of ")
 _UNBUILT_SAMPLING = re.compile(r"^'NoneType' object has no attribute 'lora_name'")
 UNBUILT_SAMPLING_CAUSE = (
     "the model's vLLM backend could not build vLLM's SamplingParams from this request's sampling options"
@@ -84,6 +87,8 @@ def fault_field(cause: str) -> str:
         return "sampling.logit_bias"
     if _STOP_FAULT.match(cause):
         return "sampling.stop"
+    if _LOGPROBS_FAULT.match(cause):
+        return "sampling.logprobs"
     if _UNBUILT_SAMPLING.match(cause):
         return "sampling"
     return ""

@@ -105,7 +105,8 @@ def protocol_of(model: str, inputs: set[str]) -> Protocol:
     if "text_input" in inputs and "max_tokens" in inputs:
         raise SystemExit(
             f"Triton model {model} has TensorRT-LLM's interface (text_input, max_tokens): not supported. Its"
-            " text outputs report neither token counts nor finish reasons, so usage could only be estimated"
+            " outputs (text_output, num_input_tokens, num_output_tokens, ...) report no finish reason, so whether"
+            " a stream stopped or ran out of max_tokens could only be guessed"
         )
     if "text_input" in inputs:
         raise SystemExit(
