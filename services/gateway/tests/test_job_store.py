@@ -374,3 +374,84 @@ async def test_a_job_id_reused_for_other_rows_is_refused_before_and_after_the_sp
             await store.accept("j", "demo", "q", ["a"], DAY)  # a subset is another job too
     job, again = await store.accept("j", "demo", "q", ["b", "a"], DAY)  # the same rows: the same job
     assert again == set() and job.total_rows == 2 and await store.row_states("j") == {"pending": 2}
+
+
+async def test_a_redelivered_copy_does_not_take_over_a_row_whose_worker_still_beats(store: JobStore) -> None:
+    """A row message the broker redelivered (its channel was lost) to another worker while the
+    first, alive, still ran it was taken over: the row ran twice (two leases, two events, billed
+    twice)."""
+    await store.accept("j", "demo", "q", ["a", "b"], DAY)
+    assert await store.claim_row("j", "a", "w1", take_over=False) == s.CLAIMED
+    assert await store.claim_row("j", "a", "w2", take_over=True) == s.BUSY  # claimed just now: fresh
+    beat = time.time() + 5
+    assert await store.heartbeat("w1", [("j", "a"), ("j", "b")], now=beat) == 1  # b is not w1's
+    assert await store.claim_row("j", "a", "w2", take_over=True, now=beat + s.HEARTBEAT_STALE_S - 0.5) == s.BUSY
+    assert await store.row_states("j") == {"running": 1, "pending": 1}
+    # w1's run goes on: it stores the row, once, and the copy then finds it done.
+    assert await store.finish_row(result("a")) is not None
+    assert await store.claim_row("j", "a", "w2", take_over=True) == s.DONE
+
+
+async def test_a_redelivered_copy_takes_over_a_row_whose_worker_stopped_beating(store: JobStore) -> None:
+    """A worker that died (SIGKILL, OOM) leaves its rows running: their redelivered messages must
+    still run them, once its heartbeat is stale; and then the new owner's run is protected in turn."""
+    await store.accept("j", "demo", "q", ["a"], DAY)
+    long_ago = time.time() - s.HEARTBEAT_STALE_S - 1
+    assert await store.claim_row("j", "a", "w-dead", take_over=False, now=long_ago) == s.CLAIMED
+    assert await store.claim_row("j", "a", "w2", take_over=False) == s.BUSY  # not a redelivery: never takes over
+    assert await store.claim_row("j", "a", "w2", take_over=True) == s.CLAIMED
+    assert await store.claim_row("j", "a", "w3", take_over=True) == s.BUSY  # w2 claimed it just now
+    # w2's own row (its earlier run here ended unfinished): its copy may claim it again.
+    assert await store.claim_row("j", "a", "w2", take_over=True) == s.CLAIMED
+    assert await store.heartbeat("w-dead", [("j", "a")]) == 0  # the dead worker's beat no longer counts
+
+
+async def test_a_stopped_jobs_row_whose_worker_still_beats_waits_for_it(store: JobStore) -> None:
+    """Acked at once, the redelivered copy of a cancelled job's row a live worker runs was the row's
+    only message: had that worker died, the row would stay running and the job cancelling forever."""
+    await store.accept("j", "demo", "q", ["a", "b"], DAY)
+    long_ago = time.time() - s.HEARTBEAT_STALE_S - 1
+    assert await store.claim_row("j", "a", "w1", take_over=False) == s.CLAIMED
+    assert await store.claim_row("j", "b", "w-dead", take_over=False, now=long_ago) == s.CLAIMED
+    await store.cancel("j")
+    assert await store.claim_row("j", "a", "w2", take_over=True) == s.BUSY
+    assert await store.claim_row("j", "b", "w2", take_over=True) == s.SKIPPED  # stale: cancelled here
+    assert await store.row_states("j") == {"running": 1, "cancelled": 1}
+    assert await store.finish_row(result("a")) is not None
+    job = await store.get_job("j")
+    assert job is not None and job.state == s.CANCELLED
+
+
+async def test_a_stopping_worker_lets_its_unfinished_rows_be_taken_over_at_once(store: JobStore) -> None:
+    await store.accept("j", "demo", "q", ["a", "b"], DAY)
+    assert await store.claim_row("j", "a", "w1", take_over=False) == s.CLAIMED
+    assert await store.claim_row("j", "b", "w2", take_over=False) == s.CLAIMED
+    assert await store.drop_heartbeats("w1") == 1
+    assert await store.claim_row("j", "a", "w3", take_over=True) == s.CLAIMED
+    assert await store.claim_row("j", "b", "w3", take_over=True) == s.BUSY  # w2's is still fresh
+
+
+async def test_migration_4_adds_heartbeats_and_lets_rows_running_before_it_be_taken_over(tmp_path: Path) -> None:
+    """Rows claimed before heartbeats existed have none: a redelivery takes them over, as before."""
+    for backend in ("sqlite", "postgres"):
+        schema = f"jobs_test_{uuid.uuid4().hex[:8]}"
+        dsn = PG_DSN if backend == "postgres" else ""
+        old = JobStore(open_sql_db(dsn, tmp_path / f"{backend}.sqlite3", schema, s.MIGRATIONS[:3]))
+        await old.open()
+        await old.accept("j", "demo", "q", ["a", "b"], DAY)
+        async with old.db.transaction() as tx:
+            await tx.execute("UPDATE job_rows SET state = 'running', claimed_by = 'w-old' WHERE custom_id = 'a'")
+        await old.close()
+        new = JobStore.create(dsn, tmp_path / f"{backend}.sqlite3", schema)
+        await new.open()
+        try:
+            assert await new.claim_row("j", "a", "w-new", take_over=False) == s.BUSY
+            assert await new.claim_row("j", "a", "w-new", take_over=True) == s.CLAIMED
+            assert await new.claim_row("j", "b", "w-new", take_over=False) == s.CLAIMED
+            assert await new.claim_row("j", "b", "w-other", take_over=True) == s.BUSY  # claimed since: it beats
+        finally:
+            await new.close()
+            if backend == "postgres":
+                connection = await asyncpg.connect(PG_DSN)
+                await connection.execute(f'DROP SCHEMA "{schema}" CASCADE')
+                await connection.close()

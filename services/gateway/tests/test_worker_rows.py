@@ -242,3 +242,104 @@ def test_every_row_and_job_outcome_is_exported_at_zero_before_it_happens() -> No
         assert REGISTRY.get_sample_value("sluice_jobs_rows_total", {"outcome": outcome}) is not None, outcome
     for outcome in ("accepted", "rejected", "dead_lettered"):
         assert REGISTRY.get_sample_value("sluice_jobs_accepted_total", {"outcome": outcome}) is not None, outcome
+
+
+async def heartbeat_at(store: JobStore, job_id: str) -> float | None:
+    async with store.db.transaction() as tx:
+        row = await tx.fetchone("SELECT heartbeat_at FROM job_rows WHERE job_id = ?", job_id)
+    assert row is not None
+    return row[0]
+
+
+async def test_the_heartbeat_refreshes_the_rows_this_worker_runs_and_no_other(stand_in, store, monkeypatch) -> None:  # noqa: F811
+    """Without it another worker cannot tell a row whose worker is alive from one whose worker died."""
+    import asyncio
+    import time
+
+    from sluice_gateway.jobs import store as store_module
+
+    adapter, path = stand_in
+    adapter.token_s = 0.05  # 10 tokens: 0.5 s, several beats
+    monkeypatch.setattr(store_module, "HEARTBEAT_S", 0.05)
+    job_worker = worker(store, path)
+    task = await row_task(store, max_tokens=10)
+    long_ago = time.time() - 100
+    for job_id, claimer in (("elsewhere", "another-worker"), ("left", job_worker.worker_id)):
+        # Another worker's row, and one this worker claimed but no longer runs (its run ended unfinished).
+        await store.accept(job_id, "t", "", ["r"], 3600.0)
+        await store.claim_row(job_id, "r", claimer, take_over=False, now=long_ago)
+    beats = asyncio.create_task(job_worker._heartbeat_forever())
+    try:
+        running = asyncio.create_task(job_worker._row(_Delivery(task)))  # type: ignore[arg-type]
+        await asyncio.sleep(0.15)
+        first = await heartbeat_at(store, "j")
+        await asyncio.sleep(0.2)
+        assert first is not None and (await heartbeat_at(store, "j") or 0.0) > first
+        await asyncio.wait_for(running, 10)
+    finally:
+        beats.cancel()
+    assert await heartbeat_at(store, "elsewhere") == await heartbeat_at(store, "left") == long_ago
+
+
+async def test_a_redelivered_copy_of_a_row_another_worker_runs_waits_and_never_runs_it_twice(stand_in, store, monkeypatch) -> None:  # noqa: F811
+    """After a lost channel the broker redelivered a row in flight to another worker, which took it
+    over while the first still ran it: the row ran (and was billed) twice."""
+    import asyncio
+
+    from sluice_gateway.jobs import store as store_module
+
+    adapter, path = stand_in
+    adapter.token_s = 0.02  # 10 tokens: 0.2 s, long enough for the copy to arrive mid-run
+    monkeypatch.setattr(store_module, "HEARTBEAT_S", 0.05)  # how often the waiting copy asks again
+    first_worker, second_worker = worker(store, path), worker(store, path)
+    task = await row_task(store, max_tokens=10)
+    first, copy = _Delivery(task), _Delivery(task)
+    copy.redelivered = True
+    running = asyncio.create_task(first_worker._row(first))  # type: ignore[arg-type]
+    await asyncio.sleep(0.05)
+    await asyncio.wait_for(asyncio.gather(running, second_worker._row(copy)), 10)  # type: ignore[arg-type]
+    assert len(adapter.deadlines) == 1  # one attempt, one adapter call
+    assert first.settled == ["ack"] and copy.settled == ["ack"]
+    job = await store.get_job("j")
+    assert job is not None and job.completed_rows == 1
+    assert second_worker.concurrency.in_flight == 0  # it did not hold a slot while it waited
+
+
+async def test_a_redelivered_copy_runs_the_row_its_other_worker_gave_back_on_a_lost_channel(stand_in, store, monkeypatch) -> None:  # noqa: F811
+    """The first worker's run ends given back (back to pending) but its nack is lost with its
+    channel: the copy, which waited instead of being acked, is the row's only message and runs it."""
+    import asyncio
+
+    from sluice_gateway.jobs import store as store_module
+
+    adapter, path = stand_in
+    monkeypatch.setattr(store_module, "HEARTBEAT_S", 0.05)
+    job_worker = worker(store, path)
+    task = await row_task(store, max_tokens=4)
+    assert await store.claim_row("j", "r", "the-first-worker", take_over=False) == "claimed"
+    copy = _Delivery(task)
+    copy.redelivered = True
+    waiting = asyncio.create_task(job_worker._row(copy))  # type: ignore[arg-type]
+    await asyncio.sleep(0.2)
+    assert copy.settled == [] and adapter.deadlines == []  # waits: neither run nor acked
+    await store.release_row("j", "r")  # the first worker gives it back; its nack never reaches the broker
+    await asyncio.wait_for(waiting, 10)
+    assert copy.settled == ["ack"] and len(adapter.deadlines) == 1
+    job = await store.get_job("j")
+    assert job is not None and job.completed_rows == 1
+
+
+async def test_a_stopping_worker_lets_the_rows_it_abandons_be_taken_over_at_once(stand_in, store) -> None:  # noqa: F811
+    """Its rows' redelivered copies would otherwise wait for their heartbeat to go stale."""
+    import asyncio
+
+    adapter, path = stand_in
+    adapter.stalled = True
+    stopping, other = worker(store, path), worker(store, path)
+    task = await row_task(store, max_tokens=4)
+    running = asyncio.create_task(stopping._row(_Delivery(task)))  # type: ignore[arg-type]
+    await asyncio.sleep(0.1)
+    assert await store.claim_row("j", "r", other.worker_id, take_over=True) == "busy"
+    stopping._tasks.add(running)
+    await stopping.stop(0.05)  # the run is cut at the end of the grace, its message left unacked
+    assert await store.claim_row("j", "r", other.worker_id, take_over=True) == "claimed"

@@ -8,6 +8,7 @@ record it:
 
     pending --claim--> running --finish--> done        (result stored, counters +1, once)
        |                  \\--release--> pending       (retry later through the broker)
+       |                  \\--claim (redelivered, heartbeat stale)--> running (another worker)
        |-- job cancelled --> cancelled
        \\-- claimed once the job's window is over --finish--> done (failed, code EXPIRED)
 
@@ -25,11 +26,17 @@ expired: the completion window (expires_at) ended first; rows still pending are 
 (code EXPIRED) when their message is claimed, rows running then finish normally, so every row is
 still reported once; the summary is told once the last one is stored. A cancelled job's summary
 is told by the sweep. summary_sent records that an expired or cancelled job's summary was told.
+
+A running row carries its worker's heartbeat (heartbeat_at, refreshed every HEARTBEAT_S while the
+worker runs it): a redelivered copy of its message (the broker redelivers the messages of a lost
+channel, even while their worker lives on) takes it over only once that heartbeat is
+HEARTBEAT_STALE_S old, i.e. its worker died; until then the copy is BUSY and waits.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -137,7 +144,23 @@ MIGRATIONS = (
             "CREATE INDEX openai_batches_tenant ON openai_batches (tenant, created_at)",
         ),
     ),
+    (
+        4,
+        "row heartbeats: a running row is taken over only when its worker stopped beating",
+        (
+            # NULL: claimed before heartbeats existed, or left by a worker that stopped: stale.
+            "ALTER TABLE job_rows ADD COLUMN heartbeat_at DOUBLE PRECISION",
+        ),
+    ),
 )
+
+# How often a worker refreshes the heartbeat of the rows it runs (worker.py), and how old a
+# heartbeat is stale. Several beats may be missed (a busy event loop, a slow write) before a live
+# worker's row is taken over; a dead worker's rows wait at most this long for their copies to run.
+HEARTBEAT_S = 2.0
+HEARTBEAT_STALE_S = 3 * HEARTBEAT_S
+# Rows per heartbeat statement: far below SQLite's bound on parameters (999 before 3.32).
+_BEAT_CHUNK = 400
 
 
 @dataclass(frozen=True)
@@ -202,8 +225,11 @@ class JobRecord:
 _INSERT_COLUMNS = "job_id, tenant, state, total_rows, completed_rows, failed_rows, reply_to, split_done, error, created_at, updated_at"
 _JOB_COLUMNS = f"{_INSERT_COLUMNS}, expires_at, reply_content_type, summary_sent"
 
-# A row a claim may change: pending, or running when the claim takes it over (one bound parameter).
-_TAKEABLE = "(state = 'pending' OR (state = 'running' AND ?))"
+# A row a claim may change: pending, or running when the claim takes it over: a redelivered copy
+# (take_over) of a row this worker claimed itself (its earlier run here ended unfinished; this
+# process runs one copy at a time), or whose heartbeat is stale (its worker is presumed dead).
+# Parameters: take_over, the worker, the stale bound (heartbeats before it are stale).
+_TAKEABLE = "(state = 'pending' OR (state = 'running' AND ? AND (claimed_by = ? OR heartbeat_at IS NULL OR heartbeat_at < ?)))"
 
 # What claim_row found. OVERDUE: the job's completion window is over; store the row as EXPIRED.
 CLAIMED, DONE, BUSY, SKIPPED, MISSING, OVERDUE = "claimed", "done", "busy", "skipped", "missing", "overdue"
@@ -379,44 +405,70 @@ class JobStore:
 
     # ---- rows
 
-    async def claim_row(self, job_id: str, custom_id: str, worker: str, take_over: bool) -> str:
-        """CLAIMED: run it. DONE: already recorded. BUSY: another worker runs it (take_over=False).
-        SKIPPED: the job is cancelled or over. MISSING: no such job or row."""
-        now = time.time()
+    async def claim_row(self, job_id: str, custom_id: str, worker: str, take_over: bool, now: float | None = None) -> str:
+        """CLAIMED: run it. DONE: already recorded. BUSY: another worker runs it: this copy is not a
+        redelivery (take_over=False), or that worker's heartbeat is fresh (a redelivered copy waits
+        and asks again). SKIPPED: the job is cancelled or over. MISSING: no such job or row."""
+        now = time.time() if now is None else now
+        takeable = (take_over, worker, now - HEARTBEAT_STALE_S)
         async with self.db.transaction() as tx:
             job = await self._get(tx, job_id)
-            row = await tx.fetchone("SELECT state FROM job_rows WHERE job_id = ? AND custom_id = ?", job_id, custom_id)
+            row = await tx.fetchone(f"SELECT state, {_TAKEABLE} FROM job_rows WHERE job_id = ? AND custom_id = ?", *takeable, job_id, custom_id)
             if job is None or row is None:
                 return MISSING
-            state = row[0]
+            state, may_take = row[0], bool(row[1])
             if state == "done":
                 return DONE
             if state == "cancelled":
                 return SKIPPED
             # Every write below is conditional on the row's state, re-checked by the UPDATE itself:
             # under PostgreSQL's READ COMMITTED two workers may both have read "pending" above.
-            # A running row is taken over only by a redelivery (its worker is presumed gone).
             if job.state in STOPPED:
                 await tx.execute(
                     f"UPDATE job_rows SET state = 'cancelled' WHERE job_id = ? AND custom_id = ? AND {_TAKEABLE}",
-                    job_id, custom_id, take_over,
+                    job_id, custom_id, *takeable,
                 )  # fmt: skip
                 await self._settle_cancel(tx, job_id, now)
-                return SKIPPED  # a row running elsewhere finishes there and is stored
-            if state == "running" and not take_over:
+                # A row running elsewhere finishes there and is stored. A redelivered copy waits for
+                # it (BUSY), not acked: should that worker die, the copy is the row's only message.
+                return BUSY if take_over and not may_take else SKIPPED
+            if not may_take:
                 return BUSY  # running elsewhere: it finishes there, even past the window
             if job.state == EXPIRED or job.overdue(now):
                 await self._expire(tx, now, job_id)
                 return OVERDUE  # not run: the caller stores it (finish_row, once) as EXPIRED
             claimed = await tx.execute(
-                "UPDATE job_rows SET state = 'running', claimed_by = ?, attempts = attempts + 1"
+                "UPDATE job_rows SET state = 'running', claimed_by = ?, attempts = attempts + 1, heartbeat_at = ?"
                 f" WHERE job_id = ? AND custom_id = ? AND {_TAKEABLE}",
-                worker, job_id, custom_id, take_over,
+                worker, now, job_id, custom_id, *takeable,
             )  # fmt: skip
             if claimed:
                 return CLAIMED
             now_state = await tx.fetchone("SELECT state FROM job_rows WHERE job_id = ? AND custom_id = ?", job_id, custom_id)
             return {"done": DONE, "cancelled": SKIPPED}.get(now_state[0] if now_state else "", BUSY)
+
+    async def heartbeat(self, worker: str, rows: Sequence[tuple[str, str]], now: float | None = None) -> int:
+        """Refreshes the heartbeat of the rows (job id, custom id) `worker` runs now, so that no
+        redelivered copy takes them over; only those it claimed and that are still running. One
+        statement for up to _BEAT_CHUNK rows. Returns how many it refreshed."""
+        now = time.time() if now is None else now
+        refreshed = 0
+        async with self.db.transaction() as tx:
+            for start in range(0, len(rows), _BEAT_CHUNK):
+                chunk = rows[start : start + _BEAT_CHUNK]
+                keys = ", ".join(["(?, ?)"] * len(chunk))
+                refreshed += await tx.execute(
+                    "UPDATE job_rows SET heartbeat_at = ? WHERE claimed_by = ? AND state = 'running'"
+                    f" AND (job_id, custom_id) IN (VALUES {keys})",
+                    now, worker, *(part for key in chunk for part in key),
+                )  # fmt: skip
+        return refreshed
+
+    async def drop_heartbeats(self, worker: str) -> int:
+        """The rows a stopping worker leaves running (their runs cut at the end of its drain) stale at
+        once, so that their redelivered copies need not wait HEARTBEAT_STALE_S. Returns how many."""
+        async with self.db.transaction() as tx:
+            return await tx.execute("UPDATE job_rows SET heartbeat_at = NULL WHERE claimed_by = ? AND state = 'running'", worker)
 
     async def release_row(self, job_id: str, custom_id: str) -> None:
         """Back to pending (its message goes back to the broker for a later try)."""

@@ -11,8 +11,8 @@ Two consumers on one robust connection (queues and exchange: sluice_common.amqp.
   to `<prefix>.jobs.rows` (pipelined confirms), and only then is the job message acked. A worker
   killed mid-split gets the job redelivered to someone, who republishes the rows not yet finished.
 - `<prefix>.jobs.rows`: each row takes a slot of the adaptive concurrency bound, is claimed in the
-  store (a copy of a row that is done, running elsewhere, or of a cancelled job is acked without
-  running), runs through the interactive path in the bulk class (inference_path), its result is
+  store (a copy of a row that is done, or of a cancelled job, is acked without running; a
+  redelivered copy of a row another worker runs and still beats for waits for it, see below), runs through the interactive path in the bulk class (inference_path), its result is
   stored (once, by (job id, custom id)), told to reply_to (confirmed), and only then acked.
   RESOURCE_EXHAUSTED: wait as told, retry (a request larger than the whole allowance, which
   comes without a time to retry, fails the row). Transient errors: capped exponential backoff with
@@ -30,6 +30,12 @@ Two consumers on one robust connection (queues and exchange: sluice_common.amqp.
   due (a finalizing job whose worker died, a cancelled job, an expired one whose rows are all
   stored) are told; a repeat carries the same message id, for consumers to drop. Rows of an
   expired job that no message will end (the broker dead-lettered theirs) get a result there too.
+- A heartbeat every HEARTBEAT_S (store.py): one statement marks the rows this worker runs alive. The
+  broker redelivers the messages of a lost channel (a broker restart, a network blip) while their
+  worker may live on: a copy that reaches another worker takes the row over only once its heartbeat
+  is stale (its worker died); until then it waits, unacked and without a slot, and asks again, so
+  the row runs once and still has a message should its worker die or give it back. A worker that
+  stops drops the heartbeat of the rows it abandons, for their copies to run at once.
 - A message whose handling fails unexpectedly (the job store unreachable) goes back to the broker
   after a backoff that doubles with its deliveries (FAILURE_BACKOFF_S), not at once: the queue's
   delivery limit would dead-letter every message of a short outage unrun.
@@ -182,6 +188,7 @@ class JobWorker:
         self._exchange: Any = None
         self._dead: Any = None
         self._sweeper: asyncio.Task[None] | None = None
+        self._heartbeat: asyncio.Task[None] | None = None
 
     # ---- lifecycle
 
@@ -200,7 +207,9 @@ class JobWorker:
             (requests, await requests.consume(self._spawn(self._on_job))),
             (rows, await rows.consume(self._spawn(self._on_row))),
         ]
-        self._sweeper = (supervisor or Supervisor()).start("job-sweeper", self._sweep_forever)
+        supervisor = supervisor or Supervisor()
+        self._sweeper = supervisor.start("job-sweeper", self._sweep_forever)
+        self._heartbeat = supervisor.start("job-row-heartbeat", self._heartbeat_forever)
         LIMIT.set(self.concurrency.limit)
         log.info("job_worker_started", worker=self.worker_id, prefix=self.shared.amqp_prefix)
 
@@ -224,9 +233,33 @@ class JobWorker:
         if self._tasks:
             await asyncio.wait(set(self._tasks), timeout=grace_s)
         await stop_tasks(*self._tasks)
+        await self._stop_heartbeat()
         if self._connection is not None:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._connection.close(), 5)
+
+    async def _stop_heartbeat(self) -> None:
+        """After the drain: the rows still running here were just abandoned (their messages go back
+        to the broker with the connection), so their heartbeat is dropped for other workers to take
+        them over at once rather than after HEARTBEAT_STALE_S."""
+        if self._heartbeat is not None:
+            await stop_tasks(self._heartbeat)
+        try:
+            await self.store.drop_heartbeats(self.worker_id)
+        except Exception:  # noqa: BLE001 - their heartbeat goes stale on its own
+            log.warning("row_heartbeats_not_dropped", exc_info=True)
+
+    async def _heartbeat_forever(self) -> None:
+        """Every HEARTBEAT_S, the rows this process runs now (the store refreshes only those this
+        worker claimed and that are still running), in one statement: no task per row."""
+        while True:
+            await asyncio.sleep(states.HEARTBEAT_S)
+            if not self._running:
+                continue
+            try:
+                await self.store.heartbeat(self.worker_id, list(self._running))
+            except Exception:  # noqa: BLE001 - a store hiccup: the next beat comes well within the stale bound
+                log.exception("row_heartbeat_failed")
 
     # ---- jobs
 
@@ -357,17 +390,14 @@ class JobWorker:
 
     async def _run_row(self, task: jobs_pb2.RowTask, message: aio_pika.abc.AbstractIncomingMessage) -> None:
         deliveries = _deliveries(message)
-        await self.concurrency.acquire()
-        if self._stopping:  # it waited for a slot while the worker began to stop: not started here
-            await self.concurrency.release(0.0, "skipped")
-            await message.nack(requeue=True)
+        claim = await self._claim(task, message)
+        if claim is None:
             return
-        IN_FLIGHT.set(self.concurrency.in_flight)
         holding = True
         try:
-            claim = await self.store.claim_row(task.job_id, task.row.custom_id, self.worker_id, bool(message.redelivered))
             if claim == states.DONE and message.redelivered:
-                # Stored before a crash, maybe not told: tell again (consumers dedupe by message id).
+                # Stored before a crash, or by the worker this copy waited for on a channel that may
+                # be lost, so maybe not told: tell again (consumers dedupe by message id).
                 result = await self.store.row_result(task.job_id, task.row.custom_id)
                 if result is not None:
                     await self._tell(task, result)
@@ -385,8 +415,7 @@ class JobWorker:
             outcome = await self._attempts(task)
         finally:
             if holding:
-                await self.concurrency.release(0.0, "skipped")
-                IN_FLIGHT.set(self.concurrency.in_flight)
+                await self._release_unused_slot()
         if outcome is GIVE_BACK:
             await self.store.release_row(task.job_id, task.row.custom_id)
             await message.nack(requeue=True)
@@ -399,6 +428,40 @@ class JobWorker:
             ROWS.labels("cancelled").inc()
         else:
             await self._finish(task, outcome, message)
+
+    async def _claim(self, task: jobs_pb2.RowTask, message: aio_pika.abc.AbstractIncomingMessage) -> str | None:
+        """Takes a concurrency slot and claims the row: the claim's answer, with the slot held; None
+        when the worker began to stop meanwhile (the message went back unstarted, no slot held).
+
+        A redelivered copy of a row another worker runs and still beats for (BUSY) is neither run
+        (twice) nor acked (should that worker die, or give the row back with its nack lost on its
+        channel, this copy is the row's only message): it waits without a slot and asks again every
+        HEARTBEAT_S, until the row is stored (DONE), pending again, or its heartbeat is stale. It
+        waits here, not in the broker: every delivery counts against WORKER_DELIVERY_LIMIT."""
+        waiting = False
+        while True:
+            await self.concurrency.acquire()
+            if self._stopping:  # it waited for a slot while the worker began to stop: not started here
+                await self._release_unused_slot()
+                await message.nack(requeue=True)
+                return None
+            IN_FLIGHT.set(self.concurrency.in_flight)
+            try:
+                claim = await self.store.claim_row(task.job_id, task.row.custom_id, self.worker_id, bool(message.redelivered))
+            except BaseException:
+                await self._release_unused_slot()
+                raise
+            if claim != states.BUSY or not message.redelivered:
+                return claim
+            await self._release_unused_slot()
+            if not waiting:
+                log.info("row_copy_waits_for_its_other_worker")
+                waiting = True
+            await asyncio.sleep(states.HEARTBEAT_S)
+
+    async def _release_unused_slot(self) -> None:
+        await self.concurrency.release(0.0, "skipped")
+        IN_FLIGHT.set(self.concurrency.in_flight)
 
     async def _attempts(self, task: jobs_pb2.RowTask) -> Any:
         """A RowResult, GIVE_BACK, a PoisonRow, or None when the job got cancelled meanwhile.
