@@ -4,9 +4,10 @@ completion windows (expired), summaries (finalizing) and the sweep."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 import asyncpg
@@ -309,32 +310,43 @@ async def test_the_window_counts_from_submit_job(store: JobStore) -> None:
     assert job.to_proto().expires_at.ToSeconds() == int(submitted.created_at + 3600.0)
 
 
+@contextlib.asynccontextmanager
+async def migrated(tmp_path: Path, backend: str, before: int, old_state: Callable[[JobStore], Awaitable[None]]) -> AsyncIterator[JobStore]:
+    """A store made with the first `before` migrations, given `old_state`, then opened with every
+    migration (what an upgrade does); its PostgreSQL schema dropped afterwards."""
+    schema = f"jobs_test_{uuid.uuid4().hex[:8]}"
+    dsn = PG_DSN if backend == "postgres" else ""
+    old = JobStore(open_sql_db(dsn, tmp_path / f"{backend}.sqlite3", schema, s.MIGRATIONS[:before]))
+    await old.open()
+    await old_state(old)
+    await old.close()
+    new = JobStore.create(dsn, tmp_path / f"{backend}.sqlite3", schema)
+    await new.open()
+    try:
+        yield new
+    finally:
+        await new.close()
+        if backend == "postgres":
+            connection = await asyncpg.connect(PG_DSN)
+            await connection.execute(f'DROP SCHEMA "{schema}" CASCADE')
+            await connection.close()
+
+
 async def test_migration_2_keeps_old_jobs_and_tells_no_old_summary(tmp_path: Path) -> None:
-    for backend in ("sqlite", "postgres"):
-        schema = f"jobs_test_{uuid.uuid4().hex[:8]}"
-        dsn = PG_DSN if backend == "postgres" else ""
-        old = JobStore(open_sql_db(dsn, tmp_path / f"{backend}.sqlite3", schema, s.MIGRATIONS[:1]))
-        await old.open()
+    async def old_jobs(old: JobStore) -> None:
         async with old.db.transaction() as tx:
             for job_id, state in (("old-done", s.COMPLETED), ("old-cancelled", s.CANCELLED), ("old-running", s.IN_PROGRESS)):
                 await tx.execute(
                     "INSERT INTO jobs (job_id, tenant, state, total_rows, reply_to, created_at, updated_at) VALUES (?, 'demo', ?, 1, 'q', 1.0, 1.0)",
                     job_id, state,
                 )  # fmt: skip
-        await old.close()
-        new = JobStore.create(dsn, tmp_path / f"{backend}.sqlite3", schema)
-        await new.open()
-        try:
+
+    for backend in ("sqlite", "postgres"):
+        async with migrated(tmp_path, backend, 1, old_jobs) as new:
             running = await new.get_job("old-running")
             assert running is not None and running.expires_at is None and not running.summary_sent
             assert await new.expire_overdue(time.time() + 10 * DAY) == 0  # no window: never expires
             assert await new.summaries_due(0.0) == []  # jobs that ended before summaries are not told one
-        finally:
-            await new.close()
-            if backend == "postgres":
-                connection = await asyncpg.connect(PG_DSN)
-                await connection.execute(f'DROP SCHEMA "{schema}" CASCADE')
-                await connection.close()
 
 
 async def test_rows_no_message_will_end_are_found_after_their_jobs_window(store: JobStore) -> None:
@@ -433,25 +445,15 @@ async def test_a_stopping_worker_lets_its_unfinished_rows_be_taken_over_at_once(
 
 async def test_migration_4_adds_heartbeats_and_lets_rows_running_before_it_be_taken_over(tmp_path: Path) -> None:
     """Rows claimed before heartbeats existed have none: a redelivery takes them over, as before."""
-    for backend in ("sqlite", "postgres"):
-        schema = f"jobs_test_{uuid.uuid4().hex[:8]}"
-        dsn = PG_DSN if backend == "postgres" else ""
-        old = JobStore(open_sql_db(dsn, tmp_path / f"{backend}.sqlite3", schema, s.MIGRATIONS[:3]))
-        await old.open()
+
+    async def running_row(old: JobStore) -> None:
         await old.accept("j", "demo", "q", ["a", "b"], DAY)
         async with old.db.transaction() as tx:
             await tx.execute("UPDATE job_rows SET state = 'running', claimed_by = 'w-old' WHERE custom_id = 'a'")
-        await old.close()
-        new = JobStore.create(dsn, tmp_path / f"{backend}.sqlite3", schema)
-        await new.open()
-        try:
+
+    for backend in ("sqlite", "postgres"):
+        async with migrated(tmp_path, backend, 3, running_row) as new:
             assert await new.claim_row("j", "a", "w-new", take_over=False) == s.BUSY
             assert await new.claim_row("j", "a", "w-new", take_over=True) == s.CLAIMED
             assert await new.claim_row("j", "b", "w-new", take_over=False) == s.CLAIMED
             assert await new.claim_row("j", "b", "w-other", take_over=True) == s.BUSY  # claimed since: it beats
-        finally:
-            await new.close()
-            if backend == "postgres":
-                connection = await asyncpg.connect(PG_DSN)
-                await connection.execute(f'DROP SCHEMA "{schema}" CASCADE')
-                await connection.close()

@@ -213,24 +213,32 @@ async def test_the_sweep_ends_the_rows_of_an_expired_job_that_no_message_will_en
     assert (await store.summaries_due(0.0)) == []  # its summary was told when its last row was stored
 
 
-async def test_a_copy_of_a_row_this_worker_is_running_waits_for_it_and_is_never_run_twice(stand_in, store) -> None:  # noqa: F811
-    """After a lost channel the broker redelivers the rows in flight while their runs go on in this
-    process: taking the copy over ran (and billed, and recorded an event for) each row twice."""
+async def run_with_its_copy(store: JobStore, adapter: object, first_worker: JobWorker, second_worker: JobWorker) -> None:
+    """A 10-token row (0.2 s) run by `first_worker`, and its redelivered copy handed to
+    `second_worker` mid-run: the row runs once and both messages are acked."""
     import asyncio
 
-    adapter, path = stand_in
-    adapter.token_s = 0.02  # 10 tokens: 0.2 s, long enough for the copy to arrive mid-run
-    job_worker = worker(store, path)
+    adapter.token_s = 0.02  # type: ignore[attr-defined]  # long enough for the copy to arrive mid-run
     task = await row_task(store, max_tokens=10)
     first, copy = _Delivery(task), _Delivery(task)
     copy.redelivered = True
-    running = asyncio.create_task(job_worker._row(first))  # type: ignore[arg-type]
+    running = asyncio.create_task(first_worker._row(first))  # type: ignore[arg-type]
     await asyncio.sleep(0.05)
-    await asyncio.wait_for(asyncio.gather(running, job_worker._row(copy)), 10)  # type: ignore[arg-type]
-    assert len(adapter.deadlines) == 1  # one attempt, one adapter call
+    await asyncio.wait_for(asyncio.gather(running, second_worker._row(copy)), 10)  # type: ignore[arg-type]
+    assert len(adapter.deadlines) == 1  # type: ignore[attr-defined]  # one attempt, one adapter call
     assert first.settled == ["ack"] and copy.settled == ["ack"]
     job = await store.get_job("j")
-    assert job is not None and job.completed_rows == 1 and job_worker._running == {}
+    assert job is not None and job.completed_rows == 1
+
+
+async def test_a_copy_of_a_row_this_worker_is_running_waits_for_it_and_is_never_run_twice(stand_in, store) -> None:  # noqa: F811
+    """After a lost channel the broker redelivers the rows in flight while their runs go on in this
+    process: taking the copy over ran (and billed, and recorded an event for) each row twice."""
+
+    adapter, path = stand_in
+    job_worker = worker(store, path)
+    await run_with_its_copy(store, adapter, job_worker, job_worker)
+    assert job_worker._running == {}
 
 
 def test_every_row_and_job_outcome_is_exported_at_zero_before_it_happens() -> None:
@@ -284,24 +292,13 @@ async def test_the_heartbeat_refreshes_the_rows_this_worker_runs_and_no_other(st
 async def test_a_redelivered_copy_of_a_row_another_worker_runs_waits_and_never_runs_it_twice(stand_in, store, monkeypatch) -> None:  # noqa: F811
     """After a lost channel the broker redelivered a row in flight to another worker, which took it
     over while the first still ran it: the row ran (and was billed) twice."""
-    import asyncio
 
     from sluice_gateway.jobs import store as store_module
 
     adapter, path = stand_in
-    adapter.token_s = 0.02  # 10 tokens: 0.2 s, long enough for the copy to arrive mid-run
     monkeypatch.setattr(store_module, "HEARTBEAT_S", 0.05)  # how often the waiting copy asks again
     first_worker, second_worker = worker(store, path), worker(store, path)
-    task = await row_task(store, max_tokens=10)
-    first, copy = _Delivery(task), _Delivery(task)
-    copy.redelivered = True
-    running = asyncio.create_task(first_worker._row(first))  # type: ignore[arg-type]
-    await asyncio.sleep(0.05)
-    await asyncio.wait_for(asyncio.gather(running, second_worker._row(copy)), 10)  # type: ignore[arg-type]
-    assert len(adapter.deadlines) == 1  # one attempt, one adapter call
-    assert first.settled == ["ack"] and copy.settled == ["ack"]
-    job = await store.get_job("j")
-    assert job is not None and job.completed_rows == 1
+    await run_with_its_copy(store, adapter, first_worker, second_worker)
     assert second_worker.concurrency.in_flight == 0  # it did not hold a slot while it waited
 
 
