@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 from sluice.common.v1 import types_pb2
 from sluice.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 
-from conftest import MODEL, auth, scrape, scrape_total
+from conftest import MODEL, auth, scrape, scrape_total, wait_for
 from sluice_stack import Stack
 
 
@@ -31,6 +31,10 @@ def generate(gateway: gateway_pb2_grpc.GatewayServiceStub, message: gateway_pb2.
 def test_cached_slots_give_way_to_a_full_batch_of_live_requests(stack: Stack, gateway: gateway_pb2_grpc.GatewayServiceStub) -> None:
     engine, adapter = stack.metrics_url("triton-local"), stack.metrics_url("inference-adapter")
     slots = int(scrape(engine, "sluice_triton_local_max_slots"))
+    # Starts from an engine whose slots hold no running sequence: one a module before left held
+    # (an adapter of its own stopped mid-stream, a cancel's release that overtook its prefill) is
+    # no cached prefix, and holds its slot until the engine's lease (30 s and 16 steps) frees it.
+    wait_for(lambda: scrape(engine, "sluice_triton_local_active_slots") == 0, "no slot held by a running sequence", timeout_s=120.0, poll_s=0.5)
     run = uuid.uuid4().hex[:8]
     # Every slot ends up holding a finished sequence: prompts that differ from their fourth token on
     # (after the template's opening), fewer shared tokens than the cache reuses.
