@@ -88,9 +88,11 @@ def message_of(exc: BaseException) -> str:
     return str(getattr(exc, "message", "") or exc)
 
 
-def backoff_s(attempt: int, base_s: float = 0.25, cap_s: float = 10.0, rng: random.Random | None = None) -> float:
-    """Full-jitter exponential backoff: uniform in [0, min(cap, base * 2^attempt)]."""
-    return (rng or random).uniform(0.0, min(cap_s, base_s * (2**attempt)))
+def backoff_s(attempt: int, base_s: float = 0.25, cap_s: float = 10.0, rng: random.Random | None = None, least_share: float = 0.0) -> float:
+    """Jittered exponential backoff: uniform in [least_share x full, full], full = min(cap, base * 2^attempt)
+    (least_share 0: full jitter)."""
+    full = min(cap_s, base_s * (2**attempt))
+    return (rng or random).uniform(least_share * full, full)
 
 
 def paced_delay_s(retry_after_s: float, rng: random.Random | None = None) -> float:

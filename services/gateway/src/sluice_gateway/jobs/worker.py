@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import random
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -682,7 +681,7 @@ def failure_backoff_s(deliveries: int) -> float:
     """Doubling from FAILURE_BACKOFF_S[0] with each delivery, up to its [1], jittered down by up to
     half so that the messages of one outage do not all come back at once."""
     first, most = FAILURE_BACKOFF_S
-    return min(most, first * 2 ** min(deliveries - 1, 16)) * random.uniform(0.5, 1.0)
+    return backoff_s(min(deliveries - 1, 16), first, most, least_share=0.5)
 
 
 async def _give_back_later(message: aio_pika.abc.AbstractIncomingMessage) -> None:
