@@ -58,3 +58,35 @@ async def test_run_in_transaction_waits_for_an_open_transaction(tmp_path: Path) 
             assert await tx.fetchall("SELECT v FROM t ORDER BY id") == [("first",), ("second",)]
     finally:
         await db.close()
+
+
+async def test_a_transaction_cancelled_while_its_begin_waits_leaves_no_transaction_open(tmp_path: Path) -> None:
+    """BEGIN runs on the connection's thread whether or not its caller still waits: cancelled there
+    (a worker's heartbeat stopped while another process held the write lock), it left the connection
+    inside a transaction and every later one failed with "cannot start a transaction within a
+    transaction"."""
+    import sqlite3
+
+    db = SqliteDb(tmp_path / "t.sqlite3", MIGRATIONS)
+    await db.open()
+    other_process = sqlite3.connect(tmp_path / "t.sqlite3", isolation_level=None)
+    try:
+        other_process.execute("BEGIN IMMEDIATE")  # the write lock: our BEGIN waits on it
+
+        async def write() -> None:
+            async with db.transaction() as tx:
+                await tx.execute("INSERT INTO t (id, v) VALUES (1, 'never')")
+
+        cancelled = asyncio.create_task(write())
+        await asyncio.sleep(0.2)  # its BEGIN is on the connection's thread, waiting for the lock
+        cancelled.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await cancelled
+        other_process.execute("COMMIT")  # now that BEGIN gets the lock
+        async with db.transaction() as tx:
+            await tx.execute("INSERT INTO t (id, v) VALUES (2, 'after')")
+        async with db.transaction() as tx:
+            assert await tx.fetchall("SELECT v FROM t ORDER BY id") == [("after",)]
+    finally:
+        other_process.close()
+        await db.close()

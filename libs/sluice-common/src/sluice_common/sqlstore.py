@@ -53,6 +53,11 @@ def write_transaction(db: sqlite3.Connection) -> Iterator[None]:
     db.execute("COMMIT")
 
 
+def _rollback_if_open(db: sqlite3.Connection) -> None:
+    if db.in_transaction:
+        db.execute("ROLLBACK")
+
+
 def migrate_sqlite(db: sqlite3.Connection, migrations: Migrations) -> None:
     """Applies the missing migrations in one IMMEDIATE transaction (`db` in autocommit mode)."""
     with write_transaction(db):
@@ -183,7 +188,15 @@ class SqliteDb:
     @contextlib.asynccontextmanager
     async def transaction(self) -> AsyncIterator[Tx]:
         async with self._lock:
-            await self.run(lambda c: c.execute("BEGIN IMMEDIATE"))
+            try:
+                await self.run(lambda c: c.execute("BEGIN IMMEDIATE"))
+            except BaseException:
+                # Cancelled while waiting for BEGIN: it still runs on the connection's thread, and a
+                # transaction left open there would fail every later one on this connection. The
+                # thread runs jobs in order, so queueing the rollback now (not waiting for it) is enough.
+                assert self._executor is not None and self._db is not None
+                self._executor.submit(_rollback_if_open, self._db)
+                raise
             try:
                 yield _SqliteTx(self)
             except BaseException:
