@@ -116,6 +116,19 @@ def test_the_first_response_answers_every_row_in_order_and_later_ones_the_runnin
     assert shared.active_slots == 0
 
 
+@pytest.mark.parametrize("request_json", [[1], 1, "text", None])
+def test_a_request_that_is_json_but_no_object_fails_its_row_alone(shared: SharedEngine, request_json: Any) -> None:
+    """It raised AttributeError out of the round: the whole request failed, and the adapter took
+    the replica for broken."""
+    inputs = _inputs([(PREFILL, 41, {"messages": QUESTION, "max_tokens": 1}), (PREFILL, 42, None)], 1)
+    inputs["REQUEST"][1] = json.dumps(request_json).encode()
+    responses: list[dict[str, np.ndarray]] = []
+    start_round(shared, inputs, lambda response, _last: responses.append(response)).result(timeout=60)
+    first = responses[0]
+    assert first["FINISH"][1] == b"invalid" and b"an object expected" in first["ERROR"][1]
+    assert first["FINISH"][0] == b"length" and first["TOKEN_ID"][0] >= 0
+
+
 def test_prompts_a_step_leaves_to_its_prefill_budget_answer_their_first_tokens_later_in_the_round() -> None:
     # A budget of one token: each step computes its first prompt only, the round's later steps the rest.
     budgeted = SharedEngine(StepEngine(gguf_path(), max_slots=4, threads=2, prefix_cache=False, prefill_tokens_per_step=1))

@@ -220,6 +220,8 @@ def _parse_row(engine: SharedEngine, action: int, seq_id: int, raw: bytes) -> Pr
         return _invalid(seq_id, f"unknown ACTION {action}; expected 1 prefill, 2 decode, 3 release, 4 count, 5 end round or 6 interrupt")
     try:
         request = json.loads(raw or b"{}")
+        if not isinstance(request, dict):  # .get below would fail the whole request, not this row
+            return _invalid(seq_id, f"malformed REQUEST JSON: an object expected, got {type(request).__name__}")
         prompt = _prompt_ids(engine, request)
         prompt_tokens = len(prompt)
         token_problem = _token_problem(request, prompt, engine.vocab_size)
