@@ -263,6 +263,7 @@ def test_a_sequence_not_stepped_within_the_lease_is_released(engine: StepEngine)
             (kept,) = engine.step([DecodeRow(2)])
             assert kept.token_id >= 0 or kept.finish_reason
         assert engine.slots_by_owner() == {"alive": 1}
+        assert engine.reclaimed_recently[-1].startswith("seq 1 of dead: idle ")  # whom to look for
         (gone,) = engine.step([DecodeRow(1)])
         assert gone.finish_reason == "error" and "not running" in gone.error
 

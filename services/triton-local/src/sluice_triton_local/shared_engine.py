@@ -115,7 +115,14 @@ class SharedEngine:
         self._owners = set(holding)
         reclaimed = self._engine.slots_reclaimed_total
         if reclaimed > self._reclaimed:
-            log.warning("slots_reclaimed: %d sequences nobody stepped within the lease; slots held now: %s", reclaimed - self._reclaimed, holding)
+            described = list(self._engine.reclaimed_recently)
+            self._engine.reclaimed_recently.clear()
+            log.warning(
+                "slots_reclaimed: %d sequences nobody stepped within the lease (%s); slots held now: %s",
+                reclaimed - self._reclaimed,
+                "; ".join(described),
+                holding,
+            )
         metrics.SLOTS_RECLAIMED.inc(reclaimed - self._reclaimed)
         self._reclaimed = reclaimed
 

@@ -50,7 +50,7 @@ scheduler that frees a slot refills it at once and the other starves).
 from __future__ import annotations
 
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -173,6 +173,7 @@ class StepEngine:
         self._clock = clock
         self._steps = 0
         self.slots_reclaimed_total = 0
+        self.reclaimed_recently: deque[str] = deque(maxlen=16)  # described, until the server logs them
         self.steps_interrupted_total = 0
         # The prefix cache's effect: prefills, those that started from cached tokens, and those tokens.
         self.prefills_total = 0
@@ -628,6 +629,11 @@ class StepEngine:
         for seq in expired:
             self._free(seq)
             self.slots_reclaimed_total += 1
+            # Who left it: an operator (or a test) traces the leak back to the adapter that held it.
+            self.reclaimed_recently.append(
+                f"seq {seq.seq_id} of {seq.owner or '?'}: idle {now - seq.last_stepped_at:.1f} s, "
+                f"{seq.prompt_tokens} prompt and {seq.completion_tokens} completion tokens"
+            )
 
     def _free(self, seq: _Seq, keep_cells: bool = True) -> None:
         """Frees a sequence's slot; its KV cells stay for the prefix cache unless they are not to be trusted."""
