@@ -3,9 +3,12 @@ never blocks nor awaits the broker; a background task publishes with pipelined p
 unconfirmed at once), keeps a bounded in-memory outbox, republishes anything not confirmed after
 a reconnect (a broker restart loses nothing; delivery is at least once, consumers dedupe by
 message id), spills to a local file when the outbox is full, reads the file back when there is
-room, and counts what it had to drop. The spill file is written and read by the publisher's own
-tasks through one disk thread, never on the caller's path: a slow disk delays the spill, not the
-event loop that serves streams.
+room, and counts what it had to drop. A failure of one message, not of the connection (the broker
+nacks it, or it is over `max_message_bytes`), fails that message alone: its `confirmed` future gets
+MessageRejected, it is dropped (logged, counted as rejected) and the others go on; retried, it would
+stand at the head of the outbox forever, every later message behind it. The spill file is written
+and read by the publisher's own tasks through one disk thread, never on the caller's path: a slow
+disk delays the spill, not the event loop that serves streams.
 """
 
 from __future__ import annotations
@@ -33,6 +36,15 @@ from sluice_common.request_context import REQUEST_ID_KEY
 from sluice_common.supervision import Supervisor, stop_tasks
 
 log = structlog.stdlib.get_logger("sluice.amqp")
+
+# RabbitMQ 4's default max_message_size (its body): a larger message makes the broker close the
+# channel, which a publisher cannot tell from a lost connection, so larger ones are refused here.
+BROKER_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+
+
+class MessageRejected(Exception):
+    """Set on a message's `confirmed` future when that message, and not the connection, failed: the
+    broker refused it (basic.nack) or it is over the publisher's size bound. It is not retried."""
 
 
 @dataclass
@@ -100,6 +112,7 @@ class PublisherMetrics:
         self.retried = Counter(f"{prefix}_retried_total", f"{what} published again after a failure or reconnect.")
         self.spilled = Counter(f"{prefix}_spilled_total", f"{what} written to the spill file because the outbox was full.")
         self.dropped = Counter(f"{prefix}_dropped_total", f"{what} lost: outbox full and no spill file room (target: 0).")
+        self.rejected = Counter(f"{prefix}_rejected_total", f"{what} not published: refused by the broker (nack) or over the size bound (target: 0).")
         self.outbox = Gauge(f"{prefix}_outbox", f"{what} waiting in memory, unconfirmed ones included.")
         self.connected = Gauge(f"{prefix}_connected", "1 while the publisher holds a broker connection.")
 
@@ -127,6 +140,7 @@ class ConfirmingPublisher:
         spill_max_bytes: int = 256 * 1024 * 1024,
         confirm_timeout_s: float = 15.0,
         reconnect_max_s: float = 5.0,
+        max_message_bytes: int = BROKER_MAX_MESSAGE_BYTES,
     ) -> None:
         self._url = url
         self._exchange_name = exchange
@@ -138,6 +152,7 @@ class ConfirmingPublisher:
         self._spill_max_bytes = spill_max_bytes
         self._confirm_timeout_s = confirm_timeout_s
         self._reconnect_max_s = reconnect_max_s
+        self._max_message_bytes = max_message_bytes
         self._outbox: collections.deque[OutgoingMessage] = collections.deque()
         self._in_flight: dict[int, OutgoingMessage] = {}
         # Beyond the outbox, waiting for the spill task to write them to the spill file.
@@ -386,11 +401,21 @@ class ConfirmingPublisher:
         failed: asyncio.Future[BaseException],
     ) -> None:
         try:
+            if len(message.body) > self._max_message_bytes:
+                raise MessageRejected(f"{len(message.body)} bytes, over the bound of {self._max_message_bytes} bytes on one message")
             confirmation = await exchange.publish(message.to_aio_pika(), message.routing_key, timeout=self._confirm_timeout_s)
             if not isinstance(confirmation, aiormq.spec.Basic.Ack):
                 raise ConnectionError(f"the broker did not confirm the message: {confirmation!r}")
         except asyncio.CancelledError:
             raise  # the session is ending; _requeue_in_flight puts the message back
+        except MessageRejected as exc:
+            self._reject(sequence, message, exc)
+            return
+        except aiormq.exceptions.DeliveryError as exc:
+            # A basic.nack (or reject) of this message; the channel stays open. (A PublishError, the
+            # subclass for a returned message, is not raised: the channel has on_return_raises off.)
+            self._reject(sequence, message, MessageRejected(f"the broker refused it: {exc.frame!r}"))
+            return
         except Exception as exc:  # noqa: BLE001 - the session reconnects and everything unconfirmed is resent
             if not failed.done():
                 failed.set_result(exc)
@@ -401,3 +426,13 @@ class ConfirmingPublisher:
             self._changed()
         if message.confirmed is not None and not message.confirmed.done():
             message.confirmed.set_result(None)
+
+    def _reject(self, sequence: int, message: OutgoingMessage, error: MessageRejected) -> None:
+        """Drops one message that failed on its own; its caller, if it waits, is told."""
+        if self._in_flight.pop(sequence, None) is None:
+            return  # the session ended meanwhile and put it back: the next one decides again
+        self._metrics.rejected.inc()
+        log.error("publisher_rejected", message_id=message.message_id, routing_key=message.routing_key, bytes=len(message.body), reason=str(error))
+        if message.confirmed is not None and not message.confirmed.done():
+            message.confirmed.set_exception(error)
+        self._changed()
