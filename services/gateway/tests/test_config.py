@@ -79,3 +79,13 @@ def test_the_fronts_ports_and_server_tls_are_not_the_workers() -> None:
     worker = load_worker(**fronts, WORKER_PORT="6000")
     assert worker.worker.port == 6000
     assert not any(hasattr(worker, name) for name in ("port", "metrics_port", "tls_cert_file", "server_tls"))
+
+
+def test_the_job_message_bound_stays_under_the_brokers_default_max_message_size() -> None:
+    """A job's message over RabbitMQ's max_message_size (16 MiB since 4.0) makes the broker close
+    the channel: the size past which SubmitJob and POST /v1/batches refuse a job may not exceed it."""
+    assert load().shared.jobs_max_message_bytes == 8 * 1024 * 1024
+    assert load(JOBS_MAX_MESSAGE_BYTES="16777216").shared.jobs_max_message_bytes == 16 * 1024 * 1024
+    for bad in ("16777217", "1023"):
+        with pytest.raises(ConfigError, match=f"{ENV_PREFIX}JOBS_MAX_MESSAGE_BYTES must be in \\[1024, 16777216\\]"):
+            load(JOBS_MAX_MESSAGE_BYTES=bad)

@@ -8,6 +8,7 @@ incoming message and exchanges."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import types
 from dataclasses import dataclass, field
@@ -19,7 +20,7 @@ from sluice.jobs.v1 import jobs_pb2
 
 from sluice_common.amqp import DEAD_REASON_HEADER, JobTopology
 
-from sluice_common.amqp_publisher import OutgoingMessage
+from sluice_common.amqp_publisher import MessageRejected, OutgoingMessage
 from sluice_common.config import load_config
 from sluice_common.errors import InvalidArgument, PermissionDenied, Unavailable
 from sluice_common.tenants import TenantDirectory
@@ -146,6 +147,40 @@ async def test_submit_job_answers_only_once_the_broker_confirmed_the_job(store: 
     captured.confirms = True  # the broker is back: the same job again is published again, and confirmed
     submitted = await api.submit(PRIVATE, job_request("j1"))
     assert submitted.state == jobs_pb2.JOB_STATE_VALIDATING and len(captured.messages) == 2
+
+
+async def test_a_job_over_the_message_bound_is_refused_naming_it_before_it_is_recorded(store: JobStore) -> None:
+    """Past RabbitMQ's max_message_size the broker closes the channel: the job would never be
+    admitted, and every later job of the gateway would wait behind it."""
+    captured = CapturingPublisher()
+    publisher = JobRequestPublisher(captured, JobTopology("sluice"))  # type: ignore[arg-type]
+    api = JobsApi(store, TENANTS, publisher.submit_job, max_rows=10, completion_window_s=3600.0, max_message_bytes=1024)
+    job = job_request("big")
+    job.rows[0].embed.inputs[0] = "x" * 1024
+    with pytest.raises(InvalidArgument, match=r"over the limit of 1024 bytes \(SLUICE_GATEWAY_JOBS_MAX_MESSAGE_BYTES\): split"):
+        await api.submit(PRIVATE, job)
+    assert captured.messages == [] and await store.get_job("big") is None
+    job.rows[0].embed.inputs[0] = "x" * 900
+    assert (await api.submit(PRIVATE, job)).state == jobs_pb2.JOB_STATE_VALIDATING
+    assert len(captured.messages[0].body) <= 1024
+
+
+async def test_a_job_the_broker_refuses_is_answered_failed_and_without_a_broker_nothing_is_recorded(store: JobStore) -> None:
+    refusing = CapturingPublisher(confirms=False)
+    api = JobsApi(store, TENANTS, lambda admitted: _refused(refusing, admitted), max_rows=10, completion_window_s=3600.0)
+    failed = await api.submit(PRIVATE, job_request("j1"))
+    assert failed.state == jobs_pb2.JOB_STATE_FAILED and "not admitted: nacked" in failed.error
+    no_broker = JobsApi(store, TENANTS, None, max_rows=10, completion_window_s=3600.0)
+    with pytest.raises(Unavailable, match="AMQP_URL is empty"):
+        await no_broker.submit(PRIVATE, job_request("j2"))
+    assert await store.get_job("j2") is None  # nothing left validating for a window
+
+
+def _refused(publisher: CapturingPublisher, admitted: jobs_pb2.AdmittedJob) -> asyncio.Future[None]:
+    """As the confirming publisher does when the broker nacks the job's message."""
+    confirmed = JobRequestPublisher(publisher, JobTopology("sluice")).submit_job(admitted)  # type: ignore[arg-type]
+    confirmed.set_exception(MessageRejected("nacked"))
+    return confirmed
 
 
 async def test_a_key_in_the_job_must_be_the_callers_tenants(store: JobStore) -> None:

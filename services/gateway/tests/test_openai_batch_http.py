@@ -4,8 +4,11 @@ Replies are checked against the openai package's types."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
-from collections.abc import AsyncIterator
+import sqlite3
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +21,8 @@ from sluice.common.v1 import types_pb2
 from sluice.inference.v1 import inference_pb2
 from sluice.jobs.v1 import jobs_pb2
 
+from sluice_common.amqp_publisher import MessageRejected
+from sluice_gateway.jobs import api as jobs_api
 from sluice_gateway.jobs.store import JobStore
 from sluice_gateway.jobs.api import JobsApi
 from sluice_gateway.path.model_catalog import ModelCatalog
@@ -61,21 +66,34 @@ class Setup:
         return await self.client.post("/v1/batches", json=body, headers=headers)
 
 
-@pytest.fixture
-async def setup(tmp_path: Path) -> AsyncIterator[Setup]:
+Publish = Callable[[jobs_pb2.AdmittedJob], "asyncio.Future[None] | None"]
+
+
+@contextlib.asynccontextmanager
+async def serving(tmp_path: Path, publish: Publish | None = None, max_message_bytes: int = 1 << 20) -> AsyncIterator[Setup]:
+    """The HTTP front over a real job store and JobsApi; `publish` stands for the job publisher
+    (by default: kept in Setup.published, nothing to wait for)."""
     store = JobStore.create("", tmp_path / "jobs.sqlite3")
     await store.open()
     published: list[jobs_pb2.AdmittedJob] = []
-    jobs = JobsApi(store, TENANTS, published.append, max_rows=10, completion_window_s=86400.0)
+    jobs = JobsApi(store, TENANTS, publish or published.append, max_rows=10, completion_window_s=86400.0, max_message_bytes=max_message_bytes)
     models = ModelCatalog(_Models())  # type: ignore[arg-type]
     await models.refresh()
     front = OpenAIFront(TENANTS, None)  # type: ignore[arg-type]  # the batch routes never run a request inline
     batches = BatchFront(front.tenants, OpenAIStore(store.db), jobs, models, files_max_bytes=2048, max_rows=10)
-    client = TestClient(TestServer(build_app(front, 4096, batches)))
+    client = TestClient(TestServer(build_app(front, 8192, batches)))
     await client.start_server()
-    yield Setup(client, store, published)
-    await client.close()
-    await store.close()
+    try:
+        yield Setup(client, store, published)
+    finally:
+        await client.close()
+        await store.close()
+
+
+@pytest.fixture
+async def setup(tmp_path: Path) -> AsyncIterator[Setup]:
+    async with serving(tmp_path) as serve:
+        yield serve
 
 
 def line(custom_id: str, body: dict[str, Any], url: str = "/v1/chat/completions") -> str:
@@ -158,7 +176,8 @@ async def test_a_batch_is_a_job_and_its_results_become_files(setup: Setup) -> No
     again = Batch.model_validate(await (await setup.client.get(f"/v1/batches/{batch.id}", headers=DEMO)).json())
     assert (again.output_file_id, again.error_file_id) == (done.output_file_id, done.error_file_id)
     cancel = await setup.client.post(f"/v1/batches/{batch.id}/cancel", headers=DEMO)
-    assert cancel.status == 409
+    # Not retried by OpenAI's clients (they retry a 409 otherwise): the batch will never be cancellable.
+    assert cancel.status == 409 and cancel.headers["x-should-retry"] == "false"
 
 
 async def test_cancel_list_and_refusals(setup: Setup) -> None:
@@ -199,3 +218,136 @@ async def test_malformed_uploads_and_queries_are_4xx(setup: Setup) -> None:
     for path in ("/v1/files?limit=%C2%B2", "/v1/batches?limit=%C2%B2"):
         reply = await client.get(path, headers=DEMO)
         assert reply.status == 400 and (await reply.json())["error"]["param"] == "limit"
+
+
+async def test_a_json_body_python_cannot_read_is_a_400_not_a_500(setup: Setup) -> None:
+    """json.loads raises a plain ValueError, no JSONDecodeError, for an integer over 4,300 digits."""
+    body = b'{"input_file_id": "file-1", "endpoint": "/v1/chat/completions", "completion_window": "24h", "n": ' + b"1" * 5000 + b"}"
+    reply = await setup.client.post("/v1/batches", data=body, headers={**DEMO, "Content-Type": "application/json"})
+    assert reply.status == 400 and (await reply.json())["error"]["code"] == "invalid_json"
+
+
+async def test_a_file_line_whose_custom_id_no_job_can_carry_is_refused_at_upload_naming_it(setup: Setup) -> None:
+    for custom_id in ("x" * 225, "a\x00b"):
+        reply = await setup.upload(line("ok", CHAT) + "\n" + line(custom_id, CHAT) + "\n")
+        error = (await reply.json())["error"]
+        assert reply.status == 400 and error["message"].startswith("Line 2 of the batch file") and error["param"] == "custom_id"
+    assert (await setup.upload(line("x" * 224, CHAT))).status == 200  # the longest that fits beside the batch id
+
+
+async def test_a_batch_over_the_job_message_bound_is_413_naming_it_and_nothing_is_recorded(tmp_path: Path) -> None:
+    """A batch is one AdmittedJob message; RabbitMQ 4 closes the channel on one over its
+    max_message_size (16 MiB), which the publisher took for a lost connection and retried forever."""
+    async with serving(tmp_path, max_message_bytes=1024) as setup:
+        long = {**CHAT, "messages": [{"role": "user", "content": "x" * 300}]}
+        file_id = (await (await setup.upload("\n".join(line(f"r{i}", long) for i in range(4)))).json())["id"]
+        reply = await setup.batch(file_id)
+        error = (await reply.json())["error"]
+        assert reply.status == 413 and error["param"] == "input_file_id"
+        assert (
+            "over the limit of 1024 bytes (SLUICE_GATEWAY_JOBS_MAX_MESSAGE_BYTES)" in error["message"] and "split the input file" in error["message"]
+        )
+        assert setup.published == [] and (await (await setup.client.get("/v1/batches", headers=DEMO)).json())["data"] == []
+        with contextlib.closing(sqlite3.connect(tmp_path / "jobs.sqlite3")) as db:
+            assert db.execute("SELECT COUNT(*) FROM jobs").fetchone() == (0,)
+
+
+async def test_the_batch_exists_before_its_job_is_handed_to_the_broker(tmp_path: Path) -> None:
+    """Written after the job's submit, the batch was missing for a job that ran whenever the
+    answer was not given: a 503, a client gone, a database error in between."""
+    at_publish: list[list[tuple[str, ...]]] = []
+
+    def publish(admitted: jobs_pb2.AdmittedJob) -> None:
+        # What another connection to the database sees at the moment the job is handed over.
+        with contextlib.closing(sqlite3.connect(tmp_path / "jobs.sqlite3")) as db:
+            at_publish.append(db.execute("SELECT batch_id FROM openai_batches").fetchall())
+
+    async with serving(tmp_path, publish) as setup:
+        file_id = (await (await setup.upload(line("a", CHAT))).json())["id"]
+        created = await setup.batch(file_id)
+        assert created.status == 200 and at_publish == [[((await created.json())["id"],)]]
+
+
+async def test_a_batch_the_broker_has_not_confirmed_yet_is_answered_validating_not_503(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 503 had OpenAI's clients create the batch again under a new id while the first one's job
+    was still sent by the publisher: two runs, one of them no /v1/batches call showed."""
+    monkeypatch.setattr(jobs_api, "SUBMIT_CONFIRM_WAIT_S", 0.1)
+    confirms: list[asyncio.Future[None]] = []
+
+    def publish(admitted: jobs_pb2.AdmittedJob) -> asyncio.Future[None]:
+        confirms.append(asyncio.get_running_loop().create_future())  # the broker has not confirmed it yet
+        return confirms[-1]
+
+    async with serving(tmp_path, publish) as setup:
+        file_id = (await (await setup.upload(line("a", CHAT))).json())["id"]
+        created = await setup.batch(file_id)
+        batch = Batch.model_validate(await created.json())
+        assert created.status == 200 and batch.status == "validating" and "retry-after" not in created.headers
+        listed = await (await setup.client.get("/v1/batches", headers=DEMO)).json()
+        assert [b["id"] for b in listed["data"]] == [batch.id] and len(confirms) == 1
+        confirms[0].set_result(None)  # confirmed later: the job runs as any other
+
+
+async def test_a_batch_the_broker_refuses_is_failed_saying_why(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Refused at once: answered failed. Refused after the answer (validating): failed then, not a
+    window later by the sweep."""
+    monkeypatch.setattr(jobs_api, "SUBMIT_CONFIRM_WAIT_S", 0.1)
+    confirms: list[asyncio.Future[None]] = []
+
+    def publish(admitted: jobs_pb2.AdmittedJob) -> asyncio.Future[None]:
+        confirms.append(asyncio.get_running_loop().create_future())
+        if len(confirms) == 1:
+            confirms[-1].set_exception(MessageRejected("the broker refused it: Basic.Nack"))
+        return confirms[-1]
+
+    async with serving(tmp_path, publish) as setup:
+        file_id = (await (await setup.upload(line("a", CHAT))).json())["id"]
+        refused = Batch.model_validate(await (await setup.batch(file_id)).json())
+        assert refused.status == "failed" and refused.errors is not None and refused.errors.data
+        assert "not admitted: the broker refused it" in (refused.errors.data[0].message or "")
+        later = Batch.model_validate(await (await setup.batch(file_id)).json())
+        assert later.status == "validating"
+        confirms[1].set_exception(MessageRejected("the broker refused it: Basic.Nack"))
+        for _ in range(100):
+            now = Batch.model_validate(await (await setup.client.get(f"/v1/batches/{later.id}", headers=DEMO)).json())
+            if now.status == "failed":
+                break
+            await asyncio.sleep(0.02)
+        assert now.status == "failed"
+
+
+async def test_a_cancelled_batchs_rows_never_run_are_error_lines(setup: Setup) -> None:
+    """The job store keeps no result for a cancelled row: they were in neither file."""
+    file_id = (await (await setup.upload("\n".join(line(c, CHAT) for c in ("ran", "b", "c")))).json())["id"]
+    batch_id = (await (await setup.batch(file_id)).json())["id"]
+    await setup.store.accept(batch_id, "demo", "", ["ran", "b", "c"], 86400.0)
+    await setup.store.finish_row(jobs_pb2.RowResult(job_id=batch_id, custom_id="ran", output="hi", finish_reason=types_pb2.FINISH_REASON_STOP))
+    cancelled = Batch.model_validate(await (await setup.client.post(f"/v1/batches/{batch_id}/cancel", headers=DEMO)).json())
+    assert cancelled.status == "cancelled" and cancelled.output_file_id and cancelled.error_file_id
+    errors = (await (await setup.client.get(f"/v1/files/{cancelled.error_file_id}/content", headers=DEMO)).read()).decode()
+    records = [json.loads(x) for x in errors.splitlines()]
+    assert [(r["custom_id"], r["response"], r["error"]["code"]) for r in records] == [("b", None, "batch_cancelled"), ("c", None, "batch_cancelled")]
+    assert all(set(r) == {"id", "custom_id", "response", "error"} and r["id"].startswith("batch_req_") for r in records)
+    output = (await (await setup.client.get(f"/v1/files/{cancelled.output_file_id}/content", headers=DEMO)).read()).decode()
+    assert [json.loads(x)["custom_id"] for x in output.splitlines()] == ["ran"]
+
+
+async def test_a_batch_whose_files_cannot_be_made_does_not_fail_the_list(setup: Setup, tmp_path: Path) -> None:
+    ids = []
+    for custom_id in ("one", "two"):
+        file_id = (await (await setup.upload(line(custom_id, CHAT))).json())["id"]
+        batch_id = (await (await setup.batch(file_id)).json())["id"]
+        await setup.store.accept(batch_id, "demo", "", [custom_id], 86400.0)
+        await setup.store.finish_row(
+            jobs_pb2.RowResult(job_id=batch_id, custom_id=custom_id, output="hi", finish_reason=types_pb2.FINISH_REASON_STOP)
+        )
+        await setup.store.summary_told(batch_id)
+        ids.append((batch_id, file_id))
+    # The first batch's input file no longer reads as one (as a file accepted by older rules).
+    with contextlib.closing(sqlite3.connect(tmp_path / "jobs.sqlite3")) as db, db:
+        db.execute("UPDATE openai_files SET content = ? WHERE file_id = ?", (b"{not json", ids[0][1]))
+    reply = await setup.client.get("/v1/batches", headers=DEMO)
+    listed = {b["id"]: b for b in (await reply.json())["data"]}
+    assert reply.status == 200 and set(listed) == {ids[0][0], ids[1][0]}
+    assert listed[ids[0][0]]["status"] == "completed" and "output_file_id" not in listed[ids[0][0]]
+    assert listed[ids[1][0]]["output_file_id"]

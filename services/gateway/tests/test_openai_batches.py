@@ -246,3 +246,60 @@ def test_the_docs_say_where_an_output_lines_request_id_comes_from() -> None:
     paragraph = " ".join(next(p for p in batches.split("\n- ") if p.lstrip().startswith("`request_id`")).split())
     assert paragraph.startswith("`request_id` is the id the row ran under (the job row result's `request_id`)")
     assert "Only a result stored before results carried that id gets one derived from the batch and `custom_id`" in paragraph
+
+
+def test_a_line_python_cannot_read_as_json_is_refused_naming_it() -> None:
+    """An integer of over 4,300 digits: json.loads raises a plain ValueError (no JSONDecodeError)."""
+    huge = line("ok", CHAT) + "\n" + '{"custom_id": "b", "n": ' + "1" * 5000 + "}"
+    error = refused(huge)
+    assert error.message.startswith("Line 2 of the batch file: not valid JSON") and "4300" in error.message
+
+
+def test_lines_end_at_newline_only_and_keep_the_separators_json_allows_in_a_string() -> None:
+    """str.splitlines cut a line at U+2028, U+2029 and U+0085 too, which JSON allows raw in a string."""
+    text = "one\u2028two\u2029three\x85four"
+    chat = {**CHAT, "messages": [{"role": "user", "content": text}]}
+    raw = json.dumps({"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": chat}, ensure_ascii=False)
+    content = raw + "\r\n" + line("b", CHAT) + "\r\n"  # CRLF line ends, as an editor on Windows writes them
+    lines = parse_batch_file(content.encode(), max_lines=10)
+    assert [(x.line, x.custom_id) for x in lines] == [(1, "a"), (2, "b")]
+    assert generate_request(job_request("batch_x", "", lines, "24h").rows[0].generate).messages[0].content == text
+    # A line of nothing but a separator JSON does not count as whitespace is no blank line.
+    assert refused(line("a", CHAT) + "\n\u2028\n").message.startswith("Line 2 of the batch file: not valid JSON")
+
+
+def test_a_custom_id_no_job_can_carry_is_refused_naming_its_line() -> None:
+    """Checked before by the job layer only, at create_batch, as rows[i] (counted from 0)."""
+    longest = "é" * 112  # 224 bytes: "<batch id>/<custom id>" fills AMQP's 255-byte message id
+    assert [x.custom_id for x in parse_batch_file((line(longest, CHAT) + "\n").encode(), 10)] == [longest]
+    too_long = refused(line("ok", CHAT) + "\n" + line(longest + "x", CHAT))
+    assert too_long.message.startswith("Line 2 of the batch file: custom_id is 225 bytes") and too_long.param == "custom_id"
+    nul = refused(line("ok", CHAT) + "\n\n" + line("a\x00b", CHAT))
+    assert nul.message.startswith("Line 3 of the batch file") and "NUL" in nul.message and nul.param == "custom_id"
+
+
+def test_error_lines_use_openais_codes_and_a_cancelled_batchs_rows_not_run_are_there() -> None:
+    content = "\n".join(line(c, CHAT) for c in ("ran", "expired", "too_long", "timed_out", "not_run"))
+    lines = parse_batch_file(content.encode(), 10)
+
+    def failed(custom_id: str, code: str) -> jobs_pb2.RowResult:
+        return jobs_pb2.RowResult(job_id="batch_1", custom_id=custom_id, error=jobs_pb2.RowError(code=code, message=f"{code} here"))
+
+    results = [
+        jobs_pb2.RowResult(job_id="batch_1", custom_id="ran", output="Hi!", finish_reason=types_pb2.FINISH_REASON_STOP, usage=USAGE),
+        failed("expired", "EXPIRED"),
+        failed("too_long", "TOO_LONG_FOR_WINDOW"),
+        failed("timed_out", "DEADLINE_EXCEEDED"),
+    ]
+    upstream = json.loads((UPSTREAM / "openai_batch_output.jsonl").read_text().splitlines()[0])
+    for cancelled, not_run in ((False, []), (True, [("not_run", "batch_cancelled")])):
+        output, errors = result_files("batch_1", lines, results, created=1234, cancelled=cancelled)
+        records = [json.loads(x) for x in errors.decode().splitlines()]
+        assert [(r["custom_id"], r["error"]["code"]) for r in records] == [
+            ("expired", "batch_expired"),
+            ("too_long", "batch_expired"),
+            ("timed_out", "request_timeout"),
+            *not_run,
+        ]
+        assert all(set(r) == set(upstream) and r["response"] is None and r["error"]["message"] for r in records)
+        assert [json.loads(x)["custom_id"] for x in output.decode().splitlines()] == ["ran"]

@@ -30,7 +30,14 @@ async def serve(config: GatewayConfig) -> None:
     job_store = JobStore.create(settings.jobs_postgres_dsn, settings.jobs_sqlite_path)
     await job_store.open()
     job_publisher = job_request_publisher(settings, config.port)
-    jobs = JobsApi(job_store, core.tenants, job_publisher.submit_job, settings.jobs_max_rows, settings.jobs_completion_window_s)
+    jobs = JobsApi(
+        job_store,
+        core.tenants,
+        job_publisher.submit_job if job_publisher.enabled else None,
+        settings.jobs_max_rows,
+        settings.jobs_completion_window_s,
+        max_message_bytes=settings.jobs_max_message_bytes,
+    )
     path = core.path
     servicer = GatewayServicer(core.tenants, path, jobs=jobs)
 

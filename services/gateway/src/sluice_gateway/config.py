@@ -11,6 +11,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from sluice_common.adaptive_timeout import TimeoutPolicy
+from sluice_common.amqp_publisher import BROKER_MAX_MESSAGE_BYTES
 from sluice_common.config import ClientTLS, ServerConfig, ServiceConfig, nested, require
 
 ENV_PREFIX = "SLUICE_GATEWAY_"
@@ -78,6 +79,11 @@ class SharedSettings:
     jobs_sqlite_path: Path = Path("sluice-jobs.sqlite3")
     jobs_postgres_dsn: str = ""
     jobs_max_rows: int = 100_000
+    # The largest job SubmitJob and POST /v1/batches take, as the one AdmittedJob message the job
+    # workers are handed (a batch's is about 90% of its input file); a larger one is refused before
+    # it is recorded. At most BROKER_MAX_MESSAGE_BYTES, RabbitMQ 4's default max_message_size:
+    # the broker closes the channel on a larger message.
+    jobs_max_message_bytes: int = 8 * 1024 * 1024
     # A job's completion window when its JobRequest sets none (OpenAI's is 24 h): rows not started
     # when it ends are reported failed with code EXPIRED.
     jobs_completion_window_s: float = 86400.0
@@ -107,6 +113,11 @@ class SharedSettings:
         require(self.events_outbox_size >= 1, f"{ENV_PREFIX}EVENTS_OUTBOX_SIZE must be >= 1, got {self.events_outbox_size}")
         require(self.events_max_in_flight >= 1, f"{ENV_PREFIX}EVENTS_MAX_IN_FLIGHT must be >= 1, got {self.events_max_in_flight}")
         require(self.jobs_max_rows >= 1, f"{ENV_PREFIX}JOBS_MAX_ROWS must be >= 1, got {self.jobs_max_rows}")
+        require(
+            1024 <= self.jobs_max_message_bytes <= BROKER_MAX_MESSAGE_BYTES,
+            f"{ENV_PREFIX}JOBS_MAX_MESSAGE_BYTES must be in [1024, {BROKER_MAX_MESSAGE_BYTES}] (RabbitMQ's default max_message_size),"
+            f" got {self.jobs_max_message_bytes}",
+        )
         require(
             0 < self.jobs_completion_window_s <= MAX_COMPLETION_WINDOW_S,
             f"{ENV_PREFIX}JOBS_COMPLETION_WINDOW_S must be > 0 and <= {MAX_COMPLETION_WINDOW_S:.0f}, got {self.jobs_completion_window_s}",

@@ -3,9 +3,10 @@
 SubmitJob is the gRPC twin of publishing to `<prefix>.jobs`: it validates the job the way the
 worker will, records it as validating, and hands it to the same exchange through the confirming
 publisher (retried until the broker confirms it) as an AdmittedJob: under the tenant's name the
-front authenticated, without any key. SubmitJob answers once the broker has confirmed the job
-(UNAVAILABLE after SUBMIT_CONFIRM_WAIT_S: the same job_id may be submitted again). A job is
-visible only to its tenant.
+front authenticated, without any key. A job whose message would be over jobs_max_message_bytes is
+refused before it is recorded. SubmitJob answers once the broker has confirmed the job
+(UNAVAILABLE after SUBMIT_CONFIRM_WAIT_S: the same job_id may be submitted again); a job the broker
+refused is failed, and answered so. A job is visible only to its tenant.
 JobsApi is the jobs_port.JobsPort the fronts are handed (they never import this room).
 """
 
@@ -13,21 +14,21 @@ from __future__ import annotations
 
 import asyncio
 import tempfile
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 from sluice.jobs.v1 import jobs_pb2
 
 from sluice_gateway.jobs.trace import with_trace_context
 from sluice_common.amqp import JobTopology
-from sluice_common.amqp_publisher import ConfirmingPublisher, OutgoingMessage, PublisherMetrics
+from sluice_common.amqp_publisher import ConfirmingPublisher, MessageRejected, OutgoingMessage, PublisherMetrics
 from sluice_common.errors import InvalidArgument, NotFound, PermissionDenied, Unavailable
 from sluice_common.request_context import current_request_id
 from sluice_common.supervision import Supervisor
 from sluice_gateway.config import SharedSettings
 from sluice_gateway.jobs.store import JobRecord, JobStore
 from sluice_gateway.jobs.job import JobRejected, authenticate_job, completion_window_s, validate_job
-from sluice_gateway.jobs_port import MAX_PAGE_SIZE
+from sluice_gateway.jobs_port import MAX_PAGE_SIZE, JobTooLarge, SubmitNotConfirmed
 from sluice_common.tenants import Tenant, TenantDirectory
 
 DEFAULT_PAGE_SIZE = 100
@@ -40,11 +41,13 @@ class JobsApi:
         self,
         store: JobStore,
         tenants: TenantDirectory,
-        # Publishes an AdmittedJob; returns a future set once the broker confirmed it (None: nothing to wait for).
-        publish: Callable[[jobs_pb2.AdmittedJob], asyncio.Future[None] | None],
+        # Publishes an AdmittedJob; returns a future set once the broker confirmed it (None: nothing to
+        # wait for). None instead of a function: no broker (SLUICE_GATEWAY_AMQP_URL empty).
+        publish: Callable[[jobs_pb2.AdmittedJob], asyncio.Future[None] | None] | None,
         max_rows: int,
         completion_window_s: float,
         watch_poll_s: float = 0.2,
+        max_message_bytes: int = SharedSettings.jobs_max_message_bytes,
     ) -> None:
         self._store = store
         self._tenants = tenants
@@ -52,41 +55,78 @@ class JobsApi:
         self._max_rows = max_rows
         self._completion_window_s = completion_window_s
         self._watch_poll_s = watch_poll_s
+        self._max_message_bytes = max_message_bytes
+        # Tasks failing jobs the broker refused after their submit had answered (kept from the GC).
+        self._failing: set[asyncio.Task[None]] = set()
 
-    async def submit(self, tenant: Tenant, job: jobs_pb2.JobRequest) -> jobs_pb2.Job:
+    async def submit(
+        self, tenant: Tenant, job: jobs_pb2.JobRequest, on_recorded: Callable[[jobs_pb2.Job], Awaitable[None]] | None = None
+    ) -> jobs_pb2.Job:
         """`tenant` is the caller's, authenticated by the front. A key in the job itself must be
         the same tenant's; it is dropped all the same: the job goes to the workers as an
-        AdmittedJob, under the tenant's name, and no key crosses the broker."""
+        AdmittedJob, under the tenant's name, and no key crosses the broker. `on_recorded` (the
+        Batch API's batch row) runs after the job is recorded and before it is handed over, so
+        that no job runs without it."""
         try:
             if job.api_key and authenticate_job(job, self._tenants).name != tenant.name:
                 raise PermissionDenied("job.api_key belongs to another tenant than the authorization metadata")
             validate_job(job, tenant.name, self._max_rows)
         except JobRejected as exc:
             raise InvalidArgument("job", exc.reason) from None
+        if self._publish is None:
+            raise Unavailable("bulk jobs need RabbitMQ: SLUICE_GATEWAY_AMQP_URL is empty")
+        admitted = jobs_pb2.AdmittedJob(job=job, tenant=tenant.name, text_logging=tenant.text_logging)
+        admitted.job.ClearField("api_key")
+        # Refused here, before anything is recorded: past the broker's max_message_size the message
+        # would never be admitted, and the job would sit validating for its whole window.
+        if admitted.ByteSize() > self._max_message_bytes:
+            raise JobTooLarge(admitted.ByteSize(), self._max_message_bytes)
         window_s = completion_window_s(job, self._completion_window_s)
         record = await self._store.record_submitted(job.job_id, tenant.name, len(job.rows), job.reply_to, window_s)
         if record.tenant != tenant.name:
             raise InvalidArgument("job.job_id", "already used by another tenant")
-        if record.state == "validating":
-            admitted = jobs_pb2.AdmittedJob(job=job, tenant=tenant.name, text_logging=tenant.text_logging)
-            admitted.job.ClearField("api_key")
-            await self._confirmed(job.job_id, self._publish(admitted))
-        return record.to_proto()
+        if record.state != "validating":
+            return record.to_proto()
+        if on_recorded is not None:
+            await on_recorded(record.to_proto())
+        return await self._confirmed(record, self._publish(admitted))
 
-    @staticmethod
-    async def _confirmed(job_id: str, confirmed: asyncio.Future[None] | None) -> None:
+    async def _confirmed(self, record: JobRecord, confirmed: asyncio.Future[None] | None) -> jobs_pb2.Job:
         """Answered only once the broker holds the job: before, a gateway that died lost it while
         its caller had been told it was submitted (it stayed validating for its whole window)."""
         if confirmed is None:
-            return
+            return record.to_proto()
         try:
-            await asyncio.wait_for(confirmed, SUBMIT_CONFIRM_WAIT_S)
-        except TimeoutError:
-            raise Unavailable(
-                f"job {job_id!r} is recorded but the broker has not confirmed it within {SUBMIT_CONFIRM_WAIT_S:g}s;"
+            # Shielded: the publisher keeps the future after this wait ends, to tell of a refusal.
+            await asyncio.wait_for(asyncio.shield(confirmed), SUBMIT_CONFIRM_WAIT_S)
+        except MessageRejected as exc:
+            return await self._refused(record, exc)
+        except (TimeoutError, asyncio.CancelledError) as exc:
+            confirmed.add_done_callback(lambda done: self._refused_later(record, done))
+            if isinstance(exc, asyncio.CancelledError):
+                raise
+            raise SubmitNotConfirmed(
+                f"job {record.job_id!r} is recorded but the broker has not confirmed it within {SUBMIT_CONFIRM_WAIT_S:g}s;"
                 " submit it again with the same job_id (it runs once)",
-                retry_after_s=1.0,
+                record.to_proto(),
             ) from None
+        return record.to_proto()
+
+    async def _refused(self, record: JobRecord, exc: BaseException) -> jobs_pb2.Job:
+        """The broker will never hold the job (it refused its message): failed now, rather than
+        validating until the sweep gives up on it a window later."""
+        await self._store.record_failed(record.job_id, record.tenant, record.reply_to, f"the job's message was not admitted: {exc}")
+        failed = await self._store.get_job(record.job_id)
+        return (failed or record).to_proto()
+
+    def _refused_later(self, record: JobRecord, confirmed: asyncio.Future[None]) -> None:
+        """A refusal after submit stopped waiting (it answered, or its caller went away)."""
+        error = None if confirmed.cancelled() else confirmed.exception()
+        if error is None:
+            return
+        task = asyncio.get_running_loop().create_task(self._refused(record, error))
+        self._failing.add(task)
+        task.add_done_callback(self._failing.discard)
 
     async def _owned(self, tenant: Tenant, job_id: str) -> JobRecord:
         if not job_id:
@@ -135,6 +175,11 @@ class JobRequestPublisher:
     def __init__(self, publisher: ConfirmingPublisher | None, topology: JobTopology) -> None:
         self._publisher = publisher
         self._topology = topology
+
+    @property
+    def enabled(self) -> bool:
+        """False without a broker (SLUICE_GATEWAY_AMQP_URL empty): JobsApi then refuses jobs before recording them."""
+        return self._publisher is not None
 
     def submit_job(self, admitted: jobs_pb2.AdmittedJob) -> asyncio.Future[None]:
         """Hands the job to the publisher; the future is set once the broker has confirmed it."""

@@ -24,15 +24,13 @@ from sluice.jobs.v1 import jobs_pb2
 from sluice_common.amqp import PROTOBUF
 from sluice_common.errors import Unauthenticated
 from sluice_gateway.config import MAX_COMPLETION_WINDOW_S
+from sluice_gateway.jobs_port import MAX_ID_LENGTH, MAX_MESSAGE_ID_BYTES
 from sluice_gateway.path.inference_path import InferencePath
 from sluice_gateway.jobs.row_deadline import RowTiming
 from sluice_common.tenants import Tenant, TenantDirectory
 
 JSON = "application/json"
-MAX_ID_LENGTH = 256
-# AMQP's message-id (a shortstr) holds 255 bytes; replies carry "<job_id>/<custom_id>" and
-# "<job_id>/summary", so those must fit.
-MAX_MESSAGE_ID_BYTES = 255
+# MAX_ID_LENGTH and MAX_MESSAGE_ID_BYTES are the jobs port's: the Batch API checks a file's custom ids against them too.
 SUMMARY_SUFFIX = "/summary"
 # PostgreSQL's text cannot hold NUL (its store keeps one as U+FFFD): an id with one would not be
 # the id its results and summary are found by.

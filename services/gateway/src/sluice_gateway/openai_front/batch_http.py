@@ -8,12 +8,15 @@
 
 Thin: authentication and the body are http_input's, as for the other routes; the error shapes the _errors
 middleware's (http); the mapping is batches, the state store (in the job store's database).
-A batch's output and error files are made from its stored RowResults the first time it is read
-settled, then served like any file.
+A batch's row is written once its job is recorded and before the job is handed to the broker, so
+that every job that runs is a batch /v1/batches shows. A batch's output and error files are made
+from its stored RowResults the first time it is read settled (off the event loop), then served
+like any file.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from dataclasses import dataclass
@@ -23,8 +26,9 @@ import structlog
 from aiohttp import BodyPartReader, web
 from aiohttp.http_exceptions import HttpProcessingError
 from sluice.common.v1 import types_pb2
+from sluice.jobs.v1 import jobs_pb2
 
-from sluice_gateway.jobs_port import MAX_PAGE_SIZE, JobsPort
+from sluice_gateway.jobs_port import MAX_PAGE_SIZE, JobsPort, JobTooLarge, SubmitNotConfirmed
 from sluice_gateway.path.model_catalog import ModelCatalog, UnknownModel
 from sluice_gateway.openai_front.batches import (
     BatchLine,
@@ -205,15 +209,36 @@ class BatchFront:
         lines = parse_batch_file(content, self.max_rows)
         check_endpoint(lines, create.endpoint)
         self._check_dimensions(lines)
-        batch_id = new_id("batch_")
-        # JobsPort.submit (JobsApi's): validate_job, the job store, the exchange the job workers consume.
-        job = await self.jobs.submit(tenant, job_request(batch_id, _api_key(request), lines, create.completion_window))
         batch = StoredBatch(
-            batch_id, tenant.name, create.endpoint, create.input_file_id, create.completion_window, create.metadata,
+            new_id("batch_"), tenant.name, create.endpoint, create.input_file_id, create.completion_window, create.metadata,
             time.time(), None, None, None, False,
         )  # fmt: skip
-        await self.store.create_batch(batch)
-        log.info("batch_created", batch_id=batch_id, input_file_id=create.input_file_id, rows=len(lines))
+
+        async def record_batch(job: jobs_pb2.Job) -> None:
+            # Between the job's record and its hand-over to the broker: written after, the row was
+            # missing for a job that ran when the answer never came (a 503, a client gone, an error).
+            await self.store.create_batch(batch)
+
+        # JobsPort.submit (JobsApi's): validate_job, the job store, the exchange the job workers consume.
+        try:
+            job = await self.jobs.submit(
+                tenant, job_request(batch.batch_id, _api_key(request), lines, create.completion_window), on_recorded=record_batch
+            )
+        except JobTooLarge as exc:
+            raise OpenAIError(
+                413,
+                f"The batch's {len(lines)} requests come to {exc.size} bytes as one job, over the limit of {exc.limit} bytes"
+                " (SLUICE_GATEWAY_JOBS_MAX_MESSAGE_BYTES); split the input file into smaller files, one batch each.",
+                param="input_file_id",
+                code="batch_too_large",
+            ) from None
+        except SubmitNotConfirmed as exc:
+            # The batch exists, and its job is the publisher's, which keeps sending it until the
+            # broker confirms it (and spills it at a stop): answered as it stands, validating. A 503
+            # would have OpenAI's clients create the batch again, under a new id: a second run.
+            log.warning("batch_not_yet_confirmed", batch_id=batch.batch_id, reason=exc.message)
+            job = exc.job
+        log.info("batch_created", batch_id=batch.batch_id, input_file_id=create.input_file_id, rows=len(lines), status=status_of(job))
         return _json(self._object(batch, job))
 
     def _check_dimensions(self, lines: list[BatchLine]) -> None:
@@ -240,15 +265,23 @@ class BatchFront:
             raise OpenAIError(404, f"No such Batch object: {batch_id}", param="batch_id", code="not_found")
         return batch
 
-    async def _current(self, tenant: Tenant, batch: StoredBatch) -> dict[str, Any]:
-        """The Batch object now; the first read of a settled batch makes its output/error files."""
+    async def _current(self, tenant: Tenant, batch: StoredBatch, listing: bool = False) -> dict[str, Any]:
+        """The Batch object now; the first read of a settled batch makes its output/error files. In
+        a list, a batch whose files cannot be made is shown without them (its own GET says why),
+        rather than failing the list of every other batch."""
         job = await self.jobs.get(tenant, batch.batch_id)
         if settled(job) and not batch.files_made:
-            await self._make_files(tenant, batch, int(job.updated_at.seconds))
+            try:
+                await self._make_files(tenant, batch, int(job.updated_at.seconds), status_of(job) == "cancelled")
+            except Exception as exc:  # noqa: BLE001 - one batch's failure is not the list's
+                if not listing:
+                    raise
+                log.error("batch_files_failed", batch_id=batch.batch_id, error=repr(exc))
+                return self._object(batch, job)
             batch = await self._batch(tenant, batch.batch_id)
         return self._object(batch, job)
 
-    async def _make_files(self, tenant: Tenant, batch: StoredBatch, created: int) -> None:
+    async def _make_files(self, tenant: Tenant, batch: StoredBatch, created: int, cancelled: bool) -> None:
         content = await self.store.file_content(tenant.name, batch.input_file_id)
         if content is None:
             # The input file was deleted: the results stay listable over gRPC, but without the
@@ -256,8 +289,6 @@ class BatchFront:
             log.warning("batch_input_file_gone", batch_id=batch.batch_id, input_file_id=batch.input_file_id)
             await self.store.set_result_files(batch.batch_id, None, None)
             return
-        # No row bound here: the batch was accepted already (a setting lowered since must not lose it).
-        lines = parse_batch_file(content, len(content))
         results = []
         token = ""
         while True:
@@ -265,7 +296,9 @@ class BatchFront:
             results.extend(page)
             if not token:
                 break
-        output, errors = result_files(batch.batch_id, lines, results, created)
+        # Parsing the file and shaping every line is CPU work as large as the batch: on a thread,
+        # not on the event loop that serves every other request and stream.
+        output, errors = await asyncio.to_thread(_result_files, batch.batch_id, content, results, created, cancelled)
         output_id, error_id = result_file_ids(batch.batch_id)
         for file_id, data, name in ((output_id, output, "output"), (error_id, errors, "errors")):
             if data:
@@ -280,14 +313,28 @@ class BatchFront:
     async def list_batches(self, request: web.Request) -> web.Response:
         tenant = authenticate(self.tenants, request)
         page = await self.store.list_batches(tenant.name, _limit(request), request.query.get("after"))
-        return _json(_list([await self._current(tenant, batch) for batch in page.items], page.has_more))
+        return _json(_list([await self._current(tenant, batch, listing=True) for batch in page.items], page.has_more))
 
     async def cancel_batch(self, request: web.Request) -> web.Response:
         tenant = authenticate(self.tenants, request)
         batch = await self._batch(tenant, request.match_info["batch_id"])
         status = status_of(await self.jobs.get(tenant, batch.batch_id))
         if status in ("completed", "failed", "expired", "finalizing"):
-            raise OpenAIError(409, f"Cannot cancel a batch with status {status}.", param="batch_id", code="batch_not_cancellable")
+            # x-should-retry: OpenAI's clients retry a 409 otherwise, and this one never changes.
+            raise OpenAIError(
+                409,
+                f"Cannot cancel a batch with status {status}.",
+                param="batch_id",
+                code="batch_not_cancellable",
+                headers={"x-should-retry": "false"},
+            )
         if status_of(await self.jobs.cancel(tenant, batch.batch_id)) in ("cancelling", "cancelled"):
             await self.store.mark_cancelling(batch.batch_id)
         return _json(await self._current(tenant, await self._batch(tenant, batch.batch_id)))
+
+
+def _result_files(batch_id: str, content: bytes, results: list[jobs_pb2.RowResult], created: int, cancelled: bool) -> tuple[bytes, bytes]:
+    """The output and error files of a settled batch (BatchFront._make_files runs it on a thread)."""
+    # No row bound here: the batch was accepted already (a setting lowered since must not lose it).
+    lines = parse_batch_file(content, len(content))
+    return result_files(batch_id, lines, results, created, cancelled)

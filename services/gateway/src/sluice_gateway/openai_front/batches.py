@@ -9,7 +9,7 @@
   mirror OpenAI's);
 - once the job is settled, its stored RowResults become the output file (one line per answered
   row, its body exactly what the synchronous endpoint answers) and the error file (one line per
-  failed row, `response: null`, `error: {code, message}`).
+  failed row, and per row a cancelled batch never ran, `response: null`, `error: {code, message}`).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from sluice.common.v1 import types_pb2
 from sluice.gateway.v1 import gateway_pb2
 from sluice.jobs.v1 import jobs_pb2
 
+from sluice_gateway.jobs_port import MAX_MESSAGE_ID_BYTES
 from sluice_gateway.openai_front.choices import ChoiceState
 from sluice_gateway.openai_front.errors import OpenAIError, invalid
 from sluice_gateway.openai_front.replies import FINISH_REASONS, Completion, embeddings_reply
@@ -36,6 +37,7 @@ from sluice_gateway.openai_front.requests import (
     parse_completion,
     parse_embeddings,
 )
+from sluice_gateway.openai_front.store import new_id
 
 Call = GenerationCall | EmbeddingCall
 PARSERS: dict[str, Callable[[dict[str, Any]], Call]] = {
@@ -59,6 +61,17 @@ _STATES = {
     jobs_pb2.JOB_STATE_CANCELLED: "cancelled",
 }
 _TERMINAL = ("completed", "failed", "expired", "cancelled")
+# A row's results go to the job workers' reply queue with "<batch id>/<custom id>" as their AMQP
+# message id (at most MAX_MESSAGE_ID_BYTES): the job layer refuses a longer custom id, so a file's
+# line is refused for it first, naming the line.
+MAX_CUSTOM_ID_BYTES = MAX_MESSAGE_ID_BYTES - len(new_id("batch_")) - 1
+# JSON's whitespace: a line of only these is blank (str.strip would also take U+2028 and the like).
+_JSON_SPACE = " \t\r"
+# Row error codes that OpenAI's BatchRequestOutput names (batch_expired: not run within the
+# completion window; request_timeout: the model call timed out). Any other code is the gRPC status
+# name in lower case. The jobs' own codes (jobs.job: EXPIRED, TOO_LONG_FOR_WINDOW, a row deadline's
+# DEADLINE_EXCEEDED), spelled here as the fronts never import the jobs.
+_ERROR_CODES = {"EXPIRED": "batch_expired", "TOO_LONG_FOR_WINDOW": "batch_expired", "DEADLINE_EXCEEDED": "request_timeout"}
 
 
 @dataclass(frozen=True)
@@ -76,7 +89,8 @@ def _line_error(line: int, message: str, param: str | None = None, code: str | N
 def _parse_line(number: int, text: str) -> BatchLine:
     try:
         document = json.loads(text)
-    except json.JSONDecodeError as exc:
+    except ValueError as exc:
+        # JSONDecodeError, or the plain ValueError of an integer over Python's 4,300 digits.
         raise _line_error(number, f"not valid JSON ({exc})") from None
     except RecursionError:
         raise _line_error(number, "the JSON is nested too deeply") from None
@@ -92,6 +106,15 @@ def _parse_line(number: int, text: str) -> BatchLine:
     custom_id = document.get("custom_id")
     if not isinstance(custom_id, str) or not custom_id:
         raise _line_error(number, "custom_id must be a non-empty string", "custom_id")
+    if "\x00" in custom_id:
+        raise _line_error(number, "custom_id must not contain U+0000 (NUL): the job store cannot keep it", "custom_id")
+    if len(custom_id.encode()) > MAX_CUSTOM_ID_BYTES:
+        raise _line_error(
+            number,
+            f"custom_id is {len(custom_id.encode())} bytes (UTF-8), over the limit of {MAX_CUSTOM_ID_BYTES}:"
+            " a result carries the batch id and custom_id as its message id",
+            "custom_id",
+        )
     if document.get("method") != "POST":
         raise _line_error(number, f'method must be "POST", got {document.get("method")!r}', "method")
     url = document.get("url")
@@ -113,15 +136,18 @@ def _parse_line(number: int, text: str) -> BatchLine:
 
 def parse_batch_file(content: bytes, max_lines: int) -> list[BatchLine]:
     """Every line of a batch input file, or a 400 naming the first bad one. Blank lines (a
-    trailing newline) are skipped; custom ids are unique in a file."""
+    trailing newline) are skipped; custom ids are unique in a file. Lines end at LF only (a CR
+    before it is dropped): str.splitlines would also cut at U+2028, U+2029 and U+0085, which JSON
+    allows raw inside a string."""
     try:
         text = content.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise OpenAIError(400, f"The batch file is not UTF-8 text: {exc}", param="file", code="invalid_file") from None
     lines: list[BatchLine] = []
     seen: dict[str, int] = {}
-    for number, raw in enumerate(text.splitlines(), start=1):
-        if not raw.strip():
+    for number, raw in enumerate(text.split("\n"), start=1):
+        raw = raw.removesuffix("\r")
+        if not raw.strip(_JSON_SPACE):
             continue
         line = _parse_line(number, raw)
         if line.custom_id in seen:
@@ -314,8 +340,12 @@ def response_body(call: Call, result: jobs_pb2.RowResult, request_id: str, creat
     return Completion(call, request_id, created=created).whole([only], None, usage)
 
 
-def result_files(batch_id: str, lines: list[BatchLine], results: Iterable[jobs_pb2.RowResult], created: int) -> tuple[bytes, bytes]:
-    """(output JSONL, error JSONL), in the input file's order."""
+def result_files(
+    batch_id: str, lines: list[BatchLine], results: Iterable[jobs_pb2.RowResult], created: int, cancelled: bool = False
+) -> tuple[bytes, bytes]:
+    """(output JSONL, error JSONL), in the input file's order. In a cancelled batch, a line without
+    a result was never run (the job store keeps no result for a cancelled row): an error line,
+    code batch_cancelled, as OpenAI's."""
     by_id = {line.custom_id: line for line in lines}
     outputs: dict[str, str] = {}
     errors: dict[str, str] = {}
@@ -337,13 +367,23 @@ def result_files(batch_id: str, lines: list[BatchLine], results: Iterable[jobs_p
             outputs[result.custom_id] = json.dumps(record)
             continue
         if result.HasField("error"):
-            error = {"code": result.error.code.lower(), "message": result.error.message}
+            error = {"code": _ERROR_CODES.get(result.error.code, result.error.code.lower()), "message": result.error.message}
         else:
             name = types_pb2.FinishReason.Name(result.finish_reason)
             error = {"code": "generation_failed", "message": f"The generation did not finish ({name})."}
-        errors[result.custom_id] = json.dumps({"id": line_id, "custom_id": result.custom_id, "response": None, "error": error})
+        errors[result.custom_id] = _error_line(line_id, result.custom_id, error)
+    if cancelled:
+        for line in lines:
+            if line.custom_id not in outputs and line.custom_id not in errors:
+                line_id = _request_ids(batch_id, line.custom_id)[0]
+                error = {"code": "batch_cancelled", "message": "The batch was cancelled before this request was run."}
+                errors[line.custom_id] = _error_line(line_id, line.custom_id, error)
     order = [line.custom_id for line in lines]
     return _jsonl(outputs, order), _jsonl(errors, order)
+
+
+def _error_line(line_id: str, custom_id: str, error: dict[str, str]) -> str:
+    return json.dumps({"id": line_id, "custom_id": custom_id, "response": None, "error": error})
 
 
 def _jsonl(records: dict[str, str], order: list[str]) -> bytes:

@@ -33,7 +33,9 @@ async def json_body(request: web.Request) -> dict[str, Any]:
         raise OpenAIError(413, f"The request body is larger than the limit of {request.client_max_size} bytes.", code="request_too_large") from None
     try:
         body = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except ValueError as exc:
+        # UnicodeDecodeError and JSONDecodeError are ValueErrors, and so is what Python raises for
+        # an integer of over 4,300 digits (int_max_str_digits): every one the client's to fix.
         raise OpenAIError(400, f"We could not parse the JSON body of your request: {exc}. Send a JSON object.", code="invalid_json") from None
     except RecursionError:
         raise OpenAIError(400, "The JSON body of your request is nested too deeply.", code="invalid_json") from None
