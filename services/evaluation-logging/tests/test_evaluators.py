@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 from sluice.common.v1 import types_pb2
@@ -54,6 +55,17 @@ def test_repetition_ratio() -> None:
     assert ratio > 0.8 and "the cat sat" in detail
 
 
+def test_repetition_counts_the_characters_of_scripts_without_spaces() -> None:
+    for looping in ("重复" * 500, "同じことを繰り返す。" * 50, "ซ้ำซ้ำ" * 200):
+        assert repetition.repeated_ngram_ratio(looping, 4)[0] > 0.8, looping[:10]
+    assert repetition.repeated_ngram_ratio("巴黎是法国的首都，也是最大的城市。", 4)[0] == 0.0
+
+
+def test_repetition_detail_is_bounded_whatever_the_repeated_word() -> None:
+    ratio, detail = repetition.repeated_ngram_ratio(("x" * 60_000 + " ") * 5, 2)
+    assert ratio == 0.75 and len(detail) < 2 * repetition.DETAIL_CHARS and detail.endswith("x4")
+
+
 async def test_stop_sequence_and_json() -> None:
     leaked = make_event(output="Answer: 42\nEND", sampling=types_pb2.SamplingParams(max_tokens=8, stop=["END"]))
     assert not (await scores_of(leaked))["stop_sequence"].passed
@@ -65,12 +77,34 @@ async def test_stop_sequence_and_json() -> None:
     assert "list" in (await scores_of(array))["json_validity"].detail
 
 
+async def test_json_nested_too_deep_or_with_non_standard_constants_fails_rather_than_skips() -> None:
+    for output, detail in (
+        ('{"a": ' + "[" * 100_000 + "]" * 100_000 + "}", "nested too deep"),
+        ('{"a": NaN}', "NaN is not a JSON value"),
+        ('{"a": -Infinity}', "-Infinity is not a JSON value"),
+    ):
+        score = (await scores_of(make_event(output=output, response_format=types_pb2.RESPONSE_FORMAT_JSON_OBJECT)))["json_validity"]
+        assert not score.skipped and not score.passed and score.value == 0.0 and detail in score.detail
+
+
 def test_pii_patterns_with_luhn() -> None:
     assert pii.luhn_valid("4111111111111111") and not pii.luhn_valid("4111111111111112")
     found = pii.find_pii("mail bob@example.com or call +1 415-555-0132, card 4111 1111 1111 1111")
     assert found == {"email": 1, "phone": 1, "card": 1}
     assert pii.find_pii("order 4111 1111 1111 1112 shipped in 2024") == {}
     assert pii.find_pii("The answer is 42.") == {}
+
+
+def test_the_pii_scan_of_an_adversarial_output_stays_linear() -> None:
+    # The email pattern's unbounded local part made these quadratic: 40 KB took over a second,
+    # 400 KB minutes. A generous bound: the scan is well under a second here.
+    for adversarial in ("a." * 200_000 + "@", "x@" + "a-." * 133_000, ("a." * 40 + "@" + "b." * 20) * 4_000):
+        started = time.perf_counter()
+        assert pii.find_pii(adversarial) == {}
+        assert time.perf_counter() - started < 2.0, adversarial[:20]
+    # Still finds real addresses, subdomains, tags and long top-level domains included.
+    text = "write to first.last+tag@mail.example.co.uk, bob@example.com or ops@sluice.technology."
+    assert pii.find_pii(text) == {"email": 3}
 
 
 async def test_text_logging_off_runs_metadata_evaluators_only() -> None:
@@ -101,6 +135,19 @@ async def test_similarity_uses_embeddings_and_never_fakes_them() -> None:
     assert abs(scores["similarity"].value - 0.8) < 1e-9 and scores["similarity"].passed and not scores["similarity"].skipped
     skipped = (await scores_of(make_event(), NoEmbeddings()))["similarity"]
     assert skipped.skipped and skipped.detail.startswith("skipped: embeddings unavailable")
+
+
+async def test_similarity_does_not_apply_without_a_prompt_to_compare_with() -> None:
+    embedder = FixedEmbedder([[1.0, 0.0], [0.8, 0.6]])
+    system_only = make_event(prompt="")
+    del system_only.messages[:]
+    system_only.messages.add(role="system", content="You are terse.")
+    assert "similarity" not in await scores_of(system_only, embedder)
+    blank_user = make_event()
+    blank_user.messages[0].content = " \n"
+    assert "similarity" not in await scores_of(blank_user, embedder)
+    assert embedder.calls == 0
+    assert "similarity" in await scores_of(make_event(), embedder)  # a user message: compared
 
 
 def test_similarity_sampling_is_by_event_id_and_follows_the_rate() -> None:

@@ -12,7 +12,7 @@ from conftest import make_event
 from sluice_common.errors import InvalidArgument
 from sluice_evaluation_logging.evaluators import EVALUATORS, REFERENCE_EVALUATORS, exact_match, reference_similarity
 from sluice_evaluation_logging.evaluators.base import EmbeddingsUnavailable, EvalContext, EvalSettings
-from sluice_evaluation_logging.scoring import MAX_ITEMS, ScoreInput, evaluator_infos, score_items
+from sluice_evaluation_logging.scoring import MAX_ITEMS, MAX_TEXT_CHARS, ScoreInput, evaluator_infos, score_items
 
 SETTINGS = EvalSettings(similarity_sample_rate=0.0, reference_similarity_min=0.9)
 
@@ -92,6 +92,25 @@ async def test_bounds_and_text_logging_are_checked() -> None:
         await score_items([ScoreInput(make_event())] * (MAX_ITEMS + 1), ctx)
     with pytest.raises(InvalidArgument, match="text_logged"):
         await score_items([ScoreInput(make_event(text_logged=False))], ctx)
+
+
+async def test_an_item_text_over_the_limit_is_refused_before_any_evaluator_runs() -> None:
+    """The CPU-heavy evaluators share the consumer's pool: one call's huge output must not hold it."""
+    ctx = EvalContext(SETTINGS, LetterCounts())
+    huge = "a." * (MAX_TEXT_CHARS // 2 + 1)
+    ok = ScoreInput(make_event())
+    cases = {
+        "items[1].event.output": ScoreInput(make_event(output=huge)),
+        "items[1].reference": ScoreInput(make_event(), reference=huge),
+        "items[1].event.prompt": ScoreInput(make_event(prompt=huge)),
+        "items[1].event.messages[1].content": ScoreInput(make_event(messages=[types_pb2.ChatMessage(role="user", content=huge)])),
+    }
+    for field, item in cases.items():
+        with pytest.raises(InvalidArgument) as refused:
+            await score_items([ok, item], ctx)
+        assert refused.value.field_name == field and f"at most {MAX_TEXT_CHARS}" in refused.value.reason
+    (scores,) = await score_items([ScoreInput(make_event(output="b" * MAX_TEXT_CHARS))], ctx)  # at the limit: scored
+    assert "pii" in by_name(scores)
 
 
 def test_every_evaluator_says_which_way_is_better() -> None:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import base64
 import dataclasses
+import math
 import random
 import sqlite3
 import time
@@ -13,18 +15,20 @@ from pathlib import Path
 import asyncpg
 import pytest
 from sluice.common.v1 import types_pb2
-from sluice.evallog.v1 import events_pb2
+from sluice.evallog.v1 import evallog_pb2, events_pb2
 
 from conftest import PG_DSN, make_event
-from sluice_common.errors import InvalidArgument, NotFound, PermissionDenied
+from sluice_common.errors import InvalidArgument, NotFound, PermissionDenied, Unavailable
 from sluice_common.sqlstore import open_sql_db
+from sluice_evaluation_logging import queries as queries_module
 from sluice_evaluation_logging.evaluators import evaluate_all
-from sluice_evaluation_logging.evaluators.base import EvalContext, EvalSettings
-from sluice_evaluation_logging.model import RecordFilter, Threshold
-from sluice_evaluation_logging.queries import EvalLogQueries
+from sluice_evaluation_logging.evaluators.base import EvalContext, EvalSettings, ScoreResult
+from sluice_evaluation_logging.model import RecordFilter, RecordRow, Threshold
+from sluice_evaluation_logging.queries import MAX_METADATA_PAIRS, MAX_THRESHOLDS, EvalLogQueries
 from sluice_evaluation_logging.records import otel_attributes, to_row
 from sluice_evaluation_logging.servicer import _record, _summary
-from sluice_evaluation_logging.store import LATEST_VERSION, MIGRATIONS, PostgresStore, SqliteStore, Store, refused_for_content
+from sluice_evaluation_logging.store import LATEST_VERSION, MIGRATIONS, PostgresStore, SqliteStore, Store, database_outage, refused_for_content
+from sluice_evaluation_logging.store.sql import PAGE_BYTES
 
 CTX = EvalContext(EvalSettings(similarity_sample_rate=0.0))
 
@@ -89,6 +93,27 @@ async def test_query_filters_and_pages_newest_first(store) -> None:  # type: ign
         await store.query(RecordFilter(tenant="demo"), 3, "garbage!")
 
 
+async def test_a_page_of_long_records_stays_under_the_grpc_message_limit(store) -> None:  # type: ignore[no-untyped-def]
+    """A thousand records of long answers would make a response over gRPC's 4 MiB default, which
+    clients refuse: a page stops short of PAGE_BYTES and the token resumes after its last record."""
+    base = time.time() - 100
+    long_ones = [make_event(finished_at=base + i, output="x" * 1_200_000) for i in range(7)]
+    huge = make_event(finished_at=base + 10, output="y" * 3_500_000)  # alone over the budget: a page by itself
+    await store.insert_batch(await rows(*long_ones, huge))
+    queries = EvalLogQueries(store)
+    pages, token = [], ""
+    while True:
+        page, token = await queries.query_records("demo", RecordFilter(), 1000, token)
+        pages.append(page)
+        if not token:
+            break
+    assert [len(page) for page in pages] == [1, 2, 2, 2, 1]
+    assert [r.event_id for page in pages for r in page] == [e.event_id for e in (huge, *reversed(long_ones))]
+    for page in pages[1:]:
+        response = evallog_pb2.QueryRecordsResponse(records=[_record(r) for r in page], next_page_token="t" * 100)
+        assert response.ByteSize() < PAGE_BYTES
+
+
 async def test_summaries_and_tenant_isolation(store) -> None:  # type: ignore[no-untyped-def]
     events = [make_event(timings=types_pb2.Timings(time_to_first_token_ms=10 * i, total_time_ms=100 * i)) for i in range(1, 11)]
     events.append(make_event(finish_reason=types_pb2.FINISH_REASON_ERROR, error_code="UNAVAILABLE"))
@@ -113,6 +138,81 @@ async def test_summaries_and_tenant_isolation(store) -> None:  # type: ignore[no
     assert (await queries.get_record("private", secret.event_id)).tenant == "private"
     page, _ = await queries.query_records("private", RecordFilter(), 0, "")
     assert [r.event_id for r in page] == [secret.event_id]
+
+
+async def test_too_many_metadata_pairs_or_thresholds_are_refused_by_name(store) -> None:  # type: ignore[no-untyped-def]
+    # A thousand of them made SQLite refuse the statement ("Expression tree is too large"): INTERNAL.
+    event = make_event(metadata={f"k{i}": "v" for i in range(MAX_METADATA_PAIRS)})
+    await store.insert_batch(await rows(event))
+    queries = EvalLogQueries(store)
+    most = RecordFilter(
+        metadata=tuple((f"k{i}", "v") for i in range(MAX_METADATA_PAIRS)),
+        thresholds=tuple(Threshold("pii", max_value=float(i)) for i in range(MAX_THRESHOLDS)),
+    )
+    page, _ = await queries.query_records("demo", most, 10, "")
+    assert [r.event_id for r in page] == [event.event_id]
+    assert (await queries.summarize("demo", replace(most, thresholds=())))[0].count == 1
+    for where, field in (
+        (RecordFilter(metadata=tuple((f"k{i}", "v") for i in range(1000))), "metadata"),
+        (RecordFilter(thresholds=tuple(Threshold("pii", min_value=0) for _ in range(1000))), "score_thresholds"),
+    ):
+        with pytest.raises(InvalidArgument) as refused:
+            await queries.query_records("demo", where, 10, "")
+        assert refused.value.field_name == field
+    with pytest.raises(InvalidArgument, match="metadata"):
+        await queries.summarize("demo", RecordFilter(metadata=tuple((f"k{i}", "v") for i in range(1000))))
+
+
+@pytest.mark.parametrize("number", [math.nan, math.inf, -math.inf])
+async def test_a_non_finite_number_in_a_threshold_or_a_page_token_is_refused(store, number: float) -> None:  # type: ignore[no-untyped-def]
+    """NaN compares one way on SQLite (bound as NULL) and another on PostgreSQL: refused on both."""
+    await store.insert_batch(await rows(make_event()))
+    queries = EvalLogQueries(store)
+    for threshold, field in (
+        (Threshold("pii", min_value=number), "score_thresholds[1].min_value"),
+        (Threshold("pii", max_value=number), "score_thresholds[1].max_value"),
+    ):
+        with pytest.raises(InvalidArgument) as refused:
+            await queries.query_records("demo", RecordFilter(thresholds=(Threshold("pii"), threshold)), 10, "")
+        assert refused.value.field_name == field
+    forged = base64.urlsafe_b64encode(f"{number!r}|zzz".encode()).decode()
+    with pytest.raises(InvalidArgument) as refused:
+        await queries.query_records("demo", RecordFilter(), 10, forged)
+    assert refused.value.field_name == "page_token"
+
+
+async def test_score_summaries_are_aggregated_in_the_database(store) -> None:  # type: ignore[no-untyped-def]
+    def scored(*scores: ScoreResult, model: str = "m") -> RecordRow:
+        return to_row(make_event(model=model), scores)
+
+    await store.insert_batch(
+        [
+            scored(ScoreResult("cos", 1.0, True), ScoreResult("down", 0.0, False, skipped=True)),
+            scored(ScoreResult("cos", -2.0, False), ScoreResult("down", 0.0, False, skipped=True)),
+            scored(ScoreResult("cos", 0.5, False, skipped=True)),
+            scored(ScoreResult("cos", 7.0, True), model="other"),
+        ]
+    )
+    groups = {g.model: g for g in await EvalLogQueries(store).summarize("demo", RecordFilter())}
+    cos = groups["m"].scores["cos"]
+    assert (cos.count, cos.total, cos.passed, cos.skipped, cos.low, cos.high) == (2, -1.0, 1, 1, -2.0, 1.0)
+    down = _summary(groups["m"]).scores[1]
+    assert (down.name, down.count, down.skipped_count, down.mean, down.min, down.max) == ("down", 0, 2, 0.0, 0.0, 0.0)
+    assert groups["m"].count == 3 and groups["other"].scores["cos"].total == 7.0
+
+
+async def test_a_summary_of_more_records_than_it_reads_is_refused(store, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Percentiles need every record's row, read in one transaction (on SQLite the one the consumer's
+    inserts wait for): a window over MAX_SUMMARY_RECORDS is refused, not read or sampled."""
+    monkeypatch.setattr(queries_module, "MAX_SUMMARY_RECORDS", 5)
+    base = time.time() - 100
+    await store.insert_batch(await rows(*(make_event(finished_at=base + i) for i in range(6))))
+    queries = EvalLogQueries(store)
+    with pytest.raises(InvalidArgument) as refused:
+        await queries.summarize("demo", RecordFilter())
+    assert refused.value.field_name == "start_time" and "more than 5 records" in refused.value.reason
+    (summary,) = await queries.summarize("demo", RecordFilter(start=base + 1))  # five: summarized
+    assert summary.count == 5 and summary.scores["pii"].count == 5
 
 
 def cached_usage(prompt: int, cached: int) -> types_pb2.Usage:
@@ -351,6 +451,48 @@ async def test_a_record_the_database_cannot_hold_is_a_content_refusal(store) -> 
         with pytest.raises(Exception) as refused:
             await store.insert_batch([row])
         assert refused_for_content(refused.value)
+
+
+async def test_a_locked_database_answers_unavailable_not_internal(tmp_path: Path) -> None:
+    store = SqliteStore(tmp_path / "evallog.sqlite3")
+    await store.open()
+    try:
+        event = make_event()
+        await store.insert_batch(await rows(event))
+        queries = EvalLogQueries(store)
+        await store._sqlite.run(lambda db: db.execute("PRAGMA busy_timeout = 50"))  # not the 30 s
+        other = sqlite3.connect(store.path, isolation_level=None)
+        other.execute("BEGIN IMMEDIATE")  # another process holds the write lock
+        try:
+            with pytest.raises(Unavailable, match="OperationalError"):
+                await queries.get_record("demo", event.event_id)
+            with pytest.raises(Unavailable, match="OperationalError"):
+                await queries.query_records("demo", RecordFilter(), 10, "")
+            with pytest.raises(Unavailable, match="OperationalError"):
+                await queries.summarize("demo", RecordFilter())
+        finally:
+            other.execute("ROLLBACK")
+            other.close()
+        assert (await queries.get_record("demo", event.event_id)).event_id == event.event_id  # and answers again
+    finally:
+        await store.close()
+
+
+def test_what_is_a_database_outage() -> None:
+    with pytest.raises(sqlite3.OperationalError) as bug:
+        sqlite3.connect(":memory:").execute("SELECT * FROM no_such_table")
+    assert not database_outage(bug.value)  # a bug in a statement: INTERNAL
+    for outage in (
+        ConnectionRefusedError(),
+        TimeoutError(),
+        asyncpg.exceptions.ConnectionDoesNotExistError("connection was closed in the middle of operation"),
+        asyncpg.exceptions.CannotConnectNowError("the database system is starting up"),
+        asyncpg.exceptions.AdminShutdownError("terminating connection due to administrator command"),
+        asyncpg.exceptions.TooManyConnectionsError("sorry, too many clients already"),
+    ):
+        assert database_outage(outage), outage
+    assert not database_outage(asyncpg.exceptions.UndefinedTableError("relation does not exist"))
+    assert not database_outage(ValueError())
 
 
 def test_a_database_failure_is_not_a_content_refusal() -> None:

@@ -78,8 +78,9 @@ class RecordFilter:
 
 @dataclass
 class SummaryData:
-    """Raw rows for summaries: (tenant, model, finish_reason, error_code, latency, ttft, in, out,
-    cached in) and (tenant, model, score name, value, passed, skipped)."""
+    """Rows for summaries: per record (tenant, model, finish_reason, error_code, latency, ttft, in,
+    out, cached in); per (tenant, model, score name) the database's aggregates (count not skipped,
+    sum of values not skipped, passed not skipped, skipped, min and max not skipped: None if none)."""
 
     records: list[tuple[Any, ...]] = field(default_factory=list)
     scores: list[tuple[Any, ...]] = field(default_factory=list)

@@ -200,17 +200,17 @@ def summarize(data: SummaryData) -> list[GroupSummary]:
         group.input_tokens += int(tokens_in)
         group.output_tokens += int(tokens_out)
         group.cached_tokens += int(tokens_cached)
-    for tenant, model, name, value, passed, skip in data.scores:
+    for tenant, model, name, count, total, passed, skip, low, high in data.scores:
         group = groups.setdefault((tenant, model), GroupSummary(tenant, model))
-        stats = group.scores.setdefault(name, ScoreStats(name))
-        if skip:
-            stats.skipped += 1
-            continue
-        stats.count += 1
-        stats.total += float(value)
-        stats.passed += 1 if passed else 0
-        stats.low = min(stats.low, float(value))
-        stats.high = max(stats.high, float(value))
+        group.scores[name] = ScoreStats(
+            name,
+            count=int(count),
+            total=float(total),
+            passed=int(passed),
+            skipped=int(skip),
+            low=math.inf if low is None else float(low),
+            high=-math.inf if high is None else float(high),
+        )
     for group in groups.values():
         group.latencies.sort()
         group.ttfts.sort()

@@ -28,6 +28,10 @@ from sluice_evaluation_logging.evaluators.base import CompletionEvent, Deferred,
 # Bounds one call's work: each item may cost up to two Embed calls of two texts (similarity and
 # reference_similarity); at ~200 texts/s on a CPU a thousand items are ~20 s. Callers page.
 MAX_ITEMS = 1000
+# Bounds one item's text (characters of its output, its reference, its prompt, each message): the
+# CPU-heavy evaluators scan the whole output in the pool the consumer shares (~0.2 ms per KB each),
+# so one call must not hold it for long. An answer of 32k tokens is ~128 KiB.
+MAX_TEXT_CHARS = 256 * 1024
 
 SCORED_ITEMS = Counter("sluice_evallog_scored_items_total", "Completions scored on request (ScoreCompletions).")
 
@@ -64,6 +68,11 @@ def validate(items: Sequence[ScoreInput]) -> None:
     for index, item in enumerate(items):
         if not item.event.text_logged:
             raise InvalidArgument(f"items[{index}].event.text_logged", "must be true: the evaluators score the output text")
+        texts = {"event.output": item.event.output, "event.prompt": item.event.prompt, "reference": item.reference}
+        texts.update({f"event.messages[{i}].content": message.content for i, message in enumerate(item.event.messages)})
+        for name, text in texts.items():
+            if len(text) > MAX_TEXT_CHARS:
+                raise InvalidArgument(f"items[{index}].{name}", f"{len(text)} characters; at most {MAX_TEXT_CHARS} per text")
 
 
 def scoring_context(ctx: EvalContext) -> EvalContext:

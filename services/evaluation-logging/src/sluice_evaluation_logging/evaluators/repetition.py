@@ -1,4 +1,5 @@
-"""Repeated word n-grams: value = share of the output's n-grams that repeat an earlier one (0 = none)."""
+"""Repeated word n-grams (character n-grams in scripts without spaces, such as Chinese, Japanese or
+Thai): value = share of the output's n-grams that repeat an earlier one (0 = none)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,19 @@ NAME = "repetition"
 HIGHER_IS_BETTER = False
 # Tokenizes the whole output and counts every n-gram in Python: ~170 us per KB here.
 CPU_HEAVY = True
-_WORD = re.compile(r"\w+|[^\w\s]", re.UNICODE)
+# Scripts written without spaces between words (Han, kana, Thai, Lao, Khmer, Myanmar): `\w+` would
+# make a whole run one "word", so a reply looping on one phrase scored 0; each character is a token
+# instead. Other scripts: runs of word characters, and each punctuation mark.
+_UNSPACED = (
+    "\u0e00-\u0eff"  # Thai, Lao
+    "\u1000-\u109f"  # Myanmar
+    "\u1780-\u17ff"  # Khmer
+    "\u3040-\u30ff\u31f0-\u31ff\uff66-\uff9f"  # kana, halfwidth katakana
+    "\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff\U00020000-\U0003134f"  # Han
+)
+_WORD = re.compile(f"[{_UNSPACED}]|[^\\W{_UNSPACED}]+|[^\\w\\s]")
+# The detail names the most repeated n-gram; a "word" can be a whole 60 kB output without spaces.
+DETAIL_CHARS = 80
 
 
 def repeated_ngram_ratio(text: str, n: int) -> tuple[float, str]:
@@ -29,7 +42,7 @@ def repeated_ngram_ratio(text: str, n: int) -> tuple[float, str]:
     if not repeats:  # every n-gram once: no need to look for the most repeated one
         return 0.0, ""
     top, count = max(seen.items(), key=lambda item: item[1])
-    return repeats / total, (f"most repeated: {' '.join(top)!r} x{count}" if count > 1 else "")
+    return repeats / total, (f"most repeated: {' '.join(top)[:DETAIL_CHARS]!r} x{count}" if count > 1 else "")
 
 
 def evaluate(event: CompletionEvent, ctx: EvalContext) -> ScoreResult | None:

@@ -1,4 +1,5 @@
-"""Prompt-to-answer semantic similarity (cosine of the adapter's embeddings), on a sample of events.
+"""Prompt-to-answer semantic similarity (cosine of the adapter's embeddings), on a sample of events
+with a prompt (or user messages) and an output.
 
 Sampling is decided by the event id, so a redelivered event gets the same decision. When the
 adapter does not serve embeddings the score is recorded as skipped: no similarity is made up.
@@ -49,7 +50,9 @@ def cosine(a: Sequence[float], b: Sequence[float]) -> float:
 
 
 def applies(event: CompletionEvent) -> bool:
-    return has_text(event) and finished(event) and bool(event.output.strip())
+    # Both texts must say something: an output compared with the embedding of an empty prompt (a
+    # conversation of system messages only, say) would be a number that means nothing.
+    return has_text(event) and finished(event) and bool(event.output.strip()) and bool(prompt_text(event).strip())
 
 
 def texts(event: CompletionEvent) -> tuple[str, str]:

@@ -28,7 +28,7 @@ from sluice_evaluation_logging.store.postgres import PostgresStore
 from sluice_evaluation_logging.store.schema import LATEST_VERSION, MIGRATIONS
 from sluice_evaluation_logging.store.sqlite import SqliteStore
 
-__all__ = ["LATEST_VERSION", "MIGRATIONS", "PostgresStore", "SqliteStore", "Store", "open_store", "refused_for_content"]
+__all__ = ["LATEST_VERSION", "MIGRATIONS", "PostgresStore", "SqliteStore", "Store", "database_outage", "open_store", "refused_for_content"]
 
 
 class Store(Protocol):
@@ -40,7 +40,7 @@ class Store(Protocol):
     async def insert_batch(self, rows: Sequence[RecordRow]) -> int: ...
     async def get(self, event_id: str) -> RecordRow | None: ...
     async def query(self, where: RecordFilter, page_size: int, page_token: str) -> tuple[list[RecordRow], str]: ...
-    async def summary_data(self, where: RecordFilter) -> SummaryData: ...
+    async def summary_data(self, where: RecordFilter, max_records: int) -> SummaryData: ...
     async def count(self) -> int: ...
     async def claim_pending(self, name: str, limit: int, lease_s: float) -> list[PendingItem]: ...
     async def release_pending(self, name: str, event_ids: Sequence[str], delay_s: float, count_attempt: bool) -> None: ...
@@ -71,3 +71,25 @@ def refused_for_content(error: BaseException) -> bool:
     """Whether `error` from `insert_batch` is the database refusing what the rows hold (retrying
     them is useless) rather than the database failing (retrying is what to do)."""
     return isinstance(error, _CONTENT_REFUSALS)
+
+
+# What a database raises when it cannot answer now but may later: unreachable or restarting
+# (OSError covers refused and reset connections, and timeouts), out of connections, or, on SQLite,
+# the file locked past the busy timeout or unreadable. Not a statement it refuses, nor a bug.
+_OUTAGES: tuple[type[BaseException], ...] = (
+    OSError,
+    asyncpg.exceptions.PostgresConnectionError,
+    asyncpg.exceptions.CannotConnectNowError,
+    asyncpg.exceptions.AdminShutdownError,
+    asyncpg.exceptions.CrashShutdownError,
+    asyncpg.exceptions.TooManyConnectionsError,
+)
+_SQLITE_OUTAGES = (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED, sqlite3.SQLITE_IOERR, sqlite3.SQLITE_CANTOPEN)
+
+
+def database_outage(error: BaseException) -> bool:
+    """Whether `error` from a store call is the database being unavailable (a caller may retry)."""
+    if isinstance(error, sqlite3.OperationalError):
+        # The primary result code is the low byte of the extended one (SQLITE_BUSY_SNAPSHOT is a BUSY).
+        return error.sqlite_errorcode & 0xFF in _SQLITE_OUTAGES
+    return isinstance(error, _OUTAGES)

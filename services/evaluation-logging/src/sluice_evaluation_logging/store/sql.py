@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import base64
 import functools
+import math
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -145,10 +146,15 @@ def encode_page_token(finished_at: float, event_id: str) -> str:
 
 def decode_page_token(token: str) -> tuple[float, str]:
     try:
-        finished_at, event_id = base64.urlsafe_b64decode(token.encode()).decode().split("|", 1)
-        return float(finished_at), event_id
+        text, event_id = base64.urlsafe_b64decode(token.encode()).decode().split("|", 1)
+        finished_at = float(text)
     except (ValueError, UnicodeDecodeError):
         raise InvalidArgument("page_token", "not a token from a previous response") from None
+    # float() also reads "nan" and "inf", which no record's time is: a forged token, and one that
+    # SQLite (NaN bound as NULL) and PostgreSQL (NaN above every number) would page differently.
+    if not math.isfinite(finished_at):
+        raise InvalidArgument("page_token", "not a token from a previous response")
+    return finished_at, event_id
 
 
 def page_sql(where: RecordFilter, page_size: int, page_token: str) -> tuple[str, list[Any]]:
@@ -167,14 +173,20 @@ def scores_sql(count: int) -> str:
 
 
 def summary_sql(where: RecordFilter) -> tuple[str, str, list[Any]]:
+    """The records' rows (the caller adds `LIMIT ?`: percentiles need every latency) and the scores
+    aggregated per (tenant, model, name) in the database: a record has ~9 scores, none need be read."""
     clause, params = where_sql(where)
     records = (
         "SELECT tenant, model, finish_reason, error_code, latency_ms, ttft_ms, input_tokens, output_tokens, cached_tokens"
-        f" FROM records WHERE {clause}"
+        f" FROM records WHERE {clause} LIMIT ?"
     )
     scores = (
-        "SELECT records.tenant, records.model, s2.name, s2.value, s2.passed, s2.skipped"
+        "SELECT records.tenant, records.model, s2.name,"
+        " SUM(CASE WHEN s2.skipped THEN 0 ELSE 1 END), SUM(CASE WHEN s2.skipped THEN 0 ELSE s2.value END),"
+        " SUM(CASE WHEN s2.passed AND NOT s2.skipped THEN 1 ELSE 0 END), SUM(CASE WHEN s2.skipped THEN 1 ELSE 0 END),"
+        " MIN(CASE WHEN s2.skipped THEN NULL ELSE s2.value END), MAX(CASE WHEN s2.skipped THEN NULL ELSE s2.value END)"
         f" FROM scores s2 JOIN records ON records.event_id = s2.event_id WHERE {clause}"
+        " GROUP BY records.tenant, records.model, s2.name"
     )
     return records, scores, params
 
@@ -186,10 +198,29 @@ def attach_scores(rows: list[RecordRow], score_rows: Sequence[Sequence[Any]]) ->
     return [RecordRow(**{**row.__dict__, "scores": tuple(by_event.get(row.event_id, ()))}) for row in rows]
 
 
+# A page's records, measured as stored (the event, the scores' text), stop short of this: records
+# carry whole prompts and outputs, and gRPC clients refuse a message over 4 MiB by default
+# (RESOURCE_EXHAUSTED), so a page of a thousand long answers would never arrive.
+PAGE_BYTES = 3 * 1024 * 1024
+
+
+def record_size(row: RecordRow) -> int:
+    """About what the record weighs in a response: its event, and its scores' names and details."""
+    return len(row.event) + sum(len(s.name) + len(s.detail) + 32 for s in row.scores)
+
+
 def next_token(rows: list[RecordRow], page_size: int) -> tuple[list[RecordRow], str]:
-    if len(rows) <= page_size:
-        return rows, ""
-    page = rows[:page_size]
+    """The page (`page_size` rows at most, and within PAGE_BYTES unless its first row alone is
+    not) and the token of the next one: keyset tokens may cut a page anywhere."""
+    page: list[RecordRow] = []
+    total = 0
+    for row in rows[:page_size]:
+        total += record_size(row)
+        if page and total > PAGE_BYTES:
+            break
+        page.append(row)
+    if len(page) == len(rows):
+        return page, ""
     return page, encode_page_token(page[-1].finished_at, page[-1].event_id)
 
 
@@ -234,10 +265,15 @@ class SqlStore:
                 rows = attach_scores(rows, await tx.fetchall(scores_sql(len(ids)), *ids))
         return next_token(rows, page_size)
 
-    async def summary_data(self, where: RecordFilter) -> SummaryData:
+    async def summary_data(self, where: RecordFilter, max_records: int) -> SummaryData:
+        """At most `max_records` + 1 records' rows: more than `max_records` means the window holds
+        too many to summarize, and then the scores are not read at all."""
         records_sql, scores_sql_, params = summary_sql(where)
         async with self.db.transaction() as tx:
-            return SummaryData(await tx.fetchall(records_sql, *params), await tx.fetchall(scores_sql_, *params))
+            records = await tx.fetchall(records_sql, *params, max_records + 1)
+            if len(records) > max_records:
+                return SummaryData(records)
+            return SummaryData(records, await tx.fetchall(scores_sql_, *params))
 
     async def count(self) -> int:
         async with self.db.transaction() as tx:
