@@ -9,7 +9,8 @@ Dockerfile lays it out (the same COPY source). Requests go through tritonclient'
 
 Differences from the image, on purpose or forced: Python 3.11 here (the 25.01 image has 3.12; the
 pins are compiled for both), tritonserver 2.51 (the 25.01 image has 2.54), ports chosen free on
-127.0.0.1. Not loaded here: `smollm2_vllm`, which needs the vLLM backend (only in the
+127.0.0.1, the step model's METRICS_PORT among them (the server loads a copy of the repository with
+only that parameter changed, so that a triton-local on 9105 cannot clash with it). Not loaded here: `smollm2_vllm`, which needs the vLLM backend (only in the
 *-vllm-python-py3 images; the wheel ships the Python backend alone). No GPU here: tritonserver
 refuses a KIND_GPU instance itself, which is checked; the step model's own GPU selection is
 checked by running its `placement` and `initialize` outside the server (see the GPU tests).
@@ -24,6 +25,7 @@ import shutil
 import socket
 import subprocess
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -47,6 +49,8 @@ COMMON_MODULES = ("__init__.py", "cgroup.py", "sampling.py", "structured_outputs
 COMMON_COPY = "COPY " + " ".join(f"libs/sluice-common/src/sluice_common/{m}" for m in COMMON_MODULES) + " /opt/sluice/sluice_common/"
 LOADED = ("smollm2_step", "minilm_embed")
 READY_TIMEOUT_S = 120
+# The step model's engine metrics port as config.pbtxt (and configs/gpu.pbtxt) sets it.
+METRICS_PORT_LINE = 'parameters: { key: "METRICS_PORT", value: { string_value: "9105" } }'
 EMBED_TEXTS = ["Which city is the capital of France?", "Triton serves models over gRPC.", "ünïcode ✓"]
 
 
@@ -88,12 +92,12 @@ def _free_ports(count: int) -> list[int]:
 class Server:
     """One tritonserver process on free ports, its log in a file."""
 
-    def __init__(self, backends: Path, env: dict[str, str], log: Path, *extra: str) -> None:
+    def __init__(self, backends: Path, env: dict[str, str], log: Path, *extra: str, repository: Path = MODELS) -> None:
         self.http, self.grpc, self.metrics = _free_ports(3)
         self.log = log
         command = [
             str(_pytriton_dir() / "bin" / "tritonserver"),
-            f"--model-repository={MODELS}",
+            f"--model-repository={repository}",
             "--model-control-mode=explicit",
             f"--backend-directory={backends}",
             *(f"--{kind}-address=127.0.0.1" for kind in ("http", "grpc", "metrics")),
@@ -167,16 +171,40 @@ def backend_env(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[st
 
 
 @pytest.fixture(scope="module")
-def triton(backend_env: tuple[Path, dict[str, str]], tmp_path_factory: pytest.TempPathFactory) -> Iterator[grpcclient.InferenceServerClient]:
+def step_metrics_port() -> int:
+    """The free port the step model serves its engine metrics on here (its METRICS_PORT)."""
+    (port,) = _free_ports(1)
+    return port
+
+
+@pytest.fixture(scope="module")
+def repository(tmp_path_factory: pytest.TempPathFactory, step_metrics_port: int) -> Path:
+    """deploy/triton/models, copied with only the step model's METRICS_PORT changed (to a free port)."""
+    copy = tmp_path_factory.mktemp("models") / "models"
+    shutil.copytree(MODELS, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    config = copy / "smollm2_step" / "config.pbtxt"
+    text = config.read_text()
+    assert text.count(METRICS_PORT_LINE) == 1, "config.pbtxt serves the engine metrics on 9105"
+    config.write_text(text.replace(METRICS_PORT_LINE, METRICS_PORT_LINE.replace('"9105"', f'"{step_metrics_port}"')))
+    return copy
+
+
+@pytest.fixture(scope="module")
+def triton_server(backend_env: tuple[Path, dict[str, str]], repository: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     backends, env = backend_env
     log = tmp_path_factory.mktemp("triton-log") / "tritonserver.log"
-    server = Server(backends, env, log, *(f"--load-model={name}" for name in LOADED))
+    server = Server(backends, env, log, *(f"--load-model={name}" for name in LOADED), repository=repository)
     try:
-        client = server.wait_ready(READY_TIMEOUT_S)
-        yield client
-        client.close()
+        yield server
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="module")
+def triton(triton_server: Server) -> Iterator[grpcclient.InferenceServerClient]:
+    client = triton_server.wait_ready(READY_TIMEOUT_S)
+    yield client
+    client.close()
 
 
 # ---- the step model ----------------------------------------------------------------------------
@@ -290,6 +318,34 @@ def test_step_model_reuses_a_cached_prompt_prefix(triton: grpcclient.InferenceSe
 def test_step_model_rejects_a_bad_row_as_invalid(triton: grpcclient.InferenceServerClient) -> None:
     row = _step(triton, 9, seq_id=8)
     assert row["FINISH"] == "invalid" and "unknown ACTION" in row["ERROR"], row
+
+
+def _scrape(port: int) -> dict[str, float]:
+    """The samples of a Prometheus /metrics page on 127.0.0.1, by name with its labels as written."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
+        lines = reply.read().decode().splitlines()
+    return {name: float(value) for name, value in (line.rsplit(" ", 1) for line in lines if line and not line.startswith("#"))}
+
+
+def test_step_model_serves_the_engine_metrics_on_its_metrics_port(
+    triton: grpcclient.InferenceServerClient, triton_server: Server, step_metrics_port: int
+) -> None:
+    """The engine records its metrics in the model's stub process, which serves them on METRICS_PORT
+    with the names triton-local's model process serves (the rules, the dashboard and `sluice
+    diagnose` read them); Triton's own metrics port has none of them."""
+    before = _scrape(step_metrics_port)
+    assert before["sluice_triton_local_max_slots"] == 8, "MAX_SLOTS of config.pbtxt"
+    prefill = json.dumps({"messages": [["user", "Write a short poem about rivers."]], "max_tokens": 5}).encode()
+    responses = _round(triton, [(1, 31, prefill)], steps=8)
+    assert responses[-1][0]["FINISH"] == "length" and responses[-1][0]["COMPLETION_TOKENS"] == 5, responses[-1]
+    after = _scrape(step_metrics_port)
+    tokens = "sluice_triton_local_tokens_generated_total"
+    assert after[tokens] - before[tokens] == 5, (before[tokens], after[tokens])
+    assert after["sluice_triton_local_active_slots"] == 0, "the finished sequence gave its slot back"
+    assert after["sluice_triton_local_step_seconds_count"] > before["sluice_triton_local_step_seconds_count"]
+    lookups = [f'sluice_triton_local_prefix_cache_lookups_total{{result="{result}"}}' for result in ("hit", "miss")]
+    assert sum(after[name] - before[name] for name in lookups) == 1, "one prefill, a hit or a miss"
+    assert not [name for name in _scrape(triton_server.metrics) if name.startswith("sluice_")], "Triton's port carries only Triton's"
 
 
 # ---- the embedding model -----------------------------------------------------------------------
@@ -408,3 +464,39 @@ def test_step_model_on_kind_gpu_fails_to_load_on_a_cpu_build_and_names_the_fix(t
     assert "KIND_GPU (device 1)" in out["load_error"] and "--build-arg LLAMA_BUILD=cuda" in out["load_error"], out
     assert "KIND_CPU" in out["numpy_error"], out
     assert out["gpu"] == [-1, 1], "KIND_GPU puts every layer on the instance's device"
+
+
+METRICS_PORT_CHECKS = r"""
+import sys
+sys.path[:0] = [sys.argv[1], sys.argv[2]]  # Triton's triton_python_backend_utils.py; the model's folder
+import model
+
+one = {"instance_group": [{"count": 1, "kind": "KIND_CPU", "gpus": []}]}
+assert model.metrics_port(one, {"METRICS_PORT": "9105"}) == 9105
+assert model.metrics_port(one, {}) == 9105, "config.pbtxt's value when the parameter is left out"
+two_gpus = {"instance_group": [{"count": 1, "kind": "KIND_GPU", "gpus": [0, 1]}]}
+assert model.instances(two_gpus) == 2 and model.instances({"instance_group": [{"count": 2, "kind": "KIND_CPU"}]}) == 2
+for config in (two_gpus, {"instance_group": [{"count": 2, "kind": "KIND_CPU", "gpus": []}]}):
+    assert model.metrics_port(config, {"METRICS_PORT": "0"}) == 0
+    try:
+        model.metrics_port(config, {"METRICS_PORT": "9105"})
+    except ValueError as exc:
+        assert "instance_group makes 2" in str(exc) and "METRICS_PORT 0" in str(exc), exc
+    else:
+        raise AssertionError(f"two instances would both bind METRICS_PORT: {config}")
+print("ok")
+"""
+
+
+def test_step_model_serves_its_metrics_port_from_one_instance_only(backend_env) -> None:
+    """Each instance is a stub process with its own engine and metrics, and one port: with two
+    instances (KIND_CPU count 2, or KIND_GPU on two GPUs) METRICS_PORT is refused, 0 is not
+    (backend_env: the image's sys.path, sluice_common included)."""
+    done = subprocess.run(
+        [str(VENV_PYTHON), "-c", METRICS_PORT_CHECKS, str(_pytriton_dir() / "backends" / "python"), str(MODELS / "smollm2_step" / "1")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(PACKAGE_ROOT)},
+    )
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]

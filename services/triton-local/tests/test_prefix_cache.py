@@ -404,3 +404,20 @@ def test_a_cached_prefix_copied_from_is_the_last_to_be_evicted() -> None:
     following = tuple(engine.encode_chat([*turn, ("assistant", "No, we are closed on Sundays."), ("user", question)]))
     (next_turn,) = engine.step([PrefillRow(5, following, Sampling(max_tokens=1))])
     assert next_turn.cached_tokens >= len(conversation) > common_prefix(list(copying), list(following))  # not the live copy's system prompt
+
+
+def test_llamacpp_on_a_gpu_has_no_tiled_rule(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Exact reuse is a CPU guarantee: with layers on a GPU, CUDA's kernels depend on the whole
+    step's tokens, and the rule would only prefill tokens again. llama.cpp answers as a CUDA build
+    does (this build keeps the layers on the CPU: only the attribute is checked here)."""
+    from sluice_triton_local.engine import llamacpp_model
+
+    monkeypatch.setattr(llamacpp_model.lc, "llama_supports_gpu_offload", lambda: True)
+    on_gpu = llamacpp_model.LlamaCppModel(gguf_path(), max_slots=1, max_context=64, threads=1, gpu_layers=-1)
+    on_cpu = llamacpp_model.LlamaCppModel(gguf_path(), max_slots=1, max_context=64, threads=1)
+    try:
+        assert on_gpu.tiled_attention_rows is None and on_cpu.tiled_attention_rows == 64
+        assert exact_reuse(90, cells(list(range(90)), tiled=True), 150, 0, on_gpu.tiled_attention_rows) == 90
+    finally:
+        on_gpu.close()
+        on_cpu.close()

@@ -15,6 +15,8 @@ import numpy as np
 import pytest
 from prometheus_client import REGISTRY
 
+from sluice_common.sampling import Sampling
+from sluice_triton_local.engine.rows import PrefillRow, ReleaseRow
 from sluice_triton_local.model_files import gguf_path
 from sluice_triton_local.engine.step_engine import StepEngine
 from sluice_triton_local import step_protocol
@@ -414,3 +416,26 @@ def test_a_token_id_outside_the_vocabulary_is_invalid_naming_the_field(shared: S
         error = bytes(response["ERROR"][0]).decode()
         assert error.startswith("prompt_token_ids: ") and str(outside) in error and "49152" in error, error
     assert shared.active_slots == 0
+
+
+def test_close_runs_the_work_queued_then_frees_the_model_and_refuses_more() -> None:
+    """SharedEngine.close (the Triton step model's finalize): a round queued before it runs to its
+    end; then llama.cpp's context is freed and a step fails rather than reaching freed memory. A
+    variant closes its own model and leaves the main engine's thread running."""
+    main = SharedEngine(StepEngine(gguf_path(), max_slots=1, max_context=256, threads=1, prefix_cache=False))
+    variant = SharedEngine(StepEngine(gguf_path(), max_slots=1, max_context=256, threads=1, prefix_cache=False), variant_of=main)
+    question = main.apply_chat_template([("user", "Write a short poem about rivers.")])
+    steps: list[bool] = []
+    queued = variant.round([PrefillRow(1, question, Sampling(max_tokens=40))], 4, lambda _results, last: steps.append(last))
+    variant.close()
+    assert queued.done() and steps == [False, False, False, True]
+    assert variant._engine._model._ctx is None  # noqa: SLF001
+    with pytest.raises(RuntimeError, match="closed"):
+        variant.step([ReleaseRow(1)])
+    queued = main.round([PrefillRow(2, question, Sampling(max_tokens=40))], 4, lambda _results, last: steps.append(last))
+    main.close()
+    assert queued.done() and steps[4:] == [False, False, False, True]
+    assert main._engine._model._ctx is None  # noqa: SLF001
+    with pytest.raises(RuntimeError):
+        main.step([ReleaseRow(2)])
+    main.close()  # twice: nothing more to do

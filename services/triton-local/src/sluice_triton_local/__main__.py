@@ -11,13 +11,12 @@ from collections.abc import MutableMapping
 from typing import TYPE_CHECKING
 
 import structlog
-from prometheus_client import start_http_server
 
 from sluice_common.cgroup import usable_cpus
 from sluice_common.config import ConfigError, load_config
 from sluice_common.log import configure_logging
 from sluice_triton_local.config import ENV_PREFIX, TritonLocalConfig
-from sluice_triton_local.metrics import ENGINE_THREADS, MAX_SLOTS, USABLE_CPUS
+from sluice_triton_local.metrics import ENGINE_THREADS, USABLE_CPUS, serve_metrics
 from sluice_triton_local.model_files import smollm2_gguf
 
 # Rounds a llama.cpp thread spins at a barrier before it sleeps, without adaptive threads
@@ -82,8 +81,7 @@ def main() -> None:
             "prefix_cache_host_store_ignored",
             reason=f"the {config.engine} engine cannot save a slot's cells: {ENV_PREFIX}PREFIX_CACHE_HOST_MIB={config.prefix_cache_host_mib} keeps nothing",
         )
-    MAX_SLOTS.set(config.max_slots)
-    start_http_server(config.metrics_port, addr=config.host)
+    serve_metrics(config.metrics_port, config.host, config.max_slots)
 
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -1,6 +1,10 @@
 """Prometheus metrics of the model process (Triton's own metrics are on its metrics port)."""
 
-from prometheus_client import Counter, Gauge, Histogram
+from __future__ import annotations
+
+from wsgiref.simple_server import WSGIServer
+
+from prometheus_client import Counter, Gauge, Histogram, start_http_server
 
 TOKENS_GENERATED = Counter("sluice_triton_local_tokens_generated_total", "Tokens sampled by the step model.")
 VARIANT_TOKENS_GENERATED = Counter(
@@ -80,3 +84,13 @@ EMBED_SECONDS = Histogram(
     "Time the encoder spent on one embedding request.",
     buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5),
 )
+
+
+def serve_metrics(port: int, addr: str, max_slots: int) -> WSGIServer:
+    """Serves this process's metrics on `port` (prometheus_client's HTTP server, a daemon thread),
+    the main engine's slots (MAX_SLOTS) set first: triton-local's model process, and the step model
+    of deploy/triton (its METRICS_PORT), which serve the same names. shutdown() and server_close()
+    stop it."""
+    MAX_SLOTS.set(max_slots)
+    server, _ = start_http_server(port, addr=addr)
+    return server

@@ -51,6 +51,10 @@ class EngineThread:
 
         return self._executor.submit(run)
 
+    def shutdown(self) -> None:
+        """Runs the work already queued, then stops the thread: later work is refused (RuntimeError)."""
+        self._executor.shutdown(wait=True)
+
 
 class SharedEngine:
     """Runs every step on one thread of its own and records the model metrics.
@@ -79,6 +83,7 @@ class SharedEngine:
         self._asks_lock = threading.Lock()
         self._rounds_submitted = 0
         self._end_through = 0
+        self._closed = False
 
     @property
     def active_slots(self) -> int:
@@ -137,6 +142,22 @@ class SharedEngine:
         metrics.PREFIX_CACHE_HOST_RESTORES.inc(engine.host_restores_total - self._host_restores)
         self._host_restores = engine.host_restores_total
         self._prefills, self._prefix_hits, self._reused_tokens = engine.prefills_total, engine.prefix_hits_total, engine.cached_tokens_total
+
+    def close(self) -> None:
+        """Ends the engine: the work already queued on its thread runs first, then its model's
+        memory is freed (StepEngine.close), and later steps and rounds fail (RuntimeError). The main
+        engine's thread stops with it; a variant, which steps on its main engine's thread, frees its
+        model on that thread (close a variant before its main engine)."""
+
+        def close_model() -> None:
+            self._closed = True
+            self._engine.close()
+
+        if self._variant:
+            self._owner.submit(close_model, counted=False).result()
+        else:
+            self._owner.shutdown()
+            close_model()
 
     def step(self, rows: list[Row]) -> list[RowResult]:
         return self._owner.submit(self._step, rows).result()
@@ -210,6 +231,8 @@ class SharedEngine:
         return [ReleaseRow(s) if s in released else DecodeRow(s) for s in running]
 
     def _step(self, rows: list[Row], interruptible: bool = False) -> list[RowResult]:
+        if self._closed:  # a variant's work queued after its close: its model's memory is gone
+            raise RuntimeError("the engine is closed")
         released = [row.seq_id for row in rows if isinstance(row, ReleaseRow)]
         if released:
             with self._asks_lock:

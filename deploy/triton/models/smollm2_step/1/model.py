@@ -8,6 +8,9 @@ returns at once, so a release request reaches the engine while a round runs.
 Where the engine runs is chosen at load from the instance Triton creates (`instance_group` in
 config.pbtxt): KIND_CPU on the CPU cores, KIND_GPU with every layer on that instance's GPU. The
 engine code is the same either way; only llama.cpp's build differs (CUDA for a GPU).
+The engine's metrics (tokens, slots, prefix cache, steps: sluice_triton_local.metrics, the names
+triton-local's model process serves) are served by this stub process itself on METRICS_PORT;
+Triton's own metrics port carries only Triton's.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import triton_python_backend_utils as pb_utils  # provided by Triton's Python ba
 from sluice_common.cgroup import usable_cpus
 from sluice_triton_local.engine.llamacpp_model import GpuOffloadUnavailable
 from sluice_triton_local.engine.step_engine import StepEngine
+from sluice_triton_local.metrics import serve_metrics
 from sluice_triton_local.model_files import smollm2_gguf
 from sluice_triton_local.shared_engine import SharedEngine, warm_up
 from sluice_triton_local.step_protocol import INPUTS, OPTIONAL_INPUTS, OUTPUTS, RoundRejected, start_round
@@ -66,15 +70,46 @@ def _flag(params: dict[str, str], name: str, default: str) -> bool:
     return value == "true"
 
 
+def instances(config: dict) -> int:
+    """The instances Triton makes of the model: each group's count, on each of its GPUs for KIND_GPU."""
+    return sum(
+        int(group.get("count", 1)) * (len(group.get("gpus") or [0]) if group.get("kind") == "KIND_GPU" else 1)
+        for group in config.get("instance_group", [])
+    )
+
+
+def metrics_port(config: dict, params: dict[str, str]) -> int:
+    """METRICS_PORT, the port this instance serves the engine's metrics on (0: none). Each instance
+    is a stub process of its own, with its own engine and metrics, and only one can listen on the
+    port: with more than one instance (which would also split the KV slots), the port is refused."""
+    port = int(params.get("METRICS_PORT", "9105"))
+    if port and (count := instances(config)) > 1:
+        raise ValueError(
+            f"METRICS_PORT {port} is served by one instance, and instance_group makes {count}: use one"
+            " instance (the KV slots live in it), or METRICS_PORT 0 to serve no engine metrics"
+        )
+    return port
+
+
 class TritonPythonModel:
     def initialize(self, args: dict[str, str]) -> None:
         config = json.loads(args["model_config"])
         params = {key: value["string_value"] for key, value in config.get("parameters", {}).items()}
         engine = params.get("ENGINE", "llamacpp")
         where = placement(args, engine)
+        max_slots = int(params.get("MAX_SLOTS", "8"))
+        port = metrics_port(config, params)
+        # Served from the start (as Triton's own metrics are), before the engine loads: a port taken
+        # fails the load at once. The slot bound is set here; everything else as the engine steps.
+        self.metrics_server = None
+        if port:
+            try:
+                self.metrics_server = serve_metrics(port, "0.0.0.0", max_slots)
+            except OSError as exc:
+                raise OSError(f"the step model cannot serve its metrics on METRICS_PORT {port} (0: none): {exc}") from exc
         step_engine = StepEngine(
             params.get("GGUF_PATH") or str(smollm2_gguf()),
-            max_slots=int(params.get("MAX_SLOTS", "8")),
+            max_slots=max_slots,
             max_context=int(params.get("MAX_CONTEXT", "2048")),
             slot_lease_s=float(params.get("SLOT_LEASE_S", "30")),
             prefix_cache=_flag(params, "PREFIX_CACHE", "true"),
@@ -104,7 +139,12 @@ class TritonPythonModel:
         return None
 
     def finalize(self) -> None:
-        self.engine = None
+        # The rounds already queued run to their end (their responses sent), then the engine's
+        # thread stops and llama.cpp's memory is freed.
+        self.engine.close()
+        if self.metrics_server is not None:
+            self.metrics_server.shutdown()
+            self.metrics_server.server_close()
 
 
 def _inputs(request: object) -> dict:

@@ -221,6 +221,9 @@ class LlamaCppModel:
     # llama.cpp's CPU flash attention (on: flash_attn_type is left at auto) runs a sequence's query
     # rows through a tiled kernel from GGML_FA_TILE_Q (64) rows a step on, row by row below (ggml-cpu
     # ops.cpp); the prefix cache reuses only cells computed as a cold prefill would compute them.
+    # Bit-exact reuse is a CPU guarantee: with layers on a GPU (gpu_layers != 0), CUDA's ggml picks
+    # its matrix kernels by the whole ubatch's token count, so no rule on a sequence's own rows makes
+    # reused cells exact, and the rule would only prefill tokens again: None there (see __init__).
     tiled_attention_rows: int | None = 64
 
     def __init__(
@@ -240,6 +243,8 @@ class LlamaCppModel:
         adaptive_threads: on the CPU, step with fewer of the threads while another process takes
         cores (thread_governor.py)."""
         require_gpu_offload(gpu_layers)
+        if gpu_layers != 0:
+            self.tiled_attention_rows = None
         init_backend_once()
         model_params = lc.llama_model_default_params()
         model_params.n_gpu_layers = gpu_layers

@@ -60,7 +60,9 @@ def exact_reuse(shared: int, cells: Cells, prompt_len: int, chunk: int, tile_row
     enough to flip a near tie between two greedy tokens. So every reused position must have been
     computed by the kernel a cold prefill would use for it, and so must every position prefilled
     now: a whole prompt of `tile_rows` or more prefills at least its last `tile_rows` tokens again,
-    a chunked one restarts at a chunk boundary. `tile_rows` None: the forward pass has no such kernel."""
+    a chunked one restarts at a chunk boundary. `tile_rows` None: the forward pass has no such kernel
+    (numpy), or nothing this rule could keep exact (llama.cpp with layers on a GPU, whose kernels
+    depend on the whole batch): the exactness is a CPU guarantee."""
     if tile_rows is None:
         return shared
     if chunk:

@@ -225,6 +225,14 @@ class StepEngine:
         that cannot save a slot's cells: the numpy engine)."""
         return self._host.capacity_bytes
 
+    def close(self) -> None:
+        """Frees the forward pass's memory outside Python's (llama.cpp's context and weights; the
+        numpy model has none) and the host prefix store. Nothing may be stepped after."""
+        close = getattr(self._model, "close", None)
+        if close is not None:
+            close()
+        self._host.clear()
+
     def clear_prefix_cache(self) -> None:
         """Forgets every cached prefix (their slots stay free, the host store empty): the next prompts prefill cold."""
         for slot in self._slots.clear():
@@ -517,8 +525,8 @@ class StepEngine:
     def _place(self, prompt: list[int], chunk: int) -> tuple[int, int, Cells]:
         """A slot for a new sequence, how many of its prompt's tokens that slot already holds, and
         their cells. At least the last prompt token is always prefilled: its logits sample the first
-        token; and only as many tokens are reused as leave the logits bit for bit those of a cold
-        prefill (prefix_cache.exact_reuse)."""
+        token; and on the CPU, only as many tokens are reused as leave the logits bit for bit those
+        of a cold prefill (prefix_cache.exact_reuse)."""
         limit = len(prompt) - 1
         cached_slot, from_cache = self._slots.longest(prompt, limit) if self._slots.enabled else (None, 0)
         if cached_slot is not None:
