@@ -124,7 +124,7 @@ def test_auto_text_that_only_looks_like_a_call_is_text() -> None:
     assert rest == '<tool_call>{"name": "unknown_tool"}</tool_call>' and reason == types_pb2.FINISH_REASON_STOP and not calls
 
 
-@pytest.mark.parametrize("body", ['{"name": ["get_weather"]}', '{"name": {"a": 1}}', '{"name": 7}', "[" * 5000])
+@pytest.mark.parametrize("body", ['{"name": ["get_weather"]}', '{"name": {"a": 1}}', '{"name": 7}', "[" * 5000, "1" * 5000])
 def test_a_call_naming_no_tool_by_a_string_or_too_deep_to_read_is_text(body: str) -> None:
     """These raised inside the stream after its lease was settled: the client got INTERNAL and no
     final chunk while the event said the stream had stopped normally."""

@@ -105,7 +105,7 @@ def _salvage(body: bytes) -> tuple[str, str]:
     """job_id and reply_to from a JSON body that did not parse as a JobRequest (for the rejection)."""
     try:
         document = json.loads(body)
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, UnicodeDecodeError, RecursionError):
         return "", ""
     if not isinstance(document, dict):
         return "", ""

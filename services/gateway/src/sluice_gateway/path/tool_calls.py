@@ -164,7 +164,7 @@ def render(messages: Sequence[types_pb2.ChatMessage], tool_plan: ToolPlan | None
 def _call_text(call: types_pb2.ToolCall) -> str:
     try:
         arguments: Any = json.loads(call.arguments or "{}")
-    except (json.JSONDecodeError, RecursionError):
+    except (ValueError, RecursionError):  # ValueError: JSONDecodeError, or an integer over 4,300 digits
         arguments = call.arguments  # as the client sent it back: shown, not judged
     return f"{OPEN}\n{json.dumps({'name': call.name, 'arguments': arguments})}\n{CLOSE}"
 
@@ -251,7 +251,7 @@ def _required_calls(text: str) -> list[types_pb2.ToolCall] | None:
     None when the text is not one (the engine stopped it early)."""
     try:
         items = json.loads(text)
-    except (json.JSONDecodeError, RecursionError):
+    except (ValueError, RecursionError):  # ValueError: JSONDecodeError, or an integer over 4,300 digits
         return None
     if not isinstance(items, list) or not all(
         isinstance(item, dict) and isinstance(item.get("name"), str) and "parameters" in item for item in items
@@ -263,7 +263,7 @@ def _required_calls(text: str) -> list[types_pb2.ToolCall] | None:
 def _parse_call(body: str, tools: dict[str, dict[str, Any]]) -> types_pb2.ToolCall | None:
     try:
         parsed = json.loads(body)
-    except (json.JSONDecodeError, RecursionError):
+    except (ValueError, RecursionError):  # ValueError: JSONDecodeError, or an integer over 4,300 digits
         return None
     # A name the model wrote as a list or an object is no call either (and no dict key).
     if not isinstance(parsed, dict) or not isinstance(parsed.get("name"), str) or parsed["name"] not in tools:
