@@ -340,3 +340,40 @@ async def test_a_stopping_worker_lets_the_rows_it_abandons_be_taken_over_at_once
     stopping._tasks.add(running)
     await stopping.stop(0.05)  # the run is cut at the end of the grace, its message left unacked
     assert await store.claim_row("j", "r", other.worker_id, take_over=True) == "claimed"
+
+
+async def test_a_row_logs_its_own_request_id_and_its_job_s(stand_in, store, monkeypatch) -> None:  # noqa: F811
+    """A row's request id is its own (the adapter's lines for its generation carry it); its job's,
+    the submission's, rides on the row message so that the row's lines name it (job_request_id)."""
+    import structlog
+
+    from sluice_common.request_context import bind_request_id
+    from sluice_gateway.jobs import worker as worker_module
+
+    seen: list[dict[str, object]] = []
+
+    async def recording_run_row(path, task, request_id, timeout_s):  # noqa: ANN001, ANN202 - run_row's own
+        seen.append({**structlog.contextvars.get_contextvars(), "given": request_id})
+        return await run_row(path, task, request_id, timeout_s)
+
+    monkeypatch.setattr(worker_module, "run_row", recording_run_row)
+    _, path = stand_in
+    job_worker = worker(store, path)
+    task = await row_task(store, max_tokens=2)
+
+    class Exchange:  # what the job's fan-out publishes the row message on
+        published: list[object] = []
+
+        async def publish(self, message: object, routing_key: str) -> None:
+            self.published.append(message)
+
+    job_worker._exchange = Exchange()  # type: ignore[assignment]
+    bind_request_id("req-submit-7")  # the job message's, as _on_job binds it
+    await job_worker._publish_row(task)
+    delivery = _Delivery(task)
+    delivery.headers = dict(Exchange.published[0].headers)  # type: ignore[attr-defined]
+    await job_worker._on_row(delivery)  # type: ignore[arg-type]
+    assert delivery.settled == ["ack"]
+    (context,) = seen
+    assert context["job_request_id"] == "req-submit-7"
+    assert context["request_id"] == context["given"] != "req-submit-7"

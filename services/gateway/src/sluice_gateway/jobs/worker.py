@@ -62,7 +62,7 @@ from sluice_common.amqp import PROTOBUF, JobTopology, dead_letter
 from sluice_common.bootstrap import run_service
 from sluice_common.errors import InvalidArgument
 from sluice_common.loop_lag import monitor_loop_lag
-from sluice_common.request_context import bind_request_id, current_request_id, new_request_id
+from sluice_common.request_context import MAX_REQUEST_ID, bind_request_id, current_request_id, new_request_id
 from sluice_common.server import PUBLISHER_FLUSH_S, create_server, serve_until_signal
 from sluice_common.supervision import Supervisor, stop_tasks
 from sluice_gateway.jobs import store as states
@@ -128,6 +128,8 @@ ROW_TIMEOUTS = Counter(
     ["kind"],
 )
 ROW_TYPE = jobs_pb2.RowTask.DESCRIPTOR.full_name
+# A row message's header naming its job's request id, which the row's log lines carry as job_request_id.
+JOB_REQUEST_ID_HEADER = "x-sluice-job-request-id"
 RESULT_TYPE = jobs_pb2.RowResult.DESCRIPTOR.full_name
 REJECTION_TYPE = jobs_pb2.JobRejection.DESCRIPTOR.full_name
 SUMMARY_TYPE = jobs_pb2.Job.DESCRIPTOR.full_name
@@ -321,7 +323,11 @@ class JobWorker:
                 delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
                 message_id=f"{task.job_id}/{task.row.custom_id}",
                 type=ROW_TYPE,
-                headers=with_trace_context({"x-sluice-job-id": task.job_id, "x-sluice-custom-id": task.row.custom_id}),
+                headers=with_trace_context(
+                    # The job's request id (SubmitJob's, or the producer's x-request-id): each row's
+                    # own request id is new, and its log lines name this one as job_request_id.
+                    {"x-sluice-job-id": task.job_id, "x-sluice-custom-id": task.row.custom_id, JOB_REQUEST_ID_HEADER: current_request_id()}
+                ),
             ),
             self.topology.row_routing_key,
         )
@@ -351,7 +357,8 @@ class JobWorker:
     # ---- rows
 
     async def _on_row(self, message: aio_pika.abc.AbstractIncomingMessage) -> None:
-        bind_request_id(new_request_id())
+        job_request_id = str((message.headers or {}).get(JOB_REQUEST_ID_HEADER) or "")[:MAX_REQUEST_ID]
+        bind_request_id(new_request_id(), **({"job_request_id": job_request_id} if job_request_id else {}))
         try:
             with row_span(message, self.topology.rows_queue):
                 await self._row(message)
