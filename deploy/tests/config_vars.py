@@ -121,6 +121,11 @@ def service_variables(service: str) -> dict[str, str | None]:
     return {f"{prefix}{name}": default for name, default in fields.items()}
 
 
+def env_prefix(service: str) -> str:
+    """The service's ENV_PREFIX (SLUICE_GATEWAY_, ...)."""
+    return _prefix_and_fields(service)[0]
+
+
 def shared_variables(service: str) -> dict[str, str]:
     """{the service's own variable: the shared variable that sets it too} for the fields it has."""
     prefix, fields = _prefix_and_fields(service)

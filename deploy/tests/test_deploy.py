@@ -288,3 +288,37 @@ def test_the_job_worker_is_live_by_its_liveness_service_and_ready_by_its_own() -
         (container,) = worker["spec"]["template"]["spec"]["containers"]
         assert container["livenessProbe"]["grpc"].get("service") == "liveness", overlay
         assert container["readinessProbe"]["grpc"].get("service", "") == "", overlay
+
+
+# Documented once for all on the configuration page, as <PREFIX>NAME.
+EVERY_SERVICE_SETTINGS = ("LOG_LEVEL", "LOG_JSON", "SHUTDOWN_GRACE_S", "TLS_CERT_FILE", "TLS_KEY_FILE", "TLS_CLIENT_CA_FILE")
+
+
+def _documented_in_row(variable: str, row: str) -> bool:
+    """Whether a table row names `variable`: in full, or as a `_SUFFIX` beside a full name it
+    shares a prefix with (`SLUICE_X_FLOOR_S` / `_CEILING_S` documents SLUICE_X_CEILING_S)."""
+    if re.search(rf"\b{variable}\b", row):
+        return True
+    full_names = re.findall(r"\bSLUICE_[A-Z0-9_]+[A-Z0-9]\b", row)
+    for suffix in re.findall(r"`(_[A-Z0-9_]+[A-Z0-9])`", row):
+        stem = variable.removesuffix(suffix)
+        if stem != variable and any(name == stem or name.startswith(stem + "_") for name in full_names):
+            return True
+    return False
+
+
+def test_every_service_variable_is_documented_on_the_configuration_page() -> None:
+    """An operator reads the configuration page, not config.py: a setting missing there is one
+    nobody knows to set. The settings every service takes (<PREFIX>LOG_LEVEL, its own TLS files,
+    its drain grace) the page documents once for all, below its table."""
+    text = CONFIGURATION_PAGE.read_text()
+    rows = [line for line in text.splitlines() if line.lstrip().startswith("|")]
+    every_service = [name for name in EVERY_SERVICE_SETTINGS if f"<PREFIX>{name}" in text]
+    assert every_service == list(EVERY_SERVICE_SETTINGS), "the page no longer says what every service takes"
+    missing = [
+        variable
+        for service in config_vars.services_with_config()
+        for variable in config_vars.service_variables(service)
+        if variable.removeprefix(config_vars.env_prefix(service)) not in every_service and not any(_documented_in_row(variable, row) for row in rows)
+    ]
+    assert not missing, f"not on {CONFIGURATION_PAGE.relative_to(ROOT)}: {missing}"
