@@ -160,3 +160,17 @@ async def test_interactive_may_go_into_debt_by_its_floor(harness) -> None:
         pass  # bulk keeps the pace saturated
     for _ in range(10):
         assert (await backend.acquire([paced_tpm(1000, 20, burst=100, floor=300)], True, 30, False, "m")).allowed
+
+
+async def test_a_bulk_retry_after_waits_for_the_floor_that_leaving_interactive_entries_reopen(harness) -> None:
+    backend = harness.backend
+    assert (await backend.acquire([tpm(1000, 300, floor=300)], True, 30, False, "m")).allowed  # interactive covers the floor
+    await harness.advance(0.3)
+    assert (await backend.acquire([tpm(1000, 600, floor=300)], False, 30, False, "m")).allowed
+    denied = await backend.acquire([tpm(1000, 200, floor=300)], False, 30, False, "m")
+    assert not denied.allowed
+    # When the interactive 300 leaves (1.7 s), bulk must leave the floor free again: 600 + 200 + 300
+    # is still over 1000. Only the bulk 600 leaving (2.0 s) lets it in.
+    assert 1.9 <= denied.retry_after_s <= 2.01, denied.retry_after_s
+    await harness.advance(denied.retry_after_s + 0.02)
+    assert (await backend.acquire([tpm(1000, 200, floor=300)], False, 30, False, "m")).allowed

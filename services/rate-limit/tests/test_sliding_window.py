@@ -69,9 +69,23 @@ def test_retry_after_points_at_the_entry_that_frees_enough() -> None:
     window = SlidingWindow(10.0)
     window.add(0.5, 600, False)
     window.add(5.5, 400, False)
-    assert window.retry_after(6.0, 100) == 4.5
-    assert window.retry_after(6.0, 700) == 9.5
+    assert window.retry_after(6.0, 100, 1000, 0, True) == 4.5
+    assert window.retry_after(6.0, 700, 1000, 0, True) == 9.5
+    assert window.retry_after(6.0, 1100, 1000, 0, True) == 10.0  # never: the whole window
     assert window.reset_after(6.0) == 9.5
+    assert window.retry_after(11.0, 500, 1000, 0, True) == 0.0  # admitted now
+
+
+def test_a_bulk_retry_after_counts_the_reserve_that_leaving_interactive_entries_reopen() -> None:
+    window = SlidingWindow(10.0)
+    window.add(0.5, 300, True)
+    window.add(5.5, 600, False)
+    # interactive: the first entry leaving is enough (600 + 200 <= 1000)
+    assert window.retry_after(6.0, 200, 1000, 300, True) == 4.5
+    # bulk: once the interactive 300 leaves, the floor is uncovered again (600 + 200 + 300 > 1000)
+    assert window.retry_after(6.0, 200, 1000, 300, False) == 9.5
+    assert not admits(600, 0, 200, 1000, 300, interactive=False)
+    assert admits(0, 0, 200, 1000, 300, interactive=False)
 
 
 def test_paced_window_holds_the_limit_when_arrivals_stall_and_catch_up() -> None:

@@ -124,9 +124,7 @@ class MemoryBackend:
             if pace <= 0.0 and admits(used, interactive_used, check.cost, check.limit, check.floor, interactive):
                 continue
             if isinstance(store, SlidingWindow):
-                reserve = 0 if interactive else max(0, check.floor - interactive_used)
-                must_free = used + check.cost + reserve - check.limit
-                wait = max(pace, store.retry_after(now, must_free) if must_free > 0 else 0.0)
+                wait = max(pace, store.retry_after(now, check.cost, check.limit, check.floor, interactive))
             else:
                 wait = GAUGE_RETRY_S
             if denied is None or wait > retry:

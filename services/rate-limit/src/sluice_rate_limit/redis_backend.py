@@ -105,9 +105,16 @@ local function window_add(z, a, member, amount, interactive)
   redis.call('PEXPIRE', a, ttl)
 end
 
--- ms until at least `must` has left the window, walking the log oldest first
-local function retry_walk(z, a, must)
-  local offset, freed = 0, 0
+-- ms until the admission rule takes `cost` (0: it does now), walking the log oldest first with
+-- both totals: for bulk, an interactive entry that leaves gives the floor's reserve back what it covered
+local function retry_walk(z, a, used, iused, cost, limit, floor, interactive)
+  local room = limit - cost
+  local function fits()
+    if interactive == 1 then return used <= room end
+    return used + math.max(0, floor - iused) <= room
+  end
+  if fits() then return 0 end
+  local offset = 0
   while true do
     local page = redis.call('ZRANGE', z, offset, offset + 63, 'WITHSCORES')
     if #page == 0 then return window end
@@ -115,8 +122,10 @@ local function retry_walk(z, a, must)
     for j = 1, #page, 2 do members[#members + 1] = page[j] end
     local amounts = redis.call('HMGET', a, unpack(members))
     for j = 1, #members do
-      freed = freed + tonumber(amounts[j] or 0)
-      if freed >= must then return math.max(0, tonumber(page[2 * j]) + window - now) end
+      local v = tonumber(amounts[j] or 0)
+      used = used - v
+      if string.sub(members[j], -2) == '|i' then iused = iused - v end
+      if fits() then return math.max(0, tonumber(page[2 * j]) + window - now) end
     end
     offset = offset + 64
   end
@@ -190,11 +199,7 @@ for j = 1, count do
   if interactive == 0 then reserve = math.max(0, c.fl - iused) end
   if pw > 0 or used + c.c + reserve > c.l then
     local wait = gauge_retry
-    if c.k == 'w' then
-      local must = used + c.c + reserve - c.l
-      wait = pw
-      if must > 0 then wait = math.max(pw, retry_walk(c.f, c.a, must)) end
-    end
+    if c.k == 'w' then wait = math.max(pw, retry_walk(c.f, c.a, used, iused, c.c, c.l, c.fl, interactive)) end
     if denied == 0 or wait > retry then denied, retry = j, wait end
   end
   checks[j] = c

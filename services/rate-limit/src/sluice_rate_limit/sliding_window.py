@@ -33,8 +33,11 @@ usable at once; if the entry has already left the window there is nothing to giv
 
 Interactive/bulk floor: the interactive part is totalled too. Interactive is admitted while
 used + cost <= limit; bulk only while used + cost + max(0, floor - interactive_used) <= limit, so bulk
-fills idle capacity but always leaves the floor to interactive. The Redis Lua script implements the
-same rule (see redis_backend.py); the unit tests run one suite against both.
+fills idle capacity but always leaves the floor to interactive. A denial's retry_after is when that
+rule first admits as entries leave oldest first, both totals followed: for bulk, an interactive entry
+that leaves frees nothing while interactive is under its floor (the reserve grows by what it covered).
+The Redis Lua script implements the same rules (see redis_backend.py); the unit tests run one suite
+against both.
 """
 
 from __future__ import annotations
@@ -123,12 +126,19 @@ class SlidingWindow:
         self._trim(now)
         return max(0.0, self.entries[-1].at + self.window_s - now) if self.entries else 0.0
 
-    def retry_after(self, now: float, must_free: int) -> float:
-        """How long until at least `must_free` of the usage has left the window."""
+    def retry_after(self, now: float, cost: int, limit: int, floor: int, interactive: bool) -> float:
+        """How long until `admits` would take `cost`: 0 if it does now, else until the entry whose
+        leaving is enough. Entries leave oldest first; for bulk, each interactive one that leaves
+        also gives back to the floor's reserve what it had covered, so both totals are followed."""
         self._trim(now)
-        freed = 0
+        room = limit - cost  # used + reserve must fit in it
+        used, interactive_used = self.total, self.interactive_total
+        if used + (0 if interactive else max(0, floor - interactive_used)) <= room:
+            return 0.0
         for entry in self.entries:
-            freed += entry.amount
-            if freed >= must_free:
+            used -= entry.amount
+            if entry.interactive:
+                interactive_used -= entry.amount
+            if used + (0 if interactive else max(0, floor - interactive_used)) <= room:
                 return max(0.0, entry.at + self.window_s - now)
         return self.window_s
