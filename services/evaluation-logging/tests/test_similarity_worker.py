@@ -25,6 +25,8 @@ from sluice.inference.v1 import inference_pb2, inference_pb2_grpc
 from conftest import AMQP_URL, make_event
 from sluice_common.amqp import EventTopology
 from sluice_common.amqp_publisher import ConfirmingPublisher, OutgoingMessage, PublisherMetrics
+from sluice_common.config import ConfigError, load_config
+from sluice_evaluation_logging.config import ENV_PREFIX, EvalLogConfig
 from sluice_evaluation_logging.consumer import CompletionConsumer, ConsumerSettings
 from sluice_evaluation_logging.embeddings import AdapterEmbedder
 from sluice_evaluation_logging.evaluators import evaluate_batch
@@ -37,7 +39,7 @@ from sluice_evaluation_logging.store import PostgresStore, SqliteStore, Store
 
 SETTINGS = EvalSettings(similarity_sample_rate=1.0, similarity_min=0.2)
 DIMS = 32
-# A stalled Embed outlasts SHORT_DEADLINE_S, the deadline of the embedder `slow_worker` uses.
+# A stalled Embed outlasts SHORT_DEADLINE_S, the deadline of the `short_deadline` embedder.
 STALL_S = 3.0
 SHORT_DEADLINE_S = 0.3
 
@@ -58,14 +60,13 @@ def expected_cosine(prompt: str, output: str) -> float:
 class StandInAdapter(inference_pb2_grpc.InferenceServiceServicer):
     """InferenceService.Embed over real gRPC, deterministic; `mode` is "ok", "unimplemented", "unavailable",
     "exhausted" or "invalid". A call of more than `stall_above` texts, or with a text containing
-    `stall_on`, outlasts any deadline used here; any other takes `delay_s`."""
+    `stall_on`, outlasts any deadline used here."""
 
     def __init__(self) -> None:
         self.mode = "ok"
         self.calls: list[int] = []  # texts per Embed call
         self.answered: list[int] = []  # texts per Embed call answered with vectors
         self.stalled: list[int] = []  # texts per Embed call left to time out
-        self.delay_s = 0.0
         self.stall_above: int | None = None
         self.stall_on = ""
         self.server: grpc.aio.Server | None = None
@@ -82,7 +83,6 @@ class StandInAdapter(inference_pb2_grpc.InferenceServiceServicer):
         if self._stalls(request.inputs):
             self.stalled.append(len(request.inputs))
             await asyncio.sleep(STALL_S)  # the caller's deadline passes first
-        await asyncio.sleep(self.delay_s)
         if self.mode == "invalid":  # SLUICE_EVALLOG_EMBEDDING_MODEL naming a model the adapter lacks
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "model: unknown embedding model")
         assert request.priority_class == types_pb2.PRIORITY_CLASS_BULK
@@ -330,21 +330,31 @@ async def test_a_marker_that_times_out_even_alone_is_given_up_and_the_rest_are_s
     assert await worker.run_once() == 0 and len(adapter.calls) == calls
 
 
-async def test_no_call_is_started_that_could_outlast_the_claim(store, adapter, short_deadline) -> None:  # type: ignore[no-untyped-def]
-    """Split calls run one after another: past the lease another replica may claim the same markers."""
-    adapter.stall_above = 2  # one event per call
-    events = [make_event() for _ in range(4)]
+async def test_claims_grow_back_by_one_per_answer_once_a_slow_spell_has_passed(store, adapter, short_deadline) -> None:  # type: ignore[no-untyped-def]
+    adapter.stall_above = 2  # texts: only one event per call is embedded in time
+    events = [make_event() for _ in range(14)]
     await store.insert_batch(await consume_path_rows(events, adapter))
-    # The lease leaves time for one call to its deadline, not two.
-    settings = WorkerSettings(batch_max=4, min_backoff_s=0.01, max_backoff_s=0.02, claim_lease_s=0.5, embed_timeout_s=SHORT_DEADLINE_S)
+    settings = WorkerSettings(batch_max=4, poll_s=0.05, min_backoff_s=0.01, max_backoff_s=0.02)
     worker = SimilarityWorker(store, short_deadline, SETTINGS, settings)
-    while len(adapter.calls) < 3:  # 4 events, then 2, then 1 per call: a timeout each
-        assert await worker.run_once() == 0
-    adapter.stall_above = None
-    adapter.delay_s = 0.25  # after one call, another one to its deadline would end past the lease
-    assert await worker.run_once() == 1  # one call's worth; the rest went back untried ...
-    assert await store.pending_count() == 3
-    await run_until_settled(store, worker, most_runs=5)  # ... and are claimable at once
+    assert await worker.run_once() == 0 and await worker.run_once() == 0  # 4 events, then 2: timed out
+    adapter.stall_above = None  # the encoder is fast again
+    await run_until_settled(store, worker, most_runs=6)
+    assert adapter.calls[:2] == [8, 4] and adapter.stalled == [8, 4]
+    assert adapter.answered == [2, 4, 6, 8, 8]  # 1, 2, 3, then batch_max events per claim
+
+
+def test_an_embed_deadline_that_could_outlast_the_claim_is_refused(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A claim is embedded in one call: with a deadline as long as the lease, the call could still run
+    when another replica may claim the same markers and embed them again."""
+    WorkerSettings(claim_lease_s=0.5, embed_timeout_s=0.49)
+    with pytest.raises(ValueError, match=r"embed_timeout_s \(0.5\) must be shorter than claim_lease_s \(0.5\)"):
+        WorkerSettings(claim_lease_s=0.5, embed_timeout_s=0.5)
+    # The service builds WorkerSettings from its configuration, which refuses the same at load.
+    tenants = tmp_path / "tenants.toml"
+    tenants.write_text("")
+    environ = {f"{ENV_PREFIX}TENANTS_FILE": str(tenants), f"{ENV_PREFIX}SIMILARITY_LEASE_S": "10", f"{ENV_PREFIX}EMBED_TIMEOUT_S": "10"}
+    with pytest.raises(ConfigError, match=f"{ENV_PREFIX}SIMILARITY_LEASE_S must be longer than {ENV_PREFIX}EMBED_TIMEOUT_S"):
+        load_config(EvalLogConfig, ENV_PREFIX, environ)
 
 
 async def test_markers_that_keep_failing_are_given_up_while_fresh_ones_keep_arriving(store, adapter) -> None:  # type: ignore[no-untyped-def]

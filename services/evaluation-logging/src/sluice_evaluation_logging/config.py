@@ -79,7 +79,8 @@ class EvalLogConfig(ServerConfig):
         )
         require(
             self.similarity_lease_s > self.embed_timeout_s,
-            f"{ENV_PREFIX}SIMILARITY_LEASE_S must be longer than EMBED_TIMEOUT_S ({self.embed_timeout_s}), got {self.similarity_lease_s}",
+            f"{ENV_PREFIX}SIMILARITY_LEASE_S must be longer than {ENV_PREFIX}EMBED_TIMEOUT_S ({self.embed_timeout_s}), got"
+            f" {self.similarity_lease_s}: a claim's one Embed call must end within its lease",
         )
         require(
             0 <= self.similarity_max_pause_s <= 60,

@@ -13,12 +13,13 @@ next process (or another replica, once the claim's lease has run out) picks it u
 - UNAVAILABLE, a full queue (RESOURCE_EXHAUSTED, the adapter's backpressure): the markers are
   released and the task backs off (doubling up to `max_backoff_s`); they stay durable meanwhile,
   and such tries do not count.
-- A deadline (DEADLINE_EXCEEDED): the call may have been too large for a slow encoder, so its
-  markers are retried in calls half as large (remembered per marker in this process), down to one
-  event per call; such tries do not count until a marker times out alone, and then it is given up
-  after `max_attempts` claims like any failing marker. Calls are tried largest first, so a slow
-  marker's timeout does not hold back the others of its claim, and no call is started that could
-  outlast the claim's lease (`embed_timeout_s`): the rest go back untried.
+- A deadline (DEADLINE_EXCEEDED): the call may have been too large for a slow encoder. Each claim
+  is embedded in one call of at most the worker's claim size (`batch_max` at first): a call of
+  several events that times out releases its markers uncounted and halves the claim size (down to
+  one event), and each call answered in time grows it by one again, up to `batch_max`. A marker
+  that times out alone counts, and is given up after `max_attempts` claims like any failing
+  marker. One call per claim, so no call outlasts the claim's lease: `embed_timeout_s` must be
+  shorter than `claim_lease_s`.
 - Anything else (a bad answer, a bug): released and retried; after `max_attempts` claims the
   score is recorded as skipped with the error, so one poison record cannot block the rest.
 - Background priority: while the consumer has a backlog (`busy`), the worker waits before each
@@ -67,7 +68,7 @@ BATCH_SECONDS = Histogram(
 
 @dataclass(frozen=True)
 class WorkerSettings:
-    # Events per Embed call (each contributes two texts: its prompt and its output).
+    # Most events per claim, all embedded in one Embed call (two texts each: its prompt and its output).
     batch_max: int = 64
     # How often to look for markers when not nudged (other replicas' markers, released ones).
     poll_s: float = 1.0
@@ -78,26 +79,18 @@ class WorkerSettings:
     max_attempts: int = 5
     # While the consumer is busy, wait at most this long before each batch.
     max_pause_s: float = 2.0
-    # The embedder's deadline per call: a claim's next call starts only if it can end within the lease.
+    # The embedder's deadline per call: shorter than the lease, so a claim's one call ends within it.
     embed_timeout_s: float = 10.0
 
+    def __post_init__(self) -> None:
+        if self.embed_timeout_s >= self.claim_lease_s:
+            raise ValueError(
+                f"embed_timeout_s ({self.embed_timeout_s}) must be shorter than claim_lease_s ({self.claim_lease_s}):"
+                " a claim's Embed call could outlast its lease, and another replica embed the same markers again"
+            )
 
-# A claimed marker with the texts to embed for it (its prompt and its output).
-Pair = tuple[PendingItem, tuple[str, str]]
+
 Scores = list[tuple[str, ScoreResult]]
-# Per-marker call-size limits are forgotten beyond this many (a marker settled by another replica
-# leaves its entry behind); forgetting one costs only halving again.
-_LIMITS_MAX = 100_000
-
-
-@dataclass(frozen=True)
-class _Verdict:
-    """What a failed Embed call means for its markers: those given up, and those to claim again."""
-
-    gave_up: Scores
-    again: list[PendingItem]
-    reason: str
-    count_attempt: bool
 
 
 def _texts(item: PendingItem) -> tuple[str, str] | None:
@@ -129,8 +122,8 @@ class SimilarityWorker:
         self._stopping = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._backoff = worker.min_backoff_s
-        # event_id -> most events per Embed call for it, halved each time a call with it timed out.
-        self._limits: dict[str, int] = {}
+        # Markers per claim (one Embed call): halved when a call times out, grown back by one per answer.
+        self._claim_size = worker.batch_max
 
     def start(self, supervisor: Supervisor | None = None) -> None:
         # Restarted when it dies: its work is durable markers in the store.
@@ -184,112 +177,74 @@ class SimilarityWorker:
     async def run_once(self) -> int:
         """Claims one batch and settles it; returns how many markers it cleared (0: none due, or retrying)."""
         w = self._worker
-        items = await self._store.claim_pending(self.name, w.batch_max, w.claim_lease_s)
+        items = await self._store.claim_pending(self.name, self._claim_size, w.claim_lease_s)
         if not items:
             return 0
         started = asyncio.get_running_loop().time()
         scores: Scores = []
-        embeddable: list[Pair] = []
+        embeddable: list[tuple[PendingItem, tuple[str, str]]] = []
         for item in items:
             pair = _texts(item)
             if pair is None:
                 scores.append((item.event_id, skipped(self.name, "skipped: the stored event does not parse")))
             else:
                 embeddable.append((item, pair))
-        calls = self._calls(embeddable)
-        for index, call in enumerate(calls):
-            if index and not self._time_left(started):
-                await self._release_untried(calls[index:])
-                break
+        if embeddable:
             try:
-                vectors = await self._embedder.embed([text for _, pair in call for text in pair])
+                vectors = await self._embedder.embed([text for _, pair in embeddable for text in pair])
             except Exception as exc:  # noqa: BLE001 - each kind of failure is settled in _failed
-                return await self._failed(exc, call, calls[index + 1 :], scores, len(items), started)
-            for offset, (item, _) in enumerate(call):
-                scores.append((item.event_id, similarity.score(vectors[2 * offset], vectors[2 * offset + 1], self._settings)))
+                return await self._failed(exc, [item for item, _ in embeddable], scores, len(items), started)
+            # Answered in time: one event more per claim, up to batch_max. By one, not doubled: a slow
+            # spell that has passed is still grown out of, while an encoder that stays slow reaches the
+            # size that timed out again only after about half that many calls, not every other call.
+            self._claim_size = min(self._claim_size + 1, w.batch_max)
+            for index, (item, _) in enumerate(embeddable):
+                scores.append((item.event_id, similarity.score(vectors[2 * index], vectors[2 * index + 1], self._settings)))
         return await self._settle(scores, len(items), started)
 
-    def _limit(self, item: PendingItem) -> int:
-        return self._limits.get(item.event_id, self._worker.batch_max)
-
-    def _calls(self, embeddable: list[Pair]) -> list[list[Pair]]:
-        """Splits a claim into Embed calls, none larger than the limit of any marker in it. Cut from
-        the smallest limits up (each call's first marker has the smallest limit left), then
-        reversed: the largest calls, of markers never too slow, go before the slow ones."""
-        ordered = sorted(embeddable, key=lambda pair: self._limit(pair[0]))
-        calls: list[list[Pair]] = []
-        start = 0
-        while start < len(ordered):
-            size = self._limit(ordered[start][0])
-            calls.append(ordered[start : start + size])
-            start += size
-        return calls[::-1]
-
-    def _time_left(self, started: float) -> bool:
-        """Whether one more call, even one that runs to its deadline, ends within the claim's lease
-        (past it another replica may claim the same markers and embed them again)."""
-        elapsed = asyncio.get_running_loop().time() - started
-        return elapsed + self._worker.embed_timeout_s < self._worker.claim_lease_s
-
-    async def _release_untried(self, calls: Sequence[list[Pair]]) -> None:
-        # Not tried: claimable again at once, and the claim does not count as an attempt.
-        untried = [item.event_id for call in calls for item, _ in call]
-        if untried:
-            await self._store.release_pending(self.name, untried, 0.0, count_attempt=False)
-
-    async def _failed(self, exc: Exception, call: list[Pair], untried: list[list[Pair]], scores: Scores, claimed: int, started: float) -> int:
-        """Settles a claim whose Embed `call` failed with `exc`; `untried`: the calls after it."""
+    async def _failed(self, exc: Exception, items: list[PendingItem], scores: Scores, claimed: int, started: float) -> int:
+        """Settles a claim whose Embed call for `items` failed with `exc`; `scores`: those decided without it."""
         if isinstance(exc, EmbeddingsUnavailable) and not exc.retryable:
             # The adapter serves no embeddings: waiting would not help any marker of the claim.
             outcome = similarity.unavailable(exc)
-            scores.extend((item.event_id, outcome) for part in (call, *untried) for item, _ in part)
+            scores.extend((item.event_id, outcome) for item in items)
             return await self._settle(scores, claimed, started)
-        await self._release_untried(untried)
-        verdict = self._verdict(exc, [item for item, _ in call])
-        scores.extend(verdict.gave_up)
-        if not verdict.again:
+        if isinstance(exc, EmbeddingsTimedOut) and len(items) > 1:
+            # Maybe just too much for one call within the deadline: the next claims are half as large
+            # as this call, and the try does not count (no one marker is to blame yet).
+            self._claim_size = max(len(items) // 2, 1)
+            again, count_attempt = items, False
+            reason = f"{exc}: {len(items)} events per call, retrying with {self._claim_size}"
+        elif isinstance(exc, EmbeddingsTimedOut):
+            # Too slow even alone: this counts, so a marker that is never embedded in time is given up.
+            again, count_attempt = self._give_up(items, f"skipped: embeddings timed out ({exc}) even for the event alone", scores), True
+            reason = f"{exc}: one event per call"
+        elif isinstance(exc, EmbeddingsUnavailable):
+            # Down or busy (backpressure): waiting helps, and no marker is to blame, so it does not count.
+            again, count_attempt = items, False
+            reason = str(exc) or "unavailable"
+        else:
+            # Anything else: decided per marker, so one claimed max_attempts times is recorded as skipped
+            # even when the call brings fresh markers along (they alone go round again).
+            reason = f"{type(exc).__name__}: {exc}"
+            again, count_attempt = self._give_up(items, f"skipped: evaluator failed: {reason}", scores), True
+        if not again:
             return await self._settle(scores, claimed, started)
         if scores:
             await self._settle(scores, claimed, started, backed_off=True)
-        return await self._retry(verdict.again, verdict.reason, verdict.count_attempt)
+        return await self._retry(again, reason, count_attempt)
 
-    def _verdict(self, exc: Exception, items: list[PendingItem]) -> _Verdict:
-        if isinstance(exc, EmbeddingsTimedOut):
-            return self._timed_out(exc, items)
-        if isinstance(exc, EmbeddingsUnavailable):
-            # Down or busy (backpressure): waiting helps, and no marker is to blame, so it does not count.
-            return _Verdict([], items, str(exc) or "unavailable", count_attempt=False)
-        # Anything else: decided per marker, so one claimed max_attempts times is recorded as skipped
-        # even when the call brings fresh markers along (they alone go round again).
-        reason = f"{type(exc).__name__}: {exc}"
-        return self._give_up(items, reason, f"skipped: evaluator failed: {reason}")
-
-    def _timed_out(self, exc: EmbeddingsTimedOut, items: list[PendingItem]) -> _Verdict:
-        if len(items) > 1:
-            # Maybe just too much for one call within the deadline: its markers go round again in
-            # calls half as large, and the try does not count (no one marker is to blame yet).
-            half = len(items) // 2
-            if len(self._limits) >= _LIMITS_MAX:
-                self._limits.clear()
-            self._limits.update((item.event_id, half) for item in items)
-            return _Verdict([], items, f"{exc}: {len(items)} events per call, retrying with {half}", count_attempt=False)
-        # Too slow even alone: this counts, so a marker that is never embedded in time is given up.
-        return self._give_up(items, f"{exc}: one event per call", f"skipped: embeddings timed out ({exc}) even for the event alone")
-
-    def _give_up(self, items: list[PendingItem], reason: str, detail: str) -> _Verdict:
-        """Records as skipped (with `detail`) the markers claimed max_attempts times; the others go round again."""
+    def _give_up(self, items: list[PendingItem], detail: str, scores: Scores) -> list[PendingItem]:
+        """Adds to `scores` as skipped (with `detail`) the markers claimed max_attempts times; returns the others."""
         failed = skipped(self.name, detail)
-        gave_up = [(item.event_id, failed) for item in items if item.attempts >= self._worker.max_attempts]
-        again = [item for item in items if item.attempts < self._worker.max_attempts]
-        return _Verdict(gave_up, again, reason, count_attempt=True)
+        scores.extend((item.event_id, failed) for item in items if item.attempts >= self._worker.max_attempts)
+        return [item for item in items if item.attempts < self._worker.max_attempts]
 
     async def _settle(self, scores: list[tuple[str, ScoreResult]], claimed: int, started: float, backed_off: bool = False) -> int:
         """Stores the batch's decided scores (their markers cleared); how many, at least 1.
         `backed_off`: the rest of the batch failed, and the backoff goes on growing."""
         w = self._worker
         cleared = await self._store.complete_pending(self.name, scores)
-        for event_id, _ in scores:
-            self._limits.pop(event_id, None)  # settled: no call will carry it again
         if not backed_off:
             self._backoff = w.min_backoff_s
         skipped_count = sum(1 for _, s in scores if s.skipped)
