@@ -101,8 +101,10 @@ def test_bad_lines_are_refused_naming_the_line() -> None:
     assert "Line 1" in wrong_url.message and wrong_url.param == "url"
     bad_value = refused(ok + "\n" + line("b", {**CHAT, "temperature": "hot"}))
     assert "Line 2" in bad_value.message and bad_value.param == "body.temperature" and bad_value.code == "invalid_type"
-    unknown = refused(line("a", {**CHAT, "best_of": 3}))
-    assert unknown.param == "body.best_of" and unknown.code == "unsupported_parameter"
+    unsupported = refused(line("a", {**CHAT, "audio": {"voice": "alloy"}}))
+    assert unsupported.param == "body.audio" and unsupported.code == "unsupported_parameter"
+    unknown = refused(line("a", {**CHAT, "best_of": 1}))  # a completions field, even at its neutral value
+    assert unknown.param == "body.best_of" and unknown.code == "unknown_parameter"
     assert refused(line("a", {**CHAT, "stream": True})).param == "body.stream"
     assert "not valid JSON" in refused("{not json").message
     assert refused(line("", CHAT)).param == "custom_id"

@@ -3,6 +3,7 @@ package's own types (OpenAI's definitions), errors in OpenAI's shape with its co
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 import struct
@@ -15,7 +16,7 @@ from openai.types import CreateEmbeddingResponse, Model
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from openai.types.completion import Completion
 from sluice.common.v1 import types_pb2
-from sluice.inference.v1 import inference_pb2
+from sluice.inference.v1 import inference_pb2, inference_pb2_grpc
 from sluice.ratelimit.v1 import ratelimit_pb2
 
 from sluice_common.amqp import EventTopology
@@ -235,6 +236,63 @@ async def test_an_engine_failure_mid_stream_is_the_adapters_503_not_a_generic_50
     assert (event.finish_reason, event.error_code) == (types_pb2.FINISH_REASON_ERROR, "UNAVAILABLE")
 
 
+class _FailingAdapter(inference_pb2_grpc.InferenceServiceServicer):
+    """A real gRPC adapter (so that its calls iterate as grpc.aio's do) whose choice 0 (seed 100) fails
+    as the adapter reports an engine failure mid-stream: a token, the ERROR chunk, then UNAVAILABLE;
+    its other choices finish."""
+
+    async def ListModels(self, request, context):  # type: ignore[no-untyped-def]  # noqa: N802
+        return inference_pb2.ListModelsResponse(models=[GENERATION])
+
+    async def Generate(self, request, context):  # type: ignore[no-untyped-def]  # noqa: N802
+        yield inference_pb2.GenerateResponse(text="Hel", token_count=1)
+        if request.sampling.seed != 100:
+            yield inference_pb2.GenerateResponse(text="lo", token_count=1, finish_reason=types_pb2.FINISH_REASON_STOP, usage=USAGE)
+            return
+        yield inference_pb2.GenerateResponse(finish_reason=types_pb2.FINISH_REASON_ERROR)
+        await asyncio.sleep(0.1)  # the status follows the chunk (over a network, a moment later)
+        await context.abort(grpc.StatusCode.UNAVAILABLE, "the model backend failed mid-stream")
+
+
+@pytest.fixture
+async def failing_client(tmp_path):  # type: ignore[no-untyped-def]
+    server = grpc.aio.server()
+    inference_pb2_grpc.add_InferenceServiceServicer_to_server(_FailingAdapter(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    stub = inference_pb2_grpc.InferenceServiceStub(channel)
+    catalog = ModelCatalog(stub)
+    await catalog.refresh()
+    path = InferencePath(stub, catalog, Admission(None), default_max_tokens=50)
+    client = TestClient(TestServer(build_app(OpenAIFront(TenantDirectory.from_file(_tenants_file(tmp_path)), path), 4096)))
+    await client.start_server()
+    try:
+        yield client
+    finally:
+        await client.close()
+        await channel.close()
+        await server.stop(None)
+
+
+@pytest.mark.parametrize("n", [1, 2])
+async def test_an_engine_failure_of_any_choice_is_the_adapters_503_streamed_or_not(failing_client, n: int) -> None:  # type: ignore[no-untyped-def]
+    """n > 1 streamed read the stream a second time to reach the status: a second merge over the
+    same gRPC calls, "anext(): asynchronous generator is already running", a 500. Whole, the front
+    stopped at the ERROR chunk and answered 500 generation_failed, never reading the adapter's
+    UNAVAILABLE."""
+    body = {**CHAT, "n": n, "seed": 100}
+    reply = await failing_client.post("/v1/chat/completions", json=body, headers=AUTH)
+    status, error = await _error(reply)
+    assert (status, error["type"], error["code"]) == (503, "service_unavailable", "unavailable"), error
+    assert "failed mid-stream" in error["message"] and reply.headers["retry-after"] == "1"
+    reply = await failing_client.post("/v1/chat/completions", json={**body, "stream": True}, headers=AUTH)
+    text = await reply.text()
+    assert reply.status == 200 and "event: error" in text and "[DONE]" not in text
+    error = json.loads(text.strip().split("\n")[-1][len("data: ") :])["error"]
+    assert (error["type"], error["code"]) == ("service_unavailable", "unavailable") and "failed mid-stream" in error["message"], error
+
+
 async def test_a_stream_broken_by_any_error_after_its_first_chunk_ends_with_an_error_event(setup) -> None:  # type: ignore[no-untyped-def]
     """Not only Sluice's own errors and the adapter's statuses: a bug of ours mid-stream is still an
     error event the SDK raises on, never a 200 cut short with neither an error nor [DONE]."""
@@ -364,6 +422,56 @@ async def test_text_that_is_not_unicode_is_refused_naming_the_param(setup) -> No
     assert (await client.post("/v1/chat/completions", json=CHAT, headers=AUTH)).status == 200
 
 
+@pytest.mark.parametrize(
+    ("changes", "param", "named"),
+    [
+        ({"max_tokens": 5000}, "max_tokens", "max_tokens: 5000 is above the limit"),
+        ({"max_completion_tokens": 5000}, "max_completion_tokens", "max_completion_tokens: 5000 is above the limit"),
+        ({"max_tokens": 5, "max_completion_tokens": 5000}, "max_completion_tokens", "5000"),
+        ({"response_format": {"type": "json_object"}, "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"},
+         "response_format", "response_format: a tool call's arguments are constrained already"),
+        ({"structured_outputs": {"choice": ["a"]}, "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"},
+         "structured_outputs", "constrained already"),
+    ],
+)  # fmt: skip
+async def test_a_refusal_of_the_path_names_the_field_as_the_client_sent_it(setup, changes: dict[str, Any], param: str, named: str) -> None:  # type: ignore[no-untyped-def]
+    """Checked by the InferencePath (the model's limits, the tools' constraint) under Sluice's field
+    names: an over-limit max_completion_tokens was reported as max_tokens, and response_format with
+    a constrained tool_choice as structured_outputs, neither of them sent."""
+    client, adapter, _, _ = setup
+    for stream in (False, True):
+        status, error = await _error(await client.post("/v1/chat/completions", json={**CHAT, **changes, "stream": stream}, headers=AUTH))
+        assert (status, error["param"]) == (400, param) and named in error["message"], error
+    assert not adapter.requests
+
+
+async def test_seed_takes_openais_int64_range(setup) -> None:  # type: ignore[no-untyped-def]
+    client, adapter, _, _ = setup
+    for seed in (-(2**63), 2**63 - 1):
+        assert (await client.post("/v1/chat/completions", json={**CHAT, "seed": seed}, headers=AUTH)).status == 200
+        assert adapter.requests[-1].sampling.seed == seed % 2**64  # the uint64 of the same bits
+
+
+async def test_a_completions_max_tokens_defaults_to_openais_16_and_a_chats_to_the_gateways(setup) -> None:  # type: ignore[no-untyped-def]
+    """OpenAI's CreateCompletionRequest.max_tokens has `"default": 16` (vLLM's too); its chat
+    request has no default, where the gateway's (the remaining context, capped) applies."""
+    client, adapter, _, _ = setup
+    for extra in ({}, {"max_tokens": None}):
+        assert (await client.post("/v1/completions", json={"model": "g", "prompt": "Once", **extra}, headers=AUTH)).status == 200
+        assert adapter.requests[-1].sampling.max_tokens == 16
+    assert (await client.post("/v1/completions", json={"model": "g", "prompt": "Once", "max_tokens": 40}, headers=AUTH)).status == 200
+    assert adapter.requests[-1].sampling.max_tokens == 40
+    assert (await client.post("/v1/chat/completions", json=CHAT, headers=AUTH)).status == 200
+    assert adapter.requests[-1].sampling.max_tokens == 50  # the configured cap (SLUICE_GATEWAY_DEFAULT_MAX_TOKENS)
+
+
+async def test_text_content_parts_are_joined_with_newlines_as_vllm_joins_them(setup) -> None:  # type: ignore[no-untyped-def]
+    client, adapter, _, _ = setup
+    parts = [{"type": "text", "text": "Hello"}, {"type": "text", "text": "world"}]
+    reply = await client.post("/v1/chat/completions", json={**CHAT, "messages": [{"role": "user", "content": parts}]}, headers=AUTH)
+    assert reply.status == 200 and adapter.requests[-1].messages[0].content == "Hello\nworld"
+
+
 async def test_bodies_nested_too_deeply_or_numbers_too_large_are_refused(setup) -> None:  # type: ignore[no-untyped-def]
     client, adapter, *_ = setup
     status, error = await _error(await client.post("/v1/chat/completions", data=b"[" * 4000, headers=AUTH))
@@ -440,6 +548,17 @@ async def test_every_sampling_option_reaches_the_adapter(setup) -> None:  # type
         ({"min_p": 1.5}, "min_p"),
         ({"repetition_penalty": 0}, "repetition_penalty"),
         ({"repetition_penalty": -1.0}, "repetition_penalty"),
+        # Integers too large for a float: float() raised OverflowError, a 500.
+        *(({name: 10**400}, name) for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "min_p", "repetition_penalty")),
+        ({"logit_bias": {"5": -(10**400)}}, "logit_bias"),
+        # Beyond OpenAI's int64: 2^64 + 5 was seed 5.
+        ({"seed": 2**63}, "seed"),
+        ({"seed": -(2**63) - 1}, "seed"),
+        ({"seed": 2**64 + 5}, "seed"),
+        ({"seed": 10**400}, "seed"),
+        # Both limits are checked, whichever wins.
+        ({"max_completion_tokens": 5, "max_tokens": "many"}, "max_tokens"),
+        ({"max_completion_tokens": 5, "max_tokens": 0}, "max_tokens"),
     ],
 )
 async def test_an_option_out_of_range_is_a_400_naming_it(setup, changes: dict[str, Any], param: str) -> None:  # type: ignore[no-untyped-def]
@@ -453,9 +572,8 @@ async def test_an_option_out_of_range_is_a_400_naming_it(setup, changes: dict[st
     ("path", "changes", "param"),
     [
         ("/v1/completions", {"best_of": 3}, "best_of"),
-        ("/v1/completions", {"top_logprobs": 3}, "top_logprobs"),
-        ("/v1/chat/completions", {"echo": True}, "echo"),
         ("/v1/completions", {"suffix": "x"}, "suffix"),
+        ("/v1/chat/completions", {"audio": {"voice": "alloy"}}, "audio"),
     ],
 )
 async def test_options_still_unsupported_are_refused_naming_them(setup, path: str, changes: dict[str, Any], param: str) -> None:  # type: ignore[no-untyped-def]
@@ -463,6 +581,33 @@ async def test_options_still_unsupported_are_refused_naming_them(setup, path: st
     body = CHAT if path == "/v1/chat/completions" else {"model": "g", "prompt": "Once"}
     status, error = await _error(await client.post(path, json={**body, **changes}, headers=AUTH))
     assert (status, error["param"], error["code"]) == (400, param, "unsupported_parameter"), error
+
+
+ENDPOINT_BODIES = {"/v1/chat/completions": CHAT, "/v1/completions": {"model": "g", "prompt": "Once"}, "/v1/embeddings": {"model": "e", "input": "a"}}
+
+
+@pytest.mark.parametrize(
+    ("path", "changes"),
+    [
+        ("/v1/chat/completions", {"best_of": 1}),
+        ("/v1/chat/completions", {"suffix": ""}),
+        ("/v1/chat/completions", {"echo": False}),
+        ("/v1/completions", {"top_logprobs": 0}),
+        ("/v1/completions", {"store": False}),
+        ("/v1/completions", {"functions": None}),
+        ("/v1/embeddings", {"n": 1}),
+        ("/v1/embeddings", {"logprobs": False}),
+        ("/v1/embeddings", {"store": False}),
+    ],
+)
+async def test_a_field_of_another_endpoint_is_unrecognized_even_at_its_neutral_value(setup, path: str, changes: dict[str, Any]) -> None:  # type: ignore[no-untyped-def]
+    """Each endpoint allows the neutral values of its own upstream fields only (OpenAI answers any
+    other field "Unrecognized request argument"); every endpoint let every endpoint's through."""
+    client, adapter, _, _ = setup
+    [(param, _)] = changes.items()
+    status, error = await _error(await client.post(path, json={**ENDPOINT_BODIES[path], **changes}, headers=AUTH))
+    assert (status, error["param"], error["code"]) == (400, param, "unknown_parameter"), error
+    assert not adapter.requests
 
 
 async def test_a_token_the_engine_does_not_know_is_a_400_naming_logit_bias(setup) -> None:  # type: ignore[no-untyped-def]
@@ -587,6 +732,31 @@ async def test_a_named_tool_choice_is_constrained_and_answered_as_tool_calls(set
     [streamed] = [t for d in deltas for t in (d.tool_calls or [])]
     assert (streamed.index, streamed.function.name, streamed.function.arguments) == (0, "get_weather", '{"city": "Oslo"}')  # type: ignore[union-attr]
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
+
+
+async def test_tool_choice_none_answers_text_streamed_as_it_is_made(setup) -> None:  # type: ignore[no-untyped-def]
+    """tool_choice none with tools: the model calls no tool and generates a message (OpenAI's words).
+    The text was held to the stream's last chunk, and a <tool_call> block in it answered as a call."""
+    client, adapter, _, _ = setup
+    block = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+    adapter.chunks = [
+        inference_pb2.GenerateResponse(text="Sure: ", token_count=2),
+        inference_pb2.GenerateResponse(text=block, token_count=9),
+        inference_pb2.GenerateResponse(text=" done", token_count=1, finish_reason=types_pb2.FINISH_REASON_STOP, usage=USAGE),
+    ]
+    body = {**CHAT, "tools": [WEATHER_TOOL], "tool_choice": "none"}
+    reply = await client.post("/v1/chat/completions", json=body, headers=AUTH)
+    assert reply.status == 200, await reply.text()
+    choice = ChatCompletion.model_validate(await reply.json()).choices[0]
+    assert (choice.message.content, choice.message.tool_calls, choice.finish_reason) == (f"Sure: {block} done", None, "stop")
+    assert "<tools>" not in adapter.requests[-1].messages[0].content  # none hides the tools
+
+    reply = await client.post("/v1/chat/completions", json={**body, "stream": True}, headers=AUTH)
+    chunks = [ChatCompletionChunk.model_validate(json.loads(line[6:])) for line in (await reply.text()).splitlines() if line.startswith("data: {")]
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    assert [d.content for d in deltas if d.content] == ["Sure: ", block, " done"]  # each piece as it came
+    assert not any(d.tool_calls for d in deltas)
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
 
 
 async def test_a_tool_conversation_is_rendered_for_the_model(setup) -> None:  # type: ignore[no-untyped-def]

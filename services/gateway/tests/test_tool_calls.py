@@ -4,6 +4,7 @@ constraint per tool_choice, and the parser that turns what the model wrote into 
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pytest
 from sluice.common.v1 import types_pb2
@@ -178,3 +179,35 @@ def test_auto_without_parallel_calls_keeps_the_first_call_only() -> None:
         parser.feed(two)
         assert parser.finish(types_pb2.FINISH_REASON_STOP) == ("", types_pb2.FINISH_REASON_TOOL_CALLS)
         assert [c.name for c in parser.calls] == names
+
+
+def test_none_streams_the_text_as_it_comes_and_parses_no_calls() -> None:
+    """tool_choice none: the model is to call no tool. Its text was held to the end (a stream came
+    in one last chunk) and a <tool_call> block in it was answered as a call."""
+    pieces = ["Sure: ", '<tool_call>\n{"name": "get_weather", ', '"arguments": {"city": "Oslo"}}\n</tool_call>']
+    tool_plan = plan(tool_use(Mode.TOOL_CHOICE_MODE_NONE), types_pb2.SamplingParams())
+    assert tool_plan is not None
+    parser = tool_plan.parser()
+    assert [parser.feed(piece) for piece in pieces] == pieces
+    assert parser.finish(types_pb2.FINISH_REASON_STOP) == ("", types_pb2.FINISH_REASON_STOP) and parser.calls == []
+
+
+@pytest.mark.parametrize(
+    ("arguments", "parsed"),
+    [
+        ('{"city": "Oslo"}', {"city": "Oslo"}),  # an object: as it is
+        ('"{\\"city\\": \\"Oslo\\"}"', {"city": "Oslo"}),  # a JSON string of an object: the object, not encoded twice
+        ('["Oslo"]', None),
+        ("null", None),
+        ('"Oslo"', None),
+        ('"[1]"', None),
+        ("7", None),
+    ],
+)
+def test_auto_takes_a_calls_arguments_only_as_a_json_object(arguments: str, parsed: dict[str, Any] | None) -> None:
+    text = f'<tool_call>{{"name": "get_weather", "arguments": {arguments}}}</tool_call>'
+    shown, rest, reason, calls = _run(Mode.TOOL_CHOICE_MODE_AUTO, [text])
+    if parsed is None:  # not a call after all: the block is text
+        assert (shown + rest, reason, calls) == (text, types_pb2.FINISH_REASON_STOP, [])
+    else:
+        assert reason == types_pb2.FINISH_REASON_TOOL_CALLS and [json.loads(c.arguments) for c in calls] == [parsed]

@@ -219,35 +219,47 @@ class OpenAIFront:
         request_id = current_request_id()
         structlog.contextvars.bind_contextvars(tenant=tenant.name, model=call.request.model)
         answer = Completion(call, request_id)
-        async with self.path.generate(tenant, call.requests(), request_id, None) as stream:
-            headers = self._headers(request_id, stream.ticket.metadata)
-            if call.options.stream:
-                return await self._stream(request, stream, answer, headers)
-            states = [ChoiceState(i) for i in range(call.choice_count())]
-            final = None
-            async for chunk in stream:
-                state = states[stream.index]
-                state.parts.append(chunk.text)
-                _record_logprobs(answer, state, chunk)
-                if chunk.finish_reason:
-                    state.finish_reason = FINISH_REASONS.get(chunk.finish_reason)
-                    if state.finish_reason is None:
-                        final = None
-                        break
-                    state.tool_calls = stream.tool_calls(stream.index)
-                    final = chunk
-            if final is None or any(state.finish_reason is None for state in states):
-                raise OpenAIError(500, "The generation failed before it finished; retry the request.", "server_error", code="generation_failed")
-            usage = final.usage if final.HasField("usage") else None
-            return _json_response(answer.whole(states, None, usage), headers=headers)
+        try:
+            async with self.path.generate(tenant, call.requests(), request_id, None) as stream:
+                headers = self._headers(request_id, stream.ticket.metadata)
+                if call.options.stream:
+                    return await self._stream(request, stream, answer, headers)
+                return await self._whole(stream, answer, headers)
+        except InvalidArgument as exc:  # refused by the path (the model's limits): named as the client sent it
+            error = openai_error(exc)
+            sent = call.sent_as.get(error.param or "")
+            if sent is not None:
+                error.param, error.message = sent, f"{sent}: {exc.reason}"
+            raise error from exc
+
+    async def _whole(self, stream: Any, answer: Completion, headers: dict[str, str]) -> web.Response:
+        """The whole answer, once every choice has finished."""
+        states = [ChoiceState(i) for i in range(answer.call.choice_count())]
+        final = None
+        # A failed finish (the adapter's ERROR) is followed by the call's status, which says why:
+        # the loop goes on to it, and it is answered as it is (UNAVAILABLE: a 503 with Retry-After).
+        async for chunk in stream:
+            state = states[stream.index]
+            state.parts.append(chunk.text)
+            _record_logprobs(answer, state, chunk)
+            if chunk.finish_reason:
+                state.finish_reason = FINISH_REASONS.get(chunk.finish_reason)
+                state.tool_calls = stream.tool_calls(stream.index)
+                final = chunk
+        if final is None or any(state.finish_reason is None for state in states):
+            raise OpenAIError(500, "The generation failed before it finished; retry the request.", "server_error", code="generation_failed")
+        usage = final.usage if final.HasField("usage") else None
+        return _json_response(answer.whole(states, None, usage), headers=headers)
 
     async def _stream(self, request: web.Request, stream: Any, answer: Completion, headers: dict[str, str]) -> web.StreamResponse:
         """Server-sent events. The response starts at the first chunk, so that an error before it
         (the adapter refusing, no replica) is still answered with its own status and JSON body."""
         response: web.StreamResponse | None = None
-        final = None
+        final = failed = None
         states = [ChoiceState(i) for i in range(answer.call.choice_count())]
         try:
+            # A failed finish (the adapter's ERROR) is followed by the call's status, which says why:
+            # the loop goes on to it, and the except below answers it (UNAVAILABLE: service_unavailable).
             async for chunk in stream:
                 if response is None:
                     response = web.StreamResponse(headers={**headers, "Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
@@ -262,9 +274,8 @@ class OpenAIFront:
                     final = chunk
                     state.finish_reason = FINISH_REASONS.get(chunk.finish_reason)
                     if state.finish_reason is None:
-                        async for _ in stream:  # a failed finish: the call's status follows, and says why
-                            pass
-                        break
+                        failed = chunk
+                        continue
                     calls = stream.tool_calls(stream.index)
                     if calls and answer.call.chat:
                         await response.write(_sse(answer.tool_calls_chunk(state.index, calls)))
@@ -278,14 +289,13 @@ class OpenAIFront:
             raise StreamAnswered(response) from exc
         if response is None:
             raise OpenAIError(500, "The generation ended without any output.", "server_error", code="generation_failed")
-        finish = FINISH_REASONS.get(final.finish_reason) if final is not None else None
-        if final is None or finish is None:
-            reason = types_pb2.FinishReason.Name(final.finish_reason) if final is not None else "no final chunk"
+        if final is None or any(state.finish_reason is None for state in states):
+            reason = types_pb2.FinishReason.Name(failed.finish_reason) if failed is not None else "no final chunk"
             await self._fail_stream(
                 response, OpenAIError(500, f"The generation failed after it started ({reason}).", "server_error", code="generation_failed")
             )
             return response
-        await response.write(_sse(answer.chunk(None, finish, index=stream.index)))
+        await response.write(_sse(answer.chunk(None, FINISH_REASONS[final.finish_reason], index=stream.index)))
         if answer.call.options.include_usage:
             await response.write(_sse(answer.usage_chunk(final.usage if final.HasField("usage") else None)))
         await response.write(b"data: [DONE]\n\n")

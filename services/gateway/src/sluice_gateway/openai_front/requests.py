@@ -22,8 +22,10 @@ is queued. Their ranges are the sampling contract's
 outside the model's vocabulary is refused by the engine, which knows it: 400 naming logit_bias too.
 
 Defaults as OpenAI's: temperature 1.0 and top_p 1.0 when omitted or null (set explicitly on the
-Sluice request); max_tokens omitted: left 0, which the InferencePath turns into the model's
-remaining context capped by SLUICE_GATEWAY_DEFAULT_MAX_TOKENS, as on gRPC.
+Sluice request); a completion's max_tokens omitted or null: OpenAI's 16 (vLLM's too, omitted); a chat's
+max_tokens and max_completion_tokens omitted (OpenAI sets no default): left 0, which the
+InferencePath turns into the model's remaining context capped by SLUICE_GATEWAY_DEFAULT_MAX_TOKENS,
+as on gRPC.
 """
 
 from __future__ import annotations
@@ -48,6 +50,9 @@ from sluice_gateway.openai_front.choices import parse_chat_choices, parse_comple
 # OpenAI's defaults for sampling (https://platform.openai.com/docs/api-reference/chat/create).
 DEFAULT_TEMPERATURE = 1.0
 DEFAULT_TOP_P = 1.0
+# OpenAI's default max_tokens of a (legacy) completion, and vLLM's: CreateCompletionRequest's
+# `"default": 16`. Chat has none upstream: the InferencePath's default applies there.
+COMPLETION_MAX_TOKENS = 16
 
 # OpenAI's rule for response_format.json_schema.name.
 _SCHEMA_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
@@ -65,15 +70,10 @@ def check_text(document: dict[str, Any]) -> None:
         raise invalid(param, f"{param} is not valid Unicode text: it holds a lone surrogate (such as \\ud800)", "invalid_value")
 
 
-# Params OpenAI defines that Sluice accepts only at their neutral value (what OpenAI does when they
-# are omitted). Anything else is refused naming the param.
-_NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "n": (None, 1),
-    "best_of": (None, 1),
-    "logprobs": (None, False),
-    "top_logprobs": (None, 0),
-    "echo": (None, False),
-    "suffix": (None, ""),
+# Params OpenAI defines on an endpoint that Sluice accepts there only at their neutral value (what
+# OpenAI does when they are omitted). Anything else is refused naming the param; a param of another
+# endpoint is unrecognized, as upstream has it.
+_CHAT_NEUTRAL: dict[str, tuple[Any, ...]] = {
     "functions": (None,),
     "function_call": (None, "none", "auto"),
     "service_tier": (None, "auto", "default"),
@@ -90,6 +90,7 @@ _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "verbosity": (None,),
     "moderation": (None,),
 }
+_COMPLETION_NEUTRAL: dict[str, tuple[Any, ...]] = {"best_of": (None, 1), "suffix": (None, "")}
 # OpenAI's metadata of a request (they change nothing about the output): recorded on the
 # completion's evaluation record (GenerateRequest.user and metadata), where it can be queried.
 _RECORDED = ("user", "metadata")
@@ -112,8 +113,18 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _is_number(value: Any) -> bool:
-    return (isinstance(value, (int, float)) and not isinstance(value, bool)) and math.isfinite(value)
+def _number(value: Any, param: str, what: str) -> float:
+    """A JSON number as a float; a 400 naming `param` for anything else, and for an integer too large
+    for a float (10**400: float() would raise OverflowError)."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise invalid(param, f"{what} must be a number, got {value!r}", "invalid_type")
+    try:
+        number = float(value)
+    except OverflowError:
+        number = math.inf
+    if not math.isfinite(number):
+        raise invalid(param, f"{what} must be a finite number, got {value!r}", "invalid_value")
+    return number
 
 
 def _same(value: Any, neutral: Any) -> bool:
@@ -123,12 +134,12 @@ def _same(value: Any, neutral: Any) -> bool:
     return type(value) in (int, float, str) and value == neutral
 
 
-def _check_fields(body: dict[str, Any], known: set[str]) -> None:
+def _check_fields(body: dict[str, Any], known: set[str], neutrals: dict[str, tuple[Any, ...]]) -> None:
     for name, value in body.items():
         if name in known:
             continue
-        if name in _NEUTRAL:
-            neutral = _NEUTRAL[name]
+        if name in neutrals:
+            neutral = neutrals[name]
             if any(_same(value, n) for n in neutral):
                 continue
             if isinstance(value, (list, dict)) and not value and None in neutral:
@@ -177,16 +188,12 @@ def _model(body: dict[str, Any]) -> str:
 
 def _optional_number(body: dict[str, Any], name: str, default: float) -> float:
     value = body.get(name)
-    if value is None:
-        return default
-    if not _is_number(value):
-        raise invalid(name, f"{name} must be a number, got {value!r}", "invalid_type")
-    return float(value)
+    return default if value is None else _number(value, name, name)
 
 
 def _sampling(body: dict[str, Any]) -> types_pb2.SamplingParams:
     sampling = types_pb2.SamplingParams()
-    for name in ("max_completion_tokens", "max_tokens"):
+    for name in ("max_tokens", "max_completion_tokens"):  # both checked; the second wins
         value = body.get(name)
         if value is None:
             continue
@@ -195,14 +202,15 @@ def _sampling(body: dict[str, Any]) -> types_pb2.SamplingParams:
         if not 1 <= value <= MAX_INT32:
             raise invalid(name, f"{name} must be from 1 to {MAX_INT32}, got {value}", "invalid_value")
         sampling.max_tokens = value
-        break
     sampling.temperature = _optional_number(body, "temperature", DEFAULT_TEMPERATURE)
     sampling.top_p = _optional_number(body, "top_p", DEFAULT_TOP_P)
     seed = body.get("seed")
     if seed is not None:
         if not _is_int(seed):
             raise invalid("seed", f"seed must be an integer, got {seed!r}", "invalid_type")
-        sampling.seed = seed % (1 << 64)
+        if not -(1 << 63) <= seed < 1 << 63:
+            raise invalid("seed", f"seed must be a 64-bit signed integer (from -2^63 to 2^63-1), got {seed}", "invalid_value")
+        sampling.seed = seed % (1 << 64)  # the uint64 of the same bits
     for name in ("presence_penalty", "frequency_penalty", "min_p", "repetition_penalty"):
         if body.get(name) is not None:  # null or omitted: unset, the contract's neutral value
             setattr(sampling, name, _optional_number(body, name, 0.0))
@@ -237,9 +245,7 @@ def _logit_bias(value: Any, sampling: types_pb2.SamplingParams) -> None:
             token = None
         if token is None or str(token) != key or not -MAX_INT32 <= token <= MAX_INT32:
             raise invalid("logit_bias", f"logit_bias keys must be token ids (integers as strings), got {key!r}", "invalid_value")
-        if not _is_number(bias):
-            raise invalid("logit_bias", f"logit_bias values must be numbers from -100 to 100, got {bias!r} for token {key}", "invalid_type")
-        sampling.logit_bias[token] = float(bias)
+        sampling.logit_bias[token] = _number(bias, "logit_bias", f"the logit_bias of token {key}")
 
 
 def _structured_outputs(value: Any, sampling: types_pb2.SamplingParams) -> None:
@@ -336,7 +342,7 @@ def _stream_options(body: dict[str, Any]) -> StreamOptions:
 
 
 def _content(value: Any, param: str) -> str:
-    """A message's content: a string, or an array of text parts (joined)."""
+    """A message's content: a string, or an array of text parts (joined with newlines, as vLLM does)."""
     if isinstance(value, str):
         return value
     if isinstance(value, list):
@@ -345,7 +351,7 @@ def _content(value: Any, param: str) -> str:
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
                 raise invalid(f"{param}[{index}]", 'only text content parts ({"type": "text", "text": ...}) are supported', "invalid_value")
             texts.append(part["text"])
-        return "".join(texts)
+        return "\n".join(texts)
     raise invalid(param, f"content must be a string or an array of text parts, got {value!r}", "invalid_type")
 
 
@@ -360,6 +366,10 @@ class GenerationCall:
     # A completions prompt list of several prompts: one request per prompt (the first is `request`),
     # answered as one by the InferencePath; empty for one prompt.
     prompt_requests: list[gateway_pb2.GenerateRequest] = field(default_factory=list)
+    # The params an error of the InferencePath names (by Sluice's field) -> the field this client
+    # sent instead: max_tokens is its max_completion_tokens, structured_outputs its response_format
+    # or constrained tool_choice.
+    sent_as: dict[str, str] = field(default_factory=dict)
 
     def requests(self) -> list[gateway_pb2.GenerateRequest]:
         return self.prompt_requests or [self.request]
@@ -374,7 +384,7 @@ class GenerationCall:
 
 
 def parse_chat(body: dict[str, Any]) -> GenerationCall:
-    _check_fields(body, _CHAT_FIELDS)
+    _check_fields(body, _CHAT_FIELDS, _CHAT_NEUTRAL)
     request = gateway_pb2.GenerateRequest(model=_model(body))
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
@@ -386,7 +396,19 @@ def parse_chat(body: dict[str, Any]) -> GenerationCall:
     _response_format(body.get("response_format"), request)
     _tool_use(body, request)
     _recorded(body, request)
-    return GenerationCall(request, _stream_options(body), chat=True)
+    return GenerationCall(request, _stream_options(body), chat=True, sent_as=_sent_as(body, request))
+
+
+def _sent_as(body: dict[str, Any], request: gateway_pb2.GenerateRequest) -> dict[str, str]:
+    sent_as: dict[str, str] = {}
+    if body.get("max_completion_tokens") is not None:
+        sent_as["max_tokens"] = "max_completion_tokens"
+    if body.get("structured_outputs") is None:
+        if request.sampling.HasField("structured_outputs"):
+            sent_as["structured_outputs"] = "response_format"
+        elif request.tool_use.choice.mode in (types_pb2.TOOL_CHOICE_MODE_REQUIRED, types_pb2.TOOL_CHOICE_MODE_FUNCTION):
+            sent_as["structured_outputs"] = "tool_choice"  # the constraint the InferencePath sets for it
+    return sent_as
 
 
 _MESSAGE_FIELDS = {
@@ -517,10 +539,11 @@ def _prompts(value: Any) -> list[str | list[int]]:
 
 
 def parse_completion(body: dict[str, Any]) -> GenerationCall:
-    _check_fields(body, _COMPLETION_FIELDS)
+    _check_fields(body, _COMPLETION_FIELDS, _COMPLETION_NEUTRAL)
     request = gateway_pb2.GenerateRequest(model=_model(body))
     prompts = _prompts(body.get("prompt"))
     request.sampling.CopyFrom(_sampling(body))
+    request.sampling.max_tokens = request.sampling.max_tokens or COMPLETION_MAX_TOKENS
     _response_format(body.get("response_format"), request)
     echo = parse_completion_choices(body, request.sampling)
     _recorded(body, request)  # before the fan-out: every prompt's request (and event) carries them
@@ -536,7 +559,9 @@ def parse_completion(body: dict[str, Any]) -> GenerationCall:
         else:
             one.prompt_token_ids.extend(prompt)
         each.append(one)
-    return GenerationCall(each[0], _stream_options(body), chat=False, echo=echo, prompt_requests=each if len(each) > 1 else [])
+    return GenerationCall(
+        each[0], _stream_options(body), chat=False, echo=echo, prompt_requests=each if len(each) > 1 else [], sent_as=_sent_as(body, request)
+    )
 
 
 @dataclass
@@ -547,7 +572,7 @@ class EmbeddingCall:
 
 
 def parse_embeddings(body: dict[str, Any]) -> EmbeddingCall:
-    _check_fields(body, _EMBEDDING_FIELDS)
+    _check_fields(body, _EMBEDDING_FIELDS, {})
     if body.get("user") not in (None, ""):
         # An embedding has no evaluation record to carry it: refused rather than dropped.
         raise invalid("user", "user is not supported on embeddings (they have no evaluation record to carry it); omit it", "unsupported_parameter")

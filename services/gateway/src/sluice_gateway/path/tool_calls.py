@@ -14,7 +14,8 @@ What the model may write follows tool_choice, as vLLM does it: `auto` leaves dec
 the `<tool_call>` blocks out of the text; `required` constrains decoding to a JSON array of
 `{"name", "parameters"}` objects of the given tools (nothing else in them) (one element without parallel_tool_calls); a named
 function constrains it to that function's parameters, which are the call's arguments. `none` hides the
-tools. Plain domain code (no grpc): the InferencePath plans and parses, the fronts shape the calls.
+tools and leaves the text as text, streamed as it is made and never parsed into calls. Plain domain
+code (no grpc): the InferencePath plans and parses, the fronts shape the calls.
 """
 
 from __future__ import annotations
@@ -106,7 +107,8 @@ def plan(tool_use: types_pb2.ToolUse, sampling: types_pb2.SamplingParams) -> Too
     found = ToolPlan(mode, tools, descriptions, tool_use.choice.function, parallel)
     if found.constraint() is not None and sampling.HasField("structured_outputs"):
         raise InvalidArgument(
-            "sampling.structured_outputs", "a tool call's arguments are constrained already: drop structured_outputs or use tool_choice auto"
+            "sampling.structured_outputs",
+            "a tool call's arguments are constrained already (tool_choice required or a named function): drop this constraint or use tool_choice auto",
         )
     return found
 
@@ -195,13 +197,16 @@ class ToolCallParser:
     """One choice's text as it streams: what may be shown as text now, and at the end the calls.
 
     Constrained modes hold all text (it is the call). `auto` passes text through until a `<tool_call>`
-    may be starting (a suffix that is a prefix of it is held back) and holds everything from there."""
+    may be starting (a suffix that is a prefix of it is held back) and holds everything from there.
+    `none` passes all text through as it comes and parses nothing: the model is to call no tool."""
 
     tool_plan: ToolPlan
     held: str = ""
     calls: list[types_pb2.ToolCall] = field(default_factory=list)
 
     def feed(self, text: str) -> str:
+        if self.tool_plan.mode == Mode.TOOL_CHOICE_MODE_NONE:
+            return text  # no calls asked for: text as it is made
         if self.tool_plan.mode != Mode.TOOL_CHOICE_MODE_AUTO:
             self.held += text
             return ""
@@ -218,9 +223,9 @@ class ToolCallParser:
     def finish(self, finish_reason: int) -> tuple[str, int]:
         """(text not shown yet, the finish reason): calls parsed into `calls` end as TOOL_CALLS."""
         text, self.held = self.held, ""
-        if finish_reason != types_pb2.FINISH_REASON_STOP:
-            return text, finish_reason  # cut short or failed: the text as it is, no half calls
         mode = self.tool_plan.mode
+        if finish_reason != types_pb2.FINISH_REASON_STOP or mode == Mode.TOOL_CHOICE_MODE_NONE:
+            return text, finish_reason  # cut short, failed or no calls asked for: the text as it is
         if mode == Mode.TOOL_CHOICE_MODE_FUNCTION:
             self.calls = [types_pb2.ToolCall(id=new_call_id(), name=self.tool_plan.function, arguments=text)]
             return "", types_pb2.FINISH_REASON_TOOL_CALLS
@@ -269,6 +274,13 @@ def _parse_call(body: str, tools: dict[str, dict[str, Any]]) -> types_pb2.ToolCa
     if not isinstance(parsed, dict) or not isinstance(parsed.get("name"), str) or parsed["name"] not in tools:
         return None
     arguments = parsed.get("arguments", {})
+    if isinstance(arguments, str):  # the arguments written as a JSON string of the object
+        try:
+            arguments = json.loads(arguments)
+        except (ValueError, RecursionError):
+            return None
+    if not isinstance(arguments, dict):  # a call's arguments are a JSON object: anything else is text
+        return None
     return types_pb2.ToolCall(id=new_call_id(), name=parsed["name"], arguments=json.dumps(arguments))
 
 
