@@ -18,7 +18,7 @@ from grpc_status import rpc_status
 from sluice_common.errors import InvalidArgument, ResourceExhausted
 from sluice_common.log import configure_logging
 from sluice_common.request_context import current_request_id
-from sluice_common.server import create_server, drain, serve_until_signal
+from sluice_common.server import MAX_REQUEST_BYTES, create_server, drain, serve_until_signal
 
 SERVICE = "test.Echo"
 
@@ -49,11 +49,15 @@ def _handlers(seen_request_ids: list[str]) -> grpc.GenericRpcHandler:
             seen_request_ids.append(current_request_id())
             yield request
 
+    async def size(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        return b"%d" % len(request)
+
     identity = lambda b: b  # noqa: E731 - raw bytes on the wire
     return grpc.method_handlers_generic_handler(
         SERVICE,
         {
             "Unary": grpc.unary_unary_rpc_method_handler(unary, identity, identity),
+            "Size": grpc.unary_unary_rpc_method_handler(size, identity, identity),
             "Stream": grpc.unary_stream_rpc_method_handler(stream, identity, identity),
             "Bidi": grpc.stream_stream_rpc_method_handler(bidi, identity, identity),
         },
@@ -141,6 +145,17 @@ class _Call:
 
     def trailing_metadata(self) -> tuple[tuple[str, bytes], ...]:
         return self._status.trailing_metadata
+
+
+async def test_a_request_over_grpcs_default_4_mib_reaches_the_servicer(server) -> None:
+    """gRPC's own 4 MiB limit answered RESOURCE_EXHAUSTED before the service's own bounds (a SubmitJob
+    up to SLUICE_GATEWAY_JOBS_MAX_MESSAGE_BYTES, 8 MiB) could; MAX_REQUEST_BYTES is the port's bound."""
+    _, channel, _ = server
+    size = channel.unary_unary(f"/{SERVICE}/Size")
+    assert await size(b"x" * (5 * 1024 * 1024), timeout=10) == b"5242880"
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await size(b"x" * (MAX_REQUEST_BYTES + 1), timeout=10)
+    assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
 async def test_unexpected_error_is_internal_without_internals(server) -> None:

@@ -18,6 +18,7 @@ from sluice.common.v1 import types_pb2
 from sluice.evallog.v1 import evallog_pb2, events_pb2
 
 from conftest import PG_DSN, make_event
+from sluice_common.channels import PAGE_BYTES
 from sluice_common.errors import InvalidArgument, NotFound, PermissionDenied, Unavailable
 from sluice_common.sqlstore import open_sql_db
 from sluice_evaluation_logging import queries as queries_module
@@ -28,7 +29,6 @@ from sluice_evaluation_logging.queries import MAX_METADATA_PAIRS, MAX_THRESHOLDS
 from sluice_evaluation_logging.records import otel_attributes, to_row
 from sluice_evaluation_logging.servicer import _record, _summary
 from sluice_evaluation_logging.store import LATEST_VERSION, MIGRATIONS, PostgresStore, SqliteStore, Store, database_outage, refused_for_content
-from sluice_evaluation_logging.store.sql import PAGE_BYTES
 
 CTX = EvalContext(EvalSettings(similarity_sample_rate=0.0))
 

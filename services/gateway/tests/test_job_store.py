@@ -94,6 +94,27 @@ async def test_results_page_in_row_order(store: JobStore) -> None:
     assert (await store.row_result("j", "r3")).output == "out r3"  # type: ignore[union-attr]
 
 
+async def test_a_page_of_long_results_stops_short_of_page_bytes(store: JobStore) -> None:
+    """1000 rows of long outputs (or logprobs) made one page over a client's 4 MiB receive limit
+    (RESOURCE_EXHAUSTED: the results unreadable): a page stops short of PAGE_BYTES, holds at least
+    one row (a row larger alone comes alone), and its token resumes after its last row."""
+    ids = [f"r{i}" for i in range(6)]
+    await store.accept("j", "demo", "", ids, DAY)
+    for number, custom_id in enumerate(ids):
+        await store.claim_row("j", custom_id, "w", False)
+        size = s.PAGE_BYTES + 1 if number == 4 else 1024 * 1024  # r4: larger than a page alone
+        await store.finish_row(jobs_pb2.RowResult(job_id="j", custom_id=custom_id, output="x" * size))
+    pages: list[list[str]] = []
+    token = ""
+    while True:
+        page, token = await store.list_results("j", 1000, token)
+        assert sum(r.ByteSize() for r in page) <= s.PAGE_BYTES or len(page) == 1
+        pages.append([r.custom_id for r in page])
+        if not token:
+            break
+    assert pages == [["r0", "r1"], ["r2", "r3"], ["r4"], ["r5"]]
+
+
 @pytest.mark.parametrize("token", ["x1", "-1", "²", "1" * 5000, "99999999999999999999"])
 async def test_a_page_token_no_response_gave_is_invalid_argument(store: JobStore, token: str) -> None:
     """ "²" passes str.isdigit and fails int(); 5,000 digits exceed int()'s limit; 20 digits overflow

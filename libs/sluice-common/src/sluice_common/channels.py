@@ -11,11 +11,19 @@ import grpc
 from sluice_common.config import ClientTLS
 from sluice_common.tracing import client_interceptors
 
+# The largest response a Sluice client reads (gRPC's own default is 4 MiB): the services' channels
+# and the `sluice` CLI's.
+MAX_RECEIVE_MESSAGE_BYTES = 64 * 1024 * 1024
+# A page of a listing (QueryRecords, ListJobResults) stops short of this many bytes of rows, so that
+# a client with gRPC's default 4 MiB receive limit (grpcurl, any language's plain channel) reads
+# every page; a single row larger than this still comes, alone in its page.
+PAGE_BYTES = 3 * 1024 * 1024
+
 _OPTIONS = (
     ("grpc.keepalive_time_ms", 30_000),
     ("grpc.keepalive_timeout_ms", 10_000),
     ("grpc.http2.max_pings_without_data", 0),
-    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+    ("grpc.max_receive_message_length", MAX_RECEIVE_MESSAGE_BYTES),
     # A replica back from a restart is used again within 2 s (the default backoff grows to 120 s).
     ("grpc.initial_reconnect_backoff_ms", 250),
     ("grpc.max_reconnect_backoff_ms", 2_000),

@@ -34,6 +34,11 @@ log = structlog.stdlib.get_logger("sluice.server")
 ports_log = structlog.stdlib.get_logger(PORTS_LOGGER)
 
 REFLECTION_V1_SERVICE = "grpc.reflection.v1.ServerReflection"
+# The largest request a service's gRPC port takes (gRPC's own default is 4 MiB, and a larger request
+# got RESOURCE_EXHAUSTED from gRPC itself): above every limit of a service's own (a SubmitJob up to
+# SLUICE_GATEWAY_JOBS_MAX_MESSAGE_BYTES, at most 16 MiB), so that the service's own bound answers a
+# request over it, with INVALID_ARGUMENT naming that bound.
+MAX_REQUEST_BYTES = 32 * 1024 * 1024
 
 
 def _register_reflection_v1_descriptor() -> None:
@@ -146,6 +151,7 @@ async def create_server(
         interceptors=[SluiceServerInterceptor(quiet_methods)],
         options=[
             ("grpc.so_reuseport", 0),
+            ("grpc.max_receive_message_length", MAX_REQUEST_BYTES),
             # Clients ping every 30 s during calls (channels.py); a long stream may carry no data for
             # longer, and the default 5 min floor answered such pings with GOAWAY "too_many_pings".
             ("grpc.http2.min_ping_interval_without_data_ms", 10_000),

@@ -15,7 +15,8 @@ from sluice.jobs.v1 import jobs_pb2
 from sluice_common.errors import InvalidArgument, Unavailable
 from sluice_common.tenants import Tenant
 
-# The largest page of RowResults list_results gives (a larger page_size is cut to it).
+# The largest page of RowResults list_results gives (a larger page_size is cut to it); a page also
+# stops short of sluice_common.channels.PAGE_BYTES of results, so a page may hold fewer rows than asked.
 MAX_PAGE_SIZE = 1000
 # The longest job_id or custom_id, in characters.
 MAX_ID_LENGTH = 256

@@ -16,6 +16,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from sluice_common.channels import PAGE_BYTES
 from sluice_common.errors import InvalidArgument
 from sluice_common.sqlstore import SqlDb, Tx
 from sluice_evaluation_logging.evaluators.base import ScoreResult
@@ -198,10 +199,10 @@ def attach_scores(rows: list[RecordRow], score_rows: Sequence[Sequence[Any]]) ->
     return [RecordRow(**{**row.__dict__, "scores": tuple(by_event.get(row.event_id, ()))}) for row in rows]
 
 
-# A page's records, measured as stored (the event, the scores' text), stop short of this: records
-# carry whole prompts and outputs, and gRPC clients refuse a message over 4 MiB by default
-# (RESOURCE_EXHAUSTED), so a page of a thousand long answers would never arrive.
-PAGE_BYTES = 3 * 1024 * 1024
+# A page's records, measured as stored (the event, the scores' text), stop short of PAGE_BYTES
+# (sluice_common.channels, as the gateway's job results do): records carry whole prompts and outputs,
+# and gRPC clients refuse a message over 4 MiB by default (RESOURCE_EXHAUSTED), so a page of a
+# thousand long answers would never arrive.
 
 
 def record_size(row: RecordRow) -> int:

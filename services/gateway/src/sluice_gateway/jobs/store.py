@@ -42,6 +42,7 @@ from pathlib import Path
 
 from sluice.jobs.v1 import jobs_pb2
 
+from sluice_common.channels import PAGE_BYTES
 from sluice_common.errors import InvalidArgument
 from sluice_common.sqlstore import SqlDb, Tx, open_sql_db
 
@@ -592,10 +593,17 @@ class JobStore:
                 "SELECT seq, result FROM job_rows WHERE job_id = ? AND state = 'done' AND seq > ? ORDER BY seq LIMIT ?",
                 job_id, after, page_size + 1,
             )  # fmt: skip
-        more = len(rows) > page_size
-        rows = rows[:page_size]
-        results = [jobs_pb2.RowResult.FromString(bytes(blob)) for _, blob in rows]
-        return results, encode_page_token(int(rows[-1][0])) if more else ""
+        # page_size rows at most, and within PAGE_BYTES unless the first row alone is not: a page of
+        # long outputs (or logprobs) over a client's 4 MiB receive limit would never arrive.
+        page: list[tuple[int, bytes]] = []
+        total = 0
+        for seq, blob in rows[:page_size]:
+            total += len(blob)
+            if page and total > PAGE_BYTES:
+                break
+            page.append((int(seq), bytes(blob)))
+        results = [jobs_pb2.RowResult.FromString(blob) for _, blob in page]
+        return results, encode_page_token(page[-1][0]) if len(page) < len(rows) else ""
 
     async def row_states(self, job_id: str) -> dict[str, int]:
         async with self.db.transaction() as tx:
