@@ -108,6 +108,35 @@ def test_the_aio_channel_takes_the_same_tls(tls_server: tuple[str, Path]) -> Non
     assert asyncio.run(check()) == health_pb2.HealthCheckResponse.SERVING
 
 
+def _big_reply_server() -> tuple[grpc.Server, str]:
+    """A server whose /test.Big/Get answers 5 MiB: a page of long results is as large."""
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    identity = lambda b: b  # noqa: E731 - raw bytes on the wire
+    handler = grpc.unary_unary_rpc_method_handler(lambda request, context: b"x" * (5 * 1024 * 1024), identity, identity)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("test.Big", {"Get": handler}),))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    return server, f"127.0.0.1:{port}"
+
+
+def test_the_channels_read_a_reply_over_grpcs_default_4_mib(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A page of 1000 results with long outputs or logprobs is over 4 MiB: it was RESOURCE_EXHAUSTED."""
+    for name in ("SLUICE_TLS", "SLUICE_TLS_CA_FILE", "SLUICE_TLS_CERT_FILE", "SLUICE_TLS_KEY_FILE", "SLUICE_TLS_SERVER_NAME"):
+        monkeypatch.delenv(name, raising=False)
+    server, address = _big_reply_server()
+    try:
+        with client.channel(address) as sync_channel:
+            assert len(sync_channel.unary_unary("/test.Big/Get")(b"", timeout=10)) == 5 * 1024 * 1024
+
+        async def aio_get() -> int:
+            async with client.aio_channel(address) as aio:
+                return len(await aio.unary_unary("/test.Big/Get")(b"", timeout=10))
+
+        assert asyncio.run(aio_get()) == 5 * 1024 * 1024
+    finally:
+        server.stop(0)
+
+
 def test_logs_filters_by_user_and_metadata_pairs(capsys) -> None:  # type: ignore[no-untyped-def]
     args = build_parser().parse_args(["logs", "--user", "u-7", "--metadata", "run=eval-3", "--metadata", "expr=a=b"])
     assert (args.user, args.metadata) == ("u-7", [("run", "eval-3"), ("expr", "a=b")])
@@ -142,3 +171,13 @@ def test_jobs_submit_of_a_file_that_cannot_be_read_says_so(tmp_path: Path) -> No
     latin1.write_bytes(b'{"custom_id": "caf\xe9"}\n')
     with pytest.raises(SystemExit, match="not UTF-8 text"):
         read_rows(latin1)
+
+
+def test_jobs_submit_splits_its_rows_at_newlines_only(tmp_path: Path) -> None:
+    """A JobRow's prompt may hold U+2028 or U+0085 unescaped: str.splitlines cut the row there."""
+    from sluice_cli.jobs import read_rows
+
+    path = tmp_path / "rows.jsonl"
+    path.write_text('{"custom_id": "r1", "generate": {"model": "m", "prompt": "a\u2028b\u0085c"}}\r\n\n', encoding="utf-8")
+    [row] = read_rows(path)
+    assert row.generate.prompt == "a\u2028b\u0085c"

@@ -82,6 +82,28 @@ def test_b_within_the_threshold_passes_and_beyond_it_regresses() -> None:
     assert line.delta == pytest.approx(-0.10) and line.verdict(0.05) == "REGRESSED"
 
 
+@pytest.mark.parametrize(("a_passed", "b_passed"), [(18, 17), (19, 18)])
+def test_a_drop_of_exactly_the_threshold_is_not_a_regression(a_passed: int, b_passed: int) -> None:
+    """17/20 - 18/20 is -0.05000000000000004 in floats, 18/20 - 19/20 is -0.04999999999999993: the same
+    five-point drop was REGRESSED or not by rounding; --threshold is the largest drop that is not."""
+
+    def side(passed: int) -> list[list[RowScore]]:
+        return rows(*[("exact_match", 1.0, True)] * passed, *[("exact_match", 0.0, False)] * (20 - passed))
+
+    report = compare(EVALUATORS, side(a_passed), side(b_passed), (20, 0), (20, 0), threshold=0.05)
+    assert report.exit_code == EXIT_OK and report.regressions == []
+    assert compare(EVALUATORS, side(b_passed), side(a_passed), (20, 0), (20, 0), threshold=0.05).lines[2].verdict(0.05) == "same"
+    beyond = compare(EVALUATORS, side(a_passed), side(b_passed - 1), (20, 0), (20, 0), threshold=0.05)
+    assert beyond.regressions == ["exact_match"]
+
+
+def test_dataset_lines_split_at_newlines_only() -> None:
+    """str.splitlines also split at U+2028, U+0085 and other breaks a JSON string may hold unescaped."""
+    text = '{"id": "a", "prompt": "one\u2028two\u0085three"}\r\n{"id": "b", "prompt": "x"}\r\n'
+    first, second = parse_dataset(text, "d.jsonl")
+    assert first.prompt == "one\u2028two\u0085three" and second.custom_id == "b"
+
+
 def test_lower_is_better_evaluators_are_gated_on_their_pass_rate_too() -> None:
     # truncation's value is 1 for a truncated answer (lower is better); its pass rate still is higher-is-better.
     a = rows(("truncation", 0.0, True), ("truncation", 0.0, True))

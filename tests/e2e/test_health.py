@@ -37,6 +37,7 @@ def test_cli_generate_and_health(stack) -> None:
         "SLUICE_ADAPTER_URL": stack.adapter_address,
         "SLUICE_RATELIMIT_URL": stack.ratelimit_address,
         "SLUICE_EVALLOG_URL": stack.evallog_address,
+        "SLUICE_GATEWAY_WORKER_URL": stack.job_worker_address,
         "SLUICE_TRITON_HTTP_URL": f"127.0.0.1:{stack.ports.triton_http}",
         "SLUICE_API_KEY": "sk-sluice-demo",
     }
@@ -54,7 +55,7 @@ def test_cli_generate_and_health(stack) -> None:
     health = subprocess.run([sluice, "health"], env=env, capture_output=True, text=True, timeout=60)
     assert health.returncode == 0, health.stdout + health.stderr
     # Every service is listed, each at the stack's address, and every one is SERVING.
-    services = ("gateway", "inference-adapter", "rate-limit", "evaluation-logging", "triton")
+    services = ("gateway", "inference-adapter", "rate-limit", "evaluation-logging", "job-worker", "triton")
     lines = {line.split()[0]: line.split() for line in health.stdout.splitlines() if line.strip()}
     assert set(lines) == set(services), health.stdout
     assert lines["rate-limit"][1] == stack.ratelimit_address and lines["evaluation-logging"][1] == stack.evallog_address

@@ -17,7 +17,7 @@ from typing import TypeVar
 import grpc
 from sluice.gateway.v1 import gateway_pb2_grpc
 
-from sluice_common.channels import channel_credentials
+from sluice_common.channels import MAX_RECEIVE_MESSAGE_BYTES, channel_credentials
 from sluice_common.config import ClientTLS
 
 Metadata = tuple[tuple[str, str], ...]
@@ -62,15 +62,18 @@ def tls_from_env(env: Mapping[str, str] = os.environ) -> ClientTLS | None:
     )
 
 
-def _options(tls: ClientTLS) -> tuple[tuple[str, str], ...]:
-    return (("grpc.ssl_target_name_override", tls.server_name),) if tls.server_name else ()
+def _options(tls: ClientTLS | None) -> tuple[tuple[str, int | str], ...]:
+    # The services' own receive limit: a page of results (long outputs, logprobs) can be over
+    # gRPC's default 4 MiB.
+    receive = (("grpc.max_receive_message_length", MAX_RECEIVE_MESSAGE_BYTES),)
+    return (*receive, ("grpc.ssl_target_name_override", tls.server_name)) if tls is not None and tls.server_name else receive
 
 
 def channel(address: str, tls: ClientTLS | None = None) -> grpc.Channel:
     """A blocking channel to `address` (TLS from the environment unless given)."""
     tls = tls if tls is not None else tls_from_env()
     if tls is None:
-        return grpc.insecure_channel(address)
+        return grpc.insecure_channel(address, options=_options(tls))
     return grpc.secure_channel(address, channel_credentials(tls), options=_options(tls))
 
 
@@ -78,7 +81,7 @@ def aio_channel(address: str, tls: ClientTLS | None = None) -> grpc.aio.Channel:
     """A grpc.aio channel to `address`; made inside the event loop that uses it."""
     tls = tls if tls is not None else tls_from_env()
     if tls is None:
-        return grpc.aio.insecure_channel(address)
+        return grpc.aio.insecure_channel(address, options=_options(tls))
     return grpc.aio.secure_channel(address, channel_credentials(tls), options=_options(tls))
 
 

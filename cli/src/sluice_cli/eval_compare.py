@@ -20,12 +20,17 @@ from dataclasses import dataclass, field, fields
 from sluice_common.sampling import Sampling
 
 # Exit codes of `sluice eval` (docs/operators/ab-evaluation.md): 0 no regression, 1 B regressed beyond the threshold on
-# some line, 2 the comparison could not be made (bad input, an RPC failed, a job did not complete).
+# some line, 2 the comparison could not be made (bad input or settings, an RPC failed, a job did not complete, the
+# --output file could not be written), 130 interrupted (Ctrl-C: its jobs cancelled).
 EXIT_OK = 0
 EXIT_REGRESSION = 1
 EXIT_ERROR = 2
+EXIT_INTERRUPTED = 130
 
 ROWS_OK = "rows_ok"
+# Pass rates are shares of counts, so their difference carries float rounding: 17/20 - 18/20 is
+# -0.05000000000000004. A delta within this of the threshold is the threshold (not a regression).
+DELTA_TOLERANCE = 1e-9
 # The verdict of a line scored on one side only; it fails the gate.
 ONE_SIDE_ONLY = "one side only"
 
@@ -77,10 +82,16 @@ def _row(number: int, data: object, source: str) -> DatasetRow:
     return DatasetRow(custom_id, prompt, tuple((m["role"], m["content"]) for m in messages), reference)
 
 
+def jsonl_lines(text: str) -> list[str]:
+    """The lines of a JSON-lines text: split at "\n" only (a trailing "\r" dropped), never at the other
+    breaks str.splitlines knows (U+2028, U+0085, ...), which a JSON string may hold unescaped."""
+    return [line.removesuffix("\r") for line in text.split("\n")]
+
+
 def parse_dataset(text: str, source: str = "dataset") -> list[DatasetRow]:
     """JSON lines: {"id"?, "prompt" | "messages", "reference"?}; blank lines skipped; ids unique."""
     rows: list[DatasetRow] = []
-    for number, line in enumerate(text.splitlines(), 1):
+    for number, line in enumerate(jsonl_lines(text), 1):
         if not line.strip():
             continue
         try:
@@ -205,9 +216,9 @@ class Line:
     def verdict(self, threshold: float) -> str:
         if not self.comparable:
             return "n/a" if not (self.a.n or self.b.n) else ONE_SIDE_ONLY
-        if self.delta < -threshold:
+        if self.delta < -threshold - DELTA_TOLERANCE:
             return "REGRESSED"
-        if self.delta > threshold:
+        if self.delta > threshold + DELTA_TOLERANCE:
             return "improved"
         return "same"
 

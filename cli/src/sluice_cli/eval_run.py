@@ -19,7 +19,7 @@ import os
 import sys
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +33,7 @@ from sluice.jobs.v1 import jobs_pb2
 from sluice_cli.client import NoAPIKey, bearer_metadata, bounded, stub
 from sluice_cli.eval_compare import (
     EXIT_ERROR,
+    EXIT_INTERRUPTED,
     DatasetError,
     DatasetRow,
     RowScore,
@@ -43,16 +44,24 @@ from sluice_cli.eval_compare import (
     render,
 )
 from sluice_cli.jobs import progress_line
+from sluice_common.config import ConfigError
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 DEFAULT_EVALLOG = "127.0.0.1:50081"
 # Items per ScoreCompletions call: up to four texts each to embed (similarity and
 # reference_similarity), so ~256 texts, about a second of the CPU embedding model.
 SCORE_CHUNK = 64
+# ...and at most this many bytes of items per call (an item alone larger still goes, alone): long
+# prompts and outputs made 64 items over 4 MiB, the receive limit of a server on gRPC's default.
+SCORE_CHUNK_BYTES = 3 * 1024 * 1024
 
 
 class EvalFailed(Exception):
-    """The comparison cannot be made; the message says why (exit code 2)."""
+    """The comparison cannot be made; the message says why (exit code 2, or 130 after Ctrl-C)."""
+
+    def __init__(self, message: str, exit_code: int = EXIT_ERROR) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
 
 
 def _metadata(args: argparse.Namespace) -> tuple[tuple[str, str], ...]:
@@ -113,20 +122,43 @@ class EvalRun:
         self.evallog = stub(evallog_pb2_grpc.EvalLogServiceStub, args.evallog)
 
     def submit(self, request: jobs_pb2.JobRequest) -> None:
-        job = self.gateway.SubmitJob(gateway_pb2.SubmitJobRequest(job=request), metadata=self.metadata, timeout=30).job
-        print(f"job {job.job_id}: {job.total_rows} rows", file=sys.stderr)
+        self.gateway.SubmitJob(gateway_pb2.SubmitJobRequest(job=request), metadata=self.metadata, timeout=30)
 
     def wait(self, job_id: str, label: str) -> jobs_pb2.Job:
         """Until the job is settled (WatchJob ends then); the last state seen."""
         last = self.gateway.GetJob(gateway_pb2.GetJobRequest(job_id=job_id), metadata=self.metadata, timeout=10).job
         watch = self.gateway.WatchJob(gateway_pb2.WatchJobRequest(job_id=job_id), metadata=self.metadata, timeout=self.args.timeout)
-        for update in watch:
-            last = update.job
+        try:
+            for update in watch:
+                last = update.job
+                if not self.args.quiet:
+                    print(f"\r{label}: " + progress_line(last), end="", file=sys.stderr, flush=True)
+        except grpc.RpcError as error:
+            if error.code() != grpc.StatusCode.DEADLINE_EXCEEDED:  # type: ignore[attr-defined]
+                raise
+            raise EvalFailed(f"side {label}'s job {job_id} did not finish within --timeout {self.args.timeout:g} s") from None
+        finally:
             if not self.args.quiet:
-                print(f"\r{label}: " + progress_line(last), end="", file=sys.stderr, flush=True)
-        if not self.args.quiet:
-            print(file=sys.stderr)
+                print(file=sys.stderr)
         return last
+
+    def cancel(self, job_ids: Sequence[str]) -> str:
+        """Cancels the jobs; what became of them, for the error line (a job never recorded is NOT_FOUND,
+        a settled one stays as it is)."""
+        cancelled, left = [], []
+        for job_id in job_ids:
+            try:
+                job = self.gateway.CancelJob(gateway_pb2.CancelJobRequest(job_id=job_id), metadata=self.metadata, timeout=10).job
+            except grpc.RpcError as error:
+                if error.code() != grpc.StatusCode.NOT_FOUND:  # type: ignore[attr-defined]
+                    left.append(job_id)
+                continue
+            if job.state in (jobs_pb2.JOB_STATE_CANCELLING, jobs_pb2.JOB_STATE_CANCELLED):
+                cancelled.append(job_id)
+        said = [f"cancelled job {', '.join(cancelled)}"] if cancelled else []
+        if left:
+            said.append(f"could not cancel job {', '.join(left)}: `sluice jobs cancel JOB_ID`")
+        return "; ".join(said) or "no job left running"
 
     def results(self, job_id: str) -> dict[str, jobs_pb2.RowResult]:
         found: dict[str, jobs_pb2.RowResult] = {}
@@ -143,13 +175,26 @@ class EvalRun:
     def score(self, items: list[evallog_pb2.ScoreItem]) -> tuple[list[list[RowScore]], list[tuple[str, bool]]]:
         scored: list[list[RowScore]] = []
         evaluators: list[tuple[str, bool]] = []
-        for start in range(0, len(items), SCORE_CHUNK):
-            reply = self.evallog.ScoreCompletions(
-                evallog_pb2.ScoreCompletionsRequest(items=items[start : start + SCORE_CHUNK]), metadata=self.metadata, timeout=120
-            )
+        for chunk in score_chunks(items):
+            reply = self.evallog.ScoreCompletions(evallog_pb2.ScoreCompletionsRequest(items=chunk), metadata=self.metadata, timeout=120)
             evaluators = [(e.name, e.higher_is_better) for e in reply.evaluators]
             scored += [[RowScore(s.name, s.value, s.passed, s.skipped) for s in item.scores] for item in reply.items]
         return scored, evaluators
+
+
+def score_chunks(items: Sequence[evallog_pb2.ScoreItem]) -> Iterator[list[evallog_pb2.ScoreItem]]:
+    """The items in order, SCORE_CHUNK at most a chunk and SCORE_CHUNK_BYTES unless one item alone is more."""
+    chunk: list[evallog_pb2.ScoreItem] = []
+    size = 0
+    for item in items:
+        item_size = item.ByteSize()
+        if chunk and (len(chunk) == SCORE_CHUNK or size + item_size > SCORE_CHUNK_BYTES):
+            yield chunk
+            chunk, size = [], 0
+        chunk.append(item)
+        size += item_size
+    if chunk:
+        yield chunk
 
 
 def _side_outcome(
@@ -207,10 +252,18 @@ def run_eval(args: argparse.Namespace) -> int:
     run = EvalRun(args)
     stamp = f"eval-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
     sides = [(a, f"{stamp}-a"), (b, f"{stamp}-b")]
-    # Both jobs are submitted before either is waited for: they run side by side in the bulk class.
+    # The ids are chosen here and printed before SubmitJob: whatever happens next, the jobs are named.
     for side, job_id in sides:
-        run.submit(job_request(job_id, rows, side, args.max_tokens))
-    states = [run.wait(job_id, side.label) for side, job_id in sides]
+        print(f"side {side.label}: job {job_id}, {len(rows)} rows", file=sys.stderr)
+    try:
+        # Both jobs are submitted before either is waited for: they run side by side in the bulk class.
+        for side, job_id in sides:
+            run.submit(job_request(job_id, rows, side, args.max_tokens))
+        states = [run.wait(job_id, side.label) for side, job_id in sides]
+    except (EvalFailed, grpc.RpcError, KeyboardInterrupt) as stopped:
+        # No comparison will come of them: neither job is left running (a second Ctrl-C cuts this short).
+        code = EXIT_INTERRUPTED if isinstance(stopped, KeyboardInterrupt) else EXIT_ERROR
+        raise EvalFailed(f"{_why(stopped)}; {run.cancel([job_id for _, job_id in sides])}", code) from None
     scored: list[list[list[RowScore]]] = []
     failures: list[tuple[int, int]] = []
     evaluators: list[tuple[str, bool]] = []
@@ -228,7 +281,11 @@ def run_eval(args: argparse.Namespace) -> int:
     report = compare(evaluators, scored[0], scored[1], failures[0], failures[1], args.threshold)
     print(render(report, a, b))
     if args.output:
-        Path(args.output).write_text("".join(json.dumps(per_row[r.custom_id], sort_keys=True) + "\n" for r in rows if r.custom_id in per_row))
+        try:
+            Path(args.output).write_text("".join(json.dumps(per_row[r.custom_id], sort_keys=True) + "\n" for r in rows if r.custom_id in per_row))
+        except OSError as exc:
+            outputs = " and ".join(f"`sluice jobs results {job_id}`" for _, job_id in sides)
+            raise EvalFailed(f"cannot write {args.output}: {exc.strerror or exc} (the outputs, not the scores, stay in {outputs})") from None
     unsettled = [
         f"{side.label} ({job_id}: {jobs_pb2.JobState.Name(job.state)})"
         for (side, job_id), job in zip(sides, states, strict=True)
@@ -239,15 +296,25 @@ def run_eval(args: argparse.Namespace) -> int:
     return report.exit_code
 
 
+def _why(stopped: BaseException) -> str:
+    if isinstance(stopped, KeyboardInterrupt):
+        return "interrupted"
+    if isinstance(stopped, grpc.RpcError):
+        return f"{stopped.code().name}: {stopped.details()}"  # type: ignore[attr-defined]
+    return str(stopped)
+
+
 def cmd_eval(args: argparse.Namespace) -> int:
+    """Exit codes: EXIT_OK, EXIT_REGRESSION, and EXIT_ERROR for anything that kept the comparison from
+    being made or kept (a setting, an RPC, a file), never 1 (a regression); 130 after Ctrl-C."""
     try:
         return run_eval(args)
-    except EvalFailed as exc:
-        print(f"sluice eval: {exc}", file=sys.stderr)
-        return EXIT_ERROR
-    except grpc.RpcError as error:
-        print(f"\nsluice eval: {error.code().name}: {error.details()}", file=sys.stderr)  # type: ignore[attr-defined]
-        return EXIT_ERROR
+    except (EvalFailed, ConfigError, grpc.RpcError) as exc:
+        print(f"sluice eval: {_why(exc)}", file=sys.stderr)
+        return exc.exit_code if isinstance(exc, EvalFailed) else EXIT_ERROR
+    except KeyboardInterrupt:
+        print("\nsluice eval: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
 
 
 _threshold = bounded(float, lambda value: 0.0 <= value <= 1.0, "a share of the pass rate in [0, 1] (0.05 = five points)")

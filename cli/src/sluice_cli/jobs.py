@@ -22,6 +22,7 @@ from sluice.gateway.v1 import gateway_pb2
 from sluice.jobs.v1 import jobs_pb2
 
 from sluice_cli.client import command_metadata, gateway_stub
+from sluice_cli.eval_compare import jsonl_lines
 
 
 def _state(job: jobs_pb2.Job) -> str:
@@ -47,7 +48,7 @@ def read_rows(path: Path) -> list[jobs_pb2.JobRow]:
     except UnicodeDecodeError as exc:
         raise SystemExit(f"sluice: {path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
     rows = []
-    for number, line in enumerate(text.splitlines(), 1):
+    for number, line in enumerate(jsonl_lines(text), 1):
         if line.strip():
             try:
                 rows.append(json_format.Parse(line, jobs_pb2.JobRow()))
@@ -81,27 +82,39 @@ def _all_results(args: argparse.Namespace, job_id: str) -> list[jobs_pb2.RowResu
             return results
 
 
-def _fail(error: grpc.RpcError) -> int:
-    print(f"\nsluice: {error.code().name}: {error.details()}", file=sys.stderr)  # type: ignore[attr-defined]
+def _fail(error: grpc.RpcError, hint: str = "") -> int:
+    print(f"\nsluice: {error.code().name}: {error.details()}" + (f"; {hint}" if hint else ""), file=sys.stderr)  # type: ignore[attr-defined]
     return 1
+
+
+def _runs_on(job_id: str, submitted: bool = True) -> str:
+    how = "runs on" if submitted else "runs on if the gateway got it"
+    return f"job {job_id} {how}: `sluice jobs results {job_id} -o FILE` once it is done, or `sluice jobs cancel {job_id}`"
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
     path = Path(args.rows)
     job = jobs_pb2.JobRequest(job_id=args.job_id or f"cli-{uuid.uuid4().hex[:12]}", rows=read_rows(path))
+    metadata = command_metadata(args)
+    # The id is the CLI's: named before SubmitJob, so that a submit cut short (Ctrl-C, a deadline) is
+    # still known (submitting it again with --job-id is safe: a job runs once).
+    print(f"job {job.job_id}: submitting {len(job.rows)} rows", file=sys.stderr)
+    submitted = False
     try:
-        submitted = gateway_stub(args).SubmitJob(gateway_pb2.SubmitJobRequest(job=job), metadata=command_metadata(args), timeout=30).job
-        print(f"job {submitted.job_id}: {submitted.total_rows} rows", file=sys.stderr)
-        last = submitted
+        last = gateway_stub(args).SubmitJob(gateway_pb2.SubmitJobRequest(job=job), metadata=metadata, timeout=30).job
+        submitted = True
         # WatchJob ends once the job is settled (for an expired job: every row stored), so the
         # results listed next are all there.
-        for update in gateway_stub(args).WatchJob(gateway_pb2.WatchJobRequest(job_id=job.job_id), metadata=command_metadata(args)):
+        for update in gateway_stub(args).WatchJob(gateway_pb2.WatchJobRequest(job_id=job.job_id), metadata=metadata):
             last = update.job
             print("\r" + progress_line(last), end="", file=sys.stderr, flush=True)
         print(file=sys.stderr)
         results = _all_results(args, job.job_id)
     except grpc.RpcError as error:
-        return _fail(error)
+        return _fail(error, _runs_on(job.job_id) if submitted else "")
+    except KeyboardInterrupt:
+        print(f"\nsluice: interrupted; {_runs_on(job.job_id, submitted)}", file=sys.stderr)
+        return 130
     ok_path = Path(args.results or f"{path}.results.jsonl")
     errors_path = Path(args.errors or f"{path}.errors.jsonl")
     try:
@@ -129,7 +142,11 @@ def cmd_results(args: argparse.Namespace) -> int:
         return _fail(error)
     lines = "".join(_json(r) + "\n" for r in results)
     if args.output:
-        Path(args.output).write_text(lines)
+        try:
+            Path(args.output).write_text(lines)
+        except OSError as exc:
+            print(f"sluice: cannot write {args.output}: {exc.strerror or exc}", file=sys.stderr)
+            return 1
     else:
         sys.stdout.write(lines)
     return 0

@@ -4,7 +4,7 @@
     sluice models                                         what the gateway serves
     sluice health                                         every service's health
     sluice logs [--follow]                                recent completions and a summary table
-    sluice hash-key <api key>                             the hash to put in a tenants file
+    sluice hash-key                                       the hash of an API key (read without echo) for a tenants file
     sluice diagnose [--probe N]                           where a fan-out serializes, per hop
     sluice eval --dataset rows.jsonl --model-a A --model-b B   A/B on a dataset; exit 1 on a regression
 
@@ -16,11 +16,13 @@ The gateway address and API key come from --gateway/--api-key or SLUICE_GATEWAY_
 from __future__ import annotations
 
 import argparse
+import getpass
 import json
 import os
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -46,6 +48,9 @@ GRPC_SERVICES = {
     "evaluation-logging": ("SLUICE_EVALLOG_URL", DEFAULT_EVALLOG),
 }
 TRITON_HTTP = ("SLUICE_TRITON_HTTP_URL", "127.0.0.1:8000")
+# The gateway's job worker (python -m sluice_gateway.jobs.worker): health on its WORKER_PORT,
+# always plaintext (its health server takes no TLS settings).
+JOB_WORKER = ("SLUICE_GATEWAY_WORKER_URL", "127.0.0.1:50052")
 
 
 def _fail(error: grpc.RpcError) -> int:
@@ -98,9 +103,9 @@ def cmd_models(args: argparse.Namespace) -> int:
     return 0
 
 
-def _grpc_health(address: str) -> str:
+def _grpc_health(address: str, plaintext: bool = False) -> str:
     try:
-        with channel(address) as health_channel:
+        with grpc.insecure_channel(address) if plaintext else channel(address) as health_channel:
             reply = health_pb2_grpc.HealthStub(health_channel).Check(health_pb2.HealthCheckRequest(), timeout=3)
         return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
     except grpc.RpcError as error:
@@ -115,8 +120,14 @@ def _triton_health(address: str) -> str:
         return f"UNREACHABLE ({error})"
 
 
+def _job_worker_health(address: str) -> str:
+    return _grpc_health(address, plaintext=True)
+
+
 def cmd_health(args: argparse.Namespace) -> int:
+    rows: list[tuple[str, str, Callable[[str], str]]]
     rows = [(name, os.environ.get(env, default), _grpc_health) for name, (env, default) in GRPC_SERVICES.items()]
+    rows.append(("job-worker", os.environ.get(*JOB_WORKER), _job_worker_health))
     rows.append(("triton", os.environ.get(*TRITON_HTTP), _triton_health))
     healthy = True
     for name, address, check in rows:
@@ -216,6 +227,17 @@ def _record_json(record: evallog_pb2.Record) -> str:
     return json.dumps(json_format.MessageToDict(record, preserving_proto_field_name=True), sort_keys=True)
 
 
+def metadata_pairs(pairs: list[tuple[str, str]]) -> dict[str, str]:
+    """--metadata's pairs; a key given twice is refused (a completion's metadata has one value per key,
+    so no completion could match both, and a dict would keep the last one alone)."""
+    found: dict[str, str] = {}
+    for key, value in pairs:
+        if key in found:
+            raise SystemExit(f"sluice: --metadata {key} is given twice ({found[key]!r} and {value!r}): a key has one value")
+        found[key] = value
+    return found
+
+
 class _LogsClient:
     def __init__(self, args: argparse.Namespace) -> None:
         try:
@@ -227,7 +249,7 @@ class _LogsClient:
         self.model = args.model or ""
         self.tenant = args.tenant or ""
         self.user = args.user
-        self.pairs = dict(args.metadata)
+        self.pairs = metadata_pairs(args.metadata)
 
     def records(self, start: float | None, limit: int) -> list[evallog_pb2.Record]:
         """Up to `limit` records finished at or after `start`, newest first (pages through QueryRecords)."""
@@ -271,12 +293,16 @@ def cmd_logs(args: argparse.Namespace) -> int:
     window_start = started - args.since if args.since > 0 else None
     show = _record_json if args.json else record_line
     try:
+        # Every record already in --follow's first look back is old: seeded as seen, silently, so that
+        # the first poll does not print those -n left out. Read before the listing: a record stored
+        # between the two reads is listed or printed by a poll, never skipped.
+        old = client.records(started - _lookback_s(args), 10_000) if args.follow else []
         # QueryRecords answers newest first; printed oldest to newest so that --follow appends below.
         recent = client.records(window_start, args.limit)
         for record in reversed(recent):
             print(show(record), flush=True)
         if args.follow:
-            _follow(client, args, {r.event.event_id: _epoch(r.event.finished_at) for r in recent}, show)
+            _follow(client, args, {r.event.event_id: _epoch(r.event.finished_at) for r in (*old, *recent)}, show)
         summaries = client.summaries(window_start)
         if args.json:  # every line JSON (for jq): the records, then {"summary": ...} per model and tenant
             for summary in summaries:
@@ -293,11 +319,15 @@ def cmd_logs(args: argparse.Namespace) -> int:
     return 0
 
 
+def _lookback_s(args: argparse.Namespace) -> float:
+    return max(60.0, 4 * args.interval)
+
+
 def _follow(client: _LogsClient, args: argparse.Namespace, seen: dict[str, float], show) -> None:  # type: ignore[no-untyped-def]
     """Polls for records not yet printed until Ctrl-C (or --follow-for seconds). Records can be stored
     a while after they finished (batching, a broker outage), so each poll looks back `lookback` seconds
-    and skips the event ids it already printed."""
-    lookback = max(60.0, 4 * args.interval)
+    and skips the event ids it already printed (or saw before following)."""
+    lookback = _lookback_s(args)
     until = time.monotonic() + args.follow_for if args.follow_for > 0 else None
     try:
         while until is None or time.monotonic() < until:
@@ -314,7 +344,12 @@ def _follow(client: _LogsClient, args: argparse.Namespace, seen: dict[str, float
 
 
 def cmd_hash_key(args: argparse.Namespace) -> int:
-    print(hash_api_key(args.api_key_to_hash))
+    key = args.api_key_to_hash
+    if key == "-":  # from stdin, so that the key is in neither the shell's history nor `ps`
+        key = getpass.getpass("API key: ") if sys.stdin.isatty() else sys.stdin.readline().removesuffix("\n").removesuffix("\r")
+    if not key:
+        raise SystemExit('sluice: no API key: type it at the prompt or pipe it in (printf %s "$KEY" | sluice hash-key)')
+    print(hash_api_key(key))
     return 0
 
 
@@ -360,7 +395,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_diagnose_parser(commands)
     add_eval_parser(commands)
     hash_key = commands.add_parser("hash-key", help="print the SHA-256 of an API key for a tenants file")
-    hash_key.add_argument("api_key_to_hash")
+    hash_key.add_argument(
+        "api_key_to_hash", nargs="?", default="-", metavar="KEY", help="default (or -): read from stdin, without echo at a terminal; prefer it"
+    )
     hash_key.set_defaults(func=cmd_hash_key)
     return parser
 
@@ -371,6 +408,9 @@ def main() -> None:
         code = args.func(args)
     except ConfigError as invalid:  # SLUICE_TLS_* that do not fit (client.tls_from_env)
         raise SystemExit(f"sluice: {invalid}") from None
+    except KeyboardInterrupt:  # Ctrl-C where the command has nothing of its own to say
+        print("\nsluice: interrupted", file=sys.stderr)
+        code = 130
     raise SystemExit(code)
 
 

@@ -449,6 +449,12 @@ class Stack:
         return f"{LOCALHOST}:{self._bound('inference-adapter')}"
 
     @property
+    def job_worker_address(self) -> str:
+        """A running job worker's health port (test_jobs kills the first and starts others)."""
+        running = [s.name for s in self.services if s.name.startswith("job-worker") and s.process is not None and s.process.poll() is None]
+        return f"{LOCALHOST}:{self._bound(running[0] if running else 'job-worker')}"
+
+    @property
     def triton_grpc_address(self) -> str:
         return f"{LOCALHOST}:{self.ports.triton_grpc}"
 
