@@ -8,6 +8,10 @@ adapter's gRPC API (the gateway and its rate limits are not what is measured her
   (b) decode tokens/s through adapter + Triton vs the engine's batched step loop run
       in-process (a subprocess in triton-local's environment) at the same batch size
                                                                           target >= 0.85
+      The in-process engine gets the threads triton-local gives its own (TritonLocalConfig.
+      engine_threads: every usable CPU; ENGINE_THREADS=0 to bench/engine/decode.py) and one
+      untimed warm-up at the batch size before its clock, as the stack's engine is warm by then
+      (until 2026-12-07 it ran on one thread, cold).
   (c) mixed output lengths (16..256 tokens): continuous vs static batching (a batch runs
       until its longest member ends), throughput and p50 latency of the short ones
                                                                           target >= 1.5x
@@ -100,10 +104,15 @@ async def steady_decode_rate(stub, batch: int, max_tokens: int) -> float:
     return counted / (end - start) if end > start else 0.0
 
 
-def in_process_decode_rate(batch: int) -> float:
-    """The engine's own batched step loop in triton-local's environment, 1 BLAS thread."""
+def in_process_decode_rate(batch: int) -> tuple[float, int]:
+    """The engine's own batched step loop in triton-local's environment: (tokens/s, engine threads).
+
+    As triton-local runs its engine: one BLAS thread (it sets OPENBLAS_NUM_THREADS and
+    OMP_NUM_THREADS to 1 before numpy loads; llama.cpp's thread count is its own argument) and
+    the engine threads its config gives (ENGINE_THREADS=0: TritonLocalConfig.engine_threads, every
+    usable CPU). decode.py warms the engine up at the batch size, untimed, before its clock."""
     python = REPO_ROOT / "services" / "triton-local" / ".venv" / "bin" / "python"
-    env = {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}
+    env = {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "ENGINE_THREADS": "0", "PATH": "/usr/bin:/bin"}
     out = subprocess.run(
         [str(python), str(REPO_ROOT / "bench" / "engine" / "decode.py"), str(batch)],
         capture_output=True,
@@ -113,7 +122,7 @@ def in_process_decode_rate(batch: int) -> float:
         cwd=REPO_ROOT,
     ).stdout
     measured = json.loads(out.strip().splitlines()[-1])
-    return float(measured[f"batch{batch}_tok_s"])
+    return float(measured[f"batch{batch}_tok_s"]), int(measured["threads"])
 
 
 async def mixed_lengths(stub, lengths: list[int], batch: int, static: bool) -> tuple[float, float]:
@@ -196,8 +205,8 @@ async def part_b(stub, args: argparse.Namespace) -> list[str]:
     lines = []
     for batch in (8, 16):
         through = await steady_decode_rate(stub, batch, 33)
-        local = in_process_decode_rate(batch)
-        print(f"(b) batch {batch}: adapter+Triton {through:.1f} tok/s, in-process {local:.1f} tok/s", flush=True)
+        local, threads = in_process_decode_rate(batch)
+        print(f"(b) batch {batch}: adapter+Triton {through:.1f} tok/s, in-process {local:.1f} tok/s ({threads} engine threads)", flush=True)
         lines += [
             f"BENCH b_batch{batch}_adapter_triton_decode_tokens_per_s {through:.1f} tok/s",
             f"BENCH b_batch{batch}_in_process_decode_tokens_per_s {local:.1f} tok/s",

@@ -6,15 +6,16 @@ same thread count, in one process in triton-local's environment
 size by batch size, alternating ROUNDS times so that drift on this shared machine hits both alike;
 each side's best is kept:
 
-  engine    StepEngine: our tokenizer, step rows, KV slot bookkeeping, sampling, stop handling
-            and incremental detokenization around llama.cpp's forward pass (what Triton serves)
+  engine    StepEngine: step rows, KV slot bookkeeping, sampling, stop handling and incremental
+            detokenization around llama.cpp's forward pass (what Triton serves)
   llamacpp  llama.cpp through its C API alone, as its `batched` example drives it
   numpy     (printed for reference, not a target) the engine on its numpy forward pass
 
 Prefill: the batch's prompts (the same chat prompt, 48 tokens) in one step. Decode: 48 greedy
 steps after it (tokens per second count the rows that did work: a sequence that stopped early is
-stepped no more). Both sides start from the same token ids, so their greedy tokens must be the
-same, and the engine's must not depend on the batch size: the run says whether they are. The
+stepped no more). Both sides start from the same token ids, tokenized once before either clock
+(since 2026-12-07; the engine's prefill clock ran around its tokenizer before), so their greedy
+tokens must be the same, and the engine's must not depend on the batch size: the run says whether they are. The
 ratios are printed only when the greedy tokens match llama.cpp's (else the run exits 1, saying so).
 
 Ends with `BENCH engine_vs_llamacpp_batch1`, `_batch8`, `_batch32` (decode) and

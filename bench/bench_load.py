@@ -13,11 +13,21 @@ token counts from its first attempt. Only streams that ended with a finish reaso
   TTFT       first attempt sent -> first token received, p50 and p99
 
 The engine side runs the same 32 prompts, sampling settings and max_tokens through StepEngine in
-a process of its own (triton-local's environment, its default engine threads), batch bound the
-adapter's MAX_BATCH_SIZE: all prompts prefilled as room allows, then decoded step by step,
-clock from the first step to the last. `load_stack_vs_engine_streams32` is the stack's tokens/s
-over the engine's (target >= 0.8). The two sides run one after the other, engine first and last
-(its best kept), stack in between.
+a process of its own (triton-local's environment), built as triton-local builds its engine
+(`step_engine_for` with triton-local's config, BENCH_STACK_ENV's triton-local settings included:
+its engine threads and their barrier wait, adaptive threads, prefix cache and its host store,
+prefill budget, KV slots), batch bound the adapter's MAX_BATCH_SIZE (at most those slots): all
+prompts prefilled as room allows, then decoded step by step, clock from the first step to the
+last, counting the tokens of the sequences that finished "stop" or "length". Before its clock it
+serves, untimed, what the stack's engine has served before its 32-stream load: triton-local's own
+warm-up, the client's warm-up request before each load ("Say hi.", the same sampling) and the
+earlier loads' prompts (the 16-stream load's are the first 16 of the 32), so that both prefix
+caches hold the same prompts. Until 2026-12-07 the engine side had none of triton-local's
+settings but its threads and context (no prefix cache, prefill budget or adaptive threads) and
+started its clock cold, while the stack's cache held the 16-stream load's prompts. `load_stack_vs_engine_streams32` is the stack's
+tokens/s over the engine's (target >= 0.8). The two sides run one after the other, engine first
+and last (its best kept), stack in between. TTFT percentiles are inclusive (they never reach past
+the slowest stream).
 """
 
 from __future__ import annotations
@@ -122,8 +132,12 @@ async def stack_run(address: str, n: int) -> tuple[list[Outcome], float, int]:
 
 
 def engine_run(n: int, max_batch: int) -> dict[str, float]:
+    """The engine alone on n prompts (ENGINE_SIDE), after the loads the stack runs before its n-stream one."""
     python = REPO_ROOT / "services" / "triton-local" / ".venv" / "bin" / "python"
-    script = ENGINE_SIDE.format(prompts=json.dumps(prompts(n)), max_tokens=MAX_TOKENS, temperature=TEMPERATURE, max_batch=max_batch)
+    history = [prompts(m) for m in STREAMS[: STREAMS.index(n)]] if n in STREAMS else []
+    script = ENGINE_SIDE.format(
+        prompts=json.dumps(prompts(n)), history=json.dumps(history), max_tokens=MAX_TOKENS, temperature=TEMPERATURE, max_batch=max_batch
+    )
     env = {**os.environ, **STACK_ENV.get("triton-local", {})}
     proc = subprocess.run([str(python), "-c", script], env=env, capture_output=True, text=True, timeout=1800, check=False)
     if proc.returncode != 0:
@@ -131,31 +145,55 @@ def engine_run(n: int, max_batch: int) -> dict[str, float]:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-# Runs in triton-local's environment with its default settings (TritonLocalConfig).
+# Runs in triton-local's environment with its settings (TritonLocalConfig, from SLUICE_TRITON_LOCAL_*),
+# its engine built and warmed up as triton-local's main() does it; then, untimed, the requests the
+# stack's engine has served before the load compared (the client's "Say hi." warm-up before each
+# load, and the earlier loads' prompts), so that both prefix caches hold the same prompts.
 ENGINE_SIDE = """
-import json, time
-from sluice_triton_local.config import TritonLocalConfig
-from sluice_triton_local.engine import DecodeRow, PrefillRow, Sampling, StepEngine
-from sluice_triton_local.model_files import smollm2_gguf
+import json, os, time
 from sluice_common.config import load_config
-from sluice_triton_local.config import ENV_PREFIX
+from sluice_triton_local.__main__ import default_thread_waits, step_engine_for
+from sluice_triton_local.config import ENV_PREFIX, TritonLocalConfig
+from sluice_triton_local.model_files import smollm2_gguf
 config = load_config(TritonLocalConfig, ENV_PREFIX)
-engine = StepEngine(str(smollm2_gguf()), max_slots={max_batch}, max_context=config.max_context,
-                    engine=config.engine, threads=config.engine_threads())
-questions = {prompts}
-waiting = [(1000 + i, engine.apply_chat_template([("user", q)])) for i, q in enumerate(questions)]
-live, tokens = [], 0
-started = time.perf_counter()
-while waiting or live:
-    room = {max_batch} - len(live)
-    joining, waiting = waiting[:room], waiting[room:]
-    rows = [DecodeRow(s) for s in live] + [
-        PrefillRow(s, p, Sampling(max_tokens={max_tokens}, temperature={temperature}, seed=s)) for s, p in joining
-    ]
-    results = engine.step(rows)
-    tokens += sum(1 for r in results if r.token_id >= 0)
-    live = [r.seq_id for r in results if not r.finish_reason]
-print(json.dumps({{"tokens": tokens, "wall_s": time.perf_counter() - started}}))
+# As triton-local's main() before the engine loads: one BLAS thread, llama.cpp's barrier wait.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+default_thread_waits(os.environ, config.adaptive_threads)
+from sluice_triton_local.engine import DecodeRow, PrefillRow, Sampling
+from sluice_triton_local.shared_engine import warm_up
+engine = step_engine_for(config, config.gguf_path or str(smollm2_gguf()), config.max_slots)
+bound = min({max_batch}, config.max_slots)
+
+def generate(questions, first_seed):
+    # (tokens of the sequences that finished "stop" or "length", wall s from the first step to the last, failed)
+    waiting = [(first_seed + i, engine.apply_chat_template([("user", q)])) for i, q in enumerate(questions)]
+    live, made, finished = [], {{}}, {{}}
+    started = time.perf_counter()
+    while waiting or live:
+        room = bound - len(live)
+        joining, waiting = waiting[:room], waiting[room:]
+        rows = [DecodeRow(s) for s in live] + [
+            PrefillRow(s, p, Sampling(max_tokens={max_tokens}, temperature={temperature}, seed=s)) for s, p in joining
+        ]
+        results = engine.step(rows)
+        for r in results:
+            made[r.seq_id] = made.get(r.seq_id, 0) + (r.token_id >= 0)
+            if r.finish_reason:
+                finished[r.seq_id] = r.finish_reason
+        live = [r.seq_id for r in results if not r.finish_reason]
+    wall_s = time.perf_counter() - started
+    ok = [s for s, reason in finished.items() if reason in ("stop", "length")]
+    return sum(made[s] for s in ok), wall_s, len(questions) - len(ok)
+
+warm_up(engine)  # triton-local's own, before it serves
+for earlier in {history}:  # untimed: what the stack's engine served before this load
+    generate(["Say hi."], 0)
+    generate(earlier, 1000)
+generate(["Say hi."], 0)  # the stack client's warm-up request before the load
+tokens, wall_s, failed = generate({prompts}, 1000)
+print(json.dumps({{"tokens": tokens, "wall_s": wall_s, "failed": failed,
+                  "threads": config.engine_threads(), "slots": config.max_slots, "batch_bound": bound}}))
 """
 
 
@@ -186,7 +224,8 @@ def step_times(stack: Stack) -> dict[str, tuple[float, float]]:
 
 
 def percentile(values: list[float], q: int) -> float:
-    return statistics.quantiles(values, n=100)[q - 1] if len(values) > 1 else values[0]
+    """Inclusive: the exclusive method extrapolates past the largest sample when there are fewer than 99."""
+    return statistics.quantiles(values, n=100, method="inclusive")[q - 1] if len(values) > 1 else values[0]
 
 
 def adapter_max_batch() -> int:
@@ -199,7 +238,12 @@ def adapter_max_batch() -> int:
 def main() -> int:
     max_batch = int(STACK_ENV.get("inference-adapter", {}).get("SLUICE_ADAPTER_MAX_BATCH_SIZE", "0")) or adapter_max_batch()
     engine_runs = [engine_run(32, max_batch)]
-    print(f"engine alone, 32 prompts, batch bound {max_batch}: {engine_runs[0]['tokens'] / engine_runs[0]['wall_s']:.1f} tok/s", flush=True)
+    first = engine_runs[0]
+    print(
+        f"engine alone, 32 prompts, batch bound {first['batch_bound']} ({first['slots']} KV slots, {first['threads']} threads, as triton-local's):"
+        f" {first['tokens'] / first['wall_s']:.1f} tok/s, {first['failed']} failed",
+        flush=True,
+    )
     figures: dict[int, tuple[float, float, float, int, int]] = {}
     with tempfile.TemporaryDirectory() as run_dir:
         stack = Stack(run_dir=Path(run_dir), ports=StackPorts.ephemeral(), extra_env=STACK_ENV)
@@ -230,7 +274,7 @@ def main() -> int:
             stack.stop()
     engine_runs.append(engine_run(32, max_batch))
     engine_tps = max(r["tokens"] / r["wall_s"] for r in engine_runs)
-    print(f"engine alone again: {engine_runs[1]['tokens'] / engine_runs[1]['wall_s']:.1f} tok/s (best kept)\n")
+    print(f"engine alone again: {engine_runs[1]['tokens'] / engine_runs[1]['wall_s']:.1f} tok/s, {engine_runs[1]['failed']} failed (best kept)\n")
     for n, (tps, p50, p99, failed, _) in figures.items():
         print(f"BENCH load_streams{n}_tokens_per_s {tps:.1f} tok/s")
         print(f"BENCH load_streams{n}_ttft_p50 {p50 * 1000:.0f} ms")

@@ -109,6 +109,7 @@ class Outcome:
     tokens: int
     started: float
     ended: float
+    prompt_tokens: int | None = None  # the usage's, where the side reports it (bench-peer prints their mean)
 
 
 @dataclass

@@ -8,12 +8,25 @@ client for both sides: aiohttp, a new connection per request (llama-server close
 connections), bench-load's chat prompts of mixed lengths, temperature 0.7 and a seed per request,
 max_tokens MAX_TOKENS, `stream: true` with `stream_options: {include_usage: true}`.
 
+Sampling (SAMPLING, sent to every side): top_k 40, top_p 0.95 and min_p 0.05, what a llama-server
+user gets when a request names none (llama.cpp's common_params_sampling defaults; this GGUF carries
+no general.sampling.* of its own). Sluice's OpenAI front takes all three (top_k and min_p as vLLM's
+extensions), whose own defaults are no truncation (top_k 0, top_p 1, min_p 0). Until 2026-12-07 the
+requests named only temperature, seed and max_tokens, so the stack sampled the whole distribution
+and llama-server a truncated one: different work per token and different end points. What still
+differs is the order: llama-server applies the temperature after the three cuts (its default
+sampler chain), Sluice before them, so its min_p and top_p keep somewhat fewer tokens at 0.7; the
+table prints each side's mean prompt and completion tokens over its counted requests, so a reader
+sees whether both did the same work.
+
   streams1    SEQUENTIAL_REQUESTS requests one at a time
   streams<N>  CONCURRENT_REQUESTS requests, N = CONCURRENCY in flight (a new one sent when one ends)
 
   tokens/s   completion tokens of the finished requests (the usage each server reports) over the
              phase's wall time, first request sent -> last request ended, the rounds summed
   TTFT       request sent -> first chunk carrying content, p50 and p99 over the rounds
+  Each BENCH figure is pooled over the rounds; beside it, in its parenthesis, each round's own
+  figure and their min and max (one round of 8 requests is one stall away from another figure).
   Only requests that ended with a finish_reason count; the others are printed and counted.
   A 429 from the stack (the demo tenant admits 32 in flight) is retried after its Retry-After,
   its TTFT counted from the first attempt.
@@ -53,7 +66,7 @@ import time
 import urllib.error
 import urllib.request
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from itertools import count
 from pathlib import Path
@@ -77,6 +90,8 @@ CONCURRENT_REQUESTS = int(os.environ.get("BENCH_CONCURRENT_REQUESTS", "64"))
 ROUNDS = int(os.environ.get("BENCH_ROUNDS", "2"))
 SETTLE_S = float(os.environ.get("BENCH_SETTLE_S", "1.0"))
 STACK_UNCACHED, PEER, STACK, PEER_CACHED = "stack cache off", "llama-server", "stack", "llama-server cache on"
+# Sent to every side (module docstring): llama-server's defaults, named so that Sluice samples the same.
+SAMPLING: dict[str, Any] = {"top_k": 40, "top_p": 0.95, "min_p": 0.05}
 SIDES = (PEER, STACK_UNCACHED, PEER_CACHED, STACK)
 
 
@@ -142,7 +157,8 @@ class StreamState:
         """The request's figures when it finished with a finish_reason, content and usage."""
         if self.error or self.finish_reason is None or self.first_content_at is None or self.completion_tokens is None:
             return None
-        return Outcome(self.first_content_at - sent, self.completion_tokens, sent, ended)
+        prompt_tokens = int(self.prompt_tokens) if self.prompt_tokens is not None else None
+        return Outcome(self.first_content_at - sent, self.completion_tokens, sent, ended, prompt_tokens)
 
 
 Messages = list[dict[str, str]]
@@ -228,68 +244,134 @@ class Figures:
     ttft_p99_ms: float
     ok: int
     failed: int
+    # Means over the counted requests: whether both sides did the same work.
+    mean_prompt_tokens: float = float("nan")  # over those whose usage reported it
+    mean_completion_tokens: float = float("nan")
 
 
 def figures(phases: list[Phase]) -> Figures:
     """One side's figures for one load over its rounds: tokens over the summed wall times, TTFT pooled."""
     nan = float("nan")
-    ttfts = [o.ttft_s * 1000 for p in phases for o in p.ok]
+    ok = [o for p in phases for o in p.ok]
+    ttfts = [o.ttft_s * 1000 for o in ok]
+    prompts = [o.prompt_tokens for o in ok if o.prompt_tokens is not None]
     wall = sum(p.wall_s for p in phases if p.ok)
     return Figures(
         sum(p.tokens for p in phases) / wall if wall else nan,
         percentile(ttfts, 50) if ttfts else nan,
         percentile(ttfts, 99) if ttfts else nan,
-        sum(len(p.ok) for p in phases),
+        len(ok),
         sum(p.failed for p in phases),
+        sum(prompts) / len(prompts) if prompts else nan,
+        sum(o.tokens for o in ok) / len(ok) if ok else nan,
     )
 
 
-def ratio_lines(stack: dict[str, Figures], peer: dict[str, Figures]) -> list[str]:
-    """Neither side caching (issue 23's targets)."""
+Rounds = dict[str, list[Figures]]  # a side's figures round by round, by load name
+
+
+def spread(values: list[float], digits: int) -> str:
+    """Each round's value and their range, for beside a figure pooled over the rounds; "" for one round."""
+    if len(values) < 2:
+        return ""
+    finite = [v for v in values if v == v] or [float("nan")]  # a round with no finished request is nan
+    shown = ", ".join(f"{v:.{digits}f}" for v in values)
+    return f"rounds {shown}; min {min(finite):.{digits}f}, max {max(finite):.{digits}f}"
+
+
+def note(*parts: str) -> str:
+    """A BENCH line's trailing parenthesis (after `BENCH <name> <value> <unit>`), "" when empty."""
+    said = "; ".join(part for part in parts if part)
+    return f" ({said})" if said else ""
+
+
+def tps_ratio(stack: Figures, peer: Figures) -> float:
+    return stack.tokens_per_s / peer.tokens_per_s
+
+
+def ttft_ratio(stack: Figures, peer: Figures) -> float:
+    return stack.ttft_p50_ms / peer.ttft_p50_ms
+
+
+def ttft_difference(stack: Figures, peer: Figures) -> float:
+    return stack.ttft_p50_ms - peer.ttft_p50_ms
+
+
+def per_round(stack_rounds: Rounds | None, peer_rounds: Rounds | None, load: str, value: Callable[[Figures, Figures], float]) -> list[float]:
+    if not stack_rounds or not peer_rounds:
+        return []
+    return [value(s, p) for s, p in zip(stack_rounds[load], peer_rounds[load])]
+
+
+def ratio_lines(
+    stack: dict[str, Figures], peer: dict[str, Figures], stack_rounds: Rounds | None = None, peer_rounds: Rounds | None = None
+) -> list[str]:
+    """Neither side caching (issue 23's targets); each round's figure beside the pooled one when given."""
     one, many = (load.name for load in LOADS)
+
+    def rounds(load: str, value: Callable[[Figures, Figures], float], digits: int) -> str:
+        return spread(per_round(stack_rounds, peer_rounds, load, value), digits)
+
     return [
-        f"BENCH stack_vs_llamaserver_tokens_per_s_{one} {stack[one].tokens_per_s / peer[one].tokens_per_s:.2f} x (target >= 0.9)",
-        f"BENCH stack_vs_llamaserver_tokens_per_s_{many} {stack[many].tokens_per_s / peer[many].tokens_per_s:.2f} x (target >= 1.0)",
-        f"BENCH stack_minus_llamaserver_ttft_p50_ms_{one} {stack[one].ttft_p50_ms - peer[one].ttft_p50_ms:.1f} ms (target <= 20)",
-        f"BENCH stack_vs_llamaserver_ttft_p50_{many} {stack[many].ttft_p50_ms / peer[many].ttft_p50_ms:.2f} x (target <= 1.0)",
+        f"BENCH stack_vs_llamaserver_tokens_per_s_{one} {tps_ratio(stack[one], peer[one]):.2f} x{note('target >= 0.9', rounds(one, tps_ratio, 2))}",
+        f"BENCH stack_vs_llamaserver_tokens_per_s_{many} {tps_ratio(stack[many], peer[many]):.2f} x{note('target >= 1.0', rounds(many, tps_ratio, 2))}",
+        f"BENCH stack_minus_llamaserver_ttft_p50_ms_{one} {ttft_difference(stack[one], peer[one]):.1f} ms{note('target <= 20', rounds(one, ttft_difference, 1))}",
+        f"BENCH stack_vs_llamaserver_ttft_p50_{many} {ttft_ratio(stack[many], peer[many]):.2f} x{note('target <= 1.0', rounds(many, ttft_ratio, 2))}",
     ]
 
 
-def cached_ratio_lines(stack: dict[str, Figures], peer: dict[str, Figures]) -> list[str]:
+def cached_ratio_lines(
+    stack: dict[str, Figures], peer: dict[str, Figures], stack_rounds: Rounds | None = None, peer_rounds: Rounds | None = None
+) -> list[str]:
     """Both sides reusing cached prefixes, as their users run them (issue 24's targets)."""
     one, many = (load.name for load in LOADS)
+
+    def rounds(load: str, value: Callable[[Figures, Figures], float]) -> str:
+        return spread(per_round(stack_rounds, peer_rounds, load, value), 2)
+
     return [
-        f"BENCH stack_vs_llamaserver_cached_tokens_per_s_{one} {stack[one].tokens_per_s / peer[one].tokens_per_s:.2f} x",
-        f"BENCH stack_vs_llamaserver_cached_ttft_p50_{one} {stack[one].ttft_p50_ms / peer[one].ttft_p50_ms:.2f} x",
-        f"BENCH stack_vs_llamaserver_cached_tokens_per_s_{many} {stack[many].tokens_per_s / peer[many].tokens_per_s:.2f} x (target >= 1.0)",
-        f"BENCH stack_vs_llamaserver_cached_ttft_p50_{many} {stack[many].ttft_p50_ms / peer[many].ttft_p50_ms:.2f} x (target <= 1.5)",
+        f"BENCH stack_vs_llamaserver_cached_tokens_per_s_{one} {tps_ratio(stack[one], peer[one]):.2f} x{note(rounds(one, tps_ratio))}",
+        f"BENCH stack_vs_llamaserver_cached_ttft_p50_{one} {ttft_ratio(stack[one], peer[one]):.2f} x{note(rounds(one, ttft_ratio))}",
+        f"BENCH stack_vs_llamaserver_cached_tokens_per_s_{many} {tps_ratio(stack[many], peer[many]):.2f} x{note('target >= 1.0', rounds(many, tps_ratio))}",
+        f"BENCH stack_vs_llamaserver_cached_ttft_p50_{many} {ttft_ratio(stack[many], peer[many]):.2f} x{note('target <= 1.5', rounds(many, ttft_ratio))}",
     ]
 
 
 def table(by_side: dict[str, dict[str, Figures]]) -> list[str]:
-    lines = [f"{'load':<10} {'side':<22} {'tok/s':>7} {'TTFT p50':>10} {'TTFT p99':>10} {'ok':>4} {'failed':>6}"]
+    lines = [
+        f"{'load':<10} {'side':<22} {'tok/s':>7} {'TTFT p50':>10} {'TTFT p99':>10} {'ok':>4} {'failed':>6}"
+        f" {'prompt tok':>10} {'compl. tok':>10}  (means over the ok requests)"
+    ]
     for load in LOADS:
         for side in SIDES:
             f = by_side[side][load.name]
-            lines.append(f"{load.name:<10} {side:<22} {f.tokens_per_s:7.1f} {f.ttft_p50_ms:8.1f} ms {f.ttft_p99_ms:7.1f} ms {f.ok:>4} {f.failed:>6}")
+            lines.append(
+                f"{load.name:<10} {side:<22} {f.tokens_per_s:7.1f} {f.ttft_p50_ms:8.1f} ms {f.ttft_p99_ms:7.1f} ms {f.ok:>4} {f.failed:>6}"
+                f" {f.mean_prompt_tokens:10.1f} {f.mean_completion_tokens:10.1f}"
+            )
     return lines
+
+
+def side_lines(side: str, load: str, pooled: Figures, rounds: list[Figures]) -> list[str]:
+    """One side's BENCH lines for one load, each round's figure beside the pooled one."""
+    name = side.replace(" ", "_").replace("-", "")
+    return [
+        f"BENCH peer_{name}_{load}_tokens_per_s {pooled.tokens_per_s:.1f} tok/s{note(spread([f.tokens_per_s for f in rounds], 1))}",
+        f"BENCH peer_{name}_{load}_ttft_p50 {pooled.ttft_p50_ms:.1f} ms{note(spread([f.ttft_p50_ms for f in rounds], 1))}",
+        f"BENCH peer_{name}_{load}_ttft_p99 {pooled.ttft_p99_ms:.1f} ms{note(spread([f.ttft_p99_ms for f in rounds], 1))}",
+        f"BENCH peer_{name}_{load}_failed {pooled.failed} requests",
+    ]
 
 
 def report(phases: dict[tuple[str, str], list[Phase]]) -> list[str]:
     by_side = {side: {load.name: figures(phases[(side, load.name)]) for load in LOADS} for side in SIDES}
+    rounds = {side: {load.name: [figures([p]) for p in phases[(side, load.name)]] for load in LOADS} for side in SIDES}
     lines = [*table(by_side), ""]
     for side in SIDES:
-        name = side.replace(" ", "_").replace("-", "")
         for load in LOADS:
-            f = by_side[side][load.name]
-            lines += [
-                f"BENCH peer_{name}_{load.name}_tokens_per_s {f.tokens_per_s:.1f} tok/s",
-                f"BENCH peer_{name}_{load.name}_ttft_p50 {f.ttft_p50_ms:.1f} ms",
-                f"BENCH peer_{name}_{load.name}_ttft_p99 {f.ttft_p99_ms:.1f} ms",
-                f"BENCH peer_{name}_{load.name}_failed {f.failed} requests",
-            ]
-    lines += ratio_lines(by_side[STACK_UNCACHED], by_side[PEER])
-    lines += cached_ratio_lines(by_side[STACK], by_side[PEER_CACHED])
+            lines += side_lines(side, load.name, by_side[side][load.name], rounds[side][load.name])
+    lines += ratio_lines(by_side[STACK_UNCACHED], by_side[PEER], rounds[STACK_UNCACHED], rounds[PEER])
+    lines += cached_ratio_lines(by_side[STACK], by_side[PEER_CACHED], rounds[STACK], rounds[PEER_CACHED])
     return lines
 
 
@@ -327,10 +409,10 @@ def start_llama_server(binary: Path, port: int, log_path: Path) -> subprocess.Po
 def servers(stack: Stack, uncached: Stack, peer_port: int, cached_peer_port: int) -> dict[str, Server]:
     demo = {"Authorization": f"Bearer {DEMO_KEY}"}
     return {
-        STACK: Server(f"{stack.openai_base_url}/chat/completions", demo),
-        STACK_UNCACHED: Server(f"{uncached.openai_base_url}/chat/completions", demo),
-        PEER: Server(f"http://127.0.0.1:{peer_port}/v1/chat/completions", extra={"cache_prompt": False}),
-        PEER_CACHED: Server(f"http://127.0.0.1:{cached_peer_port}/v1/chat/completions"),
+        STACK: Server(f"{stack.openai_base_url}/chat/completions", demo, SAMPLING),
+        STACK_UNCACHED: Server(f"{uncached.openai_base_url}/chat/completions", demo, SAMPLING),
+        PEER: Server(f"http://127.0.0.1:{peer_port}/v1/chat/completions", extra={**SAMPLING, "cache_prompt": False}),
+        PEER_CACHED: Server(f"http://127.0.0.1:{cached_peer_port}/v1/chat/completions", extra=SAMPLING),
     }
 
 
@@ -367,7 +449,12 @@ def run_rounds(
                 done = phase(side, by_side[side], load)
                 phases[(side, load.name)].append(done)
                 tps = done.tokens / done.wall_s if done.ok else float("nan")
-                print(f"round {round_} {load.name:>9} {side:<22} {len(done.ok)} ok, {done.failed} failed, {tps:.1f} tok/s", flush=True)
+                mean = done.tokens / len(done.ok) if done.ok else float("nan")
+                print(
+                    f"round {round_} {load.name:>9} {side:<22} {len(done.ok)} ok, {done.failed} failed, {tps:.1f} tok/s,"
+                    f" {mean:.1f} completion tokens a request",
+                    flush=True,
+                )
     return phases
 
 

@@ -18,7 +18,9 @@ client does. Every stream is counted in one phase, by when it was in flight (`ph
   rolling_streams_failed  streams in flight during the rolling restart that ended in an error, or without a finish reason
   rolling_events_lost     streams that ended with a finish reason (either phase) whose completion
                           event is not in the evaluation store LOST_WAIT_S after the load stopped
-  TTFT p50/p99            stream sent -> first token, before vs during
+  TTFT p50/p99            stream sent -> first token, before vs during (inclusive percentiles, never
+                          past the slowest stream; before 2026-12-07 the exclusive method, which
+                          reaches past it when a phase has fewer than 99 streams)
 """
 
 from __future__ import annotations
@@ -187,7 +189,8 @@ def stored(stack: Stack, request_ids: set[str]) -> set[str]:
 def percentile(values: list[float], q: int) -> float:
     if not values:
         return float("nan")
-    return statistics.quantiles(values, n=100)[q - 1] if len(values) > 1 else values[0]
+    # Inclusive: the exclusive method extrapolates past the largest sample when there are fewer than 99.
+    return statistics.quantiles(values, n=100, method="inclusive")[q - 1] if len(values) > 1 else values[0]
 
 
 def main() -> int:

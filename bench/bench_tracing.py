@@ -9,7 +9,10 @@ the other gateway's cost them a non-recording span per RPC.
 
 Interleaved in every round (the order shuffled), so that noise on this shared machine hits both:
   single   one stream at a time: TTFT and decode tokens/s per stream (bench_path's clocks);
-  batch    `--streams` concurrent streams: aggregate tokens/s over the batch's wall time.
+  batch    `--streams` concurrent streams: aggregate tokens/s over the batch's wall time, each
+           stream's tokens the completion tokens its usage reports (the last count it carries, as
+           bench_path's clocks read it); until 2026-12-07 it counted chunks carrying text, and with
+           the adapter's 50 ms stream interval a chunk carries several tokens.
 The two sides are different processes (the stack's gateway and adapter, and the added pair), which
 may differ by themselves; `--swap` puts tracing on the stack's own pair and off on the added one,
 so that a difference that follows the processes rather than the tracing shows.
@@ -33,7 +36,7 @@ from typing import Any
 import grpc
 from sluice.gateway.v1 import gateway_pb2_grpc
 
-from bench_path import Sample, gateway_chunks, measure, p50
+from bench_path import Chunk, Sample, gateway_chunks, measure, p50
 from sluice_stack import Stack, StackPorts
 
 
@@ -69,10 +72,21 @@ def otel_env(endpoint: str, sampler: str) -> dict[str, str]:
     }
 
 
+def completion_tokens(chunks: Iterable[Chunk]) -> int:
+    """A stream's tokens: the last completion-token count it carries (the usage on its final chunk).
+
+    A chunk is not a token: the adapter sends a round's steps together every 50 ms, several tokens a
+    chunk, so counting chunks would hide a slowdown that makes each chunk carry more."""
+    tokens = 0
+    for _, count in chunks:
+        tokens = count if count is not None else tokens
+    return tokens
+
+
 def batch_tokens_per_s(stub: gateway_pb2_grpc.GatewayServiceStub, streams: int, max_tokens: int, pool: ThreadPoolExecutor) -> float:
-    """Aggregate text chunks per second of `streams` concurrent streams, over the batch's wall time."""
+    """Aggregate completion tokens per second of `streams` concurrent streams, over the batch's wall time."""
     started = time.perf_counter()
-    counts = list(pool.map(lambda _: sum(1 for text in gateway_chunks(stub, max_tokens) if text), range(streams)))
+    counts = list(pool.map(lambda _: completion_tokens(gateway_chunks(stub, max_tokens)), range(streams)))
     return sum(counts) / (time.perf_counter() - started)
 
 
@@ -104,7 +118,7 @@ def main() -> None:
             own_stub = gateway_pb2_grpc.GatewayServiceStub(grpc.insecure_channel(stack.gateway_address))
             added_stub = gateway_pb2_grpc.GatewayServiceStub(grpc.insecure_channel(gateway_address))
             stubs = {"off": added_stub, "on": own_stub} if args.swap else {"off": own_stub, "on": added_stub}
-            paths: dict[str, Callable[[], Iterable[str]]] = {
+            paths: dict[str, Callable[[], Iterable[Chunk]]] = {
                 name: (lambda stub=stub: gateway_chunks(stub, args.max_tokens)) for name, stub in stubs.items()
             }
             for path in paths.values():  # warm every channel and code path once

@@ -2,10 +2,13 @@
 
   services/triton-local/.venv/bin/python bench/engine/decode.py [gguf] [batch ...]
 
-Prints one JSON line: {"engine": ..., "load_s": ..., "batch1_tok_s": ..., ...}. The engine's
-forward pass is llama.cpp unless ENGINE=numpy. OMP_NUM_THREADS sets its threads (llama.cpp's, and
-BLAS's for numpy, which must be set before numpy is imported, hence a separate process).
-`greedy_decode` is also gpu.py's measuring loop.
+Prints one JSON line: {"engine": ..., "threads": ..., "load_s": ..., "batch1_tok_s": ..., ...}. The
+engine's forward pass is llama.cpp unless ENGINE=numpy. ENGINE_THREADS sets llama.cpp's threads, 0
+for the count triton-local gives its engine (TritonLocalConfig.engine_threads: the CPUs this process
+may keep busy); without it OMP_NUM_THREADS does, which also sets BLAS's threads for numpy (read when
+numpy is imported, hence a separate process). Each batch size's clock starts after one untimed
+warm-up at that batch size (a prefill and WARM_UP_STEPS decode steps), so no figure pays for cold
+caches or first allocations. `greedy_decode` is also gpu.py's measuring loop.
 """
 
 from __future__ import annotations
@@ -14,11 +17,24 @@ import json
 import os
 import sys
 import time
+from collections.abc import Mapping
 
 from sluice_common.sampling import Sampling
 from sluice_triton_local.engine.step_engine import StepEngine
 from sluice_triton_local.engine.rows import DecodeRow, PrefillRow, ReleaseRow
 from sluice_triton_local.model_files import gguf_path
+
+# Decode steps of the untimed warm-up before each batch size's clock.
+WARM_UP_STEPS = 4
+
+
+def engine_threads(environ: Mapping[str, str]) -> int:
+    """ENGINE_THREADS (0: as triton-local decides, TritonLocalConfig.engine_threads), else OMP_NUM_THREADS, else 1."""
+    if "ENGINE_THREADS" in environ:
+        from sluice_triton_local.config import TritonLocalConfig  # here: gpu.py imports this module for greedy_decode alone
+
+        return TritonLocalConfig(threads=int(environ["ENGINE_THREADS"])).engine_threads()
+    return int(environ.get("OMP_NUM_THREADS", "1"))
 
 
 def measure(engine: StepEngine, batch: int, decode_steps: int = 32) -> float:
@@ -62,16 +78,13 @@ def greedy_decode(engine: StepEngine, prompts: list[str], decode_steps: int) -> 
 def main(argv: list[str]) -> None:
     path = argv[0] if argv and argv[0].endswith(".gguf") else gguf_path()
     batches = [int(a) for a in argv if not a.endswith(".gguf")] or [1, 8]
+    threads = engine_threads(os.environ)
     t0 = time.perf_counter()
-    engine = StepEngine(
-        path,
-        max_slots=max(batches),
-        engine=os.environ.get("ENGINE", "llamacpp"),
-        threads=int(os.environ.get("OMP_NUM_THREADS", "1")),
-    )
+    engine = StepEngine(path, max_slots=max(batches), engine=os.environ.get("ENGINE", "llamacpp"), threads=threads)
     load_s = time.perf_counter() - t0
-    out: dict[str, float | str] = {"engine": engine.engine, "load_s": round(load_s, 2)}
+    out: dict[str, float | str] = {"engine": engine.engine, "threads": threads, "load_s": round(load_s, 2)}
     for b in batches:
+        measure(engine, b, WARM_UP_STEPS)  # untimed: the same batch's prefill and first steps, before its clock
         out[f"batch{b}_tok_s"] = round(measure(engine, b), 1)
     print(json.dumps(out))
 

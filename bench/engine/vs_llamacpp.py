@@ -5,8 +5,9 @@
 
 Two sides, each with a llama.cpp context of its own on the same GGUF and thread count:
 
-  engine    triton-local's StepEngine: our tokenizer, step rows, KV slot bookkeeping, sampling,
-            stop handling and incremental detokenization around llama.cpp's forward pass
+  engine    triton-local's StepEngine: step rows, KV slot bookkeeping, sampling, stop handling
+            and incremental detokenization around llama.cpp's forward pass (the prompt's
+            tokenization is outside both clocks)
   llamacpp  llama.cpp through its C API alone, as its `batched` example drives it: one
             llama_decode of every prompt, then one llama_decode per step with one token per
             sequence, llama.cpp's own greedy sampler, and a context sized for the batch alone
@@ -15,7 +16,9 @@ Two sides, each with a llama.cpp context of its own on the same GGUF and thread 
 For each batch size the two alternate ROUNDS times (engine first, then llama.cpp, then the other
 way round), each side's best kept, so that this shared machine's drift hits both alike. Prefill:
 the batch's prompts in one step, clock around it. Decode: DECODE_STEPS greedy steps after it.
-Both start from the same prompt token ids. `--numpy` measures the engine on its numpy forward
+Both start from the same prompt token ids, tokenized once before either clock: the engine's prefill
+rows carry the ids (a PrefillRow takes a tuple of them), not the text (until 2026-12-07 the engine
+side's prefill clock also ran around its tokenizer). `--numpy` measures the engine on its numpy forward
 pass instead (a reference; BLAS threads are fixed when numpy is imported, so a process of its own).
 Prints one JSON line.
 """
@@ -49,11 +52,15 @@ def decoded_tokens(results: list[RowResult]) -> int:
     return sum(1 for r in results if r.token_id >= 0 and r.finish_reason != "error")
 
 
-def engine_run(engine: StepEngine, batch: int) -> Figures:
-    """The batch's prompts in one step, then up to DECODE_STEPS greedy steps of the sequences still
-    running; tokens per second count only the rows that did work (a sequence that stopped early
-    is stepped no more)."""
-    prompt = engine.apply_chat_template([("user", PROMPT)])
+def prompt_ids(engine: StepEngine) -> tuple[int, ...]:
+    """PROMPT in the chat template, tokenized: what both sides prefill."""
+    return tuple(engine.tokenizer.encode(engine.apply_chat_template([("user", PROMPT)])))
+
+
+def engine_run(engine: StepEngine, batch: int, prompt: tuple[int, ...]) -> Figures:
+    """The batch's prompts (`prompt`'s token ids, tokenized before the clock as llama.cpp's side's
+    are) in one step, then up to DECODE_STEPS greedy steps of the sequences still running; tokens
+    per second count only the rows that did work (a sequence that stopped early is stepped no more)."""
     params = Sampling(max_tokens=DECODE_STEPS + 1, temperature=0.0)
     seqs = list(range(batch))
     started = time.perf_counter()
@@ -161,16 +168,16 @@ def best(runs: list[Figures]) -> Figures:
 def compare(threads: int, rounds: int, batches: list[int]) -> dict[str, Any]:
     # No prefix cache: every run prefills the same prompt, which the cache would serve from the first run on.
     engine = StepEngine(gguf_path(), max_slots=max(batches), max_context=1024, engine="llamacpp", threads=threads, prefix_cache=False)
-    ids = engine.tokenizer.encode(engine.apply_chat_template([("user", PROMPT)]))
-    alone = LlamaCppAlone(ids, threads)
-    engine_run(engine, 1), alone.run(1)  # warm both up
+    ids = prompt_ids(engine)
+    alone = LlamaCppAlone(list(ids), threads)
+    engine_run(engine, 1, ids), alone.run(1)  # warm both up
     out: dict[str, Any] = {"prompt_tokens": len(ids), "engine": {}, "llamacpp": {}}
     for batch in batches:
         runs: dict[str, list[Figures]] = {"engine": [], "llamacpp": []}
         for r in range(rounds):
             order = ("engine", "llamacpp") if r % 2 == 0 else ("llamacpp", "engine")
             for side in order:
-                runs[side].append(engine_run(engine, batch) if side == "engine" else alone.run(batch))
+                runs[side].append(engine_run(engine, batch, ids) if side == "engine" else alone.run(batch))
         for side, side_runs in runs.items():
             out[side][str(batch)] = best(side_runs)
     return out
@@ -178,8 +185,9 @@ def compare(threads: int, rounds: int, batches: list[int]) -> dict[str, Any]:
 
 def numpy_reference(threads: int, batches: list[int]) -> dict[str, Any]:
     engine = StepEngine(gguf_path(), max_slots=max(batches), max_context=1024, engine="numpy", threads=threads, prefix_cache=False)
-    engine_run(engine, 1)
-    return {"numpy": {str(b): best([engine_run(engine, b)]) for b in batches}}
+    ids = prompt_ids(engine)
+    engine_run(engine, 1, ids)
+    return {"numpy": {str(b): best([engine_run(engine, b, ids)]) for b in batches}}
 
 
 def main(argv: list[str]) -> None:

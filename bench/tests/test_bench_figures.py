@@ -78,3 +78,32 @@ def test_structured_bench_lines_from_its_figures() -> None:
         "BENCH structured_valid_fraction 0.75 (greedy, 4 schemas; target 1.0)",
         "BENCH structured_valid_fraction_sampled 0.50 (temperature 1)",
     ]
+
+
+def test_tracing_counts_a_streams_tokens_not_its_responses() -> None:
+    """With the adapter's 50 ms stream interval a response carries several tokens: the batch counts
+    the completion tokens the stream's usage reports (its last count), not the responses."""
+    from bench_tracing import completion_tokens
+
+    assert completion_tokens(iter([("Hello", None), (" there, how", None), (" are you?", None), ("", 9)])) == 9
+    assert completion_tokens(iter([("Hi", None)])) == 0  # no usage: nothing counted
+
+
+def test_jobs_interactive_alternates_which_phase_goes_first() -> None:
+    from bench_jobs_interactive import ROUNDS, phase_order
+
+    orders = [phase_order(r) for r in range(ROUNDS)]
+    assert orders[:2] == [(False, True), (True, False)]
+    assert all(sorted(order) == [False, True] for order in orders)  # each round runs both phases
+    assert sum(order[0] for order in orders) == ROUNDS // 2  # the job phase first in half the rounds
+
+
+def test_load_and_rolling_percentiles_stay_within_the_samples() -> None:
+    """statistics.quantiles' default (exclusive) method reaches past the slowest of fewer than 99 samples."""
+    import bench_load
+    import bench_rolling
+
+    ttfts = [0.1 * i for i in range(1, 17)]  # 16 streams
+    for percentile in (bench_load.percentile, bench_rolling.percentile):
+        assert percentile(ttfts, 99) <= max(ttfts)
+        assert abs(percentile(ttfts, 50) - (ttfts[7] + ttfts[8]) / 2) < 1e-9

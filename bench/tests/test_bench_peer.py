@@ -4,9 +4,23 @@ stack, llama-server and minutes of a quiet machine)."""
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 from bench_openai import Outcome, Phase
-from bench_peer import LOADS, Figures, StreamState, cached_ratio_lines, chat_body, figures, ratio_lines
+from bench_peer import (
+    LOADS,
+    PEER,
+    SAMPLING,
+    SIDES,
+    Figures,
+    StreamState,
+    cached_ratio_lines,
+    chat_body,
+    figures,
+    ratio_lines,
+    report,
+    servers,
+)
 from llama_server import GGML_FLAGS, REPO_ROOT, cached_source, locked_version
 
 
@@ -54,6 +68,52 @@ def test_only_llama_server_gets_its_extra_fields() -> None:
     body = chat_body("Write a short poem about rivers.", 1000, {"cache_prompt": False})
     assert body["cache_prompt"] is False and body["stream_options"] == {"include_usage": True}
     assert "cache_prompt" not in chat_body("Write a short poem about rivers.", 1000, {})
+
+
+def test_every_side_samples_the_same_distribution() -> None:
+    """llama-server truncates with top_k 40, top_p 0.95 and min_p 0.05 when a request names none; Sluice
+    does not truncate by default: every side is sent the same three, so both sample alike."""
+    stack = SimpleNamespace(openai_base_url="http://127.0.0.1:1/v1")
+    by_side = servers(stack, stack, 2, 3)  # type: ignore[arg-type]
+    assert set(by_side) == set(SIDES)
+    for side, server in by_side.items():
+        body = chat_body("Write a short poem about rivers.", 1000, server.extra)
+        assert {name: body[name] for name in SAMPLING} == {"top_k": 40, "top_p": 0.95, "min_p": 0.05}, side
+        assert ("cache_prompt" in body) == (side == PEER), side
+
+
+def test_the_stream_says_the_prompt_tokens_of_a_counted_request() -> None:
+    state = StreamState()
+    state.feed(data({"choices": [{"delta": {"content": "Hi"}, "finish_reason": "stop"}]}), now=1.0)
+    state.feed(data({"choices": [], "usage": {"prompt_tokens": 31, "completion_tokens": 2}}), now=1.0)
+    outcome = state.outcome(sent=0.5, ended=1.0)
+    assert outcome is not None and (outcome.prompt_tokens, outcome.tokens) == (31, 2)
+
+
+def test_figures_say_the_mean_prompt_and_completion_tokens_of_the_counted_requests() -> None:
+    f = figures([Phase("stack", "streams1", [Outcome(0.1, 60, 0.0, 1.0, 30), Outcome(0.3, 40, 1.0, 2.0, 40)], 1)])
+    assert (f.mean_prompt_tokens, f.mean_completion_tokens) == (35.0, 50.0)
+
+
+def test_each_round_beside_the_pooled_figure() -> None:
+    """Per-round figures and their min and max go in the BENCH line's parenthesis: `BENCH <name>
+    <value> <unit>` stays as it was for whatever reads the lines."""
+    one, many = (load.name for load in LOADS)
+
+    def rounds(*tokens_per_s: float) -> list[Phase]:
+        return [Phase("side", one, [Outcome(0.1, int(t), 10.0 * i, 10.0 * i + 1.0)], 0) for i, t in enumerate(tokens_per_s)]
+
+    phases = {}
+    for side in SIDES:
+        phases[(side, one)] = rounds(50, 60) if side == PEER else rounds(45, 60)
+        phases[(side, many)] = rounds(100, 100)
+    lines = report(phases)
+    ratio = next(line for line in lines if line.startswith(f"BENCH stack_vs_llamaserver_tokens_per_s_{one} "))
+    assert ratio == f"BENCH stack_vs_llamaserver_tokens_per_s_{one} 0.95 x (target >= 0.9; rounds 0.90, 1.00; min 0.90, max 1.00)"
+    assert ratio.split()[:4] == ["BENCH", f"stack_vs_llamaserver_tokens_per_s_{one}", "0.95", "x"]
+    side = next(line for line in lines if line.startswith(f"BENCH peer_llamaserver_{one}_tokens_per_s "))
+    assert side == f"BENCH peer_llamaserver_{one}_tokens_per_s 55.0 tok/s (rounds 50.0, 60.0; min 50.0, max 60.0)"
+    assert all(len(line.split()) >= 4 for line in lines if line.startswith("BENCH "))
 
 
 def test_figures_pool_rounds_over_their_summed_wall_time() -> None:

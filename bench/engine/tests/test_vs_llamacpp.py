@@ -7,6 +7,7 @@ import vs_llamacpp as bench
 from sluice_triton_local.engine.rows import DecodeRow, PrefillRow, ReleaseRow, RowResult
 
 PROMPT_TOKENS = 10
+PROMPT_IDS = tuple(range(1, PROMPT_TOKENS + 1))
 
 
 class EarlyStopEngine:
@@ -18,6 +19,7 @@ class EarlyStopEngine:
         self.running: set[int] = set()
         self.decoded: dict[int, int] = {}
         self.decode_rows = 0
+        self.prompts: list[object] = []
 
     def apply_chat_template(self, messages: list[tuple[str, str]]) -> str:
         return "prompt"
@@ -27,6 +29,7 @@ class EarlyStopEngine:
 
     def _answer(self, row: object) -> RowResult:
         if isinstance(row, PrefillRow):
+            self.prompts.append(row.prompt)
             if row.seq_id == 2:
                 return RowResult(2, -1, "", "busy", 0, 0, "no free slot")
             self.running.add(row.seq_id)
@@ -49,13 +52,21 @@ class EarlyStopEngine:
 
 def test_only_rows_that_did_work_are_counted() -> None:
     engine = EarlyStopEngine()
-    figures = bench.engine_run(engine, batch=3)  # type: ignore[arg-type]
+    figures = bench.engine_run(engine, batch=3, prompt=PROMPT_IDS)  # type: ignore[arg-type]
     # Two prompts cached (the busy row cached none); sequence 0's DECODE_STEPS tokens and 1's three.
     assert figures["prefilled_tokens"] == 2 * PROMPT_TOKENS
     assert figures["decoded_tokens"] == bench.DECODE_STEPS + 3
     # Sequences that ended (or never started) were not stepped again.
     assert engine.decode_rows == bench.DECODE_STEPS + 3
     assert figures["tokens"] == [100, *range(101, 101 + bench.DECODE_STEPS)]
+
+
+def test_the_engine_is_given_token_ids_as_llama_cpp_is() -> None:
+    """The prompt is tokenized before either clock: the engine's prefill rows carry the ids, so its
+    prefill clock does not run around its tokenizer while llama.cpp's side gets ids made beforehand."""
+    engine = EarlyStopEngine()
+    bench.engine_run(engine, batch=3, prompt=PROMPT_IDS)  # type: ignore[arg-type]
+    assert engine.prompts == [PROMPT_IDS] * 3
 
 
 def test_counting_helpers() -> None:
