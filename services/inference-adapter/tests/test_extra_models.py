@@ -3,14 +3,20 @@
 from __future__ import annotations
 
 import pytest
+from prometheus_client import REGISTRY
 from sluice.common.v1 import types_pb2
 from sluice.inference.v1 import inference_pb2
+from test_cached_tokens import StepResult, TritonStandIn
 
 from sluice_common.errors import NotFound, Unavailable
-from sluice_inference_adapter.__main__ import extra_model_config, model_info
+from sluice_common.sampling import Sampling
+from sluice_inference_adapter import metrics
+from sluice_inference_adapter.__main__ import build_backends, extra_model_config, model_info
 from sluice_inference_adapter.config import AdapterConfig
 from sluice_inference_adapter.extra_models import ExtraModel, parse_extra_model
 from sluice_inference_adapter.servicer import InferenceServicer
+from sluice_inference_adapter.step_rows import Action, PromptSpec, StepRow
+from sluice_inference_adapter.triton_backend import step_output_names
 
 
 def test_entries_name_a_triton_model_and_optionally_a_batch_bound() -> None:
@@ -60,3 +66,34 @@ async def test_models_are_listed_and_routed_by_name() -> None:
         servicer._model_info("nope")
     with pytest.raises(Unavailable, match="starting"):
         servicer._pool_of("m-q4")  # before attach: not ready yet
+
+
+class ReadyTriton(TritonStandIn):
+    """A Triton stand-in that also answers the ready checks."""
+
+    async def is_server_ready(self, client_timeout: float | None = None) -> bool:
+        return True
+
+    async def is_model_ready(self, model: str, client_timeout: float | None = None) -> bool:
+        return True
+
+
+async def test_an_extra_models_backends_write_the_same_replica_series_as_its_pool() -> None:
+    """Labelled with the bare address, the main and an extra model's backends on one replica wrote
+    one readiness and one step-time series, and the pool's removal of "<address>#<model>" left them."""
+    address, label = "10.7.7.7:8001", "#m-q4"
+    (backend,), _, make_backend = build_backends(AdapterConfig(), "step", [address], label)
+    for each in (backend, make_backend(address)):  # a replica listed at start-up, and one found later
+        each._client = ReadyTriton(step_output_names(set()), StepResult([5], cached=None))  # type: ignore[assignment]
+        assert await each.is_ready()
+        await each.step([StepRow(Action.PREFILL, 5, PromptSpec(prompt="p").to_json(Sampling(max_tokens=1)))])
+
+    def sample(name: str, replica: str) -> float | None:
+        return REGISTRY.get_sample_value(name, {"replica": replica})
+
+    assert sample("sluice_adapter_backend_ready", address + label) == 1
+    assert sample("sluice_adapter_step_seconds_count", address + label) == 2
+    assert sample("sluice_adapter_backend_ready", address) is None and sample("sluice_adapter_step_seconds_count", address) is None
+    metrics.forget_replica(address + label, [])  # as ReplicaPool._remove does
+    assert sample("sluice_adapter_backend_ready", address + label) is None
+    assert sample("sluice_adapter_step_seconds_count", address + label) is None

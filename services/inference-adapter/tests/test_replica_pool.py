@@ -28,7 +28,7 @@ from sluice_inference_adapter.replica_pool import PooledEmbedBackend, ReplicaPoo
 from sluice_inference_adapter.sequence import Finish, FinishEvent, GenerationRequest
 from sluice_inference_adapter.scheduler import Scheduler, SchedulerLimits
 from sluice_inference_adapter.servicer import InferenceServicer
-from sluice_inference_adapter.step_rows import Action, PromptSpec, StepOutcome, StepRow
+from sluice_inference_adapter.step_rows import FINISH_ERROR, Action, PromptSpec, StepOutcome, StepRow
 
 
 def make_pool(*models: StepReplica, threshold: int = 2) -> ReplicaPool:
@@ -586,3 +586,56 @@ def test_the_probe_intervals_are_checked_when_the_adapter_starts() -> None:
         load_config(AdapterConfig, ENV_PREFIX, {f"{ENV_PREFIX}PROBE_TOKEN_INTERVAL_S": "-1"})
     with pytest.raises(ConfigError, match=f"{ENV_PREFIX}PROBE_INTERVAL_S must be > 0"):
         load_config(AdapterConfig, ENV_PREFIX, {f"{ENV_PREFIX}PROBE_INTERVAL_S": "0"})
+
+
+class FaultyEngine(StepReplica):
+    """A replica whose engine fails every forward pass: triton-local answers the rows FINISH "error"."""
+
+    def _answer(self, row: StepRow) -> StepOutcome:
+        if row.action in (Action.PREFILL, Action.DECODE):
+            self.rows.append((row.action, row.seq_id))
+            return StepOutcome(-1, "", FINISH_ERROR, 2, 0, "forward pass failed: RuntimeError('CUDA error: out of memory')")
+        return super()._answer(row)
+
+
+async def test_a_request_whose_prefill_the_engine_failed_is_retried_on_another_replica() -> None:
+    """The engine answered, so no step failed: the request ended with the error, and least-loaded
+    routing kept sending work to the replica that drains fastest because it serves nothing."""
+    a, b = FaultyEngine("a"), StepReplica("b")
+    pool = make_pool(a, b)
+    await pool.probe_once()
+    pool.start()
+    try:
+        # Started together: least-loaded routing sends every other one to a.
+        results = await asyncio.gather(*(run(pool) for _ in range(6)))
+    finally:
+        await pool.stop()
+    assert any(action is Action.PREFILL for action, _ in a.rows), "a was tried"
+    assert all(finish.finish is Finish.LENGTH and tokens == 3 for tokens, finish in results)
+    assert b.prefills == 6
+
+
+async def test_the_replica_load_gauge_follows_the_replica_after_routing_stops() -> None:
+    """Set only as requests were routed (to the load seen before each), it read 1 with two requests
+    on the replica and kept that once they had finished."""
+    from prometheus_client import REGISTRY
+
+    replica = StepReplica("load-gauge:8001")
+    pool = make_pool(replica)
+
+    def load() -> float | None:
+        return REGISTRY.get_sample_value("sluice_adapter_replica_load", {"replica": "load-gauge:8001"})
+
+    await pool.probe_once()
+    pool.start()
+    try:
+        replica.hold.clear()  # its steps wait: both requests stay on it
+        runs = [asyncio.create_task(run(pool)) for _ in range(2)]
+        while pool.replicas[0].scheduler.load < 2:
+            await asyncio.sleep(0.005)
+        assert load() == 2
+        replica.hold.set()
+        await asyncio.gather(*runs)
+        assert load() == 0
+    finally:
+        await pool.stop()

@@ -21,7 +21,7 @@ from sluice_common.sampling import Sampling
 from sluice_inference_adapter.scheduler import BULK_MAX_WAIT_S, INTERACTIVE_RECENT_S, Scheduler, SchedulerLimits
 from sluice_inference_adapter.sequence import Finish, GenerationRequest
 from sluice_inference_adapter.priority import Priority
-from sluice_inference_adapter.step_rows import FINISH_ERROR, Action, PromptSpec, StepOutcome, StepRow
+from sluice_inference_adapter.step_rows import FINISH_ERROR, FINISH_INVALID, Action, PromptSpec, StepOutcome, StepRow
 
 
 class RecordingStepModel:
@@ -587,3 +587,137 @@ async def test_a_stale_engine_counts_against_the_replica_and_the_prefill_waits()
         await scheduler.stop()
     assert (text, finish.finish) == ("t1 t2 ", Finish.LENGTH)
     assert health[-1] is True
+
+
+class FailsItsFirstReleaseRound(RecordingStepModel):
+    """One clock, which passes every deadline once a round has ended (after its last response was
+    read, before the next round is planned); the first step that carries a release fails before the
+    engine applies it, as a transport error does. `released`: what answered steps released."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.now = 1000.0
+        self.fail_a_release = True
+        self.released: list[int] = []
+
+    def round(self, rows: list[StepRow], steps: int, follows: bool = False, interruptible: bool = False):  # type: ignore[no-untyped-def]
+        async def then_time_passes():  # type: ignore[no-untyped-def]
+            async for outcomes in super(FailsItsFirstReleaseRound, self).round(rows, steps, follows, interruptible):
+                yield outcomes
+            self.now += 60.0
+
+        return then_time_passes()
+
+    async def step(self, rows: list[StepRow]) -> list[StepOutcome]:
+        if self.fail_a_release and any(row.action is Action.RELEASE for row in rows):
+            self.fail_a_release = False
+            raise ConnectionError("triton went away")
+        outcomes = await super().step(rows)
+        self.released.extend(row.seq_id for row in rows if row.action is Action.RELEASE)
+        return outcomes
+
+
+async def test_a_release_planned_into_a_round_that_fails_before_answering_is_sent_again() -> None:
+    """The deadline passed between rounds: the next round's plan drops the sequence with a release
+    row of its own. That round failed before the engine saw it, and the slot was left to the lease."""
+    model = FailsItsFirstReleaseRound()
+    scheduler = Scheduler(model, SchedulerLimits(max_round_steps=1), clock=lambda: model.now)
+    scheduler.start()
+    try:
+        handle = scheduler.submit(request(max_tokens=100, deadline=model.now + 30.0))
+        text, finish = await collect(handle)
+        assert (text, finish.finish) == ("t1 ", Finish.DEADLINE)
+        deadline = time.monotonic() + 2
+        while handle.seq_id not in model.released and time.monotonic() < deadline:
+            await asyncio.sleep(0.005)
+        # Before the stop, which releases what it knows to be held.
+        assert not model.fail_a_release, "the round carrying the release failed"
+        assert model.released == [handle.seq_id]
+    finally:
+        await scheduler.stop()
+
+
+class FailsItsFirstAsideRelease(RecordingStepModel):
+    """A request of releases alone is answered after `release_s`; the first one fails then (Triton
+    went away for a moment). `released`: what answered ones released."""
+
+    def __init__(self, step_delay_s: float, release_s: float) -> None:
+        super().__init__(step_delay_s)
+        self.release_s = release_s
+        self.failed_releases = 0
+        self.released: list[int] = []
+
+    async def step(self, rows: list[StepRow]) -> list[StepOutcome]:
+        if rows and all(row.action is Action.RELEASE for row in rows):
+            await asyncio.sleep(self.release_s)
+            if not self.failed_releases:
+                self.failed_releases += 1
+                raise ConnectionError("triton went away")
+            self.rounds.note(rows)
+            self.released.extend(row.seq_id for row in rows)
+            return [self._answer(row) for row in rows]
+        return await super().step(rows)
+
+
+async def test_a_release_that_failed_while_nothing_runs_is_tried_again_without_a_new_request() -> None:
+    """A cancel's release failed after its round had ended: no round came to carry it again, and
+    an idle engine holds the slot (its lease frees slots only while it steps others)."""
+    model = FailsItsFirstAsideRelease(step_delay_s=0.05, release_s=0.1)
+    scheduler = Scheduler(model, SchedulerLimits(max_round_steps=1, release_retry_s=0.05))
+    scheduler.start()
+    try:
+        handle = scheduler.submit(request(max_tokens=1_000))
+        events = handle.events()
+        await anext(events)  # the first token
+        while len(model.steps) < 2:  # the next round's step in flight
+            await asyncio.sleep(0.001)
+        handle.cancel()  # released by a request of its own, which fails after the round has ended
+        assert [event async for event in events][-1].finish is Finish.CANCELLED
+        deadline = time.monotonic() + 2
+        while handle.seq_id not in model.released and time.monotonic() < deadline:
+            await asyncio.sleep(0.005)
+        # Before the stop, which releases what it knows to be held.
+        assert model.failed_releases == 1 and model.released == [handle.seq_id]
+        assert not any(row.action is Action.RELEASE for rows in model.steps for row in rows), "no round carried it"
+        assert handle.seq_id not in model.max_tokens, "the engine holds no slot for it"
+        assert scheduler.running_count == scheduler.waiting_count == 0
+    finally:
+        await scheduler.stop()
+
+
+class AnswersItsPrefills(RecordingStepModel):
+    """Answers every prefill row with one outcome, as triton-local's engine answers a row it failed."""
+
+    def __init__(self, finish: str, error: str) -> None:
+        super().__init__()
+        self.outcome = StepOutcome(-1, "", finish, 0, 0, error)
+
+    def _answer(self, row: StepRow) -> StepOutcome:
+        return self.outcome if row.action is Action.PREFILL else super()._answer(row)
+
+
+@pytest.mark.parametrize(
+    ("finish", "error", "replica_fault"),
+    [
+        # step_engine.py's own faults: the replica's, and another may serve the request.
+        (FINISH_ERROR, "forward pass failed: RuntimeError('CUDA error: an illegal memory access was encountered')", True),
+        (FINISH_ERROR, "sampling failed: FloatingPointError('nan')", True),
+        (FINISH_ERROR, "admission failed: MemoryError()", True),
+        # "error" that is not the engine's: the same everywhere, or a sequence it no longer runs.
+        (FINISH_ERROR, "prompt is 9000 tokens and max_tokens is 16; the context holds 8192 tokens including max_tokens", False),
+        (FINISH_ERROR, "seq_id 7 is not running (never started, finished or released)", False),
+        (FINISH_INVALID, "sampling.top_k: must be >= 0", False),
+    ],
+)
+async def test_a_row_the_engine_failed_counts_against_the_replica_and_may_be_retried(finish: str, error: str, replica_fault: bool) -> None:
+    health: list[bool] = []
+    scheduler = Scheduler(AnswersItsPrefills(finish, error), SchedulerLimits(), on_step=health.append)
+    scheduler.start()
+    try:
+        handle = scheduler.submit(request())
+        text, event = await collect(handle)
+    finally:
+        await scheduler.stop()
+    assert text == "" and event.finish is (Finish.ERROR if finish == FINISH_ERROR else Finish.INVALID) and event.error == error
+    assert handle.backend_failed is replica_fault
+    assert health == [not replica_fault]

@@ -46,17 +46,18 @@ SERVICE_NAME = inference_pb2.DESCRIPTOR.services_by_name["InferenceService"].ful
 Backend = TritonStepBackend | TritonGenerateBackend
 
 
-async def wait_for_a_ready_replica(config: AdapterConfig, discovery: Discovery) -> tuple[list[str], str]:
+async def wait_for_a_ready_replica(config: AdapterConfig, discovery: Discovery, label: str = "") -> tuple[list[str], str]:
     """The replica addresses (DNS names resolved), and one whose Triton has the model ready.
 
-    Names are resolved again on every round: at startup a headless Service may name no pod yet."""
+    Names are resolved again on every round: at startup a headless Service may name no pod yet.
+    `label`: the model's in the `replica` metric label (build_backends)."""
     probes: dict[str, TritonStepBackend] = {}
     deadline = time.monotonic() + config.backend_wait_s
     try:
         while True:
             urls = sorted(await discovery.resolve())
             for url in urls:
-                probes.setdefault(url, TritonStepBackend(url, config.triton_model))
+                probes.setdefault(url, TritonStepBackend(url, config.triton_model, metrics_label=label))
             ready = await asyncio.gather(*(probes[url].is_ready() for url in urls))
             if any(ready):
                 return urls, urls[ready.index(True)]
@@ -75,8 +76,8 @@ def build_backends(
     config: AdapterConfig, protocol: Protocol, urls: list[str], label: str = "", step_timeouts: StepTimeouts | None = None
 ) -> tuple[list[Backend], SchedulerFactory, BackendFactory]:
     """The first replicas' backends, how each replica's work is owned, and how a replica found
-    later gets its backend. `label` tells an extra model's schedulers apart from the main
-    model's on the same replica (their owner-task names and `replica` metric labels).
+    later gets its backend. `label` tells an extra model's schedulers and backends apart from the
+    main model's on the same replica (their owner-task names and `replica` metric labels).
     `step_timeouts`: the model's adaptive step timeout, one for the whole pool (step_timeout.py
     says why)."""
     make_backend: Callable[[str], Backend]
@@ -97,12 +98,14 @@ def build_backends(
             bulk_step_target_s=config.bulk_step_target_s,
             interrupt_bulk=config.interrupt_bulk,
         )
-        make_backend = lambda url: TritonStepBackend(url, config.triton_model, config.step_timeout_s, step_timeouts, config.stream_interval_s)  # noqa: E731
+        make_backend = lambda url: TritonStepBackend(  # noqa: E731
+            url, config.triton_model, config.step_timeout_s, step_timeouts, config.stream_interval_s, metrics_label=label
+        )
         make_scheduler = lambda backend, on_step: Scheduler(backend, limits, on_step=on_step, replica=backend.url + label, timeouts=step_timeouts)  # type: ignore[arg-type]  # noqa: E731
     else:
         passthrough = PassthroughLimits(max_in_flight=config.max_in_flight, max_waiting=config.max_waiting)
         template = passthrough_chat_template(config)
-        make_backend = lambda url: TritonGenerateBackend(url, config.triton_model)  # noqa: E731
+        make_backend = lambda url: TritonGenerateBackend(url, config.triton_model, metrics_label=label)  # noqa: E731
         make_scheduler = lambda backend, on_step: PassthroughScheduler(  # noqa: E731
             backend,  # type: ignore[arg-type]  # a TritonGenerateBackend: make_backend's
             passthrough,
@@ -218,7 +221,8 @@ async def start_extra_pool(
     """One extra generation model's pool, started once a replica serves it. Replica discovery
     (dns:/// names) adds and drains its replicas as it does the main model's: every replica is
     expected to serve every model; one that does not fails its probes and gets none of that model's work."""
-    urls, ready_url = await wait_for_a_ready_replica(config, discovery)
+    label = f"#{config.model_name}"
+    urls, ready_url = await wait_for_a_ready_replica(config, discovery, label)
     protocol = await detect_protocol(ready_url, config.triton_model)
     if info is not None:
         info.logprobs = await reports_logprobs(ready_url, config.triton_model, protocol)
@@ -226,7 +230,6 @@ async def start_extra_pool(
         info.logit_bias = applies_logit_bias(protocol)
     step_timeouts = StepTimeouts(config.step_timeout_policy(), config.model_name)
     metrics.STEP_TIMEOUT.labels(model=config.model_name).set(step_timeouts.limit())
-    label = f"#{config.model_name}"
     backends, make_scheduler, make_backend = build_backends(config, protocol, urls, label, step_timeouts)
     CONCURRENCY_LIMIT.labels(model=config.model_name).set(concurrency_limit(config, protocol))
     pool = ReplicaPool(

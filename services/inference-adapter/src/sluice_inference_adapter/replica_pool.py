@@ -166,6 +166,8 @@ class ReplicaPool:
         replica.scheduler = self._make_scheduler(replica.backend, functools.partial(self.record, replica))
         self.replicas.append(replica)
         metrics.REPLICA_HEALTHY.labels(replica=replica.name + self._metrics_label).set(1 if replica.healthy else 0)
+        # Read when scraped: set as requests were routed, it kept its last value once they stopped.
+        metrics.REPLICA_LOAD.labels(replica=replica.name + self._metrics_label).set_function(lambda: replica.scheduler.load)
 
     # -- membership (replica_discovery.PoolControl) ------------------------------------
 
@@ -346,8 +348,6 @@ class ReplicaPool:
         if not candidates:
             tried = f" (tried {', '.join(sorted(exclude))})" if exclude else ""
             raise Unavailable(f"no healthy Triton replica can take this request{tried}; retry shortly")
-        for replica in self.replicas:
-            metrics.REPLICA_LOAD.labels(replica=replica.name + self._metrics_label).set(replica.scheduler.load)
         if prompt is None:
             return least_loaded(candidates)
         if self._router is None:

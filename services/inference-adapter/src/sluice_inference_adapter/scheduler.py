@@ -45,6 +45,7 @@ from sluice_inference_adapter.step_rows import (
     StepBackend,
     StepOutcome,
     StepRow,
+    engine_fault,
     steps_in,
 )
 from sluice_inference_adapter import sequence_trace
@@ -69,6 +70,9 @@ INTERACTIVE_RECENT_S = 30.0
 # least every quarter second. Two prefills a few tens of milliseconds apart (two chat clients)
 # both go without bulk rows.
 BULK_MAX_WAIT_S = 0.25
+# The longest wait between two tries of releases that failed while nothing runs: a replica that stays
+# down is tried twice a minute, not every second.
+RELEASE_RETRY_MAX_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -111,6 +115,9 @@ class SchedulerLimits:
     # After a failed or timed-out step, how long one step releasing the dropped sequences' slots
     # may take before the loop goes on without it (those not released ride with the next step).
     release_timeout_s: float = 1.0
+    # While nothing runs, releases that failed (a failed step's, a cancel's) are tried again after
+    # this long, then twice as long after each failure, up to RELEASE_RETRY_MAX_S.
+    release_retry_s: float = 1.0
     # Advertised in RetryInfo when the waiting queue is full.
     retry_after_s: float = 1.0
     # Multi-step rounds: at most `max_round_steps` engine steps per round trip (1: one step per
@@ -139,8 +146,10 @@ class Scheduler(ReplicaWork):
         # only by the backend's own fixed timeout).
         self._timeouts = timeouts
         self._running: dict[int, Sequence] = {}
-        # Sequences dropped on a failure whose slots the engine may still hold: released by a step
-        # of their own right after the failure, else by release rows riding with the next step.
+        # Sequences whose slots the engine may still hold: dropped on a failure, their release failed,
+        # or released by a row of a round that has not answered yet (its first response removes
+        # them). Released by a step of their own after a failure (or, while nothing runs, every
+        # `release_retry_s` until one is answered), else by release rows riding with the next step.
         self._unreleased: set[int] = set()
         self._interactive_prefill = False  # the round planned last admits an interactive prefill
         self._bulk_stepped_at = float("-inf")  # when a step carrying bulk rows last completed
@@ -219,8 +228,7 @@ class Scheduler(ReplicaWork):
                     interruptible = ahead.interruptible
                 else:
                     if not self._running and not self.waiting_count:
-                        self._wakeup.clear()
-                        await self._wakeup.wait()
+                        await self._wait_for_work()
                     rows, stepped = self._plan_step()
                     if not rows:
                         # Only prefills wait, and the engine is full of other adapters' sequences.
@@ -243,6 +251,20 @@ class Scheduler(ReplicaWork):
                     self._released_before_prefill.clear()
         finally:
             await self._discard_ahead()
+
+    async def _wait_for_work(self) -> None:
+        """Until a request waits. Releases that failed are tried again meanwhile: no round would
+        carry them, and an idle engine holds their slots (its slot lease frees a slot only while it
+        steps other sequences). First after `release_retry_s`, then twice as long after each failure."""
+        retry_s = self._limits.release_retry_s
+        while not self._running and not self.waiting_count:
+            self._wakeup.clear()
+            try:
+                async with asyncio.timeout(retry_s if self._unreleased else None):
+                    await self._wakeup.wait()  # a request, or a release that failed (`_release_now`)
+            except TimeoutError:
+                await self._release_dropped()
+                retry_s = min(2 * retry_s, RELEASE_RETRY_MAX_S)
 
     def _interruptible(self, stepped: list[Sequence]) -> bool:
         """A round that carries bulk sequences and no interactive prefill may be stopped midway for
@@ -311,7 +333,7 @@ class Scheduler(ReplicaWork):
                     break
                 elapsed = time.perf_counter() - started
                 steps_answered += steps_in(outcomes)
-                if first:
+                if first:  # the engine applied the round's releases with its first step
                     self._unreleased.difference_update(row.seq_id for row in rows if row.action is Action.RELEASE)
                 # A round sent ahead may have stepped before it was read: its first answer is not
                 # a step's time; nor is a step an interrupt stopped midway.
@@ -324,8 +346,9 @@ class Scheduler(ReplicaWork):
                 if self._timeouts is not None and timed:
                     self._timeouts.observe(elapsed, prefill_tokens)
                     metrics.STEP_TIMEOUT.labels(model=self._timeouts.model).set(self._timeouts.limit())
-                # A replica whose slots are all held by sequences nobody steps answers, but cannot serve.
-                self._report_step(ok=not any(outcome.finish == FINISH_STALE for outcome in outcomes))
+                # A replica whose slots are all held by sequences nobody steps answers, but cannot serve;
+                # nor can one whose engine fails the rows it computes.
+                self._report_step(ok=not any(outcome.finish == FINISH_STALE or engine_fault(outcome) for outcome in outcomes))
                 self._apply(outcomes)
                 if not interrupted and any(s.priority is Priority.BULK for s in stepped):
                     self._bulk_stepped_at = self._clock()
@@ -458,8 +481,13 @@ class Scheduler(ReplicaWork):
 
     def _release_now(self, seq_ids: list[int]) -> None:
         rows = [StepRow(Action.RELEASE, seq_id) for seq_id in seq_ids]
-        # If it fails, the next round carries them again.
-        self._send_in_background(rows, "release_failed", on_failure=lambda: self._unreleased.update(seq_ids))
+
+        def failed() -> None:
+            # The next round carries them again; the loop is woken in case none comes (`_wait_for_work`).
+            self._unreleased.update(seq_ids)
+            self._wakeup.set()
+
+        self._send_in_background(rows, "release_failed", on_failure=failed)
 
     def _send_in_background(self, rows: list[StepRow], failed: str, on_failure: Callable[[], None] | None = None) -> None:
         """A request of its own beside the round in flight (the engine applies it between steps)."""
@@ -527,13 +555,17 @@ class Scheduler(ReplicaWork):
         metrics.SLOTS_IN_USE.labels(replica=self._replica).set(0)
 
     async def _release_dropped(self) -> None:
-        """One step releasing the slots of the sequences a failure dropped, best effort and bounded
-        by `release_timeout_s`: a replica that failed a step may fail this one too, and must not hold
-        up the loop. Whatever it does not release rides with the next step (a release of a sequence
-        the engine no longer holds changes nothing there); the engine's slot lease is the last resort."""
-        if not self._unreleased:
+        """One step releasing the slots of `_unreleased` (a failure dropped them, or their release
+        did not reach the engine), best effort and bounded by `release_timeout_s`: a replica that
+        failed a step may fail this one too, and must not hold up the loop. Whatever it does not
+        release rides with the next step, or is tried again while nothing runs (`_wait_for_work`; a
+        release of a sequence the engine no longer holds changes nothing there)."""
+        # Those a round sent ahead releases are on their way with it (it was planned as they were
+        # dropped); if it is discarded they are still here for the next call.
+        riding = {row.seq_id for row in self._ahead.rows if row.action is Action.RELEASE} if self._ahead is not None else set()
+        seq_ids = sorted(self._unreleased - riding)
+        if not seq_ids:
             return
-        seq_ids = sorted(self._unreleased)
         try:
             async with asyncio.timeout(self._limits.release_timeout_s):
                 await self._backend.step([StepRow(Action.RELEASE, seq_id) for seq_id in seq_ids])
@@ -552,6 +584,9 @@ class Scheduler(ReplicaWork):
             if reason is not None:
                 del self._running[sequence.seq_id]
                 rows.append(StepRow(Action.RELEASE, sequence.seq_id))
+                # Until this round answers: if it fails first, or it is sent ahead and discarded, the
+                # engine still holds the slot and `_release_dropped` releases it.
+                self._unreleased.add(sequence.seq_id)
                 sequence.finish(reason, now)
         self._drop_abandoned_waiting(now)
         stepped: list[Sequence] = list(self._running.values())
@@ -670,6 +705,8 @@ class Scheduler(ReplicaWork):
             if outcome.finish:
                 self._running.pop(sequence.seq_id, None)
                 _emit_tokens(sequence, tokens.pop(sequence.seq_id, []), now)
+                if engine_fault(outcome) and sequence.first_token_at is None:
+                    sequence.backend_failed = True  # nothing streamed yet: another replica may serve it
                 sequence.finish(_finish_of(outcome.finish), now, error=outcome.error)
                 self._engine_full_until = 0.0  # a slot is free now: prefills may try again
         for seq_id, made in tokens.items():

@@ -82,6 +82,13 @@ FINISH_INVALID = "invalid"
 FINISH_BUSY = "busy"
 FINISH_STALE = "stale"
 
+# How triton-local's engine words "error" rows it failed itself (engine/step_engine.py: a forward
+# pass or sampling raised, or admitting a prefill did): the replica's fault, which another replica
+# may not have. FINISH "error" also answers rows that are not (a decode of a sequence the engine no
+# longer runs, released or reclaimed by its slot lease; a prompt longer than the context; a
+# sequence whose shared prompt's leader was released), so only these messages count.
+_ENGINE_FAULTS = ("forward pass failed:", "sampling failed:", "admission failed:")
+
 
 @dataclass(frozen=True)
 class StepOutcome:
@@ -98,6 +105,11 @@ class StepOutcome:
     # The token's log-probabilities in OpenAI's chat entry shape (step_protocol's LOGPROBS), when
     # its sequence asked for them.
     logprobs: dict[str, Any] | None = None
+
+
+def engine_fault(outcome: StepOutcome) -> bool:
+    """Whether the engine failed the row itself (not the row's input, not a sequence it no longer runs)."""
+    return outcome.finish == FINISH_ERROR and outcome.error.startswith(_ENGINE_FAULTS)
 
 
 def steps_in(outcomes: list[StepOutcome]) -> int:

@@ -122,11 +122,15 @@ def protocol_of(model: str, inputs: set[str]) -> Protocol:
 
 
 class _TritonEndpoint:
-    """One model on one Triton server."""
+    """One model on one Triton server. Its series' `replica` label is its address plus
+    `metrics_label`, as its pool's and scheduler's are ("#<model>" for an extra model): the main and
+    an extra model on one replica would otherwise write one series, and the pool's removal of the
+    replica (metrics.forget_replica) would leave it behind."""
 
-    def __init__(self, url: str, model: str) -> None:
+    def __init__(self, url: str, model: str, metrics_label: str = "") -> None:
         self.url = url
         self.model = model
+        self._replica = url + metrics_label
         self._client = InferenceServerClient(url)
 
     async def is_ready(self) -> bool:
@@ -134,7 +138,7 @@ class _TritonEndpoint:
             ready = await self._client.is_server_ready(client_timeout=2.0) and await self._client.is_model_ready(self.model, client_timeout=2.0)
         except InferenceServerException:
             ready = False
-        metrics.BACKEND_READY.labels(replica=self.url).set(1 if ready else 0)
+        metrics.BACKEND_READY.labels(replica=self._replica).set(1 if ready else 0)
         return bool(ready)
 
     async def close(self) -> None:
@@ -145,9 +149,15 @@ class TritonStepBackend(_TritonEndpoint):
     """The step protocol: one Triton request per scheduler step."""
 
     def __init__(
-        self, url: str, model: str, step_timeout_s: float = 60.0, timeouts: StepTimeouts | None = None, stream_interval_s: float = 0.0
+        self,
+        url: str,
+        model: str,
+        step_timeout_s: float = 60.0,
+        timeouts: StepTimeouts | None = None,
+        stream_interval_s: float = 0.0,
+        metrics_label: str = "",
     ) -> None:
-        super().__init__(url, model)
+        super().__init__(url, model, metrics_label)
         # The fixed bound of every call (the adaptive timeout's ceiling); the scheduler cuts a step
         # off sooner by the adaptive one (step_timeout.py), which bounds the probes here too.
         self._timeout_s = step_timeout_s
@@ -239,7 +249,7 @@ class TritonStepBackend(_TritonEndpoint):
                 outcomes, answered = _step_outcomes(result)
                 steps_answered = steps_in(outcomes)
                 for _ in range(steps_answered):
-                    metrics.STEP_SECONDS.labels(replica=self.url).observe(elapsed / steps_answered)
+                    metrics.STEP_SECONDS.labels(replica=self._replica).observe(elapsed / steps_answered)
                 yield outcomes
                 if answered:
                     return
