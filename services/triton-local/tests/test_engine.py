@@ -296,11 +296,13 @@ def test_a_fault_admitting_or_sampling_fails_those_rows_and_keeps_every_slot(eng
     first, faulty = engine.step([PrefillRow(1, prompt, Sampling(max_tokens=20)), PrefillRow(2, prompt, Sampling(max_tokens=20, seed=13))])
     assert first.token_id >= 0 and not first.finish_reason  # admitted before the fault: its prompt went through
     assert faulty.finish_reason == "error" and "sampler fault" in faulty.error
+    assert faulty.error.startswith(("admission failed:", "sampling failed:"))  # the wording the adapter counts against the replica
     assert engine.slots_by_owner() == {"": 1} and engine.active_slots + len(engine._slots) == engine.max_slots  # noqa: SLF001
 
     monkeypatch.setattr(sampler, "sample", lambda logits, slots: (_ for _ in ()).throw(RuntimeError("sampling fault")))
     decoded, joined = engine.step([DecodeRow(1), PrefillRow(3, prompt, Sampling(max_tokens=20))])
     assert [r.finish_reason for r in (decoded, joined)] == ["error", "error"] and "sampling fault" in decoded.error
+    assert decoded.error.startswith("sampling failed:")
     assert engine.active_slots == 0 and len(engine._slots) == engine.max_slots  # noqa: SLF001
 
     monkeypatch.setattr(sampler, "sample", sample)

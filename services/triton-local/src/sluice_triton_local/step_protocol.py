@@ -94,7 +94,10 @@ repeats its SEQ_ID, in the order its tokens were made.
            CACHED_TOKENS     INT32  prompt tokens of the row's sequence that the engine took from its
                                     prefix cache instead of prefilling (counted in PROMPT_TOKENS; 0
                                     when none, and on rows that are not a sequence's)
-           ERROR             BYTES  why a row failed, for a person to read
+           ERROR             BYTES  why a row failed, for a person to read; an "error" row the
+                                    engine failed itself (not the row's input, not a sequence it no
+                                    longer runs) begins "forward pass failed:", "sampling failed:" or
+                                    "admission failed:", which the adapter counts against the replica
            LOGPROBS          BYTES  the row's token's log-probabilities when its sequence asked
                                     ("logprobs": k in REQUEST), as JSON in OpenAI's chat shape:
                                     {"token", "logprob", "bytes": [ints], "top_logprobs": [{"token",
