@@ -20,6 +20,8 @@ from sluice.common.v1 import types_pb2
 from sluice.gateway.v1 import gateway_pb2
 from sluice.inference.v1 import inference_pb2, inference_pb2_grpc
 
+from conftest import adapter_stub
+
 from sluice_common.adaptive_timeout import TimeoutPolicy
 from sluice_common.config import ConfigError, load_config
 from sluice_common.errors import DeadlineExceeded
@@ -90,18 +92,11 @@ class StandInAdapter(inference_pb2_grpc.InferenceServiceServicer):
 @pytest.fixture
 async def stand_in():
     adapter = StandInAdapter()
-    server = grpc.aio.server()
-    inference_pb2_grpc.add_InferenceServiceServicer_to_server(adapter, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
-    stub = inference_pb2_grpc.InferenceServiceStub(channel)
-    catalog = ModelCatalog(stub)
-    await catalog.refresh()
-    path = InferencePath(stub, catalog, Admission(None, "closed"), default_deadline=DefaultDeadline(policy()))
-    yield adapter, path
-    await channel.close()
-    await server.stop(None)
+    async with adapter_stub(adapter) as stub:
+        catalog = ModelCatalog(stub)
+        await catalog.refresh()
+        path = InferencePath(stub, catalog, Admission(None, "closed"), default_deadline=DefaultDeadline(policy()))
+        yield adapter, path
 
 
 def request(max_tokens: int) -> gateway_pb2.GenerateRequest:

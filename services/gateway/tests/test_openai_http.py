@@ -17,6 +17,8 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from openai.types.completion import Completion
 from sluice.common.v1 import types_pb2
 from sluice.inference.v1 import inference_pb2, inference_pb2_grpc
+
+from conftest import adapter_stub
 from sluice.ratelimit.v1 import ratelimit_pb2
 
 from sluice_common.amqp import EventTopology
@@ -256,23 +258,16 @@ class _FailingAdapter(inference_pb2_grpc.InferenceServiceServicer):
 
 @pytest.fixture
 async def failing_client(tmp_path):  # type: ignore[no-untyped-def]
-    server = grpc.aio.server()
-    inference_pb2_grpc.add_InferenceServiceServicer_to_server(_FailingAdapter(), server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
-    stub = inference_pb2_grpc.InferenceServiceStub(channel)
-    catalog = ModelCatalog(stub)
-    await catalog.refresh()
-    path = InferencePath(stub, catalog, Admission(None), default_max_tokens=50)
-    client = TestClient(TestServer(build_app(OpenAIFront(TenantDirectory.from_file(_tenants_file(tmp_path)), path), 4096)))
-    await client.start_server()
-    try:
-        yield client
-    finally:
-        await client.close()
-        await channel.close()
-        await server.stop(None)
+    async with adapter_stub(_FailingAdapter()) as stub:
+        catalog = ModelCatalog(stub)
+        await catalog.refresh()
+        path = InferencePath(stub, catalog, Admission(None), default_max_tokens=50)
+        client = TestClient(TestServer(build_app(OpenAIFront(TenantDirectory.from_file(_tenants_file(tmp_path)), path), 4096)))
+        await client.start_server()
+        try:
+            yield client
+        finally:
+            await client.close()
 
 
 @pytest.mark.parametrize("n", [1, 2])
