@@ -17,6 +17,7 @@ import json
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, fields
 
+from sluice_common.jsonl import jsonl_lines
 from sluice_common.sampling import Sampling
 
 # Exit codes of `sluice eval` (docs/operators/ab-evaluation.md): 0 no regression, 1 B regressed beyond the threshold on
@@ -80,12 +81,6 @@ def _row(number: int, data: object, source: str) -> DatasetRow:
         ):
             raise DatasetError(f'{where}: messages must be a list of {{"role": ..., "content": ...}}')
     return DatasetRow(custom_id, prompt, tuple((m["role"], m["content"]) for m in messages), reference)
-
-
-def jsonl_lines(text: str) -> list[str]:
-    """The lines of a JSON-lines text: split at "\n" only (a trailing "\r" dropped), never at the other
-    breaks str.splitlines knows (U+2028, U+0085, ...), which a JSON string may hold unescaped."""
-    return [line.removesuffix("\r") for line in text.split("\n")]
 
 
 def parse_dataset(text: str, source: str = "dataset") -> list[DatasetRow]:

@@ -22,7 +22,7 @@ from sluice.gateway.v1 import gateway_pb2
 from sluice.jobs.v1 import jobs_pb2
 
 from sluice_cli.client import command_metadata, gateway_stub
-from sluice_cli.eval_compare import jsonl_lines
+from sluice_common.jsonl import jsonl_lines
 
 
 def _state(job: jobs_pb2.Job) -> str:

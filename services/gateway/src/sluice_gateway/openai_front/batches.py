@@ -24,6 +24,7 @@ from sluice.common.v1 import types_pb2
 from sluice.gateway.v1 import gateway_pb2
 from sluice.jobs.v1 import jobs_pb2
 
+from sluice_common.jsonl import jsonl_lines
 from sluice_gateway.jobs_port import MAX_MESSAGE_ID_BYTES
 from sluice_gateway.openai_front.choices import ChoiceState
 from sluice_gateway.openai_front.errors import OpenAIError, invalid
@@ -145,8 +146,7 @@ def parse_batch_file(content: bytes, max_lines: int) -> list[BatchLine]:
         raise OpenAIError(400, f"The batch file is not UTF-8 text: {exc}", param="file", code="invalid_file") from None
     lines: list[BatchLine] = []
     seen: dict[str, int] = {}
-    for number, raw in enumerate(text.split("\n"), start=1):
-        raw = raw.removesuffix("\r")
+    for number, raw in enumerate(jsonl_lines(text), start=1):
         if not raw.strip(_JSON_SPACE):
             continue
         line = _parse_line(number, raw)
