@@ -14,6 +14,7 @@ import asyncpg
 import pytest
 from sluice.jobs.v1 import jobs_pb2
 
+from sluice_common.channels import PAGE_BYTES
 from sluice_common.errors import InvalidArgument
 from sluice_common.sqlstore import open_sql_db
 from sluice_gateway.jobs import store as s
@@ -102,13 +103,13 @@ async def test_a_page_of_long_results_stops_short_of_page_bytes(store: JobStore)
     await store.accept("j", "demo", "", ids, DAY)
     for number, custom_id in enumerate(ids):
         await store.claim_row("j", custom_id, "w", False)
-        size = s.PAGE_BYTES + 1 if number == 4 else 1024 * 1024  # r4: larger than a page alone
+        size = PAGE_BYTES + 1 if number == 4 else 1024 * 1024  # r4: larger than a page alone
         await store.finish_row(jobs_pb2.RowResult(job_id="j", custom_id=custom_id, output="x" * size))
     pages: list[list[str]] = []
     token = ""
     while True:
         page, token = await store.list_results("j", 1000, token)
-        assert sum(r.ByteSize() for r in page) <= s.PAGE_BYTES or len(page) == 1
+        assert sum(r.ByteSize() for r in page) <= PAGE_BYTES or len(page) == 1
         pages.append([r.custom_id for r in page])
         if not token:
             break

@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 import grpc
 
@@ -80,3 +82,19 @@ async def wait_for_replica(channel: grpc.aio.Channel, within_s: float) -> None:
             while state is not grpc.ChannelConnectivity.READY:
                 await channel.wait_for_state_change(state)
                 state = channel.get_state(try_to_connect=True)
+
+
+T = TypeVar("T")
+
+
+def within_page_bytes(rows: Sequence[T], page_size: int, size_of: Callable[[T], int]) -> list[T]:
+    """A listing's page: `page_size` rows at most, and within PAGE_BYTES unless its first row alone
+    is not (keyset tokens continue after its last row wherever it stops)."""
+    page: list[T] = []
+    total = 0
+    for row in rows[:page_size]:
+        total += size_of(row)
+        if page and total > PAGE_BYTES:
+            break
+        page.append(row)
+    return page

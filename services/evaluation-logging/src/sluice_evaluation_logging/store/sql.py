@@ -16,7 +16,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from sluice_common.channels import PAGE_BYTES
+from sluice_common.channels import within_page_bytes
 from sluice_common.errors import InvalidArgument
 from sluice_common.sqlstore import SqlDb, Tx
 from sluice_evaluation_logging.evaluators.base import ScoreResult
@@ -213,13 +213,7 @@ def record_size(row: RecordRow) -> int:
 def next_token(rows: list[RecordRow], page_size: int) -> tuple[list[RecordRow], str]:
     """The page (`page_size` rows at most, and within PAGE_BYTES unless its first row alone is
     not) and the token of the next one: keyset tokens may cut a page anywhere."""
-    page: list[RecordRow] = []
-    total = 0
-    for row in rows[:page_size]:
-        total += record_size(row)
-        if page and total > PAGE_BYTES:
-            break
-        page.append(row)
+    page = within_page_bytes(rows, page_size, record_size)
     if len(page) == len(rows):
         return page, ""
     return page, encode_page_token(page[-1].finished_at, page[-1].event_id)

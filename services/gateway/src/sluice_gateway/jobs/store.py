@@ -42,7 +42,7 @@ from pathlib import Path
 
 from sluice.jobs.v1 import jobs_pb2
 
-from sluice_common.channels import PAGE_BYTES
+from sluice_common.channels import within_page_bytes
 from sluice_common.errors import InvalidArgument
 from sluice_common.sqlstore import SqlDb, Tx, open_sql_db
 
@@ -593,17 +593,10 @@ class JobStore:
                 "SELECT seq, result FROM job_rows WHERE job_id = ? AND state = 'done' AND seq > ? ORDER BY seq LIMIT ?",
                 job_id, after, page_size + 1,
             )  # fmt: skip
-        # page_size rows at most, and within PAGE_BYTES unless the first row alone is not: a page of
-        # long outputs (or logprobs) over a client's 4 MiB receive limit would never arrive.
-        page: list[tuple[int, bytes]] = []
-        total = 0
-        for seq, blob in rows[:page_size]:
-            total += len(blob)
-            if page and total > PAGE_BYTES:
-                break
-            page.append((int(seq), bytes(blob)))
-        results = [jobs_pb2.RowResult.FromString(blob) for _, blob in page]
-        return results, encode_page_token(page[-1][0]) if len(page) < len(rows) else ""
+        # A page of long outputs (or logprobs) over a client's 4 MiB receive limit would never arrive.
+        page = within_page_bytes(rows, page_size, lambda row: len(row[1]))
+        results = [jobs_pb2.RowResult.FromString(bytes(blob)) for _, blob in page]
+        return results, encode_page_token(int(page[-1][0])) if len(page) < len(rows) else ""
 
     async def row_states(self, job_id: str) -> dict[str, int]:
         async with self.db.transaction() as tx:
