@@ -174,3 +174,45 @@ async def test_a_bulk_retry_after_waits_for_the_floor_that_leaving_interactive_e
     assert 1.9 <= denied.retry_after_s <= 2.01, denied.retry_after_s
     await harness.advance(denied.retry_after_s + 0.02)
     assert (await backend.acquire([tpm(1000, 200, floor=300)], False, 30, False, "m")).allowed
+
+
+async def test_the_pace_owed_for_commits_far_over_their_reservation_outlives_the_window_alike(harness) -> None:
+    """One overshoot is paced for at most a whole limit's worth (one window): it used to be paced
+    for all of it (a commit of 10**15 tokens owed 1.5e12 s in memory). And Redis kept the debt only
+    as long as the window's keys (window + 1 s), so it forgot what memory still owed: the keys now
+    live as long as the debt."""
+    backend = harness.backend
+    check = paced_tpm(1000, 100, burst=100, floor=500)  # 1 token per 2 ms; interactive may owe 1 s
+    first = await backend.acquire([check], True, 30, False, "m")
+    second = await backend.acquire([check], True, 30, False, "m")
+    assert first.allowed and second.allowed  # 0.4 s owed
+    await backend.settle(first.lease_id, 3000)  # 2900 over: +2 s owed (a whole limit), not +5.8 s
+    await backend.settle(second.lease_id, 3000)  # 4.4 s owed
+    await harness.advance(3.5)  # the log's entries have left, the window's keys' old TTL has passed
+    denied = await backend.acquire([check], False, 30, False, "m")
+    assert not denied.allowed and denied.denied_by == Budget.TOKENS_PER_MINUTE
+    assert 0.7 <= denied.retry_after_s <= 0.91, denied.retry_after_s
+    await harness.advance(denied.retry_after_s + 0.05)
+    assert (await backend.acquire([check], False, 30, False, "m")).allowed
+
+
+async def test_leases_expired_beyond_one_sweep_batch_are_freed_and_cannot_be_settled(harness) -> None:
+    """The Redis sweep freed 64 expired leases a call: the rest still counted in flight, and a
+    settle found one of them and settled it (the memory backend: unknown lease)."""
+    backend = harness.backend
+    leases = [await backend.acquire([rif(1000)], True, 0.5, False, "m") for _ in range(150)]
+    assert all(lease.allowed for lease in leases)
+    await harness.advance(0.6)
+    with pytest.raises(LeaseNotFound):
+        await backend.settle(leases[-1].lease_id, 0)
+    assert (await backend.acquire([rif(10)], True, 30, False, "m")).allowed  # none counts in flight
+
+
+async def test_models_whose_names_differ_in_braces_only_are_separate(harness) -> None:
+    """Redis's hash tag turned `{` and `}` into `(` and `)`: a{b} and a(b) shared their budgets."""
+    backend = harness.backend
+    for model in ("a{b}", "a(b)", "a%7Bb%7D", "a{b"):
+        assert (await backend.acquire([rpm(1)], True, 30, False, model)).allowed, model
+    lease = await backend.acquire([rif(1)], True, 30, False, "a{b}")
+    assert not (await backend.acquire([rpm(1)], True, 30, False, "a{b}")).allowed
+    await backend.settle(lease.lease_id, 0)  # the lease id names its model

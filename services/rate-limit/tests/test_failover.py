@@ -8,11 +8,13 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 
+import pytest
 from conftest import REDIS_URL, delete_keys, free_port
+from redis.exceptions import OutOfMemoryError, ReadOnlyError, ResponseError
 
 from sluice_rate_limit import failover
 from sluice_rate_limit.breaker import CLOSED, HALF_OPEN, OPEN, CircuitBreaker
-from sluice_rate_limit.budgets import Budget, Check, Kind, Policy
+from sluice_rate_limit.budgets import BackendUnavailable, Budget, Check, Kind, Policy
 from sluice_rate_limit.failover import FailoverBackend
 from sluice_rate_limit.redis_backend import RedisBackend
 
@@ -163,3 +165,48 @@ async def test_a_lease_redis_granted_to_an_acquire_its_caller_cancelled_is_relea
         await asyncio.gather(caller, return_exceptions=True)
         assert backend.breaker.state == CLOSED  # a caller gone says nothing about Redis
         assert await freed_again(primary)
+
+
+async def test_a_script_error_is_redis_answering_not_redis_unreachable() -> None:
+    """A Commit whose settle script failed ("value is not an integer") counted as Redis unreachable:
+    three of them opened the circuit for every tenant. It fails that call alone now (INTERNAL)."""
+    prefix = f"test:rl:{uuid.uuid4().hex[:8]}"
+    primary = RedisBackend(REDIS_URL, prefix, 10.0, timeout_s=0.1)
+    backend = FailoverBackend(primary, CircuitBreaker(1, 60.0), replicas=1, timeout_s=0.5)
+    try:
+        lease = await backend.acquire([check(Policy.CLOSED)], True, 30, False, "m")
+        with pytest.raises(ResponseError):
+            await backend.settle(lease.lease_id, 2**63 - 1)  # past the limiter's bound: what a bug would send
+        assert backend.breaker.state == CLOSED
+        other = await backend.acquire([check(Policy.CLOSED)], True, 30, False, "m")
+        assert other.allowed and not other.degraded
+        assert await backend.settle(lease.lease_id, 5)  # the failed settle changed nothing
+    finally:
+        await delete_keys(prefix)
+        await backend.close()
+
+
+async def test_error_replies_that_refuse_every_call_are_an_outage() -> None:
+    """Out of memory, busy in a script, a read-only replica: Redis cannot decide, as if unreachable."""
+    backend = FailoverBackend(RedisBackend(REDIS_URL, "test:unused", 10.0), CircuitBreaker(3, 60.0), replicas=1, timeout_s=0.5)
+
+    async def fails(exc: Exception) -> None:
+        raise exc
+
+    for exc in (OutOfMemoryError("command not allowed"), ResponseError("BUSY Redis is busy running a script"), ReadOnlyError("replica")):
+        with pytest.raises(BackendUnavailable):
+            await backend._call("settle", fails(exc))
+    assert backend.breaker.state == OPEN
+    await backend.close()
+
+
+async def test_expiries_of_local_leases_are_counted() -> None:
+    expired: list[int] = []
+    primary = RedisBackend(f"redis://127.0.0.1:{free_port()}/0", "test:dead", 10.0, timeout_s=0.1, on_expired=expired.append)
+    backend = FailoverBackend(primary, CircuitBreaker(2, 0.5), replicas=1, timeout_s=0.1)
+    local = await backend.acquire([check(Policy.OPEN)], True, 0.05, False, "m")
+    assert local.lease_id.startswith("local-")
+    await asyncio.sleep(0.1)
+    await backend.acquire([check(Policy.OPEN)], True, 30, False, "m")
+    assert expired == [1]
+    await backend.close()

@@ -115,3 +115,18 @@ async def test_a_renewal_is_capped_like_an_acquire_and_an_unknown_lease_is_not_f
         await rl.renew(decision.lease_id, 5)
     with pytest.raises(InvalidArgument):
         await rl.renew("", 5)
+
+
+async def test_used_tokens_are_bounded_and_an_overshoot_is_paced_for_one_window_at_most() -> None:
+    """A Commit of 10**15 tokens was paced for all of them: the next Acquire was told to retry in
+    1.5e12 s, beyond what a protobuf Duration holds. Beyond 2**53 a Commit is refused."""
+    from sluice_rate_limit.servicer import acquire_response
+
+    rl = limiter("[tenants.a]\ntokens_per_minute = 1000\nburst = 0.1\n")
+    lease = await rl.acquire("a", "m", True, 1, 10)
+    with pytest.raises(InvalidArgument, match=r"used_tokens: must be at most 2\*\*53"):
+        await rl.commit(lease.lease_id, 2**53 + 1)
+    await rl.commit(lease.lease_id, 10**15)
+    denied = await rl.acquire("a", "m", True, 1, 10)
+    assert not denied.allowed and 0 < denied.retry_after_s <= 10.0 + 0.1  # one window (10 s) at most
+    assert acquire_response(denied).retry_after.seconds <= 10

@@ -96,3 +96,36 @@ def test_a_bad_file_at_startup_is_fatal(tmp_path: Path) -> None:
     path.write_text("[defaults\n")
     with pytest.raises(LimitsError):
         LimitsFile(path)
+
+
+@pytest.mark.parametrize(
+    ("text", "key"),
+    [
+        ('failure_policy = "closed"\n', "failure_policy"),
+        ("models = 1\n", "models"),
+        ('[tenants.a]\nmodels = "x"\n', "tenants.a.models"),
+        ("[tenants.a.models]\nm = 3\n", "tenants.a.models.m"),
+        ("[models]\nm = 3\n", "models.m"),
+    ],
+)
+def test_a_value_where_a_table_belongs_is_rejected_on_reload(tmp_path: Path, text: str, key: str) -> None:
+    """It raised AttributeError out of the reloader, whose task died and restarted at every poll."""
+    path = tmp_path / "limits.toml"
+    _write(path, GOOD, 0)
+    file = LimitsFile(path)
+    _write(path, text, 1)
+    assert file.maybe_reload() is False
+    assert file.error.startswith(f"{key} must be a table"), file.error
+    assert file.current.tenant("acme").base.tokens_per_minute == 5000
+
+
+def test_a_limit_beyond_2_to_the_53_is_rejected() -> None:
+    """Accepted, it granted a lease whose reply could not be built (int64): INTERNAL, the lease held."""
+    assert parse_limits(f"[defaults]\ntokens_per_minute = {2**53}\n").defaults.base.tokens_per_minute == 2**53
+    for text, key in (
+        (f"[defaults]\ntokens_per_minute = {2**53 + 1}\n", "defaults.tokens_per_minute"),
+        (f"[models.m]\nrequests_in_flight = {2**63 - 1}\n", "models.m.requests_in_flight"),
+    ):
+        with pytest.raises(LimitsError, match="2\\*\\*53") as caught:
+            parse_limits(text)
+        assert str(caught.value).startswith(key)

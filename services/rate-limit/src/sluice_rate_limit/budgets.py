@@ -12,6 +12,11 @@ import enum
 from dataclasses import dataclass, field
 
 
+# The largest limit (limits file) and used token count (Commit) accepted: exact in a double (the
+# Lua scripts' numbers, the pace's arithmetic), well inside int64 (protobuf, Redis's HINCRBY).
+MAX_AMOUNT = 2**53
+
+
 class Budget(enum.IntEnum):
     """Mirrors sluice.ratelimit.v1.Budget (same numbers)."""
 

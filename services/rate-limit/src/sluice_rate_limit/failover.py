@@ -7,6 +7,8 @@ while the truth is in Redis). When a call fails or times out (or the breaker is 
 - otherwise it is decided by a local in-memory limiter with each limit divided by the number of
   replicas (so the replicas together stay near the global limit), counted in
   sluice_ratelimit_fallback_decisions_total. Its leases start with "local-" and settle locally.
+An error reply of the call's own (a script's error: a bug or a bad value) is Redis answering: that
+call fails (INTERNAL), and the breaker counts it as an answer, not as Redis unreachable.
 """
 
 from __future__ import annotations
@@ -16,7 +18,17 @@ import time
 from dataclasses import replace
 
 import structlog
-from redis.exceptions import RedisError
+from redis.exceptions import (
+    AskError,
+    ClusterDownError,
+    NoPermissionError,
+    NoScriptError,
+    OutOfMemoryError,
+    ReadOnlyError,
+    RedisError,
+    ResponseError,
+    TryAgainError,
+)
 
 from sluice_rate_limit import metrics
 from sluice_rate_limit.breaker import CircuitBreaker
@@ -28,6 +40,22 @@ log = structlog.stdlib.get_logger("sluice.ratelimit.failover")
 
 LOCAL_PREFIX = "local-"
 _FAILURES = (RedisError, OSError, asyncio.TimeoutError)
+# Error replies with which Redis refuses every call while it cannot serve (out of memory, a
+# read-only replica, a cluster or master down or moving, busy in a long script, unable to persist
+# or to reach its replicas, a script it lost, an ACL that denies the scripts): an outage, like a
+# timeout (LOADING is a ConnectionError already). Any other error reply is Redis answering this
+# call with its own error (a script's "value is not an integer": a bug or a bad value), which says
+# nothing about Redis's health.
+_OUTAGE_REPLIES = (OutOfMemoryError, ReadOnlyError, ClusterDownError, TryAgainError, AskError, NoScriptError, NoPermissionError)
+_OUTAGE_CODES = ("BUSY ", "MISCONF ", "NOREPLICAS ")
+
+
+def _outage(exc: BaseException) -> bool:
+    if isinstance(exc, ResponseError) and not isinstance(exc, _OUTAGE_REPLIES):
+        return str(exc).startswith(_OUTAGE_CODES)
+    return True
+
+
 # When to try settling a lease whose acquire lost its reply (seconds after the loss, then after
 # each try that found Redis unreachable); past them the lease expires at its TTL.
 ORPHAN_RELEASE_DELAYS_S = (0.5, 2.0, 8.0, 30.0)
@@ -44,7 +72,7 @@ class FailoverBackend:
         self.breaker = breaker
         self.replicas = replicas
         self.timeout_s = timeout_s
-        self.fallback = fallback or MemoryBackend(primary.window_s, lease_prefix=LOCAL_PREFIX)
+        self.fallback = fallback or MemoryBackend(primary.window_s, on_expired=primary.on_expired, lease_prefix=LOCAL_PREFIX)
         self._orphans: set[asyncio.Task[None]] = set()
 
     async def _call(self, op: str, coro):  # type: ignore[no-untyped-def]
@@ -59,6 +87,11 @@ class FailoverBackend:
                 result = await coro
         except _FAILURES as exc:
             metrics.child(metrics.BACKEND_ERRORS, "redis", op).inc()
+            if not _outage(exc):
+                # Redis answered: the breaker closes (or stays closed), and the call fails on its
+                # own as an internal error, not as Redis unreachable (nor decided by the fallback).
+                self._answered()
+                raise
             was_open = self.breaker.state != "closed"
             self.breaker.failure()
             metrics.CIRCUIT_OPEN.set(1 if self.breaker.state == "open" else 0)

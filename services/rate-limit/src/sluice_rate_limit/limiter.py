@@ -16,7 +16,7 @@ import structlog
 from sluice_common.errors import InvalidArgument, NotFound, Unavailable
 from sluice_common.supervision import Supervisor
 from sluice_rate_limit import metrics
-from sluice_rate_limit.budgets import BackendUnavailable, BudgetState, Check, Decision, LeaseNotFound
+from sluice_rate_limit.budgets import MAX_AMOUNT, BackendUnavailable, BudgetState, Check, Decision, LeaseNotFound
 from sluice_rate_limit.limits import Limits, LimitsFile
 
 log = structlog.stdlib.get_logger("sluice.ratelimit")
@@ -108,7 +108,9 @@ class RateLimiter:
         return decision
 
     def _ttl(self, asked_s: float | None) -> float:
-        return self.max_lease_ttl_s if not asked_s or asked_s <= 0 else min(asked_s, self.max_lease_ttl_s)
+        if asked_s is not None and asked_s < 0:
+            raise InvalidArgument("lease_ttl", f"must be >= 0 (unset or 0: the server's maximum), got {asked_s} s")
+        return self.max_lease_ttl_s if not asked_s else min(asked_s, self.max_lease_ttl_s)
 
     async def renew(self, lease_id: str, lease_ttl_s: float | None = None) -> tuple[float, float]:
         """(new expiry, Unix seconds; the TTL granted) for a live lease, whose call runs on."""
@@ -123,6 +125,8 @@ class RateLimiter:
     async def commit(self, lease_id: str, used_tokens: int) -> list[BudgetState]:
         if used_tokens < 0:
             raise InvalidArgument("used_tokens", f"must be >= 0, got {used_tokens}")
+        if used_tokens > MAX_AMOUNT:
+            raise InvalidArgument("used_tokens", f"must be at most 2**53 ({MAX_AMOUNT}), got {used_tokens}")
         return await self._settle(lease_id, used_tokens, "commit")
 
     async def release(self, lease_id: str) -> None:

@@ -28,8 +28,9 @@
     requests_in_flight = 64
     tokens_in_flight = 131072
 
-A file that does not parse or names an unknown field is rejected as a whole; the limits in
-force stay, and the reason is logged and shown by GetUsage.
+A file that does not parse, names an unknown field or gives one a value of the wrong type (a
+value where a table belongs, a limit above 2**53) is rejected as a whole; the limits in force
+stay, and the reason is logged and shown by GetUsage.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from pathlib import Path
 
 import structlog
 
-from sluice_rate_limit.budgets import Budget, Check, Kind, Policy
+from sluice_rate_limit.budgets import MAX_AMOUNT, Budget, Check, Kind, Policy
 
 log = structlog.stdlib.get_logger("sluice.ratelimit.limits")
 
@@ -172,8 +173,8 @@ def _budget_limits(where: str, table: object, base: BudgetLimits) -> BudgetLimit
         if key not in allowed:
             raise LimitsError(f"{where}.{key}: unknown field (known: {', '.join(sorted(allowed))})")
         if key in BUDGET_FIELDS:
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise LimitsError(f"{where}.{key} must be an integer >= 0 (0: unlimited), got {value!r}")
+            if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_AMOUNT:
+                raise LimitsError(f"{where}.{key} must be an integer >= 0 (0: unlimited) and at most 2**53, got {value!r}")
         elif key == "interactive_floor":
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0.0 <= value < 1.0:
                 raise LimitsError(f"{where}.interactive_floor must be a number in [0, 1), got {value!r}")
@@ -188,6 +189,13 @@ def _budget_limits(where: str, table: object, base: BudgetLimits) -> BudgetLimit
     return replace(base, **values)  # type: ignore[arg-type]
 
 
+def _table(where: str, value: object) -> dict[str, object]:
+    """`value` if it is a table (of tables, budgets or policies), else the file is rejected."""
+    if not isinstance(value, dict):
+        raise LimitsError(f"{where} must be a table, got {value!r}")
+    return value
+
+
 def parse_limits(text: str) -> Limits:
     try:
         document = tomllib.loads(text)
@@ -200,7 +208,7 @@ def parse_limits(text: str) -> Limits:
     if not isinstance(shadow, bool):
         raise LimitsError(f"shadow must be true or false, got {shadow!r}")
     policy = dict(DEFAULT_POLICY)
-    for key, value in document.get("failure_policy", {}).items():
+    for key, value in _table("failure_policy", document.get("failure_policy", {})).items():
         if key not in POLICY_FIELDS:
             raise LimitsError(f"failure_policy.{key}: unknown budget (known: {', '.join(POLICY_FIELDS)})")
         if value not in ("open", "closed"):
@@ -215,10 +223,10 @@ def parse_limits(text: str) -> Limits:
         base = _budget_limits(f"tenants.{name}", table, defaults)
         per_model = {
             model: _budget_limits(f"tenants.{name}.models.{model}", sub, base)
-            for model, sub in (table.get("models", {}) if isinstance(table, dict) else {}).items()
+            for model, sub in _table(f"tenants.{name}.models", table.get("models", {})).items()
         }
         tenants[name] = TenantLimits(base, per_model)
-    models = {name: _budget_limits(f"models.{name}", table, BudgetLimits()) for name, table in document.get("models", {}).items()}
+    models = {name: _budget_limits(f"models.{name}", table, BudgetLimits()) for name, table in _table("models", document.get("models", {})).items()}
     version = hashlib.sha256(text.encode()).hexdigest()[:16]
     return Limits(TenantLimits(defaults), tenants, models, policy, shadow, version)
 

@@ -6,10 +6,10 @@ charges none. Time comes from Redis (`TIME`), not from the replica, so replicas 
 clocks still agree on the window. The decisions of one event-loop turn share that round trip
 (script_pipeline.py).
 
-Keys are hash-tagged by model: `<prefix>:{<model>}:...`. Every key one decision touches (the
-tenant's budgets for that model, the model's global capacity, the lease table) then lives in one
-Redis Cluster slot, which is what lets one script check them all atomically; a cluster spreads
-models across shards. Layout under `<prefix>:{<model>}`:
+Keys are hash-tagged by model: `<prefix>:{<model>}:...` (`{`, `}` and `%` of the name
+percent-encoded). Every key one decision touches (the tenant's budgets for that model, the model's
+global capacity, the lease table) then lives in one Redis Cluster slot, which is what lets one
+script check them all atomically; a cluster spreads models across shards. Layout under `<prefix>:{<model>}`:
 
     :w:<budget key>   sorted set, one sliding window's log: entry (lease id|i or |b) by time (ms)
     :a:<budget key>   hash, that window's amounts: entry -> tokens or requests, "_t" total, "_i" interactive
@@ -32,9 +32,17 @@ from redis.utils import HIREDIS_AVAILABLE
 
 from sluice_common.request_context import new_unique_id
 
-from sluice_rate_limit.budgets import BUDGET_NAMES, Budget, BudgetState, Check, Decision, Kind, LeaseNotFound
+from sluice_rate_limit.budgets import BUDGET_NAMES, MAX_AMOUNT, Budget, BudgetState, Check, Decision, Kind, LeaseNotFound
 from sluice_rate_limit.memory_backend import GAUGE_RETRY_S
 from sluice_rate_limit.script_pipeline import ScriptPipeline
+
+# Expired leases one script frees (its sweep) before it reads the in-flight gauges. Every acquire
+# grants at most one lease, so a call usually finds about one to free; a backlog (a model idle while
+# many leases lapsed, a gateway gone with its calls in flight) is freed this many a call, about 15 us
+# each (~15 ms a full batch on a laptop), so that no call holds Redis, and every replica's decisions
+# behind it, for long. Leases beyond it count in flight until a later call frees them (denials, never
+# over-admission); a settle or a renew finds them expired all the same.
+SWEEP_MAX = 1024
 
 _COMMON = r"""
 local leases, expiry, gauges = KEYS[1], KEYS[2], KEYS[3]
@@ -56,8 +64,9 @@ local function free_gauges(lease)
   end
 end
 
+-- frees the expired leases, at most a bounded batch of them a call (the constant above this script)
 local function sweep()
-  local ids = redis.call('ZRANGEBYSCORE', expiry, '-inf', now, 'LIMIT', 0, 64)
+  local ids = redis.call('ZRANGEBYSCORE', expiry, '-inf', now, 'LIMIT', 0, SWEEP_MAX)
   for _, id in ipairs(ids) do
     local raw = redis.call('HGET', leases, id)
     if raw then
@@ -95,12 +104,13 @@ local function window_read(z, a)
   return tonumber(v[1] or 0), tonumber(v[2] or 0)
 end
 
-local function window_add(z, a, member, amount, interactive)
+-- tat: the window's pace (see pace), which its keys outlive as they outlive its log's entries
+local function window_add(z, a, member, amount, interactive, tat)
   redis.call('ZADD', z, now, member)
   redis.call('HINCRBY', a, member, amount)
   redis.call('HINCRBY', a, '_t', amount)
   if interactive == 1 then redis.call('HINCRBY', a, '_i', amount) end
-  local ttl = math.ceil(window) + 1000
+  local ttl = math.ceil(math.max(window + 1000, tat - now + window))
   redis.call('PEXPIRE', z, ttl)
   redis.call('PEXPIRE', a, ttl)
 end
@@ -159,18 +169,28 @@ local function pace_wait(a, limit, burst, cost, floor, interactive)
   return wait
 end
 
+-- Charges (amount > 0; one charge owes at most a whole limit's worth, one window) or refunds the
+-- pace; returns its theoretical arrival time (0: not paced), for window_add's TTL. A refund finds
+-- nothing to give back once the hash has expired with its debt, and creates no key without a TTL.
 local function pace(a, limit, burst, amount)
-  if not paced(limit, burst) then return end
-  local tat = tonumber(redis.call('HGET', a, '_p') or '0')
-  if amount > 0 then tat = math.max(tat, now) end
-  redis.call('HSET', a, '_p', tostring(tat + amount * window / limit))
+  if not paced(limit, burst) then return 0 end
+  local tat = redis.call('HGET', a, '_p')
+  if amount > 0 then
+    tat = math.max(tonumber(tat or '0'), now) + math.min(amount, limit) * window / limit
+  elseif tat then
+    tat = tonumber(tat) + amount * window / limit
+  else
+    return 0
+  end
+  redis.call('HSET', a, '_p', tostring(tat))
+  return tat
 end
 
 local function member(lease_id, interactive)
   if interactive == 1 then return lease_id .. '|i' end
   return lease_id .. '|b'
 end
-"""
+""".replace("SWEEP_MAX", str(SWEEP_MAX))
 
 # ARGV: window_ms, interactive, ttl_ms, lease_id, gauge_retry_ms, count, then per check kind,
 # log key (windows) or gauge field, totals key (windows), limit, cost, floor, refundable, budget, burst.
@@ -209,8 +229,7 @@ if denied == 0 then
   local entries = {}
   for j, c in ipairs(checks) do
     if c.k == 'w' then
-      window_add(c.f, c.a, member(lease_id, interactive), c.c, interactive)
-      pace(c.a, c.l, c.bu, c.c)
+      window_add(c.f, c.a, member(lease_id, interactive), c.c, interactive, pace(c.a, c.l, c.bu, c.c))
     else
       redis.call('HINCRBY', gauges, c.f, c.c)
       if interactive == 1 then redis.call('HINCRBY', gauges, c.f .. ':i', c.c) end
@@ -238,13 +257,20 @@ SETTLE = (
     _COMMON
     + r"""
 local lease_id, used = ARGV[2], tonumber(ARGV[3])
+-- checked before the first write: a script that fails half way keeps what it wrote
+if not used or used ~= math.floor(used) or used < -1 or used > MAX_AMOUNT then
+  return redis.error_reply('ERR used tokens must be an integer in [-1, 2^53], got ' .. ARGV[3])
+end
 sweep()
 local raw = redis.call('HGET', leases, lease_id)
 if not raw then return {0} end
+local at = redis.call('ZSCORE', expiry, lease_id)
 redis.call('HDEL', leases, lease_id)
 redis.call('ZREM', expiry, lease_id)
 local lease = cjson.decode(raw)
 free_gauges(lease)
+-- past its expiry but beyond this sweep's batch: expired, freed as the sweep would have
+if at and tonumber(at) <= now then return {0} end
 local mine = member(lease_id, lease.i)
 for _, e in ipairs(lease.e) do
   if e.k == 'w' and e.r == 1 then
@@ -259,8 +285,7 @@ for _, e in ipairs(lease.e) do
       end
       pace(e.a, e.l, e.bu or 0, -delta)
     elseif delta < 0 then
-      window_add(e.f, e.a, member(lease_id .. '+', lease.i), -delta, lease.i)
-      pace(e.a, e.l, e.bu or 0, -delta)
+      window_add(e.f, e.a, member(lease_id .. '+', lease.i), -delta, lease.i, pace(e.a, e.l, e.bu or 0, -delta))
     end
   end
 end
@@ -273,7 +298,7 @@ for _, e in ipairs(lease.e) do
   out[#out + 1] = math.ceil(r)
 end
 return out
-"""
+""".replace("MAX_AMOUNT", str(MAX_AMOUNT))
 )
 
 # ARGV: window_ms, lease_id, ttl ms. Returns the new expiry ms (0: no such live lease), expired leases.
@@ -330,8 +355,14 @@ def _with_hiredis_packing(client: aioredis.Redis) -> None:
 _BUDGETS = {int(budget): budget for budget in Budget}
 
 
+_TAG_ESCAPES = str.maketrans({"%": "%25", "{": "%7B", "}": "%7D"})
+
+
 def _tag(model: str) -> str:
-    return model.replace("{", "(").replace("}", ")") or "_"
+    """The model as its keys' hash tag, one tag per model: `{` and `}` (which would end the tag)
+    and `%` percent-encoded, every other name as it is (the keys it always had). No model: "%",
+    which no model's tag is."""
+    return model.translate(_TAG_ESCAPES) or "%"
 
 
 class RedisBackend:
@@ -345,7 +376,7 @@ class RedisBackend:
         timeout_s: float = 0.1,
         on_expired: Callable[[int], None] | None = None,
     ) -> None:
-        self._on_expired = on_expired
+        self.on_expired = on_expired
         self.window_s = window_s
         self._window_ms = window_s * 1000.0
         self._prefix = prefix
@@ -421,8 +452,8 @@ class RedisBackend:
             ]
         reply = await self._scripts.call(self._acquire, [*lease_keys, *window_keys], args)
         allowed, denied_index, retry_ms, expires_ms, expired = int(reply[0]), int(reply[1]), int(reply[2]), int(reply[3]), int(reply[4])
-        if expired and self._on_expired is not None:
-            self._on_expired(expired)
+        if expired and self.on_expired is not None:
+            self.on_expired(expired)
         states = [
             BudgetState(c.budget, c.limit, max(0, c.limit - int(reply[5 + 2 * i])), int(reply[6 + 2 * i]) / 1000.0, c.name)
             for i, c in enumerate(checks)
@@ -457,8 +488,8 @@ class RedisBackend:
         _hex, _, tag = lease_id.partition(".")
         reply = await self._renew(keys=self._names_of(tag)[0], args=[self._window_ms, lease_id, int(ttl_s * 1000)])
         expires_ms, expired = int(reply[0]), int(reply[1])
-        if expired and self._on_expired is not None:
-            self._on_expired(expired)
+        if expired and self.on_expired is not None:
+            self.on_expired(expired)
         if not expires_ms:
             raise LeaseNotFound(lease_id)
         return expires_ms / 1000.0

@@ -9,8 +9,17 @@ from google.protobuf import duration_pb2
 from sluice.common.v1 import types_pb2
 from sluice.ratelimit.v1 import ratelimit_pb2, ratelimit_pb2_grpc
 
+from sluice_common.errors import InvalidArgument
 from sluice_rate_limit.budgets import BudgetState, Decision
 from sluice_rate_limit.limiter import RateLimiter
+
+
+# priority_class -> interactive? (UNSPECIFIED is treated as INTERACTIVE, types.proto)
+_INTERACTIVE = {
+    types_pb2.PRIORITY_CLASS_UNSPECIFIED: True,
+    types_pb2.PRIORITY_CLASS_INTERACTIVE: True,
+    types_pb2.PRIORITY_CLASS_BULK: False,
+}
 
 
 def _duration(seconds: float) -> duration_pb2.Duration:
@@ -66,10 +75,13 @@ class RateLimitServicer(ratelimit_pb2_grpc.RateLimitServiceServicer):
 
     async def Acquire(self, request: ratelimit_pb2.AcquireRequest, context: grpc.aio.ServicerContext) -> ratelimit_pb2.AcquireResponse:
         ttl = request.lease_ttl.ToNanoseconds() / 1e9 if request.HasField("lease_ttl") else None
+        interactive = _INTERACTIVE.get(request.priority_class)
+        if interactive is None:  # refused, not guessed: taken as interactive it would skip the bulk floor
+            raise InvalidArgument("priority_class", f"unknown value {request.priority_class} (known: UNSPECIFIED, INTERACTIVE, BULK)")
         decision = await self._limiter.acquire(
             request.tenant,
             request.model,
-            request.priority_class != types_pb2.PRIORITY_CLASS_BULK,
+            interactive,
             request.requests,
             request.reserved_tokens,
             ttl,

@@ -92,9 +92,11 @@ class SlidingWindow:
         return wait if wait > 1e-9 else 0.0  # float noise is not a debt
 
     def pace(self, now: float, amount: int, limit: int) -> None:
-        """Charges (amount > 0) or refunds (amount < 0) the pace."""
+        """Charges (amount > 0) or refunds (amount < 0) the pace. One charge owes at most a whole
+        limit's worth (one window): a Commit far over its reservation is charged in full to the
+        window's log, not paced for a multiple of the window."""
         if amount > 0:
-            self.tat = max(self.tat, now) + amount * self.window_s / limit
+            self.tat = max(self.tat, now) + min(amount, limit) * self.window_s / limit
         else:
             self.tat += amount * self.window_s / limit
 
