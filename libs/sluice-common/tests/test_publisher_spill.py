@@ -138,3 +138,52 @@ async def test_a_stop_during_a_slow_read_of_the_spill_file_puts_every_message_ba
     ids = sorted(OutgoingMessage.from_json_line(line).message_id for line in spill.read_text().splitlines())
     assert ids == sorted(f"event-{i}" for i in range(20))
     assert metrics.dropped._value.get() == 0 and publisher.pending == 0
+
+
+async def test_stop_keeps_a_spill_batch_queued_behind_another_disk_operation(tmp_path: Path) -> None:
+    """The spill task's write waited behind a slower disk operation when stop() cancelled the task:
+    the cancelled write never ran and its batch, in neither the outbox nor the file, was lost
+    without being counted dropped."""
+    spill = tmp_path / "events.spill"
+    publisher, metrics = _publisher(spill, outbox_max=2)
+    publisher.start()
+    publisher._disk.submit(time.sleep, 0.5)  # the disk thread busy (a slow read, say)
+    for i in range(5):  # 2 in the outbox, 3 for the spill task, whose write queues behind the sleep
+        publisher.submit(_message(i))
+    await asyncio.sleep(0.1)
+    await publisher.stop(0)
+    ids = sorted(OutgoingMessage.from_json_line(line).message_id for line in spill.read_text().splitlines())
+    assert ids == sorted(f"event-{i}" for i in range(5))
+    assert metrics.dropped._value.get() == 0 and publisher.pending == 0
+
+
+def test_a_torn_last_line_does_not_swallow_the_next_spilled_message(tmp_path: Path) -> None:
+    """A crash mid-write leaves the file's last line without its newline: the next spill was appended
+    to it, one unreadable line, and a whole message lost with the torn one."""
+    spill = tmp_path / "events.spill"
+    spill.write_text(_message(0).to_json_line() + _message(1).to_json_line()[:20])
+    publisher, metrics = _publisher(spill)
+    publisher._spill([_message(2)])
+    loaded, left = publisher._read_spill(100)
+    assert [m.message_id for m in loaded] == ["event-0", "event-2"] and left == 0
+    assert metrics.dropped._value.get() == 1  # the torn one only
+
+
+def test_a_read_after_a_crash_mid_read_takes_what_was_spilled_since_too(tmp_path: Path) -> None:
+    """A crash mid-read leaves <spill>.loading; the next read took only that file and said nothing was
+    left on disk, so what was spilled into <spill> after the restart waited for another spill or
+    restart."""
+    spill = tmp_path / "events.spill"
+    loading = tmp_path / "events.spill.loading"
+    loading.write_text(_message(0).to_json_line())
+    spill.write_text(_message(1).to_json_line() + _message(2).to_json_line())
+    publisher, _ = _publisher(spill)
+    loaded, left = publisher._read_spill(100)
+    assert [m.message_id for m in loaded] == ["event-0", "event-1", "event-2"] and left == 0
+    assert not spill.exists() and not loading.exists()
+    # With less room, what is not read stays on disk, counted, older messages first.
+    loading.write_text(_message(0).to_json_line())
+    spill.write_text(_message(1).to_json_line() + _message(2).to_json_line())
+    loaded, left = publisher._read_spill(2)
+    assert [m.message_id for m in loaded] == ["event-0", "event-1"] and left == 1
+    assert [OutgoingMessage.from_json_line(line).message_id for line in spill.read_text().splitlines()] == ["event-2"]

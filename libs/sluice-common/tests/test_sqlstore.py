@@ -90,3 +90,38 @@ async def test_a_transaction_cancelled_while_its_begin_waits_leaves_no_transacti
     finally:
         other_process.close()
         await db.close()
+
+
+DEFERRED_FK = (
+    (
+        1,
+        "a parent and a child whose foreign key is checked at COMMIT",
+        (
+            "CREATE TABLE parent (id INTEGER PRIMARY KEY)",
+            "CREATE TABLE child (id INTEGER PRIMARY KEY, parent_id INTEGER NOT NULL REFERENCES parent (id) DEFERRABLE INITIALLY DEFERRED)",
+        ),
+    ),
+)
+
+
+async def test_a_commit_that_fails_leaves_no_transaction_open(tmp_path: Path) -> None:
+    """SQLite keeps the transaction open when COMMIT fails (here a deferred foreign key violation):
+    every later BEGIN IMMEDIATE on the connection failed with "cannot start a transaction within a
+    transaction", the store unusable until a restart."""
+    import sqlite3
+
+    db = SqliteDb(tmp_path / "t.sqlite3", DEFERRED_FK)
+    await db.open()
+    try:
+        with pytest.raises(sqlite3.IntegrityError, match="FOREIGN KEY"):
+            async with db.transaction() as tx:
+                await tx.execute("INSERT INTO child (id, parent_id) VALUES (1, 404)")
+        async with db.transaction() as tx:
+            await tx.execute("INSERT INTO parent (id) VALUES (1)")
+        with pytest.raises(sqlite3.IntegrityError, match="FOREIGN KEY"):
+            await db.run_in_transaction(lambda c: c.execute("INSERT INTO child (id, parent_id) VALUES (2, 404)"))
+        assert await db.run_in_transaction(lambda c: c.execute("INSERT INTO child (id, parent_id) VALUES (3, 1)").rowcount) == 1
+        async with db.transaction() as tx:
+            assert await tx.fetchall("SELECT id FROM child ORDER BY id") == [(3,)]
+    finally:
+        await db.close()

@@ -64,6 +64,10 @@ class Incoming:
     routing_key: str = "job"
     exchange: str = "sluice.jobs"
     timestamp: Any = None
+    correlation_id: str | None = None
+    content_encoding: str | None = None
+    priority: int | None = None
+    app_id: str | None = None
     redelivered: bool = False
     acked: bool = False
 
@@ -266,3 +270,73 @@ async def test_an_unknown_sluice_type_is_dead_lettered_with_its_reason(store: Jo
     [(copy, routing_key)] = worker._dead.published
     assert routing_key == "job" and copy.body == message.body and copy.type == "sluice.jobs.v2.AdmittedJob"
     assert "unknown message type 'sluice.jobs.v2.AdmittedJob'" in copy.headers[DEAD_REASON_HEADER]
+
+
+AMQP_URL = "amqp://guest:guest@127.0.0.1:5672/"
+
+
+@pytest.mark.parametrize("job_id", ["j" * 300, "é" * 200])
+async def test_a_job_rejected_for_its_long_id_is_told_so_and_acked(store: JobStore, job_id: str) -> None:
+    """Its rejection's message id "<job_id>/rejected" (and correlation id) were over AMQP's 255
+    bytes: the publish raised, the job message went back to the queue ~20 times until the broker
+    dead-lettered it, and the producer never heard. No valid key was needed to cause it. Against
+    the real broker: the bound is AMQP's (pamqp's), not the stand-in's."""
+    import uuid
+
+    import aio_pika
+
+    worker = job_worker(store)
+    connection = await aio_pika.connect(AMQP_URL)
+    async with connection:
+        channel = await connection.channel(publisher_confirms=True)
+        results = await channel.declare_queue(f"test.rejections.{uuid.uuid4().hex[:8]}", exclusive=True)
+        worker._rows_channel = channel
+        body = {"job_id": job_id, "api_key": "sk-wrong", "reply_to": results.name, "rows": [{"custom_id": "q", "embed": {"inputs": ["x"]}}]}
+        message = Incoming(json.dumps(body).encode(), JSON)
+        await worker._job(message)  # type: ignore[arg-type]
+        assert message.acked and rows_published(worker) == []
+        told = await results.get(no_ack=True, timeout=5)
+        assert told is not None and told.type == "sluice.jobs.v1.JobRejection"
+        assert json.loads(told.body)["job_id"] == job_id
+        assert told.message_id is not None and len(told.message_id.encode()) <= 255 and told.correlation_id is None
+        from sluice_gateway.jobs.worker import amqp_id
+
+        assert told.message_id == amqp_id(f"{job_id}/rejected")  # the same for a repeat: consumers drop it
+
+
+async def test_a_rejection_that_cannot_be_told_still_settles_the_job_message(store: JobStore) -> None:
+    """Retried, the rejection fails again on every delivery until the broker dead-letters the job."""
+
+    class Failing:
+        async def publish(self, message: Any, routing_key: str) -> None:
+            raise ConnectionError("the broker closed the channel")
+
+    worker = job_worker(store)
+    worker._rows_channel = types.SimpleNamespace(default_exchange=Failing())
+    message = producer_message("sk-wrong")
+    await worker._job(message)  # type: ignore[arg-type]
+    assert message.acked and rows_published(worker) == []
+
+
+@pytest.mark.parametrize(("header", "bound"), [("r" * 100, "r" * 64), (b"req-bytes-7", "req-bytes-7")])
+async def test_a_job_and_its_rows_log_the_same_request_id(store: JobStore, header: object, bound: str) -> None:
+    """The job took its x-request-id whole (str() of it: "b'...'" for a header the client handed over
+    as bytes), its rows a 64-character cut or the decoded text: the job's lines and its rows' named
+    different request ids."""
+    from sluice_common.request_context import current_request_id
+    from sluice_gateway.jobs.worker import JOB_REQUEST_ID_HEADER
+
+    import structlog
+
+    worker = job_worker(store)
+    message = producer_message(DEMO_KEY)
+    message.headers = {"x-request-id": header}
+    await worker._on_job(message)  # type: ignore[arg-type]
+    assert message.acked and current_request_id() == bound
+    [(row_message, _)] = worker._exchange.published
+    assert row_message.headers[JOB_REQUEST_ID_HEADER] == bound
+    # The row reads it back the same way, whether the client library hands it over as text or bytes.
+    for carried in (bound, bound.encode()):
+        row = Incoming(b"", headers={JOB_REQUEST_ID_HEADER: carried})  # undecodable: dead-lettered, acked
+        await worker._on_row(row)  # type: ignore[arg-type]
+        assert row.acked and structlog.contextvars.get_contextvars()["job_request_id"] == bound

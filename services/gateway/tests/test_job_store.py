@@ -62,7 +62,7 @@ async def test_accept_is_idempotent_and_rows_finish_once(store: JobStore) -> Non
         await store.accept("j", "other-tenant", "q", ["a"], DAY)
     assert await store.finish_row(result("b", error=True))
     assert await store.claim_row("j", "c", "w1", take_over=False) == s.CLAIMED
-    await store.release_row("j", "c")
+    await store.release_row("j", "c", "w1")
     assert await store.claim_row("j", "c", "w1", take_over=False) == s.CLAIMED
     last = await store.finish_row(result("c"))
     assert last is not None and last.ends_job
@@ -116,10 +116,11 @@ async def test_a_page_of_long_results_stops_short_of_page_bytes(store: JobStore)
     assert pages == [["r0", "r1"], ["r2", "r3"], ["r4"], ["r5"]]
 
 
-@pytest.mark.parametrize("token", ["x1", "-1", "²", "1" * 5000, "99999999999999999999"])
+@pytest.mark.parametrize("token", ["x1", "-1", "²", "1" * 5000, "99999999999999999999", "99999999999", str(2**31)])
 async def test_a_page_token_no_response_gave_is_invalid_argument(store: JobStore, token: str) -> None:
     """ "²" passes str.isdigit and fails int(); 5,000 digits exceed int()'s limit; 20 digits overflow
-    the database's integer: each was INTERNAL."""
+    the database's integer; 11 digits, or 2**31, overflow PostgreSQL's INTEGER (int4) that seq is:
+    each was INTERNAL (SQLite answered an empty page)."""
     await store.accept("j", "demo", "", ["r"], DAY)
     with pytest.raises(InvalidArgument) as caught:
         await store.list_results("j", 3, token)
@@ -432,9 +433,11 @@ async def test_a_redelivered_copy_takes_over_a_row_whose_worker_stopped_beating(
     await store.accept("j", "demo", "q", ["a"], DAY)
     long_ago = time.time() - s.HEARTBEAT_STALE_S - 1
     assert await store.claim_row("j", "a", "w-dead", take_over=False, now=long_ago) == s.CLAIMED
-    assert await store.claim_row("j", "a", "w2", take_over=False) == s.BUSY  # not a redelivery: never takes over
-    assert await store.claim_row("j", "a", "w2", take_over=True) == s.CLAIMED
+    # Any copy takes it over, a redelivery or not (a replay from the dead-letter queue, a row the split
+    # published again): the dead worker's own message may be gone.
+    assert await store.claim_row("j", "a", "w2", take_over=False) == s.CLAIMED
     assert await store.claim_row("j", "a", "w3", take_over=True) == s.BUSY  # w2 claimed it just now
+    assert await store.claim_row("j", "a", "w2", take_over=False) == s.BUSY  # w2's own: only a redelivery takes it again
     # w2's own row (its earlier run here ended unfinished): its copy may claim it again.
     assert await store.claim_row("j", "a", "w2", take_over=True) == s.CLAIMED
     assert await store.heartbeat("w-dead", [("j", "a")]) == 0  # the dead worker's beat no longer counts
@@ -475,7 +478,74 @@ async def test_migration_4_adds_heartbeats_and_lets_rows_running_before_it_be_ta
 
     for backend in ("sqlite", "postgres"):
         async with migrated(tmp_path, backend, 3, running_row) as new:
-            assert await new.claim_row("j", "a", "w-new", take_over=False) == s.BUSY
             assert await new.claim_row("j", "a", "w-new", take_over=True) == s.CLAIMED
             assert await new.claim_row("j", "b", "w-new", take_over=False) == s.CLAIMED
             assert await new.claim_row("j", "b", "w-other", take_over=True) == s.BUSY  # claimed since: it beats
+
+
+async def test_a_cancelled_jobs_row_whose_worker_died_is_cancelled_by_any_copy(store: JobStore) -> None:
+    """The dead worker's redelivered copy was dead-lettered, and the replayed one (not a redelivery)
+    was acked as BUSY: the row stayed running, the job cancelling for ever (WatchJob never ended, no
+    summary was told)."""
+    await store.accept("j", "demo", "q", ["a", "b"], DAY)
+    t = time.time()
+    assert await store.claim_row("j", "a", "w1", take_over=False, now=t) == s.CLAIMED
+    job = await store.cancel("j")
+    assert job is not None and job.state == s.CANCELLING
+    assert await store.claim_row("j", "a", "w2", False, now=t + 100) == s.SKIPPED
+    assert await store.row_states("j") == {"cancelled": 2}
+    job = await store.get_job("j")
+    assert job is not None and job.state == s.CANCELLED
+
+
+async def test_the_sweep_cancels_the_rows_of_a_cancelling_job_whose_worker_died(store: JobStore) -> None:
+    """No message of the row will ever come (dead-lettered): only the sweep can end the job."""
+    await store.accept("j", "demo", "q", ["a", "b", "c"], DAY)
+    await store.accept("live", "demo", "q", ["a"], DAY)
+    t = time.time()
+    assert await store.claim_row("j", "a", "w-dead", take_over=False, now=t) == s.CLAIMED
+    assert await store.claim_row("j", "b", "w-live", take_over=False, now=t) == s.CLAIMED
+    assert await store.claim_row("live", "a", "w-dead", take_over=False, now=t) == s.CLAIMED  # its job goes on: not the sweep's
+    await store.cancel("j")
+    assert await store.heartbeat("w-live", [("j", "b")], now=t + 100) == 1
+    assert await store.cancel_stale_rows(now=t + 100) == 1  # a; b's worker still beats
+    assert (await store.get_job("j")).state == s.CANCELLING  # type: ignore[union-attr]
+    assert await store.finish_row(result("b")) is not None
+    job = await store.get_job("j")
+    assert job is not None and job.state == s.CANCELLED
+    assert await store.row_states("live") == {"running": 1}
+    assert await store.cancel_stale_rows(now=t + 200) == 0
+    assert [j.job_id for j in await store.summaries_due(0.0, time.time() + 1)] == ["j"]
+
+
+async def test_a_worker_releasing_a_row_taken_over_meanwhile_changes_nothing(store: JobStore) -> None:
+    """A stale worker X gave its row back after Y had taken it over: X reset Y's live claim to
+    pending, or, its job cancelling, turned the row Y had finished from done into cancelled."""
+    await store.accept("j", "demo", "q", ["a", "b"], DAY)
+    t = time.time()
+    assert await store.claim_row("j", "a", "x", take_over=False, now=t - 100) == s.CLAIMED
+    assert await store.claim_row("j", "a", "y", take_over=True, now=t) == s.CLAIMED  # x's heartbeat is stale
+    assert await store.claim_row("j", "b", "w", take_over=False, now=t) == s.CLAIMED
+    assert not await store.release_row("j", "a", "x")
+    assert await store.row_states("j") == {"running": 2}
+    assert await store.claim_row("j", "a", "z", take_over=True, now=t + 1) == s.BUSY  # still y's
+    assert await store.finish_row(result("a")) is not None
+    assert (await store.cancel("j")).state == s.CANCELLING  # type: ignore[union-attr]  # b still runs
+    assert not await store.release_row("j", "a", "x")
+    assert await store.row_states("j") == {"done": 1, "running": 1}
+    assert (await store.row_result("j", "a")) is not None
+    # The worker that runs it releases it: back to pending, or cancelled when its job is cancelling.
+    await store.accept("k", "demo", "q", ["a", "b"], DAY)
+    assert await store.claim_row("k", "a", "w", take_over=False) == s.CLAIMED
+    assert await store.release_row("k", "a", "w")
+    assert await store.row_states("k") == {"pending": 2}
+    assert await store.claim_row("k", "a", "w", take_over=False) == s.CLAIMED
+    await store.cancel("k")
+    assert await store.release_row("k", "a", "w")
+    assert await store.row_states("k") == {"cancelled": 2}
+    assert (await store.get_job("k")).state == s.CANCELLED  # type: ignore[union-attr]
+
+
+async def test_the_largest_page_token_postgresql_s_integer_holds_is_taken(store: JobStore) -> None:
+    await store.accept("j", "demo", "", ["r"], DAY)
+    assert await store.list_results("j", 3, str(2**31 - 1)) == ([], "")

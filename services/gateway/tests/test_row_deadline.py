@@ -98,7 +98,7 @@ async def test_an_attempt_reports_its_timing_and_carries_its_deadline_to_the_ada
 
 def test_the_row_timeout_settings_are_validated_naming_both_bounds() -> None:
     config = load_config(WorkerConfig, ENV_PREFIX, {f"{ENV_PREFIX}TENANTS_FILE": TENANTS})
-    assert config.worker.row_timeout_policy(config.shared.default_deadline_policy()) == TimeoutPolicy(2.0, 30.0, 3600.0, 1000, 50)
+    assert config.worker.row_timeout_policy(config.shared.default_deadline_policy()) == TimeoutPolicy(2.0, 30.0, 1500.0, 1000, 50)
     assert (config.worker.row_timeout_s, config.worker.row_warmup_per_token_s) == (120.0, 0.25)
     env = {f"{ENV_PREFIX}TENANTS_FILE": TENANTS, f"{ENV_PREFIX}WORKER_ROW_TIMEOUT_CEILING_S": "20"}
     with pytest.raises(ConfigError, match=f"{ENV_PREFIX}WORKER_ROW_TIMEOUT_FLOOR_S must be > 0 and <= {ENV_PREFIX}WORKER_ROW_TIMEOUT_CEILING_S"):
@@ -106,6 +106,15 @@ def test_the_row_timeout_settings_are_validated_naming_both_bounds() -> None:
     env = {f"{ENV_PREFIX}TENANTS_FILE": TENANTS, f"{ENV_PREFIX}WORKER_ROW_TIMEOUT_S": "7200"}
     with pytest.raises(ConfigError, match=f"{ENV_PREFIX}WORKER_ROW_TIMEOUT_S must be > 0 and <= {ENV_PREFIX}WORKER_ROW_TIMEOUT_CEILING_S"):
         load_config(WorkerConfig, ENV_PREFIX, env)
+    # A ceiling the broker's consumer timeout cannot cover: the broker would close the channel on the
+    # row's message mid-attempt, requeueing every row on it (and, after a few, the row dead-lettered).
+    env = {f"{ENV_PREFIX}TENANTS_FILE": TENANTS, f"{ENV_PREFIX}WORKER_ROW_TIMEOUT_CEILING_S": "3600"}
+    with pytest.raises(
+        ConfigError, match=r"WORKER_ROW_TIMEOUT_CEILING_S \(3600\) must be <= 1530 \(85% of SLUICE_GATEWAY_WORKER_CONSUMER_TIMEOUT_S, 1800\)"
+    ):
+        load_config(WorkerConfig, ENV_PREFIX, env)
+    env[f"{ENV_PREFIX}WORKER_CONSUMER_TIMEOUT_S"] = "7200"  # the broker's raised (rabbitmq.conf, or a policy)
+    assert load_config(WorkerConfig, ENV_PREFIX, env).worker.slot_wait_s == pytest.approx(7200 * 0.95 - 3600)
     env = {f"{ENV_PREFIX}TENANTS_FILE": TENANTS, f"{ENV_PREFIX}WORKER_ROW_WARMUP_PER_TOKEN_S": "0"}
     with pytest.raises(ConfigError, match=f"{ENV_PREFIX}WORKER_ROW_WARMUP_PER_TOKEN_S must be > 0"):
         load_config(WorkerConfig, ENV_PREFIX, env)
@@ -126,8 +135,8 @@ def test_a_row_expected_to_take_over_120s_gets_a_deadline_past_120s() -> None:
 def test_the_ceiling_is_for_long_work_and_is_a_setting() -> None:
     rows = configured()
     observe_rows(rows, 50, first_token_s=1.0, per_token_s=5.0)  # 1,024 tokens would take over 85 minutes
-    assert rows.for_row(generate_row(1024)) == 3600.0
-    longer = configured(WORKER_ROW_TIMEOUT_CEILING_S="7200")
+    assert rows.for_row(generate_row(1024)) == 1500.0  # within RabbitMQ's default consumer timeout (30 min)
+    longer = configured(WORKER_ROW_TIMEOUT_CEILING_S="7200", WORKER_CONSUMER_TIMEOUT_S="9000")
     observe_rows(longer, 50, first_token_s=1.0, per_token_s=5.0)
     assert longer.for_row(generate_row(1024)) == 7200.0
 
@@ -147,8 +156,8 @@ def test_during_warm_up_a_long_row_gets_room_for_every_token() -> None:
 def test_a_row_cut_off_gets_twice_that_deadline_next_until_the_ceiling() -> None:
     rows = configured()
     assert rows.for_row(generate_row(2), cut_at_s=120.0) == 240.0
-    assert rows.for_row(generate_row(2), cut_at_s=3000.0) == 3600.0
-    assert rows.at_ceiling(3600.0) and not rows.at_ceiling(240.0)
+    assert rows.for_row(generate_row(2), cut_at_s=1000.0) == 1500.0
+    assert rows.at_ceiling(1500.0) and not rows.at_ceiling(240.0)
     # It ran that long without finishing: it needs at least that, warm or not.
     assert rows.expected_s(generate_row(2), cut_at_s=500.0) == 500.0
 

@@ -319,7 +319,7 @@ async def test_a_redelivered_copy_runs_the_row_its_other_worker_gave_back_on_a_l
     waiting = asyncio.create_task(job_worker._row(copy))  # type: ignore[arg-type]
     await asyncio.sleep(0.2)
     assert copy.settled == [] and adapter.deadlines == []  # waits: neither run nor acked
-    await store.release_row("j", "r")  # the first worker gives it back; its nack never reaches the broker
+    await store.release_row("j", "r", "the-first-worker")  # the first worker gives it back; its nack never reaches the broker
     await asyncio.wait_for(waiting, 10)
     assert copy.settled == ["ack"] and len(adapter.deadlines) == 1
     job = await store.get_job("j")
@@ -377,3 +377,42 @@ async def test_a_row_logs_its_own_request_id_and_its_job_s(stand_in, store, monk
     (context,) = seen
     assert context["job_request_id"] == "req-submit-7"
     assert context["request_id"] == context["given"] != "req-submit-7"
+
+
+async def test_a_row_that_waits_out_its_slot_wait_is_handed_back_unstarted_and_uncounted(stand_in, store) -> None:  # noqa: F811
+    """Held unacked for a slot past the broker's consumer timeout, the row's message made the broker
+    close the channel (every row on it requeued, each delivery counted); given back with a nack it
+    would spend the delivery limit of rows that never ran. A copy goes back instead, the deliveries
+    it had and its being a redelivery in headers of its own, and the message is acked."""
+    import asyncio
+
+    adapter, path = stand_in
+    job_worker = worker(
+        store, path, WORKER_CONSUMER_TIMEOUT_S="3", WORKER_ROW_TIMEOUT_CEILING_S="2.5", WORKER_ROW_TIMEOUT_FLOOR_S="0.5",
+        WORKER_ROW_TIMEOUT_S="2",
+    )  # fmt: skip
+    assert job_worker.config.slot_wait_s == pytest.approx(0.35)
+
+    class Exchange:
+        published: list[tuple[object, str]] = []
+
+        async def publish(self, message: object, routing_key: str) -> None:
+            self.published.append((message, routing_key))
+
+    job_worker._exchange = Exchange()  # type: ignore[assignment]
+    for _ in range(int(job_worker.concurrency.bound)):  # every slot taken by a running row
+        await job_worker.concurrency.acquire()
+    delivery = _Delivery(await row_task(store, max_tokens=4))
+    delivery.headers = {"x-delivery-count": 2, "x-sluice-job-id": "j"}
+    delivery.redelivered = True
+    delivery.message_id, delivery.type, delivery.content_type, delivery.timestamp = "j/r", worker_module.ROW_TYPE, "application/x-protobuf", None  # type: ignore[attr-defined]
+    await asyncio.wait_for(job_worker._row(delivery), 5)  # type: ignore[arg-type]
+    assert delivery.settled == ["ack"] and adapter.deadlines == []
+    [(copy, routing_key)] = Exchange.published
+    assert routing_key == "row" and copy.body == delivery.body  # type: ignore[attr-defined]
+    assert copy.headers == {  # type: ignore[attr-defined]
+        "x-sluice-job-id": "j", worker_module.EARLIER_DELIVERIES_HEADER: 2, worker_module.REDELIVERED_HEADER: True
+    }  # fmt: skip
+    again = types.SimpleNamespace(headers=copy.headers, redelivered=False)  # type: ignore[attr-defined]  # the copy, delivered
+    assert worker_module._deliveries(again) == 3 and worker_module._redelivered(again)  # type: ignore[arg-type]
+    assert await store.row_states("j") == {"pending": 1}

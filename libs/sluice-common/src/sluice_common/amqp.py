@@ -154,7 +154,7 @@ async def dead_letter(
     message: aio_pika.abc.AbstractIncomingMessage,
     reason: str,
 ) -> None:
-    """Publishes `message` (body and properties kept) to the dead-letter exchange with its reason.
+    """Publishes `message` (body and properties kept, see _copy) to the dead-letter exchange with its reason.
 
     The caller's channel must have publisher confirms on: this returns once the broker has the
     copy, so the caller can then ack the original without ever losing it.
@@ -164,16 +164,32 @@ async def dead_letter(
     headers["x-sluice-dead-at"] = time.time()
     headers["x-sluice-original-routing-key"] = message.routing_key or ""
     headers["x-sluice-original-exchange"] = message.exchange or ""
-    copy = aio_pika.Message(
+    await exchange.publish(_copy(message, headers), routing_key)
+
+
+def _copy(message: aio_pika.abc.AbstractIncomingMessage, headers: dict[str, aio_pika.abc.FieldValue]) -> aio_pika.Message:
+    """A persistent copy of `message` with `headers`, keeping the properties its consumer reads: a
+    job's reply_to (where the producer contract lets a producer name its results queue) and
+    correlation_id go with it, or a replayed job would run and tell its results to no one.
+
+    Not kept: expiration (a per-message TTL would silently drop the copy from the dead-letter queue,
+    and once replayed it would count again from the replay; the broker itself strips it when it
+    dead-letters), and user_id (the broker refuses a message whose user_id is not the publishing
+    connection's user, as the dead-lettering or replaying one may not be)."""
+    return aio_pika.Message(
         message.body,
         content_type=message.content_type,
+        content_encoding=message.content_encoding,
         delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
+        priority=message.priority,
+        correlation_id=message.correlation_id,
+        reply_to=message.reply_to,
         message_id=message.message_id,
         type=message.type,
+        app_id=message.app_id,
         headers=headers,
         timestamp=message.timestamp,
     )
-    await exchange.publish(copy, routing_key)
 
 
 # What a dead-lettering left on a message, by Sluice or by the broker: a replayed message starts
@@ -216,16 +232,7 @@ async def replay_dead_letters(
             for name in _DEATH_HEADERS:
                 headers.pop(name, None)
             headers["x-sluice-replayed"] = int(str(headers.get("x-sluice-replayed") or 0)) + 1
-            copy = aio_pika.Message(
-                message.body,
-                content_type=message.content_type,
-                delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
-                message_id=message.message_id,
-                type=message.type,
-                headers=headers,
-                timestamp=message.timestamp,
-            )
-            await target.publish(copy, key)
+            await target.publish(_copy(message, headers), key)
             await message.ack()
             replayed += 1
     return replayed

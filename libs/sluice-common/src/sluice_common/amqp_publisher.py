@@ -158,6 +158,9 @@ class ConfirmingPublisher:
         # Beyond the outbox, waiting for the spill task to write them to the spill file.
         self._to_spill: collections.deque[OutgoingMessage] = collections.deque()
         self._spilling = 0  # taken from _to_spill, being written
+        # The batch being written, until its write ran: a stop that cancels the spill task before the
+        # disk thread got to it (queued behind another disk operation) spills it with the rest.
+        self._spill_batch: list[OutgoingMessage] | None = None
         # One thread does every spill-file operation, in order: a write and a read never overlap.
         self._disk = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"spill:{exchange}")
         # Whether the spill file may hold messages (unknown at start: a previous run may have left some).
@@ -216,9 +219,11 @@ class ConfirmingPublisher:
         # What the stopped tasks left in the disk thread ends first: a write lands, a read's messages
         # return to the outbox (its callback), and then what is owed is spilled after them, in order.
         await self._on_disk(lambda: None)
-        leftovers = list(self._in_flight.values()) + list(self._outbox) + list(self._to_spill)
+        unwritten = self._spill_batch or []  # its write never ran (cancelled before the disk thread took it)
+        leftovers = list(self._in_flight.values()) + list(self._outbox) + unwritten + list(self._to_spill)
         self._in_flight.clear()
         self._outbox.clear()
+        self._spill_batch = None
         self._to_spill.clear()
         if leftovers:
             log.warning("publisher_unsent_at_stop", count=len(leftovers), spill=str(self._spill_path))
@@ -249,10 +254,23 @@ class ConfirmingPublisher:
                 batch = list(self._to_spill)
                 self._to_spill.clear()
                 self._spilling = len(batch)  # still pending until on disk: wait_idle means written
-                await self._on_disk(self._spill, batch)
-                self._spilling = 0
-                self._spilled_on_disk = True
-                self._changed()
+                self._spill_batch = batch
+                writing = asyncio.get_running_loop().run_in_executor(self._disk, self._spill, batch)
+                writing.add_done_callback(self._spill_written)
+                # Shielded: a stop cancels this task, and a write still queued behind another disk
+                # operation (a read of the file) was cancelled with it, its batch in neither the
+                # outbox nor the file, lost. Shielded, it runs, and stop() waits for the disk thread.
+                await asyncio.shield(writing)
+
+    def _spill_written(self, writing: asyncio.Future[None]) -> None:
+        """The spill task's write ran (its done callback, so that a stop that cancelled the task
+        meanwhile still sees it): the batch is on disk, or counted dropped by _spill."""
+        if writing.cancelled():
+            return  # never ran: stop() spills _spill_batch with the rest
+        self._spill_batch = None
+        self._spilling = 0
+        self._spilled_on_disk = True
+        self._changed()
 
     def _spill(self, messages: list[OutgoingMessage]) -> None:
         """Appends the messages to the spill file (fsynced; the disk thread's work), or counts them
@@ -267,10 +285,7 @@ class ConfirmingPublisher:
             if size + len(data) > self._spill_max_bytes:
                 raise OSError(f"spill file would exceed {self._spill_max_bytes} bytes")
             self._spill_path.parent.mkdir(parents=True, exist_ok=True)
-            with self._spill_path.open("a", encoding="utf-8") as handle:
-                handle.write(data)
-                handle.flush()
-                os.fsync(handle.fileno())
+            _append_lines(self._spill_path, data)
             self._metrics.spilled.inc(len(messages))
         except OSError as exc:
             self._metrics.dropped.inc(len(messages))
@@ -309,6 +324,12 @@ class ConfirmingPublisher:
             if not path.exists():
                 return [], 0
             os.replace(path, loading)
+        elif path.exists():
+            # A crash mid-read left .loading behind, and what was spilled since is in the spill file:
+            # read after the older messages, rather than left there until another spill or restart
+            # (this read would say nothing is left on disk). A crash before the unlink reads them twice.
+            _append_lines(loading, path.read_text(encoding="utf-8"))
+            path.unlink()
         keep: list[str] = []
         loaded: list[OutgoingMessage] = []
         with loading.open(encoding="utf-8") as handle:
@@ -324,10 +345,7 @@ class ConfirmingPublisher:
                 else:
                     keep.append(line)
         if keep:
-            with path.open("a", encoding="utf-8") as handle:
-                handle.writelines(keep)
-                handle.flush()
-                os.fsync(handle.fileno())
+            _append_lines(path, "".join(line if line.endswith("\n") else line + "\n" for line in keep))
         loading.unlink()
         return loaded, len(keep)
 
@@ -436,3 +454,17 @@ class ConfirmingPublisher:
         if message.confirmed is not None and not message.confirmed.done():
             message.confirmed.set_exception(error)
         self._changed()
+
+
+def _append_lines(path: Path, data: str) -> None:
+    """Appends whole lines to a spill file (fsynced), on a line of their own: a file whose last line
+    was torn by a crash mid-write (no newline) would otherwise swallow the first line appended, and
+    with it a message that was whole."""
+    with path.open("a+b") as handle:
+        if handle.tell() > 0:
+            handle.seek(-1, os.SEEK_END)
+            if handle.read(1) != b"\n":
+                data = "\n" + data
+        handle.write(data.encode("utf-8"))
+        handle.flush()
+        os.fsync(handle.fileno())

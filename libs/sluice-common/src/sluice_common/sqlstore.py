@@ -43,19 +43,34 @@ def dollar(sql: str) -> str:
 def write_transaction(db: sqlite3.Connection) -> Iterator[None]:
     """A synchronous transaction on `db` (autocommit mode) for work already on its thread:
     BEGIN IMMEDIATE (the write lock at once, so a batch never fails half way on a busy file),
-    COMMIT, or ROLLBACK on any error."""
+    COMMIT, or ROLLBACK on any error, a failed COMMIT's too: SQLite leaves the transaction open when
+    COMMIT fails (a deferred foreign key violation, SQLITE_BUSY), and every later BEGIN on the
+    connection would fail with "cannot start a transaction within a transaction"."""
     db.execute("BEGIN IMMEDIATE")
     try:
         yield
     except BaseException:
         db.execute("ROLLBACK")
         raise
-    db.execute("COMMIT")
+    try:
+        db.execute("COMMIT")
+    except BaseException:
+        _rollback_if_open(db)
+        raise
 
 
 def _rollback_if_open(db: sqlite3.Connection) -> None:
     if db.in_transaction:
         db.execute("ROLLBACK")
+
+
+def _commit_or_roll_back(db: sqlite3.Connection) -> None:
+    """COMMIT, or ROLLBACK (then re-raise) when COMMIT fails and leaves the transaction open."""
+    try:
+        db.execute("COMMIT")
+    except BaseException:
+        _rollback_if_open(db)
+        raise
 
 
 def migrate_sqlite(db: sqlite3.Connection, migrations: Migrations) -> None:
@@ -202,7 +217,10 @@ class SqliteDb:
             except BaseException:
                 await asyncio.shield(self.run(lambda c: c.execute("ROLLBACK")))
                 raise
-            await asyncio.shield(self.run(lambda c: c.execute("COMMIT")))
+            # COMMIT and, should it fail, ROLLBACK in one trip to the connection's thread, shielded:
+            # a COMMIT that fails (a deferred foreign key violation, SQLITE_BUSY) leaves the
+            # transaction open, and every later BEGIN on this connection would fail.
+            await asyncio.shield(self.run(_commit_or_roll_back))
 
 
 def postgres_text(args: Sequence[Any]) -> tuple[Any, ...]:

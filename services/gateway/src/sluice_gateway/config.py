@@ -20,6 +20,11 @@ ANY_HTTP_PORT = -1
 # The longest completion window a job may ask for (and the default may be): a week. A job's state
 # and its results stay in the store until it ends, so a bound keeps forgotten jobs from lingering.
 MAX_COMPLETION_WINDOW_S = 7 * 24 * 3600.0
+# Of the broker's consumer timeout (WORKER_CONSUMER_TIMEOUT_S), what a row message's time unacked
+# keeps free for storing and telling its result and the ack; and the least share a row may wait for
+# a slot before the worker hands its message back unstarted, so that the row ceiling fits in the rest.
+CONSUMER_TIMEOUT_SETTLE_SHARE = 0.05
+CONSUMER_TIMEOUT_SLOT_WAIT_SHARE = 0.10
 
 
 @dataclass(frozen=True)
@@ -154,14 +159,22 @@ class WorkerSettings:
     """The job-worker role's own settings, from WORKER_*."""
 
     # The job-worker role (`python -m sluice_gateway.jobs.worker`): its health/metrics ports, rows unacked
-    # at once (prefetch), the adaptive concurrency's start and ceiling, one row's deadline, transient
-    # errors retried in-process (capped exponential backoff with jitter) before the row goes back to
-    # the broker, and deliveries after which a row is dead-lettered.
+    # at once (prefetch: the adaptive concurrency's bound, at most this), the adaptive concurrency's
+    # start and ceiling, one row's deadline, transient errors retried in-process (capped exponential
+    # backoff with jitter) before the row goes back to the broker, and deliveries after which a row is
+    # dead-lettered.
     port: int = 50052
     metrics_port: int = 9106
     prefetch: int = 128
     concurrency_initial: int = 4
     concurrency_max: int = 64
+    # The broker's consumer (delivery acknowledgement) timeout on the job queues: RabbitMQ's
+    # consumer_timeout (30 min unless rabbitmq.conf says otherwise), or the consumer-timeout policy on
+    # the queues. A message unacked longer makes the broker close the worker's channel and requeue
+    # every row on it. The worker cannot ask the broker, so it is told: it keeps a row waiting for a
+    # slot no longer than what leaves room for an attempt at the row ceiling (then hands the message
+    # back unstarted), and refuses a ceiling this cannot cover.
+    consumer_timeout_s: float = 1800.0
     # A row attempt's deadline follows this worker's rolling p99s and the row's own max_tokens
     # (row_deadline.py), between the floor and the ceiling; the ceiling is for long work (a
     # 1,024-token row on a busy CPU replica takes minutes). Until enough rows have been seen: at
@@ -169,12 +182,21 @@ class WorkerSettings:
     # about a CPU replica's pace per stream with its batch full, times the multiplier).
     row_timeout_s: float = 120.0
     row_timeout_floor_s: float = 30.0
-    row_timeout_ceiling_s: float = 3600.0
+    # The ceiling fits RabbitMQ's default consumer timeout (with WORKER_CONSUMER_TIMEOUT_S): a longer one
+    # needs the broker's raised too (docs/operators/configuration.md).
+    row_timeout_ceiling_s: float = 1500.0
     row_warmup_per_token_s: float = 0.25
     row_attempts: int = 4
     retry_base_s: float = 0.25
     retry_cap_s: float = 10.0
     delivery_limit: int = 5
+
+    @property
+    def slot_wait_s(self) -> float:
+        """How long a row message may wait (unacked) for a slot, or for the worker that runs its row,
+        before the worker hands it back unstarted: what the consumer timeout leaves beside an attempt
+        at the ceiling and the settling of its result."""
+        return self.consumer_timeout_s * (1 - CONSUMER_TIMEOUT_SETTLE_SHARE) - self.row_timeout_ceiling_s
 
     def row_timeout_policy(self, default_deadline: TimeoutPolicy) -> TimeoutPolicy:
         """The default deadline's multiplier, window and warm-up, with the row timeout's bounds."""
@@ -188,6 +210,15 @@ class WorkerSettings:
             f" got {self.row_timeout_floor_s} and {self.row_timeout_ceiling_s}",
         )
         require(self.prefetch >= 1, f"{ENV_PREFIX}WORKER_PREFETCH must be >= 1, got {self.prefetch}")
+        most_s = self.consumer_timeout_s * (1 - CONSUMER_TIMEOUT_SETTLE_SHARE - CONSUMER_TIMEOUT_SLOT_WAIT_SHARE)
+        require(
+            self.consumer_timeout_s > 0 and self.row_timeout_ceiling_s <= most_s,
+            f"{ENV_PREFIX}WORKER_ROW_TIMEOUT_CEILING_S ({self.row_timeout_ceiling_s:g}) must be <= {most_s:g}"
+            f" ({1 - CONSUMER_TIMEOUT_SETTLE_SHARE - CONSUMER_TIMEOUT_SLOT_WAIT_SHARE:.0%} of {ENV_PREFIX}WORKER_CONSUMER_TIMEOUT_S,"
+            f" {self.consumer_timeout_s:g}): RabbitMQ closes the worker's channel on a row message unacked past its consumer timeout,"
+            " requeueing every row on it; lower the ceiling, or raise the broker's consumer_timeout (rabbitmq.conf) or the job"
+            " queues' consumer-timeout policy and WORKER_CONSUMER_TIMEOUT_S with it",
+        )
         require(
             1 <= self.concurrency_initial <= self.concurrency_max,
             f"{ENV_PREFIX}WORKER_CONCURRENCY_INITIAL must be in [1, WORKER_CONCURRENCY_MAX], got {self.concurrency_initial}",

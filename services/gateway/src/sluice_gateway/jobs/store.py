@@ -8,7 +8,8 @@ record it:
 
     pending --claim--> running --finish--> done        (result stored, counters +1, once)
        |                  \\--release--> pending       (retry later through the broker)
-       |                  \\--claim (redelivered, heartbeat stale)--> running (another worker)
+       |                  \\--claim (heartbeat stale)--> running (another worker)
+       |                  \\--job cancelling, heartbeat stale (sweep)--> cancelled
        |-- job cancelled --> cancelled
        \\-- claimed once the job's window is over --finish--> done (failed, code EXPIRED)
 
@@ -28,9 +29,10 @@ still reported once; the summary is told once the last one is stored. A cancelle
 is told by the sweep. summary_sent records that an expired or cancelled job's summary was told.
 
 A running row carries its worker's heartbeat (heartbeat_at, refreshed every HEARTBEAT_S while the
-worker runs it): a redelivered copy of its message (the broker redelivers the messages of a lost
-channel, even while their worker lives on) takes it over only once that heartbeat is
-HEARTBEAT_STALE_S old, i.e. its worker died; until then the copy is BUSY and waits.
+worker runs it): a copy of its message (the broker redelivers the messages of a lost channel, even
+while their worker lives on) takes it over only once that heartbeat is HEARTBEAT_STALE_S old, i.e.
+its worker died; until then the copy is BUSY (a redelivered one waits). A cancelling job's rows
+whose heartbeat is stale are cancelled by the sweep (cancel_stale_rows), their message maybe gone.
 """
 
 from __future__ import annotations
@@ -228,9 +230,11 @@ _JOB_COLUMNS = f"{_INSERT_COLUMNS}, expires_at, reply_content_type, summary_sent
 
 # A row a claim may change: pending, or running when the claim takes it over: a redelivered copy
 # (take_over) of a row this worker claimed itself (its earlier run here ended unfinished; this
-# process runs one copy at a time), or whose heartbeat is stale (its worker is presumed dead).
+# process runs one copy at a time), or any copy of a row whose heartbeat is stale (its worker is
+# presumed dead): a copy that is not a redelivery (a replay from the dead-letter queue, a row the
+# split published again) may be the row's only message, its worker's own dead-lettered or lost.
 # Parameters: take_over, the worker, the stale bound (heartbeats before it are stale).
-_TAKEABLE = "(state = 'pending' OR (state = 'running' AND ? AND (claimed_by = ? OR heartbeat_at IS NULL OR heartbeat_at < ?)))"
+_TAKEABLE = "(state = 'pending' OR (state = 'running' AND ((? AND claimed_by = ?) OR heartbeat_at IS NULL OR heartbeat_at < ?)))"
 
 # What claim_row found. OVERDUE: the job's completion window is over; store the row as EXPIRED.
 CLAIMED, DONE, BUSY, SKIPPED, MISSING, OVERDUE = "claimed", "done", "busy", "skipped", "missing", "overdue"
@@ -269,16 +273,19 @@ def encode_page_token(seq: int) -> str:
     return str(seq)
 
 
-# A row's seq is its index in the job (below jobs_max_rows): a token is at most this many digits.
-_MAX_TOKEN_DIGITS = 18
+# A row's seq is its index in the job (below jobs_max_rows), an INTEGER column: int4 on PostgreSQL,
+# so a token above its largest value is none a response gave (asyncpg refused it: INTERNAL).
+_MAX_TOKEN_DIGITS = 10
+_MAX_SEQ = 2**31 - 1
 
 
 def decode_page_token(token: str) -> int:
-    """isascii too: str.isdigit accepts "²" and other digits int() refuses; bounded, so that int()
-    and the database (a 64-bit integer) take every token it lets through."""
+    """isascii too: str.isdigit accepts "²" and other digits int() refuses; bounded (digits first,
+    so int() never parses a long one), so that the database (a 32-bit integer on PostgreSQL) takes
+    every token it lets through."""
     if not token:
         return -1
-    if not (token.isascii() and token.isdigit() and len(token) <= _MAX_TOKEN_DIGITS):
+    if not (token.isascii() and token.isdigit() and len(token) <= _MAX_TOKEN_DIGITS and int(token) <= _MAX_SEQ):
         raise InvalidArgument("page_token", "not a token from a previous ListJobResults response")
     return int(token)
 
@@ -407,9 +414,10 @@ class JobStore:
     # ---- rows
 
     async def claim_row(self, job_id: str, custom_id: str, worker: str, take_over: bool, now: float | None = None) -> str:
-        """CLAIMED: run it. DONE: already recorded. BUSY: another worker runs it: this copy is not a
-        redelivery (take_over=False), or that worker's heartbeat is fresh (a redelivered copy waits
-        and asks again). SKIPPED: the job is cancelled or over. MISSING: no such job or row."""
+        """CLAIMED: run it. DONE: already recorded. BUSY: another worker runs it and its heartbeat is
+        fresh (a redelivered copy waits and asks again; take_over=False: a copy that is not a
+        redelivery, acked), or this worker claimed it and the copy is not a redelivery. SKIPPED: the
+        job is cancelled or over. MISSING: no such job or row."""
         now = time.time() if now is None else now
         takeable = (take_over, worker, now - HEARTBEAT_STALE_S)
         async with self.db.transaction() as tx:
@@ -471,14 +479,25 @@ class JobStore:
         async with self.db.transaction() as tx:
             return await tx.execute("UPDATE job_rows SET heartbeat_at = NULL WHERE claimed_by = ? AND state = 'running'", worker)
 
-    async def release_row(self, job_id: str, custom_id: str) -> None:
-        """Back to pending (its message goes back to the broker for a later try)."""
+    async def release_row(self, job_id: str, custom_id: str, worker: str) -> bool:
+        """Back to pending (its message goes back to the broker for a later try), or cancelled when
+        its job is cancelling; only while `worker` still runs it: a worker whose row was taken over
+        meanwhile (its heartbeat went stale) must neither turn the row another worker finished into
+        cancelled nor reset that worker's live claim to pending. Returns whether it released it."""
         async with self.db.transaction() as tx:
-            await tx.execute("UPDATE job_rows SET state = 'pending' WHERE job_id = ? AND custom_id = ? AND state = 'running'", job_id, custom_id)
+            released = await tx.execute(
+                "UPDATE job_rows SET state = 'pending' WHERE job_id = ? AND custom_id = ? AND state = 'running' AND claimed_by = ?",
+                job_id, custom_id, worker,
+            )  # fmt: skip
+            if not released:
+                return False
             job = await self._get(tx, job_id)
             if job is not None and job.state == CANCELLING:
-                await tx.execute("UPDATE job_rows SET state = 'cancelled' WHERE job_id = ? AND custom_id = ?", job_id, custom_id)
+                await tx.execute(
+                    "UPDATE job_rows SET state = 'cancelled' WHERE job_id = ? AND custom_id = ? AND state = 'pending'", job_id, custom_id
+                )
                 await self._settle_cancel(tx, job_id, time.time())
+            return True
 
     async def finish_row(self, result: jobs_pb2.RowResult) -> Finished | None:
         """Stores a row's result once; None when it already was (a copy of a finished row)."""
@@ -534,6 +553,26 @@ class JobStore:
                 "UPDATE jobs SET state = ?, error = ?, updated_at = ? WHERE state = ? AND expires_at + ? <= ?",
                 FAILED, error, now, VALIDATING, grace_s, now,
             )  # fmt: skip
+
+    async def cancel_stale_rows(self, now: float | None = None) -> int:
+        """Running rows of cancelling jobs whose heartbeat is stale (their worker died) are cancelled,
+        and their jobs settle: a row whose last message was dead-lettered (or replayed and acked as
+        BUSY) would otherwise keep its job cancelling for ever, WatchJob never ending and no summary
+        told. Returns how many rows it cancelled."""
+        now = time.time() if now is None else now
+        async with self.db.transaction() as tx:
+            cancelled = await tx.execute(
+                "UPDATE job_rows SET state = 'cancelled' WHERE state = 'running' AND (heartbeat_at IS NULL OR heartbeat_at < ?)"
+                " AND job_id IN (SELECT job_id FROM jobs WHERE state = ?)",
+                now - HEARTBEAT_STALE_S, CANCELLING,
+            )  # fmt: skip
+            if cancelled:
+                await tx.execute(
+                    "UPDATE jobs SET state = ?, updated_at = ? WHERE state = ?"
+                    " AND NOT EXISTS (SELECT 1 FROM job_rows r WHERE r.job_id = jobs.job_id AND r.state = 'running')",
+                    CANCELLED, now, CANCELLING,
+                )  # fmt: skip
+        return cancelled
 
     async def stranded_rows(self, pending_grace_s: float, running_grace_s: float, now: float | None = None, limit: int = 500) -> list[StrandedRow]:
         """Rows of expired jobs that no message will ever end: still pending `pending_grace_s` after

@@ -10,7 +10,10 @@ Two consumers on one robust connection (queues and exchange: sluice_common.amqp.
   recorded, one RowTask per row is published
   to `<prefix>.jobs.rows` (pipelined confirms), and only then is the job message acked. A worker
   killed mid-split gets the job redelivered to someone, who republishes the rows not yet finished.
-- `<prefix>.jobs.rows`: each row takes a slot of the adaptive concurrency bound, is claimed in the
+- `<prefix>.jobs.rows`, consumed with a prefetch that follows the adaptive concurrency bound (at
+  most WORKER_PREFETCH; RabbitMQ applies a changed basic.qos only to consumers started after it, so
+  the worker consumes again, and cancels the consumer it replaces, when the bound moves): each row
+  takes a slot of the bound, is claimed in the
   store (a copy of a row that is done, or of a cancelled job, is acked without running; a
   redelivered copy of a row another worker runs and still beats for waits for it, see below), runs through the interactive path in the bulk class (inference_path), its result is
   stored (once, by (job id, custom id)), told to reply_to (confirmed), and only then acked.
@@ -29,13 +32,20 @@ Two consumers on one robust connection (queues and exchange: sluice_common.amqp.
 - A sweep every SWEEP_INTERVAL_S: overdue in_progress jobs -> expired, and the summaries still
   due (a finalizing job whose worker died, a cancelled job, an expired one whose rows are all
   stored) are told; a repeat carries the same message id, for consumers to drop. Rows of an
-  expired job that no message will end (the broker dead-lettered theirs) get a result there too.
+  expired job that no message will end (the broker dead-lettered theirs) get a result there too,
+  and a cancelling job's rows whose worker stopped beating are cancelled, so that the job ends.
 - A heartbeat every HEARTBEAT_S (store.py): one statement marks the rows this worker runs alive. The
   broker redelivers the messages of a lost channel (a broker restart, a network blip) while their
   worker may live on: a copy that reaches another worker takes the row over only once its heartbeat
   is stale (its worker died); until then it waits, unacked and without a slot, and asks again, so
   the row runs once and still has a message should its worker die or give it back. A worker that
   stops drops the heartbeat of the rows it abandons, for their copies to run at once.
+- No row message stays unacked past the broker's consumer timeout (WORKER_CONSUMER_TIMEOUT_S; past
+  it RabbitMQ closes the channel and requeues every row on it, each delivery counted): a message
+  that has waited WorkerSettings.slot_wait_s for a slot (or for the worker that runs its row) is
+  handed back unstarted, a copy published (confirmed) and the message acked, so that no delivery
+  is counted against the row; what is left of the timeout covers an attempt at the row ceiling,
+  which the settings refuse to set longer.
 - A message whose handling fails unexpectedly (the job store unreachable) goes back to the broker
   after a backoff that doubles with its deliveries (FAILURE_BACKOFF_S), not at once: the queue's
   delivery limit would dead-letter every message of a short outage unrun.
@@ -47,6 +57,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -65,6 +76,7 @@ from sluice_common.loop_lag import monitor_loop_lag
 from sluice_common.request_context import MAX_REQUEST_ID, bind_request_id, current_request_id, new_request_id
 from sluice_common.server import PUBLISHER_FLUSH_S, create_server, serve_until_signal
 from sluice_common.supervision import Supervisor, stop_tasks
+from sluice_common.tracing import header_text
 from sluice_gateway.jobs import store as states
 from sluice_gateway.jobs.concurrency import FAILED, OK, THROTTLED, AdaptiveConcurrency
 from sluice_gateway.config import ENV_PREFIX, SharedSettings, WorkerConfig, WorkerSettings
@@ -103,14 +115,18 @@ from sluice_gateway.jobs.row_deadline import RowDeadlines, RowTiming
 
 log = structlog.stdlib.get_logger("sluice.gateway.worker")
 
-ROWS = Counter("sluice_jobs_rows_total", "Rows finished by this worker, by outcome.", ["outcome"])
+ROWS = Counter(
+    "sluice_jobs_rows_total",
+    "Row messages settled by this worker, by outcome (handed_back: unstarted, after waiting WorkerSettings.slot_wait_s).",
+    ["outcome"],
+)
 JOBS = Counter("sluice_jobs_accepted_total", "Job messages handled, by outcome (accepted, rejected, dead_lettered).", ["outcome"])
 LIMIT = Gauge("sluice_jobs_concurrency_limit", "The adaptive bound on rows in flight.")
 IN_FLIGHT = Gauge("sluice_jobs_rows_in_flight", "Rows running now.")
 RETRIES = Counter("sluice_jobs_row_retries_total", "Row attempts retried, by status code.", ["code"])
 # Exported at 0 from the start: increase() over a series that first appears at 3 is 0, and the
 # alert on dead-lettered rows would miss a first burst.
-for _outcome_label in ("completed", "failed", "expired", "dead_lettered", "given_back", "cancelled"):
+for _outcome_label in ("completed", "failed", "expired", "dead_lettered", "given_back", "cancelled", "handed_back"):
     ROWS.labels(_outcome_label)
 for _outcome_label in ("accepted", "rejected", "dead_lettered"):
     JOBS.labels(_outcome_label)
@@ -130,6 +146,11 @@ ROW_TIMEOUTS = Counter(
 ROW_TYPE = jobs_pb2.RowTask.DESCRIPTOR.full_name
 # A row message's header naming its job's request id, which the row's log lines carry as job_request_id.
 JOB_REQUEST_ID_HEADER = "x-sluice-job-request-id"
+# A row message handed back unstarted (_hand_back): the deliveries it had had (the broker's
+# x-delivery-count of the message it copies, which the copy starts again without), and whether it was
+# a redelivered copy (which waits for the worker that runs its row rather than being acked).
+EARLIER_DELIVERIES_HEADER = "x-sluice-earlier-deliveries"
+REDELIVERED_HEADER = "x-sluice-redelivered"
 RESULT_TYPE = jobs_pb2.RowResult.DESCRIPTOR.full_name
 REJECTION_TYPE = jobs_pb2.JobRejection.DESCRIPTOR.full_name
 SUMMARY_TYPE = jobs_pb2.Job.DESCRIPTOR.full_name
@@ -181,6 +202,10 @@ class JobWorker:
         self.row_deadlines = RowDeadlines.for_settings(shared, config)
         self._tasks: set[asyncio.Task[None]] = set()
         self._consumers: list[tuple[Any, str]] = []
+        self._rows_queue: Any = None
+        self._rows_tag = ""
+        self._prefetch = 0  # the rows consumer's, following the concurrency bound (_follow_bound)
+        self._refollow: asyncio.Task[None] | None = None
         self._stopping = False
         # (job id, custom id) -> set when this process's run of that row ends (_row).
         self._running: dict[tuple[str, str], asyncio.Event] = {}
@@ -199,15 +224,14 @@ class JobWorker:
         await self.topology.declare(jobs_channel)
         await jobs_channel.set_qos(prefetch_count=2)
         self._rows_channel = await self._connection.channel(publisher_confirms=True)
-        await self._rows_channel.set_qos(prefetch_count=self.config.prefetch)
+        self._prefetch = self._prefetch_wanted()
+        await self._rows_channel.set_qos(prefetch_count=self._prefetch)
         self._exchange = await jobs_channel.get_exchange(self.topology.exchange)
         self._dead = await self._rows_channel.get_exchange(self.topology.dead_exchange)
         requests = await jobs_channel.get_queue(self.topology.requests_queue)
-        rows = await self._rows_channel.get_queue(self.topology.rows_queue)
-        self._consumers = [
-            (requests, await requests.consume(self._spawn(self._on_job))),
-            (rows, await rows.consume(self._spawn(self._on_row))),
-        ]
+        self._rows_queue = await self._rows_channel.get_queue(self.topology.rows_queue)
+        self._consumers = [(requests, await requests.consume(self._spawn(self._on_job)))]
+        self._rows_tag = await self._rows_queue.consume(self._spawn(self._on_row))
         supervisor = supervisor or Supervisor()
         self._sweeper = supervisor.start("job-sweeper", self._sweep_forever)
         self._heartbeat = supervisor.start("job-row-heartbeat", self._heartbeat_forever)
@@ -226,7 +250,11 @@ class JobWorker:
         """No new deliveries, and rows waiting for a slot go back to the broker unstarted; the rows
         running get `grace_s` to finish, then are abandoned unacked: the broker redelivers them."""
         self._stopping = True
-        for queue, tag in self._consumers:
+        if self._refollow is not None:
+            await stop_tasks(self._refollow)  # before the cancels: it could consume again after them
+        for queue, tag in [*self._consumers, (self._rows_queue, self._rows_tag)]:
+            if queue is None:
+                continue
             with contextlib.suppress(Exception):
                 await queue.cancel(tag)
         if self._sweeper is not None:
@@ -238,6 +266,34 @@ class JobWorker:
         if self._connection is not None:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._connection.close(), 5)
+
+    # ---- the rows consumer's prefetch, following the concurrency bound
+
+    def _prefetch_wanted(self) -> int:
+        return max(1, min(self.config.prefetch, self.concurrency.bound))
+
+    def _bound_moved(self) -> None:
+        """After a release: when the bound moved, the rows consumer is started again with it."""
+        if self._rows_queue is None or self._stopping or self._prefetch_wanted() == self._prefetch:
+            return
+        if self._refollow is None or self._refollow.done():
+            self._refollow = asyncio.create_task(self._follow_bound())
+
+    async def _follow_bound(self) -> None:
+        """RabbitMQ applies a changed basic.qos to the consumers started after it only, so: the new
+        prefetch, a new consumer, then the old one cancelled (its messages in hand stay this
+        channel's, settled as usual; the broker sends it no more once its cancel is answered). A
+        prefetch larger than the bound left rows unacked, waiting for a slot, past the broker's
+        consumer timeout."""
+        try:
+            while not self._stopping and (wanted := self._prefetch_wanted()) != self._prefetch:
+                await self._rows_channel.set_qos(prefetch_count=wanted)
+                tag = await self._rows_queue.consume(self._spawn(self._on_row))
+                replaced, self._rows_tag, self._prefetch = self._rows_tag, tag, wanted
+                await self._rows_queue.cancel(replaced)
+                log.info("row_prefetch_changed", prefetch=wanted)
+        except Exception:  # noqa: BLE001 - a broker hiccup: the next move of the bound tries again; waits stay bounded (_claim)
+            log.warning("row_prefetch_not_changed", exc_info=True)
 
     async def _stop_heartbeat(self) -> None:
         """After the drain: the rows still running here were just abandoned (their messages go back
@@ -265,7 +321,8 @@ class JobWorker:
     # ---- jobs
 
     async def _on_job(self, message: aio_pika.abc.AbstractIncomingMessage) -> None:
-        bind_request_id(str((message.headers or {}).get("x-request-id") or new_request_id()))
+        # As a row reads its job's (_on_row): the same text, so that the job's lines and its rows' match.
+        bind_request_id(_header_request_id(message.headers, "x-request-id") or new_request_id())
         try:
             with job_span(message, self.topology.requests_queue):
                 await self._job(message)
@@ -321,7 +378,7 @@ class JobWorker:
                 task.SerializeToString(),
                 content_type=PROTOBUF,
                 delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
-                message_id=f"{task.job_id}/{task.row.custom_id}",
+                message_id=amqp_id(f"{task.job_id}/{task.row.custom_id}"),  # fits: validate_job
                 type=ROW_TYPE,
                 headers=with_trace_context(
                     # The job's request id (SubmitJob's, or the producer's x-request-id): each row's
@@ -339,16 +396,22 @@ class JobWorker:
             await self.store.record_failed(rejection.job_id, rejection.tenant, rejection.reply_to, rejection.reason)
         if rejection.reply_to:
             body = jobs_pb2.JobRejection(job_id=rejection.job_id, reason=rejection.reason)
-            await self._reply(rejection.reply_to, body, _reply_type(content_type), f"{rejection.job_id}/rejected", REJECTION_TYPE)
+            try:
+                await self._reply(rejection.reply_to, body, _reply_type(content_type), f"{rejection.job_id}/rejected", REJECTION_TYPE)
+            except Exception:  # noqa: BLE001 - the job is refused either way: retried, it would only fail again
+                log.exception("job_rejection_not_told", job_id=rejection.job_id[:MAX_AMQP_ID_BYTES], reply_to=rejection.reply_to)
 
     async def _reply(self, reply_to: str, body: Any, content_type: str, message_id: str, kind: str) -> None:
+        job_id = getattr(body, "job_id", "") or ""
         await self._rows_channel.default_exchange.publish(
             aio_pika.Message(
                 encode_reply(body, content_type),
                 content_type=content_type,
                 delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
-                message_id=message_id,
-                correlation_id=getattr(body, "job_id", "") or None,
+                message_id=amqp_id(message_id),
+                # The job id whole or not at all (the body names it anyway): a rejected job's id may be
+                # any length, and AMQP's shortstr holds 255 bytes.
+                correlation_id=job_id if 0 < len(job_id.encode()) <= MAX_AMQP_ID_BYTES else None,
                 type=kind,
             ),
             reply_to,
@@ -357,18 +420,19 @@ class JobWorker:
     # ---- rows
 
     async def _on_row(self, message: aio_pika.abc.AbstractIncomingMessage) -> None:
-        job_request_id = str((message.headers or {}).get(JOB_REQUEST_ID_HEADER) or "")[:MAX_REQUEST_ID]
+        received = time.monotonic()  # the broker's consumer timeout runs from its delivery
+        job_request_id = _header_request_id(message.headers, JOB_REQUEST_ID_HEADER)
         bind_request_id(new_request_id(), **({"job_request_id": job_request_id} if job_request_id else {}))
         try:
             with row_span(message, self.topology.rows_queue):
-                await self._row(message)
+                await self._row(message, received)
         except asyncio.CancelledError:
             raise  # stopping: unacked, so the broker redelivers it
         except Exception:  # noqa: BLE001 - unexpected: give it back; the delivery limit stops a loop
             log.exception("row_failed_unexpectedly")
             await _give_back_later(message)
 
-    async def _row(self, message: aio_pika.abc.AbstractIncomingMessage) -> None:
+    async def _row(self, message: aio_pika.abc.AbstractIncomingMessage, received: float | None = None) -> None:
         try:
             task = jobs_pb2.RowTask.FromString(message.body)
         except DecodeError:
@@ -385,23 +449,23 @@ class JobWorker:
         # the copy waits, then finds the row stored (and is acked) or, if the run was given back,
         # runs it itself.
         while (running := self._running.get(key)) is not None:
-            log.info("row_copy_waits_for_its_run", redelivered=bool(message.redelivered))
+            log.info("row_copy_waits_for_its_run", redelivered=_redelivered(message))
             await running.wait()
         self._running[key] = ended = asyncio.Event()
         try:
-            await self._run_row(task, message)
+            await self._run_row(task, message, time.monotonic() if received is None else received)
         finally:
             del self._running[key]
             ended.set()
 
-    async def _run_row(self, task: jobs_pb2.RowTask, message: aio_pika.abc.AbstractIncomingMessage) -> None:
+    async def _run_row(self, task: jobs_pb2.RowTask, message: aio_pika.abc.AbstractIncomingMessage, received: float) -> None:
         deliveries = _deliveries(message)
-        claim = await self._claim(task, message)
+        claim = await self._claim(task, message, received)
         if claim is None:
             return
         holding = True
         try:
-            if claim == states.DONE and message.redelivered:
+            if claim == states.DONE and _redelivered(message):
                 # Stored before a crash, or by the worker this copy waited for on a channel that may
                 # be lost, so maybe not told: tell again (consumers dedupe by message id).
                 result = await self.store.row_result(task.job_id, task.row.custom_id)
@@ -423,21 +487,24 @@ class JobWorker:
             if holding:
                 await self._release_unused_slot()
         if outcome is GIVE_BACK:
-            await self.store.release_row(task.job_id, task.row.custom_id)
+            await self.store.release_row(task.job_id, task.row.custom_id, self.worker_id)
             await message.nack(requeue=True)
             ROWS.labels("given_back").inc()
         elif isinstance(outcome, PoisonRow):
             await self._dead_letter(task, message, str(outcome))
         elif outcome is None:  # the job was cancelled while the row waited to retry
-            await self.store.release_row(task.job_id, task.row.custom_id)
+            await self.store.release_row(task.job_id, task.row.custom_id, self.worker_id)
             await message.ack()
             ROWS.labels("cancelled").inc()
         else:
             await self._finish(task, outcome, message)
 
-    async def _claim(self, task: jobs_pb2.RowTask, message: aio_pika.abc.AbstractIncomingMessage) -> str | None:
+    async def _claim(self, task: jobs_pb2.RowTask, message: aio_pika.abc.AbstractIncomingMessage, received: float) -> str | None:
         """Takes a concurrency slot and claims the row: the claim's answer, with the slot held; None
-        when the worker began to stop meanwhile (the message went back unstarted, no slot held).
+        when the worker began to stop meanwhile (the message went back unstarted, no slot held), or
+        when the message waited WorkerSettings.slot_wait_s since `received` (its delivery) and was
+        handed back unstarted (_hand_back): an attempt at the ceiling must still end within the
+        broker's consumer timeout.
 
         A redelivered copy of a row another worker runs and still beats for (BUSY) is neither run
         (twice) nor acked (should that worker die, or give the row back with its nack lost on its
@@ -445,29 +512,63 @@ class JobWorker:
         HEARTBEAT_S, until the row is stored (DONE), pending again, or its heartbeat is stale. It
         waits here, not in the broker: every delivery counts against WORKER_DELIVERY_LIMIT."""
         waiting = False
+        redelivered = _redelivered(message)
+        hand_back_at = received + self.config.slot_wait_s
         while True:
-            await self.concurrency.acquire()
+            try:
+                await asyncio.wait_for(self.concurrency.acquire(), max(0.0, hand_back_at - time.monotonic()))
+            except TimeoutError:
+                await self._hand_back(message, redelivered, received)
+                return None
             if self._stopping:  # it waited for a slot while the worker began to stop: not started here
                 await self._release_unused_slot()
                 await message.nack(requeue=True)
                 return None
             IN_FLIGHT.set(self.concurrency.in_flight)
             try:
-                claim = await self.store.claim_row(task.job_id, task.row.custom_id, self.worker_id, bool(message.redelivered))
+                claim = await self.store.claim_row(task.job_id, task.row.custom_id, self.worker_id, redelivered)
             except BaseException:
                 await self._release_unused_slot()
                 raise
-            if claim != states.BUSY or not message.redelivered:
+            if claim != states.BUSY or not redelivered:
                 return claim
             await self._release_unused_slot()
+            if time.monotonic() + states.HEARTBEAT_S >= hand_back_at:
+                await self._hand_back(message, redelivered, received)
+                return None
             if not waiting:
                 log.info("row_copy_waits_for_its_other_worker")
                 waiting = True
             await asyncio.sleep(states.HEARTBEAT_S)
 
+    async def _hand_back(self, message: aio_pika.abc.AbstractIncomingMessage, redelivered: bool, received: float) -> None:
+        """Back to the queue unstarted, without a delivery counted against the row: a copy (its
+        deliveries so far, and whether it was a redelivery, in headers of its own) published with a
+        confirm, then the message acked. A nack would count: x-delivery-count on RabbitMQ 3,
+        and the queue's x-delivery-limit on 4 too, spent by rows that never ran."""
+        headers = dict(message.headers or {})
+        headers.pop("x-delivery-count", None)
+        headers[EARLIER_DELIVERIES_HEADER] = _deliveries(message) - 1
+        if redelivered:
+            headers[REDELIVERED_HEADER] = True
+        copy = aio_pika.Message(
+            message.body,
+            content_type=message.content_type,
+            delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
+            message_id=message.message_id,
+            type=message.type,
+            headers=headers,
+            timestamp=message.timestamp,
+        )
+        await self._exchange.publish(copy, self.topology.row_routing_key)
+        await message.ack()
+        ROWS.labels("handed_back").inc()
+        log.info("row_handed_back_unstarted", waited_s=round(time.monotonic() - received, 2), slot_wait_s=self.config.slot_wait_s)
+
     async def _release_unused_slot(self) -> None:
         await self.concurrency.release(0.0, "skipped")
         IN_FLIGHT.set(self.concurrency.in_flight)
+        self._bound_moved()
 
     async def _attempts(self, task: jobs_pb2.RowTask) -> Any:
         """A RowResult, GIVE_BACK, a PoisonRow, or None when the job got cancelled meanwhile.
@@ -583,6 +684,7 @@ class JobWorker:
         LIMIT.set(self.concurrency.limit)
         if int(before) != int(self.concurrency.limit):
             log.info("concurrency_changed", limit=round(self.concurrency.limit, 2), reason=self.concurrency.history[-1][2])
+        self._bound_moved()
 
     async def _dead_letter(self, task: jobs_pb2.RowTask, message: aio_pika.abc.AbstractIncomingMessage, reason: str) -> None:
         log.warning("row_dead_lettered", reason=reason)
@@ -643,6 +745,9 @@ class JobWorker:
         if unadmitted:
             log.warning("jobs_never_admitted", jobs=unadmitted, hint="their AdmittedJob never reached a worker: see the gateway's publisher_dropped")
         await self._end_stranded_rows()
+        cancelled = await self.store.cancel_stale_rows()
+        if cancelled:
+            log.warning("stale_rows_of_cancelled_jobs_ended", rows=cancelled, hint="their workers stopped beating while running them")
         for job in await self.store.summaries_due(SUMMARY_GRACE_S):
             try:
                 await self._summarize(job)
@@ -676,12 +781,46 @@ class JobWorker:
                 log.exception("job_sweep_failed")
 
 
+# AMQP's message-id and correlation-id are shortstrs: at most 255 bytes (pamqp refuses more).
+MAX_AMQP_ID_BYTES = 255
+
+
+def amqp_id(text: str) -> str:
+    """`text` as an AMQP message id: itself when it fits in 255 bytes, else a digest of it, the same
+    for the same text (so that consumers still drop a repeat by its id). The ids of rows, results
+    and summaries fit (validate_job); a rejected job's id may be any length."""
+    if len(text.encode()) <= MAX_AMQP_ID_BYTES:
+        return text
+    return "sha256:" + hashlib.sha256(text.encode()).hexdigest()
+
+
+def _header_request_id(headers: Any, name: str) -> str:
+    """A request id from a message header, as the job's and its rows' log lines carry it: text (a
+    bytes value decoded), at most MAX_REQUEST_ID characters; "" when there is none."""
+    value = (headers or {}).get(name)
+    if not value:
+        return ""
+    return header_text(value if isinstance(value, (str, bytes)) else str(value))[:MAX_REQUEST_ID]
+
+
 def _deliveries(message: aio_pika.abc.AbstractIncomingMessage) -> int:
-    """This delivery's number: 1 the first time (quorum queues count the earlier ones)."""
+    """This delivery's number: 1 the first time (quorum queues count the earlier ones; a message
+    handed back unstarted carries those of the message it copies)."""
+    headers = message.headers or {}
     try:
-        return int(str((message.headers or {}).get("x-delivery-count") or 0)) + 1
+        counted = int(str(headers.get("x-delivery-count") or 0))
     except ValueError:
-        return 1
+        counted = 0
+    try:
+        earlier = int(str(headers.get(EARLIER_DELIVERIES_HEADER) or 0))
+    except ValueError:
+        earlier = 0
+    return max(0, counted) + max(0, earlier) + 1
+
+
+def _redelivered(message: aio_pika.abc.AbstractIncomingMessage) -> bool:
+    """The broker redelivered it, or it copies a redelivered message handed back unstarted."""
+    return bool(message.redelivered) or bool((message.headers or {}).get(REDELIVERED_HEADER))
 
 
 def failure_backoff_s(deliveries: int) -> float:
