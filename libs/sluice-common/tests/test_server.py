@@ -131,6 +131,22 @@ def test_unavailable_with_a_known_wait_sends_retry_info() -> None:
     assert rpc_status.from_call(_Call(status_for(Unavailable("no replica")))).details == []
 
 
+def test_a_long_message_is_cut_to_what_grpcs_metadata_can_carry() -> None:
+    """A status travels as trailing metadata, which grpc refuses beyond 16 KiB: a message quoting a
+    client's 20,000 characters reached the client as RESOURCE_EXHAUSTED, not as its error."""
+    from sluice_common.errors import InvalidArgument
+    from sluice_common.interceptor import status_for
+
+    grpc_status = status_for(InvalidArgument("f" * 20_000, "r" * 20_000))
+    status = rpc_status.from_call(_Call(grpc_status))
+    bad = error_details_pb2.BadRequest()
+    assert status.details[0].Unpack(bad)
+    violation = bad.field_violations[0]
+    assert len(status.message) <= 513 and len(violation.field) <= 513 and len(violation.description) <= 513
+    assert violation.field.startswith("f" * 100) and status.message.endswith("…")
+    assert sum(len(value) for _key, value in grpc_status.trailing_metadata) < 8 * 1024
+
+
 class _Call:
     """The two things rpc_status.from_call reads from a finished call."""
 

@@ -66,3 +66,13 @@ def test_objects_that_list_their_properties_are_closed_as_vllm_decodes_them() ->
     assert props["fixed"] == {"const": {"properties": {"x": 1}}}
     assert closed["$defs"]["ref"]["additionalProperties"] is False
     assert "additionalProperties" not in schema and "additionalProperties" not in item  # the caller's schema is not changed
+
+
+def test_the_librarys_message_quotes_the_construct_in_part() -> None:
+    """llguidance quotes a whole regex or rule (a 60,000-character regex made a 180,000-character
+    message, which no gRPC status can carry)."""
+    for constraint in (StructuredOutputs.regex("(" + "a" * 60_000), StructuredOutputs.grammar('start: "a" | ' + "b" * 60_000)):
+        with pytest.raises(StructuredOutputsError) as caught:
+            check(constraint)
+        message = str(caught.value)
+        assert message.startswith(constraint.kind + ": ") and len(message) <= 300, len(message)

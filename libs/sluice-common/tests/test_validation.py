@@ -95,3 +95,51 @@ def test_a_priority_class_outside_the_enum_is_refused_naming_it() -> None:
         with pytest.raises(InvalidArgument) as caught:
             validate_priority_class(value)
         assert caught.value.field_name == "priority_class" and str(value) in caught.value.reason
+
+
+def _no_compiling(monkeypatch: pytest.MonkeyPatch) -> None:
+    def compile_(constraint: object) -> None:
+        raise AssertionError("compiled before its size was checked")
+
+    monkeypatch.setattr("sluice_common.validation.check", compile_)
+
+
+@pytest.mark.parametrize(
+    ("sampling", "named"),
+    [
+        (dict(logit_bias={token: 1.0 for token in range(1025)}), "at most 1024 tokens"),
+        (dict(structured_outputs=types_pb2.StructuredOutputs(choice=types_pb2.ChoiceList(options=[f"o{i}" for i in range(1025)]))), "1024 options"),
+        (dict(structured_outputs=types_pb2.StructuredOutputs(choice=types_pb2.ChoiceList(options=["x" * 40_000, "y" * 40_000]))), "65536"),
+        (dict(structured_outputs=types_pb2.StructuredOutputs(json='{"type": "object", "description": "' + "d" * 70_000 + '"}')), "65536"),
+        (dict(structured_outputs=types_pb2.StructuredOutputs(regex="a" * 70_000)), "65536"),
+        (dict(structured_outputs=types_pb2.StructuredOutputs(grammar='start: "' + "a" * 70_000 + '"')), "65536"),
+    ],
+    ids=["logit_bias", "choice_count", "choice_size", "json", "regex", "grammar"],
+)
+def test_what_would_be_costly_to_convert_or_compile_is_refused_by_size_first(monkeypatch, sampling, named) -> None:  # type: ignore[no-untyped-def]
+    """A request of megabytes held the event loop while it was compiled (80,000 choice options: 5 s)
+    or converted (a million logit_bias entries: 0.4 s); its size is checked first, at the cost of a length."""
+    _no_compiling(monkeypatch)
+    with pytest.raises(InvalidArgument) as caught:
+        check(**sampling)
+    field = "sampling.logit_bias" if "logit_bias" in sampling else "sampling.structured_outputs"
+    assert caught.value.field_name == field and named in caught.value.reason, caught.value.reason
+
+
+def test_the_size_bounds_hold_their_limits() -> None:
+    check(logit_bias={token: 1.0 for token in range(1024)})
+    check(structured_outputs=types_pb2.StructuredOutputs(choice=types_pb2.ChoiceList(options=[f"o{i}" for i in range(1024)])))
+    check(structured_outputs=types_pb2.StructuredOutputs(regex="a" * (64 * 1024)))
+
+
+def test_a_long_role_or_metadata_key_is_quoted_in_part() -> None:
+    """Quoted whole, a 20,000-character role or key outgrew gRPC's metadata (16 KiB): the client heard
+    RESOURCE_EXHAUSTED instead of the error."""
+    from sluice_common.validation import validate_recorded
+
+    with pytest.raises(InvalidArgument) as caught:
+        check(messages=[types_pb2.ChatMessage(role="r" * 20_000, content="hi")])
+    assert caught.value.field_name == "messages[0].role" and len(caught.value.message) < 200, len(caught.value.message)
+    with pytest.raises(InvalidArgument) as caught:
+        validate_recorded("", {"k" * 20_000: "v"})
+    assert caught.value.field_name == "metadata" and len(caught.value.message) < 200, len(caught.value.message)

@@ -316,3 +316,37 @@ async def _until(condition, within_s: float = 5.0) -> None:  # type: ignore[no-u
     while not condition():
         assert asyncio.get_running_loop().time() < deadline, "timed out"
         await asyncio.sleep(0.01)
+
+
+class _FailingStub:
+    """A rate-limit that answers Acquire with an error status."""
+
+    def __init__(self, code: grpc.StatusCode) -> None:
+        self.code = code
+
+    async def Acquire(self, request, timeout=None, metadata=None):  # noqa: N802 - the stub's name
+        raise grpc.aio.AioRpcError(self.code, grpc.aio.Metadata(), grpc.aio.Metadata(), "lease_ttl must be positive")
+
+
+@pytest.mark.parametrize(
+    "code",
+    [grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.PERMISSION_DENIED],
+)
+async def test_an_error_rate_limit_answered_is_internal_and_admits_nothing_whatever_the_policy(code: grpc.StatusCode) -> None:
+    """Every Acquire error read as "unreachable": under the open policy a rate-limit that answered,
+    and refused (a bug, a version skew), let every request through without limits."""
+    from sluice_common.errors import SluiceError
+
+    for policy in ("open", "closed"):
+        with pytest.raises(SluiceError) as caught:
+            await Admission(_FailingStub(code), policy).admit("t", generation_reservation(request()), time_remaining=10.0)  # type: ignore[arg-type]
+        assert type(caught.value) is SluiceError and caught.value.code == "INTERNAL"
+        assert caught.value.message == f"the rate-limit service answered {code.name}: lease_ttl must be positive"
+
+
+@pytest.mark.parametrize("code", [grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED])
+async def test_a_rate_limit_that_could_not_decide_leaves_it_to_the_policy(code: grpc.StatusCode) -> None:
+    ticket = await Admission(_FailingStub(code), "open").admit("t", generation_reservation(request()), time_remaining=10.0)  # type: ignore[arg-type]
+    assert ticket.lease_id == ""
+    with pytest.raises(Unavailable):
+        await Admission(_FailingStub(code), "closed").admit("t", generation_reservation(request()), time_remaining=10.0)  # type: ignore[arg-type]

@@ -11,6 +11,7 @@ import pytest
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 from sluice.common.v1 import types_pb2
+from sluice.evallog.v1 import events_pb2
 from sluice.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 
 from sluice_common.amqp import EventTopology
@@ -190,7 +191,7 @@ async def test_response_format_json_object_is_enforced_not_only_scored(gateway) 
     [
         ({"user": "u" * 257}, "user"),
         ({"metadata": {str(i): "v" for i in range(17)}}, "metadata"),
-        ({"metadata": {"k" * 65: "v"}}, "metadata." + "k" * 65),
+        ({"metadata": {"k" * 65: "v"}}, "metadata"),  # a key too long to be a field's name: the map's
         ({"metadata": {"k": "v" * 513}}, "metadata.k"),
         ({"metadata": {"": "v"}}, "metadata."),
         ({"client_request_id": "c" * 129}, "client_request_id"),  # the HTTP front keeps the first 128
@@ -260,3 +261,101 @@ async def test_a_bad_message_in_a_chat_with_tools_is_named_at_the_clients_own_in
                 pass
         assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT and _violation(caught.value) == field
     assert adapter.requests == []
+
+
+async def _refused(stub: gateway_pb2_grpc.GatewayServiceStub, request: gateway_pb2.GenerateRequest) -> grpc.aio.AioRpcError:
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        async for _ in stub.Generate(request, metadata=AUTH):
+            pass
+    return caught.value
+
+
+async def test_a_20000_character_model_role_key_or_name_is_invalid_argument_not_resource_exhausted(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Quoted whole into the message, the BadRequest and the log context, a client's 20,000 characters
+    outgrew gRPC's metadata: the client heard RESOURCE_EXHAUSTED ("received metadata size exceeds hard
+    limit") instead of INVALID_ARGUMENT, and a 20 KB log line and CompletionEvent were written."""
+    adapter, publisher = _Adapter(), _Publisher()
+    catalog = ModelCatalog(adapter)  # type: ignore[arg-type]
+    await catalog.refresh()
+    events = CompletionEvents(publisher, EventTopology("t"))  # type: ignore[arg-type]
+    path = InferencePath(adapter, catalog, Admission(_RateLimit()), events, default_max_tokens=50)  # type: ignore[arg-type]
+    servicer = GatewayServicer(TenantDirectory.from_file(_tenants_file(tmp_path)), path)
+
+    def register(server: grpc.aio.Server) -> list[str]:
+        gateway_pb2_grpc.add_GatewayServiceServicer_to_server(servicer, server)
+        return ["sluice.gateway.v1.GatewayService"]
+
+    running = await create_server("127.0.0.1", 0, 0, register)
+    long = "x" * 20_000
+    hi = [types_pb2.ChatMessage(role="user", content="hi")]
+    sampling = types_pb2.SamplingParams(max_tokens=2)
+    cases = [
+        (gateway_pb2.GenerateRequest(model=long, prompt="hi", sampling=sampling), "model"),
+        (gateway_pb2.GenerateRequest(model="g", messages=[types_pb2.ChatMessage(role=long, content="hi")], sampling=sampling), "messages[0].role"),
+        (gateway_pb2.GenerateRequest(model="g", messages=[types_pb2.ChatMessage(role=long, content="hi")], sampling=sampling,
+                                     tool_use=types_pb2.ToolUse(tools=[types_pb2.Tool(name="f")])), "messages[0].role"),
+        (gateway_pb2.GenerateRequest(model="g", messages=hi, sampling=sampling, metadata={long: "v"}), "metadata"),
+        (gateway_pb2.GenerateRequest(model="g", messages=hi, sampling=sampling, tool_use=types_pb2.ToolUse(
+            tools=[types_pb2.Tool(name="f")], choice=types_pb2.ToolChoice(mode=types_pb2.TOOL_CHOICE_MODE_FUNCTION, function=long))),
+         "tool_use.choice.function"),
+    ]  # fmt: skip
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{running.port}") as channel:
+            stub = gateway_pb2_grpc.GatewayServiceStub(channel)
+            for request, field in cases:
+                error = await _refused(stub, request)
+                assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and _violation(error) == field, (field, error.code())
+                assert len(error.details() or "") < 300, field
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await stub.Embed(gateway_pb2.EmbedRequest(model=long, inputs=["a"]), metadata=AUTH)
+            assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT and _violation(caught.value) == "model"
+    finally:
+        await running.server.stop(None)
+    assert adapter.requests == []
+    events = [events_pb2.CompletionEvent.FromString(body) for body in publisher.bodies]
+    assert len(events[0].model) <= 257 and len(publisher.bodies[0]) < 2000  # the refused request's event
+
+
+@pytest.mark.parametrize(
+    ("changes", "field"),
+    [
+        ({"tool_use": types_pb2.ToolUse(tools=[types_pb2.Tool(name=f"f{i}") for i in range(129)])}, "tool_use.tools"),
+        (
+            {"tool_use": types_pb2.ToolUse(tools=[types_pb2.Tool(name="f", parameters='{"description": "' + "d" * 70_000 + '"}')])},
+            "tool_use.tools[0].parameters",
+        ),
+        ({"sampling": types_pb2.SamplingParams(max_tokens=2, logit_bias={i: 1.0 for i in range(1025)})}, "sampling.logit_bias"),
+        ({"sampling": _constrained(choice=types_pb2.ChoiceList(options=[f"o{i}" for i in range(1025)]))}, "sampling.structured_outputs"),
+        ({"sampling": _constrained(regex="a" * 70_000)}, "sampling.structured_outputs"),
+    ],
+    ids=["tools", "tool_parameters", "logit_bias", "choice", "regex"],
+)
+async def test_what_is_too_large_to_compile_on_the_event_loop_is_invalid_argument_naming_it(gateway, changes, field) -> None:  # type: ignore[no-untyped-def]
+    channel, adapter = gateway
+    stub = gateway_pb2_grpc.GatewayServiceStub(channel)
+    request = gateway_pb2.GenerateRequest(model="g", messages=[types_pb2.ChatMessage(role="user", content="hi")], **changes)
+    if not request.HasField("sampling"):
+        request.sampling.max_tokens = 2
+    error = await _refused(stub, request)
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and _violation(error) == field, error.details()
+    assert adapter.requests == []
+
+
+@pytest.mark.parametrize(
+    ("changes", "field"),
+    [
+        (
+            {"tool_use": types_pb2.ToolUse(tools=[types_pb2.Tool(name="f", parameters='{"type": "integer", "maximum": ' + "9" * 5000 + "}")])},
+            "tool_use.tools[0].parameters",
+        ),
+        ({"sampling": _constrained(json='{"type": "integer", "maximum": ' + "9" * 5000 + "}")}, "sampling.structured_outputs"),
+    ],
+    ids=["tool", "structured_outputs"],
+)
+async def test_a_schema_with_an_integer_too_long_to_read_is_invalid_argument_not_internal(gateway, changes, field) -> None:  # type: ignore[no-untyped-def]
+    channel, _adapter = gateway
+    request = gateway_pb2.GenerateRequest(model="g", messages=[types_pb2.ChatMessage(role="user", content="hi")], **changes)
+    if not request.HasField("sampling"):
+        request.sampling.max_tokens = 2
+    error = await _refused(gateway_pb2_grpc.GatewayServiceStub(channel), request)
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and _violation(error) == field, error.details()

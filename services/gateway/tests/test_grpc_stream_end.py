@@ -74,3 +74,63 @@ async def test_a_stream_its_client_left_is_recorded_cancelled_not_failed(tmp_pat
     event = events_pb2.CompletionEvent.FromString(body)
     assert (event.finish_reason, event.error_code) == (types_pb2.FINISH_REASON_CANCELLED, error_code)
     assert event.usage.completion_tokens == 1  # the token it had
+
+
+class _Floods(_Call):
+    """Chunks of a megabyte, more than a client's flow-control window holds: grpc blocks sending."""
+
+    def __aiter__(self):  # type: ignore[no-untyped-def]
+        async def run():  # type: ignore[no-untyped-def]
+            for _ in range(50):
+                yield inference_pb2.GenerateResponse(text="x" * 1_000_000, token_count=1)
+            usage = types_pb2.Usage(prompt_tokens=1, completion_tokens=50, total_tokens=51)
+            yield inference_pb2.GenerateResponse(finish_reason=types_pb2.FINISH_REASON_STOP, usage=usage)
+
+        return run()
+
+
+@pytest.mark.parametrize(("how", "error_code"), [("cancel", ""), ("deadline", "DEADLINE_EXCEEDED")])
+async def test_a_client_that_stops_reading_and_leaves_is_recorded_cancelled_not_failed(tmp_path: Any, how: str, error_code: str) -> None:
+    """grpc blocked sending (the client reads no more) does not cancel the handler when the client
+    cancels or its deadline passes: it closes it at its yield (GeneratorExit), after the call's
+    done-callback ran. The event read FINISH_REASON_ERROR "UNKNOWN", the RPC CANCELLED even past its deadline."""
+    from prometheus_client import REGISTRY
+
+    method = "/sluice.gateway.v1.GatewayService/Generate"
+    rpc_code = "CANCELLED" if how == "cancel" else "DEADLINE_EXCEEDED"
+
+    def counted() -> float:
+        return REGISTRY.get_sample_value("sluice_rpc_requests_total", {"method": method, "code": rpc_code}) or 0.0
+
+    before = counted()
+    adapter = _Adapter()
+    adapter.Generate = lambda request, timeout=None, metadata=None: _Floods([])  # type: ignore[method-assign]
+    catalog = ModelCatalog(adapter)  # type: ignore[arg-type]
+    await catalog.refresh()
+    publisher = _Publisher()
+    events = CompletionEvents(publisher, EventTopology("t"))  # type: ignore[arg-type]
+    path = InferencePath(adapter, catalog, Admission(_RateLimit()), events, default_max_tokens=50)  # type: ignore[arg-type]
+    servicer = GatewayServicer(TenantDirectory.from_file(_tenants_file(tmp_path)), path)
+
+    def register(server: grpc.aio.Server) -> list[str]:
+        gateway_pb2_grpc.add_GatewayServiceServicer_to_server(servicer, server)
+        return ["sluice.gateway.v1.GatewayService"]
+
+    running = await create_server("127.0.0.1", 0, 0, register)
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{running.port}") as channel:
+        stub = gateway_pb2_grpc.GatewayServiceStub(channel)
+        request = gateway_pb2.GenerateRequest(model="g", prompt="hi", sampling=types_pb2.SamplingParams(max_tokens=5))
+        call = stub.Generate(request, metadata=(("authorization", f"Bearer {KEY}"),), timeout=1.0)
+        await call.read()  # one chunk, then no more: grpc fills the window and blocks
+        if how == "cancel":
+            await asyncio.sleep(0.3)
+            call.cancel()
+        for _ in range(150):  # published from the call's done-callback, once the server has closed it
+            if publisher.bodies:
+                break
+            await asyncio.sleep(0.02)
+    await running.server.stop(None)
+    (body,) = publisher.bodies
+    event = events_pb2.CompletionEvent.FromString(body)
+    assert (event.finish_reason, event.error_code) == (types_pb2.FINISH_REASON_CANCELLED, error_code)
+    assert counted() == before + 1  # the RPC's own record: DEADLINE_EXCEEDED once the deadline passed

@@ -220,6 +220,40 @@ async def test_max_tokens_omitted_is_capped_by_the_models_limit_and_a_full_promp
     )
 
 
+class _UncountingAdapter(_CountingAdapter):
+    """CountTokens fails with `code`: a model that cannot count (UNIMPLEMENTED), or a transient failure."""
+
+    def __init__(self, code: object) -> None:
+        super().__init__(prompt_tokens=None)
+        self.code = code
+
+    async def CountTokens(self, request, timeout=None, metadata=None):  # noqa: N802
+        import grpc
+
+        self.counted += 1
+        raise grpc.aio.AioRpcError(self.code, grpc.aio.Metadata(), grpc.aio.Metadata(), "no count")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("code", ["UNIMPLEMENTED", "UNAVAILABLE", "DEADLINE_EXCEEDED"])
+async def test_max_tokens_omitted_without_a_count_is_the_cap_never_a_refusal_or_a_cut_on_the_estimate(code: str) -> None:
+    """The estimate (bytes / 3) stood in for a count it never was: a prompt it guessed over the context
+    was refused quoting the guess as its length, and one near it had max_tokens cut, even when the
+    count had failed only for now. Without a count the backend decides, as check_context lets it."""
+    import grpc
+
+    adapter = _UncountingAdapter(getattr(grpc.StatusCode, code))
+    path = await _defaulting_path(adapter, default_max_tokens=700)
+    beyond = _generate("word " * 10_000, max_tokens=0)  # estimated ~16,700 tokens, the context 2,048
+    assert await path.apply_defaults(beyond, 10.0) is None
+    assert beyond.sampling.max_tokens == 700 and adapter.counted == 1
+    near = _generate("word " * 1000, max_tokens=0)  # estimated ~1,700: 700 was cut to ~350
+    await path.apply_defaults(near, 10.0)
+    assert near.sampling.max_tokens == 700
+    async with path.generate(Tenant("t"), _generate("word " * 10_000, max_tokens=0), "rid", 10.0):
+        pass
+    assert adapter.generated.sampling.max_tokens == 700  # the backend decides
+
+
 # Digits take a token each (SmolLM2 splits them): 1,500 of them are 1,500 tokens and more, while
 # the 3-bytes-a-token estimate reads about 540 with the template.
 DIGITS = "7" * 1500

@@ -795,6 +795,35 @@ async def test_a_bad_tool_or_tool_choice_is_a_400_naming_it(setup, changes: dict
     assert not adapter.requests
 
 
+@pytest.mark.parametrize(
+    ("changes", "param"),
+    [
+        ({"model": "x" * 20_000}, "model"),
+        ({"tools": [{"type": "function", "function": {"name": f"f{i}"}} for i in range(129)]}, "tools"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"description": "d" * 70_000}}}]}, "tools[0].function.parameters"),
+        ({"logit_bias": {str(i): 1 for i in range(1025)}}, "logit_bias"),
+        ({"structured_outputs": {"choice": [f"o{i}" for i in range(1025)]}}, "structured_outputs"),
+        ({"structured_outputs": {"regex": "a" * 70_000}}, "structured_outputs"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": {"description": "d" * 70_000}}}}, "response_format"),
+    ],
+    ids=["model", "tools", "tool_parameters", "logit_bias", "choice", "regex", "json_schema"],
+)
+async def test_the_grpc_bounds_on_what_is_compiled_are_a_400_naming_the_param(tmp_path, changes: dict[str, Any], param: str) -> None:  # type: ignore[no-untyped-def]
+    """The same bounds (sluice_common.validation) as gRPC's, before anything is compiled."""
+    adapter = _Adapter()
+    catalog = ModelCatalog(adapter)  # type: ignore[arg-type]
+    await catalog.refresh()
+    path = InferencePath(adapter, catalog, Admission(_RateLimit()), None, default_max_tokens=50)  # type: ignore[arg-type]
+    client = TestClient(TestServer(build_app(OpenAIFront(TenantDirectory.from_file(_tenants_file(tmp_path)), path), 1 << 20)))
+    await client.start_server()
+    try:
+        status, error = await _error(await client.post("/v1/chat/completions", json={**CHAT, **changes}, headers=AUTH))
+    finally:
+        await client.close()
+    assert (status, error["param"]) == (400, param), error
+    assert len(error["message"]) < 300 and not adapter.requests
+
+
 # ---- prompt lists and token-id prompts (vLLM's OpenAI server is the reference)
 
 

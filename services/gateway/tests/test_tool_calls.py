@@ -211,3 +211,82 @@ def test_auto_takes_a_calls_arguments_only_as_a_json_object(arguments: str, pars
         assert (shown + rest, reason, calls) == (text, types_pb2.FINISH_REASON_STOP, [])
     else:
         assert reason == types_pb2.FINISH_REASON_TOOL_CALLS and [json.loads(c.arguments) for c in calls] == [parsed]
+
+
+def _tools(count: int, parameters: str = "") -> types_pb2.ToolUse:
+    return types_pb2.ToolUse(tools=[types_pb2.Tool(name=f"f{i}", parameters=parameters) for i in range(count)])
+
+
+def _schema(chars: int) -> str:
+    """A valid JSON Schema of about `chars` characters (its length in a description)."""
+    return json.dumps({"type": "object", "description": "d" * chars})
+
+
+@pytest.mark.parametrize(
+    ("use", "field", "named"),
+    [
+        (_tools(129), "tool_use.tools", "at most 128 tools, got 129"),
+        (_tools(1, _schema(70_000)), "tool_use.tools[0].parameters", "at most 65536 characters"),
+        (_tools(4, _schema(20_000)), "tool_use.tools", "total 80"),
+    ],
+    ids=["count", "one_tool", "all_tools"],
+)
+def test_tools_too_many_or_too_large_to_compile_are_refused_before_any_is_compiled(monkeypatch, use, field, named) -> None:  # type: ignore[no-untyped-def]
+    """10,000 tools took 1.8 s to compile on the event loop (each tool's schema compiled), before any
+    bound: OpenAI takes at most 128, and their schemas are bounded as a constraint is."""
+
+    def compile_(constraint: object) -> None:
+        raise AssertionError("compiled before the tools' sizes were checked")
+
+    monkeypatch.setattr("sluice_gateway.path.tool_calls.check", compile_)
+    with pytest.raises(InvalidArgument) as caught:
+        plan(use, types_pb2.SamplingParams())
+    assert caught.value.field_name == field and named in caught.value.reason, caught.value.reason
+
+
+def test_tools_at_their_bounds_are_planned() -> None:
+    assert plan(_tools(128), types_pb2.SamplingParams()) is not None
+    assert plan(_tools(1, _schema(60_000)), types_pb2.SamplingParams()) is not None
+
+
+def test_required_tools_whose_one_constraint_outgrows_the_bound_are_refused_naming_the_tools() -> None:
+    """Within the bound each and together, their calls wrapped into one constraint (tool_choice
+    required) are larger: refused naming the tools, not a structured_outputs the client never set."""
+    use = _tools(4, _schema(16_300))
+    use.choice.mode = Mode.TOOL_CHOICE_MODE_REQUIRED
+    with pytest.raises(InvalidArgument) as caught:
+        plan(use, types_pb2.SamplingParams())
+    assert caught.value.field_name == "tool_use.tools" and "tool_choice" in caught.value.reason
+
+
+def test_a_tool_schema_with_an_integer_too_long_to_read_is_invalid_not_internal() -> None:
+    """json.loads raises a plain ValueError (not JSONDecodeError) for an integer of more than 4,300
+    digits: it escaped as an INTERNAL."""
+    schema = '{"type": "object", "properties": {"a": {"type": "integer", "maximum": ' + "9" * 5000 + "}}}"
+    with pytest.raises(InvalidArgument) as caught:
+        plan(_tools(1, schema), types_pb2.SamplingParams())
+    assert caught.value.field_name == "tool_use.tools[0].parameters" and "not valid JSON" in caught.value.reason
+
+
+def test_a_long_name_is_quoted_in_part() -> None:
+    for use, field in (
+        (types_pb2.ToolUse(tools=[types_pb2.Tool(name="n" * 20_000)]), "tool_use.tools[0].name"),
+        (types_pb2.ToolUse(tools=[types_pb2.Tool(name=f"f{i:03d}_" + "x" * 59) for i in range(128)],
+                           choice=types_pb2.ToolChoice(mode=Mode.TOOL_CHOICE_MODE_FUNCTION, function="g" * 20_000)), "tool_use.choice.function"),
+    ):  # fmt: skip
+        with pytest.raises(InvalidArgument) as caught:
+            plan(use, types_pb2.SamplingParams())
+        assert caught.value.field_name == field and len(caught.value.message) < 500, len(caught.value.message)
+
+
+def test_call_arguments_nested_to_the_recursion_limit_are_shown_as_sent() -> None:
+    """Arguments that json.loads still reads were written back by json.dumps outside any guard, a
+    few frames deeper: RecursionError out of render (an INTERNAL)."""
+    import sys
+
+    limit = sys.getrecursionlimit()
+    for depth in range(limit - 80, limit + 5):
+        arguments = "[" * depth + "]" * depth
+        call = types_pb2.ToolCall(id="c", name="f", arguments=arguments)
+        (rendered,) = render([types_pb2.ChatMessage(role="assistant", tool_calls=[call])], None)
+        assert rendered.content.startswith(OPEN) and rendered.content.endswith(CLOSE)

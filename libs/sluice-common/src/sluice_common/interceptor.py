@@ -35,6 +35,7 @@ from prometheus_client import Counter, Gauge, Histogram
 from sluice_common.errors import InvalidArgument, ResourceExhausted, SluiceError, Unavailable
 from sluice_common import tracing
 from sluice_common.request_context import bind_request_id, new_request_id, request_id_from_metadata
+from sluice_common.sampling import clip
 from sluice_common.utf8 import invalid_wire_text
 
 log = structlog.stdlib.get_logger("sluice.rpc")
@@ -61,18 +62,27 @@ def quiet_prefix(method: str) -> bool:
     return method.startswith(_QUIET_PREFIXES)
 
 
+# The most of a SluiceError's message (and of a BadRequest's field and description) a status carries:
+# they travel as trailing metadata, which grpc refuses beyond its limit (16 KiB: the client then hears
+# RESOURCE_EXHAUSTED, not the error). Every client value a message quotes is clipped where it is
+# written; this keeps one missed from turning the answer into another.
+MAX_STATUS_TEXT = 512
+
+
 def status_for(error: SluiceError) -> grpc.Status:
     """The grpc.Status (with google.rpc details) that a SluiceError maps to."""
     code = getattr(code_pb2, error.code, code_pb2.INTERNAL)
-    status = status_pb2.Status(code=code, message=error.message)
+    status = status_pb2.Status(code=code, message=clip(error.message, MAX_STATUS_TEXT))
     if isinstance(error, InvalidArgument):
-        violation = error_details_pb2.BadRequest.FieldViolation(field=error.field_name, description=error.reason)
+        violation = error_details_pb2.BadRequest.FieldViolation(
+            field=clip(error.field_name, MAX_STATUS_TEXT), description=clip(error.reason, MAX_STATUS_TEXT)
+        )
         _pack(status, error_details_pb2.BadRequest(field_violations=[violation]))
     if isinstance(error, (ResourceExhausted, Unavailable)) and error.retry_after_s is not None:
         _pack(status, error_details_pb2.RetryInfo(retry_delay=_duration(error.retry_after_s)))
     if isinstance(error, ResourceExhausted):
         if error.quota_subject:
-            quota = error_details_pb2.QuotaFailure.Violation(subject=error.quota_subject, description=error.message)
+            quota = error_details_pb2.QuotaFailure.Violation(subject=error.quota_subject, description=status.message)
             _pack(status, error_details_pb2.QuotaFailure(violations=[quota]))
     return rpc_status.to_status(status)
 
@@ -202,8 +212,7 @@ class _CallRecord:
             await self.context.abort(status.code, status.details, tuple(status.trailing_metadata) + error.metadata)
         if isinstance(error, asyncio.CancelledError):
             # grpc cancels the handler both when the client goes away and when its deadline passes.
-            remaining = self.context.time_remaining()
-            self.code = "DEADLINE_EXCEEDED" if remaining is not None and remaining <= 0 else "CANCELLED"
+            self.code = self.gone_code()
             raise error
         if isinstance(error, grpc.aio.AioRpcError):
             # A downstream service's status passes through unchanged, rich details included.
@@ -217,6 +226,12 @@ class _CallRecord:
         self.code = "INTERNAL"
         log.exception("rpc_failed")
         await self.context.abort(grpc.StatusCode.INTERNAL, f"internal error (request_id={self.request_id})")
+
+    def gone_code(self) -> str:
+        """A call that ended without a status (its handler cancelled, or closed at a yield): what
+        ended it, told by its deadline (time_remaining is None without one, <= 0 once it passed)."""
+        remaining = self.context.time_remaining()
+        return "DEADLINE_EXCEEDED" if remaining is not None and remaining <= 0 else "CANCELLED"
 
     def finish(self) -> None:
         elapsed = time.perf_counter() - self.started
@@ -265,7 +280,9 @@ def _wrap_stream(method: str, behavior: Callable[..., AsyncIterator[Any]], quiet
                     yield response
         except BaseException as error:  # noqa: BLE001 - mapped, then re-raised as a status
             if isinstance(error, GeneratorExit):
-                record.code = "CANCELLED"
+                # Closed at a yield: grpc was blocked sending (a client that does not read) when the
+                # client cancelled or its deadline passed.
+                record.code = record.gone_code()
                 raise
             await record.fail(error)
         finally:

@@ -13,7 +13,7 @@ from typing import Any, cast
 
 import llguidance
 
-from sluice_common.sampling import StructuredOutputs, StructuredOutputsError
+from sluice_common.sampling import StructuredOutputs, StructuredOutputsError, clip
 
 # JSON is generated in the spacing models write it in (", " and ": ") and with no other whitespace:
 # flexible whitespace lets a small model fill max_tokens with newlines inside a valid object.
@@ -23,6 +23,9 @@ _JSON_OPTIONS: dict[str, Any] = {
     "key_separator": ": ",
     "lenient": False,  # an unsupported keyword is an error, not silently ignored
 }
+# llguidance's errors quote the construct at fault, a whole regex or rule included (a 60 KB regex
+# made a 180 KB message): kept to their start, which says what and where.
+_MESSAGE_CHARS = 256
 
 
 def llguidance_grammar(constraint: StructuredOutputs) -> str:
@@ -41,7 +44,7 @@ def llguidance_grammar(constraint: StructuredOutputs) -> str:
             return llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(v) for v in value))
         return llguidance.grammar_from("grammar", str(value))
     except (ValueError, TypeError) as exc:
-        raise StructuredOutputsError(f"{kind}: {exc}") from None
+        raise StructuredOutputsError(clip(f"{kind}: {exc}", _MESSAGE_CHARS)) from None
 
 
 # Where a JSON Schema holds subschemas: one, a list of them, or a map of names to them. Only these
@@ -78,7 +81,7 @@ def raise_if_invalid(constraint: StructuredOutputs, grammar: str, tokenizer: llg
     problem = llguidance.LLMatcher.validate_grammar(grammar, tokenizer)
     if problem:
         # llguidance names the construct, e.g. 'Unimplemented keys: ["if"]'.
-        raise StructuredOutputsError(f"{constraint.kind}: {problem}")
+        raise StructuredOutputsError(clip(f"{constraint.kind}: {problem}", _MESSAGE_CHARS))
 
 
 def check(constraint: StructuredOutputs) -> None:

@@ -12,9 +12,17 @@ from sluice.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 
 from sluice_common.errors import Unimplemented
 from sluice_common.request_context import REQUEST_ID_KEY, current_request_id
+from sluice_common.sampling import clip
+from sluice_common.validation import MAX_MODEL_NAME
 from sluice_gateway.path.inference_path import InferencePath
 from sluice_gateway.jobs_port import JobsPort
 from sluice_common.tenants import Tenant, TenantDirectory, authorization
+
+
+def _gone(context: grpc.aio.ServicerContext) -> grpc.StatusCode:
+    """How a call that ended without a status ended: its deadline passed, or its client cancelled it."""
+    remaining = context.time_remaining()
+    return grpc.StatusCode.DEADLINE_EXCEEDED if remaining is not None and remaining <= 0 else grpc.StatusCode.CANCELLED
 
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
@@ -34,18 +42,23 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
 
     async def Generate(self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[gateway_pb2.GenerateResponse]:
         tenant = self._tenant(context)
-        structlog.contextvars.bind_contextvars(tenant=tenant.name, model=request.model)
+        # Bound before the name is checked: a longer one is refused, and logged only in part.
+        structlog.contextvars.bind_contextvars(tenant=tenant.name, model=clip(request.model, MAX_MODEL_NAME))
         request_id = current_request_id()
 
         # The CompletionEvent is published from the call's done-callback, only after the client's
         # stream has closed (issue 5); defaults, validation, admission and tracking are the path's.
-        # grpc.aio records no status for a call its client cancelled or whose deadline passed (it
-        # cancels this handler): `gone` says which it was, or the event would read as a failure.
+        # grpc.aio records no status for a call its client cancelled or whose deadline passed: it
+        # cancels this handler, or, when it was blocked sending a chunk (a client that does not
+        # read), closes it at its yield (GeneratorExit), and that only after the done-callback ran.
+        # `gone` says which it was, or the event would read as a failure; a call done while its
+        # handler still runs ended so too (a finished handler has returned before its call is done).
         gone: list[grpc.StatusCode] = []
+        running = [True]
 
         def when_closed(publish: Callable[[Any, bool], None]) -> None:
             def closed(done: grpc.aio.ServicerContext) -> None:
-                code = done.code() or (gone[0] if gone else None)
+                code = done.code() or (gone[0] if gone else _gone(done) if running else None)
                 publish(code, done.cancelled() or code == grpc.StatusCode.CANCELLED)
 
             context.add_done_callback(closed)
@@ -65,10 +78,11 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
                         logprobs=chunk.logprobs,
                         tool_calls=stream.tool_calls(stream.index) if chunk.finish_reason else None,
                     )
-        except asyncio.CancelledError:
-            remaining = context.time_remaining()
-            gone.append(grpc.StatusCode.DEADLINE_EXCEEDED if remaining is not None and remaining <= 0 else grpc.StatusCode.CANCELLED)
+        except (asyncio.CancelledError, GeneratorExit):
+            gone.append(_gone(context))
             raise
+        finally:
+            running.clear()
 
     async def ListModels(self, request: gateway_pb2.ListModelsRequest, context: grpc.aio.ServicerContext) -> gateway_pb2.ListModelsResponse:
         self._tenant(context)
@@ -76,7 +90,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
 
     async def Embed(self, request: gateway_pb2.EmbedRequest, context: grpc.aio.ServicerContext) -> gateway_pb2.EmbedResponse:
         tenant = self._tenant(context)
-        structlog.contextvars.bind_contextvars(tenant=tenant.name, model=request.model)
+        structlog.contextvars.bind_contextvars(tenant=tenant.name, model=clip(request.model, MAX_MODEL_NAME))
         request_id = current_request_id()
         reply, ticket = await self._path.embed_with_ticket(tenant, request, request_id, context.time_remaining())
         await context.send_initial_metadata(((REQUEST_ID_KEY, request_id), *ticket.metadata))

@@ -43,7 +43,9 @@ from sluice_common.sampling import StructuredOutputs, StructuredOutputsError
 from sluice_common.sampling_proto import structured_outputs_to_proto
 from sluice_common.structured_outputs import check
 from sluice_common.utf8 import invalid_json_text
-from sluice_common.validation import MAX_METADATA_KEY, MAX_METADATA_PAIRS, MAX_METADATA_VALUE, MAX_USER
+from sluice_common.validation import (
+    MAX_LOGIT_BIAS, MAX_METADATA_KEY, MAX_METADATA_PAIRS, MAX_METADATA_VALUE, MAX_MODEL_NAME, MAX_TOOLS, MAX_USER, constraint_too_large,
+)  # fmt: skip
 from sluice_gateway.openai_front.errors import invalid
 from sluice_gateway.openai_front.choices import parse_chat_choices, parse_completion_choices
 
@@ -183,6 +185,8 @@ def _model(body: dict[str, Any]) -> str:
         raise invalid("model", "you must provide a model parameter", "missing_required_parameter")
     if not isinstance(model, str) or not model:
         raise invalid("model", f"model must be a non-empty string, got {model!r}", "invalid_type")
+    if len(model) > MAX_MODEL_NAME:  # before it is logged (the InferencePath refuses it as gRPC's)
+        raise invalid("model", f"model must be at most {MAX_MODEL_NAME} characters, got {len(model)}", "invalid_value")
     return model
 
 
@@ -238,6 +242,8 @@ def _logit_bias(value: Any, sampling: types_pb2.SamplingParams) -> None:
         return
     if not isinstance(value, dict):
         raise invalid("logit_bias", f"logit_bias must be an object of token ids to biases, got {value!r}", "invalid_type")
+    if len(value) > MAX_LOGIT_BIAS:  # sluice_common.validation's bound, before the entries are read
+        raise invalid("logit_bias", f"logit_bias takes at most {MAX_LOGIT_BIAS} tokens, got {len(value)}", "invalid_value")
     for key, bias in value.items():
         try:
             token = int(key)
@@ -261,6 +267,9 @@ def _constrain(sampling: types_pb2.SamplingParams, value: dict[str, Any] | Struc
     (naming the keyword) before the request goes anywhere."""
     try:
         constraint = value if isinstance(value, StructuredOutputs) else StructuredOutputs.from_json(value)
+        too_large = constraint_too_large(constraint.kind, constraint.value)  # before it is compiled
+        if too_large is not None:
+            raise StructuredOutputsError(too_large)
         check(constraint)
     except StructuredOutputsError as exc:
         raise invalid(param, f"{param}: {exc}", "invalid_value") from None
@@ -472,6 +481,8 @@ def _tool_use(body: dict[str, Any], request: gateway_pb2.GenerateRequest) -> Non
     tool_use = request.tool_use
     if tools is not None and not isinstance(tools, list):
         raise invalid("tools", 'tools must be an array of {"type": "function", "function": {...}}', "invalid_type")
+    if tools is not None and len(tools) > MAX_TOOLS:  # as the InferencePath refuses it, before the tools are read
+        raise invalid("tools", f"tools: at most {MAX_TOOLS} tools, got {len(tools)}", "invalid_value")
     for index, tool in enumerate(tools or []):
         function = tool.get("function") if isinstance(tool, dict) and tool.get("type") == "function" else None
         if not isinstance(function, dict):
@@ -484,7 +495,9 @@ def _tool_use(body: dict[str, Any], request: gateway_pb2.GenerateRequest) -> Non
         name, description, parameters = function.get("name"), function.get("description") or "", function.get("parameters")
         if not isinstance(name, str) or not isinstance(description, str) or not (parameters is None or isinstance(parameters, dict)):
             raise invalid(f"tools[{index}].function", "name and description must be strings, parameters a JSON Schema object", "invalid_type")
-        tool_use.tools.append(types_pb2.Tool(name=name, description=description, parameters=json.dumps(parameters) if parameters is not None else ""))
+        # Compact and unescaped, as the client likely sent it: the InferencePath bounds its length.
+        text = json.dumps(parameters, separators=(",", ":"), ensure_ascii=False) if parameters is not None else ""
+        tool_use.tools.append(types_pb2.Tool(name=name, description=description, parameters=text))
     if isinstance(choice, str) and choice in _TOOL_CHOICES:
         tool_use.choice.mode = _TOOL_CHOICES[choice]
     elif (

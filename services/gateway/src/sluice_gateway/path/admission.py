@@ -19,8 +19,10 @@ deadline read too.
 
 Failures: Acquire is bounded by SLUICE_GATEWAY_RATELIMIT_TIMEOUT_S and by the request's deadline,
 so a call never hangs on an unreachable rate-limit. A call whose own deadline ran out while it
-waited answers DEADLINE_EXCEEDED; otherwise the policy applies: "closed" (default) answers
-UNAVAILABLE; "open" admits without a lease. A grant that reaches a call cancelled while it waited
+waited answers DEADLINE_EXCEEDED; otherwise, when rate-limit could not decide (UNAVAILABLE,
+DEADLINE_EXCEEDED, CANCELLED), the policy applies: "closed" (default) answers UNAVAILABLE; "open"
+admits without a lease. Any other error rate-limit answers (INVALID_ARGUMENT, INTERNAL,
+UNIMPLEMENTED, ...) is no outage: the call is answered INTERNAL and never admitted, whatever the policy. A grant that reaches a call cancelled while it waited
 is given back (Release). A denial answers RESOURCE_EXHAUSTED with
 google.rpc.RetryInfo and QuotaFailure; a request larger than a whole limit (it can never be
 admitted) answers RESOURCE_EXHAUSTED with QuotaFailure and no RetryInfo; a denial by a fail-closed budget whose Redis is unreachable
@@ -44,9 +46,10 @@ from sluice.common.v1 import types_pb2
 from sluice.gateway.v1 import gateway_pb2
 from sluice.ratelimit.v1 import ratelimit_pb2, ratelimit_pb2_grpc
 
-from sluice_common.errors import DeadlineExceeded, ResourceExhausted, Unavailable
+from sluice_common.errors import DeadlineExceeded, ResourceExhausted, SluiceError, Unavailable
 from sluice_common.prompt_tokens import estimate_prompt_tokens, guess_text_tokens
 from sluice_common.request_context import current_request_id, outgoing_metadata
+from sluice_common.sampling import clip
 from sluice_gateway.path.lease_renewal import first_ttl, keep_alive, needs_renewal
 from sluice_gateway.path.stream_record import StreamRecord
 
@@ -55,7 +58,8 @@ log = structlog.stdlib.get_logger("sluice.gateway.admission")
 DECISIONS = Counter(
     "sluice_gateway_ratelimit_decisions_total",
     "Admission outcomes: allowed, shadow, denied, too_large (more than a whole limit), degraded (fail-closed "
-    "budget without Redis), deadline (the request's deadline passed while it waited), unreachable_closed, unreachable_open.",
+    "budget without Redis), deadline (the request's deadline passed while it waited), unreachable_closed, unreachable_open,"
+    " error (rate-limit answered another error: INTERNAL, never admitted).",
     ["result"],
 )
 # The gateway's share of a request's time spent on admission: `sluice diagnose` sets it beside the
@@ -70,6 +74,11 @@ COMMITS = Counter(
     "Leases settled after a stream, by outcome: ok, released_unheard (granted to a call cancelled while it waited), or the gRPC code.",
     ["result"],
 )
+
+# The Acquire failures that mean rate-limit could not decide (down, restarting, overloaded past the
+# timeout): the failure policy applies to these only. CANCELLED: a rate-limit shutting down cancels
+# the calls in flight (a call of this gateway's own cancelled raises asyncio.CancelledError instead).
+_UNREACHABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED})
 
 # What an embedding tokenizer adds to each input ([CLS] and [SEP] for BERT-style models).
 TOKENS_PER_EMBED_INPUT = 2
@@ -262,6 +271,12 @@ class Admission:
             if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and time_remaining is not None and time_remaining <= self._timeout_s:
                 DECISIONS.labels("deadline").inc()
                 raise DeadlineExceeded(f"the request's deadline ({time_remaining:.3f}s left) passed while it waited for admission") from None
+            if exc.code() not in _UNREACHABLE:
+                # rate-limit answered, and refused the call for a reason of its own (a bug, a version
+                # skew): no failure policy admits that without limits, and no retry later mends it.
+                DECISIONS.labels("error").inc()
+                log.error("ratelimit_failed", code=exc.code().name, details=exc.details(), request_id=current_request_id())
+                raise SluiceError(f"the rate-limit service answered {exc.code().name}: {clip(exc.details() or '', 256)}") from None
             return self._unreachable(exc, record)
         finally:
             WAIT_SECONDS.observe(time.perf_counter() - started)

@@ -38,8 +38,10 @@ from sluice.gateway.v1 import gateway_pb2
 from sluice_common import tracing
 from sluice_common.amqp import EventTopology
 from sluice_common.amqp_publisher import ConfirmingPublisher, OutgoingMessage, PublisherMetrics
+from sluice_common.sampling import clip
 from sluice_common.supervision import Supervisor
 from sluice_common.tenants import Tenant
+from sluice_common.validation import MAX_MODEL_NAME
 from sluice_gateway.path.stream_record import StreamRecord
 
 log = structlog.stdlib.get_logger("sluice.gateway.events")
@@ -88,7 +90,7 @@ class CompletionTracker:
             request_id=self._request_id,
             client_request_id=request.client_request_id,
             tenant=self._tenant.name,
-            model=request.model,
+            model=clip(request.model, MAX_MODEL_NAME),  # a refused request's may be longer: recorded in part
             priority_class=request.priority_class or types_pb2.PRIORITY_CLASS_INTERACTIVE,
             text_logged=self._tenant.text_logging,
             sampling=request.sampling,

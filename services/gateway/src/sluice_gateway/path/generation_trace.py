@@ -15,6 +15,8 @@ from sluice.common.v1 import types_pb2
 from sluice.gateway.v1 import gateway_pb2
 
 from sluice_common import tracing
+from sluice_common.sampling import clip
+from sluice_common.validation import MAX_MODEL_NAME
 
 
 def finish_reason_name(value: int) -> str:
@@ -27,9 +29,10 @@ class GenerationTrace:
     def __init__(self, request: gateway_pb2.GenerateRequest, tenant: str, row: tuple[str, str] | None) -> None:
         operation = "chat" if request.messages else "text_completion"
         sampling = request.sampling
+        model = clip(request.model, MAX_MODEL_NAME)  # the span starts before the name is checked
         attributes: dict[str, Any] = {
             "gen_ai.operation.name": operation,
-            "gen_ai.request.model": request.model,
+            "gen_ai.request.model": model,
             "sluice.tenant": tenant,
             # The span starts before validation: a value outside the enum is recorded as its number.
             "sluice.priority_class": _enum_name(types_pb2.PriorityClass, request.priority_class or types_pb2.PRIORITY_CLASS_INTERACTIVE),
@@ -42,8 +45,8 @@ class GenerationTrace:
             attributes["gen_ai.request.top_p"] = sampling.top_p
         if row is not None:
             attributes["sluice.job_id"], attributes["sluice.custom_id"] = row
-        self._model = request.model
-        self._attached = tracing.AttachedSpan(f"{operation} {request.model}", attributes)
+        self._model = model
+        self._attached = tracing.AttachedSpan(f"{operation} {model}", attributes)
 
     def finish(self, chunk: Any) -> None:
         """The adapter's final chunk: usage and finish reason."""

@@ -40,7 +40,8 @@ CompletionEvent (when events are on) is built from it and published:
 A request refused before the stream (validation, admission) is published too, as an error.
 
 Defaults, the same on every front: max_tokens omitted (0) becomes the model's remaining context
-after the prompt, capped by SLUICE_GATEWAY_DEFAULT_MAX_TOKENS and the model's max_output_tokens.
+after the prompt, capped by SLUICE_GATEWAY_DEFAULT_MAX_TOKENS and the model's max_output_tokens
+(the cap alone when the prompt could not be counted: the backend then decides, as below).
 
 Embed takes a lease exactly as Generate does (one request, the inputs' estimated tokens) and
 commits the reply's usage, or the estimate when the adapter call failed.
@@ -49,7 +50,8 @@ A prompt that cannot fit the model's context is refused (INVALID_ARGUMENT) befor
 taken: no wait can admit it, so it must not be answered RESOURCE_EXHAUSTED "retry after" nor be
 retried as a job row. The estimate (bytes / 3) over-counts, so only a request whose estimate does
 not fit is counted exactly, by the adapter's CountTokens; a model that cannot count (Triton's
-vLLM backend) refuses it itself, which the adapter also reports as INVALID_ARGUMENT.
+vLLM backend) refuses it itself, which the adapter also reports as INVALID_ARGUMENT, and so does
+any model when CountTokens failed (the estimate never refuses a prompt).
 """
 
 from __future__ import annotations
@@ -75,7 +77,7 @@ from sluice_common.sampling_proto import structured_outputs_to_proto
 from sluice_common.request_context import outgoing_metadata
 from sluice_common.validation import validate_embedding, validate_generation, validate_priority_class, validate_recorded
 from sluice_gateway.path.admission import (
-    Admission, Ticket, combined, embedding_reservation, generation_reservation, message_pairs, prompt_estimate,
+    Admission, Ticket, combined, embedding_reservation, generation_reservation, message_pairs,
 )  # fmt: skip
 from sluice_gateway.path.completion_events import CompletionEvents, CompletionTracker
 from sluice_gateway.path.default_deadline import DefaultDeadline
@@ -431,7 +433,8 @@ class InferencePath:
         """max_tokens omitted (0): the model's remaining context after the prompt, capped by the
         configured default and the model's max_output_tokens. The prompt is counted exactly (the
         adapter's CountTokens) only when its bound (prompt_token_bound) says the cap may not fit;
-        that count is returned (None when there was none) for check_context to reuse. A request that
+        that count is returned (None when there was none) for check_context to reuse. Without a
+        count (the model cannot count, or counting failed) it is the cap. A request that
         asks for a JSON object (response_format) and sets no constraint of its own is constrained to
         one: enforced while decoding, on every front, not only scored afterwards."""
         if request.response_format == types_pb2.RESPONSE_FORMAT_JSON_OBJECT and not request.sampling.HasField("structured_outputs"):
@@ -445,11 +448,16 @@ class InferencePath:
             request.sampling.max_tokens = cap
             return None
         counted = await self._count(request, time_remaining)
-        # A model that cannot count: the estimate, not the bound, which would refuse prompts that fit.
-        prompt_tokens = prompt_estimate(request) if counted is None else counted
-        remaining = context_length - prompt_tokens
+        if counted is None:
+            # No count (a model that cannot count, or CountTokens failed, transiently too): nothing is
+            # known of the prompt, so nothing is refused or cut on a guess. The estimate (bytes / 3)
+            # is no token count: it refused prompts that fit, quoting itself as their length, and cut
+            # max_tokens short. The cap it is, and the backend decides, as check_context lets it.
+            request.sampling.max_tokens = cap
+            return None
+        remaining = context_length - counted
         if remaining <= 0:
-            raise ContextLengthExceeded("messages" if request.messages else "prompt", context_length, prompt_tokens, None)
+            raise ContextLengthExceeded("messages" if request.messages else "prompt", context_length, counted, None)
         request.sampling.max_tokens = min(cap, remaining)
         return counted
 

@@ -11,7 +11,9 @@ from sluice.common.v1 import types_pb2
 from sluice.inference.v1 import inference_pb2, inference_pb2_grpc
 
 from sluice_common.errors import InvalidArgument
+from sluice_common.sampling import clip
 from sluice_common.supervision import Supervisor, stop_tasks
+from sluice_common.validation import MAX_MODEL_NAME
 
 log = structlog.stdlib.get_logger("sluice.gateway.models")
 
@@ -32,11 +34,13 @@ class ModelCatalog:
 
     def get(self, name: str, kind: int = types_pb2.MODEL_KIND_GENERATION) -> types_pb2.ModelInfo:
         """The named model of that kind (generation or embedding), or INVALID_ARGUMENT naming the choices."""
+        if len(name) > MAX_MODEL_NAME:
+            raise InvalidArgument("model", f"must be at most {MAX_MODEL_NAME} characters, got {len(name)}")
         model = self._models.get(name)
         if model is None or model.kind != kind:
             known = ", ".join(sorted(n for n, m in self._models.items() if m.kind == kind)) or "none yet"
             what = types_pb2.ModelKind.Name(kind).removeprefix("MODEL_KIND_").lower()
-            raise UnknownModel("model", f"unknown {what} model {name!r}; available: {known}")
+            raise UnknownModel("model", f"unknown {what} model {clip(name)!r}; available: {known}")
         return model
 
     async def refresh(self) -> None:

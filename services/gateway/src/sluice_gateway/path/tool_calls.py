@@ -30,9 +30,9 @@ from typing import Any
 from sluice.common.v1 import types_pb2
 
 from sluice_common.errors import InvalidArgument
-from sluice_common.sampling import StructuredOutputs, StructuredOutputsError
+from sluice_common.sampling import StructuredOutputs, StructuredOutputsError, clip
 from sluice_common.structured_outputs import check
-from sluice_common.validation import ROLES
+from sluice_common.validation import MAX_CONSTRAINT_CHARS, MAX_TOOLS, ROLES
 
 # A chat with tools may also hold the results of calls (role "tool").
 ROLES_WITH_TOOLS = (*ROLES, "tool")
@@ -91,26 +91,47 @@ def plan(tool_use: types_pb2.ToolUse, sampling: types_pb2.SamplingParams) -> Too
         if mode in (Mode.TOOL_CHOICE_MODE_REQUIRED, Mode.TOOL_CHOICE_MODE_FUNCTION):
             raise InvalidArgument("tool_use.choice", "a tool must be called but no tools were given")
         return None
+    _check_sizes(tool_use.tools)  # before any schema is compiled
     tools: dict[str, dict[str, Any]] = {}
     descriptions: dict[str, str] = {}
     for index, tool in enumerate(tool_use.tools):
         where = f"tool_use.tools[{index}]"
         if not _NAME.fullmatch(tool.name):
-            raise InvalidArgument(f"{where}.name", f"must be 1 to 64 letters, digits, underscores or dashes, got {tool.name!r}")
+            raise InvalidArgument(f"{where}.name", f"must be 1 to 64 letters, digits, underscores or dashes, got {clip(tool.name)!r}")
         if tool.name in tools:
-            raise InvalidArgument(f"{where}.name", f"{tool.name!r} is given twice")
+            raise InvalidArgument(f"{where}.name", f"{tool.name!r} is given twice")  # 1 to 64 characters, as checked
         tools[tool.name] = _parameters(tool.parameters, f"{where}.parameters")
         descriptions[tool.name] = tool.description
     if mode == Mode.TOOL_CHOICE_MODE_FUNCTION and tool_use.choice.function not in tools:
-        raise InvalidArgument("tool_use.choice.function", f"no tool is named {tool_use.choice.function!r}; the tools are {', '.join(tools)}")
+        named = clip(", ".join(tools), 256)  # up to 128 names of 64 characters: the first few
+        raise InvalidArgument("tool_use.choice.function", f"no tool is named {clip(tool_use.choice.function)!r}; the tools are {named}")
     parallel = tool_use.parallel_tool_calls if tool_use.HasField("parallel_tool_calls") else True
     found = ToolPlan(mode, tools, descriptions, tool_use.choice.function, parallel)
-    if found.constraint() is not None and sampling.HasField("structured_outputs"):
+    constraint = found.constraint()
+    if constraint is not None and sampling.HasField("structured_outputs"):
         raise InvalidArgument(
             "sampling.structured_outputs",
             "a tool call's arguments are constrained already (tool_choice required or a named function): drop this constraint or use tool_choice auto",
         )
+    if constraint is not None and len(constraint.value) > MAX_CONSTRAINT_CHARS:  # the calls' wrapping, \u escapes
+        raise InvalidArgument(
+            "tool_use.tools",
+            f"the constraint tool_choice sets (required: every tool's call; a named function: its parameters) is"
+            f" {len(constraint.value)} characters, at most {MAX_CONSTRAINT_CHARS}",
+        )
     return found
+
+
+def _check_sizes(tools: Sequence[types_pb2.Tool]) -> None:
+    """The bounds on what tools ask to be compiled (sluice_common.validation), at the cost of a length each."""
+    if len(tools) > MAX_TOOLS:
+        raise InvalidArgument("tool_use.tools", f"at most {MAX_TOOLS} tools, got {len(tools)}")
+    for index, tool in enumerate(tools):
+        if len(tool.parameters) > MAX_CONSTRAINT_CHARS:
+            raise InvalidArgument(f"tool_use.tools[{index}].parameters", f"at most {MAX_CONSTRAINT_CHARS} characters, got {len(tool.parameters)}")
+    total = sum(len(tool.parameters) for tool in tools)
+    if total > MAX_CONSTRAINT_CHARS:
+        raise InvalidArgument("tool_use.tools", f"the tools' parameters total {total} characters, at most {MAX_CONSTRAINT_CHARS}")
 
 
 def _parameters(text: str, field_name: str) -> dict[str, Any]:
@@ -132,7 +153,7 @@ def check_chat(messages: Sequence[types_pb2.ChatMessage]) -> None:
     merged): an error then names the message the client sent, at its own index."""
     for index, message in enumerate(messages):
         if message.role not in ROLES_WITH_TOOLS:
-            raise InvalidArgument(f"messages[{index}].role", f"must be one of {', '.join(ROLES_WITH_TOOLS)}, got {message.role!r}")
+            raise InvalidArgument(f"messages[{index}].role", f"must be one of {', '.join(ROLES_WITH_TOOLS)}, got {clip(message.role)!r}")
         if not message.content and not message.tool_calls and message.role != "tool":
             raise InvalidArgument(f"messages[{index}].content", "must not be empty")
 
@@ -166,9 +187,11 @@ def render(messages: Sequence[types_pb2.ChatMessage], tool_plan: ToolPlan | None
 def _call_text(call: types_pb2.ToolCall) -> str:
     try:
         arguments: Any = json.loads(call.arguments or "{}")
+        # Written back inside the call: arguments nested near the recursion limit parse, then fail here.
+        text = json.dumps({"name": call.name, "arguments": arguments})
     except (ValueError, RecursionError):  # ValueError: JSONDecodeError, or an integer over 4,300 digits
-        arguments = call.arguments  # as the client sent it back: shown, not judged
-    return f"{OPEN}\n{json.dumps({'name': call.name, 'arguments': arguments})}\n{CLOSE}"
+        text = json.dumps({"name": call.name, "arguments": call.arguments})  # as the client sent it back: shown, not judged
+    return f"{OPEN}\n{text}\n{CLOSE}"
 
 
 def _instructions(tool_plan: ToolPlan) -> str:
