@@ -32,7 +32,7 @@ UNIT_TESTED := libs/sluice-common $(SERVICES) $(CLI) bench
 
 help:
 	@echo "make run        start the whole suite locally and stream a demo completion (Ctrl-C stops it)"
-	@echo "make test       lint (ruff, mypy, import contracts), the docs site, proto checks, each service's unit tests, then end-to-end tests on the real stack"
+	@echo "make test       lint (ruff, mypy, import contracts), the docs site, proto checks, deploy/ checks, each project's unit tests, then end-to-end tests on the real stack"
 	@echo "make docs       build the documentation site (docs/, MkDocs --strict) into build/docs-site; check README.md's links"
 	@echo "make bench-engine the step engine vs llama.cpp's own batched decode: prefill and decode tok/s"
 	@echo "make bench-colocated two engines on one host: cores split between them vs every core each (tok/s, step p99)"

@@ -21,13 +21,16 @@ RUN uv sync --locked --no-dev --no-editable
 # Final stage: the slim interpreter and the venv; no compilers, no uv, no source.
 FROM ${PYTHON_IMAGE}
 # /var/lib/sluice: the state directory, the user's own, so that a named volume mounted there starts
-# out writable (Docker copies the image's directory and its owner into an empty volume).
+# out writable (Docker copies the image's directory and its owner into an empty volume). The SQLite
+# evaluations (when SLUICE_EVALLOG_DATABASE_URL is empty) are there by default, as compose and the
+# manifests set it: the config's own default is relative to /app, which the user cannot write.
 RUN groupadd --system --gid 10001 sluice \
  && useradd --system --uid 10001 --gid sluice --no-create-home --shell /usr/sbin/nologin sluice \
  && install -d -o 10001 -g 10001 /var/lib/sluice
 COPY --from=builder /app/.venv /app/.venv
 ENV PATH=/app/.venv/bin:$PATH PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 \
-    SLUICE_EVALLOG_HOST=0.0.0.0 SLUICE_EVALLOG_LOG_JSON=true
+    SLUICE_EVALLOG_HOST=0.0.0.0 SLUICE_EVALLOG_LOG_JSON=true \
+    SLUICE_EVALLOG_SQLITE_PATH=/var/lib/sluice/evallog.sqlite3
 WORKDIR /app
 USER 10001:10001
 EXPOSE 50081 9104

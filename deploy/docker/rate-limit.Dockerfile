@@ -24,11 +24,11 @@ RUN groupadd --system --gid 10001 sluice \
  && useradd --system --uid 10001 --gid sluice --no-create-home --shell /usr/sbin/nologin sluice
 COPY --from=builder /app/.venv /app/.venv
 ENV PATH=/app/.venv/bin:$PATH PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 \
-    SLUICE_RATE_LIMIT_HOST=0.0.0.0 SLUICE_RATE_LIMIT_LOG_JSON=true
+    SLUICE_RATELIMIT_HOST=0.0.0.0 SLUICE_RATELIMIT_LOG_JSON=true
 WORKDIR /app
 USER 10001:10001
 EXPOSE 50071 9103
-# gRPC health (grpc.health.v1), over TLS when SLUICE_RATE_LIMIT_TLS_CERT_FILE is set.
+# gRPC health (grpc.health.v1), over TLS when SLUICE_RATELIMIT_TLS_CERT_FILE is set.
 HEALTHCHECK --interval=15s --timeout=5s --start-period=60s --retries=3 \
-    CMD ["python", "-m", "sluice_common.healthcheck", "SLUICE_RATE_LIMIT_", "50071"]
+    CMD ["python", "-m", "sluice_common.healthcheck", "SLUICE_RATELIMIT_", "50071"]
 ENTRYPOINT ["python", "-m", "sluice_rate_limit"]

@@ -53,6 +53,30 @@ def test_service_image_follows_the_rules(service: str) -> None:
         assert "sluice_common.healthcheck" in final, "health through grpc.health.v1"
 
 
+# Variables an image may name besides its service's own: the shared ones, and the health check's.
+NOT_A_SERVICE_SETTING = {*config_vars.SHARED_VARIABLES.values(), "SLUICE_HEALTHCHECK_SERVER_NAME"}
+
+
+@pytest.mark.parametrize("service", [*GRPC_SERVICES, "triton-local"])
+def test_image_variables_are_ones_its_service_reads(service: str) -> None:
+    """Every SLUICE_ name in a service's Dockerfile (ENV, the HEALTHCHECK's prefix argument,
+    comments) is spelled as the service reads it: a misspelt prefix (SLUICE_RATE_LIMIT_ for
+    SLUICE_RATELIMIT_) is ignored at run time, and the image would listen on 127.0.0.1 only."""
+    text = (DEPLOY / "docker" / f"{service}.Dockerfile").read_text()
+    prefix = config_vars.env_prefix(service)
+    known = set(config_vars.service_variables(service)) | NOT_A_SERVICE_SETTING
+    names = set(re.findall(r"\bSLUICE_[A-Z0-9_]*", text))
+    unknown = sorted(n for n in names if (n != prefix if n.endswith("_") else n not in known))
+    assert not unknown, f"{service}.Dockerfile names {unknown}: {service} reads {prefix}* (config.py's ENV_PREFIX)"
+    instructions = text.replace("\\\n", " ")
+    environment = " ".join(re.findall(r"^ENV (.+)$", instructions, re.M))
+    assert f"{prefix}HOST=0.0.0.0" in environment.split(), "listens on every interface in a container"
+    healthcheck = re.search(r"^HEALTHCHECK .*$", instructions, re.M)
+    assert healthcheck is not None
+    if service in GRPC_SERVICES:
+        assert f'"sluice_common.healthcheck", "{prefix}", "{GRPC_SERVICES[service]}"' in healthcheck.group(0)
+
+
 @pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
 def test_every_copied_path_exists(dockerfile: Path) -> None:
     for line in re.findall(r"^COPY (?!--from)(.+?)(?:\s+\S+)$", dockerfile.read_text().replace("\\\n", " "), re.M):

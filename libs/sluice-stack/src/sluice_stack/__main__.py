@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import time
@@ -12,7 +13,7 @@ from sluice.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 
 from sluice_stack.keeper import ServiceKeeper
 from sluice_stack.launcher import REPO_ROOT, VARIANT_MODEL, ServiceProcess, Stack, StartupError
-from sluice_stack.rabbitmq import ensure_rabbitmq
+from sluice_stack.rabbitmq import AMQP_URL_ENV, ensure_rabbitmq
 
 DEMO_KEY = "sk-sluice-demo"
 DEMO_QUESTION = "Which city is the capital of France?"
@@ -70,7 +71,7 @@ def _interrupt(*_: object) -> None:
 def main() -> int:
     run_dir = REPO_ROOT / ".run"
     try:
-        say(ensure_rabbitmq())
+        say(ensure_rabbitmq(os.environ.get(AMQP_URL_ENV)))  # the broker Stack hands the services
     except RuntimeError as exc:
         say(f"warning: {exc}")
     stack = Stack(run_dir=run_dir)

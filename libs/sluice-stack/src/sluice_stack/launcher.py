@@ -21,6 +21,8 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from sluice_stack.rabbitmq import AMQP_URL_ENV
+
 REPO_ROOT = Path(__file__).resolve().parents[4]
 LOCALHOST = "127.0.0.1"
 # triton-local's second variant of the chat model (its VARIANT_* settings: SmolLM2 re-quantized to
@@ -384,7 +386,7 @@ class Stack:
     serve_variant: bool = True
     # RabbitMQ for CompletionEvents (gateway -> evaluation-logging); exchange and queue names start
     # with amqp_prefix, so a test session with its own prefix never meets another run's messages.
-    amqp_url: str = field(default_factory=lambda: os.environ.get("SLUICE_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/"))
+    amqp_url: str = field(default_factory=lambda: os.environ.get(AMQP_URL_ENV, "amqp://guest:guest@127.0.0.1:5672/"))
     amqp_prefix: str = "sluice"
     services: list[ServiceProcess] = field(default_factory=list)
 

@@ -3,8 +3,8 @@
 The same rule as the gateway's default deadline (default_deadline.py: multiplier x (p99 time to
 first token + max_tokens x p99 time per token), or multiplier x p99 for an embedding), kept apart:
 bulk rows wait behind interactive traffic, so their p99s are their own. The bounds are
-WORKER_ROW_TIMEOUT_FLOOR_S and WORKER_ROW_TIMEOUT_CEILING_S (an hour: bulk work may be long; a
-1,024-token row on a busy CPU replica needs minutes).
+WORKER_ROW_TIMEOUT_FLOOR_S and WORKER_ROW_TIMEOUT_CEILING_S (25 minutes: bulk work may be long, a
+1,024-token row on a busy CPU replica needs minutes; within RabbitMQ's default consumer timeout).
 
 Warm-up (fewer rows seen than the default deadline's MIN_SAMPLES): nothing trustworthy is observed
 yet, and this process serves no interactive requests whose p99s it could borrow (those are another
@@ -36,8 +36,8 @@ from sluice_gateway.path.default_deadline import DefaultDeadline
 
 
 # A cut-off row's next deadline over the one that cut it: doubling reaches the ceiling in a few
-# attempts (30 s to an hour in 7) and wastes less than the ceiling twice over in all. Not the
-# deadline multiplier, which may be 1.
+# attempts (the 30 s floor to the 1,500 s ceiling in 7: 30, 60, 120, 240, 480, 960, 1,500 s), and the attempts
+# before the ceiling's waste less than the ceiling twice over in all. Not the deadline multiplier, which may be 1.
 RETRY_GROWTH = 2.0
 
 
