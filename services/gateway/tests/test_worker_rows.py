@@ -246,7 +246,7 @@ def test_every_row_and_job_outcome_is_exported_at_zero_before_it_happens() -> No
     first appears at 3 increases by 0 and the first burst never paged."""
     from prometheus_client import REGISTRY
 
-    for outcome in ("completed", "failed", "expired", "dead_lettered", "given_back", "cancelled"):
+    for outcome in ("completed", "failed", "expired", "dead_lettered", "given_back", "cancelled", "handed_back", "handed_back_retrying"):
         assert REGISTRY.get_sample_value("sluice_jobs_rows_total", {"outcome": outcome}) is not None, outcome
     for outcome in ("accepted", "rejected", "dead_lettered"):
         assert REGISTRY.get_sample_value("sluice_jobs_accepted_total", {"outcome": outcome}) is not None, outcome
@@ -416,3 +416,159 @@ async def test_a_row_that_waits_out_its_slot_wait_is_handed_back_unstarted_and_u
     again = types.SimpleNamespace(headers=copy.headers, redelivered=False)  # type: ignore[attr-defined]  # the copy, delivered
     assert worker_module._deliveries(again) == 3 and worker_module._redelivered(again)  # type: ignore[arg-type]
     assert await store.row_states("j") == {"pending": 1}
+
+
+# ---- a row's retries within one delivery: none ends past WorkerSettings.hold_s of its delivery
+
+# The broker's consumer timeout, told: 1.9 s of it held at most with work going on (hold_s); a 1.6 s
+# ceiling (85% is 1.7). An embedding's warm-up deadline is WORKER_ROW_TIMEOUT_S whatever was seen, so
+# a cut row's deadlines are 0.2, 0.4, 0.8, then the ceiling.
+SHORT_CONSUMER_TIMEOUT = {
+    "WORKER_CONSUMER_TIMEOUT_S": "2", "WORKER_ROW_TIMEOUT_CEILING_S": "1.6", "WORKER_ROW_TIMEOUT_FLOOR_S": "0.1",
+    "WORKER_ROW_TIMEOUT_S": "0.2",
+}  # fmt: skip
+
+
+class _Broker:
+    """What a handed-back row message meets: the exchange its copy is published on, and the copy
+    delivered again (its headers; a publish, not a redelivery)."""
+
+    def __init__(self) -> None:
+        self.published: list[object] = []
+
+    async def publish(self, message: object, routing_key: str) -> None:
+        assert routing_key == "row"
+        self.published.append(message)
+
+    def redeliver(self) -> _Timed:
+        [copy] = self.published
+        self.published.clear()
+        delivery = _Timed(jobs_pb2.RowTask.FromString(copy.body))  # type: ignore[attr-defined]
+        delivery.headers = dict(copy.headers)  # type: ignore[attr-defined]
+        return delivery
+
+
+class _Timed(_Delivery):
+    """A row message that knows how long it was held unacked, from its delivery (`_row`) to its ack."""
+
+    def __init__(self, task: jobs_pb2.RowTask) -> None:
+        super().__init__(task)
+        self.message_id, self.type, self.content_type, self.timestamp = "j/e", worker_module.ROW_TYPE, "application/x-protobuf", None
+        self.held_s = 0.0
+
+    async def run_on(self, job_worker: JobWorker) -> None:
+        import asyncio
+        import time
+
+        delivered = time.monotonic()
+        try:
+            # Bounded: the code before this fix held the row (its waits, its attempts) past any bound.
+            await asyncio.wait_for(job_worker._row(self), 2 * job_worker.config.consumer_timeout_s)  # type: ignore[arg-type]
+        finally:
+            self.held_s = time.monotonic() - delivered
+
+
+def row_worker(store: JobStore, broker: _Broker) -> JobWorker:
+    job_worker = worker(store, None, **SHORT_CONSUMER_TIMEOUT)
+    job_worker._exchange = broker  # type: ignore[assignment]
+    return job_worker
+
+
+async def embed_task(store: JobStore) -> jobs_pb2.RowTask:
+    await store.accept("j", "t", "", ["e"], 3600.0)
+    return jobs_pb2.RowTask(job_id="j", tenant="t", row=jobs_pb2.JobRow(custom_id="e", embed=jobs_pb2.EmbedRow(model="m", inputs=["a"])))
+
+
+def stand_in_path(monkeypatch: pytest.MonkeyPatch, *answers: str) -> list[float]:
+    """run_row stood in for: each attempt, the next of `answers` ("cut": its deadline passes, as an
+    overloaded engine's does; "limited": RESOURCE_EXHAUSTED, retry in 10 s; "ok"), the last one for
+    every attempt after. Returns the deadline of each attempt, as it is given."""
+    import asyncio
+
+    from sluice_common.errors import DeadlineExceeded, ResourceExhausted
+    from sluice_gateway.jobs.job import RowRun
+
+    given: list[float] = []
+
+    async def run(path: object, task: jobs_pb2.RowTask, request_id: str, timeout_s: float) -> RowRun:
+        given.append(timeout_s)
+        answer = answers[min(len(given), len(answers)) - 1]
+        if answer == "cut":
+            await asyncio.sleep(timeout_s)
+            raise DeadlineExceeded("the row's deadline passed")
+        if answer == "limited":
+            raise ResourceExhausted("the tenant's requests per minute are spent", retry_after_s=10.0)
+        return RowRun(jobs_pb2.RowResult(job_id=task.job_id, custom_id=task.row.custom_id, output="ok"), 0.01)
+
+    monkeypatch.setattr(worker_module, "run_row", run)
+    return given
+
+
+async def test_a_row_cut_again_and_again_is_handed_back_before_its_delivery_ends_and_goes_on_from_there(store, monkeypatch) -> None:
+    """Each retry of a cut row (twice the deadline) ran inside the same unacked delivery: with the
+    defaults 120, 240, 480, 960 s, then the ceiling's 1,500 s, past RabbitMQ's 30-minute consumer
+    timeout, and the broker closed the channel, requeueing every row on it with a delivery counted.
+    The row is handed back before an attempt that could not end in time, carrying the deadline that
+    cut its last attempt; its next delivery, on any worker, tries it at twice that, not from the start."""
+    given = stand_in_path(monkeypatch, "cut")
+    broker = _Broker()
+    first_worker = row_worker(store, broker)
+    assert first_worker.config.hold_s == pytest.approx(1.9)
+    delivery = _Timed(await embed_task(store))
+    await delivery.run_on(first_worker)
+    # 0.2 + 0.4 + 0.8 s; 1.6 s more would end past 1.9 s from the delivery.
+    assert given == [pytest.approx(0.2), pytest.approx(0.4), pytest.approx(0.8)]
+    assert delivery.settled == ["ack"] and delivery.held_s < first_worker.config.hold_s
+    copy = broker.redeliver()
+    assert copy.headers[worker_module.CUT_AT_HEADER] == pytest.approx(0.8)
+    assert copy.headers[worker_module.TRANSIENT_ERRORS_HEADER] == 0
+    assert worker_module._deliveries(copy) == 1  # no delivery counted against the row  # type: ignore[arg-type]
+    assert await store.row_states("j") == {"pending": 1}  # released: the copy claims it
+    # Another worker, which has seen no row yet (its own first deadline would be 0.2 s), delivered the copy.
+    other_worker = row_worker(store, broker)
+    await copy.run_on(other_worker)
+    assert given[3:] == [pytest.approx(1.6)]  # the ceiling: where the doubling had got to
+    assert copy.settled == ["ack"] and copy.held_s < other_worker.config.hold_s
+    [result] = (await store.list_results("j", 10, ""))[0]
+    assert result.error.code == "DEADLINE_EXCEEDED" and "the longest a row attempt may take" in result.error.message
+    assert not broker.published
+
+
+async def test_a_row_told_to_wait_past_its_delivery_s_end_is_handed_back_then_and_goes_on_from_there(store, monkeypatch) -> None:
+    """RESOURCE_EXHAUSTED told the row to wait longer than its delivery may last: it waited in the
+    same unacked delivery, past the broker's consumer timeout. It waits what the delivery allows (not
+    handed back at once, to come straight back and be told again, in a loop), is handed back, and
+    its next delivery tries it at the deadline its retries had got to."""
+    given = stand_in_path(monkeypatch, "cut", "limited", "ok")
+    broker = _Broker()
+    first_worker = row_worker(store, broker)
+    delivery = _Timed(await embed_task(store))
+    await delivery.run_on(first_worker)
+    assert given == [pytest.approx(0.2), pytest.approx(0.4)]  # cut, then limited: 10 s to wait
+    assert delivery.settled == ["ack"]
+    # It waited until hold_s (1.9 s) of the delivery; the hand-back itself (the store's release, the
+    # copy, the ack) within what the consumer timeout keeps beyond it for settling.
+    assert first_worker.config.hold_s <= delivery.held_s < first_worker.config.consumer_timeout_s
+    copy = broker.redeliver()
+    assert copy.headers[worker_module.CUT_AT_HEADER] == pytest.approx(0.2)
+    assert worker_module._deliveries(copy) == 1  # type: ignore[arg-type]
+    assert await store.row_states("j") == {"pending": 1}
+    other_worker = row_worker(store, broker)
+    await copy.run_on(other_worker)
+    assert given[2:] == [pytest.approx(0.4)]  # twice the cut deadline, not the first deadline's 0.2 s
+    assert copy.settled == ["ack"] and not broker.published
+    job = await store.get_job("j")
+    assert job is not None and job.completed_rows == 1
+
+
+def test_a_row_message_s_retry_chain_is_read_from_its_headers_and_only_from_numbers() -> None:
+    """What the worker itself wrote (floats and ints through AMQP), text of them, or nothing usable:
+    a header that is not a positive finite number leaves the chain where a first delivery starts it."""
+    chain_of = worker_module.RetryChain.of
+    cut, errors = worker_module.CUT_AT_HEADER, worker_module.TRANSIENT_ERRORS_HEADER
+    written = worker_module.RetryChain(0.8, 2)
+    assert chain_of(types.SimpleNamespace(headers=written.headers())) == written  # type: ignore[arg-type]
+    assert chain_of(types.SimpleNamespace(headers={cut: b"0.8", errors: "2"})) == written  # type: ignore[arg-type]
+    assert chain_of(types.SimpleNamespace(headers=None)) == worker_module.RetryChain()  # type: ignore[arg-type]
+    for bad in ("x", -1.0, float("inf"), float("nan"), [1], 0):
+        assert chain_of(types.SimpleNamespace(headers={cut: bad, errors: bad})) == worker_module.RetryChain()  # type: ignore[arg-type]

@@ -173,7 +173,8 @@ class WorkerSettings:
     # the queues. A message unacked longer makes the broker close the worker's channel and requeue
     # every row on it. The worker cannot ask the broker, so it is told: it keeps a row waiting for a
     # slot no longer than what leaves room for an attempt at the row ceiling (then hands the message
-    # back unstarted), and refuses a ceiling this cannot cover.
+    # back unstarted), starts no retry or wait that would end past hold_s (then hands the message
+    # back with where the row's retries stand), and refuses a ceiling this cannot cover.
     consumer_timeout_s: float = 1800.0
     # A row attempt's deadline follows this worker's rolling p99s and the row's own max_tokens
     # (row_deadline.py), between the floor and the ceiling; the ceiling is for long work (a
@@ -192,11 +193,17 @@ class WorkerSettings:
     delivery_limit: int = 5
 
     @property
+    def hold_s(self) -> float:
+        """How long after its delivery a row message may still be held unacked with work going on
+        (a wait, an attempt): what the consumer timeout leaves beside the settling of a result. No
+        attempt or wait that would end later is started: the message is handed back first."""
+        return self.consumer_timeout_s * (1 - CONSUMER_TIMEOUT_SETTLE_SHARE)
+
+    @property
     def slot_wait_s(self) -> float:
         """How long a row message may wait (unacked) for a slot, or for the worker that runs its row,
-        before the worker hands it back unstarted: what the consumer timeout leaves beside an attempt
-        at the ceiling and the settling of its result."""
-        return self.consumer_timeout_s * (1 - CONSUMER_TIMEOUT_SETTLE_SHARE) - self.row_timeout_ceiling_s
+        before the worker hands it back unstarted: what hold_s leaves beside an attempt at the ceiling."""
+        return self.hold_s - self.row_timeout_ceiling_s
 
     def row_timeout_policy(self, default_deadline: TimeoutPolicy) -> TimeoutPolicy:
         """The default deadline's multiplier, window and warm-up, with the row timeout's bounds."""

@@ -14,8 +14,10 @@ far + max_tokens x a per-token time assumed on the slow side): WORKER_ROW_WARMUP
 per-token time seen so far if that is slower. A long row is then not cut during warm-up, and a
 short one's deadline (and rate-limit lease) stays short.
 
-A row attempt cut off by its deadline gets twice that deadline next (capped at the ceiling);
-one cut off at the ceiling is not tried again (another attempt would get no longer). `expected_s`
+A row attempt cut off by its deadline gets twice that deadline next (capped at the ceiling), in
+the next delivery of the row's message too when the worker handed it back in between (the cut rides
+in its headers: worker.RetryChain); one cut off at the ceiling is not tried again (another attempt
+would get no longer). `expected_s`
 is what the row is expected to take at worst, for the worker to refuse a row that cannot finish
 within what is left of its job's completion window.
 

@@ -45,7 +45,11 @@ Two consumers on one robust connection (queues and exchange: sluice_common.amqp.
   that has waited WorkerSettings.slot_wait_s for a slot (or for the worker that runs its row) is
   handed back unstarted, a copy published (confirmed) and the message acked, so that no delivery
   is counted against the row; what is left of the timeout covers an attempt at the row ceiling,
-  which the settings refuse to set longer.
+  which the settings refuse to set longer. A row's retries (an attempt its deadline cut, a wait as
+  RESOURCE_EXHAUSTED told, a backoff, the slot before each) run in the same delivery only while the
+  next attempt can end within WorkerSettings.hold_s of it: otherwise the row is released and handed
+  back the same way, its message carrying where its retries stand (RetryChain: the deadline that
+  cut its last attempt, its transient errors), and its next delivery goes on from there.
 - A message whose handling fails unexpectedly (the job store unreachable) goes back to the broker
   after a backoff that doubles with its deliveries (FAILURE_BACKOFF_S), not at once: the queue's
   delivery limit would dead-letter every message of a short outage unrun.
@@ -58,9 +62,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import math
 import time
 import uuid
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, replace
 from typing import Any
 
 import aio_pika
@@ -117,7 +123,8 @@ log = structlog.stdlib.get_logger("sluice.gateway.worker")
 
 ROWS = Counter(
     "sluice_jobs_rows_total",
-    "Row messages settled by this worker, by outcome (handed_back: unstarted, after waiting WorkerSettings.slot_wait_s).",
+    "Row messages settled by this worker, by outcome (handed_back: unstarted, after waiting WorkerSettings.slot_wait_s;"
+    " handed_back_retrying: between two attempts, the next one unable to end within WorkerSettings.hold_s of the delivery).",
     ["outcome"],
 )
 JOBS = Counter("sluice_jobs_accepted_total", "Job messages handled, by outcome (accepted, rejected, dead_lettered).", ["outcome"])
@@ -126,7 +133,7 @@ IN_FLIGHT = Gauge("sluice_jobs_rows_in_flight", "Rows running now.")
 RETRIES = Counter("sluice_jobs_row_retries_total", "Row attempts retried, by status code.", ["code"])
 # Exported at 0 from the start: increase() over a series that first appears at 3 is 0, and the
 # alert on dead-lettered rows would miss a first burst.
-for _outcome_label in ("completed", "failed", "expired", "dead_lettered", "given_back", "cancelled", "handed_back"):
+for _outcome_label in ("completed", "failed", "expired", "dead_lettered", "given_back", "cancelled", "handed_back", "handed_back_retrying"):
     ROWS.labels(_outcome_label)
 for _outcome_label in ("accepted", "rejected", "dead_lettered"):
     JOBS.labels(_outcome_label)
@@ -151,6 +158,9 @@ JOB_REQUEST_ID_HEADER = "x-sluice-job-request-id"
 # a redelivered copy (which waits for the worker that runs its row rather than being acked).
 EARLIER_DELIVERIES_HEADER = "x-sluice-earlier-deliveries"
 REDELIVERED_HEADER = "x-sluice-redelivered"
+# A row message handed back between two attempts: where its retries stand (RetryChain).
+CUT_AT_HEADER = "x-sluice-row-cut-at-s"
+TRANSIENT_ERRORS_HEADER = "x-sluice-row-transient-errors"
 RESULT_TYPE = jobs_pb2.RowResult.DESCRIPTOR.full_name
 REJECTION_TYPE = jobs_pb2.JobRejection.DESCRIPTOR.full_name
 SUMMARY_TYPE = jobs_pb2.Job.DESCRIPTOR.full_name
@@ -171,6 +181,37 @@ STRANDED_PENDING_GRACE_S = 60.0
 # the broker dead-letters a message at its delivery limit, so retrying at once would spend that
 # limit in seconds.
 FAILURE_BACKOFF_S = (0.5, 30.0)
+
+
+@dataclass(frozen=True)
+class RetryChain:
+    """Where a row's retries stand: the deadline that cut off its last attempt (the next one gets
+    twice that: RowDeadlines.for_row) and the transient errors it has had (WORKER_ROW_ATTEMPTS).
+    A message handed back between two attempts carries it, so that its next delivery goes on from
+    there: started over, a row an overloaded engine keeps cutting would be tried again at its first
+    deadline on every delivery, never reaching the ceiling (where it fails), and a row that keeps
+    failing transiently would never be given back to the broker, whose deliveries bound it."""
+
+    cut_at_s: float | None = None
+    transient_errors: int = 0
+
+    @classmethod
+    def of(cls, message: aio_pika.abc.AbstractIncomingMessage) -> RetryChain:
+        headers = message.headers or {}
+        return cls(_header_number(headers, CUT_AT_HEADER) or None, int(_header_number(headers, TRANSIENT_ERRORS_HEADER)))
+
+    def headers(self) -> dict[str, Any]:
+        return {CUT_AT_HEADER: self.cut_at_s or 0.0, TRANSIENT_ERRORS_HEADER: self.transient_errors}
+
+
+@dataclass(frozen=True)
+class HandBack:
+    """_attempts' outcome when the row's next attempt (or the wait before it) could not end within
+    WorkerSettings.hold_s of its message's delivery: the message goes back carrying `chain`."""
+
+    chain: RetryChain
+    next_deadline_s: float
+    after: str  # the status code of the attempt before, for the log
 
 
 class _Slot:
@@ -482,11 +523,18 @@ class JobWorker:
                 await self._dead_letter(task, message, reason)
                 return
             holding = False  # _attempts owns the slot from here
-            outcome = await self._attempts(task)
+            outcome = await self._attempts(task, received, RetryChain.of(message))
         finally:
             if holding:
                 await self._release_unused_slot()
-        if outcome is GIVE_BACK:
+        if isinstance(outcome, HandBack):
+            # Released first, for the copy to find the row pending and claim it. Not released: another
+            # worker took the row over (this one's heartbeat went stale) or it ended; its message is done.
+            if await self.store.release_row(task.job_id, task.row.custom_id, self.worker_id):
+                await self._hand_back(message, _redelivered(message), received, outcome)
+            else:
+                await message.ack()
+        elif outcome is GIVE_BACK:
             await self.store.release_row(task.job_id, task.row.custom_id, self.worker_id)
             await message.nack(requeue=True)
             ROWS.labels("given_back").inc()
@@ -541,16 +589,21 @@ class JobWorker:
                 waiting = True
             await asyncio.sleep(states.HEARTBEAT_S)
 
-    async def _hand_back(self, message: aio_pika.abc.AbstractIncomingMessage, redelivered: bool, received: float) -> None:
-        """Back to the queue unstarted, without a delivery counted against the row: a copy (its
-        deliveries so far, and whether it was a redelivery, in headers of its own) published with a
-        confirm, then the message acked. A nack would count: x-delivery-count on RabbitMQ 3,
-        and the queue's x-delivery-limit on 4 too, spent by rows that never ran."""
+    async def _hand_back(
+        self, message: aio_pika.abc.AbstractIncomingMessage, redelivered: bool, received: float, retrying: HandBack | None = None
+    ) -> None:
+        """Back to the queue unstarted (or, `retrying`, between two attempts, the row released),
+        without a delivery counted against the row: a copy (its deliveries so far, whether it was a
+        redelivery, and where its retries stand, in headers of its own) published with a confirm,
+        then the message acked. A nack would count: x-delivery-count on RabbitMQ 3, and the queue's
+        x-delivery-limit on 4 too, spent by rows that never ran or were only waiting."""
         headers = dict(message.headers or {})
         headers.pop("x-delivery-count", None)
         headers[EARLIER_DELIVERIES_HEADER] = _deliveries(message) - 1
         if redelivered:
             headers[REDELIVERED_HEADER] = True
+        if retrying is not None:
+            headers.update(retrying.chain.headers())
         copy = aio_pika.Message(
             message.body,
             content_type=message.content_type,
@@ -562,42 +615,53 @@ class JobWorker:
         )
         await self._exchange.publish(copy, self.topology.row_routing_key)
         await message.ack()
-        ROWS.labels("handed_back").inc()
-        log.info("row_handed_back_unstarted", waited_s=round(time.monotonic() - received, 2), slot_wait_s=self.config.slot_wait_s)
+        held_s = round(time.monotonic() - received, 2)
+        if retrying is None:
+            ROWS.labels("handed_back").inc()
+            log.info("row_handed_back_unstarted", waited_s=held_s, slot_wait_s=self.config.slot_wait_s)
+            return
+        ROWS.labels("handed_back_retrying").inc()
+        log.info(
+            "row_handed_back_between_attempts", held_s=held_s, hold_s=self.config.hold_s, after=retrying.after,
+            next_deadline_s=round(retrying.next_deadline_s, 2), cut_at_s=retrying.chain.cut_at_s,
+            transient_errors=retrying.chain.transient_errors,
+        )  # fmt: skip
 
     async def _release_unused_slot(self) -> None:
         await self.concurrency.release(0.0, "skipped")
         IN_FLIGHT.set(self.concurrency.in_flight)
         self._bound_moved()
 
-    async def _attempts(self, task: jobs_pb2.RowTask) -> Any:
-        """A RowResult, GIVE_BACK, a PoisonRow, or None when the job got cancelled meanwhile.
-        Called holding a concurrency slot; returns having released it.
+    async def _attempts(self, task: jobs_pb2.RowTask, received: float | None = None, chain: RetryChain | None = None) -> Any:
+        """A RowResult, GIVE_BACK, a PoisonRow, a HandBack, or None when the job got cancelled
+        meanwhile. Called holding a concurrency slot; returns having released it. `received`: when
+        the row's message was delivered (now, when not given); `chain`: where the row's retries
+        stood when an earlier delivery handed it back.
 
         An attempt cut off by its deadline is tried again at once with twice that deadline
         (not counted against WORKER_ROW_ATTEMPTS: giving it back to the broker would only restart
         it at the same deadline), until it completes, is cut off at the ceiling (then it fails
         with DEADLINE_EXCEEDED), or no longer fits what is left of its job's completion window.
         So a cut row wastes less than twice the ceiling, and does not start again to end long after
-        its job's end."""
+        its job's end. A retry that could not end within WorkerSettings.hold_s of `received` is not
+        started here: the row is handed back (HandBack) to go on in its next delivery (_wait_to_retry)."""
         slot = _Slot(self.concurrency.acquire, self._release)
+        hold_until = (time.monotonic() if received is None else received) + self.config.hold_s
         try:
-            return await self._attempts_with(task, slot)
+            return await self._attempts_with(task, slot, hold_until, chain or RetryChain())
         finally:
             # Still taken only when an attempt failed outside its own handling (a store error, a
             # cancel): given back, or the worker would run one row fewer at a time from then on.
             await slot.give_back(0.0, "skipped")
 
-    async def _attempts_with(self, task: jobs_pb2.RowTask, slot: _Slot) -> Any:
+    async def _attempts_with(self, task: jobs_pb2.RowTask, slot: _Slot, hold_until: float, chain: RetryChain) -> Any:
         """_attempts' loop: each attempt takes the slot (the first has it) and gives it back."""
-        attempt = 0
-        first = True
-        cut_at_s: float | None = None  # the deadline that cut off the last attempt
         job: JobRecord | None = None
         number = 0  # attempts made here, for their spans
+        kind = task.row.WhichOneof("body") or "generate"
+        timeout_s = self.row_deadlines.for_row(task.row, chain.cut_at_s)
         while True:
-            if not first:
-                await slot.take()
+            if number:  # a retry, on the slot _wait_to_retry took again
                 job = await self.store.get_job(task.job_id)
                 overdue = job is not None and job.overdue(time.time())
                 if job is None or job.state != states.IN_PROGRESS or overdue:
@@ -606,15 +670,12 @@ class JobWorker:
                     if job is not None and (job.state == states.EXPIRED or overdue):
                         return expired_result(task, job.window_s)
                     return None
-            first = False
-            too_long = await self._too_long_for_window(task, job, cut_at_s)
+            too_long = await self._too_long_for_window(task, job, chain.cut_at_s)
             if too_long is not None:
                 await slot.give_back(0.0, "skipped")
                 return too_long
             started = time.perf_counter()
             IN_FLIGHT.set(self.concurrency.in_flight)
-            kind = task.row.WhichOneof("body") or "generate"
-            timeout_s = self.row_deadlines.for_row(task.row, cut_at_s)
             ROW_TIMEOUT.labels(kind=kind).set(timeout_s)
             try:
                 number += 1
@@ -635,29 +696,55 @@ class JobWorker:
                     await slot.give_back(latency, FAILED)
                     if final:
                         return cut_at_ceiling_result(task, timeout_s, current_request_id())
-                    cut_at_s = timeout_s
-                    RETRIES.labels(code).inc()
-                    await asyncio.sleep(backoff_s(1, self.config.retry_base_s, self.config.retry_cap_s))
-                    continue
-                if is_paced(exc):
+                    chain = replace(chain, cut_at_s=timeout_s)
+                    wait_s = backoff_s(1, self.config.retry_base_s, self.config.retry_cap_s)
+                elif is_paced(exc):
                     await slot.give_back(latency, THROTTLED)
-                    RETRIES.labels(code).inc()
-                    await asyncio.sleep(paced_delay_s(retry_after_of(exc)))
-                    continue
-                await slot.give_back(latency, FAILED)
-                if code in TRANSIENT:
-                    attempt += 1
-                    RETRIES.labels(code).inc()
-                    if attempt >= self.config.row_attempts:
-                        log.warning("row_given_back", code=code, attempts=attempt, error=message_of(exc))
+                    wait_s = paced_delay_s(retry_after_of(exc))
+                else:
+                    await slot.give_back(latency, FAILED)
+                    if code not in TRANSIENT:
+                        return failed_result(task, code, message_of(exc), current_request_id())
+                    chain = replace(chain, transient_errors=chain.transient_errors + 1)
+                    if chain.transient_errors >= self.config.row_attempts:
+                        RETRIES.labels(code).inc()
+                        log.warning("row_given_back", code=code, attempts=chain.transient_errors, error=message_of(exc))
                         return GIVE_BACK
-                    await asyncio.sleep(backoff_s(attempt, self.config.retry_base_s, self.config.retry_cap_s))
-                    continue
-                return failed_result(task, code, message_of(exc), current_request_id())
+                    wait_s = backoff_s(chain.transient_errors, self.config.retry_base_s, self.config.retry_cap_s)
+                RETRIES.labels(code).inc()
+                # Decided before the wait, and the attempt gets it: the deadline the bound was checked for.
+                timeout_s = self.row_deadlines.for_row(task.row, chain.cut_at_s)
+                if not await self._wait_to_retry(slot, wait_s, timeout_s, hold_until):
+                    return HandBack(chain, timeout_s, code)
+                continue
             if run.timing is not None:
                 self.row_deadlines.observe(task.row, run.timing)
             await slot.give_back(run.latency_s, OK, run.allowed_rate_per_s)
             return run.result
+
+    async def _wait_to_retry(self, slot: _Slot, wait_s: float, timeout_s: float, hold_until: float) -> bool:
+        """Waits `wait_s` (a backoff, or as RESOURCE_EXHAUSTED told), then for the slot, before the
+        row's next attempt, of `timeout_s`: True, the slot taken. False, no slot held, when that
+        attempt could not end by `hold_until` (WorkerSettings.hold_s after the delivery of the row's
+        message): the row is to be handed back, to go on in its next delivery.
+
+        The one place that decides between retrying here and handing back. Why: a row's retries all
+        run inside one delivery of its message, unacked; cut again and again (with the defaults
+        120, 240, 480, 960 s: 1,800 s before the ceiling's attempt) or told to wait, a row held its
+        message past the broker's consumer timeout, and the broker closed the channel, requeueing
+        every row on it and counting a delivery of each."""
+        start_by = hold_until - timeout_s
+        if time.monotonic() + wait_s > start_by:
+            # What the delivery allows of the wait is waited here: handed back at once, a row told to
+            # wait longer than a delivery may last would come straight back and be told again, in a loop.
+            await asyncio.sleep(max(0.0, min(wait_s, hold_until - time.monotonic())))
+            return False
+        await asyncio.sleep(wait_s)
+        try:
+            await asyncio.wait_for(slot.take(), max(0.0, start_by - time.monotonic()))
+        except TimeoutError:
+            return False
+        return True
 
     async def _too_long_for_window(self, task: jobs_pb2.RowTask, job: JobRecord | None, cut_at_s: float | None) -> jobs_pb2.RowResult | None:
         """The row's failed result (TOO_LONG_FOR_WINDOW) when it is expected to end more than
@@ -816,6 +903,18 @@ def _deliveries(message: aio_pika.abc.AbstractIncomingMessage) -> int:
     except ValueError:
         earlier = 0
     return max(0, counted) + max(0, earlier) + 1
+
+
+def _header_number(headers: Any, name: str) -> float:
+    """A header's positive finite number (a float, an int, or their text); 0.0 when it has none."""
+    value = headers.get(name)
+    if isinstance(value, bytes):
+        value = value.decode(errors="replace")
+    try:
+        number = float(value)
+    except (TypeError, ValueError, OverflowError):
+        return 0.0
+    return number if math.isfinite(number) and number > 0 else 0.0
 
 
 def _redelivered(message: aio_pika.abc.AbstractIncomingMessage) -> bool:
