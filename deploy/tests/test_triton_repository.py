@@ -51,7 +51,8 @@ LOADED = ("smollm2_step", "minilm_embed")
 READY_TIMEOUT_S = 120
 # The step model's engine metrics port as config.pbtxt (and configs/gpu.pbtxt) sets it.
 METRICS_PORT_LINE = 'parameters: { key: "METRICS_PORT", value: { string_value: "9105" } }'
-EMBED_TEXTS = ["Which city is the capital of France?", "Triton serves models over gRPC.", "ünïcode ✓"]
+# The last is over the model's 256 tokens: truncated, and UNTRUNCATED_TOKENS says by how much.
+EMBED_TEXTS = ["Which city is the capital of France?", "Triton serves models over gRPC.", "ünïcode ✓", "word " * 300]
 
 
 def _python_info(python: Path) -> dict[str, str]:
@@ -351,39 +352,41 @@ def test_step_model_serves_the_engine_metrics_on_its_metrics_port(
 # ---- the embedding model -----------------------------------------------------------------------
 
 
-def _reference_embeddings(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+def _reference_embeddings(texts: list[str]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """triton-local's numpy encoder, run in triton-local's own environment."""
     script = (
         "import json, sys; from sluice_triton_local.embeddings import MiniLMEncoder;"
-        " v, c = MiniLMEncoder().encode_with_counts(json.loads(sys.argv[1]));"
-        " print(json.dumps({'vectors': v.tolist(), 'counts': c.tolist()}))"
+        " v, c, u = MiniLMEncoder().encode_counted(json.loads(sys.argv[1]));"
+        " print(json.dumps({'vectors': v.tolist(), 'counts': c.tolist(), 'untruncated': u.tolist()}))"
     )
     assert TRITON_LOCAL_PYTHON.exists(), "services/triton-local/.venv is missing: run `make setup`"
     done = subprocess.run([str(TRITON_LOCAL_PYTHON), "-c", script, json.dumps(texts)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     out = json.loads(done.stdout)
-    return np.array(out["vectors"], dtype=np.float32), np.array(out["counts"], dtype=np.int32)
+    return np.array(out["vectors"], dtype=np.float32), np.array(out["counts"], dtype=np.int32), np.array(out["untruncated"], dtype=np.int32)
 
 
 def test_embedding_model_has_the_interface_the_adapter_calls(triton: grpcclient.InferenceServerClient) -> None:
-    """services/inference-adapter's TritonEmbedBackend: TEXT in; EMBEDDING and TOKENS out."""
+    """services/inference-adapter's TritonEmbedBackend: TEXT in; EMBEDDING, TOKENS and UNTRUNCATED_TOKENS out."""
     metadata = triton.get_model_metadata("minilm_embed", as_json=True)
     assert [(t["name"], t["datatype"], t["shape"]) for t in metadata["inputs"]] == [("TEXT", "BYTES", ["-1"])]
     outputs = {t["name"]: (t["datatype"], t["shape"]) for t in metadata["outputs"]}
-    assert outputs == {"EMBEDDING": ("FP32", ["-1", "384"]), "TOKENS": ("INT32", ["-1"])}
+    assert outputs == {"EMBEDDING": ("FP32", ["-1", "384"]), "TOKENS": ("INT32", ["-1"]), "UNTRUNCATED_TOKENS": ("INT32", ["-1"])}
 
 
 def test_embedding_model_equals_triton_local_encoder(triton: grpcclient.InferenceServerClient) -> None:
     texts = np.array([t.encode() for t in EMBED_TEXTS], dtype=np.object_)
     tensor = grpcclient.InferInput("TEXT", [len(EMBED_TEXTS)], "BYTES")
     tensor.set_data_from_numpy(texts)
-    result = triton.infer("minilm_embed", [tensor], outputs=[grpcclient.InferRequestedOutput(n) for n in ("EMBEDDING", "TOKENS")])
-    vectors, tokens = result.as_numpy("EMBEDDING"), result.as_numpy("TOKENS")
+    names = ("EMBEDDING", "TOKENS", "UNTRUNCATED_TOKENS")
+    result = triton.infer("minilm_embed", [tensor], outputs=[grpcclient.InferRequestedOutput(n) for n in names])
+    vectors, tokens, untruncated = (result.as_numpy(name) for name in names)
     assert vectors.dtype == np.float32 and vectors.shape == (len(EMBED_TEXTS), 384)
     np.testing.assert_allclose(np.linalg.norm(vectors, axis=1), 1.0, atol=1e-5)
-    expected_vectors, expected_tokens = _reference_embeddings(EMBED_TEXTS)
+    expected_vectors, expected_tokens, expected_untruncated = _reference_embeddings(EMBED_TEXTS)
     np.testing.assert_allclose(vectors, expected_vectors, atol=1e-5)
     assert tokens.dtype == np.int32 and tokens.tolist() == expected_tokens.tolist()
+    assert untruncated.dtype == np.int32 and untruncated.tolist() == expected_untruncated.tolist()
 
 
 # ---- the step model on a GPU -------------------------------------------------------------------

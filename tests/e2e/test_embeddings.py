@@ -113,6 +113,35 @@ def test_usage_counts_the_tokens_the_model_processed(gateway) -> None:
     assert both.total_tokens == both.prompt_tokens and both.completion_tokens == 0
 
 
+def test_an_input_over_the_models_256_tokens_is_refused_not_embedded_cut(gateway) -> None:
+    """all-MiniLM-L6-v2 reads at most 256 tokens: a longer text was embedded cut to them and
+    answered OK, its usage capped at 256. OpenAI and vLLM refuse it; so does Sluice now."""
+    texts = ["A man is eating food.", "word " * 300]  # the second: 302 tokens with [CLS] and [SEP]
+    with pytest.raises(grpc.RpcError) as caught:
+        gateway.Embed(gateway_pb2.EmbedRequest(model=EMBEDDING_MODEL, inputs=texts), metadata=auth(), timeout=60)
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert caught.value.details().startswith("inputs[1]: This model's maximum context length is 256 tokens. However, you requested 302 tokens")
+    at_the_limit = gateway.Embed(gateway_pb2.EmbedRequest(model=EMBEDDING_MODEL, inputs=["word " * 254]), metadata=auth(), timeout=60)
+    assert at_the_limit.usage.prompt_tokens == 256 and len(at_the_limit.embeddings) == 1
+
+
+def test_an_input_over_the_models_256_tokens_is_embedded_cut_when_the_request_asks(gateway) -> None:
+    """vLLM's truncate_prompt_tokens -1 (evaluation-logging's similarity scoring sets it): the text
+    is embedded from its first 256 tokens, usage counting those; the cut vector is not cached, so a
+    request that does not ask is still refused the same text."""
+    texts = ["A man is eating food.", "word " * 300]
+    cut = gateway.Embed(gateway_pb2.EmbedRequest(model=EMBEDDING_MODEL, inputs=texts, truncate_prompt_tokens=-1), metadata=auth(), timeout=60)
+    assert cut.usage.prompt_tokens == 8 + 256 and len(cut.embeddings) == 2
+    first_256 = embed(gateway, ["word " * 254])[0]  # [CLS], 254 words, [SEP]: what the cut kept
+    np.testing.assert_allclose(np.array(cut.embeddings[1].values, dtype=np.float32), first_256, atol=1e-5)
+    with pytest.raises(grpc.RpcError) as caught:
+        gateway.Embed(gateway_pb2.EmbedRequest(model=EMBEDDING_MODEL, inputs=texts), metadata=auth(), timeout=60)
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT and caught.value.details().startswith("inputs[1]")
+    with pytest.raises(grpc.RpcError) as caught:
+        gateway.Embed(gateway_pb2.EmbedRequest(model=EMBEDDING_MODEL, inputs=texts, truncate_prompt_tokens=100), metadata=auth(), timeout=60)
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT and caught.value.details().startswith("truncate_prompt_tokens")
+
+
 @pytest.mark.parametrize(
     ("request_kwargs", "field"),
     [(dict(model=EMBEDDING_MODEL, inputs=[]), "inputs"), (dict(model="smollm2-135m-instruct", inputs=["x"]), "model")],

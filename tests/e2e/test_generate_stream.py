@@ -105,6 +105,7 @@ def test_list_models(gateway) -> None:
         assert model.kind == types_pb2.MODEL_KIND_GENERATION
         assert model.context_length == 2048 and 0 < model.max_output_tokens < model.context_length
     assert embedding.kind == types_pb2.MODEL_KIND_EMBEDDING and embedding.embedding_dimensions == 384
+    assert embedding.context_length == 256  # all-MiniLM-L6-v2's maximum input (SLUICE_ADAPTER_EMBEDDING_CONTEXT_LENGTH)
 
 
 def test_an_unknown_job_is_not_found(gateway) -> None:

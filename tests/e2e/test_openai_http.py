@@ -190,6 +190,13 @@ def test_errors_are_openais(client: openai.OpenAI, stack: Stack) -> None:
     assert huge[0] == 413 and huge[1]["error"]["type"] == "invalid_request_error"
 
 
+def test_an_embedding_input_over_the_models_maximum_is_openais_400(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as too_long:
+        client.embeddings.create(model=EMBEDDING_MODEL, input=["A short text.", "word " * 300])
+    assert too_long.value.param == "input[1]" and too_long.value.type == "invalid_request_error"
+    assert "maximum context length is 256 tokens. However, you requested 302 tokens" in too_long.value.message
+
+
 def post_raw(url: str, body: bytes) -> tuple[int, dict]:  # type: ignore[type-arg]
     headers = {"Authorization": f"Bearer {DEMO_KEY}", "Content-Type": "application/json"}
     try:

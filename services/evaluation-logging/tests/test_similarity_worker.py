@@ -5,7 +5,10 @@ sluice.inference.v1.InferenceService.Embed (a stand-in for the inference-adapter
 tests here use stand-ins for their neighbours): it embeds deterministically (a character
 histogram, so the expected cosine is computable here), counts calls and texts, and can be told to
 answer UNIMPLEMENTED, UNAVAILABLE or RESOURCE_EXHAUSTED, or to stall past the caller's deadline
-(a slow CPU encoder) on large calls or on one text. The real adapter and model are exercised in tests/e2e.
+(a slow CPU encoder) on large calls or on one text. As the adapter does, it refuses a text over its
+model's maximum input (INVALID_ARGUMENT naming inputs[i]) unless the call asks for truncation
+(truncate_prompt_tokens -1), and then embeds its first tokens. The real adapter and model are
+exercised in tests/e2e.
 Every store test runs on SQLite and on the running PostgreSQL (the `store` fixture).
 """
 
@@ -42,6 +45,18 @@ DIMS = 32
 # A stalled Embed outlasts SHORT_DEADLINE_S, the deadline of the `short_deadline` embedder.
 STALL_S = 3.0
 SHORT_DEADLINE_S = 0.3
+# The stand-in model's maximum input in tokens (all-MiniLM-L6-v2's): a token per word, plus two.
+MAX_INPUT_TOKENS = 256
+
+
+def tokens_of(text: str) -> int:
+    return len(text.split()) + 2  # words plus [CLS] and [SEP]
+
+
+def cut(text: str) -> str:
+    """What the stand-in model embeds of a text when truncation is asked for: its first tokens."""
+    words = text.split()
+    return text if len(words) + 2 <= MAX_INPUT_TOKENS else " ".join(words[: MAX_INPUT_TOKENS - 2])
 
 
 def histogram(text: str) -> list[float]:
@@ -85,9 +100,17 @@ class StandInAdapter(inference_pb2_grpc.InferenceServiceServicer):
             await asyncio.sleep(STALL_S)  # the caller's deadline passes first
         if self.mode == "invalid":  # SLUICE_EVALLOG_EMBEDDING_MODEL naming a model the adapter lacks
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "model: unknown embedding model")
+        truncate = request.HasField("truncate_prompt_tokens") and request.truncate_prompt_tokens == -1
+        for index, text in enumerate(request.inputs):
+            if tokens_of(text) > MAX_INPUT_TOKENS and not truncate:  # the adapter's refusal, in its words
+                await context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"inputs[{index}]: This model's maximum context length is {MAX_INPUT_TOKENS} tokens. However, you requested"
+                    f" {tokens_of(text)} tokens in the input for embedding generation. Please reduce the length of the input.",
+                )
         assert request.priority_class == types_pb2.PRIORITY_CLASS_BULK
         self.answered.append(len(request.inputs))
-        return inference_pb2.EmbedResponse(embeddings=[types_pb2.Embedding(values=histogram(text)) for text in request.inputs])
+        return inference_pb2.EmbedResponse(embeddings=[types_pb2.Embedding(values=histogram(cut(text))) for text in request.inputs])
 
     def _stalls(self, inputs: Sequence[str]) -> bool:
         too_many = self.stall_above is not None and len(inputs) > self.stall_above
@@ -196,6 +219,40 @@ async def test_the_worker_embeds_a_batch_in_one_call_writes_scores_and_clears_ma
     assert summary.scores["similarity"].count == 10 and summary.scores["similarity"].skipped == 0
     page, _ = await EvalLogQueries(store).query_records("demo", RecordFilter(), 50, "")
     assert all(similarity_of(r) is not None for r in page)
+
+
+async def test_a_text_over_the_models_maximum_input_is_scored_from_its_first_tokens_not_skipped(store, adapter) -> None:  # type: ignore[no-untyped-def]
+    """The adapter refuses an input over its model's 256 tokens (INVALID_ARGUMENT) unless the call
+    asks for truncation. A claim's events go in one call: one long output failed the call, the claim
+    was retried, and every score in it was finally recorded as skipped. The worker asks for
+    truncation, so a long text is scored on its first 256 tokens, as similarity always was."""
+    long_output = "Paris is the capital of France. " * 40 + "Unrelated filler words here. " * 60  # 440 tokens
+    assert tokens_of(long_output) > MAX_INPUT_TOKENS and cut(long_output) != long_output
+    events = [make_event(output=long_output), make_event(), make_event(output="Paris, answer number 2.")]
+    await store.insert_batch(await consume_path_rows(events, adapter))
+    worker = worker_for(store, adapter, min_backoff_s=0.01, max_backoff_s=0.02, max_attempts=2)
+    await run_until_settled(store, worker, most_runs=6)
+    assert adapter.answered == [6]  # the claim's one call, answered the first time
+    for event in events:
+        score = similarity_of(await store.get(event.event_id))
+        assert score is not None and not score.skipped, score
+        assert score.value == pytest.approx(expected_cosine(prompt_text(event), cut(event.output)), rel=1e-5)
+    # The score is the first tokens' (what the model reads), not the whole text's.
+    assert expected_cosine(prompt_text(events[0]), cut(long_output)) != pytest.approx(expected_cosine(prompt_text(events[0]), long_output), rel=1e-3)
+
+
+async def test_reference_similarity_scores_a_reference_over_the_models_maximum_input(adapter) -> None:  # type: ignore[no-untyped-def]
+    """ScoreCompletions (`sluice eval`) embeds output and reference through the same embedder: a long
+    reference was refused by the adapter, and its reference_similarity not scored."""
+    from sluice_evaluation_logging.scoring import ScoreInput, score_items
+
+    reference = "Paris is the capital of France. " * 40 + "Unrelated filler words here. " * 60
+    (scores,) = await score_items([ScoreInput(make_event(output="Paris."), reference=reference)], EvalContext(SETTINGS, adapter.embedder))  # type: ignore[attr-defined]
+    (score,) = [s for s in scores if s.name == "reference_similarity"]
+    assert not score.skipped, score
+    a, b = histogram("Paris."), histogram(cut(reference))
+    cosine = sum(x * y for x, y in zip(a, b, strict=True)) / (math.sqrt(sum(x * x for x in a)) * math.sqrt(sum(y * y for y in b)))
+    assert score.value == pytest.approx(cosine, rel=1e-5)
 
 
 async def test_a_restarted_process_picks_up_markers_left_behind(store, adapter) -> None:  # type: ignore[no-untyped-def]

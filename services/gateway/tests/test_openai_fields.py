@@ -45,6 +45,7 @@ GOOD: dict[str, dict[str, Any]] = {
     "top_k": {"top_k": 5}, "min_p": {"min_p": 0.1}, "repetition_penalty": {"repetition_penalty": 1.1},
     "structured_outputs": {"structured_outputs": {"choice": ["yes", "no"]}},
     "encoding_format": {"encoding_format": "base64"}, "dimensions": {"dimensions": 3},
+    "truncate_prompt_tokens": {"truncate_prompt_tokens": -1},
 }  # fmt: skip
 GOOD_COMPLETIONS = {"logprobs": {"logprobs": 2}}
 RECORDED = {"user": "end-user-7", "metadata": {"run": "eval-3", "team": "search"}}

@@ -619,6 +619,78 @@ async def test_a_token_the_engine_does_not_know_is_a_400_naming_logit_bias(setup
         assert "49152" in error["message"]
 
 
+async def test_an_embedding_input_over_the_models_maximum_is_a_400_naming_it(setup) -> None:  # type: ignore[no-untyped-def]
+    """The adapter refuses a text longer than the embedding model's maximum input (its BadRequest
+    names inputs[i]), as OpenAI and vLLM do, instead of embedding it truncated: a 400 naming it."""
+    client, adapter, _, _ = setup
+    refused = InvalidArgument(
+        "inputs[1]",
+        "This model's maximum context length is 256 tokens. However, you requested 302 tokens in the input for"
+        " embedding generation. Please reduce the length of the input.",
+    )
+    status = status_for(refused)
+    error = grpc.aio.AioRpcError(status.code, grpc.aio.Metadata(), grpc.aio.Metadata(*status.trailing_metadata), details=status.details)
+
+    async def embed(request, timeout=None, metadata=None):  # type: ignore[no-untyped-def]
+        raise error
+
+    adapter.Embed = embed
+    code, body = await _error(await client.post("/v1/embeddings", json={"model": "e", "input": ["a", "word " * 300]}, headers=AUTH))
+    assert (code, body["param"], body["type"]) == (400, "input[1]", "invalid_request_error"), body
+    assert "maximum context length is 256 tokens. However, you requested 302 tokens" in body["message"]
+
+
+async def test_truncate_prompt_tokens_reaches_the_adapter_as_sent_and_its_refusal_names_it(setup) -> None:  # type: ignore[no-untyped-def]
+    """vLLM's opt-in to truncation on /v1/embeddings: carried to the adapter's EmbedRequest as the
+    client set it (absent or null: unset, so the adapter refuses an input over the model's maximum);
+    the adapter, which knows that maximum, refuses a count it cannot honour, and the 400 names it."""
+    client, adapter, _, _ = setup
+    for extra, carried in (
+        ({"truncate_prompt_tokens": -1}, -1),
+        ({"truncate_prompt_tokens": 256}, 256),
+        ({"truncate_prompt_tokens": None}, None),
+        ({}, None),
+    ):
+        reply = await client.post("/v1/embeddings", json={"model": "e", "input": ["a", "word " * 300], **extra}, headers=AUTH)
+        assert reply.status == 200, await reply.text()
+        downstream = adapter.requests[-1]
+        assert downstream.HasField("truncate_prompt_tokens") == (carried is not None)
+        assert carried is None or downstream.truncate_prompt_tokens == carried
+    for bad in (-2, 1.5, "-1", True, [[1]]):
+        code, body = await _error(await client.post("/v1/embeddings", json={"model": "e", "input": "a", "truncate_prompt_tokens": bad}, headers=AUTH))
+        assert (code, body["param"]) == (400, "truncate_prompt_tokens"), (bad, body)
+    refused = InvalidArgument(
+        "truncate_prompt_tokens", "truncate_prompt_tokens value (300) is greater than max_model_len (256). Please, select a smaller truncation size."
+    )
+    status = status_for(refused)
+    error = grpc.aio.AioRpcError(status.code, grpc.aio.Metadata(), grpc.aio.Metadata(*status.trailing_metadata), details=status.details)
+
+    async def embed(request, timeout=None, metadata=None):  # type: ignore[no-untyped-def]
+        assert request.truncate_prompt_tokens == 300
+        raise error
+
+    adapter.Embed = embed
+    code, body = await _error(await client.post("/v1/embeddings", json={"model": "e", "input": "a", "truncate_prompt_tokens": 300}, headers=AUTH))
+    assert (code, body["param"], body["type"]) == (400, "truncate_prompt_tokens", "invalid_request_error"), body
+    assert "is greater than max_model_len (256)" in body["message"]
+
+
+def test_a_batch_line_asking_for_truncation_is_refused_naming_it() -> None:
+    """A job's embedding row carries no truncation: such a line is refused when the file is checked,
+    not run as if the option had not been sent."""
+    from sluice_gateway.openai_front.batches import parse_batch_file
+    from sluice_gateway.openai_front.errors import OpenAIError
+
+    line = {"custom_id": "a", "method": "POST", "url": "/v1/embeddings", "body": {"model": "e", "input": "a", "truncate_prompt_tokens": -1}}
+    with pytest.raises(OpenAIError) as refused:
+        parse_batch_file(json.dumps(line).encode(), 10)
+    assert (refused.value.status, refused.value.param, refused.value.code) == (400, "body.truncate_prompt_tokens", "unsupported_parameter")
+    assert refused.value.message.startswith("Line 1 of the batch file: truncate_prompt_tokens is not supported in a batch")
+    null = {**line, "body": {"model": "e", "input": "a", "truncate_prompt_tokens": None}}
+    (parsed,) = parse_batch_file(json.dumps(null).encode(), 10)
+    assert not parsed.call.request.HasField("truncate_prompt_tokens")
+
+
 PERSON = {
     "type": "object",
     "properties": {"name": {"type": "string"}, "age": {"type": "integer", "minimum": 0}},

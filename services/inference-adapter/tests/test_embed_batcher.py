@@ -20,7 +20,7 @@ from sluice.inference.v1 import inference_pb2
 
 from sluice_common.errors import InvalidArgument, ResourceExhausted, Unavailable
 from sluice_inference_adapter import embed_batcher
-from sluice_inference_adapter.embed_batcher import EmbedBatcher, Embeddings
+from sluice_inference_adapter.embed_batcher import EmbedBatcher, Embeddings, InputTooLong
 from sluice_inference_adapter.servicer import InferenceServicer
 from sluice_inference_adapter.priority import Priority
 
@@ -38,12 +38,14 @@ def tokens_of(text: str) -> int:
 
 
 class RecordingEmbedBackend:
-    def __init__(self, delay_s: float = 0.005, fail_on: str | None = None, counts: bool = True) -> None:
+    def __init__(self, delay_s: float = 0.005, fail_on: str | None = None, counts: bool = True, max_tokens: int | None = None) -> None:
         self.batches: list[list[str]] = []
         self.sent_at: list[float] = []
         self.delay = delay_s
         self.fail_on = fail_on
         self.counts = counts  # False: a model without a TOKENS output
+        # A model that cuts texts to this many tokens and reports their counts before the cut too.
+        self.max_tokens = max_tokens
         self.active = 0
         self.max_active = 0
 
@@ -57,7 +59,9 @@ class RecordingEmbedBackend:
             if self.fail_on is not None and self.fail_on in texts:
                 raise RuntimeError(f"model crashed on {self.fail_on!r}")
             tokens = np.array([tokens_of(t) for t in texts]) if self.counts else None
-            return Embeddings(np.stack([vector_of(t) for t in texts]), tokens)
+            if tokens is None or self.max_tokens is None:
+                return Embeddings(np.stack([vector_of(t) for t in texts]), tokens)
+            return Embeddings(np.stack([vector_of(t) for t in texts]), np.minimum(tokens, self.max_tokens), tokens)
         finally:
             self.active -= 1
 
@@ -256,10 +260,10 @@ async def test_an_error_while_handing_out_a_batch_fails_its_callers_instead_of_s
     """Whatever goes wrong after the backend answered, no caller of the batch waits for ever. No
     backend answer reaches the hand-out's errors once shapes are checked, so one is injected."""
 
-    def broken_result(vectors: np.ndarray, tokens: np.ndarray | None) -> Embeddings:
+    def broken_result(vectors: np.ndarray, tokens: np.ndarray | None, truncated: np.ndarray | None = None) -> Embeddings:
         if len(vectors) == 3:
             raise MemoryError("injected")
-        return Embeddings(vectors, tokens)
+        return Embeddings(vectors, tokens, truncated=truncated)
 
     batcher = make(RecordingEmbedBackend(delay_s=0.0), max_batch=8, max_delay_s=0.02)
     monkeypatch.setattr(embed_batcher, "Embeddings", broken_result)
@@ -448,3 +452,230 @@ async def test_the_servicer_embeds_by_the_requests_priority_class(make) -> None:
     calls = [servicer.Embed(bulk, None), servicer.Embed(unset, None)]  # type: ignore[arg-type]
     await asyncio.wait_for(asyncio.gather(busy, *calls), timeout=2.0)
     assert backend.batches == [["busy"], ["i0", "i1"], ["k0", "k1"]]
+
+
+# -- texts over the model's maximum input -------------------------------------------------------
+
+LONG = "one two three four five"  # 7 tokens: over a model cut at 6
+
+
+async def test_a_text_over_the_models_maximum_fails_its_caller_alone(make) -> None:
+    """The model cut such a text to its maximum and the caller got its vector (of part of the text)
+    with usage capped at the maximum; OpenAI and vLLM answer 400. The other callers in the batch
+    get their vectors."""
+    backend = RecordingEmbedBackend(delay_s=0.0, max_tokens=6)
+    batcher = make(backend, max_batch=32, max_delay_s=0.05)
+    a, b = ["short one", LONG, "and another"], ["b text"]
+    ra, rb = await asyncio.gather(batcher.embed(a), batcher.embed(b), return_exceptions=True)
+    assert backend.batches == [a + b]  # one batch
+    assert isinstance(ra, InputTooLong) and isinstance(ra, InvalidArgument)
+    assert (ra.field_name, ra.index, ra.tokens, ra.limit) == ("inputs[1]", 1, 7, 6)
+    assert ra.reason == (
+        "This model's maximum context length is 6 tokens. However, you requested 7 tokens in the input"
+        " for embedding generation. Please reduce the length of the input."
+    )
+    assert isinstance(rb, Embeddings)
+    assert_embedded(rb, b)
+    assert_embedded(await batcher.embed(["a", "text at the maximum"]), ["a", "text at the maximum"])  # 6: not cut
+
+
+async def test_a_refused_callers_texts_still_waiting_are_not_sent(make) -> None:
+    backend = RecordingEmbedBackend(delay_s=0.01, max_tokens=6)
+    batcher = make(backend, max_batch=2, max_delay_s=0.0)  # one batch in flight at a time
+    a = asyncio.ensure_future(batcher.embed(["x", LONG, "y", "z"]))
+    await asyncio.sleep(0)
+    b = asyncio.ensure_future(batcher.embed(["q"]))
+    with pytest.raises(InputTooLong, match=r"inputs\[1\]"):
+        await a
+    assert_embedded(await b, ["q"])
+    assert backend.batches == [["x", LONG], ["q"]]  # y and z were dropped with their caller
+
+
+async def test_the_servicer_refuses_a_text_over_the_maximum_naming_its_index() -> None:
+    """Through the servicer and the cache's front (repeated texts computed once, cached ones not
+    sent): the index is the text's in the request, and the gRPC status names it as a bad field."""
+    from sluice_common.interceptor import status_for
+    from sluice_inference_adapter.embedding_cache import CachedEmbedder, EmbeddingCache
+
+    model = types_pb2.ModelInfo(name="gen", kind=types_pb2.MODEL_KIND_GENERATION)
+    embedding_model = types_pb2.ModelInfo(name="emb", kind=types_pb2.MODEL_KIND_EMBEDDING, embedding_dimensions=DIM)
+    backend = RecordingEmbedBackend(delay_s=0.0, max_tokens=6)
+    batcher = EmbedBatcher(backend, max_batch=32, max_delay_s=0.0, max_waiting=256, dim=DIM)
+    batcher.start()
+    servicer = InferenceServicer(model, embedding_model)
+    servicer.attach(None, CachedEmbedder(batcher, "emb", EmbeddingCache(1 << 20, DIM), 256))  # type: ignore[arg-type]
+    try:
+        await servicer.Embed(inference_pb2.EmbedRequest(model="emb", inputs=["a"]), None)  # type: ignore[arg-type]  # cached
+        request = inference_pb2.EmbedRequest(model="emb", inputs=["a", "b", "b", LONG, "c"])
+        with pytest.raises(InvalidArgument) as refused:
+            await servicer.Embed(request, None)  # type: ignore[arg-type]
+        assert refused.value.field_name == "inputs[3]"
+        assert backend.batches[-1] == ["b", LONG, "c"]  # where LONG was the batch's second text
+        from google.rpc import error_details_pb2, status_pb2
+
+        status = status_pb2.Status.FromString(dict(status_for(refused.value).trailing_metadata)["grpc-status-details-bin"])
+        bad = error_details_pb2.BadRequest()
+        assert status.details[0].Unpack(bad) and bad.field_violations[0].field == "inputs[3]"
+        assert "maximum context length is 6 tokens" in bad.field_violations[0].description
+        # Nothing of the refused request was cached: LONG is computed (and refused) again.
+        with pytest.raises(InvalidArgument, match=r"inputs\[0\]"):
+            await servicer.Embed(inference_pb2.EmbedRequest(model="emb", inputs=[LONG]), None)  # type: ignore[arg-type]
+        assert backend.batches[-1] == [LONG]
+        reply = await servicer.Embed(inference_pb2.EmbedRequest(model="emb", inputs=["b", "c"]), None)  # type: ignore[arg-type]
+        assert len(reply.embeddings) == 2 and backend.batches[-1] == ["b", "c"]
+    finally:
+        await batcher.stop()
+
+
+class MiniLMStandIn:
+    """tritonclient's aio client as triton-local's minilm_embed answers (its numpy encoder cuts
+    texts at 256 tokens): TOKENS as processed, UNTRUNCATED_TOKENS before the cut; a model of an
+    operator's that `declares` only TOKENS is asked for nothing else."""
+
+    def __init__(self, declares: tuple[str, ...] = ("TOKENS", "UNTRUNCATED_TOKENS")) -> None:
+        self.declares = declares
+        self.asked: list[list[str]] = []
+
+    async def get_model_metadata(self, model: str, as_json: bool = False) -> dict:  # type: ignore[type-arg]
+        return {"outputs": [{"name": name} for name in ("EMBEDDING", *self.declares)]}
+
+    async def infer(self, model: str, inputs: list, outputs: list) -> object:  # type: ignore[type-arg]
+        from tritonclient.utils import deserialize_bytes_tensor
+
+        texts = [bytes(t).decode() for t in deserialize_bytes_tensor(inputs[0]._raw_content)]
+        names = [output.name() for output in outputs]
+        self.asked.append(names)
+        whole = np.array([len(t.split()) + 2 for t in texts], dtype=np.int32)
+        columns = {
+            "EMBEDDING": np.stack([vector_of(t) for t in texts]),
+            "TOKENS": np.minimum(whole, 256),
+            "UNTRUNCATED_TOKENS": whole,
+        }
+
+        class Result:
+            def as_numpy(self, name: str) -> np.ndarray | None:
+                return columns[name] if name in names else None
+
+        return Result()
+
+    async def close(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("declares", [("TOKENS", "UNTRUNCATED_TOKENS"), ("TOKENS",)], ids=["counts-before-the-cut", "tokens-only"])
+async def test_a_text_over_256_tokens_through_the_triton_backend(declares: tuple[str, ...]) -> None:
+    """The adapter's Embed end to end but for Triton: TritonEmbedBackend reading a minilm_embed
+    stand-in. Counted before the cut, a text over the model's 256 tokens is refused and another
+    request in the same micro-batch is answered; a model that reports no such count is served as
+    before (usage as the model processed it)."""
+    from sluice_inference_adapter.triton_backend import TritonEmbedBackend
+
+    embed_backend = TritonEmbedBackend("127.0.0.1:1", "minilm_embed")
+    stand_in = MiniLMStandIn(declares)
+    embed_backend._client = stand_in  # type: ignore[assignment]
+    batcher = EmbedBatcher(embed_backend, max_batch=32, max_delay_s=0.05, max_waiting=256, dim=DIM)
+    batcher.start()
+    model = types_pb2.ModelInfo(name="gen", kind=types_pb2.MODEL_KIND_GENERATION)
+    servicer = InferenceServicer(model, types_pb2.ModelInfo(name="emb", kind=types_pb2.MODEL_KIND_EMBEDDING, embedding_dimensions=DIM))
+    servicer.attach(None, batcher)  # type: ignore[arg-type]
+    long = "word " * 300  # 302 tokens
+    try:
+        over = inference_pb2.EmbedRequest(model="emb", inputs=["a short text", long])
+        other = inference_pb2.EmbedRequest(model="emb", inputs=["another request"])
+        refused, answered = await asyncio.gather(servicer.Embed(over, None), servicer.Embed(other, None), return_exceptions=True)  # type: ignore[arg-type]
+        assert stand_in.asked == [["EMBEDDING", *declares]]  # one micro-batch, the outputs the model declares
+        assert isinstance(answered, inference_pb2.EmbedResponse) and answered.usage.prompt_tokens == 4
+        if "UNTRUNCATED_TOKENS" in declares:
+            assert isinstance(refused, InvalidArgument) and refused.field_name == "inputs[1]"
+            assert "maximum context length is 256 tokens. However, you requested 302 tokens" in refused.reason
+        else:
+            assert isinstance(refused, inference_pb2.EmbedResponse) and refused.usage.prompt_tokens == 5 + 256
+    finally:
+        await batcher.stop()
+
+
+# -- truncation asked for (vLLM's truncate_prompt_tokens) ---------------------------------------
+
+
+async def test_a_caller_that_asks_for_truncation_shares_a_batch_with_one_that_refuses(make) -> None:
+    """Per caller: the one that asked gets the cut text's vector, its count the tokens embedded and
+    the text marked as cut; the other, in the same batch, is refused that text."""
+    backend = RecordingEmbedBackend(delay_s=0.0, max_tokens=6)
+    batcher = make(backend, max_batch=32, max_delay_s=0.05)
+    a, b = ["short one", LONG], [LONG, "b text"]
+    ra, rb = await asyncio.gather(batcher.embed(a, truncate=True), batcher.embed(b), return_exceptions=True)
+    assert backend.batches == [a + b]  # one batch
+    assert isinstance(ra, Embeddings) and isinstance(rb, InputTooLong) and rb.field_name == "inputs[0]"
+    np.testing.assert_array_equal(ra.vectors, np.stack([vector_of(t) for t in a]))
+    assert ra.tokens is not None and ra.tokens.tolist() == [tokens_of("short one"), 6]
+    assert ra.truncated is not None and ra.truncated.tolist() == [False, True]
+    assert (await batcher.embed(["fits"], truncate=True)).truncated is None  # nothing cut: nothing marked
+
+
+def _servicer_with_minilm(cache: bool = True) -> tuple[InferenceServicer, EmbedBatcher, MiniLMStandIn]:
+    """The adapter's Embed as __main__ builds it (the cache's front, the micro-batcher and
+    TritonEmbedBackend) over a minilm_embed stand-in that cuts texts at 256 tokens, its ModelInfo
+    reporting that maximum as SLUICE_ADAPTER_EMBEDDING_CONTEXT_LENGTH does."""
+    from sluice_inference_adapter.embedding_cache import CachedEmbedder, EmbeddingCache
+    from sluice_inference_adapter.triton_backend import TritonEmbedBackend
+
+    embed_backend = TritonEmbedBackend("127.0.0.1:1", "minilm_embed")
+    stand_in = MiniLMStandIn()
+    embed_backend._client = stand_in  # type: ignore[assignment]
+    batcher = EmbedBatcher(embed_backend, max_batch=32, max_delay_s=0.05, max_waiting=256, dim=DIM)
+    batcher.start()
+    model = types_pb2.ModelInfo(name="gen", kind=types_pb2.MODEL_KIND_GENERATION)
+    embedding_model = types_pb2.ModelInfo(name="emb", kind=types_pb2.MODEL_KIND_EMBEDDING, embedding_dimensions=DIM, context_length=256)
+    servicer = InferenceServicer(model, embedding_model)
+    front = CachedEmbedder(batcher, "emb", EmbeddingCache(1 << 20, DIM) if cache else None, 256)
+    servicer.attach(None, front)  # type: ignore[arg-type]
+    return servicer, batcher, stand_in
+
+
+@pytest.mark.parametrize("truncate_prompt_tokens", [-1, 256])
+async def test_a_400_token_text_is_embedded_cut_for_the_caller_that_asks_and_refused_to_the_other(truncate_prompt_tokens: int) -> None:
+    """evaluation-logging's similarity worker sends long prompts and outputs; once the adapter
+    refused a text over the model's 256 tokens, its whole call failed and every score in it was
+    skipped. A caller that sets truncate_prompt_tokens (-1, or the model's maximum itself) gets the
+    vector of the text's first 256 tokens; one that does not, in the same micro-batch, is refused.
+    The cut vector is not cached: the refusing caller is refused again later, not answered from it."""
+    servicer, batcher, stand_in = _servicer_with_minilm()
+    long = " ".join(["word"] * 398)  # 400 tokens with [CLS] and [SEP]
+    try:
+        asks = inference_pb2.EmbedRequest(model="emb", inputs=["a short text", long], truncate_prompt_tokens=truncate_prompt_tokens)
+        refuses = inference_pb2.EmbedRequest(model="emb", inputs=[long, "another request"])
+        answered, refused = await asyncio.gather(servicer.Embed(asks, None), servicer.Embed(refuses, None), return_exceptions=True)  # type: ignore[arg-type]
+        assert len(stand_in.asked) == 1  # one micro-batch carried both callers' texts
+        assert isinstance(answered, inference_pb2.EmbedResponse), answered
+        np.testing.assert_allclose([list(e.values) for e in answered.embeddings], [vector_of("a short text"), vector_of(long)], rtol=1e-6)
+        assert answered.usage.prompt_tokens == 5 + 256  # the tokens embedded
+        assert isinstance(refused, InputTooLong) and refused.field_name == "inputs[0]"
+        assert "maximum context length is 256 tokens. However, you requested 400 tokens" in refused.reason
+        again = await asyncio.gather(servicer.Embed(inference_pb2.EmbedRequest(model="emb", inputs=[long]), None), return_exceptions=True)  # type: ignore[arg-type]
+        assert isinstance(again[0], InputTooLong) and len(stand_in.asked) == 2  # computed (and refused) again
+        short = await servicer.Embed(inference_pb2.EmbedRequest(model="emb", inputs=["a short text"]), None)  # type: ignore[arg-type]
+        assert len(short.embeddings) == 1 and len(stand_in.asked) == 2  # a text that fits was cached
+    finally:
+        await batcher.stop()
+
+
+@pytest.mark.parametrize(
+    ("value", "says"),
+    [
+        (300, r"truncate_prompt_tokens value \(300\) is greater than max_model_len \(256\). Please, select a smaller truncation size."),
+        (100, r"emb can cut an input only at its maximum input of 256 tokens, not at 100: send -1"),
+        (0, r"emb can cut an input only at its maximum input of 256 tokens, not at 0"),
+        (-2, r"must be -1 \(the model's maximum input\) or positive, got -2"),
+    ],
+)
+async def test_a_truncate_prompt_tokens_the_model_cannot_honour_is_refused_naming_it(value: int, says: str) -> None:
+    """vLLM cuts at any count up to max_model_len and refuses one over it; this model cuts only at its
+    own maximum, so a smaller count is refused too, rather than embedding more than was asked."""
+    servicer, batcher, stand_in = _servicer_with_minilm(cache=False)
+    try:
+        request = inference_pb2.EmbedRequest(model="emb", inputs=["a short text"], truncate_prompt_tokens=value)
+        with pytest.raises(InvalidArgument, match=says) as refused:
+            await servicer.Embed(request, None)  # type: ignore[arg-type]
+        assert refused.value.field_name == "truncate_prompt_tokens" and stand_in.asked == []
+    finally:
+        await batcher.stop()

@@ -280,3 +280,20 @@ async def test_a_model_answering_another_size_is_served_but_not_cached(front) ->
     assert np.array_equal(result.vectors, expected(["new", "old", "new"]))  # "old" computed again
     assert backend.batches == [["new"], ["new", "old"]]
     assert cache.get_many(MODEL, ["new"]).misses == [0]
+
+
+async def test_a_text_over_the_models_maximum_is_refused_under_its_index_in_the_request(front) -> None:
+    """The batcher sees each distinct text once, and only the misses: its index is not the request's."""
+    from sluice_inference_adapter.embed_batcher import InputTooLong
+    from test_embed_batcher import LONG
+
+    for cache in (None, EmbeddingCache(1 << 20, DIM)):
+        backend = RecordingEmbedBackend(delay_s=0.0, max_tokens=6)
+        embedder = front(backend, cache)
+        await embedder.embed(["y"])
+        with pytest.raises(InputTooLong) as refused:
+            await embedder.embed(["x", "y", "x", LONG, LONG])
+        assert refused.value.field_name == "inputs[3]"  # the batcher's second (cached) or third (no cache) text
+        assert backend.batches[-1] == (["x", LONG] if cache is not None else ["x", "y", LONG])
+        if cache is not None:
+            assert cache.get_many(MODEL, ["x", LONG]).misses == [0, 1]  # nothing of the refused request stored

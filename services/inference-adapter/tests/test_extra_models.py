@@ -58,14 +58,33 @@ async def test_models_are_listed_and_routed_by_name() -> None:
     config = AdapterConfig(extra_models=("m-q4=q4_step:4",))
     extra = [model_info(extra_model_config(config, e)) for e in config.extra_model_list()]
     servicer = InferenceServicer(model_info(config), None, extra)
-    listed = await servicer.ListModels(inference_pb2.ListModelsRequest(), None)  # type: ignore[arg-type]
-    assert [(m.name, m.kind) for m in listed.models] == [
-        ("smollm2-135m-instruct", types_pb2.MODEL_KIND_GENERATION), ("m-q4", types_pb2.MODEL_KIND_GENERATION),
-    ]  # fmt: skip
     with pytest.raises(NotFound, match="'smollm2-135m-instruct', 'm-q4'"):
         servicer._model_info("nope")
     with pytest.raises(Unavailable, match="starting"):
         servicer._pool_of("m-q4")  # before attach: not ready yet
+    servicer.attach(None, None, {"m-q4": None})  # type: ignore[arg-type, dict-item]  # listing needs no pool
+    listed = await servicer.ListModels(inference_pb2.ListModelsRequest(), None)  # type: ignore[arg-type]
+    assert [(m.name, m.kind) for m in listed.models] == [
+        ("smollm2-135m-instruct", types_pb2.MODEL_KIND_GENERATION), ("m-q4", types_pb2.MODEL_KIND_GENERATION),
+    ]  # fmt: skip
+
+
+async def test_models_are_not_listed_before_their_capabilities_are_known() -> None:
+    """ListModels answered as soon as the gRPC server started, before serve() had read from Triton
+    whether each model reports logprobs, takes token prompts or applies logit_bias: the gateway
+    cached all three as False and refused valid requests with INVALID_ARGUMENT until its next refresh."""
+    config = AdapterConfig(extra_models=("m-q4=q4_step:4",))
+    model = model_info(config)
+    extra = [model_info(extra_model_config(config, e)) for e in config.extra_model_list()]
+    servicer = InferenceServicer(model, types_pb2.ModelInfo(name="emb", kind=types_pb2.MODEL_KIND_EMBEDDING), extra)
+    with pytest.raises(Unavailable, match="the adapter is starting"):
+        await servicer.ListModels(inference_pb2.ListModelsRequest(), None)  # type: ignore[arg-type]
+    for info in (model, *extra):  # what serve() and start_extra_pool() set once Triton answered
+        info.logprobs = info.token_prompts = info.logit_bias = True
+    servicer.attach(None, None, {"m-q4": None})  # type: ignore[arg-type, dict-item]
+    listed = await servicer.ListModels(inference_pb2.ListModelsRequest(), None)  # type: ignore[arg-type]
+    assert [m.name for m in listed.models] == ["smollm2-135m-instruct", "m-q4", "emb"]
+    assert all(m.logprobs and m.token_prompts and m.logit_bias for m in listed.models[:2])
 
 
 class ReadyTriton(TritonStandIn):

@@ -109,3 +109,55 @@ async def test_an_error_response_is_the_last_and_ends_as_triton_ends_it() -> Non
     with pytest.raises(Unavailable, match="the model's instance crashed"):
         await read(stand_in)
     assert (stand_in.ended, stand_in.cancelled) == (1, 0)
+
+
+class SilentTriton:
+    """A Triton that answers its ready checks but never a stream (an engine wedged mid-forward)."""
+
+    def __init__(self) -> None:
+        self.cancelled = 0
+
+    async def is_server_ready(self, client_timeout: float | None = None) -> bool:
+        return True
+
+    async def is_model_ready(self, model: str, client_timeout: float | None = None) -> bool:
+        return True
+
+    def stream_infer(self, requests: AsyncIterator[dict[str, Any]], stream_timeout: float | None = None) -> Any:
+        stand_in = self
+
+        class Responses:
+            def __aiter__(self) -> Any:
+                return self
+
+            async def __anext__(self) -> tuple[Any, Any]:
+                await asyncio.Event().wait()
+                raise AssertionError("unreachable")
+
+            def cancel(self) -> None:
+                stand_in.cancelled += 1
+
+        return Responses()
+
+
+@pytest.mark.parametrize("bounded_by", ["step_timeouts", "fixed"])
+async def test_a_probe_whose_token_never_comes_fails_within_its_timeout(bounded_by: str) -> None:
+    """The probe's one-token stream had no time limit: a hung replica held its probe, and with it
+    every replica's probe round (the pool awaited them together), for ever."""
+    from sluice_common.adaptive_timeout import TimeoutPolicy
+    from sluice_inference_adapter.step_timeout import StepTimeouts
+
+    if bounded_by == "step_timeouts":  # as the adapter builds it: the pool's adaptive limit (cold: its ceiling)
+        generate = TritonGenerateBackend("127.0.0.1:1", "m", timeouts=StepTimeouts(TimeoutPolicy(floor_s=0.05, ceiling_s=0.2)))
+    else:
+        generate = TritonGenerateBackend("127.0.0.1:1", "m", probe_timeout_s=0.2)
+    silent = SilentTriton()
+    generate._client = silent  # type: ignore[assignment]
+    probe = asyncio.ensure_future(generate.probe())
+    done, _ = await asyncio.wait({probe}, timeout=2.0)
+    if not done:
+        probe.cancel()
+    assert done, "the probe never ended"
+    with pytest.raises(TimeoutError, match="did not arrive within its timeout of 0.20s"):
+        probe.result()
+    assert silent.cancelled == 1  # the stream was cancelled: the engine aborts the request

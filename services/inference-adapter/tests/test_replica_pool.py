@@ -181,6 +181,86 @@ async def test_a_replica_known_at_start_up_gets_no_work_until_it_has_answered_a_
     assert pool.replicas[1].healthy
 
 
+class HangingProbeReplica(StepReplica):
+    """A replica whose token probe never answers while `probe_hangs` (an engine wedged mid-forward
+    whose Triton still answers its ready checks); it answers its probes once that is cleared."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(url)
+        self.probe_hangs = True
+
+    async def probe(self) -> bool:
+        self.token_probes += 1
+        if self.probe_hangs:
+            await asyncio.Event().wait()
+        return self.probes_ok and not self.failing
+
+
+def hanging_pool(*models: StepReplica, probe_timeout_s: float | None = None) -> ReplicaPool:
+    """Probes every 50 ms, each within `probe_timeout_s` (None: the default, longer than any test)."""
+    limits = SchedulerLimits(max_batch_size=4)
+    bound = {} if probe_timeout_s is None else {"probe_timeout_s": probe_timeout_s}
+    return ReplicaPool(list(models), lambda backend, on_step: Scheduler(backend, limits, on_step=on_step), 2, 0.05, **bound)  # type: ignore[arg-type]
+
+
+async def test_a_replica_whose_probe_hangs_holds_up_no_other_replicas_readmission() -> None:
+    """Every replica's probes were awaited together, without a bound: one hung probe stalled every
+    round for ever, and a healthy replica that had a blip was never readmitted."""
+    hung, good = HangingProbeReplica("hung"), StepReplica("good")
+    pool = hanging_pool(hung, good)
+    hung_replica, good_replica = pool.replicas
+    pool.start()
+    try:
+        await _soon(lambda: good_replica.healthy, within_s=2.0)
+        for _ in range(2):
+            pool.record(good_replica, ok=False)  # a blip: two failed steps took it out
+        assert not good_replica.healthy
+        await _soon(lambda: good_replica.healthy, within_s=2.0)  # readmitted by its own probe
+        assert good.token_probes >= 2
+        assert hung.token_probes == 1 and not hung_replica.healthy  # one probe in flight, not one per round
+    finally:
+        await pool.stop()
+
+
+async def test_a_probe_that_never_answers_fails_within_the_probe_timeout() -> None:
+    from prometheus_client import REGISTRY
+
+    def probe_timeouts() -> float:
+        return REGISTRY.get_sample_value("sluice_adapter_timeouts_total", {"kind": "probe"}) or 0.0
+
+    hung, good = HangingProbeReplica("hung"), StepReplica("good")
+    pool = hanging_pool(hung, good, probe_timeout_s=0.1)
+    hung_replica, good_replica = pool.replicas
+    before = probe_timeouts()
+    await asyncio.wait_for(pool.probe_once(), 1.0)
+    assert good_replica.healthy and not hung_replica.healthy
+    assert hung_replica.consecutive_failures == 1 and probe_timeouts() == before + 1
+    await asyncio.wait_for(pool.probe_once(), 1.0)  # probed again: its last probe timed out
+    assert hung.token_probes == 2 and hung_replica.consecutive_failures == 2
+    hung.probe_hangs = False
+    await asyncio.wait_for(pool.probe_once(), 1.0)
+    assert hung_replica.healthy
+
+
+async def test_start_up_waits_for_no_probe_that_hangs() -> None:
+    """wait_for_a_healthy_replica waited for every replica's probe: one hung replica kept the adapter
+    from serving beside a healthy one, and with no healthy one BACKEND_WAIT_S never fired."""
+    hung, good = HangingProbeReplica("hung"), StepReplica("good")
+    pool = hanging_pool(hung, good)
+    try:
+        await asyncio.wait_for(wait_for_a_healthy_replica(pool, timeout_s=5.0), 2.0)
+        assert [r.healthy for r in pool.replicas] == [False, True]
+    finally:
+        await pool.stop()
+    alone = hanging_pool(HangingProbeReplica("hung"))
+    try:
+        with pytest.raises(SystemExit, match="no Triton replica generated a token within"):
+            async with asyncio.timeout(3.0):  # in this task: SystemExit out of another would stop the loop
+                await wait_for_a_healthy_replica(alone, timeout_s=0.3)
+    finally:
+        await alone.stop()
+
+
 def test_an_extra_models_pool_on_the_same_replica_keeps_its_own_health_series() -> None:
     """Two pools on one address (the main model and an extra one): each reports its own view;
     one series written by both would say 'healthy' while the main model still thought otherwise."""
@@ -309,6 +389,41 @@ async def test_a_batch_cut_off_by_the_timeout_is_retried_within_the_timeout_budg
         handle.cancel()
 
 
+async def test_an_embedding_batch_stuck_on_a_replica_holds_up_no_later_caller(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The adapter built its batcher with one batch in flight: a batch stuck on a wedged replica held
+    every later Embed caller until the embedding timeout (30 s cold) cut it off, though another
+    replica was idle."""
+    from sluice_common.supervision import Supervisor
+    from sluice_inference_adapter import __main__ as adapter_main
+
+    pool, busy = await _a_picked_first(StepReplica("a"), StepReplica("b"))  # the first batch goes to a
+    stuck, healthy = StuckEmbedder(width=384), AnsweringEmbedder(width=384)
+    monkeypatch.setattr(adapter_main, "TritonEmbedBackend", lambda url, model: stuck if url == "a" else healthy)
+    config = AdapterConfig(embed_max_delay_s=0.0, embed_cache_bytes=0)  # EMBED_MAX_IN_FLIGHT as the adapter's default
+    built = adapter_main.build_embedder(config, pool, Supervisor())
+    assert built is not None
+    batcher, backends, front = built
+    first = asyncio.create_task(front.embed(["x"]))
+    try:
+        await _soon(lambda: stuck.batches == [["x"]])
+        second = await asyncio.wait_for(front.embed(["y"]), 2.0)
+        assert second.vectors.shape == (1, 384) and healthy.batches == [["y"]]
+        assert not first.done()  # still on a, within its timeout
+    finally:
+        first.cancel()
+        await batcher.stop()
+        await backends.close()
+        for handle in busy:
+            handle.cancel()
+
+
+def test_embed_max_in_flight_is_checked_when_the_adapter_starts() -> None:
+    assert load_config(AdapterConfig, ENV_PREFIX, {}).embed_max_in_flight == 2
+    assert load_config(AdapterConfig, ENV_PREFIX, {f"{ENV_PREFIX}EMBED_MAX_IN_FLIGHT": "3"}).embed_max_in_flight == 3
+    with pytest.raises(ConfigError, match=f"{ENV_PREFIX}EMBED_MAX_IN_FLIGHT must be >= 1"):
+        load_config(AdapterConfig, ENV_PREFIX, {f"{ENV_PREFIX}EMBED_MAX_IN_FLIGHT": "0"})
+
+
 class HeldCalls:
     """Calls that wait to be let go, and a close that cancels those in flight, as closing a gRPC
     channel does (recording how many there were)."""
@@ -405,6 +520,44 @@ async def test_a_drained_replica_closes_its_channel_after_the_token_count_on_its
     assert response.prompt_tokens == 7
     await _soon(lambda: pool.replicas == [] and a.held.closed_with != [])
     assert a.held.closed_with == [0]  # closed once nothing was on its way
+
+
+class CountReplica(StepReplica):
+    """A replica that counts every prompt as 7 tokens, or, `count_fails`, answers UNAVAILABLE as
+    TritonStepBackend does when Triton fails the step or its channel is closed."""
+
+    def __init__(self, url: str, count_fails: bool = False) -> None:
+        super().__init__(url)
+        self.count_fails = count_fails
+        self.counts = 0
+
+    async def step(self, rows: list[StepRow]) -> list[StepOutcome]:
+        if rows[0].action is not Action.COUNT:
+            return await super().step(rows)
+        self.counts += 1
+        if self.count_fails:
+            raise Unavailable(f"Triton at {self.url} failed a step of smollm2_step: Socket closed")
+        return [StepOutcome(-1, "", "", 7, 0)]
+
+
+async def test_a_token_count_a_replica_fails_counts_against_it_and_is_asked_of_another() -> None:
+    """An UNAVAILABLE from the replica went straight to the caller (the gateway then estimated),
+    neither counted against the replica nor tried on another, though counting is idempotent."""
+    a, b = CountReplica("a", count_fails=True), CountReplica("b")
+    pool, busy = await _a_picked_first(a, b)
+    servicer = InferenceServicer(types_pb2.ModelInfo(name="gen", kind=types_pb2.MODEL_KIND_GENERATION, context_length=2048), None)
+    servicer.attach(pool, None)
+    count = inference_pb2.CountTokensRequest(model="gen", prompt="p")
+    response = await servicer.CountTokens(count, NoDeadline())  # type: ignore[arg-type]
+    assert response.prompt_tokens == 7 and (a.counts, b.counts) == (1, 1)
+    replica_a, replica_b = pool.replicas
+    assert (replica_a.consecutive_failures, replica_b.consecutive_failures) == (1, 0)
+    replica_b.healthy = False  # no other replica to ask: the caller learns what a answered
+    with pytest.raises(Unavailable, match="Socket closed"):
+        await servicer.CountTokens(count, NoDeadline())  # type: ignore[arg-type]
+    assert replica_a.consecutive_failures == 2 and not replica_a.healthy and b.counts == 1
+    for handle in busy:
+        handle.cancel()
 
 
 async def _soon(condition: Callable[[], bool], within_s: float = 5.0) -> None:

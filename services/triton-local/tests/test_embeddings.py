@@ -105,6 +105,37 @@ def test_token_counts_are_what_the_model_processed(encoder: MiniLMEncoder) -> No
     assert empty_vectors.shape == (0, EMBEDDING_DIM) and empty_counts.shape == (0,)
 
 
+def test_untruncated_counts_say_which_texts_were_cut_and_by_how_much(encoder: MiniLMEncoder) -> None:
+    """TOKENS stops at max_seq_length: a text of 1,002 tokens read as one of 256, and the adapter
+    answered 200 with a vector of its first 254 words. The count before truncation, read from the
+    encoding's overflow, is what a tokenizer without truncation gives."""
+    from tokenizers import Tokenizer
+
+    whole = Tokenizer.from_file(str(encoder.model_dir / "tokenizer.json"))
+    whole.no_truncation()
+    whole.no_padding()
+    limit = encoder.max_seq_length
+    texts = [
+        "A man is eating food.",
+        "",
+        "word " * 1000,
+        "a " * (limit - 2),  # exactly the limit with [CLS] and [SEP]: not cut
+        "a " * (limit - 1),  # one token over
+        "[SEP] [CLS] " * 300,  # special tokens in the text itself
+        "Ünïcödé tëxt, 中文, and an emoji 🙂. " * 40,
+    ]
+    vectors, counts, untruncated = encoder.encode_counted(texts)
+    assert untruncated.dtype == np.int32
+    assert untruncated.tolist() == [len(whole.encode(t).ids) for t in texts]
+    assert untruncated[2] == 1002 and counts[2] == limit
+    assert (untruncated[3], counts[3]) == (limit, limit) and (untruncated[4], counts[4]) == (limit + 1, limit)
+    cut = untruncated > counts
+    assert cut.tolist() == [False, False, True, False, True, True, True]
+    assert (counts[cut] == limit).all() and (untruncated[~cut] == counts[~cut]).all()
+    np.testing.assert_allclose(vectors, encoder.encode(texts), atol=1e-6)
+    assert encoder.encode_counted([]).untruncated.shape == (0,)
+
+
 def test_empty_inputs(encoder: MiniLMEncoder) -> None:
     assert encoder.encode([]).shape == (0, EMBEDDING_DIM)
     vectors = encoder.encode(["", "A man is eating food.", ""])
@@ -161,3 +192,6 @@ def test_served_by_real_triton(encoder: MiniLMEncoder, tmp_path: Path) -> None:
     assert tokens.tolist() == [len(ids) for ids in encoder.tokenize(texts)]
     assert tokens[-1] == encoder.max_seq_length
     assert single["TOKENS"].tolist() == [tokens[0]]
+    untruncated = result["UNTRUNCATED_TOKENS"]
+    assert untruncated.dtype == np.int32
+    assert untruncated.tolist() == [*tokens[:-1].tolist(), 1002]  # only the last was cut

@@ -24,7 +24,7 @@ from conftest import ONNX_MAX_ABS_DIFF as MAX_ABS_DIFF
 from tritonclient.grpc import model_config_pb2 as mc
 
 from sluice_triton_local.embeddings import EMBEDDING_DIM, MiniLMEncoder
-from sluice_triton_local.embeddings.interface import INPUT_NAME, OUTPUT_NAME, TOKENIZE_OUTPUTS, TOKENS_NAME
+from sluice_triton_local.embeddings.interface import INPUT_NAME, OUTPUT_NAME, TOKENIZE_OUTPUTS, TOKENS_NAME, UNTRUNCATED_TOKENS_NAME
 
 MODELS = Path(__file__).resolve().parents[3] / "deploy" / "triton" / "models"
 ENSEMBLE, TOKENIZE, ONNX_MODEL = "minilm_embed_gpu", "minilm_tokenize", "minilm_onnx"
@@ -128,6 +128,7 @@ def test_ensemble_speaks_the_adapters_embedding_interface(configs: dict[str, mc.
     assert [(t.name, t.data_type, list(t.dims)) for t in ensemble.output] == [
         (OUTPUT_NAME, mc.TYPE_FP32, [-1, EMBEDDING_DIM]),
         (TOKENS_NAME, mc.TYPE_INT32, [-1]),
+        (UNTRUNCATED_TOKENS_NAME, mc.TYPE_INT32, [-1]),
     ]
 
 
@@ -257,9 +258,11 @@ def test_the_ensemble_pipeline_gives_the_numpy_encoders_answer(
     text = np.array([t.encode() for t in TEXTS], dtype=np.object_)  # as the adapter sends TEXT
     outputs = run_ensemble(configs[ENSEMBLE], runners, {INPUT_NAME: text})
 
-    expected, counts = minilm_encoder.encode_with_counts(TEXTS)
+    expected, counts, untruncated = minilm_encoder.encode_counted(TEXTS)
     assert np.abs(outputs[OUTPUT_NAME] - expected).max() < MAX_ABS_DIFF
     assert outputs[TOKENS_NAME].tolist() == counts.tolist()
+    assert outputs[UNTRUNCATED_TOKENS_NAME].tolist() == untruncated.tolist()
+    assert (untruncated > counts).any()  # TEXTS has a text over the model's 256 tokens
     for tensor in configs[ENSEMBLE].output:
         assert NUMPY_TYPES[outputs[tensor.name].dtype] == tensor.data_type, tensor.name
         assert dims_agree(outputs[tensor.name].shape, tuple(tensor.dims)), tensor.name

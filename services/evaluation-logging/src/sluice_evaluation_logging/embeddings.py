@@ -1,4 +1,10 @@
-"""The similarity evaluator's Embedder: the adapter's InferenceService.Embed over gRPC."""
+"""The similarity evaluators' Embedder: the adapter's InferenceService.Embed over gRPC.
+
+Every call asks for truncation (vLLM's `truncate_prompt_tokens` -1): a prompt, output or reference
+longer than the embedding model's maximum input (all-MiniLM-L6-v2: 256 tokens) is embedded from its
+first tokens, as the scores always were, where the adapter refuses such a text (INVALID_ARGUMENT)
+to a caller that does not ask, and one long text would fail the whole call of a claim's events.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +18,8 @@ from sluice_common.channels import open_channel
 from sluice_common.config import ClientTLS
 from sluice_evaluation_logging.evaluators.base import EmbeddingsTimedOut, EmbeddingsUnavailable
 
+# vLLM's truncate_prompt_tokens value for "cut each text at the model's maximum input".
+TRUNCATE_TO_THE_MODELS_MAXIMUM = -1
 # The adapter does not serve embeddings: waiting would not help.
 _NOT_SERVED = (grpc.StatusCode.UNIMPLEMENTED,)
 # The adapter (or its backend) cannot answer now (down, or its queue is full): try again later.
@@ -34,6 +42,7 @@ class AdapterEmbedder:
             model=self._model,
             inputs=list(texts),
             priority_class=types_pb2.PRIORITY_CLASS_BULK,  # background work: never ahead of users
+            truncate_prompt_tokens=TRUNCATE_TO_THE_MODELS_MAXIMUM,
         )
         try:
             response = await self._stub.Embed(request, timeout=self._timeout_s)

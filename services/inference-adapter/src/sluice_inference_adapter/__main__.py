@@ -26,7 +26,7 @@ from sluice_inference_adapter.extra_models import ExtraModel
 from sluice_inference_adapter.passthrough import PassthroughLimits, PassthroughScheduler
 from sluice_inference_adapter.prefix_routing import PrefixRouter
 from sluice_inference_adapter.replica_discovery import Discovery, parse_target
-from sluice_inference_adapter.replica_pool import BackendFactory, PooledEmbedBackend, ReplicaPool, SchedulerFactory
+from sluice_inference_adapter.replica_pool import PROBE_MARGIN_S, BackendFactory, PooledEmbedBackend, ReplicaPool, SchedulerFactory
 from sluice_inference_adapter.scheduler import Scheduler, SchedulerLimits
 from sluice_inference_adapter.servicer import InferenceServicer
 from sluice_inference_adapter.step_timeout import StepTimeouts
@@ -105,7 +105,8 @@ def build_backends(
     else:
         passthrough = PassthroughLimits(max_in_flight=config.max_in_flight, max_waiting=config.max_waiting)
         template = passthrough_chat_template(config)
-        make_backend = lambda url: TritonGenerateBackend(url, config.triton_model, metrics_label=label)  # noqa: E731
+        # Its probe's token is bounded as a step backend's is: by the pool's adaptive limit.
+        make_backend = lambda url: TritonGenerateBackend(url, config.triton_model, config.step_timeout_s, step_timeouts, metrics_label=label)  # noqa: E731
         make_scheduler = lambda backend, on_step: PassthroughScheduler(  # noqa: E731
             backend,  # type: ignore[arg-type]  # a TritonGenerateBackend: make_backend's
             passthrough,
@@ -132,14 +133,17 @@ def passthrough_chat_template(config: AdapterConfig) -> ChatTemplate:
 
 
 async def wait_for_a_healthy_replica(pool: ReplicaPool, timeout_s: float) -> None:
-    """Probes until one replica answers a real token: ready checks alone can pass before that."""
+    """Probes until one replica answers a real token: ready checks alone can pass before that. A
+    replica whose probe hangs holds up neither this wait (it looks every half second, each probe
+    being bounded on its own) nor the other replicas' probes."""
     deadline = time.monotonic() + timeout_s
-    await pool.probe_once()
-    while not pool.any_proven:
+    while True:
+        await pool.probe_once(within_s=0.5)
+        if pool.any_proven:
+            return
         if time.monotonic() > deadline:
             raise SystemExit(f"no Triton replica generated a token within {timeout_s:.0f}s")
         await asyncio.sleep(0.5)
-        await pool.probe_once()
 
 
 async def report_health(pool: ReplicaPool, running: RunningServer) -> None:
@@ -179,6 +183,7 @@ def build_embedder(
         max_batch=config.embed_max_batch,
         max_delay_s=config.embed_max_delay_s,
         max_waiting=config.embed_max_waiting,
+        max_in_flight=config.embed_max_in_flight,
         dim=config.embedding_dimensions,
     )
     embedder.start(supervisor)
@@ -235,11 +240,18 @@ async def start_extra_pool(
     pool = ReplicaPool(
         backends, make_scheduler, config.replica_failure_threshold, config.probe_interval_s, make_backend, metrics_label=label,  # type: ignore[arg-type]
         router=prefix_router(config, protocol), model=config.model_name, probe_token_interval_s=config.probe_token_interval_s,
+        probe_timeout_s=probe_timeout_s(config),
     )  # fmt: skip
     await wait_for_a_healthy_replica(pool, config.backend_wait_s)
     pool.start(supervisor)
     log.info("extra_model_ready", model=config.model_name, triton_model=config.triton_model, protocol=protocol, max_batch_size=config.max_batch_size)
     return pool
+
+
+def probe_timeout_s(config: AdapterConfig) -> float:
+    """The pool's bound of one probe: the step timeout's ceiling, which bounds the probe's token at
+    its backend, plus the ready checks before it."""
+    return config.step_timeout_s + PROBE_MARGIN_S
 
 
 def takes_token_prompts(protocol: str) -> bool:
@@ -275,6 +287,7 @@ async def serve(config: AdapterConfig) -> None:
             name=config.embedding_model_name,
             kind=types_pb2.MODEL_KIND_EMBEDDING,
             embedding_dimensions=config.embedding_dimensions,
+            context_length=config.embedding_context_length,
         )
         if config.triton_embedding_model
         else None
@@ -303,6 +316,7 @@ async def serve(config: AdapterConfig) -> None:
     pool = ReplicaPool(
         backends, make_scheduler, config.replica_failure_threshold, config.probe_interval_s, make_backend,  # type: ignore[arg-type]
         router=prefix_router(config, protocol), model=config.model_name, probe_token_interval_s=config.probe_token_interval_s,
+        probe_timeout_s=probe_timeout_s(config),
     )  # fmt: skip
     await wait_for_a_healthy_replica(pool, config.backend_wait_s)
     # Every owner task is supervised: if one dies, health turns NOT_SERVING and its callers fail.

@@ -40,10 +40,18 @@ class AdapterConfig(ServerConfig):
     embedding_model_name: str = "all-minilm-l6-v2"
     triton_embedding_model: str = "minilm_embed"
     embedding_dimensions: int = 384
+    # The embedding model's maximum input in tokens ([CLS] and [SEP] included), where it cuts longer
+    # texts (all-MiniLM-L6-v2: 256, sentence-transformers' max_seq_length); must match the model.
+    # ListModels reports it as the model's context_length, and Embed's truncate_prompt_tokens takes
+    # it (or -1) as the one place it can cut.
+    embedding_context_length: int = 256
     # Micro-batching: a batch leaves at EMBED_MAX_BATCH texts or EMBED_MAX_DELAY_S after the oldest.
     embed_max_batch: int = 32
     embed_max_delay_s: float = 0.005
     embed_max_waiting: int = 4096
+    # Micro-batches at Triton at once (texts keep gathering meanwhile): with one, a batch stuck on a
+    # wedged replica held every Embed caller until the embedding timeout cut it off.
+    embed_max_in_flight: int = 2
     # The embedding cache (embedding_cache.py): at most EMBED_CACHE_BYTES (0: no cache), lowered to
     # EMBED_CACHE_MEMORY_SHARE of the container's memory limit (cgroup) when that is smaller.
     # 64 MiB holds ~35,000 384-d entries of sentence-length texts.
@@ -177,6 +185,8 @@ class AdapterConfig(ServerConfig):
             f"{ENV_PREFIX}PROBE_TOKEN_INTERVAL_S must be >= 0 (0: every probe generates a token), got {self.probe_token_interval_s}",
         )
         require(self.triton_resolve_interval_s > 0, f"{ENV_PREFIX}TRITON_RESOLVE_INTERVAL_S must be > 0, got {self.triton_resolve_interval_s}")
+        require(self.embedding_context_length >= 1, f"{ENV_PREFIX}EMBEDDING_CONTEXT_LENGTH must be >= 1, got {self.embedding_context_length}")
+        require(self.embed_max_in_flight >= 1, f"{ENV_PREFIX}EMBED_MAX_IN_FLIGHT must be >= 1, got {self.embed_max_in_flight}")
         require(self.embed_cache_bytes >= 0, f"{ENV_PREFIX}EMBED_CACHE_BYTES must be >= 0 (0: no cache), got {self.embed_cache_bytes}")
         require(
             0 <= self.embed_cache_memory_share < 1,

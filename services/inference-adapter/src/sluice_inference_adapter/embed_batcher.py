@@ -21,7 +21,16 @@ Failure and cancellation are per batch and per caller:
   token counts, or a vector width other than the model's `dim`) is such a failure;
 - a caller cancelled before its texts were sent takes them out of the queue; texts already
   at the backend are computed and their vectors discarded;
-- a full queue rejects at once with ResourceExhausted (RESOURCE_EXHAUSTED plus RetryInfo).
+- a full queue rejects at once with ResourceExhausted (RESOURCE_EXHAUSTED plus RetryInfo);
+- a text longer than the model's maximum input (a model that reports its texts' token counts
+  before truncation, `Embeddings.untruncated`, and cut it to its TOKENS) fails its caller alone
+  with `InputTooLong` (INVALID_ARGUMENT naming `inputs[i]`, worded as OpenAI and vLLM refuse it),
+  rather than answer for part of the text; the other callers in that batch get their vectors.
+  The model computed it first: only the model's tokenizer knows the count. A caller that asked
+  for truncation (`embed(..., truncate=True)`: vLLM's `truncate_prompt_tokens` -1) gets the
+  vector of the cut text instead, its count the tokens embedded, and the text marked in its
+  answer's `truncated` (the cache does not keep such a vector: a caller that did not ask for
+  truncation must not be answered with it). Callers of either kind share batches.
 
 Token counts travel with the vectors: each caller gets the count of each of its texts, or
 None when a batch carrying one of its texts came from a model that does not report them.
@@ -59,6 +68,30 @@ class Embeddings:
 
     vectors: np.ndarray  # float32 [n, dim]
     tokens: np.ndarray | None  # int64 [n]; None when the model does not report token counts
+    # int64 [n]: the tokens each text encodes to before the model's truncation (a backend's answer
+    # only; the batcher refuses a text with more than its `tokens`). None: not reported.
+    untruncated: np.ndarray | None = None
+    # bool [n]: the texts the model cut to its maximum input (the batcher's answer to a caller that
+    # asked for truncation only). None: none was cut, or the caller did not ask.
+    truncated: np.ndarray | None = None
+
+
+class InputTooLong(InvalidArgument):
+    """A text over the embedding model's maximum input, refused rather than embedded truncated.
+    `index`: its position among the texts embedded (`at` moves it to the caller's request)."""
+
+    def __init__(self, index: int, tokens: int, limit: int) -> None:
+        super().__init__(
+            f"inputs[{index}]",
+            f"This model's maximum context length is {limit} tokens. However, you requested {tokens} tokens in the input"
+            " for embedding generation. Please reduce the length of the input.",
+        )
+        self.index = index
+        self.tokens = tokens
+        self.limit = limit
+
+    def at(self, index: int) -> InputTooLong:
+        return InputTooLong(index, self.tokens, self.limit)
 
 
 class EmbedBackend(Protocol):
@@ -79,6 +112,10 @@ class _Job:
     vectors: np.ndarray | None = None
     # False once any of its texts came back without a count: a partial sum would under-report.
     counted: bool = True
+    # Whether the caller asked for truncation: a text the model cut is then answered, not refused.
+    truncate: bool = False
+    # bool [len(texts)]: its texts the model cut (only with `truncate`), made at the first one.
+    truncated: np.ndarray | None = None
     # Set once the caller has its answer (vectors, an error, or it went away).
     closed: bool = False
 
@@ -142,13 +179,14 @@ class EmbedBatcher:
 
     # -- caller side ---------------------------------------------------------------
 
-    async def embed(self, texts: Sequence[str], priority: Priority = Priority.INTERACTIVE) -> Embeddings:
+    async def embed(self, texts: Sequence[str], priority: Priority = Priority.INTERACTIVE, truncate: bool = False) -> Embeddings:
         """Vectors for `texts`, float32 [len(texts), dim], in order, with their token counts.
 
         Raises ResourceExhausted when the waiting queue cannot take `texts`, InvalidArgument
-        when `texts` alone exceeds what its priority class may queue, and the backend's
-        SluiceError (or Unavailable wrapping any other exception) when a batch carrying one of
-        them failed.
+        when `texts` alone exceeds what its priority class may queue, InputTooLong when the
+        model cut one of them and `truncate` is False (with `truncate`, the cut text's vector is
+        answered and marked in `truncated`), and the backend's SluiceError (or Unavailable
+        wrapping any other exception) when a batch carrying one of them failed.
         """
         if isinstance(texts, str):
             raise TypeError("embed takes a list of texts, not one string")
@@ -158,7 +196,7 @@ class EmbedBatcher:
             return Embeddings(np.zeros((0, self._dim), dtype=np.float32), np.zeros(0, dtype=np.int64))
         self._admit(len(texts), priority)
         loop = asyncio.get_running_loop()
-        job = _Job(texts, priority, loop.create_future(), remaining=len(texts), tokens=np.zeros(len(texts), np.int64))
+        job = _Job(texts, priority, loop.create_future(), remaining=len(texts), tokens=np.zeros(len(texts), np.int64), truncate=truncate)
         now = loop.time()
         self._queues[priority].extend(_Item(job, i, now) for i in range(len(texts)))
         metrics.EMBED_WAITING.set(self.waiting_count)
@@ -309,7 +347,7 @@ class EmbedBatcher:
         metrics.EMBED_BATCH_TEXTS.observe(len(texts))
         started = loop.time()
         try:
-            vectors, tokens = self._checked(await self._backend.embed(texts), len(texts))
+            vectors, tokens, untruncated = self._checked(await self._backend.embed(texts), len(texts))
         except asyncio.CancelledError:
             self._fail_batch(batch, Unavailable("the adapter is shutting down"))
             raise
@@ -322,14 +360,15 @@ class EmbedBatcher:
             metrics.EMBED_BATCH_SECONDS.observe(loop.time() - started)
             slots.release()
         try:
-            self._hand_out(batch, vectors, tokens)
+            self._hand_out(batch, vectors, tokens, untruncated)
         except Exception as exc:  # noqa: BLE001 - a bug here must not leave this batch's callers waiting for ever
             log.exception("embed_hand_out_failed", texts=len(texts))
             self._fail_batch(batch, Unavailable(f"the embedding batcher failed to hand out a batch: {exc!r}; retry"))
 
-    def _checked(self, answer: Embeddings, count: int) -> tuple[np.ndarray, np.ndarray | None]:
-        """The answer's vectors and token counts, or Unavailable when their shape is not
-        [count, dim] and [count]: a row of another width cannot join a caller's other rows."""
+    def _checked(self, answer: Embeddings, count: int) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
+        """The answer's vectors and token counts (after and before truncation; the latter only
+        with the former), or Unavailable when their shape is not [count, dim] and [count]: a row of
+        another width cannot join a caller's other rows."""
         vectors = np.asarray(answer.vectors, dtype=np.float32)
         if vectors.ndim != 2 or vectors.shape[0] != count:
             raise Unavailable(f"the embedding backend answered shape {vectors.shape} for {count} texts")
@@ -341,14 +380,26 @@ class EmbedBatcher:
         tokens = None if answer.tokens is None else np.asarray(answer.tokens, dtype=np.int64)
         if tokens is not None and tokens.shape != (count,):
             raise Unavailable(f"the embedding backend answered token counts of shape {tokens.shape} for {count} texts")
-        return vectors, tokens
+        untruncated = None if answer.untruncated is None or tokens is None else np.asarray(answer.untruncated, dtype=np.int64)
+        if untruncated is not None and untruncated.shape != (count,):
+            raise Unavailable(f"the embedding backend answered untruncated token counts of shape {untruncated.shape} for {count} texts")
+        return vectors, tokens, untruncated
 
-    def _hand_out(self, batch: _Batch, vectors: np.ndarray, tokens: np.ndarray | None) -> None:
-        """Puts each row in its caller's answer; answers a caller once its last row is in."""
+    def _hand_out(self, batch: _Batch, vectors: np.ndarray, tokens: np.ndarray | None, untruncated: np.ndarray | None = None) -> None:
+        """Puts each row in its caller's answer; answers a caller once its last row is in. A text
+        the model cut to its maximum input fails its caller (and that caller alone), unless that
+        caller asked for truncation: then it is marked as cut in the caller's answer."""
         for row, item in enumerate(batch.items):
             job = item.job
             if job.closed:
                 continue
+            if untruncated is not None and tokens is not None and untruncated[row] > tokens[row]:
+                if not job.truncate:
+                    self._fail(job, InputTooLong(item.index, int(untruncated[row]), int(tokens[row])))
+                    continue
+                if job.truncated is None:
+                    job.truncated = np.zeros(len(job.texts), dtype=np.bool_)
+                job.truncated[item.index] = True
             if job.vectors is None:
                 job.vectors = np.empty((len(job.texts), self._dim), dtype=np.float32)
             job.vectors[item.index] = vectors[row]
@@ -359,7 +410,7 @@ class EmbedBatcher:
             job.remaining -= 1
             if job.remaining == 0:
                 # Built before the job is closed: should it raise, the job is still failed.
-                result = Embeddings(job.vectors, job.tokens if job.counted else None)
+                result = Embeddings(job.vectors, job.tokens if job.counted else None, truncated=job.truncated)
                 job.closed = True
                 if not job.future.done():
                     job.future.set_result(result)

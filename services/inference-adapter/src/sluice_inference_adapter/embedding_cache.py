@@ -22,7 +22,11 @@ turns them into protobuf right after, but an await in between would otherwise be
 
 `CachedEmbedder` is the front the servicer calls: it computes each distinct text of a request
 once, answers the cached ones from the cache, sends only the misses to the micro-batcher, stores
-what comes back, and puts the vectors back in the request's order.
+what comes back, and puts the vectors back in the request's order. A text the batcher refuses as
+longer than the model's maximum input (embed_batcher.InputTooLong) is refused under its index in
+the request; nothing of that request is stored. A request that asked for truncation gets such a
+text's vector (of its first tokens), which is not stored either: the cache answers every caller,
+and one that did not ask for truncation must be refused that text, never answered from the cache.
 
 No transport import here (no grpc, no tritonclient).
 """
@@ -41,7 +45,7 @@ import structlog
 from sluice_common.cgroup import memory_limit
 from sluice_common.errors import InvalidArgument
 from sluice_inference_adapter import metrics
-from sluice_inference_adapter.embed_batcher import Embeddings
+from sluice_inference_adapter.embed_batcher import Embeddings, InputTooLong
 from sluice_inference_adapter.priority import Priority
 
 log = structlog.stdlib.get_logger("sluice.embedding_cache")
@@ -199,7 +203,7 @@ def cache_budget(budget_bytes: int, memory_share: float, read_memory_limit: Call
 
 
 class TextEmbedder(Protocol):
-    async def embed(self, texts: Sequence[str], priority: Priority = Priority.INTERACTIVE) -> Embeddings: ...
+    async def embed(self, texts: Sequence[str], priority: Priority = Priority.INTERACTIVE, truncate: bool = False) -> Embeddings: ...
 
 
 class CachedEmbedder:
@@ -217,7 +221,9 @@ class CachedEmbedder:
     def cache(self) -> EmbeddingCache | None:
         return self._cache
 
-    async def embed(self, texts: Sequence[str], priority: Priority = Priority.INTERACTIVE) -> Embeddings:
+    async def embed(self, texts: Sequence[str], priority: Priority = Priority.INTERACTIVE, truncate: bool = False) -> Embeddings:
+        """`texts`' vectors in order; `truncate`: a text over the model's maximum input is embedded
+        cut (and not cached) rather than refused (embed_batcher.InputTooLong)."""
         if isinstance(texts, str):
             raise TypeError("embed takes a list of texts, not one string")
         # The limit holds for the request as sent, whatever the cache holds at the moment.
@@ -229,12 +235,12 @@ class CachedEmbedder:
         repeated = len(distinct) < len(texts)
         cache = self._cache
         if cache is None and not repeated:
-            return await self._batcher.embed(texts, priority)
+            return await self._batcher.embed(texts, priority, truncate)
         if cache is None:
-            return _expand(await self._batcher.embed(distinct, priority), inverse)
+            return _expand(await self._computed(distinct, texts, priority, truncate), inverse)
         lookup = cache.get_many(self._model, distinct)
         miss_texts = [distinct[i] for i in lookup.misses]
-        computed = await self._batcher.embed(miss_texts, priority) if miss_texts else None
+        computed = await self._computed(miss_texts, texts, priority, truncate) if miss_texts else None
         dim = cache.dim if computed is None else computed.vectors.shape[1]
         if dim != cache.dim:
             # The model answers another size than EMBEDDING_DIMENSIONS: nothing can be cached.
@@ -242,11 +248,12 @@ class CachedEmbedder:
                 self._warned = True
                 log.warning("embedding_not_cached", reason="dimension mismatch", backend_dim=dim, cache_dim=cache.dim)
             if len(lookup.hit_indexes):  # held from before the model changed: compute them again
-                computed = await self._batcher.embed(distinct, priority)
+                computed = await self._computed(distinct, texts, priority, truncate)
                 return _expand(computed, inverse if repeated else None)
         vectors = np.empty((len(distinct), dim), dtype=np.float32)
         tokens = np.zeros(len(distinct), dtype=np.int64)
         counted = True
+        truncated: np.ndarray | None = None
         if len(lookup.hit_indexes):
             vectors[lookup.hit_indexes] = lookup.vectors
             tokens[lookup.hit_indexes] = lookup.tokens
@@ -257,9 +264,30 @@ class CachedEmbedder:
                 counted = False
             else:
                 tokens[lookup.misses] = computed.tokens
+            if computed.truncated is not None:
+                truncated = np.zeros(len(distinct), dtype=np.bool_)
+                truncated[lookup.misses] = computed.truncated
             if dim == cache.dim:
-                cache.put_many(self._model, miss_texts, computed.vectors, computed.tokens)
-        return _expand(Embeddings(vectors, tokens if counted else None), inverse if repeated else None)
+                _store(cache, self._model, miss_texts, computed)
+        return _expand(Embeddings(vectors, tokens if counted else None, truncated=truncated), inverse if repeated else None)
+
+    async def _computed(self, some: list[str], texts: Sequence[str], priority: Priority, truncate: bool) -> Embeddings:
+        """`some` of the request's `texts` through the batcher; a text it refuses as too long is
+        named by its first index in the request, not in `some`."""
+        try:
+            return await self._batcher.embed(some, priority, truncate)
+        except InputTooLong as exc:
+            raise exc.at(list(texts).index(some[exc.index])) from None
+
+
+def _store(cache: EmbeddingCache, model: str, texts: list[str], computed: Embeddings) -> None:
+    """Caches the computed rows but those of texts the model cut (asked for truncation)."""
+    if computed.truncated is None:
+        cache.put_many(model, texts, computed.vectors, computed.tokens)
+        return
+    kept = np.flatnonzero(~computed.truncated)
+    tokens = None if computed.tokens is None else computed.tokens[kept]
+    cache.put_many(model, [texts[i] for i in kept], computed.vectors[kept], tokens)
 
 
 def _expand(result: Embeddings, inverse: list[int] | None) -> Embeddings:
@@ -267,4 +295,8 @@ def _expand(result: Embeddings, inverse: list[int] | None) -> Embeddings:
     if inverse is None:
         return result
     order = np.asarray(inverse, dtype=np.intp)
-    return Embeddings(result.vectors[order], None if result.tokens is None else result.tokens[order])
+    return Embeddings(
+        result.vectors[order],
+        None if result.tokens is None else result.tokens[order],
+        truncated=None if result.truncated is None else result.truncated[order],
+    )

@@ -7,7 +7,10 @@ sent the longest prefix of its prompt, as long as that replica's load stays with
 the least loaded one's, so that its engine's prefix cache is hit. A replica
 is marked unhealthy after `failure_threshold` consecutive failures, counting both
 failed steps and failed probes, and readmitted after one successful probe; every replica, those
-listed at start-up too, starts unhealthy and gets work once a probe has proved it. A request
+listed at start-up too, starts unhealthy and gets work once a probe has proved it. Each replica's
+probe runs on its own, bounded by `probe_timeout_s` (a probe that times out has failed), and is
+recorded as soon as it answers: a replica whose probe hangs holds up no other replica's probes, and
+is not probed again until its own has answered or timed out. A request
 whose replica failed before it produced a token is moved to another replica; one that
 already streamed tokens cannot be resumed elsewhere and ends with an error.
 
@@ -48,6 +51,11 @@ log = structlog.stdlib.get_logger("sluice.replicas")
 # Without an embedding timeout: the longest a removed replica's channel stays open for the batches
 # still on their way to it.
 EMBED_DRAIN_S = 30.0
+# A probe's bound beyond its backend's own (the step timeout's ceiling, which bounds the probe's
+# token): Triton's two ready checks before it (2 s each) and a margin. The pool's bound holds
+# whatever a backend does; the backend's own, when it fires first, says more.
+PROBE_MARGIN_S = 5.0
+DEFAULT_PROBE_TIMEOUT_S = 60.0 + PROBE_MARGIN_S
 
 
 class ReplicaBackend(Protocol):
@@ -131,6 +139,7 @@ class ReplicaPool:
         router: PrefixRouter | None = None,
         model: str = "",
         probe_token_interval_s: float = 0.0,
+        probe_timeout_s: float = DEFAULT_PROBE_TIMEOUT_S,
     ) -> None:
         if not backends:
             raise ValueError("a replica pool needs at least one replica")
@@ -139,6 +148,7 @@ class ReplicaPool:
         self._failure_threshold = failure_threshold
         self._probe_interval_s = probe_interval_s
         self._probe_token_interval_s = probe_token_interval_s
+        self._probe_timeout_s = probe_timeout_s
         self._drain_poll_s = drain_poll_s
         # An extra model's pool on the same replicas: its per-replica series are named
         # "<address><label>" (as its schedulers' are), and the replica-state counts stay the
@@ -152,8 +162,8 @@ class ReplicaPool:
         self._supervisor: Supervisor | None = None
         # Started on drain, cancelled on undrain; each removes its replica once it holds nothing.
         self._drains: dict[str, asyncio.Task[None]] = {}
-        # First probes of new replicas (held so they are not garbage-collected mid-flight).
-        self._first_probes: set[asyncio.Task[None]] = set()
+        # Each replica's probe in flight, at most one (held so it is not garbage-collected mid-flight).
+        self._probes: dict[Replica, asyncio.Task[None]] = {}
         # Told the name of each replica that left the pool (the embedder closes its own channel).
         self.on_removed: list[Callable[[str], Awaitable[None]]] = []
         self.replicas: list[Replica] = []
@@ -192,9 +202,7 @@ class ReplicaPool:
         if self._supervisor is not None:
             replica.scheduler.start(self._supervisor)
             # Probed now, not at the next round: a new pod should take work as soon as it can.
-            task = asyncio.get_running_loop().create_task(self._probe([replica]), name=f"first-probe@{replica.name}")
-            self._first_probes.add(task)
-            task.add_done_callback(self._first_probes.discard)
+            self._start_probe(replica, token=True)
         self._publish_states()
 
     def drain(self, name: str) -> None:
@@ -240,6 +248,9 @@ class ReplicaPool:
         self.replicas.remove(replica)
         self._drains.pop(replica.name, None)
         replica.removed = True
+        probe = self._probes.pop(replica, None)
+        if probe is not None:
+            probe.cancel()  # its channel closes below: its answer would be recorded nowhere
         if self._router is not None:
             self._router.forget(replica.name)
         await replica.scheduler.stop()
@@ -280,30 +291,66 @@ class ReplicaPool:
         metrics.REPLICA_HEALTHY.labels(replica=replica.name + self._metrics_label).set(1 if replica.healthy else 0)
         self._publish_states()
 
-    async def probe_once(self) -> None:
-        """Probes every replica that has not proved itself by a successful step since the last round:
-        with a token when it is unhealthy or has generated none for the token interval, else with
-        Triton's ready checks alone, which only a failure counts (they prove no generation)."""
-        now = time.monotonic()
-        due = [r for r in self.replicas if not r.healthy or now - r.last_success >= self._probe_interval_s]
-        token = [r for r in due if not r.healthy or now - r.last_success >= self._probe_token_interval_s]
-        ready = [r for r in due if r not in token]
-        await asyncio.gather(self._probe(token), self._probe(ready, token=False))
+    async def probe_once(self, within_s: float | None = None) -> None:
+        """Starts the probes that are due (`start_probes`), then waits for every probe in flight to
+        answer or time out, at most `within_s` (None: until each has; each is bounded by the probe
+        timeout). A probe left running when the wait ends goes on, and is recorded when it ends."""
+        self.start_probes()
+        pending = [task for task in self._probes.values() if not task.done()]
+        if pending:
+            await asyncio.wait(pending, timeout=within_s)
 
-    async def _probe(self, due: list[Replica], token: bool = True) -> None:
-        """A token probe's outcome is recorded; of ready checks alone, only a failure."""
-        results = await asyncio.gather(*(r.backend.probe() if token else r.backend.is_ready() for r in due), return_exceptions=True)
-        for replica, result in zip(due, results):
-            if result is not True:
-                reason = str(result) if isinstance(result, BaseException) else "not ready or no token" if token else "not ready"
-                log.warning("probe_failed", replica=replica.name, reason=reason)
-            if token or result is not True:
-                self.record(replica, result is True)
+    def start_probes(self) -> None:
+        """Probes every replica that has not proved itself by a successful step since the last round
+        and has no probe in flight: with a token when it is unhealthy or has generated none for the
+        token interval, else with Triton's ready checks alone, which only a failure counts (they prove
+        no generation). Each probe runs on its own: none waits for another."""
+        now = time.monotonic()
+        for replica in self.replicas:
+            running = self._probes.get(replica)
+            if running is not None and not running.done():
+                continue  # a stuck replica is probed again once its probe has answered or timed out
+            if replica.healthy and now - replica.last_success < self._probe_interval_s:
+                continue
+            self._start_probe(replica, token=not replica.healthy or now - replica.last_success >= self._probe_token_interval_s)
+
+    def _start_probe(self, replica: Replica, token: bool) -> None:
+        task = asyncio.get_running_loop().create_task(self._probe(replica, token), name=f"probe@{replica.name}{self._metrics_label}")
+        self._probes[replica] = task
+
+        def done(finished: asyncio.Task[None]) -> None:
+            if self._probes.get(replica) is finished:
+                del self._probes[replica]
+            if not finished.cancelled() and finished.exception() is not None:
+                log.error("probe_task_failed", replica=replica.name, error=repr(finished.exception()))
+
+        task.add_done_callback(done)
+
+    async def _probe(self, replica: Replica, token: bool) -> None:
+        """One replica's probe, within the probe timeout whatever its backend does (one that times
+        out has failed). A token probe's outcome is recorded; of ready checks alone, only a failure."""
+        result: object
+        bound = asyncio.timeout(self._probe_timeout_s)
+        try:
+            async with bound:
+                result = await (replica.backend.probe() if token else replica.backend.is_ready())
+        except TimeoutError as exc:
+            result = exc  # the backend's own timeout, which says which
+            if bound.expired():
+                metrics.TIMEOUTS.labels(kind="probe").inc()
+                result = TimeoutError(f"the probe did not answer within its timeout of {self._probe_timeout_s:g}s")
+        except Exception as exc:  # noqa: BLE001 - whatever the backend raised fails its probe
+            result = exc
+        if result is not True:
+            reason = str(result) if isinstance(result, BaseException) else "not ready or no token" if token else "not ready"
+            log.warning("probe_failed", replica=replica.name, reason=reason)
+        if token or result is not True:
+            self.record(replica, result is True)
 
     async def _probe_forever(self) -> None:
         while True:
             await asyncio.sleep(self._probe_interval_s)
-            await self.probe_once()
+            self.start_probes()  # not awaited: a round waits for no replica's probe
 
     @property
     def any_healthy(self) -> bool:
@@ -325,7 +372,7 @@ class ReplicaPool:
 
     async def stop(self) -> None:
         """Stops every replica's work and closes every channel."""
-        tasks = [t for t in (self._probe_task, *self._drains.values(), *self._first_probes) if t is not None]
+        tasks = [t for t in (self._probe_task, *self._drains.values(), *self._probes.values()) if t is not None]
         await stop_tasks(*tasks)
         self._drains.clear()
         for replica in self.replicas:
@@ -400,8 +447,9 @@ class ClosableEmbedBackend(EmbedBackend, Protocol):
 
 
 class PooledEmbedBackend:
-    """Sends each embedding micro-batch to the least-loaded healthy replica, through a channel
-    of its own per replica, opened on first use and closed when the replica leaves the pool.
+    """Sends each embedding micro-batch to the least-loaded healthy replica (one without a batch on
+    its way first), through a channel of its own per replica, opened on first use and closed when
+    the replica leaves the pool.
 
     With `timeout`, a batch is cut off after the adaptive timeout (multiplier x the rolling p99
     of batch round trips across the pool): its callers get UNAVAILABLE naming the replica. With
@@ -432,7 +480,7 @@ class PooledEmbedBackend:
 
     async def embed(self, texts: list[str]) -> Embeddings:
         started = time.perf_counter()
-        first = self._pool.pick(exclude=set())
+        first = self._pick()
         try:
             return await self._embed_on(first, texts, None if self._timeout is None else self._timeout.current())
         except Exception as exc:
@@ -442,6 +490,18 @@ class PooledEmbedBackend:
             log.warning("embed_retrying_on_another_replica", failed=first.name, error=str(exc), texts=len(texts))
         second, limit = retry
         return await self._embed_on(second, texts, limit)
+
+    def _pick(self) -> Replica:
+        """A healthy replica with no batch of this model on its way, the least loaded of them; else the
+        least loaded: a batch stuck on a wedged replica then holds up no later batch while another
+        replica is idle (the batcher sends several at once, EMBED_MAX_IN_FLIGHT)."""
+        busy = {name for name, batches in self._in_flight.items() if batches > 0}
+        if busy:
+            try:
+                return self._pool.pick(exclude=busy)
+            except Unavailable:
+                pass  # every healthy replica has a batch on its way
+        return self._pool.pick(exclude=set())
 
     def _retry_plan(self, failed: Replica, elapsed_s: float) -> tuple[Replica, float | None] | None:
         """Another replica for a batch `failed` failed, and the retry's limit; None when there is

@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator, Iterable
 from contextlib import aclosing
 
 import grpc
+import structlog
 from sluice.common.v1 import types_pb2
 from sluice.inference.v1 import inference_pb2, inference_pb2_grpc
 
@@ -19,11 +20,13 @@ from sluice_common.sampling_proto import from_proto
 from sluice_common.validation import validate_generation
 from sluice_inference_adapter import metrics
 from sluice_inference_adapter.embedding_cache import TextEmbedder
-from sluice_inference_adapter.replica_pool import ReplicaPool
+from sluice_inference_adapter.replica_pool import Replica, ReplicaPool
 from sluice_inference_adapter.sequence import Finish, FinishEvent, GenerationRequest
-from sluice_inference_adapter.step_rows import Action, PromptSpec, StepBackend, StepRow
+from sluice_inference_adapter.step_rows import Action, PromptSpec, StepBackend, StepOutcome, StepRow
 from sluice_inference_adapter.step_timeout import StepTimeouts
 from sluice_inference_adapter.priority import Priority
+
+log = structlog.stdlib.get_logger("sluice.servicer")
 
 _FINISH_REASONS = {
     Finish.STOP: types_pb2.FINISH_REASON_STOP,
@@ -45,6 +48,10 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         self._ready_pools: dict[str, ReplicaPool] = {}
         self._embedder: TextEmbedder | None = None
         self._step_timeouts: StepTimeouts | None = None
+        # Set by attach: until then the models' capabilities (logprobs, token_prompts, logit_bias)
+        # are not known, and ListModels answers UNAVAILABLE rather than a catalogue the gateway
+        # would cache, refusing valid requests until its next refresh.
+        self._attached = False
 
     def attach(
         self,
@@ -60,6 +67,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         self._ready_pools = {self._model.name: pool, **(extra_pools or {})}
         self._embedder = embedder
         self._step_timeouts = step_timeouts
+        self._attached = True
 
     def _pool_of(self, name: str) -> ReplicaPool:
         pool = self._ready_pools.get(name)
@@ -96,6 +104,9 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
                 )
 
     async def ListModels(self, request: inference_pb2.ListModelsRequest, context: grpc.aio.ServicerContext) -> inference_pb2.ListModelsResponse:
+        """The models and what each supports, once Triton has said so (attach); UNAVAILABLE before."""
+        if not self._attached:
+            raise Unavailable("the adapter is starting: its models' capabilities are not known until Triton serves them")
         models = list(self._models.values()) + ([self._embedding_model] if self._embedding_model else [])
         return inference_pb2.ListModelsResponse(models=models)
 
@@ -106,6 +117,28 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         prompt = _prompt_spec(request.messages, request.prompt)
         pool = self._pool_of(model.name)
         replica = pool.pick(exclude=set())
+        try:
+            outcome = await self._count_on(pool, replica, prompt)
+        except Unavailable as exc:
+            # The replica failed (an error, a closed channel, the timeout): counted against it, as a
+            # failed step is, and the count is asked once of another (counting is idempotent).
+            pool.record(replica, ok=False)
+            try:
+                retry = pool.pick(exclude={replica.name})
+            except Unavailable:
+                raise exc from None  # no other healthy replica: the caller learns what this one did
+            log.warning("count_tokens_retrying_on_another_replica", failed=replica.name, error=str(exc))
+            try:
+                outcome = await self._count_on(pool, retry, prompt)
+            except Unavailable:
+                pool.record(retry, ok=False)
+                raise
+        if outcome.error:
+            raise InvalidArgument("messages" if request.messages else "prompt", outcome.error)
+        return inference_pb2.CountTokensResponse(prompt_tokens=outcome.prompt_tokens, context_length=model.context_length)
+
+    async def _count_on(self, pool: ReplicaPool, replica: Replica, prompt: PromptSpec) -> StepOutcome:
+        """The prompt counted by one replica; UNAVAILABLE when it fails or exceeds the step timeout."""
         backend = replica.backend
         if not isinstance(backend, StepBackend):
             raise Unimplemented("CountTokens needs a step-protocol model; this one batches by itself")
@@ -117,13 +150,10 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
                     (outcome,) = await backend.step([StepRow(Action.COUNT, 0, prompt.to_json())])
         except TimeoutError:
             metrics.TIMEOUTS.labels(kind="count_tokens").inc()
-            pool.record(replica, ok=False)
             raise Unavailable(
                 f"Triton replica {replica.name} did not count the prompt's tokens within the step timeout of {limit:.2f}s; retry"
             ) from None
-        if outcome.error:
-            raise InvalidArgument("messages" if request.messages else "prompt", outcome.error)
-        return inference_pb2.CountTokensResponse(prompt_tokens=outcome.prompt_tokens, context_length=model.context_length)
+        return outcome
 
     async def Embed(self, request: inference_pb2.EmbedRequest, context: grpc.aio.ServicerContext) -> inference_pb2.EmbedResponse:
         if self._embedding_model is None:
@@ -132,11 +162,12 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
             raise InvalidArgument("model", f"unknown embedding model {request.model!r}; available: {self._embedding_model.name}")
         if not request.inputs:
             raise InvalidArgument("inputs", "no texts to embed")
+        truncate = _truncation(request, self._embedding_model)
         if self._embedder is None:
             raise Unavailable("the adapter is starting: Triton is not ready yet")
         # Repeated texts are computed once, cached ones never reach Triton; the vectors are the
         # caller's own copies (never views of the cache's arena), turned into protobuf here.
-        result = await self._embedder.embed(list(request.inputs), _priority(request.priority_class))
+        result = await self._embedder.embed(list(request.inputs), _priority(request.priority_class), truncate)
         embeddings = [types_pb2.Embedding(values=row.tolist()) for row in result.vectors]
         if result.tokens is None:  # the model reports no token counts: no usage rather than a wrong one
             return inference_pb2.EmbedResponse(embeddings=embeddings)
@@ -157,6 +188,31 @@ def _generation_request(request: inference_pb2.GenerateRequest, time_remaining: 
         sampling=from_proto(request.sampling),
         priority=_priority(request.priority_class),
         deadline=None if time_remaining is None else time.monotonic() + time_remaining,
+    )
+
+
+def _truncation(request: inference_pb2.EmbedRequest, model: types_pb2.ModelInfo) -> bool:
+    """Whether the caller asked for an input over the model's maximum to be embedded cut rather than
+    refused: vLLM's truncate_prompt_tokens, of which the model can honour unset (refuse), -1 and its
+    maximum input itself (cut there: the only place it cuts). Any other value is INVALID_ARGUMENT,
+    one over the maximum in vLLM's words."""
+    if not request.HasField("truncate_prompt_tokens"):
+        return False
+    value, limit = request.truncate_prompt_tokens, model.context_length
+    if value == -1 or (limit > 0 and value == limit):
+        return True
+    field = "truncate_prompt_tokens"
+    if value < -1:
+        raise InvalidArgument(field, f"truncate_prompt_tokens must be -1 (the model's maximum input) or positive, got {value}")
+    if limit > 0 and value > limit:
+        raise InvalidArgument(
+            field, f"truncate_prompt_tokens value ({value}) is greater than max_model_len ({limit}). Please, select a smaller truncation size."
+        )
+    maximum = f"its maximum input of {limit} tokens" if limit > 0 else "its maximum input"
+    raise InvalidArgument(
+        field,
+        f"{model.name} can cut an input only at {maximum}, not at {value}: send -1 to have longer inputs embedded"
+        " from their first tokens, or omit truncate_prompt_tokens to have them refused",
     )
 
 

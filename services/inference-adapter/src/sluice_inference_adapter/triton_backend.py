@@ -60,6 +60,8 @@ _PROBE_PROMPT = PromptSpec(prompt="ping")
 # How long a fully answered round's stream may take to end on Triton's side before it is cancelled.
 _STREAM_END_S = 2.0
 _PROBE_REQUEST = _PROBE_PROMPT.to_json(Sampling(max_tokens=1))
+# An embedding model's token counts per text: as processed (usage), and before its truncation.
+_EMBED_TOKENS, _EMBED_UNTRUNCATED = "TOKENS", "UNTRUNCATED_TOKENS"
 
 
 def _tensor(name: str, values: np.ndarray, datatype: str) -> InferInput:
@@ -263,7 +265,7 @@ class TritonStepBackend(_TritonEndpoint):
         """Ready checks, then one real token: a model that loads but cannot generate is not healthy."""
         if not await self.is_ready():
             return False
-        # A stuck replica must not hold the probe round (every replica's probes are awaited together).
+        # A stuck replica must not hold its probe for ever (the pool would not probe it again meanwhile).
         limit = self._timeouts.limit(_PROBE_PROMPT.estimated_tokens()) if self._timeouts is not None else None
         try:
             async with asyncio.timeout(limit):
@@ -284,7 +286,22 @@ class TritonGenerateBackend(_TritonEndpoint):
 
     Every request asks for the backend's additional outputs (finish_reason, num_input_tokens,
     num_output_tokens), so usage and finish reasons are what the engine reports, not estimates.
+    A stream's waits are bounded by its passthrough scheduler (passthrough.py); the probe, which
+    no scheduler runs, bounds its own token by `timeouts` (the pool's adaptive limit, as a step
+    backend's probe), else by `probe_timeout_s`.
     """
+
+    def __init__(
+        self,
+        url: str,
+        model: str,
+        probe_timeout_s: float = 60.0,
+        timeouts: StepTimeouts | None = None,
+        metrics_label: str = "",
+    ) -> None:
+        super().__init__(url, model, metrics_label)
+        self._probe_timeout_s = probe_timeout_s
+        self._timeouts = timeouts
 
     async def stream(self, text: str, sampling: Sampling) -> AsyncGenerator[GeneratedChunk, None]:
         inputs = [
@@ -321,14 +338,20 @@ class TritonGenerateBackend(_TritonEndpoint):
             await _end_stream(responses, answered)
 
     async def probe(self) -> bool:
-        """Ready checks, then one real token."""
+        """Ready checks, then one real token, within the probe's timeout: a stuck replica must not
+        hold its probe (nor the pool's readmission of it) for ever; one that times out has failed it."""
         if not await self.is_ready():
             return False
+        limit = self._timeouts.limit(_PROBE_PROMPT.estimated_tokens()) if self._timeouts is not None else self._probe_timeout_s
         try:
-            async with aclosing(self.stream("ping", Sampling(max_tokens=1))) as chunks:
+            async with asyncio.timeout(limit), aclosing(self.stream(_PROBE_PROMPT.prompt, Sampling(max_tokens=1))) as chunks:
                 return sum([chunk.output_tokens async for chunk in chunks]) >= 1
         except (Unavailable, RequestRejected):
             return False
+        except TimeoutError:
+            # The stream was cancelled on its way out (stream's finally), so the engine aborts it.
+            metrics.TIMEOUTS.labels(kind="probe").inc()
+            raise TimeoutError(f"the probe's token did not arrive within its timeout of {limit:.2f}s") from None
 
 
 async def _end_stream(responses: Any, answered: bool) -> None:
@@ -418,7 +441,10 @@ def _is_final(result: object) -> bool:
 
 class TritonEmbedBackend(_TritonEndpoint):
     """A tensor model: TEXT [n] BYTES in, EMBEDDING [n, d] FP32 out, and optionally TOKENS [n]
-    INT32 (tokens per text, reported as usage); one request per micro-batch."""
+    INT32 (tokens per text, reported as usage) and, with it, UNTRUNCATED_TOKENS [n] INT32 (tokens
+    per text before the model's truncation: a text with more than its TOKENS is refused, see
+    embed_batcher.InputTooLong); one request per micro-batch. A model that declares neither (an
+    operator's own) is called as it is: no usage, and no text refused for its length."""
 
     def __init__(self, url: str, model: str) -> None:
         super().__init__(url, model)
@@ -429,7 +455,8 @@ class TritonEmbedBackend(_TritonEndpoint):
         if self._outputs is None:
             metadata = await self._client.get_model_metadata(self.model, as_json=True)
             names = {tensor["name"] for tensor in metadata.get("outputs", [])}
-            self._outputs = ["EMBEDDING", *(["TOKENS"] if "TOKENS" in names else [])]
+            counts = [name for name in (_EMBED_TOKENS, _EMBED_UNTRUNCATED) if name in names]
+            self._outputs = ["EMBEDDING", *(counts if _EMBED_TOKENS in names else [])]
         return self._outputs
 
     async def embed(self, texts: list[str]) -> Embeddings:
@@ -439,5 +466,6 @@ class TritonEmbedBackend(_TritonEndpoint):
             result = await self._client.infer(self.model, inputs, outputs=[InferRequestedOutput(n) for n in names])
         except InferenceServerException as exc:
             raise Unavailable(f"Triton at {self.url} failed to embed with {self.model}: {exc.message()}") from exc
-        tokens = result.as_numpy("TOKENS") if "TOKENS" in names else None
-        return Embeddings(np.asarray(result.as_numpy("EMBEDDING"), dtype=np.float32), tokens)
+        tokens = result.as_numpy(_EMBED_TOKENS) if _EMBED_TOKENS in names else None
+        untruncated = result.as_numpy(_EMBED_UNTRUNCATED) if _EMBED_UNTRUNCATED in names else None
+        return Embeddings(np.asarray(result.as_numpy("EMBEDDING"), dtype=np.float32), tokens, untruncated)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import triton_python_backend_utils as pb_utils  # provided by Triton's Python backend
 
 from sluice_triton_local.embeddings.minilm import MiniLMEncoder
-from sluice_triton_local.embeddings.triton_binding import INPUT_NAME, OUTPUT_NAME, TOKENS_NAME, EmbeddingModel
+from sluice_triton_local.embeddings.triton_binding import INPUT_NAME, OUTPUT_NAME, TOKENS_NAME, UNTRUNCATED_TOKENS_NAME, EmbeddingModel
 
 
 class TritonPythonModel:
@@ -22,7 +22,9 @@ class TritonPythonModel:
     def execute(self, requests: list) -> list:
         inputs = [{INPUT_NAME: pb_utils.get_input_tensor_by_name(r, INPUT_NAME).as_numpy()} for r in requests]
         return [
-            pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(name, outputs[name]) for name in (OUTPUT_NAME, TOKENS_NAME)])
+            pb_utils.InferenceResponse(
+                output_tensors=[pb_utils.Tensor(name, outputs[name]) for name in (OUTPUT_NAME, TOKENS_NAME, UNTRUNCATED_TOKENS_NAME)]
+            )
             for outputs in self.model(inputs)
         ]
 

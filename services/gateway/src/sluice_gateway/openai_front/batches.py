@@ -132,6 +132,15 @@ def _parse_line(number: int, text: str) -> BatchLine:
         raise _line_error(number, "a batch line takes one prompt; put each prompt on its own line", "body.prompt", "invalid_value")
     if isinstance(call, GenerationCall) and call.options.stream:
         raise _line_error(number, "stream is not supported in a batch; omit it or send false", "body.stream", "unsupported_parameter")
+    if isinstance(call, EmbeddingCall) and call.request.HasField("truncate_prompt_tokens"):
+        # A job's EmbedRow carries no truncation: refused here rather than dropped (its inputs would
+        # then be refused at run time for their length, or embedded as asked only by chance).
+        raise _line_error(
+            number,
+            "truncate_prompt_tokens is not supported in a batch; omit it (or send null) and keep each input within the model's maximum",
+            "body.truncate_prompt_tokens",
+            "unsupported_parameter",
+        )
     return BatchLine(number, custom_id, url, call)
 
 

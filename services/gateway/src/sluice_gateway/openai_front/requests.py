@@ -107,7 +107,7 @@ _CHAT_FIELDS = {
     "n", "logprobs", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls",
 }  # fmt: skip
 _COMPLETION_FIELDS = {*_RECORDED, "model", "prompt", "stream", "stream_options", "response_format", *_SAMPLING_FIELDS, "n", "logprobs", "echo"}
-_EMBEDDING_FIELDS = {"model", "input", "encoding_format", "dimensions", "user"}
+_EMBEDDING_FIELDS = {"model", "input", "encoding_format", "dimensions", "user", "truncate_prompt_tokens"}
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 
 
@@ -605,4 +605,16 @@ def parse_embeddings(body: dict[str, Any]) -> EmbeddingCall:
     dimensions = body.get("dimensions")
     if dimensions is not None and (not _is_int(dimensions) or dimensions < 1):
         raise invalid("dimensions", f"dimensions must be a positive integer, got {dimensions!r}", "invalid_type")
+    # vLLM's extension, its opt-in to truncation: -1 (or the model's maximum input) embeds a longer
+    # input from its first tokens rather than refuse it. Its type is checked here (vLLM's ge=-1);
+    # the adapter, which knows the model's maximum, refuses a count the model cannot cut at.
+    truncate = body.get("truncate_prompt_tokens")
+    if truncate is not None:
+        if not _is_int(truncate) or not -1 <= truncate <= MAX_INT32:
+            raise invalid(
+                "truncate_prompt_tokens",
+                f"truncate_prompt_tokens must be an integer of at least -1 (-1: the model's maximum input), got {truncate!r}",
+                "invalid_type",
+            )
+        request.truncate_prompt_tokens = truncate
     return EmbeddingCall(request, encoding == "base64", dimensions)

@@ -506,6 +506,9 @@ class InferencePath:
             model=request.model,
             inputs=request.inputs,
             priority_class=request.priority_class,
+            # vLLM's opt-in to truncation, as the client set it (or not): the adapter knows the
+            # model's maximum input and refuses a value it cannot honour.
+            truncate_prompt_tokens=request.truncate_prompt_tokens if request.HasField("truncate_prompt_tokens") else None,
         )
         arrived_at = time.monotonic()
         default_s: float | None = None

@@ -10,7 +10,10 @@ one sentence-transformers runs for this model (see the wheel's modules.json):
   GELU, LayerNorm eps 1e-12) -> mean pooling over the attention mask -> L2 normalisation.
 
 Output: float32 [n, 384], each row of unit length; `encode_with_counts` adds int32 [n], the
-tokens per text that the model processed ([CLS] and [SEP] included, after truncation).
+tokens per text that the model processed ([CLS] and [SEP] included, after truncation), and
+`encode_counted` also the tokens each text encodes to before truncation: more than the processed
+count exactly when the text was cut to max_seq_length (the adapter refuses such a text, as OpenAI
+and vLLM do, rather than answer for part of it).
 
 `MiniLMTokenizer` and `load_bert_weights` are the two halves the encoder is built from; the
 ONNX export (onnx_export.py) and Triton's tokenizer step reuse them, so every path sees the
@@ -24,7 +27,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
@@ -225,6 +228,14 @@ def load_bert_weights(model_dir: Path, config: BertConfig) -> BertWeights:
     )
 
 
+class EncodedTexts(NamedTuple):
+    """Texts' embeddings and token counts, in the texts' order."""
+
+    vectors: np.ndarray  # float32 [n, dim], unit length
+    tokens: np.ndarray  # int32 [n]: tokens the model ran ([CLS] and [SEP] included, after truncation)
+    untruncated: np.ndarray  # int32 [n]: tokens each text encodes to; > tokens for a text that was cut
+
+
 @dataclass(frozen=True)
 class TokenBatch:
     """Texts tokenized and right-padded to the longest one, as BERT exports take them."""
@@ -263,8 +274,11 @@ class MiniLMTokenizer:
         self.max_seq_length = min(int(max_seq_length), self.config.max_position_embeddings)
         tokenizer = Tokenizer.from_file(str(self.model_dir / "tokenizer.json"))
         tokenizer.no_padding()  # callers pad per batch (pad_encodings)
-        tokenizer.enable_truncation(max_length=self.max_seq_length)
+        # No stride: what truncation cuts off is kept in the encoding's overflow, each token once
+        # (untruncated_counts counts it there).
+        tokenizer.enable_truncation(max_length=self.max_seq_length, stride=0)
         self._tokenizer = tokenizer
+        self._special_tokens = tokenizer.num_special_tokens_to_add(False)  # [CLS] and [SEP]
 
     def encodings(self, texts: Sequence[str]) -> list[Encoding]:
         """One encoding per text, with [CLS] and [SEP], truncated to max_seq_length."""
@@ -275,6 +289,14 @@ class MiniLMTokenizer:
     def tokenize(self, texts: Sequence[str]) -> list[list[int]]:
         """Token ids per text, with [CLS] and [SEP], truncated to max_seq_length."""
         return [enc.ids for enc in self.encodings(texts)]
+
+    def untruncated_counts(self, encodings: Sequence[Encoding]) -> np.ndarray:
+        """int32 [n]: the tokens each text encodes to before truncation ([CLS] and [SEP] included),
+        read from what `encodings` already hold (no second tokenization): truncation keeps the rest
+        of a long text in the encoding's overflow, in pieces that each carry their own [CLS] and
+        [SEP]. Equal to the processed count (len(ids)) but for a text that was cut."""
+        special = self._special_tokens
+        return np.array([len(enc.ids) + sum(len(piece.ids) - special for piece in enc.overflowing) for enc in encodings], dtype=np.int32)
 
     def batch(self, texts: Sequence[str]) -> TokenBatch:
         """All of `texts` as one batch, padded to the longest."""
@@ -319,20 +341,27 @@ class MiniLMEncoder:
     def encode_with_counts(self, texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
         """`encode(texts)` plus int32 [len(texts)]: the tokens each text ran through the model
         ([CLS] and [SEP] included, after truncation), from the same tokenization pass."""
+        encoded = self.encode_counted(texts)
+        return encoded.vectors, encoded.tokens
+
+    def encode_counted(self, texts: Sequence[str]) -> EncodedTexts:
+        """`encode(texts)`, the tokens each text ran through the model and the tokens it encodes to
+        before truncation (`EncodedTexts`), from one tokenization pass."""
         if isinstance(texts, str):
             raise TypeError("encode takes a list of texts, not one string")
         out = np.zeros((len(texts), self.dim), dtype=_F32)
         if not texts:
-            return out, np.zeros(0, dtype=np.int32)
+            return EncodedTexts(out, np.zeros(0, dtype=np.int32), np.zeros(0, dtype=np.int32))
         encodings = self.tokenizer.encodings(texts)
         counts = np.array([len(enc.ids) for enc in encodings], dtype=np.int32)
+        untruncated = self.tokenizer.untruncated_counts(encodings)
         order = sorted(range(len(encodings)), key=lambda i: len(encodings[i].ids))
         for start in range(0, len(order), self.forward_batch):
             chunk = order[start : start + self.forward_batch]
             batch = pad_encodings([encodings[i] for i in chunk])
             mask = batch.attention_mask.astype(_F32)
             out[chunk] = self._pool(self.forward(batch.input_ids, batch.token_type_ids, mask), mask)
-        return out, counts
+        return EncodedTexts(out, counts, untruncated)
 
     # -- the network ---------------------------------------------------------------
 

@@ -1,7 +1,7 @@
 """Serves a sentence encoder from triton-local's real Triton (through PyTriton).
 
-The model speaks interface.py's TEXT -> EMBEDDING, TOKENS, one Triton request per adapter
-micro-batch.
+The model speaks interface.py's TEXT -> EMBEDDING, TOKENS, UNTRUNCATED_TOKENS, one Triton request
+per adapter micro-batch.
 
 Triton does no batching of its own here (`batching=False`): the adapter's micro-batcher already
 sends each request as a whole batch.
@@ -15,14 +15,15 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from sluice_triton_local.embeddings.interface import INPUT_NAME, OUTPUT_NAME, TOKENS_NAME, decode_texts
-from sluice_triton_local.embeddings.minilm import EMBEDDING_DIM
+from sluice_triton_local.embeddings.interface import INPUT_NAME, OUTPUT_NAME, TOKENS_NAME, UNTRUNCATED_TOKENS_NAME, decode_texts
+from sluice_triton_local.embeddings.minilm import EMBEDDING_DIM, EncodedTexts
 from sluice_triton_local.metrics import EMBED_BATCH, EMBED_SECONDS, EMBED_TEXTS
 
 
 class Encoder(Protocol):
-    def encode_with_counts(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
-        """float32 [n, dim] vectors and int [n] token counts, from one tokenization pass."""
+    def encode_counted(self, texts: list[str]) -> EncodedTexts:
+        """float32 [n, dim] vectors, and int [n] token counts after and before truncation, from one
+        tokenization pass."""
         ...
 
 
@@ -43,9 +44,9 @@ class EmbeddingModel:
             with self._lock:
                 started = time.perf_counter()
                 if texts:
-                    vectors, counts = self._encoder.encode_with_counts(texts)
+                    vectors, counts, untruncated = self._encoder.encode_counted(texts)
                 else:
-                    vectors, counts = np.zeros((0, self._dim), np.float32), np.zeros(0, np.int32)
+                    vectors, counts, untruncated = np.zeros((0, self._dim), np.float32), np.zeros(0, np.int32), np.zeros(0, np.int32)
                 EMBED_SECONDS.observe(time.perf_counter() - started)
             EMBED_TEXTS.inc(len(texts))
             EMBED_BATCH.observe(len(texts))
@@ -53,6 +54,7 @@ class EmbeddingModel:
                 {
                     OUTPUT_NAME: np.ascontiguousarray(vectors, dtype=np.float32).reshape(len(texts), self._dim),
                     TOKENS_NAME: np.ascontiguousarray(counts, dtype=np.int32).reshape(len(texts)),
+                    UNTRUNCATED_TOKENS_NAME: np.ascontiguousarray(untruncated, dtype=np.int32).reshape(len(texts)),
                 }
             )
         return responses
@@ -69,6 +71,7 @@ def bind_embedding_model(triton: Any, name: str, encoder: Encoder) -> None:
         outputs=[
             Tensor(name=OUTPUT_NAME, dtype=np.float32, shape=(-1, dim)),
             Tensor(name=TOKENS_NAME, dtype=np.int32, shape=(-1,)),
+            Tensor(name=UNTRUNCATED_TOKENS_NAME, dtype=np.int32, shape=(-1,)),
         ],
         # The adapter does the batching: every request already is a whole micro-batch.
         config=ModelConfig(batching=False, max_batch_size=0),

@@ -26,7 +26,7 @@ from sluice.common.v1 import types_pb2 as sluice_dot_common_dot_v1_dot_types__pb
 from sluice.jobs.v1 import jobs_pb2 as sluice_dot_jobs_dot_v1_dot_jobs__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fsluice/gateway/v1/gateway.proto\x12\x11sluice.gateway.v1\x1a\x1csluice/common/v1/types.proto\x1a\x19sluice/jobs/v1/jobs.proto\"\xee\x03\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12/\n\x08messages\x18\x02 \x03(\x0b\x32\x1d.sluice.common.v1.ChatMessage\x12\x0e\n\x06prompt\x18\x03 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\n \x03(\x05\x12\x32\n\x08sampling\x18\x04 \x01(\x0b\x32 .sluice.common.v1.SamplingParams\x12\x37\n\x0epriority_class\x18\x05 \x01(\x0e\x32\x1f.sluice.common.v1.PriorityClass\x12\x19\n\x11\x63lient_request_id\x18\x06 \x01(\t\x12\x39\n\x0fresponse_format\x18\x07 \x01(\x0e\x32 .sluice.common.v1.ResponseFormat\x12+\n\x08tool_use\x18\x08 \x01(\x0b\x32\x19.sluice.common.v1.ToolUse\x12\x0c\n\x04user\x18\x0b \x01(\t\x12\x42\n\x08metadata\x18\x0c \x03(\x0b\x32\x30.sluice.gateway.v1.GenerateRequest.MetadataEntry\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xbf\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x35\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x1e.sluice.common.v1.FinishReason\x12&\n\x05usage\x18\x04 \x01(\x0b\x32\x17.sluice.common.v1.Usage\x12*\n\x07timings\x18\x05 \x01(\x0b\x32\x19.sluice.common.v1.Timings\x12\r\n\x05model\x18\x06 \x01(\t\x12\r\n\x05index\x18\x07 \x01(\x05\x12\x30\n\x08logprobs\x18\x08 \x03(\x0b\x32\x1e.sluice.common.v1.TokenLogprob\x12.\n\ntool_calls\x18\t \x03(\x0b\x32\x1a.sluice.common.v1.ToolCall\"\x81\x01\n\x0c\x45mbedRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06inputs\x18\x02 \x03(\t\x12\x37\n\x0epriority_class\x18\x03 \x01(\x0e\x32\x1f.sluice.common.v1.PriorityClass\x12\x19\n\x11\x63lient_request_id\x18\x04 \x01(\t\"\x8b\x01\n\rEmbedResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12/\n\nembeddings\x18\x03 \x03(\x0b\x32\x1b.sluice.common.v1.Embedding\x12&\n\x05usage\x18\x04 \x01(\x0b\x32\x17.sluice.common.v1.Usage\"\x13\n\x11ListModelsRequest\"A\n\x12ListModelsResponse\x12+\n\x06models\x18\x01 \x03(\x0b\x32\x1b.sluice.common.v1.ModelInfo\";\n\x10SubmitJobRequest\x12\'\n\x03job\x18\x01 \x01(\x0b\x32\x1a.sluice.jobs.v1.JobRequest\"5\n\x11SubmitJobResponse\x12 \n\x03job\x18\x01 \x01(\x0b\x32\x13.sluice.jobs.v1.Job\"\x1f\n\rGetJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"2\n\x0eGetJobResponse\x12 \n\x03job\x18\x01 \x01(\x0b\x32\x13.sluice.jobs.v1.Job\"!\n\x0fWatchJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"4\n\x10WatchJobResponse\x12 \n\x03job\x18\x01 \x01(\x0b\x32\x13.sluice.jobs.v1.Job\"\"\n\x10\x43\x61ncelJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"5\n\x11\x43\x61ncelJobResponse\x12 \n\x03job\x18\x01 \x01(\x0b\x32\x13.sluice.jobs.v1.Job\"N\n\x15ListJobResultsRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x11\n\tpage_size\x18\x02 \x01(\x05\x12\x12\n\npage_token\x18\x03 \x01(\t\"]\n\x16ListJobResultsResponse\x12*\n\x07results\x18\x01 \x03(\x0b\x32\x19.sluice.jobs.v1.RowResult\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t2\xcb\x05\n\x0eGatewayService\x12U\n\x08Generate\x12\".sluice.gateway.v1.GenerateRequest\x1a#.sluice.gateway.v1.GenerateResponse0\x01\x12J\n\x05\x45mbed\x12\x1f.sluice.gateway.v1.EmbedRequest\x1a .sluice.gateway.v1.EmbedResponse\x12Y\n\nListModels\x12$.sluice.gateway.v1.ListModelsRequest\x1a%.sluice.gateway.v1.ListModelsResponse\x12V\n\tSubmitJob\x12#.sluice.gateway.v1.SubmitJobRequest\x1a$.sluice.gateway.v1.SubmitJobResponse\x12M\n\x06GetJob\x12 .sluice.gateway.v1.GetJobRequest\x1a!.sluice.gateway.v1.GetJobResponse\x12U\n\x08WatchJob\x12\".sluice.gateway.v1.WatchJobRequest\x1a#.sluice.gateway.v1.WatchJobResponse0\x01\x12V\n\tCancelJob\x12#.sluice.gateway.v1.CancelJobRequest\x1a$.sluice.gateway.v1.CancelJobResponse\x12\x65\n\x0eListJobResults\x12(.sluice.gateway.v1.ListJobResultsRequest\x1a).sluice.gateway.v1.ListJobResultsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fsluice/gateway/v1/gateway.proto\x12\x11sluice.gateway.v1\x1a\x1csluice/common/v1/types.proto\x1a\x19sluice/jobs/v1/jobs.proto\"\xee\x03\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12/\n\x08messages\x18\x02 \x03(\x0b\x32\x1d.sluice.common.v1.ChatMessage\x12\x0e\n\x06prompt\x18\x03 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\n \x03(\x05\x12\x32\n\x08sampling\x18\x04 \x01(\x0b\x32 .sluice.common.v1.SamplingParams\x12\x37\n\x0epriority_class\x18\x05 \x01(\x0e\x32\x1f.sluice.common.v1.PriorityClass\x12\x19\n\x11\x63lient_request_id\x18\x06 \x01(\t\x12\x39\n\x0fresponse_format\x18\x07 \x01(\x0e\x32 .sluice.common.v1.ResponseFormat\x12+\n\x08tool_use\x18\x08 \x01(\x0b\x32\x19.sluice.common.v1.ToolUse\x12\x0c\n\x04user\x18\x0b \x01(\t\x12\x42\n\x08metadata\x18\x0c \x03(\x0b\x32\x30.sluice.gateway.v1.GenerateRequest.MetadataEntry\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xbf\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x35\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x1e.sluice.common.v1.FinishReason\x12&\n\x05usage\x18\x04 \x01(\x0b\x32\x17.sluice.common.v1.Usage\x12*\n\x07timings\x18\x05 \x01(\x0b\x32\x19.sluice.common.v1.Timings\x12\r\n\x05model\x18\x06 \x01(\t\x12\r\n\x05index\x18\x07 \x01(\x05\x12\x30\n\x08logprobs\x18\x08 \x03(\x0b\x32\x1e.sluice.common.v1.TokenLogprob\x12.\n\ntool_calls\x18\t \x03(\x0b\x32\x1a.sluice.common.v1.ToolCall\"\xc1\x01\n\x0c\x45mbedRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06inputs\x18\x02 \x03(\t\x12\x37\n\x0epriority_class\x18\x03 \x01(\x0e\x32\x1f.sluice.common.v1.PriorityClass\x12\x19\n\x11\x63lient_request_id\x18\x04 \x01(\t\x12#\n\x16truncate_prompt_tokens\x18\x05 \x01(\x05H\x00\x88\x01\x01\x42\x19\n\x17_truncate_prompt_tokens\"\x8b\x01\n\rEmbedResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12/\n\nembeddings\x18\x03 \x03(\x0b\x32\x1b.sluice.common.v1.Embedding\x12&\n\x05usage\x18\x04 \x01(\x0b\x32\x17.sluice.common.v1.Usage\"\x13\n\x11ListModelsRequest\"A\n\x12ListModelsResponse\x12+\n\x06models\x18\x01 \x03(\x0b\x32\x1b.sluice.common.v1.ModelInfo\";\n\x10SubmitJobRequest\x12\'\n\x03job\x18\x01 \x01(\x0b\x32\x1a.sluice.jobs.v1.JobRequest\"5\n\x11SubmitJobResponse\x12 \n\x03job\x18\x01 \x01(\x0b\x32\x13.sluice.jobs.v1.Job\"\x1f\n\rGetJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"2\n\x0eGetJobResponse\x12 \n\x03job\x18\x01 \x01(\x0b\x32\x13.sluice.jobs.v1.Job\"!\n\x0fWatchJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"4\n\x10WatchJobResponse\x12 \n\x03job\x18\x01 \x01(\x0b\x32\x13.sluice.jobs.v1.Job\"\"\n\x10\x43\x61ncelJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"5\n\x11\x43\x61ncelJobResponse\x12 \n\x03job\x18\x01 \x01(\x0b\x32\x13.sluice.jobs.v1.Job\"N\n\x15ListJobResultsRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x11\n\tpage_size\x18\x02 \x01(\x05\x12\x12\n\npage_token\x18\x03 \x01(\t\"]\n\x16ListJobResultsResponse\x12*\n\x07results\x18\x01 \x03(\x0b\x32\x19.sluice.jobs.v1.RowResult\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t2\xcb\x05\n\x0eGatewayService\x12U\n\x08Generate\x12\".sluice.gateway.v1.GenerateRequest\x1a#.sluice.gateway.v1.GenerateResponse0\x01\x12J\n\x05\x45mbed\x12\x1f.sluice.gateway.v1.EmbedRequest\x1a .sluice.gateway.v1.EmbedResponse\x12Y\n\nListModels\x12$.sluice.gateway.v1.ListModelsRequest\x1a%.sluice.gateway.v1.ListModelsResponse\x12V\n\tSubmitJob\x12#.sluice.gateway.v1.SubmitJobRequest\x1a$.sluice.gateway.v1.SubmitJobResponse\x12M\n\x06GetJob\x12 .sluice.gateway.v1.GetJobRequest\x1a!.sluice.gateway.v1.GetJobResponse\x12U\n\x08WatchJob\x12\".sluice.gateway.v1.WatchJobRequest\x1a#.sluice.gateway.v1.WatchJobResponse0\x01\x12V\n\tCancelJob\x12#.sluice.gateway.v1.CancelJobRequest\x1a$.sluice.gateway.v1.CancelJobResponse\x12\x65\n\x0eListJobResults\x12(.sluice.gateway.v1.ListJobResultsRequest\x1a).sluice.gateway.v1.ListJobResultsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -42,33 +42,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GENERATERESPONSE']._serialized_start=609
   _globals['_GENERATERESPONSE']._serialized_end=928
   _globals['_EMBEDREQUEST']._serialized_start=931
-  _globals['_EMBEDREQUEST']._serialized_end=1060
-  _globals['_EMBEDRESPONSE']._serialized_start=1063
-  _globals['_EMBEDRESPONSE']._serialized_end=1202
-  _globals['_LISTMODELSREQUEST']._serialized_start=1204
-  _globals['_LISTMODELSREQUEST']._serialized_end=1223
-  _globals['_LISTMODELSRESPONSE']._serialized_start=1225
-  _globals['_LISTMODELSRESPONSE']._serialized_end=1290
-  _globals['_SUBMITJOBREQUEST']._serialized_start=1292
-  _globals['_SUBMITJOBREQUEST']._serialized_end=1351
-  _globals['_SUBMITJOBRESPONSE']._serialized_start=1353
-  _globals['_SUBMITJOBRESPONSE']._serialized_end=1406
-  _globals['_GETJOBREQUEST']._serialized_start=1408
-  _globals['_GETJOBREQUEST']._serialized_end=1439
-  _globals['_GETJOBRESPONSE']._serialized_start=1441
-  _globals['_GETJOBRESPONSE']._serialized_end=1491
-  _globals['_WATCHJOBREQUEST']._serialized_start=1493
-  _globals['_WATCHJOBREQUEST']._serialized_end=1526
-  _globals['_WATCHJOBRESPONSE']._serialized_start=1528
-  _globals['_WATCHJOBRESPONSE']._serialized_end=1580
-  _globals['_CANCELJOBREQUEST']._serialized_start=1582
-  _globals['_CANCELJOBREQUEST']._serialized_end=1616
-  _globals['_CANCELJOBRESPONSE']._serialized_start=1618
-  _globals['_CANCELJOBRESPONSE']._serialized_end=1671
-  _globals['_LISTJOBRESULTSREQUEST']._serialized_start=1673
-  _globals['_LISTJOBRESULTSREQUEST']._serialized_end=1751
-  _globals['_LISTJOBRESULTSRESPONSE']._serialized_start=1753
-  _globals['_LISTJOBRESULTSRESPONSE']._serialized_end=1846
-  _globals['_GATEWAYSERVICE']._serialized_start=1849
-  _globals['_GATEWAYSERVICE']._serialized_end=2564
+  _globals['_EMBEDREQUEST']._serialized_end=1124
+  _globals['_EMBEDRESPONSE']._serialized_start=1127
+  _globals['_EMBEDRESPONSE']._serialized_end=1266
+  _globals['_LISTMODELSREQUEST']._serialized_start=1268
+  _globals['_LISTMODELSREQUEST']._serialized_end=1287
+  _globals['_LISTMODELSRESPONSE']._serialized_start=1289
+  _globals['_LISTMODELSRESPONSE']._serialized_end=1354
+  _globals['_SUBMITJOBREQUEST']._serialized_start=1356
+  _globals['_SUBMITJOBREQUEST']._serialized_end=1415
+  _globals['_SUBMITJOBRESPONSE']._serialized_start=1417
+  _globals['_SUBMITJOBRESPONSE']._serialized_end=1470
+  _globals['_GETJOBREQUEST']._serialized_start=1472
+  _globals['_GETJOBREQUEST']._serialized_end=1503
+  _globals['_GETJOBRESPONSE']._serialized_start=1505
+  _globals['_GETJOBRESPONSE']._serialized_end=1555
+  _globals['_WATCHJOBREQUEST']._serialized_start=1557
+  _globals['_WATCHJOBREQUEST']._serialized_end=1590
+  _globals['_WATCHJOBRESPONSE']._serialized_start=1592
+  _globals['_WATCHJOBRESPONSE']._serialized_end=1644
+  _globals['_CANCELJOBREQUEST']._serialized_start=1646
+  _globals['_CANCELJOBREQUEST']._serialized_end=1680
+  _globals['_CANCELJOBRESPONSE']._serialized_start=1682
+  _globals['_CANCELJOBRESPONSE']._serialized_end=1735
+  _globals['_LISTJOBRESULTSREQUEST']._serialized_start=1737
+  _globals['_LISTJOBRESULTSREQUEST']._serialized_end=1815
+  _globals['_LISTJOBRESULTSRESPONSE']._serialized_start=1817
+  _globals['_LISTJOBRESULTSRESPONSE']._serialized_end=1910
+  _globals['_GATEWAYSERVICE']._serialized_start=1913
+  _globals['_GATEWAYSERVICE']._serialized_end=2628
 # @@protoc_insertion_point(module_scope)

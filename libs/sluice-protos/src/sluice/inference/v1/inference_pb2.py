@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from sluice.common.v1 import types_pb2 as sluice_dot_common_dot_v1_dot_types__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n#sluice/inference/v1/inference.proto\x12\x13sluice.inference.v1\x1a\x1csluice/common/v1/types.proto\"\x8c\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12/\n\x08messages\x18\x04 \x03(\x0b\x32\x1d.sluice.common.v1.ChatMessage\x12\x0e\n\x06prompt\x18\x05 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x08 \x03(\x05\x12\x32\n\x08sampling\x18\x06 \x01(\x0b\x32 .sluice.common.v1.SamplingParams\x12\x37\n\x0epriority_class\x18\x07 \x01(\x0e\x32\x1f.sluice.common.v1.PriorityClass\"\xf2\x01\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x13\n\x0btoken_count\x18\x02 \x01(\x05\x12\x35\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x1e.sluice.common.v1.FinishReason\x12&\n\x05usage\x18\x04 \x01(\x0b\x32\x17.sluice.common.v1.Usage\x12*\n\x07timings\x18\x05 \x01(\x0b\x32\x19.sluice.common.v1.Timings\x12\x30\n\x08logprobs\x18\x06 \x03(\x0b\x32\x1e.sluice.common.v1.TokenLogprob\"\x8a\x01\n\x0c\x45mbedRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12\x0e\n\x06inputs\x18\x04 \x03(\t\x12\x37\n\x0epriority_class\x18\x05 \x01(\x0e\x32\x1f.sluice.common.v1.PriorityClass\"h\n\rEmbedResponse\x12/\n\nembeddings\x18\x01 \x03(\x0b\x32\x1b.sluice.common.v1.Embedding\x12&\n\x05usage\x18\x02 \x01(\x0b\x32\x17.sluice.common.v1.Usage\"\x13\n\x11ListModelsRequest\"A\n\x12ListModelsResponse\x12+\n\x06models\x18\x01 \x03(\x0b\x32\x1b.sluice.common.v1.ModelInfo\"~\n\x12\x43ountTokensRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12/\n\x08messages\x18\x02 \x03(\x0b\x32\x1d.sluice.common.v1.ChatMessage\x12\x0e\n\x06prompt\x18\x03 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x04 \x03(\x05\"D\n\x13\x43ountTokensResponse\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x16\n\x0e\x63ontext_length\x18\x02 \x01(\x05\x32\xfe\x02\n\x10InferenceService\x12Y\n\x08Generate\x12$.sluice.inference.v1.GenerateRequest\x1a%.sluice.inference.v1.GenerateResponse0\x01\x12N\n\x05\x45mbed\x12!.sluice.inference.v1.EmbedRequest\x1a\".sluice.inference.v1.EmbedResponse\x12]\n\nListModels\x12&.sluice.inference.v1.ListModelsRequest\x1a\'.sluice.inference.v1.ListModelsResponse\x12`\n\x0b\x43ountTokens\x12\'.sluice.inference.v1.CountTokensRequest\x1a(.sluice.inference.v1.CountTokensResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n#sluice/inference/v1/inference.proto\x12\x13sluice.inference.v1\x1a\x1csluice/common/v1/types.proto\"\x8c\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12/\n\x08messages\x18\x04 \x03(\x0b\x32\x1d.sluice.common.v1.ChatMessage\x12\x0e\n\x06prompt\x18\x05 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x08 \x03(\x05\x12\x32\n\x08sampling\x18\x06 \x01(\x0b\x32 .sluice.common.v1.SamplingParams\x12\x37\n\x0epriority_class\x18\x07 \x01(\x0e\x32\x1f.sluice.common.v1.PriorityClass\"\xf2\x01\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x13\n\x0btoken_count\x18\x02 \x01(\x05\x12\x35\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x1e.sluice.common.v1.FinishReason\x12&\n\x05usage\x18\x04 \x01(\x0b\x32\x17.sluice.common.v1.Usage\x12*\n\x07timings\x18\x05 \x01(\x0b\x32\x19.sluice.common.v1.Timings\x12\x30\n\x08logprobs\x18\x06 \x03(\x0b\x32\x1e.sluice.common.v1.TokenLogprob\"\xca\x01\n\x0c\x45mbedRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12\x0e\n\x06inputs\x18\x04 \x03(\t\x12\x37\n\x0epriority_class\x18\x05 \x01(\x0e\x32\x1f.sluice.common.v1.PriorityClass\x12#\n\x16truncate_prompt_tokens\x18\x06 \x01(\x05H\x00\x88\x01\x01\x42\x19\n\x17_truncate_prompt_tokens\"h\n\rEmbedResponse\x12/\n\nembeddings\x18\x01 \x03(\x0b\x32\x1b.sluice.common.v1.Embedding\x12&\n\x05usage\x18\x02 \x01(\x0b\x32\x17.sluice.common.v1.Usage\"\x13\n\x11ListModelsRequest\"A\n\x12ListModelsResponse\x12+\n\x06models\x18\x01 \x03(\x0b\x32\x1b.sluice.common.v1.ModelInfo\"~\n\x12\x43ountTokensRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12/\n\x08messages\x18\x02 \x03(\x0b\x32\x1d.sluice.common.v1.ChatMessage\x12\x0e\n\x06prompt\x18\x03 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x04 \x03(\x05\"D\n\x13\x43ountTokensResponse\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x16\n\x0e\x63ontext_length\x18\x02 \x01(\x05\x32\xfe\x02\n\x10InferenceService\x12Y\n\x08Generate\x12$.sluice.inference.v1.GenerateRequest\x1a%.sluice.inference.v1.GenerateResponse0\x01\x12N\n\x05\x45mbed\x12!.sluice.inference.v1.EmbedRequest\x1a\".sluice.inference.v1.EmbedResponse\x12]\n\nListModels\x12&.sluice.inference.v1.ListModelsRequest\x1a\'.sluice.inference.v1.ListModelsResponse\x12`\n\x0b\x43ountTokens\x12\'.sluice.inference.v1.CountTokensRequest\x1a(.sluice.inference.v1.CountTokensResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,17 +37,17 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GENERATERESPONSE']._serialized_start=362
   _globals['_GENERATERESPONSE']._serialized_end=604
   _globals['_EMBEDREQUEST']._serialized_start=607
-  _globals['_EMBEDREQUEST']._serialized_end=745
-  _globals['_EMBEDRESPONSE']._serialized_start=747
-  _globals['_EMBEDRESPONSE']._serialized_end=851
-  _globals['_LISTMODELSREQUEST']._serialized_start=853
-  _globals['_LISTMODELSREQUEST']._serialized_end=872
-  _globals['_LISTMODELSRESPONSE']._serialized_start=874
-  _globals['_LISTMODELSRESPONSE']._serialized_end=939
-  _globals['_COUNTTOKENSREQUEST']._serialized_start=941
-  _globals['_COUNTTOKENSREQUEST']._serialized_end=1067
-  _globals['_COUNTTOKENSRESPONSE']._serialized_start=1069
-  _globals['_COUNTTOKENSRESPONSE']._serialized_end=1137
-  _globals['_INFERENCESERVICE']._serialized_start=1140
-  _globals['_INFERENCESERVICE']._serialized_end=1522
+  _globals['_EMBEDREQUEST']._serialized_end=809
+  _globals['_EMBEDRESPONSE']._serialized_start=811
+  _globals['_EMBEDRESPONSE']._serialized_end=915
+  _globals['_LISTMODELSREQUEST']._serialized_start=917
+  _globals['_LISTMODELSREQUEST']._serialized_end=936
+  _globals['_LISTMODELSRESPONSE']._serialized_start=938
+  _globals['_LISTMODELSRESPONSE']._serialized_end=1003
+  _globals['_COUNTTOKENSREQUEST']._serialized_start=1005
+  _globals['_COUNTTOKENSREQUEST']._serialized_end=1131
+  _globals['_COUNTTOKENSRESPONSE']._serialized_start=1133
+  _globals['_COUNTTOKENSRESPONSE']._serialized_end=1201
+  _globals['_INFERENCESERVICE']._serialized_start=1204
+  _globals['_INFERENCESERVICE']._serialized_end=1586
 # @@protoc_insertion_point(module_scope)
