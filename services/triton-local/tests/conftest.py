@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import onnxruntime as ort
 import pytest
@@ -48,3 +49,18 @@ def minilm_onnx_session(minilm_onnx_path: Path) -> ort.InferenceSession:
     options = ort.SessionOptions()
     options.intra_op_num_threads = 2
     return ort.InferenceSession(str(minilm_onnx_path), options, providers=["CPUExecutionProvider"])
+
+
+def recorded_logits(engine: Any, monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """Every forward pass's logits of a StepEngine from now on (the engine samples its rows from
+    them), a copy of each, until the test ends."""
+    seen: list[Any] = []
+    forward = engine._model.forward
+
+    def recording(items: list[Any], interruptible: bool = False) -> Any:
+        out = forward(items, interruptible)
+        seen.append(out.copy())
+        return out
+
+    monkeypatch.setattr(engine._model, "forward", recording)
+    return seen

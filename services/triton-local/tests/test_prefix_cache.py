@@ -5,7 +5,9 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+import numpy as np
 import pytest
+from conftest import recorded_logits
 
 from sluice_triton_local.engine.host_prefix_store import HostPrefixStore
 from sluice_triton_local.engine.prefix_cache import MIN_REUSED_TOKENS, Cells, PrefixCache, common_prefix, exact_reuse
@@ -47,20 +49,22 @@ def test_reuse_stops_where_a_cold_prefill_would_compute_attention_otherwise() ->
     tiled_prompt.append(list(range(100)), tiled=True)  # a 100-token prompt prefilled whole
     tiled_prompt.append([7, 8], tiled=False)  # and two decoded tokens
     # A whole 150-token prompt sharing 90 tokens: its last 64 are prefilled again (the tiled kernel).
-    assert exact_reuse(90, tiled_prompt, 150, 0, 64) == 150 - 64
-    assert exact_reuse(40, tiled_prompt, 150, 0, 64) == 40
-    # A short prompt is prefilled row by row when cold: cells computed tiled are not the same.
-    assert exact_reuse(50, tiled_prompt, 60, 0, 64) == 0
+    assert exact_reuse(90, tiled_prompt, 150, 64) == 150 - 64
+    assert exact_reuse(40, tiled_prompt, 150, 64) == 40
+    # A short prompt is prefilled row by row when cold: cells computed tiled are not the same (but
+    # position 0, attending to itself alone, is computed alike by both kernels).
+    assert exact_reuse(50, tiled_prompt, 60, 64) == 1
     short = cells(list(range(30)))
-    assert exact_reuse(29, short, 30, 0, 64) == 29
+    assert exact_reuse(29, short, 30, 64) == 29
     # Decoded cells (row by row) are never what a cold prefill of 64+ tokens computes.
-    assert exact_reuse(101, tiled_prompt, 200, 0, 64) == 100
-    # A chunked prefill restarts at a chunk boundary whose kernels match the cold chunks'.
-    chunked = Cells()
-    chunked.append(list(range(128)), tiled=True)
-    assert exact_reuse(100, chunked, 300, 64, 64) == 64
+    assert exact_reuse(101, tiled_prompt, 200, 64) == 100
+    # A prompt prefilled beside other rows, split into ubatches of fewer than 64 of its rows
+    # (llamacpp_model.ubatch_rows): only its positions that ran tiled are reused for a long prompt.
+    beside = Cells()
+    beside.append(list(range(100)), [False] * 1 + [True] * 39 + [False] * 60)
+    assert exact_reuse(90, beside, 200, 64) == 40
     # No batch-dependent kernel: every shared token.
-    assert exact_reuse(90, tiled_prompt, 150, 0, None) == 90
+    assert exact_reuse(90, tiled_prompt, 150, None) == 90
 
 
 def test_free_slots_go_empty_first_then_least_recently_cached() -> None:
@@ -194,6 +198,104 @@ def test_a_live_sequences_prefix_is_copied_and_both_go_on_unchanged(engines: tup
     live, joined, reused = drive(cached)
     assert reused == reusable(cached, common_prefix(list(first), list(second)), second) > 0
     assert drive(reference) == (live, joined, 0)
+
+
+def test_a_prompt_no_longer_than_its_chunk_reuses_a_cached_prefix(engines: tuple[StepEngine, StepEngine]) -> None:
+    """The reuse was rounded down to a multiple of the row's chunk even when the whole prompt fits
+    in one chunk: 14 // 16 * 16 = 0, so such a prompt never took a cached prefix."""
+    cached, reference = engines
+    forget_everything(cached)
+    prompt = chat(cached, QUESTIONS[0])[:15]
+    run(cached, 60, prompt[:14], Sampling(max_tokens=1))  # its slot caches those 14 tokens
+
+    def chunked(engine: StepEngine) -> list[RowResult]:
+        out = engine.step([PrefillRow(61, prompt, GREEDY, chunk=16)])
+        while not out[-1].finish_reason:
+            out += engine.step([DecodeRow(61)])
+        return out
+
+    warm = chunked(cached)
+    assert {r.cached_tokens for r in warm} == {14}
+    assert tokens(warm) == tokens(chunked(reference))
+
+
+def test_a_cache_hit_gives_a_cold_prefills_logits_bit_for_bit_where_the_engine_says_so(
+    engines: tuple[StepEngine, StepEngine], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """llama.cpp on the CPU: exact_reuse keeps a hit's logits those of the cold prefill. The numpy
+    model's matrix products round by the step's token count (Linear's gemv or OpenBLAS's sgemm,
+    whose blocking depends on the rows), so its hits may differ in the last bits (here they happen
+    not to), and the engine says so (prefix_reuse_bit_exact) rather than claim it."""
+    cached, reference = engines
+    forget_everything(cached)
+    first, second = chat(cached, QUESTIONS[0]), chat(cached, QUESTIONS[1])
+    run(cached, 70, first, Sampling(max_tokens=1))
+    warm_logits, cold_logits = recorded_logits(cached, monkeypatch), recorded_logits(reference, monkeypatch)
+    (warm,) = cached.step([PrefillRow(71, second, Sampling(max_tokens=1))])
+    (cold,) = reference.step([PrefillRow(71, second, Sampling(max_tokens=1))])
+    assert warm.cached_tokens > 0 and cold.cached_tokens == 0
+    assert cached.prefix_reuse_bit_exact == (cached.engine == "llamacpp")
+    if cached.prefix_reuse_bit_exact:
+        assert np.array_equal(warm_logits[-1], cold_logits[-1])
+
+
+def test_cells_a_prompt_computed_beside_other_rows_row_by_row_are_not_reused_as_tiled(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 64-token prompt prefilled beside a decode row runs as 1 + 63 rows a ubatch (row by row),
+    where alone it runs tiled: its cells were recorded as tiled all the same, and a longer prompt
+    reused 10 of them, its logits then not those of its cold prefill."""
+    engine = StepEngine(gguf_path(), max_slots=3, max_context=512, threads=2, prefix_cache=True)
+    reference = StepEngine(gguf_path(), max_slots=3, max_context=512, threads=2, prefix_cache=False)
+    rng = np.random.default_rng(8)
+    prompt = tuple(int(t) for t in rng.integers(200, 40000, 64))
+    longer = prompt + tuple(int(t) for t in rng.integers(200, 40000, 10))
+    engine.step([PrefillRow(1, chat(engine, QUESTIONS[0]), Sampling(max_tokens=20))])  # slot 0, decoding
+    beside = engine.step([DecodeRow(1), PrefillRow(2, prompt, Sampling(max_tokens=1))])  # slot 1, then cached
+    assert beside[1].finish_reason == "length" and engine.cached_slots == 1
+    warm_logits, cold_logits = recorded_logits(engine, monkeypatch), recorded_logits(reference, monkeypatch)
+    (warm,) = engine.step([PrefillRow(3, longer, Sampling(max_tokens=1))])
+    reference.step([PrefillRow(3, longer, Sampling(max_tokens=1))])
+    assert warm.cached_tokens == 0
+    assert np.array_equal(warm_logits[-1], cold_logits[-1])
+    # Prefilled alone, the same prompt's cells are reused.
+    run(engine, 4, prompt, Sampling(max_tokens=1))
+    (again,) = engine.step([PrefillRow(5, longer, Sampling(max_tokens=1))])
+    assert again.cached_tokens == len(longer) - 64 and np.array_equal(warm_logits[-1], cold_logits[-1])
+
+
+def test_a_whole_prompt_reuses_no_cells_a_prefill_in_short_chunks_computed_row_by_row(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 100-token prompt prefilled in chunks of 16 (as the adapter's bulk rows are) runs attention
+    row by row, where the same prompt prefilled whole runs it tiled: the cells say so, and the whole
+    prompt reuses none of them past position 0 (too few to reuse), its logits those of its cold
+    whole prefill, bit for bit. A 40-token prompt runs row by row either way: chunked or whole, the
+    same logits."""
+    engine = StepEngine(gguf_path(), max_slots=3, max_context=512, threads=2, prefix_cache=True)
+    reference = StepEngine(gguf_path(), max_slots=3, max_context=512, threads=2, prefix_cache=False)
+    rng = np.random.default_rng(9)
+    prompt = tuple(int(t) for t in rng.integers(200, 40000, 100))
+    chunked = engine.step([PrefillRow(1, prompt, Sampling(max_tokens=1), chunk=16)])
+    while not chunked[-1].finish_reason:
+        chunked += engine.step([DecodeRow(1)])
+    assert len(chunked) == -(-100 // 16) and engine.cached_slots == 1  # 16 a step, the last 4 answer
+    slot, shared = engine._slots.longest(list(prompt), 99)  # noqa: SLF001
+    assert slot is not None and shared == 99
+    held = engine._slots.cells(slot)  # noqa: SLF001
+    assert held.tiled[:100] == [False] * 100
+    assert exact_reuse(shared, held, len(prompt), 64) == 1  # where the flags differ from a whole prefill's
+    warm_logits, cold_logits = recorded_logits(engine, monkeypatch), recorded_logits(reference, monkeypatch)
+    (whole,) = engine.step([PrefillRow(2, prompt, Sampling(max_tokens=1))])
+    (cold,) = reference.step([PrefillRow(2, prompt, Sampling(max_tokens=1))])
+    assert whole.cached_tokens == 0 and cold.cached_tokens == 0
+    assert np.array_equal(warm_logits[-1], cold_logits[-1])
+    assert whole.token_id == cold.token_id
+    # Under 64 tokens: chunks of 16 compute what the whole prompt does (row by row).
+    short = prompt[:40]
+    reference.step([PrefillRow(3, short, Sampling(max_tokens=1))])
+    whole_short = cold_logits[-1]
+    out = reference.step([PrefillRow(4, short, Sampling(max_tokens=1), chunk=16)])
+    while not out[-1].finish_reason:
+        out += reference.step([DecodeRow(4)])
+    assert len(out) == 3
+    assert np.array_equal(cold_logits[-1], whole_short)
 
 
 def test_a_short_shared_prefix_is_not_reused(engines: tuple[StepEngine, StepEngine]) -> None:
@@ -417,7 +519,8 @@ def test_llamacpp_on_a_gpu_has_no_tiled_rule(monkeypatch: pytest.MonkeyPatch) ->
     on_cpu = llamacpp_model.LlamaCppModel(gguf_path(), max_slots=1, max_context=64, threads=1)
     try:
         assert on_gpu.tiled_attention_rows is None and on_cpu.tiled_attention_rows == 64
-        assert exact_reuse(90, cells(list(range(90)), tiled=True), 150, 0, on_gpu.tiled_attention_rows) == 90
+        assert exact_reuse(90, cells(list(range(90)), tiled=True), 150, on_gpu.tiled_attention_rows) == 90
+        assert not on_gpu.reuse_bit_exact and on_cpu.reuse_bit_exact
     finally:
         on_gpu.close()
         on_cpu.close()

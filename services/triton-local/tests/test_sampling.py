@@ -206,8 +206,9 @@ def test_a_stream_is_splitmix64_from_its_key() -> None:
 
 @pytest.fixture(scope="module")
 def engine() -> StepEngine:
-    """llama.cpp's forward pass: its logits for a sequence are bit for bit the same whatever else
-    the step carries (test_llamacpp_logits_do_not_depend_on_the_batch), which the seed guarantee needs."""
+    """llama.cpp's forward pass: its logits for a sequence of a short prompt and answer are bit for
+    bit the same whatever else the step carries (test_llamacpp_logits_do_not_depend_on_the_batch),
+    which the seed guarantee needs."""
     return StepEngine(gguf_path(), max_slots=8, threads=2, prefix_cache=False)
 
 
@@ -278,7 +279,9 @@ def test_an_option_out_of_range_or_a_token_outside_the_vocabulary_is_refused(eng
 def test_llamacpp_logits_do_not_depend_on_the_batch() -> None:
     """What the seed guarantee rests on: llama.cpp on the CPU computes a sequence's logits bit for bit
     the same alone and beside 7 or 31 other sequences, at prefill and at decode (each sequence has its
-    own KV stream, and its rows' products do not mix with other rows'). On a GPU, or on the numpy
+    own KV stream, and its rows' products do not mix with other rows'), while its prompt has fewer
+    than 64 tokens and it holds fewer than 256 positions: beyond, attention's kernel depends on how
+    llama.cpp groups the step's rows (llamacpp_model.py's docstring). On a GPU, or on the numpy
     reference engine, other kernels may round differently at other batch sizes: there a seeded
     sequence's tokens may differ where two tokens' probabilities differ in the last bits."""
     from sluice_triton_local.engine.llamacpp_model import LlamaCppModel

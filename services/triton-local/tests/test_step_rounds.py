@@ -131,6 +131,41 @@ def test_a_request_that_is_json_but_no_object_fails_its_row_alone(shared: Shared
     assert first["FINISH"][0] == b"length" and first["TOKEN_ID"][0] >= 0
 
 
+@pytest.mark.parametrize(
+    "body",
+    [
+        b'{"messages": [["user", "Hi"]], "max_tokens": 1e999}',
+        b'{"messages": [["user", "Hi"]], "max_tokens": 4, "seed": 1e999}',
+        b'{"messages": [["user", "Hi"]], "max_tokens": 4, "logprobs": 1e999}',
+        b'{"messages": [["user", "Hi"]], "max_tokens": 4, "prefill_chunk": 1e999}',
+        b'{"prompt_token_ids": [1, 1e999], "max_tokens": 4}',
+        b'{"messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+    ],
+    ids=["max_tokens", "seed", "logprobs", "prefill_chunk", "prompt_token_ids", "nested"],
+)
+def test_a_number_out_of_integer_range_or_json_nested_too_deep_fails_its_row_alone(shared: SharedEngine, body: bytes) -> None:
+    """1e999 is inf, and int(inf) raised OverflowError; JSON nested deeper than the parser recurses
+    raised RecursionError: either escaped start_round and failed every row of the request."""
+    inputs = _inputs([(PREFILL, 43, {"messages": QUESTION, "max_tokens": 1}), (PREFILL, 44, None)], 1)
+    inputs["REQUEST"][1] = body
+    responses: list[dict[str, np.ndarray]] = []
+    start_round(shared, inputs, lambda response, _last: responses.append(response)).result(timeout=60)
+    first = responses[0]
+    assert first["FINISH"][1] == b"invalid" and first["ERROR"][1].startswith(b"malformed REQUEST JSON: "), first["ERROR"][1]
+    assert first["FINISH"][0] == b"length" and first["TOKEN_ID"][0] >= 0
+    assert shared.active_slots == 0
+
+
+@pytest.mark.parametrize("request_json", [{"prompt": ""}, {"messages": []}, {"prompt_token_ids": []}, {}])
+def test_an_empty_prompt_is_invalid_not_an_engine_error(shared: SharedEngine, request_json: dict[str, Any]) -> None:
+    """It reached the engine with no token and finished "error", the replica's fault, not the caller's."""
+    [response] = _round(shared, [(PREFILL, 45, {**request_json, "max_tokens": 4})], 1)
+    assert response["FINISH"][0] == b"invalid" and b"prompt is empty" in response["ERROR"][0]
+    [count] = _round(shared, [(COUNT, 46, request_json)], 1)  # counting it is no error: 0 tokens
+    assert count["FINISH"][0] == b"" and count["PROMPT_TOKENS"][0] == 0
+    assert shared.active_slots == 0
+
+
 def test_prompts_a_step_leaves_to_its_prefill_budget_answer_their_first_tokens_later_in_the_round() -> None:
     # A budget of one token: each step computes its first prompt only, the round's later steps the rest.
     budgeted = SharedEngine(StepEngine(gguf_path(), max_slots=4, threads=2, prefix_cache=False, prefill_tokens_per_step=1))

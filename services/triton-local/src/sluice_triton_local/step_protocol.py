@@ -232,6 +232,8 @@ def _parse_row(engine: SharedEngine, action: int, seq_id: int, raw: bytes) -> Pr
             return _invalid(seq_id, token_problem)
         if action == COUNT:
             return RowResult(seq_id, -1, "", "", prompt_tokens, 0)
+        if not prompt:  # the engine has no position to sample a first token from
+            return _invalid(seq_id, 'the prompt is empty (0 tokens): give "messages", "prompt" or "prompt_token_ids" with at least one token')
         try:
             sampling = Sampling.from_json(request)
         except StructuredOutputsError as exc:
@@ -259,7 +261,9 @@ def _parse_row(engine: SharedEngine, action: int, seq_id: int, raw: bytes) -> Pr
         if chunk < 0:
             return _invalid(seq_id, f"prefill_chunk must be >= 0, got {chunk}")
         return PrefillRow(seq_id, tuple(prompt), sampling, chunk=chunk, owner=str(request.get("owner", ""))[:MAX_OWNER])
-    except (ValueError, TypeError, KeyError) as exc:
+    except (ValueError, TypeError, KeyError, OverflowError, RecursionError) as exc:
+        # OverflowError: a number JSON spells as 1e999 (inf) where an integer goes; RecursionError:
+        # JSON nested deeper than the parser's recursion. Either fails this row, not the request's others.
         return _invalid(seq_id, f"malformed REQUEST JSON: {exc}")
 
 

@@ -1,11 +1,28 @@
 """The Llama forward pass on llama.cpp, through llama-cpp-python's bindings of its C API.
 
 Same contract as model.LlamaModel: `forward(items)` runs every new token of every item through
-one `llama_decode` (several when a step carries more than `n_batch` tokens) and returns the
-logits of each item's last new token; `release(slot)` forgets the slot's KV cells. A slot is a
-llama.cpp sequence id. The KV cache is not unified: each sequence has a stream of its own, so a
-sequence attends only to its own cells (work proportional to its length, not to the whole
-batch's) and its logits do not depend on who else is in the batch.
+one `llama_decode` (several when a step carries more than `n_batch` tokens, or an item longer
+than a ubatch) and returns the logits of each item's last new token; `release(slot)` forgets the
+slot's KV cells. A slot is a llama.cpp sequence id. The KV cache is not unified: each sequence has
+a stream of its own, so a sequence attends only to its own cells (work proportional to its
+length, not to the whole batch's).
+
+What a sequence's logits depend on (the CPU; a GPU's kernels depend on the whole batch): the
+weights' products are computed row by row (a row's result is the same in any batch), but
+attention is not. llama.cpp cuts a batch into ubatches that take the same number of tokens from
+each sequence in them (ubatch_rows), and its attention runs a tiled kernel for a sequence with 64
+or more rows in a ubatch, row by row below, and, for a lone row of a lone sequence attending to
+512 cells or more (past position 255), a kernel that splits the cells between the threads; the
+three round differently. So a sequence's logits are the same alone or beside any other rows while
+its prompt has fewer than 64 tokens and it holds fewer than 256 positions; beyond that, a prompt
+prefilled beside other rows (its ubatches then carry fewer of its rows), or a long sequence
+decoded alone rather than beside another row or with other thread counts, may differ in the last
+bits. (llama-server says the same of its batches.) Neither is avoided: one llama_decode per such
+prompt costs a pass over the weights for each, and a throwaway row beside a lone long decode row
+(which would keep it off the split kernel) a third or more of batch-1 decode speed
+(docs/operators/tuning.md, "What is bit for bit the same"). What each new position was computed
+with is recorded (`last_tiled`) for the prefix cache, whose reuse must compute what a cold prefill
+would.
 
 Tokenization, sampling and stop handling stay in step_engine.py, shared with the numpy model:
 llama.cpp is only asked for logits. On a GPU build of llama.cpp (`GGML_CUDA=on`) the same code
@@ -23,6 +40,7 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
 
@@ -125,6 +143,11 @@ class _InterruptFlag:
         return asked
 
 
+# The most tokens llama.cpp puts through the graph at once (n_ubatch): a llama_decode of more runs
+# several ubatches, each a pass over the weights.
+UBATCH_TOKENS = 512
+
+
 def context_params(
     sequences: int, context_per_sequence: int, batch_tokens: int, threads: int, *, unified: bool, interrupt: _InterruptFlag | None = None
 ) -> object:
@@ -135,7 +158,7 @@ def context_params(
     params.n_ctx = sequences * context_per_sequence
     params.n_seq_max = sequences
     params.n_batch = batch_tokens
-    params.n_ubatch = min(batch_tokens, 512)
+    params.n_ubatch = min(batch_tokens, UBATCH_TOKENS)
     params.n_threads = threads
     params.n_threads_batch = threads
     params.kv_unified = unified
@@ -163,6 +186,58 @@ def contiguous_plan(slots: Sequence[int], max_gap: int = GAP_FILL_MAX) -> tuple[
     ordered = [slots[i] for i in order]
     fillers = [slot for low, high in zip(ordered, ordered[1:]) if 1 < high - low <= max_gap + 1 for slot in range(low + 1, high)]
     return order, fillers
+
+
+def ubatch_rows(seq_ids: np.ndarray, ubatch_tokens: int) -> np.ndarray:
+    """For each token of one llama_decode, how many of its sequence's tokens share its ubatch.
+
+    Over a non-unified KV cache llama.cpp cuts a batch with llama_batch_allocr::split_equal
+    (sequential): a ubatch takes the run of consecutive sequence ids that begins with the first
+    token not yet taken (a sequence with none left ends the run) and the same number of tokens from
+    each: the fewest any of them has left, at most ubatch_tokens // the run's length, at least one.
+    Attention picks its kernel by that number (LlamaCppModel.tiled_attention_rows). `seq_ids`:
+    each sequence's tokens together, sequences by ascending id (forward's layout)."""
+    n = len(seq_ids)
+    rows = np.empty(n, dtype=np.int64)
+    bounds = [0, *(np.flatnonzero(seq_ids[1:] != seq_ids[:-1]) + 1).tolist(), n] if n else [0]
+    ids = [int(seq_ids[b]) for b in bounds[:-1]]
+    taken, ends = bounds[:-1], bounds[1:]  # each sequence's next token, and its end
+    first = 0
+    while True:
+        while first < len(ids) and taken[first] == ends[first]:
+            first += 1
+        if first == len(ids):
+            return rows
+        run = [first]
+        while run[-1] + 1 < len(ids) and ids[run[-1] + 1] == ids[run[-1]] + 1 and taken[run[-1] + 1] < ends[run[-1] + 1]:
+            run.append(run[-1] + 1)
+        share = min(min(ends[k] - taken[k] for k in run), max(1, ubatch_tokens // len(run)))
+        for k in run:
+            rows[taken[k] : taken[k] + share] = share
+            taken[k] += share
+
+
+def long_item_pieces(tokens: int, ubatch_tokens: int, min_rows: int) -> list[int]:
+    """The sizes, in order, in which forward decodes an item of more than `ubatch_tokens` new tokens,
+    one llama_decode each. llama.cpp would cut it into ubatches of ubatch_tokens and a last one of
+    what is left, which may hold fewer than `min_rows` (530: 512 + 18, the last 18 computed row by
+    row, where a prefill reusing 466 of them computes its 64 tiled); these pieces are as many, none
+    longer than a ubatch and none shorter than min_rows (530: 466 + 64) while the ubatch allows it."""
+    sizes = []
+    while tokens > ubatch_tokens:
+        size = min(ubatch_tokens, tokens - min_rows) if tokens - min_rows >= min_rows else ubatch_tokens
+        sizes.append(size)
+        tokens -= size
+    return [*sizes, tokens]
+
+
+class _Run(NamedTuple):
+    """New tokens of one sequence in a llama_decode: a forward item's, a piece of one, or a filler's."""
+
+    item: BatchItem
+    owner: int  # the forward item it belongs to (its index); -1: a filler
+    offset: int  # where its tokens begin among the item's new tokens
+    last: bool  # it ends the item: the logits of its last token are answered
 
 
 class _BatchBuffers:
@@ -219,12 +294,14 @@ def require_gpu_offload(gpu_layers: int) -> None:
 
 class LlamaCppModel:
     # llama.cpp's CPU flash attention (on: flash_attn_type is left at auto) runs a sequence's query
-    # rows through a tiled kernel from GGML_FA_TILE_Q (64) rows a step on, row by row below (ggml-cpu
-    # ops.cpp); the prefix cache reuses only cells computed as a cold prefill would compute them.
+    # rows through a tiled kernel from GGML_FA_TILE_Q (64) rows of it in a ubatch on, row by row below
+    # (ggml-cpu ops.cpp); forward records which rows ran tiled (last_tiled, from ubatch_rows), and the
+    # prefix cache reuses only cells computed as a cold prefill would compute them.
     # Bit-exact reuse is a CPU guarantee: with layers on a GPU (gpu_layers != 0), CUDA's ggml picks
     # its matrix kernels by the whole ubatch's token count, so no rule on a sequence's own rows makes
     # reused cells exact, and the rule would only prefill tokens again: None there (see __init__).
     tiled_attention_rows: int | None = 64
+    reuse_bit_exact = True  # on the CPU (exact_reuse); not on a GPU (see __init__)
 
     def __init__(
         self,
@@ -245,6 +322,7 @@ class LlamaCppModel:
         require_gpu_offload(gpu_layers)
         if gpu_layers != 0:
             self.tiled_attention_rows = None
+            self.reuse_bit_exact = False
         init_backend_once()
         model_params = lc.llama_model_default_params()
         model_params.n_gpu_layers = gpu_layers
@@ -273,6 +351,10 @@ class LlamaCppModel:
         self.max_context = max_context
         self._slot_count = max_slots
         self.batch_tokens = batch_tokens
+        self._ubatch_tokens = min(batch_tokens, UBATCH_TOKENS)  # context_params' n_ubatch
+        # For each item of the last forward pass, whether each of its new tokens ran attention's tiled
+        # kernel (tiled_attention_rows rows or more of its sequence in its ubatch).
+        self.last_tiled: list[list[bool]] = []
         self._batch = _BatchBuffers(batch_tokens)
         self._governor = ThreadGovernor(threads) if adaptive_threads and gpu_layers == 0 and threads > 1 else None
         self._threads = threads
@@ -296,40 +378,39 @@ class LlamaCppModel:
 
     def forward(self, items: list[BatchItem], interruptible: bool = False) -> np.ndarray:
         """[len(items), vocab] logits of each item's last new token. `interruptible`: `interrupt()`
-        may stop it midway (StepInterrupted), leaving every item's cells as they were."""
+        may stop it midway (StepInterrupted), leaving every item's cells as they were. Afterwards
+        `last_tiled` says, for each item's new tokens, which ran attention's tiled kernel."""
         if any(not it.token_ids for it in items):
             raise ValueError("every batch item needs at least one token")
         for it in items:
             if it.start_pos + len(it.token_ids) > self.max_context:
                 raise ValueError(f"sequence needs {it.start_pos + len(it.token_ids)} positions; the context holds {self.max_context}")
-        order, filler_slots = contiguous_plan([it.slot for it in items])
-        fillers = self._fillers(filler_slots)
-        batch = sorted([(items[i].slot, i) for i in order] + [(f.slot, -1) for f in fillers])
-        fill_by_slot = {f.slot: f for f in fillers}
-        laid_out = [items[i] if i >= 0 else fill_by_slot[slot] for slot, i in batch]
-        tokens = np.fromiter((t for it in laid_out for t in it.token_ids), dtype=np.int32)
-        positions = np.concatenate([np.arange(it.start_pos, it.start_pos + len(it.token_ids), dtype=np.int32) for it in laid_out])
-        seq_ids = np.concatenate([np.full(len(it.token_ids), it.slot, dtype=np.int32) for it in laid_out])
-        ends = np.cumsum([len(it.token_ids) for it in laid_out]) - 1  # each item's last token
-        wanted_ends = [int(end) for end, (_, i) in zip(ends, batch) if i >= 0]  # ascending
-        want_logits = np.zeros(len(tokens), dtype=np.int8)
-        want_logits[wanted_ends] = 1
-        answer_rows = [i for _, i in batch if i >= 0]  # the item each wanted logit row belongs to
+        tile = self.tiled_attention_rows
+        # An item longer than a ubatch goes alone, in pieces of at least a tile (long_item_pieces):
+        # as many ubatches as llama.cpp would make of it, beside the others or not. Only on the CPU,
+        # where a tile means something.
+        alone = [i for i, it in enumerate(items) if tile is not None and len(it.token_ids) > self._ubatch_tokens]
+        together = [i for i in range(len(items)) if i not in alone]
         out = np.empty((len(items), self._vocab), dtype=np.float32)
-        row = 0
+        self.last_tiled = [[False] * len(it.token_ids) for it in items]
+        fillers: list[BatchItem] = []
         if not interruptible:
             self._interrupt.forget()
         elif self._interrupt.arm():  # an ask came first: left unarmed, nothing decoded
-            raise StepInterrupted(f"interrupted: a step of {len(tokens)} tokens stopped before it started")
+            raise StepInterrupted(f"interrupted: a step of {sum(len(it.token_ids) for it in items)} tokens stopped before it started")
         try:
-            for start in range(0, len(tokens), self.batch_tokens):
-                end = min(len(tokens), start + self.batch_tokens)
-                self._decode(tokens[start:end], positions[start:end], seq_ids[start:end], want_logits[start:end])
-                # The call's output rows, in batch order (llama_get_logits reorders them so), in one copy.
-                rows = bisect.bisect_left(wanted_ends, end) - row
-                if rows:
-                    out[answer_rows[row : row + rows]] = self._logits(rows)
-                    row += rows
+            for i in alone:
+                item, done = items[i], 0
+                for size in long_item_pieces(len(item.token_ids), self._ubatch_tokens, tile or 1):
+                    piece = BatchItem(item.slot, item.token_ids[done : done + size], item.start_pos + done)
+                    self._decode_runs([_Run(piece, i, done, done + size == len(item.token_ids))], out)
+                    done += size
+            if together:
+                # After the pieces: a filler in an alone item's slot goes after its new cells.
+                _, filler_slots = contiguous_plan([items[i].slot for i in together])
+                fillers = self._fillers(filler_slots)
+                runs = [_Run(items[i], i, 0, True) for i in together] + [_Run(f, -1, 0, False) for f in fillers]
+                self._decode_runs(sorted(runs, key=lambda run: run.item.slot), out)
         except StepInterrupted:
             # llama.cpp takes back the cells of the ubatch it stopped in, not those of the ubatches before.
             for item in items:
@@ -341,6 +422,41 @@ class LlamaCppModel:
             for filler in fillers:
                 self.truncate(filler.slot, filler.start_pos)
         return out
+
+    def _decode_runs(self, runs: list[_Run], out: np.ndarray) -> None:
+        """Decodes the runs, in their order (by slot), in llama_decode calls of at most batch_tokens;
+        writes the logits of each run that ends its item into `out` and records which of the runs'
+        tokens ran the tiled kernel (last_tiled)."""
+        tokens = np.fromiter((t for run in runs for t in run.item.token_ids), dtype=np.int32)
+        positions = np.concatenate([np.arange(run.item.start_pos, run.item.start_pos + len(run.item.token_ids), dtype=np.int32) for run in runs])
+        seq_ids = np.concatenate([np.full(len(run.item.token_ids), run.item.slot, dtype=np.int32) for run in runs])
+        ends = np.cumsum([len(run.item.token_ids) for run in runs]) - 1  # each run's last token
+        wanted_ends = [int(end) for end, run in zip(ends, runs) if run.last]  # ascending
+        want_logits = np.zeros(len(tokens), dtype=np.int8)
+        want_logits[wanted_ends] = 1
+        answer_rows = [run.owner for run in runs if run.last]  # the item each wanted logit row belongs to
+        tile = self.tiled_attention_rows
+        # Its sequence's rows in each token's ubatch, when some run could have a tile of them.
+        rows = np.ones(len(tokens), dtype=np.int64) if tile is not None and any(len(run.item.token_ids) >= tile for run in runs) else None
+        row = 0
+        for start in range(0, len(tokens), self.batch_tokens):
+            end = min(len(tokens), start + self.batch_tokens)
+            self._decode(tokens[start:end], positions[start:end], seq_ids[start:end], want_logits[start:end])
+            if rows is not None:
+                rows[start:end] = ubatch_rows(seq_ids[start:end], self._ubatch_tokens)
+            # The call's output rows, in batch order (llama_get_logits reorders them so), in one copy.
+            n = bisect.bisect_left(wanted_ends, end) - row
+            if n:
+                out[answer_rows[row : row + n]] = self._logits(n)
+                row += n
+        if rows is not None and tile is not None:  # else no sequence had a tile of rows in a ubatch: none ran tiled
+            tiled = rows >= tile
+            first = 0
+            for run in runs:
+                n = len(run.item.token_ids)
+                if run.owner >= 0:
+                    self.last_tiled[run.owner][run.offset : run.offset + n] = tiled[first : first + n].tolist()
+                first += n
 
     def _logits(self, rows: int) -> np.ndarray:
         """The last llama_decode's `rows` logit rows, a view of llama.cpp's own buffer (valid until

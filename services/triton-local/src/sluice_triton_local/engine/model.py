@@ -93,6 +93,13 @@ class StepInterrupted(RuntimeError):
 
 class LlamaModel:
     tiled_attention_rows: int | None = None  # attention is one numpy path whatever the batch
+    # But the matrix products round by the step's token count (Linear's gemv up to GEMV_MAX_ROWS
+    # rows, OpenBLAS's sgemm above, whose blocking depends on the rows too): a prompt that reuses
+    # cached cells prefills fewer rows than its cold prefill, and its logits may differ in the last
+    # bits (up to 3.6e-5 on a 30-token prompt reusing 20 or 29 tokens; some hits happen to be exact).
+    # The prefix cache reuses every shared token here; greedy output may then differ where two
+    # tokens nearly tie.
+    reuse_bit_exact = False
 
     def __init__(self, weights: LlamaWeights, max_slots: int, max_context: int) -> None:
         self.w = weights

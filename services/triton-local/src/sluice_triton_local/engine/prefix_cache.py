@@ -10,7 +10,7 @@ where a prompt should start and tells the model which cells to keep.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 # The fewest prompt tokens worth reusing. From a live sequence's slot, llama.cpp copies the whole
@@ -38,44 +38,54 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 @dataclass
 class Cells:
     """What a slot's KV cells hold: the token at each position, and whether its attention was
-    computed by the tiled kernel (see exact_reuse)."""
+    computed by the tiled kernel (see exact_reuse; the forward pass says which were: its
+    `last_tiled`)."""
 
     tokens: list[int] = field(default_factory=list)
     tiled: list[bool] = field(default_factory=list)
 
-    def append(self, tokens: list[int], tiled: bool) -> None:
+    def append(self, tokens: list[int], tiled: bool | Sequence[bool]) -> None:
+        """`tiled`: one flag for every token, or each token's."""
         self.tokens.extend(tokens)
-        self.tiled.extend([tiled] * len(tokens))
+        if isinstance(tiled, bool):
+            self.tiled.extend([tiled] * len(tokens))
+        else:
+            if len(tiled) != len(tokens):
+                raise ValueError(f"{len(tokens)} tokens and {len(tiled)} tiled flags")
+            self.tiled.extend(tiled)
 
     def prefix(self, length: int) -> Cells:
         return Cells(self.tokens[:length], self.tiled[:length])
 
 
-def exact_reuse(shared: int, cells: Cells, prompt_len: int, chunk: int, tile_rows: int | None) -> int:
+def exact_reuse(shared: int, cells: Cells, prompt_len: int, tile_rows: int | None) -> int:
     """How many of the `shared` leading tokens a new prompt can take from `cells` and still get,
-    bit for bit, the logits a cold prefill would give it.
+    bit for bit, the logits a cold prefill of it whole, alone in its step, would give it.
 
-    llama.cpp's CPU flash attention computes a sequence's query rows with a tiled kernel when a step
-    carries `tile_rows` (64) or more of them, and row by row below that; the two round differently,
-    enough to flip a near tie between two greedy tokens. So every reused position must have been
-    computed by the kernel a cold prefill would use for it, and so must every position prefilled
-    now: a whole prompt of `tile_rows` or more prefills at least its last `tile_rows` tokens again,
-    a chunked one restarts at a chunk boundary. `tile_rows` None: the forward pass has no such kernel
-    (numpy), or nothing this rule could keep exact (llama.cpp with layers on a GPU, whose kernels
-    depend on the whole batch): the exactness is a CPU guarantee."""
+    llama.cpp's CPU flash attention computes a sequence's query rows with a tiled kernel when a
+    ubatch carries `tile_rows` (64) or more of them, and row by row below that; the two round
+    differently, enough to flip a near tie between two greedy tokens. A cold prefill of a prompt
+    whole, alone, computes it tiled throughout when it has `tile_rows` or more tokens (llamacpp_model
+    cuts none of a prompt longer than a ubatch under `tile_rows`) and row by row when shorter. So
+    every reused position must have been computed by that kernel (the cells say which were), and so
+    must every position prefilled now: a prompt of `tile_rows` or more prefills at least its last
+    `tile_rows` tokens again. A prompt prefilled in chunks of fewer than `tile_rows` tokens (the
+    adapter's bulk rows: 16) ran row by row, so a whole prompt of `tile_rows` or more reuses none of
+    its cells past position 0. Such a chunked prompt has no guarantee of its own: cold or warm, once
+    it has `tile_rows` or more tokens its logits may differ in the last bits from its whole
+    prefill's. Position 0 attends to itself alone, which both kernels compute alike (its value row,
+    exactly). `tile_rows` None: the forward pass has no such kernel (numpy, whose reuse is not
+    bit-exact either: LlamaModel.reuse_bit_exact), or nothing this rule could keep exact (llama.cpp
+    with layers on a GPU, whose kernels depend on the whole batch): the exactness is a CPU
+    guarantee."""
     if tile_rows is None:
         return shared
-    if chunk:
-        reuse = shared // chunk * chunk
-    elif prompt_len >= tile_rows:
-        reuse = min(shared, prompt_len - tile_rows)
-    else:
-        reuse = shared
-    for position in range(max(reuse, 0)):
-        rows = min(chunk, prompt_len - position // chunk * chunk) if chunk else prompt_len
-        if cells.tiled[position] != (rows >= tile_rows):
+    tiled = prompt_len >= tile_rows
+    reuse = max(min(shared, prompt_len - tile_rows) if tiled else shared, 0)
+    for position in range(1, reuse):
+        if cells.tiled[position] != tiled:
             return position
-    return max(reuse, 0)
+    return reuse
 
 
 class PrefixCache:

@@ -18,7 +18,8 @@ penalty counts live in per-slot arrays (a slot holds one live sequence), so a st
 slot. Random numbers come from a counter-based generator (SplitMix64 of the sequence's key and its
 count of draws): a row's k-th draw depends on its seed and k alone, never on the rows beside it, so
 a seeded sequence samples the same tokens at any batch size, as long as its logits are the same
-(llamacpp_model.py: a sequence's logits do not depend on the other rows of a step on the CPU).
+(llamacpp_model.py says when they are: on the CPU, for a prompt under 64 tokens and a sequence under
+256 positions, whatever else a step carries; beyond that they may differ in the last bits).
 An unseeded sequence gets a key from the OS's entropy.
 
 Log-probabilities (Sampling.logprobs, for the rows that ask only): as vLLM's V1 sampler reports them by

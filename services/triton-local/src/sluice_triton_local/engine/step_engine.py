@@ -210,6 +210,12 @@ class StepEngine:
         return getattr(self._model, "threads_in_use", self._threads)
 
     @property
+    def prefix_reuse_bit_exact(self) -> bool:
+        """Whether a prefix cache hit leaves a prompt's logits bit for bit those of its cold prefill
+        (whole, alone in its step): llama.cpp on the CPU only (ForwardModel.reuse_bit_exact)."""
+        return self._model.reuse_bit_exact
+
+    @property
     def cached_slots(self) -> int:
         """Free slots that still hold a finished sequence's KV cells."""
         return self._slots.cached_slots
@@ -333,10 +339,13 @@ class StepEngine:
         self._sample_tokens(live, siblings, logits, results)
 
     def _record_cells(self, live: list[_Pending], siblings: list[_Pending]) -> None:
-        for p in live:
+        # Which of each item's tokens ran attention's tiled kernel, as the forward pass says (a model
+        # without such a kernel says nothing: exact_reuse then ignores the flags).
+        tiled: list[list[bool]] | None = getattr(self._model, "last_tiled", None)
+        for k, p in enumerate(live):
             assert p.item is not None
             p.seq.pos = p.item.start_pos + len(p.item.token_ids)
-            p.seq.cells.append(p.item.token_ids, self._tiled(len(p.item.token_ids)))
+            p.seq.cells.append(p.item.token_ids, tiled[k] if tiled is not None else False)
         for p in siblings:  # the leader's cells, now that its forward pass made them
             assert p.leader is not None
             self._model.copy(p.leader.seq.slot, p.seq.slot)
@@ -450,7 +459,7 @@ class StepEngine:
         ids = self.tokenizer.encode(row.prompt) if isinstance(row.prompt, str) else list(row.prompt)
         n = len(ids)
         if n == 0:
-            return _error(row.seq_id, "prompt is empty (0 tokens)")
+            return _invalid(row.seq_id, "prompt is empty (0 tokens)")  # the caller's error, not the engine's
         if n + row.params.max_tokens > self._ctx:
             return _error(
                 row.seq_id,
@@ -480,7 +489,7 @@ class StepEngine:
         leader = self._leaders.get(tuple(ids)) if whole and self._slots.enabled else None
         if leader is not None and not leader.cancelled:
             return self._sibling(index, row, ids, leader, matcher)
-        slot, reused, cells = self._place(ids, row.chunk)
+        slot, reused, cells = self._place(ids)
         self.prefills_total += 1
         if reused:
             self.prefix_hits_total += 1
@@ -522,21 +531,22 @@ class StepEngine:
         self._sampler.start(slot, row.params, ids)
         return seq
 
-    def _place(self, prompt: list[int], chunk: int) -> tuple[int, int, Cells]:
+    def _place(self, prompt: list[int]) -> tuple[int, int, Cells]:
         """A slot for a new sequence, how many of its prompt's tokens that slot already holds, and
         their cells. At least the last prompt token is always prefilled: its logits sample the first
         token; and on the CPU, only as many tokens are reused as leave the logits bit for bit those
-        of a cold prefill (prefix_cache.exact_reuse)."""
+        of the prompt's cold prefill whole (prefix_cache.exact_reuse; a prompt prefilled in chunks of
+        fewer than 64 tokens computes its rows with another kernel, and has no such guarantee)."""
         limit = len(prompt) - 1
         cached_slot, from_cache = self._slots.longest(prompt, limit) if self._slots.enabled else (None, 0)
         if cached_slot is not None:
-            from_cache = self._exact(from_cache, self._slots.cells(cached_slot), prompt, chunk)
+            from_cache = self._exact(from_cache, self._slots.cells(cached_slot), prompt)
         live, from_live = self._longest_live(prompt, limit)
         if live is not None:
-            from_live = self._exact(from_live, live.cells, prompt, chunk)
+            from_live = self._exact(from_live, live.cells, prompt)
         stored, from_host = self._host.longest(prompt, limit) if self._host.enabled else (None, 0)
         if stored is not None:
-            from_host = self._exact(from_host, self._host.cells(stored), prompt, chunk)
+            from_host = self._exact(from_host, self._host.cells(stored), prompt)
         if max(from_cache, from_live, from_host) < MIN_REUSED_TOKENS:
             return self._take_free_slot(), 0, Cells()
         if from_host > max(from_cache, from_live):
@@ -564,12 +574,8 @@ class StepEngine:
         self.host_restores_total += 1
         return slot, reused, cells.prefix(reused)
 
-    def _exact(self, shared: int, cells: Cells, prompt: list[int], chunk: int) -> int:
-        return exact_reuse(shared, cells, len(prompt), chunk, self._model.tiled_attention_rows)
-
-    def _tiled(self, rows: int) -> bool:
-        tile_rows = self._model.tiled_attention_rows
-        return tile_rows is not None and rows >= tile_rows
+    def _exact(self, shared: int, cells: Cells, prompt: list[int]) -> int:
+        return exact_reuse(shared, cells, len(prompt), self._model.tiled_attention_rows)
 
     def _reuse_in_place(self, slot: int, reused: int) -> bool:
         """Continue in the cached slot itself, unless it holds much more than this prompt shares
@@ -722,8 +728,14 @@ class ForwardModel(Protocol):
         """Forgets the slot's cells from position `keep` on."""
 
     # Query rows of one sequence in one step from which attention runs a kernel of its own (whose
-    # results differ in the last bits from the row-by-row kernel's); None: no such kernel.
+    # results differ in the last bits from the row-by-row kernel's); None: no such kernel, or none
+    # the prefix cache can keep its reuse exact with. A model with such a kernel says, after each
+    # forward pass, which of each item's new tokens ran it: `last_tiled` (list[list[bool]]).
     tiled_attention_rows: int | None
+    # Whether a prompt that reuses cached cells gets, bit for bit, the logits of its cold prefill
+    # (whole, alone in its step): llama.cpp on the CPU, where exact_reuse keeps it so; not the numpy model
+    # (its matrix products round by the step's token count) nor llama.cpp on a GPU.
+    reuse_bit_exact: bool
 
 
 def _forward_model(
