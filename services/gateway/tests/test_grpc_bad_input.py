@@ -4,7 +4,9 @@ surrogate, so the bytes are sent as they are (a generic call), as any other clie
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncIterator
+from typing import Any
 
 import grpc
 import pytest
@@ -31,12 +33,13 @@ SURROGATE_BYTES = b"\xed\xa0\x80"
 MARK = "\x01\x02\x03"  # three bytes, swapped for SURROGATE_BYTES: the length prefixes stay right
 
 
-@pytest.fixture
-async def gateway(tmp_path) -> AsyncIterator[tuple[grpc.aio.Channel, _Adapter]]:  # type: ignore[no-untyped-def]
-    adapter = _Adapter()
+@contextlib.asynccontextmanager
+async def served_gateway(adapter: _Adapter, publisher: _Publisher, tmp_path: Any) -> AsyncIterator[grpc.aio.Channel]:
+    """The gateway's gRPC front on a port of its own, over `adapter` (a stand-in), its events to
+    `publisher`: a channel to it, the server stopped after."""
     catalog = ModelCatalog(adapter)  # type: ignore[arg-type]
     await catalog.refresh()
-    events = CompletionEvents(_Publisher(), EventTopology("t"))  # type: ignore[arg-type]
+    events = CompletionEvents(publisher, EventTopology("t"))  # type: ignore[arg-type]
     path = InferencePath(adapter, catalog, Admission(_RateLimit()), events, default_max_tokens=50)  # type: ignore[arg-type]
     servicer = GatewayServicer(TenantDirectory.from_file(_tenants_file(tmp_path)), path)
 
@@ -47,9 +50,16 @@ async def gateway(tmp_path) -> AsyncIterator[tuple[grpc.aio.Channel, _Adapter]]:
     running: RunningServer = await create_server("127.0.0.1", 0, 0, register)
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{running.port}") as channel:
-            yield channel, adapter
+            yield channel
     finally:
         await running.server.stop(None)
+
+
+@pytest.fixture
+async def gateway(tmp_path) -> AsyncIterator[tuple[grpc.aio.Channel, _Adapter]]:  # type: ignore[no-untyped-def]
+    adapter = _Adapter()
+    async with served_gateway(adapter, _Publisher(), tmp_path) as channel:
+        yield channel, adapter
 
 
 def _with_surrogate(message: object) -> bytes:
@@ -275,17 +285,6 @@ async def test_a_20000_character_model_role_key_or_name_is_invalid_argument_not_
     outgrew gRPC's metadata: the client heard RESOURCE_EXHAUSTED ("received metadata size exceeds hard
     limit") instead of INVALID_ARGUMENT, and a 20 KB log line and CompletionEvent were written."""
     adapter, publisher = _Adapter(), _Publisher()
-    catalog = ModelCatalog(adapter)  # type: ignore[arg-type]
-    await catalog.refresh()
-    events = CompletionEvents(publisher, EventTopology("t"))  # type: ignore[arg-type]
-    path = InferencePath(adapter, catalog, Admission(_RateLimit()), events, default_max_tokens=50)  # type: ignore[arg-type]
-    servicer = GatewayServicer(TenantDirectory.from_file(_tenants_file(tmp_path)), path)
-
-    def register(server: grpc.aio.Server) -> list[str]:
-        gateway_pb2_grpc.add_GatewayServiceServicer_to_server(servicer, server)
-        return ["sluice.gateway.v1.GatewayService"]
-
-    running = await create_server("127.0.0.1", 0, 0, register)
     long = "x" * 20_000
     hi = [types_pb2.ChatMessage(role="user", content="hi")]
     sampling = types_pb2.SamplingParams(max_tokens=2)
@@ -299,18 +298,15 @@ async def test_a_20000_character_model_role_key_or_name_is_invalid_argument_not_
             tools=[types_pb2.Tool(name="f")], choice=types_pb2.ToolChoice(mode=types_pb2.TOOL_CHOICE_MODE_FUNCTION, function=long))),
          "tool_use.choice.function"),
     ]  # fmt: skip
-    try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{running.port}") as channel:
-            stub = gateway_pb2_grpc.GatewayServiceStub(channel)
-            for request, field in cases:
-                error = await _refused(stub, request)
-                assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and _violation(error) == field, (field, error.code())
-                assert len(error.details() or "") < 300, field
-            with pytest.raises(grpc.aio.AioRpcError) as caught:
-                await stub.Embed(gateway_pb2.EmbedRequest(model=long, inputs=["a"]), metadata=AUTH)
-            assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT and _violation(caught.value) == "model"
-    finally:
-        await running.server.stop(None)
+    async with served_gateway(adapter, publisher, tmp_path) as channel:
+        stub = gateway_pb2_grpc.GatewayServiceStub(channel)
+        for request, field in cases:
+            error = await _refused(stub, request)
+            assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and _violation(error) == field, (field, error.code())
+            assert len(error.details() or "") < 300, field
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await stub.Embed(gateway_pb2.EmbedRequest(model=long, inputs=["a"]), metadata=AUTH)
+        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT and _violation(caught.value) == "model"
     assert adapter.requests == []
     events = [events_pb2.CompletionEvent.FromString(body) for body in publisher.bodies]
     assert len(events[0].model) <= 257 and len(publisher.bodies[0]) < 2000  # the refused request's event

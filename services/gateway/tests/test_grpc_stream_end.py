@@ -14,15 +14,8 @@ from sluice.evallog.v1 import events_pb2
 from sluice.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from sluice.inference.v1 import inference_pb2
 
-from sluice_common.amqp import EventTopology
-from sluice_common.server import create_server
-from sluice_common.tenants import TenantDirectory
-from sluice_gateway.path.admission import Admission
-from sluice_gateway.path.completion_events import CompletionEvents
-from sluice_gateway.path.inference_path import InferencePath
-from sluice_gateway.path.model_catalog import ModelCatalog
-from sluice_gateway.grpc_front.servicer import GatewayServicer
-from test_openai_http import KEY, _Adapter, _Call, _Publisher, _RateLimit, _tenants_file
+from test_grpc_bad_input import served_gateway
+from test_openai_http import KEY, _Adapter, _Call, _Publisher
 
 
 class _Stalls(_Call):
@@ -40,19 +33,8 @@ class _Stalls(_Call):
 async def test_a_stream_its_client_left_is_recorded_cancelled_not_failed(tmp_path: Any, how: str, error_code: str) -> None:
     adapter = _Adapter()
     adapter.Generate = lambda request, timeout=None, metadata=None: _Stalls([])  # type: ignore[method-assign]
-    catalog = ModelCatalog(adapter)  # type: ignore[arg-type]
-    await catalog.refresh()
     publisher = _Publisher()
-    events = CompletionEvents(publisher, EventTopology("t"))  # type: ignore[arg-type]
-    path = InferencePath(adapter, catalog, Admission(_RateLimit()), events, default_max_tokens=50)  # type: ignore[arg-type]
-    servicer = GatewayServicer(TenantDirectory.from_file(_tenants_file(tmp_path)), path)
-
-    def register(server: grpc.aio.Server) -> list[str]:
-        gateway_pb2_grpc.add_GatewayServiceServicer_to_server(servicer, server)
-        return ["sluice.gateway.v1.GatewayService"]
-
-    running = await create_server("127.0.0.1", 0, 0, register)
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{running.port}") as channel:
+    async with served_gateway(adapter, publisher, tmp_path) as channel:
         stub = gateway_pb2_grpc.GatewayServiceStub(channel)
         request = gateway_pb2.GenerateRequest(model="g", prompt="hi", sampling=types_pb2.SamplingParams(max_tokens=5))
         call = stub.Generate(request, metadata=(("authorization", f"Bearer {KEY}"),), timeout=0.5 if how == "deadline" else None)
@@ -69,7 +51,6 @@ async def test_a_stream_its_client_left_is_recorded_cancelled_not_failed(tmp_pat
             if publisher.bodies:
                 break
             await asyncio.sleep(0.02)
-    await running.server.stop(None)
     (body,) = publisher.bodies
     event = events_pb2.CompletionEvent.FromString(body)
     assert (event.finish_reason, event.error_code) == (types_pb2.FINISH_REASON_CANCELLED, error_code)
@@ -105,19 +86,8 @@ async def test_a_client_that_stops_reading_and_leaves_is_recorded_cancelled_not_
     before = counted()
     adapter = _Adapter()
     adapter.Generate = lambda request, timeout=None, metadata=None: _Floods([])  # type: ignore[method-assign]
-    catalog = ModelCatalog(adapter)  # type: ignore[arg-type]
-    await catalog.refresh()
     publisher = _Publisher()
-    events = CompletionEvents(publisher, EventTopology("t"))  # type: ignore[arg-type]
-    path = InferencePath(adapter, catalog, Admission(_RateLimit()), events, default_max_tokens=50)  # type: ignore[arg-type]
-    servicer = GatewayServicer(TenantDirectory.from_file(_tenants_file(tmp_path)), path)
-
-    def register(server: grpc.aio.Server) -> list[str]:
-        gateway_pb2_grpc.add_GatewayServiceServicer_to_server(servicer, server)
-        return ["sluice.gateway.v1.GatewayService"]
-
-    running = await create_server("127.0.0.1", 0, 0, register)
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{running.port}") as channel:
+    async with served_gateway(adapter, publisher, tmp_path) as channel:
         stub = gateway_pb2_grpc.GatewayServiceStub(channel)
         request = gateway_pb2.GenerateRequest(model="g", prompt="hi", sampling=types_pb2.SamplingParams(max_tokens=5))
         call = stub.Generate(request, metadata=(("authorization", f"Bearer {KEY}"),), timeout=1.0)
@@ -129,7 +99,6 @@ async def test_a_client_that_stops_reading_and_leaves_is_recorded_cancelled_not_
             if publisher.bodies:
                 break
             await asyncio.sleep(0.02)
-    await running.server.stop(None)
     (body,) = publisher.bodies
     event = events_pb2.CompletionEvent.FromString(body)
     assert (event.finish_reason, event.error_code) == (types_pb2.FINISH_REASON_CANCELLED, error_code)
