@@ -29,6 +29,14 @@ class _Stalls(_Call):
         return run()
 
 
+async def publisher_told(publisher: _Publisher, within_s: float) -> None:
+    """Waits for the call's event: published from its done-callback, once the server has closed it."""
+    for _ in range(int(within_s / 0.02)):
+        if publisher.bodies:
+            return
+        await asyncio.sleep(0.02)
+
+
 @pytest.mark.parametrize(("how", "error_code"), [("cancel", ""), ("deadline", "DEADLINE_EXCEEDED")])
 async def test_a_stream_its_client_left_is_recorded_cancelled_not_failed(tmp_path: Any, how: str, error_code: str) -> None:
     adapter = _Adapter()
@@ -47,10 +55,7 @@ async def test_a_stream_its_client_left_is_recorded_cancelled_not_failed(tmp_pat
                 async for _ in call:
                     pass
             assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-        for _ in range(100):  # published from the call's done-callback, once the server has closed it
-            if publisher.bodies:
-                break
-            await asyncio.sleep(0.02)
+        await publisher_told(publisher, within_s=2.0)
     (body,) = publisher.bodies
     event = events_pb2.CompletionEvent.FromString(body)
     assert (event.finish_reason, event.error_code) == (types_pb2.FINISH_REASON_CANCELLED, error_code)
@@ -95,10 +100,7 @@ async def test_a_client_that_stops_reading_and_leaves_is_recorded_cancelled_not_
         if how == "cancel":
             await asyncio.sleep(0.3)
             call.cancel()
-        for _ in range(150):  # published from the call's done-callback, once the server has closed it
-            if publisher.bodies:
-                break
-            await asyncio.sleep(0.02)
+        await publisher_told(publisher, within_s=3.0)
     (body,) = publisher.bodies
     event = events_pb2.CompletionEvent.FromString(body)
     assert (event.finish_reason, event.error_code) == (types_pb2.FINISH_REASON_CANCELLED, error_code)

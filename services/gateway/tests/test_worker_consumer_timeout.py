@@ -42,6 +42,20 @@ ROW_S = 1.0
 CONSUMER_TIMEOUT_S = 3.0
 
 
+async def publish_embed_rows(job_worker: JobWorker, custom_ids: list[str]) -> None:
+    """One embedding row of job "j" per custom id, published as the worker publishes a job's rows."""
+    for custom_id in custom_ids:
+        row = jobs_pb2.JobRow(custom_id=custom_id, embed=jobs_pb2.EmbedRow(model="m", inputs=["x"]))
+        await job_worker._publish_row(jobs_pb2.RowTask(job_id="j", tenant="demo", row=row))
+
+
+async def stop_and_delete_topology(job_worker: JobWorker, prefix: str) -> None:
+    await job_worker.stop(1.0)
+    connection = await aio_pika.connect(AMQP_URL)
+    async with connection:
+        await JobTopology(prefix).delete(await connection.channel())
+
+
 def record_deliveries(job_worker: JobWorker, monkeypatch: pytest.MonkeyPatch) -> tuple[list[float], list[int]]:
     """How long the worker held each row delivery unacked, and each one's x-delivery-count."""
     received: dict[int, float] = {}
@@ -92,18 +106,13 @@ async def test_no_row_message_waits_unacked_for_a_slot_past_the_consumer_timeout
     supervisor = Supervisor()
     try:
         await job_worker.start(supervisor)
-        for custom_id in custom_ids:
-            row = jobs_pb2.JobRow(custom_id=custom_id, embed=jobs_pb2.EmbedRow(model="m", inputs=["x"]))
-            await job_worker._publish_row(jobs_pb2.RowTask(job_id="j", tenant="demo", row=row))
+        await publish_embed_rows(job_worker, custom_ids)
         deadline = time.monotonic() + 30
         while (job := await store.get_job("j")) is not None and job.completed_rows + job.failed_rows < ROWS:
             assert time.monotonic() < deadline, f"rows left undone: {await store.row_states('j')}"
             await asyncio.sleep(0.1)
     finally:
-        await job_worker.stop(1.0)
-        connection = await aio_pika.connect(AMQP_URL)
-        async with connection:
-            await JobTopology(prefix).delete(await connection.channel())
+        await stop_and_delete_topology(job_worker, prefix)
     job = await store.get_job("j")
     assert job is not None and (job.completed_rows, job.failed_rows) == (ROWS, 0)  # none ABORTED
     assert max(delivery_counts) <= 1
@@ -135,18 +144,13 @@ async def test_the_rows_prefetch_follows_the_concurrency_bound(store: JobStore, 
         assert job_worker._refollow is not None
         await asyncio.wait_for(job_worker._refollow, 10)
         assert job_worker._prefetch == 1 and job_worker._rows_tag != first_tag
-        for custom_id in custom_ids:
-            row = jobs_pb2.JobRow(custom_id=custom_id, embed=jobs_pb2.EmbedRow(model="m", inputs=["x"]))
-            await job_worker._publish_row(jobs_pb2.RowTask(job_id="j", tenant="demo", row=row))
+        await publish_embed_rows(job_worker, custom_ids)
         deadline = time.monotonic() + 30
         while (job := await store.get_job("j")) is not None and job.completed_rows < len(custom_ids):
             assert time.monotonic() < deadline, f"rows left undone: {await store.row_states('j')}"
             await asyncio.sleep(0.05)
     finally:
-        await job_worker.stop(1.0)
-        connection = await aio_pika.connect(AMQP_URL)
-        async with connection:
-            await JobTopology(prefix).delete(await connection.channel())
+        await stop_and_delete_topology(job_worker, prefix)
 
 
 async def test_a_row_cut_again_and_again_is_handed_back_before_the_consumer_timeout(store: JobStore, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -174,17 +178,13 @@ async def test_a_row_cut_again_and_again_is_handed_back_before_the_consumer_time
     await store.accept("j", "demo", "", ["e"], 3600.0)
     try:
         await job_worker.start(Supervisor())
-        row = jobs_pb2.JobRow(custom_id="e", embed=jobs_pb2.EmbedRow(model="m", inputs=["x"]))
-        await job_worker._publish_row(jobs_pb2.RowTask(job_id="j", tenant="demo", row=row))
+        await publish_embed_rows(job_worker, ["e"])
         deadline = time.monotonic() + 30
         while (job := await store.get_job("j")) is not None and job.failed_rows + job.completed_rows < 1:
             assert time.monotonic() < deadline, f"row left undone: {await store.row_states('j')}"
             await asyncio.sleep(0.1)
     finally:
-        await job_worker.stop(1.0)
-        connection = await aio_pika.connect(AMQP_URL)
-        async with connection:
-            await JobTopology(prefix).delete(await connection.channel())
+        await stop_and_delete_topology(job_worker, prefix)
     # 0.2, 0.4, 0.8 s in the first delivery (1.6 s more would end past 1.9 s of it), the ceiling in the
     # second, where the row fails: the doubling went on across the hand-back.
     assert given == [pytest.approx(0.2), pytest.approx(0.4), pytest.approx(0.8), pytest.approx(1.6)]
