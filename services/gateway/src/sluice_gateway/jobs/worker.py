@@ -118,6 +118,7 @@ from sluice_gateway.jobs.job import (
     validate_job,
 )
 from sluice_gateway.jobs.row_deadline import RowDeadlines, RowTiming
+from sluice_gateway.jobs_port import MAX_MESSAGE_ID_BYTES
 
 log = structlog.stdlib.get_logger("sluice.gateway.worker")
 
@@ -440,7 +441,7 @@ class JobWorker:
             try:
                 await self._reply(rejection.reply_to, body, _reply_type(content_type), f"{rejection.job_id}/rejected", REJECTION_TYPE)
             except Exception:  # noqa: BLE001 - the job is refused either way: retried, it would only fail again
-                log.exception("job_rejection_not_told", job_id=rejection.job_id[:MAX_AMQP_ID_BYTES], reply_to=rejection.reply_to)
+                log.exception("job_rejection_not_told", job_id=rejection.job_id[:MAX_MESSAGE_ID_BYTES], reply_to=rejection.reply_to)
 
     async def _reply(self, reply_to: str, body: Any, content_type: str, message_id: str, kind: str) -> None:
         job_id = getattr(body, "job_id", "") or ""
@@ -452,7 +453,7 @@ class JobWorker:
                 message_id=amqp_id(message_id),
                 # The job id whole or not at all (the body names it anyway): a rejected job's id may be
                 # any length, and AMQP's shortstr holds 255 bytes.
-                correlation_id=job_id if 0 < len(job_id.encode()) <= MAX_AMQP_ID_BYTES else None,
+                correlation_id=job_id if 0 < len(job_id.encode()) <= MAX_MESSAGE_ID_BYTES else None,
                 type=kind,
             ),
             reply_to,
@@ -868,15 +869,11 @@ class JobWorker:
                 log.exception("job_sweep_failed")
 
 
-# AMQP's message-id and correlation-id are shortstrs: at most 255 bytes (pamqp refuses more).
-MAX_AMQP_ID_BYTES = 255
-
-
 def amqp_id(text: str) -> str:
     """`text` as an AMQP message id: itself when it fits in 255 bytes, else a digest of it, the same
     for the same text (so that consumers still drop a repeat by its id). The ids of rows, results
     and summaries fit (validate_job); a rejected job's id may be any length."""
-    if len(text.encode()) <= MAX_AMQP_ID_BYTES:
+    if len(text.encode()) <= MAX_MESSAGE_ID_BYTES:
         return text
     return "sha256:" + hashlib.sha256(text.encode()).hexdigest()
 
