@@ -6,6 +6,17 @@ free of transport concerns. `code` is a gRPC status code name.
 
 from __future__ import annotations
 
+# How much of a client's string an error message quotes (clip): enough to recognise it, and never so
+# much that the message outgrows gRPC's metadata (16 KiB, where grpc answers RESOURCE_EXHAUSTED
+# instead) or a log line.
+QUOTED_CHARS = 64
+
+
+def clip(text: str, limit: int = QUOTED_CHARS) -> str:
+    """`text` as an error message or a log line shows it: its first `limit` characters and "…" when
+    it is longer. Quote it with !r (repr-escaped) where it is the client's."""
+    return text if len(text) <= limit else text[:limit] + "…"
+
 
 class SluiceError(Exception):
     code = "INTERNAL"

@@ -35,7 +35,7 @@ from prometheus_client import Counter, Gauge, Histogram
 from sluice_common.errors import InvalidArgument, ResourceExhausted, SluiceError, Unavailable
 from sluice_common import tracing
 from sluice_common.request_context import bind_request_id, new_request_id, request_id_from_metadata
-from sluice_common.sampling import clip
+from sluice_common.errors import clip
 from sluice_common.utf8 import invalid_wire_text
 
 log = structlog.stdlib.get_logger("sluice.rpc")

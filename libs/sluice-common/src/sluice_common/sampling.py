@@ -34,18 +34,6 @@ MAX_LOGPROBS = 20
 MAX_N = 8
 
 
-# How much of a client's string an error message quotes (clip): enough to recognise it, and never so
-# much that the message outgrows gRPC's metadata (16 KiB, where grpc answers RESOURCE_EXHAUSTED
-# instead) or a log line.
-QUOTED_CHARS = 64
-
-
-def clip(text: str, limit: int = QUOTED_CHARS) -> str:
-    """`text` as an error message or a log line shows it: its first `limit` characters and "…" when
-    it is longer. Quote it with !r (repr-escaped) where it is the client's."""
-    return text if len(text) <= limit else text[:limit] + "…"
-
-
 class StructuredOutputsError(ValueError):
     """A constraint that is malformed or cannot be compiled; the message names the field, keyword or
     construct at fault (an HTTP 400 / INVALID_ARGUMENT for whoever sent it)."""

@@ -13,7 +13,8 @@ from typing import Any, cast
 
 import llguidance
 
-from sluice_common.sampling import StructuredOutputs, StructuredOutputsError, clip
+from sluice_common.sampling import StructuredOutputs, StructuredOutputsError
+from sluice_common.errors import clip
 
 # JSON is generated in the spacing models write it in (", " and ": ") and with no other whitespace:
 # flexible whitespace lets a small model fill max_tokens with newlines inside a valid object.

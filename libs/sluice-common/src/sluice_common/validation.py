@@ -11,7 +11,8 @@ from collections.abc import Mapping, Sequence
 from sluice.common.v1 import types_pb2
 
 from sluice_common.errors import InvalidArgument
-from sluice_common.sampling import StructuredOutputsError, clip, problem
+from sluice_common.sampling import StructuredOutputsError, problem
+from sluice_common.errors import clip
 from sluice_common.sampling_proto import from_proto, structured_outputs_from_proto
 from sluice_common.structured_outputs import check
 

@@ -12,7 +12,7 @@ from sluice.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 
 from sluice_common.errors import Unimplemented
 from sluice_common.request_context import REQUEST_ID_KEY, current_request_id
-from sluice_common.sampling import clip
+from sluice_common.errors import clip
 from sluice_common.validation import MAX_MODEL_NAME
 from sluice_gateway.path.inference_path import InferencePath
 from sluice_gateway.jobs_port import JobsPort

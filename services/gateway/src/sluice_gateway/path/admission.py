@@ -49,7 +49,7 @@ from sluice.ratelimit.v1 import ratelimit_pb2, ratelimit_pb2_grpc
 from sluice_common.errors import DeadlineExceeded, ResourceExhausted, SluiceError, Unavailable
 from sluice_common.prompt_tokens import estimate_prompt_tokens, guess_text_tokens
 from sluice_common.request_context import current_request_id, outgoing_metadata
-from sluice_common.sampling import clip
+from sluice_common.errors import clip
 from sluice_gateway.path.lease_renewal import first_ttl, keep_alive, needs_renewal
 from sluice_gateway.path.stream_record import StreamRecord
 

@@ -38,7 +38,7 @@ from sluice.gateway.v1 import gateway_pb2
 from sluice_common import tracing
 from sluice_common.amqp import EventTopology
 from sluice_common.amqp_publisher import ConfirmingPublisher, OutgoingMessage, PublisherMetrics
-from sluice_common.sampling import clip
+from sluice_common.errors import clip
 from sluice_common.supervision import Supervisor
 from sluice_common.tenants import Tenant
 from sluice_common.validation import MAX_MODEL_NAME

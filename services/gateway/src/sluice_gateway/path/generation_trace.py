@@ -15,7 +15,7 @@ from sluice.common.v1 import types_pb2
 from sluice.gateway.v1 import gateway_pb2
 
 from sluice_common import tracing
-from sluice_common.sampling import clip
+from sluice_common.errors import clip
 from sluice_common.validation import MAX_MODEL_NAME
 
 

@@ -11,7 +11,7 @@ from sluice.common.v1 import types_pb2
 from sluice.inference.v1 import inference_pb2, inference_pb2_grpc
 
 from sluice_common.errors import InvalidArgument
-from sluice_common.sampling import clip
+from sluice_common.errors import clip
 from sluice_common.supervision import Supervisor, stop_tasks
 from sluice_common.validation import MAX_MODEL_NAME
 

@@ -30,7 +30,8 @@ from typing import Any
 from sluice.common.v1 import types_pb2
 
 from sluice_common.errors import InvalidArgument
-from sluice_common.sampling import StructuredOutputs, StructuredOutputsError, clip
+from sluice_common.sampling import StructuredOutputs, StructuredOutputsError
+from sluice_common.errors import clip
 from sluice_common.structured_outputs import check
 from sluice_common.validation import MAX_CONSTRAINT_CHARS, MAX_TOOLS, ROLES
 
