@@ -18,6 +18,7 @@ checked by running its `placement` and `initialize` outside the server (see the 
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import queue
@@ -45,7 +46,7 @@ TRITON_LOCAL_PYTHON = TRITON_LOCAL / ".venv" / "bin" / "python"
 PACKAGE_COPY = "COPY services/triton-local/src/sluice_triton_local/ /opt/sluice/sluice_triton_local/"
 PACKAGE_ROOT = TRITON_LOCAL / "src"
 # The Dockerfile's COPY of the sluice_common modules the models use, into /opt/sluice/sluice_common/.
-COMMON_MODULES = ("__init__.py", "cgroup.py", "sampling.py", "structured_outputs.py")
+COMMON_MODULES = ("__init__.py", "cgroup.py", "errors.py", "sampling.py", "structured_outputs.py")
 COMMON_COPY = "COPY " + " ".join(f"libs/sluice-common/src/sluice_common/{m}" for m in COMMON_MODULES) + " /opt/sluice/sluice_common/"
 LOADED = ("smollm2_step", "minilm_embed")
 READY_TIMEOUT_S = 120
@@ -138,6 +139,17 @@ class Server:
         except subprocess.TimeoutExpired:
             self.process.kill()
             self.process.wait()
+
+
+def test_the_copied_sluice_common_modules_need_no_other() -> None:
+    """The image holds only COMMON_MODULES of sluice_common: one of them importing another module
+    of it fails the models' load (seen when `clip` moved to errors.py), long before a server starts."""
+    source = ROOT / "libs" / "sluice-common" / "src" / "sluice_common"
+    for module in COMMON_MODULES:
+        for node in ast.walk(ast.parse((source / module).read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("sluice_common."):
+                needed = node.module.split(".")[1] + ".py"
+                assert needed in COMMON_MODULES, f"{module} imports {node.module}: add {needed} to the Dockerfile's COPY and COMMON_MODULES"
 
 
 @pytest.fixture(scope="module")
