@@ -213,3 +213,78 @@ def test_an_interrupt_that_reaches_the_engine_before_its_round_stops_the_rounds_
     )
     assert responses[0]["TOKEN_ID"][0] >= 0
     start_round(shared, round_inputs(RELEASE, [61], [b""]), lambda *_: None).result(timeout=60)
+
+
+def _fact(i: int) -> list[tuple[str, str]]:
+    """test_jobs_interactive's greedy questions: ~40-token prompts that share all but their last
+    tokens, so that each reuses the one before it from the prefix cache."""
+    return [("user", f"Tell me a fact about the number {i}.")]
+
+
+@pytest.fixture(scope="module")
+def cached_engine() -> Iterator[StepEngine]:
+    yield StepEngine(gguf_path(), max_slots=4, threads=2, prefix_cache=True)
+
+
+def _finish(engine: StepEngine, made: dict[int, list[int]], running: set[int]) -> dict[int, list[int]]:
+    while running:
+        for result in engine.step([DecodeRow(s) for s in sorted(running)]):
+            if result.token_id >= 0:
+                made[result.seq_id].append(result.token_id)
+            if result.finish_reason:
+                running.discard(result.seq_id)
+    return made
+
+
+# Two of the eight combinations (all eight pass; each costs ~20 s on 2 cores): the same prompt again
+# (one token left to prefill) stopped in its prefill step midway, and a sibling prompt (a few tokens
+# left, in 16-token bulk chunks) stopped in its next step before that computes.
+@pytest.mark.parametrize(
+    ("question", "stopped_step", "how"), [(1, 0, "midway"), (2, 1, "before-it-computes")], ids=["same-prompt-midway", "sibling-prompt-kept-ask"]
+)
+def test_a_prefill_that_reuses_a_cached_prefix_keeps_its_greedy_output_through_an_interrupted_step(
+    engine: StepEngine, cached_engine: StepEngine, question: int, stopped_step: int, how: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The combination the engine's other interrupt tests leave out, and test_jobs_interactive's
+    setting (one greedy mismatch seen there, once): a bulk prefill in short chunks whose prompt
+    reuses a cached prefix, one of its steps stopped, beside a long prefill that makes the step
+    long enough to stop midway. Its tokens equal a cold whole-prompt prefill's on an engine
+    without a prefix cache."""
+    monkeypatch.setattr(llamacpp_model, "ASK_KEPT_S", 60.0)
+    cached_engine.clear_prefix_cache()
+    warm, asked = cached_engine.apply_chat_template(_fact(1)), cached_engine.apply_chat_template(_fact(question))
+    long = engine.apply_chat_template([("user", STORY * 2 + "\nWhat animal jumps?")])
+    reference = _greedy(engine, 1, asked, 12)
+    reference_long = _greedy(engine, 2, long, 4)
+    _greedy(cached_engine, 70, warm, 12)  # finished: its cells stay cached
+    hits = cached_engine.prefix_hits_total
+
+    rows: list[DecodeRow | PrefillRow] = [
+        PrefillRow(71, asked, Sampling(max_tokens=12), chunk=16),
+        PrefillRow(72, long, Sampling(max_tokens=4), chunk=CHUNK),
+    ]
+    made: dict[int, list[int]] = {71: [], 72: []}
+    running = {71, 72}
+    for step in range(stopped_step + 1):
+        interrupted = step == stopped_step
+        if interrupted and how == "before-it-computes":
+            assert not cached_engine.interrupt(keep=True)
+            results = cached_engine.step(rows, interruptible=True)
+        elif interrupted:
+            thread, done = _in_thread(lambda: cached_engine.step(rows, interruptible=True))
+            assert _interrupt_while(thread, cached_engine.interrupt), "the step ended before an interrupt could reach it"
+            thread.join()
+            results = done[0]
+        else:
+            results = cached_engine.step(rows)
+        if interrupted:
+            assert all(r.token_id == -1 and not r.finish_reason for r in results), results
+        for result in results:
+            if result.token_id >= 0:
+                made[result.seq_id].append(result.token_id)
+            if result.finish_reason:
+                running.discard(result.seq_id)
+        rows = [DecodeRow(s) for s in sorted(running)]
+    assert cached_engine.prefix_hits_total == hits + 1, "the prompt reused the cached prefix"
+    assert _finish(cached_engine, made, running) == {71: reference, 72: reference_long}
+    assert cached_engine.active_slots == 0
