@@ -294,6 +294,45 @@ def test_logs_follow_prints_only_what_arrives_after_the_listing(evallog, monkeyp
     assert printed == ["e4", "e5", "e6"]
 
 
+def test_logs_prints_a_record_of_a_finish_reason_the_cli_does_not_know(evallog, monkeypatch, capsys) -> None:  # type: ignore[no-untyped-def]
+    servicer, address = evallog
+    newer = record("e-newer", time.time() - 5)
+    newer.event.finish_reason = 99  # type: ignore[assignment]
+    servicer.records += [record("e-known", time.time() - 10), newer]
+    code = sluice(monkeypatch, "logs", "--evallog", address)
+    captured = capsys.readouterr()
+    assert code == 0 and "Traceback" not in captured.err
+    lines = [line for line in captured.out.splitlines() if " ms " in line]
+    assert [line.split()[-1] for line in lines] == ["e-known", "e-newer"]
+    assert " stop " in lines[0] and " 99 " in lines[1]
+
+
+class Finishing(gateway_pb2_grpc.GatewayServiceServicer):
+    def __init__(self, finish_reason: int) -> None:
+        self.finish_reason = finish_reason
+
+    def Generate(self, request, context):  # type: ignore[no-untyped-def]
+        yield gateway_pb2.GenerateResponse(text="Paris")
+        yield gateway_pb2.GenerateResponse(
+            finish_reason=self.finish_reason, request_id="req-1", usage=types_pb2.Usage(prompt_tokens=3, completion_tokens=1)
+        )
+
+
+@pytest.mark.parametrize(("finish_reason", "shown"), [(types_pb2.FINISH_REASON_STOP, "FINISH_REASON_STOP"), (99, "99")])
+def test_generate_verbose_names_the_finish_reason_or_gives_its_number(finish_reason: int, shown: str, monkeypatch, capsys) -> None:  # type: ignore[no-untyped-def]
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    gateway_pb2_grpc.add_GatewayServiceServicer_to_server(Finishing(finish_reason), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        code = sluice(monkeypatch, "--gateway", f"127.0.0.1:{port}", "generate", "-v", "Capital of France?")
+    finally:
+        server.stop(0)
+    captured = capsys.readouterr()
+    assert code == 0 and captured.out == "Paris\n" and "Traceback" not in captured.err
+    assert one_line(captured.err).startswith(f"[{shown}; 3 prompt + 1 completion tokens;") and "request id req-1" in captured.err
+
+
 def test_logs_refuses_a_metadata_key_given_twice(monkeypatch, capsys) -> None:  # type: ignore[no-untyped-def]
     """A dict kept the last value alone, while the help says every pair must match."""
     code = sluice(monkeypatch, "logs", "--evallog", "127.0.0.1:1", "--metadata", "run=a", "--metadata", "run=b")

@@ -24,3 +24,11 @@ def test_sluice_logs_prints_the_records_trace_id() -> None:
     traced = record_line(evallog_pb2.Record(event=event, trace_id="4bf92f3577b34da6a3ce929d0e0e4736"))
     assert traced.endswith("r1  trace 4bf92f3577b34da6a3ce929d0e0e4736")
     assert "trace" not in record_line(evallog_pb2.Record(event=event))
+
+
+def test_sluice_logs_prints_a_finish_reason_it_has_no_name_for_as_its_number() -> None:
+    """A newer gateway's FinishReason: FinishReason.Name raised ValueError and `sluice logs` ended in a traceback."""
+    event = events_pb2.CompletionEvent(model="m", request_id="r1", finish_reason=99)  # type: ignore[arg-type]
+    assert " 99 " in record_line(evallog_pb2.Record(event=event))
+    event.error_code = "ABORTED"
+    assert " 99/ABORTED " in record_line(evallog_pb2.Record(event=event))

@@ -36,6 +36,7 @@ from sluice_cli.diagnose_collect import add_diagnose_parser
 from sluice_cli.eval_run import add_eval_parser
 from sluice_cli.jobs import add_jobs_parser
 from sluice_common.config import ConfigError
+from sluice_common.finish_reasons import finish_reason_enum_name, finish_reason_name
 from sluice_common.tenants import hash_api_key
 
 DEFAULT_GATEWAY = "127.0.0.1:50051"
@@ -82,7 +83,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         return _fail(error)
     print()
     if args.verbose:
-        reason = types_pb2.FinishReason.Name(last.finish_reason)
+        reason = finish_reason_enum_name(last.finish_reason)
         ttft = (first_token_at - started) * 1000 if first_token_at else 0.0
         print(
             f"[{reason}; {last.usage.prompt_tokens} prompt + {last.usage.completion_tokens} completion tokens;"
@@ -174,15 +175,11 @@ def _epoch(stamp: timestamp_pb2.Timestamp) -> float:
     return stamp.seconds + stamp.nanos / 1e9
 
 
-def _finish_name(value: int) -> str:
-    return types_pb2.FinishReason.Name(value).removeprefix("FINISH_REASON_").lower()
-
-
 def record_line(record: evallog_pb2.Record) -> str:
     """One completion: when, model, outcome, latency, TTFT, tokens, failed scores, request id."""
     event = record.event
     when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(_epoch(event.finished_at)))
-    outcome = _finish_name(event.finish_reason) + (f"/{event.error_code}" if event.error_code else "")
+    outcome = finish_reason_name(event.finish_reason) + (f"/{event.error_code}" if event.error_code else "")
     failed = [s.name for s in record.scores if not s.passed and not s.skipped]
     return (
         f"{when}  {event.model:<24} {outcome:<10} {event.timings.total_time_ms:>8.0f} ms"

@@ -12,7 +12,7 @@ import pytest
 from conftest import AMQP_URL, make_event
 from sluice_common.amqp import DEAD_REASON_HEADER, EventTopology, replay_dead_letters
 from sluice_common.amqp_publisher import ConfirmingPublisher, OutgoingMessage, PublisherMetrics
-from sluice_evaluation_logging.consumer import CompletionConsumer, ConsumerSettings
+from sluice_evaluation_logging.consumer import CONNECTED, CompletionConsumer, ConsumerSettings
 from sluice_evaluation_logging.evaluators.base import EvalContext, EvalSettings
 from sluice_evaluation_logging.records import PoisonMessage, decode_event, otel_attributes
 from sluice_evaluation_logging.store import SqliteStore
@@ -292,3 +292,129 @@ async def test_unknown_finish_reason_is_stored_with_debug_logging_on(topology, t
 def test_otel_attributes_name_an_unknown_finish_reason_by_its_number() -> None:
     assert otel_attributes(make_event(finish_reason=42))["gen_ai.response.finish_reasons"] == ["42"]
     assert otel_attributes(make_event())["gen_ai.response.finish_reasons"] == ["stop"]
+
+
+# ---- the broker or the store away: the consumer comes back, and says so meanwhile
+
+
+def gauge(dependency: str) -> float:
+    return CONNECTED.labels(dependency)._value.get()
+
+
+async def test_a_consumer_whose_queue_is_deleted_consumes_again_once_it_is_declared_again(topology, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Deleting the queue (or a quorum queue's leader moving) cancels the consumer with basic.cancel
+    while its connection and channel stay open: the consumer went on waiting for deliveries that
+    would never come, for good, and health and metrics said nothing."""
+    store = SqliteStore(tmp_path / "evallog.sqlite3")
+    await store.open()
+    consumer = start_consumer(topology, store)
+    try:
+        await asyncio.wait_for(consumer.connected.wait(), 10)
+        first = make_event()
+        await publish(topology, protobuf_message(first))
+
+        async def first_stored() -> bool:
+            return await store.get(first.event_id) is not None
+
+        await wait_for(first_stored, 10)
+        connection = await aio_pika.connect(AMQP_URL)
+        async with connection:
+            await (await connection.channel()).queue_delete(topology.completions_queue)
+        await asyncio.sleep(1.0)
+        later = make_event()
+        await publish(topology, protobuf_message(later))  # declares the topology again, as the gateway's publisher does
+
+        async def later_stored() -> bool:
+            return await store.get(later.event_id) is not None
+
+        await wait_for(later_stored, 10)
+        assert await queue_depth(topology) == 0 and gauge("broker") == 1
+    finally:
+        await consumer.stop()
+        await store.close()
+
+
+async def test_the_connected_gauge_is_0_while_the_consumer_cannot_consume(topology, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    store = SqliteStore(tmp_path / "evallog.sqlite3")
+    await store.open()
+    consumer = start_consumer(topology, store)
+    try:
+        await asyncio.wait_for(consumer.connected.wait(), 10)
+        assert gauge("broker") == 1 and gauge("store") == 1
+        # Deleted, then declared with other arguments before the consumer comes back: its declaration
+        # fails (PRECONDITION_FAILED) on every try until that queue is gone.
+        connection = await aio_pika.connect(AMQP_URL)
+        async with connection:
+            channel = await connection.channel()
+            await channel.queue_delete(topology.completions_queue)
+            await channel.declare_queue(topology.completions_queue, durable=True)
+        await asyncio.sleep(1.5)
+        assert gauge("broker") == 0 and not consumer.connected.is_set()
+        connection = await aio_pika.connect(AMQP_URL)
+        async with connection:
+            await (await connection.channel()).queue_delete(topology.completions_queue)
+        await asyncio.wait_for(consumer.connected.wait(), 10)
+        assert gauge("broker") == 1
+    finally:
+        await consumer.stop()
+        await store.close()
+    assert gauge("broker") == 0  # stopped: not consuming
+
+
+async def test_the_connected_gauge_says_when_the_store_takes_no_writes(topology, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    store = SqliteStore(tmp_path / "evallog.sqlite3")
+    await store.open()
+    async with store.db.transaction() as tx:
+        await tx.execute("ALTER TABLE records RENAME TO records_away")
+    consumer = start_consumer(topology, store)
+    try:
+        await asyncio.wait_for(consumer.connected.wait(), 10)
+        event = make_event()
+        await publish(topology, protobuf_message(event))
+
+        async def store_down() -> bool:
+            return gauge("store") == 0
+
+        await wait_for(store_down, 10)
+        assert gauge("broker") == 1  # consuming still: the events wait unacked
+        async with store.db.transaction() as tx:
+            await tx.execute("ALTER TABLE records_away RENAME TO records")
+
+        async def stored() -> bool:
+            return await store.get(event.event_id) is not None
+
+        await wait_for(stored, 10)
+        assert gauge("store") == 1
+    finally:
+        await consumer.stop()
+        await store.close()
+
+
+async def test_a_failed_commit_ends_the_session_at_once_and_nothing_is_lost(topology, store) -> None:  # type: ignore[no-untyped-def]
+    """The database refuses an event and its dead-lettering routes nowhere (the dead-letter queue
+    deleted): the copy used to count as confirmed and the event was acked and lost. Now the commit
+    fails; the loop, idle with no more deliveries, used to notice only with the next batch. It ends
+    the session at once: the topology is declared again and the event dead-lettered for good."""
+    refused = make_event()
+    await refuse_event_in_database(store, refused.event_id)
+    consumer = start_consumer(topology, store)
+    try:
+        await asyncio.wait_for(consumer.connected.wait(), 10)
+        connection = await aio_pika.connect(AMQP_URL)
+        async with connection:
+            channel = await connection.channel(publisher_confirms=True)
+            await channel.queue_delete(topology.completions_dead_queue)
+            # Not `publish`: it would declare the dead-letter queue again.
+            events = await channel.get_exchange(topology.events_exchange)
+            await events.publish(protobuf_message(refused), topology.completion_routing_key)
+
+        async def dead_lettered() -> bool:
+            try:
+                return list(await dead_letters(topology)) == [refused.event_id]
+            except aio_pika.exceptions.ChannelNotFoundEntity:
+                return False  # not declared again (yet)
+
+        await wait_for(dead_lettered, 5)
+        assert await queue_depth(topology) == 0 and await store.get(refused.event_id) is None
+    finally:
+        await consumer.stop()

@@ -3,6 +3,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
+import pytest
 from sluice.common.v1 import types_pb2
 
 from conftest import make_event
@@ -93,6 +94,39 @@ def test_pii_patterns_with_luhn() -> None:
     assert found == {"email": 1, "phone": 1, "card": 1}
     assert pii.find_pii("order 4111 1111 1111 1112 shipped in 2024") == {}
     assert pii.find_pii("The answer is 42.") == {}
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "the server at 192.168.100.200 answered, then 10.250.120.130",
+        "logged at 2024-01-15 10:30:45 and again at 2024-01-15T10:30:45+05:30",
+        "upgrade to 2024.10.15.1234, not 1.415.555.0132",
+        "build 2024.10.15.1234-rc1 on 2024/01/15",
+        "ids 1234567890 and 9876543210",  # bare 10-digit runs: no separators, no phone number
+    ],
+)
+def test_pii_takes_no_address_date_time_or_version_for_a_phone_number(text: str) -> None:
+    assert pii.find_pii(text) == {}
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "call +1 415-555-0132",
+        "call +14155550132",
+        "call +44 20 7946 0958",
+        "call +33 1 23 45 67 89",
+        "call +49 (30) 1234 5678",
+        "call (415) 555-0132",
+        "call (415)555-0132",
+        "call 415-555-0132.",
+        "call 415.555.0132 today",
+        "call 415 555 0132",
+    ],
+)
+def test_pii_finds_international_and_10_digit_national_phone_numbers(text: str) -> None:
+    assert pii.find_pii(text) == {"phone": 1}
 
 
 def test_the_pii_scan_of_an_adversarial_output_stays_linear() -> None:

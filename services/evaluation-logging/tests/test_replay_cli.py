@@ -3,13 +3,16 @@ password) and exit 1, not a traceback; the broker is the real RabbitMQ."""
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import sys
 import uuid
 
+import aio_pika
 import pytest
 
 from conftest import AMQP_URL
+from sluice_common.amqp import DEAD_REASON_HEADER, EventTopology
 
 
 def replay(*argv: str) -> subprocess.CompletedProcess[str]:
@@ -44,3 +47,35 @@ def test_a_dead_letter_queue_that_does_not_exist_is_named(listing: list[str]) ->
 def test_a_limit_below_one_is_refused_by_the_parser(limit: str) -> None:
     done = replay("--amqp-url", AMQP_URL, f"--limit={limit}")
     assert done.returncode == 2 and f"argument --limit: must be a whole number >= 1, got '{limit}'" in done.stderr
+
+
+def test_a_message_that_routes_nowhere_stays_dead_and_the_replay_says_so() -> None:
+    """A dead letter whose routing key no queue is bound to: replayed, the broker returns it; the
+    replay must not ack it (it was lost while the tool printed "replayed") and must exit 1."""
+    prefix = f"sluice-unroutable-{uuid.uuid4().hex[:8]}"
+    topology = EventTopology(prefix)
+
+    async def setup() -> None:
+        connection = await aio_pika.connect(AMQP_URL)
+        async with connection:
+            channel = await connection.channel(publisher_confirms=True)
+            await topology.declare(channel)
+            headers: dict[str, aio_pika.abc.FieldValue] = {DEAD_REASON_HEADER: "bad", "x-sluice-original-routing-key": "nothing.binds.this"}
+            await channel.default_exchange.publish(aio_pika.Message(b"x", message_id="lost-1", headers=headers), topology.completions_dead_queue)
+
+    async def left_and_teardown() -> int:
+        connection = await aio_pika.connect(AMQP_URL)
+        async with connection:
+            channel = await connection.channel()
+            count = (await channel.declare_queue(topology.completions_dead_queue, passive=True)).declaration_result.message_count
+            await topology.delete(channel)
+        return count or 0
+
+    asyncio.run(setup())
+    try:
+        done = replay("--amqp-url", AMQP_URL, "--prefix", prefix)
+    finally:
+        left = asyncio.run(left_and_teardown())
+    assert left == 1
+    assert done.returncode == 1 and "Traceback" not in done.stderr and len(done.stderr.splitlines()) == 1
+    assert done.stderr.startswith("sluice-evallog-replay: replayed 0 message(s)") and "lost-1" in done.stderr and "nothing.binds.this" in done.stderr

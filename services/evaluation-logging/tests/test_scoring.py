@@ -12,6 +12,7 @@ from conftest import make_event
 from sluice_common.errors import InvalidArgument
 from sluice_evaluation_logging.evaluators import EVALUATORS, REFERENCE_EVALUATORS, exact_match, reference_similarity
 from sluice_evaluation_logging.evaluators.base import EmbeddingsUnavailable, EvalContext, EvalSettings
+from sluice_evaluation_logging.records import PoisonMessage, decode_event
 from sluice_evaluation_logging.scoring import MAX_ITEMS, MAX_TEXT_CHARS, ScoreInput, evaluator_infos, score_items
 
 SETTINGS = EvalSettings(similarity_sample_rate=0.0, reference_similarity_min=0.9)
@@ -111,6 +112,20 @@ async def test_an_item_text_over_the_limit_is_refused_before_any_evaluator_runs(
         assert refused.value.field_name == field and f"at most {MAX_TEXT_CHARS}" in refused.value.reason
     (scores,) = await score_items([ScoreInput(make_event(output="b" * MAX_TEXT_CHARS))], ctx)  # at the limit: scored
     assert "pii" in by_name(scores)
+
+
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf])
+async def test_a_non_finite_timing_is_refused_naming_the_field_as_the_consumer_refuses_it(value: float) -> None:
+    """The consumer dead-letters such an event; ScoreCompletions scored it (a NaN latency score)."""
+    ctx = EvalContext(SETTINGS, LetterCounts())
+    for field in ("queue_time_ms", "time_to_first_token_ms", "mean_inter_token_ms", "total_time_ms"):
+        event = make_event()
+        setattr(event.timings, field, value)
+        with pytest.raises(InvalidArgument) as refused:
+            await score_items([ScoreInput(make_event()), ScoreInput(event)], ctx)
+        assert refused.value.field_name == f"items[1].event.timings.{field}" and "not a finite number" in refused.value.reason
+        with pytest.raises(PoisonMessage, match=f"timings.{field} is not a finite number"):
+            decode_event(event.SerializeToString(), "application/x-protobuf")
 
 
 def test_every_evaluator_says_which_way_is_better() -> None:

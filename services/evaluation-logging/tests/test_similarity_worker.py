@@ -33,7 +33,7 @@ from sluice_evaluation_logging.config import ENV_PREFIX, EvalLogConfig
 from sluice_evaluation_logging.consumer import CompletionConsumer, ConsumerSettings
 from sluice_evaluation_logging.embeddings import AdapterEmbedder
 from sluice_evaluation_logging.evaluators import evaluate_batch
-from sluice_evaluation_logging.evaluators.base import EvalContext, EvalSettings, ScoreResult, prompt_text
+from sluice_evaluation_logging.evaluators.base import Deferred, EvalContext, EvalSettings, ScoreResult, prompt_text
 from sluice_evaluation_logging.model import RecordFilter
 from sluice_evaluation_logging.queries import EvalLogQueries
 from sluice_evaluation_logging.records import to_row
@@ -428,6 +428,42 @@ async def test_markers_that_keep_failing_are_given_up_while_fresh_ones_keep_arri
         score = similarity_of(await store.get(event.event_id))
         assert score is not None and score.skipped and "evaluator failed" in score.detail, score
     assert await store.pending_count() <= 3  # only the fresh ones still have tries left
+
+
+class DegenerateEmbedder:
+    """Embeds texts containing `bad` as a vector with a NaN or infinite component, the others as one finite vector."""
+
+    def __init__(self, bad: str, component: float) -> None:
+        self.bad, self.component = bad, component
+
+    async def embed(self, texts: Sequence[str]) -> list[list[float]]:
+        return [[self.component, 1.0] if self.bad in text else [1.0, 0.5] for text in texts]
+
+
+@pytest.mark.parametrize("component", [math.nan, math.inf])
+async def test_a_degenerate_embedding_skips_that_event_alone(store, component: float) -> None:  # type: ignore[no-untyped-def]
+    """A NaN cosine went to SQLite as NULL, which scores.value refuses: run_once raised and the whole
+    claim was retried for ever; PostgreSQL stored the NaN."""
+    degenerate = make_event(output="DEGENERATE answer")
+    fine = [make_event() for _ in range(2)]
+    rows = [to_row(event, [Deferred("similarity")]) for event in (degenerate, *fine)]
+    await store.insert_batch(rows)
+    worker = SimilarityWorker(store, DegenerateEmbedder("DEGENERATE", component), SETTINGS, WorkerSettings(min_backoff_s=0.01, max_backoff_s=0.02))
+    assert await worker.run_once() == 3
+    assert await store.pending_count() == 0
+    score = similarity_of(await store.get(degenerate.event_id))
+    assert score is not None and score.skipped and score.detail == "skipped: embedding not finite" and score.value == 0.0
+    for event in fine:
+        score = similarity_of(await store.get(event.event_id))
+        assert score is not None and not score.skipped and math.isfinite(score.value) and score.value > 0
+
+
+def test_reference_similarity_of_a_degenerate_embedding_is_skipped() -> None:
+    from sluice_evaluation_logging.evaluators import reference_similarity
+
+    score = reference_similarity.score([math.nan, 1.0], [1.0, 0.0], 0.5)
+    assert score.skipped and score.detail == "skipped: embedding not finite"
+    assert reference_similarity.score([1.0, 0.0], [1.0, 0.0], 0.5).value == 1.0
 
 
 async def test_consumer_and_worker_over_rabbitmq_store_each_event_and_score_once(tmp_path, adapter) -> None:  # type: ignore[no-untyped-def]

@@ -12,7 +12,9 @@ Both the publisher and the consumer declare the whole topology, so that events p
 evaluation-logging first starts are queued rather than dropped as unroutable.
 
 Publishing goes through `amqp_publisher.ConfirmingPublisher`; consumers dead-letter with a reason
-(`dead_letter`) and operators replay a dead-letter queue (`replay_dead_letters`).
+(`dead_letter`) and operators replay a dead-letter queue (`replay_dead_letters`). Both publish
+mandatory and count a message the broker returns (no queue bound for its routing key) as not
+published: the original is then left unacked, never lost behind a confirm that routed nowhere.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import time
 from dataclasses import dataclass
 
 import aio_pika
+import aiormq
 import structlog
 
 
@@ -148,6 +151,32 @@ async def _delete(channel: aio_pika.abc.AbstractChannel, queues: tuple[str, ...]
 # ---- consumers' helpers: dead-lettering with a reason, and replaying a dead-letter queue
 
 
+class Unroutable(Exception):
+    """The broker returned a mandatory message: no queue is bound for its routing key on that exchange."""
+
+
+class ReplayIncomplete(Exception):
+    """A replay left messages in the dead-letter queue (their copies routed nowhere); `replayed` went back."""
+
+    def __init__(self, replayed: int, left: list[str]) -> None:
+        super().__init__(f"{len(left)} message(s) left in the dead-letter queue: " + "; ".join(left[:5]) + ("; ..." if len(left) > 5 else ""))
+        self.replayed = replayed
+        self.left = left
+
+
+async def publish_routed(exchange: aio_pika.abc.AbstractExchange, message: aio_pika.Message, routing_key: str) -> None:
+    """Publishes `message` on a channel with publisher confirms; returns once a queue has it.
+
+    aio_pika publishes mandatory by default, and a channel opened with its default
+    on_return_raises=False answers a returned (unroutable) message with the message itself, not an
+    error: taken for a confirm, the caller would ack the original of a copy that no queue holds.
+    Raises Unroutable for it instead.
+    """
+    confirmation = await exchange.publish(message, routing_key)
+    if isinstance(confirmation, aiormq.abc.DeliveredMessage):
+        raise Unroutable(f"exchange {exchange.name!r} routes routing key {routing_key!r} to no queue")
+
+
 async def dead_letter(
     exchange: aio_pika.abc.AbstractExchange,
     routing_key: str,
@@ -156,15 +185,16 @@ async def dead_letter(
 ) -> None:
     """Publishes `message` (body and properties kept, see _copy) to the dead-letter exchange with its reason.
 
-    The caller's channel must have publisher confirms on: this returns once the broker has the
-    copy, so the caller can then ack the original without ever losing it.
+    The caller's channel must have publisher confirms on: this returns once a queue has the copy,
+    so the caller can then ack the original without ever losing it. Raises Unroutable when no
+    queue is bound for `routing_key` (the original must then not be acked).
     """
     headers = dict(message.headers or {})
     headers[DEAD_REASON_HEADER] = reason[:1000]
     headers["x-sluice-dead-at"] = time.time()
     headers["x-sluice-original-routing-key"] = message.routing_key or ""
     headers["x-sluice-original-exchange"] = message.exchange or ""
-    await exchange.publish(_copy(message, headers), routing_key)
+    await publish_routed(exchange, _copy(message, headers), routing_key)
 
 
 def _copy(message: aio_pika.abc.AbstractIncomingMessage, headers: dict[str, aio_pika.abc.FieldValue]) -> aio_pika.Message:
@@ -201,6 +231,23 @@ _DEATH_HEADERS = (
 )  # fmt: skip
 
 
+def original_routing_key(message: aio_pika.abc.AbstractIncomingMessage) -> str:
+    """The routing key `message` had before it was dead-lettered: `dead_letter` records it in a
+    header; the broker (a reject, a TTL, a length limit) records it in x-death, whose first entry is
+    the latest death. Its own routing key is the dead-letter one (the queue's name), which the
+    original exchange routes nowhere; it is the last resort."""
+    headers = message.headers or {}
+    recorded = headers.get("x-sluice-original-routing-key")
+    if recorded:
+        return str(recorded)
+    deaths = headers.get("x-death")
+    if isinstance(deaths, list) and deaths and isinstance(deaths[0], dict):
+        keys = deaths[0].get("routing-keys")
+        if isinstance(keys, list) and keys:
+            return str(keys[0])
+    return message.routing_key or ""
+
+
 async def replay_dead_letters(
     url: str,
     dead_queue: str,
@@ -208,14 +255,17 @@ async def replay_dead_letters(
     routing_key: str | None = None,
     limit: int | None = None,
 ) -> int:
-    """Moves messages from `dead_queue` back to `exchange` (each confirmed before its ack).
+    """Moves messages from `dead_queue` back to `exchange` (each routed to a queue and confirmed before its ack).
 
-    The routing key is the message's original one unless `routing_key` is given. Stops when the
-    queue is empty, after `limit` messages, or after as many as the queue held when it began: a
-    message still bad while its consumer runs comes straight back to this queue, and replaying it
-    again would never end. Returns how many were replayed.
+    The routing key is the message's original one (`original_routing_key`) unless `routing_key` is
+    given. Stops when the queue is empty, after `limit` messages, or after as many as the queue held
+    when it began: a message still bad while its consumer runs comes straight back to this queue,
+    and replaying it again would never end. Returns how many were replayed; raises ReplayIncomplete
+    (after the pass) when some routed to no queue: those stay in `dead_queue`, unacked until the end.
     """
     replayed = 0
+    left: list[str] = []
+    held: list[aio_pika.abc.AbstractIncomingMessage] = []
     connection = await aio_pika.connect(url, timeout=10)
     async with connection:
         channel = await connection.channel(publisher_confirms=True)
@@ -223,16 +273,30 @@ async def replay_dead_letters(
         queue = await channel.declare_queue(dead_queue, passive=True)
         waiting = queue.declaration_result.message_count or 0
         limit = waiting if limit is None else min(limit, waiting)
-        while replayed < limit:
+        while replayed + len(held) < limit:
             message = await queue.get(no_ack=False, fail=False, timeout=10)
             if message is None:
                 break
-            headers = dict(message.headers or {})
-            key = routing_key or str(headers.get("x-sluice-original-routing-key") or message.routing_key or "")
-            for name in _DEATH_HEADERS:
-                headers.pop(name, None)
-            headers["x-sluice-replayed"] = int(str(headers.get("x-sluice-replayed") or 0)) + 1
-            await target.publish(_copy(message, headers), key)
+            key = routing_key or original_routing_key(message)
+            try:
+                await publish_routed(target, _copy(message, _replay_headers(message)), key)
+            except Unroutable as exc:
+                # Held (not requeued at once, or the next get would return it again) and given back below.
+                held.append(message)
+                left.append(f"{message.message_id or '(no message id)'}: {exc}")
+                continue
             await message.ack()
             replayed += 1
+        for message in held:
+            await message.nack(requeue=True)
+    if left:
+        raise ReplayIncomplete(replayed, left)
     return replayed
+
+
+def _replay_headers(message: aio_pika.abc.AbstractIncomingMessage) -> dict[str, aio_pika.abc.FieldValue]:
+    headers = dict(message.headers or {})
+    for name in _DEATH_HEADERS:
+        headers.pop(name, None)
+    headers["x-sluice-replayed"] = int(str(headers.get("x-sluice-replayed") or 0)) + 1
+    return headers

@@ -8,7 +8,12 @@ after its first event. A message that can never become a record is published to 
 dead-letter exchange with its reason (confirmed) and then acked; consumption goes on. So is
 an event whose record the database refuses (a constraint, a value it cannot hold): a batch it
 refuses is stored event by event, and only the events still refused are dead-lettered.
-On any broker failure the session is rebuilt; what was unacked is redelivered.
+On any broker failure the session is rebuilt (the topology declared again); what was unacked is
+redelivered. So is it when the broker cancels the consumer while the connection stays open (its
+queue deleted, a quorum queue's leader moved): otherwise it would never consume again. A commit
+that fails (a dead-lettering no queue takes) ends the session at once, not at the next batch.
+`sluice_evallog_consumer_connected` says, per dependency, whether the consumer is consuming from
+the broker and whether the store takes its writes.
 The CPU-heavy evaluators run in worker processes (`offload`, eval_pool.py) so the event loop
 stays responsive while a batch is evaluated; the batch is acked only after that, as before.
 """
@@ -28,7 +33,7 @@ from typing import Any
 import aio_pika
 import structlog
 from aio_pika.abc import AbstractIncomingMessage
-from prometheus_client import Counter, Histogram
+from prometheus_client import Counter, Gauge, Histogram
 from sluice.evallog.v1 import events_pb2
 
 from sluice_common.amqp import EventTopology, dead_letter
@@ -49,6 +54,16 @@ _stdlib_log = logging.getLogger("sluice.evallog.consumer")
 EVENTS = Counter("sluice_evallog_events_total", "Events consumed, by outcome.", ["outcome"])
 BATCH_SIZE = Histogram("sluice_evallog_batch_size", "Events per stored batch.", buckets=(1, 4, 16, 64, 128, 256, 512, 1024))
 BATCH_SECONDS = Histogram("sluice_evallog_batch_seconds", "Evaluate + store + ack of one batch.", buckets=(0.001, 0.005, 0.02, 0.05, 0.1, 0.5, 1, 5))
+# Health stays SERVING while either is 0: the query API needs neither RabbitMQ nor a consumer, and
+# a readiness probe that followed them would take the queries down with it. This gauge (and its
+# alert, SluiceEvaluationLoggingConsumerDisconnected) is how an operator hears of it.
+CONNECTED = Gauge(
+    "sluice_evallog_consumer_connected",
+    "1 while the consumer consumes from RabbitMQ (dependency=broker) / while the store takes its writes (dependency=store).",
+    ["dependency"],
+)
+for _dependency in ("broker", "store"):
+    CONNECTED.labels(_dependency).set(0)
 
 # Per-event work on the loop (decoding, the cheap evaluators, building rows) costs ~5-20 us an
 # event: a batch of 256 in one go held the loop ~10 ms; this many at a time holds it ~1 ms.
@@ -61,6 +76,10 @@ class _Refused(Exception):
     """The database refused the rows for what they hold: retrying the same rows cannot succeed."""
 
 
+class ConsumerCancelled(ConnectionError):
+    """The broker cancelled the consumer (basic.cancel): the queue was deleted, or its leader moved."""
+
+
 @dataclass(frozen=True)
 class ConsumerSettings:
     url: str
@@ -68,6 +87,18 @@ class ConsumerSettings:
     prefetch: int = 512
     batch_max: int = 256
     batch_delay_s: float = 0.05
+
+
+def _wake_on_failure(task: asyncio.Task[None] | None, wake: asyncio.Event) -> None:
+    """Sets `wake` should `task` (a commit) fail: the loop, waiting for deliveries, then ends the
+    session at once rather than with the next batch (its messages unacked meanwhile)."""
+
+    def done(finished: asyncio.Task[None]) -> None:
+        if not finished.cancelled() and finished.exception() is not None:
+            wake.set()
+
+    if task is not None:
+        task.add_done_callback(done)
 
 
 class CompletionConsumer:
@@ -99,6 +130,8 @@ class CompletionConsumer:
         return time.monotonic() - self._backlog_at < within_s
 
     def start(self, supervisor: Supervisor | None = None) -> None:
+        # The store was opened before: up until a write says otherwise.
+        CONNECTED.labels("store").set(1)
         # Restarted when it dies: what it had not acked is redelivered by the broker.
         self._task = (supervisor or Supervisor()).start("completion-consumer", self._run)
 
@@ -121,6 +154,7 @@ class CompletionConsumer:
             except Exception as exc:  # noqa: BLE001 - reconnect; unacked messages are redelivered
                 log.warning("consumer_disconnected", error=f"{type(exc).__name__}: {exc}")
             self.connected.clear()
+            CONNECTED.labels("broker").set(0)
             if not self._stopping.is_set():
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 5.0)
@@ -138,6 +172,9 @@ class CompletionConsumer:
             # batch's worth is waiting: one wakeup (and one timer) per batch, not per message.
             inbox: collections.deque[AbstractIncomingMessage] = collections.deque()
             arrived, full = asyncio.Event(), asyncio.Event()
+            # Set by the broker's basic.cancel of this channel's only consumer; `arrived` too, so that
+            # the loop wakes and ends the session at once.
+            cancelled = asyncio.Event()
 
             async def on_message(message: AbstractIncomingMessage) -> None:
                 inbox.append(message)
@@ -145,12 +182,23 @@ class CompletionConsumer:
                 if len(inbox) >= s.batch_max:
                     full.set()
 
+            def on_cancel(_frame: object) -> None:  # aiormq's Basic.Cancel frame
+                cancelled.set()
+                arrived.set()
+
+            # The connection and the channel stay open after a basic.cancel: only this callback says it.
+            (await channel.get_underlay_channel()).on_consumer_cancel_callbacks.add(on_cancel)
             tag = await queue.consume(on_message, no_ack=False)
             self.connected.set()
+            CONNECTED.labels("broker").set(1)
             log.info("consuming", queue=s.topology.completions_queue, prefetch=s.prefetch, batch_max=s.batch_max)
             while not self._stopping.is_set():
                 if connection.is_closed or channel.is_closed:
                     raise ConnectionError("the broker connection closed")
+                if cancelled.is_set():
+                    raise ConsumerCancelled("the broker cancelled the consumer (its queue deleted, or its leader moved)")
+                if self._committing is not None and self._committing.done():
+                    await self._settle_commit()  # raises what the commit raised: the session is rebuilt
                 if not inbox:
                     arrived.clear()
                     with contextlib.suppress(TimeoutError):
@@ -165,6 +213,7 @@ class CompletionConsumer:
                 if inbox or len(batch) >= s.batch_max:
                     self._backlog_at = time.monotonic()
                 await self._handle(batch, dead)
+                _wake_on_failure(self._committing, arrived)
             await self._settle_commit()  # the last batch is stored and acked before we let go
             with contextlib.suppress(Exception):
                 await queue.cancel(tag)
@@ -299,13 +348,18 @@ class CompletionConsumer:
         backoff = 0.2
         while True:
             try:
-                return await self._store.insert_batch(rows)
+                inserted = await self._store.insert_batch(rows)
             except Exception as exc:  # noqa: BLE001 - a database outage must not lose or ack events
                 error = f"{type(exc).__name__}: {exc}"
                 if refused_for_content(exc):
+                    CONNECTED.labels("store").set(1)  # it answered: it refused these rows, not writes
                     raise _Refused(error) from exc
+                CONNECTED.labels("store").set(0)
                 if self._stopping.is_set():
                     raise
                 log.error("store_failed", error=error, batch=len(rows))
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 5.0)
+                continue
+            CONNECTED.labels("store").set(1)
+            return inserted

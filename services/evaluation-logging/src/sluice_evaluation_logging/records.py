@@ -17,6 +17,7 @@ from google.protobuf.message import DecodeError
 from sluice.common.v1 import types_pb2
 from sluice.evallog.v1 import events_pb2
 
+from sluice_common.finish_reasons import finish_reason_name
 from sluice_evaluation_logging.evaluators.base import Deferred, ScoreResult
 from sluice_evaluation_logging.model import RecordRow, SummaryData
 
@@ -48,11 +49,21 @@ def decode_event(body: bytes, content_type: str | None) -> events_pb2.Completion
 
 
 def _check_finite_timings(event: events_pb2.CompletionEvent) -> None:
-    """Protobuf takes NaN and +-Infinity for a double (JSON "NaN"), but no duration is either, and
-    SQLite stores NaN as NULL, which the NOT NULL latency columns refuse: the batch would never store."""
+    found = non_finite_timing(event)
+    if found is not None:
+        raise PoisonMessage(f"timings.{found[0]} is not a finite number ({found[1]})")
+
+
+def non_finite_timing(event: events_pb2.CompletionEvent) -> tuple[str, float] | None:
+    """The first of the event's timings that is NaN or infinite (its field name and value), if any.
+
+    Protobuf takes NaN and +-Infinity for a double (JSON "NaN"), but no duration is either, and
+    SQLite stores NaN as NULL, which the NOT NULL latency columns refuse: the batch would never
+    store. The consumer dead-letters such an event; ScoreCompletions refuses it (INVALID_ARGUMENT)."""
     for descriptor, value in event.timings.ListFields():
         if isinstance(value, float) and not math.isfinite(value):
-            raise PoisonMessage(f"timings.{descriptor.name} is not a finite number ({value})")
+            return descriptor.name, value
+    return None
 
 
 def _epoch(timestamp: Any) -> float:
@@ -104,15 +115,6 @@ def to_row(
         user=event.user,
         metadata=tuple(sorted(event.metadata.items())),
     )
-
-
-def finish_reason_name(number: int) -> str:
-    """The short name ("stop", "length", ...), or the number for a value this build has no name for
-    (a newer gateway's): proto3 keeps unknown enum values, and a log line must not fail on one."""
-    try:
-        return types_pb2.FinishReason.Name(number).removeprefix("FINISH_REASON_").lower()
-    except ValueError:
-        return str(number)
 
 
 def otel_attributes(event: events_pb2.CompletionEvent) -> dict[str, Any]:

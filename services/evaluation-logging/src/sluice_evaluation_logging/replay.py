@@ -1,8 +1,9 @@
 """`sluice-evallog-replay` (python -m sluice_evaluation_logging.replay): move dead-lettered events back.
 
-Each message is republished to the events exchange with its original routing key (confirmed)
-before it is acked off the dead-letter queue, so a crash mid-replay duplicates at worst, and
-evaluation-logging stores each event id once. Reads SLUICE_EVALLOG_AMQP_URL and
+Each message is republished to the events exchange with its original routing key (routed to a
+queue and confirmed) before it is acked off the dead-letter queue, so a crash mid-replay duplicates
+at worst, and evaluation-logging stores each event id once. A message whose copy no queue takes
+stays in the dead-letter queue, and the replay says so and exits 1. Reads SLUICE_EVALLOG_AMQP_URL and
 SLUICE_EVALLOG_AMQP_PREFIX like the service.
 """
 
@@ -17,7 +18,7 @@ from urllib.parse import urlsplit
 import aio_pika
 from aio_pika.exceptions import AMQPError, ChannelNotFoundEntity
 
-from sluice_common.amqp import DEAD_REASON_HEADER, DEFAULT_AMQP_URL, EventTopology, replay_dead_letters
+from sluice_common.amqp import DEAD_REASON_HEADER, DEFAULT_AMQP_URL, EventTopology, ReplayIncomplete, replay_dead_letters
 
 
 async def _peek(url: str, queue_name: str, limit: int) -> list[str]:
@@ -88,6 +89,11 @@ def main() -> None:
                 print(line)
             return
         count = asyncio.run(replay_dead_letters(args.amqp_url, topology.completions_dead_queue, topology.events_exchange, limit=args.limit))
+    except ReplayIncomplete as exc:
+        raise SystemExit(
+            f"sluice-evallog-replay: replayed {exc.replayed} message(s) from {topology.completions_dead_queue} to"
+            f" {topology.events_exchange}; {exc} (is the evaluation-logging queue declared and bound?)"
+        ) from None
     except (AMQPError, OSError, TimeoutError, ValueError) as exc:  # ValueError: a URL that does not parse
         raise SystemExit(f"sluice-evallog-replay: {_problem(exc, args.amqp_url)}") from None
     except KeyboardInterrupt:

@@ -24,6 +24,7 @@ from sluice_evaluation_logging.evaluators import (
     evaluate_references,
 )
 from sluice_evaluation_logging.evaluators.base import CompletionEvent, Deferred, EvalContext, ScoreResult
+from sluice_evaluation_logging.records import non_finite_timing
 
 # Bounds one call's work: each item may cost up to two Embed calls of two texts (similarity and
 # reference_similarity); at ~200 texts/s on a CPU a thousand items are ~20 s. Callers page.
@@ -68,6 +69,9 @@ def validate(items: Sequence[ScoreInput]) -> None:
     for index, item in enumerate(items):
         if not item.event.text_logged:
             raise InvalidArgument(f"items[{index}].event.text_logged", "must be true: the evaluators score the output text")
+        # The consumer refuses such an event (the latency evaluators would score NaN): so does this.
+        if (timing := non_finite_timing(item.event)) is not None:
+            raise InvalidArgument(f"items[{index}].event.timings.{timing[0]}", f"not a finite number ({timing[1]})")
         texts = {"event.output": item.event.output, "event.prompt": item.event.prompt, "reference": item.reference}
         texts.update({f"event.messages[{i}].content": message.content for i, message in enumerate(item.event.messages)})
         for name, text in texts.items():

@@ -16,8 +16,17 @@ CPU_HEAVY = True
 # the local part scanned to the end of a run like "a.a.a..." from each of its word boundaries, so
 # one output of 40 KB cost seconds, quadratic in its length; bounded, the scan is linear.
 EMAIL = re.compile(r"\b[A-Za-z0-9._%+-]{1,64}@[A-Za-z0-9-]{1,63}(?:\.[A-Za-z0-9-]{1,63}){0,8}\.[A-Za-z]{2,63}\b")
-# International (+CC ...) or 10-digit national numbers with the usual separators.
-PHONE = re.compile(r"(?<![\w+])(?:\+\d{1,3}[\s.-]?)?(?:\(\d{2,4}\)|\d{2,4})(?:[\s.-]?\d{2,4}){2,4}(?!\w)")
+# International (+CC, then groups of digits; 10 to 15 digits in all, the length check below) or
+# 10-digit national numbers with the usual separators: "(415) 555-0132", "415-555-0132",
+# "415.555.0132", "415 555 0132". Any run of 10 digits with optional separators also matched
+# dotted quads (192.168.100.200), dates and times (2024-01-15 10:30:45) and version numbers
+# (2024.10.15.1234): a national number has the 3-3-4 shape with its separators, and no match
+# starts or ends next to another number's "." or ":" ("1.415.555.0132" is no phone number).
+PHONE = re.compile(
+    r"(?<![\w+])(?<!\d[.:])"
+    r"(?:\+\d{1,3}(?:[ .-]?(?:\(\d{1,4}\)|\d{1,4})){2,6}|(?:\(\d{3}\) ?|\d{3}[ .-])\d{3}[ .-]\d{4})"
+    r"(?!\w)(?![.:-]\d)"
+)
 CARD = re.compile(r"(?<!\d)(?:\d[ -]?){12,18}\d(?!\d)")
 # PHONE and CARD need no such change: every quantifier in them is bounded (a match is under 40 characters).
 

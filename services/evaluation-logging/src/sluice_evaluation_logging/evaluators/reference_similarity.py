@@ -7,6 +7,7 @@ when the adapter serves no embeddings the score is skipped: no similarity is mad
 
 from __future__ import annotations
 
+import math
 from collections.abc import Awaitable
 
 from sluice_evaluation_logging.evaluators.base import (
@@ -17,7 +18,7 @@ from sluice_evaluation_logging.evaluators.base import (
     has_text,
     skipped,
 )
-from sluice_evaluation_logging.evaluators.similarity import UNAVAILABLE_DETAIL, cosine
+from sluice_evaluation_logging.evaluators.similarity import NOT_FINITE_DETAIL, UNAVAILABLE_DETAIL, cosine
 
 NAME = "reference_similarity"
 # For comparisons (`sluice eval`): which way is better.
@@ -26,6 +27,8 @@ HIGHER_IS_BETTER = True
 
 def score(output_vector: list[float], reference_vector: list[float], minimum: float) -> ScoreResult:
     value = cosine(output_vector, reference_vector)
+    if not math.isfinite(value):
+        return skipped(NAME, NOT_FINITE_DETAIL)
     return ScoreResult(NAME, value, value >= minimum, f"cosine to the reference vs min {minimum}")
 
 

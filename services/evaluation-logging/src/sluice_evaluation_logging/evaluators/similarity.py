@@ -32,6 +32,10 @@ NAME = "similarity"
 # For comparisons (`sluice eval`): which way is better.
 HIGHER_IS_BETTER = True
 UNAVAILABLE_DETAIL = "skipped: embeddings unavailable"
+# A NaN or infinite component (a degenerate embedding) makes the cosine NaN: SQLite stores NaN as
+# NULL, which scores.value refuses (the whole claim failed, for ever), and PostgreSQL keeps a NaN
+# that every mean over it turns into. No similarity is made up either.
+NOT_FINITE_DETAIL = "skipped: embedding not finite"
 
 
 def sampled(event_id: str, rate: float) -> bool:
@@ -62,6 +66,8 @@ def texts(event: CompletionEvent) -> tuple[str, str]:
 
 def score(prompt_vector: Sequence[float], output_vector: Sequence[float], settings: EvalSettings) -> ScoreResult:
     value = cosine(prompt_vector, output_vector)
+    if not math.isfinite(value):
+        return skipped(NAME, NOT_FINITE_DETAIL)
     return ScoreResult(NAME, value, value >= settings.similarity_min, f"cosine vs min {settings.similarity_min}")
 
 

@@ -16,11 +16,8 @@ from sluice.gateway.v1 import gateway_pb2
 
 from sluice_common import tracing
 from sluice_common.errors import clip
+from sluice_common.finish_reasons import finish_reason_name
 from sluice_common.validation import MAX_MODEL_NAME
-
-
-def finish_reason_name(value: int) -> str:
-    return types_pb2.FinishReason.Name(value).removeprefix("FINISH_REASON_").lower() if value else ""
 
 
 class GenerationTrace:
@@ -52,7 +49,7 @@ class GenerationTrace:
         """The adapter's final chunk: usage and finish reason."""
         span = self._attached.span
         span.set_attribute("gen_ai.response.model", self._model)
-        span.set_attribute("gen_ai.response.finish_reasons", [finish_reason_name(chunk.finish_reason)])
+        span.set_attribute("gen_ai.response.finish_reasons", [finish_reason_name(chunk.finish_reason) if chunk.finish_reason else ""])
         if chunk.HasField("usage"):
             span.set_attribute("gen_ai.usage.input_tokens", chunk.usage.prompt_tokens)
             span.set_attribute("gen_ai.usage.output_tokens", chunk.usage.completion_tokens)
