@@ -76,8 +76,11 @@ def test_a_batch_runs_on_the_job_workers_and_answers_as_the_endpoint(client: ope
         event = record_of(evallog, record["response"]["request_id"]).event
         assert event.output == reply.choices[0].message.content and event.custom_id == record["custom_id"]
     [error] = [json.loads(line) for line in client.files.content(batch.error_file_id).text.splitlines()]
-    assert error["custom_id"] == "unknown-model" and error["response"] is None
-    assert error["error"]["code"] == "invalid_argument" and "no-such-model" in error["error"]["message"]
+    # A request that failed with an HTTP error is that response (OpenAI's batch output: `error` is
+    # for failures that are not HTTP errors, such as an expired batch).
+    assert error["custom_id"] == "unknown-model" and error["error"] is None
+    assert error["response"]["status_code"] == 400 and error["response"]["request_id"]
+    assert error["response"]["body"]["error"]["code"] == "invalid_argument" and "no-such-model" in error["response"]["body"]["error"]["message"]
 
     listed = client.batches.list(limit=100)
     assert created.id in [b.id for b in listed.data]

@@ -208,14 +208,15 @@ def upload(stack: Stack, name: str, content: bytes) -> tuple[int, bytes]:
 
 def check_batch_lines(stack: Stack, file_id: str, response_schema: str) -> list[dict[str, Any]]:
     """Every line of a batch's output or error file, against BatchRequestOutput and, where it has a
-    response, its body against the endpoint's own response schema."""
+    response, its body against the endpoint's own response schema (200) or ErrorResponse (an HTTP
+    error, which OpenAI's error files carry as the response)."""
     status, content = call(stack, "GET", f"/files/{file_id}/content")
     assert status == 200
     lines = [json.loads(line) for line in content.decode().splitlines()]
     for line in lines:
         check("BatchRequestOutput", line)
         if line["response"] is not None:
-            check(response_schema, line["response"]["body"])
+            check(response_schema if line["response"]["status_code"] == 200 else "ErrorResponse", line["response"]["body"])
     return lines
 
 
@@ -240,6 +241,7 @@ def test_files_and_batches_match_upstream(stack: Stack) -> None:
     check("OpenAIFile", json.loads(call(stack, "GET", f"/files/{batch['output_file_id']}")[1]))
     (output,) = check_batch_lines(stack, batch["output_file_id"], "CreateChatCompletionResponse")
     (error,) = check_batch_lines(stack, batch["error_file_id"], "CreateChatCompletionResponse")
-    assert (output["custom_id"], output["error"], error["custom_id"], error["response"]) == ("one", None, "two", None)
+    assert (output["custom_id"], output["error"], error["custom_id"], error["error"]) == ("one", None, "two", None)
+    assert error["response"]["status_code"] == 400
     check("ListBatchesResponse", json.loads(call(stack, "GET", "/batches?limit=5")[1]))
     check("ListFilesResponse", json.loads(call(stack, "GET", "/files?limit=5")[1]))

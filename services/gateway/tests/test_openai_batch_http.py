@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import json
 import sqlite3
+import threading
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -26,11 +27,13 @@ from sluice_gateway.jobs import api as jobs_api
 from sluice_gateway.jobs.store import JobStore
 from sluice_gateway.jobs.api import JobsApi
 from sluice_gateway.path.model_catalog import ModelCatalog
+from sluice_gateway.openai_front import batch_http
 from sluice_gateway.openai_front.batch_http import BatchFront
 from sluice_gateway.openai_front.http import OpenAIFront, build_app
-from sluice_gateway.openai_front.store import OpenAIStore
+from sluice_gateway.openai_front.store import MAX_FILES_LIMIT, OpenAIStore
 from sluice_common.tenants import TenantDirectory
 
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
 TENANTS = TenantDirectory.from_file(Path(__file__).resolve().parents[3] / "config" / "tenants.toml")
 DEMO = {"Authorization": "Bearer sk-sluice-demo"}
 PRIVATE = {"Authorization": "Bearer sk-sluice-private"}
@@ -171,7 +174,10 @@ async def test_a_batch_is_a_job_and_its_results_become_files(setup: Setup) -> No
     errors = [
         json.loads(x) for x in (await (await setup.client.get(f"/v1/files/{done.error_file_id}/content", headers=DEMO)).read()).decode().splitlines()
     ]
-    assert [(e["custom_id"], e["response"], e["error"]["code"]) for e in errors] == [("bad", None, "invalid_argument")]
+    # Refused as the endpoint refuses it: the HTTP error, in `response` (OpenAI's `error` is for non-HTTP errors).
+    assert [(e["custom_id"], e["response"]["status_code"], e["response"]["body"]["error"]["code"], e["error"]) for e in errors] == [
+        ("bad", 400, "invalid_argument", None)
+    ]
     assert (await setup.client.get(f"/v1/files/{done.output_file_id}", headers=PRIVATE)).status == 404
     again = Batch.model_validate(await (await setup.client.get(f"/v1/batches/{batch.id}", headers=DEMO)).json())
     assert (again.output_file_id, again.error_file_id) == (done.output_file_id, done.error_file_id)
@@ -351,3 +357,102 @@ async def test_a_batch_whose_files_cannot_be_made_does_not_fail_the_list(setup: 
     assert reply.status == 200 and set(listed) == {ids[0][0], ids[1][0]}
     assert listed[ids[0][0]]["status"] == "completed" and "output_file_id" not in listed[ids[0][0]]
     assert listed[ids[1][0]]["output_file_id"]
+
+
+async def test_a_file_is_parsed_off_the_event_loop_at_upload_and_at_batch_create(setup: Setup, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Parsing compiles each line's constraint: on the event loop, a large file held every HTTP and
+    gRPC stream of the gateway for a minute. Another request is answered while one parses."""
+    parsing, answered = threading.Event(), threading.Event()
+    real = batch_http.parse_batch_file
+
+    def slow(content: bytes, max_lines: int) -> Any:
+        parsing.set()
+        # On the loop, nothing else could run until this returns: the wait would time out.
+        assert answered.wait(5), "no other request was answered while the file was parsed"
+        return real(content, max_lines)
+
+    async def meanwhile(started: asyncio.Future[Any]) -> Any:
+        await asyncio.to_thread(parsing.wait, 5)
+        assert (await setup.client.get("/v1/files", headers=DEMO)).status == 200
+        answered.set()
+        reply = await started
+        parsing.clear()
+        answered.clear()
+        return reply
+
+    monkeypatch.setattr(batch_http, "parse_batch_file", slow)
+    uploaded = await meanwhile(asyncio.ensure_future(setup.upload(line("a", CHAT))))
+    assert uploaded.status == 200, await uploaded.text()
+    created = await meanwhile(asyncio.ensure_future(setup.batch((await uploaded.json())["id"])))
+    assert created.status == 200, await created.text()
+
+
+async def test_an_input_file_is_not_deleted_while_its_batch_still_needs_it(setup: Setup) -> None:
+    """The result files are shaped from the input file's requests: deleted before they were made,
+    the batch read completed with neither output_file_id nor error_file_id, for good."""
+    file_id = (await (await setup.upload(line("one", CHAT))).json())["id"]
+    batch_id = (await (await setup.batch(file_id)).json())["id"]
+    await setup.store.accept(batch_id, "demo", "", ["one"], 86400.0)
+    refused = await setup.client.delete(f"/v1/files/{file_id}", headers=DEMO)
+    error = (await refused.json())["error"]
+    assert refused.status == 409 and refused.headers["x-should-retry"] == "false"
+    assert batch_id in error["message"] and (error["code"], error["param"]) == ("file_in_use", "file_id")
+    assert (await setup.client.get(f"/v1/files/{file_id}", headers=DEMO)).status == 200
+    # Ended but never read yet: its files are made from the input first, then the input goes.
+    await setup.store.finish_row(jobs_pb2.RowResult(job_id=batch_id, custom_id="one", output="hi", finish_reason=types_pb2.FINISH_REASON_STOP))
+    await setup.store.summary_told(batch_id)
+    deleted = await setup.client.delete(f"/v1/files/{file_id}", headers=DEMO)
+    assert deleted.status == 200 and (await setup.client.get(f"/v1/files/{file_id}", headers=DEMO)).status == 404
+    done = Batch.model_validate(await (await setup.client.get(f"/v1/batches/{batch_id}", headers=DEMO)).json())
+    assert done.status == "completed" and done.output_file_id
+    output = await (await setup.client.get(f"/v1/files/{done.output_file_id}/content", headers=DEMO)).read()
+    assert [json.loads(x)["custom_id"] for x in output.decode().splitlines()] == ["one"]
+    # Another tenant's delete of it is still a 404, not a 409 naming the batch.
+    other = (await (await setup.upload(line("two", CHAT))).json())["id"]
+    await setup.batch(other)
+    assert (await setup.client.delete(f"/v1/files/{other}", headers=PRIVATE)).status == 404
+
+
+async def test_the_file_list_takes_openais_limit_and_order(setup: Setup) -> None:
+    """GET /v1/files (openai-openapi's listFiles): limit 1 to 10,000, default 10,000; order by
+    created_at, asc or desc, default desc. Capped at 100, a client paging by has_more saw the rest
+    only with `after`; order was ignored."""
+    upstream = {p["name"]: p["schema"] for p in json.loads((FIXTURES / "openai_list_files_parameters.json").read_text())["parameters"]}
+    assert upstream["limit"]["default"] == MAX_FILES_LIMIT and (upstream["order"]["default"], upstream["order"]["enum"]) == ("desc", ["asc", "desc"])
+    store = OpenAIStore(setup.store.db)
+    ids = [(await store.create_file("demo", "batch", f"{i}.jsonl", b"x", now=100.0 + i)).file_id for i in range(120)]
+    listed = await (await setup.client.get("/v1/files", headers=DEMO)).json()
+    assert [f["id"] for f in listed["data"]] == ids[::-1] and not listed["has_more"]
+    oldest = await (await setup.client.get(f"/v1/files?order=asc&limit={MAX_FILES_LIMIT}", headers=DEMO)).json()
+    assert [f["id"] for f in oldest["data"]] == ids and oldest["first_id"] == ids[0]
+    page = await (await setup.client.get(f"/v1/files?order=asc&limit=2&after={ids[0]}", headers=DEMO)).json()
+    assert [f["id"] for f in page["data"]] == ids[1:3] and page["has_more"]
+    newest = await (await setup.client.get("/v1/files?order=desc&limit=1", headers=DEMO)).json()
+    assert [f["id"] for f in newest["data"]] == [ids[-1]]
+    for query, param in ((f"limit={MAX_FILES_LIMIT + 1}", "limit"), ("limit=0", "limit"), ("order=sideways", "order")):
+        reply = await setup.client.get(f"/v1/files?{query}", headers=DEMO)
+        assert reply.status == 400 and (await reply.json())["error"]["param"] == param, query
+    # The batch list keeps OpenAI's own bounds for it (1 to 100).
+    assert (await setup.client.get("/v1/batches?limit=101", headers=DEMO)).status == 400
+
+
+async def test_a_list_where_a_name_belongs_is_a_400_naming_it_not_a_500(setup: Setup) -> None:
+    """A list or an object tested against a dict raised TypeError (unhashable): 500 internal_error."""
+    reply = await setup.upload(json.dumps({"custom_id": "a", "method": "POST", "url": ["/v1/chat/completions"], "body": CHAT}))
+    error = (await reply.json())["error"]
+    assert reply.status == 400 and error["param"] == "url" and error["message"].startswith("Line 1 of the batch file")
+    file_id = (await (await setup.upload(line("a", CHAT))).json())["id"]
+    for field in ("endpoint", "completion_window"):
+        body = {"input_file_id": file_id, "endpoint": "/v1/chat/completions", "completion_window": "24h", field: [{"24h": 1}]}
+        reply = await setup.client.post("/v1/batches", json=body, headers=DEMO)
+        assert reply.status == 400 and (await reply.json())["error"]["param"] == field
+
+
+async def test_an_upload_of_several_file_parts_is_refused_not_the_last_kept(setup: Setup) -> None:
+    form = FormData()
+    form.add_field("purpose", "batch")
+    for custom_id in ("a", "b"):
+        form.add_field("file", line(custom_id, CHAT).encode(), filename=f"{custom_id}.jsonl", content_type="application/jsonl")
+    reply = await setup.client.post("/v1/files", data=form, headers=DEMO)
+    assert reply.status == 400 and (await reply.json())["error"]["param"] == "file"
+    assert (await (await setup.client.get("/v1/files", headers=DEMO)).json())["data"] == []

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from openai.types import Batch, CreateEmbeddingResponse
@@ -27,6 +28,7 @@ from sluice_gateway.openai_front.batches import (
     status_of,
 )
 from sluice_gateway.jobs.job import generate_request
+from sluice_gateway.openai_front import requests as openai_requests
 from sluice_gateway.openai_front.errors import OpenAIError
 
 UPSTREAM = Path(__file__).resolve().parents[3] / "tests" / "fixtures" / "upstream"
@@ -226,8 +228,12 @@ def test_results_become_output_and_error_lines_as_the_endpoints_answer() -> None
     assert embedding.data[0].embedding == [0.5, 1.0] and embedding.usage.prompt_tokens == 2
     failures = {x["custom_id"]: x for x in map(json.loads, errors.decode().splitlines())}
     assert list(failures) == ["bad", "cut"]
-    assert failures["bad"]["response"] is None and failures["bad"]["error"] == {"code": "invalid_argument", "message": "unknown model"}
-    assert failures["cut"]["error"]["code"] == "generation_failed" and "FINISH_REASON_CANCELLED" in failures["cut"]["error"]["message"]
+    # Failed as the endpoint would have answered them, an HTTP error: in `response`, as OpenAI writes them.
+    bad, cut = failures["bad"]["response"], failures["cut"]["response"]
+    assert failures["bad"]["error"] is None and bad["status_code"] == 400 and bad["request_id"]
+    assert bad["body"] == {"error": {"message": "unknown model", "type": "invalid_request_error", "param": None, "code": "invalid_argument"}}
+    assert failures["cut"]["error"] is None and cut["status_code"] == 500 and cut["body"]["error"]["code"] == "generation_failed"
+    assert "FINISH_REASON_CANCELLED" in cut["body"]["error"]["message"]
     # Stable ids: a second making of the files is byte for byte the same.
     assert result_files("batch_1", lines, reversed(results), created=1234) == (output, errors)
     assert result_file_ids("batch_abc") == ("file-abc-output", "file-abc-errors")
@@ -303,5 +309,78 @@ def test_error_lines_use_openais_codes_and_a_cancelled_batchs_rows_not_run_are_t
             ("timed_out", "request_timeout"),
             *not_run,
         ]
+        # Non-HTTP errors: no response, the reason in `error`.
         assert all(set(r) == set(upstream) and r["response"] is None and r["error"]["message"] for r in records)
         assert [json.loads(x)["custom_id"] for x in output.decode().splitlines()] == ["ran"]
+
+
+UPSTREAM_LINE = json.loads((UPSTREAM / "openai_batch_request_output_schema.json").read_text())["components"]["schemas"]["BatchRequestOutput"]
+UPSTREAM_ERROR = json.loads((UPSTREAM / "openai_openapi_subset.json").read_text())["components"]["schemas"]["Error"]
+
+
+@pytest.mark.parametrize(
+    ("code", "status", "type_"),
+    [
+        ("INVALID_ARGUMENT", 400, "invalid_request_error"),
+        ("NOT_FOUND", 404, "invalid_request_error"),
+        ("RESOURCE_EXHAUSTED", 429, "rate_limit_error"),
+        ("UNAVAILABLE", 503, "service_unavailable"),
+        ("INTERNAL", 500, "server_error"),
+        ("ABORTED", 500, "server_error"),
+    ],
+)
+def test_a_row_that_failed_with_an_http_error_is_that_response_and_error_is_for_non_http_errors(code: str, status: int, type_: str) -> None:
+    """OpenAI's BatchRequestOutput: `error` is "for requests that failed with a non-HTTP error"; one
+    that failed with an HTTP error is its response (status_code, request_id, body {"error"}), with
+    the status and body the HTTP front answers for that gRPC status."""
+    lines = parse_batch_file((line("a", CHAT) + "\n").encode(), 10)
+    result = jobs_pb2.RowResult(job_id="batch_1", custom_id="a", error=jobs_pb2.RowError(code=code, message="why"), request_id="r-1")
+    [record] = [json.loads(x) for x in result_files("batch_1", lines, [result], created=1234)[1].decode().splitlines()]
+    assert set(record) == set(UPSTREAM_LINE["properties"]) and record["error"] is None
+    response = record["response"]
+    assert set(response) == set(UPSTREAM_LINE["properties"]["response"]["properties"])
+    assert (response["status_code"], response["request_id"]) == (status, "r-1")
+    assert set(response["body"]) == {"error"} and set(response["body"]["error"]) == set(UPSTREAM_ERROR["required"])
+    assert response["body"]["error"] == {"message": "why", "type": type_, "param": None, "code": code.lower()}
+
+
+def test_a_named_function_lines_call_ends_stop_as_the_synchronous_endpoint_answers_it() -> None:
+    weather = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
+    named = {**CHAT, "tools": [weather], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}
+    lines = parse_batch_file((line("named", named) + "\n" + line("required", {**named, "tool_choice": "required"})).encode(), 10)
+    call = types_pb2.ToolCall(id="call_1", name="get_weather", arguments='{"city": "Oslo"}')
+    results = [
+        jobs_pb2.RowResult(job_id="batch_1", custom_id=c, finish_reason=types_pb2.FINISH_REASON_TOOL_CALLS, tool_calls=[call], usage=USAGE)
+        for c in ("named", "required")
+    ]
+    output, _ = result_files("batch_1", lines, results, created=1234)
+    choices = [ChatCompletion.model_validate(json.loads(x)["response"]["body"]).choices[0] for x in output.decode().splitlines()]
+    assert [(c.finish_reason, [t.function.name for t in c.message.tool_calls or []]) for c in choices] == [  # type: ignore[union-attr]
+        ("stop", ["get_weather"]),
+        ("tool_calls", ["get_weather"]),
+    ]
+
+
+def test_lines_sharing_a_constraint_compile_it_once_per_file(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each line's constraint was compiled: a 100,000-line file of one pattern took a minute."""
+    compiled: list[object] = []
+    real = openai_requests.check
+
+    def counted(constraint: Any) -> None:
+        compiled.append(constraint)
+        real(constraint)
+
+    monkeypatch.setattr(openai_requests, "check", counted)
+    schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "properties": {"a": {"type": "string"}}}}}
+    bodies = [{**CHAT, "structured_outputs": {"regex": "(a|b)+[0-9]{3}"}}] * 30 + [{**CHAT, "response_format": schema}] * 30
+    content = "\n".join(line(str(i), body) for i, body in enumerate(bodies))
+    assert len(parse_batch_file(content.encode(), max_lines=100)) == 60
+    assert len(compiled) == 2
+    # A bad one is refused on each line that has it, naming the first.
+    bad = line("ok", CHAT) + "\n" + "\n".join(line(f"b{i}", {**CHAT, "structured_outputs": {"regex": "(unclosed"}}) for i in range(3))
+    error = refused(bad)
+    assert error.message.startswith("Line 2 of the batch file") and error.param == "body.structured_outputs"
+    # Memoised within one parse only: a synchronous request compiles its own.
+    compiled.clear()
+    openai_requests.parse_chat({**CHAT, "structured_outputs": {"regex": "(a|b)+[0-9]{3}"}})
+    assert len(compiled) == 1

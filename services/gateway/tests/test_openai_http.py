@@ -467,6 +467,30 @@ async def test_text_content_parts_are_joined_with_newlines_as_vllm_joins_them(se
     assert reply.status == 200 and adapter.requests[-1].messages[0].content == "Hello\nworld"
 
 
+async def test_an_assistants_refusal_parts_are_its_text_as_vllm_takes_them(setup) -> None:  # type: ignore[no-untyped-def]
+    """OpenAI's assistant content parts are text or refusal (ChatCompletionRequestAssistantMessageContentPart);
+    vLLM's chat_utils takes a refusal part's text as it takes a text part's. Other roles have no refusal parts."""
+    client, adapter, _, _ = setup
+    parts = [{"type": "text", "text": "Let me see."}, {"type": "refusal", "refusal": "I can't help with that."}]
+    messages = [{"role": "user", "content": "a"}, {"role": "assistant", "content": parts}, {"role": "user", "content": "b"}]
+    reply = await client.post("/v1/chat/completions", json={**CHAT, "messages": messages}, headers=AUTH)
+    assert reply.status == 200, await reply.text()
+    assert adapter.requests[-1].messages[1].content == "Let me see.\nI can't help with that."
+    for bad in ([{"role": "user", "content": [{"type": "refusal", "refusal": "no"}]}], [{"role": "assistant", "content": [{"type": "refusal"}]}]):
+        status, error = await _error(await client.post("/v1/chat/completions", json={**CHAT, "messages": bad}, headers=AUTH))
+        assert (status, error["param"]) == (400, "messages[0].content[0]"), error
+
+
+async def test_a_stop_string_refused_is_named_as_the_client_sent_it(setup) -> None:  # type: ignore[no-untyped-def]
+    """One stop string is carried as a list of one: refused, it was named "stop[0]" and worded with
+    Sluice's field ("sampling.stop[0]: ...") though the client sent a string."""
+    client, adapter, _, _ = setup
+    for stop, param in (("", "stop"), (["ok", ""], "stop[1]")):
+        status, error = await _error(await client.post("/v1/chat/completions", json={**CHAT, "stop": stop}, headers=AUTH))
+        assert (status, error["param"]) == (400, param) and error["message"].startswith(f"{param}: "), error
+    assert not adapter.requests
+
+
 async def test_bodies_nested_too_deeply_or_numbers_too_large_are_refused(setup) -> None:  # type: ignore[no-untyped-def]
     client, adapter, *_ = setup
     status, error = await _error(await client.post("/v1/chat/completions", data=b"[" * 4000, headers=AUTH))
@@ -770,7 +794,8 @@ WEATHER_TOOL = {
 
 async def test_a_named_tool_choice_is_constrained_and_answered_as_tool_calls(setup) -> None:  # type: ignore[no-untyped-def]
     """tool_choice naming a function: decoding constrained to its parameters; the answer's text is the
-    call's arguments, returned as OpenAI's tool_calls (whole and streamed), finish_reason tool_calls."""
+    call's arguments, returned as OpenAI's tool_calls (whole and streamed), finish_reason stop: OpenAI
+    and vLLM (chat_completion/serving.py) answer tool_calls only for the auto and required choices."""
     client, adapter, _, publisher = setup
     adapter.chunks = [
         inference_pb2.GenerateResponse(text='{"city": ', token_count=3),
@@ -781,7 +806,7 @@ async def test_a_named_tool_choice_is_constrained_and_answered_as_tool_calls(set
     assert reply.status == 200, await reply.text()
     completion = ChatCompletion.model_validate(await reply.json())
     choice = completion.choices[0]
-    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    assert choice.finish_reason == "stop" and choice.message.content is None
     [call] = choice.message.tool_calls or []
     assert (call.function.name, json.loads(call.function.arguments), call.type) == ("get_weather", {"city": "Oslo"}, "function")  # type: ignore[union-attr]
     sent = adapter.requests[-1]
@@ -798,7 +823,34 @@ async def test_a_named_tool_choice_is_constrained_and_answered_as_tool_calls(set
     assert "".join(d.content or "" for d in deltas) == ""  # the call is never streamed as text
     [streamed] = [t for d in deltas for t in (d.tool_calls or [])]
     assert (streamed.index, streamed.function.name, streamed.function.arguments) == (0, "get_weather", '{"city": "Oslo"}')  # type: ignore[union-attr]
-    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+
+
+@pytest.mark.parametrize(
+    ("tool_choice", "text", "finish_reason"),
+    [
+        ({"type": "function", "function": {"name": "get_weather"}}, '{"city": "Oslo"}', "stop"),
+        ("required", '[{"name": "get_weather", "parameters": {"city": "Oslo"}}]', "tool_calls"),
+        ("auto", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>', "tool_calls"),
+    ],
+)
+@pytest.mark.parametrize("stream", [False, True])
+async def test_only_auto_and_required_tool_calls_end_tool_calls(setup, tool_choice: Any, text: str, finish_reason: str, stream: bool) -> None:  # type: ignore[no-untyped-def]
+    """As vLLM (chat_completion/serving.py: "tool_calls" for auto or required tool calls, "stop" for
+    named tool calls, as OpenAI answers): each answer carries the call all the same."""
+    client, adapter, _, _ = setup
+    adapter.chunks = [inference_pb2.GenerateResponse(text=text, token_count=5, finish_reason=types_pb2.FINISH_REASON_STOP, usage=USAGE)]
+    body = {**CHAT, "tools": [WEATHER_TOOL], "tool_choice": tool_choice, "stream": stream}
+    reply = await client.post("/v1/chat/completions", json=body, headers=AUTH)
+    if stream:
+        chunks = [ChatCompletionChunk.model_validate(json.loads(x[6:])) for x in (await reply.text()).splitlines() if x.startswith("data: {")]
+        calls = [t.function.name for c in chunks if c.choices for t in (c.choices[0].delta.tool_calls or [])]  # type: ignore[union-attr]
+        finished = [c.choices[0].finish_reason for c in chunks if c.choices][-1]
+    else:
+        choice = ChatCompletion.model_validate(await reply.json()).choices[0]
+        calls = [t.function.name for t in choice.message.tool_calls or []]  # type: ignore[union-attr]
+        finished = choice.finish_reason
+    assert (calls, finished) == (["get_weather"], finish_reason)
 
 
 async def test_tool_choice_none_answers_text_streamed_as_it_is_made(setup) -> None:  # type: ignore[no-untyped-def]

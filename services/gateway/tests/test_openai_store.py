@@ -11,7 +11,7 @@ import asyncpg
 import pytest
 
 from sluice_gateway.jobs.store import JobStore
-from sluice_gateway.openai_front.store import OpenAIStore, StoredBatch
+from sluice_gateway.openai_front.store import FileInUse, OpenAIStore, StoredBatch
 
 PG_DSN = "postgresql://postgres@127.0.0.1:5432/test"
 
@@ -60,6 +60,33 @@ async def test_lists_page_newest_first_after_an_id(stores: tuple[JobStore, OpenA
     assert [f.file_id for f in rest.items] == ids[::-1][2:] and not rest.has_more
     assert len((await store.list_files("demo", 10)).items) == 6
     assert (await store.list_files("demo", 10, after="file-unknown")).items == []
+
+
+async def test_files_page_oldest_first_when_asked(stores: tuple[JobStore, OpenAIStore]) -> None:
+    """OpenAI's `order=asc` of GET /v1/files."""
+    _, store = stores
+    ids = [(await store.create_file("demo", "batch", f"{i}.jsonl", b"x", now=100.0 + i)).file_id for i in range(5)]
+    first = await store.list_files("demo", 2, ascending=True)
+    assert [f.file_id for f in first.items] == ids[:2] and first.has_more
+    rest = await store.list_files("demo", 10, after=first.items[-1].file_id, ascending=True)
+    assert [f.file_id for f in rest.items] == ids[2:] and not rest.has_more
+
+
+async def test_an_input_file_is_kept_until_its_batchs_result_files_are_made(stores: tuple[JobStore, OpenAIStore]) -> None:
+    jobs, store = stores
+    source = await store.create_file("demo", "batch", "in.jsonl", b"{}\n")
+    await jobs.record_submitted("batch_k", "demo", 1, "", 86400.0)
+    batch = StoredBatch("batch_k", "demo", "/v1/chat/completions", source.file_id, "24h", None, 1.0, None, None, None, False)
+    await store.create_batch(batch)
+    assert [b.batch_id for b in await store.pending_batches("demo", source.file_id)] == ["batch_k"]
+    assert await store.pending_batches("private", source.file_id) == []
+    with pytest.raises(FileInUse) as caught:
+        await store.delete_file("demo", source.file_id)
+    assert caught.value.batch_id == "batch_k" and await store.get_file("demo", source.file_id) is not None
+    assert not await store.delete_file("private", source.file_id)  # another tenant's: absent, as ever
+    await store.set_result_files("batch_k", None, None)
+    assert await store.pending_batches("demo", source.file_id) == []
+    assert await store.delete_file("demo", source.file_id) and await store.get_file("demo", source.file_id) is None
 
 
 async def test_batches_cancelling_time_and_result_files_once(stores: tuple[JobStore, OpenAIStore]) -> None:

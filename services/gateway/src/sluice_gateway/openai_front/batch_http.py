@@ -45,7 +45,7 @@ from sluice_gateway.openai_front.batches import (
 from sluice_gateway.openai_front.errors import OpenAIError
 from sluice_gateway.openai_front.replies import check_dimensions
 from sluice_gateway.openai_front.requests import EmbeddingCall
-from sluice_gateway.openai_front.store import MAX_LIST_LIMIT, OpenAIStore, StoredBatch, new_id
+from sluice_gateway.openai_front.store import MAX_FILES_LIMIT, MAX_LIST_LIMIT, FileInUse, OpenAIStore, StoredBatch, new_id
 from sluice_common.tenants import Tenant, TenantDirectory
 from sluice_gateway.openai_front.http_input import authenticate, json_body
 from sluice_common.utf8 import is_valid_text
@@ -60,14 +60,28 @@ def _json(body: Any, status: int = 200) -> web.Response:
     return web.Response(text=json.dumps(body), status=status, content_type="application/json")
 
 
-def _limit(request: web.Request, default: int = 20) -> int:
+def _limit(request: web.Request, default: int = 20, most: int = MAX_LIST_LIMIT) -> int:
     raw = request.query.get("limit")
     if raw is None:
         return default
     # isascii: str.isdigit also holds for digits int() refuses, such as "²".
-    if not (raw.isascii() and raw.isdigit()) or not 1 <= int(raw) <= MAX_LIST_LIMIT:
-        raise OpenAIError(400, f"limit must be an integer from 1 to {MAX_LIST_LIMIT}, got {raw!r}", param="limit", code="invalid_value")
+    if not (raw.isascii() and raw.isdigit()) or not 1 <= int(raw) <= most:
+        raise OpenAIError(400, f"limit must be an integer from 1 to {most}, got {raw!r}", param="limit", code="invalid_value")
     return int(raw)
+
+
+def _ascending(request: web.Request) -> bool:
+    """OpenAI's `order` of a file list: desc (newest first, the default) or asc."""
+    order = request.query.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise OpenAIError(400, f"order must be asc or desc, got {order!r}", param="order", code="invalid_value")
+    return order == "asc"
+
+
+async def _parse(content: bytes, max_lines: int) -> list[BatchLine]:
+    """The file's lines, parsed on a thread: each line's structured-output constraint is compiled,
+    and on the event loop a large file held every other HTTP and gRPC stream for a minute."""
+    return await asyncio.to_thread(parse_batch_file, content, max_lines)
 
 
 def _list(data: list[dict[str, Any]], has_more: bool) -> dict[str, Any]:
@@ -118,7 +132,7 @@ class BatchFront:
             )
         if content is None:
             raise OpenAIError(400, "Missing required parameter: 'file'.", param="file", code="missing_required_parameter")
-        lines = parse_batch_file(content, self.max_rows)  # a bad line: 400 naming it
+        lines = await _parse(content, self.max_rows)  # a bad line: 400 naming it
         stored = await self.store.create_file(tenant.name, purpose, filename or "upload.jsonl", content)
         log.info("file_stored", tenant=tenant.name, file_id=stored.file_id, bytes=stored.bytes, lines=len(lines))
         return _json(stored.to_openai())
@@ -136,6 +150,8 @@ class BatchFront:
             if part.name == "purpose":
                 purpose = (await part.read(decode=True)).decode("utf-8", "replace").strip()
             elif part.name == "file":
+                if content is not None:  # the last would silently win
+                    raise OpenAIError(400, "Upload one file per request: the body has more than one file part.", param="file", code="invalid_value")
                 filename = part.filename
                 if filename is not None and not is_valid_text(filename):
                     raise OpenAIError(400, "The file's name is not UTF-8 text.", param="file", code="invalid_value")
@@ -179,13 +195,29 @@ class BatchFront:
 
     async def list_files(self, request: web.Request) -> web.Response:
         tenant = authenticate(self.tenants, request)
-        page = await self.store.list_files(tenant.name, _limit(request, MAX_LIST_LIMIT), request.query.get("after"), request.query.get("purpose"))
+        limit = _limit(request, default=MAX_FILES_LIMIT, most=MAX_FILES_LIMIT)
+        page = await self.store.list_files(tenant.name, limit, request.query.get("after"), request.query.get("purpose"), _ascending(request))
         return _json(_list([f.to_openai() for f in page.items], page.has_more))
 
     async def delete_file(self, request: web.Request) -> web.Response:
         tenant = authenticate(self.tenants, request)
         file_id = request.match_info["file_id"]
-        if not await self.store.delete_file(tenant.name, file_id):
+        for batch in await self.store.pending_batches(tenant.name, file_id):
+            await self._current(tenant, batch)  # a settled batch makes its result files now, from this file
+        try:
+            deleted = await self.store.delete_file(tenant.name, file_id)
+        except FileInUse as exc:
+            # Its results are shaped from its requests: deleted now, the batch would end without them.
+            # Not retried by OpenAI's clients (they retry a 409 otherwise): it changes only when the batch ends.
+            raise OpenAIError(
+                409,
+                f"File {file_id} is the input file of batch {exc.batch_id}, which has not ended yet; delete the file once"
+                " the batch has completed, failed, expired or been cancelled.",
+                param="file_id",
+                code="file_in_use",
+                headers={"x-should-retry": "false"},
+            ) from None
+        if not deleted:
             raise OpenAIError(404, f"No such File object: {file_id}", param="id", code="not_found")
         return _json({"id": file_id, "object": "file", "deleted": True})
 
@@ -206,7 +238,7 @@ class BatchFront:
                 param="input_file_id",
                 code="invalid_value",
             )
-        lines = parse_batch_file(content, self.max_rows)
+        lines = await _parse(content, self.max_rows)
         check_endpoint(lines, create.endpoint)
         self._check_dimensions(lines)
         batch = StoredBatch(

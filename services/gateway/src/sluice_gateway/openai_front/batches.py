@@ -9,7 +9,9 @@
   mirror OpenAI's);
 - once the job is settled, its stored RowResults become the output file (one line per answered
   row, its body exactly what the synchronous endpoint answers) and the error file (one line per
-  failed row, and per row a cancelled batch never ran, `response: null`, `error: {code, message}`).
+  failed row: the HTTP error the endpoint would have answered, in `response`; or, for a row that
+  failed outside any request, and per row a cancelled batch never ran, `response: null`,
+  `error: {code, message}`).
 """
 
 from __future__ import annotations
@@ -24,16 +26,18 @@ from sluice.common.v1 import types_pb2
 from sluice.gateway.v1 import gateway_pb2
 from sluice.jobs.v1 import jobs_pb2
 
+from sluice_common.finish_reasons import finish_reason_enum_name
 from sluice_common.jsonl import jsonl_lines
 from sluice_gateway.jobs_port import MAX_MESSAGE_ID_BYTES
 from sluice_gateway.openai_front.choices import ChoiceState
-from sluice_gateway.openai_front.errors import OpenAIError, invalid
-from sluice_gateway.openai_front.replies import FINISH_REASONS, Completion, embeddings_reply
+from sluice_gateway.openai_front.errors import OpenAIError, generation_failed, invalid, status_error
+from sluice_gateway.openai_front.replies import Completion, embeddings_reply, finish_reason
 from sluice_gateway.openai_front.requests import (
     EmbeddingCall,
     GenerationCall,
     check_metadata,
     check_text,
+    memoised_checks,
     parse_chat,
     parse_completion,
     parse_embeddings,
@@ -68,10 +72,11 @@ _TERMINAL = ("completed", "failed", "expired", "cancelled")
 MAX_CUSTOM_ID_BYTES = MAX_MESSAGE_ID_BYTES - len(new_id("batch_")) - 1
 # JSON's whitespace: a line of only these is blank (str.strip would also take U+2028 and the like).
 _JSON_SPACE = " \t\r"
-# Row error codes that OpenAI's BatchRequestOutput names (batch_expired: not run within the
-# completion window; request_timeout: the model call timed out). Any other code is the gRPC status
-# name in lower case. The jobs' own codes (jobs.job: EXPIRED, TOO_LONG_FOR_WINDOW, a row deadline's
-# DEADLINE_EXCEEDED), spelled here as the fronts never import the jobs.
+# Row failures that are OpenAI's non-HTTP errors, by the code OpenAI's batches give them
+# (batch_expired: not run within the completion window; request_timeout: the model call timed out).
+# Any other code is a gRPC status name, written as the HTTP error the endpoint answers for it. The
+# jobs' own codes (jobs.job: EXPIRED, TOO_LONG_FOR_WINDOW, a row deadline's DEADLINE_EXCEEDED),
+# spelled here as the fronts never import the jobs.
 _ERROR_CODES = {"EXPIRED": "batch_expired", "TOO_LONG_FOR_WINDOW": "batch_expired", "DEADLINE_EXCEEDED": "request_timeout"}
 
 
@@ -119,7 +124,7 @@ def _parse_line(number: int, text: str) -> BatchLine:
     if document.get("method") != "POST":
         raise _line_error(number, f'method must be "POST", got {document.get("method")!r}', "method")
     url = document.get("url")
-    if url not in PARSERS:
+    if not isinstance(url, str) or url not in PARSERS:
         raise _line_error(number, f"url must be one of {', '.join(PARSERS)}, got {url!r}", "url")
     body = document.get("body")
     if not isinstance(body, dict):
@@ -153,6 +158,14 @@ def parse_batch_file(content: bytes, max_lines: int) -> list[BatchLine]:
         text = content.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise OpenAIError(400, f"The batch file is not UTF-8 text: {exc}", param="file", code="invalid_file") from None
+    with memoised_checks():  # lines sharing a schema or pattern compile it once
+        lines = _parse_lines(text, max_lines)
+    if not lines:
+        raise OpenAIError(400, "The batch file has no requests: one JSON object per line.", param="file", code="empty_file")
+    return lines
+
+
+def _parse_lines(text: str, max_lines: int) -> list[BatchLine]:
     lines: list[BatchLine] = []
     seen: dict[str, int] = {}
     for number, raw in enumerate(jsonl_lines(text), start=1):
@@ -169,8 +182,6 @@ def parse_batch_file(content: bytes, max_lines: int) -> list[BatchLine]:
             raise OpenAIError(
                 400, f"The batch file has more than {max_lines} requests, the most one batch may hold.", param="file", code="too_many_requests"
             )
-    if not lines:
-        raise OpenAIError(400, "The batch file has no requests: one JSON object per line.", param="file", code="empty_file")
     return lines
 
 
@@ -191,10 +202,10 @@ def parse_create(body: dict[str, Any]) -> CreateBatch:
     if not isinstance(input_file_id, str) or not input_file_id:
         raise invalid("input_file_id", "input_file_id must be the id of an uploaded file (purpose batch)", "missing_required_parameter")
     endpoint = body.get("endpoint")
-    if endpoint not in PARSERS:
+    if not isinstance(endpoint, str) or endpoint not in PARSERS:
         raise invalid("endpoint", f"endpoint must be one of {', '.join(PARSERS)}, got {endpoint!r}", "invalid_value")
     window = body.get("completion_window")
-    if window not in COMPLETION_WINDOWS:
+    if not isinstance(window, str) or window not in COMPLETION_WINDOWS:
         raise invalid("completion_window", f"completion_window must be one of {', '.join(COMPLETION_WINDOWS)}, got {window!r}", "invalid_value")
     return CreateBatch(input_file_id, endpoint, window, check_metadata(body.get("metadata")))
 
@@ -322,7 +333,7 @@ def _request_ids(batch_id: str, custom_id: str) -> tuple[str, str]:
 def choice_states(call: GenerationCall, choices: Iterable[jobs_pb2.RowChoice]) -> list[ChoiceState]:
     states = []
     for choice in choices:
-        state = ChoiceState(choice.index, [choice.text], FINISH_REASONS.get(choice.finish_reason))
+        state = ChoiceState(choice.index, [choice.text], finish_reason(call, choice.finish_reason))
         state.chat_entries = list(choice.logprobs)
         state.tool_calls = list(choice.tool_calls)
         if call.echo:
@@ -339,7 +350,7 @@ def response_body(call: Call, result: jobs_pb2.RowResult, request_id: str, creat
         if result.HasField("usage"):
             reply.usage.CopyFrom(result.usage)
         return embeddings_reply(call, reply)
-    finish = FINISH_REASONS.get(result.finish_reason)
+    finish = finish_reason(call, result.finish_reason)
     if finish is None:
         return None
     usage: types_pb2.Usage | None = result.usage if result.HasField("usage") else None
@@ -375,12 +386,7 @@ def result_files(
             }
             outputs[result.custom_id] = json.dumps(record)
             continue
-        if result.HasField("error"):
-            error = {"code": _ERROR_CODES.get(result.error.code, result.error.code.lower()), "message": result.error.message}
-        else:
-            name = types_pb2.FinishReason.Name(result.finish_reason)
-            error = {"code": "generation_failed", "message": f"The generation did not finish ({name})."}
-        errors[result.custom_id] = _error_line(line_id, result.custom_id, error)
+        errors[result.custom_id] = _failure_line(line_id, result, request_id)
     if cancelled:
         for line in lines:
             if line.custom_id not in outputs and line.custom_id not in errors:
@@ -389,6 +395,23 @@ def result_files(
                 errors[line.custom_id] = _error_line(line_id, line.custom_id, error)
     order = [line.custom_id for line in lines]
     return _jsonl(outputs, order), _jsonl(errors, order)
+
+
+def _failure_line(line_id: str, result: jobs_pb2.RowResult, request_id: str) -> str:
+    """A failed row. One the endpoint would have answered with an HTTP error (refused, no replica,
+    an internal error, a generation that did not finish) is that answer, as OpenAI writes it:
+    `response: {status_code, request_id, body: {"error": ...}}` with the HTTP front's own status and
+    body. One that failed outside any request (OpenAI's non-HTTP errors: not run within the window,
+    cut by the row deadline) is `response: null, error: {code, message}`."""
+    code = result.error.code
+    if code in _ERROR_CODES:
+        return _error_line(line_id, result.custom_id, {"code": _ERROR_CODES[code], "message": result.error.message})
+    if result.HasField("error"):
+        answer = status_error(code, result.error.message)
+    else:
+        answer = generation_failed(f"The generation did not finish ({finish_reason_enum_name(result.finish_reason)}).")
+    response = {"status_code": answer.status, "request_id": request_id, "body": answer.body()}
+    return json.dumps({"id": line_id, "custom_id": result.custom_id, "response": response, "error": None})
 
 
 def _error_line(line_id: str, custom_id: str, error: dict[str, str]) -> str:

@@ -43,6 +43,7 @@ from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 from sluice.common.v1 import types_pb2
 
+from sluice_common.finish_reasons import finish_reason_enum_name
 from sluice_common.errors import ContextLengthExceeded, InvalidArgument, ResourceExhausted, SluiceError, Unauthenticated, Unavailable
 from sluice_common.log import PORTS_LOGGER
 from sluice_common.request_context import MAX_REQUEST_ID, REQUEST_ID_KEY, bind_request_id, current_request_id, new_request_id
@@ -50,8 +51,8 @@ from sluice_gateway.path.generation_trace import instrument_http_front
 from sluice_gateway.path.inference_path import InferencePath
 from sluice_gateway.path.model_catalog import UnknownModel
 from sluice_gateway.openai_front.choices import ChoiceState, chat_logprobs
-from sluice_gateway.openai_front.errors import OpenAIError
-from sluice_gateway.openai_front.replies import FINISH_REASONS, Completion, check_dimensions, embeddings_reply, model_object
+from sluice_gateway.openai_front.errors import OpenAIError, generation_failed, status_error
+from sluice_gateway.openai_front.replies import Completion, check_dimensions, embeddings_reply, finish_reason, model_object
 from sluice_gateway.openai_front.requests import GenerationCall, parse_chat, parse_completion, parse_embeddings
 from sluice_common.tenants import Tenant, TenantDirectory
 from sluice_gateway.openai_front.http_input import authenticate, json_body
@@ -87,17 +88,6 @@ CLIENT_REQUEST_ID_HEADER = "X-Client-Request-Id"
 # Sluice's field paths -> OpenAI's param names.
 _PARAMS = {"sampling.": "", "inputs": "input", "tool_use.choice": "tool_choice", "tool_use.": ""}
 _TOOL_FIELD = re.compile(r"^tools\[(\d+)\]\.(name|parameters)$")
-_STATUS = {
-    "INVALID_ARGUMENT": (400, "invalid_request_error"),
-    "UNAUTHENTICATED": (401, "invalid_request_error"),
-    "PERMISSION_DENIED": (403, "permission_error"),
-    "NOT_FOUND": (404, "invalid_request_error"),
-    "RESOURCE_EXHAUSTED": (429, "rate_limit_error"),
-    "CANCELLED": (499, "request_cancelled"),
-    "UNIMPLEMENTED": (501, "server_error"),
-    "UNAVAILABLE": (503, "service_unavailable"),
-    "DEADLINE_EXCEEDED": (504, "timeout"),
-}
 
 
 def _param(field_name: str) -> str:
@@ -120,7 +110,9 @@ def openai_error(exc: BaseException) -> OpenAIError:
     if isinstance(exc, ContextLengthExceeded):
         return OpenAIError(400, exc.reason, param=_param(exc.field_name), code="context_length_exceeded")
     if isinstance(exc, InvalidArgument):
-        return OpenAIError(400, exc.message, param=_param(exc.field_name), code="invalid_value")
+        # Named as OpenAI's param in the message too, not as Sluice's field ("sampling.stop[0]").
+        param = _param(exc.field_name)
+        return OpenAIError(400, f"{param}: {exc.reason}", param=param, code="invalid_value")
     if isinstance(exc, Unauthenticated):
         return OpenAIError(401, f"Incorrect API key provided: {exc.message}", code="invalid_api_key")
     if isinstance(exc, ResourceExhausted):
@@ -135,19 +127,19 @@ def openai_error(exc: BaseException) -> OpenAIError:
         headers["retry-after-ms"] = str(max(1, math.ceil(exc.retry_after_s * 1000)))
         return OpenAIError(429, exc.message, type_, code="rate_limit_exceeded", headers=headers)
     if isinstance(exc, SluiceError):
-        status, type_ = _STATUS.get(exc.code, (500, "server_error"))
-        headers = {}
+        error = status_error(exc.code, exc.message)
         if isinstance(exc, Unavailable):  # as the adapter's UNAVAILABLE below: worth a retry, after this
-            headers["retry-after"] = str(max(1, math.ceil(exc.retry_after_s or 1)))
-        return OpenAIError(status, exc.message, type_, code=exc.code.lower(), headers=headers)
+            error.headers["retry-after"] = str(max(1, math.ceil(exc.retry_after_s or 1)))
+        return error
     if isinstance(exc, grpc.aio.AioRpcError):
-        status, type_ = _STATUS.get(exc.code().name, (500, "server_error"))
-        headers = {"retry-after": "1"} if status in (429, 503) else {}
         if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
             # Refused downstream (a logit_bias id outside the vocabulary, which only the engine knows).
             field = _field_violation(exc)
             return OpenAIError(400, exc.details() or "invalid argument", param=_param(field) if field else None, code="invalid_value")
-        return OpenAIError(status, exc.details() or exc.code().name, type_, code=exc.code().name.lower(), headers=headers)
+        error = status_error(exc.code().name, exc.details() or exc.code().name)
+        if error.status in (429, 503):
+            error.headers["retry-after"] = "1"
+        return error
     log.error("http_internal_error", error=repr(exc))
     return OpenAIError(500, "The server had an error while processing your request.", "server_error", code="internal_error")
 
@@ -243,11 +235,11 @@ class OpenAIFront:
             state.parts.append(chunk.text)
             _record_logprobs(answer, state, chunk)
             if chunk.finish_reason:
-                state.finish_reason = FINISH_REASONS.get(chunk.finish_reason)
+                state.finish_reason = finish_reason(answer.call, chunk.finish_reason)
                 state.tool_calls = stream.tool_calls(stream.index)
                 final = chunk
         if final is None or any(state.finish_reason is None for state in states):
-            raise OpenAIError(500, "The generation failed before it finished; retry the request.", "server_error", code="generation_failed")
+            raise generation_failed("The generation failed before it finished; retry the request.")
         usage = final.usage if final.HasField("usage") else None
         return _json_response(answer.whole(states, None, usage), headers=headers)
 
@@ -272,7 +264,7 @@ class OpenAIFront:
                 if chunk.finish_reason:
                     # Each choice ends with its own chunk; the request's usage comes on the last one.
                     final = chunk
-                    state.finish_reason = FINISH_REASONS.get(chunk.finish_reason)
+                    state.finish_reason = finish_reason(answer.call, chunk.finish_reason)
                     if state.finish_reason is None:
                         failed = chunk
                         continue
@@ -288,14 +280,12 @@ class OpenAIFront:
             # Out through the path with the cause, so that the CompletionEvent records the failure.
             raise StreamAnswered(response) from exc
         if response is None:
-            raise OpenAIError(500, "The generation ended without any output.", "server_error", code="generation_failed")
+            raise generation_failed("The generation ended without any output.")
         if final is None or any(state.finish_reason is None for state in states):
-            reason = types_pb2.FinishReason.Name(failed.finish_reason) if failed is not None else "no final chunk"
-            await self._fail_stream(
-                response, OpenAIError(500, f"The generation failed after it started ({reason}).", "server_error", code="generation_failed")
-            )
+            reason = finish_reason_enum_name(failed.finish_reason) if failed is not None else "no final chunk"
+            await self._fail_stream(response, generation_failed(f"The generation failed after it started ({reason})."))
             return response
-        await response.write(_sse(answer.chunk(None, FINISH_REASONS[final.finish_reason], index=stream.index)))
+        await response.write(_sse(answer.chunk(None, finish_reason(answer.call, final.finish_reason), index=stream.index)))
         if answer.call.options.include_usage:
             await response.write(_sse(answer.usage_chunk(final.usage if final.HasField("usage") else None)))
         await response.write(b"data: [DONE]\n\n")

@@ -21,6 +21,15 @@ from sluice_gateway.openai_front.requests import EmbeddingCall, GenerationCall
 FINISH_REASONS = {types_pb2.FINISH_REASON_STOP: "stop", types_pb2.FINISH_REASON_LENGTH: "length", types_pb2.FINISH_REASON_TOOL_CALLS: "tool_calls"}
 
 
+def finish_reason(call: GenerationCall, reason: int) -> str | None:
+    """OpenAI's finish_reason for Sluice's; None for a generation that did not finish. A call forced
+    by a named function in tool_choice ends "stop" (its call in tool_calls all the same): OpenAI and
+    vLLM answer "tool_calls" only for the auto and required choices. gRPC keeps FINISH_REASON_TOOL_CALLS."""
+    if reason == types_pb2.FINISH_REASON_TOOL_CALLS and call.request.tool_use.choice.mode == types_pb2.TOOL_CHOICE_MODE_FUNCTION:
+        return "stop"
+    return FINISH_REASONS.get(reason)
+
+
 # Stream obfuscation pads a chunk's text to a multiple of this many characters.
 OBFUSCATION_BLOCK = 16
 _OBFUSCATION_ALPHABET = string.ascii_letters + string.digits

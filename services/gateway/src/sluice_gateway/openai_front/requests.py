@@ -33,6 +33,9 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -262,6 +265,37 @@ def _structured_outputs(value: Any, sampling: types_pb2.SamplingParams) -> None:
     _constrain(sampling, value, "structured_outputs")
 
 
+# The outcome of each constraint checked within memoised_checks (None: it compiles).
+_CHECKED: ContextVar[dict[StructuredOutputs, str | None] | None] = ContextVar("checked_constraints", default=None)
+
+
+@contextmanager
+def memoised_checks() -> Iterator[None]:
+    """Within it, each distinct constraint is compiled once: a batch file's lines often share one
+    schema or pattern, and compiling it per line took a 100,000-line file a minute."""
+    token = _CHECKED.set({})
+    try:
+        yield
+    finally:
+        _CHECKED.reset(token)
+
+
+def _check(constraint: StructuredOutputs) -> None:
+    memo = _CHECKED.get()
+    if memo is None or constraint.problem() is not None:  # a malformed one may not even hash
+        check(constraint)
+        return
+    if constraint not in memo:
+        try:
+            check(constraint)
+            memo[constraint] = None
+        except StructuredOutputsError as exc:
+            memo[constraint] = str(exc)
+    problem = memo[constraint]
+    if problem is not None:
+        raise StructuredOutputsError(problem)
+
+
 def _constrain(sampling: types_pb2.SamplingParams, value: dict[str, Any] | StructuredOutputs, param: str) -> None:
     """Sets the constraint, refusing one that is malformed or that the library cannot compile
     (naming the keyword) before the request goes anywhere."""
@@ -270,7 +304,7 @@ def _constrain(sampling: types_pb2.SamplingParams, value: dict[str, Any] | Struc
         too_large = constraint_too_large(constraint.kind, constraint.value)  # before it is compiled
         if too_large is not None:
             raise StructuredOutputsError(too_large)
-        check(constraint)
+        _check(constraint)
     except StructuredOutputsError as exc:
         raise invalid(param, f"{param}: {exc}", "invalid_value") from None
     sampling.structured_outputs.CopyFrom(structured_outputs_to_proto(constraint))
@@ -350,18 +384,24 @@ def _stream_options(body: dict[str, Any]) -> StreamOptions:
     return StreamOptions(True, bool(flags["include_usage"]), flags["include_obfuscation"] is not False)
 
 
-def _content(value: Any, param: str) -> str:
-    """A message's content: a string, or an array of text parts (joined with newlines, as vLLM does)."""
+def _content(value: Any, param: str, assistant: bool = False) -> str:
+    """A message's content: a string, or an array of text parts (joined with newlines, as vLLM does).
+    An assistant's may hold refusal parts too (OpenAI's ChatCompletionRequestAssistantMessageContentPart),
+    taken as text as vLLM takes them."""
     if isinstance(value, str):
         return value
     if isinstance(value, list):
-        texts = []
-        for index, part in enumerate(value):
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise invalid(f"{param}[{index}]", 'only text content parts ({"type": "text", "text": ...}) are supported', "invalid_value")
-            texts.append(part["text"])
-        return "\n".join(texts)
+        return "\n".join(_part_text(part, f"{param}[{index}]", assistant) for index, part in enumerate(value))
     raise invalid(param, f"content must be a string or an array of text parts, got {value!r}", "invalid_type")
+
+
+def _part_text(part: Any, param: str, assistant: bool) -> str:
+    kind = part.get("type") if isinstance(part, dict) else None
+    key = "text" if kind == "text" else "refusal" if assistant and kind == "refusal" else None
+    if key is None or not isinstance(part.get(key), str):
+        shapes = '{"type": "text", "text": ...}' + (' or {"type": "refusal", "refusal": ...}' if assistant else "")
+        raise invalid(param, f"only text content parts ({shapes}) are supported", "invalid_value")
+    return str(part[key])
 
 
 @dataclass
@@ -412,6 +452,8 @@ def _sent_as(body: dict[str, Any], request: gateway_pb2.GenerateRequest) -> dict
     sent_as: dict[str, str] = {}
     if body.get("max_completion_tokens") is not None:
         sent_as["max_tokens"] = "max_completion_tokens"
+    if isinstance(body.get("stop"), str):
+        sent_as["stop[0]"] = "stop"  # one stop string, carried as a list of one
     if body.get("structured_outputs") is None:
         if request.sampling.HasField("structured_outputs"):
             sent_as["structured_outputs"] = "response_format"
@@ -433,7 +475,7 @@ def _message(message: Any, param: str) -> types_pb2.ChatMessage:
     if not isinstance(message, dict):
         raise invalid(param, "a message must be an object with role and content", "invalid_type")
     role = message.get("role")
-    if role not in _ROLES:
+    if not isinstance(role, str) or role not in _ROLES:
         raise invalid(f"{param}.role", f"role must be one of {', '.join(_ROLES)}, got {role!r}", "invalid_value")
     for name in message:
         if name not in _MESSAGE_FIELDS[role]:
@@ -446,7 +488,7 @@ def _message(message: Any, param: str) -> types_pb2.ChatMessage:
     if role == "assistant" and calls and message.get("content") is None:
         content = ""  # a turn that only called tools
     else:
-        content = _content(message.get("content"), f"{param}.content")
+        content = _content(message.get("content"), f"{param}.content", assistant=role == "assistant")
     parsed = types_pb2.ChatMessage(role=_ROLES[role], content=content)
     if not isinstance(calls, list):
         raise invalid(f"{param}.tool_calls", "tool_calls must be an array", "invalid_type")

@@ -18,7 +18,9 @@ from typing import Any
 
 from sluice_common.sqlstore import SqlDb
 
+# OpenAI's bounds on a list's `limit`: batches 1 to 100 (default 20), files 1 to 10,000 (default 10,000).
 MAX_LIST_LIMIT = 100
+MAX_FILES_LIMIT = 10_000
 
 
 def new_id(prefix: str) -> str:
@@ -69,6 +71,10 @@ _BATCH_COLUMNS = (
 )
 
 
+# The batches that still read a file (their output and error files not yet made from it).
+_PENDING_READERS = "SELECT batch_id FROM openai_batches WHERE input_file_id = ? AND NOT files_made"
+
+
 def _file(row: tuple[Any, ...]) -> StoredFile:
     file_id, tenant, purpose, filename, size, created = row
     return StoredFile(file_id, tenant, purpose, filename, int(size), float(created))
@@ -82,9 +88,17 @@ def _batch(row: tuple[Any, ...]) -> StoredBatch:
     )  # fmt: skip
 
 
+class FileInUse(Exception):
+    """A batch's output and error files are still to be made from this input file."""
+
+    def __init__(self, batch_id: str) -> None:
+        super().__init__(batch_id)
+        self.batch_id = batch_id
+
+
 @dataclass(frozen=True)
 class Page:
-    """One page of a list, as OpenAI's cursor lists: ordered newest first, `after` an id."""
+    """One page of a list, as OpenAI's cursor lists: ordered newest first (or oldest, asked so), `after` an id."""
 
     items: list[Any]
     has_more: bool
@@ -121,14 +135,33 @@ class OpenAIStore:
         return None if row is None else bytes(row[0])
 
     async def delete_file(self, tenant: str, file_id: str) -> bool:
+        """False for a file that is not there; FileInUse while a batch still needs it to make its
+        result files (they are shaped from its requests). The check is part of the delete statement:
+        a batch recorded before it keeps its file."""
         async with self.db.transaction() as tx:
-            return bool(await tx.execute("DELETE FROM openai_files WHERE file_id = ? AND tenant = ?", file_id, tenant))
+            if await tx.execute(
+                f"DELETE FROM openai_files WHERE file_id = ? AND tenant = ? AND NOT EXISTS ({_PENDING_READERS})", file_id, tenant, file_id
+            ):
+                return True
+            exists = await tx.fetchone("SELECT 1 FROM openai_files WHERE file_id = ? AND tenant = ?", file_id, tenant)
+            reader = await tx.fetchone(f"{_PENDING_READERS} LIMIT 1", file_id) if exists else None
+        if reader is not None:
+            raise FileInUse(reader[0])
+        return False
 
-    async def list_files(self, tenant: str, limit: int, after: str | None = None, purpose: str | None = None) -> Page:
+    async def pending_batches(self, tenant: str, file_id: str) -> list[StoredBatch]:
+        """The tenant's batches whose result files are still to be made from this input file."""
+        async with self.db.transaction() as tx:
+            rows = await tx.fetchall(
+                f"SELECT {_BATCH_COLUMNS} FROM openai_batches WHERE tenant = ? AND input_file_id = ? AND NOT files_made", tenant, file_id
+            )
+        return [_batch(row) for row in rows]
+
+    async def list_files(self, tenant: str, limit: int, after: str | None = None, purpose: str | None = None, ascending: bool = False) -> Page:
         where, args = "tenant = ?", [tenant]
         if purpose:
             where, args = where + " AND purpose = ?", [*args, purpose]
-        return await self._page("openai_files", _FILE_COLUMNS, "file_id", where, args, limit, after, _file)
+        return await self._page("openai_files", _FILE_COLUMNS, "file_id", where, args, limit, after, _file, ascending)
 
     # ---- batches
 
@@ -166,16 +199,28 @@ class OpenAIStore:
                 output_file_id, error_file_id, batch_id,
             )  # fmt: skip
 
-    async def _page(self, table: str, columns: str, id_column: str, where: str, args: list[Any], limit: int, after: str | None, build: Any) -> Page:
-        """Newest first (created_at, then id, descending); `after`: the items after that id."""
+    async def _page(
+        self,
+        table: str,
+        columns: str,
+        id_column: str,
+        where: str,
+        args: list[Any],
+        limit: int,
+        after: str | None,
+        build: Any,
+        ascending: bool = False,
+    ) -> Page:
+        """Newest first (created_at, then id, descending), or oldest first; `after`: the items after that id."""
+        beyond, order = (">", "ASC") if ascending else ("<", "DESC")
         async with self.db.transaction() as tx:
             if after:
                 anchor = await tx.fetchone(f"SELECT created_at FROM {table} WHERE {id_column} = ? AND {where}", after, *args)
                 if anchor is None:
                     return Page([], False)
-                where = f"{where} AND (created_at < ? OR (created_at = ? AND {id_column} < ?))"
+                where = f"{where} AND (created_at {beyond} ? OR (created_at = ? AND {id_column} {beyond} ?))"
                 args = [*args, anchor[0], anchor[0], after]
             rows = await tx.fetchall(
-                f"SELECT {columns} FROM {table} WHERE {where} ORDER BY created_at DESC, {id_column} DESC LIMIT ?", *args, limit + 1
+                f"SELECT {columns} FROM {table} WHERE {where} ORDER BY created_at {order}, {id_column} {order} LIMIT ?", *args, limit + 1
             )
         return Page([build(row) for row in rows[:limit]], len(rows) > limit)
