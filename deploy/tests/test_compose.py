@@ -37,6 +37,7 @@ READ = {
 IMAGE_USER = "10001"
 SHARED_GRACE = config_vars.SHARED_VARIABLES["shutdown_grace_s"]
 FLUSH_S = 10
+TRITONS = ("triton", "triton-local")
 
 
 @pytest.fixture(scope="module", params=MODES)
@@ -246,12 +247,52 @@ def test_the_adapter_names_models_its_triton_serves(compose) -> None:
 # ---- shutdown ------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", SLUICE_SERVICES)
+@pytest.mark.parametrize("name", [*SLUICE_SERVICES, *TRITONS])
 def test_stop_grace_period_covers_the_drain(compose, name: str) -> None:
     spec = compose["services"][name]
-    environment = spec["environment"]
+    if name in TRITONS:
+        # A Triton reads no grace: it must outlive the adapter's drain, as stopped after it.
+        assert_stopped_after_the_adapter(compose, name)
+        spec, grace_from = compose["services"][name], compose["services"]["inference-adapter"]
+    else:
+        grace_from = spec
+    environment = grace_from["environment"]
     overrides = [v for v in environment if v.endswith("SHUTDOWN_GRACE_S") and v != SHARED_GRACE]
     assert not overrides, f"{name}: the grace is set once ({SHARED_GRACE}), not {overrides}"
     grace = float(environment[SHARED_GRACE])
-    # No preStop in compose: SIGTERM comes at once, SIGKILL after stop_grace_period.
-    assert parse_duration(spec["stop_grace_period"]) >= grace + FLUSH_S, name
+    # No preStop in compose: SIGTERM comes at once, SIGKILL after stop_grace_period (default 10 s).
+    assert parse_duration(spec.get("stop_grace_period", "10s")) >= grace + FLUSH_S, name
+
+
+def assert_stopped_after_the_adapter(compose: dict, triton: str) -> None:
+    """`docker compose stop/down` stopped the Tritons beside the adapter, SIGKILLed after 10 s, while
+    the adapter drained its streams for the grace (and Triton answers nothing once it has SIGTERM).
+    Compose stops a service's dependents first: the adapter depends on both Tritons, neither
+    required (one runs, by profile), and each is in a profile, or the CPU mode would start the GPU
+    Triton as the adapter's dependency."""
+    services = compose["services"]
+    dependency = services["inference-adapter"].get("depends_on", {}).get(triton)
+    assert dependency is not None, f"the adapter does not depend on {triton}: compose stops them side by side"
+    assert dependency.get("required") is False and dependency["condition"] == "service_started", dependency
+    assert services[triton].get("profiles"), f"{triton} has no profile: every mode would start it"
+
+
+def healthcheck_start_period_s(dockerfile: str) -> float:
+    (period,) = re.findall(r"^HEALTHCHECK .*--start-period=(\w+)", (ROOT / dockerfile).read_text(), re.M)
+    return float(parse_duration(period))
+
+
+def test_the_adapter_is_given_as_long_to_become_healthy_as_triton(compose) -> None:
+    """The adapter is healthy only once a Triton is (and has answered a token), and the gateway and
+    the job worker wait for it healthy: an adapter unhealthy first (its image's 60 s start period
+    and three failures) made `compose up` abort while Triton still loaded. So its start period
+    covers each Triton's, and a minute more for its own start and first token."""
+    adapter = compose["services"]["inference-adapter"]
+    start_period = float(parse_duration(adapter["healthcheck"]["start_period"]))
+    for triton in TRITONS:
+        dockerfile = compose["services"][triton]["build"]["dockerfile"]
+        assert start_period >= healthcheck_start_period_s(dockerfile) + 60, triton
+    image_check = re.search(r"^ {4}CMD (\[.*\])$", (DEPLOY / "docker" / "inference-adapter.Dockerfile").read_text(), re.M)
+    assert image_check is not None and adapter["healthcheck"]["test"] == ["CMD", *ast.literal_eval(image_check.group(1))], "the image's own check"
+    for name in ("gateway", "job-worker"):
+        assert compose["services"][name]["depends_on"]["inference-adapter"]["condition"] == "service_healthy"

@@ -19,6 +19,9 @@ from manifests import BIN, OVERLAYS, container_environment, find, render, worklo
 ROOT = config_vars.ROOT
 DEPLOY = ROOT / "deploy"
 KUBERNETES_VERSION = "1.33.0"
+# The oldest Kubernetes the manifests run on, as deploy/README.md states it: the preStop `sleep`
+# action is on by default from 1.30 (1.29 rejects it unless a feature gate is set).
+MINIMUM_KUBERNETES_VERSION = "1.30"
 GRPC_SERVICES = {  # name -> gRPC port
     "gateway": 50051,
     "inference-adapter": 50061,
@@ -106,6 +109,18 @@ def test_every_object_is_valid_against_the_kubernetes_schema(overlay) -> None:
             pytest.fail(f"{doc['kind']}/{doc['metadata']['name']}: {exc.message} at {'/'.join(map(str, exc.path))}")
 
 
+def test_every_object_is_valid_on_the_documented_minimum_kubernetes(overlay) -> None:
+    """A field newer than the minimum deploy/README.md states (the 1.33 schemas alone let one in)
+    would be refused by an older cluster it says is supported."""
+    _, docs = overlay
+    assert f"Kubernetes {MINIMUM_KUBERNETES_VERSION} or later" in (DEPLOY / "README.md").read_text()
+    for doc in docs:
+        try:
+            kubernetes_validate.validate(doc, f"{MINIMUM_KUBERNETES_VERSION}.0", strict=True)
+        except kubernetes_validate.ValidationError as exc:
+            pytest.fail(f"{doc['kind']}/{doc['metadata']['name']}: {exc.message} at {'/'.join(map(str, exc.path))}")
+
+
 @pytest.mark.parametrize("service", GRPC_SERVICES)
 def test_deployment_has_grpc_probes_resources_and_a_pdb(overlay, service: str) -> None:
     _, docs = overlay
@@ -122,6 +137,30 @@ def test_deployment_has_grpc_probes_resources_and_a_pdb(overlay, service: str) -
     assert deployment["spec"]["template"]["spec"]["securityContext"]["runAsNonRoot"] is True
     (pdb,) = find(docs, "PodDisruptionBudget", service)
     assert pdb["spec"]["selector"]["matchLabels"] == deployment["spec"]["selector"]["matchLabels"]
+
+
+# The workloads whose start-up waits for a dependency (NOT_SERVING on readiness meanwhile), and the
+# variable that bounds that wait (0: for ever).
+DEPENDENCY_WAITS = {
+    "inference-adapter": "SLUICE_ADAPTER_BACKEND_WAIT_S",  # for Triton
+    "gateway": "SLUICE_GATEWAY_ADAPTER_WAIT_S",  # for the adapter, which waits for Triton
+    "job-worker": "SLUICE_GATEWAY_ADAPTER_WAIT_S",
+}
+
+
+def test_a_dependency_outage_at_start_up_neither_restarts_the_pod_nor_sends_it_traffic(overlay) -> None:
+    """A pod started while its dependency is away (a cold GPU deploy: Triton's startup window is
+    10 min, plus its image pull; an HPA scale-out or a rollout during an outage) waits for it, not
+    ready. Its wait exited after 300 s and its startup probe asked readiness for 330 s: the pod
+    crash-looped. The wait is unbounded, and the startup probe asks `liveness` (SERVING while the
+    process can serve at all), so no window, however long, has to cover the outage."""
+    name, docs = overlay
+    for service, variable in DEPENDENCY_WAITS.items():
+        (container,) = workload(docs, service)["spec"]["template"]["spec"]["containers"]
+        assert container["startupProbe"]["grpc"].get("service") == "liveness", f"{name}: {service}'s startup probe asks readiness"
+        assert container["readinessProbe"]["grpc"].get("service", "") == "", f"{name}: {service} must stay out of its Service while it waits"
+        wait_s = container_environment(docs, container)[variable]
+        assert wait_s is not None and float(wait_s) == 0, f"{name}: {service} gives up waiting after {variable}={wait_s}s and restarts"
 
 
 def test_gateway_and_adapter_autoscale_on_gpu() -> None:

@@ -239,3 +239,24 @@ async def test_interactive_takes_the_free_place_before_bulk() -> None:
     finally:
         await scheduler.stop()
     assert engine.started == ["interactive", "bulk"]
+
+
+async def test_a_draining_replica_opens_no_new_stream_and_hands_back_those_waiting() -> None:
+    """The passthrough shares the step scheduler's drain (ReplicaWork.drain): the stream open
+    finishes, the one waiting is handed back to be retried elsewhere before its first token."""
+    engine = CountingEngine()
+    scheduler = scheduler_for(engine, max_in_flight=1)
+    scheduler.start()
+    try:
+        streaming, waiting = scheduler.submit(request(4, "first")), scheduler.submit(request(4, "second"))
+        await asyncio.sleep(0.01)
+        assert scheduler.drain() == 1
+        (_, finished), (_, handed_back) = await asyncio.gather(collect(streaming), collect(waiting))
+        late = scheduler.submit(request(4, "late"))
+        _, refused = await collect(late)
+    finally:
+        await scheduler.stop()
+    assert finished.finish is Finish.LENGTH and finished.completion_tokens == 4
+    assert handed_back.finish is Finish.ERROR and waiting.backend_failed
+    assert refused.finish is Finish.ERROR and late.backend_failed
+    assert engine.started == ["first"]

@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import numpy as np
 import pytest
-from conftest import StepReplica, run_through
+from conftest import StepReplica, collect, run_through
 from sluice.common.v1 import types_pb2
 from sluice.inference.v1 import inference_pb2
 
@@ -565,6 +565,86 @@ async def _soon(condition: Callable[[], bool], within_s: float = 5.0) -> None:
     while not condition():
         assert asyncio.get_running_loop().time() < deadline, "timed out"
         await asyncio.sleep(0.01)
+
+
+# -- drain: the replica starts nothing more, and hands back what waits there ------------
+
+
+def one_slot_pool(*models: StepReplica) -> ReplicaPool:
+    """One sequence runs per replica at a time: the next ones wait in its queue."""
+    limits = SchedulerLimits(max_batch_size=1)
+    return ReplicaPool(list(models), lambda backend, on_step: Scheduler(backend, limits, on_step=on_step), 2, 0.05, drain_poll_s=0.005)
+
+
+async def test_a_draining_replica_starts_no_waiting_sequence_and_hands_them_to_another() -> None:
+    """A draining Triton pod stops at the end of its preStop: its scheduler kept starting the
+    sequences waiting there all along, and one started late was cut at SIGTERM mid-stream (no
+    retry then). Now the waiting ones move at the drain, before their first token, as after a
+    failure; the running one finishes where its KV cache is."""
+    leaving, staying = StepReplica("leaving", tokens=3), StepReplica("staying", tokens=3)
+    staying.probes_ok = False  # not serving yet: everything queues on `leaving`
+    pool = one_slot_pool(leaving, staying)
+    await pool.probe_once()
+    pool.start()
+    try:
+        leaving.hold.clear()  # its first sequence's round is on its way; the others wait behind it
+        requests = [asyncio.create_task(run(pool)) for _ in range(3)]
+        await _soon(lambda: leaving.steps >= 1 and pool.replicas[0].scheduler.waiting_count == 2)
+        staying.probes_ok = True
+        await pool.probe_once()
+        pool.drain("leaving")
+        assert pool.replicas[0].scheduler.load == 1, "only the running sequence stays"
+        leaving.hold.set()
+        results = await asyncio.wait_for(asyncio.gather(*requests), 5.0)
+        await _soon(lambda: leaving.closed)  # removed once its running sequence finished
+    finally:
+        await pool.stop()
+    assert all(finish.finish is Finish.LENGTH and tokens == 3 for tokens, finish in results)
+    assert (leaving.prefills, staying.prefills) == (1, 2)
+
+
+async def test_a_replica_drained_then_undrained_starts_sequences_again() -> None:
+    (replica,) = replicas = [StepReplica("back", tokens=2)]
+    pool = one_slot_pool(*replicas)
+    await pool.probe_once()
+    pool.start()
+    try:
+        pool.drain("back")
+        pool.undrain("back")
+        tokens, finish = await asyncio.wait_for(run(pool), 5.0)
+    finally:
+        await pool.stop()
+    assert (tokens, finish.finish) == (2, Finish.LENGTH) and replica.prefills == 1
+
+
+async def test_a_prefill_answered_busy_while_draining_is_handed_back_not_queued_again() -> None:
+    """The engine had no slot (another adapter holds it): the sequence never started here, and a
+    draining replica would keep trying it until the pod stopped."""
+    full = StepReplica("full", slots=1)
+    full.held.add(999)  # another adapter's sequence
+    scheduler = Scheduler(full, SchedulerLimits(max_batch_size=2))
+    scheduler.start()
+    try:
+        full.hold.clear()
+        handle = scheduler.submit(request())
+        await _soon(lambda: full.steps >= 1)  # its prefill is on its way
+        assert scheduler.drain() == 0  # nothing waits: it is in the round
+        full.hold.set()
+        text, finish = await asyncio.wait_for(collect(handle), 5.0)
+    finally:
+        await scheduler.stop()
+    assert (text, finish.finish) == ("", Finish.ERROR) and handle.backend_failed
+    assert "draining" in finish.error and scheduler.load == 0
+
+
+async def test_a_sequence_submitted_to_a_draining_replica_is_handed_back_at_once() -> None:
+    """A caller that picked the replica just before its drain: routed on, not started here."""
+    scheduler = Scheduler(StepReplica("gone"), SchedulerLimits(), replica="gone")
+    scheduler.drain()
+    handle = scheduler.submit(request())
+    text, finish = await asyncio.wait_for(collect(handle), 1.0)
+    assert (finish.finish, handle.backend_failed, scheduler.load) == (Finish.ERROR, True, 0)
+    assert finish.error == "Triton replica gone is draining; retry"
 
 
 # -- prefix-aware routing (prefix_routing.py) ---------------------------------------------

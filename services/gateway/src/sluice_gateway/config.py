@@ -49,8 +49,10 @@ class SharedSettings:
     default_deadline_ceiling_s: float = 3600.0
     # How often the model list is re-read from the adapter.
     models_refresh_s: float = 30.0
-    # How long startup waits for the adapter to list its models.
-    adapter_wait_s: float = 300.0
+    # How long startup waits for the adapter to list its models, then the process exits; 0: for ever
+    # (NOT_SERVING on readiness meanwhile, SERVING on liveness), so that a pod started during an
+    # adapter or Triton outage does not crash-loop.
+    adapter_wait_s: float = 0.0
     # CompletionEvents to RabbitMQ after each stream (evaluation-logging consumes them); empty: off.
     amqp_url: str = "amqp://guest:guest@127.0.0.1:5672/"
     # Exchange and queue names start with this (see sluice_common.amqp.EventTopology).
@@ -112,6 +114,7 @@ class SharedSettings:
             self.ratelimit_policy in ("closed", "open"),
             f"{ENV_PREFIX}RATELIMIT_POLICY must be closed or open, got {self.ratelimit_policy!r}",
         )
+        require(self.adapter_wait_s >= 0, f"{ENV_PREFIX}ADAPTER_WAIT_S must be >= 0 (0: wait for ever), got {self.adapter_wait_s}")
         require(self.ratelimit_timeout_s > 0, f"{ENV_PREFIX}RATELIMIT_TIMEOUT_S must be > 0, got {self.ratelimit_timeout_s}")
         require(self.ratelimit_lease_ttl_s >= 1, f"{ENV_PREFIX}RATELIMIT_LEASE_TTL_S must be >= 1, got {self.ratelimit_lease_ttl_s}")
         require(self.default_max_tokens >= 1, f"{ENV_PREFIX}DEFAULT_MAX_TOKENS must be >= 1, got {self.default_max_tokens}")

@@ -45,6 +45,35 @@ SERVICE_NAME = inference_pb2.DESCRIPTOR.services_by_name["InferenceService"].ful
 
 Backend = TritonStepBackend | TritonGenerateBackend
 
+# How often a start-up wait for Triton says what it is waiting for (as a warning: it is an outage).
+WAIT_LOG_INTERVAL_S = 30.0
+# Between two looks at Triton during a start-up wait.
+WAIT_RETRY_S = 0.5
+
+
+class StartupWait:
+    """A start-up wait for Triton, bounded by BACKEND_WAIT_S (0: for ever). Unbounded by default: a
+    pod started during a Triton outage (a cold GPU deploy, a scale-out, a rollout) waits NOT_SERVING
+    on readiness and SERVING on liveness, and serves once Triton does; exiting made it crash-loop,
+    and its restart back-off delayed it past Triton's return. Says every WAIT_LOG_INTERVAL_S what it
+    waits for."""
+
+    def __init__(self, waiting_for: str, limit_s: float) -> None:
+        self.waiting_for = waiting_for
+        self.limit_s = limit_s
+        self._started = self._told = time.monotonic()
+
+    def over(self) -> bool:
+        """Whether an operator's bound has passed (never without one)."""
+        return self.limit_s > 0 and time.monotonic() - self._started > self.limit_s
+
+    def tell(self, **details: object) -> None:
+        now = time.monotonic()
+        if now - self._told >= WAIT_LOG_INTERVAL_S:
+            self._told = now
+            bound = f"{self.limit_s:g}s" if self.limit_s > 0 else f"none ({ENV_PREFIX}BACKEND_WAIT_S=0)"
+            log.warning("waiting_for_triton", waiting_for=self.waiting_for, waited_s=round(now - self._started), limit=bound, **details)
+
 
 async def wait_for_a_ready_replica(config: AdapterConfig, discovery: Discovery, label: str = "") -> tuple[list[str], str]:
     """The replica addresses (DNS names resolved), and one whose Triton has the model ready.
@@ -52,7 +81,7 @@ async def wait_for_a_ready_replica(config: AdapterConfig, discovery: Discovery, 
     Names are resolved again on every round: at startup a headless Service may name no pod yet.
     `label`: the model's in the `replica` metric label (build_backends)."""
     probes: dict[str, TritonStepBackend] = {}
-    deadline = time.monotonic() + config.backend_wait_s
+    wait = StartupWait(f"a Triton replica to report {config.triton_model} ready", config.backend_wait_s)
     try:
         while True:
             urls = sorted(await discovery.resolve())
@@ -61,13 +90,14 @@ async def wait_for_a_ready_replica(config: AdapterConfig, discovery: Discovery, 
             ready = await asyncio.gather(*(probes[url].is_ready() for url in urls))
             if any(ready):
                 return urls, urls[ready.index(True)]
-            if time.monotonic() > deadline:
+            if wait.over():
                 found = f" (resolved: {', '.join(urls)})" if urls != list(config.triton_urls) else ""
                 raise SystemExit(
                     f"no Triton replica ({', '.join(config.triton_urls)}){found} reported {config.triton_model}"
-                    f" ready within {config.backend_wait_s:.0f}s"
+                    f" ready within {config.backend_wait_s:g}s ({ENV_PREFIX}BACKEND_WAIT_S; 0 waits for ever)"
                 )
-            await asyncio.sleep(0.5)
+            wait.tell(triton_urls=list(config.triton_urls), resolved=urls)
+            await asyncio.sleep(WAIT_RETRY_S)
     finally:
         await asyncio.gather(*(p.close() for p in probes.values()))
 
@@ -135,15 +165,16 @@ def passthrough_chat_template(config: AdapterConfig) -> ChatTemplate:
 async def wait_for_a_healthy_replica(pool: ReplicaPool, timeout_s: float) -> None:
     """Probes until one replica answers a real token: ready checks alone can pass before that. A
     replica whose probe hangs holds up neither this wait (it looks every half second, each probe
-    being bounded on its own) nor the other replicas' probes."""
-    deadline = time.monotonic() + timeout_s
+    being bounded on its own) nor the other replicas' probes. `timeout_s` 0: for ever (StartupWait)."""
+    wait = StartupWait("a Triton replica to generate a probe token", timeout_s)
     while True:
-        await pool.probe_once(within_s=0.5)
+        await pool.probe_once(within_s=WAIT_RETRY_S)
         if pool.any_proven:
             return
-        if time.monotonic() > deadline:
-            raise SystemExit(f"no Triton replica generated a token within {timeout_s:.0f}s")
-        await asyncio.sleep(0.5)
+        if wait.over():
+            raise SystemExit(f"no Triton replica generated a token within {timeout_s:g}s ({ENV_PREFIX}BACKEND_WAIT_S; 0 waits for ever)")
+        wait.tell(replicas=sorted(pool.names))
+        await asyncio.sleep(WAIT_RETRY_S)
 
 
 async def report_health(pool: ReplicaPool, running: RunningServer) -> None:

@@ -136,8 +136,10 @@ class AdapterConfig(ServerConfig):
     # One embedding micro-batch sent to Triton.
     embed_timeout_floor_s: float = 2.0
     embed_timeout_s: float = 30.0
-    # How long startup waits for Triton to report the model ready.
-    backend_wait_s: float = 300.0
+    # How long startup waits for Triton to report the model ready, and then again for a first
+    # token; 0: for ever (NOT_SERVING on readiness meanwhile, SERVING on liveness), so that a pod
+    # started during a Triton outage does not crash-loop. Set it to bound the wait (the process exits).
+    backend_wait_s: float = 0.0
 
     def extra_model_list(self) -> list[ExtraModel]:
         return [parse_extra_model(entry, self.max_batch_size) for entry in self.extra_models]
@@ -180,6 +182,7 @@ class AdapterConfig(ServerConfig):
             except ValueError as exc:
                 require(False, f"{ENV_PREFIX}TRITON_URLS: {exc}")
         require(self.probe_interval_s > 0, f"{ENV_PREFIX}PROBE_INTERVAL_S must be > 0, got {self.probe_interval_s}")
+        require(self.backend_wait_s >= 0, f"{ENV_PREFIX}BACKEND_WAIT_S must be >= 0 (0: wait for ever), got {self.backend_wait_s}")
         require(
             self.probe_token_interval_s >= 0,
             f"{ENV_PREFIX}PROBE_TOKEN_INTERVAL_S must be >= 0 (0: every probe generates a token), got {self.probe_token_interval_s}",

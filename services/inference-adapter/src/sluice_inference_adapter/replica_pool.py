@@ -16,9 +16,11 @@ already streamed tokens cannot be resumed elsewhere and ends with an error.
 
 Replicas come and go while the adapter runs (replica_discovery.py: the pods behind a DNS name).
 A new one is probed at once. One that disappears is drained: it gets no new
-sequence, those it holds finish there (a sequence lives in one replica's scheduler from prefill
-to its end: its KV cache is in that replica) and the token counts on their way are answered,
-then its scheduler stops and its channel closes.
+sequence and starts none of those waiting there (they are retried on another replica, as after a
+failure before their first token: the pod stops at the end of its preStop, and one started late
+would be cut there mid-stream), those it runs finish there (a sequence lives in one replica's
+scheduler from prefill to its end: its KV cache is in that replica) and the token counts on their
+way are answered, then its scheduler stops and its channel closes.
 """
 
 from __future__ import annotations
@@ -88,6 +90,12 @@ class BatchOwner(Protocol):
     def start(self, supervisor: Supervisor | None = None) -> None: ...
 
     async def stop(self) -> None: ...
+
+    def drain(self) -> int:
+        """Starts no new sequence; hands back those waiting (as failed before their first token)."""
+        ...
+
+    def undrain(self) -> None: ...
 
 
 # Builds a replica's BatchOwner; the callback reports whether each step or stream reached the backend.
@@ -206,12 +214,15 @@ class ReplicaPool:
         self._publish_states()
 
     def drain(self, name: str) -> None:
-        """No new sequences go to the replica; it is removed once its sequences have finished."""
+        """No new sequences go to the replica, nor start there: those waiting there are retried on
+        another replica (as after a failure before their first token); it is removed once its
+        running sequences have finished."""
         replica = self._find(name)
         if replica.draining:
             return
-        replica.draining = True
-        log.info("replica_draining", replica=name, load=replica.scheduler.load)
+        replica.draining = True  # first: the retries of those handed back must not pick it
+        handed_back = replica.scheduler.drain()
+        log.info("replica_draining", replica=name, load=replica.scheduler.load, handed_back=handed_back)
         self._drains[name] = asyncio.get_running_loop().create_task(self._remove_when_idle(replica), name=f"drain@{name}")
         self._publish_states()
 
@@ -221,6 +232,7 @@ class ReplicaPool:
         if not replica.draining:
             return
         replica.draining = False
+        replica.scheduler.undrain()
         task = self._drains.pop(name, None)
         if task is not None:
             task.cancel()
@@ -228,7 +240,7 @@ class ReplicaPool:
         self._publish_states()
 
     async def _remove_when_idle(self, replica: Replica) -> None:
-        # Waiting sequences count too: they were routed here, and they are prefilled here.
+        # Its load is the sequences running here now: those waiting were handed back by the drain.
         while replica.scheduler.load or replica.borrowed:
             await asyncio.sleep(self._drain_poll_s)
         await self._remove(replica)

@@ -1,6 +1,7 @@
 """What both ways of feeding a replica share (the batching scheduler, scheduler.py, and the
 passthrough, passthrough.py): the bounded fair waiting queue, the owner task's wake-up and
-supervision, and the replica's health reports."""
+supervision, the replica's health reports, and its drain (no new sequence starts; those that wait
+are handed back to be routed to another replica)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from collections.abc import Callable
 from sluice_common.errors import ResourceExhausted
 from sluice_common.supervision import Supervisor
 from sluice_inference_adapter import metrics, sequence_trace
-from sluice_inference_adapter.sequence import GenerationRequest, Sequence, SequenceHandle
+from sluice_inference_adapter.sequence import Finish, GenerationRequest, Sequence, SequenceHandle
 from sluice_inference_adapter.waiting_queue import FairWaitingQueue
 
 
@@ -36,6 +37,9 @@ class ReplicaWork:
         self._waiting: FairWaitingQueue[Sequence] = FairWaitingQueue(replica)
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        # The replica is leaving (its address left discovery): no sequence starts here any more, so
+        # the waiting queue stays empty (`drain`, `submit`, and the step scheduler's busy requeue).
+        self._draining = False
 
     def submit(self, request: GenerationRequest) -> SequenceHandle:
         """Queues the request, or RESOURCE_EXHAUSTED with RetryInfo when the queue is full."""
@@ -49,6 +53,9 @@ class ReplicaWork:
         # Random ids: several adapters may share one Triton, and ids must not collide there.
         sequence = Sequence(seq_id=random.getrandbits(62) + 1, request=request, submitted_at=self._clock())
         sequence.trace = sequence_trace.start(request)
+        if self._draining:  # routed here before the drain began: sent on at once
+            self._hand_back(sequence)
+            return SequenceHandle(sequence, lambda: None)
         self._waiting.push(sequence)
         self._wakeup.set()
         self._on_arrival()
@@ -60,6 +67,38 @@ class ReplicaWork:
     def _on_cancel(self, sequence: Sequence) -> None:
         """A caller cancelled `sequence`: the owner loop drops it at its next step."""
         self._wakeup.set()
+
+    # -- drain -----------------------------------------------------------------------
+
+    def drain(self) -> int:
+        """No new sequence starts on this replica: those waiting are handed back (`_hand_back`) and
+        those running finish here (their KV cache is here). Returns how many were handed back.
+
+        Why not let the waiting ones start: a draining Triton pod is stopped at the end of its
+        preStop, and a sequence started late in it is cut there after streaming tokens, when it can
+        no longer move; one that has not started moves now, before its first token."""
+        self._draining = True
+        now = self._clock()
+        handed_back = 0
+        for sequence in self._waiting.remove_if(lambda _: True):
+            reason = sequence.abandon_reason(now)
+            if reason is not None:  # its caller has gone: nothing to route
+                sequence.finish(reason, now)
+            else:
+                self._hand_back(sequence)
+                handed_back += 1
+        self._wakeup.set()
+        return handed_back
+
+    def undrain(self) -> None:
+        """The replica's address came back before it was removed: sequences start here again."""
+        self._draining = False
+
+    def _hand_back(self, sequence: Sequence) -> None:
+        """Ends a sequence that never started here as a backend failure before its first token, which
+        the replica pool retries on another replica (ReplicaPool.generate)."""
+        sequence.backend_failed = True
+        sequence.finish(Finish.ERROR, self._clock(), error=f"Triton replica {self._replica or '(unnamed)'} is draining; retry")
 
     @property
     def waiting_count(self) -> int:

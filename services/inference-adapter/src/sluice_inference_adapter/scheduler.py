@@ -723,9 +723,13 @@ class Scheduler(ReplicaWork):
             metrics.QUEUE_SECONDS.labels(replica=self._replica).observe(sequence.prefilled_at - sequence.submitted_at)
 
     def _requeue(self, sequence: Sequence, now: float) -> None:
-        """A prefill the engine had no slot for: back to the head of the queue, not an error."""
+        """A prefill the engine had no slot for: back to the head of the queue, not an error; while
+        the replica drains it never started here, so it is handed back instead (ReplicaWork.drain)."""
         self._running.pop(sequence.seq_id, None)
         sequence.prefilled_at = None
+        if self._draining:
+            self._hand_back(sequence)
+            return
         self._waiting.push_front(sequence)
         self._engine_full_until = now + self._limits.engine_full_retry_s
         metrics.ENGINE_FULL.labels(replica=self._replica).inc()

@@ -14,8 +14,14 @@ from sluice_common.errors import InvalidArgument
 from sluice_common.errors import clip
 from sluice_common.supervision import Supervisor, stop_tasks
 from sluice_common.validation import MAX_MODEL_NAME
+from sluice_gateway.config import ENV_PREFIX
 
 log = structlog.stdlib.get_logger("sluice.gateway.models")
+
+# How often the start-up wait for the adapter says what it is waiting for (as a warning: an outage).
+WAIT_LOG_INTERVAL_S = 30.0
+# Between two ListModels tries during the start-up wait.
+WAIT_RETRY_S = 0.5
 
 
 class UnknownModel(InvalidArgument):
@@ -48,15 +54,34 @@ class ModelCatalog:
         self._models = {model.name: model for model in response.models}
 
     async def wait_first_load(self, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
+        """Until the adapter lists its models (it answers UNAVAILABLE until Triton serves them), at
+        most `timeout_s` (ADAPTER_WAIT_S), then the process exits; 0: for ever. Unbounded by default:
+        a gateway or job worker started during an adapter or Triton outage waits NOT_SERVING on
+        readiness and SERVING on liveness, and serves once the adapter does; exiting made it
+        crash-loop, its restart back-off delaying it past the adapter's return. Says every
+        WAIT_LOG_INTERVAL_S what it waits for."""
+        started = told = time.monotonic()
         while True:
             try:
                 await self.refresh()
                 return
             except grpc.aio.AioRpcError as exc:
-                if time.monotonic() > deadline:
-                    raise SystemExit(f"the adapter did not list its models within {timeout_s:.0f}s: {exc.details()}")
-                await asyncio.sleep(0.5)
+                now = time.monotonic()
+                if timeout_s > 0 and now - started > timeout_s:
+                    raise SystemExit(
+                        f"the adapter did not list its models within {timeout_s:g}s ({ENV_PREFIX}ADAPTER_WAIT_S; 0 waits for ever): {exc.details()}"
+                    ) from None
+                if now - told >= WAIT_LOG_INTERVAL_S:
+                    told = now
+                    log.warning(
+                        "waiting_for_adapter",
+                        waiting_for="the inference adapter to list its models (ListModels)",
+                        waited_s=round(now - started),
+                        limit=f"{timeout_s:g}s" if timeout_s > 0 else f"none ({ENV_PREFIX}ADAPTER_WAIT_S=0)",
+                        code=exc.code().name,
+                        details=exc.details(),
+                    )
+                await asyncio.sleep(WAIT_RETRY_S)
 
     def start_refreshing(self, every_s: float, supervisor: Supervisor | None = None) -> None:
         self._task = (supervisor or Supervisor()).start("model-catalog-refresh", lambda: self._refresh_forever(every_s))
