@@ -19,7 +19,7 @@ from conftest import PrefixCache, RoundsOfSteps, StepReplica, collect
 from sluice_common.errors import ResourceExhausted
 from sluice_common.sampling import Sampling
 from sluice_inference_adapter.scheduler import BULK_MAX_WAIT_S, INTERACTIVE_RECENT_S, Scheduler, SchedulerLimits
-from sluice_inference_adapter.sequence import Finish, GenerationRequest
+from sluice_inference_adapter.sequence import Finish, GenerationRequest, Sequence
 from sluice_inference_adapter.priority import Priority
 from sluice_inference_adapter.step_rows import FINISH_ERROR, FINISH_INVALID, Action, PromptSpec, StepOutcome, StepRow
 
@@ -200,6 +200,15 @@ async def test_deadline_ends_a_running_sequence_and_releases_it(model_and_schedu
     assert finish.finish is Finish.DEADLINE
     await model.wait_released(handle.seq_id)
     assert model.rows_of(handle.seq_id)[-1][1] is Action.RELEASE
+
+
+def test_a_call_cancelled_by_its_own_deadline_is_counted_a_deadline() -> None:
+    """The gateway passes the deadline as the call's gRPC timeout, whose expiry cancels the call:
+    both are true by the time the scheduler looks, and the deadline is what happened (it read
+    CANCELLED, and the deadline series of the metrics and traces stayed empty)."""
+    sequence = Sequence(seq_id=1, request=request(deadline=100.0), submitted_at=90.0, cancelled=True)
+    assert sequence.abandon_reason(now=100.0) is Finish.DEADLINE
+    assert sequence.abandon_reason(now=99.0) is Finish.CANCELLED  # a client that left before it
 
 
 async def test_full_queue_rejects_with_retry_after() -> None:
@@ -557,6 +566,29 @@ async def test_a_failed_step_releases_its_sequences_once_the_replica_answers() -
         await scheduler.stop()
     assert (text, finish.finish) == ("xx", Finish.LENGTH)
     assert model.held == set()
+
+
+async def test_slots_a_failed_step_left_held_count_in_use_until_their_release_lands() -> None:
+    """The engine keeps the slots of sequences a failed round dropped until a release reaches it:
+    the gauge read 0 meanwhile, where triton-local's own slot metrics said they were held."""
+    model = StepReplica("triton-a:8001", delay_s=0.005, slots=2)
+    scheduler = Scheduler(model, SchedulerLimits(max_batch_size=2, release_timeout_s=0.1), replica="owed-releases")
+    in_use = lambda: REGISTRY.get_sample_value("sluice_adapter_kv_slots_in_use", {"replica": "owed-releases"})  # noqa: E731
+    scheduler.start()
+    try:
+        handles = [scheduler.submit(request(max_tokens=1_000)) for _ in range(2)]
+        while len(model.held) < 2:
+            await asyncio.sleep(0.005)
+        model.failing = True  # the step fails, and so do the releases after it
+        await asyncio.wait_for(asyncio.gather(*(collect(h) for h in handles)), 5)
+        assert len(model.held) == 2 and in_use() == 2
+        model.failing = False
+        while model.held:
+            await asyncio.sleep(0.005)
+        await asyncio.sleep(0.05)
+        assert in_use() == 0
+    finally:
+        await scheduler.stop()
 
 
 class StaleSlotsModel(SharedSlotsModel):

@@ -8,7 +8,11 @@ from prometheus_client import Counter, Gauge, Histogram
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 
 WAITING = Gauge("sluice_adapter_waiting_requests", "Requests waiting for a batch slot, per Triton replica.", ["priority", "replica"])
-SLOTS_IN_USE = Gauge("sluice_adapter_kv_slots_in_use", "Sequences holding a KV-cache slot at a Triton replica.", ["replica"])
+SLOTS_IN_USE = Gauge(
+    "sluice_adapter_kv_slots_in_use",
+    "Sequences holding a KV-cache slot at a Triton replica: running, or owed a release that has not reached it.",
+    ["replica"],
+)
 ENGINE_FULL = Counter(
     "sluice_adapter_engine_full_total",
     "Prefills a replica's step model answered busy (every slot taken, by this or another adapter): retried later.",

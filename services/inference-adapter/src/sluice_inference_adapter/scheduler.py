@@ -335,6 +335,7 @@ class Scheduler(ReplicaWork):
                 steps_answered += steps_in(outcomes)
                 if first:  # the engine applied the round's releases with its first step
                     self._unreleased.difference_update(row.seq_id for row in rows if row.action is Action.RELEASE)
+                    self._publish_slots()
                 # A round sent ahead may have stepped before it was read: its first answer is not
                 # a step's time; nor is a step an interrupt stopped midway.
                 interrupted = self._stopped_midway(outcomes)
@@ -354,7 +355,7 @@ class Scheduler(ReplicaWork):
                     self._bulk_stepped_at = self._clock()
                 self._abandon_mid_round()
                 # After both: the round may end with this response, and no later step would set it.
-                metrics.SLOTS_IN_USE.labels(replica=self._replica).set(len(self._running))
+                self._publish_slots()
                 self._round_answered = True
                 self._end_round_for_waiting()
                 self._send_next_round_ahead(stepped, steps_answered, steps)
@@ -552,7 +553,7 @@ class Scheduler(ReplicaWork):
         for sequence in sequences:
             sequence.backend_failed = backend_failed
             sequence.finish(Finish.ERROR, self._clock(), error=error)
-        metrics.SLOTS_IN_USE.labels(replica=self._replica).set(0)
+        self._publish_slots()
 
     async def _release_dropped(self) -> None:
         """One step releasing the slots of `_unreleased` (a failure dropped them, or their release
@@ -573,6 +574,12 @@ class Scheduler(ReplicaWork):
             log.warning("release_failed", replica=self._replica, sequences=len(seq_ids), error=str(exc) or type(exc).__name__)
             return
         self._unreleased.difference_update(seq_ids)
+        self._publish_slots()
+
+    def _publish_slots(self) -> None:
+        # What the engine holds as far as we know: the running sequences, and those owed a release
+        # that has not reached it (a failed round dropped them; the engine keeps them until then).
+        metrics.SLOTS_IN_USE.labels(replica=self._replica).set(len(self._running) + len(self._unreleased))
 
     def _plan_step(self) -> tuple[list[StepRow], list[Sequence]]:
         """Rows for this step, and the sequences whose rows produce tokens (in row order)."""
@@ -607,7 +614,7 @@ class Scheduler(ReplicaWork):
         if stepped:
             metrics.BATCH_SIZE.observe(len(stepped))
             metrics.BATCH_TOKENS.labels(replica=self._replica).observe(self.batch_tokens)
-        metrics.SLOTS_IN_USE.labels(replica=self._replica).set(len(self._running))
+        self._publish_slots()
         return rows + decode_rows + prefill_rows, stepped
 
     def _prefill_request(self, sequence: Sequence) -> bytes:

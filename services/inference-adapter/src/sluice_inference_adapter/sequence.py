@@ -145,11 +145,13 @@ class Sequence:
         )
 
     def abandon_reason(self, now: float) -> Finish | None:
-        """Why the scheduler should drop this sequence now, if it should."""
-        if self.cancelled:
-            return Finish.CANCELLED
+        """Why the scheduler should drop this sequence now, if it should. The deadline first: the
+        gateway passes it as the call's gRPC timeout, whose expiry cancels the call too, and a
+        deadline counted as a cancel would leave the deadline series of the metrics and traces empty."""
         if self.request.deadline is not None and now >= self.request.deadline:
             return Finish.DEADLINE
+        if self.cancelled:
+            return Finish.CANCELLED
         return None
 
 
