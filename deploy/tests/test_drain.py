@@ -13,6 +13,12 @@ from manifests import OVERLAYS, adapter_config, configmap_data, container_enviro
 SHARED_GRACE = config_vars.SHARED_VARIABLES["shutdown_grace_s"]
 SHUTDOWN_CONFIGMAP = "sluice-shutdown"
 FLUSH_S = 10  # after the grace: events, acks and logs still owed are flushed
+# The job worker's stop around its rows' grace (sluice_gateway.jobs.worker.serve, JobWorker.stop),
+# each part at its bound, as in a broker outage: the NOT_SERVING notice (sluice_common.server's
+# NOT_SERVING_NOTICE_S, 0.5 s) and its consumers' cancels (CONSUMER_CANCEL_TIMEOUT_S, 2 s) before
+# the grace; its AMQP connection's close (5 s) and the publishers' flush (PUBLISHER_FLUSH_S, 6 s,
+# then the completion events are spilled to disk) after it: more than FLUSH_S.
+JOB_WORKER_AROUND_GRACE_S = 0.5 + 2.0 + 5.0 + 6.0
 ENDPOINTS_S = 5  # the least preStop sleep: endpoints and DNS drop a terminating pod asynchronously
 # How often adapters re-resolve dns:///triton:8001: the adapter's default (its config field
 # triton_resolve_interval_s), unless the manifests set SLUICE_ADAPTER_TRITON_RESOLVE_INTERVAL_S.
@@ -78,9 +84,14 @@ def test_every_pod_loads_the_shutdown_configmap_and_sleeps_before_sigterm(docs) 
         assert prestop_sleep_s(container) >= ENDPOINTS_S, f"{label(workload, container)}: preStop sleep < {ENDPOINTS_S} s"
 
 
+def around_grace_s(workload: dict) -> float:
+    """What a pod's stop takes beside its preStop sleep and its drain grace, at most."""
+    return JOB_WORKER_AROUND_GRACE_S if workload["metadata"]["name"] == "job-worker" else FLUSH_S
+
+
 def test_termination_grace_covers_prestop_drain_and_flush(docs) -> None:
     for workload, container in pod_containers(docs):
-        needed = prestop_sleep_s(container) + grace_s(docs, container) + FLUSH_S
+        needed = prestop_sleep_s(container) + grace_s(docs, container) + around_grace_s(workload)
         period = workload["spec"]["template"]["spec"].get("terminationGracePeriodSeconds", 30)
         assert period >= needed, f"{label(workload, container)}: terminationGracePeriodSeconds {period} < {needed}"
 

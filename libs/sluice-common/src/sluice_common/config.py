@@ -174,6 +174,27 @@ class ServiceConfig:
     shutdown_grace_s: float = 60.0
 
 
+CONNECTION_AGE_ENV = "SLUICE_MAX_CONNECTION_AGE_S"
+
+
+@dataclasses.dataclass(frozen=True)
+class ConnectionAge:
+    """How long a client's connection to any Sluice gRPC server lives before the server asks it to
+    reconnect (GOAWAY): one shared variable, SLUICE_MAX_CONNECTION_AGE_S, read by the server
+    bootstrap itself (server.create_server; 0 turns it off). Clients resolve the service's name
+    again when they reconnect, so a replica added later gets a share of their new calls within
+    about this long; the calls in flight finish on the old connection (server.connection_age_options)."""
+
+    max_connection_age_s: float = 120.0
+
+    def __post_init__(self) -> None:
+        require(self.max_connection_age_s >= 0, f"{CONNECTION_AGE_ENV} must be >= 0 (0: off), got {self.max_connection_age_s}")
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str] | None = None) -> ConnectionAge:
+        return load_config(cls, "SLUICE_", environ)
+
+
 @dataclasses.dataclass(frozen=True)
 class ServerConfig(ServiceConfig):
     """Settings every gRPC service has beside those: its ports and server TLS; each service's

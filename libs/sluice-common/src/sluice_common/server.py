@@ -18,14 +18,14 @@ from typing import Protocol
 import grpc
 import structlog
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_health.v1._async import HealthServicer
 from google.protobuf import descriptor_pb2, descriptor_pool
 from grpc_reflection.v1alpha import reflection
 from grpc_reflection.v1alpha import reflection_pb2 as reflection_v1alpha_pb2
 from grpc_reflection.v1alpha._async import ReflectionServicer
 from prometheus_client import start_http_server
 
-from sluice_common.config import ServerTLS
+from sluice_common.config import ConnectionAge, ServerTLS
+from sluice_common.health import HealthServicer
 from sluice_common.interceptor import SluiceServerInterceptor
 from sluice_common.log import PORTS_LOGGER
 from sluice_common.supervision import Supervisor, fault_injection_from_env
@@ -39,6 +39,8 @@ REFLECTION_V1_SERVICE = "grpc.reflection.v1.ServerReflection"
 # SLUICE_GATEWAY_JOBS_MAX_MESSAGE_BYTES, at most 16 MiB), so that the service's own bound answers a
 # request over it, with INVALID_ARGUMENT naming that bound.
 MAX_REQUEST_BYTES = 32 * 1024 * 1024
+# gRPC's "unlimited" for its millisecond settings (INT_MAX).
+_UNLIMITED_MS = 2**31 - 1
 
 
 def _register_reflection_v1_descriptor() -> None:
@@ -140,13 +142,16 @@ async def create_server(
     serving: bool = True,
     tls: ServerTLS | None = None,
     quiet_methods: Iterable[str] = (),
+    connection_age: ConnectionAge | None = None,
 ) -> RunningServer:
     """Builds and starts the server. `register` adds the servicers and returns their full names.
 
     With `tls` the port speaks TLS only (mutual TLS when `tls.client_ca_file` is set).
     `quiet_methods` (full names, "/package.Service/Method"): high-rate methods whose successful
     calls are counted in the metrics but logged at debug only.
+    `connection_age`: SLUICE_MAX_CONNECTION_AGE_S from the environment unless given (tests).
     """
+    age = connection_age if connection_age is not None else ConnectionAge.from_environ()
     server = grpc.aio.server(
         interceptors=[SluiceServerInterceptor(quiet_methods)],
         options=[
@@ -155,6 +160,7 @@ async def create_server(
             # Clients ping every 30 s during calls (channels.py); a long stream may carry no data for
             # longer, and the default 5 min floor answered such pings with GOAWAY "too_many_pings".
             ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+            *connection_age_options(age),
         ],
     )
     service_names = tuple(register(server))
@@ -178,6 +184,22 @@ async def create_server(
     )
     ports_log.info("ports_bound", grpc=bound_port, **({"metrics": bound_metrics_port} if bound_metrics_port > 0 else {}))
     return running
+
+
+def connection_age_options(age: ConnectionAge) -> list[tuple[str, int]]:
+    """Clients dial headless names round robin and resolve them again only when a connection
+    ends; keepalives hold connections for ever, so replicas added later got no calls from clients
+    already connected. Past its age (gRPC adds +-10% jitter) a connection gets GOAWAY: the client
+    resolves again and opens new calls on new connections, to every replica. The calls in flight
+    finish on the old one however long they take (the grace is unlimited): a generation stream, a
+    job row's (up to its 25 min ceiling), a client's own long deadline is never cut by the age, and
+    the drain's `stop(grace)` still bounds them all at shutdown."""
+    if age.max_connection_age_s <= 0:
+        return []
+    return [
+        ("grpc.max_connection_age_ms", max(1, round(age.max_connection_age_s * 1000))),
+        ("grpc.max_connection_age_grace_ms", _UNLIMITED_MS),
+    ]
 
 
 def _read(path: str) -> bytes:

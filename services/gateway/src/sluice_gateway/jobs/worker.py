@@ -182,6 +182,9 @@ STRANDED_PENDING_GRACE_S = 60.0
 # the broker dead-letters a message at its delivery limit, so retrying at once would spend that
 # limit in seconds.
 FAILURE_BACKOFF_S = (0.5, 30.0)
+# The most stop() waits for the broker to answer its consumers' cancels (side by side): the rows'
+# drain, the heartbeats' drop and the flush come after them (_cancel_consumers).
+CONSUMER_CANCEL_TIMEOUT_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -294,11 +297,7 @@ class JobWorker:
         self._stopping = True
         if self._refollow is not None:
             await stop_tasks(self._refollow)  # before the cancels: it could consume again after them
-        for queue, tag in [*self._consumers, (self._rows_queue, self._rows_tag)]:
-            if queue is None:
-                continue
-            with contextlib.suppress(Exception):
-                await queue.cancel(tag)
+        await self._cancel_consumers()
         if self._sweeper is not None:
             await stop_tasks(self._sweeper)
         if self._tasks:
@@ -308,6 +307,18 @@ class JobWorker:
         if self._connection is not None:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._connection.close(), 5)
+
+    async def _cancel_consumers(self) -> None:
+        """No new deliveries, within CONSUMER_CANCEL_TIMEOUT_S in all: on the robust connection a
+        cancel during a broker outage waited for the reconnection, so a SIGTERM then never reached
+        the rows' drain, the heartbeats' drop or the flush of the completion events after stop()
+        (spilled to disk only there): the pod was killed and the events lost. Disconnected, the
+        broker has dropped the consumers with the channel already: only their restoration on a
+        reconnection is called off (no wait)."""
+        connected = self._connection is not None and self._connection.connected.is_set()
+        timeout_s = CONSUMER_CANCEL_TIMEOUT_S if connected else 0.0
+        consumers = [(queue, tag) for queue, tag in [*self._consumers, (self._rows_queue, self._rows_tag)] if queue is not None]
+        await asyncio.gather(*(_cancel_consumer(queue, tag, timeout_s) for queue, tag in consumers))
 
     # ---- the rows consumer's prefetch, following the concurrency bound
 
@@ -917,6 +928,15 @@ def _header_number(headers: Any, name: str) -> float:
 def _redelivered(message: aio_pika.abc.AbstractIncomingMessage) -> bool:
     """The broker redelivered it, or it copies a redelivered message handed back unstarted."""
     return bool(message.redelivered) or bool((message.headers or {}).get(REDELIVERED_HEADER))
+
+
+async def _cancel_consumer(queue: aio_pika.abc.AbstractQueue, tag: str, timeout_s: float) -> None:
+    """Cancels one consumer, waiting for the broker's answer `timeout_s` at most. A robust queue
+    forgets the consumer (no restoration on a reconnection) before it first waits, so even a
+    timeout of 0 (the deadline fires at that first wait, never before it) calls off its restoration."""
+    with contextlib.suppress(Exception):  # TimeoutError too: the broker drops the consumer with the channel
+        async with asyncio.timeout(timeout_s):
+            await queue.cancel(tag)
 
 
 def failure_backoff_s(deliveries: int) -> float:
