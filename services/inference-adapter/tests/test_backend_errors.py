@@ -50,6 +50,14 @@ def test_the_cause_loses_the_wrappers() -> None:
     assert engine_message(message) == "The decoder prompt (length 3) is longer than the maximum model length of 2."
 
 
+def test_the_request_id_triton_names_a_request_by_is_a_wrapper_too() -> None:
+    """The adapter sends a stream's request id as its Triton request id, which Triton puts before the
+    errors it raises itself: a refusal so prefixed is still the request's."""
+    message = "[request id: 0123abc] Error generating stream: The decoder prompt (length 3) is longer than the maximum model length of 2."
+    assert engine_message(message) == "The decoder prompt (length 3) is longer than the maximum model length of 2."
+    assert is_request_fault(message)
+
+
 def test_the_upstream_vllm_interface_is_fed_as_generate() -> None:
     assert protocol_of("m", {tensor["name"] for tensor in VLLM_CONFIG["inputs"]}) == "generate"
 

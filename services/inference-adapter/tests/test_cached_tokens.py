@@ -167,7 +167,7 @@ def test_the_vllm_backend_reports_no_cached_tokens() -> None:
 
 async def test_the_passthrough_reports_no_cached_tokens() -> None:
     class Engine:
-        async def stream(self, text: str, sampling: Sampling) -> AsyncIterator[GeneratedChunk]:
+        async def stream(self, text: str, sampling: Sampling, request_id: str = "") -> AsyncIterator[GeneratedChunk]:
             await asyncio.sleep(0)
             yield GeneratedChunk("a", 1, 9, "length")
 

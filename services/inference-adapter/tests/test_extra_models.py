@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import numpy as np
 import pytest
+from conftest import collect
 from prometheus_client import REGISTRY
 from sluice.common.v1 import types_pb2
 from sluice.inference.v1 import inference_pb2
@@ -14,8 +20,9 @@ from sluice_inference_adapter import metrics
 from sluice_inference_adapter.__main__ import build_backends, extra_model_config, model_info
 from sluice_inference_adapter.config import AdapterConfig
 from sluice_inference_adapter.extra_models import ExtraModel, parse_extra_model
+from sluice_inference_adapter.sequence import Finish, GenerationRequest
 from sluice_inference_adapter.servicer import InferenceServicer
-from sluice_inference_adapter.step_rows import Action, PromptSpec, StepRow
+from sluice_inference_adapter.step_rows import PromptSpec
 from sluice_inference_adapter.triton_backend import step_output_names
 
 
@@ -97,15 +104,46 @@ class ReadyTriton(TritonStandIn):
         return True
 
 
+class AnsweringTriton(ReadyTriton):
+    """As ReadyTriton, and each round's rows are answered at once by their own SEQ_IDs, each sequence
+    finishing ("length") with its first token."""
+
+    def stream_infer(self, requests: AsyncIterator[dict[str, Any]], stream_timeout: float | None = None) -> Any:
+        class Responses:
+            def __aiter__(self) -> AsyncIterator[tuple[StepResult, None]]:
+                return self._responses()
+
+            async def _responses(self) -> AsyncIterator[tuple[StepResult, None]]:
+                async for request in requests:
+                    (seq_ids,) = [np.frombuffer(i._get_content(), dtype=np.int64) for i in request["inputs"] if i.name() == "SEQ_ID"]
+                    result = StepResult([int(seq_id) for seq_id in seq_ids], cached=None)
+                    result.columns["FINISH"] = np.array([b"length"] * len(seq_ids), dtype=np.object_)
+                    yield result, None
+
+            def cancel(self) -> None:
+                pass
+
+        return Responses()
+
+
 async def test_an_extra_models_backends_write_the_same_replica_series_as_its_pool() -> None:
     """Labelled with the bare address, the main and an extra model's backends on one replica wrote
-    one readiness and one step-time series, and the pool's removal of "<address>#<model>" left them."""
+    one readiness and one step-time series, and the pool's removal of "<address>#<model>" left them.
+    Step times are taken by the replica's scheduler (the one place that knows which steps to time)."""
     address, label = "10.7.7.7:8001", "#m-q4"
-    (backend,), _, make_backend = build_backends(AdapterConfig(), "step", [address], label)
+    (backend,), make_scheduler, make_backend = build_backends(AdapterConfig(), "step", [address], label)
     for each in (backend, make_backend(address)):  # a replica listed at start-up, and one found later
-        each._client = ReadyTriton(step_output_names(set()), StepResult([5], cached=None))  # type: ignore[assignment]
+        each._client = AnsweringTriton(step_output_names(set()), StepResult([5], cached=None))  # type: ignore[assignment]
         assert await each.is_ready()
-        await each.step([StepRow(Action.PREFILL, 5, PromptSpec(prompt="p").to_json(Sampling(max_tokens=1)))])
+        scheduler = make_scheduler(each, lambda ok: None)
+        scheduler.start()
+        try:
+            _, finish = await asyncio.wait_for(
+                collect(scheduler.submit(GenerationRequest("r", "t", PromptSpec(prompt="p"), Sampling(max_tokens=1)))), 5
+            )
+        finally:
+            await scheduler.stop()
+        assert finish.finish is Finish.LENGTH
 
     def sample(name: str, replica: str) -> float | None:
         return REGISTRY.get_sample_value(name, {"replica": replica})

@@ -53,6 +53,7 @@ class TritonStandIn:
         self.responses = responses
         self.cancelled = 0
         self.ended = 0
+        self.requests: list[dict[str, Any]] = []
 
     def stream_infer(self, requests: AsyncIterator[dict[str, Any]], stream_timeout: float | None = None) -> Any:
         stand_in = self
@@ -65,8 +66,8 @@ class TritonStandIn:
                 return self._iterator
 
             async def _responses(self) -> AsyncIterator[tuple[Any, Any]]:
-                async for _ in requests:
-                    pass
+                async for request in requests:
+                    stand_in.requests.append(request)
                 for response in stand_in.responses:
                     yield (None, response) if isinstance(response, Failure) else (response, None)
                 await asyncio.sleep(0)
@@ -93,6 +94,15 @@ async def test_an_answered_stream_ends_as_triton_ends_it_and_is_not_cancelled() 
     stand_in = TritonStandIn([VllmResult("Hel", None), VllmResult("lo", "length")])
     assert await read(stand_in) == ["Hel", "lo"]
     assert (stand_in.ended, stand_in.cancelled) == (1, 0)
+
+
+async def test_a_stream_is_sent_with_its_request_id_as_tritons_request_id() -> None:
+    """tritonclient's stream_infer takes a request dict's `request_id` as the KServe request's id,
+    which Triton names the request by in its own log and trace lines: the join to the adapter's."""
+    stand_in = TritonStandIn([VllmResult("Hi", "length")])
+    async with aclosing(backend(stand_in).stream("hi", Sampling(max_tokens=2), request_id="req-42")) as chunks:
+        assert [chunk.text async for chunk in chunks] == ["Hi"]
+    assert [request.get("request_id") for request in stand_in.requests] == ["req-42"]
 
 
 async def test_a_stream_its_caller_leaves_before_the_last_response_is_cancelled() -> None:

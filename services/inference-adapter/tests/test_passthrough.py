@@ -34,12 +34,14 @@ class CountingEngine:
         self.peak = 0
         self.closed_early = 0
         self.started: list[str] = []
+        self.request_ids: list[str] = []
         self._stop_after = stop_after
 
-    async def stream(self, text: str, sampling: Sampling) -> AsyncIterator[GeneratedChunk]:
+    async def stream(self, text: str, sampling: Sampling, request_id: str = "") -> AsyncIterator[GeneratedChunk]:
         self.open += 1
         self.peak = max(self.peak, self.open)
         self.started.append(text)
+        self.request_ids.append(request_id)
         finished = False
         limit = sampling.max_tokens if self._stop_after is None else min(self._stop_after, sampling.max_tokens)
         try:
@@ -88,8 +90,21 @@ async def test_usage_and_finish_reason_are_the_engines() -> None:
     assert steps == [True]
 
 
+async def test_each_stream_names_its_request_to_the_backend() -> None:
+    """The request id goes with the stream (Triton's request id), so the engine side's lines join the
+    adapter's and the gateway's."""
+    engine = CountingEngine()
+    scheduler = scheduler_for(engine)
+    scheduler.start()
+    try:
+        await collect(scheduler.submit(GenerationRequest("req-7", "t", PromptSpec(prompt="p"), Sampling(max_tokens=2))))
+    finally:
+        await scheduler.stop()
+    assert engine.request_ids == ["req-7"]
+
+
 class RejectingEngine:
-    async def stream(self, text: str, sampling: Sampling) -> AsyncIterator[GeneratedChunk]:
+    async def stream(self, text: str, sampling: Sampling, request_id: str = "") -> AsyncIterator[GeneratedChunk]:
         raise RequestRejected("The decoder prompt (length 3000) is longer than the maximum model length of 2048.")
         yield  # pragma: no cover - makes this an async generator
 
@@ -97,7 +112,7 @@ class RejectingEngine:
 class RejectingOption:
     """vLLM refusing a logit_bias id outside its vocabulary (vllm/v1/engine/processor.py)."""
 
-    async def stream(self, text: str, sampling: Sampling) -> AsyncIterator[GeneratedChunk]:
+    async def stream(self, text: str, sampling: Sampling, request_id: str = "") -> AsyncIterator[GeneratedChunk]:
         raise RequestRejected("token_id(s) [49152] in logit_bias contain out-of-vocab token ids. Vocabulary size: 49152")
         yield  # pragma: no cover - makes this an async generator
 
@@ -107,7 +122,7 @@ class FailingEngine:
         self._message = message
         self._finish_reason = finish_reason
 
-    async def stream(self, text: str, sampling: Sampling) -> AsyncIterator[GeneratedChunk]:
+    async def stream(self, text: str, sampling: Sampling, request_id: str = "") -> AsyncIterator[GeneratedChunk]:
         yield GeneratedChunk("", 0, PROMPT_TOKENS, self._finish_reason)
         if self._finish_reason is None:
             raise RuntimeError(self._message)
@@ -160,7 +175,7 @@ async def test_an_engine_abort_is_a_failure_not_a_finish() -> None:
 class EndsWithoutFinishEngine:
     """A stream that closes after a token without ever saying why the sequence ended."""
 
-    async def stream(self, text: str, sampling: Sampling) -> AsyncIterator[GeneratedChunk]:
+    async def stream(self, text: str, sampling: Sampling, request_id: str = "") -> AsyncIterator[GeneratedChunk]:
         yield GeneratedChunk("a", 1, PROMPT_TOKENS, None)
 
 

@@ -12,6 +12,9 @@ from collections.abc import Callable
 
 import numpy as np
 import pytest
+import structlog
+from prometheus_client import REGISTRY
+from structlog.testing import capture_logs
 from conftest import StepReplica, collect, run_through
 from sluice.common.v1 import types_pb2
 from sluice.inference.v1 import inference_pb2
@@ -19,6 +22,7 @@ from sluice.inference.v1 import inference_pb2
 from sluice_common.adaptive_timeout import AdaptiveTimeout, TimeoutPolicy
 from sluice_common.config import ConfigError, load_config
 from sluice_common.errors import Unavailable
+from sluice_common.request_context import bind_request_id
 from sluice_common.sampling import Sampling
 from sluice_inference_adapter.__main__ import wait_for_a_healthy_replica
 from sluice_inference_adapter.config import ENV_PREFIX, AdapterConfig
@@ -645,6 +649,124 @@ async def test_a_sequence_submitted_to_a_draining_replica_is_handed_back_at_once
     text, finish = await asyncio.wait_for(collect(handle), 1.0)
     assert (finish.finish, handle.backend_failed, scheduler.load) == (Finish.ERROR, True, 0)
     assert finish.error == "Triton replica gone is draining; retry"
+
+
+# -- a retry is the same request: its timings count from its arrival ---------------------
+
+
+def labelled_pool(*models: StepReplica) -> ReplicaPool:
+    """As one_slot_pool, each scheduler's series labelled with its replica's name."""
+    limits = SchedulerLimits(max_batch_size=1)
+    make = lambda backend, on_step: Scheduler(backend, limits, on_step=on_step, replica=backend.url)  # noqa: E731
+    return ReplicaPool(list(models), make, 2, 0.05, drain_poll_s=0.005)
+
+
+def _sample(name: str, **labels: str) -> float:
+    return REGISTRY.get_sample_value(name, labels) or 0.0
+
+
+async def test_a_retried_sequences_time_to_first_token_counts_from_its_first_attempt() -> None:
+    """The time spent on a replica that failed before the first token is the request's: the time to
+    first token (the histogram behind vllm:time_to_first_token_seconds, the p99 alert and the TTFT
+    SLO, and the timings the gateway reports) restarted at the retry and left it out. The queue
+    histogram is per replica: the one that served it observes its own queue's wait, once."""
+    failing, serving = StepReplica("ttft-failing", delay_s=0.3), StepReplica("ttft-serving")
+    serving.probes_ok = False  # not serving yet: the request goes to `failing`
+    pool = labelled_pool(failing, serving)
+    await pool.probe_once()
+    failing.failing = True  # its step fails after 0.3 s, before any token
+    ttft_sum, ttft_count = _sample("sluice_adapter_time_to_first_token_seconds_sum"), _sample("sluice_adapter_time_to_first_token_seconds_count")
+    pool.start()
+    try:
+        steps = failing.steps
+        running = asyncio.create_task(run(pool))
+        await _soon(lambda: failing.steps > steps)  # its round is on its way to `failing`
+        serving.probes_ok = True
+        await pool.probe_once()
+        tokens, finish = await asyncio.wait_for(running, 5.0)
+    finally:
+        await pool.stop()
+    assert (tokens, finish.finish, serving.prefills) == (3, Finish.LENGTH, 1)
+    assert finish.timings.time_to_first_token_s >= 0.3 and finish.timings.queue_s >= 0.3, finish.timings
+    assert _sample("sluice_adapter_time_to_first_token_seconds_count") == ttft_count + 1
+    assert _sample("sluice_adapter_time_to_first_token_seconds_sum") - ttft_sum >= 0.3
+    # Its wait in `serving`'s queue alone; `failing` never took its prefill.
+    assert _sample("sluice_adapter_queue_seconds_count", replica="ttft-serving") == 1
+    assert _sample("sluice_adapter_queue_seconds_sum", replica="ttft-serving") < 0.3
+    assert _sample("sluice_adapter_queue_seconds_count", replica="ttft-failing") == 0
+
+
+async def test_a_sequence_handed_back_by_a_drain_keeps_its_time_waited_there() -> None:
+    """A hand-back moves a waiting sequence before its first token: its time to first token counts
+    the wait in the draining replica's queue (it restarted at the hand-back)."""
+    leaving, staying = StepReplica("ttft-leaving", tokens=2), StepReplica("ttft-staying", tokens=2)
+    staying.probes_ok = False  # not serving yet: everything queues on `leaving`
+    pool = labelled_pool(leaving, staying)
+    await pool.probe_once()
+    pool.start()
+    try:
+        leaving.hold.clear()  # its first sequence's round waits; the second waits behind it
+        requests = [asyncio.create_task(run(pool)) for _ in range(2)]
+        await _soon(lambda: pool.replicas[0].scheduler.waiting_count == 1)
+        await asyncio.sleep(0.3)
+        staying.probes_ok = True
+        await pool.probe_once()
+        pool.drain("ttft-leaving")
+        leaving.hold.set()
+        results = await asyncio.wait_for(asyncio.gather(*requests), 5.0)
+    finally:
+        await pool.stop()
+    assert (leaving.prefills, staying.prefills) == (1, 1)
+    assert all(finish.finish is Finish.LENGTH and finish.timings.time_to_first_token_s >= 0.3 for _, finish in results), results
+
+
+async def test_a_calls_log_context_names_its_sequence_and_a_retry_the_one_it_left() -> None:
+    """Triton's lines and the scheduler's failure lines name seq_ids; the call's own lines (its
+    summary line among them) carry the request id: each attempt binds its seq_id and replica into the
+    call's log context, and the retry's line names the seq_id it leaves."""
+    failing, serving = StepReplica("ctx-failing", delay_s=0.2), StepReplica("ctx-serving")
+    serving.probes_ok = False
+    pool = labelled_pool(failing, serving)
+    await pool.probe_once()
+    failing.failing = True
+
+    async def call() -> dict[str, object]:
+        structlog.contextvars.clear_contextvars()
+        bind_request_id("req-ctx")
+        await run_through(pool, GenerationRequest("req-ctx", "t", PromptSpec(prompt="p"), Sampling(max_tokens=2)))
+        return structlog.contextvars.get_contextvars()
+
+    pool.start()
+    try:
+        with capture_logs() as logs:
+            steps = failing.steps
+            running = asyncio.create_task(call())
+            await _soon(lambda: failing.steps > steps)
+            serving.probes_ok = True
+            await pool.probe_once()
+            context = await asyncio.wait_for(running, 5.0)
+    finally:
+        await pool.stop()
+    (served,) = serving.sequences
+    assert context == {"request_id": "req-ctx", "seq_id": served, "replica": "ctx-serving"}
+    (retry,) = [line for line in logs if line["event"] == "retrying_on_another_replica"]
+    assert retry["failed"] == "ctx-failing" and isinstance(retry["failed_seq_id"], int) and retry["failed_seq_id"] != served
+
+
+async def test_a_probe_task_that_failed_logs_its_traceback() -> None:
+    """An exception the probe did not expect (here its recording) was logged by its repr alone."""
+    replica = StepReplica("probe-raises")
+    pool = make_pool(replica)
+
+    def broken(_replica: object, ok: bool) -> None:
+        raise RuntimeError("recording failed")
+
+    pool.record = broken  # type: ignore[method-assign]
+    with capture_logs() as logs:
+        await pool.probe_once()
+        await asyncio.sleep(0)  # the task's done callback
+    (line,) = [line for line in logs if line["event"] == "probe_task_failed"]
+    assert isinstance(line["exc_info"], RuntimeError) and str(line["exc_info"]) == "recording failed"
 
 
 # -- prefix-aware routing (prefix_routing.py) ---------------------------------------------

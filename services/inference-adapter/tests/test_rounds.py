@@ -276,6 +276,33 @@ async def test_the_next_round_is_sent_while_one_runs_and_goes_on_where_it_ended(
     assert all(len(rows) == 1 for rows in model.steps) and len(model.steps) <= 31
 
 
+async def test_step_seconds_leaves_out_the_first_answer_of_a_round_sent_ahead() -> None:
+    """sluice_adapter_step_seconds observes the steps the scheduler times, in one place: a round sent
+    ahead starts at once and its first answer waits for the round before it (here 7 steps of 50 ms),
+    which timed from its request read as a step of ~400 ms; the scheduler leaves that answer out."""
+    model = RecordingStepModel(step_delay_s=0.05)
+    scheduler = Scheduler(model, SchedulerLimits(max_round_steps=8, round_target_s=1.0, rounds_ahead=True), replica="ahead-timed")
+
+    def sample(suffix: str, le: str | None = None) -> float:
+        labels = {"replica": "ahead-timed", **({"le": le} if le else {})}
+        return REGISTRY.get_sample_value(f"sluice_adapter_step_seconds_{suffix}", labels) or 0.0
+
+    scheduler.start()
+    try:
+        _, finish = await collect(scheduler.submit(request(max_tokens=40)))
+    finally:
+        await scheduler.stop()
+    assert finish.finish is Finish.LENGTH
+    followed = sum(model.rounds.followed)
+    assert followed >= 3, model.rounds.followed
+    # Every step the sequence took but the first of each round sent ahead (the one sent during the
+    # last round may have stepped before the stop, unread).
+    steps = len(model.steps)
+    assert steps - followed <= sample("count") <= steps - followed + 1, (steps, followed, sample("count"))
+    # None of them waited for a round before it: all well under the 400 ms such a wait reads as.
+    assert sample("bucket", "0.25") == sample("count")
+
+
 async def test_with_rounds_ahead_off_each_round_is_sent_after_the_one_before_ended() -> None:
     model = RecordingStepModel(step_delay_s=0.005)
     scheduler = Scheduler(model, SchedulerLimits(max_round_steps=4, round_target_s=1.0))  # the default

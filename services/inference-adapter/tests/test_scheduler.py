@@ -14,10 +14,12 @@ import time
 
 import pytest
 from prometheus_client import REGISTRY
+from structlog.testing import capture_logs
 from conftest import PrefixCache, RoundsOfSteps, StepReplica, collect
 
 from sluice_common.errors import ResourceExhausted
 from sluice_common.sampling import Sampling
+from sluice_inference_adapter import metrics
 from sluice_inference_adapter.scheduler import BULK_MAX_WAIT_S, INTERACTIVE_RECENT_S, Scheduler, SchedulerLimits
 from sluice_inference_adapter.sequence import Finish, GenerationRequest, Sequence
 from sluice_inference_adapter.priority import Priority
@@ -568,27 +570,32 @@ async def test_a_failed_step_releases_its_sequences_once_the_replica_answers() -
     assert model.held == set()
 
 
-async def test_slots_a_failed_step_left_held_count_in_use_until_their_release_lands() -> None:
+async def test_slots_a_failed_step_left_held_count_as_release_pending_until_their_release_lands() -> None:
     """The engine keeps the slots of sequences a failed round dropped until a release reaches it:
-    the gauge read 0 meanwhile, where triton-local's own slot metrics said they were held."""
+    they read nowhere, where triton-local's own slot metrics said they were held. They are owed a
+    release, not running: kv_slots_in_use (vllm:num_requests_running) counts the running alone."""
     model = StepReplica("triton-a:8001", delay_s=0.005, slots=2)
     scheduler = Scheduler(model, SchedulerLimits(max_batch_size=2, release_timeout_s=0.1), replica="owed-releases")
     in_use = lambda: REGISTRY.get_sample_value("sluice_adapter_kv_slots_in_use", {"replica": "owed-releases"})  # noqa: E731
+    pending = lambda: REGISTRY.get_sample_value("sluice_adapter_kv_slots_release_pending", {"replica": "owed-releases"})  # noqa: E731
     scheduler.start()
     try:
         handles = [scheduler.submit(request(max_tokens=1_000)) for _ in range(2)]
         while len(model.held) < 2:
             await asyncio.sleep(0.005)
+        assert in_use() == 2 and pending() == 0
         model.failing = True  # the step fails, and so do the releases after it
         await asyncio.wait_for(asyncio.gather(*(collect(h) for h in handles)), 5)
-        assert len(model.held) == 2 and in_use() == 2
+        assert len(model.held) == 2 and pending() == 2 and in_use() == 0
         model.failing = False
         while model.held:
             await asyncio.sleep(0.005)
         await asyncio.sleep(0.05)
-        assert in_use() == 0
+        assert pending() == 0 and in_use() == 0
     finally:
         await scheduler.stop()
+    metrics.forget_replica("owed-releases", [])  # as ReplicaPool._remove does: both series go
+    assert in_use() is None and pending() is None
 
 
 class StaleSlotsModel(SharedSlotsModel):
@@ -753,3 +760,51 @@ async def test_a_row_the_engine_failed_counts_against_the_replica_and_may_be_ret
     assert text == "" and event.finish is (Finish.ERROR if finish == FINISH_ERROR else Finish.INVALID) and event.error == error
     assert handle.backend_failed is replica_fault
     assert health == [not replica_fault]
+
+
+async def test_a_prefill_row_names_its_request_for_the_engines_log_lines() -> None:
+    """The prefill's REQUEST JSON carries the request id (an engine that does not know the key
+    ignores it), so Triton's lines about the sequence join the adapter's and the gateway's."""
+    model = RecordingStepModel()
+    scheduler = Scheduler(model, SchedulerLimits(max_batch_size=4))
+    scheduler.start()
+    try:
+        await collect(scheduler.submit(GenerationRequest("req-123", "tenant", PromptSpec(prompt="p"), Sampling(max_tokens=1))))
+    finally:
+        await scheduler.stop()
+    (prefill,) = [row for step in model.steps for row in step if row.action is Action.PREFILL]
+    assert json.loads(prefill.request)["request_id"] == "req-123"
+    # A count row (no request to name) and an unnamed request carry none.
+    assert "request_id" not in json.loads(PromptSpec(prompt="p").to_json(Sampling(max_tokens=1)))
+
+
+async def test_a_failed_rounds_log_lines_name_its_sequences_within_a_bound() -> None:
+    """The scheduler's task serves every request of the replica, so its lines have no request id of
+    their own: a failed round's line names its sequences' request ids and seq_ids (at most 16 of
+    each, then how many more), and a failed release its seq_ids."""
+    model = StepReplica("triton-a:8001", delay_s=0.005)
+    limits = SchedulerLimits(max_batch_size=20, max_batch_tokens=1_000_000, release_timeout_s=0.1)
+    scheduler = Scheduler(model, limits, replica="logged-failures")
+    scheduler.start()
+    try:
+        requests = [GenerationRequest(f"req-{i}", "tenant", PromptSpec(prompt="p"), Sampling(max_tokens=1_000)) for i in range(18)]
+        handles = [scheduler.submit(r) for r in requests]
+        while len({seq_id for action, seq_id in model.rows if action is Action.PREFILL}) < 18:
+            await asyncio.sleep(0.005)
+        with capture_logs() as logs:
+            model.failing = True  # the round fails, and so does the release of its sequences after it
+            await asyncio.wait_for(asyncio.gather(*(collect(h) for h in handles)), 5)
+            for _ in range(200):
+                if any(line["event"] == "release_failed" for line in logs):
+                    break
+                await asyncio.sleep(0.01)
+    finally:
+        model.failing = False
+        await scheduler.stop()
+    (failed,) = [line for line in logs if line["event"] == "step_failed"]
+    assert failed["replica"] == "logged-failures", failed
+    assert failed["request_ids"][-1] == failed["seq_ids"][-1] == "... 2 more"
+    named = dict(zip(failed["seq_ids"][:16], failed["request_ids"][:16]))
+    assert len(named) == 16 and named == {h.seq_id: r.request_id for h, r in zip(handles, requests) if h.seq_id in named}
+    releases = [line for line in logs if line["event"] == "release_failed"]
+    assert releases and set(releases[0]["seq_ids"][:16]) <= {h.seq_id for h in handles} and releases[0]["sequences"] == 18

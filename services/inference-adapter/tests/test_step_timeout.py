@@ -252,7 +252,7 @@ class StallableEngine:
     def __init__(self) -> None:
         self.stall_after: int | None = None
 
-    async def stream(self, text: str, sampling: Sampling) -> AsyncIterator[GeneratedChunk]:
+    async def stream(self, text: str, sampling: Sampling, request_id: str = "") -> AsyncIterator[GeneratedChunk]:
         for made in range(1, sampling.max_tokens + 1):
             if self.stall_after is not None and made > self.stall_after:
                 await asyncio.Event().wait()

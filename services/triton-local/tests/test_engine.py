@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -238,15 +239,23 @@ def test_no_free_slot_is_busy_and_changes_nothing(engine: StepEngine) -> None:
 
 
 @contextlib.contextmanager
-def a_leased_pair(engine: StepEngine, **owners: str) -> Iterator[list[float]]:
+def a_leased_pair(engine: StepEngine, request_ids: dict[int, str] | None = None, **owners: str) -> Iterator[list[float]]:
     """Sequences 1 and 2 on a long prompt under a 5 s slot lease, on a clock the test drives
-    (yielded: its one value); released and the lease turned off afterwards."""
+    (yielded: its one value); released and the lease turned off afterwards. `request_ids`: their
+    prefills' request ids, by seq_id."""
     now = [1000.0]
     engine._clock = lambda: now[0]  # noqa: SLF001 - the lease's clock, driven by the test
     engine._slot_lease_s = 5.0  # noqa: SLF001
     prompt = "<|im_start|>user\nWrite a long story about a dragon.<|im_end|>\n<|im_start|>assistant\n"
     try:
-        engine.step([PrefillRow(seq_id, prompt, Sampling(max_tokens=60), owner=owners.get(f"owner{seq_id}", "")) for seq_id in (1, 2)])
+        engine.step(
+            [
+                PrefillRow(
+                    seq_id, prompt, Sampling(max_tokens=60), owner=owners.get(f"owner{seq_id}", ""), request_id=(request_ids or {}).get(seq_id, "")
+                )
+                for seq_id in (1, 2)
+            ]
+        )
         yield now
     finally:
         engine._slot_lease_s = 0.0  # noqa: SLF001
@@ -266,6 +275,37 @@ def test_a_sequence_not_stepped_within_the_lease_is_released(engine: StepEngine)
         assert engine.reclaimed_recently[-1].startswith("seq 1 of dead: idle ")  # whom to look for
         (gone,) = engine.step([DecodeRow(1)])
         assert gone.finish_reason == "error" and "not running" in gone.error
+
+
+def test_a_reclaimed_sequence_is_named_by_its_request_id_too(engine: StepEngine) -> None:
+    """The slots_reclaimed line names the leaked sequence's request: the adapter's and the gateway's
+    lines for it carry that id."""
+    with a_leased_pair(engine, request_ids={1: "req-dead"}, owner1="dead", owner2="alive") as now:
+        for _ in range(LEASE_MIN_STEPS + 1):
+            now[0] += 1.0
+            engine.step([DecodeRow(2)])
+        assert engine.reclaimed_recently[-1].startswith("seq 1 (request req-dead) of dead: idle ")
+
+
+def test_rows_a_fault_fails_are_logged_with_their_request_ids(
+    engine: StepEngine, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A fault the engine answers with "error" rows was logged nowhere on the engine's side: now one
+    line names the error and each sequence it ended by seq_id and request id."""
+    prompt = "<|im_start|>user\nWrite a long story about a dragon.<|im_end|>\n<|im_start|>assistant\n"
+    sampler = engine._sampler  # noqa: SLF001
+    with caplog.at_level(logging.WARNING, logger="sluice.triton_local.engine"):
+        monkeypatch.setattr(sampler, "start", lambda slot, params, ids: (_ for _ in ()).throw(RuntimeError("sampler fault")))
+        (refused,) = engine.step([PrefillRow(31, prompt, Sampling(max_tokens=5), request_id="req-31")])
+        monkeypatch.undo()
+        monkeypatch.setattr(sampler, "sample", lambda logits, slots: (_ for _ in ()).throw(RuntimeError("sampling fault")))
+        (failed,) = engine.step([PrefillRow(32, prompt, Sampling(max_tokens=5), request_id="req-32")])
+        monkeypatch.undo()
+    assert refused.error.startswith("admission failed:") and failed.error.startswith("sampling failed:")
+    lines = [record.getMessage() for record in caplog.records]
+    assert any(line.startswith("admission_failed: seq 31 (request req-31): ") for line in lines), lines
+    assert any(line.startswith("step_rows_failed: sampling failed:") and line.endswith("sequences: seq 32 (request req-32)") for line in lines), lines
+    assert engine.active_slots == 0
 
 
 def test_a_sequence_stepped_in_the_step_that_would_reclaim_it_is_kept(engine: StepEngine) -> None:

@@ -89,6 +89,31 @@ def _generate(shared: SharedEngine, seq_id: int, steps: int, max_tokens: int = 4
         rows = [(DECODE, seq_id, None)]
 
 
+# What _parse_row asks of the engine for a prefill row: no model needed to read a REQUEST.
+_TOKENIZING = SimpleNamespace(encode=lambda text: [1] * len(text), encode_chat=lambda messages: [1, 2, 3], vocab_size=100, context_length=2048)
+
+
+@pytest.mark.parametrize(
+    ("given", "kept"),
+    [
+        pytest.param({"request_id": "req-9"}, "req-9", id="named"),
+        pytest.param({}, "", id="absent: an older adapter"),
+        pytest.param({"request_id": 7}, "", id="not a string: ignored, the row still prefills"),
+        pytest.param({"request_id": "x" * 100}, "x" * step_protocol.MAX_REQUEST_ID, id="cut"),
+    ],
+)
+def test_a_prefill_carries_its_request_id_for_the_engines_log_lines(given: dict[str, Any], kept: str) -> None:
+    row = step_protocol._parse_row(_TOKENIZING, PREFILL, 9, json.dumps({"prompt": "hello", "max_tokens": 4, **given}).encode())  # type: ignore[arg-type]
+    assert isinstance(row, PrefillRow) and row.request_id == kept and row.params.max_tokens == 4
+
+
+def test_a_key_the_engine_does_not_know_is_ignored() -> None:
+    """A newer adapter's key (as request_id was to an older engine) must not fail its row: the
+    request's other keys are read as before (the deployed step model parses with this module)."""
+    row = step_protocol._parse_row(_TOKENIZING, PREFILL, 9, json.dumps({"prompt": "hello", "max_tokens": 4, "a_future_key": {"x": 1}}).encode())  # type: ignore[arg-type]
+    assert isinstance(row, PrefillRow) and row.prompt == (1,) * 5 and row.params.max_tokens == 4
+
+
 def test_greedy_text_is_the_same_at_every_round_length(shared: SharedEngine) -> None:
     one, trips_one = _generate(shared, 11, steps=1)
     assert one and trips_one > 20

@@ -16,9 +16,12 @@ from __future__ import annotations
 
 import re
 
-# Prefixes Triton and the vLLM backend put before the engine's own message.
+# Prefixes Triton and the vLLM backend put before the engine's own message. Triton names a request
+# that has an id (the adapter sends the request id as a stream's id) in the errors it raises itself:
+# "[request id: <id>] ...".
 _WRAPPERS = (
     re.compile(r"^\s*\[StatusCode\.\w+\]\s*"),
+    re.compile(r"^\s*\[request id: [^\]]*\]\s*", re.IGNORECASE),
     re.compile(r"^\s*Error generating stream:\s*", re.IGNORECASE),
 )
 

@@ -8,9 +8,12 @@ from prometheus_client import Counter, Gauge, Histogram
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 
 WAITING = Gauge("sluice_adapter_waiting_requests", "Requests waiting for a batch slot, per Triton replica.", ["priority", "replica"])
-SLOTS_IN_USE = Gauge(
-    "sluice_adapter_kv_slots_in_use",
-    "Sequences holding a KV-cache slot at a Triton replica: running, or owed a release that has not reached it.",
+# deploy/prometheus/rules publishes it as vllm:num_requests_running: the running sequences alone.
+SLOTS_IN_USE = Gauge("sluice_adapter_kv_slots_in_use", "Sequences running at a Triton replica, each holding a KV-cache slot there.", ["replica"])
+SLOTS_RELEASE_PENDING = Gauge(
+    "sluice_adapter_kv_slots_release_pending",
+    "KV-cache slots a Triton replica still holds for sequences that ended here, owed a release that has not reached it"
+    " (a failed round dropped them, or their release failed or has not been answered yet); retried until it lands.",
     ["replica"],
 )
 ENGINE_FULL = Counter(
@@ -27,7 +30,9 @@ BULK_HELD = Counter(
 BATCH_SIZE = Histogram("sluice_adapter_batch_size", "Token-producing rows per step.", buckets=(1, 2, 4, 8, 16, 32, 64, 128))
 STEP_SECONDS = Histogram(
     "sluice_adapter_step_seconds",
-    "Time from a round's request (or its previous step's answer) to one engine step's answer from a Triton replica.",
+    "Time from a round's request (or its previous step's answer) to one engine step's answer from a Triton replica,"
+    " as the scheduler times steps: not the first step of a round sent ahead (it waited for the round before it),"
+    " nor a step an interrupt stopped midway; steps that shared one response count its time split between them.",
     ["replica"],
     buckets=_LATENCY_BUCKETS,
 )
@@ -53,9 +58,17 @@ ROUNDS_SENT_AHEAD = Counter(
     ["replica"],
 )
 QUEUE_SECONDS = Histogram(
-    "sluice_adapter_queue_seconds", "Time from arrival to prefill, in a replica's waiting queue.", ["replica"], buckets=_LATENCY_BUCKETS
+    "sluice_adapter_queue_seconds",
+    "Time a sequence waited in a replica's waiting queue, from joining it to the prefill the engine took; once per"
+    " replica that took its prefill (a request retried on another replica waits in that one's queue anew).",
+    ["replica"],
+    buckets=_LATENCY_BUCKETS,
 )
-TIME_TO_FIRST_TOKEN = Histogram("sluice_adapter_time_to_first_token_seconds", "Time from arrival to the first token.", buckets=_LATENCY_BUCKETS)
+TIME_TO_FIRST_TOKEN = Histogram(
+    "sluice_adapter_time_to_first_token_seconds",
+    "Time from a request's arrival at the adapter to its first token, a failed or draining replica's time before a retry included.",
+    buckets=_LATENCY_BUCKETS,
+)
 INTER_TOKEN = Histogram("sluice_adapter_inter_token_seconds", "Gap between consecutive tokens of a sequence.", buckets=_LATENCY_BUCKETS)
 # The configured bound `sluice diagnose` compares each model's batch (its kv_slots_in_use series:
 # '<address>' for the main model, '<address>#<model>' for an extra one) with.
@@ -148,6 +161,7 @@ def forget_replica(replica: str, priorities: Iterable[str]) -> None:
     that ends is fine for rate())."""
     for metric in (
         SLOTS_IN_USE,
+        SLOTS_RELEASE_PENDING,
         ENGINE_FULL,
         BULK_HELD,
         ROUND_END_ASKED_AGAIN,

@@ -53,9 +53,9 @@ _FINISHES = {"stop": Finish.STOP, "length": Finish.LENGTH}
 class GenerateBackend(Protocol):
     """A Triton model with the vLLM backend's streaming interface."""
 
-    def stream(self, text: str, sampling: Sampling) -> AsyncGenerator[GeneratedChunk, None]:
+    def stream(self, text: str, sampling: Sampling, request_id: str = "") -> AsyncGenerator[GeneratedChunk, None]:
         """Responses until the engine ends the sequence (raises RequestRejected for a request it
-        refuses); closing the iterator cancels it."""
+        refuses); closing the iterator cancels it. `request_id` names the request to Triton."""
         ...
 
 
@@ -125,7 +125,7 @@ class PassthroughScheduler(ReplicaWork):
                 admitted.prefilled_at = now
                 if admitted.trace is not None:
                     admitted.trace.admitted()
-                metrics.QUEUE_SECONDS.labels(replica=self._replica).observe(now - admitted.submitted_at)
+                metrics.QUEUE_SECONDS.labels(replica=self._replica).observe(now - admitted.queued_at)
                 self._in_flight[admitted] = asyncio.create_task(self._stream(admitted))
             metrics.SLOTS_IN_USE.labels(replica=self._replica).set(len(self._in_flight))
 
@@ -150,7 +150,8 @@ class PassthroughScheduler(ReplicaWork):
         except TimeoutError:
             sequence.finish(Finish.DEADLINE, self._clock())
         except Exception as exc:  # noqa: BLE001 - the replica failed this stream
-            log.warning("stream_failed", error=str(exc))
+            # This task serves the stream, not its call: the request id is named here.
+            log.warning("stream_failed", replica=self._replica, request_id=request.request_id, seq_id=sequence.seq_id, error=str(exc))
             self._report_step(ok=False)
             sequence.backend_failed = True
             sequence.finish(Finish.ERROR, self._clock(), error=f"the model backend failed: {exc}")
@@ -194,7 +195,7 @@ class PassthroughScheduler(ReplicaWork):
         """Passes the engine's responses on; returns its finish reason."""
         request = sequence.request
         finish = None
-        stream = self._backend.stream(self._render(request.prompt), request.sampling)
+        stream = self._backend.stream(self._render(request.prompt), request.sampling, request_id=request.request_id)
         async with aclosing(stream) as chunks, aclosing(self._bounded(chunks, request.prompt.estimated_tokens())) as bounded:
             async for chunk in bounded:
                 if chunk.input_tokens is not None:

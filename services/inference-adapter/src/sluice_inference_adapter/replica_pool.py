@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import dataclasses
 import functools
 import random
 import time
@@ -334,7 +335,7 @@ class ReplicaPool:
             if self._probes.get(replica) is finished:
                 del self._probes[replica]
             if not finished.cancelled() and finished.exception() is not None:
-                log.error("probe_task_failed", replica=replica.name, error=repr(finished.exception()))
+                log.error("probe_task_failed", replica=replica.name, error=repr(finished.exception()), exc_info=finished.exception())
 
         task.add_done_callback(done)
 
@@ -426,11 +427,17 @@ class ReplicaPool:
         return chosen
 
     async def generate(self, request: GenerationRequest) -> AsyncGenerator[Event, None]:
-        """The request's events from the first replica that serves it."""
+        """The request's events from the first replica that serves it. Each attempt is one sequence
+        at one replica: its seq_id (what Triton's lines and the scheduler's failure lines name) and
+        replica are bound into the call's log context, so the call's lines (its summary line among
+        them) join the request id to them; a retry's line names the seq_id it leaves."""
         tried: set[str] = set()
         while True:
             replica = self.pick(exclude=tried, prompt=request.prompt)
             handle = replica.scheduler.submit(request)
+            structlog.contextvars.bind_contextvars(seq_id=handle.seq_id, replica=replica.name)
+            if request.arrived_at is None:  # a retry's timings count from this first submit
+                request = dataclasses.replace(request, arrived_at=handle.submitted_at)
             streamed = False
             retry = False
             try:
@@ -451,7 +458,7 @@ class ReplicaPool:
                 return
             tried.add(replica.name)
             metrics.RETRIES.inc()
-            log.warning("retrying_on_another_replica", failed=replica.name)
+            log.warning("retrying_on_another_replica", failed=replica.name, failed_seq_id=handle.seq_id)
 
 
 class ClosableEmbedBackend(EmbedBackend, Protocol):

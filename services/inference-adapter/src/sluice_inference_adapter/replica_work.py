@@ -51,7 +51,11 @@ class ReplicaWork:
                 quota_subject="adapter.waiting_queue",
             )
         # Random ids: several adapters may share one Triton, and ids must not collide there.
-        sequence = Sequence(seq_id=random.getrandbits(62) + 1, request=request, submitted_at=self._clock())
+        now = self._clock()
+        # Its timings start when the adapter received it, not at this attempt: a retry on another
+        # replica (or a hand-back from a draining one) keeps the time spent on the first.
+        arrived_at = request.arrived_at if request.arrived_at is not None else now
+        sequence = Sequence(seq_id=random.getrandbits(62) + 1, request=request, submitted_at=arrived_at, queued_at=now)
         sequence.trace = sequence_trace.start(request)
         if self._draining:  # routed here before the drain began: sent on at once
             self._hand_back(sequence)
@@ -96,9 +100,11 @@ class ReplicaWork:
 
     def _hand_back(self, sequence: Sequence) -> None:
         """Ends a sequence that never started here as a backend failure before its first token, which
-        the replica pool retries on another replica (ReplicaPool.generate)."""
+        the replica pool retries on another replica (ReplicaPool.generate). Its span ends without an
+        error: a re-route, not a failure (the retry shows as its `sluice.handed_back` event)."""
         sequence.backend_failed = True
-        sequence.finish(Finish.ERROR, self._clock(), error=f"Triton replica {self._replica or '(unnamed)'} is draining; retry")
+        error = f"Triton replica {self._replica or '(unnamed)'} is draining; retry"
+        sequence.finish(Finish.ERROR, self._clock(), error=error, handed_back=True)
 
     @property
     def waiting_count(self) -> int:

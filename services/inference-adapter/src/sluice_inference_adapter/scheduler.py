@@ -73,6 +73,9 @@ BULK_MAX_WAIT_S = 0.25
 # The longest wait between two tries of releases that failed while nothing runs: a replica that stays
 # down is tried twice a minute, not every second.
 RELEASE_RETRY_MAX_S = 30.0
+# Ids a failure's log line names at most (the request ids of the sequences a failed round ends, the seq_ids
+# of a failed release): a batch may hold hundreds; the rest are counted.
+MAX_LOGGED_IDS = 16
 
 
 @dataclass(frozen=True)
@@ -310,7 +313,7 @@ class Scheduler(ReplicaWork):
         prefill_tokens = self._prefill_tokens(stepped)
         round_span = sequence_trace.start_round((s.trace for s in stepped), len(rows), steps, self._replica)
         responses = sent if sent is not None else self._backend.round(rows, steps, interruptible=interruptible)
-        first, failed, steps_answered = True, False, 0
+        first, failed, steps_answered = True, "", 0
         try:
             while True:
                 limit = self._timeouts.limit(prefill_tokens) if self._timeouts is not None else None
@@ -322,14 +325,12 @@ class Scheduler(ReplicaWork):
                     return
                 except TimeoutError as exc:
                     if limit is None:  # not ours: the backend's own timeout, a failure like any other
-                        self._step_failed(exc, len(rows))
+                        failed = self._step_failed(exc, len(rows))
                     else:
-                        self._step_timed_out(limit, prefill_tokens, len(rows))
-                    failed = True
+                        failed = self._step_timed_out(limit, prefill_tokens, len(rows))
                     break
                 except Exception as exc:  # noqa: BLE001 - the backend failed: its KV state is unknown
-                    self._step_failed(exc, len(rows))
-                    failed = True
+                    failed = self._step_failed(exc, len(rows))
                     break
                 elapsed = time.perf_counter() - started
                 steps_answered += steps_in(outcomes)
@@ -343,7 +344,7 @@ class Scheduler(ReplicaWork):
                     self._end_asked_early = False
                 timed = not (first and sent is not None) and not interrupted
                 if timed:
-                    self._observe_step(elapsed / steps_in(outcomes), decode=not prefill_tokens)
+                    self._observe_step(elapsed, steps_in(outcomes), decode=not prefill_tokens)
                 if self._timeouts is not None and timed:
                     self._timeouts.observe(elapsed, prefill_tokens)
                     metrics.STEP_TIMEOUT.labels(model=self._timeouts.model).set(self._timeouts.limit())
@@ -364,7 +365,7 @@ class Scheduler(ReplicaWork):
                 first, prefill_tokens = False, self._prefill_tokens([s for s in stepped if s.seq_id in self._running])
         finally:
             await responses.aclose()
-            sequence_trace.end_round(round_span)
+            sequence_trace.end_round(round_span, error=failed)
             if failed:  # planned on sequences the failure ended
                 await self._discard_ahead()
         await self._release_dropped()
@@ -407,10 +408,19 @@ class Scheduler(ReplicaWork):
         if ahead is not None:
             await ahead.responses.aclose()
 
-    def _observe_step(self, seconds: float, decode: bool) -> None:
+    def _observe_step(self, elapsed: float, steps: int, decode: bool) -> None:
+        """A response that answered `steps` engine steps `elapsed` after the previous one (or the
+        round's request): the one place step times are taken, for the scheduler's own estimates and
+        for sluice_adapter_step_seconds alike, so that the histogram leaves out what the scheduler
+        does (a round sent ahead's first answer, which waited for the round before it; a step an
+        interrupt stopped midway)."""
+        seconds = elapsed / steps
         self._step_s = _moving_average(self._step_s, seconds)
         if decode:
             self._decode_step_s = _moving_average(self._decode_step_s, seconds)
+        histogram = metrics.STEP_SECONDS.labels(replica=self._replica)
+        for _ in range(steps):
+            histogram.observe(seconds)
 
     def _on_arrival(self) -> None:
         self._end_round_for_waiting()
@@ -497,7 +507,9 @@ class Scheduler(ReplicaWork):
             try:
                 await self._backend.step(rows)
             except Exception as exc:  # noqa: BLE001 - best effort, logged
-                log.warning(failed, replica=self._replica, rows=len(rows), error=str(exc) or type(exc).__name__)
+                released = [row.seq_id for row in rows if row.action is Action.RELEASE]
+                named = {"seq_ids": _some(released)} if released else {}
+                log.warning(failed, replica=self._replica, rows=len(rows), error=str(exc) or type(exc).__name__, **named)
                 if on_failure is not None:
                     on_failure()
 
@@ -505,20 +517,28 @@ class Scheduler(ReplicaWork):
         self._sent_aside.add(task)
         task.add_done_callback(self._sent_aside.discard)
 
-    def _step_failed(self, exc: BaseException, rows: int) -> None:
-        log.warning("step_failed", error=str(exc), rows=rows)
+    def _step_failed(self, exc: BaseException, rows: int) -> str:
+        """A round that failed: its replica counts it, every sequence ends. Returns the error. The
+        log line names the sequences the failure ends (request and seq ids, bounded): this task
+        serves every request of the replica, so no request id is bound in its context."""
+        error = f"the model backend failed: {exc}"
+        log.warning("step_failed", replica=self._replica, error=str(exc) or type(exc).__name__, rows=rows, **self._sequences_ended())
         self._report_step(ok=False)
-        self._fail_everything(f"the model backend failed: {exc}", backend_failed=True)
+        self._fail_everything(error, backend_failed=True)
+        return error
 
-    def _step_timed_out(self, limit: float, prefill_tokens: int, rows: int) -> None:
+    def _step_timed_out(self, limit: float, prefill_tokens: int, rows: int) -> str:
         """A step that outlived its timeout: the replica is treated as failed (its KV state is now
-        unknown), its sequences end, and those without tokens may be retried on another replica."""
+        unknown), its sequences end, and those without tokens may be retried on another replica.
+        Returns the error."""
         assert self._timeouts is not None
         p99 = self._timeouts.decode_p99  # what the limit came from, before this step counts
         self._timeouts.observe_timeout(limit, prefill_tokens)
         metrics.STEP_TIMEOUT.labels(model=self._timeouts.model).set(self._timeouts.limit())
         metrics.TIMEOUTS.labels(kind="step").inc()
-        log.warning("step_timed_out", replica=self._replica, timeout_s=round(limit, 3), rows=rows, prefill_tokens=prefill_tokens)
+        log.warning(
+            "step_timed_out", replica=self._replica, timeout_s=round(limit, 3), rows=rows, prefill_tokens=prefill_tokens, **self._sequences_ended()
+        )
         self._report_step(ok=False)
         basis = (
             f"{self._timeouts.policy.multiplier:g}x the p99 of recent steps ({p99:.3f}s), within"
@@ -526,11 +546,12 @@ class Scheduler(ReplicaWork):
             if p99 is not None
             else "the ceiling, until enough steps are seen"
         )
-        self._fail_everything(
+        error = (
             f"Triton replica {self._replica or '(unnamed)'} did not answer a step within its timeout of {limit:.2f}s"
-            f" ({basis}); the replica is counted as failing, retry",
-            backend_failed=True,
+            f" ({basis}); the replica is counted as failing, retry"
         )
+        self._fail_everything(error, backend_failed=True)
+        return error
 
     def _prefill_tokens(self, stepped: list[Sequence]) -> int:
         """Prompt tokens this step caches (estimated until the model has counted): a whole prompt
@@ -543,6 +564,13 @@ class Scheduler(ReplicaWork):
             prompt = sequence.prompt_tokens or sequence.request.prompt.estimated_tokens()
             total += min(prompt, chunk) if chunk and sequence.priority is Priority.BULK else prompt
         return total
+
+    def _sequences_ended(self) -> dict[str, object]:
+        """What a failure's log line names: the sequences `_fail_everything` ends (running, then
+        waiting), bounded: their request ids (what the rest of each request's lines carry) and seq_ids
+        (what Triton's lines name), in the same order."""
+        ended = [*self._running.values(), *self._waiting]
+        return {"request_ids": _some([s.request.request_id for s in ended]), "seq_ids": _some([s.seq_id for s in ended])}
 
     def _fail_everything(self, error: str, backend_failed: bool = False) -> None:
         """Ends every sequence, running and waiting; those without tokens may be retried elsewhere.
@@ -571,15 +599,16 @@ class Scheduler(ReplicaWork):
             async with asyncio.timeout(self._limits.release_timeout_s):
                 await self._backend.step([StepRow(Action.RELEASE, seq_id) for seq_id in seq_ids])
         except Exception as exc:  # noqa: BLE001 - best effort: the next step carries them again
-            log.warning("release_failed", replica=self._replica, sequences=len(seq_ids), error=str(exc) or type(exc).__name__)
+            log.warning("release_failed", replica=self._replica, sequences=len(seq_ids), seq_ids=_some(seq_ids), error=str(exc) or type(exc).__name__)
             return
         self._unreleased.difference_update(seq_ids)
         self._publish_slots()
 
     def _publish_slots(self) -> None:
-        # What the engine holds as far as we know: the running sequences, and those owed a release
-        # that has not reached it (a failed round dropped them; the engine keeps them until then).
-        metrics.SLOTS_IN_USE.labels(replica=self._replica).set(len(self._running) + len(self._unreleased))
+        # The running sequences (vllm:num_requests_running reads this), and apart from them the slots
+        # the engine still holds for sequences that ended here, owed a release that has not reached it.
+        metrics.SLOTS_IN_USE.labels(replica=self._replica).set(len(self._running))
+        metrics.SLOTS_RELEASE_PENDING.labels(replica=self._replica).set(len(self._unreleased))
 
     def _plan_step(self) -> tuple[list[StepRow], list[Sequence]]:
         """Rows for this step, and the sequences whose rows produce tokens (in row order)."""
@@ -619,7 +648,8 @@ class Scheduler(ReplicaWork):
 
     def _prefill_request(self, sequence: Sequence) -> bytes:
         chunk = self._limits.bulk_prefill_chunk if sequence.priority is Priority.BULK else 0
-        return sequence.request.prompt.to_json(sequence.request.sampling, prefill_chunk=chunk, owner=ADAPTER_ID)
+        request = sequence.request
+        return request.prompt.to_json(request.sampling, prefill_chunk=chunk, owner=ADAPTER_ID, request_id=request.request_id)
 
     def _admit(self, now: float) -> list[Sequence]:
         """Waiting sequences whose prefill joins this step."""
@@ -720,14 +750,16 @@ class Scheduler(ReplicaWork):
             _emit_tokens(self._in_round[seq_id], made, now)
 
     def _observe_queue_wait(self, sequence: Sequence) -> None:
-        """A sequence's whole wait, arrival to the prefill the engine took, observed once: at
-        admission it is not known yet whether the engine has a slot, and a prefill answered busy
-        goes back to the queue to wait on (observing each admission counted the first wait twice)."""
+        """A sequence's whole wait in this replica's queue, from joining it to the prefill the engine
+        took, observed once: at admission it is not known yet whether the engine has a slot, and a
+        prefill answered busy goes back to the queue to wait on (observing each admission counted the
+        first wait twice). Per replica: a request retried elsewhere waits in that queue anew, observed
+        there; its whole time from arrival is in its Timings (and its time to first token)."""
         if not sequence.queue_wait_observed and sequence.prefilled_at is not None:
             sequence.queue_wait_observed = True
             if sequence.trace is not None:
                 sequence.trace.admitted()
-            metrics.QUEUE_SECONDS.labels(replica=self._replica).observe(sequence.prefilled_at - sequence.submitted_at)
+            metrics.QUEUE_SECONDS.labels(replica=self._replica).observe(sequence.prefilled_at - sequence.queued_at)
 
     def _requeue(self, sequence: Sequence, now: float) -> None:
         """A prefill the engine had no slot for: back to the head of the queue, not an error; while
@@ -740,6 +772,14 @@ class Scheduler(ReplicaWork):
         self._waiting.push_front(sequence)
         self._engine_full_until = now + self._limits.engine_full_retry_s
         metrics.ENGINE_FULL.labels(replica=self._replica).inc()
+
+
+def _some(ids: list[int] | list[str]) -> list[int | str]:
+    """At most MAX_LOGGED_IDS of `ids`, then how many more there were."""
+    shown: list[int | str] = list(ids[:MAX_LOGGED_IDS])
+    if len(ids) > MAX_LOGGED_IDS:
+        shown.append(f"... {len(ids) - MAX_LOGGED_IDS} more")
+    return shown
 
 
 def _moving_average(previous: float | None, value: float) -> float:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import math
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,6 +36,11 @@ class GenerationRequest:
     priority: Priority = Priority.INTERACTIVE
     # time.monotonic() value after which the sequence is abandoned; None for no deadline.
     deadline: float | None = None
+    # When the adapter received the call (the schedulers' clock, time.monotonic()), set once: a retry
+    # on another replica, or a hand-back from a draining one, is the same request, and its time to
+    # first token and queue time count from here. None: from its first submit (ReplicaPool.generate
+    # sets it then, so its retries still count from there).
+    arrived_at: float | None = None
 
 
 @dataclass(frozen=True)
@@ -73,6 +79,8 @@ class Sequence:
 
     seq_id: int
     request: GenerationRequest
+    # When the request arrived at the adapter (GenerationRequest.arrived_at): the start of its
+    # timings, time to first token included, whichever replica serves it in the end.
     submitted_at: float
     events: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
     cancelled: bool = False
@@ -91,6 +99,13 @@ class Sequence:
     backend_failed: bool = False
     # Its spans while its request is traced and sampled (sequence_trace), else None.
     trace: SequenceTrace | None = None
+    # When it joined this replica's waiting queue (this attempt; NaN: at `submitted_at`): the start
+    # of sluice_adapter_queue_seconds, which is per replica.
+    queued_at: float = math.nan
+
+    def __post_init__(self) -> None:
+        if math.isnan(self.queued_at):
+            self.queued_at = self.submitted_at
 
     @property
     def tenant(self) -> str:
@@ -123,18 +138,25 @@ class Sequence:
         if text or logprobs:  # a token whose bytes are held back still has its logprob
             self.events.put_nowait(TokenEvent(text, tokens, logprobs))
 
-    def finish(self, finish: Finish, now: float, error: str = "") -> None:
-        """Ends the stream once; later calls are ignored."""
+    def finish(self, finish: Finish, now: float, error: str = "", handed_back: bool = False) -> None:
+        """Ends the stream once; later calls are ignored. `handed_back`: it never started here and
+        is routed to another replica (a drain): an ERROR for the replica pool, which retries it, but
+        no error in its trace."""
         if self.done:
             return
         self.done = True
         if self.trace is not None:
-            self.trace.finish(finish.value, self.prompt_tokens, self.completion_tokens, self.cached_tokens, error)
+            if handed_back:
+                self.trace.handed_back(error)
+            else:
+                self.trace.finish(finish.value, self.prompt_tokens, self.completion_tokens, self.cached_tokens, error)
         if finish in (Finish.CANCELLED, Finish.DEADLINE):
             metrics.CANCELLATIONS.labels(reason=finish.value).inc()
         self.events.put_nowait(FinishEvent(finish, self.prompt_tokens, self.completion_tokens, self._timings(now), error, self.cached_tokens))
 
     def _timings(self, now: float) -> Timings:
+        """From the request's arrival at the adapter: its queue time runs to the prefill of the
+        replica that served it, a failed replica's time included."""
         start, first, last = self.submitted_at, self.first_token_at, self.last_token_at
         gaps = self.completion_tokens - 1
         return Timings(
@@ -167,6 +189,11 @@ class SequenceHandle:
     @property
     def backend_failed(self) -> bool:
         return self._sequence.backend_failed
+
+    @property
+    def submitted_at(self) -> float:
+        """When its request arrived (GenerationRequest.arrived_at, else this submit)."""
+        return self._sequence.submitted_at
 
     def cancel(self) -> None:
         """Idempotent; the slot is released at the next step."""

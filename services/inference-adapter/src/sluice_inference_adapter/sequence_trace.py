@@ -65,6 +65,17 @@ class SequenceTrace:
             self.span.set_status(trace.Status(trace.StatusCode.ERROR, error[:200]))
         self.span.end()
 
+    def handed_back(self, reason: str) -> None:
+        """It never started on this replica and goes to another (a drain): the span ends without an
+        error status, the re-route kept as an event and an attribute (the retry's own sequence span
+        follows under the same Generate span)."""
+        if self._queue_span is not None:
+            self._queue_span.set_attribute("sluice.admitted", False)
+            self.admitted()
+        self.span.set_attribute("sluice.handed_back", True)
+        self.span.add_event("sluice.handed_back", {"sluice.reason": reason[:200]})
+        self.span.end()
+
 
 def start(request: Any) -> SequenceTrace | None:
     """A trace for a sequence submitted now (from its Generate call's task), when it is sampled."""
@@ -88,8 +99,11 @@ def start_round(traces: Iterable[SequenceTrace | None], rows: int, steps: int, r
     )
 
 
-def end_round(span: Span | None) -> None:
+def end_round(span: Span | None, error: str = "") -> None:
+    """Ends a round's span; `error`: the round failed or timed out (its sequences ended with it)."""
     if span is not None:
+        if error:
+            span.set_status(trace.Status(trace.StatusCode.ERROR, error[:200]))
         span.end()
 
 

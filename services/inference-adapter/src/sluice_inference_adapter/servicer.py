@@ -181,13 +181,15 @@ def _prompt_spec(messages: Iterable[types_pb2.ChatMessage], prompt: str, token_i
 
 
 def _generation_request(request: inference_pb2.GenerateRequest, time_remaining: float | None) -> GenerationRequest:
+    now = time.monotonic()  # the schedulers' clock: the call's arrival, kept across retries
     return GenerationRequest(
         request_id=request.request_id or current_request_id(),
         tenant=request.tenant,
         prompt=_prompt_spec(request.messages, request.prompt, request.prompt_token_ids),
         sampling=from_proto(request.sampling),
         priority=_priority(request.priority_class),
-        deadline=None if time_remaining is None else time.monotonic() + time_remaining,
+        deadline=None if time_remaining is None else now + time_remaining,
+        arrived_at=now,
     )
 
 

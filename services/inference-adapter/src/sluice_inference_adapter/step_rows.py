@@ -46,8 +46,10 @@ class PromptSpec:
         """The raw prompt, or token ids spelled as text: prompts that share leading ids share a prefix."""
         return self.prompt or " ".join(map(str, self.prompt_token_ids))
 
-    def to_json(self, sampling: Sampling | None = None, prefill_chunk: int = 0, owner: str = "") -> bytes:
-        """A step request's REQUEST: the prompt, and for a prefill the options in their JSON form."""
+    def to_json(self, sampling: Sampling | None = None, prefill_chunk: int = 0, owner: str = "", request_id: str = "") -> bytes:
+        """A step request's REQUEST: the prompt, and for a prefill the options in their JSON form,
+        and the request id the engine's log lines name the sequence by (an older step model ignores
+        a key it does not know)."""
         body: dict[str, object]
         if self.messages:
             body = {"messages": [list(m) for m in self.messages]}
@@ -59,6 +61,8 @@ class PromptSpec:
             body["prefill_chunk"] = prefill_chunk
         if owner:
             body["owner"] = owner
+        if request_id:
+            body["request_id"] = request_id
         if sampling is not None:
             body.update(sampling.to_json())
         return json.dumps(body).encode()

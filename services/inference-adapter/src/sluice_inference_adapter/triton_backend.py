@@ -11,7 +11,6 @@ import asyncio
 import contextlib
 import json
 import random
-import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing
 from typing import Any, Literal
@@ -29,7 +28,7 @@ from sluice_inference_adapter import metrics
 from sluice_inference_adapter.backend_errors import RequestRejected, engine_message, is_request_fault
 from sluice_inference_adapter.embed_batcher import Embeddings
 from sluice_inference_adapter.generated_chunk import GeneratedChunk
-from sluice_inference_adapter.step_rows import FINISH_BUSY, Action, PromptSpec, StepOutcome, StepRow, steps_in
+from sluice_inference_adapter.step_rows import FINISH_BUSY, Action, PromptSpec, StepOutcome, StepRow
 from sluice_inference_adapter.step_timeout import StepTimeouts
 
 Protocol = Literal["step", "generate"]
@@ -239,23 +238,19 @@ class TritonStepBackend(_TritonEndpoint):
         async def requests() -> AsyncIterator[dict[str, object]]:
             yield {"model_name": self.model, "inputs": inputs, "outputs": outputs}
 
-        started = time.perf_counter()
         # The fixed bound is per step (the scheduler cuts a stuck step off sooner by the adaptive one).
+        # Step times are the scheduler's to take (sluice_adapter_step_seconds): a round sent ahead
+        # starts here at once, and its first answer waits for the round before it.
         responses = self._client.stream_infer(requests(), stream_timeout=self._timeout_s * steps)
         answered = False
         try:
             async for result, error in responses:
                 if error is not None:
                     raise Unavailable(f"Triton at {self.url} failed a step of {self.model}: {error.message()}")
-                elapsed = time.perf_counter() - started
                 outcomes, answered = _step_outcomes(result)
-                steps_answered = steps_in(outcomes)
-                for _ in range(steps_answered):
-                    metrics.STEP_SECONDS.labels(replica=self._replica).observe(elapsed / steps_answered)
                 yield outcomes
                 if answered:
                     return
-                started = time.perf_counter()
         except InferenceServerException as exc:
             raise Unavailable(f"Triton at {self.url} failed a step of {self.model}: {exc.message()}") from exc
         finally:
@@ -303,7 +298,9 @@ class TritonGenerateBackend(_TritonEndpoint):
         self._probe_timeout_s = probe_timeout_s
         self._timeouts = timeouts
 
-    async def stream(self, text: str, sampling: Sampling) -> AsyncGenerator[GeneratedChunk, None]:
+    async def stream(self, text: str, sampling: Sampling, request_id: str = "") -> AsyncGenerator[GeneratedChunk, None]:
+        """The engine's responses for one sequence. `request_id` is sent as the inference request's
+        id (KServe v2's `id`), which Triton names the request by in its own log and trace lines."""
         inputs = [
             _tensor("text_input", np.array([text.encode()], dtype=np.object_), "BYTES"),
             _tensor("sampling_parameters", np.array([json.dumps(vllm_sampling_parameters(sampling)).encode()], dtype=np.object_), "BYTES"),
@@ -315,7 +312,7 @@ class TritonGenerateBackend(_TritonEndpoint):
         async def requests() -> AsyncIterator[dict[str, object]]:
             # tritonclient's aio stream_infer has no enable_empty_final_response (and "triton_"
             # parameters are reserved): the backend's finish_reason marks the last response.
-            yield {"model_name": self.model, "inputs": inputs}
+            yield {"model_name": self.model, "inputs": inputs, "request_id": request_id}
 
         responses = self._client.stream_infer(requests())
         # Answered: the backend sent its last response (an error response is its last too).

@@ -50,8 +50,12 @@ One Triton request carries one row per sequence, all tensors of shape [rows]:
                            {"regex": ...}, {"choice": [...]} or {"grammar": ...}); absent: the
                            default; max_tokens must be given),
                            "prefill_chunk": prompt tokens to cache per step (0 or
-                           absent: the whole prompt in this step), and "owner": who
-                           drives the sequence (slot metrics per adapter). A DECODE row of a
+                           absent: the whole prompt in this step), "owner": who
+                           drives the sequence (slot metrics per adapter), and "request_id":
+                           the caller's id for the request, which the engine's log lines about
+                           the sequence name (optional; not a string: ignored; cut at 64
+                           characters). Any other key is ignored, so a caller may send a key
+                           an older engine does not know. A DECODE row of a
                            sequence whose prompt is not yet all cached caches its next
                            chunk and answers TOKEN_ID -1 with FINISH "".
            STEPS   INT32   optional, shape [1]: engine steps in the round (1 to MAX_ROUND_STEPS;
@@ -133,6 +137,9 @@ MAX_ROUND_STEPS = 64
 MAX_STREAM_INTERVAL_MS = 1000
 # A prefill's owner (its adapter's host/pid) is a metric label: kept to this many characters.
 MAX_OWNER = 128
+# A prefill's request id is put in log lines: kept to this many characters (sluice_common's bound on
+# a caller's id, which this module does not import: Triton's image copies only what the engine needs).
+MAX_REQUEST_ID = 64
 
 INPUTS: tuple[tuple[str, type], ...] = (("ACTION", np.int32), ("SEQ_ID", np.int64), ("REQUEST", bytes))
 OPTIONAL_INPUTS: tuple[tuple[str, type], ...] = (
@@ -260,11 +267,19 @@ def _parse_row(engine: SharedEngine, action: int, seq_id: int, raw: bytes) -> Pr
         chunk = int(request.get("prefill_chunk", 0))
         if chunk < 0:
             return _invalid(seq_id, f"prefill_chunk must be >= 0, got {chunk}")
-        return PrefillRow(seq_id, tuple(prompt), sampling, chunk=chunk, owner=str(request.get("owner", ""))[:MAX_OWNER])
+        owner = str(request.get("owner", ""))[:MAX_OWNER]
+        return PrefillRow(seq_id, tuple(prompt), sampling, chunk=chunk, owner=owner, request_id=_request_id(request))
     except (ValueError, TypeError, KeyError, OverflowError, RecursionError) as exc:
         # OverflowError: a number JSON spells as 1e999 (inf) where an integer goes; RecursionError:
         # JSON nested deeper than the parser's recursion. Either fails this row, not the request's others.
         return _invalid(seq_id, f"malformed REQUEST JSON: {exc}")
+
+
+def _request_id(request: dict[str, Any]) -> str:
+    """The prefill's "request_id", for log lines alone: one that is not a string is ignored, not
+    refused (no row fails for what only names it in a log), and a long one is cut."""
+    value = request.get("request_id")
+    return value[:MAX_REQUEST_ID] if isinstance(value, str) else ""
 
 
 class RoundRejected(ValueError):

@@ -17,6 +17,7 @@ class PrefillRow:
     params: Sampling = Sampling()  # max_tokens must be set: its default 0 is refused
     chunk: int = 0  # prompt tokens cached per step; 0: the whole prompt in this step
     owner: str = ""  # who drives the sequence (an adapter instance), for per-owner slot metrics
+    request_id: str = ""  # the caller's request id, named in the engine's log lines about the sequence
 
 
 @dataclass(frozen=True)

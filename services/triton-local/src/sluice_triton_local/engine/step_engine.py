@@ -49,6 +49,7 @@ scheduler that frees a slot refills it at once and the other starves).
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import Counter, deque
 from collections.abc import Callable
@@ -70,6 +71,11 @@ from .rows import DecodeRow, PrefillRow, ReleaseRow, Row, RowResult, TokenLogpro
 from .sampling import BatchSampler, RowLogprobs
 from .stops import StopFilter
 from .tokenizer import GGUFTokenizer, IncrementalDetokenizer
+
+# Standard logging, as shared_engine's: Triton's image runs the engine without structlog.
+log = logging.getLogger("sluice.triton_local.engine")
+# Sequences one log line names at most (a step may fail a whole batch); the rest are counted.
+MAX_LOGGED_SEQUENCES = 16
 
 
 # Engine steps a sequence must have missed, besides the lease time, before it is released.
@@ -94,6 +100,7 @@ class _Seq:
     last_token: int = -1  # sampled but not yet fed back
     completion_tokens: int = 0
     owner: str = ""
+    request_id: str = ""  # its caller's request id (a prefill's "request_id"), for log lines
     matcher: Matcher | None = None  # its constraint's state, when it has one
     last_stepped_at: float = 0.0
     last_stepped_step: int = 0
@@ -424,6 +431,8 @@ class StepEngine:
             if not running and (seq := self._seqs.get(row.seq_id)) is not None:
                 self._free(seq, keep_cells=False)
             self._recover_slots()
+            request = f" (request {row.request_id})" if row.request_id else ""
+            log.warning("admission_failed: seq %d%s: %r", row.seq_id, request, exc)
             return _error(row.seq_id, f"admission failed: {exc!r}")
 
     def _recover_slots(self) -> None:
@@ -435,7 +444,11 @@ class StepEngine:
                 self._slots.free(slot, None)
 
     def _fail(self, rows: list[_Pending], message: str, results: list[RowResult | None]) -> None:
-        """Fails a step's rows: their sequences end, their cells forgotten (they may be half written)."""
+        """Fails a step's rows: their sequences end, their cells forgotten (they may be half written).
+        Logged with the sequences it ends (seq_id and request id, bounded): the caller's lines name them."""
+        named = [f"seq {p.seq.seq_id}{_request_of(p.seq)}" for p in rows[:MAX_LOGGED_SEQUENCES]]
+        more = f" and {len(rows) - MAX_LOGGED_SEQUENCES} more" if len(rows) > MAX_LOGGED_SEQUENCES else ""
+        log.warning("step_rows_failed: %s; sequences: %s%s", message, ", ".join(named), more)
         for p in rows:
             self._free(p.seq, keep_cells=False)
             results[p.row_index] = _error(p.seq.seq_id, message, p.seq)
@@ -522,6 +535,7 @@ class StepEngine:
             stopper=StopFilter(row.params.stop),
             chunk=row.chunk,
             owner=row.owner,
+            request_id=row.request_id,
             matcher=matcher,
             last_stepped_at=self._clock(),
             last_stepped_step=self._steps,
@@ -645,7 +659,7 @@ class StepEngine:
             self.slots_reclaimed_total += 1
             # Who left it: an operator (or a test) traces the leak back to the adapter that held it.
             self.reclaimed_recently.append(
-                f"seq {seq.seq_id} of {seq.owner or '?'}: idle {now - seq.last_stepped_at:.1f} s, "
+                f"seq {seq.seq_id}{_request_of(seq)} of {seq.owner or '?'}: idle {now - seq.last_stepped_at:.1f} s, "
                 f"{seq.prompt_tokens} prompt and {seq.completion_tokens} completion tokens"
             )
 
@@ -783,6 +797,11 @@ def _prefilling(seq: _Seq) -> RowResult:
 def _invalid(seq_id: int, message: str) -> RowResult:
     """A row refused for what its request asked (the caller's error, step_protocol's "invalid")."""
     return RowResult(seq_id=seq_id, token_id=-1, text="", finish_reason="invalid", prompt_tokens=0, completion_tokens=0, error=message)
+
+
+def _request_of(seq: _Seq) -> str:
+    """ " (request <id>)" for a log line, when its caller named one."""
+    return f" (request {seq.request_id})" if seq.request_id else ""
 
 
 def _error(seq_id: int, message: str, seq: _Seq | None = None, prompt_tokens: int = 0) -> RowResult:
