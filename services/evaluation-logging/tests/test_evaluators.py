@@ -199,3 +199,72 @@ async def test_a_broken_evaluator_is_recorded_as_skipped(monkeypatch) -> None:  
     monkeypatch.setattr(pii, "evaluate", boom)
     scores = await scores_of(make_event())
     assert scores["pii"].skipped and "RuntimeError: bug" in scores["pii"].detail
+
+
+def _errors(name: str) -> float:
+    from prometheus_client import REGISTRY
+
+    return REGISTRY.get_sample_value("sluice_evallog_evaluator_errors_total", {"evaluator": name}) or 0.0
+
+
+def test_every_evaluator_has_its_error_count_from_the_start() -> None:
+    """At 0 before any failure: increase() does not see the first failure of a series born above 0."""
+    from prometheus_client import REGISTRY
+
+    from sluice_evaluation_logging.evaluators import REFERENCE_EVALUATORS
+
+    for module in (*EVALUATORS, *REFERENCE_EVALUATORS):
+        assert REGISTRY.get_sample_value("sluice_evallog_evaluator_errors_total", {"evaluator": module.NAME}) is not None, module.NAME
+
+
+async def test_a_broken_evaluator_is_counted_and_logged_with_its_traceback_once_a_minute(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """It was turned into a skipped score with no log line, and skipped scores count in no metric:
+    an evaluator that raised on every event was invisible. Each failure counts; a warning with the
+    traceback is logged at most once per FAILURE_LOG_INTERVAL_S per evaluator, the next one saying how
+    many were not logged."""
+    from structlog.testing import capture_logs
+
+    from sluice_evaluation_logging import evaluators
+
+    def boom(event, ctx):  # type: ignore[no-untyped-def]
+        raise RuntimeError("bug")
+
+    monkeypatch.setattr(pii, "evaluate", boom)
+    monkeypatch.setattr(evaluators, "_last_logged", {})
+    before = _errors("pii"), _errors("repetition")
+    ctx = EvalContext(SETTINGS)
+    with capture_logs() as logs:
+        scored = await evaluators.evaluate_batch([make_event() for _ in range(3)], ctx)
+        assert all(any(s.name == "pii" and s.skipped for s in scores) for scores in scored)  # the records are kept
+        monkeypatch.setattr(evaluators, "FAILURE_LOG_INTERVAL_S", 0.0)
+        await evaluators.evaluate_batch([make_event()], ctx)
+    assert (_errors("pii") - before[0], _errors("repetition") - before[1]) == (4, 0)
+    lines = [e for e in logs if e["event"] == "evaluator_failed"]
+    assert [(e["log_level"], e["evaluator"], e["unlogged_since_last"]) for e in lines] == [("warning", "pii", 0), ("warning", "pii", 2)]
+    assert lines[0]["exception"].startswith("Traceback") and "in boom" in lines[0]["exception"]
+    assert lines[0]["exception"].endswith("RuntimeError: bug") and lines[0]["error"] == "skipped: evaluator failed: RuntimeError: bug"
+
+
+async def test_a_pool_workers_evaluator_failure_is_logged_and_counted_here(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A CPU-heavy evaluator raises in a worker process, whose logs and metrics are not the service's:
+    the traceback comes back with the (pickled) result and is reported in this process."""
+    import pickle
+
+    from structlog.testing import capture_logs
+
+    from sluice_evaluation_logging import evaluators
+
+    def boom(event, ctx):  # type: ignore[no-untyped-def]
+        raise ValueError("regex blew up")
+
+    async def in_a_worker(serialized, settings):  # type: ignore[no-untyped-def]
+        return pickle.loads(pickle.dumps(evaluators.evaluate_heavy_chunk(serialized, settings)))
+
+    monkeypatch.setattr(repetition, "evaluate", boom)
+    monkeypatch.setattr(evaluators, "_last_logged", {})
+    before = _errors("repetition")
+    with capture_logs() as logs:
+        (scores,) = await evaluators.evaluate_batch([make_event()], EvalContext(SETTINGS), in_a_worker)
+    assert {s.name: s.skipped for s in scores}["repetition"] and _errors("repetition") - before == 1
+    (line,) = [e for e in logs if e["event"] == "evaluator_failed"]
+    assert line["evaluator"] == "repetition" and "ValueError: regex blew up" in line["exception"] and "in boom" in line["exception"]

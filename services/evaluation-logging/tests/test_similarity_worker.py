@@ -537,3 +537,21 @@ async def test_the_worker_gives_way_to_a_busy_consumer_but_still_progresses(stor
         await wait_for(all_done, 5)
     finally:
         await worker.stop()
+
+
+async def test_a_failed_deferred_batch_is_logged_with_its_traceback() -> None:
+    """The store down (or a bug) fails a pass of the worker, which retries later: its line had only
+    the error's repr, no traceback."""
+    from structlog.testing import capture_logs
+
+    worker = SimilarityWorker(None, None, SETTINGS, WorkerSettings(poll_s=0.05))  # type: ignore[arg-type]
+
+    async def broken() -> int:
+        worker._stopping.set()  # one pass only
+        raise ConnectionError("database down")
+
+    worker.run_once = broken  # type: ignore[method-assign]
+    with capture_logs() as logs:
+        await asyncio.wait_for(worker._run(), 5)
+    (line,) = [e for e in logs if e["event"] == "deferred_batch_failed"]
+    assert line["error"] == "ConnectionError: database down" and isinstance(line["exc_info"], ConnectionError)

@@ -21,6 +21,7 @@ from openai.types.chat import ChatCompletion
 from sluice.common.v1 import types_pb2
 from sluice.inference.v1 import inference_pb2
 from sluice.jobs.v1 import jobs_pb2
+from structlog.testing import capture_logs
 
 from sluice_common.amqp_publisher import MessageRejected
 from sluice_gateway.jobs import api as jobs_api
@@ -352,9 +353,13 @@ async def test_a_batch_whose_files_cannot_be_made_does_not_fail_the_list(setup: 
     # The first batch's input file no longer reads as one (as a file accepted by older rules).
     with contextlib.closing(sqlite3.connect(tmp_path / "jobs.sqlite3")) as db, db:
         db.execute("UPDATE openai_files SET content = ? WHERE file_id = ?", (b"{not json", ids[0][1]))
-    reply = await setup.client.get("/v1/batches", headers=DEMO)
+    with capture_logs() as logs:
+        reply = await setup.client.get("/v1/batches", headers=DEMO)
     listed = {b["id"]: b for b in (await reply.json())["data"]}
     assert reply.status == 200 and set(listed) == {ids[0][0], ids[1][0]}
+    # Logged with its traceback (an unexpected failure: only its repr was logged).
+    (failed,) = [e for e in logs if e["event"] == "batch_files_failed"]
+    assert failed["batch_id"] == ids[0][0] and isinstance(failed["exc_info"], Exception)
     assert listed[ids[0][0]]["status"] == "completed" and "output_file_id" not in listed[ids[0][0]]
     assert listed[ids[1][0]]["output_file_id"]
 

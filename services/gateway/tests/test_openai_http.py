@@ -524,6 +524,45 @@ async def test_header_bytes_that_are_not_utf8_are_refused(setup) -> None:  # typ
     assert await _raw_status(client, start + auth + b"X-Client-Request-Id: caf\xc3\xa9\r\n") == 200
 
 
+async def _raw_reply(client, head: bytes) -> tuple[int, dict[str, str], bytes]:  # type: ignore[no-untyped-def]
+    """Status, headers (lower-cased names) and body of a request written byte for byte."""
+    reader, writer = await asyncio.open_connection(client.server.host, client.server.port)
+    body = json.dumps(CHAT).encode()
+    writer.write(head + b"Content-Type: application/json\r\nContent-Length: %d\r\nConnection: close\r\n\r\n" % len(body) + body)
+    await writer.drain()
+    reply = await reader.read()
+    writer.close()
+    head_bytes, _, content = reply.partition(b"\r\n\r\n")
+    status_line, *lines = head_bytes.decode("latin-1").split("\r\n")
+    headers = {name.strip().lower(): value.strip() for name, _, value in (line.partition(":") for line in lines)}
+    return int(status_line.split()[1]), headers, content
+
+
+@pytest.mark.parametrize("value", [b"\xc3\xa9-id", b"x\ty", b"caf\xc3\xa9 \xe2\x9c\x93"])
+async def test_a_request_id_grpc_metadata_cannot_carry_is_a_400_naming_the_header(failing_client, value: bytes) -> None:  # type: ignore[no-untyped-def]
+    """The request id goes into every downstream call's gRPC metadata, which takes printable ASCII
+    only: UTF-8 text outside it went through and grpc refused to send the call (here the adapter's
+    stream: INTERNAL "Invalid metadata"; rate-limit's unary Acquire: ExecuteBatchError, no status at
+    all), a 500 counted in the error ratio for a client's bad header."""
+    start = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode() + b"\r\n"
+    status, headers, content = await _raw_reply(failing_client, start + b"X-Request-Id: " + value + b"\r\n")
+    error = json.loads(content)["error"]
+    assert (status, error["param"], error["code"]) == (400, "x-request-id", "invalid_value"), (status, error)
+    assert "printable ASCII" in error["message"]
+    # Answered under an id of the gateway's own (32 hex digits), which the log lines carry too.
+    assert len(headers["x-request-id"]) == 32 and int(headers["x-request-id"], 16) >= 0
+
+
+async def test_a_printable_ascii_request_id_follows_the_call_and_a_client_request_id_needs_no_ascii(failing_client) -> None:  # type: ignore[no-untyped-def]
+    """Space to ~ is what gRPC metadata carries: kept as sent (the first MAX_REQUEST_ID characters).
+    X-Client-Request-Id is no metadata (a field of the request, any UTF-8, as gRPC's callers send it)."""
+    start = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode() + b"\r\n"
+    status, headers, _ = await _raw_reply(failing_client, start + b"X-Request-Id: my id ~1\r\nX-Client-Request-Id: caf\xc3\xa9\r\n")
+    assert (status, headers["x-request-id"]) == (200, "my id ~1")
+    status, headers, _ = await _raw_reply(failing_client, start + b"X-Request-Id: " + b"a" * 100 + b"\r\n")
+    assert (status, headers["x-request-id"]) == (200, "a" * 64)
+
+
 # ---- sampling options (issue 25): honoured, range-checked, or refused naming the param
 
 OPTIONS = {
@@ -1112,7 +1151,7 @@ async def test_every_request_is_counted_by_method_route_template_and_status(setu
     from prometheus_client import REGISTRY
 
     def count(method: str, route: str, status: str) -> float:
-        labels = {"http_request_method": method, "http_route": route, "http_response_status_code": status}
+        labels = {"http_request_method": method, "http_route": route, "http_response_status_code": status, "error_type": ""}
         return REGISTRY.get_sample_value("http_server_request_duration_seconds_count", labels) or 0.0
 
     client, _adapter, _ratelimit, _publisher = setup
@@ -1123,3 +1162,79 @@ async def test_every_request_is_counted_by_method_route_template_and_status(setu
     assert (await client.post("/v1/chat/completions", json=body)).status == 401
     after = count("POST", "/v1/chat/completions", "200"), count("GET", "unmatched", "404"), count("POST", "/v1/chat/completions", "401")
     assert [a - b for a, b in zip(after, before)] == [1, 1, 1]
+
+
+def _http_count(status: str, error_type: str) -> float:
+    from prometheus_client import REGISTRY
+
+    labels = {"http_request_method": "POST", "http_route": "/v1/chat/completions", "http_response_status_code": status, "error_type": error_type}
+    return REGISTRY.get_sample_value("http_server_request_duration_seconds_count", labels) or 0.0
+
+
+@pytest.mark.parametrize(
+    ("tail", "error_type"),
+    [
+        ([grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), "replica died")], "503"),
+        ([RuntimeError("a bug")], "500"),
+        # An ERROR finish and no status after it: answered by the front itself (generation_failed).
+        ([inference_pb2.GenerateResponse(finish_reason=types_pb2.FINISH_REASON_ERROR)], "500"),
+    ],
+)
+async def test_a_stream_failing_after_its_first_chunk_counts_as_an_error(setup, tail: list[Any], error_type: str) -> None:  # type: ignore[no-untyped-def]
+    """Its 200 was sent (OpenTelemetry's http.response.status_code is the status sent): recorded as
+    200 with error.type the failure's status, which the error ratio counts. It was a plain 200,
+    which no rule could tell from a success."""
+    client, adapter, _, _ = setup
+    adapter.chunks = [inference_pb2.GenerateResponse(text="Hel", token_count=1), *tail]
+    before = _http_count("200", error_type), _http_count("200", "")
+    reply = await client.post("/v1/chat/completions", json={**CHAT, "stream": True}, headers=AUTH)
+    assert reply.status == 200 and "event: error" in await reply.text()
+    assert (_http_count("200", error_type) - before[0], _http_count("200", "") - before[1]) == (1, 0)
+
+
+async def test_a_server_error_answered_has_its_status_as_error_type_and_a_client_error_none(setup) -> None:  # type: ignore[no-untyped-def]
+    """OpenTelemetry's error.type of an HTTP server request: its status when a 5xx, none for a 4xx (the client's)."""
+    client, adapter, ratelimit, _ = setup
+    adapter.chunks = [grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), "no replica")]
+    before = _http_count("503", "503"), _http_count("429", "")
+    assert (await client.post("/v1/chat/completions", json=CHAT, headers=AUTH)).status == 503
+    ratelimit.allowed = False
+    assert (await client.post("/v1/chat/completions", json=CHAT, headers=AUTH)).status == 429
+    assert (_http_count("503", "503") - before[0], _http_count("429", "") - before[1]) == (1, 1)
+
+
+async def test_the_generation_span_is_named_after_the_catalogs_model_never_the_clients_unknown_one(setup, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Through the path: a model the catalog lacks leaves the placeholder ("chat _OTHER"); a known
+    one names the span even when the call then fails (refused by rate-limit after the checks)."""
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from sluice_common import tracing
+
+    client, _adapter, ratelimit, _ = setup
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    monkeypatch.setattr(tracing, "_enabled", True)  # after the app is built: no aiohttp instrumentation
+    monkeypatch.setattr(tracing, "tracer", lambda: provider.get_tracer("sluice"))
+    assert (await client.post("/v1/chat/completions", json={**CHAT, "model": "no-such-model-7f3a"}, headers=AUTH)).status == 404
+    assert (await client.post("/v1/chat/completions", json=CHAT, headers=AUTH)).status == 200
+    ratelimit.allowed = False
+    assert (await client.post("/v1/chat/completions", json=CHAT, headers=AUTH)).status == 429
+    names = [span.name for span in exporter.get_finished_spans() if span.name.startswith("chat")]
+    assert names == ["chat _OTHER", "chat g", "chat g"]
+
+
+async def test_an_unexpected_error_is_a_500_logged_with_its_traceback(setup) -> None:  # type: ignore[no-untyped-def]
+    """A bug of ours: answered 500 without its details, and logged with its traceback (only its
+    repr was logged: no line to find it by)."""
+    from structlog.testing import capture_logs
+
+    client, adapter, _, _ = setup
+    adapter.chunks = [RuntimeError("a bug")]
+    with capture_logs() as logs:
+        status, error = await _error(await client.post("/v1/chat/completions", json=CHAT, headers=AUTH))
+    assert (status, error["code"]) == (500, "internal_error") and "a bug" not in error["message"]
+    (line,) = [e for e in logs if e["event"] == "http_internal_error"]
+    assert line["log_level"] == "error" and isinstance(line["exc_info"], RuntimeError) and str(line["exc_info"]) == "a bug"

@@ -11,7 +11,10 @@ from sluice.gateway.v1 import gateway_pb2
 from sluice.inference.v1 import inference_pb2
 
 from sluice_common import tracing
-from sluice_gateway.path.generation_trace import start_generation
+from sluice_common.errors import InvalidArgument, ResourceExhausted, clip
+from sluice_common.validation import MAX_MODEL_NAME
+from sluice_gateway.path.generation_trace import UNKNOWN_MODEL, start_generation
+from sluice_gateway.path.model_catalog import UnknownModel
 
 
 @pytest.fixture
@@ -67,3 +70,22 @@ def test_a_failed_generation_ends_in_error(exported: InMemorySpanExporter) -> No
     (span,) = exported.get_finished_spans()
     assert span.name == "text_completion m" and not span.status.is_ok
     assert span.attributes["error.type"] == "RuntimeError"
+
+
+def test_a_model_not_known_to_be_the_catalogs_is_no_part_of_the_span_name(exported: InMemorySpanExporter) -> None:
+    """The span starts before the request is checked: its name held whatever model the client sent
+    (only clipped), a span name per made-up model. A call refused by the checks (an unknown model,
+    or any InvalidArgument: it may come before the model is looked up) keeps the placeholder; a call
+    that got past them (any other end) is named after its model. The client's name stays an attribute."""
+    made_up = "x" * 300
+    chat = [types_pb2.ChatMessage(role="user", content="hi")]
+    for error in (UnknownModel("model", "unknown generation model"), InvalidArgument("tool_use.tools", "bad")):
+        generation = start_generation(gateway_pb2.GenerateRequest(model=made_up, messages=chat), "demo")
+        assert generation is not None
+        generation.end(error)
+    generation = start_generation(gateway_pb2.GenerateRequest(model="smollm2", messages=chat), "demo")
+    assert generation is not None
+    generation.end(ResourceExhausted("rate limit exceeded"))  # refused by rate-limit, after the checks
+    names = [span.name for span in exported.get_finished_spans()]
+    assert names == [f"chat {UNKNOWN_MODEL}", "chat _OTHER", "chat smollm2"]
+    assert exported.get_finished_spans()[0].attributes["gen_ai.request.model"] == clip(made_up, MAX_MODEL_NAME)  # as before: clipped

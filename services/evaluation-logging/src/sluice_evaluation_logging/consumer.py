@@ -51,7 +51,12 @@ log = structlog.stdlib.get_logger("sluice.evallog.consumer")
 # The stdlib logger under `log` (structlog renders through it): asked whether DEBUG is on.
 _stdlib_log = logging.getLogger("sluice.evallog.consumer")
 
-EVENTS = Counter("sluice_evallog_events_total", "Events consumed, by outcome.", ["outcome"])
+EVENTS = Counter("sluice_evallog_events_total", "Events consumed, by outcome (stored, duplicate, dead_lettered).", ["outcome"])
+# Exported at 0 from the start: increase() over a series that first appears at 1 is 0, and
+# SluiceEventsDeadLettered would miss the first dead-lettering after a restart.
+EVENT_OUTCOMES = ("stored", "duplicate", "dead_lettered")
+for _outcome in EVENT_OUTCOMES:
+    EVENTS.labels(_outcome)
 BATCH_SIZE = Histogram("sluice_evallog_batch_size", "Events per stored batch.", buckets=(1, 4, 16, 64, 128, 256, 512, 1024))
 BATCH_SECONDS = Histogram("sluice_evallog_batch_seconds", "Evaluate + store + ack of one batch.", buckets=(0.001, 0.005, 0.02, 0.05, 0.1, 0.5, 1, 5))
 # Health stays SERVING while either is 0: the query API needs neither RabbitMQ nor a consumer, and
@@ -240,6 +245,24 @@ class CompletionConsumer:
         """
         started = time.perf_counter()
         spans = start_process_spans(batch, self._settings.topology.completions_queue)
+        try:
+            to_store, dead_lettered = await self._evaluate(batch, dead)
+            await self._settle_commit()
+        except BaseException as exc:
+            end_process_spans(spans, stored=False, error=exc)
+            raise
+        commit = self._commit(batch, to_store, dead, dead_lettered, started, spans)
+        self._committing = asyncio.create_task(commit, name="evallog-commit")
+
+        def cancelled(task: asyncio.Task[None]) -> None:
+            # Cancelled before it ever ran (the service stopping), the commit could not end them itself.
+            if task.cancelled():
+                end_process_spans(spans, stored=False, error=asyncio.CancelledError())
+
+        self._committing.add_done_callback(cancelled)
+
+    async def _evaluate(self, batch: Sequence[AbstractIncomingMessage], dead: aio_pika.abc.AbstractExchange) -> tuple[Stored, int]:
+        """The batch decoded (what cannot be is dead-lettered: counted) and evaluated, as rows to store."""
         decoded: list[tuple[AbstractIncomingMessage, events_pb2.CompletionEvent]] = []
         dead_lettered = 0
         for index, message in enumerate(batch):
@@ -270,9 +293,7 @@ class CompletionConsumer:
                     scores={s.name: round(s.value, 4) if isinstance(s, ScoreResult) else "pending" for s in scores},
                     **otel_attributes(event),
                 )
-        await self._settle_commit()
-        commit = self._commit(batch, to_store, dead, dead_lettered, started, spans)
-        self._committing = asyncio.create_task(commit, name="evallog-commit")
+        return to_store, dead_lettered
 
     async def _dead_letter(self, dead: aio_pika.abc.AbstractExchange, message: AbstractIncomingMessage, reason: str) -> None:
         """Confirmed by the broker on return: the message may then be acked."""
@@ -293,10 +314,14 @@ class CompletionConsumer:
         started: float,
         spans: list[Any] | None = None,
     ) -> None:
-        rows, inserted = await self._store_batch(to_store, dead)
-        dead_lettered += len(to_store) - len(rows)
-        # One multiple-ack covers the whole batch (deliveries on a channel are acked in order).
-        await batch[-1].ack(multiple=True)
+        try:
+            rows, inserted = await self._store_batch(to_store, dead)
+            dead_lettered += len(to_store) - len(rows)
+            # One multiple-ack covers the whole batch (deliveries on a channel are acked in order).
+            await batch[-1].ack(multiple=True)
+        except BaseException as exc:  # unacked: the broker delivers the batch again
+            end_process_spans(spans, stored=False, error=exc)
+            raise
         end_process_spans(spans, stored=True)
         if self._on_pending is not None and inserted and any(row.pending for row in rows):
             self._on_pending()

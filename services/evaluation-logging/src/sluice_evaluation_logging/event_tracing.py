@@ -2,7 +2,8 @@
 
 The gateway puts the W3C trace context of the request in the event message's headers
 (`traceparent`). Here each message gets a CONSUMER span, in that trace and linked to the gateway's
-publish span, from the batch's start until its record is stored and acked; and the record keeps
+publish span, from the batch's start until its record is stored and acked (or the batch fails:
+`sluice.evallog.stored` false, the span in error); and the record keeps
 the trace id (read from the header whether or not this service's own tracing is on, so that
 `sluice logs` can point at the trace the gateway exported).
 """
@@ -12,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from opentelemetry.trace import Link, SpanKind, get_current_span
+from opentelemetry.trace import Link, SpanKind, Status, StatusCode, get_current_span
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from sluice_common import tracing
@@ -53,7 +54,15 @@ def start_process_spans(messages: Sequence[Any], queue: str) -> list[Any] | None
     return spans
 
 
-def end_process_spans(spans: list[Any] | None, stored: bool) -> None:
+def end_process_spans(spans: list[Any] | None, stored: bool, error: BaseException | None = None) -> None:
+    """Ends a batch's spans: `stored` once its records are stored and acked; not, with the `error`
+    that stopped it (evaluation, the store, the ack, the session ending), which leaves the messages
+    unacked for the broker to deliver again. A span already ended is left as it is."""
     for span in spans or ():
+        if not span.is_recording():
+            continue
         span.set_attribute("sluice.evallog.stored", stored)
+        if error is not None:
+            span.set_status(Status(StatusCode.ERROR, type(error).__name__))
+            span.set_attribute("error.type", type(error).__name__)
         span.end()

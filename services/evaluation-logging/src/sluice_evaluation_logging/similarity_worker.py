@@ -152,7 +152,7 @@ class SimilarityWorker:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001 - the store is down: markers wait, we retry
-                log.error("deferred_batch_failed", error=f"{type(exc).__name__}: {exc}")
+                log.error("deferred_batch_failed", error=f"{type(exc).__name__}: {exc}", exc_info=exc)
                 await self._sleep(self._next_backoff())
                 continue
             if done == 0 and not self._stopping.is_set():

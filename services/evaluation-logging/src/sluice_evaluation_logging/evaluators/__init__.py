@@ -10,13 +10,16 @@ events from the gateway carry no reference, so the consumer never runs them.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import inspect
 import time
-from collections.abc import Awaitable, Callable, Sequence
+import traceback
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from types import ModuleType
 from typing import Any
 
-from prometheus_client import Histogram
+import structlog
+from prometheus_client import Counter, Histogram
 
 from sluice_evaluation_logging.evaluators import (
     empty_output,
@@ -78,13 +81,49 @@ YIELD_EVERY = 64
 # What a synchronous evaluator returns; anything else is checked for being awaitable.
 _SETTLED = (ScoreResult, Deferred, type(None))
 
+log = structlog.stdlib.get_logger("sluice.evallog.evaluators")
 
-def _failed(evaluator: ModuleType, exc: Exception) -> ScoreResult:
-    return skipped(evaluator.NAME, f"skipped: evaluator failed: {type(exc).__name__}: {exc}")
+# An evaluator that raises is recorded as skipped (the record is kept); counted here and logged
+# with its traceback, in this process (a pool worker's failure comes back with its result).
+EVALUATOR_ERRORS = Counter(
+    "sluice_evallog_evaluator_errors_total",
+    "Evaluator runs that raised (the score recorded as skipped with the error), by evaluator.",
+    ["evaluator"],
+)
+for _evaluator in (*EVALUATORS, *REFERENCE_EVALUATORS):
+    EVALUATOR_ERRORS.labels(_evaluator.NAME)  # 0 from the start: increase() sees the first failure
+
+# At most one evaluator_failed line (with its traceback) per evaluator per this many seconds: a
+# broken evaluator fails on every event, thousands a second. The next line says how many were not logged.
+FAILURE_LOG_INTERVAL_S = 60.0
+_last_logged: dict[str, tuple[float, int]] = {}  # evaluator -> (when its last line was, failures since)
+
+
+def _failed(evaluator: ModuleType, exc: BaseException) -> ScoreResult:
+    result = skipped(evaluator.NAME, f"skipped: evaluator failed: {type(exc).__name__}: {exc}")
+    return dataclasses.replace(result, error="".join(traceback.format_exception(exc)).rstrip())
+
+
+def report_failures(results: Iterable[object]) -> None:
+    """Counts and logs (a warning with the traceback, rate-limited per evaluator) the results of
+    evaluators that raised; the others are ignored."""
+    for result in results:
+        if not isinstance(result, ScoreResult) or not result.error:
+            continue
+        EVALUATOR_ERRORS.labels(result.name).inc()
+        now = time.monotonic()
+        last, unlogged = _last_logged.get(result.name, (None, 0))
+        if last is not None and now - last < FAILURE_LOG_INTERVAL_S:
+            _last_logged[result.name] = (last, unlogged + 1)
+            continue
+        _last_logged[result.name] = (now, 0)
+        # `exception`: the key structlog's format_exc_info writes a traceback under.
+        log.warning("evaluator_failed", evaluator=result.name, error=result.detail, unlogged_since_last=unlogged, exception=result.error)
 
 
 def _run(evaluator: ModuleType, event: CompletionEvent, ctx: EvalContext) -> Any:
-    """One evaluator on one event, inline or in a pool worker alike: one that raises is skipped."""
+    """One evaluator on one event, inline or in a pool worker alike: one that raises is skipped
+    (its traceback kept on the result for report_failures, in the service's own process)."""
     try:
         return evaluator.evaluate(event, ctx)
     except Exception as exc:  # noqa: BLE001 - one broken evaluator must not lose the record
@@ -195,7 +234,10 @@ async def _evaluate(
     if events:
         for name, spent in seconds.items():
             EVALUATOR_SECONDS.labels(name).observe(spent)
-    return [[s for s in (scores[e.NAME] for e in EVALUATORS) if s is not None] for scores in by_name]
+    results = [[s for s in (scores[e.NAME] for e in EVALUATORS) if s is not None] for scores in by_name]
+    for scores_of_event in results:
+        report_failures(scores_of_event)
+    return results
 
 
 async def evaluate_all(event: CompletionEvent, ctx: EvalContext) -> list[ScoreResult | Deferred]:
@@ -229,4 +271,7 @@ async def evaluate_references(items: Sequence[tuple[CompletionEvent, str]], ctx:
         settled = await asyncio.gather(*(awaitable for _, _, awaitable in pending))
         for (scores, name, _), result in zip(pending, settled, strict=True):
             scores[name] = result
-    return [[s for s in (scores[e.NAME] for e in REFERENCE_EVALUATORS) if s is not None] for scores in by_item]
+    results = [[s for s in (scores[e.NAME] for e in REFERENCE_EVALUATORS) if s is not None] for scores in by_item]
+    for scores_of_item in results:
+        report_failures(scores_of_item)
+    return results

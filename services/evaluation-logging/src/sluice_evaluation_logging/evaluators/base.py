@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from sluice.common.v1 import types_pb2
@@ -19,6 +19,9 @@ class ScoreResult:
     passed: bool
     detail: str = ""
     skipped: bool = False
+    # An evaluator that raised: its traceback (text, so that it crosses from a pool worker), which
+    # the service logs and counts (evaluators.report_failures). Never stored; no part of equality.
+    error: str = field(default="", compare=False, repr=False)
 
 
 @dataclass(frozen=True)

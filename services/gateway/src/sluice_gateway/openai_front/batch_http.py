@@ -308,7 +308,7 @@ class BatchFront:
             except Exception as exc:  # noqa: BLE001 - one batch's failure is not the list's
                 if not listing:
                     raise
-                log.error("batch_files_failed", batch_id=batch.batch_id, error=repr(exc))
+                log.error("batch_files_failed", batch_id=batch.batch_id, error=repr(exc), exc_info=exc)
                 return self._object(batch, job)
             batch = await self._batch(tenant, batch.batch_id)
         return self._object(batch, job)

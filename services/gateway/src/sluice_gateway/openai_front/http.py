@@ -67,10 +67,16 @@ log = structlog.stdlib.get_logger("sluice.gateway.http")
 # OpenTelemetry's http.server.request.duration as its Prometheus exporter names it (seconds, its
 # attributes as labels), so that the HTTP front counts in the gateway's error ratio and dashboards
 # beside gRPC's sluice_rpc_*. Its default buckets, and longer ones for streamed completions.
+#
+# error_type is OpenTelemetry's error.type, set when the request ended with an error: the status
+# for a 5xx answer; for a stream that failed after its 200 and its first chunk were sent, the status
+# its failure would have been answered with before the first chunk ("503" beside a 200), so that
+# the error ratio (sluice:gateway_rpc_errors:ratio_rate5m) counts it as gRPC counts its own.
+# Empty (no label, to Prometheus) otherwise.
 HTTP_DURATION = Histogram(
     "http_server_request_duration_seconds",
-    "Duration of HTTP server requests, by method, route (the route's template) and status code.",
-    ["http_request_method", "http_route", "http_response_status_code"],
+    "Duration of HTTP server requests, by method, route (the route's template), status code sent and error type.",
+    ["http_request_method", "http_route", "http_response_status_code", "error_type"],
     buckets=(0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 7.5, 10, 30, 60, 120, 300),
 )
 _HTTP_METHODS = frozenset(("GET", "HEAD", "POST", "PUT", "DELETE", "CONNECT", "OPTIONS", "TRACE", "PATCH"))
@@ -84,6 +90,18 @@ def _route(request: web.Request) -> str:
 
 
 CLIENT_REQUEST_ID_HEADER = "X-Client-Request-Id"
+# The status a stream that failed after its first chunk would have been answered with (in aiohttp's
+# per-request storage): the middleware records it as the request's error.type.
+_STREAM_FAILED = web.RequestKey("sluice_stream_failed_status", int)
+
+
+def _metadata_text(value: str) -> bool:
+    """Whether `value` may be sent as a gRPC metadata value, where the request id goes (every
+    downstream call's x-request-id): printable ASCII, space to tilde. grpc refuses anything else
+    when it sends the call (a unary call: ExecuteBatchError, no status; a stream: INTERNAL "Invalid
+    metadata"); the gRPC front's own callers can send nothing else."""
+    return value.isascii() and value.isprintable()
+
 
 # Sluice's field paths -> OpenAI's param names.
 _PARAMS = {"sampling.": "", "inputs": "input", "tool_use.choice": "tool_choice", "tool_use.": ""}
@@ -140,7 +158,7 @@ def openai_error(exc: BaseException) -> OpenAIError:
         if error.status in (429, 503):
             error.headers["retry-after"] = "1"
         return error
-    log.error("http_internal_error", error=repr(exc))
+    log.error("http_internal_error", error=repr(exc), exc_info=exc)
     return OpenAIError(500, "The server had an error while processing your request.", "server_error", code="internal_error")
 
 
@@ -276,14 +294,14 @@ class OpenAIFront:
         except Exception as exc:  # noqa: BLE001 - after the first chunk every failure ends as an error event
             if response is None:
                 raise
-            await self._fail_stream(response, openai_error(exc))
+            await self._fail_stream(request, response, openai_error(exc))
             # Out through the path with the cause, so that the CompletionEvent records the failure.
             raise StreamAnswered(response) from exc
         if response is None:
             raise generation_failed("The generation ended without any output.")
         if final is None or any(state.finish_reason is None for state in states):
             reason = finish_reason_enum_name(failed.finish_reason) if failed is not None else "no final chunk"
-            await self._fail_stream(response, generation_failed(f"The generation failed after it started ({reason})."))
+            await self._fail_stream(request, response, generation_failed(f"The generation failed after it started ({reason})."))
             return response
         await response.write(_sse(answer.chunk(None, finish_reason(answer.call, final.finish_reason), index=stream.index)))
         if answer.call.options.include_usage:
@@ -292,8 +310,10 @@ class OpenAIFront:
         await response.write_eof()
         return response
 
-    async def _fail_stream(self, response: web.StreamResponse, error: OpenAIError) -> None:
-        """A stream that fails after its first chunk ends with an error event, never a silent cut."""
+    async def _fail_stream(self, request: web.Request, response: web.StreamResponse, error: OpenAIError) -> None:
+        """A stream that fails after its first chunk ends with an error event, never a silent cut;
+        its 200 is recorded with the failure's status as its error type (see HTTP_DURATION)."""
+        request[_STREAM_FAILED] = error.status
         log.warning("http_stream_failed", status=error.status, error=error.message)
         await response.write(b"event: error\n" + _sse(error.body()))
         await response.write_eof()
@@ -340,14 +360,18 @@ def _record_logprobs(answer: Completion, state: ChoiceState, chunk: Any) -> dict
 async def _errors(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
     """A request id per request, one summary log line, and every error in OpenAI's JSON shape."""
     supplied = request.headers.get(REQUEST_ID_KEY, "")[:MAX_REQUEST_ID]
-    # Undecodable bytes in the header (surrogate-escaped by aiohttp) cannot be logged or sent back.
-    request_id = supplied if supplied and is_valid_text(supplied) else new_request_id()
+    # The id goes into every downstream call's gRPC metadata: anything grpc would refuse there (not
+    # printable ASCII; undecodable bytes arrive surrogate-escaped by aiohttp) is refused, under an
+    # id of our own, which the refusal's log line and x-request-id header then carry.
+    request_id = supplied if supplied and _metadata_text(supplied) else new_request_id()
     bind_request_id(request_id)
     started = time.perf_counter()
     status = 500
     try:
         if supplied and request_id != supplied:
-            raise OpenAIError(400, f"The {REQUEST_ID_KEY} header is not UTF-8 text.", param=REQUEST_ID_KEY, code="invalid_value")
+            raise OpenAIError(
+                400, f"The {REQUEST_ID_KEY} header must be printable ASCII text (space to ~).", param=REQUEST_ID_KEY, code="invalid_value"
+            )
         response = await handler(request)
         status = response.status
         return response
@@ -375,9 +399,21 @@ async def _errors(request: web.Request, handler: Callable[[web.Request], Awaitab
     finally:
         elapsed = time.perf_counter() - started
         method = request.method if request.method in _HTTP_METHODS else "_OTHER"
-        HTTP_DURATION.labels(method, _route(request), str(status)).observe(elapsed)
-        log.info("http_request", method=request.method, path=request.path, status=status, ms=round(elapsed * 1000, 1))
+        error_type = _error_type(status, request.get(_STREAM_FAILED))
+        HTTP_DURATION.labels(method, _route(request), str(status), error_type).observe(elapsed)
+        also = {"error_type": error_type} if error_type else {}
+        log.info("http_request", method=request.method, path=request.path, status=status, ms=round(elapsed * 1000, 1), **also)
         structlog.contextvars.clear_contextvars()
+
+
+def _error_type(status: int, stream_failed: int | None) -> str:
+    """OpenTelemetry's error.type of a request answered with `status`: the status of a server error
+    (5xx; a 4xx is the client's, not an error of the server's, as OpenTelemetry's HTTP server spans
+    count it); for a stream that failed after it started, the status its failure had (`stream_failed`,
+    whatever it is: the stream was cut). "" for none."""
+    if stream_failed is not None:
+        return str(stream_failed)
+    return str(status) if status >= 500 else ""
 
 
 def build_app(front: OpenAIFront, max_body_bytes: int, batches: BatchFront | None = None) -> web.Application:

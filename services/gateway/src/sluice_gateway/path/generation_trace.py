@@ -5,6 +5,14 @@ smollm2-135m-instruct") around everything the path does for one Generate: the ra
 and Commit and the adapter call are its children (the gRPC instrumentation's CLIENT spans). The
 stream's end sets the usage and the finish reason on it. It is None while tracing is off, so the
 path pays one test per hook.
+
+The span starts before the request is checked, so its name holds no model the client chose: it is
+"chat _OTHER" (UNKNOWN_MODEL) until the model is known to be one of the catalog's, then "chat <model>".
+Known: the adapter's final chunk came, or the call ended past the path's checks: without an error, or
+with one that is not a refusal of the request (InvalidArgument, which UnknownModel is; only such a
+refusal can end the call before the model is looked up in the catalog). A refused request keeps the
+placeholder, its model known or not: span names stay a bounded set, the catalog's, as tracing
+backends group by them. The client's name, clipped, is still `gen_ai.request.model`.
 """
 
 from __future__ import annotations
@@ -15,13 +23,17 @@ from sluice.common.v1 import types_pb2
 from sluice.gateway.v1 import gateway_pb2
 
 from sluice_common import tracing
-from sluice_common.errors import clip
+from sluice_common.errors import InvalidArgument, clip
 from sluice_common.finish_reasons import finish_reason_name
 from sluice_common.validation import MAX_MODEL_NAME
 
 
+# OpenTelemetry's placeholder for a value outside the known set (as http.request.method's _OTHER).
+UNKNOWN_MODEL = "_OTHER"
+
+
 class GenerationTrace:
-    __slots__ = ("_attached", "_model")
+    __slots__ = ("_attached", "_model", "_operation", "_named")
 
     def __init__(self, request: gateway_pb2.GenerateRequest, tenant: str, row: tuple[str, str] | None) -> None:
         operation = "chat" if request.messages else "text_completion"
@@ -43,10 +55,19 @@ class GenerationTrace:
         if row is not None:
             attributes["sluice.job_id"], attributes["sluice.custom_id"] = row
         self._model = model
-        self._attached = tracing.AttachedSpan(f"{operation} {model}", attributes)
+        self._operation = operation
+        self._named = False
+        self._attached = tracing.AttachedSpan(f"{operation} {UNKNOWN_MODEL}", attributes)
+
+    def model_known(self, name: str) -> None:
+        """The request's model is the catalog's `name`: the span is named after it."""
+        if not self._named and name == self._model:
+            self._attached.span.update_name(f"{self._operation} {name}")
+            self._named = True
 
     def finish(self, chunk: Any) -> None:
         """The adapter's final chunk: usage and finish reason."""
+        self.model_known(self._model)  # the adapter served it
         span = self._attached.span
         span.set_attribute("gen_ai.response.model", self._model)
         span.set_attribute("gen_ai.response.finish_reasons", [finish_reason_name(chunk.finish_reason) if chunk.finish_reason else ""])
@@ -59,6 +80,8 @@ class GenerationTrace:
             span.set_attribute("sluice.time_to_first_token_ms", chunk.timings.time_to_first_token_ms)
 
     def end(self, error: BaseException | None) -> None:
+        if error is None or not isinstance(_unwrapped(error), InvalidArgument):
+            self.model_known(self._model)  # past the path's checks: the catalog's model
         self._attached.end(error)
 
 
@@ -77,6 +100,13 @@ def instrument_http_front() -> None:
     instrumentor = AioHttpServerInstrumentor()
     if not instrumentor.is_instrumented_by_opentelemetry:
         instrumentor.instrument()
+
+
+def _unwrapped(error: BaseException) -> BaseException:
+    """The failure itself, out of a front's wrapper (an HTTP stream's StreamAnswered: unwrap_cause)."""
+    if getattr(error, "unwrap_cause", False) and error.__cause__ is not None:
+        return error.__cause__
+    return error
 
 
 def _enum_name(enum: Any, value: int) -> str:

@@ -346,6 +346,8 @@ class InferencePath:
             for one in requests:
                 counted = await self.apply_defaults(one, time_remaining)
                 self.validate_generate(one)
+                if span is not None:  # the catalog knows it: the span may be named after it
+                    span.model_known(one.model)
                 counted = await self.check_context(one, time_remaining, counted)
                 reservations.append(generation_reservation(one, counted))
             n = max(1, request.sampling.n)
