@@ -165,7 +165,9 @@ bench-engine: setup
 # kit's path is taken where loads were carried or staged and the kit was not built (no .gpukit-build/);
 # elsewhere bench-gpu is bench-gpu-networked's path: make setup, then the bench in triton-local's
 # environment, which needs llama-cpp-python built with CUDA (CMAKE_ARGS="-DGGML_CUDA=on" make setup),
-# else it exits 3, saying so.
+# else it exits 3, saying so. Before setup, `kit.py online` (a 5 s connect to the package index)
+# exits 2 where there is no network: a device call that forgot its load says to carry it, rather than
+# fail in setup's install of uv after retries with a message about something else.
 GPUKIT_HOME := $(or $(SLUICE_GPUKIT_HOME),/tmp/sluice-gpukit)
 GPUKIT_CARRIED := $(if $(wildcard .gpukit-build),,$(wildcard .gpukit $(GPUKIT_HOME)/kit.json))
 ifneq ($(GPUKIT_CARRIED),)
@@ -173,8 +175,9 @@ bench-gpu:
 	@echo "bench-gpu: the offline kit's loads ($(GPUKIT_CARRIED)); bench-gpu-networked is the path with a network"
 	$(PYTHON) bench/gpu/kit.py device
 else
-bench-gpu: setup
-	services/triton-local/.venv/bin/python bench/engine/gpu.py
+bench-gpu:
+	@$(PYTHON) bench/gpu/kit.py online
+	@$(MAKE) --no-print-directory bench-gpu-networked
 endif
 
 # bench-gpu with a network wherever it runs (make setup first), never the offline kit.

@@ -21,7 +21,7 @@ from collections.abc import Mapping
 
 from sluice_common.sampling import Sampling
 from sluice_triton_local.engine.step_engine import StepEngine
-from sluice_triton_local.engine.rows import DecodeRow, PrefillRow, ReleaseRow
+from sluice_triton_local.engine.rows import DecodeRow, PrefillRow, ReleaseRow, RowResult
 from sluice_triton_local.model_files import gguf_path
 
 # Decode steps of the untimed warm-up before each batch size's clock.
@@ -44,18 +44,30 @@ def measure(engine: StepEngine, batch: int, decode_steps: int = 32) -> float:
     return greedy_decode(engine, [prompt] * batch, decode_steps)[0]
 
 
+# How a measured row may end: any other finish ("error", "busy", "stale") is work that failed.
+FINISHED_OK = ("", "stop", "length")
+
+
 def greedy_decode(engine: StepEngine, prompts: list[str], decode_steps: int) -> tuple[float, list[list[int]], float]:
     """Prefills one sequence per (templated) prompt in one step, then runs up to `decode_steps`
     greedy decode steps over the sequences still live. Returns decode tokens/s (the clock runs
     around the decode steps alone), each sequence's token ids, the prefill's token first, and the
-    prefill step's prompt tokens/s (its tokens computed, the prefix cache's excluded)."""
+    prefill step's prompt tokens/s (its tokens computed, the prefix cache's excluded). Raises when
+    any row, in the prefill or a decode step, ends otherwise than "stop" or "length" (its slots
+    released first), as gpu.py's step protocol side does: a failed row never leaves the batch
+    silently, making the later steps' batch smaller than the one measured."""
     params = Sampling(max_tokens=decode_steps + 1, temperature=0.0)
     ids = list(range(10_000, 10_000 + len(prompts)))
+
+    def check(results: list[RowResult], stage: str) -> None:
+        if failed := [r for r in results if r.finish_reason not in FINISHED_OK]:
+            engine.step([ReleaseRow(i) for i in ids])
+            raise RuntimeError(f"{stage} failed: sequence {failed[0].seq_id} ended {failed[0].finish_reason}: {failed[0].error}")
+
     t0 = time.perf_counter()
     first = engine.step([PrefillRow(i, prompt, params) for i, prompt in zip(ids, prompts)])
     prefill_s = time.perf_counter() - t0
-    if failed := [r for r in first if r.finish_reason == "error"]:
-        raise RuntimeError(f"prefill failed: {failed[0].error}")
+    check(first, "prefill")
     tokens = {r.seq_id: [r.token_id] for r in first}
     live = [r.seq_id for r in first if not r.finish_reason]
     done = 0
@@ -64,6 +76,7 @@ def greedy_decode(engine: StepEngine, prompts: list[str], decode_steps: int) -> 
         if not live:
             break
         results = engine.step([DecodeRow(i) for i in live])
+        check(results, "decode")
         for r in results:
             if r.token_id >= 0:
                 tokens[r.seq_id].append(r.token_id)

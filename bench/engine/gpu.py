@@ -24,13 +24,23 @@ drives, less the Triton hop, which `make bench-transport` measures) in rounds of
 each k of BENCH_ROUND_STEPS (1: a round trip per token; 64: the adapter's MAX_ROUND_STEPS default),
 a round's steps sharing a response for up to BENCH_STREAM_INTERVAL_MS (50: the adapter's
 STREAM_INTERVAL_S default; 0: a response per step), and each batch of BATCHES up to 32, against
-the engine stepped directly at the same batch:
+the engine stepped directly at the same batch, on the same (engine) thread. The two alternate, the
+engine alone then the protocol, BENCH_ROUNDS pairs for each setting, each pair's ratio its own:
 
-  BENCH gpu_protocol_in_process batch=8 round_steps=64 ahead=false interval_ms=50 tok_s=... engine_tok_s=... ratio=... greedy_identical=true (8/8 rows)
+  BENCH gpu_protocol_in_process batch=8 round_steps=64 ahead=false interval_ms=50 tok_s=... engine_tok_s=... ratio=... (pairs ..., ...; min ..., max ...) greedy_identical=true (8/8 rows)
 
-The clock runs from the first response (the prefill's) to the last token; greedy_identical says
-whether every row's tokens equal the engine's own at that batch. In process: these figures leave out
-the Triton hop (deploy/triton's Python backend is not measured on a GPU by this script).
+tok_s and engine_tok_s are each side's best; ratio is the median of the pairs' ratios, each pair's
+and their range in the parenthesis. Both clocks start and stop at the same points: the engine
+alone's after its prefill step and after its last decode step; the protocol's at the engine-thread
+calls that answer its first response (the prefill's) and the response that ends its last row.
+greedy_identical counts the rows whose tokens equal the engine's own in every pair. In process:
+these figures leave out the Triton hop (deploy/triton's Python backend is not measured on a GPU by
+this script).
+
+A protocol round that answers nothing, or an engine-alone run that does not end, within
+BENCH_GPU_RESPONSE_TIMEOUT_S (60) has hung: the bench says so and exits 1. BENCH_GPU_DEADLINE_S (the
+offline kit sets it, under its own deadline) ends the whole bench with every thread's traceback,
+which names the phase it was in, and exit 1.
 
 BENCH_GPU_DRY_RUN=1 is the offline kit's proof on a machine with no GPU (bench/gpu/kit.py prove):
 the CUDA build must still be the one loaded, but the "GPU" side offloads no layers, so both sides'
@@ -40,13 +50,16 @@ figures are the CPU's and the lines say so.
 from __future__ import annotations
 
 import ctypes
+import faulthandler
 import json
 import os
 import queue
 import shutil
+import statistics
 import subprocess
 import sys
 import time
+import traceback
 from concurrent.futures import Future
 from dataclasses import dataclass
 from itertools import count
@@ -72,7 +85,10 @@ DRY_RUN = os.environ.get("BENCH_GPU_DRY_RUN", "") not in ("", "0")
 ROUND_STEPS = [int(k) for k in os.environ.get("BENCH_ROUND_STEPS", "1,8,64").split(",")]
 STREAM_INTERVAL_MS = int(os.environ.get("BENCH_STREAM_INTERVAL_MS", "50"))
 PROTOCOL_MAX_BATCH = 32
-RESPONSE_TIMEOUT_S = 300.0  # a protocol round that answers nothing for this long has hung
+# A protocol round that answers nothing, or an engine-alone run that does not end, for this long has
+# hung: well under the device call's timeout, so that the bench says so before the call is stopped.
+RESPONSE_TIMEOUT_S = float(os.environ.get("BENCH_GPU_RESPONSE_TIMEOUT_S", "60"))
+DEADLINE_S = float(os.environ.get("BENCH_GPU_DEADLINE_S", "0"))  # 0: none (the kit sets one)
 PROMPT_ROOM = 192  # positions a slot keeps for its templated prompt (the longest of PROMPTS: 44 tokens)
 
 _TOPICS = (
@@ -102,6 +118,11 @@ _ASKS = (
 PROMPTS = [ask.format(topic) for ask in _ASKS for topic in _TOPICS]  # 64, one per row
 
 
+def ratio(value: float, baseline: float) -> float:
+    """value / baseline; nan where the baseline measured nothing (no division by zero)."""
+    return value / baseline if baseline else float("nan")
+
+
 @dataclass(frozen=True)
 class Side:
     decode_tok_s: float
@@ -127,7 +148,7 @@ class Comparison:
         same = self.batch - len(self.divergence())
         return (
             f"BENCH gpu batch={self.batch} decode_tok_s={self.gpu.decode_tok_s:.1f} "
-            f"cpu_decode_tok_s={self.cpu.decode_tok_s:.1f} ratio={self.gpu.decode_tok_s / self.cpu.decode_tok_s:.2f} "
+            f"cpu_decode_tok_s={self.cpu.decode_tok_s:.1f} ratio={ratio(self.gpu.decode_tok_s, self.cpu.decode_tok_s):.2f} "
             f"greedy_identical={str(same == self.batch).lower()} ({same}/{self.batch} rows) "
             f"prefill_tok_s={self.gpu.prefill_tok_s:.0f} cpu_prefill_tok_s={self.cpu.prefill_tok_s:.0f}"
         )
@@ -151,17 +172,33 @@ def compare(gpu: StepEngine, cpu: StepEngine, batch: int, steps: int = DECODE_ST
 class ProtocolRun:
     batch: int
     round_steps: int
-    protocol: Side
-    engine: Side  # the same rows stepped directly (Comparison.gpu)
+    pairs: tuple[tuple[Side, Side], ...]  # (the protocol, the engine alone) measured one after the other
     ahead: bool = False  # each round sent at the first response of the one before, to follow it
     interval_ms: int = 0  # how long a round's steps may wait to share a response
 
+    @property
+    def protocol(self) -> Side:
+        return max((p for p, _ in self.pairs), key=lambda side: side.decode_tok_s)
+
+    @property
+    def engine(self) -> Side:
+        return max((e for _, e in self.pairs), key=lambda side: side.decode_tok_s)
+
+    def ratios(self) -> list[float]:
+        """Each pair's protocol tokens/s over the engine alone's, measured beside it."""
+        return [ratio(p.decode_tok_s, e.decode_tok_s) for p, e in self.pairs]
+
+    def identical_rows(self) -> int:
+        """Rows whose protocol tokens equal the engine alone's in every pair."""
+        return sum(all(p.tokens[row] == e.tokens[row] for p, e in self.pairs) for row in range(self.batch))
+
     def line(self) -> str:
-        same = sum(p == e for p, e in zip(self.protocol.tokens, self.engine.tokens))
+        ratios, same = self.ratios(), self.identical_rows()
+        spread = f" (pairs {', '.join(f'{r:.2f}' for r in ratios)}; min {min(ratios):.2f}, max {max(ratios):.2f})" if len(ratios) > 1 else ""
         return (
             f"BENCH gpu_protocol_in_process batch={self.batch} round_steps={self.round_steps} ahead={str(self.ahead).lower()} interval_ms={self.interval_ms} "
             f"tok_s={self.protocol.decode_tok_s:.1f} "
-            f"engine_tok_s={self.engine.decode_tok_s:.1f} ratio={self.protocol.decode_tok_s / self.engine.decode_tok_s:.2f} "
+            f"engine_tok_s={self.engine.decode_tok_s:.1f} ratio={statistics.median(ratios):.2f}{spread} "
             f"greedy_identical={str(same == self.batch).lower()} ({same}/{self.batch} rows)"
         )
 
@@ -173,11 +210,15 @@ def protocol_decode(engine: SharedEngine, prompts: list[str], decode_steps: int,
     """greedy_decode's load (one prefill, then up to `decode_steps` greedy tokens a row) through the
     step protocol in rounds of `round_steps` engine steps, each round asked for when the last ended,
     or (`ahead`) sent at the first response of the round before to follow it (FOLLOWS_ROUND), as the
-    adapter's SLUICE_ADAPTER_ROUNDS_AHEAD does."""
-    # A response and whether it is its round's last; or the error of a round that failed before its
-    # last (on the engine's thread, outside a step's rows: held in the round's Future, not answered).
-    responses: queue.Queue[tuple[dict[str, np.ndarray], bool] | BaseException] = queue.Queue()
-    answer = lambda outputs, last: responses.put((outputs, last))  # noqa: E731
+    adapter's SLUICE_ADAPTER_ROUNDS_AHEAD does. The clock runs between the engine thread's calls
+    that answer the first response (the prefill's, answered at once after the prefill step) and the
+    response that ends the last row: where greedy_decode's clock starts and stops, not when this
+    thread gets to read them."""
+    # A response, whether it is its round's last and when the engine's thread answered it; or the
+    # error of a round that failed before its last (on the engine's thread, outside a step's rows:
+    # held in the round's Future, not answered).
+    responses: queue.Queue[tuple[dict[str, np.ndarray], bool, float] | BaseException] = queue.Queue()
+    answer = lambda outputs, last: responses.put((outputs, last, time.perf_counter()))  # noqa: E731
 
     def failed(done: Future[None]) -> None:
         if not done.cancelled() and (error := done.exception()) is not None:
@@ -190,7 +231,7 @@ def protocol_decode(engine: SharedEngine, prompts: list[str], decode_steps: int,
     bodies = [json.dumps({"messages": [["user", p]], "max_tokens": decode_steps + 1, "temperature": 0}).encode() for p in prompts]
     send(round_inputs(PREFILL, ids, bodies, round_steps, stream_interval_ms=interval_ms))
     tokens: dict[int, list[int]] = {i: [] for i in ids}
-    live, started, followed = set(ids), 0.0, False
+    live, started, ended, followed = set(ids), 0.0, 0.0, False
     while live:
         try:
             item = responses.get(timeout=RESPONSE_TIMEOUT_S)
@@ -198,8 +239,8 @@ def protocol_decode(engine: SharedEngine, prompts: list[str], decode_steps: int,
             raise TimeoutError(f"no step protocol response in {RESPONSE_TIMEOUT_S:.0f} s ({len(live)} rows still running)") from None
         if isinstance(item, BaseException):
             raise item  # the round's own error, with its traceback on the engine's thread
-        outputs, last = item
-        started = started or time.perf_counter()
+        outputs, last, answered = item
+        started = started or answered
         for seq_id, token, finish, error in zip(outputs["ROW_SEQ_ID"], outputs["TOKEN_ID"], outputs["FINISH"], outputs["ERROR"]):
             if int(seq_id) not in live:  # a round sent ahead answers "not running" for one that ended
                 continue
@@ -209,6 +250,7 @@ def protocol_decode(engine: SharedEngine, prompts: list[str], decode_steps: int,
                 tokens[int(seq_id)].append(int(token))
             if finish:
                 live.discard(int(seq_id))
+                ended = answered
         if ahead and not last and live and not followed:
             send(round_inputs(DECODE, sorted(live), [b""] * len(live), round_steps, follows=True, stream_interval_ms=interval_ms))
             followed = True
@@ -216,15 +258,28 @@ def protocol_decode(engine: SharedEngine, prompts: list[str], decode_steps: int,
             followed = False  # the round sent ahead runs now
         elif last and live:
             send(round_inputs(DECODE, sorted(live), [b""] * len(live), round_steps, stream_interval_ms=interval_ms))
-    elapsed = time.perf_counter() - started
-    start_round(engine, round_inputs(RELEASE, ids, [b""] * len(ids), 1), lambda *_: None).result(timeout=60)
+    elapsed = ended - started
+    start_round(engine, round_inputs(RELEASE, ids, [b""] * len(ids), 1), lambda *_: None).result(timeout=RESPONSE_TIMEOUT_S)
     decoded = sum(len(row) - 1 for row in tokens.values())  # the prefill's token is before the clock
     return Side(decoded / max(elapsed, 1e-9), [tokens[i] for i in ids])
 
 
+def engine_alone(shared: SharedEngine, engine: StepEngine, batch: int, steps: int = DECODE_STEPS) -> Side:
+    """greedy_decode on `engine` (the one `shared` wraps) stepped directly, on the shared engine's own
+    thread, where the protocol's steps run: one OpenMP team for both sides (see SharedEngine), so
+    neither pays for the other's."""
+    prompts = [engine.apply_chat_template([("user", p)]) for p in PROMPTS[:batch]]
+    work = shared._owner.submit(greedy_decode, engine, prompts, steps, counted=False)
+    try:
+        tok_s, tokens, prefill = work.result(timeout=RESPONSE_TIMEOUT_S)
+    except TimeoutError:
+        raise TimeoutError(f"the engine alone did not end {steps} steps at batch {batch} in {RESPONSE_TIMEOUT_S:.0f} s") from None
+    return Side(tok_s, tokens, prefill)
+
+
 def protocol_run(
-    engine: SharedEngine,
-    alone: Side,
+    shared: SharedEngine,
+    engine: StepEngine,
     batch: int,
     round_steps: int,
     steps: int = DECODE_STEPS,
@@ -232,9 +287,13 @@ def protocol_run(
     ahead: bool = False,
     interval_ms: int = 0,
 ) -> ProtocolRun:
-    runs = [protocol_decode(engine, PROMPTS[:batch], steps, round_steps, ahead, interval_ms) for _ in range(rounds)]
-    best = max(runs, key=lambda side: side.decode_tok_s)
-    return ProtocolRun(batch, round_steps, best, alone, ahead, interval_ms)
+    """`rounds` pairs, each the engine alone then the protocol on the same rows, back to back (A, B,
+    A, B, ...): each protocol figure against the engine's measured beside it, not minutes before."""
+    pairs = []
+    for _ in range(rounds):
+        alone = engine_alone(shared, engine, batch, steps)
+        pairs.append((protocol_decode(shared, PROMPTS[:batch], steps, round_steps, ahead, interval_ms), alone))
+    return ProtocolRun(batch, round_steps, tuple(pairs), ahead, interval_ms)
 
 
 def engines(batches: list[int], steps: int, threads: int, gpu_layers: int = -1) -> tuple[StepEngine, StepEngine]:
@@ -352,10 +411,8 @@ def main() -> int:
     )
     compare(gpu, cpu, 1, steps=4, rounds=1)  # warm up both (CUDA kernels load on first use)
     dry = " (dry run: both sides on the CPU)" if DRY_RUN else ""
-    alone: dict[int, Side] = {}
     for batch in BATCHES:
         result = compare(gpu, cpu, batch)
-        alone[batch] = result.gpu
         print(result.line() + dry, flush=True)
         if diverged := result.divergence():
             rows = ", ".join(f"row {row} at token {index}" for row, index in sorted(diverged.items()))
@@ -366,14 +423,34 @@ def main() -> int:
         f" rounds of {ROUND_STEPS} steps, a response at most every {STREAM_INTERVAL_MS} ms ...",
         flush=True,
     )
+    print(f"each setting: {ROUNDS} pairs of the engine alone then the protocol, on the engine's thread ...", flush=True)
+    engine_alone(shared, gpu, 1, 4)  # untimed: both sides' first steps on the engine's thread
+    protocol_decode(shared, PROMPTS[:1], 4, 1)
     for batch in (b for b in BATCHES if b <= PROTOCOL_MAX_BATCH):
         for round_steps in ROUND_STEPS:
             # A round of one step has no later step to send the next one during.
             for ahead in (False, True) if round_steps > 1 else (False,):
-                run = protocol_run(shared, alone[batch], batch, round_steps, ahead=ahead, interval_ms=STREAM_INTERVAL_MS)
+                run = protocol_run(shared, gpu, batch, round_steps, ahead=ahead, interval_ms=STREAM_INTERVAL_MS)
                 print(run.line() + (" (dry run: on the CPU)" if DRY_RUN else ""), flush=True)
     return 0
 
 
+def script() -> None:
+    """main(), with BENCH_GPU_DEADLINE_S armed; on an error, its traceback and exit 1 at once: an
+    engine thread stuck in a step (what a TimeoutError here reports) would keep the interpreter from
+    exiting, and the device call would run on to its own timeout, saying nothing more."""
+    if DEADLINE_S > 0:
+        print(f"deadline: {DEADLINE_S:.0f} s (BENCH_GPU_DEADLINE_S), then every thread's traceback and exit 1", flush=True)
+        faulthandler.dump_traceback_later(DEADLINE_S, exit=True)
+    try:
+        code = main()
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    script()

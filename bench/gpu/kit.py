@@ -8,20 +8,30 @@ Here (an ordinary machine with nvcc 13, the registry, `make setup` done):
 builds llama-cpp-python with CUDA for sm_90 alone (the H200) into a wheel, downloads the wheels the step
 engine imports (versions from triton-local's uv.lock, for the device's Python), and splits the GGUF
 file into parts, packing them all into as few loads as fit (three today). On the GPU machine, one command
-per load, back to back while it stays warm, each carrying its load (`.gpukit/load-K`), the same command
-each time:
+per load, back to back while it stays warm (30 s after each), each carrying its load (`.gpukit/load-K`),
+the same command each time (the device image need not have make):
 
-  make bench-gpu        # runs: python3 bench/gpu/kit.py device
+  if command -v make >/dev/null; then make bench-gpu; else python3 bench/gpu/kit.py device; fi
 
 `device` stages every load carried with the command (checked against the manifest, kept outside the
 checkout); the command that completes the kit, whichever load it carries, then runs: it reassembles
 the model, installs every wheel into a clean virtual environment with no index, finds the CUDA runtime
 and cuBLAS the machine has, and runs bench_gpu. Where OUT names a folder (the device tool's), the whole
 log goes to $OUT/bench-gpu.log and the BENCH lines alone to $OUT/bench-gpu-BENCH.txt as well. `stage K`
-and `run` are its two halves. Here, `prove` does all of that from the loads alone, without a network
-(its own network namespace where it can), with no layers offloaded:
+and `run` are its two halves. A device command ends itself within SLUICE_GPUKIT_DEADLINE_S (240 s,
+under the device call's timeout_s of 300) with a line naming the phase it was in, exit 4, rather than
+be stopped by the device tool with nothing said. Here, `prove` does all of that from the loads alone,
+without a network (its own network namespace where it can), with no layers offloaded:
 
   python3 bench/gpu/kit.py prove
+
+and `check`, before the device calls, that each load still fits one command beside the checkout as
+it is now (the checkout grows; a kit built when it was smaller can be over), else build again:
+
+  python3 bench/gpu/kit.py check
+
+`online` is make bench-gpu's test where no kit was carried: without a network `make setup` cannot
+run, so it exits 2 saying to carry the loads instead.
 
 Standard library only: the device runs this with whatever python3 it has.
 """
@@ -35,13 +45,16 @@ import json
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
+import threading
 import time
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
+from urllib.parse import urlsplit
 
 REPO = Path(__file__).resolve().parents[2]
 KIT = REPO / ".gpukit"  # the loads (git-ignored; carried to the device one at a time)
@@ -83,6 +96,15 @@ CUDA_SONAMES = ("libcudart.so.13", "libcublas.so.13", "libcublasLt.so.13")
 
 
 LOG_NAME, BENCH_NAME = "bench-gpu.log", "bench-gpu-BENCH.txt"  # under $OUT: what comes back beside the output's tail
+# A device command's own time limit, well under the timeout_s the docs give the device call (300):
+# the kit stops itself and says in which phase, where the tool would stop it with nothing said.
+DEADLINE_S = float(os.environ.get("SLUICE_GPUKIT_DEADLINE_S", "240"))
+DEADLINE_EXIT = 4
+BENCH_GRACE_S = 15  # the bench's own deadline comes this much earlier: its threads' tracebacks first
+# Lines of a traceback (Python's, or faulthandler's at the bench's deadline): not the bench's phase.
+TRACEBACK_HEADS = ("Traceback", "Timeout (", "Thread 0x", "Current thread 0x", "File ")
+OFFLINE_EXIT = 2
+DEVICE_COMMAND = "if command -v make >/dev/null; then make bench-gpu; else python3 bench/gpu/kit.py device; fi"
 
 
 class Log:
@@ -104,6 +126,38 @@ class Log:
 
 
 LOG = Log()
+
+
+class DeadlinePassed(Exception):
+    pass
+
+
+class Deadline:
+    """A device command's overall deadline, counted from the process's start, and the phase it is
+    in: the line it ends with names that phase."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self.started = time.monotonic()
+        self.phase = "starting"
+
+    def left(self) -> float:
+        return self.seconds - (time.monotonic() - self.started)
+
+    def enter(self, phase: str) -> None:
+        """Raises DeadlinePassed (in the phase before) when no time is left for this one."""
+        if self.left() <= 0:
+            raise DeadlinePassed
+        self.phase = phase
+
+    def passed(self) -> str:
+        return (
+            f"deadline: {self.seconds:.0f} s (SLUICE_GPUKIT_DEADLINE_S) passed in phase: {self.phase}; stopped, exit {DEADLINE_EXIT} "
+            "(a fresh call reruns it: the staged loads stay while the machine is warm)"
+        )
+
+
+DEADLINE = Deadline(DEADLINE_S)
 
 
 def say(*parts: object) -> None:
@@ -365,7 +419,8 @@ def build(args: argparse.Namespace) -> int:
     for k in range(1, loads + 1):
         size = sum(f["size"] for f in files if f["load"] == k)
         then = ": the last, it runs the bench too" if k == loads else ""
-        say(f'  device run {k}: carry [".gpukit/load-{k}"] ({size / 2**20:.1f} MiB), command: make bench-gpu{then}')
+        say(f'  device run {k}: carry [".gpukit/load-{k}"] ({size / 2**20:.1f} MiB), command: {DEVICE_COMMAND}{then}')
+    say("before the device calls, once the checkout is as it will travel: python3 bench/gpu/kit.py check")
     return prove(args) if args.prove else 0
 
 
@@ -417,19 +472,25 @@ def assemble_model(manifest: dict) -> Path:
     return model
 
 
-def install(manifest: dict) -> Path:
-    """A clean virtual environment with every carried wheel, from those files alone (no index)."""
+def install(manifest: dict, timeout: float | None = None) -> Path:
+    """A clean virtual environment with every carried wheel, from those files alone (no index), within
+    `timeout` seconds in all (else subprocess.TimeoutExpired)."""
+    end = time.monotonic() + timeout if timeout is not None else None
+
+    def left() -> float | None:
+        return None if end is None else max(end - time.monotonic(), 0.1)
+
     if sys.version_info[:2] != tuple(manifest["python"]):
         raise SystemExit(f"gpukit: the wheels are for Python {manifest['python']}, this is {sys.version.split()[0]}: run with python3.12")
     venv = HOME / "venv"
     wheels = [str(HOME / f["name"]) for f in manifest["files"] if f["kind"] == "wheel"]
     pip_args = ["install", "-q", "--no-index", "--no-deps", "--no-cache-dir", *wheels]
-    if subprocess.run([sys.executable, "-m", "venv", "--clear", str(venv)], check=False).returncode == 0:
-        subprocess.run([str(venv / "bin/python"), "-m", "pip", *pip_args], check=True)
+    if subprocess.run([sys.executable, "-m", "venv", "--clear", str(venv)], check=False, timeout=left()).returncode == 0:
+        subprocess.run([str(venv / "bin/python"), "-m", "pip", *pip_args], check=True, timeout=left())
     else:  # an interpreter without ensurepip (a distribution's python3 without its venv package)
         say("venv with pip failed: a venv without pip, filled by this interpreter's pip (--python)")
-        subprocess.run([sys.executable, "-m", "venv", "--clear", "--without-pip", str(venv)], check=True)
-        subprocess.run([sys.executable, "-m", "pip", "--python", str(venv / "bin/python"), *pip_args], check=True)
+        subprocess.run([sys.executable, "-m", "venv", "--clear", "--without-pip", str(venv)], check=True, timeout=left())
+        subprocess.run([sys.executable, "-m", "pip", "--python", str(venv / "bin/python"), *pip_args], check=True, timeout=left())
     return venv
 
 
@@ -474,6 +535,7 @@ def device(args: argparse.Namespace) -> int:
     every load is staged. A command that stages a load and leaves others to come exits 0."""
     carried = carried_loads()
     for k in carried:
+        DEADLINE.enter(f"staging load {k}")
         mine = [f for f in manifest_of(KIT / f"load-{k}")["files"] if f["load"] == k]
         if (HOME / MANIFEST).exists() and manifest_of(KIT / f"load-{k}") == manifest_of(HOME) and all(map(staged_ok, mine)):
             say(f"load {k} was staged already")
@@ -494,23 +556,123 @@ def device(args: argparse.Namespace) -> int:
     return run(args)
 
 
+# -- online (make bench-gpu with no kit carried) -------------------------------------------------------
+
+INDEX_TIMEOUT_S = 5.0
+
+
+def index_address(environ: dict[str, str] | os._Environ[str]) -> tuple[str, int]:
+    """The package index make setup (uv) would fetch from: UV_DEFAULT_INDEX, UV_INDEX_URL or
+    PIP_INDEX_URL where set, else PyPI."""
+    url = next((environ[k] for k in ("UV_DEFAULT_INDEX", "UV_INDEX_URL", "PIP_INDEX_URL") if environ.get(k)), "https://pypi.org/simple")
+    parts = urlsplit(url)
+    return parts.hostname or "pypi.org", parts.port or (80 if parts.scheme == "http" else 443)
+
+
+def reachable(address: tuple[str, int], timeout: float = INDEX_TIMEOUT_S) -> bool:
+    """Whether a TCP connection to `address` opens within `timeout` seconds, name lookup included
+    (a lookup with no network can take longer than a connect's own timeout: it runs on a thread
+    that is not waited for past the timeout)."""
+    opened: list[bool] = []
+
+    def connect() -> None:
+        try:
+            socket.create_connection(address, timeout=timeout).close()
+            opened.append(True)
+        except OSError:
+            pass
+
+    probe = threading.Thread(target=connect, daemon=True)
+    probe.start()
+    probe.join(timeout)
+    return bool(opened)
+
+
+def online(args: argparse.Namespace) -> int:
+    """make bench-gpu's first step where no kit was carried (its path is then make setup, which
+    installs uv from the index): without a network that fails after retries with a message about
+    something else; here it stops at once, saying to carry the kit."""
+    address = index_address(os.environ)
+    if reachable(address):
+        return 0
+    say(
+        f"no network and no kit carried: carry .gpukit/load-K (make bench-gpu-kit builds them), one a command "
+        f"({address[0]}:{address[1]} did not answer in {INDEX_TIMEOUT_S:.0f} s, and make setup needs it)"
+    )
+    return OFFLINE_EXIT
+
+
+# -- check (here, before the device calls) ---------------------------------------------------------------
+
+
+def check(args: argparse.Namespace) -> int:
+    """Each built load, with the checkout as it is now, within what one device command carries
+    (CARRY_LIMIT); the loads complete and as the manifest says. Exit 1, saying what to do, if not."""
+    if not (KIT / "load-1" / MANIFEST).exists():
+        raise SystemExit(f"gpukit: no kit built here ({KIT / 'load-1' / MANIFEST}): python3 bench/gpu/kit.py build (make bench-gpu-kit)")
+    manifest = manifest_of(KIT / "load-1")
+    tree = carried_tree_bytes()
+    problems, report = [], []
+    for k in range(1, manifest["loads"] + 1):
+        load = KIT / f"load-{k}"
+        if not (load / MANIFEST).exists():
+            problems.append(f"load-{k} is missing")
+            continue
+        if manifest_of(load) != manifest:
+            problems.append(f"load-{k}'s manifest is another kit's")
+        for f in (f for f in manifest["files"] if f["load"] == k):
+            if not (load / f["name"]).is_file() or (load / f["name"]).stat().st_size != f["size"]:
+                problems.append(f"load-{k}/{f['name']} is missing or not its manifest's size")
+        size = sum(p.stat().st_size for p in load.rglob("*") if p.is_file())
+        total = size + tree
+        report.append(f"load-{k} {size / 2**20:.1f} MiB + the checkout {tree / 2**20:.1f} MiB = {total / 2**20:.1f} MiB")
+        if total > CARRY_LIMIT:
+            problems.append(f"load-{k} with the checkout is {total / 2**20:.1f} MiB, over the {CARRY_LIMIT / 2**20:.0f} MiB a device command carries")
+    for line in report:
+        say(line)
+    if problems:
+        for problem in problems:
+            say(problem)
+        say("re-run `python3 bench/gpu/kit.py build` (make bench-gpu-kit; the CUDA wheel is kept, not rebuilt) before the device calls")
+        return 1
+    say(f"{manifest['loads']} loads, each within {CARRY_LIMIT / 2**20:.0f} MiB beside the checkout as it is now: ready to carry")
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
+    """Installs from the staged loads and runs bench_gpu, within DEADLINE: past it, the phase it was
+    in said, exit DEADLINE_EXIT."""
+    try:
+        return run_phases(args, DEADLINE)
+    except (DeadlinePassed, subprocess.TimeoutExpired):
+        say(DEADLINE.passed())
+        return DEADLINE_EXIT
+
+
+def run_phases(args: argparse.Namespace, deadline: Deadline) -> int:
     t0 = time.monotonic()
+    deadline.enter("checking the staged loads")
     manifest = json.loads((HOME / MANIFEST).read_text()) if (HOME / MANIFEST).exists() else None
     if manifest is None or (missing := missing_loads(manifest)):
         raise SystemExit(
             f"gpukit: loads not staged yet: {missing if manifest else 'all'} (python3 bench/gpu/kit.py stage K, carrying .gpukit/load-K)"
         )
+    deadline.enter("reassembling the model")
     model = assemble_model(manifest)
-    venv = install(manifest)
+    deadline.enter("installing the wheels")
+    venv = install(manifest, timeout=max(deadline.left(), 0.1))
+    deadline.enter("finding the CUDA libraries")
     extra = [d for d in os.environ.get("SLUICE_GPUKIT_CUDA_LIBS", "").split(":") if d]
     libs = cuda_library_dirs(manifest["cuda_sonames"], extra)
+    deadline.enter("starting the bench")
     env = dict(
         os.environ,
         PYTHONPATH=os.pathsep.join(str(REPO / s) for s in ENGINE_SOURCES),
         SLUICE_TRITON_LOCAL_GGUF_PATH=str(model),
         LD_LIBRARY_PATH=os.pathsep.join([*libs, os.environ.get("LD_LIBRARY_PATH", "")]).rstrip(os.pathsep),
         PYTHONUNBUFFERED="1",
+        # The bench's own deadline first: it ends with every thread's traceback (where it hung).
+        BENCH_GPU_DEADLINE_S=f"{max(deadline.left() - BENCH_GRACE_S, 1):.0f}",
     )
     if args.dry_run:
         env.setdefault("BENCH_BATCHES", "1,8")
@@ -519,7 +681,8 @@ def run(args: argparse.Namespace) -> int:
     say(
         f"model reassembled, {len(manifest['files'])} files checked, wheels installed in {venv} ({time.monotonic() - t0:.0f} s); CUDA libraries from {libs or 'ldconfig'}"
     )
-    # Its output line by line, to the terminal and to the log ($OUT), stderr in with it.
+    # Its output line by line, to the terminal and to the log ($OUT), stderr in with it; stopped at
+    # the deadline, its last line naming how far it got.
     with subprocess.Popen(
         [str(venv / "bin/python"), str(REPO / GPU_BENCH)],
         env=env,
@@ -530,10 +693,22 @@ def run(args: argparse.Namespace) -> int:
         errors="replace",
     ) as bench:
         assert bench.stdout is not None
-        for line in bench.stdout:
-            sys.stdout.write(line)
-            sys.stdout.flush()
-            LOG.write(line)
+        deadline.phase = "the bench (bench/engine/gpu.py), before its first line"
+        watchdog = threading.Timer(max(deadline.left(), 0.1), bench.kill)
+        watchdog.daemon = True
+        watchdog.start()
+        try:
+            for line in bench.stdout:
+                sys.stdout.write(line)
+                sys.stdout.flush()
+                LOG.write(line)
+                if line.strip() and not line[0].isspace() and not line.startswith(TRACEBACK_HEADS):
+                    deadline.phase = f"the bench (bench/engine/gpu.py), after its line: {line.strip()[:200]}"
+        finally:
+            watchdog.cancel()
+    # Killed by the watchdog, or ended by its own deadline (BENCH_GRACE_S before), its threads' tracebacks above.
+    if bench.returncode != 0 and deadline.left() <= BENCH_GRACE_S:
+        raise DeadlinePassed
     say(f"bench_gpu exited {bench.returncode} after {time.monotonic() - t0:.0f} s in all")
     return bench.returncode
 
@@ -546,6 +721,8 @@ def prove(args: argparse.Namespace) -> int:
     shutil.rmtree(HOME, ignore_errors=True)
     # This machine's cuBLAS is the build's download (the device has its own: PyTorch's, or a toolkit's).
     os.environ.setdefault("SLUICE_GPUKIT_CUDA_LIBS", str(BUILD / "cuda" / "lib64"))
+    # The device's deadline is not this machine's: on 2 busy cores the dry run alone takes minutes.
+    os.environ.setdefault("SLUICE_GPUKIT_DEADLINE_S", "1800")
     cmd = [kit_python(), str(Path(__file__).resolve()), "device", "--dry-run"]
     offline = shutil.which("unshare") and subprocess.run(["unshare", "-n", "true"], capture_output=True).returncode == 0
     say("running with no network: " + ("its own network namespace (unshare -n)" if offline else "pip --no-index only (unshare -n is refused here)"))
@@ -568,11 +745,16 @@ def main() -> int:
     on_device.add_argument("--dry-run", action="store_true", help="no layers offloaded (the proof without a GPU)")
     on_device.set_defaults(func=device)
     verbs.add_parser("prove", help="here: every step short of the GPU, offline").set_defaults(func=prove)
+    verbs.add_parser("check", help="here: each load fits one device command beside the checkout as it is now").set_defaults(func=check)
+    verbs.add_parser("online", help="make bench-gpu with no kit carried: exit 2 where the package index cannot be reached").set_defaults(func=online)
     args = parser.parse_args()
-    if args.verb in ("stage", "run", "device"):
+    if args.verb in ("stage", "run", "device", "online"):
         LOG.open(os.environ.get("OUT", ""))
     try:
         return args.func(args)
+    except DeadlinePassed:  # staging (`run` says so itself)
+        say(DEADLINE.passed())
+        return DEADLINE_EXIT
     except SystemExit as stop:
         if isinstance(stop.code, str):
             LOG.write(stop.code)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,12 @@ import pytest
 from gpu import kit
 
 MiB = 2**20
+
+
+@pytest.fixture(autouse=True)
+def _a_fresh_deadline(monkeypatch: pytest.MonkeyPatch) -> None:
+    """kit.DEADLINE counts from the module's import (a device command's start): each test its own."""
+    monkeypatch.setattr(kit, "DEADLINE", kit.Deadline(kit.DEADLINE_S))
 
 
 def test_every_load_fits_the_budget_and_the_model_parts_add_up() -> None:
@@ -131,7 +138,7 @@ def test_run_sends_the_bench_output_to_the_terminal_and_under_out(
     (venv / "bin" / "python").symlink_to(sys.executable)
     script = tmp_path / "bench.py"
     script.write_text("import sys\nprint('warming up')\nprint('BENCH gpu batch=1 decode_tok_s=2.0')\nprint('oops', file=sys.stderr)\nsys.exit(5)\n")
-    monkeypatch.setattr(kit, "install", lambda _: venv)
+    monkeypatch.setattr(kit, "install", lambda *_, **__: venv)
     monkeypatch.setattr(kit, "cuda_library_dirs", lambda *_: [])
     monkeypatch.setattr(kit, "GPU_BENCH", str(script))
     monkeypatch.setattr(kit, "LOG", kit.Log())
@@ -189,3 +196,239 @@ def test_the_wheel_keeps_each_loaded_library_once_with_a_record_to_match(tmp_pat
         assert digest == "sha256=" + base64.urlsafe_b64encode(hashlib.sha256(contents[name]).digest()).rstrip(b"=").decode()
         assert int(size) == len(contents[name])
     assert {line.split(",")[0] for line in record} == names
+
+
+# -- make bench-gpu with no kit carried: no network, no setup ---------------------------------------------
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _closed_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _make_tree(tmp_path: Path) -> Path:
+    """The Makefile and kit.py alone in a folder of their own, as a checkout with nothing built."""
+    import shutil
+
+    tree = tmp_path / "checkout"
+    (tree / "bench" / "gpu").mkdir(parents=True)
+    shutil.copy(REPO / "Makefile", tree / "Makefile")
+    shutil.copy(REPO / "bench" / "gpu" / "kit.py", tree / "bench" / "gpu" / "kit.py")
+    return tree
+
+
+def _make(tree: Path, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    import os
+    import shutil
+
+    if not shutil.which("make"):
+        pytest.skip("no make here")
+    environ = {k: v for k, v in os.environ.items() if not k.startswith(("MAKE", "MFLAGS")) and k not in ("PYTHON", "SLUICE_GPUKIT_HOME")}
+    environ.update(SLUICE_GPUKIT_HOME=str(tree / "staged"), **env)
+    return subprocess.run(["make", "--no-print-directory", *args], cwd=tree, env=environ, capture_output=True, text=True, timeout=60)
+
+
+def test_make_bench_gpu_without_a_kit_checks_the_network_before_setup_and_with_one_runs_the_kit(tmp_path: Path) -> None:
+    tree = _make_tree(tmp_path)
+    plan = _make(tree, "-n", "bench-gpu").stdout.splitlines()
+    assert plan[0] == "python3 bench/gpu/kit.py online", plan[:3]
+    assert any("uv sync --locked" in line for line in plan[1:])  # setup comes after, in bench-gpu-networked
+    (tree / ".gpukit" / "load-1").mkdir(parents=True)  # a load carried
+    plan = _make(tree, "-n", "bench-gpu").stdout.splitlines()
+    assert "python3 bench/gpu/kit.py device" in plan and not any("uv sync" in line or "kit.py online" in line for line in plan), plan
+    (tree / ".gpukit-build").mkdir()  # the machine that built the kit: its path is the networked one
+    assert _make(tree, "-n", "bench-gpu").stdout.splitlines()[0] == "python3 bench/gpu/kit.py online"
+
+
+def test_make_bench_gpu_with_no_network_and_no_kit_exits_2_saying_to_carry_the_loads(tmp_path: Path) -> None:
+    """The real make and kit.py, the package index an address that refuses (no network): it stops
+    before make setup (whose first step, installing uv, would retry and fail about something else)."""
+    tree = _make_tree(tmp_path)
+    proc = _make(tree, "bench-gpu", UV_DEFAULT_INDEX=f"http://127.0.0.1:{_closed_port()}/simple")
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "gpukit: no network and no kit carried: carry .gpukit/load-K (make bench-gpu-kit builds them)" in proc.stdout
+    assert "== libs/sluice-protos" not in proc.stdout and not (tree / ".tools").exists()  # make setup never started
+
+
+def test_the_network_check_reads_the_index_setup_uses_and_gives_up_after_its_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
+    import socket
+    import time
+
+    assert kit.index_address({}) == ("pypi.org", 443)
+    assert kit.index_address({"UV_DEFAULT_INDEX": "http://mirror.local:3141/root/pypi"}) == ("mirror.local", 3141)
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        assert kit.reachable(server.getsockname(), timeout=5)
+    assert not kit.reachable(("127.0.0.1", _closed_port()), timeout=5)
+    # A name lookup that hangs (no network, no resolver answering) is not waited for past the timeout.
+    monkeypatch.setattr(kit.socket, "create_connection", lambda *_, **__: time.sleep(30))
+    t0 = time.monotonic()
+    assert not kit.reachable(("pypi.org", 443), timeout=0.5)
+    assert time.monotonic() - t0 < 5
+
+
+def test_online_says_what_to_carry_and_exits_2_without_a_network(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr(kit, "reachable", lambda *_: False)
+    assert kit.online(argparse.Namespace()) == 2
+    assert "no network and no kit carried: carry .gpukit/load-K (make bench-gpu-kit builds them)" in capsys.readouterr().out
+    monkeypatch.setattr(kit, "reachable", lambda *_: True)
+    assert kit.online(argparse.Namespace()) == 0 and capsys.readouterr().out == ""
+
+
+# -- the device command's deadline ----------------------------------------------------------------------
+
+
+def _staged_bench(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, script_text: str) -> Path:
+    """The made-up kit staged, a venv whose python is this one, `script_text` as the bench; its log
+    under tmp_path/out, returned."""
+    import sys
+
+    _kit(tmp_path, monkeypatch)
+    for load in (1, 2):
+        kit.stage(argparse.Namespace(load=load))
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").symlink_to(sys.executable)
+    script = tmp_path / "bench.py"
+    script.write_text(script_text)
+    monkeypatch.setattr(kit, "install", lambda *_, **__: venv)
+    monkeypatch.setattr(kit, "cuda_library_dirs", lambda *_: [])
+    monkeypatch.setattr(kit, "GPU_BENCH", str(script))
+    monkeypatch.setattr(kit, "LOG", kit.Log())
+    out = tmp_path / "out"
+    out.mkdir()
+    kit.LOG.open(str(out))
+    return out / kit.LOG_NAME
+
+
+def test_a_bench_that_hangs_is_stopped_at_the_deadline_with_a_line_naming_its_phase(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import time
+
+    log = _staged_bench(
+        tmp_path,
+        monkeypatch,
+        "import os, time\nprint('deadline', os.environ['BENCH_GPU_DEADLINE_S'], flush=True)\n"
+        "print('BENCH gpu batch=8 decode_tok_s=2.0', flush=True)\ntime.sleep(60)\n",
+    )
+    monkeypatch.setattr(kit, "DEADLINE", kit.Deadline(3))
+    t0 = time.monotonic()
+    assert kit.run(argparse.Namespace(dry_run=False)) == kit.DEADLINE_EXIT
+    assert time.monotonic() - t0 < 20
+    text = log.read_text()
+    assert "deadline 1\n" in text  # the bench's own deadline, under the kit's, at least 1 s
+    last = text.strip().splitlines()[-1]
+    assert last.startswith("gpukit: deadline: 3 s (SLUICE_GPUKIT_DEADLINE_S) passed in phase: the bench")
+    assert "after its line: BENCH gpu batch=8 decode_tok_s=2.0" in last
+
+
+def test_a_bench_past_its_own_deadline_leaves_its_tracebacks_and_the_kit_names_its_phase(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """gpu.py arms faulthandler at BENCH_GPU_DEADLINE_S, before the kit's watchdog: where it hung."""
+    log = _staged_bench(
+        tmp_path,
+        monkeypatch,
+        "import faulthandler, os, time\nfaulthandler.dump_traceback_later(float(os.environ['BENCH_GPU_DEADLINE_S']), exit=True)\n"
+        "print('BENCH gpu batch=8 decode_tok_s=2.0', flush=True)\n\ndef protocol_decode():\n    time.sleep(60)\n\nprotocol_decode()\n",
+    )
+    monkeypatch.setattr(kit, "DEADLINE", kit.Deadline(10))
+    assert kit.run(argparse.Namespace(dry_run=False)) == kit.DEADLINE_EXIT
+    text = log.read_text()
+    assert "Timeout (" in text and "in protocol_decode" in text  # the bench's own tracebacks
+    assert (
+        text.strip()
+        .splitlines()[-1]
+        .startswith(
+            "gpukit: deadline: 10 s (SLUICE_GPUKIT_DEADLINE_S) passed in phase: the bench (bench/engine/gpu.py), after its line: BENCH gpu batch=8"
+        )
+    )
+
+
+def test_a_phase_before_the_bench_that_overruns_is_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import time
+
+    log = _staged_bench(tmp_path, monkeypatch, "print('never run')\n")
+    monkeypatch.setattr(kit, "DEADLINE", kit.Deadline(0.5))
+    monkeypatch.setattr(kit, "install", lambda *_, **__: time.sleep(1) or tmp_path / "venv")
+    assert kit.run(argparse.Namespace(dry_run=False)) == kit.DEADLINE_EXIT
+    assert (
+        log.read_text().strip().splitlines()[-1].startswith("gpukit: deadline: 0 s (SLUICE_GPUKIT_DEADLINE_S) passed in phase: installing the wheels")
+    )
+    assert "never run" not in log.read_text()
+
+
+def test_a_device_command_past_its_deadline_while_staging_says_so_and_exits_4(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+    import shutil
+    import sys
+
+    tree = _make_tree(tmp_path)
+    _kit(tmp_path, monkeypatch)
+    shutil.move(tmp_path / ".gpukit", tree / ".gpukit")
+    out = tmp_path / "out"
+    out.mkdir()
+    env = dict(os.environ, SLUICE_GPUKIT_DEADLINE_S="0", SLUICE_GPUKIT_HOME=str(tmp_path / "staged"), OUT=str(out))
+    proc = subprocess.run([sys.executable, "bench/gpu/kit.py", "device"], cwd=tree, env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == kit.DEADLINE_EXIT == 4, proc.stdout + proc.stderr
+    assert "gpukit: deadline: 0 s (SLUICE_GPUKIT_DEADLINE_S) passed in phase: starting" in (out / kit.LOG_NAME).read_text()
+
+
+def test_the_kits_deadline_is_under_the_device_calls_timeout_the_docs_give() -> None:
+    import re
+
+    docs = (REPO / "docs" / "contributors" / "benchmarks.md").read_text()
+    timeout_s = int(re.search(r"`timeout_s` (\d+)", docs).group(1))  # type: ignore[union-attr]
+    assert kit.DEADLINE_S + 30 <= timeout_s, (kit.DEADLINE_S, timeout_s)  # time left for the line and the files to come back
+
+
+# -- check: each load beside the checkout as it is now ----------------------------------------------
+
+
+def test_check_passes_loads_that_fit_beside_the_checkout_and_refuses_one_that_does_not(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _kit(tmp_path, monkeypatch)
+    load_2 = sum(p.stat().st_size for p in (kit.KIT / "load-2").iterdir())
+    monkeypatch.setattr(kit, "carried_tree_bytes", lambda: kit.CARRY_LIMIT - load_2)  # load 2 exactly fills a command
+    assert kit.check(argparse.Namespace()) == 0
+    assert "2 loads, each within 64 MiB beside the checkout as it is now" in capsys.readouterr().out
+    monkeypatch.setattr(kit, "carried_tree_bytes", lambda: kit.CARRY_LIMIT - load_2 + 1)  # the checkout grew a byte
+    assert kit.check(argparse.Namespace()) == 1
+    out = capsys.readouterr().out
+    assert "load-2 with the checkout is 64.0 MiB, over the 64 MiB a device command carries" in out and "load-1 with" not in out
+    assert "re-run `python3 bench/gpu/kit.py build`" in out
+
+
+def test_check_refuses_a_load_missing_or_not_as_its_manifest_says(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import shutil
+
+    monkeypatch.setattr(kit, "KIT", tmp_path / ".gpukit")
+    with pytest.raises(SystemExit, match="no kit built here"):
+        kit.check(argparse.Namespace())
+    _kit(tmp_path, monkeypatch)
+    monkeypatch.setattr(kit, "carried_tree_bytes", lambda: 0)
+    (kit.KIT / "load-1" / "a.whl").write_bytes(b"wheel, longer")
+    shutil.rmtree(kit.KIT / "load-2")
+    assert kit.check(argparse.Namespace()) == 1
+    out = capsys.readouterr().out
+    assert "load-1/a.whl is missing or not its manifest's size" in out and "load-2 is missing" in out
+
+
+def test_carried_tree_bytes_counts_this_checkout() -> None:
+    assert 2**20 < kit.carried_tree_bytes() < kit.CARRY_LIMIT
+
+
+# -- the kit's wheels against the lock ----------------------------------------------------------------
+
+
+def test_every_engine_wheel_and_the_cuda_build_have_a_locked_version() -> None:
+    """download_engine_wheels pins each of ENGINE_WHEELS at triton-local's uv.lock: a name the lock
+    does not have (renamed, dropped) would fail only in `make bench-gpu-kit`, 40 minutes in."""
+    versions = kit.lock_versions([*kit.ENGINE_WHEELS, "llama-cpp-python"])
+    assert set(versions) == {*kit.ENGINE_WHEELS, "llama-cpp-python"} and all(versions.values())
