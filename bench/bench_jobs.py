@@ -124,7 +124,7 @@ async def run(stack: Stack, limits: Path) -> None:
     connection = await aio_pika.connect(stack.amqp_url)
     async with connection:
         channel = await connection.channel(publisher_confirms=True)
-        reply_to = f"{stack.amqp_prefix}.bench-replies"
+        reply_to = f"{stack.amqp_prefix}-bench-replies"
         replies = await channel.declare_queue(reply_to, durable=True)
         exchange = await channel.get_exchange(f"{stack.amqp_prefix}.jobs")
         body = json.dumps({"job_id": job_id, "api_key": JOB_KEY, "reply_to": reply_to, "rows": rows}).encode()

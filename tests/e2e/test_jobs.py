@@ -62,7 +62,7 @@ async def publish_and_collect(
     connection = await aio_pika.connect(stack.amqp_url)
     async with connection:
         channel = await connection.channel(publisher_confirms=True)
-        reply_to = f"{stack.amqp_prefix}.test-replies-{uuid.uuid4().hex[:8]}"
+        reply_to = f"{stack.amqp_prefix}-test-replies-{uuid.uuid4().hex[:8]}"
         replies = await channel.declare_queue(reply_to, durable=True)
         if isinstance(job, dict):
             job = {**job, "reply_to": reply_to}

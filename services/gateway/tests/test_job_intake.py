@@ -340,3 +340,115 @@ async def test_a_job_and_its_rows_log_the_same_request_id(store: JobStore, heade
         row = Incoming(b"", headers={JOB_REQUEST_ID_HEADER: carried})  # undecodable: dead-lettered, acked
         await worker._on_row(row)  # type: ignore[arg-type]
         assert row.acked and structlog.contextvars.get_contextvars()["job_request_id"] == bound
+
+
+# ---- reply_to: never one of Sluice's own queues, nor the broker's
+
+FORBIDDEN_REPLY_TO = ["sluice.jobs.rows", "sluice.jobs.requests", "sluice.evallog.completions", "amq.gen-3x4mpl3", "amq.rabbitmq.reply-to"]
+
+
+@pytest.mark.parametrize("reply_to", FORBIDDEN_REPLY_TO)
+async def test_submit_job_refuses_a_reply_to_naming_an_internal_queue(store: JobStore, reply_to: str) -> None:
+    """Results go to the default exchange with reply_to as the routing key: `sluice.jobs.rows` put a
+    tenant's RowResults on the internal row queue, read there as RowTasks of any tenant."""
+    api, captured = gateway(store)
+    job = job_request("j1")
+    job.reply_to = reply_to
+    with pytest.raises(InvalidArgument) as refused:
+        await api.submit(PRIVATE, job)
+    assert refused.value.field_name == "job.reply_to" and reply_to in refused.value.reason
+    assert captured.messages == [] and await store.get_job("j1") is None
+
+
+async def test_submit_job_takes_the_prefix_of_the_exchange_it_publishes_to(store: JobStore) -> None:
+    captured = CapturingPublisher()
+    publisher = JobRequestPublisher(captured, JobTopology("acme-sluice"))  # type: ignore[arg-type]
+    api = JobsApi(store, TENANTS, publisher.submit_job, max_rows=10, completion_window_s=3600.0)
+    job = job_request("j1")
+    job.reply_to = "acme-sluice.jobs.rows"
+    with pytest.raises(InvalidArgument, match="reply_to"):
+        await api.submit(PRIVATE, job)
+    job.reply_to = "sluice-results"  # not under any prefix's dot
+    assert (await api.submit(PRIVATE, job)).state == jobs_pb2.JOB_STATE_VALIDATING
+
+
+@pytest.mark.parametrize("reply_to", FORBIDDEN_REPLY_TO)
+async def test_the_worker_refuses_a_producers_reply_to_naming_an_internal_queue_and_tells_it_nothing(store: JobStore, reply_to: str) -> None:
+    worker = job_worker(store)
+    for body_reply_to, property_reply_to in ((reply_to, None), ("", reply_to)):  # in the body, or as the message's property
+        job = {"job_id": "ext", "api_key": DEMO_KEY, "reply_to": body_reply_to, "rows": [{"custom_id": "q", "embed": {"inputs": ["x"]}}]}
+        message = Incoming(json.dumps(job).encode(), JSON, reply_to=property_reply_to)
+        await worker._job(message)  # type: ignore[arg-type]
+        assert message.acked and rows_published(worker) == [] and replies(worker) == []
+        record = await store.get_job("ext")
+        assert record is not None and record.state == states.FAILED and "reply_to" in record.error and record.reply_to == ""
+
+
+@pytest.mark.parametrize("reply_to", FORBIDDEN_REPLY_TO)
+async def test_no_rejection_is_told_to_an_internal_queue_whatever_the_job_s_fault(store: JobStore, reply_to: str) -> None:
+    """A bad key, a body that does not parse, an AdmittedJob of a gateway that did not check: the
+    JobRejection is told to no forbidden reply_to (no key is needed to ask for one)."""
+    worker = job_worker(store)
+    bad_key = {"job_id": "ext", "api_key": "sk-wrong", "reply_to": reply_to, "rows": [{"custom_id": "q", "embed": {"inputs": ["x"]}}]}
+    job = job_request("adm")
+    job.reply_to = reply_to
+    admitted = jobs_pb2.AdmittedJob(job=job, tenant="private").SerializeToString()
+    for message in (
+        Incoming(json.dumps(bad_key).encode(), JSON),
+        Incoming(b'{"job_id": "x", "rows": 7', JSON, reply_to=reply_to),
+        Incoming(admitted, "application/x-protobuf", "sluice.jobs.v1.AdmittedJob"),
+    ):
+        await worker._job(message)  # type: ignore[arg-type]
+        assert message.acked
+    assert replies(worker) == [] and rows_published(worker) == []
+    record = await store.get_job("adm")
+    assert record is not None and record.state == states.FAILED
+
+
+async def test_the_results_of_a_job_accepted_with_an_internal_reply_to_are_stored_but_not_told(store: JobStore) -> None:
+    """A job (or a row message) from before reply_to was checked: its rows and summary are not
+    published to the internal queue it names; ListJobResults still has them."""
+    worker = job_worker(store)
+    await store.accept("old", "demo", "sluice.jobs.rows", ["a"], 3600.0)
+    task = jobs_pb2.RowTask(job_id="old", tenant="demo", row=jobs_pb2.JobRow(custom_id="a"), reply_to="sluice.jobs.rows")
+    await worker._store_result(task, jobs_pb2.RowResult(job_id="old", custom_id="a", output="x"))
+    assert replies(worker) == []
+    record = await store.get_job("old")
+    assert record is not None and record.state == states.COMPLETED and record.completed_rows == 1
+
+
+# ---- the worker's own dead letters of job messages keep no producer's key
+
+
+@pytest.mark.parametrize("content_type", [JSON, "application/x-protobuf"])
+async def test_a_job_request_the_worker_dead_letters_has_its_api_key_taken_out(store: JobStore, content_type: str) -> None:
+    worker = job_worker(store)
+    job = job_request("j9", DEMO_KEY)
+    if content_type == JSON:
+        body = json.dumps(
+            {"job_id": "j9", "apiKey": DEMO_KEY, "reply_to": "results", "rows": [{"custom_id": "a", "embed": {"inputs": ["x"]}}]}
+        ).encode()
+    else:
+        body = job.SerializeToString()
+    message = Incoming(body, content_type, "sluice.jobs.v2.JobRequest", "results", "j9")
+    await worker._job(message)  # type: ignore[arg-type]
+    [(copy, routing_key)] = worker._dead.published
+    assert message.acked and routing_key == "job" and DEMO_KEY.encode() not in copy.body
+    # The rest kept, for a replay to go as far as it can (without a key: rejected, told to reply_to).
+    if content_type == JSON:
+        assert json.loads(copy.body) == {"job_id": "j9", "reply_to": "results", "rows": [{"custom_id": "a", "embed": {"inputs": ["x"]}}]}
+    else:
+        job.ClearField("api_key")
+        assert jobs_pb2.JobRequest.FromString(copy.body) == job
+    assert (copy.type, copy.reply_to, copy.message_id) == ("sluice.jobs.v2.JobRequest", "results", "j9")
+    assert "api_key was removed" in copy.headers[DEAD_REASON_HEADER]
+
+
+async def test_a_newer_gateway_s_message_is_dead_lettered_as_it_came(store: JobStore) -> None:
+    """Field 2 of an AdmittedJob is its tenant, not a key: nothing is taken out of Sluice's own messages."""
+    worker = job_worker(store)
+    body = jobs_pb2.AdmittedJob(job=job_request("j9"), tenant="private").SerializeToString()
+    message = Incoming(body, "application/x-protobuf", "sluice.jobs.v2.AdmittedJob", "results", "j9")
+    await worker._job(message)  # type: ignore[arg-type]
+    [(copy, _)] = worker._dead.published
+    assert copy.body == body and "api_key" not in copy.headers[DEAD_REASON_HEADER]

@@ -472,8 +472,15 @@ async def test_migration_4_adds_heartbeats_and_lets_rows_running_before_it_be_ta
     """Rows claimed before heartbeats existed have none: a redelivery takes them over, as before."""
 
     async def running_row(old: JobStore) -> None:
-        await old.accept("j", "demo", "q", ["a", "b"], DAY)
+        # In SQL, as the code of that version wrote it: today's reads columns later migrations add.
         async with old.db.transaction() as tx:
+            await tx.execute(
+                "INSERT INTO jobs (job_id, tenant, state, total_rows, reply_to, split_done, created_at, updated_at, expires_at)"
+                " VALUES ('j', 'demo', ?, 2, 'q', TRUE, ?, ?, ?)",
+                s.IN_PROGRESS, time.time(), time.time(), time.time() + DAY,
+            )  # fmt: skip
+            for seq, custom_id in enumerate(("a", "b")):
+                await tx.execute("INSERT INTO job_rows (job_id, custom_id, seq, state) VALUES ('j', ?, ?, 'pending')", custom_id, seq)
             await tx.execute("UPDATE job_rows SET state = 'running', claimed_by = 'w-old' WHERE custom_id = 'a'")
 
     for backend in ("sqlite", "postgres"):
@@ -549,3 +556,42 @@ async def test_a_worker_releasing_a_row_taken_over_meanwhile_changes_nothing(sto
 async def test_the_largest_page_token_postgresql_s_integer_holds_is_taken(store: JobStore) -> None:
     await store.accept("j", "demo", "", ["r"], DAY)
     assert await store.list_results("j", 3, str(2**31 - 1)) == ([], "")
+
+
+async def test_a_claim_naming_another_tenant_changes_nothing_and_the_claim_carries_the_job_s_tenant(store: JobStore) -> None:
+    """A row runs as its job's tenant and text-logging setting (as accepted), never a message's."""
+    await store.accept("j", "private", "q", ["a"], DAY, text_logging=False)
+    claim = await store.claim("j", "a", "w1", take_over=False, tenant="demo")
+    assert claim.state == s.WRONG_TENANT and claim.job is not None and claim.job.tenant == "private"
+    assert await store.row_states("j") == {"pending": 1}  # not claimed, not stored: its real message runs it
+    claim = await store.claim("j", "a", "w1", take_over=False, tenant="private")
+    assert claim.state == s.CLAIMED and claim.job is not None and (claim.job.tenant, claim.job.text_logging) == ("private", False)
+    assert (await store.claim("missing", "a", "w1", take_over=False, tenant="demo")).state == s.MISSING
+
+
+async def test_the_text_logging_setting_submit_job_recorded_is_the_one_the_job_keeps(store: JobStore) -> None:
+    await store.record_submitted("v", "private", 1, "q", DAY, text_logging=False)
+    job, _ = await store.accept("v", "private", "q", ["a"], DAY, text_logging=True)  # a worker's directory says otherwise
+    assert job.text_logging is False
+    job, _ = await store.accept("w", "demo", "q", ["a"], DAY, text_logging=True)
+    assert job.text_logging is True
+
+
+async def test_migration_5_leaves_jobs_accepted_before_it_without_a_setting(tmp_path: Path) -> None:
+    """NULL, not a default: a job accepted before the column runs its rows with their messages' setting."""
+
+    async def old_job(old: JobStore) -> None:
+        async with old.db.transaction() as tx:
+            await tx.execute(
+                "INSERT INTO jobs (job_id, tenant, state, total_rows, reply_to, split_done, created_at, updated_at, expires_at)"
+                " VALUES ('j', 'demo', ?, 1, 'q', TRUE, ?, ?, ?)",
+                s.IN_PROGRESS, time.time(), time.time(), time.time() + DAY,
+            )  # fmt: skip
+            await tx.execute("INSERT INTO job_rows (job_id, custom_id, seq, state) VALUES ('j', 'a', 0, 'pending')")
+
+    for backend in ("sqlite", "postgres"):
+        async with migrated(tmp_path, backend, 4, old_job) as new:
+            claim = await new.claim("j", "a", "w", take_over=False, tenant="demo")
+            assert claim.state == s.CLAIMED and claim.job is not None and claim.job.text_logging is None
+            job, _ = await new.accept("k", "demo", "q", ["a"], DAY, text_logging=False)
+            assert job.text_logging is False

@@ -25,6 +25,7 @@ from sluice_gateway.jobs.job import (
     completion_window_s,
     encode_reply,
     expired_result,
+    forbidden_reply_to,
     format_duration,
     job_message_type,
     paced_delay_s,
@@ -32,6 +33,7 @@ from sluice_gateway.jobs.job import (
     parse_job,
     row_tasks,
     validate_job,
+    without_api_key,
 )
 from sluice_common.tenants import Tenant, TenantDirectory
 
@@ -284,3 +286,53 @@ def test_a_reply_to_amqp_cannot_route_is_rejected_and_never_replied_to(reply_to:
     assert caught.value.tenant == "demo"
     assert JobRejected("salvaged from a body", "j", reply_to).reply_to == ""
     assert JobRejected("fits", "j", "q" * 255).reply_to == "q" * 255
+
+
+@pytest.mark.parametrize(
+    ("reply_to", "prefix", "refused"),
+    [
+        ("sluice.jobs.rows", "sluice", True),
+        ("sluice.evallog.completions", "sluice", True),
+        ("sluice.anything-else", "sluice", True),
+        ("acme.jobs.rows", "acme", True),
+        ("amq.gen-abc", "sluice", True),
+        ("my-results", "sluice", False),
+        ("sluice-results", "sluice", False),  # not under "sluice."
+        ("acme.jobs.rows", "sluice", False),  # another deployment's prefix: not this one's queue
+        ("", "sluice", False),  # no reply_to: nothing is told
+    ],
+)
+def test_a_reply_to_under_the_service_s_prefix_or_amq_is_refused_naming_reply_to(reply_to: str, prefix: str, refused: bool) -> None:
+    job = parse_job(job_json(reply_to=reply_to), JSON)
+    if not refused:
+        validate_job(job, "demo", 100, prefix)
+        assert forbidden_reply_to(reply_to, prefix) == ""
+        return
+    with pytest.raises(JobRejected) as caught:
+        validate_job(job, "demo", 100, prefix)
+    rejection = caught.value
+    assert rejection.field == "reply_to" and reply_to in rejection.reason
+    # Recorded failed for its tenant, but told nowhere: not to the queue it names.
+    assert (rejection.tenant, rejection.job_id, rejection.reply_to) == ("demo", "job-1", "")
+
+
+def test_an_api_key_is_taken_out_of_a_job_body_and_nothing_else() -> None:
+    document = json.loads(job_json())
+    redacted = without_api_key(job_json(), JSON, "sluice.jobs.v2.JobRequest", TENANTS)
+    assert redacted is not None and json.loads(redacted) == {k: v for k, v in document.items() if k != "api_key"}
+    assert without_api_key(job_json(api_key=""), JSON, "", TENANTS) is not None  # the field, even empty, goes
+    assert without_api_key(json.dumps({k: v for k, v in document.items() if k != "api_key"}).encode(), JSON, "", TENANTS) is None
+    # A body that does not parse: the value blanked in place.
+    broken = b'{"job_id": "j", "apiKey" : "sk-sluice-d\\"emo", "rows": ['
+    assert without_api_key(broken, JSON, "", TENANTS) == b'{"job_id": "j", "apiKey" : "", "rows": ['
+    # Protobuf: under a JobRequest type whatever the key; under another type only a key a tenant holds.
+    job = parse_job(job_json(api_key="sk-unknown"), JSON)
+    stripped = without_api_key(job.SerializeToString(), "application/x-protobuf", "sluice.jobs.v9.JobRequest", TENANTS)
+    assert stripped is not None and jobs_pb2.JobRequest.FromString(stripped).api_key == ""
+    assert without_api_key(job.SerializeToString(), "application/x-protobuf", "sluice.jobs.v9.Other", TENANTS) is None
+    job.api_key = KEY
+    stripped = without_api_key(job.SerializeToString(), "", "sluice.jobs.v9.Other", TENANTS)
+    assert stripped is not None and KEY.encode() not in stripped
+    # An AdmittedJob's field 2 is its tenant: kept.
+    admitted = jobs_pb2.AdmittedJob(job=jobs_pb2.JobRequest(job_id="j"), tenant="demo").SerializeToString()
+    assert without_api_key(admitted, "application/x-protobuf", "sluice.jobs.v2.AdmittedJob", TENANTS) is None

@@ -131,6 +131,8 @@ class _Delivery:
 
     def __init__(self, task: jobs_pb2.RowTask) -> None:
         self.body = task.SerializeToString()
+        self.type = worker_module.ROW_TYPE  # as the split publishes it (_publish_row)
+        self.message_id = f"{task.job_id}/{task.row.custom_id}"
         self.headers: dict[str, object] = {}
         self.redelivered = False
         self.settled: list[str] = []
@@ -175,7 +177,7 @@ async def test_a_row_failing_on_the_store_goes_back_to_the_broker_only_after_a_b
     async def unavailable(*args: object) -> str:
         raise OSError("database is locked")
 
-    monkeypatch.setattr(store, "claim_row", unavailable)
+    monkeypatch.setattr(store, "claim", unavailable)  # what the worker claims a row with
     monkeypatch.setattr(worker_module, "FAILURE_BACKOFF_S", (0.4, 5.0))
     started = time.monotonic()
     await asyncio.wait_for(job_worker._on_row(delivery), 5)  # type: ignore[arg-type]
@@ -410,6 +412,7 @@ async def test_a_row_that_waits_out_its_slot_wait_is_handed_back_unstarted_and_u
     assert delivery.settled == ["ack"] and adapter.deadlines == []
     [(copy, routing_key)] = Exchange.published
     assert routing_key == "row" and copy.body == delivery.body  # type: ignore[attr-defined]
+    assert copy.type == worker_module.ROW_TYPE  # type: ignore[attr-defined]  # read as a row again (_row checks it)
     assert copy.headers == {  # type: ignore[attr-defined]
         "x-sluice-job-id": "j", worker_module.EARLIER_DELIVERIES_HEADER: 2, worker_module.REDELIVERED_HEADER: True
     }  # fmt: skip

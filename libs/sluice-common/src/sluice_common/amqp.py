@@ -182,22 +182,25 @@ async def dead_letter(
     routing_key: str,
     message: aio_pika.abc.AbstractIncomingMessage,
     reason: str,
+    body: bytes | None = None,
 ) -> None:
     """Publishes `message` (body and properties kept, see _copy) to the dead-letter exchange with its reason.
 
-    The caller's channel must have publisher confirms on: this returns once a queue has the copy,
-    so the caller can then ack the original without ever losing it. Raises Unroutable when no
-    queue is bound for `routing_key` (the original must then not be acked).
+    `body`, when given, replaces the message's body in the copy (a consumer takes a secret out of
+    it, such as a producer's api_key); the rest is kept. The caller's channel must have publisher
+    confirms on: this returns once a queue has the copy, so the caller can then ack the original
+    without ever losing it. Raises Unroutable when no queue is bound for `routing_key` (the
+    original must then not be acked).
     """
     headers = dict(message.headers or {})
     headers[DEAD_REASON_HEADER] = reason[:1000]
     headers["x-sluice-dead-at"] = time.time()
     headers["x-sluice-original-routing-key"] = message.routing_key or ""
     headers["x-sluice-original-exchange"] = message.exchange or ""
-    await publish_routed(exchange, _copy(message, headers), routing_key)
+    await publish_routed(exchange, _copy(message, headers, body), routing_key)
 
 
-def _copy(message: aio_pika.abc.AbstractIncomingMessage, headers: dict[str, aio_pika.abc.FieldValue]) -> aio_pika.Message:
+def _copy(message: aio_pika.abc.AbstractIncomingMessage, headers: dict[str, aio_pika.abc.FieldValue], body: bytes | None = None) -> aio_pika.Message:
     """A persistent copy of `message` with `headers`, keeping the properties its consumer reads: a
     job's reply_to (where the producer contract lets a producer name its results queue) and
     correlation_id go with it, or a replayed job would run and tell its results to no one.
@@ -207,7 +210,7 @@ def _copy(message: aio_pika.abc.AbstractIncomingMessage, headers: dict[str, aio_
     dead-letters), and user_id (the broker refuses a message whose user_id is not the publishing
     connection's user, as the dead-lettering or replaying one may not be)."""
     return aio_pika.Message(
-        message.body,
+        message.body if body is None else body,
         content_type=message.content_type,
         content_encoding=message.content_encoding,
         delivery_mode=aio_pika.DeliveryMode.PERSISTENT,

@@ -48,6 +48,7 @@ class JobsApi:
         completion_window_s: float,
         watch_poll_s: float = 0.2,
         max_message_bytes: int = SharedSettings.jobs_max_message_bytes,
+        amqp_prefix: str | None = None,
     ) -> None:
         self._store = store
         self._tenants = tenants
@@ -56,6 +57,10 @@ class JobsApi:
         self._completion_window_s = completion_window_s
         self._watch_poll_s = watch_poll_s
         self._max_message_bytes = max_message_bytes
+        # Whose queues a job's reply_to may not name (validate_job): the prefix of the topology the
+        # job is published into (a JobRequestPublisher's, when `publish` is its submit_job).
+        publisher = getattr(publish, "__self__", None)
+        self._amqp_prefix = amqp_prefix or (publisher.prefix if isinstance(publisher, JobRequestPublisher) else SharedSettings.amqp_prefix)
         # Tasks failing jobs the broker refused after their submit had answered (kept from the GC).
         self._failing: set[asyncio.Task[None]] = set()
 
@@ -70,9 +75,9 @@ class JobsApi:
         try:
             if job.api_key and authenticate_job(job, self._tenants).name != tenant.name:
                 raise PermissionDenied("job.api_key belongs to another tenant than the authorization metadata")
-            validate_job(job, tenant.name, self._max_rows)
+            validate_job(job, tenant.name, self._max_rows, self._amqp_prefix)
         except JobRejected as exc:
-            raise InvalidArgument("job", exc.reason) from None
+            raise InvalidArgument(f"job.{exc.field}" if exc.field else "job", exc.reason) from None
         if self._publish is None:
             raise Unavailable("bulk jobs need RabbitMQ: SLUICE_GATEWAY_AMQP_URL is empty")
         admitted = jobs_pb2.AdmittedJob(job=job, tenant=tenant.name, text_logging=tenant.text_logging)
@@ -82,7 +87,7 @@ class JobsApi:
         if admitted.ByteSize() > self._max_message_bytes:
             raise JobTooLarge(admitted.ByteSize(), self._max_message_bytes)
         window_s = completion_window_s(job, self._completion_window_s)
-        record = await self._store.record_submitted(job.job_id, tenant.name, len(job.rows), job.reply_to, window_s)
+        record = await self._store.record_submitted(job.job_id, tenant.name, len(job.rows), job.reply_to, window_s, tenant.text_logging)
         if record.tenant != tenant.name:
             raise InvalidArgument("job.job_id", "already used by another tenant")
         if record.state != "validating":
@@ -175,6 +180,11 @@ class JobRequestPublisher:
     def __init__(self, publisher: ConfirmingPublisher | None, topology: JobTopology) -> None:
         self._publisher = publisher
         self._topology = topology
+
+    @property
+    def prefix(self) -> str:
+        """The AMQP prefix of the topology it publishes to (SLUICE_GATEWAY_AMQP_PREFIX)."""
+        return self._topology.prefix
 
     @property
     def enabled(self) -> bool:

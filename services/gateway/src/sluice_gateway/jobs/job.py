@@ -5,13 +5,16 @@ directly. A producer publishes a JobRequest to the exchange `<prefix>.jobs` with
 as protobuf (`application/x-protobuf`) or as its JSON mapping (`application/json`, field names
 either as in the .proto or lowerCamelCase); its api_key is checked once, at intake
 (authenticate_job). The gateway publishes the jobs it admitted there too, as AdmittedJob: the
-tenant's name, no key. Both then pass validate_job. Results go to `reply_to` in the same content type.
+tenant's name, no key. Both then pass validate_job. Results go to `reply_to` in the same content type,
+published to the default exchange with reply_to as the routing key: so reply_to must not name one of
+Sluice's own queues (under the AMQP prefix) nor a broker-reserved `amq.` one (forbidden_reply_to).
 """
 
 from __future__ import annotations
 
 import json
 import random
+import re
 import time
 from dataclasses import dataclass
 
@@ -50,9 +53,11 @@ TRANSIENT = frozenset({"UNAVAILABLE", "DEADLINE_EXCEEDED", "ABORTED", "INTERNAL"
 
 
 class JobRejected(Exception):
-    """A job message that cannot be accepted at all; told to its reply_to as a JobRejection."""
+    """A job message that cannot be accepted at all; told to its reply_to as a JobRejection (the
+    worker never tells one to a forbidden_reply_to). `field`: the JobRequest field at fault, for
+    SubmitJob's INVALID_ARGUMENT ("" when it is the job as a whole)."""
 
-    def __init__(self, reason: str, job_id: str = "", reply_to: str = "", tenant: str = "") -> None:
+    def __init__(self, reason: str, job_id: str = "", reply_to: str = "", tenant: str = "", field: str = "") -> None:
         super().__init__(reason)
         self.reason = reason
         self.job_id = job_id
@@ -60,10 +65,33 @@ class JobRejected(Exception):
         # on every redelivery. The rejection is still logged, and stored when the job is known.
         self.reply_to = reply_to if _routable(reply_to) else ""
         self.tenant = tenant
+        self.field = field
 
 
 def _routable(reply_to: str) -> bool:
     return len(reply_to.encode()) <= MAX_MESSAGE_ID_BYTES
+
+
+# Queue names a reply_to may not name. Replies go to the default exchange with reply_to as the routing
+# key, which reaches any queue of that name: under the service's own prefix are Sluice's internal
+# queues (`<prefix>.jobs.rows`, `<prefix>.jobs.requests`, `<prefix>.jobs.dead`,
+# `<prefix>.evallog.completions`, ...), where a tenant's RowResult would be read as Sluice's own
+# message; `amq.` names are the broker's (reserved; server-named queues, direct reply-to).
+RESERVED_QUEUE_PREFIX = "amq."
+
+
+def forbidden_reply_to(reply_to: str, amqp_prefix: str) -> str:
+    """Why `reply_to` may not be replied to ("" when it may): a name under `<amqp_prefix>.` or
+    `amq.`. Refused at validation (validate_job) and, for messages already in flight, by the worker
+    before each reply."""
+    if amqp_prefix and reply_to.startswith(f"{amqp_prefix}."):
+        return (
+            f"reply_to {reply_to!r} names a queue under {amqp_prefix + '.'!r}, the prefix of Sluice's own queues"
+            " (SLUICE_GATEWAY_AMQP_PREFIX): name a queue of your own outside it"
+        )
+    if reply_to.startswith(RESERVED_QUEUE_PREFIX):
+        return f"reply_to {reply_to!r} names a queue under {RESERVED_QUEUE_PREFIX!r}, which the broker reserves: declare a named queue of your own"
+    return ""
 
 
 class PoisonRow(Exception):
@@ -171,6 +199,49 @@ def parse_admitted(body: bytes, content_type: str, reply_to_property: str = "") 
     return job, Tenant(admitted.tenant, admitted.text_logging)
 
 
+# A JSON body's api_key field, in either spelling of the JSON mapping, for a body that does not parse.
+_JSON_API_KEY = re.compile(rb'("(?:api_key|apiKey)"\s*:\s*)"(?:[^"\\]|\\.)*"')
+_API_KEY_FIELDS = ("api_key", "apiKey")
+
+
+def without_api_key(body: bytes, content_type: str, message_type: str, tenants: TenantDirectory) -> bytes | None:
+    """A job message's body with its producer's api_key taken out, for the copy the worker
+    dead-letters; None when there is none to take out (the body is kept as it is).
+
+    JSON (never Sluice's own: the gateway publishes protobuf): the top-level `api_key` (or
+    `apiKey`) removed, everything else as it was; a body that does not parse has the field's value
+    blanked in place. Protobuf: read as a JobRequest and its api_key cleared (fields it does not
+    know are kept) only when the message's type names a JobRequest or the value is a key a tenant
+    holds: field 2 of another message (an AdmittedJob's tenant, a newer gateway's type) is not a
+    key, and must not be cut out of a message meant to be replayed."""
+    kind = (content_type or "").split(";")[0].strip().lower()
+    if kind == JSON or (not kind and body.lstrip()[:1] == b"{"):
+        try:
+            document = json.loads(body)
+        except (ValueError, UnicodeDecodeError, RecursionError):
+            redacted = _JSON_API_KEY.sub(rb'\1""', body)
+            return redacted if redacted != body else None
+        if not isinstance(document, dict) or not any(name in document for name in _API_KEY_FIELDS):
+            return None
+        return json.dumps({name: value for name, value in document.items() if name not in _API_KEY_FIELDS}).encode()
+    if kind not in _PROTOBUF_TYPES:
+        return None
+    job = jobs_pb2.JobRequest()
+    try:
+        job.ParseFromString(body)
+    except DecodeError:
+        return None
+    if not job.api_key:
+        return None
+    if not message_type.endswith(f".{jobs_pb2.JobRequest.DESCRIPTOR.name}"):
+        try:
+            tenants.authenticate(f"Bearer {job.api_key}")
+        except Unauthenticated:
+            return None
+    job.ClearField("api_key")
+    return job.SerializeToString()
+
+
 def format_duration(seconds: float) -> str:
     """For messages people read: 3600 -> "1h", 5400 -> "1h30m", 1.5 -> "1.5s", 86400 -> "1d"."""
     if seconds < 60:
@@ -199,17 +270,23 @@ def authenticate_job(job: jobs_pb2.JobRequest, tenants: TenantDirectory) -> Tena
         raise JobRejected(f"api_key: {exc.message}", job.job_id, job.reply_to) from None
 
 
-def validate_job(job: jobs_pb2.JobRequest, tenant: str, max_rows: int) -> None:
+def validate_job(job: jobs_pb2.JobRequest, tenant: str, max_rows: int, amqp_prefix: str = "sluice") -> None:
     """Every check but the key's, for a job of `tenant` (already authenticated), or JobRejected:
-    no id, no rows, too many, custom ids missing or repeated, a completion window not in (0, 7 days]."""
+    a reply_to too long to route or naming a queue of Sluice's (under `amqp_prefix`) or the
+    broker's (forbidden_reply_to), no id, no rows, too many, custom ids missing or repeated, a
+    completion window not in (0, 7 days]."""
 
     def reject(reason: str, tenant: str = "") -> JobRejected:
         return JobRejected(reason, job.job_id, job.reply_to, tenant)
 
     if not _routable(job.reply_to):
-        raise reject(
-            f"reply_to is over {MAX_MESSAGE_ID_BYTES} bytes (UTF-8): AMQP routes a reply by that name, at most {MAX_MESSAGE_ID_BYTES} bytes", tenant
-        )
+        raise JobRejected(
+            f"reply_to is over {MAX_MESSAGE_ID_BYTES} bytes (UTF-8): AMQP routes a reply by that name, at most {MAX_MESSAGE_ID_BYTES} bytes",
+            job.job_id, job.reply_to, tenant, field="reply_to",
+        )  # fmt: skip
+    if forbidden := forbidden_reply_to(job.reply_to, amqp_prefix):
+        # Not told to that reply_to either (JobRejected's reply_to is cleared): the worker's _reject.
+        raise JobRejected(forbidden, job.job_id, "", tenant, field="reply_to")
     if not job.job_id or len(job.job_id) > MAX_ID_LENGTH:
         raise reject(f"job_id is required (1 to {MAX_ID_LENGTH} characters)")
     if NUL in job.job_id:

@@ -155,6 +155,14 @@ MIGRATIONS = (
             "ALTER TABLE job_rows ADD COLUMN heartbeat_at DOUBLE PRECISION",
         ),
     ),
+    (
+        5,
+        "a job's text-logging setting: its rows run with the job's, not with what their messages say",
+        (
+            # NULL: accepted before this column existed; its rows run with their messages' setting.
+            "ALTER TABLE jobs ADD COLUMN text_logging BOOLEAN",
+        ),
+    ),
 )
 
 # How often a worker refreshes the heartbeat of the rows it runs (worker.py), and how old a
@@ -182,6 +190,9 @@ class JobRecord:
     expires_at: float | None = None
     reply_content_type: str = ""
     summary_sent: bool = False
+    # The tenant's text-logging setting when the job was accepted; None for a job accepted before
+    # the store kept it (migration 5).
+    text_logging: bool | None = None
 
     @property
     def terminal(self) -> bool:
@@ -226,7 +237,7 @@ class JobRecord:
 
 
 _INSERT_COLUMNS = "job_id, tenant, state, total_rows, completed_rows, failed_rows, reply_to, split_done, error, created_at, updated_at"
-_JOB_COLUMNS = f"{_INSERT_COLUMNS}, expires_at, reply_content_type, summary_sent"
+_JOB_COLUMNS = f"{_INSERT_COLUMNS}, expires_at, reply_content_type, summary_sent, text_logging"
 
 # A row a claim may change: pending, or running when the claim takes it over: a redelivered copy
 # (take_over) of a row this worker claimed itself (its earlier run here ended unfinished; this
@@ -237,7 +248,18 @@ _JOB_COLUMNS = f"{_INSERT_COLUMNS}, expires_at, reply_content_type, summary_sent
 _TAKEABLE = "(state = 'pending' OR (state = 'running' AND ((? AND claimed_by = ?) OR heartbeat_at IS NULL OR heartbeat_at < ?)))"
 
 # What claim_row found. OVERDUE: the job's completion window is over; store the row as EXPIRED.
+# WRONG_TENANT: the row message names another tenant than the job's (nothing changed; never run).
 CLAIMED, DONE, BUSY, SKIPPED, MISSING, OVERDUE = "claimed", "done", "busy", "skipped", "missing", "overdue"
+WRONG_TENANT = "wrong_tenant"
+
+
+@dataclass(frozen=True)
+class Claim:
+    """JobStore.claim's answer: `state` (CLAIMED, DONE, ...) and the job as the claim read it
+    (None when MISSING): a row runs as its job's tenant, with its job's text-logging setting."""
+
+    state: str
+    job: JobRecord | None = None
 
 
 @dataclass(frozen=True)
@@ -253,10 +275,10 @@ class StrandedRow:
 
 
 def _job(values: tuple) -> JobRecord:  # type: ignore[type-arg]
-    (job_id, tenant, state, total, completed, failed, reply_to, split_done, error, created, updated, expires, content_type, told) = values
+    (job_id, tenant, state, total, completed, failed, reply_to, split_done, error, created, updated, expires, content_type, told, logs) = values
     return JobRecord(
         job_id, tenant, state, int(total), int(completed), int(failed), reply_to, bool(split_done), error, float(created), float(updated),
-        None if expires is None else float(expires), content_type, bool(told),
+        None if expires is None else float(expires), content_type, bool(told), None if logs is None else bool(logs),
     )  # fmt: skip
 
 
@@ -314,15 +336,17 @@ class JobStore:
         async with self.db.transaction() as tx:
             return await self._get(tx, job_id)
 
-    async def record_submitted(self, job_id: str, tenant: str, total_rows: int, reply_to: str, window_s: float) -> JobRecord:
+    async def record_submitted(
+        self, job_id: str, tenant: str, total_rows: int, reply_to: str, window_s: float, text_logging: bool | None = None
+    ) -> JobRecord:
         """SubmitJob's record (validating) before the worker has seen the job; idempotent. The
         completion window counts from here."""
         now = time.time()
         async with self.db.transaction() as tx:
             await tx.execute(
-                f"INSERT INTO jobs ({_INSERT_COLUMNS}, expires_at) VALUES (?, ?, ?, ?, 0, 0, ?, FALSE, '', ?, ?, ?)"
+                f"INSERT INTO jobs ({_INSERT_COLUMNS}, expires_at, text_logging) VALUES (?, ?, ?, ?, 0, 0, ?, FALSE, '', ?, ?, ?, ?)"
                 " ON CONFLICT (job_id) DO NOTHING",
-                job_id, tenant, VALIDATING, total_rows, reply_to, now, now, now + window_s,
+                job_id, tenant, VALIDATING, total_rows, reply_to, now, now, now + window_s, text_logging,
             )  # fmt: skip
             job = await self._get(tx, job_id)
         assert job is not None
@@ -342,13 +366,21 @@ class JobStore:
             )  # fmt: skip
 
     async def accept(
-        self, job_id: str, tenant: str, reply_to: str, custom_ids: list[str], window_s: float, reply_content_type: str = ""
+        self,
+        job_id: str,
+        tenant: str,
+        reply_to: str,
+        custom_ids: list[str],
+        window_s: float,
+        reply_content_type: str = "",
+        text_logging: bool | None = None,
     ) -> tuple[JobRecord, set[str]]:
         """Records the job and its rows (idempotent); returns the job and the custom ids whose row
         messages must (still) be published: all of them the first time, those not yet finished
         when a crash interrupted an earlier split (an expired job's too: each is still reported,
         as EXPIRED). The completion window counts from the job's first record. A job id of
-        another tenant raises."""
+        another tenant raises. `text_logging`: the tenant's setting, which the job's rows run with
+        (claim); the first one recorded is kept."""
         now = time.time()
         async with self.db.transaction() as tx:
             job = await self._get(tx, job_id)
@@ -356,15 +388,15 @@ class JobStore:
                 raise InvalidArgument("job_id", "already used by another tenant")
             if job is None:
                 await tx.execute(
-                    f"INSERT INTO jobs ({_INSERT_COLUMNS}, expires_at, reply_content_type)"
-                    " VALUES (?, ?, ?, ?, 0, 0, ?, FALSE, '', ?, ?, ?, ?)",
-                    job_id, tenant, IN_PROGRESS, len(custom_ids), reply_to, now, now, now + window_s, reply_content_type,
+                    f"INSERT INTO jobs ({_INSERT_COLUMNS}, expires_at, reply_content_type, text_logging)"
+                    " VALUES (?, ?, ?, ?, 0, 0, ?, FALSE, '', ?, ?, ?, ?, ?)",
+                    job_id, tenant, IN_PROGRESS, len(custom_ids), reply_to, now, now, now + window_s, reply_content_type, text_logging,
                 )  # fmt: skip
             elif job.state == VALIDATING:
                 await tx.execute(
-                    "UPDATE jobs SET state = ?, total_rows = ?, updated_at = ?, expires_at = created_at + ?, reply_content_type = ?"
-                    " WHERE job_id = ? AND state = ?",
-                    IN_PROGRESS, len(custom_ids), now, window_s, reply_content_type, job_id, VALIDATING,
+                    "UPDATE jobs SET state = ?, total_rows = ?, updated_at = ?, expires_at = created_at + ?, reply_content_type = ?,"
+                    " text_logging = COALESCE(text_logging, ?) WHERE job_id = ? AND state = ?",
+                    IN_PROGRESS, len(custom_ids), now, window_s, reply_content_type, text_logging, job_id, VALIDATING,
                 )  # fmt: skip
             existing = {cid for (cid,) in await tx.fetchall("SELECT custom_id FROM job_rows WHERE job_id = ?", job_id)}
             if existing and existing != set(custom_ids):
@@ -413,23 +445,32 @@ class JobStore:
 
     # ---- rows
 
-    async def claim_row(self, job_id: str, custom_id: str, worker: str, take_over: bool, now: float | None = None) -> str:
+    async def claim_row(self, job_id: str, custom_id: str, worker: str, take_over: bool, now: float | None = None, tenant: str | None = None) -> str:
+        """claim's state."""
+        return (await self.claim(job_id, custom_id, worker, take_over, now, tenant)).state
+
+    async def claim(self, job_id: str, custom_id: str, worker: str, take_over: bool, now: float | None = None, tenant: str | None = None) -> Claim:
         """CLAIMED: run it. DONE: already recorded. BUSY: another worker runs it and its heartbeat is
         fresh (a redelivered copy waits and asks again; take_over=False: a copy that is not a
         redelivery, acked), or this worker claimed it and the copy is not a redelivery. SKIPPED: the
-        job is cancelled or over. MISSING: no such job or row."""
+        job is cancelled or over. MISSING: no such job or row. WRONG_TENANT: `tenant` (the row
+        message's) is not the job's: nothing is changed, and the row must not run on that message.
+        With the state, the job as the claim read it: the tenant and text-logging setting its rows
+        run with, whatever a row message says."""
         now = time.time() if now is None else now
         takeable = (take_over, worker, now - HEARTBEAT_STALE_S)
         async with self.db.transaction() as tx:
             job = await self._get(tx, job_id)
             row = await tx.fetchone(f"SELECT state, {_TAKEABLE} FROM job_rows WHERE job_id = ? AND custom_id = ?", *takeable, job_id, custom_id)
             if job is None or row is None:
-                return MISSING
+                return Claim(MISSING)
+            if tenant is not None and tenant != job.tenant:
+                return Claim(WRONG_TENANT, job)
             state, may_take = row[0], bool(row[1])
             if state == "done":
-                return DONE
+                return Claim(DONE, job)
             if state == "cancelled":
-                return SKIPPED
+                return Claim(SKIPPED, job)
             # Every write below is conditional on the row's state, re-checked by the UPDATE itself:
             # under PostgreSQL's READ COMMITTED two workers may both have read "pending" above.
             if job.state in STOPPED:
@@ -440,21 +481,21 @@ class JobStore:
                 await self._settle_cancel(tx, job_id, now)
                 # A row running elsewhere finishes there and is stored. A redelivered copy waits for
                 # it (BUSY), not acked: should that worker die, the copy is the row's only message.
-                return BUSY if take_over and not may_take else SKIPPED
+                return Claim(BUSY if take_over and not may_take else SKIPPED, job)
             if not may_take:
-                return BUSY  # running elsewhere: it finishes there, even past the window
+                return Claim(BUSY, job)  # running elsewhere: it finishes there, even past the window
             if job.state == EXPIRED or job.overdue(now):
                 await self._expire(tx, now, job_id)
-                return OVERDUE  # not run: the caller stores it (finish_row, once) as EXPIRED
+                return Claim(OVERDUE, job)  # not run: the caller stores it (finish_row, once) as EXPIRED
             claimed = await tx.execute(
                 "UPDATE job_rows SET state = 'running', claimed_by = ?, attempts = attempts + 1, heartbeat_at = ?"
                 f" WHERE job_id = ? AND custom_id = ? AND {_TAKEABLE}",
                 worker, now, job_id, custom_id, *takeable,
             )  # fmt: skip
             if claimed:
-                return CLAIMED
+                return Claim(CLAIMED, job)
             now_state = await tx.fetchone("SELECT state FROM job_rows WHERE job_id = ? AND custom_id = ?", job_id, custom_id)
-            return {"done": DONE, "cancelled": SKIPPED}.get(now_state[0] if now_state else "", BUSY)
+            return Claim({"done": DONE, "cancelled": SKIPPED}.get(now_state[0] if now_state else "", BUSY), job)
 
     async def heartbeat(self, worker: str, rows: Sequence[tuple[str, str]], now: float | None = None) -> int:
         """Refreshes the heartbeat of the rows (job id, custom id) `worker` runs now, so that no

@@ -6,13 +6,16 @@ Two consumers on one robust connection (queues and exchange: sluice_common.amqp.
   here, once), or an AdmittedJob (AMQP type sluice.jobs.v1.AdmittedJob: a job the gateway admitted,
   under its tenant's name, no key; not authenticated again). Another `sluice.` type (a newer
   gateway's) is dead-lettered to `<prefix>.jobs.dead` with its reason, to replay once the workers
-  know it. Malformed: a JobRejection to its reply_to, acked. Accepted: the job and its rows are
+  know it (a producer's api_key taken out of the copy). Malformed: a JobRejection to its reply_to
+  (never to one naming a queue under the AMQP prefix or `amq.`: forbidden_reply_to), acked. Accepted: the job and its rows are
   recorded, one RowTask per row is published
   to `<prefix>.jobs.rows` (pipelined confirms), and only then is the job message acked. A worker
   killed mid-split gets the job redelivered to someone, who republishes the rows not yet finished.
 - `<prefix>.jobs.rows`, consumed with a prefetch that follows the adaptive concurrency bound (at
   most WORKER_PREFETCH; RabbitMQ applies a changed basic.qos only to consumers started after it, so
-  the worker consumes again, and cancels the consumer it replaces, when the bound moves): each row
+  the worker consumes again, and cancels the consumer it replaces, when the bound moves). A message
+  whose AMQP type is not the row type, or that names another tenant than its job's, is
+  dead-lettered unrun; a row runs as its job's tenant, text-logging setting and reply_to. Each row
   takes a slot of the bound, is claimed in the
   store (a copy of a row that is done, or of a cancelled job, is acked without running; a
   redelivered copy of a row another worker runs and still beats for waits for it, see below), runs through the interactive path in the bulk class (inference_path), its result is
@@ -105,6 +108,7 @@ from sluice_gateway.jobs.job import (
     encode_reply,
     expired_result,
     failed_result,
+    forbidden_reply_to,
     is_paced,
     job_message_type,
     message_of,
@@ -116,6 +120,7 @@ from sluice_gateway.jobs.job import (
     run_row,
     too_long_for_window,
     validate_job,
+    without_api_key,
 )
 from sluice_gateway.jobs.row_deadline import RowDeadlines, RowTiming
 from sluice_gateway.jobs_port import MAX_MESSAGE_ID_BYTES
@@ -395,10 +400,12 @@ class JobWorker:
             else:  # a producer's JobRequest: its key is checked here, once
                 job = parse_job(message.body, content_type, message.reply_to or "")
                 tenant = authenticate_job(job, self.core.tenants)
-            validate_job(job, tenant.name, self.shared.jobs_max_rows)
+            validate_job(job, tenant.name, self.shared.jobs_max_rows, self.shared.amqp_prefix)
             window_s = completion_window_s(job, self.shared.jobs_completion_window_s)
             custom_ids = [r.custom_id for r in job.rows]
-            record, open_rows = await self.store.accept(job.job_id, tenant.name, job.reply_to, custom_ids, window_s, _reply_type(content_type))
+            record, open_rows = await self.store.accept(
+                job.job_id, tenant.name, job.reply_to, custom_ids, window_s, _reply_type(content_type), tenant.text_logging
+            )
         except (JobRejected, InvalidArgument) as exc:
             rejection = exc if isinstance(exc, JobRejected) else JobRejected(exc.message, job.job_id, job.reply_to)
             await self._reject(rejection, content_type)
@@ -419,10 +426,16 @@ class JobWorker:
     async def _dead_letter_job(self, message: aio_pika.abc.AbstractIncomingMessage, reason: str) -> None:
         """A job message this worker cannot read (e.g. a type from a newer gateway during an upgrade
         done in the wrong order): kept in `<prefix>.jobs.dead` with its reason, to be replayed once
-        the workers know it, rather than misread or dropped."""
+        the workers know it, rather than misread or dropped. A producer's api_key is taken out of
+        the copy (without_api_key): the dead-letter queue is read by operators, and a key has no
+        business there; replayed, such a job is rejected for want of a key (JobRejection "api_key:
+        ...") and its producer publishes it again."""
+        redacted = without_api_key(message.body, message.content_type or "", message.type or "", self.core.tenants)
+        if redacted is not None:
+            reason = f"{reason}; its api_key was removed from this copy"
         JOBS.labels("dead_lettered").inc()
         log.error("job_message_dead_lettered", reason=reason, message_type=message.type, message_id=message.message_id)
-        await dead_letter(self._dead, self.topology.job_routing_key, message, reason)
+        await dead_letter(self._dead, self.topology.job_routing_key, message, reason, body=redacted)
         await message.ack()
 
     async def _publish_row(self, task: jobs_pb2.RowTask) -> None:
@@ -444,6 +457,10 @@ class JobWorker:
 
     async def _reject(self, rejection: JobRejected, content_type: str) -> None:
         JOBS.labels("rejected").inc()
+        if rejection.reply_to and (forbidden := forbidden_reply_to(rejection.reply_to, self.shared.amqp_prefix)):
+            # Whatever else was wrong with the job: a rejection is told to no internal queue either.
+            log.warning("job_rejection_not_told", job_id=rejection.job_id[:MAX_MESSAGE_ID_BYTES], reason=forbidden)
+            rejection.reply_to = ""
         log.warning("job_rejected", job_id=rejection.job_id, reason=rejection.reason, reply_to=rejection.reply_to)
         if rejection.job_id and rejection.tenant:
             await self.store.record_failed(rejection.job_id, rejection.tenant, rejection.reply_to, rejection.reason)
@@ -455,7 +472,13 @@ class JobWorker:
                 log.exception("job_rejection_not_told", job_id=rejection.job_id[:MAX_MESSAGE_ID_BYTES], reply_to=rejection.reply_to)
 
     async def _reply(self, reply_to: str, body: Any, content_type: str, message_id: str, kind: str) -> None:
+        """Publishes a reply to the default exchange, routed to the queue named `reply_to`: never to
+        a forbidden_reply_to (one of Sluice's own queues, or the broker's), which validate_job
+        refuses, but which a job accepted before it did, or a row message, may still name."""
         job_id = getattr(body, "job_id", "") or ""
+        if forbidden := forbidden_reply_to(reply_to, self.shared.amqp_prefix):
+            log.warning("reply_not_told", message_id=message_id[:MAX_MESSAGE_ID_BYTES], message_type=kind, reason=forbidden)
+            return
         await self._rows_channel.default_exchange.publish(
             aio_pika.Message(
                 encode_reply(body, content_type),
@@ -486,14 +509,19 @@ class JobWorker:
             await _give_back_later(message)
 
     async def _row(self, message: aio_pika.abc.AbstractIncomingMessage, received: float | None = None) -> None:
+        # Only a RowTask is read as one: every message Sluice puts on this queue (the split, a
+        # hand-back's copy, a replay of a dead letter) has its type. Another message here (a reply
+        # misrouted by a reply_to naming this queue: a RowResult whose fields decode as a RowTask of
+        # any tenant) is set aside, never run.
+        if message.type != ROW_TYPE:
+            await self._dead_letter_row_message(message, f"not a row message: AMQP type {message.type!r}, not {ROW_TYPE!r}")
+            return
         try:
             task = jobs_pb2.RowTask.FromString(message.body)
         except DecodeError:
             task = jobs_pb2.RowTask()
         if not task.job_id or not task.row.custom_id:
-            await dead_letter(self._dead, self.topology.row_routing_key, message, "undecodable row message")
-            await message.ack()
-            ROWS.labels("dead_lettered").inc()
+            await self._dead_letter_row_message(message, "undecodable row message")
             return
         structlog.contextvars.bind_contextvars(job_id=task.job_id, custom_id=task.row.custom_id)
         key = (task.job_id, task.row.custom_id)
@@ -511,11 +539,26 @@ class JobWorker:
             del self._running[key]
             ended.set()
 
+    async def _dead_letter_row_message(self, message: aio_pika.abc.AbstractIncomingMessage, reason: str) -> None:
+        """A message on the rows queue that is no row to run: to `<prefix>.jobs.dead` with its
+        reason, acked; no row's result is stored for it (it may name a row it has no right to end)."""
+        log.warning("row_message_dead_lettered", reason=reason, message_type=message.type, message_id=message.message_id)
+        await dead_letter(self._dead, self.topology.row_routing_key, message, reason)
+        await message.ack()
+        ROWS.labels("dead_lettered").inc()
+
     async def _run_row(self, task: jobs_pb2.RowTask, message: aio_pika.abc.AbstractIncomingMessage, received: float) -> None:
         deliveries = _deliveries(message)
-        claim = await self._claim(task, message, received)
-        if claim is None:
+        claimed = await self._claim(task, message, received)
+        if claimed is None:
             return
+        claim = claimed.state
+        if claim == states.WRONG_TENANT:  # nothing was claimed: the slot taken for it goes back
+            await self._release_unused_slot()
+            job_tenant = claimed.job.tenant if claimed.job is not None else ""
+            await self._dead_letter_row_message(message, f"the row message names tenant {task.tenant!r}; its job {task.job_id!r} is {job_tenant!r}'s")
+            return
+        task = _as_its_job(task, claimed.job)
         holding = True
         try:
             if claim == states.DONE and _redelivered(message):
@@ -559,7 +602,7 @@ class JobWorker:
         else:
             await self._finish(task, outcome, message)
 
-    async def _claim(self, task: jobs_pb2.RowTask, message: aio_pika.abc.AbstractIncomingMessage, received: float) -> str | None:
+    async def _claim(self, task: jobs_pb2.RowTask, message: aio_pika.abc.AbstractIncomingMessage, received: float) -> states.Claim | None:
         """Takes a concurrency slot and claims the row: the claim's answer, with the slot held; None
         when the worker began to stop meanwhile (the message went back unstarted, no slot held), or
         when the message waited WorkerSettings.slot_wait_s since `received` (its delivery) and was
@@ -586,11 +629,11 @@ class JobWorker:
                 return None
             IN_FLIGHT.set(self.concurrency.in_flight)
             try:
-                claim = await self.store.claim_row(task.job_id, task.row.custom_id, self.worker_id, redelivered)
+                claim = await self.store.claim(task.job_id, task.row.custom_id, self.worker_id, redelivered, tenant=task.tenant)
             except BaseException:
                 await self._release_unused_slot()
                 raise
-            if claim != states.BUSY or not redelivered:
+            if claim.state != states.BUSY or not redelivered:
                 return claim
             await self._release_unused_slot()
             if time.monotonic() + states.HEARTBEAT_S >= hand_back_at:
@@ -957,6 +1000,23 @@ async def _give_back_later(message: aio_pika.abc.AbstractIncomingMessage) -> Non
 
 def _request_id() -> str:
     return current_request_id() or new_request_id()
+
+
+def _as_its_job(task: jobs_pb2.RowTask, job: JobRecord | None) -> jobs_pb2.RowTask:
+    """The row as its job says it runs: the job's tenant, its text-logging setting as the job was
+    accepted with (a job accepted before the store kept it: the message's), its reply_to and reply
+    content type, whatever the message says (claim refuses a message naming another tenant; this
+    is the second lock)."""
+    if job is None:
+        return task
+    ran = jobs_pb2.RowTask()
+    ran.CopyFrom(task)
+    ran.tenant, ran.reply_to = job.tenant, job.reply_to
+    if job.text_logging is not None:
+        ran.text_logging = job.text_logging
+    if job.reply_content_type:
+        ran.reply_content_type = job.reply_content_type
+    return ran
 
 
 def _outcome(result: jobs_pb2.RowResult) -> str:
