@@ -35,7 +35,7 @@ ENV PATH=/app/.venv/bin:$PATH PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 \
 WORKDIR /app
 USER 10001:10001
 # 8080: the OpenAI-compatible HTTP API, off unless SLUICE_GATEWAY_HTTP_PORT=8080 (compose and the
-# manifests set it).
+# manifests set it); HTTPS only, with the gRPC port's certificate, when SLUICE_GATEWAY_TLS_CERT_FILE is set.
 EXPOSE 50051 8080 9101
 # gRPC health (grpc.health.v1), over TLS when SLUICE_GATEWAY_TLS_CERT_FILE is set.
 HEALTHCHECK --interval=15s --timeout=5s --start-period=60s --retries=3 \

@@ -29,3 +29,10 @@ def test_a_bad_adapter_tls_setting_is_listed_with_the_other_problems() -> None:
     assert f"{ENV_PREFIX}ADAPTER_TLS_CERT_FILE and {ENV_PREFIX}ADAPTER_TLS_KEY_FILE go together" in message
     assert f"{ENV_PREFIX}ADAPTER_TLS_KEY_FILE=/no/key.pem is not a readable file" in message
     assert f"{ENV_PREFIX}PREFETCH='lots' is not an integer" in message
+
+
+def test_score_completions_calls_in_flight_per_tenant_are_configurable_and_checked() -> None:
+    assert load().score_max_concurrent_per_tenant == 2
+    assert load(SCORE_MAX_CONCURRENT_PER_TENANT="5").score_max_concurrent_per_tenant == 5
+    with pytest.raises(ConfigError, match=f"{ENV_PREFIX}SCORE_MAX_CONCURRENT_PER_TENANT must be in 1..1024, got 0"):
+        load(SCORE_MAX_CONCURRENT_PER_TENANT="0")

@@ -16,6 +16,7 @@ from sluice_evaluation_logging.embeddings import AdapterEmbedder
 from sluice_evaluation_logging.eval_pool import EvalPool
 from sluice_evaluation_logging.evaluators.base import EvalContext, EvalSettings
 from sluice_evaluation_logging.queries import EvalLogQueries
+from sluice_evaluation_logging.scoring import ScoreSlots
 from sluice_evaluation_logging.servicer import EvalLogServicer
 from sluice_evaluation_logging.similarity_worker import SimilarityWorker, WorkerSettings
 from sluice_evaluation_logging.store import open_store
@@ -84,7 +85,13 @@ async def serve(config: EvalLogConfig) -> None:
         ),
         busy=consumer.busy,
     )
-    servicer = EvalLogServicer(tenants, EvalLogQueries(store), EvalContext(settings, embedder), offload=pool.evaluate if pool is not None else None)
+    servicer = EvalLogServicer(
+        tenants,
+        EvalLogQueries(store),
+        EvalContext(settings, embedder),
+        ScoreSlots(config.score_max_concurrent_per_tenant),
+        offload=pool.evaluate if pool is not None else None,
+    )
 
     def register(server):  # type: ignore[no-untyped-def]
         evallog_pb2_grpc.add_EvalLogServiceServicer_to_server(servicer, server)

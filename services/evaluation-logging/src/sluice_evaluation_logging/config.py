@@ -48,6 +48,10 @@ class EvalLogConfig(ServerConfig):
     similarity_min: float = 0.2
     # reference_similarity (ScoreCompletions, `sluice eval`): the output-to-reference cosine that passes.
     reference_similarity_min: float = 0.5
+    # ScoreCompletions calls one tenant may have in flight (each up to 1000 items, two Embed calls
+    # per item on the shared adapter, CPU in the consumer's pool); one more is RESOURCE_EXHAUSTED
+    # with RetryInfo. `sluice eval` makes one call at a time.
+    score_max_concurrent_per_tenant: int = 2
     embed_timeout_s: float = 10.0
     # Similarity is computed off the consume path: events per Embed call (two texts each), and how
     # long a claim on pending markers lasts before another replica (or the next process) may take them.
@@ -85,6 +89,10 @@ class EvalLogConfig(ServerConfig):
         require(
             0 <= self.similarity_max_pause_s <= 60,
             f"{ENV_PREFIX}SIMILARITY_MAX_PAUSE_S must be in [0, 60], got {self.similarity_max_pause_s}",
+        )
+        require(
+            1 <= self.score_max_concurrent_per_tenant <= 1024,
+            f"{ENV_PREFIX}SCORE_MAX_CONCURRENT_PER_TENANT must be in 1..1024, got {self.score_max_concurrent_per_tenant}",
         )
         require(0 <= self.eval_processes <= 64, f"{ENV_PREFIX}EVAL_PROCESSES must be in 0..64, got {self.eval_processes}")
         require(self.repetition_ngram >= 1, f"{ENV_PREFIX}REPETITION_NGRAM must be >= 1, got {self.repetition_ngram}")

@@ -9,13 +9,14 @@ is waiting for the scores anyway."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from types import ModuleType
 
 from prometheus_client import Counter
 
-from sluice_common.errors import InvalidArgument
+from sluice_common.errors import InvalidArgument, ResourceExhausted
 from sluice_evaluation_logging.evaluators import (
     EVALUATORS,
     REFERENCE_EVALUATORS,
@@ -35,6 +36,49 @@ MAX_ITEMS = 1000
 MAX_TEXT_CHARS = 256 * 1024
 
 SCORED_ITEMS = Counter("sluice_evallog_scored_items_total", "Completions scored on request (ScoreCompletions).")
+SCORE_CALLS_REFUSED = Counter(
+    "sluice_evallog_score_calls_refused_total", "ScoreCompletions calls refused: their tenant had SCORE_MAX_CONCURRENT_PER_TENANT in flight."
+)
+# What a refused call's RetryInfo says: about one call of `sluice eval` (64 items, ~1 s).
+SCORE_RETRY_AFTER_S = 1.0
+
+
+class ScoreSlots:
+    """How many ScoreCompletions calls each tenant may have in flight (SLUICE_EVALLOG_SCORE_MAX_CONCURRENT_PER_TENANT).
+
+    A call's items (up to MAX_ITEMS) cost up to two Embed calls each, sent to the shared adapter as
+    this service's own tenant in the bulk class, and the CPU-heavy evaluators run in the pool the
+    consumer shares: no key may run more than `per_tenant` such calls at once. One more is refused
+    at once with RESOURCE_EXHAUSTED and RetryInfo, not queued (a queue would hold the caller's
+    connection and memory as well). One event loop: the count needs no lock.
+    """
+
+    def __init__(self, per_tenant: int) -> None:
+        self.per_tenant = per_tenant
+        self._in_flight: dict[str, int] = {}
+
+    def in_flight(self, tenant: str) -> int:
+        return self._in_flight.get(tenant, 0)
+
+    @contextmanager
+    def admit(self, tenant: str) -> Iterator[None]:
+        held = self.in_flight(tenant)
+        if held >= self.per_tenant:
+            SCORE_CALLS_REFUSED.inc()
+            raise ResourceExhausted(
+                f"this tenant already has {held} ScoreCompletions calls in flight, at most {self.per_tenant}: retry when one has ended",
+                retry_after_s=SCORE_RETRY_AFTER_S,
+                quota_subject="evallog.score_calls_per_tenant",
+            )
+        self._in_flight[tenant] = held + 1
+        try:
+            yield
+        finally:
+            left = self._in_flight[tenant] - 1
+            if left:
+                self._in_flight[tenant] = left
+            else:
+                del self._in_flight[tenant]
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from sluice_evaluation_logging.evaluators.base import EvalContext
 from sluice_evaluation_logging.model import RecordFilter, RecordRow, Threshold
 from sluice_evaluation_logging.queries import EvalLogQueries
 from sluice_evaluation_logging.records import GroupSummary
-from sluice_evaluation_logging.scoring import ScoreInput, evaluator_infos, score_items
+from sluice_evaluation_logging.scoring import ScoreInput, ScoreSlots, evaluator_infos, score_items
 
 
 def _seconds(timestamp: timestamp_pb2.Timestamp, present: bool) -> float | None:
@@ -71,11 +71,15 @@ def _summary(group: GroupSummary) -> evallog_pb2.Summary:
 
 
 class EvalLogServicer(evallog_pb2_grpc.EvalLogServiceServicer):
-    def __init__(self, tenants: TenantDirectory, queries: EvalLogQueries, scoring: EvalContext, offload: Offload | None = None) -> None:
+    def __init__(
+        self, tenants: TenantDirectory, queries: EvalLogQueries, scoring: EvalContext, score_slots: ScoreSlots, offload: Offload | None = None
+    ) -> None:
         self._tenants = tenants
         self._queries = queries
-        # ScoreCompletions: the evaluators' settings and embedder, and the CPU-heavy ones' pool.
+        # ScoreCompletions: the evaluators' settings and embedder, and the CPU-heavy ones' pool;
+        # each tenant's calls in flight are bounded (SCORE_MAX_CONCURRENT_PER_TENANT).
         self._scoring = scoring
+        self._score_slots = score_slots
         self._offload = offload
 
     def _caller(self, context: grpc.aio.ServicerContext) -> str:
@@ -114,9 +118,10 @@ class EvalLogServicer(evallog_pb2_grpc.EvalLogServiceServicer):
     async def ScoreCompletions(
         self, request: evallog_pb2.ScoreCompletionsRequest, context: grpc.aio.ServicerContext
     ) -> evallog_pb2.ScoreCompletionsResponse:
-        self._caller(context)  # any tenant may score; nothing is stored or read
-        items = [ScoreInput(item.event, item.reference) for item in request.items]
-        scored = await score_items(items, self._scoring, self._offload)
+        tenant = self._caller(context)  # any tenant may score; nothing is stored or read
+        with self._score_slots.admit(tenant):
+            items = [ScoreInput(item.event, item.reference) for item in request.items]
+            scored = await score_items(items, self._scoring, self._offload)
         return evallog_pb2.ScoreCompletionsResponse(
             items=[
                 evallog_pb2.ScoredItem(

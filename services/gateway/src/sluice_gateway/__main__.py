@@ -45,7 +45,9 @@ async def serve(config: GatewayConfig) -> None:
         gateway_pb2_grpc.add_GatewayServiceServicer_to_server(servicer, server)
         return [SERVICE_NAME]
 
-    running = await create_server(config.host, config.port, config.metrics_port, register, serving=False, tls=config.server_tls(ENV_PREFIX))
+    # One TLS for both fronts: the HTTP port takes the gRPC port's certificate and client CA.
+    tls = config.server_tls(ENV_PREFIX)
+    running = await create_server(config.host, config.port, config.metrics_port, register, serving=False, tls=tls)
     running.supervisor.start("event-loop-lag", monitor_loop_lag)
     await core.start(settings, running.supervisor)
     job_publisher.start(running.supervisor)
@@ -56,7 +58,7 @@ async def serve(config: GatewayConfig) -> None:
         # OpenAI's Files and Batch APIs: their tables are in the job store's database.
         batches = BatchFront(front.tenants, OpenAIStore(job_store.db), jobs, core.models, config.front.files_max_bytes, settings.jobs_max_rows)
         http_port = 0 if config.front.http_port == ANY_HTTP_PORT else config.front.http_port
-        http = await start_http(front, config.host, http_port, config.front.http_max_body_bytes, config.shutdown_grace_s, batches)
+        http = await start_http(front, config.host, http_port, config.front.http_max_body_bytes, config.shutdown_grace_s, batches, tls)
     await running.set_serving(True)
     log.info("ready", adapter=settings.adapter_url, models=[m.name for m in core.models.models], http_port=http.port if http else None)
 

@@ -45,8 +45,10 @@ from sluice.common.v1 import types_pb2
 
 from sluice_common.finish_reasons import finish_reason_enum_name
 from sluice_common.errors import ContextLengthExceeded, InvalidArgument, ResourceExhausted, SluiceError, Unauthenticated, Unavailable
+from sluice_common.config import ServerTLS
 from sluice_common.log import PORTS_LOGGER
 from sluice_common.request_context import MAX_REQUEST_ID, REQUEST_ID_KEY, bind_request_id, current_request_id, new_request_id
+from sluice_common.tls import server_ssl_context
 from sluice_gateway.path.generation_trace import instrument_http_front
 from sluice_gateway.path.inference_path import InferencePath
 from sluice_gateway.path.model_catalog import UnknownModel
@@ -464,13 +466,24 @@ class RunningHttp:
             connection.force_close()
 
 
-async def start_http(front: OpenAIFront, host: str, port: int, max_body_bytes: int, grace_s: float, batches: BatchFront | None = None) -> RunningHttp:
-    """Starts the HTTP listener on the running loop; port 0 binds a free one (tests)."""
+async def start_http(
+    front: OpenAIFront,
+    host: str,
+    port: int,
+    max_body_bytes: int,
+    grace_s: float,
+    batches: BatchFront | None = None,
+    tls: ServerTLS | None = None,
+) -> RunningHttp:
+    """Starts the HTTP listener on the running loop; port 0 binds a free one (tests).
+
+    With `tls` (the gateway's SLUICE_GATEWAY_TLS_*, the gRPC port's) it speaks HTTPS only, with the
+    same certificate, and requires a client certificate signed by the client CA when one is set."""
     runner = web.AppRunner(build_app(front, max_body_bytes, batches), handler_cancellation=True, shutdown_timeout=grace_s, access_log=None)
     await runner.setup()
-    site = web.TCPSite(runner, host, port)
+    site = web.TCPSite(runner, host, port, ssl_context=server_ssl_context(tls) if tls is not None else None)
     await site.start()
     bound = port or runner.addresses[0][1]
-    log.info("http_listening", host=host, port=bound)
+    log.info("http_listening", host=host, port=bound, tls="off" if tls is None else ("mutual" if tls.client_ca_file else "server"))
     structlog.stdlib.get_logger(PORTS_LOGGER).info("ports_bound", http=bound)
     return RunningHttp(runner, bound, grace_s)
