@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import urllib.request
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -100,7 +101,8 @@ def test_every_service_is_scraped_up_and_the_rules_evaluate(prometheus: Promethe
 
 def one_round_of_load(stack: Stack, gateway: Any) -> None:
     """A few seconds of what the dashboard shows: concurrent chat streams (gateway, adapter, engine,
-    completion events, evaluation), a two-row bulk job (job worker) and one refused admission."""
+    completion events, evaluation), a call to the OpenAI HTTP front, a two-row bulk job (job worker)
+    and one refused admission."""
 
     def stream(index: int) -> int:
         request = chat(f"Name a colour (observability {index}).", max_tokens=8)
@@ -108,6 +110,11 @@ def one_round_of_load(stack: Stack, gateway: Any) -> None:
 
     with concurrent.futures.ThreadPoolExecutor(STREAMS) as pool:
         assert all(chunks > 0 for chunks in pool.map(stream, range(STREAMS)))
+    # The HTTP front's panel: its series exist only once a request came (run alone, no module before
+    # this one may have sent one).
+    models = urllib.request.Request(f"{stack.openai_base_url}/models", headers={"Authorization": f"Bearer {DEMO_KEY}"})
+    with urllib.request.urlopen(models, timeout=30) as reply:
+        assert reply.status == 200
     job = {"job_id": f"obs-{uuid.uuid4().hex[:8]}", "api_key": DEMO_KEY, "rows": [gen_row("a"), gen_row("b")]}
     replies = asyncio.run(publish_and_collect(stack, job, expect=2, timeout_s=120))
     assert all("error" not in r for r in replies), replies
