@@ -342,6 +342,24 @@ async def test_a_job_and_its_rows_log_the_same_request_id(store: JobStore, heade
         assert row.acked and structlog.contextvars.get_contextvars()["job_request_id"] == bound
 
 
+@pytest.mark.parametrize("header", ["é-request", "x\ty", "r\x7f"])
+async def test_a_job_whose_request_id_grpc_metadata_cannot_carry_runs_under_one_of_ours(store: JobStore, header: str) -> None:
+    """The job's request id goes into its downstream calls' gRPC metadata, which takes printable
+    ASCII only (grpc refuses the call otherwise, as the HTTP front's x-request-id showed): such a
+    header is not taken, and the job and its rows run under a fresh id."""
+    from sluice_common.request_context import current_request_id
+    from sluice_gateway.jobs.worker import JOB_REQUEST_ID_HEADER
+
+    worker = job_worker(store)
+    message = producer_message(DEMO_KEY)
+    message.headers = {"x-request-id": header}
+    await worker._on_job(message)  # type: ignore[arg-type]
+    bound = current_request_id()
+    assert message.acked and bound and bound != header and bound.isascii() and bound.isprintable()
+    [(row_message, _)] = worker._exchange.published
+    assert row_message.headers[JOB_REQUEST_ID_HEADER] == bound
+
+
 # ---- reply_to: never one of Sluice's own queues, nor the broker's
 
 FORBIDDEN_REPLY_TO = ["sluice.jobs.rows", "sluice.jobs.requests", "sluice.evallog.completions", "amq.gen-3x4mpl3", "amq.rabbitmq.reply-to"]

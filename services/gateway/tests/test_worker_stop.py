@@ -102,3 +102,34 @@ async def test_stop_during_a_broker_outage_still_drains_and_drops_heartbeats(sto
     bound = CONNECTION_CLOSE_S + 1.0 + (CONSUMER_CANCEL_TIMEOUT_S if outage == "frozen" else 0.0)
     assert elapsed < bound, f"stop() took {elapsed:.1f} s"
     assert dropped == [job_worker.worker_id]
+
+
+async def test_the_broker_gauge_says_when_the_worker_lost_its_broker(store: JobStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Health stays SERVING while the robust connection reconnects: sluice_jobs_worker_broker_connected
+    (and its alert) is what tells an operator that no row is consumed."""
+    from prometheus_client import REGISTRY
+
+    from sluice_gateway.jobs import store as states
+
+    monkeypatch.setattr(states, "HEARTBEAT_S", 0.05)
+    proxy = BrokerProxy()
+    port = await proxy.start()
+    broker = urlsplit(AMQP_URL)
+    prefix = f"test-gauge-{uuid.uuid4().hex[:8]}"
+    settings = {"TENANTS_FILE": TENANTS, "AMQP_URL": f"amqp://{broker.username}:{broker.password}@127.0.0.1:{port}/", "AMQP_PREFIX": prefix}
+    config = load_config(WorkerConfig, ENV_PREFIX, {f"{ENV_PREFIX}{name}": value for name, value in settings.items()})
+    job_worker = JobWorker(config.shared, config.worker, types.SimpleNamespace(path=None), store)  # type: ignore[arg-type]
+    gauge = lambda: REGISTRY.get_sample_value("sluice_jobs_worker_broker_connected")  # noqa: E731
+    try:
+        await job_worker.start(Supervisor())
+        assert gauge() == 1
+        proxy.cut()
+        deadline = time.monotonic() + 5
+        while gauge() != 0 and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        assert gauge() == 0
+        await asyncio.wait_for(job_worker.stop(1.0), 30)
+    finally:
+        connection = await aio_pika.connect(AMQP_URL)
+        async with connection:
+            await JobTopology(prefix).delete(await connection.channel())

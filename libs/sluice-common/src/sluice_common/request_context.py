@@ -63,6 +63,14 @@ def outgoing_metadata(*extra: tuple[str, str]) -> tuple[tuple[str, str], ...]:
     return pairs + tuple(extra)
 
 
+def is_metadata_text(value: str) -> bool:
+    """Whether `value` may be sent as a gRPC metadata value, where a request id goes (every
+    downstream call's x-request-id): printable ASCII, space to tilde. grpc refuses anything else
+    when it sends the call (a unary call: ExecuteBatchError, no status; a stream: INTERNAL "Invalid
+    metadata"). A request id taken from elsewhere (an HTTP header, an AMQP header) must pass it."""
+    return value.isascii() and value.isprintable()
+
+
 def request_id_from_metadata(metadata: object) -> str:
     for key, value in metadata or ():  # type: ignore[attr-defined]
         if key == REQUEST_ID_KEY and value:

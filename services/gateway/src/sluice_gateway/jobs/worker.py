@@ -82,7 +82,7 @@ from sluice_common.amqp import PROTOBUF, JobTopology, dead_letter
 from sluice_common.bootstrap import run_service
 from sluice_common.errors import InvalidArgument
 from sluice_common.loop_lag import monitor_loop_lag
-from sluice_common.request_context import MAX_REQUEST_ID, bind_request_id, current_request_id, new_request_id
+from sluice_common.request_context import MAX_REQUEST_ID, bind_request_id, current_request_id, is_metadata_text, new_request_id
 from sluice_common.server import PUBLISHER_FLUSH_S, create_server, serve_until_signal
 from sluice_common.supervision import Supervisor, stop_tasks
 from sluice_common.tracing import header_text
@@ -136,6 +136,10 @@ ROWS = Counter(
 JOBS = Counter("sluice_jobs_accepted_total", "Job messages handled, by outcome (accepted, rejected, dead_lettered).", ["outcome"])
 LIMIT = Gauge("sluice_jobs_concurrency_limit", "The adaptive bound on rows in flight.")
 IN_FLIGHT = Gauge("sluice_jobs_rows_in_flight", "Rows running now.")
+# Health stays SERVING while the broker is away (the robust connection reconnects by itself, and a
+# restart would not bring the broker back): this gauge, and its alert
+# (SluiceJobWorkerBrokerDisconnected), is how an operator hears that no row is being consumed.
+BROKER_CONNECTED = Gauge("sluice_jobs_worker_broker_connected", "1 while the job worker's RabbitMQ connection is up (read every heartbeat).")
 RETRIES = Counter("sluice_jobs_row_retries_total", "Row attempts retried, by status code.", ["code"])
 # Exported at 0 from the start: increase() over a series that first appears at 3 is 0, and the
 # alert on dead-lettered rows would miss a first burst.
@@ -286,6 +290,7 @@ class JobWorker:
         self._sweeper = supervisor.start("job-sweeper", self._sweep_forever)
         self._heartbeat = supervisor.start("job-row-heartbeat", self._heartbeat_forever)
         LIMIT.set(self.concurrency.limit)
+        BROKER_CONNECTED.set(self._broker_connected())
         log.info("job_worker_started", worker=self.worker_id, prefix=self.shared.amqp_prefix)
 
     def _spawn(self, handler: Any) -> Any:
@@ -364,11 +369,15 @@ class JobWorker:
         except Exception:  # noqa: BLE001 - their heartbeat goes stale on its own
             log.warning("row_heartbeats_not_dropped", exc_info=True)
 
+    def _broker_connected(self) -> bool:
+        return self._connection is not None and self._connection.connected.is_set()
+
     async def _heartbeat_forever(self) -> None:
         """Every HEARTBEAT_S, the rows this process runs now (the store refreshes only those this
         worker claimed and that are still running), in one statement: no task per row."""
         while True:
             await asyncio.sleep(states.HEARTBEAT_S)
+            BROKER_CONNECTED.set(self._broker_connected())
             if not self._running:
                 continue
             try:
@@ -934,11 +943,14 @@ def amqp_id(text: str) -> str:
 
 def _header_request_id(headers: Any, name: str) -> str:
     """A request id from a message header, as the job's and its rows' log lines carry it: text (a
-    bytes value decoded), at most MAX_REQUEST_ID characters; "" when there is none."""
+    bytes value decoded), at most MAX_REQUEST_ID characters; "" when there is none, or when it is
+    not text gRPC metadata can carry (the id goes into downstream calls' metadata, where grpc would
+    refuse it and the message would fail each delivery)."""
     value = (headers or {}).get(name)
     if not value:
         return ""
-    return header_text(value if isinstance(value, (str, bytes)) else str(value))[:MAX_REQUEST_ID]
+    text = header_text(value if isinstance(value, (str, bytes)) else str(value))[:MAX_REQUEST_ID]
+    return text if is_metadata_text(text) else ""
 
 
 def _deliveries(message: aio_pika.abc.AbstractIncomingMessage) -> int:

@@ -47,7 +47,7 @@ from sluice_common.finish_reasons import finish_reason_enum_name
 from sluice_common.errors import ContextLengthExceeded, InvalidArgument, ResourceExhausted, SluiceError, Unauthenticated, Unavailable
 from sluice_common.config import ServerTLS
 from sluice_common.log import PORTS_LOGGER
-from sluice_common.request_context import MAX_REQUEST_ID, REQUEST_ID_KEY, bind_request_id, current_request_id, new_request_id
+from sluice_common.request_context import MAX_REQUEST_ID, REQUEST_ID_KEY, bind_request_id, current_request_id, is_metadata_text, new_request_id
 from sluice_common.tls import server_ssl_context
 from sluice_gateway.path.generation_trace import instrument_http_front
 from sluice_gateway.path.inference_path import InferencePath
@@ -95,14 +95,6 @@ CLIENT_REQUEST_ID_HEADER = "X-Client-Request-Id"
 # The status a stream that failed after its first chunk would have been answered with (in aiohttp's
 # per-request storage): the middleware records it as the request's error.type.
 _STREAM_FAILED = web.RequestKey("sluice_stream_failed_status", int)
-
-
-def _metadata_text(value: str) -> bool:
-    """Whether `value` may be sent as a gRPC metadata value, where the request id goes (every
-    downstream call's x-request-id): printable ASCII, space to tilde. grpc refuses anything else
-    when it sends the call (a unary call: ExecuteBatchError, no status; a stream: INTERNAL "Invalid
-    metadata"); the gRPC front's own callers can send nothing else."""
-    return value.isascii() and value.isprintable()
 
 
 # Sluice's field paths -> OpenAI's param names.
@@ -365,7 +357,7 @@ async def _errors(request: web.Request, handler: Callable[[web.Request], Awaitab
     # The id goes into every downstream call's gRPC metadata: anything grpc would refuse there (not
     # printable ASCII; undecodable bytes arrive surrogate-escaped by aiohttp) is refused, under an
     # id of our own, which the refusal's log line and x-request-id header then carry.
-    request_id = supplied if supplied and _metadata_text(supplied) else new_request_id()
+    request_id = supplied if supplied and is_metadata_text(supplied) else new_request_id()
     bind_request_id(request_id)
     started = time.perf_counter()
     status = 500
