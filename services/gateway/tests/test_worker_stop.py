@@ -70,15 +70,19 @@ class BrokerProxy:
         self.frozen = True
 
 
+def _worker_behind(port: int, prefix: str, store: JobStore) -> JobWorker:
+    """A job worker that reaches the broker through the proxy on `port`, its topology under `prefix`."""
+    broker = urlsplit(AMQP_URL)
+    settings = {"TENANTS_FILE": TENANTS, "AMQP_URL": f"amqp://{broker.username}:{broker.password}@127.0.0.1:{port}/", "AMQP_PREFIX": prefix}
+    config = load_config(WorkerConfig, ENV_PREFIX, {f"{ENV_PREFIX}{name}": value for name, value in settings.items()})
+    return JobWorker(config.shared, config.worker, types.SimpleNamespace(path=None), store)  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize("outage", ["cut", "frozen"])
 async def test_stop_during_a_broker_outage_still_drains_and_drops_heartbeats(store: JobStore, outage: str) -> None:
     proxy = BrokerProxy()
-    port = await proxy.start()
-    broker = urlsplit(AMQP_URL)
     prefix = f"test-stop-{uuid.uuid4().hex[:8]}"
-    settings = {"TENANTS_FILE": TENANTS, "AMQP_URL": f"amqp://{broker.username}:{broker.password}@127.0.0.1:{port}/", "AMQP_PREFIX": prefix}
-    config = load_config(WorkerConfig, ENV_PREFIX, {f"{ENV_PREFIX}{name}": value for name, value in settings.items()})
-    job_worker = JobWorker(config.shared, config.worker, types.SimpleNamespace(path=None), store)  # type: ignore[arg-type]
+    job_worker = _worker_behind(await proxy.start(), prefix, store)
     dropped: list[str] = []
     drop_heartbeats = store.drop_heartbeats
 
@@ -113,12 +117,8 @@ async def test_the_broker_gauge_says_when_the_worker_lost_its_broker(store: JobS
 
     monkeypatch.setattr(states, "HEARTBEAT_S", 0.05)
     proxy = BrokerProxy()
-    port = await proxy.start()
-    broker = urlsplit(AMQP_URL)
     prefix = f"test-gauge-{uuid.uuid4().hex[:8]}"
-    settings = {"TENANTS_FILE": TENANTS, "AMQP_URL": f"amqp://{broker.username}:{broker.password}@127.0.0.1:{port}/", "AMQP_PREFIX": prefix}
-    config = load_config(WorkerConfig, ENV_PREFIX, {f"{ENV_PREFIX}{name}": value for name, value in settings.items()})
-    job_worker = JobWorker(config.shared, config.worker, types.SimpleNamespace(path=None), store)  # type: ignore[arg-type]
+    job_worker = _worker_behind(await proxy.start(), prefix, store)
     gauge = lambda: REGISTRY.get_sample_value("sluice_jobs_worker_broker_connected")  # noqa: E731
     try:
         await job_worker.start(Supervisor())
