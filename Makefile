@@ -165,7 +165,7 @@ bench-engine: setup
 # kit's path is taken where loads were carried or staged and the kit was not built (no .gpukit-build/);
 # elsewhere bench-gpu is bench-gpu-networked's path: make setup, then the bench in triton-local's
 # environment, which needs llama-cpp-python built with CUDA (CMAKE_ARGS="-DGGML_CUDA=on" make setup),
-# else it exits 3, saying so. Before setup, `kit.py online` (a 5 s connect to the package index)
+# else it exits 3, saying so (the same recipe as bench-gpu-networked, after the check). Before setup, `kit.py online` (a 5 s connect to the package index)
 # exits 2 where there is no network: a device call that forgot its load says to carry it, rather than
 # fail in setup's install of uv after retries with a message about something else.
 GPUKIT_HOME := $(or $(SLUICE_GPUKIT_HOME),/tmp/sluice-gpukit)
@@ -177,7 +177,8 @@ bench-gpu:
 else
 bench-gpu:
 	@$(PYTHON) bench/gpu/kit.py online
-	@$(MAKE) --no-print-directory bench-gpu-networked
+	@$(MAKE) --no-print-directory setup
+	services/triton-local/.venv/bin/python bench/engine/gpu.py
 endif
 
 # bench-gpu with a network wherever it runs (make setup first), never the offline kit.

@@ -237,7 +237,7 @@ def test_make_bench_gpu_without_a_kit_checks_the_network_before_setup_and_with_o
     tree = _make_tree(tmp_path)
     plan = _make(tree, "-n", "bench-gpu").stdout.splitlines()
     assert plan[0] == "python3 bench/gpu/kit.py online", plan[:3]
-    assert any("uv sync --locked" in line for line in plan[1:])  # setup comes after, in bench-gpu-networked
+    assert any("uv sync --locked" in line for line in plan[1:])  # setup comes after (make setup)
     (tree / ".gpukit" / "load-1").mkdir(parents=True)  # a load carried
     plan = _make(tree, "-n", "bench-gpu").stdout.splitlines()
     assert "python3 bench/gpu/kit.py device" in plan and not any("uv sync" in line or "kit.py online" in line for line in plan), plan
